@@ -1,0 +1,40 @@
+# Two commands: `make demo` and `make test`. Both create .venv and install everything first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# CPU build by default. For CUDA: make TORCH="torch==2.13.0 --index-url <your CUDA wheel index>"
+TORCH  ?= torch==2.13.0
+
+.PHONY: install demo test test-fast test-integration protos check-protos serve clean
+
+$(STAMP): pyproject.toml client/pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet -e ./client -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/specstream demo
+
+serve: $(STAMP)
+	$(BIN)/specstream serve
+
+test: $(STAMP)
+	$(BIN)/python tools/gen_protos.py --check
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not integration"
+
+test-integration: $(STAMP)
+	$(BIN)/python -m pytest -q -m integration
+
+protos: $(STAMP)
+	$(BIN)/python tools/gen_protos.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info client/*.egg-info .pytest_cache

@@ -1,0 +1,45 @@
+"""Python client SDK for specstream, a speculative-decoding LLM inference service.
+
+Contract: ``Client`` (blocking) and ``AsyncClient`` (asyncio) talk to the gateway's
+``specstream.v1.Generation`` gRPC service and return plain dataclasses (``GenerateResult``,
+``StreamChunk``, ``ModelInfo``); failed RPCs raise ``SpecstreamError`` subclasses. Depends on
+grpcio and protobuf only -- importing it never imports torch or the server packages.
+
+What it does not know: tokenization (the server tokenizes text prompts), the server's limits
+(ask ``model_info()``), and retry policy (it never retries).
+"""
+
+from __future__ import annotations
+
+from .aio import AsyncClient, AsyncResponseStream
+from .client import Client, ResponseStream
+from .errors import (
+    Cancelled,
+    DeadlineExceeded,
+    InvalidArgument,
+    Overloaded,
+    SpecstreamError,
+    Unavailable,
+)
+from .types import GenerateResult, ModelInfo, SpeculationStats, StreamChunk, Timings, Usage
+
+__all__ = [
+    "AsyncClient",
+    "AsyncResponseStream",
+    "Cancelled",
+    "Client",
+    "DeadlineExceeded",
+    "GenerateResult",
+    "InvalidArgument",
+    "ModelInfo",
+    "Overloaded",
+    "ResponseStream",
+    "SpecstreamError",
+    "SpeculationStats",
+    "StreamChunk",
+    "Timings",
+    "Unavailable",
+    "Usage",
+]
+
+__version__ = "0.1.0"

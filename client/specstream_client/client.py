@@ -1,0 +1,196 @@
+"""Synchronous client for the specstream gateway (the ``specstream.v1.Generation`` service).
+
+Contract: one ``Client`` owns one gRPC channel (thread-safe; share it between threads). Every
+failed RPC -- including one that fails after a stream has yielded chunks -- raises a
+``SpecstreamError`` subclass chosen by status code. A stream that is closed, garbage-collected or
+abandoned by ``break`` cancels its RPC, which lets the server free the sequence.
+
+What it does not know: retries (none are made: a failed ``Generate`` may have run on the server),
+load balancing across gateways, and server limits (see ``model_info()``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from specstream_pb import generation_pb2, generation_pb2_grpc
+
+from ._request import build_generate_request, parse_target, resolve_timeout
+from .errors import from_rpc_error
+from .types import GenerateResult, ModelInfo, StreamChunk
+
+__all__ = ["Client", "ResponseStream"]
+
+
+class ResponseStream(Iterator[StreamChunk]):
+    """Iterator over one ``GenerateStream`` call. The RPC starts on the first ``next()``;
+    ``close()``/``cancel()`` (or leaving a ``with`` block) cancels it if still running."""
+
+    def __init__(
+        self,
+        stub: generation_pb2_grpc.GenerationStub,
+        request: generation_pb2.GenerateRequest,
+        timeout: float | None,
+    ) -> None:
+        self._stub = stub
+        self._request = request
+        self._timeout = timeout
+        self._call: Any = None  # grpc's stream call object: iterator + grpc.Call
+        self._done = False
+
+    def __iter__(self) -> ResponseStream:
+        return self
+
+    def __next__(self) -> StreamChunk:
+        if self._done:
+            raise StopIteration
+        if self._call is None:
+            self._call = self._stub.GenerateStream(self._request, timeout=self._timeout)
+        try:
+            msg = next(self._call)
+        except StopIteration:
+            self._done = True
+            raise
+        except grpc.RpcError as err:
+            self._done = True
+            raise from_rpc_error(err) from err
+        return StreamChunk.from_pb(msg)
+
+    def cancel(self) -> None:
+        if self._call is not None and not self._done:
+            self._call.cancel()
+        self._done = True
+
+    close = cancel
+
+    def __enter__(self) -> ResponseStream:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.cancel()
+
+    def __del__(self) -> None:
+        # Abandoned mid-stream (e.g. `break` out of a for loop): free the server's sequence now
+        # rather than at the deadline.
+        try:
+            self.cancel()
+        except Exception:
+            pass
+
+
+class Client:
+    """Blocking client. ``url`` is ``"host:port"`` or ``"grpc://host:port"`` (``"grpcs://"`` uses
+    TLS with the system roots). ``timeout`` is the default per-call deadline in seconds (None: no
+    deadline); ``options`` are passed to the gRPC channel."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float | None = None,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        target, tls = parse_target(url)
+        self.timeout: float | None = resolve_timeout(None, timeout)
+        self.target: str = target
+        opts = list(options)
+        if tls:
+            self._channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(), options=opts)
+        else:
+            self._channel = grpc.insecure_channel(target, options=opts)
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_new_tokens: int = 64,
+        speculation: str | int = "auto",
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        timeout: float | None = None,
+        request_id: str | None = None,
+        traceparent: str | None = None,
+    ) -> GenerateResult:
+        """Generate a completion and wait for all of it.
+
+        ``prompt``: text (tokenized by the server) or token ids. ``speculation``: "auto" (server
+        default), "off" or 0 (plain decoding), or an int gamma > 0 (exactly that many draft tokens
+        per step). ``stop``: one stop string or several; not included in the text.
+        ``timeout`` overrides the client's default deadline for this call.
+        """
+        request = build_generate_request(
+            prompt,
+            max_new_tokens=max_new_tokens,
+            speculation=speculation,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            request_id=request_id,
+            traceparent=traceparent,
+        )
+        try:
+            response = self._stub.Generate(request, timeout=resolve_timeout(timeout, self.timeout))
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from err
+        return GenerateResult.from_pb(response)
+
+    def generate_stream(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_new_tokens: int = 64,
+        speculation: str | int = "auto",
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        timeout: float | None = None,
+        request_id: str | None = None,
+        traceparent: str | None = None,
+    ) -> ResponseStream:
+        """Like ``generate`` but yields ``StreamChunk`` deltas; the last one carries finish_reason,
+        usage, stats and timings. Arguments are checked now; the RPC starts on first iteration."""
+        request = build_generate_request(
+            prompt,
+            max_new_tokens=max_new_tokens,
+            speculation=speculation,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            request_id=request_id,
+            traceparent=traceparent,
+        )
+        return ResponseStream(self._stub, request, resolve_timeout(timeout, self.timeout))
+
+    def model_info(self, *, timeout: float | None = None) -> ModelInfo:
+        try:
+            response = self._stub.GetModelInfo(
+                generation_pb2.GetModelInfoRequest(), timeout=resolve_timeout(timeout, self.timeout)
+            )
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from err
+        return ModelInfo.from_pb(response)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,81 @@
+"""Exceptions raised by the specstream client SDK.
+
+Contract: every failed RPC surfaces as a ``SpecstreamError`` (or a subclass picked by the gRPC status
+code), with ``.code`` (``grpc.StatusCode``) and ``.details`` (the server's message); ``str()`` shows
+both. The original ``grpc.RpcError`` is kept as ``__cause__``.
+
+What it does not know: whether a failed call is safe to retry (a ``Generate`` that failed with
+UNAVAILABLE may or may not have run on the server), and local argument errors -- those are plain
+``ValueError``/``TypeError`` raised before anything is sent.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+__all__ = [
+    "Cancelled",
+    "DeadlineExceeded",
+    "InvalidArgument",
+    "Overloaded",
+    "SpecstreamError",
+    "Unavailable",
+    "from_rpc_error",
+]
+
+
+class SpecstreamError(Exception):
+    """A failed specstream RPC. Subclasses narrow it by status code."""
+
+    def __init__(self, details: str, code: grpc.StatusCode = grpc.StatusCode.UNKNOWN) -> None:
+        super().__init__(details, code)
+        self.details: str = details
+        self.code: grpc.StatusCode = code
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.details}" if self.details else self.code.name
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(code={self.code.name}, details={self.details!r})"
+
+
+class InvalidArgument(SpecstreamError):
+    """INVALID_ARGUMENT: the server rejected a request field (the message names it)."""
+
+
+class Overloaded(SpecstreamError):
+    """RESOURCE_EXHAUSTED: the server is at capacity; back off and retry later."""
+
+
+class Unavailable(SpecstreamError):
+    """UNAVAILABLE: the server cannot be reached or is shutting down."""
+
+
+class DeadlineExceeded(SpecstreamError):
+    """DEADLINE_EXCEEDED: the call's timeout passed before it finished."""
+
+
+class Cancelled(SpecstreamError):
+    """CANCELLED: the call was cancelled (by this client or by the server)."""
+
+
+_BY_CODE: dict[grpc.StatusCode, type[SpecstreamError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.CANCELLED: Cancelled,
+}
+
+
+def from_rpc_error(err: grpc.RpcError) -> SpecstreamError:
+    """Map a ``grpc.RpcError`` (sync or aio) to the SDK's exception for its status code."""
+    # A bare RpcError (not a Call) has no code()/details(); treat it as UNKNOWN.
+    code_fn = getattr(err, "code", None)
+    details_fn = getattr(err, "details", None)
+    code = code_fn() if callable(code_fn) else None
+    details = details_fn() if callable(details_fn) else None
+    if not isinstance(code, grpc.StatusCode):
+        code = grpc.StatusCode.UNKNOWN
+    cls = _BY_CODE.get(code, SpecstreamError)
+    return cls(details or "", code)

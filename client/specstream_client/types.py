@@ -1,0 +1,219 @@
+"""Plain result types of the specstream client SDK, converted from the protobuf messages.
+
+Contract: ``from_pb`` constructors copy everything the client needs out of the generated messages,
+so callers never touch protobuf. Finish reasons are lower-case strings: "length", "stop", "eos",
+"cancelled", "error"; a response that (wrongly) carries none gives "unspecified" in a
+``GenerateResult`` and ``None`` in a non-final ``StreamChunk``; an enum value newer than this SDK
+gives "unknown".
+
+What it does not know: token text (``token_ids`` are raw ids; ``text`` is the server's
+detokenization), and anything the server did not send (missing sub-messages read as zeros in a
+unary result and as ``None`` in a stream chunk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from specstream_pb import common_pb2, generation_pb2
+
+__all__ = [
+    "FINISH_REASONS",
+    "GenerateResult",
+    "ModelInfo",
+    "SpeculationStats",
+    "StreamChunk",
+    "Timings",
+    "Usage",
+    "finish_reason_name",
+]
+
+FINISH_REASONS: dict[int, str] = {
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_EOS: "eos",
+    common_pb2.FINISH_REASON_CANCELLED: "cancelled",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+def finish_reason_name(value: int) -> str | None:
+    """The SDK's name for a FinishReason value; None for UNSPECIFIED (still running)."""
+    if value == common_pb2.FINISH_REASON_UNSPECIFIED:
+        return None
+    return FINISH_REASONS.get(value, "unknown")
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @classmethod
+    def from_pb(cls, msg: common_pb2.Usage) -> Usage:
+        return cls(prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculationStats:
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    target_passes: int = 0
+    mean_accepted_length: float = 0.0
+
+    @classmethod
+    def from_pb(cls, msg: common_pb2.SpeculationStats) -> SpeculationStats:
+        return cls(
+            draft_tokens=msg.draft_tokens,
+            accepted_tokens=msg.accepted_tokens,
+            target_passes=msg.target_passes,
+            mean_accepted_length=msg.mean_accepted_length,
+        )
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / drafted, or 0.0 when nothing was drafted."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["acceptance_rate"] = self.acceptance_rate
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    queue_seconds: float = 0.0
+    time_to_first_token_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    @classmethod
+    def from_pb(cls, msg: common_pb2.Timings) -> Timings:
+        return cls(
+            queue_seconds=msg.queue_seconds,
+            time_to_first_token_seconds=msg.time_to_first_token_seconds,
+            total_seconds=msg.total_seconds,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResult:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage = field(default_factory=Usage)
+    stats: SpeculationStats = field(default_factory=SpeculationStats)
+    timings: Timings = field(default_factory=Timings)
+
+    @classmethod
+    def from_pb(cls, msg: generation_pb2.GenerateResponse) -> GenerateResult:
+        return cls(
+            request_id=msg.request_id,
+            text=msg.text,
+            token_ids=list(msg.token_ids),
+            finish_reason=finish_reason_name(msg.finish_reason) or "unspecified",
+            usage=Usage.from_pb(msg.usage),
+            stats=SpeculationStats.from_pb(msg.stats),
+            timings=Timings.from_pb(msg.timings),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: nested dicts, stats with acceptance_rate."""
+        return {
+            "request_id": self.request_id,
+            "text": self.text,
+            "token_ids": list(self.token_ids),
+            "finish_reason": self.finish_reason,
+            "usage": asdict(self.usage),
+            "stats": self.stats.to_dict(),
+            "timings": asdict(self.timings),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class StreamChunk:
+    """One streamed delta. ``finish_reason``/``usage``/``stats``/``timings`` are set on the last
+    chunk only (None before)."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    stats: SpeculationStats | None = None
+    timings: Timings | None = None
+
+    @classmethod
+    def from_pb(cls, msg: generation_pb2.GenerateStreamResponse) -> StreamChunk:
+        return cls(
+            request_id=msg.request_id,
+            text=msg.text,
+            token_ids=list(msg.token_ids),
+            finish_reason=finish_reason_name(msg.finish_reason),
+            usage=Usage.from_pb(msg.usage) if msg.HasField("usage") else None,
+            stats=SpeculationStats.from_pb(msg.stats) if msg.HasField("stats") else None,
+            timings=Timings.from_pb(msg.timings) if msg.HasField("timings") else None,
+        )
+
+    @property
+    def is_final(self) -> bool:
+        return self.finish_reason is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "text": self.text,
+            "token_ids": list(self.token_ids),
+            "finish_reason": self.finish_reason,
+            "usage": asdict(self.usage) if self.usage is not None else None,
+            "stats": self.stats.to_dict() if self.stats is not None else None,
+            "timings": asdict(self.timings) if self.timings is not None else None,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the gateway serves, plus live load counters. ``draft_model`` is "" without a draft."""
+
+    target_model: str
+    draft_model: str
+    vocab_size: int
+    max_context_length: int
+    max_new_tokens_limit: int
+    max_gamma: int
+    default_gamma: int
+    eos_token_ids: list[int]
+    running_sequences: int = 0
+    queued_sequences: int = 0
+    free_slots: int = 0
+    draft_sequences: int = 0
+    draft_connected: bool = False
+    gateway_in_flight: int = 0
+
+    @classmethod
+    def from_pb(cls, msg: generation_pb2.ModelInfo) -> ModelInfo:
+        return cls(
+            target_model=msg.target_model,
+            draft_model=msg.draft_model,
+            vocab_size=msg.vocab_size,
+            max_context_length=msg.max_context_length,
+            max_new_tokens_limit=msg.max_new_tokens_limit,
+            max_gamma=msg.max_gamma,
+            default_gamma=msg.default_gamma,
+            eos_token_ids=list(msg.eos_token_ids),
+            running_sequences=msg.running_sequences,
+            queued_sequences=msg.queued_sequences,
+            free_slots=msg.free_slots,
+            draft_sequences=msg.draft_sequences,
+            draft_connected=msg.draft_connected,
+            gateway_in_flight=msg.gateway_in_flight,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

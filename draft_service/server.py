@@ -1,0 +1,73 @@
+"""The draft service process: the `Draft` gRPC servicer around a DraftProposer.
+
+Thin: each `Speculate` stream gets its own key space; every request gets exactly one response;
+a stream's sequences are released when it ends. Proposals run on one worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from draft_service.proposer import DraftProposer, ProposeItem
+from specstream.config import DraftConfig
+from specstream.grpc_server import ServiceServer
+from specstream.models import load_model
+from specstream_pb import draft_pb2, draft_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
+
+
+class DraftServicer(draft_pb2_grpc.DraftServicer):
+    def __init__(self, proposer: DraftProposer) -> None:
+        self.proposer = proposer
+        self._streams = itertools.count(1)
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-compute")
+
+    async def Speculate(self, request_iterator, context: grpc.aio.ServicerContext):  # noqa: N802
+        stream = next(self._streams)
+        keys: set[tuple[int, int]] = set()
+        loop = asyncio.get_running_loop()
+        try:
+            async for request in request_iterator:
+                response = draft_pb2.ProposeResponse()
+                if request.WhichOneof("kind") == "propose":
+                    batch = request.propose
+                    items = [ProposeItem((stream, it.seq_id), it.rollback_to, list(it.append_token_ids), it.gamma)
+                             for it in batch.items]
+                    keys.update(item.key for item in items)
+                    proposals = await loop.run_in_executor(self._compute, self.proposer.propose, items)
+                    response.step = batch.step
+                    response.proposals.extend(
+                        draft_pb2.Proposal(seq_id=it.seq_id, token_ids=p.tokens, length=p.length)
+                        for it, p in zip(batch.items, proposals))
+                elif request.WhichOneof("kind") == "release":
+                    released = [(stream, seq_id) for seq_id in request.release.seq_ids]
+                    await loop.run_in_executor(self._compute, self.proposer.release, released)
+                    keys.difference_update(released)
+                response.held_sequences = self.proposer.held
+                yield response
+        finally:
+            await loop.run_in_executor(self._compute, self.proposer.release, list(keys))
+
+    async def GetInfo(self, request, context):  # noqa: N802
+        model = self.proposer.model
+        return draft_pb2.DraftInfo(model_name=model.config.name, vocab_size=model.config.vocab_size,
+                                   max_context_length=self.proposer.max_len, held_sequences=self.proposer.held,
+                                   free_slots=self.proposer.cache.num_free)
+
+
+async def serve(config: DraftConfig) -> None:
+    model = load_model(config.model.path, dtype=config.model.dtype, device=config.model.device)
+    proposer = DraftProposer(model, config.max_slots, config.max_seq_len)
+    server = ServiceServer(config.server, [SERVICE_NAME])
+    draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(proposer), server.server)
+    await server.start()
+    await server.set_serving(True)
+    log.info("draft %s serving on %s", model.config.name, server.address)
+    await server.serve_forever()

@@ -1,0 +1,91 @@
+"""One request's path through the gateway: submit to the target, turn per-step token events into
+text chunks (incremental detokenization + stop strings), and finish with usage, stats, timings.
+
+`Generate` and `GenerateStream` both consume `stream_chunks`, so their results agree by
+construction. Leaving early (client cancel, deadline, a stop string) cancels the sequence on the
+target, which frees its slot and the draft's state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from gateway.target_client import TargetClient
+from gateway.validation import ValidRequest
+from specstream.errors import RemoteError, UnavailableError, status_code
+from specstream.stop_strings import StopStringMatcher
+from specstream.tokenizer import IncrementalDetokenizer, TextTokenizer
+from specstream_pb import common_pb2, generation_pb2
+
+
+async def stream_chunks(req: ValidRequest, target: TargetClient, tokenizer: TextTokenizer,
+                        eos_ids: tuple[int, ...]) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+    try:
+        events = target.submit(req.to_sequence_pb(eos_ids))
+    except ConnectionError as exc:
+        raise UnavailableError(str(exc)) from exc
+    detok = tokenizer.detokenizer(req.prompt_ids)
+    stop = StopStringMatcher(req.stop) if req.stop else None
+    timings = common_pb2.Timings()
+    completion = 0
+    try:
+        while True:
+            event = await events.get()
+            if event.finish_reason == common_pb2.FINISH_REASON_ERROR:
+                raise RemoteError(status_code(event.error.code), event.error.message)
+            if event.queue_seconds:
+                timings.queue_seconds = event.queue_seconds
+            chunk = generation_pb2.GenerateStreamResponse(request_id=req.request_id)
+            finish, matched = event.finish_reason, False
+            for token in event.token_ids:  # token by token, so nothing after a stop string leaks
+                chunk.token_ids.append(token)
+                text = detok.push([token])
+                if stop is not None:
+                    text, matched = stop.push(text)
+                chunk.text += text
+                if matched:
+                    break
+            completion += len(chunk.token_ids)
+            if chunk.token_ids and not timings.time_to_first_token_seconds:
+                timings.time_to_first_token_seconds = time.monotonic() - req.received
+            if matched:
+                finish = common_pb2.FINISH_REASON_STOP
+                target.cancel(req.request_id)
+            elif finish != common_pb2.FINISH_REASON_UNSPECIFIED:
+                chunk.text += _flush(detok, stop)
+            if finish != common_pb2.FINISH_REASON_UNSPECIFIED:
+                timings.total_seconds = time.monotonic() - req.received
+                chunk.finish_reason = finish
+                chunk.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=completion))
+                chunk.stats.CopyFrom(event.stats)
+                chunk.timings.CopyFrom(timings)
+                yield chunk
+                return
+            if chunk.token_ids:
+                yield chunk
+    finally:
+        target.cancel(req.request_id)  # no-op when the sequence already finished
+
+
+def _flush(detok: IncrementalDetokenizer, stop: StopStringMatcher | None) -> str:
+    """End of generation: release text held back for UTF-8 completion and for stop strings."""
+    text = detok.flush()
+    if stop is None:
+        return text
+    text, matched = stop.push(text) if text else ("", False)
+    return text if matched else text + stop.flush()
+
+
+async def generate(req: ValidRequest, target: TargetClient, tokenizer: TextTokenizer,
+                   eos_ids: tuple[int, ...]) -> generation_pb2.GenerateResponse:
+    response = generation_pb2.GenerateResponse(request_id=req.request_id)
+    async for chunk in stream_chunks(req, target, tokenizer, eos_ids):
+        response.text += chunk.text
+        response.token_ids.extend(chunk.token_ids)
+        if chunk.finish_reason:
+            response.finish_reason = chunk.finish_reason
+            response.usage.CopyFrom(chunk.usage)
+            response.stats.CopyFrom(chunk.stats)
+            response.timings.CopyFrom(chunk.timings)
+    return response

@@ -1,0 +1,153 @@
+"""Validation of public GenerateRequest fields, in one place.
+
+Every rule raises InvalidArgumentError naming the field and the value, before anything reaches
+the target. Tokenization happens here too, since the prompt's token count is what is checked.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass
+
+from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
+
+from specstream.config import GatewayConfig
+from specstream.errors import InvalidArgumentError
+from specstream.tokenizer import TextTokenizer
+from specstream_pb import common_pb2, generation_pb2, target_pb2
+
+TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the gateway enforces: its own config plus what the target reported."""
+
+    vocab_size: int
+    max_context_length: int
+    max_new_tokens: int
+    max_gamma: int
+    max_stop_strings: int
+    max_stop_string_chars: int
+    max_request_id_chars: int
+
+    @classmethod
+    def build(cls, config: GatewayConfig, info) -> Limits:
+        return cls(vocab_size=info.vocab_size, max_context_length=info.max_context_length,
+                   max_new_tokens=min(config.max_new_tokens_limit, info.max_context_length - 1),
+                   max_gamma=info.max_gamma, max_stop_strings=config.max_stop_strings,
+                   max_stop_string_chars=config.max_stop_string_chars,
+                   max_request_id_chars=config.max_request_id_chars)
+
+
+@dataclass
+class ValidRequest:
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    speculation: common_pb2.Speculation
+    traceparent: str
+    received: float  # time.monotonic() at receipt
+
+    def to_sequence_pb(self, eos_ids: tuple[int, ...]) -> target_pb2.SequenceRequest:
+        eos = [] if self.ignore_eos else list(eos_ids)
+        return target_pb2.SequenceRequest(
+            id=self.request_id, prompt_token_ids=self.prompt_ids, max_new_tokens=self.max_new_tokens,
+            stop_token_ids=sorted(set(self.stop_token_ids) | set(eos)), eos_token_ids=eos,
+            speculation=self.speculation, traceparent=self.traceparent)
+
+
+def validate(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: TextTokenizer) -> ValidRequest:
+    received = time.monotonic()
+    _reject_unknown_fields(req, "request")
+    if len(req.request_id) > limits.max_request_id_chars:
+        raise InvalidArgumentError("request_id", req.request_id, f"longer than {limits.max_request_id_chars} characters")
+    prompt_ids = _prompt_ids(req, limits, tokenizer)
+    _check_max_new_tokens(req.max_new_tokens, len(prompt_ids), limits)
+    _check_stop(req, limits)
+    _check_speculation(req.speculation, limits)
+    if req.traceparent and not TRACEPARENT.match(req.traceparent):
+        raise InvalidArgumentError("traceparent", req.traceparent, "not a W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>)")
+    return ValidRequest(
+        request_id=req.request_id or uuid.uuid4().hex, prompt_ids=prompt_ids, max_new_tokens=req.max_new_tokens,
+        stop=list(req.stop), stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
+        speculation=req.speculation, traceparent=req.traceparent, received=received)
+
+
+def _reject_unknown_fields(message: Message, path: str) -> None:
+    """Fields this server does not know (a newer client?) must not be silently ignored."""
+    unknown = UnknownFieldSet(message)
+    if len(unknown):
+        raise InvalidArgumentError(path, f"field number {unknown[0].field_number}",
+                                   "unknown field; this server does not support that option")
+    for field, value in message.ListFields():
+        if field.message_type is not None and not field.is_repeated:
+            _reject_unknown_fields(value, f"{path}.{field.name}" if path != "request" else field.name)
+
+
+def _prompt_ids(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: TextTokenizer) -> list[int]:
+    kind = req.WhichOneof("input")
+    if kind is None:
+        raise InvalidArgumentError("prompt", "", "must be set (text prompt or prompt_token_ids)")
+    if kind == "prompt":
+        if not req.prompt:
+            raise InvalidArgumentError("prompt", req.prompt, "must not be empty")
+        ids = tokenizer.encode(req.prompt)
+        if not ids:
+            raise InvalidArgumentError("prompt", req.prompt, "encodes to no tokens")
+        field = "prompt"
+    else:
+        ids = list(req.prompt_token_ids.ids)
+        if not ids:
+            raise InvalidArgumentError("prompt_token_ids", [], "must not be empty")
+        bad = next((t for t in ids if t >= limits.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgumentError("prompt_token_ids", bad, f"token id must be < vocab size {limits.vocab_size}")
+        field = "prompt_token_ids"
+    if len(ids) >= limits.max_context_length:
+        raise InvalidArgumentError(field, f"<{len(ids)} tokens>",
+                                   f"prompt is longer than the context length {limits.max_context_length} "
+                                   "(leave room for at least one new token)")
+    return ids
+
+
+def _check_max_new_tokens(value: int, prompt_len: int, limits: Limits) -> None:
+    if value <= 0:
+        raise InvalidArgumentError("max_new_tokens", value, "must be >= 1")
+    if value > limits.max_new_tokens:
+        raise InvalidArgumentError("max_new_tokens", value, f"must be <= {limits.max_new_tokens}")
+    if prompt_len + value > limits.max_context_length:
+        raise InvalidArgumentError("max_new_tokens", value,
+                                   f"prompt ({prompt_len} tokens) + max_new_tokens exceeds the context length "
+                                   f"{limits.max_context_length}")
+
+
+def _check_stop(req: generation_pb2.GenerateRequest, limits: Limits) -> None:
+    if len(req.stop) > limits.max_stop_strings:
+        raise InvalidArgumentError("stop", f"<{len(req.stop)} strings>", f"at most {limits.max_stop_strings} allowed")
+    for i, stop in enumerate(req.stop):
+        if not stop:
+            raise InvalidArgumentError(f"stop[{i}]", stop, "must not be empty")
+        if len(stop) > limits.max_stop_string_chars:
+            raise InvalidArgumentError(f"stop[{i}]", stop, f"longer than {limits.max_stop_string_chars} characters")
+    for i, tok in enumerate(req.stop_token_ids):
+        if tok >= limits.vocab_size:
+            raise InvalidArgumentError(f"stop_token_ids[{i}]", tok, f"token id must be < vocab size {limits.vocab_size}")
+
+
+def _check_speculation(spec: common_pb2.Speculation, limits: Limits) -> None:
+    modes = common_pb2.SpeculationMode
+    if spec.mode not in modes.values():
+        raise InvalidArgumentError("speculation.mode", spec.mode, f"unknown mode; use one of {list(modes.keys())}")
+    if spec.mode == common_pb2.SPECULATION_MODE_FIXED:
+        if not 1 <= spec.gamma <= limits.max_gamma:
+            raise InvalidArgumentError("speculation.gamma", spec.gamma, f"must be in 1..{limits.max_gamma}")
+    elif spec.gamma != 0:
+        raise InvalidArgumentError("speculation.gamma", spec.gamma,
+                                   f"only applies with mode SPECULATION_MODE_FIXED (mode is {modes.Name(spec.mode)})")

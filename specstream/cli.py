@@ -1,0 +1,247 @@
+"""The `specstream` command line: run the stack or one service, and call it.
+
+All flags and environment variables are parsed here, once, into the config dataclasses of
+`specstream.config`; nothing else reads them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+
+def _server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
+    p.add_argument("--port", type=int, default=default_port)
+    p.add_argument("--max-message-bytes", type=int, default=64 * 1024 * 1024)
+    p.add_argument("--keepalive-time", type=float, default=30.0, help="seconds between keepalive pings")
+    p.add_argument("--keepalive-timeout", type=float, default=10.0)
+    p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight RPCs get on shutdown")
+    p.add_argument("--log-level", default=os.environ.get("SPECSTREAM_LOG_LEVEL", "INFO"))
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-seq-len", type=int, default=2048)
+
+
+def _server_config(args: argparse.Namespace):
+    from specstream.config import ServerConfig
+
+    return ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
+                        keepalive_time_s=args.keepalive_time, keepalive_timeout_s=args.keepalive_timeout,
+                        grace_s=args.grace)
+
+
+def _run_service(args: argparse.Namespace, coro_factory) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {args.command} %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # uvloop is optional (e.g. on Windows)
+        pass
+    asyncio.run(coro_factory())
+    return 0
+
+
+def cmd_target(args: argparse.Namespace) -> int:
+    from specstream.config import ModelSpec, TargetConfig
+    from target_service.server import serve
+
+    config = TargetConfig(model=ModelSpec(args.model, args.dtype, args.device), server=_server_config(args),
+                          max_slots=args.max_slots, max_seq_len=args.max_seq_len, default_gamma=args.gamma,
+                          max_gamma=args.max_gamma, draft_url=args.draft_url, draft_timeout_s=args.draft_timeout)
+    return _run_service(args, lambda: serve(config))
+
+
+def cmd_draft(args: argparse.Namespace) -> int:
+    from draft_service.server import serve
+    from specstream.config import DraftConfig, ModelSpec
+
+    config = DraftConfig(model=ModelSpec(args.model, args.dtype, args.device), server=_server_config(args),
+                         max_slots=args.max_slots, max_seq_len=args.max_seq_len)
+    return _run_service(args, lambda: serve(config))
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from gateway.server import serve
+    from specstream.config import GatewayConfig
+
+    config = GatewayConfig(target_url=args.target_url, tokenizer_path=args.tokenizer, server=_server_config(args),
+                           max_new_tokens_limit=args.max_new_tokens_limit, max_in_flight=args.max_in_flight)
+    return _run_service(args, lambda: serve(config))
+
+
+def _stack_spec(args: argparse.Namespace):
+    from specstream.default_models import RANDOM_INIT_NOTICE, default_model_dirs
+    from specstream.launcher import StackSpec
+
+    target, draft = args.target, args.draft
+    if target is None:
+        d_target, d_draft, random_init = default_model_dirs()
+        target, draft = str(d_target), draft or str(d_draft)
+        if random_init:
+            print(RANDOM_INIT_NOTICE, flush=True)
+    if args.no_draft:
+        draft = None
+    return StackSpec(target_model=target, draft_model=draft, gateway_port=args.port, host=args.host,
+                     gamma=args.gamma, max_slots=args.max_slots, max_seq_len=args.max_seq_len, dtype=args.dtype,
+                     log_dir=args.log_dir)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from specstream.launcher import Stack
+
+    stack = Stack(_stack_spec(args))
+    stop = {"signal": None}
+
+    def on_signal(signum, frame) -> None:  # noqa: ARG001
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    stack.start()
+    print(f"specstream gateway listening on {stack.gateway_address}", flush=True)
+    print(f"  target {stack.addresses['target']}  draft {stack.addresses.get('draft', '-')}  (Ctrl-C stops all three)",
+          flush=True)
+    while stop["signal"] is None and stack.alive():
+        time.sleep(0.2)
+    codes = stack.stop()
+    print(f"stopped: {codes}", flush=True)
+    return 0 if stop["signal"] is not None else 1
+
+
+def _speculation(value: str) -> str | int:
+    if value in ("auto", "off"):
+        return value
+    try:
+        gamma = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--gamma={value!r}: use auto, off or an integer") from None
+    if gamma < 0:
+        raise argparse.ArgumentTypeError(f"--gamma={value!r}: must be >= 0")
+    return "off" if gamma == 0 else gamma
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specstream_client import Client, SpecstreamError
+
+    kwargs = dict(max_new_tokens=args.max_new_tokens, speculation=args.gamma, stop=args.stop or None,
+                  timeout=args.timeout, ignore_eos=args.ignore_eos)
+    try:
+        with Client(args.url) as client:
+            if args.stream:
+                last = None
+                for chunk in client.generate_stream(args.prompt, **kwargs):
+                    if not args.json:
+                        print(chunk.text, end="", flush=True)
+                    else:
+                        print(json.dumps(chunk.to_dict()), flush=True)
+                    last = chunk
+                if not args.json:
+                    print()
+                    if last is not None and last.stats is not None:
+                        _print_stats(last.stats, last.usage, last.timings)
+                return 0
+            result = client.generate(args.prompt, **kwargs)
+    except SpecstreamError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result.text)
+        _print_stats(result.stats, result.usage, result.timings)
+    return 0
+
+
+def _print_stats(stats, usage, timings) -> None:
+    tps = usage.completion_tokens / timings.total_seconds if timings.total_seconds else 0.0
+    print(f"-- {usage.completion_tokens} tokens in {timings.total_seconds:.3f}s ({tps:.1f} tok/s); "
+          f"draft proposed {stats.draft_tokens}, accepted {stats.accepted_tokens}; "
+          f"{stats.target_passes} target passes, mean accepted length {stats.mean_accepted_length:.2f}",
+          file=sys.stderr)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from specstream.demo import run_demo
+
+    return run_demo(max_new_tokens=args.max_new_tokens, gamma=args.gamma)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specstream", description="Speculative-decoding LLM inference service")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="start gateway, target and draft as three processes")
+    p.add_argument("--target", help="target model directory (default: the embedded demo models)")
+    p.add_argument("--draft", help="draft model directory")
+    p.add_argument("--no-draft", action="store_true", help="run without a draft service (plain decoding)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051, help="gateway port (0: pick a free one)")
+    p.add_argument("--gamma", type=int, default=4, help="default proposals per step (speculation=auto)")
+    p.add_argument("--max-slots", type=int, default=8)
+    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--log-dir", help="write each service's log here instead of the terminal")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("target", help="run the target-model service")
+    _model_flags(p)
+    _server_flags(p, 50052)
+    p.add_argument("--draft-url", help="host:port of the draft service (omit: plain decoding)")
+    p.add_argument("--draft-timeout", type=float, default=10.0)
+    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--max-gamma", type=int, default=16)
+    p.add_argument("--max-slots", type=int, default=8)
+    p.set_defaults(func=cmd_target)
+
+    p = sub.add_parser("draft", help="run the draft-model service")
+    _model_flags(p)
+    _server_flags(p, 50053)
+    p.add_argument("--max-slots", type=int, default=64)
+    p.set_defaults(func=cmd_draft)
+
+    p = sub.add_parser("gateway", help="run the public gateway")
+    _server_flags(p, 50051)
+    p.add_argument("--target-url", required=True, help="host:port of the target service")
+    p.add_argument("--tokenizer", required=True, help="directory with tokenizer.json (the target's model dir)")
+    p.add_argument("--max-new-tokens-limit", type=int, default=1024)
+    p.add_argument("--max-in-flight", type=int, default=256)
+    p.set_defaults(func=cmd_gateway)
+
+    p = sub.add_parser("generate", help="call a running gateway")
+    p.add_argument("prompt")
+    p.add_argument("--url", default=os.environ.get("SPECSTREAM_URL", "127.0.0.1:50051"))
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--gamma", type=_speculation, default="auto", help="auto, off, or N proposals per step (0 = off)")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    p.add_argument("--json", action="store_true", help="print the whole response as JSON")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("demo", help="start the stack on the default models and generate for a few prompts")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--gamma", type=int, default=4)
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""`make demo`: start the three services on the default models, generate for a few prompts with
+and without speculation, and print the text, the speculation stats and the measured speedup."""
+
+from __future__ import annotations
+
+import tempfile
+
+from specstream.default_models import RANDOM_INIT_NOTICE, default_model_dirs
+from specstream.launcher import Stack, StackSpec
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "The weather today is",
+    "import os\nimport sys\n",
+    "She said that they would meet",
+]
+
+
+def run_demo(max_new_tokens: int = 64, gamma: int = 4) -> int:
+    from specstream_client import Client
+
+    target, draft, random_init = default_model_dirs()
+    if random_init:
+        print(RANDOM_INIT_NOTICE)
+    with tempfile.TemporaryDirectory() as logs:
+        with Stack(StackSpec(str(target), str(draft), gamma=gamma, log_dir=logs)) as stack:
+            print(f"stack up: gateway {stack.gateway_address}, target {stack.addresses['target']}, "
+                  f"draft {stack.addresses['draft']}\n")
+            with Client(stack.gateway_address, timeout=120) as client:
+                client.generate(PROMPTS[0], max_new_tokens=8)  # warm-up
+                rows = []
+                for prompt in PROMPTS:
+                    plain = client.generate(prompt, max_new_tokens=max_new_tokens, speculation="off", ignore_eos=True)
+                    spec = client.generate(prompt, max_new_tokens=max_new_tokens, speculation=gamma, ignore_eos=True)
+                    same = "identical" if spec.token_ids == plain.token_ids else "DIFFERENT (bug!)"
+                    plain_tps = _tps(plain)
+                    spec_tps = _tps(spec)
+                    print(f"prompt: {prompt!r}")
+                    print(f"  text: {spec.text[:160]!r}")
+                    print(f"  gamma={gamma}: {spec_tps:7.1f} tok/s, accepted {spec.stats.accepted_tokens}/"
+                          f"{spec.stats.draft_tokens} (alpha {spec.stats.acceptance_rate:.2f}), mean accepted "
+                          f"length {spec.stats.mean_accepted_length:.2f}; off: {plain_tps:7.1f} tok/s; "
+                          f"speedup {spec_tps / plain_tps:.2f}x; tokens {same}\n")
+                    rows.append((spec_tps / plain_tps, spec.token_ids == plain.token_ids))
+    mean = sum(r[0] for r in rows) / len(rows)
+    print(f"mean speedup over speculation=off: {mean:.2f}x; all outputs identical: {all(r[1] for r in rows)}")
+    return 0 if all(r[1] for r in rows) else 1
+
+
+def _tps(result) -> float:
+    return result.usage.completion_tokens / max(result.timings.total_seconds, 1e-9)

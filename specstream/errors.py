@@ -1,0 +1,51 @@
+"""Errors a caller can cause or meet, each tied to the gRPC status code it travels as.
+
+Core code raises these; one server interceptor (`specstream.grpc_server.ErrorInterceptor`) turns
+them into statuses, so handlers never pick codes themselves. Messages name the field and value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+
+class SpecstreamError(Exception):
+    """Base class; `code` is the gRPC status the error is reported as."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgumentError(SpecstreamError, ValueError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, field: str, value: Any, reason: str) -> None:
+        self.field = field
+        self.value = value
+        super().__init__(f"{field}={_short(value)}: {reason}")
+
+
+class OverloadedError(SpecstreamError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class UnavailableError(SpecstreamError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class RemoteError(SpecstreamError):
+    """An error another service attached to one sequence, passed on with its code."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        self.code = code
+        super().__init__(message)
+
+
+def status_code(number: int) -> grpc.StatusCode:
+    return next((c for c in grpc.StatusCode if c.value[0] == number), grpc.StatusCode.UNKNOWN)

@@ -1,0 +1,123 @@
+"""Builds the grpc.aio servers of all three services the same way.
+
+Each server gets: the configured message-size and keepalive options, `grpc.health.v1` (NOT_SERVING
+until the service says it is ready), server reflection, and `ErrorInterceptor`, the one place where
+exceptions become gRPC status codes. Knows nothing about models or requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specstream.config import ServerConfig
+from specstream.errors import SpecstreamError
+
+log = logging.getLogger(__name__)
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps SpecstreamError to its status code; anything else unexpected to INTERNAL (logged)."""
+
+    async def intercept_service(self, continuation, handler_call_details):  # type: ignore[override]
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith("/grpc."):
+            return handler
+        kinds = {
+            (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler, _wrap_unary),
+            (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler, _wrap_stream),
+            (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler, _wrap_unary),
+            (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler, _wrap_stream),
+        }
+        attr, make, wrap = kinds[(handler.request_streaming, handler.response_streaming)]
+        return make(
+            wrap(getattr(handler, attr), handler_call_details.method),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
+    if isinstance(exc, SpecstreamError):
+        await context.abort(exc.code, str(exc))
+    log.exception("unexpected error in %s", method, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str):
+    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await behavior(request, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - converted to a status, never swallowed
+            await _abort_for(exc, context, method)
+
+    return wrapped
+
+
+def _wrap_stream(behavior: Callable[..., Any], method: str):
+    async def wrapped(request: Any, context: grpc.aio.ServicerContext):
+        try:
+            async for item in behavior(request, context):
+                yield item
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - converted to a status, never swallowed
+            await _abort_for(exc, context, method)
+
+    return wrapped
+
+
+class ServiceServer:
+    """A grpc.aio server with health + reflection; `serve_forever` stops cleanly on SIGTERM/SIGINT."""
+
+    def __init__(self, config: ServerConfig, service_names: Iterable[str]) -> None:
+        self.config = config
+        self.server = grpc.aio.server(options=config.grpc_options(), interceptors=[ErrorInterceptor()])
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = list(service_names)
+        reflection.enable_server_reflection([*self.service_names, reflection.SERVICE_NAME,
+                                             health.SERVICE_NAME], self.server)
+        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {config.host}:{config.port}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self.service_names]:
+            await _maybe_await(self.health.set(name, status))
+
+    async def start(self) -> None:
+        await self.set_serving(False)
+        await self.server.start()
+
+    async def serve_forever(self, on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Runs until SIGTERM/SIGINT; then NOT_SERVING, `on_stop`, and a graceful stop."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("stopping %s", self.address)
+        await self.set_serving(False)
+        if on_stop is not None:
+            await on_stop()
+        await self.server.stop(self.config.grace_s)
+
+
+async def _maybe_await(value: Any) -> None:
+    if asyncio.iscoroutine(value):
+        await value

@@ -1,0 +1,128 @@
+"""Starts gateway, target and draft as three OS processes on loopback ports and stops them.
+
+Used by `specstream serve`, the demo and the integration tests. Waits until each process answers
+`grpc.health.v1` with SERVING; stopping sends SIGTERM (graceful) and escalates to SIGKILL only
+after a grace period. Knows nothing about what the services do.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    """Polls grpc.health.v1 until SERVING; raises if the process dies or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"process for {address} exited with code {proc.returncode}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} not healthy after {timeout_s:.0f}s")
+            time.sleep(0.1)
+
+
+@dataclass
+class StackSpec:
+    target_model: str
+    draft_model: str | None  # None: no draft service (plain decoding)
+    gateway_port: int = 0  # 0 picks a free port
+    host: str = "127.0.0.1"
+    gamma: int = 4
+    max_gamma: int = 16
+    max_slots: int = 8
+    max_seq_len: int = 2048
+    dtype: str = "float32"
+    extra_target_args: list[str] = field(default_factory=list)
+    extra_gateway_args: list[str] = field(default_factory=list)
+    log_dir: str | None = None  # each process logs to <log_dir>/<name>.log; None inherits stderr
+
+
+class Stack:
+    def __init__(self, spec: StackSpec) -> None:
+        self.spec = spec
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.addresses: dict[str, str] = {}
+
+    @property
+    def gateway_address(self) -> str:
+        return self.addresses["gateway"]
+
+    def start(self, timeout_s: float = 120.0) -> Stack:
+        spec = self.spec
+        ports = {"draft": free_port(spec.host), "target": free_port(spec.host),
+                 "gateway": spec.gateway_port or free_port(spec.host)}
+        self.addresses = {name: f"{spec.host}:{port}" for name, port in ports.items()}
+        common = ["--host", spec.host, "--dtype", spec.dtype, "--max-seq-len", str(spec.max_seq_len)]
+        try:
+            if spec.draft_model:
+                self._spawn("draft", ["draft", "--model", spec.draft_model, "--port", str(ports["draft"]), *common])
+            target_args = ["target", "--model", spec.target_model, "--port", str(ports["target"]), *common,
+                           "--gamma", str(spec.gamma), "--max-gamma", str(spec.max_gamma),
+                           "--max-slots", str(spec.max_slots), *spec.extra_target_args]
+            if spec.draft_model:
+                target_args += ["--draft-url", self.addresses["draft"]]
+            self._spawn("target", target_args)
+            self._spawn("gateway", ["gateway", "--target-url", self.addresses["target"], "--tokenizer",
+                                    spec.target_model, "--host", spec.host, "--port", str(ports["gateway"]),
+                                    *spec.extra_gateway_args])
+            for name, proc in self.procs.items():
+                wait_healthy(self.addresses[name], timeout_s, proc)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        out = None
+        if self.spec.log_dir:
+            Path(self.spec.log_dir).mkdir(parents=True, exist_ok=True)
+            out = open(Path(self.spec.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", "specstream.cli", *args], stdout=out,
+                                            stderr=subprocess.STDOUT if out else None, env=os.environ.copy())
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs.values())
+
+    def stop(self, grace_s: float = 15.0) -> dict[str, int | None]:
+        """SIGTERM in reverse start order (gateway first); returns each exit code."""
+        for proc in reversed(list(self.procs.values())):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return {name: proc.returncode for name, proc in self.procs.items()}
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,204 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) running against a slot ``KVCache``.
+
+Contract: ``LlamaForCausalLM(config, dtype, device)`` allocates uninitialised parameters for any
+``ModelConfig`` parsed from LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM; ``load_weights``
+fills them from tensors with transformers' names; ``forward`` follows ``CausalLM.forward``. Covered:
+GQA, explicit ``head_dim``, RoPE default / linear / llama3, q/k/v(/o) biases (Qwen2, ``attention_bias``),
+``mlp_bias``, per-layer sliding windows (Mistral, Qwen2 ``use_sliding_window``), tied or untied
+embeddings. The numerics follow transformers (RoPE tables computed in float32 then rounded to the
+model dtype, RMSNorm in float32), so fp32 logits match transformers to ~1e-5.
+
+What it does not know: files and key discovery (``loader.py``), tokenisation, sampling, which slots a
+request owns. q/k/v and gate/up are stored fused (one matmul each) — the checkpoint layout is only
+visible in ``load_weights``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specstream.models.config import ModelConfig, RopeConfig
+from specstream.models.kv_cache import ACTIVATIONS, CacheBatch, CausalLM, KVCache, TensorSource, rms_norm
+
+__all__ = ["LlamaForCausalLM", "rope_inv_freq"]
+
+# RoPE tables start this long (or max_position_embeddings if shorter) and grow to the longest cache.
+_INITIAL_ROPE_LEN = 2048
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] float32, as transformers' ROPE_INIT_FUNCTIONS compute them."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim  # [D/2]
+    inv_freq = 1.0 / (rope.theta**exponents)  # [D/2]
+    if rope.rope_type == "default":
+        return inv_freq
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    assert rope.rope_type == "llama3", f"config.py only admits supported rope types, got {rope.rope_type}"
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq  # [D/2]
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated smoothly.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)  # [D/2]
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)  # [D/2]
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled  # [D/2]
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)  # [D/2]
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    # Uninitialised on purpose: every parameter is overwritten by load_weights.
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class _LlamaLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        c = config
+        self.layer = layer
+        self.num_heads = c.num_heads
+        self.num_kv_heads = c.num_kv_heads
+        self.head_dim = c.head_dim
+        self.eps = c.norm_eps
+        self.window = c.layer_windows[layer]
+        self.scale = c.softmax_scale(layer)
+        self.act = ACTIVATIONS[c.hidden_act]
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+        self.intermediate = c.intermediate_size
+        H = c.hidden_size
+        kw = {"dtype": dtype, "device": device}
+        self.input_norm = _param(H, **kw)  # [H]
+        self.qkv_w = _param(self.q_size + 2 * self.kv_size, H, **kw)  # [(Hq+2Hkv)*D, H] fused q/k/v
+        self.qkv_b = _param(self.q_size + 2 * self.kv_size, **kw) if c.qkv_bias else None  # [(Hq+2Hkv)*D]
+        self.o_w = _param(H, self.q_size, **kw)  # [H, Hq*D]
+        self.o_b = _param(H, **kw) if c.o_bias else None  # [H]
+        self.post_norm = _param(H, **kw)  # [H]
+        self.gate_up_w = _param(2 * c.intermediate_size, H, **kw)  # [2I, H] fused gate/up
+        self.gate_up_b = _param(2 * c.intermediate_size, **kw) if c.mlp_bias else None  # [2I]
+        self.down_w = _param(H, c.intermediate_size, **kw)  # [H, I]
+        self.down_b = _param(H, **kw) if c.mlp_bias else None  # [H]
+
+    def load(self, src: TensorSource, prefix: str, hidden: int) -> None:
+        q, kv, inter = self.q_size, self.kv_size, self.intermediate
+        a, m = prefix + "self_attn.", prefix + "mlp."
+        self.input_norm.copy_(src.take(prefix + "input_layernorm.weight", (hidden,)))
+        self.post_norm.copy_(src.take(prefix + "post_attention_layernorm.weight", (hidden,)))
+        self.qkv_w[:q].copy_(src.take(a + "q_proj.weight", (q, hidden)))
+        self.qkv_w[q : q + kv].copy_(src.take(a + "k_proj.weight", (kv, hidden)))
+        self.qkv_w[q + kv :].copy_(src.take(a + "v_proj.weight", (kv, hidden)))
+        if self.qkv_b is not None:
+            self.qkv_b[:q].copy_(src.take(a + "q_proj.bias", (q,)))
+            self.qkv_b[q : q + kv].copy_(src.take(a + "k_proj.bias", (kv,)))
+            self.qkv_b[q + kv :].copy_(src.take(a + "v_proj.bias", (kv,)))
+        self.o_w.copy_(src.take(a + "o_proj.weight", (hidden, q)))
+        if self.o_b is not None:
+            self.o_b.copy_(src.take(a + "o_proj.bias", (hidden,)))
+        self.gate_up_w[:inter].copy_(src.take(m + "gate_proj.weight", (inter, hidden)))
+        self.gate_up_w[inter:].copy_(src.take(m + "up_proj.weight", (inter, hidden)))
+        self.down_w.copy_(src.take(m + "down_proj.weight", (hidden, inter)))
+        if self.gate_up_b is not None and self.down_b is not None:
+            self.gate_up_b[:inter].copy_(src.take(m + "gate_proj.bias", (inter,)))
+            self.gate_up_b[inter:].copy_(src.take(m + "up_proj.bias", (inter,)))
+            self.down_b.copy_(src.take(m + "down_proj.bias", (hidden,)))
+
+    def forward(self, x: torch.Tensor, batch: CacheBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        D = self.head_dim
+        h = rms_norm(x, self.input_norm, self.eps)  # [B, T, H]
+        qkv = F.linear(h, self.qkv_w, self.qkv_b)  # [B, T, (Hq+2Hkv)*D]
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = _apply_rope(q.view(B, T, self.num_heads, D).transpose(1, 2), cos, sin)  # [B, Hq, T, D]
+        k = _apply_rope(k.view(B, T, self.num_kv_heads, D).transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+        v = v.view(B, T, self.num_kv_heads, D).transpose(1, 2)  # [B, Hkv, T, D]
+        batch.write(self.layer, k, v)
+        attn = batch.attend(self.layer, q, self.scale, self.window)  # [B, T, Hq*D]
+        x = x + F.linear(attn, self.o_w, self.o_b)  # [B, T, H]
+        h = rms_norm(x, self.post_norm, self.eps)  # [B, T, H]
+        gate, up = F.linear(h, self.gate_up_w, self.gate_up_b).chunk(2, dim=-1)  # 2 x [B, T, I]
+        return x + F.linear(self.act(gate) * up, self.down_w, self.down_b)  # [B, T, H]
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama / Mistral / Qwen2 decoder; see the module docstring for what is covered."""
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> None:
+        super().__init__(config)
+        assert config.rope is not None, "llama-family configs always carry RoPE parameters"
+        c = config
+        self.embed = _param(c.vocab_size, c.hidden_size, dtype=dtype, device=device)  # [V, H]
+        self.layers = nn.ModuleList(_LlamaLayer(c, i, dtype, device) for i in range(c.num_layers))
+        self.norm = _param(c.hidden_size, dtype=dtype, device=device)  # [H]
+        self.lm_head = (
+            None if c.tie_word_embeddings else _param(c.vocab_size, c.hidden_size, dtype=dtype, device=device)
+        )  # [V, H]
+        self.register_buffer("inv_freq", rope_inv_freq(c.rope, c.head_dim).to(device), persistent=False)  # [D/2]
+        self._rope_len = 0
+        self._build_rope(min(_INITIAL_ROPE_LEN, c.max_position_embeddings))
+
+    def _build_rope(self, n: int) -> None:
+        # Built outside inference mode so the tables stay usable by any later caller (plain no_grad too).
+        with torch.inference_mode(False), torch.no_grad():
+            positions = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)  # [n]
+            freqs = positions[:, None] * self.inv_freq.float()[None, :]  # [n, D/2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]
+            dtype = self.embed.dtype
+            self.register_buffer("rope_cos", emb.cos().to(dtype), persistent=False)  # [n, D]
+            self.register_buffer("rope_sin", emb.sin().to(dtype), persistent=False)  # [n, D]
+        self._rope_len = n
+
+    def _prepare_positions(self, max_len: int) -> None:
+        if max_len > self._rope_len:
+            self._build_rope(max_len)
+
+    def load_weights(self, source: TensorSource) -> None:
+        c = self.config
+        V, H = c.vocab_size, c.hidden_size
+        with torch.no_grad():
+            self.embed.copy_(source.take("model.embed_tokens.weight", (V, H)))
+            for i, layer in enumerate(self.layers):
+                assert isinstance(layer, _LlamaLayer)
+                layer.load(source, f"model.layers.{i}.", H)
+            self.norm.copy_(source.take("model.norm.weight", (H,)))
+            if self.lm_head is not None:
+                self.lm_head.copy_(source.take("lm_head.weight", (V, H)))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor,
+        start_pos: torch.Tensor,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        batch = self._cache_batch(input_ids, cache, slots, start_pos)
+        if batch.kv_len > self._rope_len:
+            # Only for caches built without new_cache; new_cache sizes the tables up front.
+            self._build_rope(batch.kv_len)
+        # One table lookup per forward, shared by every layer.
+        cos = self.rope_cos[batch.positions].unsqueeze(1)  # [B, 1, T, D]
+        sin = self.rope_sin[batch.positions].unsqueeze(1)  # [B, 1, T, D]
+        x = F.embedding(input_ids.to(self.embed.device), self.embed)  # [B, T, H]
+        for layer in self.layers:
+            x = layer(x, batch, cos, sin)  # [B, T, H]
+        if last_only:
+            x = x[:, -1:]  # [B, 1, H]
+        x = rms_norm(x, self.norm, self.config.norm_eps)  # [B, T', H]
+        head = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(x, head).float()  # [B, T', V]

@@ -1,0 +1,207 @@
+"""Load a Hugging Face checkpoint directory into a ``CausalLM``, reading safetensors only.
+
+Contract: ``load_model(path, dtype, device)`` reads ``config.json`` (+ ``generation_config.json`` for extra
+eos ids), picks the model class for its architecture (``MODEL_CLASSES``), and fills it from
+``model.safetensors`` or the shards listed in ``model.safetensors.index.json``, converting to ``dtype``.
+Every tensor is shape-checked and every checkpoint tensor must be consumed (apart from known
+buffers), so a config that disagrees with its weights fails at load. Every failure is a
+``ModelLoadError`` naming the file and the field or tensor. The model comes back in eval mode with
+``requires_grad`` off.
+
+What it does not know: tokenizers, the math of any architecture, serving. It never unpickles: a
+directory holding only ``pytorch_model.bin`` (or other pickle formats) is refused with a clear error,
+because unpickling runs arbitrary code from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from contextlib import ExitStack
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from specstream.models.config import CONFIG_PARSERS, ModelConfig, ModelLoadError, parse_config
+from specstream.models.gpt2 import GPT2LMHeadModel
+from specstream.models.kv_cache import CausalLM
+from specstream.models.llama import LlamaForCausalLM
+
+__all__ = ["load_model", "read_config", "ModelLoadError", "MODEL_CLASSES", "DTYPES", "SafetensorsSource"]
+
+# Architecture name -> implementation; keys mirror config.CONFIG_PARSERS (kept apart to avoid an import cycle).
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
+}
+assert set(MODEL_CLASSES) == set(CONFIG_PARSERS), "every parsable architecture needs a model class"
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
+# Checkpoint tensors that are not parameters: causal-mask constants (old GPT-2), cached RoPE frequencies
+# (old Llama exports), and lm_head copies stored next to tied embeddings (transformers ties them anyway).
+_IGNORED_TENSORS = re.compile(
+    r"(^|\.)attn\.(bias|masked_bias)$|\.rotary_emb\.inv_freq$|^lm_head\.weight$"
+)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        with path.open("r", encoding="utf-8") as fh:
+            return json.load(fh)
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}: invalid JSON ({e})") from e
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read ({e})") from e
+
+
+class SafetensorsSource:
+    """Tensors of one checkpoint directory by name, in the requested dtype/device (a ``TensorSource``)."""
+
+    def __init__(self, root: Path, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.root = root
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._stack = ExitStack()
+        self._handles: dict[Path, Any] = {}
+        self._taken: set[str] = set()
+        index = root / INDEX_FILE
+        single = root / SINGLE_FILE
+        if index.is_file():
+            self.describe = index  # where a missing tensor "should" have been listed
+            self._where = self._read_index(index)
+        elif single.is_file():
+            self.describe = single
+            self._where = {name: single for name in self._open(single).keys()}
+        else:
+            raise self._no_weights_error()
+
+    def _no_weights_error(self) -> ModelLoadError:
+        pickles = sorted(p.name for p in self.root.iterdir() if p.name.endswith(PICKLE_SUFFIXES))
+        if pickles:
+            return ModelLoadError(
+                f"{self.root / pickles[0]}: only pickle weights found ({', '.join(pickles)}); refusing to unpickle "
+                f"(it can run arbitrary code). Convert the checkpoint to {SINGLE_FILE}, e.g. "
+                f"AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir) with transformers."
+            )
+        others = sorted(p.name for p in self.root.glob("*.safetensors"))
+        hint = f" (found {', '.join(others)}, but no {INDEX_FILE} naming them)" if others else ""
+        return ModelLoadError(f"{self.root}: no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+
+    def _read_index(self, index: Path) -> dict[str, Path]:
+        raw = _read_json(index)
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise ModelLoadError(f"{index}: field 'weight_map' must map tensor names to shard file names")
+        where: dict[str, Path] = {}
+        for name, shard_name in weight_map.items():
+            shard = self.root / shard_name
+            if shard.parent != self.root:
+                raise ModelLoadError(f"{index}: tensor {name!r} points outside the checkpoint: {shard_name!r}")
+            if not shard.is_file():
+                raise ModelLoadError(f"{index}: tensor {name!r} is in shard {shard_name}, which does not exist")
+            where[name] = shard
+        return where
+
+    def _open(self, file: Path) -> Any:
+        handle = self._handles.get(file)
+        if handle is None:
+            try:
+                handle = self._stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            except (SafetensorError, OSError) as e:
+                raise ModelLoadError(f"{file}: not a readable safetensors file ({e})") from e
+            self._handles[file] = handle
+        return handle
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        file = self._where.get(name)
+        if file is None:
+            raise ModelLoadError(f"{self.describe}: missing tensor {name!r}")
+        handle = self._open(file)
+        if name not in handle.keys():
+            raise ModelLoadError(f"{file}: missing tensor {name!r} (listed in {INDEX_FILE})")
+        sl = handle.get_slice(name)
+        got = tuple(sl.get_shape())
+        if got != tuple(shape):
+            raise ModelLoadError(f"{file}: tensor {name!r} has shape {list(got)}, expected {list(shape)}")
+        if sl.get_dtype() not in _FLOAT_DTYPES:
+            raise ModelLoadError(
+                f"{file}: tensor {name!r} has dtype {sl.get_dtype()}; only float weights are supported"
+            )
+        self._taken.add(name)
+        return handle.get_tensor(name).to(device=self.device, dtype=self.dtype)
+
+    def unexpected(self) -> list[str]:
+        """Checkpoint tensors nobody took, minus known non-parameters."""
+        return sorted(n for n in self._where if n not in self._taken and not _IGNORED_TENSORS.search(n))
+
+    def close(self) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    def __enter__(self) -> SafetensorsSource:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a checkpoint directory, without touching its weights."""
+    root = Path(path)
+    config_file = root / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{config_file}: missing config.json (is {root} a Hugging Face checkpoint directory?)")
+    raw = _read_json(config_file)
+    gen_file = root / "generation_config.json"
+    generation = _read_json(gen_file) if gen_file.is_file() else None
+    if generation is not None and not isinstance(generation, dict):
+        raise ModelLoadError(f"{gen_file}: top level must be a JSON object")
+    return parse_config(raw, name=root.resolve().name, source=config_file, generation=generation)
+
+
+def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") -> CausalLM:
+    """A ready model (eval mode, no grad) from a checkpoint directory; see the module docstring."""
+    torch_dtype = DTYPES.get(dtype)
+    if torch_dtype is None:
+        raise ValueError(f"load_model: dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    root = Path(path)
+    if not root.is_dir():
+        raise ModelLoadError(f"{root}: not a directory (expected a checkpoint with config.json)")
+    config = read_config(root)
+    with SafetensorsSource(root, torch_dtype, device) as source:
+        model = MODEL_CLASSES[config.architecture](config, torch_dtype, device)
+        model.load_weights(source)
+        extra = source.unexpected()
+    if extra:
+        shown = ", ".join(repr(n) for n in extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        raise ModelLoadError(
+            f"{source.describe}: unexpected tensor(s) {shown} not used by {config.architecture} "
+            f"as configured in config.json (num_hidden_layers={config.num_layers})"
+        )
+    model.eval()
+    model.requires_grad_(False)
+    return model

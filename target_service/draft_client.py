@@ -1,0 +1,132 @@
+"""The target's side of `Draft.Speculate`: one bidi stream, one response per request, in order.
+
+Failures never reach the engine as exceptions: `propose` returns None and the engine decodes with
+γ=0 for that step. The next call after `retry_s` opens a fresh stream; a new stream means the
+draft holds no state, which `epoch` tells the engine (it then resends whole contexts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from specstream_pb import draft_pb2, draft_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class DraftClient:
+    def __init__(self, url: str, timeout_s: float, retry_s: float, options: list | None = None) -> None:
+        self.url = url
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self._channel = grpc.aio.insecure_channel(url, options=options or [])
+        self._stub = draft_pb2_grpc.DraftStub(self._channel)
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._lock = asyncio.Lock()
+        self._next_try = 0.0
+        self._reachable = False  # GetInfo answered since the last failure
+        self._probe: asyncio.Task[None] | None = None
+        self.epoch = 0  # bumped whenever a stream is (re)opened: the draft's state starts empty
+        self.held_sequences = 0  # as last reported by the draft
+        self.model_name = ""
+        self.vocab_size = 0
+
+    @property
+    def connected(self) -> bool:
+        return self._call is not None
+
+    async def fetch_info(self, timeout_s: float = 2.0) -> bool:
+        try:
+            info = await self._stub.GetInfo(draft_pb2.DraftInfoRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("draft %s unavailable: %s", self.url, exc.code().name)
+            return False
+        self.model_name, self.vocab_size = info.model_name, info.vocab_size
+        return True
+
+    async def ready(self) -> bool:
+        """True when a stream is open (opening one now if the draft is known to be up)."""
+        async with self._lock:
+            return self._call is not None or await self._open()
+
+    async def propose(self, step: int, items: list[draft_pb2.ProposeItem],
+                      traceparent: str = "") -> list[draft_pb2.Proposal] | None:
+        request = draft_pb2.ProposeRequest(propose=draft_pb2.ProposeBatch(step=step, items=items),
+                                           traceparent=traceparent)
+        response = await self._exchange(request)
+        if response is None:
+            return None
+        assert len(response.proposals) == len(items), "draft answered a different number of items"
+        return list(response.proposals)
+
+    async def release(self, seq_ids: list[int]) -> None:
+        if seq_ids and self.connected:
+            await self._exchange(draft_pb2.ProposeRequest(release=draft_pb2.Release(seq_ids=seq_ids)))
+
+    async def _exchange(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse | None:
+        async with self._lock:
+            if self._call is None and not await self._open():
+                return None
+            assert self._call is not None
+            try:
+                await asyncio.wait_for(self._call.write(request), self.timeout_s)
+                response = await asyncio.wait_for(self._call.read(), self.timeout_s)
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.TimeoutError, asyncio.InvalidStateError) as exc:
+                self._fail(f"{type(exc).__name__}: {getattr(exc, 'code', lambda: '')()}")
+                return None
+            if response is grpc.aio.EOF:
+                self._fail("stream closed")
+                return None
+            self.held_sequences = response.held_sequences
+            return response
+
+    async def _open(self) -> bool:
+        """Opens a stream if the draft is known to be up; otherwise starts checking in the
+        background, so a dead or slow draft never stalls an engine step."""
+        if self._reachable:
+            self._reachable = False
+            self._call = self._stub.Speculate()
+            self.epoch += 1
+            log.info("draft stream %d open to %s (%s)", self.epoch, self.url, self.model_name)
+            return True
+        if self._probe is None and time.monotonic() >= self._next_try:
+            self._probe = asyncio.create_task(self._check())
+        return False
+
+    async def _check(self) -> None:
+        try:
+            self._reachable = await self.fetch_info()
+            if not self._reachable:
+                self._next_try = time.monotonic() + self.retry_s
+        finally:
+            self._probe = None
+
+    def _fail(self, why: str) -> None:
+        log.warning("draft %s failed (%s); decoding without speculation for %.1fs", self.url, why, self.retry_s)
+        if self._call is not None:
+            self._call.cancel()
+        self._call = None
+        self.held_sequences = 0
+        self._next_try = time.monotonic() + self.retry_s
+
+    async def wait_connected(self, timeout_s: float) -> bool:
+        """Startup helper: wait until the draft answers GetInfo (then the next step connects)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if await self.fetch_info():
+                self._reachable = True
+                return True
+            await asyncio.sleep(0.2)
+        return False
+
+    async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+        await self._channel.close()

@@ -1,0 +1,89 @@
+"""The target service process: the `Target` gRPC servicer around the engine.
+
+The servicer is thin: it turns each `Connect` stream into a `Connection`, forwards Submit/Cancel
+to the engine and drains the connection's outbox into the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from specstream.config import TargetConfig
+from specstream.grpc_server import ServiceServer
+from specstream.models import load_model
+from specstream_pb import target_pb2, target_pb2_grpc
+from target_service.connection import Connection
+from target_service.draft_client import DraftClient
+from target_service.engine import Engine
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
+
+
+class TargetServicer(target_pb2_grpc.TargetServicer):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def Connect(self, request_iterator, context: grpc.aio.ServicerContext):  # noqa: N802
+        conn = Connection()
+        self.engine.attach(conn)
+        reader = asyncio.create_task(self._read(request_iterator, conn))
+        try:
+            while (message := await conn.outbox.get()) is not None:
+                yield message
+        finally:
+            reader.cancel()
+            self.engine.detach(conn)
+
+    async def _read(self, request_iterator, conn: Connection) -> None:
+        try:
+            async for message in request_iterator:
+                kind = message.WhichOneof("kind")
+                if kind == "submit":
+                    self.engine.submit(conn, list(message.submit.requests))
+                elif kind == "cancel":
+                    self.engine.cancel(conn, list(message.cancel.ids))
+        finally:
+            conn.close()
+
+    async def GetInfo(self, request, context):  # noqa: N802
+        engine = self.engine
+        return target_pb2.TargetInfo(
+            model_name=engine.model.config.name,
+            draft_model_name=engine.draft.model_name if engine.draft else "",
+            vocab_size=engine.model.config.vocab_size,
+            max_context_length=engine.max_context_length,
+            max_gamma=engine.config.max_gamma,
+            default_gamma=engine.config.default_gamma,
+            eos_token_ids=list(engine.model.config.eos_token_ids),
+            load=engine.load_pb(),
+        )
+
+
+async def serve(config: TargetConfig, ready_file: str | None = None) -> None:
+    model = load_model(config.model.path, dtype=config.model.dtype, device=config.model.device)
+    draft = None
+    if config.draft_url:
+        draft = DraftClient(config.draft_url, config.draft_timeout_s, config.draft_retry_s,
+                            options=config.server.grpc_options())
+    engine = Engine(model, config, draft)
+    server = ServiceServer(config.server, [SERVICE_NAME])
+    target_pb2_grpc.add_TargetServicer_to_server(TargetServicer(engine), server.server)
+    await server.start()
+    if draft is not None:
+        await draft.wait_connected(timeout_s=config.draft_timeout_s)
+    engine_task = asyncio.create_task(engine.run(), name="engine")
+    await server.set_serving(True)
+    log.info("target %s serving %s on %s (draft: %s)", model.config.name, model.config.architecture,
+             server.address, draft.url if draft else "none")
+
+    async def on_stop() -> None:
+        engine_task.cancel()
+        engine.shutdown()
+        if draft is not None:
+            await draft.close()
+
+    await server.serve_forever(on_stop)

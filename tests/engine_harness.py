@@ -1,0 +1,66 @@
+"""Drives the target engine in one process (no gRPC): submit sequences, collect their tokens."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import torch
+
+from draft_service.proposer import DraftProposer
+from specstream.config import ModelSpec, TargetConfig
+from specstream.models import load_model
+from specstream_pb import common_pb2, target_pb2
+from target_service.connection import Connection
+from target_service.engine import Engine
+from target_service.local_draft import LocalDraft
+
+
+def speculation(gamma: int | None) -> common_pb2.Speculation:
+    if gamma is None:
+        return common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_AUTO)
+    if gamma == 0:
+        return common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_OFF)
+    return common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_FIXED, gamma=gamma)
+
+
+def run_engine(target: Path, draft: Path | None, prompts: list[list[int]], gamma: int, max_new_tokens: int,
+               stop_ids: list[int] = (), max_slots: int = 8) -> tuple[list[list[int]], list[target_pb2.SequenceEvent]]:
+    """Returns each prompt's generated tokens and its final event (finish reason, stats)."""
+    model = load_model(target)
+    local = LocalDraft(DraftProposer(load_model(draft), max_slots=16, max_seq_len=512)) if draft else None
+    engine = Engine(model, TargetConfig(model=ModelSpec(str(target)), max_slots=max_slots, max_seq_len=512,
+                                        max_gamma=8), local)
+
+    async def main() -> tuple[list[list[int]], list[target_pb2.SequenceEvent]]:
+        conn = Connection()
+        engine.attach(conn)
+        task = asyncio.create_task(engine.run())
+        requests = [target_pb2.SequenceRequest(id=str(i), prompt_token_ids=p, max_new_tokens=max_new_tokens,
+                                               stop_token_ids=stop_ids, speculation=speculation(gamma))
+                    for i, p in enumerate(prompts)]
+        engine.submit(conn, requests)
+        tokens: dict[str, list[int]] = {r.id: [] for r in requests}
+        final: dict[str, target_pb2.SequenceEvent] = {}
+        while len(final) < len(requests):
+            message = await asyncio.wait_for(conn.outbox.get(), 60)
+            for event in message.events.events:
+                tokens[event.id].extend(event.token_ids)
+                if event.finish_reason:
+                    final[event.id] = event
+        task.cancel()
+        return [tokens[r.id] for r in requests], [final[r.id] for r in requests]
+
+    return asyncio.run(main())
+
+
+@torch.inference_mode()
+def naive_greedy(target: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Plain greedy decoding by full recomputation, independent of the engine and its cache logic."""
+    model = load_model(target)
+    tokens = list(prompt)
+    for _ in range(max_new_tokens):
+        cache = model.new_cache(1, len(tokens) + 1)
+        logits = model(torch.tensor([tokens]), cache, torch.tensor([0]), torch.tensor([0]))
+        tokens.append(int(logits[0, -1].argmax()))
+    return tokens[len(prompt):]

@@ -1,0 +1,199 @@
+"""The three real processes over gRPC: losslessness, bad input, streaming, cancellation, the CLI,
+and the draft going away. Runs `specstream` services as subprocesses on loopback ports."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from specstream.tokenizer import TextTokenizer
+from specstream_client import AsyncClient, Client, InvalidArgument, DeadlineExceeded
+from specstream_pb import generation_pb2, generation_pb2_grpc
+
+MAX_NEW = 24
+
+
+def _prompts(tokenizer: TextTokenizer) -> list[list[int]]:
+    rng = random.Random(11)
+    texts = ["def main():", "The weather", "x = 1", "import os", "Hello, world", "for i in range(3):",
+             "She said", "return None", "class A:", "2 + 2 ="]
+    return [tokenizer.encode(t) for t in texts] + [
+        [rng.randrange(2, tokenizer.vocab_size) for _ in range(rng.randint(1, 40))] for _ in range(10)]
+
+
+async def _generate_all(address: str, prompts, speculation) -> list:
+    async with AsyncClient(address, timeout=120) as client:
+        return await asyncio.gather(*[
+            client.generate(p, max_new_tokens=MAX_NEW, speculation=speculation, ignore_eos=True) for p in prompts])
+
+
+@pytest.fixture(scope="module")
+def partial_stack(stack_factory, model_zoo):
+    return stack_factory(model_zoo["target"], model_zoo["partial"], max_slots=4)
+
+
+@pytest.mark.parametrize("draft_kind", ["same", "unrelated", "partial"])
+def test_lossless_over_grpc(stack_factory, model_zoo, draft_kind):
+    stack = stack_factory(model_zoo["target"], model_zoo[draft_kind], max_slots=4)
+    prompts = _prompts(TextTokenizer.from_dir(model_zoo["target"]))
+    plain = asyncio.run(_generate_all(stack.gateway_address, prompts, "off"))
+    assert all(r.stats.draft_tokens == 0 for r in plain)
+    assert len({tuple(r.token_ids) for r in plain}) > 10
+    for gamma in (1, 2, 4, 8):
+        spec = asyncio.run(_generate_all(stack.gateway_address, prompts, gamma))
+        for i, (s, p) in enumerate(zip(spec, plain)):
+            assert s.token_ids == p.token_ids, f"{draft_kind} gamma={gamma} prompt {i}"
+            assert s.text == p.text
+        proposed = sum(r.stats.draft_tokens for r in spec)
+        accepted = sum(r.stats.accepted_tokens for r in spec)
+        assert proposed > 0
+        if draft_kind == "same":
+            assert accepted == proposed
+        elif draft_kind == "unrelated":
+            assert accepted < proposed / 2
+
+
+BAD_REQUESTS = [
+    ("prompt", dict(prompt="")),
+    ("prompt", dict()),
+    ("prompt_token_ids", dict(prompt_token_ids=generation_pb2.TokenIds(ids=[10**6]))),
+    ("prompt", dict(prompt="a b c " * 400)),  # longer than the context
+    ("max_new_tokens", dict(prompt="hi", max_new_tokens=0)),
+    ("max_new_tokens", dict(prompt="hi", max_new_tokens=-5)),
+    ("max_new_tokens", dict(prompt="hi", max_new_tokens=100000)),
+    ("speculation.gamma", dict(prompt="hi", max_new_tokens=4, speculation={"mode": 2, "gamma": 99})),
+    ("speculation.gamma", dict(prompt="hi", max_new_tokens=4, speculation={"mode": 2, "gamma": 0})),
+    ("speculation.mode", dict(prompt="hi", max_new_tokens=4, speculation={"mode": 7})),
+    ("stop[0]", dict(prompt="hi", max_new_tokens=4, stop=[""])),
+    ("stop_token_ids[0]", dict(prompt="hi", max_new_tokens=4, stop_token_ids=[10**6])),
+    ("traceparent", dict(prompt="hi", max_new_tokens=4, traceparent="not-a-trace")),
+]
+
+
+@pytest.mark.parametrize("field,kwargs", BAD_REQUESTS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD_REQUESTS)])
+def test_bad_input_names_the_field(partial_stack, field, kwargs):
+    with grpc.insecure_channel(partial_stack.gateway_address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        for call in (stub.Generate, lambda r, **kw: list(stub.GenerateStream(r, **kw))):
+            with pytest.raises(grpc.RpcError) as info:
+                call(generation_pb2.GenerateRequest(**kwargs), timeout=30)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details().startswith(field), info.value.details()
+    # ...and the service keeps serving everyone else.
+    with Client(partial_stack.gateway_address, timeout=60) as client:
+        assert client.generate("hello", max_new_tokens=3, ignore_eos=True).usage.completion_tokens == 3
+
+
+def test_unknown_field_is_rejected(partial_stack):
+    raw = generation_pb2.GenerateRequest(prompt="hi", max_new_tokens=3).SerializeToString() + bytes([0xA0, 0x01, 0x05])
+    with grpc.insecure_channel(partial_stack.gateway_address) as channel:
+        call = channel.unary_unary("/specstream.v1.Generation/Generate")
+        with pytest.raises(grpc.RpcError) as info:
+            call(raw, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "field number 20" in info.value.details()
+
+
+def test_bad_request_in_a_batch_loses_nothing(partial_stack, model_zoo):
+    async def main():
+        async with AsyncClient(partial_stack.gateway_address, timeout=60) as client:
+            good = [client.generate(f"prompt {i}", max_new_tokens=8, ignore_eos=True) for i in range(6)]
+            bad = [client.generate("x", max_new_tokens=0), client.generate("", max_new_tokens=3)]
+            return await asyncio.gather(*good, *bad, return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert all(r.usage.completion_tokens == 8 for r in results[:6])
+    assert all(isinstance(r, InvalidArgument) for r in results[6:])
+
+
+def test_stream_concatenates_to_unary(partial_stack):
+    with Client(partial_stack.gateway_address, timeout=60) as client:
+        for prompt, gamma in [("def main():", 4), ("Über naïve café ✓", "off"), ("x", 2)]:
+            unary = client.generate(prompt, max_new_tokens=40, speculation=gamma, ignore_eos=True)
+            chunks = list(client.generate_stream(prompt, max_new_tokens=40, speculation=gamma, ignore_eos=True))
+            assert "".join(c.text for c in chunks) == unary.text
+            assert [t for c in chunks for t in c.token_ids] == unary.token_ids
+            assert chunks[-1].finish_reason == unary.finish_reason == "length"
+            assert sum(1 for c in chunks if c.finish_reason) == 1
+
+
+def test_stop_string_ends_generation(partial_stack):
+    with Client(partial_stack.gateway_address, timeout=60) as client:
+        full = client.generate("The weather", max_new_tokens=40, ignore_eos=True)
+        stop = full.text[10:13]
+        assert stop and stop in full.text
+        cut = client.generate("The weather", max_new_tokens=40, stop=[stop], ignore_eos=True)
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
+
+
+def _wait_idle(client: Client, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = client.model_info()
+        if info.running_sequences == 0 and info.draft_sequences == 0 and info.queued_sequences == 0:
+            return info
+        time.sleep(0.05)
+    return info
+
+
+def test_cancel_mid_stream_frees_target_slot_and_draft_state(partial_stack):
+    with Client(partial_stack.gateway_address, timeout=60) as client:
+        idle = _wait_idle(client)
+        assert idle.running_sequences == 0 and idle.draft_sequences == 0
+        stream = client.generate_stream("def main():", max_new_tokens=400, speculation=4, ignore_eos=True)
+        next(iter(stream))
+        next(iter(stream))
+        busy = client.model_info()
+        assert busy.running_sequences == 1 and busy.free_slots == idle.free_slots - 1
+        assert busy.draft_sequences == 1
+        stream.cancel()
+        after = _wait_idle(client)
+        assert after.running_sequences == 0
+        assert after.draft_sequences == 0
+        assert after.free_slots == idle.free_slots
+
+
+def test_deadline_frees_the_sequence(partial_stack):
+    with Client(partial_stack.gateway_address, timeout=60) as client:
+        idle = _wait_idle(client)
+        with pytest.raises(DeadlineExceeded):
+            client.generate("def main():", max_new_tokens=450, ignore_eos=True, timeout=0.05)
+        after = _wait_idle(client)
+        assert after.free_slots == idle.free_slots and after.draft_sequences == 0
+
+
+def test_cli_generate_gamma_0_and_4_identical(partial_stack):
+    def run(*flags):
+        out = subprocess.run([sys.executable, "-m", "specstream.cli", "generate", "--url", partial_stack.gateway_address,
+                              "--json", "--max-new-tokens", "32", *flags, "def main():"],
+                             capture_output=True, text=True, timeout=120, check=True)
+        return json.loads(out.stdout)
+
+    off, spec = run("--gamma", "0"), run("--gamma", "4")
+    assert off["token_ids"] == spec["token_ids"]
+    assert off["stats"]["draft_tokens"] == 0
+    assert spec["stats"]["accepted_tokens"] > 0
+    for key in ("text", "finish_reason", "usage", "timings"):
+        assert key in spec
+
+
+def test_target_keeps_serving_when_the_draft_dies(stack_factory, model_zoo):
+    stack = stack_factory(model_zoo["target"], model_zoo["partial"], max_slots=2)
+    with Client(stack.gateway_address, timeout=60) as client:
+        before = client.generate("import os", max_new_tokens=20, speculation=4, ignore_eos=True)
+        assert before.stats.draft_tokens > 0
+        stack.procs["draft"].terminate()
+        stack.procs["draft"].wait(10)
+        after = client.generate("import os", max_new_tokens=20, speculation=4, ignore_eos=True)
+        assert after.token_ids == before.token_ids
+        assert not client.model_info().draft_connected
+    stack.procs.pop("draft")
