@@ -19,7 +19,7 @@ from specstream.tokenizer import BOS_TOKEN, EOS_TOKEN, build_byte_level_tokenize
 
 RANDOM_INIT_NOTICE = ("NOTE: using RANDOM-INIT demo models (no trained pair ships yet): the text is gibberish; "
                       "speculation, acceptance and speed are real.")
-_VERSION = "random-v1"
+_VERSION = "random-v2"
 
 
 def models_home() -> Path:
@@ -35,8 +35,8 @@ def default_model_dirs() -> tuple[Path, Path, bool]:
     return target, draft, True
 
 
-def build_random_pair(target: Path, draft: Path, seed: int = 0, hidden_size: int = 256, layers: int = 6,
-                      vocab_size: int = 512, damping: float = 0.25) -> None:
+def build_random_pair(target: Path, draft: Path, seed: int = 0, hidden_size: int = 512, layers: int = 8,
+                      vocab_size: int = 512, damping: float = 0.02) -> None:
     """A random-init target and a one-layer draft cut from it (see the module docstring)."""
     tok = build_byte_level_tokenizer(vocab_size=vocab_size)
     vocab = tok.get_vocab_size()

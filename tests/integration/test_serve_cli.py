@@ -1,0 +1,57 @@
+"""`specstream serve` as a user runs it: three processes, health, reflection, Ctrl-C stops all."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from specstream_client import Client
+
+
+def _services(address: str) -> set[str]:
+    with grpc.insecure_channel(address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        reply = next(stub.ServerReflectionInfo(iter([request]), timeout=10))
+        return {s.name for s in reply.list_services_response.service}
+
+
+def test_serve_with_default_models_then_sigint(tmp_path):
+    env = {**os.environ, "SPECSTREAM_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "specstream.cli", "serve", "--port", "0", "--max-seq-len", "512",
+                             "--log-dir", str(tmp_path / "logs")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "listening on" in line:
+                break
+        output = "".join(lines)
+        assert "RANDOM-INIT" in output  # the demo models say what they are
+        match = re.search(r"listening on (\S+)", output)
+        assert match, output
+        address = match.group(1)
+        addresses = dict(re.findall(r"(target|draft) (\d+\.\d+\.\d+\.\d+:\d+)", proc.stdout.readline()))
+        assert "specstream.v1.Generation" in _services(address)
+        assert "specstream.v1.Target" in _services(addresses["target"])
+        assert "specstream.v1.Draft" in _services(addresses["draft"])
+        assert "grpc.health.v1.Health" in _services(address)
+        with Client(address, timeout=60) as client:
+            off = client.generate("def main():", max_new_tokens=16, speculation="off", ignore_eos=True)
+            spec = client.generate("def main():", max_new_tokens=16, speculation=4, ignore_eos=True)
+        assert spec.token_ids == off.token_ids
+        assert spec.stats.accepted_tokens > 0
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=60)[0]
+        assert proc.returncode == 0, rest
+        assert re.search(r"stopped: \{'draft': 0, 'target': 0, 'gateway': 0\}", rest), rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -1,0 +1,27 @@
+"""Config validation names the field and quotes the bad value."""
+
+from __future__ import annotations
+
+import pytest
+
+from specstream.config import DraftConfig, GatewayConfig, ModelSpec, ServerConfig, TargetConfig
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: ServerConfig(port=70000), "port=70000"),
+    (lambda: ModelSpec("m", dtype="int8"), "dtype='int8'"),
+    (lambda: TargetConfig(ModelSpec("m"), max_slots=0), "max_slots=0"),
+    (lambda: TargetConfig(ModelSpec("m"), default_gamma=20, max_gamma=16), "default_gamma=20"),
+    (lambda: TargetConfig(ModelSpec("m"), draft_timeout_s=0), "draft_timeout_s=0"),
+    (lambda: DraftConfig(ModelSpec("m"), max_seq_len=2), "max_seq_len=2"),
+    (lambda: GatewayConfig("t:1", "m", max_in_flight=0), "max_in_flight=0"),
+])
+def test_bad_values_are_rejected_with_the_value(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_defaults_are_valid():
+    TargetConfig(ModelSpec("m"))
+    DraftConfig(ModelSpec("m"))
+    GatewayConfig("t:1", "m")
