@@ -89,7 +89,7 @@ class DraftProposer:
     def _guess(self, rows: list[tuple[int, ProposeItem, int]], gammas: list[int]) -> list[list[int]]:
         """Appends each row's tokens, then decodes max(gammas) greedy tokens for all rows at once."""
         batch = len(rows)
-        first = torch.empty(batch, dtype=torch.int64)  # [B]
+        first = torch.empty(batch, dtype=torch.int64, device=self.model.device)  # [B]
         by_len: dict[int, list[int]] = defaultdict(list)
         for b, (_, item, _) in enumerate(rows):
             by_len[len(item.append)].append(b)

@@ -22,7 +22,7 @@ from specstream_pb import common_pb2, generation_pb2
 async def stream_chunks(req: ValidRequest, target: TargetClient, tokenizer: TextTokenizer,
                         eos_ids: tuple[int, ...]) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
     try:
-        events = target.submit(req.to_sequence_pb(eos_ids))
+        stream_id, events = target.submit(req.to_sequence_pb(eos_ids))
     except ConnectionError as exc:
         raise UnavailableError(str(exc)) from exc
     detok = tokenizer.detokenizer(req.prompt_ids)
@@ -51,7 +51,7 @@ async def stream_chunks(req: ValidRequest, target: TargetClient, tokenizer: Text
                 timings.time_to_first_token_seconds = time.monotonic() - req.received
             if matched:
                 finish = common_pb2.FINISH_REASON_STOP
-                target.cancel(req.request_id)
+                target.cancel(stream_id)
             elif finish != common_pb2.FINISH_REASON_UNSPECIFIED:
                 chunk.text += _flush(detok, stop)
             if finish != common_pb2.FINISH_REASON_UNSPECIFIED:
@@ -65,7 +65,7 @@ async def stream_chunks(req: ValidRequest, target: TargetClient, tokenizer: Text
             if chunk.token_ids:
                 yield chunk
     finally:
-        target.cancel(req.request_id)  # no-op when the sequence already finished
+        target.cancel(stream_id)  # no-op when the sequence already finished
 
 
 def _flush(detok: IncrementalDetokenizer, stop: StopStringMatcher | None) -> str:

@@ -14,7 +14,7 @@ from gateway import request as pipeline
 from gateway.target_client import TargetClient
 from gateway.validation import Limits, validate
 from specstream.config import GatewayConfig
-from specstream.errors import InvalidArgumentError, OverloadedError
+from specstream.errors import OverloadedError
 from specstream.grpc_server import ServiceServer
 from specstream.tokenizer import TextTokenizer
 from specstream_pb import generation_pb2, generation_pb2_grpc
@@ -36,10 +36,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if self.in_flight >= self.config.max_in_flight:
             raise OverloadedError(f"{self.in_flight} requests in flight (max_in_flight={self.config.max_in_flight}); "
                                   "retry later")
-        valid = validate(request, self.limits, self.tokenizer)
-        if self.target.in_use(valid.request_id):
-            raise InvalidArgumentError("request_id", valid.request_id, "a request with this id is already running")
-        return valid
+        return validate(request, self.limits, self.tokenizer)
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):  # noqa: N802
         valid = self._admit(request)
@@ -78,5 +75,6 @@ async def serve(config: GatewayConfig) -> None:
     await server.start()
     await target.connected.wait()
     await server.set_serving(True)
+    target.on_state = server.set_serving  # NOT_SERVING while the target stream is down
     log.info("gateway serving on %s -> target %s (%s)", server.address, config.target_url, target.info.model_name)
     await server.serve_forever(on_stop=target.close)

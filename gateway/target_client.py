@@ -8,7 +8,9 @@ breaks, every waiting request gets an UNAVAILABLE error event and the client rec
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -28,7 +30,11 @@ class TargetClient:
         self._task: asyncio.Task[None] | None = None
         self.info = target_pb2.TargetInfo()
         self.load = target_pb2.Load()
-        self.connected = asyncio.Event()
+        self.connected = asyncio.Event()  # set once the target has answered on the stream
+        self.on_state: Callable[[bool], Awaitable[None]] | None = None  # told when that changes
+        # Ids on the stream are ours, not the caller's: a cancelled request's late events can
+        # never reach a new request that reuses its public id.
+        self._ids = itertools.count(1)
 
     async def start(self, timeout_s: float) -> None:
         """Waits for the target to answer GetInfo, then keeps a Connect stream open."""
@@ -36,33 +42,33 @@ class TargetClient:
         self.load = self.info.load
         self._task = asyncio.create_task(self._run(), name=f"target-stream {self.url}")
 
-    def submit(self, request: target_pb2.SequenceRequest) -> asyncio.Queue[target_pb2.SequenceEvent]:
+    def submit(self, request: target_pb2.SequenceRequest) -> tuple[str, asyncio.Queue[target_pb2.SequenceEvent]]:
+        """Sends the request under a fresh stream id; returns that id and the queue of its events."""
         if not self.connected.is_set():
             raise ConnectionError(f"target {self.url} is not connected")
-        assert request.id not in self._queues, f"duplicate request id {request.id}"
+        stream_id = str(next(self._ids))
+        request.id = stream_id
         queue: asyncio.Queue[target_pb2.SequenceEvent] = asyncio.Queue()
-        self._queues[request.id] = queue
+        self._queues[stream_id] = queue
         self._outgoing.put_nowait(target_pb2.GatewayMessage(submit=target_pb2.Submit(requests=[request])))
-        return queue
+        return stream_id, queue
 
-    def cancel(self, request_id: str) -> None:
-        if self._queues.pop(request_id, None) is not None:
-            self._outgoing.put_nowait(target_pb2.GatewayMessage(cancel=target_pb2.Cancel(ids=[request_id])))
-
-    def in_use(self, request_id: str) -> bool:
-        return request_id in self._queues
+    def cancel(self, stream_id: str) -> None:
+        if self._queues.pop(stream_id, None) is not None:
+            self._outgoing.put_nowait(target_pb2.GatewayMessage(cancel=target_pb2.Cancel(ids=[stream_id])))
 
     async def _run(self) -> None:
         while True:
             try:
                 call = self._stub.Connect(self._messages())
-                self.connected.set()
                 async for message in call:
+                    if not self.connected.is_set():
+                        await self._set_connected(True)
                     self._dispatch(message)
                 why = "stream ended"
             except grpc.aio.AioRpcError as exc:
                 why = f"{exc.code().name}: {exc.details()}"
-            self.connected.clear()
+            await self._set_connected(False)
             log.warning("target %s stream lost (%s); retrying in %.1fs", self.url, why, self.retry_s)
             self._fail_all(f"target {self.url} connection lost ({why})")
             await asyncio.sleep(self.retry_s)
@@ -80,6 +86,14 @@ class TargetClient:
                 yield target_pb2.GatewayMessage(submit=target_pb2.Submit(requests=submits))
             if cancels:
                 yield target_pb2.GatewayMessage(cancel=target_pb2.Cancel(ids=cancels))
+
+    async def _set_connected(self, up: bool) -> None:
+        if up:
+            self.connected.set()
+        else:
+            self.connected.clear()
+        if self.on_state is not None:
+            await self.on_state(up)
 
     def _dispatch(self, message: target_pb2.TargetMessage) -> None:
         if message.HasField("load"):

@@ -105,7 +105,8 @@ class ServiceServer:
         await self.server.start()
 
     async def serve_forever(self, on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Runs until SIGTERM/SIGINT; then NOT_SERVING, `on_stop`, and a graceful stop."""
+        """Runs until SIGTERM/SIGINT; then NOT_SERVING, a graceful stop (new RPCs refused, running
+        ones get `grace_s` to finish), and last `on_stop` to release what they were using."""
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -113,9 +114,9 @@ class ServiceServer:
         await stop.wait()
         log.info("stopping %s", self.address)
         await self.set_serving(False)
+        await self.server.stop(self.config.grace_s)
         if on_stop is not None:
             await on_stop()
-        await self.server.stop(self.config.grace_s)
 
 
 async def _maybe_await(value: Any) -> None:

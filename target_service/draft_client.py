@@ -1,8 +1,9 @@
 """The target's side of `Draft.Speculate`: one bidi stream, one response per request, in order.
 
 Failures never reach the engine as exceptions: `propose` returns None and the engine decodes with
-γ=0 for that step. The next call after `retry_s` opens a fresh stream; a new stream means the
-draft holds no state, which `epoch` tells the engine (it then resends whole contexts).
+γ=0 for that step. A dead draft costs a step nothing (reachability is probed in the background); a
+hung one costs at most `timeout_s`, once. After `retry_s` a fresh stream opens; a new stream means
+the draft holds no state, which `epoch` tells the engine (it then resends whole contexts).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class DraftClient:
         self.held_sequences = 0  # as last reported by the draft
         self.model_name = ""
         self.vocab_size = 0
+        self.max_context_length = 0  # tokens the draft can hold per sequence (from GetInfo)
 
     @property
     def connected(self) -> bool:
@@ -46,6 +48,7 @@ class DraftClient:
             log.warning("draft %s unavailable: %s", self.url, exc.code().name)
             return False
         self.model_name, self.vocab_size = info.model_name, info.vocab_size
+        self.max_context_length = info.max_context_length
         return True
 
     async def ready(self) -> bool:
@@ -60,7 +63,9 @@ class DraftClient:
         response = await self._exchange(request)
         if response is None:
             return None
-        assert len(response.proposals) == len(items), "draft answered a different number of items"
+        if len(response.proposals) != len(items):
+            self._fail(f"answered {len(response.proposals)} proposals for {len(items)} items")
+            return None
         return list(response.proposals)
 
     async def release(self, seq_ids: list[int]) -> None:
@@ -73,8 +78,7 @@ class DraftClient:
                 return None
             assert self._call is not None
             try:
-                await asyncio.wait_for(self._call.write(request), self.timeout_s)
-                response = await asyncio.wait_for(self._call.read(), self.timeout_s)
+                response = await asyncio.wait_for(self._round_trip(self._call, request), self.timeout_s)
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.TimeoutError, asyncio.InvalidStateError) as exc:
                 self._fail(f"{type(exc).__name__}: {getattr(exc, 'code', lambda: '')()}")
                 return None
@@ -83,6 +87,11 @@ class DraftClient:
                 return None
             self.held_sequences = response.held_sequences
             return response
+
+    @staticmethod
+    async def _round_trip(call: grpc.aio.StreamStreamCall, request: draft_pb2.ProposeRequest):
+        await call.write(request)
+        return await call.read()
 
     async def _open(self) -> bool:
         """Opens a stream if the draft is known to be up; otherwise starts checking in the

@@ -51,6 +51,7 @@ class Engine:
         self._wake = asyncio.Event()
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-compute")
         self.step_count = 0
+        self._background: set[asyncio.Task] = set()
 
     # ----- limits and load -------------------------------------------------------------------
     @property
@@ -155,7 +156,8 @@ class Engine:
         """Moves waiting sequences into free slots and prefills them, oldest first."""
         while self.waiting and self.cache.num_free:
             seq = self.waiting.popleft()
-            if seq.finish_reason is not None:  # cancelled while queued
+            if seq.finish_reason is not None:  # cancelled while queued: nothing to free but the id
+                self.by_request.pop((seq.conn, seq.request_id), None)
                 continue
             seq.slot = self.cache.alloc()
             assert seq.slot is not None
@@ -190,8 +192,13 @@ class Engine:
     async def _propose(self, rows: list[Sequence]) -> list[list[int]]:
         """Asks the draft for γ tokens per row (γ capped by the budget); [] where it has none."""
         none: list[list[int]] = [[] for _ in rows]
-        gammas = [min(s.gamma, s.remaining - 1) for s in rows]
-        if self.draft is None or max(gammas) <= 0 or not await self.draft.ready():
+        if self.draft is None or not any(s.gamma for s in rows) or not await self.draft.ready():
+            return none
+        # Past the draft's own context limit a sequence decodes plainly rather than resending
+        # its whole context every step.
+        room = self.draft.max_context_length
+        gammas = [min(s.gamma, s.remaining - 1, room - len(s.tokens)) for s in rows]
+        if max(gammas) <= 0:
             return none
         items, asked = [], []
         for i, (seq, gamma) in enumerate(zip(rows, gammas)):
@@ -211,9 +218,9 @@ class Engine:
             tokens = list(reply.token_ids[: gammas[i]])
             cut = next((j for j, t in enumerate(tokens) if t >= vocab), len(tokens))
             none[i] = tokens[:cut]
-            # What the draft holds beyond the context is only its own guesses; `_accept` keeps
-            # the part of it the target agreed with.
-            seq.draft_len = min(reply.length, len(seq.tokens))
+            # Beyond the context the draft holds its own guesses; `_accept` keeps the part the
+            # target agreed with.
+            seq.draft_len = reply.length
             seq.draft_tokens += len(none[i])
         return none
 
@@ -240,11 +247,10 @@ class Engine:
     def _accept(self, seq: Sequence, ctx_len: int, proposals: list[int], k: int, target_tokens: list[int]) -> None:
         seq.target_passes += 1
         seq.decode_passes += 1
-        seq.accepted_tokens += k
         seq.append(target_tokens[: k + 1])  # k accepted proposals, then the correction or bonus token
-        if proposals:
-            # The draft fed ctx + proposals[:-1]; the first k of those agree with the target.
-            seq.draft_len = min(seq.draft_len, ctx_len + k)
+        seq.accepted_tokens += min(k, len(seq.tokens) - ctx_len)  # a stop id may cut the run short
+        # The draft fed ctx + proposals[:-1]; only the first k of those agree with the target.
+        seq.draft_len = min(seq.draft_len, ctx_len + k)
         if seq.finish_reason is None:
             # Commit (or roll back): the newest token is not in the cache yet, everything before is.
             self.cache.set_length(seq.slot, len(seq.tokens) - 1)
@@ -265,13 +271,19 @@ class Engine:
         if self.draft is not None:
             await self.draft.release([s.seq_id for s in done if s.draft_epoch == self.draft.epoch])
 
-    def _fail_all(self, why: str) -> None:
-        for seq in [*self.running, *self.waiting]:
+    def _fail_all(self, why: str, code: grpc.StatusCode = grpc.StatusCode.INTERNAL) -> None:
+        failed = [*self.running, *self.waiting]
+        for seq in failed:
             if seq.slot is not None:
                 self.cache.free(seq.slot)
-            seq.conn.send(_error_message(seq.request_id, None, why, grpc.StatusCode.INTERNAL))
+            seq.conn.send(_error_message(seq.request_id, None, why, code))
             self.by_request.pop((seq.conn, seq.request_id), None)
         self.running, self.waiting, self._touched = [], deque(), []
+        if self.draft is not None and failed:
+            epoch = self.draft.epoch
+            task = asyncio.create_task(self.draft.release([s.seq_id for s in failed if s.draft_epoch == epoch]))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     def _emit(self) -> None:
         """One message per connection per step: every touched sequence's event, plus load."""
@@ -292,7 +304,7 @@ class Engine:
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
     def shutdown(self) -> None:
-        self._fail_all("the target service is shutting down")
+        self._fail_all("the target service is shutting down", grpc.StatusCode.UNAVAILABLE)
         self._compute.shutdown(wait=False)
 
 

@@ -18,6 +18,7 @@ class LocalDraft:
         self.proposer = proposer
         self.model_name = proposer.model.config.name
         self.url = "in-process"
+        self.max_context_length = proposer.max_len
 
     @property
     def held_sequences(self) -> int:

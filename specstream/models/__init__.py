@@ -8,7 +8,8 @@ What it does not know: tokenizers, sampling, speculative verification, schedulin
 """
 
 from specstream.models.config import ModelConfig, ModelLoadError
-from specstream.models.kv_cache import CausalLM, KVCache
+from specstream.models.base import CausalLM
+from specstream.models.kv_cache import KVCache
 from specstream.models.loader import load_model, read_config
 from specstream.models.random_init import write_random_checkpoint
 

@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specstream.models.config import ModelConfig
-from specstream.models.kv_cache import ACTIVATIONS, CacheBatch, CausalLM, KVCache, TensorSource
+from specstream.models.attention import CacheBatch
+from specstream.models.base import ACTIVATIONS, CausalLM, TensorSource
+from specstream.models.kv_cache import KVCache
 
 __all__ = ["GPT2LMHeadModel"]
 

@@ -22,7 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specstream.models.config import ModelConfig, RopeConfig
-from specstream.models.kv_cache import ACTIVATIONS, CacheBatch, CausalLM, KVCache, TensorSource, rms_norm
+from specstream.models.attention import CacheBatch
+from specstream.models.base import ACTIVATIONS, CausalLM, TensorSource, rms_norm
+from specstream.models.kv_cache import KVCache
 
 __all__ = ["LlamaForCausalLM", "rope_inv_freq"]
 

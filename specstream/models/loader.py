@@ -27,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 
 from specstream.models.config import CONFIG_PARSERS, ModelConfig, ModelLoadError, parse_config
 from specstream.models.gpt2 import GPT2LMHeadModel
-from specstream.models.kv_cache import CausalLM
+from specstream.models.base import CausalLM
 from specstream.models.llama import LlamaForCausalLM
 
 __all__ = ["load_model", "read_config", "ModelLoadError", "MODEL_CLASSES", "DTYPES", "SafetensorsSource"]

@@ -197,3 +197,23 @@ def test_target_keeps_serving_when_the_draft_dies(stack_factory, model_zoo):
         assert after.token_ids == before.token_ids
         assert not client.model_info().draft_connected
     stack.procs.pop("draft")
+
+
+def test_gateway_reports_target_loss(stack_factory, model_zoo):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from specstream_client import Unavailable
+
+    stack = stack_factory(model_zoo["target"], None, max_slots=2)
+    with Client(stack.gateway_address, timeout=30) as client:
+        assert client.generate("x", max_new_tokens=2).usage.completion_tokens >= 1
+        stack.procs["target"].terminate()
+        stack.procs["target"].wait(10)
+        with grpc.insecure_channel(stack.gateway_address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            deadline = time.monotonic() + 10
+            while health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING:
+                assert time.monotonic() < deadline, "gateway still SERVING with its target gone"
+                time.sleep(0.1)
+        with pytest.raises(Unavailable):
+            client.generate("x", max_new_tokens=2)
+    stack.procs.pop("target")

@@ -1,0 +1,164 @@
+"""How one forward reads and writes the slot KV cache: ``CacheBatch``.
+
+Built once per forward from (cache, slots, start_pos, T): it validates the request, decides how
+each layer writes and reads the cache (slice views when possible, gathers otherwise) and builds
+the boolean attention masks once, so layers only do tensor work. Knows nothing about checkpoints,
+weight names or which slot belongs to which request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specstream.models.kv_cache import KVCache
+
+__all__ = ["CacheBatch"]
+
+
+@dataclass(frozen=True)
+class _WindowPlan:
+    """How every layer with one sliding-window size reads the cache in this forward."""
+
+    lo: int  # first absolute key position read; keys are [lo, kv_len)
+    mask: torch.Tensor | None  # [B or 1, 1, n_rep*T, kv_len-lo] bool (True = attend), query rows folded per kv head
+    causal: bool  # use SDPA's is_causal instead of a mask (all rows start at 0, keys == queries)
+
+
+class CacheBatch:
+    """One forward's view of the cache: validated slots/positions, write strategy and masks for all layers.
+
+    Row b's T tokens sit at positions start_pos[b] .. start_pos[b]+T-1 of slot slots[b]; each attends to its
+    slot's keys [0, position] (or the last ``window`` of them).
+    """
+
+    def __init__(
+        self,
+        cache: KVCache,
+        slots: torch.Tensor,
+        start_pos: torch.Tensor,
+        num_tokens: int,
+        num_kv_groups: int,
+        max_positions: int,
+    ) -> None:
+        B = slots.shape[0] if slots.dim() == 1 else -1
+        if slots.dim() != 1 or start_pos.shape != slots.shape or B < 1:
+            raise ValueError(
+                f"forward: slots and start_pos must both have shape [B] with B >= 1, "
+                f"got {tuple(slots.shape)} and {tuple(start_pos.shape)}"
+            )
+        if num_tokens < 1:
+            raise ValueError(f"forward: input_ids must have at least one token per row, got T={num_tokens}")
+        # The only host reads of a forward: everything below is planned from these Python ints.
+        slot_list: list[int] = slots.tolist()
+        start_list: list[int] = start_pos.tolist()
+        if len(set(slot_list)) != B:
+            raise ValueError(f"forward: slots must be distinct within a batch, got {slot_list}")
+        for s, p in zip(slot_list, start_list):
+            if not 0 <= s < cache.num_slots:
+                raise ValueError(f"forward: slot {s} out of range [0, {cache.num_slots})")
+            if p < 0 or p + num_tokens > cache.max_len:
+                raise ValueError(
+                    f"forward: slot {s} positions [{p}, {p + num_tokens}) exceed the cache max_len {cache.max_len}"
+                )
+            if p + num_tokens > max_positions:
+                raise ValueError(
+                    f"forward: slot {s} positions [{p}, {p + num_tokens}) exceed "
+                    f"max_position_embeddings {max_positions}"
+                )
+
+        device = cache.device
+        self.cache = cache
+        self.B = B
+        self.T = num_tokens
+        self.n_rep = num_kv_groups
+        self.kv_len = max(start_list) + num_tokens  # L_max: keys past it are never read
+        self.uniform = all(p == start_list[0] for p in start_list)
+        self.start0 = start_list[0]
+        self.min_start = min(start_list)
+        # A run of consecutive slots can be addressed with a slice view: no gather, no index_put.
+        self.slot0 = slot_list[0]
+        self.contiguous = slot_list == list(range(self.slot0, self.slot0 + B))
+        arange_t = torch.arange(num_tokens, dtype=torch.int64)  # [T]
+        positions_cpu = torch.tensor(start_list, dtype=torch.int64)[:, None] + arange_t  # [B, T]
+        self._positions_cpu = positions_cpu  # [B, T]; masks are built host-side, then copied once
+        self.positions = positions_cpu.to(device)  # [B, T]
+        self._slot_index = slots.to(device=device, dtype=torch.int64)  # [B]
+        self._windows: dict[int | None, _WindowPlan] = {}
+
+    # -- writes ---------------------------------------------------------------------------------------------
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store this forward's K/V ([B, Hkv, T, D], already position-encoded) at each row's positions."""
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        if self.uniform:
+            p0, p1 = self.start0, self.start0 + self.T
+            if self.contiguous:
+                kc[self.slot0 : self.slot0 + self.B, :, p0:p1] = k
+                vc[self.slot0 : self.slot0 + self.B, :, p0:p1] = v
+            else:
+                kc[self._slot_index, :, p0:p1] = k
+                vc[self._slot_index, :, p0:p1] = v
+        else:
+            # Advanced indices [B, 1] and [B, T] around a slice put the index dims first: [B, T, Hkv, D].
+            rows = self._slot_index[:, None]  # [B, 1]
+            kc[rows, :, self.positions] = k.transpose(1, 2)
+            vc[rows, :, self.positions] = v.transpose(1, 2)
+
+    # -- reads ----------------------------------------------------------------------------------------------
+    def _plan(self, window: int | None) -> _WindowPlan:
+        plan = self._windows.get(window)
+        if plan is None:
+            plan = self._build_plan(window)
+            self._windows[window] = plan
+        return plan
+
+    def _build_plan(self, window: int | None) -> _WindowPlan:
+        T, L = self.T, self.kv_len
+        # Keys before the earliest query's window are never attended: skip them instead of masking.
+        lo = 0 if window is None else max(0, self.min_start - window + 1)
+        if self.uniform:
+            if T == 1:
+                # One query per row at the last key: [lo, L) is exactly its causal (windowed) range.
+                return _WindowPlan(lo, None, False)
+            if self.start0 == 0 and (window is None or window >= T):
+                return _WindowPlan(0, None, True)
+            q_pos = (self.start0 + torch.arange(T, dtype=torch.int64))[None, :]  # [1, T]
+        else:
+            q_pos = self._positions_cpu  # [B, T]
+        key_pos = torch.arange(lo, L, dtype=torch.int64)  # [L-lo]
+        mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [B or 1, T, L-lo]
+        if window is not None:
+            mask &= key_pos[None, None, :] > q_pos[:, :, None] - window
+        if self.n_rep > 1:
+            # Query rows are folded as (group member, t): repeat the per-t mask once per group member.
+            mask = mask.repeat(1, self.n_rep, 1)  # [B or 1, n_rep*T, L-lo]
+        mask = mask[:, None].to(self.cache.device)  # [B or 1, 1, n_rep*T, L-lo]
+        return _WindowPlan(lo, mask, False)
+
+    def attend(self, layer: int, q: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+        """Attention of q [B, H, T, D] over the cached keys (this forward's already written). Returns [B, T, H*D]."""
+        plan = self._plan(window)
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        lo, L = plan.lo, self.kv_len
+        if self.contiguous:
+            keys = kc[self.slot0 : self.slot0 + self.B, :, lo:L]  # [B, Hkv, L-lo, D] view
+            values = vc[self.slot0 : self.slot0 + self.B, :, lo:L]  # [B, Hkv, L-lo, D] view
+        else:
+            # Narrow first so the gather copies L-lo positions, not max_len.
+            keys = kc[:, :, lo:L][self._slot_index]  # [B, Hkv, L-lo, D]
+            values = vc[:, :, lo:L][self._slot_index]  # [B, Hkv, L-lo, D]
+        B, H, T, D = q.shape
+        if plan.causal:
+            out = F.scaled_dot_product_attention(
+                q, keys, values, is_causal=True, scale=scale, enable_gqa=self.n_rep > 1
+            )  # [B, H, T, D]
+        else:
+            # GQA without repeating K/V: the n_rep query heads sharing a kv head become extra query rows.
+            hkv = H // self.n_rep
+            qf = q.reshape(B, hkv, self.n_rep * T, D)  # [B, Hkv, n_rep*T, D]
+            out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=plan.mask, scale=scale)
+            # reshape, not view: some SDPA backends return a [B, T, H, D]-strided result.
+            out = out.reshape(B, H, T, D)  # [B, H, T, D]
+        return out.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H*D]

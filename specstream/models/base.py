@@ -1,0 +1,119 @@
+"""The ``CausalLM`` contract every architecture implements, and the numeric helpers they share.
+
+``CausalLM``: ``new_cache`` and ``forward(input_ids, cache, slots, start_pos)`` (see its docstring).
+Knows nothing about checkpoints and weight names (models and ``loader.py`` do that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from specstream.models.attention import CacheBatch
+from specstream.models.config import SUPPORTED_ACTIVATIONS, ModelConfig
+from specstream.models.kv_cache import KVCache
+
+__all__ = ["CausalLM", "TensorSource", "ACTIVATIONS", "rms_norm"]
+
+# config.json activation name -> function; the same names transformers' ACT2FN uses.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+assert set(ACTIVATIONS) == SUPPORTED_ACTIVATIONS, "config.py validates against this list"
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with transformers' rounding: normalise in float32, round to x's dtype, then scale."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one fused op on the fp32 path
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class TensorSource(Protocol):
+    """What a model needs from a checkpoint: tensors by their checkpoint name, already in model dtype/device."""
+
+    def has(self, name: str) -> bool: ...
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor, checked against ``shape``; raises ModelLoadError naming the file and tensor."""
+        ...
+
+
+class CausalLM(torch.nn.Module):
+    """Base of every model: a decoder that reads and writes a slot KVCache.
+
+    Subclasses allocate uninitialised parameters in ``__init__`` and fill them in ``load_weights``.
+    """
+
+    config: ModelConfig
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def load_weights(self, source: TensorSource) -> None:
+        raise NotImplementedError
+
+    def _prepare_positions(self, max_len: int) -> None:
+        """Hook for per-position tables (RoPE) sized to the longest cache; called by new_cache."""
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        """A cache in the model's dtype and device; ValueError if max_len > max_position_embeddings."""
+        cfg = self.config
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"new_cache: max_len {max_len} exceeds {cfg.name} max_position_embeddings {cfg.max_position_embeddings}"
+            )
+        self._prepare_positions(max_len)
+        return KVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, self.dtype, self.device)
+
+    def _cache_batch(
+        self, input_ids: torch.Tensor, cache: KVCache, slots: torch.Tensor, start_pos: torch.Tensor
+    ) -> CacheBatch:
+        cfg = self.config
+        if input_ids.dim() != 2:
+            raise ValueError(f"forward: input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
+            raise ValueError(
+                f"forward: cache layout (layers={cache.num_layers}, kv_heads={cache.num_kv_heads}, "
+                f"head_dim={cache.head_dim}) does not match {cfg.name} "
+                f"({cfg.num_layers}, {cfg.num_kv_heads}, {cfg.head_dim})"
+            )
+        if input_ids.shape[0] != slots.shape[0]:
+            raise ValueError(f"forward: input_ids has {input_ids.shape[0]} rows but slots has {tuple(slots.shape)}")
+        return CacheBatch(
+            cache, slots, start_pos, input_ids.shape[1], cfg.num_kv_groups, cfg.max_position_embeddings
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor,
+        start_pos: torch.Tensor,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """input_ids [B, T] int64; slots [B] int64; start_pos [B] int64 = position of each row's first token.
+
+        Writes the K/V of row b's T tokens at positions start_pos[b]..start_pos[b]+T-1 of slot slots[b]; each
+        token attends causally to cache positions [0, start_pos[b]+t] of its slot (sliding window where the
+        architecture has one). Returns logits [B, T, vocab] float32 ([B, 1, vocab] when last_only). Does NOT
+        change cache lengths: the caller commits with cache.set_length.
+        """
+        raise NotImplementedError

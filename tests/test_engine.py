@@ -1,0 +1,109 @@
+"""Engine bookkeeping: queued cancellation, draft synchronisation, validation of sequence requests."""
+
+from __future__ import annotations
+
+import asyncio
+
+from engine_harness import speculation
+
+from draft_service.proposer import DraftProposer
+from specstream.config import ModelSpec, TargetConfig
+from specstream.models import load_model
+from specstream_pb import target_pb2
+from target_service.connection import Connection
+from target_service.engine import Engine
+from target_service.local_draft import LocalDraft
+
+
+class RecordingProposer(DraftProposer):
+    """The real proposer, remembering what each call asked it to append."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.appends: list[tuple[object, int, int]] = []  # (key, rollback_to, len(append))
+
+    def propose(self, items):
+        self.appends += [(it.key, it.rollback_to, len(it.append)) for it in items]
+        return super().propose(items)
+
+
+def _engine(model_zoo, draft: str | None = None, max_slots: int = 2):
+    model = load_model(model_zoo["target"])
+    proposer = RecordingProposer(load_model(model_zoo[draft]), 8, 512) if draft else None
+    config = TargetConfig(model=ModelSpec(str(model_zoo["target"])), max_slots=max_slots, max_seq_len=512, max_gamma=8)
+    return Engine(model, config, LocalDraft(proposer) if proposer else None), proposer
+
+
+def _request(rid: str, max_new: int = 8, gamma: int = 4, prompt=(0, 5, 6)) -> target_pb2.SequenceRequest:
+    return target_pb2.SequenceRequest(id=rid, prompt_token_ids=list(prompt), max_new_tokens=max_new,
+                                      speculation=speculation(gamma))
+
+
+async def _until_finished(conn: Connection, ids: set[str]) -> dict[str, target_pb2.SequenceEvent]:
+    final = {}
+    while not ids <= set(final):
+        message = await asyncio.wait_for(conn.outbox.get(), 30)
+        final.update({e.id: e for e in message.events.events if e.finish_reason})
+    return final
+
+
+def test_cancel_while_queued_frees_the_id(model_zoo):
+    engine, _ = _engine(model_zoo, max_slots=1)
+
+    async def main():
+        conn = Connection()
+        engine.attach(conn)
+        task = asyncio.create_task(engine.run())
+        engine.submit(conn, [_request("a", max_new=50), _request("b")])
+        await asyncio.sleep(0)  # "b" is queued behind "a" (one slot)
+        engine.cancel(conn, ["b"])
+        final = await _until_finished(conn, {"a", "b"})
+        assert final["b"].finish_reason == 4  # CANCELLED
+        assert (conn, "b") not in engine.by_request
+        engine.submit(conn, [_request("b")])  # the id is free again
+        final = await _until_finished(conn, {"b"})
+        assert final["b"].finish_reason == 1  # LENGTH
+        assert engine.by_request == {} and engine.cache.num_free == 1
+        task.cancel()
+
+    asyncio.run(main())
+
+
+def test_draft_gets_only_new_tokens_after_the_first_step(model_zoo):
+    """The draft keeps what the target accepted: after the prompt, each step appends just the
+    correction/bonus token (plus the last proposal when all were accepted), never the context again."""
+    engine, proposer = _engine(model_zoo, draft="partial")
+
+    async def main():
+        conn = Connection()
+        engine.attach(conn)
+        task = asyncio.create_task(engine.run())
+        engine.submit(conn, [_request("a", max_new=40, prompt=list(range(2, 30)))])
+        await _until_finished(conn, {"a"})
+        task.cancel()
+
+    asyncio.run(main())
+    first, *rest = proposer.appends
+    assert first[1:] == (0, 29)  # prompt + the prefill's token
+    assert rest and all(n <= 2 for _, _, n in rest), proposer.appends
+    assert proposer.held == 0  # released when the sequence finished
+
+
+def test_invalid_sequence_requests_get_error_events(model_zoo):
+    engine, _ = _engine(model_zoo)
+    conn = Connection()
+    engine.submit(conn, [
+        target_pb2.SequenceRequest(id="empty", max_new_tokens=3),
+        _request("toolong", max_new=10_000),
+        _request("badgamma", gamma=99),
+        target_pb2.SequenceRequest(id="badtok", prompt_token_ids=[10**6], max_new_tokens=3),
+    ])
+    errors = {}
+    while not conn.outbox.empty():
+        for event in conn.outbox.get_nowait().events.events:
+            errors[event.id] = event.error.message
+    assert errors["empty"].startswith("prompt_token_ids")
+    assert errors["toolong"].startswith("max_new_tokens=10000")
+    assert errors["badgamma"].startswith("speculation.gamma=99")
+    assert errors["badtok"].startswith("prompt_token_ids=1000000")
+    assert not engine.waiting
