@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from draft_service.proposer import DraftProposer, ProposeItem
+from specstream.compute import compute_executor
 from specstream.config import DraftConfig
 from specstream.grpc_server import ServiceServer
 from specstream.models import load_model
@@ -24,10 +25,10 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
 
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):
-    def __init__(self, proposer: DraftProposer) -> None:
+    def __init__(self, proposer: DraftProposer, compute: ThreadPoolExecutor) -> None:
         self.proposer = proposer
         self._streams = itertools.count(1)
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-compute")
+        self._compute = compute  # the one thread that does all torch work
 
     async def Speculate(self, request_iterator, context: grpc.aio.ServicerContext):  # noqa: N802
         stream = next(self._streams)
@@ -63,11 +64,18 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
 
 
 async def serve(config: DraftConfig) -> None:
-    model = load_model(config.model.path, dtype=config.model.dtype, device=config.model.device)
-    proposer = DraftProposer(model, config.max_slots, config.max_seq_len)
+    # Load and run on one thread (see specstream.compute).
+    compute = compute_executor("draft-compute", config.torch_threads)
+
+    def build() -> DraftProposer:
+        model = load_model(config.model.path, dtype=config.model.dtype, device=config.model.device)
+        return DraftProposer(model, config.max_slots, config.max_seq_len)
+
+    proposer = await asyncio.get_running_loop().run_in_executor(compute, build)
     server = ServiceServer(config.server, [SERVICE_NAME])
-    draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(proposer), server.server)
+    draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(proposer, compute), server.server)
     await server.start()
     await server.set_serving(True)
-    log.info("draft %s serving on %s", model.config.name, server.address)
+    log.info("draft %s serving on %s", proposer.model.config.name, server.address)
     await server.serve_forever()
+

@@ -31,6 +31,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for the model (0: one per core)")
 
 
 def _server_config(args: argparse.Namespace):
@@ -59,7 +60,8 @@ def cmd_target(args: argparse.Namespace) -> int:
 
     config = TargetConfig(model=ModelSpec(args.model, args.dtype, args.device), server=_server_config(args),
                           max_slots=args.max_slots, max_seq_len=args.max_seq_len, default_gamma=args.gamma,
-                          max_gamma=args.max_gamma, draft_url=args.draft_url, draft_timeout_s=args.draft_timeout)
+                          max_gamma=args.max_gamma, draft_url=args.draft_url, draft_timeout_s=args.draft_timeout,
+                          torch_threads=args.threads)
     return _run_service(args, lambda: serve(config))
 
 
@@ -68,7 +70,7 @@ def cmd_draft(args: argparse.Namespace) -> int:
     from specstream.config import DraftConfig, ModelSpec
 
     config = DraftConfig(model=ModelSpec(args.model, args.dtype, args.device), server=_server_config(args),
-                         max_slots=args.max_slots, max_seq_len=args.max_seq_len)
+                         max_slots=args.max_slots, max_seq_len=args.max_seq_len, torch_threads=args.threads)
     return _run_service(args, lambda: serve(config))
 
 
@@ -95,7 +97,7 @@ def _stack_spec(args: argparse.Namespace):
         draft = None
     return StackSpec(target_model=target, draft_model=draft, gateway_port=args.port, host=args.host,
                      gamma=args.gamma, max_slots=args.max_slots, max_seq_len=args.max_seq_len, dtype=args.dtype,
-                     log_dir=args.log_dir)
+                     log_dir=args.log_dir, draft_threads=args.draft_threads, target_threads=args.target_threads)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -192,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-slots", type=int, default=8)
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--draft-threads", type=int, default=1, help="CPU threads of the draft model (0: one per core)")
+    p.add_argument("--target-threads", type=int, default=0, help="CPU threads of the target model (0: one per core)")
     p.add_argument("--log-dir", help="write each service's log here instead of the terminal")
     p.set_defaults(func=cmd_serve)
 

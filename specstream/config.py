@@ -71,6 +71,7 @@ class TargetConfig:
     draft_url: str | None = None  # host:port of the draft service; None decodes plainly
     draft_timeout_s: float = 10.0  # a propose round trip longer than this counts as draft failure
     draft_retry_s: float = 1.0  # wait this long before reconnecting to a failed draft
+    torch_threads: int = 0  # CPU threads for the model (0: torch's default, one per core)
 
     def __post_init__(self) -> None:
         _check(self.max_slots >= 1, "max_slots", self.max_slots, ">= 1")
@@ -81,6 +82,7 @@ class TargetConfig:
         _check(self.max_gamma + 2 < self.max_seq_len, "max_gamma", self.max_gamma, "well below max_seq_len")
         _check(self.draft_timeout_s > 0, "draft_timeout_s", self.draft_timeout_s, "> 0")
         _check(self.draft_retry_s >= 0, "draft_retry_s", self.draft_retry_s, ">= 0")
+        _check(self.torch_threads >= 0, "torch_threads", self.torch_threads, ">= 0")
 
 
 @dataclass
@@ -89,10 +91,12 @@ class DraftConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     max_slots: int = 64  # sequences whose KV state the draft holds at once
     max_seq_len: int = 2048  # per slot; capped by the model
+    torch_threads: int = 0  # CPU threads for the model (0: torch's default, one per core)
 
     def __post_init__(self) -> None:
         _check(self.max_slots >= 1, "max_slots", self.max_slots, ">= 1")
         _check(self.max_seq_len >= 8, "max_seq_len", self.max_seq_len, ">= 8")
+        _check(self.torch_threads >= 0, "torch_threads", self.torch_threads, ">= 0")
 
 
 @dataclass

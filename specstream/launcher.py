@@ -56,9 +56,21 @@ class StackSpec:
     max_slots: int = 8
     max_seq_len: int = 2048
     dtype: str = "float32"
+    draft_threads: int = 1  # CPU threads of the draft's model (0: one per core); a small draft runs best on one
+    target_threads: int = 0  # CPU threads of the target's model (0: one per core)
     extra_target_args: list[str] = field(default_factory=list)
     extra_gateway_args: list[str] = field(default_factory=list)
     log_dir: str | None = None  # each process logs to <log_dir>/<name>.log; None inherits stderr
+
+
+def _child_env() -> dict[str, str]:
+    """The services' environment. On CPU the three processes share the cores and take turns
+    (draft, then target): OpenMP threads that keep spinning after a forward steal the core the
+    other process needs next. A short spin (libgomp's GOMP_SPINCOUNT) measured 10-15% faster
+    speculative steps on 2 cores with no loss for plain decoding; a value set by the user wins."""
+    env = os.environ.copy()
+    env.setdefault("GOMP_SPINCOUNT", "10000")
+    return env
 
 
 class Stack:
@@ -79,10 +91,12 @@ class Stack:
         common = ["--host", spec.host, "--dtype", spec.dtype, "--max-seq-len", str(spec.max_seq_len)]
         try:
             if spec.draft_model:
-                self._spawn("draft", ["draft", "--model", spec.draft_model, "--port", str(ports["draft"]), *common])
+                self._spawn("draft", ["draft", "--model", spec.draft_model, "--port", str(ports["draft"]), *common,
+                                      "--threads", str(spec.draft_threads)])
             target_args = ["target", "--model", spec.target_model, "--port", str(ports["target"]), *common,
                            "--gamma", str(spec.gamma), "--max-gamma", str(spec.max_gamma),
-                           "--max-slots", str(spec.max_slots), *spec.extra_target_args]
+                           "--max-slots", str(spec.max_slots), "--threads", str(spec.target_threads),
+                           *spec.extra_target_args]
             if spec.draft_model:
                 target_args += ["--draft-url", self.addresses["draft"]]
             self._spawn("target", target_args)
@@ -102,7 +116,7 @@ class Stack:
             Path(self.spec.log_dir).mkdir(parents=True, exist_ok=True)
             out = open(Path(self.spec.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         self.procs[name] = subprocess.Popen([sys.executable, "-m", "specstream.cli", *args], stdout=out,
-                                            stderr=subprocess.STDOUT if out else None, env=os.environ.copy())
+                                            stderr=subprocess.STDOUT if out else None, env=_child_env())
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs.values())

@@ -23,6 +23,7 @@ import grpc
 import torch
 
 import kernels
+from specstream.compute import compute_executor
 from specstream.config import TargetConfig
 from specstream.errors import InvalidArgumentError
 from specstream.models import CausalLM
@@ -35,12 +36,15 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, model: CausalLM, config: TargetConfig, draft: DraftClient | None) -> None:
+    def __init__(self, model: CausalLM, config: TargetConfig, draft: DraftClient | None,
+                 compute: ThreadPoolExecutor | None = None) -> None:
         self.model = model
         self.config = config
         self.draft = draft
         self.max_len = min(config.max_seq_len, model.config.max_position_embeddings)
-        self.cache = model.new_cache(config.max_slots, self.max_len)
+        # All torch work belongs on this one thread (see specstream.compute).
+        self._compute = compute or compute_executor("engine-compute")
+        self.cache = self._compute.submit(model.new_cache, config.max_slots, self.max_len).result()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.by_request: dict[tuple[Connection, str], Sequence] = {}
@@ -49,7 +53,6 @@ class Engine:
         self._touched: list[Sequence] = []  # sequences with something to report this step
         self._seq_ids = itertools.count(1)
         self._wake = asyncio.Event()
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-compute")
         self.step_count = 0
         self._background: set[asyncio.Task] = set()
 

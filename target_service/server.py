@@ -11,6 +11,7 @@ import logging
 
 import grpc
 
+from specstream.compute import compute_executor
 from specstream.config import TargetConfig
 from specstream.grpc_server import ServiceServer
 from specstream.models import load_model
@@ -64,12 +65,14 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
 
 
 async def serve(config: TargetConfig, ready_file: str | None = None) -> None:
-    model = load_model(config.model.path, dtype=config.model.dtype, device=config.model.device)
+    compute = compute_executor("engine-compute", config.torch_threads)  # all torch work
+    model = await asyncio.get_running_loop().run_in_executor(
+        compute, lambda: load_model(config.model.path, dtype=config.model.dtype, device=config.model.device))
     draft = None
     if config.draft_url:
         draft = DraftClient(config.draft_url, config.draft_timeout_s, config.draft_retry_s,
                             options=config.server.grpc_options())
-    engine = Engine(model, config, draft)
+    engine = Engine(model, config, draft, compute)
     server = ServiceServer(config.server, [SERVICE_NAME])
     target_pb2_grpc.add_TargetServicer_to_server(TargetServicer(engine), server.server)
     await server.start()
@@ -87,3 +90,4 @@ async def serve(config: TargetConfig, ready_file: str | None = None) -> None:
             await draft.close()
 
     await server.serve_forever(on_stop)
+
