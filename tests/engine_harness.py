@@ -25,7 +25,7 @@ def speculation(gamma: int | None) -> common_pb2.Speculation:
 
 
 def run_engine(target: Path, draft: Path | None, prompts: list[list[int]], gamma: int, max_new_tokens: int,
-               stop_ids: list[int] = (), max_slots: int = 8) -> tuple[list[list[int]], list[target_pb2.SequenceEvent]]:
+               stop_ids: list[int] = (), eos_ids: list[int] = (), max_slots: int = 8) -> tuple[list[list[int]], list[target_pb2.SequenceEvent]]:
     """Returns each prompt's generated tokens and its final event (finish reason, stats)."""
     model = load_model(target)
     local = LocalDraft(DraftProposer(load_model(draft), max_slots=16, max_seq_len=512)) if draft else None
@@ -37,7 +37,8 @@ def run_engine(target: Path, draft: Path | None, prompts: list[list[int]], gamma
         engine.attach(conn)
         task = asyncio.create_task(engine.run())
         requests = [target_pb2.SequenceRequest(id=str(i), prompt_token_ids=p, max_new_tokens=max_new_tokens,
-                                               stop_token_ids=stop_ids, speculation=speculation(gamma))
+                                               stop_token_ids=stop_ids, eos_token_ids=eos_ids,
+                                               speculation=speculation(gamma))
                     for i, p in enumerate(prompts)]
         engine.submit(conn, requests)
         tokens: dict[str, list[int]] = {r.id: [] for r in requests}

@@ -79,6 +79,17 @@ def test_stop_token_inside_accepted_run_truncates(model_zoo, prompts, plain):
         assert finals[0].finish_reason == 2  # FINISH_REASON_STOP
 
 
+def test_eos_inside_accepted_run_reports_eos(model_zoo, prompts, plain):
+    prompt, want = prompts[1], plain[1]
+    eos = want[3]
+    cut = want[: want.index(eos) + 1]
+    for gamma in (0, 8):
+        tokens, finals = run_engine(model_zoo["target"], model_zoo["same"], [prompt], gamma=gamma,
+                                    max_new_tokens=MAX_NEW, stop_ids=[eos], eos_ids=[eos])
+        assert tokens[0] == cut
+        assert finals[0].finish_reason == 3  # FINISH_REASON_EOS
+
+
 def test_max_new_tokens_is_exact_with_speculation(model_zoo, prompts, plain):
     for max_new in (1, 2, 5):
         tokens, finals = run_engine(model_zoo["target"], model_zoo["same"], prompts[:3], gamma=8,
