@@ -80,7 +80,8 @@ class DraftProposer:
                 return None
             self.slots[item.key] = slot
         if item.rollback_to > self.cache.length(slot) or not item.append \
-                or item.rollback_to + len(item.append) > self.max_len:
+                or item.rollback_to + len(item.append) > self.max_len \
+                or max(item.append) >= self.model.config.vocab_size:
             self.release([item.key])
             return None
         self.cache.set_length(slot, item.rollback_to)

@@ -49,11 +49,12 @@ async def stream_chunks(req: ValidRequest, target: TargetClient, tokenizer: Text
             completion += len(chunk.token_ids)
             if chunk.token_ids and not timings.time_to_first_token_seconds:
                 timings.time_to_first_token_seconds = time.monotonic() - req.received
+            if not matched and finish != common_pb2.FINISH_REASON_UNSPECIFIED:
+                text, matched = _flush(detok, stop)
+                chunk.text += text
             if matched:
                 finish = common_pb2.FINISH_REASON_STOP
                 target.cancel(stream_id)
-            elif finish != common_pb2.FINISH_REASON_UNSPECIFIED:
-                chunk.text += _flush(detok, stop)
             if finish != common_pb2.FINISH_REASON_UNSPECIFIED:
                 timings.total_seconds = time.monotonic() - req.received
                 chunk.finish_reason = finish
@@ -68,13 +69,14 @@ async def stream_chunks(req: ValidRequest, target: TargetClient, tokenizer: Text
         target.cancel(stream_id)  # no-op when the sequence already finished
 
 
-def _flush(detok: IncrementalDetokenizer, stop: StopStringMatcher | None) -> str:
-    """End of generation: release text held back for UTF-8 completion and for stop strings."""
+def _flush(detok: IncrementalDetokenizer, stop: StopStringMatcher | None) -> tuple[str, bool]:
+    """End of generation: release text held back for UTF-8 completion and for stop strings;
+    (text, whether a stop string completed in it)."""
     text = detok.flush()
     if stop is None:
-        return text
+        return text, False
     text, matched = stop.push(text) if text else ("", False)
-    return text if matched else text + stop.flush()
+    return (text, True) if matched else (text + stop.flush(), False)
 
 
 async def generate(req: ValidRequest, target: TargetClient, tokenizer: TextTokenizer,

@@ -59,8 +59,11 @@ class TargetClient:
 
     async def _run(self) -> None:
         while True:
+            call = self._stub.Connect()
+            # The write side belongs to this call alone: a writer left over from a dead stream
+            # would take (and lose) the next messages meant for the new one.
+            writer = asyncio.create_task(self._write(call))
             try:
-                call = self._stub.Connect(self._messages())
                 async for message in call:
                     if not self.connected.is_set():
                         await self._set_connected(True)
@@ -68,10 +71,19 @@ class TargetClient:
                 why = "stream ended"
             except grpc.aio.AioRpcError as exc:
                 why = f"{exc.code().name}: {exc.details()}"
+            finally:
+                writer.cancel()
             await self._set_connected(False)
             log.warning("target %s stream lost (%s); retrying in %.1fs", self.url, why, self.retry_s)
             self._fail_all(f"target {self.url} connection lost ({why})")
             await asyncio.sleep(self.retry_s)
+
+    async def _write(self, call: grpc.aio.StreamStreamCall) -> None:
+        try:
+            async for message in self._messages():
+                await call.write(message)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            pass  # the stream broke; the reader sees why and fails what was in flight
 
     async def _messages(self):
         while True:

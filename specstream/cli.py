@@ -111,7 +111,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    stack.start()
+    try:
+        stack.start(should_stop=lambda: stop["signal"] is not None)
+    except InterruptedError:
+        print(f"stopped during startup: {stack.stop()}", flush=True)
+        return 0
     print(f"specstream gateway listening on {stack.gateway_address}", flush=True)
     print(f"  target {stack.addresses['target']}  draft {stack.addresses.get('draft', '-')}  (Ctrl-C stops all three)",
           flush=True)

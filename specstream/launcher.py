@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,14 +27,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    """Polls grpc.health.v1 until SERVING; raises if the process dies or time runs out."""
+def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None,
+                 should_stop: Callable[[], bool] = lambda: False) -> None:
+    """Polls grpc.health.v1 until SERVING; raises if the process dies, `should_stop()` turns
+    true (InterruptedError) or time runs out."""
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"process for {address} exited with code {proc.returncode}")
+            if should_stop():
+                raise InterruptedError(f"stopped while waiting for {address}")
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
@@ -77,13 +82,14 @@ class Stack:
     def __init__(self, spec: StackSpec) -> None:
         self.spec = spec
         self.procs: dict[str, subprocess.Popen] = {}
+        self.args: dict[str, list[str]] = {}
         self.addresses: dict[str, str] = {}
 
     @property
     def gateway_address(self) -> str:
         return self.addresses["gateway"]
 
-    def start(self, timeout_s: float = 120.0) -> Stack:
+    def start(self, timeout_s: float = 120.0, should_stop: Callable[[], bool] = lambda: False) -> Stack:
         spec = self.spec
         ports = {"draft": free_port(spec.host), "target": free_port(spec.host),
                  "gateway": spec.gateway_port or free_port(spec.host)}
@@ -104,7 +110,7 @@ class Stack:
                                     spec.target_model, "--host", spec.host, "--port", str(ports["gateway"]),
                                     *spec.extra_gateway_args])
             for name, proc in self.procs.items():
-                wait_healthy(self.addresses[name], timeout_s, proc)
+                wait_healthy(self.addresses[name], timeout_s, proc, should_stop)
         except BaseException:
             self.stop()
             raise
@@ -115,21 +121,28 @@ class Stack:
         if self.spec.log_dir:
             Path(self.spec.log_dir).mkdir(parents=True, exist_ok=True)
             out = open(Path(self.spec.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        self.args[name] = args
+        # A session of its own: Ctrl-C in a terminal reaches only us, and we stop the children in order.
         self.procs[name] = subprocess.Popen([sys.executable, "-m", "specstream.cli", *args], stdout=out,
-                                            stderr=subprocess.STDOUT if out else None, env=_child_env())
+                                            stderr=subprocess.STDOUT if out else None, env=_child_env(),
+                                            start_new_session=True)
+
+    def restart(self, name: str, timeout_s: float = 120.0) -> None:
+        """Starts a stopped service again on its old address (for failure tests)."""
+        self._spawn(name, self.args[name])
+        wait_healthy(self.addresses[name], timeout_s, self.procs[name])
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs.values())
 
     def stop(self, grace_s: float = 15.0) -> dict[str, int | None]:
-        """SIGTERM in reverse start order (gateway first); returns each exit code."""
+        """SIGTERM in reverse start order, each after the one before has exited (the gateway
+        finishes its requests before the target goes); SIGKILL after `grace_s`. Returns exit codes."""
         for proc in reversed(list(self.procs.values())):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in self.procs.values():
             try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+                proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()

@@ -165,8 +165,8 @@ class Engine:
             seq.slot = self.cache.alloc()
             assert seq.slot is not None
             seq.queue_seconds = time.monotonic() - seq.arrival
+            self.running.append(seq)  # before prefill: if it fails, _fail_all reports and frees it
             await self._prefill(seq)
-            self.running.append(seq)
             self._touched.append(seq)
 
     async def _prefill(self, seq: Sequence) -> None:
@@ -201,6 +201,9 @@ class Engine:
         # its whole context every step.
         room = self.draft.max_context_length
         gammas = [min(s.gamma, s.remaining - 1, room - len(s.tokens)) for s in rows]
+        # A draft with a smaller vocabulary (e.g. a 0.5B model drafting for a 7B one of the same
+        # family) cannot read ids past its own; such sequences decode plainly.
+        gammas = [0 if s.max_token >= self.draft.vocab_size else g for s, g in zip(rows, gammas)]
         if max(gammas) <= 0:
             return none
         items, asked = [], []
@@ -242,7 +245,8 @@ class Engine:
         start = torch.tensor([len(s.tokens) - 1 for s in rows], dtype=torch.int64)  # [B]
         with torch.inference_mode():
             logits = self.model(input_ids, self.cache, slots, start)  # [B, G+1, V]
-            num_accepted, target_tokens = kernels.greedy_verify(draft, num_draft, logits)
+            device = logits.device
+            num_accepted, target_tokens = kernels.greedy_verify(draft.to(device), num_draft.to(device), logits)
             # The step's one host sync: both results in one transfer.
             packed = torch.cat([num_accepted[:, None], target_tokens], dim=1).tolist()  # [B, G+2]
         return [row[0] for row in packed], [row[1:] for row in packed]

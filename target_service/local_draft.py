@@ -19,6 +19,7 @@ class LocalDraft:
         self.model_name = proposer.model.config.name
         self.url = "in-process"
         self.max_context_length = proposer.max_len
+        self.vocab_size = proposer.model.config.vocab_size
 
     @property
     def held_sequences(self) -> int:

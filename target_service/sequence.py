@@ -44,6 +44,10 @@ class Sequence:
     target_passes: int = 0
     decode_passes: int = 0
     pending: list[int] = field(default_factory=list)  # tokens not yet sent in an event
+    max_token: int = 0  # largest id in `tokens` (a draft with a smaller vocabulary cannot take it)
+
+    def __post_init__(self) -> None:
+        self.max_token = max(self.tokens, default=0)
 
     @classmethod
     def from_pb(cls, seq_id: int, conn: Any, req: target_pb2.SequenceRequest, gamma: int) -> Sequence:
@@ -74,6 +78,7 @@ class Sequence:
         for tok in new_tokens[: self.remaining]:
             self.tokens.append(tok)
             self.pending.append(tok)
+            self.max_token = max(self.max_token, tok)
             if tok in self.stop_ids:
                 self.finish_reason = "eos" if tok in self.eos_ids else "stop"
                 return

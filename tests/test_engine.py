@@ -107,3 +107,70 @@ def test_invalid_sequence_requests_get_error_events(model_zoo):
     assert errors["badgamma"].startswith("speculation.gamma=99")
     assert errors["badtok"].startswith("prompt_token_ids=1000000")
     assert not engine.waiting
+
+
+def test_prefill_failure_fails_only_that_request_and_frees_its_slot(model_zoo):
+    engine, _ = _engine(model_zoo, max_slots=1)
+    real = engine._prefill_compute
+    calls = []
+
+    def flaky(prompt, slot):
+        calls.append(slot)
+        if len(calls) == 1:
+            raise RuntimeError("simulated out-of-memory in prefill")
+        return real(prompt, slot)
+
+    engine._prefill_compute = flaky
+
+    async def main():
+        conn = Connection()
+        engine.attach(conn)
+        task = asyncio.create_task(engine.run())
+        engine.submit(conn, [_request("a")])
+        final = await _until_finished(conn, {"a"})
+        assert final["a"].finish_reason == 5 and "internal error" in final["a"].error.message  # ERROR
+        assert engine.cache.num_free == 1 and engine.by_request == {}
+        engine.submit(conn, [_request("a")])  # the id and the slot are usable again
+        final = await _until_finished(conn, {"a"})
+        assert final["a"].finish_reason == 1
+        task.cancel()
+
+    asyncio.run(main())
+
+
+def test_draft_with_a_smaller_vocabulary_is_skipped_not_crashed(model_zoo, tmp_path):
+    """Ids the draft cannot embed (a smaller-vocabulary draft of the same family) mean plain
+    decoding for that sequence, with the same output."""
+    import json
+
+    from specstream.models import write_random_checkpoint
+
+    config = json.loads((model_zoo["target"] / "config.json").read_text())
+    small = write_random_checkpoint(tmp_path / "small", {**config, "vocab_size": 200}, seed=3)
+    model = load_model(model_zoo["target"])
+    proposer = DraftProposer(load_model(small), 8, 512)
+    config_t = TargetConfig(model=ModelSpec(str(model_zoo["target"])), max_slots=2, max_seq_len=512, max_gamma=8)
+    engines = {"plain": Engine(model, config_t, None), "spec": Engine(model, config_t, LocalDraft(proposer))}
+    prompts = {"low": [0, 5, 6, 7], "high": [0, 250, 260]}
+
+    async def main(engine):
+        conn = Connection()
+        engine.attach(conn)
+        task = asyncio.create_task(engine.run())
+        engine.submit(conn, [_request(name, max_new=20, prompt=p) for name, p in prompts.items()])
+        tokens = {name: [] for name in prompts}
+        final = {}
+        while len(final) < len(prompts):
+            message = await asyncio.wait_for(conn.outbox.get(), 30)
+            for event in message.events.events:
+                tokens[event.id] += event.token_ids
+                if event.finish_reason:
+                    final[event.id] = event
+        task.cancel()
+        return tokens, final
+
+    plain, _ = asyncio.run(main(engines["plain"]))
+    spec, final = asyncio.run(main(engines["spec"]))
+    assert spec == plain
+    assert final["high"].stats.draft_tokens == 0
+    assert all(f.finish_reason == 1 for f in final.values())

@@ -216,4 +216,13 @@ def test_gateway_reports_target_loss(stack_factory, model_zoo):
                 time.sleep(0.1)
         with pytest.raises(Unavailable):
             client.generate("x", max_new_tokens=2)
-    stack.procs.pop("target")
+        # The target comes back on its address: the gateway reconnects, and the very first request
+        # on the new stream is served (nothing queued for the dead stream swallows it).
+        stack.restart("target")
+        with grpc.insecure_channel(stack.gateway_address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            deadline = time.monotonic() + 10
+            while health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.SERVING:
+                assert time.monotonic() < deadline, "gateway did not reconnect"
+                time.sleep(0.1)
+        assert client.generate("x", max_new_tokens=2, timeout=20).usage.completion_tokens >= 1
