@@ -43,6 +43,18 @@ class DraftProposer:
     def held(self) -> int:
         return len(self.slots)
 
+    @property
+    def name(self) -> str:
+        return self.model.config.name
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def free_slots(self) -> int:
+        return self.cache.num_free
+
     def release(self, keys: list[Hashable]) -> None:
         for key in keys:
             slot = self.slots.pop(key, None)

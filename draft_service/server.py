@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from draft_service.proposer import DraftProposer, ProposeItem
+from draft_service.synthetic import SyntheticProposer
 from specstream.compute import compute_executor
 from specstream.config import DraftConfig
 from specstream.grpc_server import ServiceServer
@@ -25,7 +26,7 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
 
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):
-    def __init__(self, proposer: DraftProposer, compute: ThreadPoolExecutor) -> None:
+    def __init__(self, proposer: DraftProposer | SyntheticProposer, compute: ThreadPoolExecutor) -> None:
         self.proposer = proposer
         self._streams = itertools.count(1)
         self._compute = compute  # the one thread that does all torch work
@@ -57,17 +58,19 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             await loop.run_in_executor(self._compute, self.proposer.release, list(keys))
 
     async def GetInfo(self, request, context):  # noqa: N802
-        model = self.proposer.model
-        return draft_pb2.DraftInfo(model_name=model.config.name, vocab_size=model.config.vocab_size,
-                                   max_context_length=self.proposer.max_len, held_sequences=self.proposer.held,
-                                   free_slots=self.proposer.cache.num_free)
+        proposer = self.proposer
+        return draft_pb2.DraftInfo(model_name=proposer.name, vocab_size=proposer.vocab_size,
+                                   max_context_length=proposer.max_len, held_sequences=proposer.held,
+                                   free_slots=proposer.free_slots)
 
 
 async def serve(config: DraftConfig) -> None:
     # Load and run on one thread (see specstream.compute).
     compute = compute_executor("draft-compute", config.torch_threads)
 
-    def build() -> DraftProposer:
+    def build() -> DraftProposer | SyntheticProposer:
+        if config.synthetic_oracle:
+            return SyntheticProposer.from_file(config.synthetic_oracle, config.synthetic_alpha, config.synthetic_seed)
         model = load_model(config.model.path, dtype=config.model.dtype, device=config.model.device)
         return DraftProposer(model, config.max_slots, config.max_seq_len)
 
@@ -76,6 +79,6 @@ async def serve(config: DraftConfig) -> None:
     draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(proposer, compute), server.server)
     await server.start()
     await server.set_serving(True)
-    log.info("draft %s serving on %s", proposer.model.config.name, server.address)
+    log.info("draft %s serving on %s", proposer.name, server.address)
     await server.serve_forever()
 

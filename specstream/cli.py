@@ -26,8 +26,8 @@ def _server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--log-level", default=os.environ.get("SPECSTREAM_LOG_LEVEL", "INFO"))
 
 
-def _model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="Hugging Face model directory")
+def _model_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--model", required=required, help="Hugging Face model directory")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-seq-len", type=int, default=2048)
@@ -69,8 +69,10 @@ def cmd_draft(args: argparse.Namespace) -> int:
     from draft_service.server import serve
     from specstream.config import DraftConfig, ModelSpec
 
-    config = DraftConfig(model=ModelSpec(args.model, args.dtype, args.device), server=_server_config(args),
-                         max_slots=args.max_slots, max_seq_len=args.max_seq_len, torch_threads=args.threads)
+    model = ModelSpec(args.model, args.dtype, args.device) if args.model else None
+    config = DraftConfig(model=model, server=_server_config(args), max_slots=args.max_slots,
+                         max_seq_len=args.max_seq_len, torch_threads=args.threads,
+                         synthetic_oracle=args.synthetic_oracle, synthetic_alpha=args.synthetic_alpha)
     return _run_service(args, lambda: serve(config))
 
 
@@ -184,6 +186,39 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(max_new_tokens=args.max_new_tokens, gamma=args.gamma)
 
 
+def cmd_train_demo(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specstream.train_demo import DEMO_DIR, TrainConfig, main
+
+    cfg = TrainConfig(target_steps=args.target_steps, draft_steps=args.draft_steps, threads=args.threads)
+    return main(Path(args.out) if args.out else DEMO_DIR, cfg, tuple(args.stage or ["all"]))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.kind == "latency":
+        from specstream.bench import latency
+        from specstream.default_models import default_model_dirs
+
+        target, draft = (Path(args.target), Path(args.draft)) if args.target else default_model_dirs()[:2]
+        gammas = [int(g) for g in args.gammas.split(",")] if args.gammas else None
+        latency.run(target, draft, out, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens, gammas=gammas,
+                    with_hf=not args.no_hf)
+    else:
+        from specstream.bench import synthetic
+        from specstream.default_models import default_model_dirs
+
+        alphas = [float(a) for a in args.alphas.split(",")] if args.alphas else None
+        gammas = [int(g) for g in args.gammas.split(",")] if args.gammas else None
+        synthetic.run(out, alphas=alphas, gammas=gammas, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                      tokenizer_dir=default_model_dirs()[0])
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specstream", description="Speculative-decoding LLM inference service")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -214,7 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_target)
 
     p = sub.add_parser("draft", help="run the draft-model service")
-    _model_flags(p)
+    _model_flags(p, required=False)
+    p.add_argument("--synthetic-oracle", help="benchmarks: replay greedy continuations from this JSON file "
+                                              "instead of running a model")
+    p.add_argument("--synthetic-alpha", type=float, default=0.7, help="benchmarks: acceptance rate to simulate")
     _server_flags(p, 50053)
     p.add_argument("--max-slots", type=int, default=64)
     p.set_defaults(func=cmd_draft)
@@ -238,6 +276,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--json", action="store_true", help="print the whole response as JSON")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("train-demo", help="reproduce the shipped demo pair from the Python standard library")
+    p.add_argument("--out", help="output directory (default: the package's demo_models/)")
+    p.add_argument("--stage", action="append", default=None,
+                   choices=["all", "tokenizer", "target", "draft", "card"], help="run only these stages (repeatable)")
+    p.add_argument("--target-steps", type=int, default=1100)
+    p.add_argument("--draft-steps", type=int, default=1100)
+    p.add_argument("--threads", type=int, default=0)
+    p.set_defaults(func=cmd_train_demo, stage=None)
+
+    p = sub.add_parser("bench", help="benchmarks: table on stdout, JSON and PNG plots in --out")
+    p.add_argument("kind", choices=["latency", "synthetic"],
+                   help="latency: gamma sweep on the demo pair vs theory and Hugging Face; "
+                        "synthetic: overhead vs theory at set acceptance rates on a ~100M random target")
+    p.add_argument("--target", help="target model directory (latency; default: the demo pair)")
+    p.add_argument("--draft", help="draft model directory (latency)")
+    p.add_argument("--out", default="bench-results", help="directory for JSON and PNG output")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--gammas", help="comma-separated gamma values")
+    p.add_argument("--alphas", help="comma-separated acceptance rates (synthetic)")
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison (latency)")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo", help="start the stack on the default models and generate for a few prompts")
     p.add_argument("--max-new-tokens", type=int, default=64)

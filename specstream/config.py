@@ -87,13 +87,21 @@ class TargetConfig:
 
 @dataclass
 class DraftConfig:
-    model: ModelSpec
+    model: ModelSpec | None  # None only with synthetic_oracle
     server: ServerConfig = field(default_factory=ServerConfig)
     max_slots: int = 64  # sequences whose KV state the draft holds at once
     max_seq_len: int = 2048  # per slot; capped by the model
     torch_threads: int = 0  # CPU threads for the model (0: torch's default, one per core)
+    # Benchmarks only: replay the target's greedy continuations from this file, each token
+    # corrupted with probability 1 - synthetic_alpha (draft_service/synthetic.py).
+    synthetic_oracle: str | None = None
+    synthetic_alpha: float = 0.7
+    synthetic_seed: int = 0
 
     def __post_init__(self) -> None:
+        _check((self.model is None) != (self.synthetic_oracle is None), "model", self.model,
+               "given unless synthetic_oracle is (and not both)")
+        _check(0.0 <= self.synthetic_alpha <= 1.0, "synthetic_alpha", self.synthetic_alpha, "in [0, 1]")
         _check(self.max_slots >= 1, "max_slots", self.max_slots, ">= 1")
         _check(self.max_seq_len >= 8, "max_seq_len", self.max_seq_len, ">= 8")
         _check(self.torch_threads >= 0, "torch_threads", self.torch_threads, ">= 0")

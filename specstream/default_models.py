@@ -1,9 +1,10 @@
 """The models `specstream serve` and `make demo` use when none are given.
 
-Until a trained demo pair ships with the project, this builds a random-init Llama pair and SAYS SO
-wherever it is used: the target has small deeper layers so that a draft made of its first layer
-(same embeddings, norm and head) agrees with it often, which is enough to exercise speculation,
-acceptance and rollback for real, but the text is gibberish.
+The project ships a trained pair in `specstream/demo_models/` (made by `specstream train-demo`;
+see the model cards there). Should those files be missing (a stripped install), this falls back
+to building a random-init Llama pair and SAYS SO wherever it is used: the target has small deeper
+layers so that a draft made of its first layer (same embeddings, norm and head) agrees with it
+often, which exercises speculation for real, but the text is gibberish.
 """
 
 from __future__ import annotations
@@ -26,8 +27,13 @@ def models_home() -> Path:
     return Path(os.environ.get("SPECSTREAM_HOME", Path.home() / ".cache" / "specstream"))
 
 
+SHIPPED = Path(__file__).parent / "demo_models"
+
+
 def default_model_dirs() -> tuple[Path, Path, bool]:
-    """(target dir, draft dir, is_random_init), building the random pair on first use."""
+    """(target dir, draft dir, is_random_init): the shipped pair, else a random pair built on first use."""
+    if (SHIPPED / "target" / "model.safetensors").exists() and (SHIPPED / "draft" / "model.safetensors").exists():
+        return SHIPPED / "target", SHIPPED / "draft", False
     root = models_home() / _VERSION
     target, draft = root / "target", root / "draft"
     if not (draft / "config.json").exists():

@@ -9,10 +9,10 @@ from specstream.default_models import RANDOM_INIT_NOTICE, default_model_dirs
 from specstream.launcher import Stack, StackSpec
 
 PROMPTS = [
-    "def fibonacci(n):",
-    "The weather today is",
-    "import os\nimport sys\n",
-    "She said that they would meet",
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n\ndef main(",
+    "class Stack:\n    \"\"\"A last-in, first-out stack.\"\"\"\n\n    def __init__(self):\n",
+    "    for i, line in enumerate(lines):\n",
 ]
 
 
@@ -37,9 +37,9 @@ def run_demo(max_new_tokens: int = 64, gamma: int = 4, repeats: int = 3) -> int:
                     plain_tps = _tps(plain)
                     spec_tps = _tps(spec)
                     print(f"prompt: {prompt!r}")
-                    print(f"  text: {spec.text[:160]!r}")
+                    print("  " + "\n  ".join(spec.text[:400].splitlines()[:8]))
                     print(f"  gamma={gamma}: {spec_tps:7.1f} tok/s, accepted {spec.stats.accepted_tokens}/"
-                          f"{spec.stats.draft_tokens} (alpha {spec.stats.acceptance_rate:.2f}), mean accepted "
+                          f"{spec.stats.draft_tokens} (alpha {spec.stats.alpha:.2f}), mean accepted "
                           f"length {spec.stats.mean_accepted_length:.2f}; off: {plain_tps:7.1f} tok/s; "
                           f"speedup {spec_tps / plain_tps:.2f}x; tokens {same}\n")
                     rows.append((spec_tps / plain_tps, spec.token_ids == plain.token_ids))

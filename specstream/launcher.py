@@ -66,6 +66,7 @@ class StackSpec:
     extra_target_args: list[str] = field(default_factory=list)
     extra_gateway_args: list[str] = field(default_factory=list)
     log_dir: str | None = None  # each process logs to <log_dir>/<name>.log; None inherits stderr
+    synthetic: tuple[str, float] | None = None  # benchmarks: (oracle file, alpha) replaces the draft model
 
 
 def _child_env() -> dict[str, str]:
@@ -96,14 +97,17 @@ class Stack:
         self.addresses = {name: f"{spec.host}:{port}" for name, port in ports.items()}
         common = ["--host", spec.host, "--dtype", spec.dtype, "--max-seq-len", str(spec.max_seq_len)]
         try:
-            if spec.draft_model:
-                self._spawn("draft", ["draft", "--model", spec.draft_model, "--port", str(ports["draft"]), *common,
+            has_draft = bool(spec.draft_model or spec.synthetic)
+            if has_draft:
+                model = (["--synthetic-oracle", spec.synthetic[0], "--synthetic-alpha", str(spec.synthetic[1])]
+                         if spec.synthetic else ["--model", spec.draft_model])
+                self._spawn("draft", ["draft", *model, "--port", str(ports["draft"]), *common,
                                       "--threads", str(spec.draft_threads)])
             target_args = ["target", "--model", spec.target_model, "--port", str(ports["target"]), *common,
                            "--gamma", str(spec.gamma), "--max-gamma", str(spec.max_gamma),
                            "--max-slots", str(spec.max_slots), "--threads", str(spec.target_threads),
                            *spec.extra_target_args]
-            if spec.draft_model:
+            if has_draft:
                 target_args += ["--draft-url", self.addresses["draft"]]
             self._spawn("target", target_args)
             self._spawn("gateway", ["gateway", "--target-url", self.addresses["target"], "--tokenizer",

@@ -256,6 +256,7 @@ class Engine:
         seq.decode_passes += 1
         seq.append(target_tokens[: k + 1])  # k accepted proposals, then the correction or bonus token
         seq.accepted_tokens += min(k, len(seq.tokens) - ctx_len)  # a stop id may cut the run short
+        seq.rejections += k < len(proposals)
         # The draft fed ctx + proposals[:-1]; only the first k of those agree with the target.
         seq.draft_len = min(seq.draft_len, ctx_len + k)
         if seq.finish_reason is None:

@@ -7,6 +7,7 @@ process (tests, benchmarks). Proposals run on the calling thread.
 from __future__ import annotations
 
 from draft_service.proposer import DraftProposer, ProposeItem
+from draft_service.synthetic import SyntheticProposer
 from specstream_pb import draft_pb2
 
 
@@ -14,12 +15,12 @@ class LocalDraft:
     epoch = 1
     connected = True
 
-    def __init__(self, proposer: DraftProposer) -> None:
+    def __init__(self, proposer: DraftProposer | SyntheticProposer) -> None:
         self.proposer = proposer
-        self.model_name = proposer.model.config.name
+        self.model_name = proposer.name
         self.url = "in-process"
         self.max_context_length = proposer.max_len
-        self.vocab_size = proposer.model.config.vocab_size
+        self.vocab_size = proposer.vocab_size
 
     @property
     def held_sequences(self) -> int:

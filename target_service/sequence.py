@@ -43,6 +43,7 @@ class Sequence:
     accepted_tokens: int = 0
     target_passes: int = 0
     decode_passes: int = 0
+    rejections: int = 0  # decode passes in which a proposal was rejected
     pending: list[int] = field(default_factory=list)  # tokens not yet sent in an event
     max_token: int = 0  # largest id in `tokens` (a draft with a smaller vocabulary cannot take it)
 
@@ -92,6 +93,7 @@ class Sequence:
             accepted_tokens=self.accepted_tokens,
             target_passes=self.target_passes,
             mean_accepted_length=emitted / self.decode_passes if self.decode_passes else 0.0,
+            rejections=self.rejections,
         )
 
     def event_pb(self) -> target_pb2.SequenceEvent:

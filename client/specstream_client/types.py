@@ -65,6 +65,7 @@ class SpeculationStats:
     accepted_tokens: int = 0
     target_passes: int = 0
     mean_accepted_length: float = 0.0
+    rejections: int = 0
 
     @classmethod
     def from_pb(cls, msg: common_pb2.SpeculationStats) -> SpeculationStats:
@@ -73,16 +74,26 @@ class SpeculationStats:
             accepted_tokens=msg.accepted_tokens,
             target_passes=msg.target_passes,
             mean_accepted_length=msg.mean_accepted_length,
+            rejections=msg.rejections,
         )
 
     @property
     def acceptance_rate(self) -> float:
-        """accepted / drafted, or 0.0 when nothing was drafted."""
+        """accepted / drafted, or 0.0 when nothing was drafted. Proposals after a rejection in
+        the same step count as not accepted, so this is below the per-token `alpha`."""
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def alpha(self) -> float:
+        """Per-token acceptance probability (Leviathan et al.'s α), estimated as
+        accepted / (accepted + rejections); 0.0 when nothing was drafted."""
+        trials = self.accepted_tokens + self.rejections
+        return self.accepted_tokens / trials if trials else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["acceptance_rate"] = self.acceptance_rate
+        d["alpha"] = self.alpha
         return d
 
 

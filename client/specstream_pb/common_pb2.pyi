@@ -39,16 +39,18 @@ class Speculation(_message.Message):
     def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., gamma: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("draft_tokens", "accepted_tokens", "target_passes", "mean_accepted_length")
+    __slots__ = ("draft_tokens", "accepted_tokens", "target_passes", "mean_accepted_length", "rejections")
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TARGET_PASSES_FIELD_NUMBER: _ClassVar[int]
     MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    REJECTIONS_FIELD_NUMBER: _ClassVar[int]
     draft_tokens: int
     accepted_tokens: int
     target_passes: int
     mean_accepted_length: float
-    def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., target_passes: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ...) -> None: ...
+    rejections: int
+    def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., target_passes: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., rejections: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")

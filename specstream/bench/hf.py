@@ -1,0 +1,45 @@
+"""Hugging Face transformers on the same checkpoints and prompts: `generate()` plain and with
+`assistant_model=` (assisted generation), greedy, batch 1. A benchmark/test dependency only."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+
+def hf_generate(target_dir: Path, draft_dir: Path | None, prompts: list[list[int]], max_new_tokens: int,
+                threads: int = 0) -> dict:
+    """Tokens/s of plain greedy generate() and, given a draft, of assisted generation; plus the
+    token ids, to check they equal ours."""
+    from transformers import AutoModelForCausalLM
+
+    if threads:
+        torch.set_num_threads(threads)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval() if draft_dir else None
+    modes = {"plain": {}}
+    if draft is not None:
+        modes["assisted"] = {"assistant_model": draft}
+    results = {}
+    for name, extra in modes.items():
+        kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                      pad_token_id=target.config.eos_token_id, **extra)
+        with torch.inference_mode():
+            target.generate(torch.tensor([prompts[0]]), **{**kwargs, "max_new_tokens": 8, "min_new_tokens": 8})
+            tokens, seconds, outputs = 0, 0.0, []
+            for prompt in prompts:
+                start = time.perf_counter()
+                out = target.generate(torch.tensor([prompt]), **kwargs)
+                seconds += time.perf_counter() - start
+                new = out[0, len(prompt):].tolist()
+                tokens += len(new)
+                outputs.append(new)
+        results[name] = {"tokens_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds, "token_ids": outputs}
+    if draft is not None:
+        config = target.generation_config
+        results["assisted"]["schedule"] = {"num_assistant_tokens": getattr(config, "num_assistant_tokens", None),
+                                           "num_assistant_tokens_schedule":
+                                               getattr(config, "num_assistant_tokens_schedule", None)}
+    return results

@@ -1,0 +1,120 @@
+"""`specstream bench latency`: batch-1 greedy latency over the real three-process stack.
+
+For each γ in the sweep it generates the same prompts through gateway → target → draft and
+reports tokens/s, α (accepted / proposed), mean accepted length, the measured cost ratio c, the
+theoretical speedup (1 − α^(γ+1)) / ((1 − α)(γc + 1)) for that α and c, and the measured speedup
+over γ = 0. Then, on the same checkpoints and prompts, Hugging Face `generate()` plain and with
+`assistant_model=`. Every γ's token ids must equal γ = 0's (and Hugging Face's): the run fails
+loudly otherwise.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from specstream.bench import report
+from specstream.bench.costs import measure_costs
+from specstream.bench.theory import expected_speedup
+from specstream.launcher import Stack, StackSpec
+from specstream.tokenizer import TextTokenizer
+
+DEFAULT_GAMMAS = [0, 1, 2, 3, 4, 6, 8]
+
+
+def sweep(address: str, prompts: list[list[int]], gammas: list[int], max_new_tokens: int) -> dict[int, dict]:
+    """Generates every prompt at every γ, one request at a time (batch 1)."""
+    from specstream_client import Client
+
+    results: dict[int, dict] = {}
+    with Client(address, timeout=600) as client:
+        client.generate(prompts[0], max_new_tokens=16, ignore_eos=True)  # warm-up
+        for gamma in gammas:
+            runs = [client.generate(p, max_new_tokens=max_new_tokens, speculation=gamma or "off", ignore_eos=True)
+                    for p in prompts]
+            tokens = sum(r.usage.completion_tokens for r in runs)
+            seconds = sum(r.timings.total_seconds for r in runs)
+            proposed = sum(r.stats.draft_tokens for r in runs)
+            accepted = sum(r.stats.accepted_tokens for r in runs)
+            rejections = sum(r.stats.rejections for r in runs)
+            decode_passes = sum(r.stats.target_passes - 1 for r in runs)
+            results[gamma] = {
+                "tokens_per_s": tokens / seconds,
+                # Leviathan's per-token alpha (i.i.d. estimate), and the plain fraction accepted.
+                "alpha": accepted / (accepted + rejections) if proposed else None,
+                "accepted_fraction": accepted / proposed if proposed else None,
+                "mean_accepted_length": (tokens - len(runs)) / decode_passes if decode_passes else None,
+                "ttft_ms": 1000 * sum(r.timings.time_to_first_token_seconds for r in runs) / len(runs),
+                "tokens": tokens, "seconds": seconds, "proposed": proposed, "accepted": accepted,
+                "rejections": rejections,
+                "token_ids": [r.token_ids for r in runs],
+            }
+    return results
+
+
+def run(target_dir: Path, draft_dir: Path, out_dir: Path, n_prompts: int = 8, max_new_tokens: int = 128,
+        gammas: list[int] | None = None, with_hf: bool = True) -> dict:
+    gammas = gammas or DEFAULT_GAMMAS
+    tok = TextTokenizer.from_dir(target_dir)
+    from specstream.bench.prompts import held_out_prompts
+
+    prompts = held_out_prompts(tok, n_prompts)
+    context = len(prompts[0]) + max_new_tokens // 2
+    print(f"measuring the cost ratio c at context {context} ...", flush=True)
+    costs = measure_costs(target_dir, draft_dir, context, [g for g in gammas if g])
+    with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(str(target_dir), str(draft_dir), max_gamma=16,
+                                                                 log_dir=logs)) as stack:
+        print(f"stack up at {stack.gateway_address}; sweeping gamma {gammas} over {len(prompts)} prompts x "
+              f"{max_new_tokens} tokens ...", flush=True)
+        ours = sweep(stack.gateway_address, prompts, gammas, max_new_tokens)
+    baseline = ours[0]["token_ids"]
+    mismatched = [g for g in gammas if ours[g]["token_ids"] != baseline]
+    assert not mismatched, f"speculative output differs from plain decoding at gamma {mismatched}"
+    rows = []
+    for gamma in gammas:
+        r = ours[gamma]
+        r["speedup"] = r["tokens_per_s"] / ours[0]["tokens_per_s"]
+        r["theory"] = expected_speedup(r["alpha"], gamma, costs["c"]) if gamma else 1.0
+        r["of_theory"] = r["speedup"] / r["theory"]
+        rows.append([gamma, r["tokens_per_s"], r["alpha"] if gamma else "-", r["mean_accepted_length"] or 1.0,
+                     costs["c"] if gamma else "-", r["theory"], r["speedup"], r["of_theory"]])
+    headers = ["gamma", "tok/s", "alpha", "mean acc len", "c", "theory x", "measured x", "of theory"]
+    result = {"target": str(target_dir), "draft": str(draft_dir), "prompts": len(prompts),
+              "max_new_tokens": max_new_tokens, "costs": costs, "gammas": {g: _public(ours[g]) for g in gammas}}
+    print("\n" + report.table(headers, rows), flush=True)
+    best = max((g for g in gammas if g), key=lambda g: ours[g]["tokens_per_s"])
+    if with_hf:
+        from specstream.bench.hf import hf_generate
+
+        print("\nHugging Face transformers on the same checkpoints and prompts ...", flush=True)
+        hf = hf_generate(target_dir, draft_dir, prompts, max_new_tokens)
+        same = {mode: hf[mode]["token_ids"] == baseline for mode in hf}
+        result["hf"] = {mode: {k: v for k, v in hf[mode].items() if k != "token_ids"} | {"same_tokens": same[mode]}
+                        for mode in hf}
+        hf_rows = [["specstream gamma=0", ours[0]["tokens_per_s"], 1.0],
+                   [f"specstream gamma={best}", ours[best]["tokens_per_s"], ours[best]["tokens_per_s"] / ours[0]["tokens_per_s"]],
+                   ["HF generate()", hf["plain"]["tokens_per_s"], hf["plain"]["tokens_per_s"] / ours[0]["tokens_per_s"]],
+                   ["HF assisted", hf["assisted"]["tokens_per_s"], hf["assisted"]["tokens_per_s"] / ours[0]["tokens_per_s"]]]
+        print(report.table(["system", "tok/s", "x specstream gamma=0"], hf_rows))
+        print(f"ours (gamma={best}) / HF assisted: {ours[best]['tokens_per_s'] / hf['assisted']['tokens_per_s']:.2f}x; "
+              f"HF outputs identical to ours: {same}", flush=True)
+        result["ours_over_hf_assisted"] = ours[best]["tokens_per_s"] / hf["assisted"]["tokens_per_s"]
+        report.plot_bars(out_dir / "latency_vs_hf.png", "Batch-1 greedy tokens/s, same checkpoints and prompts",
+                         "tokens/s", {"specstream γ=0": ours[0]["tokens_per_s"],
+                                      f"specstream γ={best}": ours[best]["tokens_per_s"],
+                                      "HF generate": hf["plain"]["tokens_per_s"],
+                                      "HF assisted": hf["assisted"]["tokens_per_s"]})
+    result["best_gamma"] = best
+    result["table_markdown"] = report.markdown_table(headers, rows)
+    report.plot_lines(out_dir / "latency_speedup.png", "Speedup over γ=0: measured vs theory", "γ",
+                      "speedup (x)", {"measured": (gammas, [ours[g]["speedup"] for g in gammas]),
+                                      "theory (measured α, c)": (gammas, [ours[g]["theory"] for g in gammas])},
+                      hline=1.0)
+    report.write_json(out_dir / "latency.json", result)
+    print(f"\nwrote {out_dir / 'latency.json'}, {out_dir / 'latency_speedup.png'}"
+          + (f", {out_dir / 'latency_vs_hf.png'}" if with_hf else ""), flush=True)
+    return result
+
+
+def _public(r: dict) -> dict:
+    return {k: v for k, v in r.items() if k != "token_ids"}

@@ -1,0 +1,67 @@
+"""Printing tables and writing JSON and PNG plots for the benchmarks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    cells = [[_fmt(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))  # noqa: E731
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in cells)])
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+    return str(value)
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=str))
+
+
+def plot_lines(path: Path, title: str, xlabel: str, ylabel: str, series: dict[str, tuple[list, list]],
+               hline: float | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=label, linestyle="--" if "theory" in label else "-")
+    if hline is not None:
+        ax.axhline(hline, color="grey", linewidth=0.8)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_bars(path: Path, title: str, ylabel: str, bars: dict[str, float]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.bar(list(bars), list(bars.values()), color=["#4878d0" if "specstream" in k else "#ee854a" for k in bars])
+    for i, v in enumerate(bars.values()):
+        ax.text(i, v, f"{v:.0f}", ha="center", va="bottom")
+    ax.set(title=title, ylabel=ylabel)
+    ax.tick_params(axis="x", labelrotation=15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

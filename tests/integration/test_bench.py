@@ -1,0 +1,35 @@
+"""The benchmark commands run end to end on tiny models and write their table, JSON and plots."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_latency_writes_json_and_plots(model_zoo, tmp_path):
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "specstream.cli", "bench", "latency", "--target",
+                             str(model_zoo["target"]), "--draft", str(model_zoo["partial"]), "--prompts", "2",
+                             "--max-new-tokens", "12", "--gammas", "0,2", "--out", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads((out / "latency.json").read_text())
+    two = data["gammas"]["2"]
+    assert two["proposed"] > 0 and 0 <= two["alpha"] <= 1
+    assert data["costs"]["c"] > 0 and two["theory"] > 0 and two["speedup"] > 0
+    assert data["hf"]["plain"]["same_tokens"] and data["hf"]["assisted"]["same_tokens"]
+    for png in ("latency_speedup.png", "latency_vs_hf.png"):
+        assert (out / png).stat().st_size > 1000
+    assert "theory x" in result.stdout and "HF assisted" in result.stdout
+
+
+def test_bench_synthetic_on_a_small_target(tmp_path):
+    from specstream.bench import synthetic
+
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "max_position_embeddings": 512, "tie_word_embeddings": True}
+    result = synthetic.run(tmp_path, alphas=[0.5, 1.0], gammas=[2], n_prompts=2, max_new_tokens=24, shape=shape)
+    assert result["alphas"][1.0][2]["alpha_measured"] == 1.0
+    assert 0.1 < result["alphas"][0.5][2]["alpha_measured"] < 0.9
+    assert (tmp_path / "synthetic_speedup.png").stat().st_size > 1000
