@@ -19,11 +19,23 @@ def hf_generate(target_dir: Path, draft_dir: Path | None, prompts: list[list[int
         torch.set_num_threads(threads)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval() if draft_dir else None
-    modes = {"plain": {}}
+    modes = {"plain": ({}, None)}
     if draft is not None:
-        modes["assisted"] = {"assistant_model": draft}
+        # transformers' defaults (20 proposals, constant, stop early when the assistant's confidence
+        # drops below 0.4), and the heuristic schedule of the assisted-generation blog post (start
+        # at 5, +2 after a fully accepted step, -1 otherwise).
+        modes["assisted"] = ({"assistant_model": draft}, {})
+        modes["assisted_heuristic"] = ({"assistant_model": draft},
+                                       {"num_assistant_tokens": 5, "num_assistant_tokens_schedule": "heuristic",
+                                        "assistant_confidence_threshold": 0.0})
+    defaults = {k: getattr(draft.generation_config, k, None) for k in
+                ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")} \
+        if draft is not None else {}
     results = {}
-    for name, extra in modes.items():
+    for name, (extra, assistant_config) in modes.items():
+        if draft is not None:
+            for key, value in {**defaults, **(assistant_config or {})}.items():
+                setattr(draft.generation_config, key, value)
         kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
                       pad_token_id=target.config.eos_token_id, **extra)
         with torch.inference_mode():
@@ -36,10 +48,7 @@ def hf_generate(target_dir: Path, draft_dir: Path | None, prompts: list[list[int
                 new = out[0, len(prompt):].tolist()
                 tokens += len(new)
                 outputs.append(new)
-        results[name] = {"tokens_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds, "token_ids": outputs}
-    if draft is not None:
-        config = target.generation_config
-        results["assisted"]["schedule"] = {"num_assistant_tokens": getattr(config, "num_assistant_tokens", None),
-                                           "num_assistant_tokens_schedule":
-                                               getattr(config, "num_assistant_tokens_schedule", None)}
+        results[name] = {"tokens_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds, "token_ids": outputs,
+                         "assistant_config": {**defaults, **(assistant_config or {})} if assistant_config is not None
+                         else None}
     return results
