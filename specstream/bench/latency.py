@@ -46,7 +46,7 @@ def sweep(address: str, prompts: list[list[int]], gammas: list[int], max_new_tok
                 "mean_accepted_length": (tokens - len(runs)) / decode_passes if decode_passes else None,
                 "ttft_ms": 1000 * sum(r.timings.time_to_first_token_seconds for r in runs) / len(runs),
                 "tokens": tokens, "seconds": seconds, "proposed": proposed, "accepted": accepted,
-                "rejections": rejections,
+                "rejections": rejections, "passes": decode_passes + len(runs),
                 "token_ids": [r.token_ids for r in runs],
             }
     return results
@@ -80,11 +80,17 @@ def run(target_dir: Path, draft_dir: Path, out_dir: Path, n_prompts: int = 8, ma
         r["theory_with_verify_cost"] = (expected_tokens_per_pass(r["alpha"], gamma) / (gamma * costs["c"] + verify)
                                         if gamma else 1.0)
         r["of_theory"] = r["speedup"] / r["theory"]
+        # Where a target pass's time goes: the models' own compute vs everything else (the gRPC
+        # hops, the engine's and the gateway's Python, processes sharing the cores).
+        r["ms_per_pass"] = 1000 * r["seconds"] / r["passes"]
+        r["compute_ms_per_pass"] = (gamma * costs["draft_step_ms"] + costs["target_verify_ms"][gamma] if gamma
+                                    else costs["target_step_ms"])
+        r["overhead_ms_per_pass"] = r["ms_per_pass"] - r["compute_ms_per_pass"]
         rows.append([gamma, r["tokens_per_s"], r["alpha"] if gamma else "-", r["mean_accepted_length"] or 1.0,
                      costs["c"] if gamma else "-", r["theory"], r["theory_with_verify_cost"], r["speedup"],
-                     r["of_theory"]])
+                     r["of_theory"], r["ms_per_pass"], r["overhead_ms_per_pass"]])
     headers = ["gamma", "tok/s", "alpha", "mean acc len", "c", "theory x", "theory x (verify cost)", "measured x",
-               "of theory"]
+               "of theory", "ms/pass", "overhead ms/pass"]
     result = {"target": str(target_dir), "draft": str(draft_dir), "prompts": len(prompts),
               "max_new_tokens": max_new_tokens, "costs": costs, "gammas": {g: _public(ours[g]) for g in gammas}}
     print("\n" + report.table(headers, rows), flush=True)
