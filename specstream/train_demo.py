@@ -173,8 +173,9 @@ def _save(model, path: Path, tok: TextTokenizer, raw_tok) -> None:
 
 
 def measure_alpha(target_dir: Path, draft_dir: Path, prompts: list[list[int]], gamma: int = 4,
-                  max_new_tokens: int = 64) -> float:
-    """Greedy acceptance rate of the draft's proposals through the real engine (in one process)."""
+                  max_new_tokens: int = 64) -> tuple[float, float]:
+    """Greedy acceptance through the real engine (in one process): (α, fraction of proposals
+    accepted), α being the i.i.d. estimate accepted / (accepted + passes with a rejection)."""
     import asyncio
 
     from draft_service.proposer import DraftProposer
@@ -190,7 +191,7 @@ def measure_alpha(target_dir: Path, draft_dir: Path, prompts: list[list[int]], g
                     LocalDraft(DraftProposer(load_model(draft_dir), 8, 1024)))
     spec = common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_FIXED, gamma=gamma)
 
-    async def run() -> tuple[int, int]:
+    async def run() -> tuple[int, int, int]:
         conn = Connection()
         engine.attach(conn)
         task = asyncio.create_task(engine.run())
@@ -201,10 +202,11 @@ def measure_alpha(target_dir: Path, draft_dir: Path, prompts: list[list[int]], g
             message = await conn.outbox.get()
             final.update({e.id: e for e in message.events.events if e.finish_reason})
         task.cancel()
-        return (sum(e.stats.accepted_tokens for e in final.values()), sum(e.stats.draft_tokens for e in final.values()))
+        return (sum(e.stats.accepted_tokens for e in final.values()), sum(e.stats.draft_tokens for e in final.values()),
+                sum(e.stats.rejections for e in final.values()))
 
-    accepted, proposed = asyncio.run(run())
-    return accepted / max(proposed, 1)
+    accepted, proposed, rejections = asyncio.run(run())
+    return accepted / max(accepted + rejections, 1), accepted / max(proposed, 1)
 
 
 def held_out_prompts(tok: TextTokenizer, texts: list[str], n: int, length: int = 48) -> list[list[int]]:
@@ -283,8 +285,9 @@ def _card(t_dir: Path, d_dir: Path, tok: TextTokenizer, held_ids: torch.Tensor, 
         model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         losses[role] = eval_loss(model, held_ids, cfg)
         params[role] = sum(p.numel() for p in model.parameters())
-    alpha = measure_alpha(t_dir, d_dir, held_out_prompts(tok, held_texts, cfg.alpha_prompts))
-    log.update(held_out_loss=losses, parameters=params, greedy_alpha_gamma4=alpha)
+    alpha, accepted_fraction = measure_alpha(t_dir, d_dir, held_out_prompts(tok, held_texts, cfg.alpha_prompts))
+    log.update(held_out_loss=losses, parameters=params, greedy_alpha_gamma4=alpha,
+               accepted_fraction_gamma4=accepted_fraction)
     (t_dir.parent / "train_log.json").write_text(json.dumps(log, indent=2))
     total = sum(log.get(k, 0.0) for k in ("tokenizer_minutes", "target_minutes", "draft_minutes"))
     common = [("data", f"CPython {platform.python_version()} stdlib `.py` files: {log['train_tokens']:,} training tokens; "
@@ -297,15 +300,22 @@ def _card(t_dir: Path, d_dir: Path, tok: TextTokenizer, held_ids: torch.Tensor, 
                    ("training", f"{cfg.target_steps} steps x {cfg.batch_size}x{cfg.seq_len} tokens, next-token loss, "
                                 f"AdamW lr {cfg.target_lr} cosine; {log.get('target_minutes', 0):.0f} min"),
                    ("held-out loss", f"{losses['target']:.3f} nats/token"),
-                   ("greedy α of the demo draft against it (γ=4)", f"{alpha:.3f}"), *common],
+                   ("greedy α of the demo draft against it (γ=4)", _alpha_cell(alpha, accepted_fraction, cfg)),
+                   *common],
         "draft": [("architecture", "LlamaForCausalLM, 2 layers, hidden 192, 3 heads (1 KV), MLP 512, tied embeddings"),
                   ("parameters", f"{params['draft'] / 1e6:.1f}M"),
                   ("training", f"{cfg.draft_steps} steps x {cfg.batch_size}x{cfg.seq_len} tokens, distilled: "
                                f"KL(target || draft), AdamW lr {cfg.draft_lr} cosine; {log.get('draft_minutes', 0):.0f} min"),
                   ("held-out loss", f"{losses['draft']:.3f} nats/token"),
-                  ("greedy α against the demo target (γ=4)", f"{alpha:.3f}"), *common],
+                  ("greedy α against the demo target (γ=4)", _alpha_cell(alpha, accepted_fraction, cfg)), *common],
     }
     facts = {"python": platform.python_version(), "rows": rows, "command": "specstream train-demo"}
     write_card(t_dir, "target", facts)
     write_card(d_dir, "draft", facts)
-    print(json.dumps({k: log[k] for k in ("held_out_loss", "parameters", "greedy_alpha_gamma4")}, indent=2), flush=True)
+    print(json.dumps({k: log[k] for k in ("held_out_loss", "parameters", "greedy_alpha_gamma4",
+                                          "accepted_fraction_gamma4")}, indent=2), flush=True)
+
+
+def _alpha_cell(alpha: float, accepted_fraction: float, cfg: TrainConfig) -> str:
+    return (f"{alpha:.3f} (per-token, accepted / (accepted + rejections); {accepted_fraction:.3f} of proposals "
+            f"accepted) on {cfg.alpha_prompts} held-out prompts x 64 tokens")
