@@ -36,10 +36,12 @@ def hf_generate(target_dir: Path, draft_dir: Path | None, prompts: list[list[int
         if draft is not None:
             for key, value in {**defaults, **(assistant_config or {})}.items():
                 setattr(draft.generation_config, key, value)
-        kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+        # eos_token_id=None generates past EOS, as our requests do with ignore_eos (min_new_tokens
+        # would instead forbid EOS and change the output).
+        kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=None, do_sample=False,
                       pad_token_id=target.config.eos_token_id, **extra)
         with torch.inference_mode():
-            target.generate(torch.tensor([prompts[0]]), **{**kwargs, "max_new_tokens": 8, "min_new_tokens": 8})
+            target.generate(torch.tensor([prompts[0]]), **{**kwargs, "max_new_tokens": 8})
             tokens, seconds, outputs = 0, 0.0, []
             for prompt in prompts:
                 start = time.perf_counter()
