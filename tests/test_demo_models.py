@@ -64,3 +64,15 @@ def test_speculative_equals_plain_on_the_pair(gamma):
     spec, finals = run_engine(TARGET, DRAFT, prompts, gamma=gamma, max_new_tokens=48)
     assert spec == plain
     assert sum(f.stats.accepted_tokens for f in finals) > 0
+
+
+def test_random_fallback_when_the_pair_is_missing(tmp_path, monkeypatch):
+    """A stripped install without the shipped files still serves, on a random pair it says is random."""
+    import specstream.default_models as defaults
+
+    monkeypatch.setattr(defaults, "SHIPPED", tmp_path / "missing")
+    monkeypatch.setenv("SPECSTREAM_HOME", str(tmp_path / "home"))
+    target, draft, random_init = defaults.default_model_dirs()
+    assert random_init and target.is_relative_to(tmp_path / "home")
+    assert load_model(draft).config.vocab_size == load_model(target).config.vocab_size
+    assert "RANDOM-INIT" in defaults.RANDOM_INIT_NOTICE
