@@ -194,9 +194,9 @@ class Engine:
 
     async def _propose(self, rows: list[Sequence]) -> list[list[int]]:
         """Asks the draft for γ tokens per row (γ capped by the budget); [] where it has none."""
-        none: list[list[int]] = [[] for _ in rows]
+        proposals: list[list[int]] = [[] for _ in rows]
         if self.draft is None or not any(s.gamma for s in rows) or not await self.draft.ready():
-            return none
+            return proposals
         # Past the draft's own context limit a sequence decodes plainly rather than resending
         # its whole context every step.
         room = self.draft.max_context_length
@@ -205,7 +205,7 @@ class Engine:
         # family) cannot read ids past its own; such sequences decode plainly.
         gammas = [0 if s.max_token >= self.draft.vocab_size else g for s, g in zip(rows, gammas)]
         if max(gammas) <= 0:
-            return none
+            return proposals
         items, asked = [], []
         for i, (seq, gamma) in enumerate(zip(rows, gammas)):
             if gamma <= 0:
@@ -217,18 +217,18 @@ class Engine:
             asked.append(i)
         replies = await self.draft.propose(self.step_count, items)
         if replies is None:
-            return none
+            return proposals
         vocab = self.model.config.vocab_size
         for i, reply in zip(asked, replies):
             seq = rows[i]
             tokens = list(reply.token_ids[: gammas[i]])
             cut = next((j for j, t in enumerate(tokens) if t >= vocab), len(tokens))
-            none[i] = tokens[:cut]
+            proposals[i] = tokens[:cut]
             # Beyond the context the draft holds its own guesses; `_accept` keeps the part the
             # target agreed with.
             seq.draft_len = reply.length
-            seq.draft_tokens += len(none[i])
-        return none
+            seq.draft_tokens += len(proposals[i])
+        return proposals
 
     def _verify_compute(self, rows: list[Sequence], proposals: list[list[int]]) -> tuple[list[int], list[list[int]]]:
         """ONE forward over every row's [last token, proposals...] (design §3), then greedy verify."""
