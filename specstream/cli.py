@@ -301,8 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo", help="start the stack on the default models and generate for a few prompts")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--gamma", type=int, default=6)
     p.set_defaults(func=cmd_demo)
     return parser
 

@@ -16,28 +16,36 @@ PROMPTS = [
 ]
 
 
-def run_demo(max_new_tokens: int = 64, gamma: int = 4, repeats: int = 3) -> int:
+def run_demo(max_new_tokens: int = 96, gamma: int = 6, repeats: int = 3) -> int:
     """Each prompt runs `repeats` times per setting; tokens/s is taken from the median run."""
+    from specstream.tokenizer import TextTokenizer
     from specstream_client import Client
 
     target, draft, random_init = default_model_dirs()
     if random_init:
         print(RANDOM_INIT_NOTICE)
+        prompts: list = PROMPTS
+    else:
+        # The openings of standard-library files the pair never saw in training.
+        from specstream.bench.prompts import held_out_prompts
+
+        tok = TextTokenizer.from_dir(target)
+        prompts = [tok.decode(ids) for ids in held_out_prompts(tok, 4, length=40)]
     with tempfile.TemporaryDirectory() as logs:
         with Stack(StackSpec(str(target), str(draft), gamma=gamma, log_dir=logs)) as stack:
             print(f"stack up: gateway {stack.gateway_address}, target {stack.addresses['target']}, "
                   f"draft {stack.addresses['draft']}\n")
             with Client(stack.gateway_address, timeout=120) as client:
-                client.generate(PROMPTS[0], max_new_tokens=8)  # warm-up
+                client.generate(prompts[0], max_new_tokens=8)  # warm-up
                 rows = []
-                for prompt in PROMPTS:
+                for prompt in prompts:
                     plain = _median_run(client, prompt, max_new_tokens, "off", repeats)
                     spec = _median_run(client, prompt, max_new_tokens, gamma, repeats)
                     same = "identical" if spec.token_ids == plain.token_ids else "DIFFERENT (bug!)"
                     plain_tps = _tps(plain)
                     spec_tps = _tps(spec)
-                    print(f"prompt: {prompt!r}")
-                    print("  " + "\n  ".join(spec.text[:400].splitlines()[:8]))
+                    print("prompt:\n  " + "\n  ".join(prompt.splitlines()[-4:]))
+                    print("completion:\n  " + "\n  ".join(spec.text[:400].splitlines()[:8]))
                     print(f"  gamma={gamma}: {spec_tps:7.1f} tok/s, accepted {spec.stats.accepted_tokens}/"
                           f"{spec.stats.draft_tokens} (alpha {spec.stats.alpha:.2f}), mean accepted "
                           f"length {spec.stats.mean_accepted_length:.2f}; off: {plain_tps:7.1f} tok/s; "
