@@ -91,7 +91,7 @@ def run(target_dir: Path, draft_dir: Path, out_dir: Path, n_prompts: int = 8, ma
                      r["of_theory"], r["ms_per_pass"], r["overhead_ms_per_pass"]])
     headers = ["gamma", "tok/s", "alpha", "mean acc len", "c", "theory x", "theory x (verify cost)", "measured x",
                "of theory", "ms/pass", "overhead ms/pass"]
-    result = {"target": str(target_dir), "draft": str(draft_dir), "prompts": len(prompts),
+    result = {"target": _display(target_dir), "draft": _display(draft_dir), "prompts": len(prompts),
               "max_new_tokens": max_new_tokens, "costs": costs, "gammas": {g: _public(ours[g]) for g in gammas}}
     print("\n" + report.table(headers, rows), flush=True)
     best = max((g for g in gammas if g), key=lambda g: ours[g]["tokens_per_s"])
@@ -131,6 +131,14 @@ def run(target_dir: Path, draft_dir: Path, out_dir: Path, n_prompts: int = 8, ma
     print(f"\nwrote {out_dir / 'latency.json'}, {out_dir / 'latency_speedup.png'}"
           + (f", {out_dir / 'latency_vs_hf.png'}" if with_hf else ""), flush=True)
     return result
+
+
+def _display(path: Path) -> str:
+    """The path relative to the working directory when under it (results get committed)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return Path(path).name
 
 
 def _public(r: dict) -> dict:
