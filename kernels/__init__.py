@@ -5,6 +5,7 @@ functions (Triton on CUDA, torch on CPU) without changing callers.
 """
 
 from kernels.output import argmax
+from kernels.speculative import speculative_verify
 from kernels.verify import greedy_verify
 
-__all__ = ["argmax", "greedy_verify"]
+__all__ = ["argmax", "greedy_verify", "speculative_verify"]

@@ -1,0 +1,155 @@
+"""Sampling math: logits processing, counter-based uniforms, and speculative-sampling verification.
+
+The central property (design §5, Leviathan et al. Thm 3.5): one speculative step emits a token
+distributed exactly as p, whatever q is: min(p, q) + (1 - sum min(p, q)) * norm(max(0, p - q)) = p.
+Checked on the implementation itself, for hypothesis-generated p and q including disjoint supports
+and q with zeros where p is large. No test here is statistical: distributions are enumerated.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels.speculative import speculative_verify
+from specstream.sampling import ACCEPT, DRAFT_SAMPLE, SamplingParams, process_logits, sample, uniform
+
+GRID = 1024  # uniforms on a midpoint grid: a sampled distribution is exact to 1/GRID
+
+
+def _dist(values: list[float]) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.float64)
+    return t / t.sum()
+
+
+def _verify_one(p_step: torch.Tensor, p_next: torch.Tensor, q: torch.Tensor, x: int, u_accept: float,
+                u_sample: float) -> tuple[int, int]:
+    vocab = p_step.shape[0]
+    p = torch.stack([p_step, p_next])[None]  # [1, 2, V]
+    ids = torch.arange(vocab)[None, None]  # [1, 1, V]: q travels as (all ids, probs)
+    accepted, emitted = speculative_verify(p, ids, q[None, None], torch.tensor([[x]]), torch.tensor([1]),
+                                           torch.tensor([[u_accept]], dtype=torch.float64),
+                                           torch.tensor([u_sample], dtype=torch.float64))
+    return accepted[0], emitted[0]
+
+
+def _emitted_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """P(first emitted token = y) of one gamma=1 step, enumerating x ~ q, the acceptance draw (via
+    the implementation's own threshold) and the residual draw (a uniform grid)."""
+    vocab = p.shape[0]
+    out = torch.zeros(vocab, dtype=torch.float64)
+    for x in range(vocab):
+        if q[x] <= 0:
+            continue
+        a = min(1.0, float(p[x] / q[x]))
+        # The implementation must accept exactly when u < min(1, p/q).
+        if a > 0:
+            assert _verify_one(p, p, q, x, a * (1 - 1e-9), 0.5)[0] == 1
+        if a < 1:
+            assert _verify_one(p, p, q, x, min(a * (1 + 1e-9) + 1e-12, 1 - 1e-12), 0.5)[0] == 0
+        out[x] += q[x] * a
+        if a < 1:
+            residual = torch.zeros(vocab, dtype=torch.float64)
+            for i in range(GRID):
+                accepted, token = _verify_one(p, p, q, x, 1 - 1e-12, (i + 0.5) / GRID)
+                assert accepted == 0
+                residual[token] += 1.0 / GRID
+            out += q[x] * (1 - a) * residual
+    return out
+
+
+probabilities = st.lists(st.floats(min_value=0.0, max_value=1.0), min_size=2, max_size=6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(probabilities, probabilities, st.data())
+def test_one_step_emits_exactly_p(p_raw, q_raw, data):
+    vocab = min(len(p_raw), len(q_raw))
+    p_raw, q_raw = p_raw[:vocab], q_raw[:vocab]
+    if sum(p_raw) <= 1e-6 or sum(q_raw) <= 1e-6:
+        p_raw = [1.0] + p_raw[1:]
+        q_raw = q_raw[:-1] + [1.0]
+    if data.draw(st.booleans()):  # q gives no mass where p is largest
+        q_raw[max(range(vocab), key=lambda i: p_raw[i])] = 0.0
+        if sum(q_raw) == 0:
+            q_raw[min(range(vocab), key=lambda i: p_raw[i])] = 1.0
+    p, q = _dist(p_raw), _dist(q_raw)
+    got = _emitted_distribution(p, q)
+    assert torch.allclose(got, p, atol=2.0 / GRID), (got.tolist(), p.tolist())
+
+
+def test_disjoint_supports_always_reject_and_emit_p():
+    p, q = _dist([0.5, 0.5, 0, 0]), _dist([0, 0, 0.3, 0.7])
+    assert torch.allclose(_emitted_distribution(p, q), p, atol=2.0 / GRID)
+    assert _verify_one(p, p, q, 2, 0.0, 0.5)[0] == 0  # even u = 0 cannot accept a token p rules out
+
+
+def test_identical_distributions_always_accept():
+    p = _dist([0.1, 0.2, 0.7])
+    for x in range(3):
+        assert _verify_one(p, p, p, x, 1 - 1e-12, 0.3)[0] == 1
+
+
+def test_a_proposal_the_draft_gave_no_mass_is_rejected():
+    p, q = _dist([0.5, 0.5]), _dist([1.0, 0.0])
+    assert _verify_one(p, p, q, 1, 0.0, 0.5)[0] == 0
+
+
+def test_bonus_token_comes_from_the_last_distribution():
+    p_step, p_next = _dist([0.0, 1.0, 0.0]), _dist([0.0, 0.0, 1.0])
+    accepted, token = _verify_one(p_step, p_next, p_step, 1, 0.5, 0.5)
+    assert (accepted, token) == (1, 2)
+
+
+def test_sample_never_returns_a_zero_probability_token():
+    probs = _dist([0.0, 0.5, 0.0, 0.5, 0.0])
+    assert sample(probs, 0.0) == 1
+    assert sample(probs, 0.5) == 3
+    assert sample(probs, 1 - 1e-16) == 3
+    assert {sample(probs, (i + 0.5) / 100) for i in range(100)} == {1, 3}
+
+
+def test_uniform_is_deterministic_in_range_and_keyed():
+    draws = [uniform(7, pos, ACCEPT) for pos in range(20000)]
+    assert draws == [uniform(7, pos, ACCEPT) for pos in range(20000)]
+    assert all(0.0 <= u < 1.0 for u in draws)
+    assert uniform(7, 3, ACCEPT) != uniform(7, 3, DRAFT_SAMPLE) != uniform(8, 3, DRAFT_SAMPLE)
+    # Kolmogorov-Smirnov against U(0, 1): the 1e-3 critical value is 1.95 / sqrt(n).
+    draws.sort()
+    ks = max(max((i + 1) / len(draws) - u, u - i / len(draws)) for i, u in enumerate(draws))
+    assert ks < 1.95 / math.sqrt(len(draws)), ks
+
+
+def test_process_logits_temperature_top_k_top_p():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.5, -1.0])
+    full = process_logits(logits, SamplingParams(temperature=1.0))
+    assert torch.allclose(full, torch.softmax(logits, -1))
+    hot = process_logits(logits, SamplingParams(temperature=2.0))
+    assert torch.allclose(hot, torch.softmax(logits / 2, -1))
+    top2 = process_logits(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert (top2[2:] == 0).all() and torch.allclose(top2[:2], torch.softmax(logits[:2], -1))
+    top3_tied = process_logits(logits, SamplingParams(temperature=1.0, top_k=3))
+    assert (top3_tied[:4] > 0).all() and top3_tied[4] == 0  # the tie at the boundary stays
+    nucleus = process_logits(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    assert (nucleus[1:] == 0).all() and nucleus[0] == 1.0  # p(0) = 0.537 alone reaches 0.5
+    nucleus2 = process_logits(logits, SamplingParams(temperature=1.0, top_p=0.6))
+    assert (nucleus2[:2] > 0).all() and (nucleus2[2:] == 0).all()
+    assert torch.allclose(nucleus2.sum(), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=-0.1), "temperature=-0.1"),
+    (dict(temperature=float("nan")), "temperature=nan"),
+    (dict(top_k=-1), "top_k=-1"),
+    (dict(top_p=0.0), "top_p=0.0"),
+    (dict(top_p=1.5), "top_p=1.5"),
+    (dict(seed=-1), "seed=-1"),
+    (dict(seed=1 << 64), "seed="),
+])
+def test_sampling_params_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
