@@ -27,7 +27,6 @@ class ServerConfig:
     keepalive_time_s: float = 30.0  # ping an idle connection after this long
     keepalive_timeout_s: float = 10.0  # drop the connection if a ping is unanswered this long
     grace_s: float = 5.0  # on shutdown, in-flight RPCs get this long to finish
-    metrics_port: int | None = None  # reserved for the Prometheus endpoint
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "port", self.port, "in 0..65535")

@@ -67,27 +67,19 @@ def test_speculative_equals_plain(model_zoo, prompts, plain, draft_kind, gamma):
         assert 0.05 < alpha < 1.0, alpha
 
 
-def test_stop_token_inside_accepted_run_truncates(model_zoo, prompts, plain):
-    """EOS/stop inside an accepted run ends the sequence there, exactly as plain decoding does."""
-    prompt, want = prompts[0], plain[0]
-    stop = want[5]
+@pytest.mark.parametrize("prompt_index,at,is_eos,finish", [(0, 5, False, 2), (1, 3, True, 3)],
+                         ids=["stop-id", "eos"])
+def test_stop_or_eos_inside_accepted_run_truncates(model_zoo, prompts, plain, prompt_index, at, is_eos, finish):
+    """A stop id / EOS inside an accepted run ends the sequence there, exactly as plain decoding
+    does, with finish reason STOP (2) or EOS (3)."""
+    prompt, want = prompts[prompt_index], plain[prompt_index]
+    stop = want[at]
     cut = want[: want.index(stop) + 1]
     for gamma in (0, 8):
         tokens, finals = run_engine(model_zoo["target"], model_zoo["same"], [prompt], gamma=gamma,
-                                    max_new_tokens=MAX_NEW, stop_ids=[stop])
+                                    max_new_tokens=MAX_NEW, stop_ids=[stop], eos_ids=[stop] if is_eos else [])
         assert tokens[0] == cut
-        assert finals[0].finish_reason == 2  # FINISH_REASON_STOP
-
-
-def test_eos_inside_accepted_run_reports_eos(model_zoo, prompts, plain):
-    prompt, want = prompts[1], plain[1]
-    eos = want[3]
-    cut = want[: want.index(eos) + 1]
-    for gamma in (0, 8):
-        tokens, finals = run_engine(model_zoo["target"], model_zoo["same"], [prompt], gamma=gamma,
-                                    max_new_tokens=MAX_NEW, stop_ids=[eos], eos_ids=[eos])
-        assert tokens[0] == cut
-        assert finals[0].finish_reason == 3  # FINISH_REASON_EOS
+        assert finals[0].finish_reason == finish
 
 
 def test_max_new_tokens_is_exact_with_speculation(model_zoo, prompts, plain):
