@@ -1,8 +1,13 @@
-"""Greedy draft proposals with a per-sequence KV cache.
+"""Draft proposals with a per-sequence KV cache: greedy guesses, or samples x ~ q with q sent back.
 
 Each item says: keep the first `rollback_to` tokens of the sequence (an O(1) length reset), append
-the tokens the target committed since, then guess `gamma` tokens greedily. The guesses are fed
-back into the cache as they are made, so the next call only rolls back what the target rejected.
+the tokens the target committed since, then guess `gamma` tokens. The guesses are fed back into
+the cache as they are made, so the next call only rolls back what the target rejected.
+
+Greedy items (temperature 0) guess the argmax. Sampling items process the logits exactly as the
+target does (specstream.sampling), cut q to its `q_support` most likely tokens, renormalise, and
+draw x ~ q with the sequence's own counter-based uniforms; the cut q is returned with each guess,
+so the target verifies against exactly the distribution that was sampled (design §5).
 Knows nothing about gRPC or about the target: keys are opaque.
 """
 
@@ -10,12 +15,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 import kernels
 from specstream.models import CausalLM
+from specstream.sampling import DRAFT_SAMPLE, GREEDY, SamplingParams, process_logits, sample_rows, truncate, uniforms
 
 
 @dataclass
@@ -24,17 +30,26 @@ class ProposeItem:
     rollback_to: int
     append: list[int]
     gamma: int
+    sampling: SamplingParams = GREEDY
 
 
 @dataclass
 class Proposal:
     tokens: list[int]
     length: int  # tokens the cache now holds for the sequence (0: state lost or refused)
+    # Sampling items: the sparse q each token was drawn from, as a [len(tokens), q_width] table
+    # flattened row-major (padding has probability 0). q_width 0: greedy guesses.
+    q_width: int = 0
+    q_ids: list[int] = field(default_factory=list)
+    q_probs: list[float] = field(default_factory=list)
 
 
 class DraftProposer:
-    def __init__(self, model: CausalLM, max_slots: int, max_seq_len: int) -> None:
+    def __init__(self, model: CausalLM, max_slots: int, max_seq_len: int, q_support: int = 64) -> None:
+        if q_support < 1:
+            raise ValueError(f"q_support={q_support!r}: must be >= 1")
         self.model = model
+        self.q_support = q_support  # bounds the size of each q on the wire, whatever the vocabulary
         self.max_len = min(max_seq_len, model.config.max_position_embeddings)
         self.cache = model.new_cache(max_slots, self.max_len)
         self.slots: dict[Hashable, int] = {}
@@ -76,9 +91,11 @@ class DraftProposer:
                 gammas.append(gamma)
         if not rows:
             return out
-        guesses = self._guess(rows, gammas)
-        for (i, item, slot), gamma, tokens in zip(rows, gammas, guesses):
+        guesses, width, q_ids, q_probs = self._guess(rows, gammas)
+        for b, ((i, item, slot), gamma, tokens) in enumerate(zip(rows, gammas, guesses)):
             out[i].tokens = tokens[:gamma]
+            if q_ids[b]:
+                out[i].q_width, out[i].q_ids, out[i].q_probs = width, q_ids[b][: gamma * width], q_probs[b][: gamma * width]
             # Holds the appended tokens and every guess but the last (which was never fed).
             out[i].length = item.rollback_to + len(item.append) + gamma - 1
             self.cache.set_length(slot, out[i].length)
@@ -99,10 +116,15 @@ class DraftProposer:
         self.cache.set_length(slot, item.rollback_to)
         return slot
 
-    def _guess(self, rows: list[tuple[int, ProposeItem, int]], gammas: list[int]) -> list[list[int]]:
-        """Appends each row's tokens, then decodes max(gammas) greedy tokens for all rows at once."""
-        batch = len(rows)
-        first = torch.empty(batch, dtype=torch.int64, device=self.model.device)  # [B]
+    def _guess(self, rows: list[tuple[int, ProposeItem, int]], gammas: list[int]
+               ) -> tuple[list[list[int]], int, list[list[int]], list[list[float]]]:
+        """Appends each row's tokens, then decodes max(gammas) tokens for all rows at once;
+        returns each row's guesses and, for sampling rows, the q table of its guesses (see
+        `_Picker.tables`)."""
+        batch, steps = len(rows), max(gammas)
+        device = self.model.device
+        picker = _Picker([item for _, item, _ in rows], steps, self.q_support, device)
+        first = torch.empty(batch, dtype=torch.int64, device=device)  # [B]
         by_len: dict[int, list[int]] = defaultdict(list)
         for b, (_, item, _) in enumerate(rows):
             by_len[len(item.append)].append(b)
@@ -111,15 +133,64 @@ class DraftProposer:
             slots = torch.tensor([rows[b][2] for b in members], dtype=torch.int64)
             start = torch.tensor([rows[b][1].rollback_to for b in members], dtype=torch.int64)
             logits = self.model(ids, self.cache, slots, start, last_only=True)  # [b, 1, V]
-            first[members] = kernels.argmax(logits[:, -1])
+            first[members] = picker.pick(logits[:, -1], members, 0)
         slots = torch.tensor([slot for _, _, slot in rows], dtype=torch.int64)  # [B]
         pos = torch.tensor([item.rollback_to + len(item.append) for _, item, _ in rows], dtype=torch.int64)
         guesses = [first]
+        everyone = list(range(batch))
         # Tokens stay on the device between draft steps; one host transfer at the end. A row whose
         # γ is smaller than the batch's keeps being fed; its extra positions lie past its length
         # (clamped to the last cache position, which that row never counts as valid).
-        for _ in range(max(gammas) - 1):
+        for step in range(1, steps):
             logits = self.model(guesses[-1][:, None], self.cache, slots, pos.clamp(max=self.max_len - 1))
-            guesses.append(kernels.argmax(logits[:, -1]))  # [B]
+            guesses.append(picker.pick(logits[:, -1], everyone, step))  # [B]
             pos = pos + 1
-        return torch.stack(guesses, dim=1).tolist()  # [B, max gamma]
+        return (torch.stack(guesses, dim=1).tolist(), *picker.tables())  # [B, max gamma], ...
+
+
+class _Picker:
+    """Chooses each guess: argmax for greedy rows, x ~ truncated q for sampling rows (keeping q)."""
+
+    def __init__(self, items: list[ProposeItem], steps: int, support: int, device: torch.device) -> None:
+        self.params = [item.sampling for item in items]
+        self.sampling = [b for b, p in enumerate(self.params) if not p.greedy]
+        self.support = support
+        if not self.sampling:
+            return
+        # Guess j of a row lands at position rollback_to + len(append) + j of its sequence.
+        starts = [items[b].rollback_to + len(items[b].append) for b in self.sampling]
+        seeds = [self.params[b].seed for b in self.sampling]
+        self.u = torch.zeros(len(items), steps, dtype=torch.float64, device=device)  # [B, G]
+        self.u[self.sampling] = uniforms(seeds, starts, steps, DRAFT_SAMPLE, device)
+        self.q_ids = torch.zeros(len(items), steps, support, dtype=torch.int64, device=device)  # [B, G, K]
+        self.q_probs = torch.zeros(len(items), steps, support, dtype=torch.float32, device=device)  # [B, G, K]
+
+    def pick(self, logits: torch.Tensor, members: list[int], step: int) -> torch.Tensor:
+        """logits [b, V] of the rows `members` at guess `step` -> tokens [b]."""
+        tokens = kernels.argmax(logits)  # [b]
+        local = [i for i, b in enumerate(members) if not self.params[b].greedy]
+        if not local:
+            return tokens
+        rows = [members[i] for i in local]
+        probs = process_logits(logits[local], [self.params[b] for b in rows])  # [s, V]
+        ids, q = truncate(probs, self.support)  # [s, K]: exactly what is sampled from and sent
+        tokens[local] = ids.gather(1, sample_rows(q, self.u[rows, step])[:, None]).squeeze(1)
+        width = ids.shape[1]
+        self.q_ids[rows, step, :width] = ids
+        self.q_probs[rows, step, :width] = q
+        return tokens
+
+    def tables(self) -> tuple[int, list[list[int]], list[list[float]]]:
+        """(width, ids, probs): per row, its [G, width] q table flattened row-major; width is the
+        largest support of any guess in the batch (tokens past it have no mass); [] for greedy rows."""
+        empty: list[list] = [[] for _ in self.params]
+        if not self.sampling:
+            return 0, empty, empty
+        rows = torch.tensor(self.sampling)
+        probs = self.q_probs[rows]  # [s, G, K]
+        width = int((probs > 0).sum(dim=-1).max())
+        ids, probs = self.q_ids[rows, :, :width].flatten(1).tolist(), probs[:, :, :width].flatten(1).tolist()
+        out_ids, out_probs = list(empty), list(empty)
+        for i, b in enumerate(self.sampling):
+            out_ids[b], out_probs[b] = ids[i], probs[i]
+        return width, out_ids, out_probs

@@ -13,8 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from draft_service.proposer import DraftProposer, ProposeItem
+from draft_service.proposer import DraftProposer
 from draft_service.synthetic import SyntheticProposer
+from draft_service.wire import item_from_pb, proposal_to_pb
 from specstream.compute import compute_executor
 from specstream.config import DraftConfig
 from specstream.grpc_server import ServiceServer
@@ -40,14 +41,11 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                 response = draft_pb2.ProposeResponse()
                 if request.WhichOneof("kind") == "propose":
                     batch = request.propose
-                    items = [ProposeItem((stream, it.seq_id), it.rollback_to, list(it.append_token_ids), it.gamma)
-                             for it in batch.items]
+                    items = [item_from_pb((stream, it.seq_id), it) for it in batch.items]
                     keys.update(item.key for item in items)
                     proposals = await loop.run_in_executor(self._compute, self.proposer.propose, items)
                     response.step = batch.step
-                    response.proposals.extend(
-                        draft_pb2.Proposal(seq_id=it.seq_id, token_ids=p.tokens, length=p.length)
-                        for it, p in zip(batch.items, proposals))
+                    response.proposals.extend(proposal_to_pb(it.seq_id, p) for it, p in zip(batch.items, proposals))
                 elif request.WhichOneof("kind") == "release":
                     released = [(stream, seq_id) for seq_id in request.release.seq_ids]
                     await loop.run_in_executor(self._compute, self.proposer.release, released)
@@ -72,7 +70,7 @@ async def serve(config: DraftConfig) -> None:
         if config.synthetic_oracle:
             return SyntheticProposer.from_file(config.synthetic_oracle, config.synthetic_alpha, config.synthetic_seed)
         model = load_model(config.model.path, dtype=config.model.dtype, device=config.model.device)
-        return DraftProposer(model, config.max_slots, config.max_seq_len)
+        return DraftProposer(model, config.max_slots, config.max_seq_len, config.q_support)
 
     proposer = await asyncio.get_running_loop().run_in_executor(compute, build)
     server = ServiceServer(config.server, [SERVICE_NAME])

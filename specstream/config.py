@@ -91,6 +91,9 @@ class DraftConfig:
     max_slots: int = 64  # sequences whose KV state the draft holds at once
     max_seq_len: int = 2048  # per slot; capped by the model
     torch_threads: int = 0  # CPU threads for the model (0: torch's default, one per core)
+    # Sampling: q is cut to this many most likely tokens (and renormalised) before it is sampled
+    # and sent, so a proposal's size on the wire never grows with the vocabulary.
+    q_support: int = 64
     # Benchmarks only: replay the target's greedy continuations from this file, each token
     # corrupted with probability 1 - synthetic_alpha (draft_service/synthetic.py).
     synthetic_oracle: str | None = None
@@ -104,6 +107,7 @@ class DraftConfig:
         _check(self.max_slots >= 1, "max_slots", self.max_slots, ">= 1")
         _check(self.max_seq_len >= 8, "max_seq_len", self.max_seq_len, ">= 8")
         _check(self.torch_threads >= 0, "torch_threads", self.torch_threads, ">= 0")
+        _check(self.q_support >= 1, "q_support", self.q_support, ">= 1")
 
 
 @dataclass
@@ -116,6 +120,7 @@ class GatewayConfig:
     max_stop_strings: int = 16  # per request
     max_stop_string_chars: int = 128  # per stop string
     max_request_id_chars: int = 128
+    max_top_logprobs: int = 20  # largest top_logprobs (alternatives per token) a request may ask for
     connect_timeout_s: float = 60.0  # how long to wait for the target at startup
 
     def __post_init__(self) -> None:
@@ -124,4 +129,5 @@ class GatewayConfig:
         _check(self.max_in_flight >= 1, "max_in_flight", self.max_in_flight, ">= 1")
         _check(self.max_stop_strings >= 0, "max_stop_strings", self.max_stop_strings, ">= 0")
         _check(self.max_stop_string_chars >= 1, "max_stop_string_chars", self.max_stop_string_chars, ">= 1")
+        _check(self.max_top_logprobs >= 0, "max_top_logprobs", self.max_top_logprobs, ">= 0")
         _check(self.connect_timeout_s > 0, "connect_timeout_s", self.connect_timeout_s, "> 0")

@@ -23,6 +23,7 @@ class InvalidArgumentError(SpecstreamError, ValueError):
     def __init__(self, field: str, value: Any, reason: str) -> None:
         self.field = field
         self.value = value
+        self.reason = reason
         super().__init__(f"{field}={_short(value)}: {reason}")
 
 

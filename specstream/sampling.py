@@ -4,81 +4,155 @@ Speculative sampling is exact only if the target's p and the draft's q come from
 processing of their logits (design §5), so both services call `process_logits` with the request's
 `SamplingParams`. Random numbers come from a counter-based generator keyed by (seed, position,
 purpose): a request's draws depend on nothing else in the batch, so the same seed reproduces the
-same text whatever shares the step. Knows nothing about models, engines or gRPC.
+same text whatever shares the step. Knows nothing about models or engines; `from_pb` reads the
+`specstream.v1.Sampling` message at the edge.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from specstream.errors import InvalidArgumentError
 
 _MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0: greedy (argmax)
+    temperature: float = 0.0  # 0: greedy (argmax); top_k and top_p then have no effect
     top_k: int = 0  # 0: no top-k cut
     top_p: float = 1.0  # 1: no nucleus cut
     seed: int = 0  # uint64; with the position, keys every random draw
 
     def __post_init__(self) -> None:
+        # InvalidArgumentError is a ValueError that also carries the field and the value.
         if not (self.temperature >= 0.0 and self.temperature < float("inf")):
-            raise ValueError(f"temperature={self.temperature!r}: must be >= 0 and finite")
+            raise InvalidArgumentError("temperature", self.temperature, "must be >= 0 and finite")
         if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k!r}: must be >= 0 (0 = off)")
+            raise InvalidArgumentError("top_k", self.top_k, "must be >= 0 (0 = off)")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p={self.top_p!r}: must be in (0, 1]")
+            raise InvalidArgumentError("top_p", self.top_p, "must be in (0, 1]")
         if not 0 <= self.seed <= _MASK64:
-            raise ValueError(f"seed={self.seed!r}: must fit in uint64")
+            raise InvalidArgumentError("seed", self.seed, "must fit in uint64")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @classmethod
+    def from_pb(cls, pb) -> SamplingParams:
+        """A `Sampling` message -> params; raises InvalidArgumentError. With temperature 0
+        the cuts are ignored (greedy), so an unset message means greedy."""
+        if pb.temperature == 0.0:
+            return cls(seed=pb.seed)
+        return cls(temperature=pb.temperature, top_k=pb.top_k, top_p=pb.top_p, seed=pb.seed)
 
-def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [..., V] -> probabilities [..., V] (float32) after temperature, top-k and top-p.
+    def to_pb_fields(self) -> dict:
+        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
+
+
+GREEDY = SamplingParams()
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParams]) -> torch.Tensor:
+    """logits [B, ..., V] -> probabilities [B, ..., V] (float32) after temperature, top-k and top-p,
+    with one SamplingParams per row (or one for all rows). Greedy rows get the plain softmax: it is
+    what their log-probabilities are reported under.
 
     Ties at the top-k / top-p boundary are kept (everything with the boundary's value stays), so
     the result does not depend on how a sort orders equal logits."""
-    assert not params.greedy, "greedy requests take the argmax; there is no distribution to process"
-    scaled = logits.float() / params.temperature  # [..., V]
-    if params.top_k and params.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
+    rows = [params] * logits.shape[0] if isinstance(params, SamplingParams) else list(params)
+    assert len(rows) == logits.shape[0], (len(rows), logits.shape)
+    vocab, device = logits.shape[-1], logits.device
+    per_row = (len(rows),) + (1,) * (logits.dim() - 1)  # broadcasts a [B] setting over [B, ..., V]
+    temperature = torch.tensor([p.temperature or 1.0 for p in rows], device=device).view(per_row)
+    top_k = [0 if p.greedy or p.top_k >= vocab else p.top_k for p in rows]
+    top_p = [1.0 if p.greedy else p.top_p for p in rows]
+    logits = logits.float()
+    # Shift before dividing: a tiny temperature then sends the rest to -inf instead of inf - inf.
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # [B, ..., V]
+    if any(top_k):
+        k = torch.tensor(top_k, device=device).view(per_row)
+        ranked = torch.sort(scaled, dim=-1, descending=True).values  # [B, ..., V]
+        kth = ranked.gather(-1, (k - 1).clamp(min=0).expand(*scaled.shape[:-1], 1))  # [B, ..., 1]
+        kth = torch.where(k > 0, kth, torch.full_like(kth, float("-inf")))
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)  # [..., V]
-    if params.top_p < 1.0:
-        sorted_probs, _ = torch.sort(probs, dim=-1, descending=True)  # [..., V]
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each entry
+    probs = torch.softmax(scaled, dim=-1)  # [B, ..., V]
+    if any(p < 1.0 for p in top_p):
+        nucleus = torch.tensor(top_p, device=device).view(per_row)
+        ranked = torch.sort(probs, dim=-1, descending=True).values  # [B, ..., V]
+        before = ranked.cumsum(dim=-1) - ranked  # mass strictly above each entry
         # The smallest probability still needed to reach top_p: keep every entry >= it.
-        needed = sorted_probs.masked_fill(before >= params.top_p, float("inf")).amin(dim=-1, keepdim=True)
-        probs = probs.masked_fill(probs < needed, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        needed = ranked.masked_fill(before >= nucleus, float("inf")).amin(dim=-1, keepdim=True)
+        needed = torch.where(nucleus < 1.0, needed, torch.zeros_like(needed))  # rounding must not cut
+        cut = probs.masked_fill(probs < needed, 0.0)
+        # Only cut rows are renormalised: a row's result must not depend on what shares its batch.
+        probs = torch.where(nucleus < 1.0, cut / cut.sum(dim=-1, keepdim=True), probs)
     return probs
+
+
+def truncate(probs: torch.Tensor, support: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """probs [..., V] -> (ids [..., K], probs [..., K]) of the K = min(support, V) most likely tokens,
+    renormalised, most likely first (zeros at the end where fewer than K have mass). Sampling from
+    the result samples from exactly the distribution it describes (design §5)."""
+    top, ids = torch.topk(probs, min(support, probs.shape[-1]), dim=-1)  # [..., K]
+    return ids, top / top.sum(dim=-1, keepdim=True)
 
 
 # Purposes of random draws, so that e.g. accepting position 7 and sampling position 7 differ.
 DRAFT_SAMPLE, ACCEPT, TARGET_SAMPLE = 1, 2, 3
 
 
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
 def uniform(seed: int, position: int, purpose: int) -> float:
     """A float in [0, 1) that depends only on (seed, position, purpose): splitmix64 finalizer over
-    a counter, 53 bits of mantissa. Counter-based, so no generator state is shared or carried."""
-    x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + purpose * 0x94D049BB133111EB) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    a counter, 53 bits of mantissa. Counter-based, so no generator state is shared or carried.
+
+    Each position's draws are used at most once in what a sequence commits: the acceptance and
+    final draws of position i only in the step that settles token i, and a draft draw that was
+    thrown away (its proposal came after a rejection) never influenced anything committed."""
+    x = (seed * _GOLDEN + position * _MIX1 + purpose * _MIX2) & _MASK64
+    x = ((x ^ (x >> 30)) * _MIX1) & _MASK64
+    x = ((x ^ (x >> 27)) * _MIX2) & _MASK64
     x ^= x >> 31
     return (x >> 11) / float(1 << 53)
 
 
+def uniforms(seeds: Sequence[int], starts: Sequence[int], count: int, purpose: int,
+             device: torch.device | str = "cpu") -> torch.Tensor:
+    """[len(seeds), count] float64: row b holds uniform(seeds[b], starts[b] + j, purpose) for
+    j < count, computed in wrapping uint64 arithmetic for the whole table at once."""
+    u64 = np.uint64
+    seed = np.asarray(seeds, dtype=u64).reshape(-1, 1)  # [N, 1]
+    position = np.asarray(starts, dtype=u64).reshape(-1, 1) + np.arange(count, dtype=u64)  # [N, count]
+    with np.errstate(over="ignore"):  # uint64 products wrap modulo 2^64, as intended
+        x = seed * u64(_GOLDEN) + position * u64(_MIX1) + u64(purpose) * u64(_MIX2)
+        x = (x ^ (x >> u64(30))) * u64(_MIX1)
+        x = (x ^ (x >> u64(27))) * u64(_MIX2)
+        x ^= x >> u64(31)
+    values = (x >> u64(11)).astype(np.float64) / float(1 << 53)  # exact: 53-bit integers
+    return torch.from_numpy(values).to(device)
+
+
+def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling, one token per row: probs [N, V] (need not be normalised), u [N]
+    float64 in [0, 1) -> ids [N] int64, the first token whose cumulative mass exceeds u * total.
+    Zero-probability tokens are never returned. No host sync."""
+    cdf = probs.double().cumsum(dim=-1)  # [N, V]
+    threshold = (u.double() * cdf[:, -1])[:, None]  # [N, 1]
+    index = torch.searchsorted(cdf, threshold, right=True).squeeze(-1)  # [N]
+    # u * total can round up to the total; then the last token with mass is the answer, never a
+    # trailing zero (a strict "cdf > threshold" search skips every zero-mass token otherwise).
+    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).to(torch.int64).argmax(dim=-1)  # [N]
+    return torch.minimum(index, last)
+
+
 def sample(probs: torch.Tensor, u: float) -> int:
-    """Inverse-CDF sample from probs [V] with the uniform u: the first token whose cumulative mass
-    exceeds u * total. Zero-probability tokens are never returned (strict inequality)."""
-    cdf = probs.double().cumsum(dim=0)  # [V]
-    index = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True))
-    index = min(index, probs.shape[0] - 1)
-    while probs[index] <= 0:  # u * total landed exactly on a boundary before trailing zeros
-        index -= 1
-    return index
+    """One token from probs [V] with the uniform u (see sample_rows)."""
+    return int(sample_rows(probs[None], torch.tensor([u], dtype=torch.float64, device=probs.device))[0])

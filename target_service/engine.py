@@ -2,9 +2,10 @@
 
 Every running sequence advances once per step: the draft service proposes up to γ tokens per
 sequence, ONE target forward scores all of them (rows of different lengths and γ side by side),
-greedy acceptance keeps the longest agreeing prefix plus the target's own next token, and a
-rejection is undone by resetting the slot's KV length (O(1)). When the draft is down or a request
-says `speculation=off` the same loop decodes plainly (γ = 0).
+verification keeps the accepted prefix plus the target's own next token (greedy matching, or
+Leviathan's rule for sampling requests: target_service.verify), and a rejection is undone by
+resetting the slot's KV length (O(1)). When the draft is down or a request says `speculation=off`
+the same loop decodes plainly (γ = 0).
 
 The engine works on token ids only: it knows nothing about text, gRPC framing or the gateway.
 Model forwards run on one worker thread so the event loop keeps serving the gRPC streams.
@@ -22,15 +23,16 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
-import kernels
 from specstream.compute import compute_executor
 from specstream.config import TargetConfig
 from specstream.errors import InvalidArgumentError
 from specstream.models import CausalLM
+from specstream.sampling import SamplingParams
 from specstream_pb import common_pb2, draft_pb2, target_pb2
 from target_service.connection import Connection
 from target_service.draft_client import DraftClient
 from target_service.sequence import Sequence
+from target_service.verify import Row, Verdict, verify
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +88,11 @@ class Engine:
         for req in requests:
             try:
                 gamma = self._validate(conn, req)
+                sampling = _sampling(req)
             except InvalidArgumentError as exc:
                 conn.send(_error_message(req.id, exc))
                 continue
-            seq = Sequence.from_pb(next(self._seq_ids), conn, req, gamma)
+            seq = Sequence.from_pb(next(self._seq_ids), conn, req, gamma, sampling)
             self.by_request[(conn, req.id)] = seq
             self.waiting.append(seq)
         self._wake.set()
@@ -109,6 +112,8 @@ class Engine:
             raise InvalidArgumentError("prompt_token_ids", bad, f"token id must be < vocab size {vocab}")
         if req.max_new_tokens < 1:
             raise InvalidArgumentError("max_new_tokens", req.max_new_tokens, "must be >= 1")
+        if req.logprobs and req.top_logprobs > vocab:
+            raise InvalidArgumentError("top_logprobs", req.top_logprobs, f"must be <= vocab size {vocab}")
         total = len(req.prompt_token_ids) + req.max_new_tokens
         if total > self.max_context_length:
             raise InvalidArgumentError("max_new_tokens", req.max_new_tokens,
@@ -156,7 +161,9 @@ class Engine:
                 self._touched.append(seq)
 
     async def _admit(self) -> None:
-        """Moves waiting sequences into free slots and prefills them, oldest first."""
+        """Moves waiting sequences into free slots, oldest first, and prefills them: one forward
+        per group of equally long prompts."""
+        admitted: dict[int, list[Sequence]] = {}
         while self.waiting and self.cache.num_free:
             seq = self.waiting.popleft()
             if seq.finish_reason is not None:  # cancelled while queued: nothing to free but the id
@@ -166,35 +173,40 @@ class Engine:
             assert seq.slot is not None
             seq.queue_seconds = time.monotonic() - seq.arrival
             self.running.append(seq)  # before prefill: if it fails, _fail_all reports and frees it
-            await self._prefill(seq)
+            admitted.setdefault(seq.prompt_len, []).append(seq)
+        for group in admitted.values():
+            await self._prefill(group)
+
+    async def _prefill(self, group: list[Sequence]) -> None:
+        verdicts = await self._run_compute(self._prefill_compute, group)
+        for seq, verdict in zip(group, verdicts):
+            self.cache.set_length(seq.slot, seq.prompt_len)
+            seq.target_passes += 1
+            seq.append(verdict.tokens, verdict.logprobs)
             self._touched.append(seq)
 
-    async def _prefill(self, seq: Sequence) -> None:
-        prompt = torch.tensor([seq.tokens], dtype=torch.int64)  # [1, P]
-        first = await self._run_compute(self._prefill_compute, prompt, seq.slot)
-        self.cache.set_length(seq.slot, seq.prompt_len)
-        seq.target_passes += 1
-        seq.append([first])
-
-    def _prefill_compute(self, prompt: torch.Tensor, slot: int) -> int:
+    def _prefill_compute(self, group: list[Sequence]) -> list[Verdict]:
+        prompts = torch.tensor([seq.tokens for seq in group], dtype=torch.int64)  # [b, P]
+        slots = torch.tensor([seq.slot for seq in group], dtype=torch.int64)  # [b]
         with torch.inference_mode():
-            logits = self.model(prompt, self.cache, torch.tensor([slot]), torch.tensor([0]), last_only=True)
-            return int(kernels.argmax(logits[0, -1]))  # the step's one host sync
+            logits = self.model(prompts, self.cache, slots, torch.zeros_like(slots), last_only=True)  # [b, 1, V]
+            return verify(logits, [Row(seq.sampling, seq.prompt_len, logprobs=seq.logprobs) for seq in group])
 
     async def _decode(self) -> None:
         rows = [s for s in self.running if s.finish_reason is None]
         if not rows:
             return
-        proposals = await self._propose(rows)
-        ctx_lens = [len(s.tokens) for s in rows]
-        accepted, target_tokens = await self._run_compute(self._verify_compute, rows, proposals)
-        for seq, ctx_len, props, k, tokens in zip(rows, ctx_lens, proposals, accepted, target_tokens):
-            self._accept(seq, ctx_len, props, k, tokens)
+        checks = await self._propose(rows)
+        verdicts = await self._run_compute(self._verify_compute, rows, checks)
+        for seq, check, verdict in zip(rows, checks, verdicts):
+            self._accept(seq, check, verdict)
             self._touched.append(seq)
 
-    async def _propose(self, rows: list[Sequence]) -> list[list[int]]:
-        """Asks the draft for γ tokens per row (γ capped by the budget); [] where it has none."""
-        proposals: list[list[int]] = [[] for _ in rows]
+    async def _propose(self, rows: list[Sequence]) -> list[Row]:
+        """Asks the draft for γ tokens per row (γ capped by the budget), each with the sparse q it
+        was sampled from when the row samples; what each row will verify (no proposals where the
+        draft has none)."""
+        proposals = [Row(s.sampling, len(s.tokens), logprobs=s.logprobs) for s in rows]
         if self.draft is None or not any(s.gamma for s in rows) or not await self.draft.ready():
             return proposals
         # Past the draft's own context limit a sequence decodes plainly rather than resending
@@ -213,50 +225,63 @@ class Engine:
             if seq.draft_epoch != self.draft.epoch:  # a fresh stream holds nothing
                 seq.draft_len, seq.draft_epoch = 0, self.draft.epoch
             items.append(draft_pb2.ProposeItem(seq_id=seq.seq_id, rollback_to=seq.draft_len,
-                                               append_token_ids=seq.tokens[seq.draft_len:], gamma=gamma))
+                                               append_token_ids=seq.tokens[seq.draft_len:], gamma=gamma,
+                                               sampling=common_pb2.Sampling(**seq.sampling.to_pb_fields())))
             asked.append(i)
         replies = await self.draft.propose(self.step_count, items)
         if replies is None:
             return proposals
-        vocab = self.model.config.vocab_size
         for i, reply in zip(asked, replies):
             seq = rows[i]
-            tokens = list(reply.token_ids[: gammas[i]])
-            cut = next((j for j, t in enumerate(tokens) if t >= vocab), len(tokens))
-            proposals[i] = tokens[:cut]
+            proposals[i] = self._check_proposal(seq, reply, gammas[i])
             # Beyond the context the draft holds its own guesses; `_accept` keeps the part the
             # target agreed with.
             seq.draft_len = reply.length
-            seq.draft_tokens += len(proposals[i])
+            seq.draft_tokens += len(proposals[i].proposals)
         return proposals
 
-    def _verify_compute(self, rows: list[Sequence], proposals: list[list[int]]) -> tuple[list[int], list[list[int]]]:
-        """ONE forward over every row's [last token, proposals...] (design §3), then greedy verify."""
-        gamma = max(len(p) for p in proposals)
+    def _check_proposal(self, seq: Sequence, reply: draft_pb2.Proposal, gamma: int) -> Row:
+        """The usable part of a draft's reply, as a Row to verify: tokens the target can score,
+        with the q table when the row samples (none from a model-free proposer: point masses).
+        A malformed table is a draft bug; its proposals are dropped rather than trusted."""
+        vocab = self.model.config.vocab_size
+        tokens = list(reply.token_ids[:gamma])
+        cut = next((j for j, t in enumerate(tokens) if t >= vocab), len(tokens))
+        row = Row(seq.sampling, len(seq.tokens), tokens[:cut], logprobs=seq.logprobs)
+        width = reply.q_width
+        if seq.sampling.greedy or not width or not row.proposals:
+            return row
+        size = len(row.proposals) * width
+        ids, probs = reply.q_ids[:size], reply.q_probs[:size]
+        if len(ids) != size or len(probs) != size or max(ids) >= vocab or min(probs) < 0.0 \
+                or not sum(probs) < float("inf"):  # also catches NaN
+            log.warning("draft sent a malformed q for sequence %d; ignoring its proposals", seq.seq_id)
+            row.proposals = []
+            return row
+        row.q_width, row.q_ids, row.q_probs = width, ids, probs
+        return row
+
+    def _verify_compute(self, rows: list[Sequence], checks: list[Row]) -> list[Verdict]:
+        """ONE forward over every row's [last token, proposals...] (design §3), then verification."""
+        gamma = max(len(c.proposals) for c in checks)
         batch = len(rows)
         input_ids = torch.zeros(batch, gamma + 1, dtype=torch.int64)  # [B, G+1]; padding is never read
-        draft = torch.full((batch, gamma), -1, dtype=torch.int64)  # [B, G]
-        for b, (seq, props) in enumerate(zip(rows, proposals)):
+        for b, (seq, check) in enumerate(zip(rows, checks)):
             input_ids[b, 0] = seq.tokens[-1]
-            input_ids[b, 1 : 1 + len(props)] = torch.tensor(props, dtype=torch.int64)
-            draft[b, : len(props)] = input_ids[b, 1 : 1 + len(props)]
-        num_draft = torch.tensor([len(p) for p in proposals], dtype=torch.int64)  # [B]
+            input_ids[b, 1 : 1 + len(check.proposals)] = torch.tensor(check.proposals, dtype=torch.int64)
         slots = torch.tensor([s.slot for s in rows], dtype=torch.int64)  # [B]
         start = torch.tensor([len(s.tokens) - 1 for s in rows], dtype=torch.int64)  # [B]
         with torch.inference_mode():
             logits = self.model(input_ids, self.cache, slots, start)  # [B, G+1, V]
-            device = logits.device
-            num_accepted, target_tokens = kernels.greedy_verify(draft.to(device), num_draft.to(device), logits)
-            # The step's one host sync: both results in one transfer.
-            packed = torch.cat([num_accepted[:, None], target_tokens], dim=1).tolist()  # [B, G+2]
-        return [row[0] for row in packed], [row[1:] for row in packed]
+            return verify(logits, checks)
 
-    def _accept(self, seq: Sequence, ctx_len: int, proposals: list[int], k: int, target_tokens: list[int]) -> None:
+    def _accept(self, seq: Sequence, check: Row, verdict: Verdict) -> None:
+        ctx_len, k = check.position, verdict.accepted
         seq.target_passes += 1
         seq.decode_passes += 1
-        seq.append(target_tokens[: k + 1])  # k accepted proposals, then the correction or bonus token
+        seq.append(verdict.tokens, verdict.logprobs)  # k accepted proposals, then the correction or bonus token
         seq.accepted_tokens += min(k, len(seq.tokens) - ctx_len)  # a stop id may cut the run short
-        seq.rejections += k < len(proposals)
+        seq.rejections += k < len(check.proposals)
         # The draft fed ctx + proposals[:-1]; only the first k of those agree with the target.
         seq.draft_len = min(seq.draft_len, ctx_len + k)
         if seq.finish_reason is None:
@@ -314,6 +339,13 @@ class Engine:
     def shutdown(self) -> None:
         self._fail_all("the target service is shutting down", grpc.StatusCode.UNAVAILABLE)
         self._compute.shutdown(wait=False)
+
+
+def _sampling(req: target_pb2.SequenceRequest) -> SamplingParams:
+    try:
+        return SamplingParams.from_pb(req.sampling)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"sampling.{exc.field}", exc.value, exc.reason) from exc
 
 
 def _error_message(request_id: str, exc: Exception | None, why: str = "",

@@ -6,8 +6,9 @@ process (tests, benchmarks). Proposals run on the calling thread.
 
 from __future__ import annotations
 
-from draft_service.proposer import DraftProposer, ProposeItem
+from draft_service.proposer import DraftProposer
 from draft_service.synthetic import SyntheticProposer
+from draft_service.wire import item_from_pb, proposal_to_pb
 from specstream_pb import draft_pb2
 
 
@@ -31,10 +32,8 @@ class LocalDraft:
 
     async def propose(self, step: int, items: list[draft_pb2.ProposeItem],
                       traceparent: str = "") -> list[draft_pb2.Proposal]:
-        proposals = self.proposer.propose(
-            [ProposeItem(it.seq_id, it.rollback_to, list(it.append_token_ids), it.gamma) for it in items])
-        return [draft_pb2.Proposal(seq_id=it.seq_id, token_ids=p.tokens, length=p.length)
-                for it, p in zip(items, proposals)]
+        proposals = self.proposer.propose([item_from_pb(it.seq_id, it) for it in items])
+        return [proposal_to_pb(it.seq_id, p) for it, p in zip(items, proposals)]
 
     async def release(self, seq_ids: list[int]) -> None:
         self.proposer.release(seq_ids)

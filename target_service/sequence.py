@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from specstream.sampling import GREEDY, SamplingParams
 from specstream_pb import common_pb2, target_pb2
 
 FINISH = {
@@ -31,6 +32,8 @@ class Sequence:
     stop_ids: frozenset[int]  # generation ends after any of these (EOS included)
     eos_ids: frozenset[int]  # the stop ids reported as finish reason "eos"
     gamma: int  # proposals per step; 0 = plain decoding
+    sampling: SamplingParams = GREEDY
+    logprobs: int | None = None  # None: not requested; n: with the n most likely alternatives
     traceparent: str = ""
     arrival: float = field(default_factory=time.monotonic)
     slot: int | None = None
@@ -45,13 +48,15 @@ class Sequence:
     decode_passes: int = 0
     rejections: int = 0  # decode passes in which a proposal was rejected
     pending: list[int] = field(default_factory=list)  # tokens not yet sent in an event
+    pending_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)  # in step with `pending`
     max_token: int = 0  # largest id in `tokens` (a draft with a smaller vocabulary cannot take it)
 
     def __post_init__(self) -> None:
         self.max_token = max(self.tokens, default=0)
 
     @classmethod
-    def from_pb(cls, seq_id: int, conn: Any, req: target_pb2.SequenceRequest, gamma: int) -> Sequence:
+    def from_pb(cls, seq_id: int, conn: Any, req: target_pb2.SequenceRequest, gamma: int,
+                sampling: SamplingParams) -> Sequence:
         return cls(
             seq_id=seq_id,
             request_id=req.id,
@@ -62,6 +67,8 @@ class Sequence:
             stop_ids=frozenset(req.stop_token_ids),
             eos_ids=frozenset(req.eos_token_ids),
             gamma=gamma,
+            sampling=sampling,
+            logprobs=req.top_logprobs if req.logprobs else None,
             traceparent=req.traceparent,
         )
 
@@ -73,12 +80,17 @@ class Sequence:
     def remaining(self) -> int:
         return self.max_new_tokens - self.generated
 
-    def append(self, new_tokens: list[int]) -> None:
-        """Commits tokens, cut at the first stop id (kept) or at the budget (design §5: EOS, stop
-        or max_new_tokens inside an accepted run end the sequence there)."""
-        for tok in new_tokens[: self.remaining]:
+    def append(self, new_tokens: list[int], logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None) -> None:
+        """Commits tokens (with their log-probabilities when the request asked), cut at the first
+        stop id (kept) or at the budget (design §5: EOS, stop or max_new_tokens inside an
+        accepted run end the sequence there)."""
+        for i, tok in enumerate(new_tokens[: self.remaining]):
             self.tokens.append(tok)
             self.pending.append(tok)
+            if logprobs is not None:
+                chosen, top = logprobs[i]
+                self.pending_logprobs.append(common_pb2.TokenLogprob(
+                    token_id=tok, logprob=chosen, top=[common_pb2.Logprob(token_id=t, logprob=v) for t, v in top]))
             self.max_token = max(self.max_token, tok)
             if tok in self.stop_ids:
                 self.finish_reason = "eos" if tok in self.eos_ids else "stop"
@@ -98,8 +110,9 @@ class Sequence:
 
     def event_pb(self) -> target_pb2.SequenceEvent:
         """The step's event: new tokens since the last one, and the finish reason once ended."""
-        event = target_pb2.SequenceEvent(id=self.request_id, token_ids=self.pending, stats=self.stats_pb())
-        self.pending = []
+        event = target_pb2.SequenceEvent(id=self.request_id, token_ids=self.pending, stats=self.stats_pb(),
+                                         logprobs=self.pending_logprobs)
+        self.pending, self.pending_logprobs = [], []
         if self.finish_reason is not None:
             event.finish_reason = FINISH[self.finish_reason]
         if self.queue_seconds is not None:

@@ -38,3 +38,37 @@ def model_zoo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tok = build_byte_level_tokenizer(vocab_size=300)
     save_tokenizer_files(tok, root / "unrelated", bos=BOS_TOKEN, eos=EOS_TOKEN)
     return {name: root / name for name in ("target", "same", "unrelated", "partial")}
+
+
+@pytest.fixture(scope="session")
+def sampling_pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A 32-token target whose next-token distributions are neither flat nor one-hot (entropy
+    1.2-2.4 nats at T 0.7-1.5), and a draft that disagrees with it in structured ways: one layer
+    instead of two (the target's second layer is damped, so they agree ~65% of the time), an
+    over-confident output layer (x1.3), and tokens 0<->1 and 2<->3 swapped, so q puts mass where
+    p has little and gives none where p's top-k keeps the most."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from specstream.models import write_random_checkpoint
+
+    root = tmp_path_factory.mktemp("sampling_pair")
+    config = {"vocab_size": 32, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "max_position_embeddings": 64, "initializer_range": 0.4,
+              "bos_token_id": 30, "eos_token_id": 31}
+    write_random_checkpoint(root / "target", config, seed=3)
+    weights = load_file(str(root / "target" / "model.safetensors"))
+    for name in weights:
+        if name.startswith("model.layers.1.") and name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = weights[name] * 0.3
+    save_file(weights, str(root / "target" / "model.safetensors"), metadata={"format": "pt"})
+    draft = {k: v.clone() for k, v in weights.items() if not k.startswith("model.layers.1.")}
+    swap = torch.arange(32)
+    swap[:4] = torch.tensor([1, 0, 3, 2])
+    draft["lm_head.weight"] = (draft["lm_head.weight"] * 1.3)[swap].contiguous()
+    (root / "draft").mkdir()
+    save_file(draft, str(root / "draft" / "model.safetensors"), metadata={"format": "pt"})
+    target_config = json.loads((root / "target" / "config.json").read_text())
+    (root / "draft" / "config.json").write_text(json.dumps({**target_config, "num_hidden_layers": 1}))
+    return {"target": root / "target", "draft": root / "draft"}

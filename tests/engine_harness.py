@@ -10,6 +10,7 @@ import torch
 from draft_service.proposer import DraftProposer
 from specstream.config import ModelSpec, TargetConfig
 from specstream.models import load_model
+from specstream.sampling import SamplingParams
 from specstream_pb import common_pb2, target_pb2
 from target_service.connection import Connection
 from target_service.engine import Engine
@@ -25,12 +26,19 @@ def speculation(gamma: int | None) -> common_pb2.Speculation:
 
 
 def run_engine(target: Path, draft: Path | None, prompts: list[list[int]], gamma: int, max_new_tokens: int,
-               stop_ids: list[int] = (), eos_ids: list[int] = (), max_slots: int = 8) -> tuple[list[list[int]], list[target_pb2.SequenceEvent]]:
-    """Returns each prompt's generated tokens and its final event (finish reason, stats)."""
+               stop_ids: list[int] = (), eos_ids: list[int] = (), max_slots: int = 8,
+               sampling: list[SamplingParams] | None = None, logprobs: int | None = None,
+               max_seq_len: int = 512, proposer=None) -> tuple[list[list[int]], list[target_pb2.SequenceEvent]]:
+    """Returns each prompt's generated tokens and its final event (finish reason, stats, and the
+    log-probabilities of all its tokens when `logprobs` is given). `sampling`: one per prompt
+    (default greedy); `proposer` replaces the draft model's proposer (e.g. a wrapped one)."""
     model = load_model(target)
-    local = LocalDraft(DraftProposer(load_model(draft), max_slots=16, max_seq_len=512)) if draft else None
-    engine = Engine(model, TargetConfig(model=ModelSpec(str(target)), max_slots=max_slots, max_seq_len=512,
+    if proposer is None and draft:
+        proposer = DraftProposer(load_model(draft), max_slots=max(16, max_slots), max_seq_len=max_seq_len)
+    local = LocalDraft(proposer) if proposer else None
+    engine = Engine(model, TargetConfig(model=ModelSpec(str(target)), max_slots=max_slots, max_seq_len=max_seq_len,
                                         max_gamma=8), local)
+    sampling = sampling or [SamplingParams()] * len(prompts)
 
     async def main() -> tuple[list[list[int]], list[target_pb2.SequenceEvent]]:
         conn = Connection()
@@ -38,17 +46,23 @@ def run_engine(target: Path, draft: Path | None, prompts: list[list[int]], gamma
         task = asyncio.create_task(engine.run())
         requests = [target_pb2.SequenceRequest(id=str(i), prompt_token_ids=p, max_new_tokens=max_new_tokens,
                                                stop_token_ids=stop_ids, eos_token_ids=eos_ids,
-                                               speculation=speculation(gamma))
-                    for i, p in enumerate(prompts)]
+                                               speculation=speculation(gamma),
+                                               sampling=common_pb2.Sampling(**params.to_pb_fields()),
+                                               logprobs=logprobs is not None, top_logprobs=logprobs or 0)
+                    for i, (p, params) in enumerate(zip(prompts, sampling))]
         engine.submit(conn, requests)
         tokens: dict[str, list[int]] = {r.id: [] for r in requests}
+        lps: dict[str, list[common_pb2.TokenLogprob]] = {r.id: [] for r in requests}
         final: dict[str, target_pb2.SequenceEvent] = {}
         while len(final) < len(requests):
             message = await asyncio.wait_for(conn.outbox.get(), 60)
             for event in message.events.events:
                 tokens[event.id].extend(event.token_ids)
+                lps[event.id].extend(event.logprobs)
                 if event.finish_reason:
                     final[event.id] = event
+                    del event.logprobs[:]
+                    event.logprobs.extend(lps[event.id])
         task.cancel()
         return [tokens[r.id] for r in requests], [final[r.id] for r in requests]
 

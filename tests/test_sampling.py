@@ -15,8 +15,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.speculative import speculative_verify
-from specstream.sampling import ACCEPT, DRAFT_SAMPLE, SamplingParams, process_logits, sample, uniform
+from kernels.speculative import speculative_verify, speculative_verify_reference
+from specstream.sampling import (ACCEPT, DRAFT_SAMPLE, SamplingParams, process_logits, sample, sample_rows, truncate,
+                                 uniform, uniforms)
 
 GRID = 1024  # uniforms on a midpoint grid: a sampled distribution is exact to 1/GRID
 
@@ -33,8 +34,8 @@ def _verify_one(p_step: torch.Tensor, p_next: torch.Tensor, q: torch.Tensor, x: 
     ids = torch.arange(vocab)[None, None]  # [1, 1, V]: q travels as (all ids, probs)
     accepted, emitted = speculative_verify(p, ids, q[None, None], torch.tensor([[x]]), torch.tensor([1]),
                                            torch.tensor([[u_accept]], dtype=torch.float64),
-                                           torch.tensor([u_sample], dtype=torch.float64))
-    return accepted[0], emitted[0]
+                                           torch.tensor([[u_sample, u_sample]], dtype=torch.float64))
+    return int(accepted[0]), int(emitted[0])
 
 
 def _emitted_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -129,19 +130,24 @@ def test_uniform_is_deterministic_in_range_and_keyed():
     assert ks < 1.95 / math.sqrt(len(draws)), ks
 
 
+def _process(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    return process_logits(logits[None], params)[0]
+
+
 def test_process_logits_temperature_top_k_top_p():
     logits = torch.tensor([2.0, 1.0, 0.5, 0.5, -1.0])
-    full = process_logits(logits, SamplingParams(temperature=1.0))
+    process = _process
+    full = process(logits, SamplingParams(temperature=1.0))
     assert torch.allclose(full, torch.softmax(logits, -1))
-    hot = process_logits(logits, SamplingParams(temperature=2.0))
+    hot = process(logits, SamplingParams(temperature=2.0))
     assert torch.allclose(hot, torch.softmax(logits / 2, -1))
-    top2 = process_logits(logits, SamplingParams(temperature=1.0, top_k=2))
+    top2 = process(logits, SamplingParams(temperature=1.0, top_k=2))
     assert (top2[2:] == 0).all() and torch.allclose(top2[:2], torch.softmax(logits[:2], -1))
-    top3_tied = process_logits(logits, SamplingParams(temperature=1.0, top_k=3))
+    top3_tied = process(logits, SamplingParams(temperature=1.0, top_k=3))
     assert (top3_tied[:4] > 0).all() and top3_tied[4] == 0  # the tie at the boundary stays
-    nucleus = process_logits(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    nucleus = process(logits, SamplingParams(temperature=1.0, top_p=0.5))
     assert (nucleus[1:] == 0).all() and nucleus[0] == 1.0  # p(0) = 0.537 alone reaches 0.5
-    nucleus2 = process_logits(logits, SamplingParams(temperature=1.0, top_p=0.6))
+    nucleus2 = process(logits, SamplingParams(temperature=1.0, top_p=0.6))
     assert (nucleus2[:2] > 0).all() and (nucleus2[2:] == 0).all()
     assert torch.allclose(nucleus2.sum(), torch.tensor(1.0))
 
@@ -158,3 +164,79 @@ def test_process_logits_temperature_top_k_top_p():
 def test_sampling_params_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_process_logits_applies_each_rows_own_settings():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 3, 50) * 3  # [B, positions, V]
+    rows = [SamplingParams(temperature=0.7, top_k=5), SamplingParams(),  # greedy: the plain softmax
+            SamplingParams(temperature=1.5, top_p=0.8), SamplingParams(temperature=1.0, top_k=7, top_p=0.5)]
+    together = process_logits(logits, rows)
+    for b, params in enumerate(rows):
+        alone = process_logits(logits[b : b + 1], params)[0]
+        assert torch.equal(together[b], alone), b
+    assert torch.allclose(together[1], torch.softmax(logits[1], -1))
+    assert ((together[0] > 0).sum(-1) == 5).all()
+    assert torch.allclose(together.sum(-1), torch.ones(4, 3))
+
+
+def test_tiny_temperature_is_argmax_not_nan():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0 - 1e-6]])
+    probs = process_logits(logits, SamplingParams(temperature=1e-30))
+    assert not probs.isnan().any()
+    assert probs[0, 1] == 1.0
+
+
+def test_truncate_keeps_the_top_k_renormalised():
+    probs = torch.tensor([[0.1, 0.4, 0.0, 0.3, 0.2]])
+    ids, top = truncate(probs, 3)
+    assert ids.tolist() == [[1, 3, 4]]
+    assert torch.allclose(top, torch.tensor([[4 / 9, 3 / 9, 2 / 9]]))
+    ids, top = truncate(probs, 10)  # more room than the vocabulary: everything, zeros last
+    assert ids.shape == (1, 5) and top[0, -1] == 0
+
+
+def test_sample_rows_matches_sample_and_uniforms_are_per_position():
+    torch.manual_seed(1)
+    probs = torch.softmax(torch.randn(64, 9), -1) * (torch.rand(64, 9) > 0.3)
+    probs[:, 0] += 1e-3  # every row keeps some mass
+    u = uniforms(range(64), [5] * 64, 1, ACCEPT)[:, 0]
+    assert sample_rows(probs, u).tolist() == [sample(probs[i], float(u[i])) for i in range(64)]
+    table = uniforms([3, 4], [10, 20], 3, ACCEPT)  # [2, 3]
+    assert table[1, 2] == uniform(4, 22, ACCEPT) and table.dtype == torch.float64
+
+
+def _random_verify_inputs(seed: int, batch: int = 16, gamma: int = 4, vocab: int = 12, support: int = 5):
+    """A batch of proposals with every kind of row: short runs, no run, proposals outside q's support."""
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.softmax(torch.randn(batch, gamma + 1, vocab, generator=gen) * 2, -1)
+    p = p * (torch.rand(p.shape, generator=gen) > 0.25)  # zeros where a top-k / top-p cut would put them
+    p[..., 0] += 1e-3
+    p = p / p.sum(-1, keepdim=True)  # [B, G+1, V]
+    q_dense = torch.softmax(torch.randn(batch, gamma, vocab, generator=gen) * 2, -1)
+    q_ids, q_probs = truncate(q_dense, support)  # [B, G, K]
+    draft = q_ids.gather(-1, torch.randint(0, support, (batch, gamma, 1), generator=gen)).squeeze(-1)
+    draft[::5, 1] = (draft[::5, 1] + 1) % vocab  # some proposals the draft gave no (or other) mass
+    num_draft = torch.randint(0, gamma + 1, (batch,), generator=gen)
+    u_accept = torch.rand(batch, gamma, generator=gen, dtype=torch.float64)
+    u_sample = torch.rand(batch, gamma + 1, generator=gen, dtype=torch.float64)
+    return p, q_ids, q_probs.float(), draft, num_draft, u_accept, u_sample
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_vectorised_verify_matches_the_reference_token_for_token(seed):
+    inputs = _random_verify_inputs(seed)
+    accepted, emitted = speculative_verify(*inputs)
+    ref_accepted, ref_emitted = speculative_verify_reference(*inputs)
+    assert accepted.tolist() == ref_accepted.tolist()
+    assert emitted.tolist() == ref_emitted.tolist()
+
+
+def test_verify_without_proposals_is_plain_sampling():
+    p = torch.softmax(torch.randn(3, 1, 7), -1)  # [B, 1, V]
+    u = torch.tensor([[0.1], [0.5], [0.9]], dtype=torch.float64)
+    empty = torch.zeros(3, 0, 1)
+    accepted, emitted = speculative_verify(p, empty.long(), empty, torch.zeros(3, 0, dtype=torch.int64),
+                                           torch.zeros(3, dtype=torch.int64), torch.zeros(3, 0, dtype=torch.float64), u)
+    assert accepted.tolist() == [0, 0, 0]
+    assert emitted.tolist() == [sample(p[b, 0], float(u[b, 0])) for b in range(3)]

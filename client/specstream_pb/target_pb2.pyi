@@ -23,13 +23,16 @@ class Submit(_message.Message):
     def __init__(self, requests: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ...) -> None: ...
 
 class SequenceRequest(_message.Message):
-    __slots__ = ("id", "prompt_token_ids", "max_new_tokens", "stop_token_ids", "eos_token_ids", "speculation", "traceparent")
+    __slots__ = ("id", "prompt_token_ids", "max_new_tokens", "stop_token_ids", "eos_token_ids", "speculation", "sampling", "logprobs", "top_logprobs", "traceparent")
     ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -37,8 +40,11 @@ class SequenceRequest(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     speculation: _common_pb2.Speculation
+    sampling: _common_pb2.Sampling
+    logprobs: bool
+    top_logprobs: int
     traceparent: str
-    def __init__(self, id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[_common_pb2.Speculation, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[_common_pb2.Speculation, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("ids",)
@@ -63,20 +69,22 @@ class Events(_message.Message):
     def __init__(self, step: _Optional[int] = ..., events: _Optional[_Iterable[_Union[SequenceEvent, _Mapping]]] = ...) -> None: ...
 
 class SequenceEvent(_message.Message):
-    __slots__ = ("id", "token_ids", "finish_reason", "stats", "error", "queue_seconds")
+    __slots__ = ("id", "token_ids", "finish_reason", "stats", "error", "queue_seconds", "logprobs")
     ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
     stats: _common_pb2.SpeculationStats
     error: _common_pb2.SequenceError
     queue_seconds: float
-    def __init__(self, id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stats: _Optional[_Union[_common_pb2.SpeculationStats, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.SequenceError, _Mapping]] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stats: _Optional[_Union[_common_pb2.SpeculationStats, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.SequenceError, _Mapping]] = ..., queue_seconds: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Load(_message.Message):
     __slots__ = ("max_slots", "free_slots", "running", "queued", "draft_sequences", "draft_connected")

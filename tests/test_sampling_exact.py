@@ -1,0 +1,229 @@
+"""Speculative sampling keeps the target's distribution exactly: chi-square tests through the engine.
+
+Each configuration generates SAMPLES sequences from one prompt, each with its own seed, through the
+real engine and the real draft proposer (in one process; the proposals are the same messages the
+gRPC draft sends), and compares joint distributions of generated tokens with target-only sampling
+(γ = 0, other seeds):
+  - the first two tokens (t1 comes from the prefill pass, t2 from the first speculative step;
+    both are settled by position 1's and 2's own draws, so for the same seeds they come out the
+    same whatever γ is, and this comparison is the same for the three γ of a setting);
+  - the last two, t_{γ+1} and t_{γ+2} of a γ+2 token generation: they come from the deepest
+    proposals and the bonus token when a whole run is accepted, or from later steps after a
+    rejection, so acceptance, residual and bonus at every depth and across steps are covered.
+The draft (conftest `sampling_pair`) disagrees with the target in structured ways, so runs of all
+lengths, rejections and residual draws all happen (acceptance ~0.65 per token).
+
+False-alarm rate: every comparison is a chi-square test that fails when p < 1e-3, so for an exact
+implementation each fails with probability 1e-3 over the choice of seeds; this file makes
+9 first-pair + 27 last-pair speculative comparisons + 2 point-mass comparisons + 9 goodness-of-fit
+checks = 47 distinct tests, at most 4.7% together (union bound) for seeds drawn at random. The seeds are fixed, so the outcome
+is deterministic and CI never flakes. `test_the_test_catches_a_wrong_residual` shows the same
+test fails (p < 1e-3) on a classic bug.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+import pytest
+import torch
+
+SAMPLES = 20_000
+PROMPT = [5, 9, 17, 3, 22]
+TEMPERATURES = (0.7, 1.0, 1.5)
+FILTERS = {"none": {}, "top_k": {"top_k": 5}, "top_p": {"top_p": 0.8}}
+GAMMAS = (1, 3, 6)
+LONGEST = max(GAMMAS) + 2  # the reference runs long enough for every γ's last pair
+SPEC_SEED, REFERENCE_SEED = 0, 1 << 40  # disjoint seed ranges: the samples are independent
+THRESHOLD = 1e-3
+
+
+# ----- sampling, in worker processes (two cores: two workers) ---------------------------------
+def _init_worker(tests_dir: str) -> None:
+    sys.path.insert(0, tests_dir)
+    torch.set_num_threads(1)
+
+
+def _generate(job: dict) -> list[list[int]]:
+    """Runs SAMPLES sequences of one configuration through the engine; returns their tokens."""
+    from draft_service.proposer import DraftProposer
+    from engine_harness import run_engine
+    from specstream.models import load_model
+    from specstream.sampling import SamplingParams
+
+    proposer = None
+    if job["gamma"] and job.get("variant") == "point_mass":
+        proposer = _PointMassProposer(load_model(job["draft"]), max_slots=2048, max_seq_len=24)
+    if job.get("variant") == "wrong_residual":
+        import kernels
+        kernels.speculative_verify = _verify_with_wrong_residual
+    params = [SamplingParams(temperature=job["temperature"], seed=job["seed"] + i, **job["filter"])
+              for i in range(job["samples"])]
+    tokens, finals = run_engine(job["target"], job["draft"] if job["gamma"] else None, [PROMPT] * job["samples"],
+                                job["gamma"], job["max_new_tokens"], max_slots=2048, sampling=params,
+                                max_seq_len=24, proposer=proposer)
+    assert all(f.finish_reason == 1 for f in finals)  # LENGTH: the token budget, nothing else
+    if job["gamma"] and job.get("variant") != "wrong_residual":
+        # The draft really proposed and was really both accepted and rejected.
+        accepted = sum(f.stats.accepted_tokens for f in finals)
+        assert 0 < accepted < sum(f.stats.draft_tokens for f in finals)
+    return tokens
+
+
+class _PointMassProposer:
+    """A model-free proposer stand-in: the draft's guesses, with q withheld (point masses)."""
+
+    def __init__(self, model, **kwargs) -> None:
+        from draft_service.proposer import DraftProposer
+        self._inner = DraftProposer(model, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def propose(self, items):
+        proposals = self._inner.propose(items)
+        for p in proposals:
+            p.q_width, p.q_ids, p.q_probs = 0, [], []
+        return proposals
+
+
+def _verify_with_wrong_residual(p, q_ids, q_probs, draft, num_draft, u_accept, u_sample):
+    """A classic bug: after a rejection, sample from p instead of norm(max(0, p - q))."""
+    from kernels.speculative import speculative_verify_reference
+    from specstream.sampling import sample_rows
+    accepted, _ = speculative_verify_reference(p, q_ids, q_probs, draft, num_draft, u_accept, u_sample)
+    rows = torch.arange(p.shape[0])
+    return accepted, sample_rows(p.double()[rows, accepted], u_sample[rows, accepted])
+
+
+def _jobs(pair: dict[str, Path]) -> dict[tuple, dict]:
+    base = dict(target=str(pair["target"]), draft=str(pair["draft"]), samples=SAMPLES)
+    jobs = {}
+    for temperature in TEMPERATURES:
+        for name, filt in FILTERS.items():
+            jobs[("reference", temperature, name)] = dict(
+                base, temperature=temperature, filter=filt, gamma=0, max_new_tokens=LONGEST, seed=REFERENCE_SEED)
+            for gamma in GAMMAS:
+                jobs[("speculative", temperature, name, gamma)] = dict(
+                    base, temperature=temperature, filter=filt, gamma=gamma, max_new_tokens=gamma + 2, seed=SPEC_SEED)
+    jobs[("point_mass", 1.0, "none", 3)] = dict(base, temperature=1.0, filter={}, gamma=3, max_new_tokens=5,
+                                                seed=SPEC_SEED, variant="point_mass")
+    jobs[("wrong_residual", 1.0, "none", 1)] = dict(base, temperature=1.0, filter={}, gamma=1, max_new_tokens=3,
+                                                    seed=SPEC_SEED, variant="wrong_residual")
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def samples(sampling_pair) -> dict[tuple, list[list[int]]]:
+    jobs = _jobs(sampling_pair)
+    order = sorted(jobs, key=lambda key: -jobs[key]["max_new_tokens"] * (1 + jobs[key]["gamma"]))  # longest first
+    with ProcessPoolExecutor(2, mp_context=get_context("spawn"), initializer=_init_worker,
+                             initargs=(str(Path(__file__).parent),)) as pool:
+        futures = {key: pool.submit(_generate, jobs[key]) for key in order}
+        return {key: future.result() for key, future in futures.items()}
+
+
+# ----- statistics ----------------------------------------------------------------------------
+def _chi2_sf(stat: float, dof: int) -> float:
+    """P(X >= stat) for X ~ chi-square(dof): the regularized upper incomplete gamma function."""
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def two_sample_p_value(a: Counter, b: Counter) -> float:
+    """Chi-square test that two equally large samples come from one distribution. Cells with
+    fewer than 10 observations in both together (5 expected in each) are pooled into one."""
+    assert sum(a.values()) == sum(b.values())
+    cells, rare_a, rare_b = [], 0, 0
+    for cell in set(a) | set(b):
+        if a[cell] + b[cell] >= 10:
+            cells.append((a[cell], b[cell]))
+        else:
+            rare_a, rare_b = rare_a + a[cell], rare_b + b[cell]
+    if rare_a + rare_b:
+        cells.append((rare_a, rare_b))
+    stat = sum((x - y) ** 2 / (x + y) for x, y in cells)
+    return _chi2_sf(stat, len(cells) - 1)
+
+
+def goodness_of_fit_p_value(observed: Counter, probs: list[float]) -> float:
+    """Chi-square test of a sample against exact probabilities; cells expecting < 5 are pooled."""
+    n = sum(observed.values())
+    assert all(probs[token] > 0 for token in observed), "a token the distribution rules out was drawn"
+    cells, rare_obs, rare_exp = [], 0, 0.0
+    for token, p in enumerate(probs):
+        if n * p >= 5:
+            cells.append((observed[token], n * p))
+        else:
+            rare_obs, rare_exp = rare_obs + observed[token], rare_exp + n * p
+    if rare_exp:
+        cells.append((rare_obs, rare_exp))
+    stat = sum((o - e) ** 2 / e for o, e in cells)
+    return _chi2_sf(stat, len(cells) - 1)
+
+
+def _pairs(tokens: list[list[int]], first: int) -> Counter:
+    """Counts of (t_first, t_first+1), 1-based positions among the generated tokens."""
+    return Counter((seq[first - 1], seq[first]) for seq in tokens)
+
+
+def test_statistics_helpers_accept_and_reject():
+    gen = torch.Generator().manual_seed(5)
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    same_a = Counter(torch.multinomial(p, 20000, replacement=True, generator=gen).tolist())
+    same_b = Counter(torch.multinomial(p, 20000, replacement=True, generator=gen).tolist())
+    other = Counter(torch.multinomial(torch.tensor([0.48, 0.32, 0.15, 0.05]), 20000, replacement=True,
+                                      generator=gen).tolist())
+    assert two_sample_p_value(same_a, same_b) > THRESHOLD
+    assert two_sample_p_value(same_a, other) < THRESHOLD
+    assert goodness_of_fit_p_value(same_a, p.tolist()) > THRESHOLD
+    assert goodness_of_fit_p_value(other, p.tolist()) < THRESHOLD
+    assert abs(_chi2_sf(3.841, 1) - 0.05) < 1e-3  # the textbook 95% point
+
+
+# ----- the tests -----------------------------------------------------------------------------
+@pytest.mark.parametrize("gamma", GAMMAS)
+@pytest.mark.parametrize("filter_name", FILTERS)
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_speculative_sampling_matches_target_sampling(samples, temperature, filter_name, gamma):
+    spec = samples[("speculative", temperature, filter_name, gamma)]
+    reference = samples[("reference", temperature, filter_name)]
+    first = two_sample_p_value(_pairs(spec, 1), _pairs(reference, 1))
+    last = two_sample_p_value(_pairs(spec, gamma + 1), _pairs(reference, gamma + 1))
+    assert first > THRESHOLD and last > THRESHOLD, (first, last)
+
+
+def test_model_free_proposals_are_point_masses(samples):
+    """Proposals that come without q (an n-gram style proposer) are verified as point masses."""
+    spec = samples[("point_mass", 1.0, "none", 3)]
+    reference = samples[("reference", 1.0, "none")]
+    first = two_sample_p_value(_pairs(spec, 1), _pairs(reference, 1))
+    last = two_sample_p_value(_pairs(spec, 4), _pairs(reference, 4))
+    assert first > THRESHOLD and last > THRESHOLD, (first, last)
+
+
+def test_the_test_catches_a_wrong_residual(samples):
+    """Sampling from p instead of the residual after a rejection must fail the same comparison."""
+    broken = samples[("wrong_residual", 1.0, "none", 1)]
+    reference = samples[("reference", 1.0, "none")]
+    assert two_sample_p_value(_pairs(broken, 2), _pairs(reference, 2)) < THRESHOLD
+
+
+@pytest.mark.parametrize("filter_name", FILTERS)
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_target_sampling_matches_the_processed_distribution(samples, sampling_pair, temperature, filter_name):
+    """The reference itself: the first token of target-only sampling against p computed directly."""
+    from specstream.models import load_model
+    from specstream.sampling import SamplingParams, process_logits
+
+    model = load_model(sampling_pair["target"])
+    with torch.inference_mode():
+        logits = model(torch.tensor([PROMPT]), model.new_cache(1, 16), torch.tensor([0]), torch.tensor([0]))
+    params = SamplingParams(temperature=temperature, **FILTERS[filter_name])
+    probs = process_logits(logits[:, -1], params)[0].double().tolist()
+    observed = Counter(seq[0] for seq in samples[("reference", temperature, filter_name)])
+    assert goodness_of_fit_p_value(observed, probs) > THRESHOLD
