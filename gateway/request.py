@@ -1,5 +1,7 @@
 """One request's path through the gateway: submit to the target, turn per-step token events into
-text chunks (incremental detokenization + stop strings), and finish with usage, stats, timings.
+text chunks (incremental detokenization + stop strings), and finish with usage, stats, timings
+and the seed used. Log-probabilities come from the target, one per token; they are passed through
+in step with the token ids (and cut with them at a stop string), never computed here.
 
 `Generate` and `GenerateStream` both consume `stream_chunks`, so their results agree by
 construction. Leaving early (client cancel, deadline, a stop string) cancels the sequence on the
@@ -10,6 +12,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+
+import grpc
 
 from gateway.target_client import TargetClient
 from gateway.validation import ValidRequest
@@ -36,10 +40,15 @@ async def stream_chunks(req: ValidRequest, target: TargetClient, tokenizer: Text
                 raise RemoteError(status_code(event.error.code), event.error.message)
             if event.queue_seconds:
                 timings.queue_seconds = event.queue_seconds
+            if event.logprobs and len(event.logprobs) != len(event.token_ids):
+                raise RemoteError(grpc.StatusCode.INTERNAL,
+                                  f"target sent {len(event.logprobs)} logprobs for {len(event.token_ids)} tokens")
             chunk = generation_pb2.GenerateStreamResponse(request_id=req.request_id)
             finish, matched = event.finish_reason, False
-            for token in event.token_ids:  # token by token, so nothing after a stop string leaks
+            for i, token in enumerate(event.token_ids):  # token by token, so nothing after a stop string leaks
                 chunk.token_ids.append(token)
+                if event.logprobs:
+                    chunk.logprobs.append(event.logprobs[i])
                 text = detok.push([token])
                 if stop is not None:
                     text, matched = stop.push(text)
@@ -61,6 +70,7 @@ async def stream_chunks(req: ValidRequest, target: TargetClient, tokenizer: Text
                 chunk.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=completion))
                 chunk.stats.CopyFrom(event.stats)
                 chunk.timings.CopyFrom(timings)
+                chunk.seed = req.seed
                 yield chunk
                 return
             if chunk.token_ids:
@@ -85,9 +95,11 @@ async def generate(req: ValidRequest, target: TargetClient, tokenizer: TextToken
     async for chunk in stream_chunks(req, target, tokenizer, eos_ids):
         response.text += chunk.text
         response.token_ids.extend(chunk.token_ids)
+        response.logprobs.extend(chunk.logprobs)
         if chunk.finish_reason:
             response.finish_reason = chunk.finish_reason
             response.usage.CopyFrom(chunk.usage)
             response.stats.CopyFrom(chunk.stats)
             response.timings.CopyFrom(chunk.timings)
+            response.seed = chunk.seed
     return response

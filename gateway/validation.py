@@ -2,11 +2,15 @@
 
 Every rule raises InvalidArgumentError naming the field and the value, before anything reaches
 the target. Tokenization happens here too, since the prompt's token count is what is checked.
+Sampling settings are only range-checked here (and an unset seed is picked here, so it can be
+returned); what they mean is the target engine's business.
 """
 
 from __future__ import annotations
 
+import math
 import re
+import secrets
 import time
 import uuid
 from dataclasses import dataclass
@@ -33,6 +37,7 @@ class Limits:
     max_stop_strings: int
     max_stop_string_chars: int
     max_request_id_chars: int
+    max_top_logprobs: int
 
     @classmethod
     def build(cls, config: GatewayConfig, info) -> Limits:
@@ -40,7 +45,8 @@ class Limits:
                    max_new_tokens=min(config.max_new_tokens_limit, info.max_context_length - 1),
                    max_gamma=info.max_gamma, max_stop_strings=config.max_stop_strings,
                    max_stop_string_chars=config.max_stop_string_chars,
-                   max_request_id_chars=config.max_request_id_chars)
+                   max_request_id_chars=config.max_request_id_chars,
+                   max_top_logprobs=min(config.max_top_logprobs, info.vocab_size))
 
 
 @dataclass
@@ -52,6 +58,12 @@ class ValidRequest:
     stop_token_ids: list[int]
     ignore_eos: bool
     speculation: common_pb2.Speculation
+    temperature: float  # 0: greedy (top_k, top_p then have no effect)
+    top_k: int  # 0: off
+    top_p: float  # in (0, 1]; 1: off
+    seed: int  # the caller's, or one picked here; returned with the result
+    logprobs: bool
+    top_logprobs: int  # alternatives per token; 0 unless logprobs
     traceparent: str
     received: float  # time.monotonic() at receipt
 
@@ -60,7 +72,10 @@ class ValidRequest:
         return target_pb2.SequenceRequest(
             id=self.request_id, prompt_token_ids=self.prompt_ids, max_new_tokens=self.max_new_tokens,
             stop_token_ids=sorted(set(self.stop_token_ids) | set(eos)), eos_token_ids=eos,
-            speculation=self.speculation, traceparent=self.traceparent)
+            speculation=self.speculation,
+            sampling=common_pb2.Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                         seed=self.seed),
+            logprobs=self.logprobs, top_logprobs=self.top_logprobs, traceparent=self.traceparent)
 
 
 def validate(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: TextTokenizer) -> ValidRequest:
@@ -72,12 +87,17 @@ def validate(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: Tex
     _check_max_new_tokens(req.max_new_tokens, len(prompt_ids), limits)
     _check_stop(req, limits)
     _check_speculation(req.speculation, limits)
+    _check_sampling(req)
+    _check_logprobs(req, limits)
     if req.traceparent and not TRACEPARENT.match(req.traceparent):
         raise InvalidArgumentError("traceparent", req.traceparent, "not a W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>)")
     return ValidRequest(
         request_id=req.request_id or uuid.uuid4().hex, prompt_ids=prompt_ids, max_new_tokens=req.max_new_tokens,
         stop=list(req.stop), stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
-        speculation=req.speculation, traceparent=req.traceparent, received=received)
+        speculation=req.speculation, temperature=req.temperature, top_k=req.top_k,
+        top_p=req.top_p if req.HasField("top_p") else 1.0,
+        seed=req.seed if req.HasField("seed") else secrets.randbits(64),
+        logprobs=req.logprobs, top_logprobs=req.top_logprobs, traceparent=req.traceparent, received=received)
 
 
 def _reject_unknown_fields(message: Message, path: str) -> None:
@@ -151,3 +171,20 @@ def _check_speculation(spec: common_pb2.Speculation, limits: Limits) -> None:
     elif spec.gamma != 0:
         raise InvalidArgumentError("speculation.gamma", spec.gamma,
                                    f"only applies with mode SPECULATION_MODE_FIXED (mode is {modes.Name(spec.mode)})")
+
+
+def _check_sampling(req: generation_pb2.GenerateRequest) -> None:
+    # top_k / top_p are accepted with temperature 0 and ignored there (greedy is argmax).
+    if not (math.isfinite(req.temperature) and req.temperature >= 0):
+        raise InvalidArgumentError("temperature", req.temperature, "must be a finite number >= 0 (0 = greedy)")
+    if req.top_k < 0:
+        raise InvalidArgumentError("top_k", req.top_k, "must be >= 0 (0 = off)")
+    if req.HasField("top_p") and not (math.isfinite(req.top_p) and 0 < req.top_p <= 1):
+        raise InvalidArgumentError("top_p", req.top_p, "must be in (0, 1] (1 = off)")
+
+
+def _check_logprobs(req: generation_pb2.GenerateRequest, limits: Limits) -> None:
+    if not 0 <= req.top_logprobs <= limits.max_top_logprobs:
+        raise InvalidArgumentError("top_logprobs", req.top_logprobs, f"must be in 0..{limits.max_top_logprobs}")
+    if req.top_logprobs and not req.logprobs:
+        raise InvalidArgumentError("top_logprobs", req.top_logprobs, "requires logprobs=true")

@@ -140,11 +140,30 @@ def _speculation(value: str) -> str | int:
     return "off" if gamma == 0 else gamma
 
 
+def _int_in(flag: str, lo: int, hi: int):
+    """An argparse type: an integer in lo..hi, or a usage error naming the flag."""
+
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag}={value!r}: must be an integer") from None
+        if not lo <= number <= hi:
+            raise argparse.ArgumentTypeError(f"{flag}={value!r}: must be in {lo}..{hi}")
+        return number
+
+    return parse
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from specstream_client import Client, SpecstreamError
 
+    # Ranges of temperature / top-p are the server's to check; its error names the field.
     kwargs = dict(max_new_tokens=args.max_new_tokens, speculation=args.gamma, stop=args.stop or None,
-                  timeout=args.timeout, ignore_eos=args.ignore_eos)
+                  timeout=args.timeout, ignore_eos=args.ignore_eos, temperature=args.temperature,
+                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, logprobs=args.logprobs is not None,
+                  top_logprobs=args.logprobs or 0)
+    sampled = args.temperature > 0
     try:
         with Client(args.url) as client:
             if args.stream:
@@ -158,7 +177,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 if not args.json:
                     print()
                     if last is not None and last.stats is not None:
-                        _print_stats(last.stats, last.usage, last.timings)
+                        _print_stats(last.stats, last.usage, last.timings, last.seed if sampled else None)
                 return 0
             result = client.generate(args.prompt, **kwargs)
     except SpecstreamError as exc:
@@ -168,16 +187,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         print(result.text)
-        _print_stats(result.stats, result.usage, result.timings)
+        _print_stats(result.stats, result.usage, result.timings, result.seed if sampled else None)
     return 0
 
 
-def _print_stats(stats, usage, timings) -> None:
+def _print_stats(stats, usage, timings, seed: int | None = None) -> None:
     tps = usage.completion_tokens / timings.total_seconds if timings.total_seconds else 0.0
     print(f"-- {usage.completion_tokens} tokens in {timings.total_seconds:.3f}s ({tps:.1f} tok/s); "
           f"draft proposed {stats.draft_tokens}, accepted {stats.accepted_tokens}; "
-          f"{stats.target_passes} target passes, mean accepted length {stats.mean_accepted_length:.2f}",
-          file=sys.stderr)
+          f"{stats.target_passes} target passes, mean accepted length {stats.mean_accepted_length:.2f}"
+          + (f"; seed {seed}" if seed is not None else ""), file=sys.stderr)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -272,6 +291,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=_speculation, default="auto", help="auto, off, or N proposals per step (0 = off)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0 samples")
+    p.add_argument("--top-k", type=_int_in("--top-k", 0, 2**31 - 1), default=0,
+                   help="sample from the k most likely tokens only (0: off)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="sample from the smallest most-likely set with this much mass, in (0, 1] (default 1: off)")
+    p.add_argument("--seed", type=_int_in("--seed", 0, 2**64 - 1), default=None,
+                   help="seed for sampling (default: the server picks one and reports it)")
+    p.add_argument("--logprobs", type=_int_in("--logprobs", 0, 2**31 - 1), default=None, metavar="N",
+                   help="return each token's log-probability and its N most likely alternatives (N >= 0)")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--json", action="store_true", help="print the whole response as JSON")

@@ -1,6 +1,6 @@
 """The client SDK against an in-process fake Generation service: request building, result
-conversion, error mapping (unary and streaming, also mid-stream), deadlines, AsyncClient, and
-importing without torch."""
+conversion, error mapping (unary and streaming, also mid-stream), deadlines, AsyncClient, the
+`specstream generate` flags that reach the request, and importing without torch."""
 
 from __future__ import annotations
 
@@ -25,10 +25,12 @@ from specstream_client import (
     DeadlineExceeded,
     GenerateResult,
     InvalidArgument,
+    Logprob,
     ModelInfo,
     Overloaded,
     SpecstreamError,
     StreamChunk,
+    TokenLogprob,
     Unavailable,
 )
 from specstream_pb import common_pb2, generation_pb2, generation_pb2_grpc
@@ -43,15 +45,26 @@ _RESPONSE = generation_pb2.GenerateResponse(
     usage=C.Usage(prompt_tokens=5, completion_tokens=3),
     stats=C.SpeculationStats(draft_tokens=8, accepted_tokens=6, target_passes=3, mean_accepted_length=2.5),
     timings=C.Timings(queue_seconds=0.01, time_to_first_token_seconds=0.05, total_seconds=0.2),
+    seed=2**64 - 3,
+    logprobs=[
+        C.TokenLogprob(token_id=10, logprob=-0.5, top=[C.Logprob(token_id=10, logprob=-0.5),
+                                                       C.Logprob(token_id=7, logprob=-1.25)]),
+        C.TokenLogprob(token_id=11, logprob=-0.25),
+        C.TokenLogprob(token_id=12, logprob=-2.0),
+    ],
 )
 
 _CHUNKS = [
-    generation_pb2.GenerateStreamResponse(request_id="req-1", text="Hel", token_ids=[10]),
-    generation_pb2.GenerateStreamResponse(request_id="req-1", text="lo", token_ids=[11]),
+    generation_pb2.GenerateStreamResponse(request_id="req-1", text="Hel", token_ids=[10],
+                                          logprobs=[C.TokenLogprob(token_id=10, logprob=-0.5)]),
+    generation_pb2.GenerateStreamResponse(request_id="req-1", text="lo", token_ids=[11],
+                                          logprobs=[C.TokenLogprob(token_id=11, logprob=-0.25)]),
     generation_pb2.GenerateStreamResponse(
         request_id="req-1",
         text=" world",
         token_ids=[12],
+        logprobs=[C.TokenLogprob(token_id=12, logprob=-2.0)],
+        seed=0,  # a real seed: the final chunk must report 0, not None
         finish_reason=C.FINISH_REASON_STOP,
         usage=C.Usage(prompt_tokens=5, completion_tokens=3),
         stats=C.SpeculationStats(draft_tokens=4, accepted_tokens=1, target_passes=3, mean_accepted_length=1.5),
@@ -239,6 +252,10 @@ def test_request_defaults_and_token_prompt(client: Client, fake: FakeGeneration)
     assert list(req.stop) == [] and list(req.stop_token_ids) == []
     assert req.ignore_eos is False and req.request_id == "" and req.traceparent == ""
     assert req.speculation.mode == C.SPECULATION_MODE_AUTO
+    # Greedy, no logprobs; top_p and seed unset (not 0) so the server applies its defaults.
+    assert req.temperature == 0.0 and req.top_k == 0
+    assert not req.HasField("top_p") and not req.HasField("seed")
+    assert req.logprobs is False and req.top_logprobs == 0
 
     client.generate((), stop=["a", "bc"])
     req = fake.requests[-1]
@@ -248,6 +265,88 @@ def test_request_defaults_and_token_prompt(client: Client, fake: FakeGeneration)
 
     client.generate("")
     assert fake.requests[-1].WhichOneof("input") == "prompt"
+
+
+def test_sampling_request_fields(client: Client, fake: FakeGeneration) -> None:
+    client.generate("x", temperature=0.7, top_k=40, top_p=0.9, seed=2**64 - 1, logprobs=True, top_logprobs=5)
+    req = fake.requests[-1]
+    assert req.temperature == pytest.approx(0.7)
+    assert req.top_k == 40 and req.top_p == pytest.approx(0.9)
+    assert req.HasField("seed") and req.seed == 2**64 - 1
+    assert req.logprobs is True and req.top_logprobs == 5
+    client.generate_stream("x", temperature=1, seed=0, top_p=1.0).close()  # built eagerly, sent never
+    client.generate("x", seed=0, top_p=1)
+    req = fake.requests[-1]
+    assert req.HasField("seed") and req.seed == 0  # 0 is a seed, not "unset"
+    assert req.HasField("top_p") and req.top_p == 1.0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        # Ranges are the server's to check: sent as given.
+        dict(temperature=-1.0),
+        dict(temperature=float("nan")),
+        dict(temperature=float("inf")),
+        dict(top_k=-1),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(top_logprobs=-1),
+        dict(top_logprobs=10_000),
+        dict(top_logprobs=3),  # without logprobs=True
+    ],
+)
+def test_sampling_ranges_sent_as_given(client: Client, fake: FakeGeneration, kwargs: dict[str, Any]) -> None:
+    client.generate("x", **kwargs)
+    req = fake.requests[-1]
+    for name, value in kwargs.items():
+        sent = getattr(req, name)
+        assert sent == value or (value != value and sent != sent), (name, value, sent)  # NaN != NaN
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "needle"),
+    [
+        (dict(seed=-1), ValueError, "seed"),
+        (dict(seed=2**64), ValueError, "seed"),
+        (dict(seed=1.5), TypeError, "seed"),
+        (dict(seed="7"), TypeError, "seed"),
+        (dict(seed=True), TypeError, "seed"),
+        (dict(top_k=2**31), ValueError, "top_k"),
+        (dict(top_k=-(2**31) - 1), ValueError, "top_k"),
+        (dict(top_k=2.0), TypeError, "top_k"),
+        (dict(top_logprobs=2**31), ValueError, "top_logprobs"),
+        (dict(top_logprobs=None), TypeError, "top_logprobs"),
+        (dict(temperature="0.5"), TypeError, "temperature"),
+        (dict(temperature=None), TypeError, "temperature"),
+        (dict(top_p="1"), TypeError, "top_p"),
+        (dict(logprobs=1), TypeError, "logprobs"),
+    ],
+)
+def test_unencodable_sampling_args_raise_before_sending(
+    client: Client, fake: FakeGeneration, kwargs: dict[str, Any], exc: type, needle: str
+) -> None:
+    (value,) = kwargs.values()
+    with pytest.raises(exc, match=needle) as info:
+        client.generate("x", **kwargs)
+    if exc is ValueError:
+        assert str(value) in str(info.value)  # names the value too
+    with pytest.raises(exc, match=needle):
+        client.generate_stream("x", **kwargs)
+    assert fake.requests == []
+
+
+def test_numpy_style_ints_are_accepted(client: Client, fake: FakeGeneration) -> None:
+    class Index:  # what numpy integers provide
+        def __init__(self, v: int) -> None:
+            self.v = v
+
+        def __index__(self) -> int:
+            return self.v
+
+    client.generate("x", seed=Index(123), top_k=Index(4), top_logprobs=Index(2), logprobs=True)
+    req = fake.requests[-1]
+    assert (req.seed, req.top_k, req.top_logprobs) == (123, 4, 2)
 
 
 @pytest.mark.parametrize("max_new_tokens", [0, -5, 100_000])
@@ -299,9 +398,29 @@ def test_generate_result(client: Client, fake: FakeGeneration) -> None:
     assert res.timings.queue_seconds == pytest.approx(0.01)
     assert res.timings.time_to_first_token_seconds == pytest.approx(0.05)
     assert res.timings.total_seconds == pytest.approx(0.2)
+    assert res.seed == 2**64 - 3
+    assert [lp.token_id for lp in res.logprobs] == res.token_ids
+    assert res.logprobs[0] == TokenLogprob(10, -0.5, (Logprob(10, -0.5), Logprob(7, -1.25)))
+    assert res.logprobs[1] == TokenLogprob(11, -0.25) and res.logprobs[1].top == ()
+    with pytest.raises(AttributeError):
+        res.logprobs[0].logprob = 0.0  # type: ignore[misc]
     d = json.loads(json.dumps(res.to_dict()))
     assert d["stats"]["acceptance_rate"] == 0.75
     assert d["finish_reason"] == "length" and d["token_ids"] == [10, 11, 12]
+    assert d["seed"] == 2**64 - 3
+    assert d["logprobs"][0] == {"token_id": 10, "logprob": -0.5,
+                                "top": [{"token_id": 10, "logprob": -0.5}, {"token_id": 7, "logprob": -1.25}]}
+    assert len(d["logprobs"]) == 3
+
+
+def test_result_without_logprobs() -> None:
+    res = GenerateResult.from_pb(generation_pb2.GenerateResponse(token_ids=[1, 2], seed=9))
+    assert res.logprobs == [] and res.seed == 9
+    d = res.to_dict()
+    assert "logprobs" not in d and d["seed"] == 9
+    chunk = StreamChunk.from_pb(generation_pb2.GenerateStreamResponse(token_ids=[1], seed=9))
+    assert chunk.logprobs == [] and chunk.seed is None  # not final: no seed yet
+    assert "logprobs" not in chunk.to_dict()
 
 
 def test_finish_reasons_and_missing_fields() -> None:
@@ -340,13 +459,18 @@ def test_stream_chunks(client: Client, fake: FakeGeneration) -> None:
     assert [c.token_ids for c in chunks] == [[10], [11], [12]]
     assert [c.finish_reason for c in chunks] == [None, None, "stop"]
     assert chunks[0].usage is None and chunks[0].stats is None and chunks[0].timings is None
+    assert [c.seed for c in chunks] == [None, None, 0]
+    assert [[lp.token_id for lp in c.logprobs] for c in chunks] == [c.token_ids for c in chunks]
+    assert [c.logprobs[0].logprob for c in chunks] == [-0.5, -0.25, -2.0]
     last = chunks[-1]
     assert last.is_final
     assert last.usage is not None and last.usage.completion_tokens == 3
     assert last.stats is not None and last.stats.acceptance_rate == 0.25
     assert last.timings is not None and last.timings.total_seconds == pytest.approx(0.3)
     assert fake.requests[-1].speculation.mode == C.SPECULATION_MODE_FIXED
-    json.dumps([c.to_dict() for c in chunks])
+    dicts = json.loads(json.dumps([c.to_dict() for c in chunks]))
+    assert dicts[-1]["seed"] == 0 and dicts[0]["seed"] is None
+    assert dicts[0]["logprobs"] == [{"token_id": 10, "logprob": -0.5, "top": []}]
 
 
 def test_stream_starts_lazily_and_break_cancels(client: Client, fake: FakeGeneration) -> None:
@@ -450,11 +574,24 @@ def test_async_generate_stream_and_info(url: str, fake: FakeGeneration) -> None:
             assert req.speculation.mode == C.SPECULATION_MODE_OFF
             assert list(req.prompt_token_ids.ids) == [1, 2] and list(req.stop) == ["x"]
             assert req.max_new_tokens == 9
+            assert res.seed == 2**64 - 3 and len(res.logprobs) == 3
 
-            chunks = [chunk async for chunk in c.generate_stream("hi", speculation=2)]
+            await c.generate("hi", temperature=0.5, top_k=3, top_p=0.5, seed=11, logprobs=True, top_logprobs=2)
+            req = fake.requests[-1]
+            assert (req.temperature, req.top_k, req.top_p, req.seed) == (0.5, 3, 0.5, 11)
+            assert req.logprobs is True and req.top_logprobs == 2
+
+            chunks = [chunk async for chunk in c.generate_stream("hi", speculation=2, temperature=1.0, seed=5)]
             assert [ch.text for ch in chunks] == ["Hel", "lo", " world"]
             assert chunks[-1].finish_reason == "stop" and chunks[-1].usage is not None
+            assert chunks[-1].seed == 0 and [len(ch.logprobs) for ch in chunks] == [1, 1, 1]
             assert fake.requests[-1].speculation.gamma == 2
+            assert fake.requests[-1].temperature == 1.0 and fake.requests[-1].seed == 5
+
+            with pytest.raises(ValueError, match="seed"):
+                c.generate_stream("hi", seed=-1)
+            with pytest.raises(ValueError, match="seed"):
+                await c.generate("hi", seed=2**64)
 
             info = await c.model_info()
             assert info.max_gamma == 8
@@ -536,6 +673,42 @@ def test_async_unreachable_is_unavailable() -> None:
                 await c.generate("hi")
 
     asyncio.run(main())
+
+
+# --- the `specstream generate` CLI ---------------------------------------------------------------------
+
+
+def test_cli_generate_sampling_flags(url: str, fake: FakeGeneration, capsys: pytest.CaptureFixture[str]) -> None:
+    from specstream.cli import main
+
+    flags = ["--temperature", "0.5", "--top-k", "7", "--top-p", "0.75", "--seed", "42", "--logprobs", "3"]
+    assert main(["generate", "--url", url, "--json", *flags, "hi"]) == 0
+    req = fake.requests[-1]
+    assert (req.temperature, req.top_k, req.top_p, req.seed) == (0.5, 7, 0.75, 42)
+    assert req.logprobs is True and req.top_logprobs == 3
+    out = json.loads(capsys.readouterr().out)
+    assert out["seed"] == 2**64 - 3 and [lp["token_id"] for lp in out["logprobs"]] == [10, 11, 12]
+
+    assert main(["generate", "--url", url, "--logprobs", "0", "hi"]) == 0  # logprobs, no alternatives
+    req = fake.requests[-1]
+    assert req.logprobs is True and req.top_logprobs == 0
+    assert req.temperature == 0.0 and not req.HasField("seed") and not req.HasField("top_p")
+
+    assert main(["generate", "--url", url, "hi"]) == 0  # no --logprobs: none asked for
+    assert fake.requests[-1].logprobs is False
+    out = capsys.readouterr()
+    assert out.out.startswith("Hello world") and "seed" not in out.err  # greedy: no seed to report
+    assert main(["generate", "--url", url, "--temperature", "0.5", "hi"]) == 0
+    assert f"seed {2**64 - 3}" in capsys.readouterr().err  # sampled: the seed reproduces it
+
+    assert main(["generate", "--url", url, "--stream", "--json", "--temperature", "1", "hi"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines[-1]["seed"] == 0 and lines[0]["seed"] is None
+
+    for bad in (["--seed", "-1"], ["--seed", str(2**64)], ["--logprobs", "-1"], ["--top-k", "-2"]):
+        with pytest.raises(SystemExit):
+            main(["generate", "--url", url, *bad, "hi"])
+        assert bad[0] in capsys.readouterr().err
 
 
 # --- packaging -------------------------------------------------------------------------------------------

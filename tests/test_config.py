@@ -15,6 +15,7 @@ from specstream.config import DraftConfig, GatewayConfig, ModelSpec, ServerConfi
     (lambda: TargetConfig(ModelSpec("m"), draft_timeout_s=0), "draft_timeout_s=0"),
     (lambda: DraftConfig(ModelSpec("m"), max_seq_len=2), "max_seq_len=2"),
     (lambda: GatewayConfig("t:1", "m", max_in_flight=0), "max_in_flight=0"),
+    (lambda: GatewayConfig("t:1", "m", max_top_logprobs=-1), "max_top_logprobs=-1"),
 ])
 def test_bad_values_are_rejected_with_the_value(make, match):
     with pytest.raises(ValueError, match=match):

@@ -21,7 +21,16 @@ from .errors import (
     SpecstreamError,
     Unavailable,
 )
-from .types import GenerateResult, ModelInfo, SpeculationStats, StreamChunk, Timings, Usage
+from .types import (
+    GenerateResult,
+    Logprob,
+    ModelInfo,
+    SpeculationStats,
+    StreamChunk,
+    Timings,
+    TokenLogprob,
+    Usage,
+)
 
 __all__ = [
     "AsyncClient",
@@ -31,6 +40,7 @@ __all__ = [
     "DeadlineExceeded",
     "GenerateResult",
     "InvalidArgument",
+    "Logprob",
     "ModelInfo",
     "Overloaded",
     "ResponseStream",
@@ -38,6 +48,7 @@ __all__ = [
     "SpeculationStats",
     "StreamChunk",
     "Timings",
+    "TokenLogprob",
     "Unavailable",
     "Usage",
 ]

@@ -2,9 +2,11 @@
 ``AsyncClient``.
 
 Contract: local checks are limited to what the wire format needs (types, and values that cannot be
-encoded at all); ranges the server decides (max_new_tokens limits, gamma limits, stop-string
-counts) are sent as given and rejected by the server with INVALID_ARGUMENT. Errors here are raised
-before any RPC, as ``ValueError`` (bad value) or ``TypeError`` (wrong type).
+encoded at all: an int outside its int32/uint64 field, a negative seed); ranges the server decides
+(max_new_tokens limits, gamma limits, stop-string counts, temperature >= 0, top_p in (0, 1],
+top_logprobs limits and its need for logprobs=True) are sent as given and rejected by the server
+with INVALID_ARGUMENT. Errors here are raised before any RPC, as ``ValueError`` (bad value) or
+``TypeError`` (wrong type).
 
 What it does not know: the server's limits and its tokenizer.
 """
@@ -21,6 +23,7 @@ __all__ = ["build_generate_request", "parse_target", "resolve_timeout"]
 _INT32_MAX = 2**31 - 1
 _INT32_MIN = -(2**31)
 _UINT32_MAX = 2**32 - 1
+_UINT64_MAX = 2**64 - 1
 
 
 def parse_target(url: str) -> tuple[str, bool]:
@@ -67,6 +70,23 @@ def _uint32_list(name: str, values: Any) -> list[int]:
     return out
 
 
+def _int_field(name: str, value: Any, lo: int, hi: int, kind: str) -> int:
+    """An int (numpy integers included, bool not) that the wire can carry in ``lo..hi``."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    iv = int(value.__index__())
+    if not lo <= iv <= hi:
+        raise ValueError(f"{name} must fit in {kind} ({lo}..{hi}), got {iv}")
+    return iv
+
+
+def _float_field(name: str, value: Any) -> float:
+    # NaN, inf and out-of-range values are sent as given: the server names them.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
 def _speculation(speculation: str | int) -> common_pb2.Speculation:
     # bool is an int subclass; True meaning "gamma 1" would be a silent surprise.
     if isinstance(speculation, str):
@@ -92,6 +112,12 @@ def build_generate_request(
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     ignore_eos: bool = False,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float | None = None,
+    seed: int | None = None,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
     request_id: str | None = None,
     traceparent: str | None = None,
 ) -> generation_pb2.GenerateRequest:
@@ -130,6 +156,17 @@ def build_generate_request(
     req.ignore_eos = ignore_eos
 
     req.speculation.CopyFrom(_speculation(speculation))
+
+    req.temperature = _float_field("temperature", temperature)
+    req.top_k = _int_field("top_k", top_k, _INT32_MIN, _INT32_MAX, "int32")
+    if top_p is not None:  # unset means 1 (off); only a set value is sent
+        req.top_p = _float_field("top_p", top_p)
+    if seed is not None:  # unset: the server picks one and returns it
+        req.seed = _int_field("seed", seed, 0, _UINT64_MAX, "uint64")
+    if not isinstance(logprobs, bool):
+        raise TypeError(f"logprobs must be a bool, got {logprobs!r}")
+    req.logprobs = logprobs
+    req.top_logprobs = _int_field("top_logprobs", top_logprobs, _INT32_MIN, _INT32_MAX, "int32")
 
     if request_id is not None:
         if not isinstance(request_id, str):

@@ -118,6 +118,12 @@ class Client:
         stop: str | Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float | None = None,
+        seed: int | None = None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
         timeout: float | None = None,
         request_id: str | None = None,
         traceparent: str | None = None,
@@ -127,6 +133,11 @@ class Client:
         ``prompt``: text (tokenized by the server) or token ids. ``speculation``: "auto" (server
         default), "off" or 0 (plain decoding), or an int gamma > 0 (exactly that many draft tokens
         per step). ``stop``: one stop string or several; not included in the text.
+        ``temperature``: 0 (the default) is greedy; > 0 samples, keeping only the ``top_k`` most
+        likely tokens (0: all) and the smallest most-likely set with mass >= ``top_p`` (None: 1,
+        all). ``seed`` makes sampling reproducible; None lets the server pick one, which the result
+        reports as ``.seed``. ``logprobs=True`` returns each token's log-probability in
+        ``.logprobs``, with the ``top_logprobs`` most likely alternatives.
         ``timeout`` overrides the client's default deadline for this call.
         """
         request = build_generate_request(
@@ -136,6 +147,12 @@ class Client:
             stop=stop,
             stop_token_ids=stop_token_ids,
             ignore_eos=ignore_eos,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
             request_id=request_id,
             traceparent=traceparent,
         )
@@ -154,12 +171,18 @@ class Client:
         stop: str | Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float | None = None,
+        seed: int | None = None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
         timeout: float | None = None,
         request_id: str | None = None,
         traceparent: str | None = None,
     ) -> ResponseStream:
-        """Like ``generate`` but yields ``StreamChunk`` deltas; the last one carries finish_reason,
-        usage, stats and timings. Arguments are checked now; the RPC starts on first iteration."""
+        """Like ``generate`` but yields ``StreamChunk`` deltas (each with the logprobs of its own
+        tokens, when asked for); the last one carries finish_reason, usage, stats, timings and seed. Arguments are checked now; the RPC starts on first iteration."""
         request = build_generate_request(
             prompt,
             max_new_tokens=max_new_tokens,
@@ -167,6 +190,12 @@ class Client:
             stop=stop,
             stop_token_ids=stop_token_ids,
             ignore_eos=ignore_eos,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
             request_id=request_id,
             traceparent=traceparent,
         )

@@ -4,7 +4,9 @@ Contract: ``from_pb`` constructors copy everything the client needs out of the g
 so callers never touch protobuf. Finish reasons are lower-case strings: "length", "stop", "eos",
 "cancelled", "error"; a response that (wrongly) carries none gives "unspecified" in a
 ``GenerateResult`` and ``None`` in a non-final ``StreamChunk``; an enum value newer than this SDK
-gives "unknown".
+gives "unknown". ``logprobs`` is a list aligned 1:1 with ``token_ids`` when the request asked for
+logprobs, and empty otherwise; ``seed`` is the seed the server used (chosen by it when the request
+set none), on a ``GenerateResult`` and on the final ``StreamChunk``.
 
 What it does not know: token text (``token_ids`` are raw ids; ``text`` is the server's
 detokenization), and anything the server did not send (missing sub-messages read as zeros in a
@@ -21,10 +23,12 @@ from specstream_pb import common_pb2, generation_pb2
 __all__ = [
     "FINISH_REASONS",
     "GenerateResult",
+    "Logprob",
     "ModelInfo",
     "SpeculationStats",
     "StreamChunk",
     "Timings",
+    "TokenLogprob",
     "Usage",
     "finish_reason_name",
 ]
@@ -113,6 +117,36 @@ class Timings:
 
 
 @dataclass(frozen=True, slots=True)
+class Logprob:
+    token_id: int
+    logprob: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"token_id": self.token_id, "logprob": self.logprob}
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's log-probability under the distribution it was chosen from (for
+    greedy requests, the plain softmax), and the most likely alternatives, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[Logprob, ...] = ()
+
+    @classmethod
+    def from_pb(cls, msg: common_pb2.TokenLogprob) -> TokenLogprob:
+        return cls(
+            token_id=msg.token_id,
+            logprob=msg.logprob,
+            top=tuple(Logprob(token_id=t.token_id, logprob=t.logprob) for t in msg.top),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"token_id": self.token_id, "logprob": self.logprob, "top": [t.to_dict() for t in self.top]}
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateResult:
     request_id: str
     text: str
@@ -121,6 +155,8 @@ class GenerateResult:
     usage: Usage = field(default_factory=Usage)
     stats: SpeculationStats = field(default_factory=SpeculationStats)
     timings: Timings = field(default_factory=Timings)
+    seed: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @classmethod
     def from_pb(cls, msg: generation_pb2.GenerateResponse) -> GenerateResult:
@@ -132,11 +168,13 @@ class GenerateResult:
             usage=Usage.from_pb(msg.usage),
             stats=SpeculationStats.from_pb(msg.stats),
             timings=Timings.from_pb(msg.timings),
+            seed=msg.seed,
+            logprobs=[TokenLogprob.from_pb(lp) for lp in msg.logprobs],
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: nested dicts, stats with acceptance_rate."""
-        return {
+        """JSON-ready: nested dicts, stats with acceptance_rate; "logprobs" only when there are any."""
+        d: dict[str, Any] = {
             "request_id": self.request_id,
             "text": self.text,
             "token_ids": list(self.token_ids),
@@ -144,12 +182,17 @@ class GenerateResult:
             "usage": asdict(self.usage),
             "stats": self.stats.to_dict(),
             "timings": asdict(self.timings),
+            "seed": self.seed,
         }
+        if self.logprobs:
+            d["logprobs"] = [lp.to_dict() for lp in self.logprobs]
+        return d
 
 
 @dataclass(frozen=True, slots=True)
 class StreamChunk:
-    """One streamed delta. ``finish_reason``/``usage``/``stats``/``timings`` are set on the last
+    """One streamed delta. ``logprobs`` belong to this chunk's ``token_ids`` (empty unless
+    requested). ``finish_reason``/``usage``/``stats``/``timings``/``seed`` are set on the last
     chunk only (None before)."""
 
     request_id: str
@@ -159,17 +202,23 @@ class StreamChunk:
     usage: Usage | None = None
     stats: SpeculationStats | None = None
     timings: Timings | None = None
+    seed: int | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @classmethod
     def from_pb(cls, msg: generation_pb2.GenerateStreamResponse) -> StreamChunk:
+        finish_reason = finish_reason_name(msg.finish_reason)
         return cls(
             request_id=msg.request_id,
             text=msg.text,
             token_ids=list(msg.token_ids),
-            finish_reason=finish_reason_name(msg.finish_reason),
+            finish_reason=finish_reason,
             usage=Usage.from_pb(msg.usage) if msg.HasField("usage") else None,
             stats=SpeculationStats.from_pb(msg.stats) if msg.HasField("stats") else None,
             timings=Timings.from_pb(msg.timings) if msg.HasField("timings") else None,
+            # uint64 has no presence: 0 is a real seed on the final chunk, "not sent" before it.
+            seed=msg.seed if finish_reason is not None else None,
+            logprobs=[TokenLogprob.from_pb(lp) for lp in msg.logprobs],
         )
 
     @property
@@ -177,7 +226,8 @@ class StreamChunk:
         return self.finish_reason is not None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        """JSON-ready; "logprobs" only when this chunk has any."""
+        d: dict[str, Any] = {
             "request_id": self.request_id,
             "text": self.text,
             "token_ids": list(self.token_ids),
@@ -185,7 +235,11 @@ class StreamChunk:
             "usage": asdict(self.usage) if self.usage is not None else None,
             "stats": self.stats.to_dict() if self.stats is not None else None,
             "timings": asdict(self.timings) if self.timings is not None else None,
+            "seed": self.seed,
         }
+        if self.logprobs:
+            d["logprobs"] = [lp.to_dict() for lp in self.logprobs]
+        return d
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,6 +74,14 @@ BAD_REQUESTS = [
     ("stop[0]", dict(prompt="hi", max_new_tokens=4, stop=[""])),
     ("stop_token_ids[0]", dict(prompt="hi", max_new_tokens=4, stop_token_ids=[10**6])),
     ("traceparent", dict(prompt="hi", max_new_tokens=4, traceparent="not-a-trace")),
+    ("temperature", dict(prompt="hi", max_new_tokens=4, temperature=-1.0)),
+    ("temperature", dict(prompt="hi", max_new_tokens=4, temperature=float("nan"))),
+    ("top_p", dict(prompt="hi", max_new_tokens=4, temperature=1.0, top_p=0.0)),
+    ("top_p", dict(prompt="hi", max_new_tokens=4, temperature=1.0, top_p=1.5)),
+    ("top_k", dict(prompt="hi", max_new_tokens=4, temperature=1.0, top_k=-1)),
+    ("top_logprobs", dict(prompt="hi", max_new_tokens=4, logprobs=True, top_logprobs=-1)),
+    ("top_logprobs", dict(prompt="hi", max_new_tokens=4, logprobs=True, top_logprobs=21)),  # default limit 20
+    ("top_logprobs", dict(prompt="hi", max_new_tokens=4, top_logprobs=2)),  # without logprobs=true
 ]
 
 

@@ -1,0 +1,141 @@
+"""`gateway.request` against a scripted fake target: logprobs travel with their tokens (also when a
+stop string cuts an event in the middle), the seed comes back, and unary equals the stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from gateway.request import generate, stream_chunks
+from gateway.validation import Limits, ValidRequest, validate
+from specstream.config import GatewayConfig
+from specstream.errors import RemoteError
+from specstream.tokenizer import TextTokenizer, build_byte_level_tokenizer
+from specstream_pb import common_pb2, generation_pb2, target_pb2
+
+TT = TextTokenizer(build_byte_level_tokenizer(), eos_token_ids=[1], bos_token_id=0)
+LIMITS = Limits.build(GatewayConfig("t:1", "m"),
+                      target_pb2.TargetInfo(vocab_size=TT.vocab_size, max_context_length=256, max_gamma=8))
+TEXT = "x = 1 # STOP here and more text"
+IDS = TT.encode(TEXT)[1:]  # without BOS
+STOP_END = next(k for k in range(1, len(IDS) + 1) if "STOP" in TT.decode(IDS[:k]))  # tokens up to the match
+
+
+def _logprob(i: int, token: int) -> common_pb2.TokenLogprob:
+    # Distinct per position, so a shifted or dropped entry cannot go unnoticed.
+    return common_pb2.TokenLogprob(token_id=token, logprob=-0.125 * (i + 1),
+                                   top=[common_pb2.Logprob(token_id=token, logprob=-0.125 * (i + 1)),
+                                        common_pb2.Logprob(token_id=2, logprob=-8.0)])
+
+
+LOGPROBS = [_logprob(i, t) for i, t in enumerate(IDS)]
+
+
+class FakeTarget:
+    """Plays back a fixed list of SequenceEvents for every submitted request; records cancels."""
+
+    def __init__(self, events: list[target_pb2.SequenceEvent]) -> None:
+        self.events = events
+        self.submitted: list[target_pb2.SequenceRequest] = []
+        self.cancelled: list[str] = []
+
+    def submit(self, request: target_pb2.SequenceRequest):
+        self.submitted.append(request)
+        queue: asyncio.Queue[target_pb2.SequenceEvent] = asyncio.Queue()
+        for event in self.events:
+            queue.put_nowait(event)
+        return "7", queue
+
+    def cancel(self, stream_id: str) -> None:
+        self.cancelled.append(stream_id)
+
+
+def _events(step: int, with_logprobs: bool) -> list[target_pb2.SequenceEvent]:
+    events = []
+    for start in range(0, len(IDS), step):
+        event = target_pb2.SequenceEvent(id="7", token_ids=IDS[start:start + step])
+        if with_logprobs:
+            event.logprobs.extend(LOGPROBS[start:start + step])
+        events.append(event)
+    events[-1].finish_reason = common_pb2.FINISH_REASON_LENGTH
+    events[-1].stats.target_passes = len(events)
+    return events
+
+
+def _request(**fields) -> ValidRequest:
+    return validate(generation_pb2.GenerateRequest(prompt="# a", max_new_tokens=len(IDS), **fields), LIMITS, TT)
+
+
+def _stream(req: ValidRequest, target: FakeTarget) -> list[generation_pb2.GenerateStreamResponse]:
+    async def main():
+        return [chunk async for chunk in stream_chunks(req, target, TT, (1,))]
+
+    return asyncio.run(main())
+
+
+def _assert_aligned(chunks: list[generation_pb2.GenerateStreamResponse]) -> None:
+    for i, chunk in enumerate(chunks):
+        assert [lp.token_id for lp in chunk.logprobs] == list(chunk.token_ids), f"chunk {i}"
+
+
+@pytest.mark.parametrize("step", [1, 3, 4, 5, len(IDS)])
+def test_logprobs_travel_with_their_tokens(step):
+    req = _request(temperature=0.5, seed=1234, logprobs=True, top_logprobs=2)
+    chunks = _stream(req, FakeTarget(_events(step, with_logprobs=True)))
+    _assert_aligned(chunks)
+    assert [t for c in chunks for t in c.token_ids] == IDS
+    assert [lp for c in chunks for lp in c.logprobs] == LOGPROBS
+    assert "".join(c.text for c in chunks) == TEXT
+    assert [c.seed for c in chunks] == [0] * (len(chunks) - 1) + [1234]  # the final chunk only
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 4, 5, 8, len(IDS)])
+def test_a_stop_string_cuts_logprobs_where_it_cuts_tokens(step):
+    assert 0 < STOP_END < len(IDS)  # the stop string ends inside the generation
+    target = FakeTarget(_events(step, with_logprobs=True))
+    chunks = _stream(_request(stop=["STOP"], logprobs=True, top_logprobs=2), target)
+    _assert_aligned(chunks)
+    assert [t for c in chunks for t in c.token_ids] == IDS[:STOP_END]
+    assert [lp for c in chunks for lp in c.logprobs] == LOGPROBS[:STOP_END]
+    assert "".join(c.text for c in chunks) == TEXT[:TEXT.index("STOP")]
+    assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    assert chunks[-1].usage.completion_tokens == STOP_END
+    assert "7" in target.cancelled
+
+
+def test_events_without_logprobs_add_none():
+    chunks = _stream(_request(stop=["STOP"]), FakeTarget(_events(3, with_logprobs=False)))
+    assert [t for c in chunks for t in c.token_ids] == IDS[:STOP_END]
+    assert all(len(c.logprobs) == 0 for c in chunks)
+
+
+def test_unary_concatenates_logprobs_and_returns_the_seed():
+    req = _request(temperature=1.0, stop=["STOP"], logprobs=True)
+    target = FakeTarget(_events(4, with_logprobs=True))
+    response = asyncio.run(generate(req, target, TT, (1,)))
+    assert list(response.token_ids) == IDS[:STOP_END]
+    assert list(response.logprobs) == LOGPROBS[:STOP_END]
+    assert response.seed == req.seed == target.submitted[0].sampling.seed
+    chunks = _stream(req, FakeTarget(_events(4, with_logprobs=True)))
+    assert response.text == "".join(c.text for c in chunks)
+    assert response.seed == chunks[-1].seed
+
+
+def test_the_gateway_picked_seed_is_returned():
+    req = _request()  # no seed: the gateway picked one
+    target = FakeTarget(_events(4, with_logprobs=False))
+    response = asyncio.run(generate(req, target, TT, (1,)))
+    assert response.seed == req.seed == target.submitted[0].sampling.seed
+    assert len(response.logprobs) == 0
+
+
+def test_misaligned_logprobs_from_the_target_are_an_internal_error():
+    events = _events(4, with_logprobs=True)
+    del events[1].logprobs[-1]
+    target = FakeTarget(events)
+    with pytest.raises(RemoteError, match="3 logprobs for 4 tokens") as info:
+        _stream(_request(logprobs=True), target)
+    assert info.value.code == grpc.StatusCode.INTERNAL
+    assert "7" in target.cancelled  # the sequence is let go

@@ -1,0 +1,100 @@
+"""Gateway request validation without a running stack: the sampling and logprob rules, the seed
+the gateway picks, and what reaches the target's SequenceRequest."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gateway.validation import Limits, validate
+from specstream.config import GatewayConfig
+from specstream.errors import InvalidArgumentError
+from specstream.tokenizer import TextTokenizer, build_byte_level_tokenizer
+from specstream_pb import generation_pb2, target_pb2
+
+TT = TextTokenizer(build_byte_level_tokenizer(), eos_token_ids=[1], bos_token_id=0)
+INFO = target_pb2.TargetInfo(vocab_size=TT.vocab_size, max_context_length=256, max_gamma=8, default_gamma=4)
+LIMITS = Limits.build(GatewayConfig("t:1", "m"), INFO)
+
+
+def _validate(**fields):
+    return validate(generation_pb2.GenerateRequest(prompt="def f():", max_new_tokens=4, **fields), LIMITS, TT)
+
+
+@pytest.mark.parametrize(("field", "fields"), [
+    ("temperature", dict(temperature=-1.0)),
+    ("temperature", dict(temperature=-1e-30)),
+    ("temperature", dict(temperature=math.nan)),
+    ("temperature", dict(temperature=math.inf)),
+    ("top_k", dict(temperature=1.0, top_k=-1)),
+    ("top_p", dict(temperature=1.0, top_p=0.0)),
+    ("top_p", dict(temperature=1.0, top_p=-0.5)),
+    ("top_p", dict(temperature=1.0, top_p=1.5)),
+    ("top_p", dict(temperature=1.0, top_p=math.nan)),
+    ("top_p", dict(temperature=1.0, top_p=math.inf)),
+    ("top_p", dict(top_p=0.0)),  # greedy ignores top_p, but a malformed one is still an error
+    ("top_logprobs", dict(logprobs=True, top_logprobs=-1)),
+    ("top_logprobs", dict(logprobs=True, top_logprobs=21)),
+    ("top_logprobs", dict(top_logprobs=2)),
+])
+def test_bad_sampling_fields_are_named(field, fields):
+    with pytest.raises(InvalidArgumentError) as info:
+        _validate(**fields)
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{field}=")
+
+
+def test_top_logprobs_without_logprobs_says_why():
+    with pytest.raises(InvalidArgumentError, match="requires logprobs=true"):
+        _validate(top_logprobs=1)
+
+
+def test_top_logprobs_limit_comes_from_the_config_and_the_vocab():
+    config = GatewayConfig("t:1", "m", max_top_logprobs=3)
+    limits = Limits.build(config, INFO)
+    assert limits.max_top_logprobs == 3
+    req = generation_pb2.GenerateRequest(prompt="x", max_new_tokens=1, logprobs=True, top_logprobs=4)
+    with pytest.raises(InvalidArgumentError, match="must be in 0..3"):
+        validate(req, limits, TT)
+    tiny_vocab = target_pb2.TargetInfo(vocab_size=5, max_context_length=256, max_gamma=8)
+    assert Limits.build(GatewayConfig("t:1", "m"), tiny_vocab).max_top_logprobs == 5
+
+
+@pytest.mark.parametrize("fields", [
+    dict(),
+    dict(top_k=50, top_p=0.5),  # greedy: allowed, and ignored by the engine
+    dict(temperature=0.8, top_k=1, top_p=1.0),
+    dict(temperature=2.0, top_p=1e-6),
+    dict(logprobs=True),
+    dict(logprobs=True, top_logprobs=20),
+])
+def test_good_sampling_fields_pass(fields):
+    _validate(**fields)
+
+
+def test_sequence_request_carries_the_sampling_settings():
+    valid = _validate(temperature=0.7, top_k=40, top_p=0.9, seed=2**64 - 1, logprobs=True, top_logprobs=5)
+    seq = valid.to_sequence_pb(eos_ids=(1,))
+    assert seq.sampling.temperature == pytest.approx(0.7)
+    assert seq.sampling.top_k == 40
+    assert seq.sampling.top_p == pytest.approx(0.9)
+    assert seq.sampling.seed == 2**64 - 1
+    assert seq.logprobs is True and seq.top_logprobs == 5
+
+
+def test_defaults_reach_the_target_as_greedy_with_top_p_1():
+    seq = _validate().to_sequence_pb(eos_ids=(1,))
+    assert seq.sampling.temperature == 0.0 and seq.sampling.top_k == 0
+    assert seq.sampling.top_p == 1.0  # unset means off, not 0
+    assert seq.logprobs is False and seq.top_logprobs == 0
+
+
+def test_seed_zero_is_kept_and_an_unset_seed_is_picked():
+    assert _validate(temperature=1.0, seed=0).seed == 0
+    valid = _validate(temperature=1.0)
+    assert valid.to_sequence_pb(eos_ids=(1,)).sampling.seed == valid.seed
+    picked = {_validate(temperature=1.0).seed for _ in range(8)}
+    assert all(0 <= s < 2**64 for s in picked)
+    # 64 random bits: eight draws colliding has probability ~ 28 / 2**64.
+    assert len(picked) == 8
