@@ -71,7 +71,7 @@ def cmd_draft(args: argparse.Namespace) -> int:
 
     model = ModelSpec(args.model, args.dtype, args.device) if args.model else None
     config = DraftConfig(model=model, server=_server_config(args), max_slots=args.max_slots,
-                         max_seq_len=args.max_seq_len, torch_threads=args.threads,
+                         max_seq_len=args.max_seq_len, torch_threads=args.threads, q_support=args.q_support,
                          synthetic_oracle=args.synthetic_oracle, synthetic_alpha=args.synthetic_alpha)
     return _run_service(args, lambda: serve(config))
 
@@ -274,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--synthetic-alpha", type=float, default=0.7, help="benchmarks: acceptance rate to simulate")
     _server_flags(p, 50053)
     p.add_argument("--max-slots", type=int, default=64)
+    p.add_argument("--q-support", type=int, default=64,
+                   help="sampling: q is cut to this many most likely tokens before it is sampled and sent")
     p.set_defaults(func=cmd_draft)
 
     p = sub.add_parser("gateway", help="run the public gateway")

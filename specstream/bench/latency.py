@@ -22,16 +22,24 @@ from specstream.tokenizer import TextTokenizer
 DEFAULT_GAMMAS = [0, 1, 2, 3, 4, 6, 8]
 
 
-def sweep(address: str, prompts: list[list[int]], gammas: list[int], max_new_tokens: int) -> dict[int, dict]:
-    """Generates every prompt at every γ, one request at a time (batch 1)."""
+def sweep(address: str, prompts: list[list[int]], gammas: list[int], max_new_tokens: int,
+          temperature: float = 0.0) -> dict[int, dict]:
+    """Generates every prompt at every γ, one request at a time (batch 1). Greedy by default; at
+    temperature > 0 it samples from the full distribution (no top-k/top-p) with seed = the
+    prompt's index, so every γ sees the same seeds."""
     from specstream_client import Client
+
+    def seed(i: int) -> int | None:
+        return i if temperature > 0 else None
 
     results: dict[int, dict] = {}
     with Client(address, timeout=600) as client:
-        client.generate(prompts[0], max_new_tokens=16, ignore_eos=True)  # warm-up
+        # warm-up
+        client.generate(prompts[0], max_new_tokens=16, ignore_eos=True, temperature=temperature, seed=seed(0))
         for gamma in gammas:
-            runs = [client.generate(p, max_new_tokens=max_new_tokens, speculation=gamma or "off", ignore_eos=True)
-                    for p in prompts]
+            runs = [client.generate(p, max_new_tokens=max_new_tokens, speculation=gamma or "off", ignore_eos=True,
+                                    temperature=temperature, seed=seed(i))
+                    for i, p in enumerate(prompts)]
             tokens = sum(r.usage.completion_tokens for r in runs)
             seconds = sum(r.timings.total_seconds for r in runs)
             proposed = sum(r.stats.draft_tokens for r in runs)
@@ -91,8 +99,8 @@ def run(target_dir: Path, draft_dir: Path, out_dir: Path, n_prompts: int = 8, ma
                      r["of_theory"], r["ms_per_pass"], r["overhead_ms_per_pass"]])
     headers = ["gamma", "tok/s", "alpha", "mean acc len", "c", "theory x", "theory x (verify cost)", "measured x",
                "of theory", "ms/pass", "overhead ms/pass"]
-    result = {"target": _display(target_dir), "draft": _display(draft_dir), "prompts": len(prompts),
-              "max_new_tokens": max_new_tokens, "costs": costs, "gammas": {g: _public(ours[g]) for g in gammas}}
+    result = {"target": display(target_dir), "draft": display(draft_dir), "prompts": len(prompts),
+              "max_new_tokens": max_new_tokens, "costs": costs, "gammas": {g: public(ours[g]) for g in gammas}}
     print("\n" + report.table(headers, rows), flush=True)
     best = max((g for g in gammas if g), key=lambda g: ours[g]["tokens_per_s"])
     if with_hf:
@@ -133,7 +141,7 @@ def run(target_dir: Path, draft_dir: Path, out_dir: Path, n_prompts: int = 8, ma
     return result
 
 
-def _display(path: Path) -> str:
+def display(path: Path) -> str:
     """The path relative to the working directory when under it (results get committed)."""
     try:
         return str(Path(path).resolve().relative_to(Path.cwd()))
@@ -141,5 +149,6 @@ def _display(path: Path) -> str:
         return Path(path).name
 
 
-def _public(r: dict) -> dict:
+def public(r: dict) -> dict:
+    """A sweep result without its token ids (for JSON)."""
     return {k: v for k, v in r.items() if k != "token_ids"}

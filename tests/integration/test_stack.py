@@ -234,3 +234,53 @@ def test_gateway_reports_target_loss(stack_factory, model_zoo):
                 assert time.monotonic() < deadline, "gateway did not reconnect"
                 time.sleep(0.1)
         assert client.generate("x", max_new_tokens=2, timeout=20).usage.completion_tokens >= 1
+
+
+def test_cli_sampling_is_reproducible_and_speculates(partial_stack):
+    def run(*flags):
+        out = subprocess.run([sys.executable, "-m", "specstream.cli", "generate", "--url", partial_stack.gateway_address,
+                              "--json", "--max-new-tokens", "32", "--ignore-eos", "--gamma", "4", *flags, "def main():"],
+                             capture_output=True, text=True, timeout=120, check=True)
+        return json.loads(out.stdout)
+
+    first = run("--temperature", "0.8", "--top-p", "0.95", "--seed", "7")
+    second = run("--temperature", "0.8", "--top-p", "0.95", "--seed", "7")
+    other = run("--temperature", "0.8", "--top-p", "0.95", "--seed", "8")
+    assert first["text"] == second["text"] and first["token_ids"] == second["token_ids"]
+    assert first["seed"] == 7 and other["seed"] == 8
+    assert other["token_ids"] != first["token_ids"]
+    assert first["stats"]["accepted_tokens"] > 0
+
+
+def test_seeded_sampling_over_grpc_ignores_what_shares_the_batch(partial_stack):
+    prompt = "The weather"
+
+    async def together():
+        async with AsyncClient(partial_stack.gateway_address, timeout=120) as client:
+            others = [client.generate(p, max_new_tokens=MAX_NEW, ignore_eos=True, temperature=t, seed=s)
+                      for p, t, s in [("x = 1", 0.0, 0), ("import os", 1.3, 5), ("class A:", 0.7, 9)]]
+            return await asyncio.gather(client.generate(prompt, max_new_tokens=MAX_NEW, ignore_eos=True,
+                                                        temperature=1.0, top_k=40, seed=123), *others)
+
+    with Client(partial_stack.gateway_address, timeout=120) as client:
+        alone = client.generate(prompt, max_new_tokens=MAX_NEW, ignore_eos=True, temperature=1.0, top_k=40, seed=123)
+        greedy_off = client.generate("x = 1", max_new_tokens=MAX_NEW, ignore_eos=True, speculation="off")
+    results = asyncio.run(together())
+    assert results[0].token_ids == alone.token_ids
+    assert results[1].token_ids == greedy_off.token_ids  # temperature 0 in the mix is still exact greedy
+
+
+def test_logprobs_over_grpc_stream_and_unary_agree(partial_stack):
+    kwargs = dict(max_new_tokens=MAX_NEW, ignore_eos=True, temperature=1.0, seed=3, logprobs=True, top_logprobs=3)
+    with Client(partial_stack.gateway_address, timeout=120) as client:
+        unary = client.generate("def main():", **kwargs)
+        chunks = list(client.generate_stream("def main():", **kwargs))
+        without = client.generate("def main():", **{**kwargs, "logprobs": False, "top_logprobs": 0})
+    assert [lp.token_id for lp in unary.logprobs] == list(unary.token_ids)
+    assert [lp for c in chunks for lp in c.logprobs] == unary.logprobs
+    assert chunks[-1].seed == unary.seed == 3
+    for lp in unary.logprobs:
+        assert lp.logprob <= 0.0 and len(lp.top) == 3
+        assert [a.logprob for a in lp.top] == sorted((a.logprob for a in lp.top), reverse=True)
+        assert lp.logprob <= lp.top[0].logprob
+    assert without.token_ids == unary.token_ids and without.logprobs == []
