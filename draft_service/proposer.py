@@ -45,7 +45,7 @@ class Proposal:
 
 
 class DraftProposer:
-    def __init__(self, model: CausalLM, max_slots: int, max_seq_len: int, q_support: int = 64) -> None:
+    def __init__(self, model: CausalLM, max_slots: int, max_seq_len: int, q_support: int = 256) -> None:
         if q_support < 1:
             raise ValueError(f"q_support={q_support!r}: must be >= 1")
         self.model = model

@@ -227,6 +227,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         gammas = [int(g) for g in args.gammas.split(",")] if args.gammas else None
         latency.run(target, draft, out, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens, gammas=gammas,
                     with_hf=not args.no_hf)
+    elif args.kind == "sampling":
+        from specstream.bench import sampling
+        from specstream.default_models import default_model_dirs
+
+        target, draft = (Path(args.target), Path(args.draft)) if args.target else default_model_dirs()[:2]
+        gammas = [int(g) for g in args.gammas.split(",")] if args.gammas else None
+        temperatures = [float(t) for t in args.temperatures.split(",")] if args.temperatures else None
+        sampling.run(target, draft, out, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                     temperatures=temperatures, gammas=gammas, with_hf=not args.no_hf)
     else:
         from specstream.bench import synthetic
         from specstream.default_models import default_model_dirs
@@ -274,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--synthetic-alpha", type=float, default=0.7, help="benchmarks: acceptance rate to simulate")
     _server_flags(p, 50053)
     p.add_argument("--max-slots", type=int, default=64)
-    p.add_argument("--q-support", type=int, default=64,
+    p.add_argument("--q-support", type=int, default=256,
                    help="sampling: q is cut to this many most likely tokens before it is sampled and sent")
     p.set_defaults(func=cmd_draft)
 
@@ -317,17 +326,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train_demo, stage=None)
 
     p = sub.add_parser("bench", help="benchmarks: table on stdout, JSON and PNG plots in --out")
-    p.add_argument("kind", choices=["latency", "synthetic"],
+    p.add_argument("kind", choices=["latency", "sampling", "synthetic"],
                    help="latency: gamma sweep on the demo pair vs theory and Hugging Face; "
+                        "sampling: the same at several temperatures (speculative sampling); "
                         "synthetic: overhead vs theory at set acceptance rates on a ~100M random target")
-    p.add_argument("--target", help="target model directory (latency; default: the demo pair)")
-    p.add_argument("--draft", help="draft model directory (latency)")
+    p.add_argument("--target", help="target model directory (latency, sampling; default: the demo pair)")
+    p.add_argument("--draft", help="draft model directory (latency, sampling)")
     p.add_argument("--out", default="bench-results", help="directory for JSON and PNG output")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--gammas", help="comma-separated gamma values")
+    p.add_argument("--gammas", help="comma-separated gamma values (default: latency 0,1,2,3,4,6,8; sampling 0,2,4,6)")
     p.add_argument("--alphas", help="comma-separated acceptance rates (synthetic)")
-    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison (latency)")
+    p.add_argument("--temperatures", help="comma-separated temperatures, 0 = greedy (sampling; default 0,0.7,1.0)")
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison (latency, sampling)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo", help="start the stack on the default models and generate for a few prompts")

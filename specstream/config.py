@@ -92,8 +92,9 @@ class DraftConfig:
     max_seq_len: int = 2048  # per slot; capped by the model
     torch_threads: int = 0  # CPU threads for the model (0: torch's default, one per core)
     # Sampling: q is cut to this many most likely tokens (and renormalised) before it is sampled
-    # and sent, so a proposal's size on the wire never grows with the vocabulary.
-    q_support: int = 64
+    # and sent, so a proposal's size on the wire never grows with the vocabulary. Wider keeps more
+    # of q, hence more acceptance (demo pair, T=1: alpha 0.64 at 64, 0.73 at 256, 0.80 uncut).
+    q_support: int = 256
     # Benchmarks only: replay the target's greedy continuations from this file, each token
     # corrupted with probability 1 - synthetic_alpha (draft_service/synthetic.py).
     synthetic_oracle: str | None = None

@@ -1,5 +1,6 @@
 """`make demo`: start the three services on the default models, generate for a few prompts with
-and without speculation, and print the text, the speculation stats and the measured speedup."""
+and without speculation, greedy and then sampled (seeded), and print the text, the speculation
+stats and the measured speedup."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import tempfile
 
 from specstream.default_models import RANDOM_INIT_NOTICE, default_model_dirs
 from specstream.launcher import Stack, StackSpec
+
+SAMPLING = dict(temperature=0.8, top_p=0.95)  # the sampled half of the demo; seed = the prompt's index
+SAMPLING_GAMMA = 3  # sampled acceptance is lower than greedy; `bench sampling` finds 2-4 best on this pair
 
 PROMPTS = [
     "def fibonacci(n):\n",
@@ -51,15 +55,40 @@ def run_demo(max_new_tokens: int = 96, gamma: int = 6, repeats: int = 3) -> int:
                           f"length {spec.stats.mean_accepted_length:.2f}; off: {plain_tps:7.1f} tok/s; "
                           f"speedup {spec_tps / plain_tps:.2f}x; tokens {same}\n")
                     rows.append((spec_tps / plain_tps, spec.token_ids == plain.token_ids))
+                sampled = _sampling_demo(client, prompts, max_new_tokens, SAMPLING_GAMMA, repeats)
     mean = sum(r[0] for r in rows) / len(rows)
-    print(f"mean speedup over speculation=off: {mean:.2f}x; all outputs identical: {all(r[1] for r in rows)}")
+    print(f"greedy: mean speedup over speculation=off: {mean:.2f}x; all outputs identical: {all(r[1] for r in rows)}")
+    print(f"sampled ({_settings()}): mean speedup over speculation=off: {sum(sampled) / len(sampled):.2f}x; "
+          f"every seed gave the same text in each of its {repeats} runs")
     return 0 if all(r[1] for r in rows) else 1
 
 
-def _median_run(client, prompt: str, max_new_tokens: int, speculation, repeats: int):
-    runs = [client.generate(prompt, max_new_tokens=max_new_tokens, speculation=speculation, ignore_eos=True)
-            for _ in range(repeats)]
-    assert all(r.token_ids == runs[0].token_ids for r in runs), "greedy output must not vary between runs"
+def _sampling_demo(client, prompts: list, max_new_tokens: int, gamma: int, repeats: int) -> list[float]:
+    """Seeded sampling: speculative output has the target's distribution (not plain's exact
+    tokens), and one seed always reproduces the same text."""
+    print(f"--- sampling: {_settings()}, seed = prompt number ---\n")
+    speedups = []
+    for i, prompt in enumerate(prompts):
+        plain = _median_run(client, prompt, max_new_tokens, "off", repeats, seed=i, **SAMPLING)
+        spec = _median_run(client, prompt, max_new_tokens, gamma, repeats, seed=i, **SAMPLING)
+        speedups.append(_tps(spec) / _tps(plain))
+        if i == 0:
+            print("completion (sampled):\n  " + "\n  ".join(spec.text[:400].splitlines()[:8]))
+        print(f"  prompt {i}: gamma={gamma}: {_tps(spec):7.1f} tok/s, alpha {spec.stats.alpha:.2f}, mean accepted "
+              f"length {spec.stats.mean_accepted_length:.2f}; off: {_tps(plain):7.1f} tok/s; "
+              f"speedup {speedups[-1]:.2f}x")
+    print()
+    return speedups
+
+
+def _settings() -> str:
+    return ", ".join(f"{k}={v}" for k, v in SAMPLING.items())
+
+
+def _median_run(client, prompt: str, max_new_tokens: int, speculation, repeats: int, **sampling):
+    runs = [client.generate(prompt, max_new_tokens=max_new_tokens, speculation=speculation, ignore_eos=True,
+                            **sampling) for _ in range(repeats)]
+    assert all(r.token_ids == runs[0].token_ids for r in runs), "a seeded or greedy output must not vary between runs"
     return sorted(runs, key=_tps)[len(runs) // 2]
 
 

@@ -240,3 +240,19 @@ def test_verify_without_proposals_is_plain_sampling():
                                            torch.zeros(3, dtype=torch.int64), torch.zeros(3, 0, dtype=torch.float64), u)
     assert accepted.tolist() == [0, 0, 0]
     assert emitted.tolist() == [sample(p[b, 0], float(u[b, 0])) for b in range(3)]
+
+
+def test_top_p_search_window_gives_the_full_sort_answer():
+    """Peaked rows take the top-256 shortcut, flat rows the full sort; both must equal the
+    plain definition (sort everything, keep the smallest set reaching top_p, ties kept)."""
+    torch.manual_seed(3)
+    logits = torch.randn(6, 1000) * torch.tensor([8.0, 4.0, 2.0, 0.5, 0.1, 0.0])[:, None]  # peaked ... flat
+    for top_p in (0.3, 0.9, 0.99):
+        got = process_logits(logits, SamplingParams(temperature=1.0, top_p=top_p))
+        probs = torch.softmax(logits, -1)
+        ranked = torch.sort(probs, -1, descending=True).values
+        before = ranked.cumsum(-1) - ranked
+        needed = ranked.masked_fill(before >= top_p, float("inf")).amin(-1, keepdim=True)
+        kept = probs.masked_fill(probs < needed, 0.0)
+        assert torch.equal(got > 0, kept > 0), top_p
+        assert torch.allclose(got, kept / kept.sum(-1, keepdim=True))

@@ -1,5 +1,12 @@
 """Hugging Face transformers on the same checkpoints and prompts: `generate()` plain and with
-`assistant_model=` (assisted generation), greedy, batch 1. A benchmark/test dependency only."""
+`assistant_model=` (assisted generation), batch 1, greedy or sampled. A benchmark/test dependency
+only.
+
+Sampled runs use the full distribution at the given temperature (top_k=0: transformers' default
+top_k=50 would otherwise truncate it, unlike our requests) and seed torch's global RNG with the
+prompt's index before each prompt. Assisted sampling in transformers is Leviathan's exact
+speculative sampling too, so its outputs follow the target's distribution but are not the same
+token ids as ours."""
 
 from __future__ import annotations
 
@@ -10,9 +17,9 @@ import torch
 
 
 def hf_generate(target_dir: Path, draft_dir: Path | None, prompts: list[list[int]], max_new_tokens: int,
-                threads: int = 0) -> dict:
-    """Tokens/s of plain greedy generate() and, given a draft, of assisted generation; plus the
-    token ids, to check they equal ours."""
+                threads: int = 0, temperature: float = 0.0) -> dict:
+    """Tokens/s of plain generate() and, given a draft, of assisted generation; plus the token
+    ids (greedy: to check they equal ours). temperature 0 is greedy; > 0 samples."""
     from transformers import AutoModelForCausalLM
 
     if threads:
@@ -40,10 +47,14 @@ def hf_generate(target_dir: Path, draft_dir: Path | None, prompts: list[list[int
         # would instead forbid EOS and change the output).
         kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=None, do_sample=False,
                       pad_token_id=target.config.eos_token_id, **extra)
+        if temperature > 0:
+            kwargs |= dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
         with torch.inference_mode():
+            torch.manual_seed(0)
             target.generate(torch.tensor([prompts[0]]), **{**kwargs, "max_new_tokens": 8})
             tokens, seconds, outputs = 0, 0.0, []
-            for prompt in prompts:
+            for i, prompt in enumerate(prompts):
+                torch.manual_seed(i)
                 start = time.perf_counter()
                 out = target.generate(torch.tensor([prompt]), **kwargs)
                 seconds += time.perf_counter() - start

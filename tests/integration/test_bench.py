@@ -24,6 +24,32 @@ def test_bench_latency_writes_json_and_plots(model_zoo, tmp_path):
     assert "theory x" in result.stdout and "HF assisted" in result.stdout
 
 
+
+def test_bench_sampling_writes_json_and_plot(model_zoo, tmp_path):
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "specstream.cli", "bench", "sampling", "--target",
+                             str(model_zoo["target"]), "--draft", str(model_zoo["partial"]), "--prompts", "2",
+                             "--max-new-tokens", "12", "--gammas", "0,2", "--temperatures", "0,1.0", "--out", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads((out / "sampling.json").read_text())
+    assert set(data["temperatures"]) == {"0.0", "1.0"} and data["costs"]["c"] > 0
+    for t, entry in data["temperatures"].items():
+        base, two = entry["gammas"]["0"], entry["gammas"]["2"]
+        assert base["tokens"] == two["tokens"] == 2 * 12, t
+        assert base["proposed"] == 0 and base["speedup"] == 1.0, t
+        assert two["proposed"] > 0 and 0 <= two["alpha"] <= 1 and 0 <= two["accepted_fraction"] <= 1, t
+        assert 1 <= two["mean_accepted_length"] <= 3, t
+        assert two["tokens_per_s"] > 0 and two["speedup"] > 0 and two["theory"] > 0 and two["of_theory"] > 0, t
+        assert entry["best_gamma"] == 2, t
+    sampled = data["temperatures"]["1.0"]
+    assert "hf" not in data["temperatures"]["0.0"]
+    assert {"plain", "assisted", "assisted_heuristic"} == set(sampled["hf"])
+    assert all(mode["tokens"] == 2 * 12 and mode["tokens_per_s"] > 0 for mode in sampled["hf"].values())
+    assert sampled["ours_over_best_hf_assisted"] > 0
+    assert (out / "sampling_speedup.png").stat().st_size > 1000
+    assert "theory x" in result.stdout and "HF assisted" in result.stdout
+
 def test_bench_synthetic_on_a_small_target(tmp_path):
     from specstream.bench import synthetic
 
