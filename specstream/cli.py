@@ -61,8 +61,27 @@ def cmd_target(args: argparse.Namespace) -> int:
     config = TargetConfig(model=ModelSpec(args.model, args.dtype, args.device), server=_server_config(args),
                           max_slots=args.max_slots, max_seq_len=args.max_seq_len, default_gamma=args.gamma,
                           max_gamma=args.max_gamma, draft_url=args.draft_url, draft_timeout_s=args.draft_timeout,
-                          torch_threads=args.threads)
+                          torch_threads=args.threads, **_batching_config(args))
     return _run_service(args, lambda: serve(config))
+
+
+def _batching_flags(p: argparse.ArgumentParser) -> None:
+    """Batching policy of the target engine (design §4; target_service/scheduler.py)."""
+    p.add_argument("--policy", choices=["static", "topup"], default="topup",
+                   help="static: fill a batch and run it to completion; topup: refill freed slots")
+    p.add_argument("--refill-threshold", type=float, default=1.0,
+                   help="topup's epsilon: refill once running <= epsilon * max-batch (1: every step)")
+    p.add_argument("--max-batch", type=int, default=0, help="rows expanded per step (0: --max-slots)")
+    p.add_argument("--row-selection", choices=["all", "min_length", "fifo"], default="all")
+    p.add_argument("--min-length-slack", type=int, default=0)
+    p.add_argument("--max-wait-steps", type=int, default=8, help="starvation bound for row selection")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens prefilled per step")
+
+
+def _batching_config(args: argparse.Namespace) -> dict:
+    return dict(policy=args.policy, refill_threshold=args.refill_threshold, max_batch=args.max_batch,
+                row_selection=args.row_selection, min_length_slack=args.min_length_slack,
+                max_wait_steps=args.max_wait_steps, prefill_chunk=args.prefill_chunk)
 
 
 def cmd_draft(args: argparse.Namespace) -> int:
@@ -274,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--max-gamma", type=int, default=16)
     p.add_argument("--max-slots", type=int, default=8)
+    _batching_flags(p)
     p.set_defaults(func=cmd_target)
 
     p = sub.add_parser("draft", help="run the draft-model service")

@@ -71,10 +71,26 @@ class TargetConfig:
     draft_timeout_s: float = 10.0  # a propose round trip longer than this counts as draft failure
     draft_retry_s: float = 1.0  # wait this long before reconnecting to a failed draft
     torch_threads: int = 0  # CPU threads for the model (0: torch's default, one per core)
+    # Batching (design §4; target_service/scheduler.py).
+    policy: str = "topup"  # "static": fill, run until all finish; "topup": refill as rows finish
+    refill_threshold: float = 1.0  # topup's ε: refill once running <= ε * max_batch (1: every step)
+    max_batch: int = 0  # rows expanded per step; 0: max_slots
+    row_selection: str = "all"  # "all", "min_length" (VAR-STREAM) or "fifo" (VAR-STR-FIFO)
+    min_length_slack: int = 0  # min_length: also expand rows at most this many tokens longer
+    max_wait_steps: int = 8  # starvation bound: a row left out this many steps in a row goes next
+    prefill_chunk: int = 512  # prompt tokens prefilled per step, so a long prompt stalls no one long
 
     def __post_init__(self) -> None:
         _check(self.max_slots >= 1, "max_slots", self.max_slots, ">= 1")
         _check(self.max_seq_len >= 8, "max_seq_len", self.max_seq_len, ">= 8")
+        _check(self.policy in ("static", "topup"), "policy", self.policy, "'static' or 'topup'")
+        _check(0.0 <= self.refill_threshold <= 1.0, "refill_threshold", self.refill_threshold, "in [0, 1]")
+        _check(0 <= self.max_batch <= self.max_slots, "max_batch", self.max_batch, f"in 0..max_slots ({self.max_slots})")
+        _check(self.row_selection in ("all", "min_length", "fifo"), "row_selection", self.row_selection,
+               "'all', 'min_length' or 'fifo'")
+        _check(self.min_length_slack >= 0, "min_length_slack", self.min_length_slack, ">= 0")
+        _check(self.max_wait_steps >= 1, "max_wait_steps", self.max_wait_steps, ">= 1")
+        _check(self.prefill_chunk >= 1, "prefill_chunk", self.prefill_chunk, ">= 1")
         _check(self.max_gamma >= 0, "max_gamma", self.max_gamma, ">= 0")
         _check(0 <= self.default_gamma <= self.max_gamma, "default_gamma", self.default_gamma,
                f"in 0..max_gamma ({self.max_gamma})")
@@ -82,6 +98,10 @@ class TargetConfig:
         _check(self.draft_timeout_s > 0, "draft_timeout_s", self.draft_timeout_s, "> 0")
         _check(self.draft_retry_s >= 0, "draft_retry_s", self.draft_retry_s, ">= 0")
         _check(self.torch_threads >= 0, "torch_threads", self.torch_threads, ">= 0")
+
+    @property
+    def batch_rows(self) -> int:
+        return self.max_batch or self.max_slots
 
 
 @dataclass
@@ -113,22 +133,48 @@ class DraftConfig:
 
 @dataclass
 class GatewayConfig:
-    target_url: str  # host:port of the target service
+    # host:port, or dns:///host:port, of a target. A name that resolves to several addresses is
+    # one replica per address (gateway/discovery.py). "" when target_urls name them all.
+    target_url: str
     tokenizer_path: str  # directory with tokenizer.json (the target's model directory)
     server: ServerConfig = field(default_factory=ServerConfig)
+    target_urls: list[str] = field(default_factory=list)  # further target replicas, same forms
     max_new_tokens_limit: int = 1024  # largest max_new_tokens a request may ask for
-    max_in_flight: int = 256  # requests served at once; more get RESOURCE_EXHAUSTED
+    max_in_flight: int = 256  # requests served at once (queued here or on a replica); more get RESOURCE_EXHAUSTED
+    # Requests waiting here for a replica with room (FIFO); a request that finds it full gets
+    # RESOURCE_EXHAUSTED at once. 0: refuse whatever no replica can take right away.
+    max_queue: int = 256
+    # Requests a replica may hold waiting for a slot beyond its max_slots running ones, so its
+    # engine can refill a freed slot the very next step without a round trip to the gateway.
+    # None: as many as its max_slots (gateway/router.py).
+    replica_backlog: int | None = None
     max_stop_strings: int = 16  # per request
     max_stop_string_chars: int = 128  # per stop string
     max_request_id_chars: int = 128
     max_top_logprobs: int = 20  # largest top_logprobs (alternatives per token) a request may ask for
-    connect_timeout_s: float = 60.0  # how long to wait for the target at startup
+    connect_timeout_s: float = 60.0  # how long to wait for the targets at startup
+    retry_s: float = 1.0  # wait this long before reconnecting to a lost target replica
 
     def __post_init__(self) -> None:
-        _check(bool(self.target_url), "target_url", self.target_url, "host:port")
+        urls = self.target_addresses
+        _check(bool(urls), "target_url", self.target_url, "host:port (or target_urls non-empty)")
+        for url in urls:
+            host, _, port = url.removeprefix("dns:///").rpartition(":")
+            _check(bool(host.strip("[]")) and port.isdigit() and 0 < int(port) <= 65535, "target_url", url,
+                   "host:port or dns:///host:port")
+        _check(len(set(urls)) == len(urls), "target_urls", urls, "without duplicates")
         _check(self.max_new_tokens_limit >= 1, "max_new_tokens_limit", self.max_new_tokens_limit, ">= 1")
         _check(self.max_in_flight >= 1, "max_in_flight", self.max_in_flight, ">= 1")
+        _check(self.max_queue >= 0, "max_queue", self.max_queue, ">= 0")
+        _check(self.replica_backlog is None or self.replica_backlog >= 0, "replica_backlog", self.replica_backlog,
+               "None or >= 0")
         _check(self.max_stop_strings >= 0, "max_stop_strings", self.max_stop_strings, ">= 0")
         _check(self.max_stop_string_chars >= 1, "max_stop_string_chars", self.max_stop_string_chars, ">= 1")
         _check(self.max_top_logprobs >= 0, "max_top_logprobs", self.max_top_logprobs, ">= 0")
         _check(self.connect_timeout_s > 0, "connect_timeout_s", self.connect_timeout_s, "> 0")
+        _check(self.retry_s >= 0, "retry_s", self.retry_s, ">= 0")
+
+    @property
+    def target_addresses(self) -> list[str]:
+        """Every configured target entry, target_url first (before DNS names are expanded)."""
+        return [url for url in [self.target_url, *self.target_urls] if url]

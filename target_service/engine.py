@@ -29,8 +29,10 @@ from specstream.errors import InvalidArgumentError
 from specstream.models import CausalLM
 from specstream.sampling import SamplingParams
 from specstream_pb import common_pb2, draft_pb2, target_pb2
+from target_service.batch_stats import BatchStats
 from target_service.connection import Connection
 from target_service.draft_client import DraftClient
+from target_service.scheduler import Scheduler
 from target_service.sequence import Sequence
 from target_service.verify import Row, Verdict, verify
 
@@ -56,6 +58,8 @@ class Engine:
         self._seq_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self.step_count = 0
+        self.scheduler = Scheduler(config)
+        self.stats = BatchStats(config.policy, config.batch_rows)
         self._background: set[asyncio.Task] = set()
 
     # ----- limits and load -------------------------------------------------------------------
@@ -72,6 +76,7 @@ class Engine:
             queued=len(self.waiting),
             draft_sequences=self.draft.held_sequences if self.draft else 0,
             draft_connected=bool(self.draft and self.draft.connected),
+            batch=self.stats.to_pb(),
         )
 
     # ----- requests from connections (called on the event loop) -------------------------------
@@ -148,6 +153,7 @@ class Engine:
         self.step_count += 1
         await self._apply_cancels()
         await self._admit()
+        await self._prefill()
         if self.running:
             await self._decode()
         await self._retire()
@@ -161,10 +167,11 @@ class Engine:
                 self._touched.append(seq)
 
     async def _admit(self) -> None:
-        """Moves waiting sequences into free slots, oldest first, and prefills them: one forward
-        per group of equally long prompts."""
-        admitted: dict[int, list[Sequence]] = {}
-        while self.waiting and self.cache.num_free:
+        """Moves waiting sequences into free slots, oldest first, as many as the policy allows
+        (target_service/scheduler.py). Every slot has room for prompt + max_new_tokens + γ + 1:
+        `_validate` refused anything longer."""
+        quota = self.scheduler.admissions(len(self.running), self.cache.num_free)
+        while self.waiting and quota > 0 and self.cache.num_free:
             seq = self.waiting.popleft()
             if seq.finish_reason is not None:  # cancelled while queued: nothing to free but the id
                 self.by_request.pop((seq.conn, seq.request_id), None)
@@ -172,31 +179,63 @@ class Engine:
             seq.slot = self.cache.alloc()
             assert seq.slot is not None
             seq.queue_seconds = time.monotonic() - seq.arrival
+            self.stats.record_admission(seq.queue_seconds)
             self.running.append(seq)  # before prefill: if it fails, _fail_all reports and frees it
-            admitted.setdefault(seq.prompt_len, []).append(seq)
-        for group in admitted.values():
-            await self._prefill(group)
+            quota -= 1
 
-    async def _prefill(self, group: list[Sequence]) -> None:
-        verdicts = await self._run_compute(self._prefill_compute, group)
-        for seq, verdict in zip(group, verdicts):
-            self.cache.set_length(seq.slot, seq.prompt_len)
-            seq.target_passes += 1
-            seq.append(verdict.tokens, verdict.logprobs)
-            self._touched.append(seq)
+    async def _prefill(self) -> None:
+        """Feeds up to `prefill_chunk` prompt tokens of admitted sequences, oldest first, so a long
+        prompt holds running rows up for one chunk per step, not its whole length. A sequence whose
+        prompt is complete gets its first token. Chunks of equal length share one forward."""
+        budget = self.config.prefill_chunk
+        chunks: dict[int, list[tuple[Sequence, int]]] = {}
+        for seq in self.running:
+            todo = seq.prompt_len - seq.prefilled
+            if todo <= 0 or seq.finish_reason is not None:
+                continue
+            if budget == 0:
+                break
+            length = min(todo, budget)
+            budget -= length
+            chunks.setdefault(length, []).append((seq, seq.prefilled))
+        for length, group in chunks.items():
+            verdicts = await self._run_compute(self._prefill_compute, group, length)
+            for (seq, start), verdict in zip(group, verdicts):
+                seq.prefilled = start + length
+                self.cache.set_length(seq.slot, seq.prefilled)
+                self.stats.prefill_tokens += length
+                if verdict is not None:  # the prompt is complete: its first token
+                    seq.target_passes += 1
+                    seq.last_expanded = self.step_count
+                    seq.append(verdict.tokens, verdict.logprobs)
+                    self._touched.append(seq)
 
-    def _prefill_compute(self, group: list[Sequence]) -> list[Verdict]:
-        prompts = torch.tensor([seq.tokens for seq in group], dtype=torch.int64)  # [b, P]
-        slots = torch.tensor([seq.slot for seq in group], dtype=torch.int64)  # [b]
+    def _prefill_compute(self, group: list[tuple[Sequence, int]], length: int) -> list[Verdict | None]:
+        """Prompt tokens [start, start + length) of each sequence -> a Verdict (the first token)
+        for those whose prompt this completes, None for the rest."""
+        ids = torch.tensor([seq.tokens[start : start + length] for seq, start in group], dtype=torch.int64)  # [b, L]
+        slots = torch.tensor([seq.slot for seq, _ in group], dtype=torch.int64)  # [b]
+        starts = torch.tensor([start for _, start in group], dtype=torch.int64)  # [b]
+        verdicts: list[Verdict | None] = [None] * len(group)
         with torch.inference_mode():
-            logits = self.model(prompts, self.cache, slots, torch.zeros_like(slots), last_only=True)  # [b, 1, V]
-            return verify(logits, [Row(seq.sampling, seq.prompt_len, logprobs=seq.logprobs) for seq in group])
+            logits = self.model(ids, self.cache, slots, starts, last_only=True)  # [b, 1, V]
+            done = [i for i, (seq, start) in enumerate(group) if start + length == seq.prompt_len]
+            if done:
+                rows = [Row(group[i][0].sampling, group[i][0].prompt_len, logprobs=group[i][0].logprobs) for i in done]
+                for i, verdict in zip(done, verify(logits[done], rows)):
+                    verdicts[i] = verdict
+        return verdicts
 
     async def _decode(self) -> None:
-        rows = [s for s in self.running if s.finish_reason is None]
+        ready = [s for s in self.running if s.finish_reason is None and s.prefilled == s.prompt_len]
+        rows = self.scheduler.select(ready, self.step_count) if ready else []
         if not rows:
             return
+        for seq in rows:
+            seq.last_expanded = self.step_count
         checks = await self._propose(rows)
+        width = 1 + max(len(c.proposals) for c in checks)
+        self.stats.record_step(len(rows), width, sum(1 + len(c.proposals) for c in checks), len(self.waiting))
         verdicts = await self._run_compute(self._verify_compute, rows, checks)
         for seq, check, verdict in zip(rows, checks, verdicts):
             self._accept(seq, check, verdict)

@@ -40,7 +40,9 @@ class Sequence:
     draft_len: int = 0  # leading tokens the draft holds that agree with `tokens`
     draft_epoch: int = -1  # the draft stream the above refers to
     finish_reason: str | None = None
-    queue_seconds: float | None = None  # set at prefill, reported once
+    queue_seconds: float | None = None  # set at admission, reported once
+    prefilled: int = 0  # prompt tokens in the cache so far (chunked prefill)
+    last_expanded: int = 0  # the engine step that last advanced this sequence (starvation bound)
     # Speculation counters (cumulative).
     draft_tokens: int = 0
     accepted_tokens: int = 0

@@ -25,31 +25,35 @@ def speculation(gamma: int | None) -> common_pb2.Speculation:
     return common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_FIXED, gamma=gamma)
 
 
-def run_engine(target: Path, draft: Path | None, prompts: list[list[int]], gamma: int, max_new_tokens: int,
+def run_engine(target: Path, draft: Path | None, prompts: list[list[int]], gamma: int, max_new_tokens: int | list[int],
                stop_ids: list[int] = (), eos_ids: list[int] = (), max_slots: int = 8,
                sampling: list[SamplingParams] | None = None, logprobs: int | None = None,
-               max_seq_len: int = 512, proposer=None) -> tuple[list[list[int]], list[target_pb2.SequenceEvent]]:
+               max_seq_len: int = 512, proposer=None, config: dict | None = None,
+               steps: dict | None = None) -> tuple[list[list[int]], list[target_pb2.SequenceEvent]]:
     """Returns each prompt's generated tokens and its final event (finish reason, stats, and the
     log-probabilities of all its tokens when `logprobs` is given). `sampling`: one per prompt
-    (default greedy); `proposer` replaces the draft model's proposer (e.g. a wrapped one)."""
+    (default greedy); `proposer` replaces the draft model's proposer (e.g. a wrapped one);
+    `config` overrides TargetConfig fields (batching policy...); `steps`, when given, receives the
+    engine's BatchStats and, per request id, the steps whose events carried its tokens."""
     model = load_model(target)
     if proposer is None and draft:
         proposer = DraftProposer(load_model(draft), max_slots=max(16, max_slots), max_seq_len=max_seq_len)
     local = LocalDraft(proposer) if proposer else None
     engine = Engine(model, TargetConfig(model=ModelSpec(str(target)), max_slots=max_slots, max_seq_len=max_seq_len,
-                                        max_gamma=8), local)
+                                        max_gamma=8, **(config or {})), local)
     sampling = sampling or [SamplingParams()] * len(prompts)
+    budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
 
     async def main() -> tuple[list[list[int]], list[target_pb2.SequenceEvent]]:
         conn = Connection()
         engine.attach(conn)
         task = asyncio.create_task(engine.run())
-        requests = [target_pb2.SequenceRequest(id=str(i), prompt_token_ids=p, max_new_tokens=max_new_tokens,
+        requests = [target_pb2.SequenceRequest(id=str(i), prompt_token_ids=p, max_new_tokens=budget,
                                                stop_token_ids=stop_ids, eos_token_ids=eos_ids,
                                                speculation=speculation(gamma),
                                                sampling=common_pb2.Sampling(**params.to_pb_fields()),
                                                logprobs=logprobs is not None, top_logprobs=logprobs or 0)
-                    for i, (p, params) in enumerate(zip(prompts, sampling))]
+                    for i, (p, params, budget) in enumerate(zip(prompts, sampling, budgets))]
         engine.submit(conn, requests)
         tokens: dict[str, list[int]] = {r.id: [] for r in requests}
         lps: dict[str, list[common_pb2.TokenLogprob]] = {r.id: [] for r in requests}
@@ -57,6 +61,8 @@ def run_engine(target: Path, draft: Path | None, prompts: list[list[int]], gamma
         while len(final) < len(requests):
             message = await asyncio.wait_for(conn.outbox.get(), 60)
             for event in message.events.events:
+                if steps is not None and event.token_ids:
+                    steps.setdefault(event.id, []).append(message.events.step)
                 tokens[event.id].extend(event.token_ids)
                 lps[event.id].extend(event.logprobs)
                 if event.finish_reason:
@@ -64,6 +70,8 @@ def run_engine(target: Path, draft: Path | None, prompts: list[list[int]], gamma
                     del event.logprobs[:]
                     event.logprobs.extend(lps[event.id])
         task.cancel()
+        if steps is not None:
+            steps["stats"] = engine.stats
         return [tokens[r.id] for r in requests], [final[r.id] for r in requests]
 
     return asyncio.run(main())

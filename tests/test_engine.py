@@ -114,11 +114,11 @@ def test_prefill_failure_fails_only_that_request_and_frees_its_slot(model_zoo):
     real = engine._prefill_compute
     calls = []
 
-    def flaky(group):
+    def flaky(group, length):
         calls.append(group)
         if len(calls) == 1:
             raise RuntimeError("simulated out-of-memory in prefill")
-        return real(group)
+        return real(group, length)
 
     engine._prefill_compute = flaky
 

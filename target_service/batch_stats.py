@@ -1,0 +1,63 @@
+"""Per-run batching counters of the target engine (design §4's report): steps, row expansions,
+tokens processed, padding, batch occupancy (mean and histogram, overall and while requests were
+waiting) and queue time. Cumulative since the service started; `to_pb` is the protobuf edge."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specstream_pb import target_pb2
+
+
+@dataclass
+class BatchStats:
+    policy: str
+    max_batch: int
+    steps: int = 0  # decode steps (one verify forward each)
+    row_expansions: int = 0  # rows expanded, summed over steps
+    tokens_processed: int = 0  # real positions fed to verify forwards (last token + proposals)
+    padded_tokens: int = 0  # positions fed only to make rows equally long
+    prefill_tokens: int = 0  # prompt tokens prefilled
+    queued_steps: int = 0  # decode steps taken while sequences were waiting for a slot
+    queued_rows: int = 0  # rows expanded in those steps
+    admitted: int = 0
+    queue_seconds: float = 0.0  # summed over admitted sequences
+    occupancy: list[int] = field(default_factory=list)  # occupancy[k]: steps that expanded k rows
+
+    def __post_init__(self) -> None:
+        self.occupancy = [0] * (self.max_batch + 1)
+
+    def record_step(self, rows: int, width: int, tokens: int, waiting: int) -> None:
+        """A verify forward over `rows` rows of `width` positions, `tokens` of them real."""
+        self.steps += 1
+        self.row_expansions += rows
+        self.tokens_processed += tokens
+        self.padded_tokens += rows * width - tokens
+        self.occupancy[min(rows, self.max_batch)] += 1
+        if waiting:
+            self.queued_steps += 1
+            self.queued_rows += rows
+
+    def record_admission(self, queue_seconds: float) -> None:
+        self.admitted += 1
+        self.queue_seconds += queue_seconds
+
+    @property
+    def mean_occupancy(self) -> float:
+        return self.row_expansions / self.steps if self.steps else 0.0
+
+    @property
+    def mean_occupancy_while_queued(self) -> float:
+        return self.queued_rows / self.queued_steps if self.queued_steps else 0.0
+
+    @property
+    def padding_fraction(self) -> float:
+        total = self.tokens_processed + self.padded_tokens
+        return self.padded_tokens / total if total else 0.0
+
+    def to_pb(self) -> target_pb2.BatchStats:
+        return target_pb2.BatchStats(
+            policy=self.policy, max_batch=self.max_batch, steps=self.steps, row_expansions=self.row_expansions,
+            tokens_processed=self.tokens_processed, padded_tokens=self.padded_tokens,
+            prefill_tokens=self.prefill_tokens, queued_steps=self.queued_steps, queued_rows=self.queued_rows,
+            admitted=self.admitted, queue_seconds=self.queue_seconds, occupancy=self.occupancy)
