@@ -69,26 +69,31 @@ def process_logits(logits: torch.Tensor, params: SamplingParams | Sequence[Sampl
     assert len(rows) == logits.shape[0], (len(rows), logits.shape)
     vocab, device = logits.shape[-1], logits.device
     per_row = (len(rows),) + (1,) * (logits.dim() - 1)  # broadcasts a [B] setting over [B, ..., V]
-    temperature = torch.tensor([p.temperature or 1.0 for p in rows], device=device).view(per_row)
-    top_k = [0 if p.greedy or p.top_k >= vocab else p.top_k for p in rows]
-    top_p = [1.0 if p.greedy else p.top_p for p in rows]
+    # Any positive temperature below float32's smallest normal gives the same one-hot; clamping
+    # keeps it from rounding to 0 (0 / 0 = NaN at the maximum).
+    tiny = torch.finfo(torch.float32).tiny
+    temperature = torch.tensor([max(p.temperature, tiny) if p.temperature else 1.0 for p in rows],
+                               device=device).view(per_row)
     logits = logits.float()
     # Shift before dividing: a tiny temperature then sends the rest to -inf instead of inf - inf.
     scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # [B, ..., V]
-    if any(top_k):
-        k = torch.tensor(top_k, device=device).view(per_row)
-        ranked = torch.sort(scaled, dim=-1, descending=True).values  # [B, ..., V]
-        kth = ranked.gather(-1, (k - 1).clamp(min=0).expand(*scaled.shape[:-1], 1))  # [B, ..., 1]
-        kth = torch.where(k > 0, kth, torch.full_like(kth, float("-inf")))
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    # The cuts touch only the rows that ask for them: a row's result must not depend on its batch.
+    top_k = [b for b, p in enumerate(rows) if not p.greedy and 0 < p.top_k < vocab]
+    if top_k:
+        cut = scaled[top_k]  # [b, ..., V]
+        k = torch.tensor([rows[b].top_k for b in top_k], device=device).view(len(top_k), *per_row[1:])
+        ranked = torch.topk(cut, max(rows[b].top_k for b in top_k), dim=-1).values  # [b, ..., k_max]
+        kth = ranked.gather(-1, (k - 1).expand(*cut.shape[:-1], 1))  # [b, ..., 1]
+        scaled[top_k] = cut.masked_fill(cut < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)  # [B, ..., V]
-    if any(p < 1.0 for p in top_p):
-        nucleus = torch.tensor(top_p, device=device).view(per_row).expand(*probs.shape[:-1], 1)  # [B, ..., 1]
-        needed = _nucleus_threshold(probs.reshape(-1, vocab), nucleus.reshape(-1, 1)).view(nucleus.shape)
-        needed = torch.where(nucleus < 1.0, needed, torch.zeros_like(needed))  # rounding must not cut
-        cut = probs.masked_fill(probs < needed, 0.0)
-        # Only cut rows are renormalised: a row's result must not depend on what shares its batch.
-        probs = torch.where(nucleus < 1.0, cut / cut.sum(dim=-1, keepdim=True), probs)
+    top_p = [b for b, p in enumerate(rows) if not p.greedy and p.top_p < 1.0]
+    if top_p:
+        sub = probs[top_p]  # [b, ..., V]
+        nucleus = torch.tensor([rows[b].top_p for b in top_p], device=device)
+        nucleus = nucleus.view(len(top_p), *per_row[1:]).expand(*sub.shape[:-1], 1)  # [b, ..., 1]
+        needed = _nucleus_threshold(sub.reshape(-1, vocab), nucleus.reshape(-1, 1)).view(nucleus.shape)
+        cut = sub.masked_fill(sub < needed, 0.0)
+        probs[top_p] = cut / cut.sum(dim=-1, keepdim=True)
     return probs
 
 

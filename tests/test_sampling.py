@@ -100,9 +100,19 @@ def test_identical_distributions_always_accept():
         assert _verify_one(p, p, p, x, 1 - 1e-12, 0.3)[0] == 1
 
 
-def test_a_proposal_the_draft_gave_no_mass_is_rejected():
-    p, q = _dist([0.5, 0.5]), _dist([1.0, 0.0])
-    assert _verify_one(p, p, q, 1, 0.0, 0.5)[0] == 0
+def test_a_proposal_its_q_rules_out_is_verified_as_a_point_mass():
+    """A draft bug (x with q(x) = 0) must not bias the output: x is accepted with p(x), and a
+    rejection samples p without x, which is exact however x was chosen."""
+    p, q = _dist([0.2, 0.5, 0.3]), _dist([1.0, 0.0, 0.0])
+    assert _verify_one(p, p, q, 1, 0.49, 0.5)[0] == 1
+    grid = [(i + 0.5) / GRID for i in range(GRID)]
+    accepted = sum(_verify_one(p, p, q, 1, u, 0.5)[0] for u in grid) / GRID  # P(accept) over u_accept
+    residual = torch.zeros(3, dtype=torch.float64)
+    for u in grid:  # after a rejection, the sample over u_sample
+        residual[_verify_one(p, p, q, 1, 1 - 1e-12, u)[1]] += 1.0 / GRID
+    emitted = (1 - accepted) * residual
+    emitted[1] += accepted
+    assert torch.allclose(emitted, p, atol=2.0 / GRID), emitted.tolist()
 
 
 def test_bonus_token_comes_from_the_last_distribution():

@@ -50,7 +50,6 @@ def _init_worker(tests_dir: str) -> None:
 
 def _generate(job: dict) -> list[list[int]]:
     """Runs SAMPLES sequences of one configuration through the engine; returns their tokens."""
-    from draft_service.proposer import DraftProposer
     from engine_harness import run_engine
     from specstream.models import load_model
     from specstream.sampling import SamplingParams
