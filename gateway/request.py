@@ -1,11 +1,15 @@
-"""One request's path through the gateway: submit to the target, turn per-step token events into
-text chunks (incremental detokenization + stop strings), and finish with usage, stats, timings
-and the seed used. Log-probabilities come from the target, one per token; they are passed through
-in step with the token ids (and cut with them at a stop string), never computed here.
+"""One request's path through the gateway: admit it to the router (sent to a target replica or
+queued), turn per-step token events into text chunks (incremental detokenization + stop strings),
+and finish with usage, stats, timings and the seed used. Log-probabilities come from the target,
+one per token; they are passed through in step with the token ids (and cut with them at a stop
+string), never computed here.
 
 `Generate` and `GenerateStream` both consume `stream_chunks`, so their results agree by
 construction. Leaving early (client cancel, deadline, a stop string) cancels the sequence on the
-target, which frees its slot and the draft's state.
+target, which frees its slot and the draft's state, or takes it out of the gateway's queue.
+
+`timings.queue_seconds` is the whole wait before prefill: time in the gateway's queue (admission ->
+sent to the replica that served it) plus the target's own (arrival -> prefill start).
 """
 
 from __future__ import annotations
@@ -15,31 +19,29 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from gateway.target_client import TargetClient
+from gateway.router import Router
 from gateway.validation import ValidRequest
-from specstream.errors import RemoteError, UnavailableError, status_code
+from specstream.errors import RemoteError, status_code
 from specstream.stop_strings import StopStringMatcher
 from specstream.tokenizer import IncrementalDetokenizer, TextTokenizer
 from specstream_pb import common_pb2, generation_pb2
 
 
-async def stream_chunks(req: ValidRequest, target: TargetClient, tokenizer: TextTokenizer,
+async def stream_chunks(req: ValidRequest, router: Router, tokenizer: TextTokenizer,
                         eos_ids: tuple[int, ...]) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
-    try:
-        stream_id, events = target.submit(req.to_sequence_pb(eos_ids))
-    except ConnectionError as exc:
-        raise UnavailableError(str(exc)) from exc
+    ticket = router.submit(req.to_sequence_pb(eos_ids))  # OverloadedError / UnavailableError: not admitted
     detok = tokenizer.detokenizer(req.prompt_ids)
     stop = StopStringMatcher(req.stop) if req.stop else None
     timings = common_pb2.Timings()
-    completion = 0
+    completion, first = 0, True
     try:
         while True:
-            event = await events.get()
+            event = await ticket.events.get()
             if event.finish_reason == common_pb2.FINISH_REASON_ERROR:
                 raise RemoteError(status_code(event.error.code), event.error.message)
-            if event.queue_seconds:
-                timings.queue_seconds = event.queue_seconds
+            if first:  # the target reports its queue time on a sequence's first event
+                timings.queue_seconds = ticket.gateway_queue_seconds + event.queue_seconds
+                first = False
             if event.logprobs and len(event.logprobs) != len(event.token_ids):
                 raise RemoteError(grpc.StatusCode.INTERNAL,
                                   f"target sent {len(event.logprobs)} logprobs for {len(event.token_ids)} tokens")
@@ -63,7 +65,7 @@ async def stream_chunks(req: ValidRequest, target: TargetClient, tokenizer: Text
                 chunk.text += text
             if matched:
                 finish = common_pb2.FINISH_REASON_STOP
-                target.cancel(stream_id)
+                router.cancel(ticket)
             if finish != common_pb2.FINISH_REASON_UNSPECIFIED:
                 timings.total_seconds = time.monotonic() - req.received
                 chunk.finish_reason = finish
@@ -76,7 +78,7 @@ async def stream_chunks(req: ValidRequest, target: TargetClient, tokenizer: Text
             if chunk.token_ids:
                 yield chunk
     finally:
-        target.cancel(stream_id)  # no-op when the sequence already finished
+        router.cancel(ticket)  # no-op when the sequence already finished
 
 
 def _flush(detok: IncrementalDetokenizer, stop: StopStringMatcher | None) -> tuple[str, bool]:
@@ -89,10 +91,10 @@ def _flush(detok: IncrementalDetokenizer, stop: StopStringMatcher | None) -> tup
     return (text, True) if matched else (text + stop.flush(), False)
 
 
-async def generate(req: ValidRequest, target: TargetClient, tokenizer: TextTokenizer,
+async def generate(req: ValidRequest, router: Router, tokenizer: TextTokenizer,
                    eos_ids: tuple[int, ...]) -> generation_pb2.GenerateResponse:
     response = generation_pb2.GenerateResponse(request_id=req.request_id)
-    async for chunk in stream_chunks(req, target, tokenizer, eos_ids):
+    async for chunk in stream_chunks(req, router, tokenizer, eos_ids):
         response.text += chunk.text
         response.token_ids.extend(chunk.token_ids)
         response.logprobs.extend(chunk.logprobs)

@@ -1,35 +1,41 @@
 """The gateway process: the public `Generation` servicer.
 
 Thin: admission (a bound on requests in flight), validation, then `gateway.request` does the
-work. Health turns SERVING once the target has answered and the Connect stream is open.
+work through the `Router` (bounded queue, replica choice). Health is SERVING while at least one
+target replica is connected and serving.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
 
 from gateway import request as pipeline
+from gateway.discovery import resolve_targets
+from gateway.router import Router
 from gateway.target_client import TargetClient
 from gateway.validation import Limits, validate
 from specstream.config import GatewayConfig
 from specstream.errors import OverloadedError
 from specstream.grpc_server import ServiceServer
 from specstream.tokenizer import TextTokenizer
-from specstream_pb import generation_pb2, generation_pb2_grpc
+from specstream_pb import generation_pb2, generation_pb2_grpc, target_pb2
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, config: GatewayConfig, target: TargetClient, tokenizer: TextTokenizer) -> None:
+    def __init__(self, config: GatewayConfig, router: Router, info: target_pb2.TargetInfo,
+                 tokenizer: TextTokenizer) -> None:
         self.config = config
-        self.target = target
+        self.router = router
+        self.info = info
         self.tokenizer = tokenizer
-        self.limits = Limits.build(config, target.info)
-        self.eos_ids = tuple(sorted(set(target.info.eos_token_ids) | set(tokenizer.eos_token_ids)))
+        self.limits = Limits.build(config, info)
+        self.eos_ids = tuple(sorted(set(info.eos_token_ids) | set(tokenizer.eos_token_ids)))
         self.in_flight = 0
 
     def _admit(self, request: generation_pb2.GenerateRequest):
@@ -42,7 +48,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         valid = self._admit(request)
         self.in_flight += 1
         try:
-            return await pipeline.generate(valid, self.target, self.tokenizer, self.eos_ids)
+            return await pipeline.generate(valid, self.router, self.tokenizer, self.eos_ids)
         finally:
             self.in_flight -= 1
 
@@ -50,31 +56,87 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         valid = self._admit(request)
         self.in_flight += 1
         try:
-            async for chunk in pipeline.stream_chunks(valid, self.target, self.tokenizer, self.eos_ids):
+            async for chunk in pipeline.stream_chunks(valid, self.router, self.tokenizer, self.eos_ids):
                 yield chunk
         finally:
             self.in_flight -= 1
 
     async def GetModelInfo(self, request, context):  # noqa: N802
-        info, load = self.target.info, self.target.load
+        info, replicas = self.info, self.router.replicas
+        live = [r.load for r in replicas if r.connected]
         return generation_pb2.ModelInfo(
             target_model=info.model_name, draft_model=info.draft_model_name, vocab_size=info.vocab_size,
             max_context_length=info.max_context_length, max_new_tokens_limit=self.limits.max_new_tokens,
             max_gamma=info.max_gamma, default_gamma=info.default_gamma, eos_token_ids=list(self.eos_ids),
-            running_sequences=load.running, queued_sequences=load.queued, free_slots=load.free_slots,
-            draft_sequences=load.draft_sequences, draft_connected=load.draft_connected,
-            gateway_in_flight=self.in_flight)
+            running_sequences=sum(load.running for load in live), queued_sequences=sum(load.queued for load in live),
+            free_slots=sum(load.free_slots for load in live),
+            draft_sequences=sum(load.draft_sequences for load in live),
+            draft_connected=bool(live) and all(load.draft_connected for load in live),
+            gateway_in_flight=self.in_flight, gateway_queued=self.router.queued,
+            replicas=[_replica_pb(r) for r in replicas])
+
+
+def _replica_pb(replica: TargetClient) -> generation_pb2.ReplicaInfo:
+    load = replica.load
+    return generation_pb2.ReplicaInfo(
+        address=replica.url, connected=replica.connected, serving=replica.serving, running=load.running,
+        queued=load.queued, free_slots=load.free_slots, max_slots=load.max_slots, routed=replica.routed,
+        requeued=replica.requeued, batch=load.batch)
+
+
+def common_info(replicas: list[TargetClient]) -> target_pb2.TargetInfo:
+    """What every replica serves: they must run the same model and vocabulary; a request must fit
+    the smallest context and γ limit among them, since it may be moved to any of them."""
+    first = replicas[0].info
+    for replica in replicas[1:]:
+        info = replica.info
+        for name in ("model_name", "vocab_size", "eos_token_ids"):
+            if getattr(info, name) != getattr(first, name):
+                raise ValueError(f"target replicas disagree on {name}: {replicas[0].url} has "
+                                 f"{getattr(first, name)!r}, {replica.url} has {getattr(info, name)!r}")
+    merged = target_pb2.TargetInfo()
+    merged.CopyFrom(first)
+    merged.max_context_length = min(r.info.max_context_length for r in replicas)
+    merged.max_gamma = min(r.info.max_gamma for r in replicas)
+    merged.default_gamma = min(merged.default_gamma, merged.max_gamma)
+    return merged
+
+
+async def _wait_routable(replicas: list[TargetClient], timeout_s: float) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not all(r.routable for r in replicas):
+        if loop.time() > deadline:
+            down = [r.url for r in replicas if not r.routable]
+            raise TimeoutError(f"target replicas {down} not connected and serving after {timeout_s:.0f}s")
+        await asyncio.sleep(0.02)
 
 
 async def serve(config: GatewayConfig) -> None:
     tokenizer = TextTokenizer.from_dir(config.tokenizer_path)
-    target = TargetClient(config.target_url, options=config.server.grpc_options())
-    await target.start(timeout_s=config.connect_timeout_s)
+    addresses = resolve_targets(config.target_addresses)
+    replicas = [TargetClient(a, options=config.server.grpc_options(), retry_s=config.retry_s) for a in addresses]
+    await asyncio.gather(*(r.start(timeout_s=config.connect_timeout_s) for r in replicas))
+    info = common_info(replicas)
+    router = Router(replicas, max_queue=config.max_queue, backlog=config.replica_backlog)
     server = ServiceServer(config.server, [SERVICE_NAME])
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(config, target, tokenizer), server.server)
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(config, router, info, tokenizer),
+                                                         server.server)
     await server.start()
-    await target.connected.wait()
-    await server.set_serving(True)
-    target.on_state = server.set_serving  # NOT_SERVING while the target stream is down
-    log.info("gateway serving on %s -> target %s (%s)", server.address, config.target_url, target.info.model_name)
-    await server.serve_forever(on_stop=target.close)
+    await _wait_routable(replicas, config.connect_timeout_s)
+    health_lock = asyncio.Lock()
+
+    async def follow_replicas() -> None:  # NOT_SERVING while no replica can take requests
+        async with health_lock:  # reads the state inside, so concurrent changes end in the latest one
+            await server.set_serving(router.serving)
+
+    for replica in replicas:
+        replica.on_state = follow_replicas
+    await follow_replicas()
+    log.info("gateway serving on %s -> %d target replica(s) %s (%s)", server.address, len(replicas),
+             ", ".join(addresses), info.model_name)
+
+    async def close() -> None:
+        await asyncio.gather(*(r.close() for r in replicas))
+
+    await server.serve_forever(on_stop=close)

@@ -59,7 +59,8 @@ def cmd_target(args: argparse.Namespace) -> int:
     from target_service.server import serve
 
     config = TargetConfig(model=ModelSpec(args.model, args.dtype, args.device), server=_server_config(args),
-                          max_slots=args.max_slots, max_seq_len=args.max_seq_len, default_gamma=args.gamma,
+                          max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len,
+                          default_gamma=args.gamma,
                           max_gamma=args.max_gamma, draft_url=args.draft_url, draft_timeout_s=args.draft_timeout,
                           torch_threads=args.threads, **_batching_config(args))
     return _run_service(args, lambda: serve(config))
@@ -71,11 +72,20 @@ def _batching_flags(p: argparse.ArgumentParser) -> None:
                    help="static: fill a batch and run it to completion; topup: refill freed slots")
     p.add_argument("--refill-threshold", type=float, default=1.0,
                    help="topup's epsilon: refill once running <= epsilon * max-batch (1: every step)")
-    p.add_argument("--max-batch", type=int, default=0, help="rows expanded per step (0: --max-slots)")
+    p.add_argument("--max-batch", type=int, default=0,
+                   help="rows expanded per step (0: --max-slots); a larger value raises --max-slots to match")
     p.add_argument("--row-selection", choices=["all", "min_length", "fifo"], default="all")
     p.add_argument("--min-length-slack", type=int, default=0)
     p.add_argument("--max-wait-steps", type=int, default=8, help="starvation bound for row selection")
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens prefilled per step")
+
+
+def _batching_args(args: argparse.Namespace) -> list[str]:
+    """The batching flags again, for `serve` to pass on to its target processes."""
+    return ["--policy", args.policy, "--refill-threshold", str(args.refill_threshold), "--max-batch",
+            str(args.max_batch), "--row-selection", args.row_selection, "--min-length-slack",
+            str(args.min_length_slack), "--max-wait-steps", str(args.max_wait_steps), "--prefill-chunk",
+            str(args.prefill_chunk)]
 
 
 def _batching_config(args: argparse.Namespace) -> dict:
@@ -95,12 +105,21 @@ def cmd_draft(args: argparse.Namespace) -> int:
     return _run_service(args, lambda: serve(config))
 
 
-def cmd_gateway(args: argparse.Namespace) -> int:
-    from gateway.server import serve
+def _gateway_config(args: argparse.Namespace):
     from specstream.config import GatewayConfig
 
-    config = GatewayConfig(target_url=args.target_url, tokenizer_path=args.tokenizer, server=_server_config(args),
-                           max_new_tokens_limit=args.max_new_tokens_limit, max_in_flight=args.max_in_flight)
+    # --target-url is repeatable and each may be a comma-separated list.
+    urls = [url.strip() for flag in args.target_url for url in flag.split(",") if url.strip()]
+    return GatewayConfig(target_url=urls[0] if urls else "", target_urls=urls[1:], tokenizer_path=args.tokenizer,
+                         server=_server_config(args), max_new_tokens_limit=args.max_new_tokens_limit,
+                         max_in_flight=args.max_in_flight, max_queue=args.max_queue,
+                         replica_backlog=args.replica_backlog)
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from gateway.server import serve
+
+    config = _gateway_config(args)
     return _run_service(args, lambda: serve(config))
 
 
@@ -117,8 +136,10 @@ def _stack_spec(args: argparse.Namespace):
     if args.no_draft:
         draft = None
     return StackSpec(target_model=target, draft_model=draft, gateway_port=args.port, host=args.host,
-                     gamma=args.gamma, max_slots=args.max_slots, max_seq_len=args.max_seq_len, dtype=args.dtype,
-                     log_dir=args.log_dir, draft_threads=args.draft_threads, target_threads=args.target_threads)
+                     gamma=args.gamma, max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len,
+                     dtype=args.dtype,
+                     log_dir=args.log_dir, draft_threads=args.draft_threads, target_threads=args.target_threads,
+                     target_replicas=args.replicas, extra_target_args=_batching_args(args))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -138,8 +159,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"stopped during startup: {stack.stop()}", flush=True)
         return 0
     print(f"specstream gateway listening on {stack.gateway_address}", flush=True)
-    print(f"  target {stack.addresses['target']}  draft {stack.addresses.get('draft', '-')}  (Ctrl-C stops all three)",
-          flush=True)
+    targets = "  ".join(f"{name} {stack.addresses[name]}" for name in stack.target_names)
+    print(f"  {targets}  draft {stack.addresses.get('draft', '-')}  (Ctrl-C stops them all)", flush=True)
     while stop["signal"] is None and stack.alive():
         time.sleep(0.2)
     codes = stack.stop()
@@ -255,6 +276,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         temperatures = [float(t) for t in args.temperatures.split(",")] if args.temperatures else None
         sampling.run(target, draft, out, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                      temperatures=temperatures, gammas=gammas, with_hf=not args.no_hf)
+    elif args.kind == "throughput":
+        from specstream.bench import throughput
+        from specstream.default_models import default_model_dirs
+
+        target, draft = (Path(args.target), Path(args.draft)) if args.target else default_model_dirs()[:2]
+        settings = throughput.default_settings()
+        if args.gammas:
+            settings = [s for s in settings if str(s.gamma) in args.gammas.split(",")]
+        if args.batch_sizes:
+            settings = [s for s in settings if str(s.n) in args.batch_sizes.split(",")]
+        throughput.run(target, draft, out, kinds=args.workloads.split(","), settings=settings, count=args.requests)
     else:
         from specstream.bench import synthetic
         from specstream.default_models import default_model_dirs
@@ -278,11 +310,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=50051, help="gateway port (0: pick a free one)")
     p.add_argument("--gamma", type=int, default=4, help="default proposals per step (speculation=auto)")
     p.add_argument("--max-slots", type=int, default=8)
+    p.add_argument("--replicas", type=_int_in("--replicas", 1, 64), default=1,
+                   help="target processes behind the gateway (they share one draft service)")
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--draft-threads", type=int, default=1, help="CPU threads of the draft model (0: one per core)")
     p.add_argument("--target-threads", type=int, default=0, help="CPU threads of the target model (0: one per core)")
     p.add_argument("--log-dir", help="write each service's log here instead of the terminal")
+    _batching_flags(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("target", help="run the target-model service")
@@ -309,10 +344,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("gateway", help="run the public gateway")
     _server_flags(p, 50051)
-    p.add_argument("--target-url", required=True, help="host:port of the target service")
+    p.add_argument("--target-url", required=True, action="append",
+                   help="host:port or dns:///host:port of a target replica; repeatable or comma-separated. "
+                        "A name resolving to several addresses is one replica per address (resolved at startup)")
     p.add_argument("--tokenizer", required=True, help="directory with tokenizer.json (the target's model dir)")
     p.add_argument("--max-new-tokens-limit", type=int, default=1024)
     p.add_argument("--max-in-flight", type=int, default=256)
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting for a replica with room; more get RESOURCE_EXHAUSTED at once")
+    p.add_argument("--replica-backlog", type=int, default=None,
+                   help="requests a replica may hold waiting beyond its slots (default: its max_slots)")
     p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser("generate", help="call a running gateway")
@@ -346,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train_demo, stage=None)
 
     p = sub.add_parser("bench", help="benchmarks: table on stdout, JSON and PNG plots in --out")
-    p.add_argument("kind", choices=["latency", "sampling", "synthetic"],
+    p.add_argument("kind", choices=["latency", "sampling", "synthetic", "throughput"],
                    help="latency: gamma sweep on the demo pair vs theory and Hugging Face; "
                         "sampling: the same at several temperatures (speculative sampling); "
                         "synthetic: overhead vs theory at set acceptance rates on a ~100M random target")
@@ -358,6 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gammas", help="comma-separated gamma values (default: latency 0,1,2,3,4,6,8; sampling 0,2,4,6)")
     p.add_argument("--alphas", help="comma-separated acceptance rates (synthetic)")
     p.add_argument("--temperatures", help="comma-separated temperatures, 0 = greedy (sampling; default 0,0.7,1.0)")
+    p.add_argument("--workloads", default="short", help="throughput: comma-separated, of short,long")
+    p.add_argument("--requests", type=int, default=200, help="throughput: requests per setting")
+    p.add_argument("--batch-sizes", help="throughput: only these n (comma-separated, of 8,32)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison (latency, sampling)")
     p.set_defaults(func=cmd_bench)
 

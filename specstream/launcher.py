@@ -1,8 +1,11 @@
-"""Starts gateway, target and draft as three OS processes on loopback ports and stops them.
+"""Starts draft, target(s) and gateway as OS processes on loopback ports and stops them.
 
-Used by `specstream serve`, the demo and the integration tests. Waits until each process answers
-`grpc.health.v1` with SERVING; stopping sends SIGTERM (graceful) and escalates to SIGKILL only
-after a grace period. Knows nothing about what the services do.
+Used by `specstream serve`, the demo and the integration tests. With `target_replicas = N` there
+are N target processes, named `target`, `target-1`, ..., `target-{N-1}`, all behind the one
+gateway and all sharing the one draft process (the draft keys its state per stream, so targets
+cannot see each other's sequences; its `max_slots` bounds the sequences of all of them together).
+Waits until each process answers `grpc.health.v1` with SERVING; stopping sends SIGTERM (graceful)
+and escalates to SIGKILL only after a grace period. Knows nothing about what the services do.
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ class StackSpec:
     host: str = "127.0.0.1"
     gamma: int = 4
     max_gamma: int = 16
-    max_slots: int = 8
+    max_slots: int = 8  # per target replica
+    target_replicas: int = 1  # target processes behind the gateway
     max_seq_len: int = 2048
     dtype: str = "float32"
     draft_threads: int = 1  # CPU threads of the draft's model (0: one per core); a small draft runs best on one
@@ -90,9 +94,16 @@ class Stack:
     def gateway_address(self) -> str:
         return self.addresses["gateway"]
 
+    @property
+    def target_names(self) -> list[str]:
+        """`target`, then `target-1`, `target-2`, ... for further replicas."""
+        return ["target", *(f"target-{i}" for i in range(1, self.spec.target_replicas))]
+
     def start(self, timeout_s: float = 120.0, should_stop: Callable[[], bool] = lambda: False) -> Stack:
         spec = self.spec
-        ports = {"draft": free_port(spec.host), "target": free_port(spec.host),
+        if spec.target_replicas < 1:
+            raise ValueError(f"target_replicas={spec.target_replicas!r}: must be >= 1")
+        ports = {"draft": free_port(spec.host), **{name: free_port(spec.host) for name in self.target_names},
                  "gateway": spec.gateway_port or free_port(spec.host)}
         self.addresses = {name: f"{spec.host}:{port}" for name, port in ports.items()}
         common = ["--host", spec.host, "--dtype", spec.dtype, "--max-seq-len", str(spec.max_seq_len)]
@@ -103,14 +114,16 @@ class Stack:
                          if spec.synthetic else ["--model", spec.draft_model])
                 self._spawn("draft", ["draft", *model, "--port", str(ports["draft"]), *common,
                                       "--threads", str(spec.draft_threads)])
-            target_args = ["target", "--model", spec.target_model, "--port", str(ports["target"]), *common,
-                           "--gamma", str(spec.gamma), "--max-gamma", str(spec.max_gamma),
-                           "--max-slots", str(spec.max_slots), "--threads", str(spec.target_threads),
-                           *spec.extra_target_args]
-            if has_draft:
-                target_args += ["--draft-url", self.addresses["draft"]]
-            self._spawn("target", target_args)
-            self._spawn("gateway", ["gateway", "--target-url", self.addresses["target"], "--tokenizer",
+            for name in self.target_names:
+                target_args = ["target", "--model", spec.target_model, "--port", str(ports[name]), *common,
+                               "--gamma", str(spec.gamma), "--max-gamma", str(spec.max_gamma),
+                               "--max-slots", str(spec.max_slots), "--threads", str(spec.target_threads),
+                               *spec.extra_target_args]
+                if has_draft:
+                    target_args += ["--draft-url", self.addresses["draft"]]
+                self._spawn(name, target_args)
+            target_urls = ",".join(self.addresses[name] for name in self.target_names)
+            self._spawn("gateway", ["gateway", "--target-url", target_urls, "--tokenizer",
                                     spec.target_model, "--host", spec.host, "--port", str(ports["gateway"]),
                                     *spec.extra_gateway_args])
             for name, proc in self.procs.items():
@@ -132,7 +145,10 @@ class Stack:
                                             start_new_session=True)
 
     def restart(self, name: str, timeout_s: float = 120.0) -> None:
-        """Starts a stopped service again on its old address (for failure tests)."""
+        """Starts a stopped service (`draft`, `target`, `target-1`, ..., `gateway`) again on its old
+        address, with its old arguments (for failure tests)."""
+        if name not in self.args:
+            raise KeyError(f"no service named {name!r}; have {sorted(self.args)}")
         self._spawn(name, self.args[name])
         wait_healthy(self.addresses[name], timeout_s, self.procs[name])
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specstream_pb import target_pb2
+from specstream_pb import common_pb2
 
 
 @dataclass
@@ -55,8 +55,8 @@ class BatchStats:
         total = self.tokens_processed + self.padded_tokens
         return self.padded_tokens / total if total else 0.0
 
-    def to_pb(self) -> target_pb2.BatchStats:
-        return target_pb2.BatchStats(
+    def to_pb(self) -> common_pb2.BatchStats:
+        return common_pb2.BatchStats(
             policy=self.policy, max_batch=self.max_batch, steps=self.steps, row_expansions=self.row_expansions,
             tokens_processed=self.tokens_processed, padded_tokens=self.padded_tokens,
             prefill_tokens=self.prefill_tokens, queued_steps=self.queued_steps, queued_rows=self.queued_rows,

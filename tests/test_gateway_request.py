@@ -1,5 +1,6 @@
-"""`gateway.request` against a scripted fake target: logprobs travel with their tokens (also when a
-stop string cuts an event in the middle), the seed comes back, and unary equals the stream."""
+"""`gateway.request` against a scripted fake router: logprobs travel with their tokens (also when a
+stop string cuts an event in the middle), the seed comes back, unary equals the stream, and the
+reported queue time adds the gateway's wait to the target's."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import grpc
 import pytest
 
 from gateway.request import generate, stream_chunks
+from gateway.ticket import Ticket
 from gateway.validation import Limits, ValidRequest, validate
 from specstream.config import GatewayConfig
 from specstream.errors import RemoteError
@@ -34,22 +36,25 @@ LOGPROBS = [_logprob(i, t) for i, t in enumerate(IDS)]
 
 
 class FakeTarget:
-    """Plays back a fixed list of SequenceEvents for every submitted request; records cancels."""
+    """Stands in for the router: plays back a fixed list of SequenceEvents for every submitted
+    request, as if it had waited `gateway_wait` seconds in the gateway's queue; records cancels."""
 
-    def __init__(self, events: list[target_pb2.SequenceEvent]) -> None:
+    def __init__(self, events: list[target_pb2.SequenceEvent], gateway_wait: float = 0.0) -> None:
         self.events = events
+        self.gateway_wait = gateway_wait
         self.submitted: list[target_pb2.SequenceRequest] = []
         self.cancelled: list[str] = []
 
-    def submit(self, request: target_pb2.SequenceRequest):
+    def submit(self, request: target_pb2.SequenceRequest) -> Ticket:
         self.submitted.append(request)
-        queue: asyncio.Queue[target_pb2.SequenceEvent] = asyncio.Queue()
+        request.id = "7"
+        ticket = Ticket(request, number=len(self.submitted), enqueued_at=100.0, dispatched_at=100.0 + self.gateway_wait)
         for event in self.events:
-            queue.put_nowait(event)
-        return "7", queue
+            ticket.events.put_nowait(event)
+        return ticket
 
-    def cancel(self, stream_id: str) -> None:
-        self.cancelled.append(stream_id)
+    def cancel(self, ticket: Ticket) -> None:
+        self.cancelled.append(ticket.request.id)
 
 
 def _events(step: int, with_logprobs: bool) -> list[target_pb2.SequenceEvent]:
@@ -139,3 +144,10 @@ def test_misaligned_logprobs_from_the_target_are_an_internal_error():
         _stream(_request(logprobs=True), target)
     assert info.value.code == grpc.StatusCode.INTERNAL
     assert "7" in target.cancelled  # the sequence is let go
+
+
+def test_queue_seconds_adds_the_gateway_wait_to_the_targets():
+    events = _events(4, with_logprobs=False)
+    events[0].queue_seconds = 0.25  # the target reports its own wait on the first event
+    response = asyncio.run(generate(_request(), FakeTarget(events, gateway_wait=1.5), TT, (1,)))
+    assert response.timings.queue_seconds == pytest.approx(1.75)

@@ -109,3 +109,31 @@ class SequenceError(_message.Message):
     code: int
     message: str
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class BatchStats(_message.Message):
+    __slots__ = ("policy", "max_batch", "steps", "row_expansions", "tokens_processed", "padded_tokens", "prefill_tokens", "queued_steps", "queued_rows", "admitted", "queue_seconds", "occupancy")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    ROW_EXPANSIONS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PROCESSED_FIELD_NUMBER: _ClassVar[int]
+    PADDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OCCUPANCY_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    max_batch: int
+    steps: int
+    row_expansions: int
+    tokens_processed: int
+    padded_tokens: int
+    prefill_tokens: int
+    queued_steps: int
+    queued_rows: int
+    admitted: int
+    queue_seconds: float
+    occupancy: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, policy: _Optional[str] = ..., max_batch: _Optional[int] = ..., steps: _Optional[int] = ..., row_expansions: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., padded_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., queued_steps: _Optional[int] = ..., queued_rows: _Optional[int] = ..., admitted: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., occupancy: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -97,7 +97,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("target_model", "draft_model", "vocab_size", "max_context_length", "max_new_tokens_limit", "max_gamma", "default_gamma", "eos_token_ids", "running_sequences", "queued_sequences", "free_slots", "draft_sequences", "draft_connected", "gateway_in_flight")
+    __slots__ = ("target_model", "draft_model", "vocab_size", "max_context_length", "max_new_tokens_limit", "max_gamma", "default_gamma", "eos_token_ids", "running_sequences", "queued_sequences", "free_slots", "draft_sequences", "draft_connected", "gateway_in_flight", "gateway_queued", "replicas")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,8 @@ class ModelInfo(_message.Message):
     DRAFT_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CONNECTED_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     draft_model: str
     vocab_size: int
@@ -126,4 +128,30 @@ class ModelInfo(_message.Message):
     draft_sequences: int
     draft_connected: bool
     gateway_in_flight: int
-    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_gamma: _Optional[int] = ..., default_gamma: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., running_sequences: _Optional[int] = ..., queued_sequences: _Optional[int] = ..., free_slots: _Optional[int] = ..., draft_sequences: _Optional[int] = ..., draft_connected: _Optional[bool] = ..., gateway_in_flight: _Optional[int] = ...) -> None: ...
+    gateway_queued: int
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
+    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_gamma: _Optional[int] = ..., default_gamma: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., running_sequences: _Optional[int] = ..., queued_sequences: _Optional[int] = ..., free_slots: _Optional[int] = ..., draft_sequences: _Optional[int] = ..., draft_connected: _Optional[bool] = ..., gateway_in_flight: _Optional[int] = ..., gateway_queued: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ...) -> None: ...
+
+class ReplicaInfo(_message.Message):
+    __slots__ = ("address", "connected", "serving", "running", "queued", "free_slots", "max_slots", "routed", "requeued", "batch")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_FIELD_NUMBER: _ClassVar[int]
+    REQUEUED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    connected: bool
+    serving: bool
+    running: int
+    queued: int
+    free_slots: int
+    max_slots: int
+    routed: int
+    requeued: int
+    batch: _common_pb2.BatchStats
+    def __init__(self, address: _Optional[str] = ..., connected: _Optional[bool] = ..., serving: _Optional[bool] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., free_slots: _Optional[int] = ..., max_slots: _Optional[int] = ..., routed: _Optional[int] = ..., requeued: _Optional[int] = ..., batch: _Optional[_Union[_common_pb2.BatchStats, _Mapping]] = ...) -> None: ...

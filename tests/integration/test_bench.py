@@ -59,3 +59,19 @@ def test_bench_synthetic_on_a_small_target(tmp_path):
     assert result["alphas"][1.0][2]["alpha_measured"] == 1.0
     assert 0.1 < result["alphas"][0.5][2]["alpha_measured"] < 0.9
     assert (tmp_path / "synthetic_speedup.png").stat().st_size > 1000
+
+
+def test_bench_throughput_reports_occupancy_and_ratios(model_zoo, tmp_path):
+    from specstream.bench import throughput
+    from specstream.bench.throughput import Setting
+
+    settings = [Setting(2, "static", 1.0, "all", 0), Setting(2, "topup", 1.0, "all", 0),
+                Setting(2, "topup", 1.0, "min_length", 2)]
+    data = throughput.run(model_zoo["target"], model_zoo["partial"], tmp_path, ["short"], settings, count=12)
+    runs = {r["setting"]["name"]: r for r in data["runs"]}
+    assert len(runs) == 3 and all(r["requests"] == 12 and r["tokens_per_s"] > 0 for r in runs.values())
+    topup = runs["n=2 topup ε=1 all γ=0"]
+    assert topup["over_static"] > 0 and 0 < topup["mean_occupancy"] <= 1
+    assert sum(topup["occupancy_histogram"]) == topup["steps"] > 0
+    assert runs["n=2 static all γ=0"]["over_static"] == 1.0
+    assert (tmp_path / "throughput_occupancy.png").stat().st_size > 1000

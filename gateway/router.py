@@ -1,0 +1,163 @@
+"""Admission queue and replica choice: which target replica gets a request, and when.
+
+A request goes to a replica only when that replica has room. Until then it waits here, in one FIFO
+queue bounded by `max_queue`; a request that finds the queue full is refused at once with
+RESOURCE_EXHAUSTED (never left to hang), and so is one that arrives while no replica is serving
+(UNAVAILABLE). A queued request that is cancelled, or whose deadline passes, simply leaves the queue.
+
+**Capacity.** A replica with `max_slots` slots may hold `max_slots + backlog` of the gateway's
+requests. The backlog (default: `max_slots`) waits in the target's own queue, so a slot freed
+when a sequence finishes is refilled by the engine's very next step instead of after the Load
+report has reached the gateway and a Submit has come back. How much a replica holds is estimated as
+
+    in_use = max(outstanding, load.running + load.queued + sent_since_load)
+
+`outstanding` is this gateway's unfinished requests on it — exact, counted as requests are sent and
+as their last events arrive. The Load term also counts other gateways' requests; `sent_since_load`
+adds what was sent after that report, so a burst between two reports cannot oversubscribe it.
+
+**Choice.** Of the routable replicas (stream up, SERVING) with room, the one with the smallest
+`in_use / capacity`; ties go to the one sent the fewest requests, so a trickle alternates.
+
+**Moves.** A replica that loses its stream or stops serving hands back its requests that had not
+started (no event yet); they go to the front of the queue, oldest first, ahead of newer arrivals
+and regardless of `max_queue`, and move to another replica as soon as one has room. When no
+replica is routable any more, everything queued fails with UNAVAILABLE.
+
+Knows nothing about tokens, text or gRPC streams.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import grpc
+
+from gateway.ticket import Ticket
+from specstream.errors import OverloadedError, UnavailableError
+from specstream_pb import target_pb2
+
+
+class Replica(Protocol):
+    """What the router reads and calls on a replica (`gateway.target_client.TargetClient`)."""
+
+    url: str
+    load: target_pb2.Load
+    sent_since_load: int
+    routed: int
+    on_capacity: Callable[[], None]
+    on_handback: Callable[[list[Ticket]], None]
+
+    @property
+    def routable(self) -> bool: ...
+
+    @property
+    def outstanding(self) -> int: ...
+
+    def submit(self, ticket: Ticket) -> None: ...
+
+    def cancel(self, ticket: Ticket) -> bool: ...
+
+
+class Router:
+    def __init__(self, replicas: Sequence[Replica], max_queue: int, backlog: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        assert replicas, "a router needs at least one replica"
+        self.replicas = list(replicas)
+        self.max_queue = max_queue
+        self.backlog = backlog  # None: each replica's own max_slots
+        self._clock = clock
+        self._waiting: deque[Ticket] = deque()
+        self._numbers = itertools.count()
+        for replica in self.replicas:
+            replica.on_capacity = self.pump
+            replica.on_handback = self.take_back
+
+    @property
+    def serving(self) -> bool:
+        """Some replica can take new requests."""
+        return any(r.routable for r in self.replicas)
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    def capacity(self, replica: Replica) -> int:
+        slots = replica.load.max_slots
+        return slots + (slots if self.backlog is None else self.backlog)
+
+    @staticmethod
+    def in_use(replica: Replica) -> int:
+        load = replica.load
+        return max(replica.outstanding, load.running + load.queued + replica.sent_since_load)
+
+    def submit(self, request: target_pb2.SequenceRequest) -> Ticket:
+        """Admits a request: sent to a replica now, or queued. Raises UnavailableError when no
+        replica is serving and OverloadedError when the queue is full."""
+        if not self.serving:
+            raise UnavailableError(f"no target replica is serving ({', '.join(r.url for r in self.replicas)}); "
+                                   "retry later")
+        ticket = Ticket(request, number=next(self._numbers), enqueued_at=self._clock())
+        if not self._waiting:  # FIFO: nobody may overtake a queued request
+            replica = self._choose()
+            if replica is not None:
+                self._send(ticket, replica)
+                return ticket
+        if len(self._waiting) >= self.max_queue:
+            raise OverloadedError(f"gateway queue is full: {len(self._waiting)} requests are waiting for a target "
+                                  f"slot (max_queue={self.max_queue}); retry later")
+        self._waiting.append(ticket)
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        """The caller has gone (cancel, deadline, stop string) or its request finished: let it go
+        wherever it is. A no-op for a ticket that already finished."""
+        ticket.done = True
+        if ticket.replica is not None:
+            if ticket.replica.cancel(ticket):
+                self.pump()
+        elif ticket in self._waiting:
+            self._waiting.remove(ticket)
+
+    def pump(self) -> None:
+        """Sends queued requests, oldest first, while some replica has room."""
+        while self._waiting:
+            replica = self._choose()
+            if replica is None:
+                return
+            self._send(self._waiting.popleft(), replica)
+
+    def take_back(self, tickets: list[Ticket]) -> None:
+        """Requests a replica could not start: to the front of the queue, oldest first."""
+        back = sorted((t for t in tickets if not t.done), key=lambda t: t.number)
+        self._waiting.extendleft(reversed(back))
+        if not self.serving:
+            self._fail_waiting("no target replica is serving")
+        else:
+            self.pump()
+
+    def _choose(self) -> Replica | None:
+        best, best_key = None, None
+        for replica in self.replicas:
+            if not replica.routable:
+                continue
+            capacity, used = self.capacity(replica), self.in_use(replica)
+            if used >= capacity:
+                continue
+            key = (used / capacity, replica.routed)
+            if best_key is None or key < best_key:
+                best, best_key = replica, key
+        return best
+
+    def _send(self, ticket: Ticket, replica: Replica) -> None:
+        ticket.dispatched_at = self._clock()
+        replica.submit(ticket)
+
+    def _fail_waiting(self, why: str) -> None:
+        message = f"{why} ({', '.join(r.url for r in self.replicas)})"
+        while self._waiting:
+            self._waiting.popleft().fail(grpc.StatusCode.UNAVAILABLE, message)

@@ -1,0 +1,87 @@
+"""Target addresses: config validation of the entries, and a name becoming one replica per address
+(with a scripted resolver: no network)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from gateway.discovery import resolve_targets, split_host_port
+from specstream.cli import _gateway_config, build_parser
+from specstream.config import GatewayConfig
+
+
+def fake_dns(table: dict[str, list[tuple[int, str]]]):
+    """A getaddrinfo over a fixed table: name -> [(family, ip)], each listed as getaddrinfo would."""
+
+    def getaddrinfo(host, port, type=0):  # noqa: A002 - socket.getaddrinfo's keyword
+        if host not in table:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(family, type, 6, "", (ip, port) if family == socket.AF_INET else (ip, port, 0, 0))
+                for family, ip in table[host]]
+
+    return getaddrinfo
+
+
+V4, V6 = socket.AF_INET, socket.AF_INET6
+DNS = fake_dns({
+    "target-headless": [(V4, "10.0.0.7"), (V4, "10.0.0.8"), (V4, "10.0.0.7"), (V4, "10.0.0.9")],
+    "localhost": [(V6, "::1"), (V4, "127.0.0.1")],
+    "dual-pod": [(V4, "10.1.0.1"), (V6, "fd00::1"), (V4, "10.1.0.2"), (V6, "fd00::2")],
+    "v6-only": [(V6, "fd00::5"), (V6, "fd00::6")],
+})
+
+
+@pytest.mark.parametrize("entries,want", [
+    (["127.0.0.1:50052"], ["127.0.0.1:50052"]),
+    (["10.0.0.1:1", "10.0.0.2:1"], ["10.0.0.1:1", "10.0.0.2:1"]),
+    (["dns:///target-headless:50052"], ["10.0.0.7:50052", "10.0.0.8:50052", "10.0.0.9:50052"]),
+    (["target-headless:50052"], ["10.0.0.7:50052", "10.0.0.8:50052", "10.0.0.9:50052"]),
+    (["localhost:7"], ["127.0.0.1:7"]),  # one server, listed once per family: IPv4 only
+    (["dual-pod:7"], ["10.1.0.1:7", "10.1.0.2:7"]),
+    (["v6-only:7"], ["[fd00::5]:7", "[fd00::6]:7"]),
+    (["[::1]:7"], ["[::1]:7"]),
+    (["10.0.0.7:50052", "target-headless:50052"], ["10.0.0.7:50052", "10.0.0.8:50052", "10.0.0.9:50052"]),
+])
+def test_each_address_is_one_replica(entries, want):
+    assert resolve_targets(entries, getaddrinfo=DNS) == want
+
+
+def test_unresolvable_and_malformed_entries_name_themselves():
+    with pytest.raises(ValueError, match="cannot resolve 'nowhere'"):
+        resolve_targets(["nowhere:1"], getaddrinfo=DNS)
+    for bad in ["nohost", ":50052", "host:", "host:port", "host:70000", "dns:///host"]:
+        with pytest.raises(ValueError, match="target_url"):
+            split_host_port(bad)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: GatewayConfig("", "m"), "target_url=''"),
+    (lambda: GatewayConfig("host", "m"), "target_url='host'"),
+    (lambda: GatewayConfig("a:1", "m", target_urls=["b:x"]), "target_url='b:x'"),
+    (lambda: GatewayConfig("a:1", "m", target_urls=["a:1"]), "without duplicates"),
+    (lambda: GatewayConfig("a:1", "m", max_queue=-1), "max_queue=-1"),
+    (lambda: GatewayConfig("a:1", "m", replica_backlog=-1), "replica_backlog=-1"),
+])
+def test_bad_gateway_settings_are_rejected_with_the_value(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_target_url_alone_or_with_target_urls():
+    assert GatewayConfig("a:1", "m").target_addresses == ["a:1"]
+    assert GatewayConfig("a:1", "m", target_urls=["dns:///b:2"]).target_addresses == ["a:1", "dns:///b:2"]
+    assert GatewayConfig("", "m", target_urls=["b:2", "c:3"]).target_addresses == ["b:2", "c:3"]
+
+
+def test_gateway_flags_take_several_targets_repeated_or_comma_separated():
+    args = build_parser().parse_args(["gateway", "--tokenizer", "m", "--target-url", "a:1,b:2", "--target-url", "c:3",
+                                      "--max-queue", "4"])
+    config = _gateway_config(args)
+    assert config.target_addresses == ["a:1", "b:2", "c:3"]
+    assert config.max_queue == 4 and config.replica_backlog is None
+    args = build_parser().parse_args(["serve", "--replicas", "3"])
+    assert args.replicas == 3
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--replicas", "0"])
