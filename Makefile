@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # CPU build by default. For CUDA: make TORCH="torch==2.13.0 --index-url <your CUDA wheel index>"
 TORCH  ?= torch==2.13.0
 
-.PHONY: install demo test test-fast test-integration protos check-protos serve clean
+.PHONY: install demo test test-fast test-integration protos check-protos serve deploy-check clean
 
 $(STAMP): pyproject.toml client/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,13 @@ test-fast: $(STAMP)
 
 test-integration: $(STAMP)
 	$(BIN)/python -m pytest -q -m integration
+
+# Render every kustomize overlay and validate it against the Kubernetes schemas, offline.
+deploy-check: $(STAMP)
+	for dir in deploy/base deploy/overlays/*/; do \
+	  out=$$($(BIN)/kubectl kustomize $$dir) || exit 1; \
+	  printf '%s\n' "$$out" | $(BIN)/kubernetes-validate --strict --quiet - || exit 1; \
+	done
 
 protos: $(STAMP)
 	$(BIN)/python tools/gen_protos.py

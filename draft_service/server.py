@@ -19,6 +19,7 @@ from draft_service.wire import item_from_pb, proposal_to_pb
 from specstream.compute import compute_executor
 from specstream.config import DraftConfig
 from specstream.grpc_server import ServiceServer
+from specstream.metrics import DraftMetrics
 from specstream.models import load_model
 from specstream_pb import draft_pb2, draft_pb2_grpc
 
@@ -27,8 +28,10 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
 
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):
-    def __init__(self, proposer: DraftProposer | SyntheticProposer, compute: ThreadPoolExecutor) -> None:
+    def __init__(self, proposer: DraftProposer | SyntheticProposer, compute: ThreadPoolExecutor,
+                 metrics: DraftMetrics) -> None:
         self.proposer = proposer
+        self.metrics = metrics
         self._streams = itertools.count(1)
         self._compute = compute  # the one thread that does all torch work
 
@@ -43,7 +46,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                     batch = request.propose
                     items = [item_from_pb((stream, it.seq_id), it) for it in batch.items]
                     keys.update(item.key for item in items)
-                    proposals = await loop.run_in_executor(self._compute, self.proposer.propose, items)
+                    with self.metrics.time_propose():
+                        proposals = await loop.run_in_executor(self._compute, self.proposer.propose, items)
                     response.step = batch.step
                     response.proposals.extend(proposal_to_pb(it.seq_id, p) for it, p in zip(batch.items, proposals))
                 elif request.WhichOneof("kind") == "release":
@@ -73,8 +77,10 @@ async def serve(config: DraftConfig) -> None:
         return DraftProposer(model, config.max_slots, config.max_seq_len, config.q_support)
 
     proposer = await asyncio.get_running_loop().run_in_executor(compute, build)
-    server = ServiceServer(config.server, [SERVICE_NAME])
-    draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(proposer, compute), server.server)
+    metrics = DraftMetrics()
+    metrics.watch_sequences(held=lambda: proposer.held)
+    server = ServiceServer(config.server, [SERVICE_NAME], metrics.registry)
+    draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(proposer, compute, metrics), server.server)
     await server.start()
     await server.set_serving(True)
     log.info("draft %s serving on %s", proposer.name, server.address)

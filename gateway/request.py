@@ -9,7 +9,9 @@ construction. Leaving early (client cancel, deadline, a stop string) cancels the
 target, which frees its slot and the draft's state, or takes it out of the gateway's queue.
 
 `timings.queue_seconds` is the whole wait before prefill: time in the gateway's queue (admission ->
-sent to the replica that served it) plus the target's own (arrival -> prefill start).
+sent to the replica that served it) plus the target's own (arrival -> prefill start). Each chunk's
+tokens and the final chunk go to a `RequestObserver` (specstream/metrics.py), which turns them into
+the gateway's Prometheus metrics.
 """
 
 from __future__ import annotations
@@ -22,14 +24,16 @@ import grpc
 from gateway.router import Router
 from gateway.validation import ValidRequest
 from specstream.errors import RemoteError, status_code
+from specstream.metrics import GatewayMetrics
 from specstream.stop_strings import StopStringMatcher
 from specstream.tokenizer import IncrementalDetokenizer, TextTokenizer
 from specstream_pb import common_pb2, generation_pb2
 
 
-async def stream_chunks(req: ValidRequest, router: Router, tokenizer: TextTokenizer,
-                        eos_ids: tuple[int, ...]) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+async def stream_chunks(req: ValidRequest, router: Router, tokenizer: TextTokenizer, eos_ids: tuple[int, ...],
+                        metrics: GatewayMetrics) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
     ticket = router.submit(req.to_sequence_pb(eos_ids))  # OverloadedError / UnavailableError: not admitted
+    observer = metrics.request()
     detok = tokenizer.detokenizer(req.prompt_ids)
     stop = StopStringMatcher(req.stop) if req.stop else None
     timings = common_pb2.Timings()
@@ -58,8 +62,10 @@ async def stream_chunks(req: ValidRequest, router: Router, tokenizer: TextTokeni
                 if matched:
                     break
             completion += len(chunk.token_ids)
+            now = time.monotonic()
+            observer.tokens(len(chunk.token_ids), now)
             if chunk.token_ids and not timings.time_to_first_token_seconds:
-                timings.time_to_first_token_seconds = time.monotonic() - req.received
+                timings.time_to_first_token_seconds = now - req.received
             if not matched and finish != common_pb2.FINISH_REASON_UNSPECIFIED:
                 text, matched = _flush(detok, stop)
                 chunk.text += text
@@ -67,12 +73,13 @@ async def stream_chunks(req: ValidRequest, router: Router, tokenizer: TextTokeni
                 finish = common_pb2.FINISH_REASON_STOP
                 router.cancel(ticket)
             if finish != common_pb2.FINISH_REASON_UNSPECIFIED:
-                timings.total_seconds = time.monotonic() - req.received
+                timings.total_seconds = now - req.received
                 chunk.finish_reason = finish
                 chunk.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=completion))
                 chunk.stats.CopyFrom(event.stats)
                 chunk.timings.CopyFrom(timings)
                 chunk.seed = req.seed
+                observer.finished(chunk)
                 yield chunk
                 return
             if chunk.token_ids:
@@ -91,10 +98,10 @@ def _flush(detok: IncrementalDetokenizer, stop: StopStringMatcher | None) -> tup
     return (text, True) if matched else (text + stop.flush(), False)
 
 
-async def generate(req: ValidRequest, router: Router, tokenizer: TextTokenizer,
-                   eos_ids: tuple[int, ...]) -> generation_pb2.GenerateResponse:
+async def generate(req: ValidRequest, router: Router, tokenizer: TextTokenizer, eos_ids: tuple[int, ...],
+                   metrics: GatewayMetrics) -> generation_pb2.GenerateResponse:
     response = generation_pb2.GenerateResponse(request_id=req.request_id)
-    async for chunk in stream_chunks(req, router, tokenizer, eos_ids):
+    async for chunk in stream_chunks(req, router, tokenizer, eos_ids, metrics):
         response.text += chunk.text
         response.token_ids.extend(chunk.token_ids)
         response.logprobs.extend(chunk.logprobs)

@@ -20,6 +20,7 @@ from gateway.validation import Limits, validate
 from specstream.config import GatewayConfig
 from specstream.errors import OverloadedError
 from specstream.grpc_server import ServiceServer
+from specstream.metrics import GatewayMetrics
 from specstream.tokenizer import TextTokenizer
 from specstream_pb import generation_pb2, generation_pb2_grpc, target_pb2
 
@@ -29,9 +30,10 @@ SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_nam
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, config: GatewayConfig, router: Router, info: target_pb2.TargetInfo,
-                 tokenizer: TextTokenizer) -> None:
+                 tokenizer: TextTokenizer, metrics: GatewayMetrics) -> None:
         self.config = config
         self.router = router
+        self.metrics = metrics
         self.info = info
         self.tokenizer = tokenizer
         self.limits = Limits.build(config, info)
@@ -48,7 +50,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         valid = self._admit(request)
         self.in_flight += 1
         try:
-            return await pipeline.generate(valid, self.router, self.tokenizer, self.eos_ids)
+            return await pipeline.generate(valid, self.router, self.tokenizer, self.eos_ids, self.metrics)
         finally:
             self.in_flight -= 1
 
@@ -56,7 +58,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         valid = self._admit(request)
         self.in_flight += 1
         try:
-            async for chunk in pipeline.stream_chunks(valid, self.router, self.tokenizer, self.eos_ids):
+            async for chunk in pipeline.stream_chunks(valid, self.router, self.tokenizer, self.eos_ids,
+                                                      self.metrics):
                 yield chunk
         finally:
             self.in_flight -= 1
@@ -119,9 +122,11 @@ async def serve(config: GatewayConfig) -> None:
     await asyncio.gather(*(r.start(timeout_s=config.connect_timeout_s) for r in replicas))
     info = common_info(replicas)
     router = Router(replicas, max_queue=config.max_queue, backlog=config.replica_backlog)
-    server = ServiceServer(config.server, [SERVICE_NAME])
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(config, router, info, tokenizer),
-                                                         server.server)
+    metrics = GatewayMetrics()
+    servicer = GenerationServicer(config, router, info, tokenizer, metrics)
+    metrics.watch_requests(in_flight=lambda: servicer.in_flight, queued=lambda: router.queued)
+    server = ServiceServer(config.server, [SERVICE_NAME], metrics.registry)
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server.server)
     await server.start()
     await _wait_routable(replicas, config.connect_timeout_s)
     health_lock = asyncio.Lock()

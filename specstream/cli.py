@@ -23,6 +23,8 @@ def _server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--keepalive-time", type=float, default=30.0, help="seconds between keepalive pings")
     p.add_argument("--keepalive-timeout", type=float, default=10.0)
     p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight RPCs get on shutdown")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics over HTTP on --host at this port (0: a free one; default: off)")
     p.add_argument("--log-level", default=os.environ.get("SPECSTREAM_LOG_LEVEL", "INFO"))
 
 
@@ -39,7 +41,7 @@ def _server_config(args: argparse.Namespace):
 
     return ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
                         keepalive_time_s=args.keepalive_time, keepalive_timeout_s=args.keepalive_timeout,
-                        grace_s=args.grace)
+                        grace_s=args.grace, metrics_port=args.metrics_port)
 
 
 def _run_service(args: argparse.Namespace, coro_factory) -> int:
@@ -139,7 +141,7 @@ def _stack_spec(args: argparse.Namespace):
                      gamma=args.gamma, max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len,
                      dtype=args.dtype,
                      log_dir=args.log_dir, draft_threads=args.draft_threads, target_threads=args.target_threads,
-                     target_replicas=args.replicas, extra_target_args=_batching_args(args))
+                     target_replicas=args.replicas, extra_target_args=_batching_args(args), metrics=args.metrics)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -161,6 +163,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"specstream gateway listening on {stack.gateway_address}", flush=True)
     targets = "  ".join(f"{name} {stack.addresses[name]}" for name in stack.target_names)
     print(f"  {targets}  draft {stack.addresses.get('draft', '-')}  (Ctrl-C stops them all)", flush=True)
+    if stack.metrics_addresses:
+        print("  metrics: " + "  ".join(f"{name} http://{address}/metrics"
+                                        for name, address in stack.metrics_addresses.items()), flush=True)
     while stop["signal"] is None and stack.alive():
         time.sleep(0.2)
     codes = stack.stop()
@@ -317,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-threads", type=int, default=1, help="CPU threads of the draft model (0: one per core)")
     p.add_argument("--target-threads", type=int, default=0, help="CPU threads of the target model (0: one per core)")
     p.add_argument("--log-dir", help="write each service's log here instead of the terminal")
+    p.add_argument("--metrics", action="store_true", help="each service serves Prometheus /metrics on a free port")
     _batching_flags(p)
     p.set_defaults(func=cmd_serve)
 

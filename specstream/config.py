@@ -27,9 +27,16 @@ class ServerConfig:
     keepalive_time_s: float = 30.0  # ping an idle connection after this long
     keepalive_timeout_s: float = 10.0  # drop the connection if a ping is unanswered this long
     grace_s: float = 5.0  # on shutdown, in-flight RPCs get this long to finish
+    # Prometheus /metrics over HTTP on `host` at this port (specstream/metrics.py). None: no
+    # endpoint; 0: a free port (logged).
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "port", self.port, "in 0..65535")
+        _check(self.metrics_port is None or 0 <= self.metrics_port <= 65535, "metrics_port", self.metrics_port,
+               "None or in 0..65535")
+        _check(self.metrics_port in (None, 0) or self.metrics_port != self.port, "metrics_port", self.metrics_port,
+               f"different from port ({self.port})")
         _check(self.max_message_bytes >= 1024, "max_message_bytes", self.max_message_bytes, ">= 1024")
         _check(self.keepalive_time_s > 0, "keepalive_time_s", self.keepalive_time_s, "> 0")
         _check(self.keepalive_timeout_s > 0, "keepalive_timeout_s", self.keepalive_timeout_s, "> 0")

@@ -1,8 +1,10 @@
 """Builds the grpc.aio servers of all three services the same way.
 
 Each server gets: the configured message-size and keepalive options, `grpc.health.v1` (NOT_SERVING
-until the service says it is ready), server reflection, and `ErrorInterceptor`, the one place where
-exceptions become gRPC status codes. Knows nothing about models or requests.
+until the service says it is ready), server reflection, `ErrorInterceptor`, the one place where
+exceptions become gRPC status codes, and, when `metrics_port` is set, the service's Prometheus
+registry on HTTP `/metrics` (from `start()` until the end of `serve_forever`). Knows nothing about
+models or requests.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from specstream.config import ServerConfig
 from specstream.errors import SpecstreamError
+from specstream.metrics import MetricsServer, start_metrics_server
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +81,13 @@ def _wrap_stream(behavior: Callable[..., Any], method: str):
 
 
 class ServiceServer:
-    """A grpc.aio server with health + reflection; `serve_forever` stops cleanly on SIGTERM/SIGINT."""
+    """A grpc.aio server with health + reflection and a /metrics endpoint for `registry`;
+    `serve_forever` stops cleanly on SIGTERM/SIGINT."""
 
-    def __init__(self, config: ServerConfig, service_names: Iterable[str]) -> None:
+    def __init__(self, config: ServerConfig, service_names: Iterable[str], registry: CollectorRegistry) -> None:
         self.config = config
+        self.registry = registry
+        self.metrics: MetricsServer | None = None
         self.server = grpc.aio.server(options=config.grpc_options(), interceptors=[ErrorInterceptor()])
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -103,6 +110,9 @@ class ServiceServer:
     async def start(self) -> None:
         await self.set_serving(False)
         await self.server.start()
+        if self.config.metrics_port is not None:
+            self.metrics = start_metrics_server(self.registry, self.config.host, self.config.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", self.config.host, self.metrics.port)
 
     async def serve_forever(self, on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
         """Runs until SIGTERM/SIGINT; then NOT_SERVING, a graceful stop (new RPCs refused, running
@@ -117,6 +127,8 @@ class ServiceServer:
         await self.server.stop(self.config.grace_s)
         if on_stop is not None:
             await on_stop()
+        if self.metrics is not None:
+            await asyncio.to_thread(self.metrics.close)
 
 
 async def _maybe_await(value: Any) -> None:

@@ -5,7 +5,9 @@ are N target processes, named `target`, `target-1`, ..., `target-{N-1}`, all beh
 gateway and all sharing the one draft process (the draft keys its state per stream, so targets
 cannot see each other's sequences; its `max_slots` bounds the sequences of all of them together).
 Waits until each process answers `grpc.health.v1` with SERVING; stopping sends SIGTERM (graceful)
-and escalates to SIGKILL only after a grace period. Knows nothing about what the services do.
+and escalates to SIGKILL only after a grace period. With `metrics`, each process also serves
+Prometheus `/metrics` on a free port of its own (`Stack.metrics_addresses`). Knows nothing about
+what the services do.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class StackSpec:
     extra_gateway_args: list[str] = field(default_factory=list)
     log_dir: str | None = None  # each process logs to <log_dir>/<name>.log; None inherits stderr
     synthetic: tuple[str, float] | None = None  # benchmarks: (oracle file, alpha) replaces the draft model
+    metrics: bool = False  # each process serves Prometheus /metrics on a free port (Stack.metrics_addresses)
 
 
 def _child_env() -> dict[str, str]:
@@ -89,6 +92,7 @@ class Stack:
         self.procs: dict[str, subprocess.Popen] = {}
         self.args: dict[str, list[str]] = {}
         self.addresses: dict[str, str] = {}
+        self.metrics_addresses: dict[str, str] = {}  # name -> host:port of its /metrics, with spec.metrics
 
     @property
     def gateway_address(self) -> str:
@@ -106,26 +110,33 @@ class Stack:
         ports = {"draft": free_port(spec.host), **{name: free_port(spec.host) for name in self.target_names},
                  "gateway": spec.gateway_port or free_port(spec.host)}
         self.addresses = {name: f"{spec.host}:{port}" for name, port in ports.items()}
+        has_draft = bool(spec.draft_model or spec.synthetic)
+        names = [*(["draft"] if has_draft else []), *self.target_names, "gateway"]
+        metrics_ports = {name: free_port(spec.host) for name in names} if spec.metrics else {}
+        self.metrics_addresses = {name: f"{spec.host}:{port}" for name, port in metrics_ports.items()}
+
+        def metrics_flag(name: str) -> list[str]:
+            return ["--metrics-port", str(metrics_ports[name])] if name in metrics_ports else []
+
         common = ["--host", spec.host, "--dtype", spec.dtype, "--max-seq-len", str(spec.max_seq_len)]
         try:
-            has_draft = bool(spec.draft_model or spec.synthetic)
             if has_draft:
                 model = (["--synthetic-oracle", spec.synthetic[0], "--synthetic-alpha", str(spec.synthetic[1])]
                          if spec.synthetic else ["--model", spec.draft_model])
                 self._spawn("draft", ["draft", *model, "--port", str(ports["draft"]), *common,
-                                      "--threads", str(spec.draft_threads)])
+                                      "--threads", str(spec.draft_threads), *metrics_flag("draft")])
             for name in self.target_names:
                 target_args = ["target", "--model", spec.target_model, "--port", str(ports[name]), *common,
                                "--gamma", str(spec.gamma), "--max-gamma", str(spec.max_gamma),
                                "--max-slots", str(spec.max_slots), "--threads", str(spec.target_threads),
-                               *spec.extra_target_args]
+                               *metrics_flag(name), *spec.extra_target_args]
                 if has_draft:
                     target_args += ["--draft-url", self.addresses["draft"]]
                 self._spawn(name, target_args)
             target_urls = ",".join(self.addresses[name] for name in self.target_names)
             self._spawn("gateway", ["gateway", "--target-url", target_urls, "--tokenizer",
                                     spec.target_model, "--host", spec.host, "--port", str(ports["gateway"]),
-                                    *spec.extra_gateway_args])
+                                    *metrics_flag("gateway"), *spec.extra_gateway_args])
             for name, proc in self.procs.items():
                 wait_healthy(self.addresses[name], timeout_s, proc, should_stop)
         except BaseException:

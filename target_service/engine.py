@@ -26,6 +26,7 @@ import torch
 from specstream.compute import compute_executor
 from specstream.config import TargetConfig
 from specstream.errors import InvalidArgumentError
+from specstream.metrics import TargetMetrics
 from specstream.models import CausalLM
 from specstream.sampling import SamplingParams
 from specstream_pb import common_pb2, draft_pb2, target_pb2
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, model: CausalLM, config: TargetConfig, draft: DraftClient | None,
-                 compute: ThreadPoolExecutor | None = None) -> None:
+                 compute: ThreadPoolExecutor | None = None, metrics: TargetMetrics | None = None) -> None:
         self.model = model
         self.config = config
         self.draft = draft
@@ -60,6 +61,9 @@ class Engine:
         self.step_count = 0
         self.scheduler = Scheduler(config)
         self.stats = BatchStats(config.policy, config.batch_rows)
+        # Prometheus counters (specstream/metrics.py); the gauges read the queues when scraped.
+        self.metrics = metrics or TargetMetrics(config.max_gamma, config.batch_rows)
+        self.metrics.watch_sequences(running=lambda: len(self.running), waiting=lambda: len(self.waiting))
         self._background: set[asyncio.Task] = set()
 
     # ----- limits and load -------------------------------------------------------------------
@@ -236,6 +240,7 @@ class Engine:
         checks = await self._propose(rows)
         width = 1 + max(len(c.proposals) for c in checks)
         self.stats.record_step(len(rows), width, sum(1 + len(c.proposals) for c in checks), len(self.waiting))
+        self.metrics.observe_step(len(rows))
         verdicts = await self._run_compute(self._verify_compute, rows, checks)
         for seq, check, verdict in zip(rows, checks, verdicts):
             self._accept(seq, check, verdict)
@@ -319,8 +324,10 @@ class Engine:
         seq.target_passes += 1
         seq.decode_passes += 1
         seq.append(verdict.tokens, verdict.logprobs)  # k accepted proposals, then the correction or bonus token
-        seq.accepted_tokens += min(k, len(seq.tokens) - ctx_len)  # a stop id may cut the run short
+        accepted = min(k, len(seq.tokens) - ctx_len)  # a stop id may cut the run short
+        seq.accepted_tokens += accepted
         seq.rejections += k < len(check.proposals)
+        self.metrics.observe_accept(len(check.proposals), accepted)
         # The draft fed ctx + proposals[:-1]; only the first k of those agree with the target.
         seq.draft_len = min(seq.draft_len, ctx_len + k)
         if seq.finish_reason is None:

@@ -14,6 +14,7 @@ import grpc
 from specstream.compute import compute_executor
 from specstream.config import TargetConfig
 from specstream.grpc_server import ServiceServer
+from specstream.metrics import TargetMetrics
 from specstream.models import load_model
 from specstream_pb import target_pb2, target_pb2_grpc
 from target_service.connection import Connection
@@ -72,8 +73,9 @@ async def serve(config: TargetConfig, ready_file: str | None = None) -> None:
     if config.draft_url:
         draft = DraftClient(config.draft_url, config.draft_timeout_s, config.draft_retry_s,
                             options=config.server.grpc_options())
-    engine = Engine(model, config, draft, compute)
-    server = ServiceServer(config.server, [SERVICE_NAME])
+    metrics = TargetMetrics(config.max_gamma, config.batch_rows)
+    engine = Engine(model, config, draft, compute, metrics)
+    server = ServiceServer(config.server, [SERVICE_NAME], metrics.registry)
     target_pb2_grpc.add_TargetServicer_to_server(TargetServicer(engine), server.server)
     await server.start()
     if draft is not None:

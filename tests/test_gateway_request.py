@@ -14,6 +14,7 @@ from gateway.ticket import Ticket
 from gateway.validation import Limits, ValidRequest, validate
 from specstream.config import GatewayConfig
 from specstream.errors import RemoteError
+from specstream.metrics import GatewayMetrics
 from specstream.tokenizer import TextTokenizer, build_byte_level_tokenizer
 from specstream_pb import common_pb2, generation_pb2, target_pb2
 
@@ -75,7 +76,7 @@ def _request(**fields) -> ValidRequest:
 
 def _stream(req: ValidRequest, target: FakeTarget) -> list[generation_pb2.GenerateStreamResponse]:
     async def main():
-        return [chunk async for chunk in stream_chunks(req, target, TT, (1,))]
+        return [chunk async for chunk in stream_chunks(req, target, TT, (1,), GatewayMetrics())]
 
     return asyncio.run(main())
 
@@ -119,7 +120,7 @@ def test_events_without_logprobs_add_none():
 def test_unary_concatenates_logprobs_and_returns_the_seed():
     req = _request(temperature=1.0, stop=["STOP"], logprobs=True)
     target = FakeTarget(_events(4, with_logprobs=True))
-    response = asyncio.run(generate(req, target, TT, (1,)))
+    response = asyncio.run(generate(req, target, TT, (1,), GatewayMetrics()))
     assert list(response.token_ids) == IDS[:STOP_END]
     assert list(response.logprobs) == LOGPROBS[:STOP_END]
     assert response.seed == req.seed == target.submitted[0].sampling.seed
@@ -131,7 +132,7 @@ def test_unary_concatenates_logprobs_and_returns_the_seed():
 def test_the_gateway_picked_seed_is_returned():
     req = _request()  # no seed: the gateway picked one
     target = FakeTarget(_events(4, with_logprobs=False))
-    response = asyncio.run(generate(req, target, TT, (1,)))
+    response = asyncio.run(generate(req, target, TT, (1,), GatewayMetrics()))
     assert response.seed == req.seed == target.submitted[0].sampling.seed
     assert len(response.logprobs) == 0
 
@@ -149,5 +150,28 @@ def test_misaligned_logprobs_from_the_target_are_an_internal_error():
 def test_queue_seconds_adds_the_gateway_wait_to_the_targets():
     events = _events(4, with_logprobs=False)
     events[0].queue_seconds = 0.25  # the target reports its own wait on the first event
-    response = asyncio.run(generate(_request(), FakeTarget(events, gateway_wait=1.5), TT, (1,)))
+    response = asyncio.run(generate(_request(), FakeTarget(events, gateway_wait=1.5), TT, (1,), GatewayMetrics()))
     assert response.timings.queue_seconds == pytest.approx(1.75)
+
+
+@pytest.mark.parametrize("step", [1, 4])
+def test_metrics_count_what_the_caller_got(step):
+    metrics = GatewayMetrics()
+
+    async def main():
+        req = _request(stop=["STOP"])
+        return [c async for c in stream_chunks(req, FakeTarget(_events(step, False)), TT, (1,), metrics)]
+
+    chunks = asyncio.run(main())
+    final, r = chunks[-1], metrics.registry
+    assert r.get_sample_value("specstream:generation_tokens_total") == final.usage.completion_tokens == STOP_END
+    assert r.get_sample_value("specstream:prompt_tokens_total") == final.usage.prompt_tokens
+    assert r.get_sample_value("specstream:request_success_total", {"finish_reason": "stop"}) == 1
+    assert r.get_sample_value("specstream:request_success_total", {"finish_reason": "length"}) == 0
+    # One inter-token observation per token after the first chunk's.
+    assert r.get_sample_value("specstream:inter_token_latency_seconds_count") == STOP_END - len(chunks[0].token_ids)
+    assert r.get_sample_value("specstream:e2e_request_latency_seconds_sum") == final.timings.total_seconds
+    assert r.get_sample_value("specstream:time_to_first_token_seconds_sum") == \
+        final.timings.time_to_first_token_seconds
+    assert r.get_sample_value("specstream:inter_token_latency_seconds_sum") == pytest.approx(
+        final.timings.total_seconds - final.timings.time_to_first_token_seconds)

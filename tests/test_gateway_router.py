@@ -21,6 +21,7 @@ from gateway.ticket import Ticket
 from gateway.validation import Limits, validate
 from specstream.config import GatewayConfig
 from specstream.errors import OverloadedError, UnavailableError
+from specstream.metrics import GatewayMetrics
 from specstream.tokenizer import TextTokenizer, build_byte_level_tokenizer
 from specstream_pb import common_pb2, generation_pb2, target_pb2
 
@@ -274,7 +275,7 @@ async def test_a_caller_that_leaves_while_queued_leaves_the_queue(leave):
     router = Router([a], max_queue=10, backlog=0)
     submit(router, 1)  # holds the only place
     request = validate(generation_pb2.GenerateRequest(prompt="hi", max_new_tokens=4), LIMITS, TT)
-    first_chunk = anext(stream_chunks(request, router, TT, (1,)))
+    first_chunk = anext(stream_chunks(request, router, TT, (1,), GatewayMetrics()))
     if leave == "deadline":
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(first_chunk, timeout=0.05)

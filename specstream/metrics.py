@@ -1,0 +1,207 @@
+"""Prometheus metrics of the three services, named after vLLM's `vllm:` metrics (docs/observability.md).
+
+Each service builds one `GatewayMetrics`, `TargetMetrics` or `DraftMetrics`. Each owns a
+`CollectorRegistry` of its own, never prometheus_client's global one, so several services in one
+process (tests) never collide, and `start_metrics_server` serves that registry on `/metrics` from
+prometheus_client's own HTTP server thread. The services call one small hook per event (a decode
+step, an accepted run, a token chunk, a finished request, a propose batch); gauges of queue lengths
+are read when scraped, from the HTTP thread (a `len()` or an int read, atomic under the GIL).
+
+Knows nothing about models, scheduling or gRPC; reads only the protobuf fields it is handed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from threading import Thread
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.context_managers import Timer
+
+from specstream_pb import common_pb2, generation_pb2
+
+PREFIX = "specstream:"
+
+# Bucket bounds in seconds: vLLM's, extended downwards because a small model on a CPU decodes a
+# token in milliseconds.
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 10.0)
+REQUEST_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+                   30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+PROPOSE_BUCKETS = (0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Finish reasons exported from the start (at 0), so a rate() over them has a series from the first scrape.
+FINISH_REASONS = ("length", "stop", "eos")
+
+
+def finish_reason_label(value: int) -> str:
+    """common.FinishReason -> its lower-case name without the prefix: FINISH_REASON_EOS -> "eos"."""
+    return common_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
+
+
+def occupancy_buckets(max_batch: int) -> tuple[int, ...]:
+    """Rows per decode step: every count up to 16 (exact for the usual batch sizes), then powers of
+    two, and max_batch itself."""
+    bounds = set(range(1, min(max_batch, 16) + 1)) | {2**i for i in range(5, 31) if 2**i <= max_batch}
+    return tuple(sorted(bounds | {max_batch}))
+
+
+class GatewayMetrics:
+    """Per-request latencies and token counts, as the gateway (and so the caller) sees them."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds",
+                              "Gateway receipt to the first token chunk, per finished request.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(f"{PREFIX}inter_token_latency_seconds",
+                             "Time between successive token chunks of a request divided by the chunk's tokens, "
+                             "observed once per token after the first chunk.", buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{PREFIX}e2e_request_latency_seconds",
+                             "Gateway receipt to the final chunk, per finished request.",
+                             buckets=REQUEST_BUCKETS, registry=r)
+        self.queue = Histogram(f"{PREFIX}request_queue_time_seconds",
+                               "Wait before prefill (gateway queue + target queue), per finished request.",
+                               buckets=REQUEST_BUCKETS, registry=r)
+        self.running = Gauge(f"{PREFIX}num_requests_running",
+                             "Requests in flight that have left the gateway's queue (sent to a target replica).",
+                             registry=r)
+        self.waiting = Gauge(f"{PREFIX}num_requests_waiting",
+                             "Requests in the gateway's queue, waiting for a replica with room.", registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}generation_tokens",
+                                         "Tokens returned to callers (after stop strings cut them).", registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.success = Counter(f"{PREFIX}request_success", "Finished requests by finish reason.",
+                               ["finish_reason"], registry=r)
+        for reason in FINISH_REASONS:
+            self.success.labels(finish_reason=reason)
+
+    def watch_requests(self, in_flight: Callable[[], int], queued: Callable[[], int]) -> None:
+        """The gauges read these when scraped: requests admitted and not yet finished (queued ones
+        included), and requests in the gateway's queue. Running is their difference, so running +
+        waiting is everything in flight, as in vLLM, where the two are disjoint."""
+        self.running.set_function(lambda: max(in_flight() - queued(), 0))
+        self.waiting.set_function(queued)
+
+    def request(self) -> RequestObserver:
+        return RequestObserver(self)
+
+
+class RequestObserver:
+    """One gateway request: `tokens` for every chunk, `finished` once with the final chunk."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self._metrics = metrics
+        self._last: float | None = None  # when the previous chunk with tokens arrived
+
+    def tokens(self, count: int, now: float) -> None:
+        """A chunk of `count` tokens reached the gateway at `now` (time.monotonic())."""
+        if count == 0:
+            return
+        m = self._metrics
+        m.generation_tokens.inc(count)
+        if self._last is not None:
+            # Per token, so the histogram's sum is the decode time and its count the tokens.
+            gap = (now - self._last) / count
+            for _ in range(count):
+                m.itl.observe(gap)
+        self._last = now
+
+    def finished(self, chunk: generation_pb2.GenerateStreamResponse) -> None:
+        """The final chunk (with finish_reason, usage and timings) is about to go to the caller."""
+        m, timings = self._metrics, chunk.timings
+        m.success.labels(finish_reason=finish_reason_label(chunk.finish_reason)).inc()
+        m.prompt_tokens.inc(chunk.usage.prompt_tokens)
+        m.ttft.observe(timings.time_to_first_token_seconds)
+        m.e2e.observe(timings.total_seconds)
+        m.queue.observe(timings.queue_seconds)
+
+
+class TargetMetrics:
+    """The engine's steps, batch occupancy and speculation counters."""
+
+    def __init__(self, max_gamma: int, max_batch: int) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge(f"{PREFIX}num_requests_running", "Sequences holding a KV-cache slot.", registry=r)
+        self.waiting = Gauge(f"{PREFIX}num_requests_waiting", "Sequences waiting for a slot.", registry=r)
+        self.steps = Counter(f"{PREFIX}engine_steps", "Decode steps (one verify forward each).", registry=r)
+        self.occupancy = Histogram(f"{PREFIX}batch_occupancy", "Rows expanded per decode step.",
+                                   buckets=occupancy_buckets(max_batch), registry=r)
+        self.drafts = Counter(f"{PREFIX}spec_decode_num_drafts", "Decode passes that verified at least one proposal.",
+                              registry=r)
+        self.draft_tokens = Counter(f"{PREFIX}spec_decode_num_draft_tokens", "Proposals verified.", registry=r)
+        self.accepted_tokens = Counter(f"{PREFIX}spec_decode_num_accepted_tokens",
+                                       "Accepted proposals that were emitted.", registry=r)
+        self.accepted_per_pos = Counter(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted proposals by their position in the run (1: first proposal).",
+                                        ["position"], registry=r)
+        self._per_pos = [self.accepted_per_pos.labels(position=str(i)) for i in range(1, max_gamma + 1)]
+
+    def watch_sequences(self, running: Callable[[], int], waiting: Callable[[], int]) -> None:
+        self.running.set_function(running)
+        self.waiting.set_function(waiting)
+
+    def observe_step(self, rows: int) -> None:
+        """A decode step expanded `rows` rows."""
+        self.steps.inc()
+        self.occupancy.observe(rows)
+
+    def observe_accept(self, proposed: int, accepted: int) -> None:
+        """One row's pass verified `proposed` proposals and emitted the first `accepted` of them."""
+        if proposed == 0:
+            return
+        self.drafts.inc()
+        self.draft_tokens.inc(proposed)
+        self.accepted_tokens.inc(accepted)
+        for i in range(accepted):
+            child = self._per_pos[i] if i < len(self._per_pos) else self.accepted_per_pos.labels(position=str(i + 1))
+            child.inc()
+
+
+class DraftMetrics:
+    """How long proposing takes and how many sequences the draft holds."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.propose = Histogram(f"{PREFIX}draft_propose_seconds", "Time to answer one ProposeBatch.",
+                                 buckets=PROPOSE_BUCKETS, registry=r)
+        self.sequences = Gauge(f"{PREFIX}draft_sequences", "Sequences whose KV state the draft holds (all streams).",
+                               registry=r)
+
+    def watch_sequences(self, held: Callable[[], int]) -> None:
+        self.sequences.set_function(held)
+
+    def time_propose(self) -> Timer:
+        """`with metrics.time_propose():` observes the time spent inside."""
+        return self.propose.time()
+
+
+@dataclass
+class MetricsServer:
+    """A running `/metrics` endpoint (prometheus_client's threaded WSGI server)."""
+
+    httpd: WSGIServer
+    thread: Thread
+
+    @property
+    def port(self) -> int:
+        return self.httpd.server_address[1]
+
+    def close(self) -> None:
+        """Stops serving; blocks for up to the server's poll interval (0.5 s)."""
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join()
+
+
+def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> MetricsServer:
+    """Serves `registry` over HTTP on host:port (0: a free port; see `.port`) from a daemon thread.
+    Every path answers with the metrics; Prometheus scrapes `/metrics`."""
+    httpd, thread = start_http_server(port, addr=host, registry=registry)
+    return MetricsServer(httpd, thread)
