@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from draft_service import tracing
 from draft_service.proposer import DraftProposer
 from draft_service.synthetic import SyntheticProposer
 from draft_service.wire import item_from_pb, proposal_to_pb
@@ -46,8 +48,10 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                     batch = request.propose
                     items = [item_from_pb((stream, it.seq_id), it) for it in batch.items]
                     keys.update(item.key for item in items)
+                    started = time.time_ns()
                     with self.metrics.time_propose():
                         proposals = await loop.run_in_executor(self._compute, self.proposer.propose, items)
+                    tracing.record_propose(request, proposals, started, time.time_ns())
                     response.step = batch.step
                     response.proposals.extend(proposal_to_pb(it.seq_id, p) for it, p in zip(batch.items, proposals))
                 elif request.WhichOneof("kind") == "release":

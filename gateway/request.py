@@ -23,6 +23,7 @@ import grpc
 
 from gateway.router import Router
 from gateway.validation import ValidRequest
+from specstream import telemetry
 from specstream.errors import RemoteError, status_code
 from specstream.metrics import GatewayMetrics
 from specstream.stop_strings import StopStringMatcher
@@ -32,7 +33,15 @@ from specstream_pb import common_pb2, generation_pb2
 
 async def stream_chunks(req: ValidRequest, router: Router, tokenizer: TextTokenizer, eos_ids: tuple[int, ...],
                         metrics: GatewayMetrics) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
-    ticket = router.submit(req.to_sequence_pb(eos_ids))  # OverloadedError / UnavailableError: not admitted
+    span = _request_span(req)
+    sequence = req.to_sequence_pb(eos_ids)
+    sequence.traceparent = telemetry.traceparent_of(span) or req.traceparent  # the target's spans join this trace
+    try:
+        ticket = router.submit(sequence)  # OverloadedError / UnavailableError: not admitted
+    except Exception as exc:
+        span.set_status(telemetry.StatusCode.ERROR, str(exc))
+        span.end()
+        raise
     observer = metrics.request()
     detok = tokenizer.detokenizer(req.prompt_ids)
     stop = StopStringMatcher(req.stop) if req.stop else None
@@ -66,6 +75,7 @@ async def stream_chunks(req: ValidRequest, router: Router, tokenizer: TextTokeni
             observer.tokens(len(chunk.token_ids), now)
             if chunk.token_ids and not timings.time_to_first_token_seconds:
                 timings.time_to_first_token_seconds = now - req.received
+                span.add_event("first_chunk")
             if not matched and finish != common_pb2.FINISH_REASON_UNSPECIFIED:
                 text, matched = _flush(detok, stop)
                 chunk.text += text
@@ -80,12 +90,36 @@ async def stream_chunks(req: ValidRequest, router: Router, tokenizer: TextTokeni
                 chunk.timings.CopyFrom(timings)
                 chunk.seed = req.seed
                 observer.finished(chunk)
+                _finish_span(span, chunk)
                 yield chunk
                 return
             if chunk.token_ids:
                 yield chunk
+    except BaseException as exc:
+        span.set_status(telemetry.StatusCode.ERROR, type(exc).__name__)
+        raise
     finally:
         router.cancel(ticket)  # no-op when the sequence already finished
+        span.end()
+
+
+def _request_span(req: ValidRequest):
+    """The request's span (gen_ai semantic conventions), a child of the caller's traceparent."""
+    return telemetry.tracer("specstream.gateway").start_span(
+        "gen_ai.generate", context=telemetry.context_from(req.traceparent), kind=telemetry.SpanKind.SERVER,
+        attributes={"gen_ai.operation.name": "text_completion", "gen_ai.request.max_tokens": req.max_new_tokens,
+                    "gen_ai.request.temperature": req.temperature, "gen_ai.request.top_p": req.top_p,
+                    "gen_ai.request.top_k": req.top_k, "gen_ai.request.seed": str(req.seed),
+                    "specstream.request_id": req.request_id, "gen_ai.usage.input_tokens": len(req.prompt_ids)})
+
+
+def _finish_span(span, chunk: generation_pb2.GenerateStreamResponse) -> None:
+    span.set_attributes({
+        "gen_ai.usage.output_tokens": chunk.usage.completion_tokens,
+        "gen_ai.response.finish_reasons": [common_pb2.FinishReason.Name(chunk.finish_reason)],
+        "specstream.time_to_first_chunk_s": chunk.timings.time_to_first_token_seconds,
+        "specstream.queue_s": chunk.timings.queue_seconds,
+        "specstream.draft_tokens": chunk.stats.draft_tokens, "specstream.accepted_tokens": chunk.stats.accepted_tokens})
 
 
 def _flush(detok: IncrementalDetokenizer, stop: StopStringMatcher | None) -> tuple[str, bool]:

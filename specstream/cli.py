@@ -26,6 +26,8 @@ def _server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics over HTTP on --host at this port (0: a free one; default: off)")
     p.add_argument("--log-level", default=os.environ.get("SPECSTREAM_LOG_LEVEL", "INFO"))
+    p.add_argument("--trace-file", help="append one JSON span per line to this file (OTLP export: the OTEL_* "
+                                        "environment variables)")
 
 
 def _model_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -52,7 +54,13 @@ def _run_service(args: argparse.Namespace, coro_factory) -> int:
         uvloop.install()
     except ImportError:  # uvloop is optional (e.g. on Windows)
         pass
-    asyncio.run(coro_factory())
+    from specstream import telemetry
+
+    telemetry.configure(f"specstream-{args.command}", args.trace_file)
+    try:
+        asyncio.run(coro_factory())
+    finally:
+        telemetry.shutdown()  # after the server stopped: the last spans are flushed
     return 0
 
 
@@ -141,7 +149,8 @@ def _stack_spec(args: argparse.Namespace):
                      gamma=args.gamma, max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len,
                      dtype=args.dtype,
                      log_dir=args.log_dir, draft_threads=args.draft_threads, target_threads=args.target_threads,
-                     target_replicas=args.replicas, extra_target_args=_batching_args(args), metrics=args.metrics)
+                     target_replicas=args.replicas, extra_target_args=_batching_args(args), metrics=args.metrics,
+                     trace_file=os.path.abspath(args.trace_file) if args.trace_file else None)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -324,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", help="write each service's log here instead of the terminal")
     p.add_argument("--metrics", action="store_true", help="each service serves Prometheus /metrics on a free port")
     _batching_flags(p)
+    p.add_argument("--trace-file", help="all three services append one JSON span per line to this file")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("target", help="run the target-model service")

@@ -73,6 +73,7 @@ class StackSpec:
     extra_gateway_args: list[str] = field(default_factory=list)
     log_dir: str | None = None  # each process logs to <log_dir>/<name>.log; None inherits stderr
     synthetic: tuple[str, float] | None = None  # benchmarks: (oracle file, alpha) replaces the draft model
+    trace_file: str | None = None  # all processes append their spans to this file (JSON lines)
     metrics: bool = False  # each process serves Prometheus /metrics on a free port (Stack.metrics_addresses)
 
 
@@ -119,6 +120,8 @@ class Stack:
             return ["--metrics-port", str(metrics_ports[name])] if name in metrics_ports else []
 
         common = ["--host", spec.host, "--dtype", spec.dtype, "--max-seq-len", str(spec.max_seq_len)]
+        tracing = ["--trace-file", spec.trace_file] if spec.trace_file else []
+        common += tracing
         try:
             if has_draft:
                 model = (["--synthetic-oracle", spec.synthetic[0], "--synthetic-alpha", str(spec.synthetic[1])]
@@ -136,7 +139,7 @@ class Stack:
             target_urls = ",".join(self.addresses[name] for name in self.target_names)
             self._spawn("gateway", ["gateway", "--target-url", target_urls, "--tokenizer",
                                     spec.target_model, "--host", spec.host, "--port", str(ports["gateway"]),
-                                    *metrics_flag("gateway"), *spec.extra_gateway_args])
+                                    *metrics_flag("gateway"), *tracing, *spec.extra_gateway_args])
             for name, proc in self.procs.items():
                 wait_healthy(self.addresses[name], timeout_s, proc, should_stop)
         except BaseException:

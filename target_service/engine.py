@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
+from specstream import telemetry
 from specstream.compute import compute_executor
 from specstream.config import TargetConfig
 from specstream.errors import InvalidArgumentError
@@ -34,6 +35,7 @@ from target_service.batch_stats import BatchStats
 from target_service.connection import Connection
 from target_service.draft_client import DraftClient
 from target_service.scheduler import Scheduler
+from target_service import tracing
 from target_service.sequence import Sequence
 from target_service.verify import Row, Verdict, verify
 
@@ -102,6 +104,7 @@ class Engine:
                 conn.send(_error_message(req.id, exc))
                 continue
             seq = Sequence.from_pb(next(self._seq_ids), conn, req, gamma, sampling)
+            seq.span = tracing.start_sequence(seq, req.traceparent)
             self.by_request[(conn, req.id)] = seq
             self.waiting.append(seq)
         self._wake.set()
@@ -179,11 +182,13 @@ class Engine:
             seq = self.waiting.popleft()
             if seq.finish_reason is not None:  # cancelled while queued: nothing to free but the id
                 self.by_request.pop((seq.conn, seq.request_id), None)
+                tracing.finish_sequence(seq)
                 continue
             seq.slot = self.cache.alloc()
             assert seq.slot is not None
             seq.queue_seconds = time.monotonic() - seq.arrival
             self.stats.record_admission(seq.queue_seconds)
+            seq.span.add_event("admitted", {"specstream.queue_s": seq.queue_seconds})
             self.running.append(seq)  # before prefill: if it fails, _fail_all reports and frees it
             quota -= 1
 
@@ -209,6 +214,7 @@ class Engine:
                 self.cache.set_length(seq.slot, seq.prefilled)
                 self.stats.prefill_tokens += length
                 if verdict is not None:  # the prompt is complete: its first token
+                    seq.span.add_event("prefilled")
                     seq.target_passes += 1
                     seq.last_expanded = self.step_count
                     seq.append(verdict.tokens, verdict.logprobs)
@@ -237,16 +243,19 @@ class Engine:
             return
         for seq in rows:
             seq.last_expanded = self.step_count
-        checks = await self._propose(rows)
+        span = tracing.start_step(self.step_count, rows)
+        checks = await self._propose(rows, telemetry.traceparent_of(span) if span.is_recording() else "")
         width = 1 + max(len(c.proposals) for c in checks)
         self.stats.record_step(len(rows), width, sum(1 + len(c.proposals) for c in checks), len(self.waiting))
         self.metrics.observe_step(len(rows))
+        started = time.perf_counter()
         verdicts = await self._run_compute(self._verify_compute, rows, checks)
+        tracing.end_step(span, checks, verdicts, time.perf_counter() - started)
         for seq, check, verdict in zip(rows, checks, verdicts):
             self._accept(seq, check, verdict)
             self._touched.append(seq)
 
-    async def _propose(self, rows: list[Sequence]) -> list[Row]:
+    async def _propose(self, rows: list[Sequence], traceparent: str = "") -> list[Row]:
         """Asks the draft for γ tokens per row (γ capped by the budget), each with the sparse q it
         was sampled from when the row samples; what each row will verify (no proposals where the
         draft has none)."""
@@ -270,9 +279,10 @@ class Engine:
                 seq.draft_len, seq.draft_epoch = 0, self.draft.epoch
             items.append(draft_pb2.ProposeItem(seq_id=seq.seq_id, rollback_to=seq.draft_len,
                                                append_token_ids=seq.tokens[seq.draft_len:], gamma=gamma,
-                                               sampling=common_pb2.Sampling(**seq.sampling.to_pb_fields())))
+                                               sampling=common_pb2.Sampling(**seq.sampling.to_pb_fields()),
+                                               traceparent=tracing.sequence_traceparent(seq)))
             asked.append(i)
-        replies = await self.draft.propose(self.step_count, items)
+        replies = await self.draft.propose(self.step_count, items, traceparent)
         if replies is None:
             return proposals
         for i, reply in zip(asked, replies):
@@ -343,6 +353,7 @@ class Engine:
         self.running = [s for s in self.running if s.finish_reason is None]
         self.waiting = deque(s for s in self.waiting if s.finish_reason is None)
         for seq in done:
+            tracing.finish_sequence(seq)
             if seq.slot is not None:
                 self.cache.free(seq.slot)
                 seq.slot = None
@@ -353,6 +364,7 @@ class Engine:
     def _fail_all(self, why: str, code: grpc.StatusCode = grpc.StatusCode.INTERNAL) -> None:
         failed = [*self.running, *self.waiting]
         for seq in failed:
+            tracing.finish_sequence(seq, why)
             if seq.slot is not None:
                 self.cache.free(seq.slot)
             seq.conn.send(_error_message(seq.request_id, None, why, code))

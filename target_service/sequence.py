@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry.trace import INVALID_SPAN
+
 from specstream.sampling import GREEDY, SamplingParams
 from specstream_pb import common_pb2, target_pb2
 
@@ -43,6 +45,7 @@ class Sequence:
     queue_seconds: float | None = None  # set at admission, reported once
     prefilled: int = 0  # prompt tokens in the cache so far (chunked prefill)
     last_expanded: int = 0  # the engine step that last advanced this sequence (starvation bound)
+    span: Any = INVALID_SPAN  # its tracing span (target_service/tracing.py); non-recording unless tracing
     # Speculation counters (cumulative).
     draft_tokens: int = 0
     accepted_tokens: int = 0

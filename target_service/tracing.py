@@ -1,0 +1,61 @@
+"""The target's spans (design §9): one per sequence, one per engine step.
+
+A sequence's span is a child of the gateway's request span (the `traceparent` in its
+SequenceRequest) and records the phases as events: admitted (with the queue time), prefilled,
+finished. A step's span is a root of its own with links to the sequences it advanced, and carries
+the step's batch size, tokens, γ per row, acceptance and verify time; the draft's propose span is
+its child (the traceparent in ProposeRequest). With tracing off every call here is a no-op on
+OpenTelemetry's non-recording span.
+"""
+
+from __future__ import annotations
+
+from opentelemetry.trace import Link, Span
+
+from specstream import telemetry
+
+_tracer = telemetry.tracer("specstream.target")
+
+
+def start_sequence(seq, traceparent: str) -> Span:
+    return _tracer.start_span("specstream.sequence", context=telemetry.context_from(traceparent),
+                              attributes={"specstream.seq_id": seq.seq_id, "specstream.prompt_tokens": seq.prompt_len,
+                                          "specstream.max_new_tokens": seq.max_new_tokens,
+                                          "specstream.gamma": seq.gamma,
+                                          "gen_ai.request.temperature": seq.sampling.temperature})
+
+
+def sequence_traceparent(seq) -> str:
+    """For the draft's per-sequence span; "" when not tracing (no string built)."""
+    return telemetry.traceparent_of(seq.span) if seq.span.is_recording() else ""
+
+
+def finish_sequence(seq, error: str = "") -> None:
+    span = seq.span
+    if not span.is_recording():
+        return
+    span.set_attributes({"specstream.finish_reason": seq.finish_reason or "error",
+                         "gen_ai.usage.output_tokens": seq.generated, "specstream.draft_tokens": seq.draft_tokens,
+                         "specstream.accepted_tokens": seq.accepted_tokens,
+                         "specstream.target_passes": seq.target_passes})
+    if error:
+        span.set_status(telemetry.StatusCode.ERROR, error)
+    span.end()
+
+
+def start_step(step: int, rows: list) -> Span:
+    links = [Link(seq.span.get_span_context()) for seq in rows if seq.span.is_recording()]
+    return _tracer.start_span("specstream.engine_step", links=links,
+                              attributes={"specstream.step": step, "specstream.batch_size": len(rows)})
+
+
+def end_step(span: Span, checks: list, verdicts: list, verify_seconds: float) -> None:
+    if not span.is_recording():
+        return
+    span.set_attributes({
+        "specstream.gammas": [len(c.proposals) for c in checks],
+        "specstream.tokens_processed": sum(1 + len(c.proposals) for c in checks),
+        "specstream.accepted": [v.accepted for v in verdicts],
+        "specstream.emitted_tokens": sum(len(v.tokens) for v in verdicts),
+        "specstream.verify_s": verify_seconds})
+    span.end()
