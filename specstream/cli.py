@@ -268,6 +268,19 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
     return main(Path(args.out) if args.out else DEMO_DIR, cfg, tuple(args.stage or ["all"]))
 
 
+def cmd_experiment(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specstream import experiment
+    from specstream.default_models import default_model_dirs
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target, draft = (Path(args.target), Path(args.draft)) if args.target else default_model_dirs()[:2]
+    experiment.run(target, draft, out, workload=args.workload, max_slots=args.max_slots)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -420,6 +433,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", help="throughput: only these n (comma-separated, of 8,32)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison (latency, sampling)")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("experiment", help="traced latency experiment: where each request's time goes")
+    p.add_argument("--workload", choices=["single", "busy"], default="single",
+                   help="single: 16 requests one at a time; busy: 64 requests from 16 callers")
+    p.add_argument("--target", help="target model directory (default: the demo pair)")
+    p.add_argument("--draft", help="draft model directory")
+    p.add_argument("--max-slots", type=int, default=8)
+    p.add_argument("--out", default="experiment-results", help="directory for experiment_<workload>.json and .png")
+    p.set_defaults(func=cmd_experiment)
 
     p = sub.add_parser("demo", help="start the stack on the default models and generate for a few prompts")
     p.add_argument("--max-new-tokens", type=int, default=96)

@@ -53,3 +53,18 @@ def test_one_trace_per_request_across_the_three_services(stack_factory, model_zo
     batches = [s for s in spans if s["name"] == "specstream.draft_propose"]
     assert batches and all(s["parent_span_id"] in step_ids for s in batches)
     assert not any("health" in s["name"].lower() for s in spans)  # health checks are never traced
+
+
+def test_experiment_breaks_requests_down_from_real_traces(model_zoo, tmp_path):
+    from specstream import experiment
+
+    data = experiment.run(model_zoo["target"], model_zoo["partial"], tmp_path, workload="single")
+    assert data["requests"] == 16
+    for row in data["per_request"]:
+        parts = sum(row[c] for c in experiment.COMPONENTS)
+        assert all(row[c] >= 0 for c in experiment.COMPONENTS)
+        assert abs(parts - row["total"]) < 0.05 * row["total"] + 0.005  # the parts account for the total
+        assert row["prefill"] > 0
+        assert (row["verify"] > 0) == (row["tokens"] > 1)  # one token comes from prefill alone
+    assert "gateway + network" in data["table_markdown"]
+    assert (tmp_path / "experiment_single.png").stat().st_size > 1000
