@@ -44,7 +44,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if self.in_flight >= self.config.max_in_flight:
             raise OverloadedError(f"{self.in_flight} requests in flight (max_in_flight={self.config.max_in_flight}); "
                                   "retry later")
-        return validate(request, self.limits, self.tokenizer)
+        valid = validate(request, self.limits, self.tokenizer)
+        valid.model = self.info.model_name
+        return valid
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):  # noqa: N802
         valid = self._admit(request)

@@ -66,6 +66,7 @@ class ValidRequest:
     top_logprobs: int  # alternatives per token; 0 unless logprobs
     traceparent: str
     received: float  # time.monotonic() at receipt
+    model: str = ""  # the served model's name (set by the servicer; for traces)
 
     def to_sequence_pb(self, eos_ids: tuple[int, ...]) -> target_pb2.SequenceRequest:
         eos = [] if self.ignore_eos else list(eos_ids)

@@ -40,7 +40,7 @@ def test_one_trace_per_request_across_the_three_services(stack_factory, model_zo
         assert drafts and all(s["parent_span_id"] == sequence["span_id"] for s in drafts)
         attrs = root["attributes"]
         assert attrs["gen_ai.usage.output_tokens"] == len(result.token_ids) == 16
-        assert attrs["gen_ai.request.max_tokens"] == 16 and attrs["gen_ai.response.finish_reasons"] == ["FINISH_REASON_LENGTH"]
+        assert attrs["gen_ai.request.model"] and attrs["gen_ai.request.max_tokens"] == 16 and attrs["gen_ai.response.finish_reasons"] == ["FINISH_REASON_LENGTH"]
         assert sequence["attributes"]["specstream.accepted_tokens"] == result.stats.accepted_tokens
         assert root["start_ns"] <= sequence["start_ns"] and sequence["end_ns"] <= root["end_ns"] + 10**9
 
