@@ -51,9 +51,6 @@ class SamplingParams:
             return cls(seed=pb.seed)
         return cls(temperature=pb.temperature, top_k=pb.top_k, top_p=pb.top_p, seed=pb.seed)
 
-    def to_pb_fields(self) -> dict:
-        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
-
 
 GREEDY = SamplingParams()
 

@@ -279,7 +279,7 @@ class Engine:
                 seq.draft_len, seq.draft_epoch = 0, self.draft.epoch
             items.append(draft_pb2.ProposeItem(seq_id=seq.seq_id, rollback_to=seq.draft_len,
                                                append_token_ids=seq.tokens[seq.draft_len:], gamma=gamma,
-                                               sampling=common_pb2.Sampling(**seq.sampling.to_pb_fields()),
+                                               sampling=seq.sampling_pb,
                                                traceparent=tracing.sequence_traceparent(seq)))
             asked.append(i)
         replies = await self.draft.propose(self.step_count, items, traceparent)
@@ -318,11 +318,9 @@ class Engine:
     def _verify_compute(self, rows: list[Sequence], checks: list[Row]) -> list[Verdict]:
         """ONE forward over every row's [last token, proposals...] (design §3), then verification."""
         gamma = max(len(c.proposals) for c in checks)
-        batch = len(rows)
-        input_ids = torch.zeros(batch, gamma + 1, dtype=torch.int64)  # [B, G+1]; padding is never read
-        for b, (seq, check) in enumerate(zip(rows, checks)):
-            input_ids[b, 0] = seq.tokens[-1]
-            input_ids[b, 1 : 1 + len(check.proposals)] = torch.tensor(check.proposals, dtype=torch.int64)
+        # [B, G+1]: last committed token, proposals, zero padding (never read)
+        input_ids = torch.tensor([[seq.tokens[-1], *c.proposals, *[0] * (gamma - len(c.proposals))]
+                                  for seq, c in zip(rows, checks)], dtype=torch.int64)
         slots = torch.tensor([s.slot for s in rows], dtype=torch.int64)  # [B]
         start = torch.tensor([len(s.tokens) - 1 for s in rows], dtype=torch.int64)  # [B]
         with torch.inference_mode():

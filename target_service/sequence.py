@@ -35,6 +35,7 @@ class Sequence:
     eos_ids: frozenset[int]  # the stop ids reported as finish reason "eos"
     gamma: int  # proposals per step; 0 = plain decoding
     sampling: SamplingParams = GREEDY
+    sampling_pb: common_pb2.Sampling = field(default_factory=common_pb2.Sampling)  # forwarded to the draft
     logprobs: int | None = None  # None: not requested; n: with the n most likely alternatives
     traceparent: str = ""
     arrival: float = field(default_factory=time.monotonic)
@@ -73,6 +74,7 @@ class Sequence:
             eos_ids=frozenset(req.eos_token_ids),
             gamma=gamma,
             sampling=sampling,
+            sampling_pb=req.sampling,
             logprobs=req.top_logprobs if req.logprobs else None,
             traceparent=req.traceparent,
         )

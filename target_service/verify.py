@@ -47,9 +47,8 @@ def verify(logits: torch.Tensor, rows: list[Row]) -> list[Verdict]:
     batch, positions, _ = logits.shape
     gamma = positions - 1
     device = logits.device
-    draft = torch.full((batch, gamma), -1, dtype=torch.int64)  # [B, G]
-    for b, row in enumerate(rows):
-        draft[b, : len(row.proposals)] = torch.tensor(row.proposals, dtype=torch.int64)
+    draft = torch.tensor([r.proposals + [-1] * (gamma - len(r.proposals)) for r in rows],
+                         dtype=torch.int64).view(batch, gamma)  # [B, G], padded with -1
     num_draft = torch.tensor([len(r.proposals) for r in rows], dtype=torch.int64)  # [B]
     draft, num_draft = draft.to(device), num_draft.to(device)
     num_accepted, tokens = kernels.greedy_verify(draft, num_draft, logits)  # [B], [B, G+1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -51,7 +52,7 @@ def run_engine(target: Path, draft: Path | None, prompts: list[list[int]], gamma
         requests = [target_pb2.SequenceRequest(id=str(i), prompt_token_ids=p, max_new_tokens=budget,
                                                stop_token_ids=stop_ids, eos_token_ids=eos_ids,
                                                speculation=speculation(gamma),
-                                               sampling=common_pb2.Sampling(**params.to_pb_fields()),
+                                               sampling=common_pb2.Sampling(**dataclasses.asdict(params)),
                                                logprobs=logprobs is not None, top_logprobs=logprobs or 0)
                     for i, (p, params, budget) in enumerate(zip(prompts, sampling, budgets))]
         engine.submit(conn, requests)

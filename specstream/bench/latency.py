@@ -80,14 +80,7 @@ def run(target_dir: Path, draft_dir: Path, out_dir: Path, n_prompts: int = 8, ma
     assert not mismatched, f"speculative output differs from plain decoding at gamma {mismatched}"
     rows = []
     for gamma in gammas:
-        r = ours[gamma]
-        r["speedup"] = r["tokens_per_s"] / ours[0]["tokens_per_s"]
-        r["theory"] = expected_speedup(r["alpha"], gamma, costs["c"]) if gamma else 1.0
-        # The theory prices a (γ+1)-token verify like a 1-token step; on a CPU it is not free.
-        verify = costs["target_verify_ms"][gamma] / costs["target_step_ms"] if gamma else 1.0
-        r["theory_with_verify_cost"] = (expected_tokens_per_pass(r["alpha"], gamma) / (gamma * costs["c"] + verify)
-                                        if gamma else 1.0)
-        r["of_theory"] = r["speedup"] / r["theory"]
+        r = score(ours, gamma, costs)
         # Where a target pass's time goes: the models' own compute vs everything else (the gRPC
         # hops, the engine's and the gateway's Python, processes sharing the cores).
         r["ms_per_pass"] = 1000 * r["seconds"] / r["passes"]
@@ -139,6 +132,20 @@ def run(target_dir: Path, draft_dir: Path, out_dir: Path, n_prompts: int = 8, ma
     print(f"\nwrote {out_dir / 'latency.json'}, {out_dir / 'latency_speedup.png'}"
           + (f", {out_dir / 'latency_vs_hf.png'}" if with_hf else ""), flush=True)
     return result
+
+
+def score(by_gamma: dict[int, dict], gamma: int, costs: dict) -> dict:
+    """Adds to a sweep entry its speedup over γ = 0 and Leviathan's theory for its α and the
+    measured c, with and without the verify forward's real cost; returns the entry."""
+    r = by_gamma[gamma]
+    r["speedup"] = r["tokens_per_s"] / by_gamma[0]["tokens_per_s"]
+    r["theory"] = expected_speedup(r["alpha"], gamma, costs["c"]) if gamma else 1.0
+    # The theory prices a (γ+1)-token verify like a 1-token step; on a CPU it is not free.
+    verify = costs["target_verify_ms"][gamma] / costs["target_step_ms"] if gamma else 1.0
+    r["theory_with_verify_cost"] = (expected_tokens_per_pass(r["alpha"], gamma) / (gamma * costs["c"] + verify)
+                                    if gamma else 1.0)
+    r["of_theory"] = r["speedup"] / r["theory"]
+    return r
 
 
 def display(path: Path) -> str:

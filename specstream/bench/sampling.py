@@ -19,9 +19,8 @@ from pathlib import Path
 
 from specstream.bench import report
 from specstream.bench.costs import measure_costs
-from specstream.bench.latency import display, public, sweep
+from specstream.bench.latency import display, public, score, sweep
 from specstream.bench.prompts import held_out_prompts
-from specstream.bench.theory import expected_speedup, expected_tokens_per_pass
 from specstream.launcher import Stack, StackSpec
 from specstream.tokenizer import TextTokenizer
 
@@ -78,15 +77,8 @@ def _check(temperatures: list[float], gammas: list[int]) -> None:
 
 
 def _score(by_gamma: dict[int, dict], gamma: int, costs: dict, t: float) -> list:
-    """Adds speedup and theory to one sweep entry (as latency does) and returns its table row."""
-    r = by_gamma[gamma]
-    r["speedup"] = r["tokens_per_s"] / by_gamma[0]["tokens_per_s"]
-    r["theory"] = expected_speedup(r["alpha"], gamma, costs["c"]) if gamma else 1.0
-    # The theory prices a (γ+1)-token verify like a 1-token step; on a CPU it is not free.
-    verify = costs["target_verify_ms"][gamma] / costs["target_step_ms"] if gamma else 1.0
-    r["theory_with_verify_cost"] = (expected_tokens_per_pass(r["alpha"], gamma) / (gamma * costs["c"] + verify)
-                                    if gamma else 1.0)
-    r["of_theory"] = r["speedup"] / r["theory"]
+    """Scores one sweep entry (latency.score) and returns its table row."""
+    r = score(by_gamma, gamma, costs)
     return [f"{t:g}", gamma, r["tokens_per_s"], r["alpha"] if gamma else "-", r["accepted_fraction"] if gamma else "-",
             r["mean_accepted_length"] or 1.0, r["theory"], r["theory_with_verify_cost"], r["speedup"],
             r["of_theory"]]
