@@ -46,6 +46,10 @@ class TensorSource(Protocol):
         """The tensor, checked against ``shape``; raises ModelLoadError naming the file and tensor."""
         ...
 
+    def take_index(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """An integer tensor (token ids) as int64, checked against ``shape``."""
+        ...
+
 
 class CausalLM(torch.nn.Module):
     """Base of every model: a decoder that reads and writes a slot KVCache.
@@ -66,6 +70,12 @@ class CausalLM(torch.nn.Module):
     @property
     def device(self) -> torch.device:
         return next(self.parameters()).device
+
+    @property
+    def output_token_ids(self) -> torch.Tensor | None:
+        """[output_vocab] int64: the token id of each logit column, for models that predict over a
+        subset of the vocabulary (drafts); None when logits cover the whole vocabulary in order."""
+        return None
 
     def load_weights(self, source: TensorSource) -> None:
         raise NotImplementedError

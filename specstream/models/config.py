@@ -13,6 +13,7 @@ modules (``llama.py``, ``gpt2.py``) and in ``loader.py``, which maps architectur
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -74,6 +75,13 @@ class ModelConfig:
     # Softmax scale multiplier per layer on top of 1/sqrt(head_dim) (GPT-2 scale_attn_by_inverse_layer_idx).
     attn_scale: float | None = None  # None -> head_dim ** -0.5
     scale_attn_by_inverse_layer_idx: bool = False
+    # Drafts (config.json "specstream" object): predict over this many of the vocabulary's tokens
+    # only (FR-Spec); their ids are the checkpoint's "specstream.output_token_ids". None: all.
+    output_vocab: int | None = None
+    # Drafts: read model.embed_tokens.weight from this model (a name or path the caller resolves)
+    # at load time instead of shipping a copy; the sha256 of its float32 bytes must match.
+    shared_embedding: str | None = None
+    shared_embedding_sha256: str | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_windows:
@@ -406,4 +414,32 @@ def parse_config(
     if not isinstance(raw, Mapping):
         raise ModelLoadError(f"{source}: top level must be a JSON object")
     architecture = _architecture(f)
-    return CONFIG_PARSERS[architecture](f, name, architecture, generation)
+    config = CONFIG_PARSERS[architecture](f, name, architecture, generation)
+    return _parse_extension(f, config)
+
+
+def _parse_extension(f: _Fields, config: ModelConfig) -> ModelConfig:
+    """Our own optional "specstream" object of config.json (transformers ignores unknown keys)."""
+    ext = f.raw.get("specstream")
+    if ext is None:
+        return config
+    if not isinstance(ext, Mapping):
+        raise f.error("specstream", f"must be an object, got {ext!r}")
+    x = _Fields(ext, f"{f.source} (specstream)")
+    output_vocab = x.opt_int("output_vocab")
+    if output_vocab is not None and not 1 <= output_vocab <= config.vocab_size:
+        raise x.error("output_vocab", f"= {output_vocab} must be in 1..vocab_size ({config.vocab_size})")
+    shared = ext.get("shared_embedding")
+    model = sha = None
+    if shared is not None:
+        if not isinstance(shared, Mapping):
+            raise x.error("shared_embedding", f"must be an object with 'model' and 'sha256', got {shared!r}")
+        s = _Fields(shared, f"{f.source} (specstream.shared_embedding)")
+        model, sha = s.str_("model", default=""), s.str_("sha256", default="")
+        if not model or len(sha) != 64:
+            raise x.error("shared_embedding", f"needs 'model' and a 64-hex-digit 'sha256', got {dict(shared)!r}")
+        if config.architecture not in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
+            raise x.error("shared_embedding", f"is not supported for {config.architecture}")
+    if output_vocab is not None and config.architecture == "GPT2LMHeadModel":
+        raise x.error("output_vocab", "is not supported for GPT2LMHeadModel")
+    return dataclasses.replace(config, output_vocab=output_vocab, shared_embedding=model, shared_embedding_sha256=sha)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specstream.models.config import ModelConfig, RopeConfig
+from specstream.models.config import ModelConfig, ModelLoadError, RopeConfig
 from specstream.models.attention import CacheBatch
 from specstream.models.base import ACTIVATIONS, CausalLM, TensorSource, rms_norm
 from specstream.models.kv_cache import KVCache
@@ -147,9 +147,16 @@ class LlamaForCausalLM(CausalLM):
         self.embed = _param(c.vocab_size, c.hidden_size, dtype=dtype, device=device)  # [V, H]
         self.layers = nn.ModuleList(_LlamaLayer(c, i, dtype, device) for i in range(c.num_layers))
         self.norm = _param(c.hidden_size, dtype=dtype, device=device)  # [H]
+        # A draft over a vocabulary subset gets its own head rows even when tied: a contiguous
+        # [N, H] matrix, so the output matmul reads N rows, not V.
+        head_rows = c.output_vocab or c.vocab_size
         self.lm_head = (
-            None if c.tie_word_embeddings else _param(c.vocab_size, c.hidden_size, dtype=dtype, device=device)
-        )  # [V, H]
+            None if c.tie_word_embeddings and c.output_vocab is None
+            else _param(head_rows, c.hidden_size, dtype=dtype, device=device)
+        )  # [V or N, H]
+        self.register_buffer(
+            "output_ids", torch.zeros(head_rows, dtype=torch.int64, device=device) if c.output_vocab else None,
+            persistent=False)  # [N] token id of each logit column
         self.register_buffer("inv_freq", rope_inv_freq(c.rope, c.head_dim).to(device), persistent=False)  # [D/2]
         self._rope_len = 0
         self._build_rope(min(_INITIAL_ROPE_LEN, c.max_position_embeddings))
@@ -165,6 +172,10 @@ class LlamaForCausalLM(CausalLM):
             self.register_buffer("rope_sin", emb.sin().to(dtype), persistent=False)  # [n, D]
         self._rope_len = n
 
+    @property
+    def output_token_ids(self) -> torch.Tensor | None:
+        return self.output_ids
+
     def _prepare_positions(self, max_len: int) -> None:
         if max_len > self._rope_len:
             self._build_rope(max_len)
@@ -178,7 +189,14 @@ class LlamaForCausalLM(CausalLM):
                 assert isinstance(layer, _LlamaLayer)
                 layer.load(source, f"model.layers.{i}.", H)
             self.norm.copy_(source.take("model.norm.weight", (H,)))
-            if self.lm_head is not None:
+            if c.output_vocab is not None:
+                ids = source.take_index("specstream.output_token_ids", (c.output_vocab,))  # [N]
+                if int(ids.min()) < 0 or int(ids.max()) >= V or len(set(ids.tolist())) != len(ids):
+                    raise ModelLoadError(f"{c.name}: 'specstream.output_token_ids' must be distinct ids in 0..{V - 1}")
+                self.output_ids.copy_(ids)
+                full = self.embed if c.tie_word_embeddings else source.take("lm_head.weight", (V, H))  # [V, H]
+                self.lm_head.copy_(full[ids.to(full.device)])
+            elif self.lm_head is not None:
                 self.lm_head.copy_(source.take("lm_head.weight", (V, H)))
 
     def forward(
@@ -203,4 +221,4 @@ class LlamaForCausalLM(CausalLM):
             x = x[:, -1:]  # [B, 1, H]
         x = rms_norm(x, self.norm, self.config.norm_eps)  # [B, T', H]
         head = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(x, head).float()  # [B, T', V]
+        return F.linear(x, head).float()  # [B, T', V] ([B, T', N] over a vocabulary subset)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from types import TracebackType
@@ -54,6 +55,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
+_INT_DTYPES = frozenset({"I16", "I32", "I64"})
 # Checkpoint tensors that are not parameters: causal-mask constants (old GPT-2), cached RoPE frequencies
 # (old Llama exports), and lm_head copies stored next to tied embeddings (transformers ties them anyway).
 _IGNORED_TENSORS = re.compile(
@@ -152,6 +154,17 @@ class SafetensorsSource:
         self._taken.add(name)
         return handle.get_tensor(name).to(device=self.device, dtype=self.dtype)
 
+    def take_index(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        file = self._where.get(name)
+        if file is None:
+            raise ModelLoadError(f"{self.describe}: missing tensor {name!r}")
+        sl = self._open(file).get_slice(name)
+        if tuple(sl.get_shape()) != tuple(shape) or sl.get_dtype() not in _INT_DTYPES:
+            raise ModelLoadError(f"{file}: tensor {name!r} must be an integer tensor of shape {list(shape)}, "
+                                 f"got {sl.get_dtype()} {list(sl.get_shape())}")
+        self._taken.add(name)
+        return self._open(file).get_tensor(name).to(device=self.device, dtype=torch.int64)
+
     def unexpected(self) -> list[str]:
         """Checkpoint tensors nobody took, minus known non-parameters."""
         return sorted(n for n in self._where if n not in self._taken and not _IGNORED_TENSORS.search(n))
@@ -180,11 +193,59 @@ def read_config(path: str | Path) -> ModelConfig:
     generation = _read_json(gen_file) if gen_file.is_file() else None
     if generation is not None and not isinstance(generation, dict):
         raise ModelLoadError(f"{gen_file}: top level must be a JSON object")
-    return parse_config(raw, name=root.resolve().name, source=config_file, generation=generation)
+    return parse_config(raw, name=_model_name(raw, root), source=config_file, generation=generation)
 
 
-def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") -> CausalLM:
-    """A ready model (eval mode, no grad) from a checkpoint directory; see the module docstring."""
+def _model_name(raw: Any, root: Path) -> str:
+    """The directory's name, or the name a converter recorded (a GGUF cache directory is named by hash)."""
+    ours = raw.get("specstream") if isinstance(raw, dict) else None
+    name = ours.get("name") if isinstance(ours, dict) else None
+    return name if isinstance(name, str) and name else root.resolve().name
+
+
+class SharedEmbeddingSource:
+    """A draft's tensors, with ``model.embed_tokens.weight`` read from another checkpoint (the
+    target whose embedding the draft shares) and checked against the sha256 the draft recorded."""
+
+    NAME = "model.embed_tokens.weight"
+
+    def __init__(self, own: SafetensorsSource, shared_dir: Path, sha256: str) -> None:
+        self.own = own
+        self.shared_dir = shared_dir
+        self.sha256 = sha256
+
+    def has(self, name: str) -> bool:
+        return name == self.NAME or self.own.has(name)
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name != self.NAME:
+            return self.own.take(name, shape)
+        with SafetensorsSource(self.shared_dir, torch.float32, "cpu") as shared:
+            embed = shared.take(name, shape)  # [V, H] float32, as the draft was trained against
+        digest = embedding_sha256(embed)
+        if digest != self.sha256:
+            raise ModelLoadError(
+                f"{self.shared_dir}: tensor {name!r} has sha256 {digest[:16]}..., but the draft was trained with "
+                f"{self.sha256[:16]}... (config.json specstream.shared_embedding): a different target model")
+        return embed.to(device=self.own.device, dtype=self.own.dtype)
+
+    def take_index(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.own.take_index(name, shape)
+
+
+def embedding_sha256(embed: torch.Tensor) -> str:
+    """The digest a draft records for the embedding it shares: sha256 of the float32 bytes."""
+    import hashlib
+
+    return hashlib.sha256(embed.detach().to(torch.float32).contiguous().numpy().tobytes()).hexdigest()
+
+
+def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
+               resolve: Callable[[str], Path] | None = None) -> CausalLM:
+    """A ready model (eval mode, no grad) from a checkpoint directory; see the module docstring.
+
+    ``resolve`` turns a model reference (a draft's ``specstream.shared_embedding.model``) into a
+    checkpoint directory; without it such a draft cannot be loaded."""
     torch_dtype = DTYPES.get(dtype)
     if torch_dtype is None:
         raise ValueError(f"load_model: dtype {dtype!r} is not one of {sorted(DTYPES)}")
@@ -192,14 +253,21 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
     if not root.is_dir():
         raise ModelLoadError(f"{root}: not a directory (expected a checkpoint with config.json)")
     config = read_config(root)
-    with SafetensorsSource(root, torch_dtype, device) as source:
+    with SafetensorsSource(root, torch_dtype, device) as own:
+        source: SafetensorsSource | SharedEmbeddingSource = own
+        if config.shared_embedding is not None:
+            if resolve is None:
+                raise ModelLoadError(f"{root / 'config.json'}: shares the embedding of model "
+                                     f"{config.shared_embedding!r}, but no model resolver was given")
+            assert config.shared_embedding_sha256 is not None, "parse_config requires it"
+            source = SharedEmbeddingSource(own, resolve(config.shared_embedding), config.shared_embedding_sha256)
         model = MODEL_CLASSES[config.architecture](config, torch_dtype, device)
         model.load_weights(source)
-        extra = source.unexpected()
+        extra = own.unexpected()
     if extra:
         shown = ", ".join(repr(n) for n in extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
         raise ModelLoadError(
-            f"{source.describe}: unexpected tensor(s) {shown} not used by {config.architecture} "
+            f"{own.describe}: unexpected tensor(s) {shown} not used by {config.architecture} "
             f"as configured in config.json (num_hidden_layers={config.num_layers})"
         )
     model.eval()
