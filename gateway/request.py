@@ -107,7 +107,8 @@ def _request_span(req: ValidRequest):
     """The request's span (gen_ai semantic conventions), a child of the caller's traceparent."""
     return telemetry.tracer("specstream.gateway").start_span(
         "gen_ai.generate", context=telemetry.context_from(req.traceparent), kind=telemetry.SpanKind.SERVER,
-        attributes={"gen_ai.operation.name": "text_completion", "gen_ai.request.model": req.model,
+        attributes={"gen_ai.operation.name": "chat" if req.chat else "text_completion",
+                    "gen_ai.request.model": req.model,
                     "gen_ai.request.max_tokens": req.max_new_tokens,
                     "gen_ai.request.temperature": req.temperature, "gen_ai.request.top_p": req.top_p,
                     "gen_ai.request.top_k": req.top_k, "gen_ai.request.seed": str(req.seed),

@@ -21,6 +21,7 @@ from specstream.config import GatewayConfig
 from specstream.errors import OverloadedError
 from specstream.grpc_server import ServiceServer
 from specstream.metrics import GatewayMetrics
+from specstream.model_registry import resolve_model
 from specstream.tokenizer import TextTokenizer
 from specstream_pb import generation_pb2, generation_pb2_grpc, target_pb2
 
@@ -78,7 +79,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             draft_sequences=sum(load.draft_sequences for load in live),
             draft_connected=bool(live) and all(load.draft_connected for load in live),
             gateway_in_flight=self.in_flight, gateway_queued=self.router.queued,
-            replicas=[_replica_pb(r) for r in replicas])
+            replicas=[_replica_pb(r) for r in replicas],
+            has_chat_template=self.tokenizer.chat_template is not None)
 
 
 def _replica_pb(replica: TargetClient) -> generation_pb2.ReplicaInfo:
@@ -118,7 +120,7 @@ async def _wait_routable(replicas: list[TargetClient], timeout_s: float) -> None
 
 
 async def serve(config: GatewayConfig) -> None:
-    tokenizer = TextTokenizer.from_dir(config.tokenizer_path)
+    tokenizer = TextTokenizer.from_dir(resolve_model(config.tokenizer_path))
     addresses = resolve_targets(config.target_addresses)
     replicas = [TargetClient(a, options=config.server.grpc_options(), retry_s=config.retry_s) for a in addresses]
     await asyncio.gather(*(r.start(timeout_s=config.connect_timeout_s) for r in replicas))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
+from specstream.chat import ChatError
 from specstream.config import GatewayConfig
 from specstream.errors import InvalidArgumentError
 from specstream.tokenizer import TextTokenizer
@@ -38,6 +39,7 @@ class Limits:
     max_stop_string_chars: int
     max_request_id_chars: int
     max_top_logprobs: int
+    max_messages: int
 
     @classmethod
     def build(cls, config: GatewayConfig, info) -> Limits:
@@ -46,7 +48,8 @@ class Limits:
                    max_gamma=info.max_gamma, max_stop_strings=config.max_stop_strings,
                    max_stop_string_chars=config.max_stop_string_chars,
                    max_request_id_chars=config.max_request_id_chars,
-                   max_top_logprobs=min(config.max_top_logprobs, info.vocab_size))
+                   max_top_logprobs=min(config.max_top_logprobs, info.vocab_size),
+                   max_messages=config.max_messages)
 
 
 @dataclass
@@ -67,9 +70,12 @@ class ValidRequest:
     traceparent: str
     received: float  # time.monotonic() at receipt
     model: str = ""  # the served model's name (set by the servicer; for traces)
+    chat: bool = False  # the prompt came as `messages`, rendered with the chat template
+    end_of_turn: int | None = None  # chat requests: the template's end-of-turn token ends generation
 
     def to_sequence_pb(self, eos_ids: tuple[int, ...]) -> target_pb2.SequenceRequest:
-        eos = [] if self.ignore_eos else list(eos_ids)
+        ends = (*eos_ids, self.end_of_turn) if self.end_of_turn is not None else eos_ids
+        eos = [] if self.ignore_eos else sorted(set(ends))
         return target_pb2.SequenceRequest(
             id=self.request_id, prompt_token_ids=self.prompt_ids, max_new_tokens=self.max_new_tokens,
             stop_token_ids=sorted(set(self.stop_token_ids) | set(eos)), eos_token_ids=eos,
@@ -98,7 +104,10 @@ def validate(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: Tex
         speculation=req.speculation, temperature=req.temperature, top_k=req.top_k,
         top_p=req.top_p if req.HasField("top_p") else 1.0,
         seed=req.seed if req.HasField("seed") else secrets.randbits(64),
-        logprobs=req.logprobs, top_logprobs=req.top_logprobs, traceparent=req.traceparent, received=received)
+        logprobs=req.logprobs, top_logprobs=req.top_logprobs, traceparent=req.traceparent, received=received,
+        chat=req.WhichOneof("input") == "messages",
+        # A template whose end of turn is not one token (rare) ends on EOS only.
+        end_of_turn=tokenizer.end_of_turn_id if req.WhichOneof("input") == "messages" else None)
 
 
 def _reject_unknown_fields(message: Message, path: str) -> None:
@@ -112,11 +121,37 @@ def _reject_unknown_fields(message: Message, path: str) -> None:
             _reject_unknown_fields(value, f"{path}.{field.name}" if path != "request" else field.name)
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _chat_ids(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: TextTokenizer) -> list[int]:
+    messages = req.messages.messages
+    if tokenizer.chat_template is None:
+        raise InvalidArgumentError("messages", f"<{len(messages)} messages>",
+                                   "this model has no chat template; send a text prompt instead")
+    if not messages:
+        raise InvalidArgumentError("messages", [], "must hold at least one message")
+    if len(messages) > limits.max_messages:
+        raise InvalidArgumentError("messages", f"<{len(messages)} messages>", f"at most {limits.max_messages} allowed")
+    for i, m in enumerate(messages):
+        _reject_unknown_fields(m, f"messages[{i}]")
+        if m.role not in CHAT_ROLES:
+            raise InvalidArgumentError(f"messages[{i}].role", m.role, f"must be one of {list(CHAT_ROLES)}")
+    try:
+        return tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in messages])
+    except ChatError as exc:
+        raise InvalidArgumentError("messages", f"<{len(messages)} messages>",
+                                   f"the model's chat template rejected them: {exc}") from exc
+
+
 def _prompt_ids(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: TextTokenizer) -> list[int]:
     kind = req.WhichOneof("input")
     if kind is None:
-        raise InvalidArgumentError("prompt", "", "must be set (text prompt or prompt_token_ids)")
-    if kind == "prompt":
+        raise InvalidArgumentError("prompt", "", "must be set (text prompt, prompt_token_ids or messages)")
+    if kind == "messages":
+        ids = _chat_ids(req, limits, tokenizer)
+        field = "messages"
+    elif kind == "prompt":
         if not req.prompt:
             raise InvalidArgumentError("prompt", req.prompt, "must not be empty")
         ids = tokenizer.encode(req.prompt)

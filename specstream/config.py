@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 where native (model_registry.resolve_dtype)
 
 
 def _check(ok: bool, name: str, value: object, want: str) -> None:
@@ -57,8 +57,8 @@ class ServerConfig:
 class ModelSpec:
     """Which checkpoint to load and how."""
 
-    path: str  # Hugging Face model directory: config.json, *.safetensors, tokenizer.json
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    path: str  # model reference: a name (smollm2), a .gguf file or a Hugging Face checkpoint directory
+    dtype: str = "float32"  # auto | float32 | bfloat16 | float16
     device: str = "cpu"  # torch device, e.g. cuda:0
 
     def __post_init__(self) -> None:
@@ -143,7 +143,7 @@ class GatewayConfig:
     # host:port, or dns:///host:port, of a target. A name that resolves to several addresses is
     # one replica per address (gateway/discovery.py). "" when target_urls name them all.
     target_url: str
-    tokenizer_path: str  # directory with tokenizer.json (the target's model directory)
+    tokenizer_path: str  # the target's model reference (name, .gguf file or directory with tokenizer.json)
     server: ServerConfig = field(default_factory=ServerConfig)
     target_urls: list[str] = field(default_factory=list)  # further target replicas, same forms
     max_new_tokens_limit: int = 1024  # largest max_new_tokens a request may ask for
@@ -159,6 +159,7 @@ class GatewayConfig:
     max_stop_string_chars: int = 128  # per stop string
     max_request_id_chars: int = 128
     max_top_logprobs: int = 20  # largest top_logprobs (alternatives per token) a request may ask for
+    max_messages: int = 256  # chat turns per request
     connect_timeout_s: float = 60.0  # how long to wait for the targets at startup
     retry_s: float = 1.0  # wait this long before reconnecting to a lost target replica
 
@@ -178,6 +179,7 @@ class GatewayConfig:
         _check(self.max_stop_strings >= 0, "max_stop_strings", self.max_stop_strings, ">= 0")
         _check(self.max_stop_string_chars >= 1, "max_stop_string_chars", self.max_stop_string_chars, ">= 1")
         _check(self.max_top_logprobs >= 0, "max_top_logprobs", self.max_top_logprobs, ">= 0")
+        _check(self.max_messages >= 1, "max_messages", self.max_messages, ">= 1")
         _check(self.connect_timeout_s > 0, "connect_timeout_s", self.connect_timeout_s, "> 0")
         _check(self.retry_s >= 0, "retry_s", self.retry_s, ">= 0")
 

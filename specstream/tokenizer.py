@@ -13,7 +13,10 @@ Contract:
 * ``build_byte_level_tokenizer`` trains a byte-level BPE (any Unicode text round-trips exactly;
   multi-byte characters can split across tokens) in well under a second.
 
-What this module does not know: chat templates, the model's embedding size (which may exceed the
+Chat: ``from_dir`` also takes ``chat_template`` from ``tokenizer_config.json`` (rendered by
+``specstream.chat``) and the id of the token that ends an assistant turn (``end_of_turn_id``).
+
+What this module does not know: how a chat template is rendered, the model's embedding size (which may exceed the
 tokenizer's vocabulary), stop strings (see ``stop_strings``), and anything about the HTTP/gRPC
 layers. Windowed decoding assumes the decoder is prefix-stable at character boundaries (true for
 ByteLevel, Metaspace, ByteFallback/Fuse/Strip and WordPiece decoders); a decoder that rewrites
@@ -23,12 +26,14 @@ already-final text when later tokens arrive would make deltas differ from a one-
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from specstream.chat import ChatError, ChatTemplate
 
 __all__ = [
     "BOS_TOKEN",
@@ -175,6 +180,7 @@ class TextTokenizer:
         *,
         eos_token_ids: Sequence[int] = (),
         bos_token_id: int | None = None,
+        chat_template: ChatTemplate | None = None,
     ) -> None:
         # tokenizer.json files from the Hub often carry truncation/padding settings meant for
         # training; applied here they would silently cut or pad prompts.
@@ -184,6 +190,11 @@ class TextTokenizer:
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
         self.bos_token_id: int | None = bos_token_id
+        self.chat_template = chat_template
+        # The token closing an assistant turn (ChatML's <|im_end|>): chat generation stops there.
+        self.end_of_turn_id: int | None = None
+        if chat_template is not None and chat_template.end_of_turn is not None:
+            self.end_of_turn_id = tokenizer.token_to_id(chat_template.end_of_turn)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> TextTokenizer:
@@ -211,13 +222,24 @@ class TextTokenizer:
                 found = _token_ids(cfg.get("bos_token_id"), root / name, "bos_token_id")
                 bos = found[0] if found else None
         tcfg = _read_json(root / "tokenizer_config.json")
+        template = None
         if tcfg is not None:
             eos_id = _token_string_id(tok, tcfg.get("eos_token"))
             if eos_id is not None:
                 eos.append(eos_id)
             if bos is None:
                 bos = _token_string_id(tok, tcfg.get("bos_token"))
-        return cls(tok, eos_token_ids=eos, bos_token_id=bos)
+            template = _chat_template(tcfg, root / "tokenizer_config.json")
+        return cls(tok, eos_token_ids=eos, bos_token_id=bos, chat_template=template)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """The prompt ids of a conversation, ready for the assistant's reply: the template's text,
+        encoded without the post-processor (the template writes any BOS it wants). ChatError when the
+        model has no chat template or the template rejects the messages."""
+        if self.chat_template is None:
+            raise ChatError("this model has no chat template")
+        text = self.chat_template.render(messages, add_generation_prompt=True)
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     @property
     def tokenizer(self) -> tokenizers.Tokenizer:
@@ -243,6 +265,29 @@ def _read_json(file: Path) -> dict[str, Any] | None:
     if not isinstance(data, dict):
         raise ValueError(f"{file}: expected a JSON object, got {type(data).__name__}")
     return data
+
+
+def _chat_template(config: dict[str, Any], file: Path) -> ChatTemplate | None:
+    """``chat_template`` is a string, or a list of {name, template} where "default" is the chat one."""
+    value = config.get("chat_template")
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"{file}: chat_template must be a string or a list of named templates")
+    try:
+        return ChatTemplate(value, bos_token=_token_string(config.get("bos_token")),
+                            eos_token=_token_string(config.get("eos_token")))
+    except ChatError as exc:
+        raise ValueError(f"{file}: {exc}") from exc
+
+
+def _token_string(value: Any) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 def _token_ids(value: Any, file: Path, key: str) -> list[int]:

@@ -11,6 +11,7 @@ What it does not know: tokenization (the server tokenizes text prompts), the ser
 
 from __future__ import annotations
 
+from ._request import GenerateOptions
 from .aio import AsyncClient, AsyncResponseStream
 from .client import Client, ResponseStream
 from .errors import (
@@ -38,6 +39,7 @@ __all__ = [
     "Cancelled",
     "Client",
     "DeadlineExceeded",
+    "GenerateOptions",
     "GenerateResult",
     "InvalidArgument",
     "Logprob",

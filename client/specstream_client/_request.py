@@ -13,12 +13,12 @@ What it does not know: the server's limits and its tokenizer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, TypedDict
 
 from specstream_pb import common_pb2, generation_pb2
 
-__all__ = ["build_generate_request", "parse_target", "resolve_timeout"]
+__all__ = ["GenerateOptions", "build_chat_request", "build_generate_request", "parse_target", "resolve_timeout"]
 
 _INT32_MAX = 2**31 - 1
 _INT32_MIN = -(2**31)
@@ -102,6 +102,46 @@ def _speculation(speculation: str | int) -> common_pb2.Speculation:
     raise ValueError(
         f"speculation must be 'auto', 'off', 0 or a positive int gamma, got {speculation!r}"
     )
+
+
+class GenerateOptions(TypedDict, total=False):
+    """The keyword arguments of ``generate`` (see ``Client.generate``), shared by ``chat``."""
+
+    max_new_tokens: int
+    speculation: str | int
+    stop: str | Sequence[str] | None
+    stop_token_ids: Sequence[int] | None
+    ignore_eos: bool
+    temperature: float
+    top_k: int
+    top_p: float | None
+    seed: int | None
+    logprobs: bool
+    top_logprobs: int
+    request_id: str | None
+    traceparent: str | None
+
+
+def build_chat_request(messages: Sequence[Mapping[str, str]], **options: Any) -> generation_pb2.GenerateRequest:
+    """The request for ``chat``/``chat_stream``: ``messages`` is a sequence of
+    ``{"role": ..., "content": ...}`` mappings; roles and template rules are the server's to check."""
+    if isinstance(messages, str | bytes | bytearray | Mapping) or not isinstance(messages, Sequence):
+        raise TypeError(f"messages must be a sequence of {{'role': str, 'content': str}} mappings, "
+                        f"got {type(messages).__name__}")
+    req = build_generate_request("", **options)
+    chat = generation_pb2.ChatMessages()
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise TypeError(f"messages[{i}] must be a mapping with 'role' and 'content', got {message!r}")
+        extra = set(message) - {"role", "content"}
+        if extra:
+            raise ValueError(f"messages[{i}] has unsupported keys {sorted(extra)} (only 'role' and 'content')")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise TypeError(f"messages[{i}][{key!r}] must be a str, got {message.get(key)!r}")
+        chat.messages.add(role=message["role"], content=message["content"])
+    req.messages.CopyFrom(chat)  # selects the `messages` member of the input oneof
+    return req
 
 
 def build_generate_request(

@@ -11,18 +11,21 @@ What it does not know: retries (none are made), load balancing, and server limit
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import grpc.aio
 
 from specstream_pb import generation_pb2, generation_pb2_grpc
 
-from ._request import build_generate_request, parse_target, resolve_timeout
+from ._request import GenerateOptions, build_chat_request, build_generate_request, parse_target, resolve_timeout
 from .errors import from_rpc_error
 from .types import GenerateResult, ModelInfo, StreamChunk
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["AsyncClient", "AsyncResponseStream"]
 
@@ -204,6 +207,27 @@ class AsyncClient:
             request_id=request_id,
             traceparent=traceparent,
         )
+        return AsyncResponseStream(self, request, resolve_timeout(timeout, self.timeout))
+
+    async def chat(
+        self, messages: Sequence[Mapping[str, str]], *, timeout: float | None = None,
+        **options: Unpack[GenerateOptions],
+    ) -> GenerateResult:
+        """See ``Client.chat``."""
+        request = build_chat_request(messages, **options)
+        deadline = resolve_timeout(timeout, self.timeout)
+        try:
+            response = await self._get_stub().Generate(request, timeout=deadline)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from err
+        return GenerateResult.from_pb(response)
+
+    def chat_stream(
+        self, messages: Sequence[Mapping[str, str]], *, timeout: float | None = None,
+        **options: Unpack[GenerateOptions],
+    ) -> AsyncResponseStream:
+        """See ``Client.chat_stream``; use with ``async for``. Arguments are checked now."""
+        request = build_chat_request(messages, **options)
         return AsyncResponseStream(self, request, resolve_timeout(timeout, self.timeout))
 
     async def model_info(self, *, timeout: float | None = None) -> ModelInfo:

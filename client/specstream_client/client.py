@@ -11,17 +11,20 @@ load balancing across gateways, and server limits (see ``model_info()``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from specstream_pb import generation_pb2, generation_pb2_grpc
 
-from ._request import build_generate_request, parse_target, resolve_timeout
+from ._request import GenerateOptions, build_chat_request, build_generate_request, parse_target, resolve_timeout
 from .errors import from_rpc_error
 from .types import GenerateResult, ModelInfo, StreamChunk
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["Client", "ResponseStream"]
 
@@ -199,6 +202,29 @@ class Client:
             request_id=request_id,
             traceparent=traceparent,
         )
+        return ResponseStream(self._stub, request, resolve_timeout(timeout, self.timeout))
+
+    def chat(
+        self, messages: Sequence[Mapping[str, str]], *, timeout: float | None = None,
+        **options: Unpack[GenerateOptions],
+    ) -> GenerateResult:
+        """The assistant's reply to a conversation: ``messages`` is a list of ``{"role", "content"}``
+        mappings (roles "system", "user", "assistant"), rendered by the server with the model's
+        chat template; generation stops at the template's end-of-turn token. ``options`` are
+        ``generate``'s keyword arguments. A model without a chat template answers InvalidArgument."""
+        request = build_chat_request(messages, **options)
+        try:
+            response = self._stub.Generate(request, timeout=resolve_timeout(timeout, self.timeout))
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from err
+        return GenerateResult.from_pb(response)
+
+    def chat_stream(
+        self, messages: Sequence[Mapping[str, str]], *, timeout: float | None = None,
+        **options: Unpack[GenerateOptions],
+    ) -> ResponseStream:
+        """``chat`` as a stream of ``StreamChunk`` deltas (see ``generate_stream``)."""
+        request = build_chat_request(messages, **options)
         return ResponseStream(self._stub, request, resolve_timeout(timeout, self.timeout))
 
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:

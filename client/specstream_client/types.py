@@ -260,6 +260,7 @@ class ModelInfo:
     draft_sequences: int = 0
     draft_connected: bool = False
     gateway_in_flight: int = 0
+    has_chat_template: bool = False  # `chat()` is accepted
 
     @classmethod
     def from_pb(cls, msg: generation_pb2.ModelInfo) -> ModelInfo:
@@ -278,6 +279,7 @@ class ModelInfo:
             draft_sequences=msg.draft_sequences,
             draft_connected=msg.draft_connected,
             gateway_in_flight=msg.gateway_in_flight,
+            has_chat_template=msg.has_chat_template,
         )
 
     def to_dict(self) -> dict[str, Any]:

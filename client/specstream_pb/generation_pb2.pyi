@@ -14,11 +14,26 @@ class TokenIds(_message.Message):
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ChatMessages(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "speculation", "temperature", "top_k", "top_p", "seed", "logprobs", "top_logprobs", "traceparent")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "speculation", "temperature", "top_k", "top_p", "seed", "logprobs", "top_logprobs", "traceparent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +49,7 @@ class GenerateRequest(_message.Message):
     request_id: str
     prompt: str
     prompt_token_ids: TokenIds
+    messages: ChatMessages
     max_new_tokens: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -46,7 +62,7 @@ class GenerateRequest(_message.Message):
     logprobs: bool
     top_logprobs: int
     traceparent: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., speculation: _Optional[_Union[_common_pb2.Speculation, _Mapping]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., speculation: _Optional[_Union[_common_pb2.Speculation, _Mapping]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "stats", "timings", "logprobs", "seed")
@@ -97,7 +113,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("target_model", "draft_model", "vocab_size", "max_context_length", "max_new_tokens_limit", "max_gamma", "default_gamma", "eos_token_ids", "running_sequences", "queued_sequences", "free_slots", "draft_sequences", "draft_connected", "gateway_in_flight", "gateway_queued", "replicas")
+    __slots__ = ("target_model", "draft_model", "vocab_size", "max_context_length", "max_new_tokens_limit", "max_gamma", "default_gamma", "eos_token_ids", "running_sequences", "queued_sequences", "free_slots", "draft_sequences", "draft_connected", "gateway_in_flight", "gateway_queued", "replicas", "has_chat_template")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +130,7 @@ class ModelInfo(_message.Message):
     GATEWAY_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_QUEUED_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     draft_model: str
     vocab_size: int
@@ -130,7 +147,8 @@ class ModelInfo(_message.Message):
     gateway_in_flight: int
     gateway_queued: int
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
-    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_gamma: _Optional[int] = ..., default_gamma: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., running_sequences: _Optional[int] = ..., queued_sequences: _Optional[int] = ..., free_slots: _Optional[int] = ..., draft_sequences: _Optional[int] = ..., draft_connected: _Optional[bool] = ..., gateway_in_flight: _Optional[int] = ..., gateway_queued: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ...) -> None: ...
+    has_chat_template: bool
+    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_gamma: _Optional[int] = ..., default_gamma: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., running_sequences: _Optional[int] = ..., queued_sequences: _Optional[int] = ..., free_slots: _Optional[int] = ..., draft_sequences: _Optional[int] = ..., draft_connected: _Optional[bool] = ..., gateway_in_flight: _Optional[int] = ..., gateway_queued: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
     __slots__ = ("address", "connected", "serving", "running", "queued", "free_slots", "max_slots", "routed", "requeued", "batch")
