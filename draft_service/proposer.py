@@ -8,6 +8,8 @@ Greedy items (temperature 0) guess the argmax. Sampling items process the logits
 target does (specstream.sampling), cut q to its `q_support` most likely tokens, renormalise, and
 draw x ~ q with the sequence's own counter-based uniforms; the cut q is returned with each guess,
 so the target verifies against exactly the distribution that was sampled (design §5).
+A draft that predicts over a subset of the vocabulary (``model.output_token_ids``) has its
+columns mapped back to token ids before anything leaves here.
 Knows nothing about gRPC or about the target: keys are opaque.
 """
 
@@ -123,7 +125,7 @@ class DraftProposer:
         `_Picker.tables`)."""
         batch, steps = len(rows), max(gammas)
         device = self.model.device
-        picker = _Picker([item for _, item, _ in rows], steps, self.q_support, device)
+        picker = _Picker([item for _, item, _ in rows], steps, self.q_support, device, self.model.output_token_ids)
         first = torch.empty(batch, dtype=torch.int64, device=device)  # [B]
         by_len: dict[int, list[int]] = defaultdict(list)
         for b, (_, item, _) in enumerate(rows):
@@ -151,8 +153,11 @@ class DraftProposer:
 class _Picker:
     """Chooses each guess: argmax for greedy rows, x ~ truncated q for sampling rows (keeping q)."""
 
-    def __init__(self, items: list[ProposeItem], steps: int, support: int, device: torch.device) -> None:
+    def __init__(self, items: list[ProposeItem], steps: int, support: int, device: torch.device,
+                 output_ids: torch.Tensor | None = None) -> None:
         self.params = [item.sampling for item in items]
+        # A draft over a vocabulary subset picks logit columns; output_ids [N] maps them to token ids.
+        self.output_ids = output_ids
         self.sampling = [b for b, p in enumerate(self.params) if not p.greedy]
         self.support = support
         if not self.sampling:
@@ -167,13 +172,19 @@ class _Picker:
 
     def pick(self, logits: torch.Tensor, members: list[int], step: int) -> torch.Tensor:
         """logits [b, V] of the rows `members` at guess `step` -> tokens [b]."""
-        tokens = kernels.argmax(logits)  # [b]
+        tokens = kernels.argmax(logits)  # [b] logit columns
+        if self.output_ids is not None:
+            tokens = self.output_ids[tokens]  # [b] token ids
         local = [i for i, b in enumerate(members) if not self.params[b].greedy]
         if not local:
             return tokens
         rows = [members[i] for i in local]
-        probs = process_logits(logits[local], [self.params[b] for b in rows])  # [s, V]
+        # q lives on the draft's columns (a subset of the vocabulary is fine: the target verifies
+        # against exactly the q that was sampled from, whatever its support).
+        probs = process_logits(logits[local], [self.params[b] for b in rows])  # [s, V or N]
         ids, q = truncate(probs, self.support)  # [s, K]: exactly what is sampled from and sent
+        if self.output_ids is not None:
+            ids = self.output_ids[ids]  # [s, K] token ids
         tokens[local] = ids.gather(1, sample_rows(q, self.u[rows, step])[:, None]).squeeze(1)
         width = ids.shape[1]
         self.q_ids[rows, step, :width] = ids

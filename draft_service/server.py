@@ -22,6 +22,7 @@ from specstream.compute import compute_executor
 from specstream.config import DraftConfig
 from specstream.grpc_server import ServiceServer
 from specstream.metrics import DraftMetrics
+from specstream.model_registry import resolve_dtype, resolve_model
 from specstream.models import load_model
 from specstream_pb import draft_pb2, draft_pb2_grpc
 
@@ -77,7 +78,9 @@ async def serve(config: DraftConfig) -> None:
     def build() -> DraftProposer | SyntheticProposer:
         if config.synthetic_oracle:
             return SyntheticProposer.from_file(config.synthetic_oracle, config.synthetic_alpha, config.synthetic_seed)
-        model = load_model(config.model.path, dtype=config.model.dtype, device=config.model.device)
+        spec = config.model
+        model = load_model(resolve_model(spec.path), dtype=resolve_dtype(spec.dtype, spec.device), device=spec.device,
+                           resolve=resolve_model)
         return DraftProposer(model, config.max_slots, config.max_seq_len, config.q_support)
 
     proposer = await asyncio.get_running_loop().run_in_executor(compute, build)

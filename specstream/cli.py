@@ -31,8 +31,10 @@ def _server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
 
 
 def _model_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
-    p.add_argument("--model", required=required, help="Hugging Face model directory")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--model", required=required,
+                   help="a model name (smollm2), a .gguf file or a Hugging Face checkpoint directory")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 where the device computes it natively, else float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--threads", type=int, default=0, help="CPU threads for the model (0: one per core)")
@@ -133,21 +135,48 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     return _run_service(args, lambda: serve(config))
 
 
-def _stack_spec(args: argparse.Namespace):
-    from specstream.default_models import RANDOM_INIT_NOTICE, default_model_dirs
-    from specstream.launcher import StackSpec
+def pair_models(name: str) -> tuple[str, str | None, str]:
+    """(target, draft, dtype) of a named pair (specstream.model_registry.PAIRS); the demo-small pair
+    falls back to a random-init pair, and says so, when its files are missing."""
+    from specstream.model_registry import PAIRS
 
-    target, draft = args.target, args.draft
-    if target is None:
-        d_target, d_draft, random_init = default_model_dirs()
-        target, draft = str(d_target), draft or str(d_draft)
+    pair = PAIRS[name]
+    if name == "demo-small":
+        from specstream.default_models import RANDOM_INIT_NOTICE, default_model_dirs
+
+        target, draft, random_init = default_model_dirs()
         if random_init:
             print(RANDOM_INIT_NOTICE, flush=True)
+        return str(target), str(draft), pair.dtype
+    return pair.target, pair.draft, pair.dtype
+
+
+def _models_flag(p: argparse.ArgumentParser) -> None:
+    from specstream.model_registry import DEFAULT_PAIR, PAIRS
+
+    p.add_argument("--models", choices=sorted(PAIRS), default=DEFAULT_PAIR,
+                   help="named target + draft pair: " + "; ".join(f"{k}: {v.about}" for k, v in PAIRS.items()))
+
+
+def _chosen_models(args: argparse.Namespace) -> tuple[str, str | None, str]:
+    """--target/--draft/--dtype, filled from the --models pair where not given."""
+    if args.target is None:
+        target, draft, dtype = pair_models(args.models)
+        draft = args.draft or draft
+    else:
+        target, draft, dtype = args.target, args.draft, "auto"
+    return target, draft, args.dtype or dtype
+
+
+def _stack_spec(args: argparse.Namespace):
+    from specstream.launcher import StackSpec
+
+    target, draft, dtype = _chosen_models(args)
     if args.no_draft:
         draft = None
     return StackSpec(target_model=target, draft_model=draft, gateway_port=args.port, host=args.host,
                      gamma=args.gamma, max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len,
-                     dtype=args.dtype,
+                     dtype=dtype,
                      log_dir=args.log_dir, draft_threads=args.draft_threads, target_threads=args.target_threads,
                      target_replicas=args.replicas, extra_target_args=_batching_args(args), metrics=args.metrics,
                      trace_file=os.path.abspath(args.trace_file) if args.trace_file else None)
@@ -210,6 +239,17 @@ def _int_in(flag: str, lo: int, hi: int):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    return _call(args, None)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+        [{"role": "user", "content": args.prompt}]
+    return _call(args, messages)
+
+
+def _call(args: argparse.Namespace, messages: list[dict[str, str]] | None) -> int:
+    """One generate (messages None) or chat call with the shared flags; prints text or JSON."""
     from specstream_client import Client, SpecstreamError
 
     # Ranges of temperature / top-p are the server's to check; its error names the field.
@@ -222,7 +262,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         with Client(args.url) as client:
             if args.stream:
                 last = None
-                for chunk in client.generate_stream(args.prompt, **kwargs):
+                stream = client.generate_stream(args.prompt, **kwargs) if messages is None \
+                    else client.chat_stream(messages, **kwargs)
+                for chunk in stream:
                     if not args.json:
                         print(chunk.text, end="", flush=True)
                     else:
@@ -233,7 +275,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     if last is not None and last.stats is not None:
                         _print_stats(last.stats, last.usage, last.timings, last.seed if sampled else None)
                 return 0
-            result = client.generate(args.prompt, **kwargs)
+            result = client.generate(args.prompt, **kwargs) if messages is None else client.chat(messages, **kwargs)
     except SpecstreamError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -266,6 +308,18 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
 
     cfg = TrainConfig(target_steps=args.target_steps, draft_steps=args.draft_steps, threads=args.threads)
     return main(Path(args.out) if args.out else DEMO_DIR, cfg, tuple(args.stage or ["all"]))
+
+
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specstream.distill.pipeline import DistillConfig, main
+    from specstream.model_registry import DRAFTS, models_home, resolve_model
+
+    cfg = DistillConfig(threads=args.threads, rebuild_prompts=args.rebuild_prompts)
+    work = Path(args.work_dir) if args.work_dir else models_home() / "distill" / "smollm2-135m-draft"
+    out = Path(args.out) if args.out else DRAFTS / "smollm2-135m-draft"
+    return main(resolve_model("smollm2"), out, work, cfg, tuple(args.stage or ["all"]))
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
@@ -325,13 +379,36 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _call_flags(p: argparse.ArgumentParser, default_max_new_tokens: int) -> None:
+    """Flags shared by `generate` and `chat`."""
+    p.add_argument("--url", default=os.environ.get("SPECSTREAM_URL", "127.0.0.1:50051"))
+    p.add_argument("--max-new-tokens", type=int, default=default_max_new_tokens)
+    p.add_argument("--gamma", type=_speculation, default="auto", help="auto, off, or N proposals per step (0 = off)")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0 samples")
+    p.add_argument("--top-k", type=_int_in("--top-k", 0, 2**31 - 1), default=0,
+                   help="sample from the k most likely tokens only (0: off)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="sample from the smallest most-likely set with this much mass, in (0, 1] (default 1: off)")
+    p.add_argument("--seed", type=_int_in("--seed", 0, 2**64 - 1), default=None,
+                   help="seed for sampling (default: the server picks one and reports it)")
+    p.add_argument("--logprobs", type=_int_in("--logprobs", 0, 2**31 - 1), default=None, metavar="N",
+                   help="return each token's log-probability and its N most likely alternatives (N >= 0)")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    p.add_argument("--json", action="store_true", help="print the whole response as JSON")
+
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specstream", description="Speculative-decoding LLM inference service")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="start gateway, target and draft as three processes")
-    p.add_argument("--target", help="target model directory (default: the embedded demo models)")
-    p.add_argument("--draft", help="draft model directory")
+    _models_flag(p)
+    p.add_argument("--target", help="target model: name, .gguf file or checkpoint directory (default: --models)")
+    p.add_argument("--draft", help="draft model directory (default: the --models pair's draft)")
     p.add_argument("--no-draft", action="store_true", help="run without a draft service (plain decoding)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="gateway port (0: pick a free one)")
@@ -340,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=_int_in("--replicas", 1, 64), default=1,
                    help="target processes behind the gateway (they share one draft service)")
     p.add_argument("--max-seq-len", type=int, default=2048)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="default: the --models pair's (auto: bfloat16 where native, else float32)")
     p.add_argument("--draft-threads", type=int, default=1, help="CPU threads of the draft model (0: one per core)")
     p.add_argument("--target-threads", type=int, default=0, help="CPU threads of the target model (0: one per core)")
     p.add_argument("--log-dir", help="write each service's log here instead of the terminal")
@@ -376,7 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-url", required=True, action="append",
                    help="host:port or dns:///host:port of a target replica; repeatable or comma-separated. "
                         "A name resolving to several addresses is one replica per address (resolved at startup)")
-    p.add_argument("--tokenizer", required=True, help="directory with tokenizer.json (the target's model dir)")
+    p.add_argument("--tokenizer", required=True,
+                   help="the target's model (name, .gguf file or directory with tokenizer.json)")
     p.add_argument("--max-new-tokens-limit", type=int, default=1024)
     p.add_argument("--max-in-flight", type=int, default=256)
     p.add_argument("--max-queue", type=int, default=256,
@@ -385,26 +464,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests a replica may hold waiting beyond its slots (default: its max_slots)")
     p.set_defaults(func=cmd_gateway)
 
-    p = sub.add_parser("generate", help="call a running gateway")
+    p = sub.add_parser("generate", help="call a running gateway: complete a text prompt")
     p.add_argument("prompt")
-    p.add_argument("--url", default=os.environ.get("SPECSTREAM_URL", "127.0.0.1:50051"))
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--gamma", type=_speculation, default="auto", help="auto, off, or N proposals per step (0 = off)")
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0 samples")
-    p.add_argument("--top-k", type=_int_in("--top-k", 0, 2**31 - 1), default=0,
-                   help="sample from the k most likely tokens only (0: off)")
-    p.add_argument("--top-p", type=float, default=None,
-                   help="sample from the smallest most-likely set with this much mass, in (0, 1] (default 1: off)")
-    p.add_argument("--seed", type=_int_in("--seed", 0, 2**64 - 1), default=None,
-                   help="seed for sampling (default: the server picks one and reports it)")
-    p.add_argument("--logprobs", type=_int_in("--logprobs", 0, 2**31 - 1), default=None, metavar="N",
-                   help="return each token's log-probability and its N most likely alternatives (N >= 0)")
-    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-    p.add_argument("--stream", action="store_true", help="print text as it is generated")
-    p.add_argument("--json", action="store_true", help="print the whole response as JSON")
+    _call_flags(p, default_max_new_tokens=64)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="call a running gateway: ask the model a question (its chat template)")
+    p.add_argument("prompt", help="the user's message")
+    p.add_argument("--system", help="a system message before it (default: the template's own)")
+    _call_flags(p, default_max_new_tokens=256)
+    p.set_defaults(func=cmd_chat)
+
 
     p = sub.add_parser("train-demo", help="reproduce the shipped demo pair from the Python standard library")
     p.add_argument("--out", help="output directory (default: the package's demo_models/)")
@@ -414,6 +484,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-steps", type=int, default=1100)
     p.add_argument("--threads", type=int, default=0)
     p.set_defaults(func=cmd_train_demo, stage=None)
+
+    p = sub.add_parser("train-draft", help="reproduce the shipped SmolLM2 draft: distillation on the target's "
+                                           "own chat responses (hours on 2 CPU cores)")
+    p.add_argument("--out", help="draft directory (default: the package's drafts/smollm2-135m-draft/)")
+    p.add_argument("--work-dir", help="intermediate files (default: <model cache>/distill/smollm2-135m-draft)")
+    p.add_argument("--stage", action="append", default=None, choices=["all", "prompts", "generate", "train", "card"],
+                   help="run only these stages (repeatable)")
+    p.add_argument("--rebuild-prompts", action="store_true",
+                   help="build the prompt set anew from this machine's documentation instead of the shipped list")
+    p.add_argument("--threads", type=int, default=0)
+    p.set_defaults(func=cmd_train_draft)
 
     p = sub.add_parser("bench", help="benchmarks: table on stdout, JSON and PNG plots in --out")
     p.add_argument("kind", choices=["latency", "sampling", "synthetic", "throughput"],

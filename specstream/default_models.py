@@ -10,21 +10,17 @@ often, which exercises speculation for real, but the text is gibberish.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
+from specstream.model_registry import models_home
 from specstream.models import write_random_checkpoint
 from specstream.tokenizer import BOS_TOKEN, EOS_TOKEN, build_byte_level_tokenizer, save_tokenizer_files
 
 RANDOM_INIT_NOTICE = ("NOTE: using RANDOM-INIT demo models (no trained pair ships yet): the text is gibberish; "
                       "speculation, acceptance and speed are real.")
 _VERSION = "random-v2"
-
-
-def models_home() -> Path:
-    return Path(os.environ.get("SPECSTREAM_HOME", Path.home() / ".cache" / "specstream"))
 
 
 SHIPPED = Path(__file__).parent / "demo_models"

@@ -25,6 +25,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specstream.model_registry import resolve_model
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
@@ -57,7 +59,7 @@ def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None =
 
 @dataclass
 class StackSpec:
-    target_model: str
+    target_model: str  # model reference: name, .gguf file or checkpoint directory
     draft_model: str | None  # None: no draft service (plain decoding)
     gateway_port: int = 0  # 0 picks a free port
     host: str = "127.0.0.1"
@@ -66,7 +68,7 @@ class StackSpec:
     max_slots: int = 8  # per target replica
     target_replicas: int = 1  # target processes behind the gateway
     max_seq_len: int = 2048
-    dtype: str = "float32"
+    dtype: str = "float32"  # or "auto" (bfloat16 where native)
     draft_threads: int = 1  # CPU threads of the draft's model (0: one per core); a small draft runs best on one
     target_threads: int = 0  # CPU threads of the target's model (0: one per core)
     extra_target_args: list[str] = field(default_factory=list)
@@ -111,6 +113,8 @@ class Stack:
         ports = {"draft": free_port(spec.host), **{name: free_port(spec.host) for name in self.target_names},
                  "gateway": spec.gateway_port or free_port(spec.host)}
         self.addresses = {name: f"{spec.host}:{port}" for name, port in ports.items()}
+        # A named or GGUF target is converted here, once, before three processes would race for it.
+        target_model = str(resolve_model(spec.target_model))
         has_draft = bool(spec.draft_model or spec.synthetic)
         names = [*(["draft"] if has_draft else []), *self.target_names, "gateway"]
         metrics_ports = {name: free_port(spec.host) for name in names} if spec.metrics else {}
@@ -129,7 +133,7 @@ class Stack:
                 self._spawn("draft", ["draft", *model, "--port", str(ports["draft"]), *common,
                                       "--threads", str(spec.draft_threads), *metrics_flag("draft")])
             for name in self.target_names:
-                target_args = ["target", "--model", spec.target_model, "--port", str(ports[name]), *common,
+                target_args = ["target", "--model", target_model, "--port", str(ports[name]), *common,
                                "--gamma", str(spec.gamma), "--max-gamma", str(spec.max_gamma),
                                "--max-slots", str(spec.max_slots), "--threads", str(spec.target_threads),
                                *metrics_flag(name), *spec.extra_target_args]
@@ -138,7 +142,7 @@ class Stack:
                 self._spawn(name, target_args)
             target_urls = ",".join(self.addresses[name] for name in self.target_names)
             self._spawn("gateway", ["gateway", "--target-url", target_urls, "--tokenizer",
-                                    spec.target_model, "--host", spec.host, "--port", str(ports["gateway"]),
+                                    target_model, "--host", spec.host, "--port", str(ports["gateway"]),
                                     *metrics_flag("gateway"), *tracing, *spec.extra_gateway_args])
             for name, proc in self.procs.items():
                 wait_healthy(self.addresses[name], timeout_s, proc, should_stop)

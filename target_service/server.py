@@ -15,6 +15,7 @@ from specstream.compute import compute_executor
 from specstream.config import TargetConfig
 from specstream.grpc_server import ServiceServer
 from specstream.metrics import TargetMetrics
+from specstream.model_registry import resolve_dtype, resolve_model
 from specstream.models import load_model
 from specstream_pb import target_pb2, target_pb2_grpc
 from target_service.connection import Connection
@@ -67,8 +68,10 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
 
 async def serve(config: TargetConfig, ready_file: str | None = None) -> None:
     compute = compute_executor("engine-compute", config.torch_threads)  # all torch work
+    spec = config.model
     model = await asyncio.get_running_loop().run_in_executor(
-        compute, lambda: load_model(config.model.path, dtype=config.model.dtype, device=config.model.device))
+        compute, lambda: load_model(resolve_model(spec.path), dtype=resolve_dtype(spec.dtype, spec.device),
+                                    device=spec.device))
     draft = None
     if config.draft_url:
         draft = DraftClient(config.draft_url, config.draft_timeout_s, config.draft_retry_s,

