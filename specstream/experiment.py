@@ -24,6 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from specstream.bench import report
+from specstream.bench.models import BenchModels
 
 COMPONENTS = ["queue", "prefill", "draft", "verify", "engine other", "gateway + network"]
 WORKLOADS = {  # name: (requests, concurrent callers, speculation, throughput workload for lengths)
@@ -32,21 +33,21 @@ WORKLOADS = {  # name: (requests, concurrent callers, speculation, throughput wo
 }
 
 
-def run(target: Path, draft: Path, out_dir: Path, workload: str = "single", max_slots: int = 8) -> dict:
+def run(models: BenchModels, out_dir: Path, workload: str = "single", max_slots: int = 8) -> dict:
     from specstream.bench.throughput import workload as lengths
     from specstream.launcher import Stack, StackSpec
-    from specstream.tokenizer import TextTokenizer
 
     count, clients, gamma, kind = WORKLOADS[workload]
-    requests = lengths(TextTokenizer.from_dir(target), kind, count)
+    requests = lengths(models, kind, count)
     with tempfile.TemporaryDirectory() as tmp:
         trace_file = Path(tmp) / "spans.jsonl"
-        with Stack(StackSpec(str(target), str(draft), gamma=gamma, max_slots=max_slots, log_dir=tmp,
+        with Stack(StackSpec(str(models.target), str(models.draft), gamma=gamma, max_slots=max_slots, log_dir=tmp,
+                             dtype=models.dtype,
                              trace_file=str(trace_file))) as stack:
             asyncio.run(_drive(stack.gateway_address, requests, clients))
         spans = [json.loads(line) for line in trace_file.read_text().splitlines()]  # flushed at shutdown
     breakdown = breakdown_from_spans(spans)
-    return _report(breakdown, out_dir, workload)
+    return _report(breakdown, out_dir, workload) | {"models": models.label, "dtype": models.dtype}
 
 
 async def _drive(address: str, requests: list[tuple[list[int], int]], clients: int) -> None:

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from specstream.models import ModelLoadError
 
-__all__ = ["DEFAULT_PAIR", "DRAFTS", "MODELS", "PAIRS", "ModelPair", "WheelGGUF", "models_home", "resolve_dtype",
-           "resolve_model"]
+__all__ = ["DEFAULT_PAIR", "DRAFTS", "MODELS", "PAIRS", "ModelPair", "WheelGGUF", "models_home", "pair_refs",
+           "resolve_dtype", "resolve_model"]
 
 DRAFTS = Path(__file__).parent / "drafts"
 
@@ -110,3 +110,17 @@ PAIRS: dict[str, ModelPair] = {
                             "14M target and 1.5M draft trained on the Python standard library (tests, demos)"),
 }
 DEFAULT_PAIR = "smollm2"
+
+
+def pair_refs(name: str) -> tuple[str, str | None, str]:
+    """(target, draft, dtype) of a named pair; the demo-small pair falls back to a random-init pair,
+    and says so, when its files are missing from the installation."""
+    pair = PAIRS[name]
+    if name == "demo-small":
+        from specstream.default_models import RANDOM_INIT_NOTICE, default_model_dirs
+
+        target, draft, random_init = default_model_dirs()
+        if random_init:
+            print(RANDOM_INIT_NOTICE, flush=True)
+        return str(target), str(draft), pair.dtype
+    return pair.target, pair.draft, pair.dtype

@@ -71,4 +71,11 @@ def sampling_pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     save_file(draft, str(root / "draft" / "model.safetensors"), metadata={"format": "pt"})
     target_config = json.loads((root / "target" / "config.json").read_text())
     (root / "draft" / "config.json").write_text(json.dumps({**target_config, "num_hidden_layers": 1}))
-    return {"target": root / "target", "draft": root / "draft"}
+    # The same draft predicting over 18 of the 32 tokens only (FR-Spec style): q is 0 elsewhere.
+    subset = torch.tensor([0, 1, 2, 3, *range(4, 32, 2)], dtype=torch.int32)
+    (root / "draft_subset").mkdir()
+    save_file({**draft, "specstream.output_token_ids": subset}, str(root / "draft_subset" / "model.safetensors"),
+              metadata={"format": "pt"})
+    (root / "draft_subset" / "config.json").write_text(json.dumps(
+        {**target_config, "num_hidden_layers": 1, "specstream": {"output_vocab": len(subset)}}))
+    return {"target": root / "target", "draft": root / "draft", "draft_subset": root / "draft_subset"}

@@ -15,8 +15,8 @@ lengths, rejections and residual draws all happen (acceptance ~0.65 per token).
 
 False-alarm rate: every comparison is a chi-square test that fails when p < 1e-3, so for an exact
 implementation each fails with probability 1e-3 over the choice of seeds; this file makes
-9 first-pair + 27 last-pair speculative comparisons + 2 point-mass comparisons + 9 goodness-of-fit
-checks = 47 distinct tests, at most 4.7% together (union bound) for seeds drawn at random. The seeds are fixed, so the outcome
+9 first-pair + 27 last-pair speculative comparisons + 2 point-mass + 2 vocabulary-subset comparisons +
+9 goodness-of-fit checks = 49 distinct tests, at most 4.9% together (union bound) for seeds drawn at random. The seeds are fixed, so the outcome
 is deterministic and CI never flakes. `test_the_test_catches_a_wrong_residual` shows the same
 test fails (p < 1e-3) on a classic bug.
 """
@@ -113,6 +113,8 @@ def _jobs(pair: dict[str, Path]) -> dict[tuple, dict]:
                                                 seed=SPEC_SEED, variant="point_mass")
     jobs[("wrong_residual", 1.0, "none", 1)] = dict(base, temperature=1.0, filter={}, gamma=1, max_new_tokens=3,
                                                     seed=SPEC_SEED, variant="wrong_residual")
+    jobs[("vocab_subset", 1.0, "none", 3)] = dict(base, draft=str(pair["draft_subset"]), temperature=1.0, filter={},
+                                                  gamma=3, max_new_tokens=5, seed=SPEC_SEED)
     return jobs
 
 
@@ -199,6 +201,15 @@ def test_speculative_sampling_matches_target_sampling(samples, temperature, filt
 def test_model_free_proposals_are_point_masses(samples):
     """Proposals that come without q (an n-gram style proposer) are verified as point masses."""
     spec = samples[("point_mass", 1.0, "none", 3)]
+    reference = samples[("reference", 1.0, "none")]
+    first = two_sample_p_value(_pairs(spec, 1), _pairs(reference, 1))
+    last = two_sample_p_value(_pairs(spec, 4), _pairs(reference, 4))
+    assert first > THRESHOLD and last > THRESHOLD, (first, last)
+
+
+def test_a_draft_over_a_vocabulary_subset_keeps_the_distribution(samples):
+    """A draft whose q covers 18 of the 32 tokens (and none of the others) is verified exactly too."""
+    spec = samples[("vocab_subset", 1.0, "none", 3)]
     reference = samples[("reference", 1.0, "none")]
     first = two_sample_p_value(_pairs(spec, 1), _pairs(reference, 1))
     last = two_sample_p_value(_pairs(spec, 4), _pairs(reference, 4))

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from specstream.models import CausalLM, load_model
+from specstream.bench.models import BenchModels
+from specstream.models import CausalLM
 
 
 def step_ms(model: CausalLM, context: int, tokens: int, repeats: int = 30) -> float:
@@ -32,15 +32,14 @@ def step_ms(model: CausalLM, context: int, tokens: int, repeats: int = 30) -> fl
     return statistics.median(times[3:])
 
 
-def measure_costs(target_dir: Path, draft_dir: Path | None, context: int, gammas: list[int],
-                  draft_threads: int = 1) -> dict:
-    target = load_model(target_dir)
-    result = {"context": context, "target_step_ms": step_ms(target, context, 1),
+def measure_costs(models: BenchModels, context: int, gammas: list[int], draft_threads: int = 1) -> dict:
+    target = models.load("target")
+    result = {"context": context, "dtype": models.dtype, "target_step_ms": step_ms(target, context, 1),
               "target_verify_ms": {g: step_ms(target, context, g + 1) for g in gammas}}
-    if draft_dir is not None:
+    if models.draft is not None:
         threads = torch.get_num_threads()
         torch.set_num_threads(draft_threads)  # as the draft service runs it
-        result["draft_step_ms"] = step_ms(load_model(draft_dir), context, 1)
+        result["draft_step_ms"] = step_ms(models.load("draft"), context, 1)
         torch.set_num_threads(threads)
         result["c"] = result["draft_step_ms"] / result["target_step_ms"]
     return result

@@ -1,6 +1,6 @@
-"""Hugging Face transformers on the same checkpoints and prompts: `generate()` plain and with
-`assistant_model=` (assisted generation), batch 1, greedy or sampled. A benchmark/test dependency
-only.
+"""Hugging Face transformers on the same checkpoints and prompts: `generate()` plain, with
+`assistant_model=` (assisted generation with our draft's layers) and with prompt lookup, batch 1,
+greedy or sampled. A benchmark/test dependency only.
 
 Sampled runs use the full distribution at the given temperature (top_k=0: transformers' default
 top_k=50 would otherwise truncate it, unlike our requests) and seed torch's global RNG with the
@@ -11,35 +11,43 @@ token ids as ours."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 
+from specstream.bench.models import BenchModels
 
-def hf_generate(target_dir: Path, draft_dir: Path | None, prompts: list[list[int]], max_new_tokens: int,
-                threads: int = 0, temperature: float = 0.0) -> dict:
-    """Tokens/s of plain generate() and, given a draft, of assisted generation; plus the token
-    ids (greedy: to check they equal ours). temperature 0 is greedy; > 0 samples."""
+MODES = ("plain", "assisted", "assisted_heuristic", "prompt_lookup")
+
+
+def hf_generate(models: BenchModels, prompts: list[list[int]], max_new_tokens: int, threads: int = 0,
+                temperature: float = 0.0, dtype: str | None = None, modes: tuple[str, ...] = MODES) -> dict:
+    """Tokens/s of plain generate() and of assisted generation (our draft's layers as the assistant
+    model, see BenchModels.hf_draft; and transformers' model-free prompt lookup), plus the token
+    ids (greedy: to check they equal ours). temperature 0 is greedy; > 0 samples. ``dtype``:
+    default the pair's serving dtype, so both sides do the same arithmetic."""
     from transformers import AutoModelForCausalLM
 
     if threads:
         torch.set_num_threads(threads)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval() if draft_dir else None
-    modes = {"plain": ({}, None)}
+    torch_dtype = getattr(torch, dtype or models.dtype)
+    target = AutoModelForCausalLM.from_pretrained(models.target, dtype=torch_dtype).eval()
+    draft_dir = models.hf_draft()
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch_dtype).eval() if draft_dir else None
+    available = {"plain": ({}, None), "prompt_lookup": ({"prompt_lookup_num_tokens": 10}, None)}
     if draft is not None:
         # transformers' defaults (20 proposals, constant, stop early when the assistant's confidence
         # drops below 0.4), and the heuristic schedule of the assisted-generation blog post (start
         # at 5, +2 after a fully accepted step, -1 otherwise).
-        modes["assisted"] = ({"assistant_model": draft}, {})
-        modes["assisted_heuristic"] = ({"assistant_model": draft},
-                                       {"num_assistant_tokens": 5, "num_assistant_tokens_schedule": "heuristic",
-                                        "assistant_confidence_threshold": 0.0})
+        available["assisted"] = ({"assistant_model": draft}, {})
+        available["assisted_heuristic"] = ({"assistant_model": draft},
+                                           {"num_assistant_tokens": 5, "num_assistant_tokens_schedule": "heuristic",
+                                            "assistant_confidence_threshold": 0.0})
     defaults = {k: getattr(draft.generation_config, k, None) for k in
                 ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")} \
         if draft is not None else {}
     results = {}
-    for name, (extra, assistant_config) in modes.items():
+    for name in (m for m in modes if m in available):
+        extra, assistant_config = available[name]
         if draft is not None:
             for key, value in {**defaults, **(assistant_config or {})}.items():
                 setattr(draft.generation_config, key, value)
@@ -62,6 +70,9 @@ def hf_generate(target_dir: Path, draft_dir: Path | None, prompts: list[list[int
                 tokens += len(new)
                 outputs.append(new)
         results[name] = {"tokens_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds, "token_ids": outputs,
+                         "dtype": str(torch_dtype).removeprefix("torch."),
+                         "assistant": ("our draft's layers, full-vocabulary head" if "assistant_model" in extra
+                                       else "prompt lookup, 10 tokens" if name == "prompt_lookup" else None),
                          "assistant_config": {**defaults, **(assistant_config or {})} if assistant_config is not None
                          else None}
     return results

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from specstream.bench import report
 from specstream.bench.costs import measure_costs
+from specstream.bench.models import BenchModels
 from specstream.bench.theory import expected_speedup, expected_tokens_per_pass
 from specstream.launcher import Stack, StackSpec
-from specstream.tokenizer import TextTokenizer
 
 DEFAULT_GAMMAS = [0, 1, 2, 3, 4, 6, 8]
 
@@ -60,24 +60,22 @@ def sweep(address: str, prompts: list[list[int]], gammas: list[int], max_new_tok
     return results
 
 
-def run(target_dir: Path, draft_dir: Path, out_dir: Path, n_prompts: int = 8, max_new_tokens: int = 128,
+def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: int = 128,
         gammas: list[int] | None = None, with_hf: bool = True) -> dict:
     gammas = gammas or DEFAULT_GAMMAS
-    tok = TextTokenizer.from_dir(target_dir)
-    from specstream.bench.prompts import held_out_prompts
-
-    prompts = held_out_prompts(tok, n_prompts)
-    context = len(prompts[0]) + max_new_tokens // 2
-    print(f"measuring the cost ratio c at context {context} ...", flush=True)
-    costs = measure_costs(target_dir, draft_dir, context, [g for g in gammas if g])
-    with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(str(target_dir), str(draft_dir), max_gamma=16,
-                                                                 log_dir=logs)) as stack:
+    prompts = models.prompts(n_prompts)
+    context = sum(len(p) for p in prompts) // len(prompts) + max_new_tokens // 2
+    print(f"{models.label} ({models.dtype}): measuring the cost ratio c at context {context} ...", flush=True)
+    costs = measure_costs(models, context, [g for g in gammas if g])
+    with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(str(models.target), str(models.draft), max_gamma=16,
+                                                                 dtype=models.dtype, log_dir=logs)) as stack:
         print(f"stack up at {stack.gateway_address}; sweeping gamma {gammas} over {len(prompts)} prompts x "
               f"{max_new_tokens} tokens ...", flush=True)
         ours = sweep(stack.gateway_address, prompts, gammas, max_new_tokens)
     baseline = ours[0]["token_ids"]
     mismatched = [g for g in gammas if ours[g]["token_ids"] != baseline]
-    assert not mismatched, f"speculative output differs from plain decoding at gamma {mismatched}"
+    if mismatched:
+        raise RuntimeError(f"speculative output differs from plain decoding at gamma {mismatched}")
     rows = []
     for gamma in gammas:
         r = score(ours, gamma, costs)
@@ -92,37 +90,14 @@ def run(target_dir: Path, draft_dir: Path, out_dir: Path, n_prompts: int = 8, ma
                      r["of_theory"], r["ms_per_pass"], r["overhead_ms_per_pass"]])
     headers = ["gamma", "tok/s", "alpha", "mean acc len", "c", "theory x", "theory x (verify cost)", "measured x",
                "of theory", "ms/pass", "overhead ms/pass"]
-    result = {"target": display(target_dir), "draft": display(draft_dir), "prompts": len(prompts),
+    result = {"models": models.label, "target": display(models.target), "draft": display(models.draft),
+              "dtype": models.dtype, "chat_prompts": models.chat, "prompts": len(prompts),
               "max_new_tokens": max_new_tokens, "costs": costs, "gammas": {g: public(ours[g]) for g in gammas}}
     print("\n" + report.table(headers, rows), flush=True)
     best = max((g for g in gammas if g), key=lambda g: ours[g]["tokens_per_s"])
-    if with_hf:
-        from specstream.bench.hf import hf_generate
-
-        print("\nHugging Face transformers on the same checkpoints and prompts ...", flush=True)
-        hf = hf_generate(target_dir, draft_dir, prompts, max_new_tokens)
-        same = {mode: hf[mode]["token_ids"] == baseline for mode in hf}
-        result["hf"] = {mode: {k: v for k, v in hf[mode].items() if k != "token_ids"} | {"same_tokens": same[mode]}
-                        for mode in hf}
-        hf_rows = [["specstream gamma=0", ours[0]["tokens_per_s"], 1.0],
-                   [f"specstream gamma={best}", ours[best]["tokens_per_s"], ours[best]["tokens_per_s"] / ours[0]["tokens_per_s"]],
-                   ["HF generate()", hf["plain"]["tokens_per_s"], hf["plain"]["tokens_per_s"] / ours[0]["tokens_per_s"]],
-                   ["HF assisted (defaults)", hf["assisted"]["tokens_per_s"],
-                    hf["assisted"]["tokens_per_s"] / ours[0]["tokens_per_s"]],
-                   ["HF assisted (heuristic, start 5)", hf["assisted_heuristic"]["tokens_per_s"],
-                    hf["assisted_heuristic"]["tokens_per_s"] / ours[0]["tokens_per_s"]]]
-        best_hf = max(hf[m]["tokens_per_s"] for m in ("assisted", "assisted_heuristic"))
-        print(report.table(["system", "tok/s", "x specstream gamma=0"], hf_rows))
-        print(f"ours (gamma={best}) / best HF assisted: {ours[best]['tokens_per_s'] / best_hf:.2f}x; "
-              f"HF outputs identical to ours: {same}", flush=True)
-        result["ours_over_best_hf_assisted"] = ours[best]["tokens_per_s"] / best_hf
-        report.plot_bars(out_dir / "latency_vs_hf.png", "Batch-1 greedy tokens/s, same checkpoints and prompts",
-                         "tokens/s", {"specstream γ=0": ours[0]["tokens_per_s"],
-                                      f"specstream γ={best}": ours[best]["tokens_per_s"],
-                                      "HF generate": hf["plain"]["tokens_per_s"],
-                                      "HF assisted": hf["assisted"]["tokens_per_s"],
-                                      "HF assisted (heuristic)": hf["assisted_heuristic"]["tokens_per_s"]})
     result["best_gamma"] = best
+    if with_hf:
+        _compare_with_peers(result, ours, best, models, prompts, max_new_tokens, out_dir)
     result["table_markdown"] = report.markdown_table(headers, rows)
     report.plot_lines(out_dir / "latency_speedup.png", "Speedup over γ=0: measured vs theory", "γ",
                       "speedup (x)", {"measured": (gammas, [ours[g]["speedup"] for g in gammas]),
@@ -132,6 +107,82 @@ def run(target_dir: Path, draft_dir: Path, out_dir: Path, n_prompts: int = 8, ma
     print(f"\nwrote {out_dir / 'latency.json'}, {out_dir / 'latency_speedup.png'}"
           + (f", {out_dir / 'latency_vs_hf.png'}" if with_hf else ""), flush=True)
     return result
+
+
+def _compare_with_peers(result: dict, ours: dict[int, dict], best: int, models: BenchModels,
+                        prompts: list[list[int]], max_new_tokens: int, out_dir: Path) -> None:
+    """transformers (plain in the serving dtype and in float32, assisted with our draft's layers,
+    prompt lookup) and, when installed, llama.cpp on the same GGUF file; the stack is down by now."""
+    from specstream.bench.hf import hf_generate
+
+    print("\nHugging Face transformers on the same checkpoints and prompts ...", flush=True)
+    baseline = ours[0]["token_ids"]
+    hf = hf_generate(models, prompts, max_new_tokens)
+    if models.dtype != "float32":
+        hf["plain_float32"] = hf_generate(models, prompts, max_new_tokens, dtype="float32", modes=("plain",))["plain"]
+    peers = {f"HF {mode}": hf[mode] for mode in hf}
+    llama = llama_cpp_generate(models, prompts, max_new_tokens)
+    if llama is not None:
+        peers.update({f"llama.cpp {mode}": r for mode, r in llama.items()})
+    result["peers"] = {name: {k: v for k, v in r.items() if k != "token_ids"}
+                       | {"same_tokens_as_ours": r["token_ids"] == baseline} for name, r in peers.items()}
+    plain = ours[0]["tokens_per_s"]
+    rows = [["specstream gamma=0", models.dtype, plain, 1.0, "-"],
+            [f"specstream gamma={best}", models.dtype, ours[best]["tokens_per_s"], ours[best]["tokens_per_s"] / plain,
+             "our draft"]]
+    rows += [[name, r.get("dtype", "-"), r["tokens_per_s"], r["tokens_per_s"] / plain, r.get("assistant") or "-"]
+             for name, r in peers.items()]
+    print(report.table(["system", "dtype", "tok/s", "x specstream gamma=0", "draft"], rows))
+    assisted = {n: r["tokens_per_s"] for n, r in peers.items() if n.startswith("HF ") and r.get("assistant")}
+    best_hf = max(assisted, key=assisted.get) if assisted else None
+    if best_hf is not None:
+        result["best_hf_assisted"] = best_hf
+        result["ours_over_best_hf_assisted"] = ours[best]["tokens_per_s"] / assisted[best_hf]
+    result["ours_plain_over_hf_plain"] = plain / hf["plain"]["tokens_per_s"]
+    print(f"ours plain / HF plain ({models.dtype}): {result['ours_plain_over_hf_plain']:.2f}x; ours (gamma={best}) / "
+          f"best HF assisted ({best_hf}): {result.get('ours_over_best_hf_assisted', float('nan')):.2f}x; "
+          f"identical outputs: { {n: v['same_tokens_as_ours'] for n, v in result['peers'].items()} }", flush=True)
+    result["peers_table_markdown"] = report.markdown_table(["system", "dtype", "tok/s", "x specstream gamma=0", "draft"],
+                                                           rows)
+    report.plot_bars(out_dir / "latency_vs_hf.png", f"Batch-1 greedy tokens/s, {models.label}, same prompts",
+                     "tokens/s", {"specstream γ=0": plain, f"specstream γ={best}": ours[best]["tokens_per_s"],
+                                  **{name: r["tokens_per_s"] for name, r in peers.items()}})
+
+
+def llama_cpp_generate(models: BenchModels, prompts: list[list[int]], max_new_tokens: int) -> dict | None:
+    """llama.cpp (llama-cpp-python) greedy on the target's original GGUF file, plain and with its
+    prompt-lookup draft; None (and a note) when the package or the file is not there."""
+    try:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        print("llama.cpp: not installed (pip install llama-cpp-python to include it)", flush=True)
+        return None
+    gguf = models.gguf
+    if gguf is None:
+        print("llama.cpp: the target has no GGUF file to run", flush=True)
+        return None
+    import os
+    import time
+
+    results = {}
+    for mode, draft in (("plain", None), ("prompt_lookup", LlamaPromptLookupDecoding(num_pred_tokens=10))):
+        llm = Llama(model_path=str(gguf), n_ctx=2048, n_threads=os.cpu_count(), draft_model=draft, verbose=False)
+        tokens, seconds, outputs = 0, 0.0, []
+        for prompt in prompts:
+            llm.reset()
+            start = time.perf_counter()
+            out = []
+            for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+                out.append(int(token))
+                if len(out) == max_new_tokens:
+                    break
+            seconds += time.perf_counter() - start
+            tokens += len(out)
+            outputs.append(out)
+        results[mode] = {"tokens_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds, "token_ids": outputs,
+                         "dtype": "GGUF as stored", "assistant": "prompt lookup, 10 tokens" if draft else None}
+    return results
 
 
 def score(by_gamma: dict[int, dict], gamma: int, costs: dict) -> dict:
@@ -148,8 +199,10 @@ def score(by_gamma: dict[int, dict], gamma: int, costs: dict) -> dict:
     return r
 
 
-def display(path: Path) -> str:
+def display(path: Path | None) -> str:
     """The path relative to the working directory when under it (results get committed)."""
+    if path is None:
+        return "-"
     try:
         return str(Path(path).resolve().relative_to(Path.cwd()))
     except ValueError:

@@ -65,3 +65,22 @@ def plot_bars(path: Path, title: str, ylabel: str, bars: dict[str, float]) -> No
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_stacked(path: Path, title: str, ylabel: str, columns: list[str], parts: dict[str, list[float]]) -> None:
+    """One stacked bar per column; ``parts`` maps a component to its value in each column."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    bottom = [0.0] * len(columns)
+    for label, values in parts.items():
+        ax.bar(columns, values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set(title=title, ylabel=ylabel)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

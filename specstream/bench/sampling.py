@@ -20,9 +20,8 @@ from pathlib import Path
 from specstream.bench import report
 from specstream.bench.costs import measure_costs
 from specstream.bench.latency import display, public, score, sweep
-from specstream.bench.prompts import held_out_prompts
+from specstream.bench.models import BenchModels
 from specstream.launcher import Stack, StackSpec
-from specstream.tokenizer import TextTokenizer
 
 DEFAULT_TEMPERATURES = [0.0, 0.7, 1.0]
 DEFAULT_GAMMAS = [0, 2, 4, 6]
@@ -30,36 +29,38 @@ HEADERS = ["T", "gamma", "tok/s", "alpha", "accepted frac", "mean acc len", "the
            "measured x", "of theory"]
 
 
-def run(target_dir: Path, draft_dir: Path, out_dir: Path, n_prompts: int = 8, max_new_tokens: int = 128,
+def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: int = 128,
         temperatures: list[float] | None = None, gammas: list[int] | None = None, with_hf: bool = True) -> dict:
     temperatures = DEFAULT_TEMPERATURES if temperatures is None else temperatures
     gammas = DEFAULT_GAMMAS if gammas is None else gammas
     _check(temperatures, gammas)
-    prompts = held_out_prompts(TextTokenizer.from_dir(target_dir), n_prompts)
-    context = len(prompts[0]) + max_new_tokens // 2
-    print(f"measuring the cost ratio c at context {context} ...", flush=True)
-    costs = measure_costs(target_dir, draft_dir, context, [g for g in gammas if g])
+    prompts = models.prompts(n_prompts)
+    context = sum(len(p) for p in prompts) // len(prompts) + max_new_tokens // 2
+    print(f"{models.label} ({models.dtype}): measuring the cost ratio c at context {context} ...", flush=True)
+    costs = measure_costs(models, context, [g for g in gammas if g])
     ours: dict[float, dict[int, dict]] = {}
-    with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(str(target_dir), str(draft_dir), max_gamma=16,
-                                                                 log_dir=logs)) as stack:
+    with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(str(models.target), str(models.draft), max_gamma=16,
+                                                                 dtype=models.dtype, log_dir=logs)) as stack:
         for t in temperatures:
             print(f"T={t}: sweeping gamma {gammas} over {len(prompts)} prompts x {max_new_tokens} tokens ...",
                   flush=True)
             ours[t] = sweep(stack.gateway_address, prompts, gammas, max_new_tokens, temperature=t)
     if 0.0 in ours:
         mismatched = [g for g in gammas if ours[0.0][g]["token_ids"] != ours[0.0][0]["token_ids"]]
-        assert not mismatched, f"greedy speculative output differs from plain decoding at gamma {mismatched}"
+        if mismatched:
+            raise RuntimeError(f"greedy speculative output differs from plain decoding at gamma {mismatched}")
     rows = []
     for t in temperatures:
         for gamma in gammas:
             rows.append(_score(ours[t], gamma, costs, t))
-    result = {"target": display(target_dir), "draft": display(draft_dir), "prompts": len(prompts),
+    result = {"models": models.label, "target": display(models.target), "draft": display(models.draft),
+              "dtype": models.dtype, "chat_prompts": models.chat, "prompts": len(prompts),
               "max_new_tokens": max_new_tokens, "seeds": "prompt index", "costs": costs,
               "temperatures": {t: {"gammas": {g: public(ours[t][g]) for g in gammas},
                                    "best_gamma": _best(ours[t])} for t in temperatures}}
     print("\n" + report.table(HEADERS, rows), flush=True)
     if with_hf:
-        _compare_with_hf(result, ours, target_dir, draft_dir, prompts, max_new_tokens)
+        _compare_with_hf(result, ours, models, prompts, max_new_tokens)
     result["table_markdown"] = report.markdown_table(HEADERS, rows)
     report.plot_lines(out_dir / "sampling_speedup.png", "Speculative sampling: speedup over γ=0 at each T", "γ",
                       "speedup (x)", {f"T={t}": (gammas, [ours[t][g]["speedup"] for g in gammas])
@@ -88,7 +89,7 @@ def _best(by_gamma: dict[int, dict]) -> int:
     return max((g for g in by_gamma if g), key=lambda g: by_gamma[g]["tokens_per_s"])
 
 
-def _compare_with_hf(result: dict, ours: dict[float, dict[int, dict]], target_dir: Path, draft_dir: Path,
+def _compare_with_hf(result: dict, ours: dict[float, dict[int, dict]], models: BenchModels,
                      prompts: list[list[int]], max_new_tokens: int) -> None:
     """Hugging Face plain and assisted sampling at each T > 0 (the stack is down by now)."""
     from specstream.bench.hf import hf_generate
@@ -99,17 +100,18 @@ def _compare_with_hf(result: dict, ours: dict[float, dict[int, dict]], target_di
     print("\nHugging Face transformers, do_sample=True, top_k=0, same checkpoints, prompts and seeds ...",
           flush=True)
     rows = []
+    modes = ("plain", "assisted", "assisted_heuristic", "prompt_lookup")
     for t in sampled:
-        hf = hf_generate(target_dir, draft_dir, prompts, max_new_tokens, temperature=t)
+        hf = hf_generate(models, prompts, max_new_tokens, temperature=t, modes=modes)
         best = _best(ours[t])
-        best_hf = max(hf[m]["tokens_per_s"] for m in ("assisted", "assisted_heuristic"))
+        best_hf = max((m for m in hf if m != "plain"), key=lambda m: hf[m]["tokens_per_s"])
         entry = result["temperatures"][t]
         entry["hf"] = {mode: {k: v for k, v in hf[mode].items() if k != "token_ids"} for mode in hf}
-        entry["ours_over_best_hf_assisted"] = ours[t][best]["tokens_per_s"] / best_hf
+        entry["best_hf_assisted"] = best_hf
+        entry["ours_over_best_hf_assisted"] = ours[t][best]["tokens_per_s"] / hf[best_hf]["tokens_per_s"]
         rows.append([f"{t:g}", ours[t][0]["tokens_per_s"], f"{ours[t][best]['tokens_per_s']:.1f} (gamma={best})",
-                     hf["plain"]["tokens_per_s"], hf["assisted"]["tokens_per_s"],
-                     hf["assisted_heuristic"]["tokens_per_s"], entry["ours_over_best_hf_assisted"]])
+                     *(hf[m]["tokens_per_s"] if m in hf else "-" for m in modes), entry["ours_over_best_hf_assisted"]])
     headers = ["T", "ours gamma=0", "ours best", "HF generate()", "HF assisted (defaults)",
-               "HF assisted (heuristic, start 5)", "ours best / best HF assisted"]
+               "HF assisted (heuristic, start 5)", "HF prompt lookup", "ours best / best HF assisted"]
     print(report.table(headers, rows), flush=True)
     result["hf_table_markdown"] = report.markdown_table(headers, rows)

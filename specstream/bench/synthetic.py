@@ -18,6 +18,7 @@ from pathlib import Path
 
 from specstream.bench import report
 from specstream.bench.costs import measure_costs
+from specstream.bench.models import BenchModels
 from specstream.bench.latency import sweep
 from specstream.bench.theory import expected_speedup
 from specstream.launcher import Stack, StackSpec
@@ -52,7 +53,8 @@ def run(out_dir: Path, alphas: list[float] | None = None, gammas: list[int] | No
         vocab = read_config(target).vocab_size
         rng = random.Random(0)
         prompts = [[0] + [rng.randrange(2, vocab) for _ in range(31)] for _ in range(n_prompts)]
-        costs = measure_costs(target, None, len(prompts[0]) + max_new_tokens // 2, gammas)
+        costs = measure_costs(BenchModels("synthetic", target, None, "float32"), len(prompts[0]) + max_new_tokens // 2,
+                              gammas)
         params = _params(target)
         print(f"random Llama target, {params / 1e6:.0f}M parameters; one-token step {costs['target_step_ms']:.1f} ms",
               flush=True)

@@ -22,9 +22,8 @@ from pathlib import Path
 
 from specstream.bench import report
 from specstream.bench.latency import display
-from specstream.bench.prompts import held_out_prompts
+from specstream.bench.models import BenchModels
 from specstream.launcher import Stack, StackSpec
-from specstream.tokenizer import TextTokenizer
 
 WORKLOADS = {"short": (12.0, 1.0, 256), "long": (96.0, 0.6, 512)}  # lognormal median, sigma, cap
 
@@ -53,14 +52,16 @@ def default_settings() -> list[Setting]:
     return settings
 
 
-def workload(tok: TextTokenizer, kind: str, count: int, seed: int = 0) -> list[tuple[list[int], int]]:
-    """`count` (prompt ids, max_new_tokens) pairs; the same for every setting."""
+def workload(models: BenchModels, kind: str, count: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """`count` (prompt ids, max_new_tokens) pairs; the same for every setting. Chat models get
+    whole held-out chat prompts; others a random 8..64-token prefix of a held-out file."""
     median, sigma, cap = WORKLOADS[kind]
     rng = random.Random(seed)
-    texts = held_out_prompts(tok, 32, length=64)
+    texts = models.prompts(32, length=64)
     out = []
     for i in range(count):
-        prompt = texts[i % len(texts)][: rng.randint(8, 64)]
+        text = texts[i % len(texts)]
+        prompt = text if models.chat else text[: rng.randint(8, 64)]
         budget = int(min(cap, max(1, round(math.exp(rng.gauss(math.log(median), sigma))))))
         out.append((prompt, budget))
     return out
@@ -94,10 +95,11 @@ def _batch_counters(address: str):
         return target_pb2_grpc.TargetStub(channel).GetInfo(target_pb2.TargetInfoRequest(), timeout=30).load.batch
 
 
-def measure(target: Path, draft: Path, setting: Setting, requests: list[tuple[list[int], int]]) -> dict:
+def measure(models: BenchModels, setting: Setting, requests: list[tuple[list[int], int]]) -> dict:
     clients = 2 * setting.n
     with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(
-            str(target), str(draft) if setting.gamma else None, gamma=setting.gamma or 4, max_slots=setting.n,
+            str(models.target), str(models.draft) if setting.gamma else None, gamma=setting.gamma or 4,
+            max_slots=setting.n, dtype=models.dtype,
             extra_target_args=setting.target_args(), extra_gateway_args=["--max-in-flight", str(4 * clients)],
             log_dir=logs)) as stack:
         asyncio.run(_closed_loop(stack.gateway_address, requests[:clients], clients))  # warm-up
@@ -127,18 +129,17 @@ def measure(target: Path, draft: Path, setting: Setting, requests: list[tuple[li
     }
 
 
-def run(target: Path, draft: Path, out_dir: Path, kinds: list[str], settings: list[Setting], count: int = 200) -> dict:
-    tok = TextTokenizer.from_dir(target)
+def run(models: BenchModels, out_dir: Path, kinds: list[str], settings: list[Setting], count: int = 200) -> dict:
     headers = ["workload", "setting", "tok/s", "x static", "p50 s", "p99 s", "occupancy", "occupancy (queue>0)",
                "steps", "rows/step", "padding"]
     rows, results = [], {}
     for kind in kinds:
-        requests = workload(tok, kind, count)
+        requests = workload(models, kind, count)
         print(f"{kind}: {count} requests, max_new_tokens median {sorted(b for _, b in requests)[count // 2]}, "
               f"max {max(b for _, b in requests)}", flush=True)
         for setting in settings:
             print(f"  {setting.name} ...", flush=True)
-            results[(kind, setting)] = measure(target, draft, setting, requests)
+            results[(kind, setting)] = measure(models, setting, requests)
         for setting in settings:
             r = results[(kind, setting)]
             static = results.get((kind, Setting(setting.n, "static", 1.0, setting.selection, setting.gamma)))
@@ -147,7 +148,8 @@ def run(target: Path, draft: Path, out_dir: Path, kinds: list[str], settings: li
                          r["mean_occupancy"], r["occupancy_while_queued"] or "-", r["steps"],
                          r["expansions_per_step"], r["padding_fraction"]])
     print("\n" + report.table(headers, rows), flush=True)
-    data = {"target": display(target), "draft": display(draft), "requests": count,
+    data = {"models": models.label, "target": display(models.target), "draft": display(models.draft),
+            "dtype": models.dtype, "requests": count,
             "workloads": {k: WORKLOADS[k] for k in kinds}, "table_markdown": report.markdown_table(headers, rows),
             "runs": [results[key] | {"workload": key[0]} for key in results]}
     _plot_occupancy(out_dir / "throughput_occupancy.png", results, kinds[0])

@@ -118,7 +118,8 @@ class _LlamaLayer(nn.Module):
             self.gate_up_b[inter:].copy_(src.take(m + "up_proj.bias", (inter,)))
             self.down_b.copy_(src.take(m + "down_proj.bias", (hidden,)))
 
-    def forward(self, x: torch.Tensor, batch: CacheBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, batch: CacheBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H] -> x + attention block [B, T, H]; writes this layer's K/V into the cache."""
         B, T, _ = x.shape
         D = self.head_dim
         h = rms_norm(x, self.input_norm, self.eps)  # [B, T, H]
@@ -129,10 +130,16 @@ class _LlamaLayer(nn.Module):
         v = v.view(B, T, self.num_kv_heads, D).transpose(1, 2)  # [B, Hkv, T, D]
         batch.write(self.layer, k, v)
         attn = batch.attend(self.layer, q, self.scale, self.window)  # [B, T, Hq*D]
-        x = x + F.linear(attn, self.o_w, self.o_b)  # [B, T, H]
+        return x + F.linear(attn, self.o_w, self.o_b)  # [B, T, H]
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H] -> x + MLP block [B, T, H]."""
         h = rms_norm(x, self.post_norm, self.eps)  # [B, T, H]
         gate, up = F.linear(h, self.gate_up_w, self.gate_up_b).chunk(2, dim=-1)  # 2 x [B, T, I]
         return x + F.linear(self.act(gate) * up, self.down_w, self.down_b)  # [B, T, H]
+
+    def forward(self, x: torch.Tensor, batch: CacheBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.attention(x, batch, cos, sin))  # [B, T, H]
 
 
 class LlamaForCausalLM(CausalLM):
@@ -199,6 +206,22 @@ class LlamaForCausalLM(CausalLM):
             elif self.lm_head is not None:
                 self.lm_head.copy_(source.take("lm_head.weight", (V, H)))
 
+    def embed_positions(self, input_ids: torch.Tensor, batch: CacheBatch) -> tuple[torch.Tensor, ...]:
+        """(hidden [B, T, H], cos, sin [B, 1, T, D]): the input embedding and this forward's RoPE rows."""
+        if batch.kv_len > self._rope_len:
+            # Only for caches built without new_cache; new_cache sizes the tables up front.
+            self._build_rope(batch.kv_len)
+        # One table lookup per forward, shared by every layer.
+        cos = self.rope_cos[batch.positions].unsqueeze(1)  # [B, 1, T, D]
+        sin = self.rope_sin[batch.positions].unsqueeze(1)  # [B, 1, T, D]
+        return F.embedding(input_ids.to(self.embed.device), self.embed), cos, sin  # [B, T, H], ...
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and output layer: [B, T, H] -> [B, T, V] float32 ([B, T, N] over a vocabulary subset)."""
+        x = rms_norm(x, self.norm, self.config.norm_eps)  # [B, T, H]
+        head = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(x, head).float()  # [B, T, V]
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -208,17 +231,9 @@ class LlamaForCausalLM(CausalLM):
         last_only: bool = False,
     ) -> torch.Tensor:
         batch = self._cache_batch(input_ids, cache, slots, start_pos)
-        if batch.kv_len > self._rope_len:
-            # Only for caches built without new_cache; new_cache sizes the tables up front.
-            self._build_rope(batch.kv_len)
-        # One table lookup per forward, shared by every layer.
-        cos = self.rope_cos[batch.positions].unsqueeze(1)  # [B, 1, T, D]
-        sin = self.rope_sin[batch.positions].unsqueeze(1)  # [B, 1, T, D]
-        x = F.embedding(input_ids.to(self.embed.device), self.embed)  # [B, T, H]
+        x, cos, sin = self.embed_positions(input_ids, batch)  # [B, T, H]
         for layer in self.layers:
             x = layer(x, batch, cos, sin)  # [B, T, H]
         if last_only:
             x = x[:, -1:]  # [B, 1, H]
-        x = rms_norm(x, self.norm, self.config.norm_eps)  # [B, T', H]
-        head = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(x, head).float()  # [B, T', V] ([B, T', N] over a vocabulary subset)
+        return self.logits(x)  # [B, T', V]

@@ -11,14 +11,16 @@ def test_bench_latency_writes_json_and_plots(model_zoo, tmp_path):
     out = tmp_path / "out"
     result = subprocess.run([sys.executable, "-m", "specstream.cli", "bench", "latency", "--target",
                              str(model_zoo["target"]), "--draft", str(model_zoo["partial"]), "--prompts", "2",
-                             "--max-new-tokens", "12", "--gammas", "0,2", "--out", str(out)],
+                             "--max-new-tokens", "12", "--gammas", "0,2", "--dtype", "float32", "--out", str(out)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads((out / "latency.json").read_text())
     two = data["gammas"]["2"]
     assert two["proposed"] > 0 and 0 <= two["alpha"] <= 1
     assert data["costs"]["c"] > 0 and two["theory"] > 0 and two["speedup"] > 0
-    assert all(mode["same_tokens"] for mode in data["hf"].values())
+    assert set(data["peers"]) == {"HF plain", "HF assisted", "HF assisted_heuristic", "HF prompt_lookup"}
+    assert all(peer["same_tokens_as_ours"] for peer in data["peers"].values())  # greedy, float32 on both sides
+    assert data["ours_plain_over_hf_plain"] > 0 and data["best_hf_assisted"].startswith("HF assisted")
     for png in ("latency_speedup.png", "latency_vs_hf.png"):
         assert (out / png).stat().st_size > 1000
     assert "theory x" in result.stdout and "HF assisted" in result.stdout
@@ -29,7 +31,8 @@ def test_bench_sampling_writes_json_and_plot(model_zoo, tmp_path):
     out = tmp_path / "out"
     result = subprocess.run([sys.executable, "-m", "specstream.cli", "bench", "sampling", "--target",
                              str(model_zoo["target"]), "--draft", str(model_zoo["partial"]), "--prompts", "2",
-                             "--max-new-tokens", "12", "--gammas", "0,2", "--temperatures", "0,1.0", "--out", str(out)],
+                             "--max-new-tokens", "12", "--gammas", "0,2", "--temperatures", "0,1.0", "--dtype", "float32",
+                             "--out", str(out)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads((out / "sampling.json").read_text())
@@ -44,7 +47,7 @@ def test_bench_sampling_writes_json_and_plot(model_zoo, tmp_path):
         assert entry["best_gamma"] == 2, t
     sampled = data["temperatures"]["1.0"]
     assert "hf" not in data["temperatures"]["0.0"]
-    assert {"plain", "assisted", "assisted_heuristic"} == set(sampled["hf"])
+    assert {"plain", "assisted", "assisted_heuristic", "prompt_lookup"} == set(sampled["hf"])
     assert all(mode["tokens"] == 2 * 12 and mode["tokens_per_s"] > 0 for mode in sampled["hf"].values())
     assert sampled["ours_over_best_hf_assisted"] > 0
     assert (out / "sampling_speedup.png").stat().st_size > 1000
@@ -63,11 +66,13 @@ def test_bench_synthetic_on_a_small_target(tmp_path):
 
 def test_bench_throughput_reports_occupancy_and_ratios(model_zoo, tmp_path):
     from specstream.bench import throughput
+    from specstream.bench.models import BenchModels
     from specstream.bench.throughput import Setting
 
     settings = [Setting(2, "static", 1.0, "all", 0), Setting(2, "topup", 1.0, "all", 0),
                 Setting(2, "topup", 1.0, "min_length", 2)]
-    data = throughput.run(model_zoo["target"], model_zoo["partial"], tmp_path, ["short"], settings, count=12)
+    models = BenchModels("zoo", model_zoo["target"], model_zoo["partial"], "float32")
+    data = throughput.run(models, tmp_path, ["short"], settings, count=12)
     runs = {r["setting"]["name"]: r for r in data["runs"]}
     assert len(runs) == 3 and all(r["requests"] == 12 and r["tokens_per_s"] > 0 for r in runs.values())
     topup = runs["n=2 topup ε=1 all γ=0"]
@@ -75,3 +80,18 @@ def test_bench_throughput_reports_occupancy_and_ratios(model_zoo, tmp_path):
     assert sum(topup["occupancy_histogram"]) == topup["steps"] > 0
     assert runs["n=2 static all γ=0"]["over_static"] == 1.0
     assert (tmp_path / "throughput_occupancy.png").stat().st_size > 1000
+
+
+def test_bench_profile_splits_a_step_into_its_parts(model_zoo, tmp_path):
+    from specstream.bench import profile
+    from specstream.bench.models import BenchModels
+
+    data = profile.run(BenchModels("zoo", model_zoo["target"], model_zoo["partial"], "float32"), tmp_path)
+    for kind in ("target_step", "target_verify5"):
+        parts = {k: v for k, v in data[kind].items() if k != "whole forward"}
+        assert len(parts) == 5 and all(v >= 0 for v in parts.values())
+        assert data[kind]["whole forward"] > 0 and abs(sum(parts.values()) - data[kind]["whole forward"]) < 0.05 * \
+            data[kind]["whole forward"] + 0.5  # the parts account for the forward
+    assert data["draft_step"]["whole forward"] > 0
+    assert data["rpc"]["gRPC round trip"] > 0 and data["rpc"]["draft compute, in process"] > 0
+    assert "output layer" in data["table_markdown"] and (tmp_path / "profile.png").stat().st_size > 1000
