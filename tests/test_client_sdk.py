@@ -711,6 +711,60 @@ def test_cli_generate_sampling_flags(url: str, fake: FakeGeneration, capsys: pyt
         assert bad[0] in capsys.readouterr().err
 
 
+# --- chat ------------------------------------------------------------------------------------------------
+
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
+
+
+def test_chat_sends_messages_with_the_generate_options(client: Client, fake: FakeGeneration) -> None:
+    res = client.chat(MESSAGES, max_new_tokens=7, temperature=0.5, seed=3, speculation=2, stop=["\n"])
+    req = fake.requests[-1]
+    assert req.WhichOneof("input") == "messages"
+    assert [(m.role, m.content) for m in req.messages.messages] == [("system", "Be brief."), ("user", "Hi?")]
+    assert (req.max_new_tokens, req.temperature, req.seed, req.speculation.gamma) == (7, 0.5, 3, 2)
+    assert list(req.stop) == ["\n"] and res.text == "Hello world"
+    chunks = list(client.chat_stream(MESSAGES, max_new_tokens=5))
+    assert [c.text for c in chunks] == ["Hel", "lo", " world"]
+    assert fake.requests[-1].WhichOneof("input") == "messages" and fake.requests[-1].max_new_tokens == 5
+    with pytest.raises(TypeError, match="messages"):
+        client.chat("Hi?")
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        client.chat(MESSAGES, temprature=1.0)
+
+
+def test_async_chat_and_chat_stream(url: str, fake: FakeGeneration) -> None:
+    async def main() -> None:
+        async with AsyncClient(url) as c:
+            res = await c.chat(MESSAGES, max_new_tokens=4, top_k=5, temperature=1.0)
+            assert res.finish_reason == "length"
+            req = fake.requests[-1]
+            assert req.WhichOneof("input") == "messages" and req.top_k == 5 and req.max_new_tokens == 4
+            chunks = [chunk async for chunk in c.chat_stream(MESSAGES)]
+            assert chunks[-1].finish_reason == "stop"
+            assert len(fake.requests[-1].messages.messages) == 2
+
+    asyncio.run(main())
+
+
+def test_model_info_reports_a_chat_template(client: Client, fake: FakeGeneration) -> None:
+    assert client.model_info().has_chat_template is False  # the canned info has none
+    info = ModelInfo.from_pb(generation_pb2.ModelInfo(target_model="m", has_chat_template=True))
+    assert info.has_chat_template is True
+
+
+def test_cli_chat_builds_a_conversation(url: str, fake: FakeGeneration, capsys: pytest.CaptureFixture[str]) -> None:
+    from specstream.cli import main
+
+    assert main(["chat", "--url", url, "--system", "Be terse.", "--max-new-tokens", "9", "What is 2+2?"]) == 0
+    req = fake.requests[-1]
+    assert [(m.role, m.content) for m in req.messages.messages] == [("system", "Be terse."), ("user", "What is 2+2?")]
+    assert req.max_new_tokens == 9
+    assert capsys.readouterr().out.startswith("Hello world")
+    assert main(["chat", "--url", url, "--stream", "Hi"]) == 0
+    assert [(m.role, m.content) for m in fake.requests[-1].messages.messages] == [("user", "Hi")]
+
+
 # --- packaging -------------------------------------------------------------------------------------------
 
 

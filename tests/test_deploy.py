@@ -424,13 +424,19 @@ def test_dockerfile_builds_the_package_with_its_demo_models(name: str, objects: 
     assert steps[-2:] == [("ENTRYPOINT", '["specstream"]'), ("CMD", '["--help"]')]
     [user] = [args for instruction, args in steps if instruction == "USER"]
     assert int(user.split(":")[0]) != 0
-    # The model paths the manifests use are the ones the image links to the package's demo models.
+    # The models the manifests name are the ones the image holds: the target by a name the registry
+    # knows (converted at build time), the draft at the path the image links to the package's drafts.
+    from specstream.model_registry import MODELS
+
     config = _by_kind(objects["base"], "ConfigMap")
     [env] = [c["data"] for n, c in config.items() if n.startswith("specstream-config")]
-    for key in ("SPECSTREAM_TARGET_MODEL", "SPECSTREAM_DRAFT_MODEL"):
-        link, model = env[key].rsplit("/", 1)
-        assert f" {link} " in " ".join(args for _, args in steps) + " "
-        assert (ROOT / "specstream" / "demo_models" / model / "model.safetensors").is_file()
+    run = " ".join(args for instruction, args in steps if instruction == "RUN")
+    assert env["SPECSTREAM_TARGET_MODEL"] in MODELS
+    assert MODELS[env["SPECSTREAM_TARGET_MODEL"]].requirement in run
+    assert f"resolve_model('{env['SPECSTREAM_TARGET_MODEL']}')" in run
+    link, model = env["SPECSTREAM_DRAFT_MODEL"].rsplit("/", 1)
+    assert f" {link}" in run and "/drafts\" " in run
+    assert (ROOT / "specstream" / "drafts" / model / "config.json").is_file()
 
 
 def test_cpu_image_installs_the_pinned_cpu_torch() -> None:
