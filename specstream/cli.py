@@ -349,6 +349,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             settings = [s for s in settings if str(s.gamma) in args.gammas.split(",")]
         if args.batch_sizes:
             settings = [s for s in settings if str(s.n) in args.batch_sizes.split(",")]
+        if args.policies:
+            settings = [s for s in settings if s.name.split(" ", 1)[1].rsplit(" ", 1)[0] in args.policies.split(",")]
         throughput.run(bench_models(args), out, kinds=args.workloads.split(","), settings=settings,
                        count=args.requests)
     else:
@@ -500,6 +502,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workloads", default="short", help="throughput: comma-separated, of short,long")
     p.add_argument("--requests", type=int, default=200, help="throughput: requests per setting")
     p.add_argument("--batch-sizes", help="throughput: only these n (comma-separated, of 8,32)")
+    p.add_argument("--policies", help="throughput: only these settings, comma-separated, of 'static all', "
+                                      "'topup ε=0.5 all', 'topup ε=1 all', 'topup ε=1 min_length', 'topup ε=1 fifo'")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison (latency, sampling)")
     p.set_defaults(func=cmd_bench)
 

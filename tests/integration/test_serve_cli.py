@@ -23,7 +23,8 @@ def _services(address: str) -> set[str]:
 
 
 def test_serve_with_default_models_then_sigint(tmp_path):
-    """No model flags: the shipped demo pair; health, reflection, lossless output, clean Ctrl-C."""
+    """No model flags: SmolLM2 with its shipped draft (converted into a fresh model cache); health,
+    reflection, lossless output, clean Ctrl-C."""
     env = {**os.environ, "SPECSTREAM_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "specstream.cli", "serve", "--port", "0", "--max-seq-len", "512",
                              "--log-dir", str(tmp_path / "logs")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -35,7 +36,7 @@ def test_serve_with_default_models_then_sigint(tmp_path):
             if "listening on" in line:
                 break
         output = "".join(lines)
-        assert "RANDOM-INIT" not in output  # the shipped, trained demo pair is the default
+        assert "RANDOM-INIT" not in output
         match = re.search(r"listening on (\S+)", output)
         assert match, output
         address = match.group(1)
@@ -45,6 +46,9 @@ def test_serve_with_default_models_then_sigint(tmp_path):
         assert "specstream.v1.Draft" in _services(addresses["draft"])
         assert "grpc.health.v1.Health" in _services(address)
         with Client(address, timeout=60) as client:
+            info = client.model_info()
+            assert (info.target_model, info.draft_model) == ("SmolLM2-135M-Instruct.Q4_1", "smollm2-135m-draft")
+            assert info.has_chat_template
             off = client.generate("def main():", max_new_tokens=16, speculation="off", ignore_eos=True)
             spec = client.generate("def main():", max_new_tokens=16, speculation=4, ignore_eos=True)
         assert spec.token_ids == off.token_ids

