@@ -9,9 +9,10 @@ A template that raises for the given messages (e.g. "roles must alternate") give
 with the template's own message. ``end_of_turn`` is the text the template closes an assistant turn
 with (e.g. ``<|im_end|>``), found by rendering a probe conversation, so generation can stop there.
 
-The sandbox: templates come with model files, so they are untrusted code. The immutable sandbox
-refuses attribute access to Python internals and mutation of the passed-in objects; rendering
-time is bounded by the caller (messages are size-limited at the gateway).
+The sandbox: templates come with model files, so they are treated as untrusted code. The
+immutable sandbox refuses attribute access to Python internals and mutation of the passed-in
+objects, and any error a template raises becomes ``ChatError``. Rendering is synchronous; its
+input is bounded by the gateway's message-size and message-count limits, not by a time limit.
 
 What it does not know: tokenization (the caller encodes the text, adding no BOS the template did
 not write) or which roles a model accepts (the template decides; it may raise).
@@ -78,7 +79,7 @@ class ChatTemplate:
                                          add_generation_prompt=add_generation_prompt, **self._special)
         except jinja2.exceptions.TemplateError as exc:
             raise ChatError(str(exc)) from exc
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever a template does wrong is about these messages
             raise ChatError(f"chat template failed on these messages: {type(exc).__name__}: {exc}") from exc
 
     def _find_end_of_turn(self) -> str | None:

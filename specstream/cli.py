@@ -126,7 +126,7 @@ def _gateway_config(args: argparse.Namespace):
     return GatewayConfig(target_url=urls[0] if urls else "", target_urls=urls[1:], tokenizer_path=args.tokenizer,
                          server=_server_config(args), max_new_tokens_limit=args.max_new_tokens_limit,
                          max_in_flight=args.max_in_flight, max_queue=args.max_queue,
-                         replica_backlog=args.replica_backlog)
+                         replica_backlog=args.replica_backlog, max_messages=args.max_messages)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -446,6 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-in-flight", type=int, default=256)
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests waiting for a replica with room; more get RESOURCE_EXHAUSTED at once")
+    p.add_argument("--max-messages", type=int, default=256, help="chat turns a request may carry")
     p.add_argument("--replica-backlog", type=int, default=None,
                    help="requests a replica may hold waiting beyond its slots (default: its max_slots)")
     p.set_defaults(func=cmd_gateway)

@@ -41,7 +41,7 @@ def run(models: BenchModels, out_dir: Path, workload: str = "single", max_slots:
     requests = lengths(models, kind, count)
     with tempfile.TemporaryDirectory() as tmp:
         trace_file = Path(tmp) / "spans.jsonl"
-        with Stack(StackSpec(str(models.target), str(models.draft), gamma=gamma, max_slots=max_slots, log_dir=tmp,
+        with Stack(StackSpec(str(models.target), str(models.require_draft()), gamma=gamma, max_slots=max_slots, log_dir=tmp,
                              dtype=models.dtype,
                              trace_file=str(trace_file))) as stack:
             asyncio.run(_drive(stack.gateway_address, requests, clients))

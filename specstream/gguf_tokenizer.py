@@ -159,10 +159,16 @@ def build_gguf_tokenizer(meta: Mapping[str, Any]) -> GGUFTokenizerFiles:
     tok.pre_tokenizer = PRE_TOKENIZERS[pre]()
     tok.decoder = decoders.ByteLevel()
 
+    # Only tokens spelled in the byte alphabet can be matched whole: BPE's vocabulary holds them
+    # under that spelling, so the added token keeps its id. Others (llama.cpp mislabels) are left
+    # out, as transformers does; adding them would hand out ids past the model's vocabulary.
     control = [i for i, t in enumerate(types) if t == CONTROL and set(tokens[i]) <= spelled]
-    user = [i for i, t in enumerate(types) if t == USER_DEFINED]
+    user = [i for i, t in enumerate(types) if t == USER_DEFINED and set(tokens[i]) <= spelled]
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in control])
     tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user])
+    if tok.get_vocab_size(with_added_tokens=True) != len(tokens):
+        raise ModelLoadError(f"metadata 'tokenizer.ggml.tokens': {len(tokens)} tokens make a tokenizer of "
+                             f"{tok.get_vocab_size(with_added_tokens=True)} ids (duplicate tokens?)")
 
     vocab_size = len(tokens)
     bos = _token_id(meta, "tokenizer.ggml.bos_token_id", vocab_size)

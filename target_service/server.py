@@ -16,7 +16,7 @@ from specstream.config import TargetConfig
 from specstream.grpc_server import ServiceServer
 from specstream.metrics import TargetMetrics
 from specstream.model_registry import resolve_dtype, resolve_model
-from specstream.models import load_model
+from specstream.models import ModelLoadError, load_model
 from specstream_pb import target_pb2, target_pb2_grpc
 from target_service.connection import Connection
 from target_service.draft_client import DraftClient
@@ -72,6 +72,9 @@ async def serve(config: TargetConfig, ready_file: str | None = None) -> None:
     model = await asyncio.get_running_loop().run_in_executor(
         compute, lambda: load_model(resolve_model(spec.path), dtype=resolve_dtype(spec.dtype, spec.device),
                                     device=spec.device))
+    if model.output_token_ids is not None:
+        raise ModelLoadError(f"{spec.path}: predicts over a subset of its vocabulary (specstream.output_vocab); "
+                             "such a model can only serve as a draft")
     draft = None
     if config.draft_url:
         draft = DraftClient(config.draft_url, config.draft_timeout_s, config.draft_retry_s,

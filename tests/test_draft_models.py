@@ -114,3 +114,13 @@ def test_greedy_speculation_with_a_subset_draft_equals_plain_decoding(drafts) ->
     spec, finals = run_engine(drafts["target"], None, prompts, 4, 24, max_seq_len=128, proposer=proposer)
     assert spec == plain
     assert sum(f.stats.accepted_tokens for f in finals) > 0  # the draft really took part
+
+
+def test_the_target_service_refuses_a_vocabulary_subset_model(sampling_pair, tmp_path) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "specstream.cli", "target", "--model", str(sampling_pair["draft_subset"]),
+                             "--port", "0", "--dtype", "float32"], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "can only serve as a draft" in result.stderr

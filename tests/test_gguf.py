@@ -224,7 +224,6 @@ def test_conversion_is_cached_by_content_hash(tmp_path, hf_llama, tok, cache) ->
 
 
 def test_unknown_quantization_type(tmp_path, hf_llama, tok, cache) -> None:
-    weights = write_gguf(tmp_path / "ok.gguf", hf_llama, tok)  # noqa: F841 - a valid file beside it
     q6 = gguf.GGMLQuantizationType.Q6_K
     path = tmp_path / "bad.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -284,3 +283,38 @@ def test_an_unknown_tensor_is_an_error_not_ignored(tmp_path, hf_llama, tok, cach
     path = write_gguf(tmp_path / "m.gguf", hf_llama, tok, tensors={"blk.0.attn_q_norm.weight": np.ones(64, np.float32)})
     with pytest.raises(ModelLoadError, match=r"tensor 'blk.0.attn_q_norm.weight' is not part of a supported llama model"):
         convert_gguf(path, cache)
+
+
+def test_a_missing_layer_tensor_is_named(tmp_path, hf_llama, tok, cache) -> None:
+    path = write_gguf(tmp_path / "m.gguf", hf_llama, tok, tensors={"blk.1.ffn_gate.weight": None})
+    with pytest.raises(ModelLoadError, match=r"missing tensor\(s\) 'blk.1.ffn_gate.weight'"):
+        convert_gguf(path, cache)
+
+
+def test_a_converter_killed_midway_leaves_nothing_that_is_used(tmp_path, hf_llama, tok, cache) -> None:
+    from specstream.model_registry import file_sha256, gguf_cache_dir
+
+    path = write_gguf(tmp_path / "m.gguf", hf_llama, tok)
+    out = gguf_cache_dir(file_sha256(path), cache)
+    stale = out.parent / f"{out.name}.tmp-99999"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half written")
+    assert convert_gguf(path, cache) == out and (out / "config.json").is_file()
+    assert not stale.exists()
+
+
+def test_resolving_a_converted_model_needs_no_torch(tmp_path, hf_llama, tok) -> None:
+    """The gateway resolves its tokenizer's model and must stay torch-free."""
+    import subprocess
+    import sys
+
+    path = write_gguf(tmp_path / "m.gguf", hf_llama, tok)
+    convert_gguf(path, tmp_path / "home")
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import gateway.server\n"
+            "from specstream.model_registry import resolve_model\n"
+            f"print(resolve_model({str(path)!r}))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "SPECSTREAM_HOME": str(tmp_path / "home")})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().startswith(str(tmp_path / "home" / "gguf"))

@@ -63,11 +63,12 @@ def sweep(address: str, prompts: list[list[int]], gammas: list[int], max_new_tok
 def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: int = 128,
         gammas: list[int] | None = None, with_hf: bool = True) -> dict:
     gammas = gammas or DEFAULT_GAMMAS
+    draft = models.require_draft()
     prompts = models.prompts(n_prompts)
     context = sum(len(p) for p in prompts) // len(prompts) + max_new_tokens // 2
     print(f"{models.label} ({models.dtype}): measuring the cost ratio c at context {context} ...", flush=True)
     costs = measure_costs(models, context, [g for g in gammas if g])
-    with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(str(models.target), str(models.draft), max_gamma=16,
+    with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(str(models.target), str(draft), max_gamma=16,
                                                                  dtype=models.dtype, log_dir=logs)) as stack:
         print(f"stack up at {stack.gateway_address}; sweeping gamma {gammas} over {len(prompts)} prompts x "
               f"{max_new_tokens} tokens ...", flush=True)

@@ -14,8 +14,10 @@ What it does not know: how the benchmarks measure.
 
 from __future__ import annotations
 
+import atexit
 import gzip
 import json
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +51,13 @@ class BenchModels:
     @classmethod
     def from_refs(cls, target: str, draft: str | None, dtype: str, label: str) -> BenchModels:
         gguf = MODELS[target].path() if target in MODELS else Path(target) if target.endswith(".gguf") else None
-        return cls(label, resolve_model(target), Path(draft) if draft else None, resolve_dtype(dtype), gguf)
+        return cls(label, resolve_model(target), resolve_model(draft) if draft else None, resolve_dtype(dtype), gguf)
+
+    def require_draft(self) -> Path:
+        """The draft directory; a benchmark of speculation without one is a usage error."""
+        if self.draft is None:
+            raise ValueError(f"{self.label}: this benchmark needs a draft model (--draft DIR, or a --models pair)")
+        return self.draft
 
     def tokenizer(self) -> TextTokenizer:
         return TextTokenizer.from_dir(self.target)
@@ -99,6 +107,7 @@ def _export_for_transformers(draft: Path, config: dict) -> Path:
     config["tie_word_embeddings"] = True  # a full-vocabulary head: transformers has no vocabulary subset
     config["torch_dtype"] = "float32"
     out = Path(tempfile.mkdtemp(prefix="hf-draft-"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
     save_file({k: v.to(torch.float32).contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))

@@ -34,12 +34,13 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
     temperatures = DEFAULT_TEMPERATURES if temperatures is None else temperatures
     gammas = DEFAULT_GAMMAS if gammas is None else gammas
     _check(temperatures, gammas)
+    draft = models.require_draft()
     prompts = models.prompts(n_prompts)
     context = sum(len(p) for p in prompts) // len(prompts) + max_new_tokens // 2
     print(f"{models.label} ({models.dtype}): measuring the cost ratio c at context {context} ...", flush=True)
     costs = measure_costs(models, context, [g for g in gammas if g])
     ours: dict[float, dict[int, dict]] = {}
-    with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(str(models.target), str(models.draft), max_gamma=16,
+    with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(str(models.target), str(draft), max_gamma=16,
                                                                  dtype=models.dtype, log_dir=logs)) as stack:
         for t in temperatures:
             print(f"T={t}: sweeping gamma {gammas} over {len(prompts)} prompts x {max_new_tokens} tokens ...",

@@ -98,7 +98,7 @@ def _batch_counters(address: str):
 def measure(models: BenchModels, setting: Setting, requests: list[tuple[list[int], int]]) -> dict:
     clients = 2 * setting.n
     with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(
-            str(models.target), str(models.draft) if setting.gamma else None, gamma=setting.gamma or 4,
+            str(models.target), str(models.require_draft()) if setting.gamma else None, gamma=setting.gamma or 4,
             max_slots=setting.n, dtype=models.dtype,
             extra_target_args=setting.target_args(), extra_gateway_args=["--max-in-flight", str(4 * clients)],
             log_dir=logs)) as stack:

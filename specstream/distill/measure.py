@@ -3,20 +3,16 @@
 ``measure_acceptance`` runs held-out chat prompts through the target engine (in this process) with
 the real draft proposer at a fixed γ and reports the per-token acceptance estimate α =
 accepted / (accepted + rejections) (Leviathan et al.'s i.i.d. α) and the mean tokens per target
-pass. ``measure_costs`` times one forward of each model on this machine: the draft proposing one
-token, the target scoring one token and the target verifying γ+1 = 5 tokens, all at batch 1 with a
-200-token context, median of repeated runs.
+pass. ``measure_costs`` times one forward of each model on this machine with the benchmarks' own
+measurement: the draft proposing one token (one thread, as the draft service runs), the target
+scoring one token and verifying γ+1 = 5 tokens, all at batch 1 after a 200-token context.
 
 What it does not know: training, gRPC.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from pathlib import Path
-
-import torch
 
 from draft_service.proposer import DraftProposer
 from specstream.config import ModelSpec, TargetConfig
@@ -65,28 +61,12 @@ def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[dict], *
             "max_new_tokens": max_new_tokens, "gamma": gamma, "temperature": temperature, "top_p": top_p}
 
 
-def _median_ms(fn, repeats: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
-
-
-@torch.inference_mode()
 def measure_costs(target_dir: Path, draft_dir: Path, dtype: str = "bfloat16", context: int = 200) -> dict:
-    target = load_model(target_dir, dtype=dtype)
-    draft = load_model(draft_dir, dtype=dtype, resolve=_resolve)
-    t_cache, d_cache = target.new_cache(1, 512), draft.new_cache(1, 512)
-    slot = torch.tensor([0])
-    pos = torch.tensor([context])
-    one = torch.tensor([[100]])  # [1, 1]
-    five = torch.tensor([[100] * 5])  # [1, 5]
-    draft_ms = _median_ms(lambda: draft(one, d_cache, slot, pos))
-    target_ms = _median_ms(lambda: target(one, t_cache, slot, pos))
-    verify_ms = _median_ms(lambda: target(five, t_cache, slot, pos))
-    return {"draft_ms": draft_ms, "target_ms": target_ms, "verify5_ms": verify_ms, "ratio": draft_ms / target_ms,
-            "dtype": dtype, "threads": torch.get_num_threads()}
+    """The benchmarks' cost measurement (``specstream.bench.costs``): the draft on one thread, as
+    the draft service runs it, both models after ``context`` cached tokens."""
+    from specstream.bench.costs import measure_costs as costs
+    from specstream.bench.models import BenchModels
+
+    c = costs(BenchModels("card", target_dir, draft_dir, dtype), context, [4])
+    return {"draft_ms": c["draft_step_ms"], "target_ms": c["target_step_ms"], "verify5_ms": c["target_verify_ms"][4],
+            "ratio": c["c"], "dtype": dtype, "context": context}

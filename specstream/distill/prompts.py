@@ -191,7 +191,9 @@ _SYSTEMS = [None, None, None, "You are a concise assistant.", "You are a helpful
 def build_prompts(n: int, seed: int = 0, rounds: int = 1) -> list[dict]:
     """``n`` prompts per round spread over the sources (see the module docstring), in a fixed order.
     Round r asks about the same documentation with the r-th next instruction template and system
-    prompt, so rounds never repeat a prompt; prompt ids are ``r * ROUND_IDS + i``."""
+    prompt; a later round skips prompts an earlier one already has (round 0 itself may repeat a
+    module-level question for several of the module's functions, as the shipped draft was trained
+    on). Prompt ids are ``r * ROUND_IDS + i``."""
     pool = snippets()
     keyed = sorted(pool, key=lambda s: zlib.crc32(f"{seed}:{s.source}:{s.name}".encode()))
     by_source: dict[str, list[Snippet]] = {}

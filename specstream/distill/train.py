@@ -46,26 +46,27 @@ LR = 2e-3
 WARMUP = 40
 
 
-def choose_output_vocab(records: list[Record], size: int, always: list[int]) -> torch.Tensor:
-    """The ``size`` tokens the target most often ranks first on the training responses (ties by id),
-    plus ``always`` (end-of-turn tokens): [size] int64, sorted."""
-    counts = torch.zeros(int(max(int(r.top_ids.max()) for r in records if len(r.response))) + 1 + 65536,
-                         dtype=torch.int64)
+def choose_output_vocab(records: list[Record], size: int, always: list[int], vocab_size: int) -> torch.Tensor:
+    """The ``size`` tokens the target most often ranks first, or answered with, on the training
+    responses (ties by id), plus ``always`` (end-of-turn tokens): [size] int64, sorted."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)  # [V]
     for r in records:
         if len(r.response):
             counts.index_add_(0, r.top_ids[:, 0].long(), torch.ones(len(r.response), dtype=torch.int64))
             counts.index_add_(0, torch.tensor(r.response), torch.ones(len(r.response), dtype=torch.int64))
-    counts[torch.tensor(always)] = counts.max() + 1
+    if always:
+        counts[torch.tensor(always, dtype=torch.int64)] = counts.max() + 1
     order = sorted(range(len(counts)), key=lambda t: (-int(counts[t]), t))
     return torch.tensor(sorted(order[:size]), dtype=torch.int64)
 
 
-def _draft_config(target_config: dict, output_vocab: int, embed_sha: str, name: str) -> dict:
+def _draft_config(target_config: dict, target_ref: str, output_vocab: int, embed_sha: str, name: str) -> dict:
     config = {k: v for k, v in target_config.items() if k != "specstream"}
     config["num_hidden_layers"] = DRAFT_LAYERS
     config["torch_dtype"] = "bfloat16"
+    config["tie_word_embeddings"] = True  # the head is the shared embedding's rows, whatever the target's
     config["specstream"] = {"name": name, "output_vocab": output_vocab,
-                            "shared_embedding": {"model": "smollm2", "sha256": embed_sha}}
+                            "shared_embedding": {"model": target_ref, "sha256": embed_sha}}
     return config
 
 
@@ -172,7 +173,10 @@ def _evaluate(model: _Draft, examples: list) -> dict:
     return {"loss": total / max(n, 1), "top1_agreement": agree / max(n, 1)}
 
 
-def train_draft(target_dir: Path, draft_dir: Path, records: list[Record], seed: int = 0) -> dict:
+def train_draft(target_dir: Path, draft_dir: Path, records: list[Record], seed: int = 0,
+                target_ref: str = "smollm2") -> dict:
+    """Trains and saves the draft; ``target_ref`` is how the draft names the model whose embedding
+    it reads at load time (a model name or path that ``resolve_model`` understands)."""
     from specstream.models.loader import embedding_sha256
     from specstream.tokenizer import TextTokenizer
 
@@ -181,8 +185,9 @@ def train_draft(target_dir: Path, draft_dir: Path, records: list[Record], seed: 
     always = sorted({t for t in (tok.end_of_turn_id, *tok.eos_token_ids) if t is not None})
     train = [r for r in records if r.split == "train"]
     held = [r for r in records if r.split == "held_out"]
-    vocab_ids = choose_output_vocab(train, OUTPUT_VOCAB, always)
-    vocab_index = torch.full((int(vocab_ids.max()) + 1 + 65536,), -1, dtype=torch.int64)
+    vocab_size = json.loads((target_dir / "config.json").read_text())["vocab_size"]
+    vocab_ids = choose_output_vocab(train, OUTPUT_VOCAB, always, vocab_size)
+    vocab_index = torch.full((vocab_size,), -1, dtype=torch.int64)  # token id -> draft column, -1 outside
     vocab_index[vocab_ids] = torch.arange(len(vocab_ids))
     train_ex, held_ex = _examples(train, vocab_index), _examples(held, vocab_index)
     coverage = _coverage(held, vocab_index)
@@ -213,7 +218,7 @@ def train_draft(target_dir: Path, draft_dir: Path, records: list[Record], seed: 
     minutes = (time.monotonic() - start) / 60
     held_out = _evaluate(model, held_ex)
     embed_sha = embedding_sha256(model.body.embed_tokens.weight)
-    _save(model, draft_dir, vocab_ids, json.loads((target_dir / "config.json").read_text()), embed_sha)
+    _save(model, draft_dir, vocab_ids, json.loads((target_dir / "config.json").read_text()), target_ref, embed_sha)
     return {"train_minutes": minutes, "train_steps": total, "train_examples": len(train_ex),
             "held_out_examples": len(held_ex), "output_vocab": len(vocab_ids), "held_out_teacher_mass": coverage,
             "held_out_distill": held_out,
@@ -230,13 +235,14 @@ def _coverage(records: list[Record], vocab_index: torch.Tensor) -> float:
     return kept / max(total, 1e-9)
 
 
-def _save(model: _Draft, draft_dir: Path, vocab_ids: torch.Tensor, target_config: dict, embed_sha: str) -> None:
+def _save(model: _Draft, draft_dir: Path, vocab_ids: torch.Tensor, target_config: dict, target_ref: str,
+          embed_sha: str) -> None:
     state = {f"model.{k}": v.detach().to(torch.bfloat16).contiguous() for k, v in model.body.state_dict().items()
              if k != "embed_tokens.weight" and not k.endswith("rotary_emb.inv_freq")}
     state["specstream.output_token_ids"] = vocab_ids.to(torch.int32)
     draft_dir.mkdir(parents=True, exist_ok=True)
     save_file(state, str(draft_dir / "model.safetensors"), metadata={"format": "pt"})
-    config = _draft_config(target_config, len(vocab_ids), embed_sha, draft_dir.name)
+    config = _draft_config(target_config, target_ref, len(vocab_ids), embed_sha, draft_dir.name)
     (draft_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 

@@ -23,7 +23,6 @@ What it does not know: the math of the models (``llama.py``), serving, chat rend
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -37,13 +36,12 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from specstream.model_registry import GGUF_CONVERTER_VERSION, file_sha256, gguf_cache_dir
 from specstream.models.config import ModelLoadError
 from specstream.models.gguf_dequant import FORMATS, dequantize, nbytes
 
-__all__ = ["ARCHITECTURES", "CONVERTER_VERSION", "GGUFFile", "convert_gguf", "file_sha256", "hf_config", "hf_tensors"]
+__all__ = ["ARCHITECTURES", "GGUFFile", "convert_gguf", "hf_config", "hf_tensors"]
 
-# Bump when the converted layout changes: old cache entries are then ignored, not misread.
-CONVERTER_VERSION = 1
 
 
 def _reader_class():
@@ -272,6 +270,15 @@ def _expected_shape(hf_name: str, config: dict[str, Any]) -> tuple[int, ...] | N
     return None
 
 
+def _required(gguf: GGUFFile, config: dict[str, Any]) -> list[str]:
+    """GGUF names of every tensor the model needs (the output matrix only when untied)."""
+    _, spec = _architecture(gguf)
+    per_layer = [name for name in _LAYER_TENSORS if spec.qkv_bias or not name.endswith(".bias")]
+    names = ["token_embd.weight", "output_norm.weight"]
+    names += [f"blk.{i}.{name}" for i in range(config["num_hidden_layers"]) for name in per_layer]
+    return names
+
+
 def hf_tensors(gguf: GGUFFile, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """(transformers name, float32 tensor) for every tensor of the file, checked and un-permuted."""
     arch, spec = _architecture(gguf)
@@ -299,26 +306,19 @@ def hf_tensors(gguf: GGUFFile, config: dict[str, Any]) -> Iterator[tuple[str, to
         yield hf_name, w
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _write_checkpoint(gguf: GGUFFile, out: Path, sha256: str) -> None:
     from specstream.gguf_tokenizer import build_gguf_tokenizer
 
     config = hf_config(gguf)
     tok = build_gguf_tokenizer(gguf.metadata)  # before the weights: a bad tokenizer fails fast
     weights = dict(hf_tensors(gguf, config))
-    missing = sorted({"model.embed_tokens.weight", "model.norm.weight"} - set(weights))
+    missing = sorted(set(_required(gguf, config)) - set(gguf.tensors))
     if missing:
-        raise ModelLoadError(f"{gguf.path}: missing tensor(s) {missing} (transformers names)")
+        shown = ", ".join(repr(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(f"{gguf.path}: missing tensor(s) {shown}")
     config["specstream"] = {"name": gguf.path.name.removesuffix(".gguf"),
                             "source": {"gguf": gguf.path.name, "sha256": sha256,
-                                       "converter_version": CONVERTER_VERSION}}
+                                       "converter_version": GGUF_CONVERTER_VERSION}}
     out.mkdir(parents=True)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -334,21 +334,25 @@ def convert_gguf(path: str | Path, cache_root: str | Path) -> Path:
     if not path.is_file():
         raise ModelLoadError(f"{path}: no such GGUF file")
     sha256 = file_sha256(path)
-    root = Path(cache_root) / "gguf"
-    out = root / f"{sha256[:16]}-v{CONVERTER_VERSION}"
+    out = gguf_cache_dir(sha256, Path(cache_root))
     if (out / "config.json").is_file():
         return out
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f"{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be converting the same file
-        if (out / "config.json").is_file():
-            return out
-        tmp = root / f"{out.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            _write_checkpoint(GGUFFile(path), tmp, sha256)
-            shutil.rmtree(out, ignore_errors=True)  # an incomplete copy cannot be there, but be sure
-            os.replace(tmp, out)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out.parent / f"{out.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be converting the same file
+            if (out / "config.json").is_file():
+                return out
+            for stale in out.parent.glob(f"{out.name}.tmp-*"):  # left by a converter that was killed
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
+            try:
+                _write_checkpoint(GGUFFile(path), tmp, sha256)
+                shutil.rmtree(out, ignore_errors=True)  # an incomplete copy cannot be there, but be sure
+                os.replace(tmp, out)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot write its converted copy under {out.parent} ({e}); "
+                             "set SPECSTREAM_HOME to a writable directory") from e
     return out

@@ -124,8 +124,9 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...], tensor: 
             f"tensor {tensor!r}: quantization type {type_name} is not supported (supported: {sorted(FORMATS)})"
         )
     n = int(np.prod(shape)) if shape else 1
-    if n % fmt.block:
-        raise ModelLoadError(f"tensor {tensor!r}: {n} elements is not a multiple of the {type_name} block ({fmt.block})")
+    if (shape[-1] if shape else 1) % fmt.block:  # blocks never straddle rows
+        raise ModelLoadError(f"tensor {tensor!r}: rows of {shape[-1] if shape else 1} elements are not a multiple "
+                             f"of the {type_name} block ({fmt.block})")
     want = nbytes(type_name, n)
     if raw.size != want:
         raise ModelLoadError(f"tensor {tensor!r}: {raw.size} bytes of {type_name} data, expected {want} for shape {list(shape)}")

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from specstream.model_registry import MODELS, PAIRS, resolve_model
+from specstream.model_registry import MODELS, PAIRS, pair_refs, resolve_model
 from specstream.models import load_model
 from specstream.tokenizer import TextTokenizer
 from specstream_pb import common_pb2, target_pb2
@@ -166,8 +166,8 @@ def test_specstream_chat_cli(smollm2_stack) -> None:
 def test_a_model_without_a_chat_template_refuses_messages(stack_factory) -> None:
     from specstream_client import Client, InvalidArgument
 
-    pair = PAIRS["demo-small"]
-    stack = stack_factory(pair.target, None)
+    target, _, _ = pair_refs("demo-small")
+    stack = stack_factory(target, None)
     with Client(stack.gateway_address, timeout=60) as client:
         assert not client.model_info().has_chat_template
         with pytest.raises(InvalidArgument, match="no chat template"):
