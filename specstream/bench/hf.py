@@ -59,12 +59,16 @@ def hf_generate(models: BenchModels, prompts: list[list[int]], max_new_tokens: i
             kwargs |= dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
         with torch.inference_mode():
             torch.manual_seed(0)
-            target.generate(torch.tensor([prompts[0]]), **{**kwargs, "max_new_tokens": 8})
+            warm = torch.tensor([prompts[0]])
+            target.generate(warm, attention_mask=torch.ones_like(warm), **{**kwargs, "max_new_tokens": 8})
             tokens, seconds, outputs = 0, 0.0, []
             for i, prompt in enumerate(prompts):
                 torch.manual_seed(i)
                 start = time.perf_counter()
-                out = target.generate(torch.tensor([prompt]), **kwargs)
+                ids = torch.tensor([prompt])
+                # An explicit mask: inferred from pad_token_id, it would hide every EOS in the prompt
+                # (chat prompts end each turn with it) and change the output.
+                out = target.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
                 seconds += time.perf_counter() - start
                 new = out[0, len(prompt):].tolist()
                 tokens += len(new)

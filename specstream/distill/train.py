@@ -41,7 +41,7 @@ DRAFT_LAYERS = 2
 OUTPUT_VOCAB = 8192
 MAX_TOKENS_PER_BATCH = 6144  # padded tokens per optimiser step
 MAX_SEQ = 640  # prompt + response tokens kept per example
-EPOCHS = 8
+EPOCHS = 6
 LR = 2e-3
 WARMUP = 40
 

@@ -95,8 +95,11 @@ def test_greedy_output_matches_transformers_8_prompts_x_64_tokens(real) -> None:
                                                             speculation=off) for i, p in enumerate(prompts)])
     for prompt, result in zip(prompts, ours):
         with torch.inference_mode():
-            out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, eos_token_id=None,
-                                    pad_token_id=2)
+            # An explicit mask: without one, generate() masks every pad token (id 2, which is also
+            # <|im_end|>) out of the prompt, and chat prompts contain it.
+            ids = torch.tensor([prompt])
+            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False,
+                                    eos_token_id=None, pad_token_id=2)
         assert result.token_ids == out[0, len(prompt):].tolist(), tok.decode(prompt)[-60:]
 
 
