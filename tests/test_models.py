@@ -247,6 +247,41 @@ def test_half_precision_close_to_fp32(tmp_path: Path, arch: str, dtype: str) -> 
     assert_close(got, expected, f"{arch} {dtype} vs fp32", tol={"bfloat16": 0.1, "float16": 0.02}[dtype])
 
 
+# Wide enough that a 1-row bfloat16 product takes a different kernel from a multi-row one.
+_WIDE = {"llama3_gqa": {"hidden_size": 256, "intermediate_size": 1024, "num_attention_heads": 4, "head_dim": 64},
+         "gpt2": {"n_embd": 256, "n_head": 4}}
+
+
+@pytest.mark.parametrize("arch", ["llama3_gqa", "gpt2"])
+def test_verify_forward_equals_single_steps_bitwise_in_bfloat16(tmp_path: Path, arch: str) -> None:
+    """Exact greedy speculation needs the logits of a (γ+1)-token verify forward to be the very bits
+    that γ+1 one-token decode steps give, in the serving dtype (bfloat16 on CPU), for every row of a
+    batch with different starts."""
+    path = make_hf_checkpoint(tmp_path, arch, vocab_size=1024, seed=3, **_WIDE[arch])
+    model = load_model(path, dtype="bfloat16")
+    seq = tokens(60, seed=2, batch=2)  # [2, 60]
+    starts = [40, 47]
+
+    def prefilled() -> KVCache:
+        cache = model.new_cache(2, 64)
+        for row, start in enumerate(starts):
+            assert cache.alloc() == row
+            run(model, cache, seq[row : row + 1, :start], [row], [0])
+            cache.set_length(row, start)
+        return cache
+
+    for T in (2, 5, 9):
+        cache = prefilled()
+        window = torch.stack([seq[row, s : s + T] for row, s in enumerate(starts)])  # [2, T]
+        verify = run(model, cache, window, [0, 1], starts)  # [2, T, V]
+        cache = prefilled()
+        for row, start in enumerate(starts):  # decode steps, one row at a time (batch 1, one token)
+            steps = torch.cat([run(model, cache, window[row : row + 1, t : t + 1], [row], [start + t])
+                               for t in range(T)], dim=1)  # [1, T, V]
+            diff = (steps[0] - verify[row]).abs().max().item()
+            assert torch.equal(steps[0], verify[row]), f"{arch} T={T} row {row}: max |difference| {diff}"
+
+
 def test_gpt2_unprefixed_hub_layout(tmp_path: Path) -> None:
     """Old hub GPT-2 files have bare names and attn.bias mask buffers; both must load the same model."""
     path = make_hf_checkpoint(tmp_path, "gpt2", vocab_size=VOCAB, seed=2)

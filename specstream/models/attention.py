@@ -18,13 +18,26 @@ from specstream.models.kv_cache import KVCache
 __all__ = ["CacheBatch"]
 
 
+# Forwards over cached context with at most this many new tokens per row (decode steps, verify
+# windows) compute attention one query position at a time, see CacheBatch.attend.
+PER_POSITION_MAX_T = 64
+# ... and read keys in whole blocks of this many positions, masking the ones past each query:
+# SDPA's fused CPU kernel rounds a row differently when its key count ends inside a vector
+# block, so a query must see the same key count in a decode step and in a verify window.
+KEY_BLOCK = 64
+
+
 @dataclass(frozen=True)
 class _WindowPlan:
     """How every layer with one sliding-window size reads the cache in this forward."""
 
-    lo: int  # first absolute key position read; keys are [lo, kv_len)
-    mask: torch.Tensor | None  # [B or 1, 1, n_rep*T, kv_len-lo] bool (True = attend), query rows folded per kv head
+    lo: int  # first absolute key position read; keys are [lo, hi)
+    hi: int  # one past the last key position read (kv_len, or past it in whole blocks, masked)
+    # [B or 1, 1, n_rep*T, kv_len-lo] bool (True = attend), query rows folded per kv head; or, per
+    # position: [B*T, 1, n_rep, kv_len-lo]
+    mask: torch.Tensor | None
     causal: bool  # use SDPA's is_causal instead of a mask (all rows start at 0, keys == queries)
+    per_position: bool = False  # one SDPA batch entry per (row, position)
 
 
 class CacheBatch:
@@ -119,29 +132,34 @@ class CacheBatch:
         # Keys before the earliest query's window are never attended: skip them instead of masking.
         lo = 0 if window is None else max(0, self.min_start - window + 1)
         if self.uniform:
-            if T == 1:
-                # One query per row at the last key: [lo, L) is exactly its causal (windowed) range.
-                return _WindowPlan(lo, None, False)
-            if self.start0 == 0 and (window is None or window >= T):
-                return _WindowPlan(0, None, True)
+            if self.start0 == 0 and T > 1 and (window is None or window >= T):
+                return _WindowPlan(0, L, None, True)
             q_pos = (self.start0 + torch.arange(T, dtype=torch.int64))[None, :]  # [1, T]
         else:
             q_pos = self._positions_cpu  # [B, T]
-        key_pos = torch.arange(lo, L, dtype=torch.int64)  # [L-lo]
-        mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [B or 1, T, L-lo]
+        per_position = T <= PER_POSITION_MAX_T
+        hi = L
+        if per_position:
+            lo = lo // KEY_BLOCK * KEY_BLOCK
+            hi = min(-(-L // KEY_BLOCK) * KEY_BLOCK, self.cache.max_len)
+        key_pos = torch.arange(lo, hi, dtype=torch.int64)  # [hi-lo]
+        mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [B or 1, T, hi-lo]
         if window is not None:
             mask &= key_pos[None, None, :] > q_pos[:, :, None] - window
+        if per_position:
+            mask = mask.expand(self.B, T, hi - lo).reshape(self.B * T, 1, 1, hi - lo)  # [B*T, 1, 1, hi-lo]
+            return _WindowPlan(lo, hi, mask.expand(-1, -1, self.n_rep, -1).to(self.cache.device), False, True)
         if self.n_rep > 1:
             # Query rows are folded as (group member, t): repeat the per-t mask once per group member.
-            mask = mask.repeat(1, self.n_rep, 1)  # [B or 1, n_rep*T, L-lo]
-        mask = mask[:, None].to(self.cache.device)  # [B or 1, 1, n_rep*T, L-lo]
-        return _WindowPlan(lo, mask, False)
+            mask = mask.repeat(1, self.n_rep, 1)  # [B or 1, n_rep*T, hi-lo]
+        mask = mask[:, None].to(self.cache.device)  # [B or 1, 1, n_rep*T, hi-lo]
+        return _WindowPlan(lo, hi, mask, False)
 
     def attend(self, layer: int, q: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
         """Attention of q [B, H, T, D] over the cached keys (this forward's already written). Returns [B, T, H*D]."""
         plan = self._plan(window)
         kc, vc = self.cache.k[layer], self.cache.v[layer]
-        lo, L = plan.lo, self.kv_len
+        lo, L = plan.lo, plan.hi
         if self.contiguous:
             keys = kc[self.slot0 : self.slot0 + self.B, :, lo:L]  # [B, Hkv, L-lo, D] view
             values = vc[self.slot0 : self.slot0 + self.B, :, lo:L]  # [B, Hkv, L-lo, D] view
@@ -150,13 +168,24 @@ class CacheBatch:
             keys = kc[:, :, lo:L][self._slot_index]  # [B, Hkv, L-lo, D]
             values = vc[:, :, lo:L][self._slot_index]  # [B, Hkv, L-lo, D]
         B, H, T, D = q.shape
+        hkv = H // self.n_rep
+        if plan.per_position:
+            # Each new position is its own SDPA batch entry with the n_rep query rows of one kv head, the
+            # same shape as a 1-token decode step: the fused kernel splits its work by the number of
+            # query rows, so folding T positions into one entry would round bfloat16 differently from
+            # T single steps, and a verify forward must give the logits plain decoding gives (greedy
+            # speculation is exact only if it does). Future keys are masked, which does not change a row.
+            qp = q.reshape(B, hkv, self.n_rep, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, hkv, self.n_rep, D)
+            kp = keys[:, None].expand(B, T, *keys.shape[1:]).reshape(B * T, *keys.shape[1:])  # [B*T, Hkv, L-lo, D]
+            vp = values[:, None].expand(B, T, *values.shape[1:]).reshape(B * T, *values.shape[1:])
+            out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=plan.mask, scale=scale)  # [B*T, Hkv, n_rep, D]
+            return out.reshape(B, T, H * D)  # [B, T, H*D]
         if plan.causal:
             out = F.scaled_dot_product_attention(
                 q, keys, values, is_causal=True, scale=scale, enable_gqa=self.n_rep > 1
             )  # [B, H, T, D]
         else:
             # GQA without repeating K/V: the n_rep query heads sharing a kv head become extra query rows.
-            hkv = H // self.n_rep
             qf = q.reshape(B, hkv, self.n_rep * T, D)  # [B, Hkv, n_rep*T, D]
             out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=plan.mask, scale=scale)
             # reshape, not view: some SDPA backends return a [B, T, H, D]-strided result.

@@ -16,7 +16,7 @@ from specstream.models.attention import CacheBatch
 from specstream.models.config import SUPPORTED_ACTIVATIONS, ModelConfig
 from specstream.models.kv_cache import KVCache
 
-__all__ = ["CausalLM", "TensorSource", "ACTIVATIONS", "rms_norm"]
+__all__ = ["CausalLM", "TensorSource", "ACTIVATIONS", "linear", "rms_norm"]
 
 # config.json activation name -> function; the same names transformers' ACT2FN uses.
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -27,6 +27,20 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
 }
 assert set(ACTIVATIONS) == SUPPORTED_ACTIVATIONS, "config.py validates against this list"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear whose every row is the same however many rows the call has (half precision on CPU).
+
+    oneDNN computes a 1-row bfloat16/float16 product with a matrix-vector kernel that rounds
+    differently from its matrix kernel, used for 2 rows or more; the matrix kernel's rows do not
+    depend on the row count. A plain decode step (one row) and a verify forward (γ+1 rows) must give
+    the same logits, or greedy speculation would not reproduce plain decoding, so a lone row is
+    computed as two. x [..., K] -> [..., N]."""
+    if x.device.type == "cpu" and x.dtype != torch.float32 and x.numel() == x.shape[-1]:
+        pair = x.reshape(1, -1).expand(2, -1).contiguous()  # [2, K]
+        return F.linear(pair, weight, bias)[:1].reshape(*x.shape[:-1], weight.shape[0])  # [..., N]
+    return F.linear(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

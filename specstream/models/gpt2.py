@@ -19,7 +19,7 @@ from torch import nn
 
 from specstream.models.config import ModelConfig
 from specstream.models.attention import CacheBatch
-from specstream.models.base import ACTIVATIONS, CausalLM, TensorSource
+from specstream.models.base import ACTIVATIONS, CausalLM, TensorSource, linear
 from specstream.models.kv_cache import KVCache
 
 __all__ = ["GPT2LMHeadModel"]
@@ -69,15 +69,15 @@ class _GPT2Block(nn.Module):
         B, T, H = x.shape
         D = self.head_dim
         h = F.layer_norm(x, (H,), self.ln1_w, self.ln1_b, self.eps)  # [B, T, H]
-        q, k, v = F.linear(h, self.qkv_w, self.qkv_b).split(H, dim=-1)  # 3 x [B, T, H]
+        q, k, v = linear(h, self.qkv_w, self.qkv_b).split(H, dim=-1)  # 3 x [B, T, H]
         q = q.view(B, T, self.num_heads, D).transpose(1, 2)  # [B, Hq, T, D]
         k = k.view(B, T, self.num_heads, D).transpose(1, 2)  # [B, Hq, T, D]
         v = v.view(B, T, self.num_heads, D).transpose(1, 2)  # [B, Hq, T, D]
         batch.write(self.layer, k, v)
         attn = batch.attend(self.layer, q, self.scale)  # [B, T, H]
-        x = x + F.linear(attn, self.o_w, self.o_b)  # [B, T, H]
+        x = x + linear(attn, self.o_w, self.o_b)  # [B, T, H]
         h = F.layer_norm(x, (H,), self.ln2_w, self.ln2_b, self.eps)  # [B, T, H]
-        return x + F.linear(self.act(F.linear(h, self.fc_w, self.fc_b)), self.proj_w, self.proj_b)  # [B, T, H]
+        return x + linear(self.act(linear(h, self.fc_w, self.fc_b)), self.proj_w, self.proj_b)  # [B, T, H]
 
 
 class GPT2LMHeadModel(CausalLM):
@@ -130,4 +130,4 @@ class GPT2LMHeadModel(CausalLM):
         H = self.config.hidden_size
         x = F.layer_norm(x, (H,), self.lnf_w, self.lnf_b, self.config.norm_eps)  # [B, T', H]
         head = self.wte if self.lm_head is None else self.lm_head
-        return F.linear(x, head).float()  # [B, T', V]
+        return linear(x, head).float()  # [B, T', V]

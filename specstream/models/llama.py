@@ -23,7 +23,7 @@ from torch import nn
 
 from specstream.models.config import ModelConfig, ModelLoadError, RopeConfig
 from specstream.models.attention import CacheBatch
-from specstream.models.base import ACTIVATIONS, CausalLM, TensorSource, rms_norm
+from specstream.models.base import ACTIVATIONS, CausalLM, TensorSource, linear, rms_norm
 from specstream.models.kv_cache import KVCache
 
 __all__ = ["LlamaForCausalLM", "rope_inv_freq"]
@@ -123,20 +123,20 @@ class _LlamaLayer(nn.Module):
         B, T, _ = x.shape
         D = self.head_dim
         h = rms_norm(x, self.input_norm, self.eps)  # [B, T, H]
-        qkv = F.linear(h, self.qkv_w, self.qkv_b)  # [B, T, (Hq+2Hkv)*D]
+        qkv = linear(h, self.qkv_w, self.qkv_b)  # [B, T, (Hq+2Hkv)*D]
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = _apply_rope(q.view(B, T, self.num_heads, D).transpose(1, 2), cos, sin)  # [B, Hq, T, D]
         k = _apply_rope(k.view(B, T, self.num_kv_heads, D).transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
         v = v.view(B, T, self.num_kv_heads, D).transpose(1, 2)  # [B, Hkv, T, D]
         batch.write(self.layer, k, v)
         attn = batch.attend(self.layer, q, self.scale, self.window)  # [B, T, Hq*D]
-        return x + F.linear(attn, self.o_w, self.o_b)  # [B, T, H]
+        return x + linear(attn, self.o_w, self.o_b)  # [B, T, H]
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, H] -> x + MLP block [B, T, H]."""
         h = rms_norm(x, self.post_norm, self.eps)  # [B, T, H]
-        gate, up = F.linear(h, self.gate_up_w, self.gate_up_b).chunk(2, dim=-1)  # 2 x [B, T, I]
-        return x + F.linear(self.act(gate) * up, self.down_w, self.down_b)  # [B, T, H]
+        gate, up = linear(h, self.gate_up_w, self.gate_up_b).chunk(2, dim=-1)  # 2 x [B, T, I]
+        return x + linear(self.act(gate) * up, self.down_w, self.down_b)  # [B, T, H]
 
     def forward(self, x: torch.Tensor, batch: CacheBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.attention(x, batch, cos, sin))  # [B, T, H]
@@ -220,7 +220,7 @@ class LlamaForCausalLM(CausalLM):
         """Final norm and output layer: [B, T, H] -> [B, T, V] float32 ([B, T, N] over a vocabulary subset)."""
         x = rms_norm(x, self.norm, self.config.norm_eps)  # [B, T, H]
         head = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(x, head).float()  # [B, T, V]
+        return linear(x, head).float()  # [B, T, V]
 
     def forward(
         self,
