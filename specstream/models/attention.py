@@ -18,26 +18,13 @@ from specstream.models.kv_cache import KVCache
 __all__ = ["CacheBatch"]
 
 
-# Forwards over cached context with at most this many new tokens per row (decode steps, verify
-# windows) compute attention one query position at a time, see CacheBatch.attend.
-PER_POSITION_MAX_T = 64
-# ... and read keys in whole blocks of this many positions, masking the ones past each query:
-# SDPA's fused CPU kernel rounds a row differently when its key count ends inside a vector
-# block, so a query must see the same key count in a decode step and in a verify window.
-KEY_BLOCK = 64
-
-
 @dataclass(frozen=True)
 class _WindowPlan:
     """How every layer with one sliding-window size reads the cache in this forward."""
 
-    lo: int  # first absolute key position read; keys are [lo, hi)
-    hi: int  # one past the last key position read (kv_len, or past it in whole blocks, masked)
-    # [B or 1, 1, n_rep*T, kv_len-lo] bool (True = attend), query rows folded per kv head; or, per
-    # position: [B*T, 1, n_rep, kv_len-lo]
-    mask: torch.Tensor | None
-    causal: bool  # use SDPA's is_causal instead of a mask (all rows start at 0, keys == queries)
-    per_position: bool = False  # one SDPA batch entry per (row, position)
+    lo: int  # first absolute key position read; keys are [lo, kv_len)
+    mask: torch.Tensor | None  # [B or 1, 1, n_rep*T, kv_len-lo] bool (True = attend), query rows folded per kv head
+    causal: bool  # a fresh prompt: SDPA's is_causal (all rows start at 0, keys == queries)
 
 
 class CacheBatch:
@@ -133,33 +120,28 @@ class CacheBatch:
         lo = 0 if window is None else max(0, self.min_start - window + 1)
         if self.uniform:
             if self.start0 == 0 and T > 1 and (window is None or window >= T):
-                return _WindowPlan(0, L, None, True)
+                return _WindowPlan(0, None, True)
+            if T == 1:
+                # One query per row at the last key: [lo, L) is exactly its causal (windowed) range.
+                return _WindowPlan(lo, None, False)
             q_pos = (self.start0 + torch.arange(T, dtype=torch.int64))[None, :]  # [1, T]
         else:
             q_pos = self._positions_cpu  # [B, T]
-        per_position = T <= PER_POSITION_MAX_T
-        hi = L
-        if per_position:
-            lo = lo // KEY_BLOCK * KEY_BLOCK
-            hi = min(-(-L // KEY_BLOCK) * KEY_BLOCK, self.cache.max_len)
-        key_pos = torch.arange(lo, hi, dtype=torch.int64)  # [hi-lo]
-        mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [B or 1, T, hi-lo]
+        key_pos = torch.arange(lo, L, dtype=torch.int64)  # [L-lo]
+        mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [B or 1, T, L-lo]
         if window is not None:
             mask &= key_pos[None, None, :] > q_pos[:, :, None] - window
-        if per_position:
-            mask = mask.expand(self.B, T, hi - lo).reshape(self.B * T, 1, 1, hi - lo)  # [B*T, 1, 1, hi-lo]
-            return _WindowPlan(lo, hi, mask.expand(-1, -1, self.n_rep, -1).to(self.cache.device), False, True)
         if self.n_rep > 1:
             # Query rows are folded as (group member, t): repeat the per-t mask once per group member.
-            mask = mask.repeat(1, self.n_rep, 1)  # [B or 1, n_rep*T, hi-lo]
-        mask = mask[:, None].to(self.cache.device)  # [B or 1, 1, n_rep*T, hi-lo]
-        return _WindowPlan(lo, hi, mask, False)
+            mask = mask.repeat(1, self.n_rep, 1)  # [B or 1, n_rep*T, L-lo]
+        mask = mask[:, None].to(self.cache.device)  # [B or 1, 1, n_rep*T, L-lo]
+        return _WindowPlan(lo, mask, False)
 
     def attend(self, layer: int, q: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
         """Attention of q [B, H, T, D] over the cached keys (this forward's already written). Returns [B, T, H*D]."""
         plan = self._plan(window)
         kc, vc = self.cache.k[layer], self.cache.v[layer]
-        lo, L = plan.lo, plan.hi
+        lo, L = plan.lo, self.kv_len
         if self.contiguous:
             keys = kc[self.slot0 : self.slot0 + self.B, :, lo:L]  # [B, Hkv, L-lo, D] view
             values = vc[self.slot0 : self.slot0 + self.B, :, lo:L]  # [B, Hkv, L-lo, D] view
@@ -168,26 +150,31 @@ class CacheBatch:
             keys = kc[:, :, lo:L][self._slot_index]  # [B, Hkv, L-lo, D]
             values = vc[:, :, lo:L][self._slot_index]  # [B, Hkv, L-lo, D]
         B, H, T, D = q.shape
-        hkv = H // self.n_rep
-        if plan.per_position:
-            # Each new position is its own SDPA batch entry with the n_rep query rows of one kv head, the
-            # same shape as a 1-token decode step: the fused kernel splits its work by the number of
-            # query rows, so folding T positions into one entry would round bfloat16 differently from
-            # T single steps, and a verify forward must give the logits plain decoding gives (greedy
-            # speculation is exact only if it does). Future keys are masked, which does not change a row.
-            qp = q.reshape(B, hkv, self.n_rep, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, hkv, self.n_rep, D)
-            kp = keys[:, None].expand(B, T, *keys.shape[1:]).reshape(B * T, *keys.shape[1:])  # [B*T, Hkv, L-lo, D]
-            vp = values[:, None].expand(B, T, *values.shape[1:]).reshape(B * T, *values.shape[1:])
-            out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=plan.mask, scale=scale)  # [B*T, Hkv, n_rep, D]
-            return out.reshape(B, T, H * D)  # [B, T, H*D]
         if plan.causal:
             out = F.scaled_dot_product_attention(
                 q, keys, values, is_causal=True, scale=scale, enable_gqa=self.n_rep > 1
             )  # [B, H, T, D]
-        else:
-            # GQA without repeating K/V: the n_rep query heads sharing a kv head become extra query rows.
-            qf = q.reshape(B, hkv, self.n_rep * T, D)  # [B, Hkv, n_rep*T, D]
-            out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=plan.mask, scale=scale)
-            # reshape, not view: some SDPA backends return a [B, T, H, D]-strided result.
-            out = out.reshape(B, H, T, D)  # [B, H, T, D]
-        return out.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H*D]
+            return out.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H*D]
+        # GQA without repeating K/V: the n_rep query heads sharing a kv head become extra query rows.
+        qf = q.reshape(B, H // self.n_rep, self.n_rep * T, D)  # [B, Hkv, n_rep*T, D]
+        out = _attention_over_cache(qf, keys, values, plan.mask, scale)  # [B, Hkv, n_rep*T, D]
+        return out.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)  # [B, T, H*D]
+
+
+def _attention_over_cache(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """softmax(q kᵀ · scale) v, for decode steps and verify windows over cached keys.
+
+    Each output row is the same bits however many query rows and masked trailing keys the call
+    has: a verify forward over γ+1 positions must give exactly the logits of γ+1 decode steps, or
+    greedy speculation would not reproduce plain decoding. SDPA's fused CPU kernel does not
+    promise that (in bfloat16 a row changes with the number of rows and with where the key count
+    ends inside a vector block); batched matmuls (each score a dot product over D, each output a
+    product over the keys in order) and a row-wise float32 softmax do. It is also faster than the
+    fused kernel for batches of sequences, and slower by ~0.1 ms per layer for a single one.
+    q [B, Hkv, R, D], keys/values [B, Hkv, L, D], mask [B or 1, 1, R, L] (True = attend) -> [B, Hkv, R, D]."""
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float().mul_(scale)  # [B, Hkv, R, L]
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [B, Hkv, R, D]
