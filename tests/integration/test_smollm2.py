@@ -118,14 +118,18 @@ def test_chat_through_the_three_processes_speculative_equals_plain(smollm2_stack
         info = client.model_info()
         assert info.has_chat_template and info.vocab_size == 49152 and info.max_context_length > 256
         assert info.target_model == "SmolLM2-135M-Instruct.Q4_1" and info.draft_model == "smollm2-135m-draft"
-        for question in CHAT[:2]:
+        proposed = accepted = 0
+        for question in CHAT[:3]:
             messages = [{"role": "user", "content": question}]
             plain = client.chat(messages, max_new_tokens=96, speculation="off")
             spec = client.chat(messages, max_new_tokens=96, speculation=4)
             assert spec.token_ids == plain.token_ids and spec.text == plain.text
-            assert spec.stats.draft_tokens > 0 and spec.stats.accepted_tokens > 0
             assert plain.finish_reason in ("eos", "length") and plain.text.strip()
             assert "<|im_end|>" not in plain.text  # special tokens are not text
+            proposed += spec.stats.draft_tokens
+            accepted += spec.stats.accepted_tokens
+        # The draft is wired in and useful overall (a short answer alone may have every guess rejected).
+        assert proposed > 0 and accepted > 0.1 * proposed, (accepted, proposed)
         short = client.chat([{"role": "user", "content": CHAT[1]}], max_new_tokens=200, speculation=4)
         assert short.finish_reason == "eos" and short.usage.completion_tokens < 200  # stopped at <|im_end|>
         streamed = list(client.chat_stream([{"role": "user", "content": CHAT[1]}], max_new_tokens=200,
