@@ -350,7 +350,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.batch_sizes:
             settings = [s for s in settings if str(s.n) in args.batch_sizes.split(",")]
         if args.policies:
-            settings = [s for s in settings if s.name.split(" ", 1)[1].rsplit(" ", 1)[0] in args.policies.split(",")]
+            settings = [s for s in settings if s.policy_name in args.policies.split(",")]
         throughput.run(bench_models(args), out, kinds=args.workloads.split(","), settings=settings,
                        count=args.requests)
     else:

@@ -176,14 +176,12 @@ def measure_alpha(target_dir: Path, draft_dir: Path, prompts: list[list[int]], g
                   max_new_tokens: int = 64) -> tuple[float, float]:
     """Greedy acceptance through the real engine (in one process): (α, fraction of proposals
     accepted), α being the i.i.d. estimate accepted / (accepted + passes with a rejection)."""
-    import asyncio
-
     from draft_service.proposer import DraftProposer
     from specstream.config import ModelSpec, TargetConfig
     from specstream.models import load_model
     from specstream_pb import common_pb2, target_pb2
-    from target_service.connection import Connection
     from target_service.engine import Engine
+    from target_service.inprocess import run_requests
     from target_service.local_draft import LocalDraft
 
     engine = Engine(load_model(target_dir), TargetConfig(model=ModelSpec(str(target_dir)), max_slots=8,
@@ -191,21 +189,12 @@ def measure_alpha(target_dir: Path, draft_dir: Path, prompts: list[list[int]], g
                     LocalDraft(DraftProposer(load_model(draft_dir), 8, 1024)))
     spec = common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_FIXED, gamma=gamma)
 
-    async def run() -> tuple[int, int, int]:
-        conn = Connection()
-        engine.attach(conn)
-        task = asyncio.create_task(engine.run())
-        engine.submit(conn, [target_pb2.SequenceRequest(id=str(i), prompt_token_ids=p, max_new_tokens=max_new_tokens,
-                                                        speculation=spec) for i, p in enumerate(prompts)])
-        final = {}
-        while len(final) < len(prompts):
-            message = await conn.outbox.get()
-            final.update({e.id: e for e in message.events.events if e.finish_reason})
-        task.cancel()
-        return (sum(e.stats.accepted_tokens for e in final.values()), sum(e.stats.draft_tokens for e in final.values()),
-                sum(e.stats.rejections for e in final.values()))
-
-    accepted, proposed, rejections = asyncio.run(run())
+    final = [r.final for r in run_requests(engine, [
+        target_pb2.SequenceRequest(id=str(i), prompt_token_ids=p, max_new_tokens=max_new_tokens, speculation=spec)
+        for i, p in enumerate(prompts)])]
+    accepted = sum(e.stats.accepted_tokens for e in final)
+    proposed = sum(e.stats.draft_tokens for e in final)
+    rejections = sum(e.stats.rejections for e in final)
     return accepted / max(accepted + rejections, 1), accepted / max(proposed, 1)
 
 

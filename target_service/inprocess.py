@@ -4,7 +4,8 @@ For training pipelines and benchmarks that want the real engine (batching, specu
 verification) without gRPC. ``run_requests(engine, requests)`` starts the engine loop, submits the
 requests on one in-process connection, collects every sequence's tokens and log-probabilities from
 the per-step events, and stops the loop when all have finished. It speaks the engine's own request
-and event messages; it knows nothing about text.
+and event messages; it knows nothing about text. Tests, the demo-pair trainer and the draft
+distillation all drive engines through it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class Finished:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
     final: target_pb2.SequenceEvent | None = None  # the last event: finish reason, stats, error
+    steps: list[int] = field(default_factory=list)  # engine steps whose events carried its tokens
 
     @property
     def finish_reason(self) -> int:
@@ -50,6 +52,8 @@ async def generate(engine: Engine, requests: list[target_pb2.SequenceRequest], t
                 raise RuntimeError("the engine closed the connection")
             for event in message.events.events:
                 result = results[event.id]
+                if event.token_ids:
+                    result.steps.append(message.events.step)
                 result.token_ids.extend(event.token_ids)
                 result.logprobs.extend(event.logprobs)
                 if event.finish_reason:

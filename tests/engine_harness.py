@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from pathlib import Path
 
@@ -13,8 +12,8 @@ from specstream.config import ModelSpec, TargetConfig
 from specstream.models import load_model
 from specstream.sampling import SamplingParams
 from specstream_pb import common_pb2, target_pb2
-from target_service.connection import Connection
 from target_service.engine import Engine
+from target_service.inprocess import run_requests
 from target_service.local_draft import LocalDraft
 
 
@@ -45,37 +44,25 @@ def run_engine(target: Path, draft: Path | None, prompts: list[list[int]], gamma
     sampling = sampling or [SamplingParams()] * len(prompts)
     budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
 
-    async def main() -> tuple[list[list[int]], list[target_pb2.SequenceEvent]]:
-        conn = Connection()
-        engine.attach(conn)
-        task = asyncio.create_task(engine.run())
-        requests = [target_pb2.SequenceRequest(id=str(i), prompt_token_ids=p, max_new_tokens=budget,
-                                               stop_token_ids=stop_ids, eos_token_ids=eos_ids,
-                                               speculation=speculation(gamma),
-                                               sampling=common_pb2.Sampling(**dataclasses.asdict(params)),
-                                               logprobs=logprobs is not None, top_logprobs=logprobs or 0)
-                    for i, (p, params, budget) in enumerate(zip(prompts, sampling, budgets))]
-        engine.submit(conn, requests)
-        tokens: dict[str, list[int]] = {r.id: [] for r in requests}
-        lps: dict[str, list[common_pb2.TokenLogprob]] = {r.id: [] for r in requests}
-        final: dict[str, target_pb2.SequenceEvent] = {}
-        while len(final) < len(requests):
-            message = await asyncio.wait_for(conn.outbox.get(), 60)
-            for event in message.events.events:
-                if steps is not None and event.token_ids:
-                    steps.setdefault(event.id, []).append(message.events.step)
-                tokens[event.id].extend(event.token_ids)
-                lps[event.id].extend(event.logprobs)
-                if event.finish_reason:
-                    final[event.id] = event
-                    del event.logprobs[:]
-                    event.logprobs.extend(lps[event.id])
-        task.cancel()
+    requests = [target_pb2.SequenceRequest(id=str(i), prompt_token_ids=p, max_new_tokens=budget,
+                                           stop_token_ids=stop_ids, eos_token_ids=eos_ids,
+                                           speculation=speculation(gamma),
+                                           sampling=common_pb2.Sampling(**dataclasses.asdict(params)),
+                                           logprobs=logprobs is not None, top_logprobs=logprobs or 0)
+                for i, (p, params, budget) in enumerate(zip(prompts, sampling, budgets))]
+    results = run_requests(engine, requests, timeout_s=60)
+    finals = []
+    for r in results:
+        final = target_pb2.SequenceEvent()
+        final.CopyFrom(r.final)
+        del final.logprobs[:]
+        final.logprobs.extend(r.logprobs)  # all of the sequence's log-probabilities, not the last step's
+        finals.append(final)
         if steps is not None:
-            steps["stats"] = engine.stats
-        return [tokens[r.id] for r in requests], [final[r.id] for r in requests]
-
-    return asyncio.run(main())
+            steps[r.request_id] = r.steps
+    if steps is not None:
+        steps["stats"] = engine.stats
+    return [r.token_ids for r in results], finals
 
 
 @torch.inference_mode()

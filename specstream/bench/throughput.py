@@ -37,9 +37,14 @@ class Setting:
     gamma: int
 
     @property
-    def name(self) -> str:
+    def policy_name(self) -> str:
+        """The batching policy and row selection, as `--policies` names them: "topup ε=1 all"."""
         policy = self.policy if self.policy == "static" else f"topup ε={self.refill:g}"
-        return f"n={self.n} {policy} {self.selection} γ={self.gamma}"
+        return f"{policy} {self.selection}"
+
+    @property
+    def name(self) -> str:
+        return f"n={self.n} {self.policy_name} γ={self.gamma}"
 
     def target_args(self) -> list[str]:
         return ["--policy", self.policy, "--refill-threshold", str(self.refill), "--row-selection", self.selection]
