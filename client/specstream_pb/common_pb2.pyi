@@ -33,12 +33,14 @@ SPECULATION_MODE_OFF: SpeculationMode
 SPECULATION_MODE_FIXED: SpeculationMode
 
 class Speculation(_message.Message):
-    __slots__ = ("mode", "gamma")
+    __slots__ = ("mode", "gamma", "max_gamma")
     MODE_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
+    MAX_GAMMA_FIELD_NUMBER: _ClassVar[int]
     mode: SpeculationMode
     gamma: int
-    def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., gamma: _Optional[int] = ...) -> None: ...
+    max_gamma: int
+    def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., gamma: _Optional[int] = ..., max_gamma: _Optional[int] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed")
@@ -71,18 +73,22 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[Logprob, _Mapping]]] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("draft_tokens", "accepted_tokens", "target_passes", "mean_accepted_length", "rejections")
+    __slots__ = ("draft_tokens", "accepted_tokens", "target_passes", "mean_accepted_length", "rejections", "gamma_histogram", "alpha_estimate")
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TARGET_PASSES_FIELD_NUMBER: _ClassVar[int]
     MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     REJECTIONS_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
     draft_tokens: int
     accepted_tokens: int
     target_passes: int
     mean_accepted_length: float
     rejections: int
-    def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., target_passes: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., rejections: _Optional[int] = ...) -> None: ...
+    gamma_histogram: _containers.RepeatedScalarFieldContainer[int]
+    alpha_estimate: float
+    def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., target_passes: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., rejections: _Optional[int] = ..., gamma_histogram: _Optional[_Iterable[int]] = ..., alpha_estimate: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
