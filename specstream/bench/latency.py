@@ -1,11 +1,13 @@
 """`specstream bench latency`: batch-1 greedy latency over the real three-process stack.
 
 For each γ in the sweep it generates the same prompts through gateway → target → draft and
-reports tokens/s, α (accepted / proposed), mean accepted length, the measured cost ratio c, the
-theoretical speedup (1 − α^(γ+1)) / ((1 − α)(γc + 1)) for that α and c, and the measured speedup
-over γ = 0. Then, on the same checkpoints and prompts, Hugging Face `generate()` plain and with
-`assistant_model=`. Every γ's token ids must equal γ = 0's (and Hugging Face's): the run fails
-loudly otherwise.
+reports tokens/s, α (accepted / (accepted + rejections)), mean accepted length, the measured cost
+ratio c, the theoretical speedup (1 − α^(γ+1)) / ((1 − α)(γc + 1)) for that α and c, and the
+measured speedup over γ = 0. Then, on the same checkpoints and prompts, Hugging Face `generate()`
+plain and with `assistant_model=`. Every γ's token ids must equal γ = 0's: the run fails loudly
+otherwise (BenchmarkError, specstream.bench.checks). Whether each peer's tokens equal ours is
+recorded per peer (``same_tokens_as_ours``): in bfloat16 another implementation's arithmetic may
+legitimately differ.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from specstream.bench import report
+from specstream.bench.checks import check_runs_match
 from specstream.bench.costs import measure_costs
 from specstream.bench.models import BenchModels
 from specstream.bench.theory import expected_speedup, expected_tokens_per_pass
@@ -73,10 +76,8 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
         print(f"stack up at {stack.gateway_address}; sweeping gamma {gammas} over {len(prompts)} prompts x "
               f"{max_new_tokens} tokens ...", flush=True)
         ours = sweep(stack.gateway_address, prompts, gammas, max_new_tokens)
-    baseline = ours[0]["token_ids"]
-    mismatched = [g for g in gammas if ours[g]["token_ids"] != baseline]
-    if mismatched:
-        raise RuntimeError(f"speculative output differs from plain decoding at gamma {mismatched}")
+    check_runs_match("speculative output", "plain decoding (gamma 0)", ours[0]["token_ids"],
+                     {f"gamma {g}": ours[g]["token_ids"] for g in gammas if g})
     rows = []
     for gamma in gammas:
         r = score(ours, gamma, costs)

@@ -77,8 +77,7 @@ class BenchModels:
     def load(self, which: str):
         from specstream.models import load_model
 
-        path = self.target if which == "target" else self.draft
-        assert path is not None, "no draft configured"
+        path = self.target if which == "target" else self.require_draft()
         return load_model(path, dtype=self.dtype, resolve=resolve_model)
 
     def hf_draft(self) -> Path | None:

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from specstream.bench import report
+from specstream.bench.checks import check_runs_match
 from specstream.bench.costs import measure_costs
 from specstream.bench.latency import display, public, score, sweep
 from specstream.bench.models import BenchModels
@@ -47,9 +48,8 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
                   flush=True)
             ours[t] = sweep(stack.gateway_address, prompts, gammas, max_new_tokens, temperature=t)
     if 0.0 in ours:
-        mismatched = [g for g in gammas if ours[0.0][g]["token_ids"] != ours[0.0][0]["token_ids"]]
-        if mismatched:
-            raise RuntimeError(f"greedy speculative output differs from plain decoding at gamma {mismatched}")
+        check_runs_match("greedy (T=0) speculative output", "plain decoding (gamma 0)", ours[0.0][0]["token_ids"],
+                         {f"gamma {g}": ours[0.0][g]["token_ids"] for g in gammas if g})
     rows = []
     for t in temperatures:
         for gamma in gammas:

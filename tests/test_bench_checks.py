@@ -1,0 +1,225 @@
+"""The benchmarks' checks on their own results (specstream.bench.checks): each passes on matching
+data, fails on mismatching data naming what differed, and still fails under `python -O`; and the
+benchmarks that compare token ids (latency, sampling, synthetic) stop on a mismatch. No models:
+the stack and the sweeps are replaced by fakes."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from specstream.bench.checks import BenchmarkError, check_runs_match, check_same_tokens, require, token_difference
+
+
+def test_require():
+    require(True, "never raised")
+    require([1], "a non-empty list holds")
+    with pytest.raises(BenchmarkError, match="counts do not add up"):
+        require(False, "counts do not add up")
+    with pytest.raises(BenchmarkError):
+        require(0, "zero does not hold")
+    assert issubclass(BenchmarkError, RuntimeError)  # callers that caught the old RuntimeError still do
+
+
+def test_equal_runs_pass():
+    runs = [[5, 6, 7], [8, 9]]
+    assert token_difference(runs, [list(r) for r in runs]) is None
+    assert token_difference([], []) is None
+    check_same_tokens("equal", runs, [[5, 6, 7], [8, 9]])
+    check_runs_match("output", "plain", runs, {"gamma 2": [[5, 6, 7], [8, 9]], "gamma 4": runs})
+    check_runs_match("output", "plain", runs, {})
+
+
+def test_a_different_token_names_prompt_position_and_tokens():
+    expected = [[5, 6, 7, 8], [10, 11, 12, 13]]
+    actual = [[5, 6, 7, 8], [10, 11, 99, 13]]
+    assert token_difference(expected, actual) == ("prompt 1: first difference at generated position 2: token 99, "
+                                                  "expected 12 (4 tokens, expected 4)")
+    with pytest.raises(BenchmarkError, match=r"^gamma 3: prompt 1: first difference at generated position 2: "
+                                             r"token 99, expected 12"):
+        check_same_tokens("gamma 3", expected, actual)
+
+
+def test_the_first_differing_prompt_and_position_are_named():
+    expected = [[1, 2, 3], [4, 5, 6]]
+    actual = [[1, 7, 8], [9, 5, 6]]
+    assert token_difference(expected, actual).startswith("prompt 0: first difference at generated position 1: "
+                                                         "token 7, expected 2")
+
+
+def test_a_shorter_or_longer_output_differs():
+    assert token_difference([[1, 2, 3]], [[1, 2]]) == ("prompt 0: first difference at generated position 2: "
+                                                       "token end of output, expected 3 (2 tokens, expected 3)")
+    assert token_difference([[1, 2]], [[1, 2, 3]]) == ("prompt 0: first difference at generated position 2: "
+                                                       "token 3, expected end of output (3 tokens, expected 2)")
+    with pytest.raises(BenchmarkError, match="end of output"):
+        check_same_tokens("truncated", [[1, 2, 3]], [[1, 2]])
+
+
+def test_a_missing_prompt_differs():
+    assert token_difference([[1], [2]], [[1]]) == "1 outputs, expected 2 (one per prompt)"
+    with pytest.raises(BenchmarkError, match="1 outputs, expected 2"):
+        check_same_tokens("dropped a prompt", [[1], [2]], [[1]])
+
+
+def test_tuples_and_lists_compare_by_value():
+    check_same_tokens("a tuple run", [[1, 2]], [(1, 2)])  # ids from protobuf repeated fields are not lists
+
+
+def test_runs_match_lists_every_differing_run_and_only_those():
+    expected = [[1, 2, 3]]
+    with pytest.raises(BenchmarkError) as error:
+        check_runs_match("speculative output", "plain decoding (gamma 0)", expected,
+                         {"gamma 1": [[1, 2, 3]], "gamma 2": [[1, 5, 3]], "gamma 4": [[0, 2, 3]]})
+    message = str(error.value)
+    assert message.startswith("speculative output differs from plain decoding (gamma 0):")
+    assert "gamma 2: prompt 0: first difference at generated position 1: token 5, expected 2" in message
+    assert "gamma 4: prompt 0: first difference at generated position 0: token 0, expected 1" in message
+    assert "gamma 1" not in message
+
+
+def test_checks_still_fail_under_python_O():
+    """`python -O` strips bare asserts (the control below shows it did); the checks still raise."""
+    script = textwrap.dedent("""
+        import sys
+        assert False, "not stripped"  # stripped under -O: reaching the next line proves -O is on
+        from specstream.bench.checks import BenchmarkError, check_runs_match, check_same_tokens, require
+        caught = []
+        for check in (lambda: require(False, "counts"),
+                      lambda: check_same_tokens("gamma 2", [[1, 2, 3]], [[1, 9, 3]]),
+                      lambda: check_runs_match("out", "plain", [[1]], {"gamma 2": [[2]]})):
+            try:
+                check()
+            except BenchmarkError as exc:
+                caught.append(str(exc).splitlines()[-1].strip())
+        print(sys.flags.optimize, caught)
+        check_same_tokens("gamma 2", [[1, 2, 3]], [[1, 9, 3]])
+    """)
+    result = subprocess.run([sys.executable, "-O", "-c", script], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.stdout.startswith("1 ['counts', 'gamma 2: prompt 0: first difference at generated position 1: "
+                                    "token 9, expected 2 (3 tokens, expected 3)', 'gamma 2: prompt 0: "), \
+        result.stdout + result.stderr
+    assert result.returncode == 1
+    assert result.stderr.rstrip().splitlines()[-1] == (
+        "specstream.bench.checks.BenchmarkError: gamma 2: prompt 0: first difference at generated position 1: "
+        "token 9, expected 2 (3 tokens, expected 3)")
+
+
+# The benchmarks themselves: a sweep whose speculative tokens differ from plain decoding stops the run.
+
+class _FakeStack:
+    gateway_address = "fake:0"
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _fake_models(tmp_path: Path) -> SimpleNamespace:
+    return SimpleNamespace(label="fake", target=tmp_path / "target", draft=tmp_path / "draft", dtype="float32",
+                           chat=False, require_draft=lambda: tmp_path / "draft",
+                           prompts=lambda n: [[1, 2, 3]] * n)
+
+
+PLAIN = [[10, 11, 12], [20, 21, 22]]
+CHANGED = [[10, 11, 12], [20, 77, 22]]  # prompt 1, position 1
+
+
+def _fake_sweep(outputs: dict[int, list[list[int]]]):
+    def sweep(address, prompts, gammas, max_new_tokens, temperature=0.0):
+        return {g: {"token_ids": outputs[g], "tokens_per_s": 10.0 + g, "seconds": 1.0, "passes": 6,
+                    "alpha": 0.5 if g else None, "accepted_fraction": 0.5 if g else None,
+                    "mean_accepted_length": 1.5 if g else None} for g in gammas}
+    return sweep
+
+
+COSTS = {"c": 0.1, "target_step_ms": 1.0, "draft_step_ms": 0.1, "target_verify_ms": {g: 1.2 for g in range(9)}}
+
+
+def _patch_stack(monkeypatch, module) -> None:
+    monkeypatch.setattr(module, "Stack", _FakeStack)
+    monkeypatch.setattr(module, "StackSpec", lambda *a, **k: None)
+    monkeypatch.setattr(module, "measure_costs", lambda *a, **k: COSTS)
+
+
+def test_latency_stops_when_a_gamma_changes_the_output(monkeypatch, tmp_path):
+    from specstream.bench import latency
+
+    _patch_stack(monkeypatch, latency)
+    monkeypatch.setattr(latency, "sweep", _fake_sweep({0: PLAIN, 2: PLAIN, 4: CHANGED}))
+    with pytest.raises(BenchmarkError, match=r"gamma 4: prompt 1: first difference at generated position 1: "
+                                             r"token 77, expected 21") as error:
+        latency.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, gammas=[0, 2, 4])
+    assert "gamma 2" not in str(error.value)
+    assert not (tmp_path / "latency.json").exists()
+
+
+def test_sampling_stops_when_a_greedy_gamma_changes_the_output(monkeypatch, tmp_path):
+    from specstream.bench import sampling
+
+    _patch_stack(monkeypatch, sampling)
+    outputs = {0.0: {0: PLAIN, 2: CHANGED}, 1.0: {0: PLAIN, 2: CHANGED}}
+    monkeypatch.setattr(sampling, "sweep", lambda address, prompts, gammas, max_new_tokens, temperature:
+                        _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens))
+    with pytest.raises(BenchmarkError, match=r"greedy \(T=0\) .*\n  gamma 2: prompt 1: first difference at "
+                                             r"generated position 1: token 77, expected 21"):
+        sampling.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, temperatures=[0.0, 1.0],
+                     gammas=[0, 2], with_hf=False)
+
+
+def test_latency_reports_when_every_gamma_matches(monkeypatch, tmp_path):
+    from specstream.bench import latency
+
+    _patch_stack(monkeypatch, latency)
+    monkeypatch.setattr(latency, "sweep", _fake_sweep({0: PLAIN, 2: [list(r) for r in PLAIN]}))
+    data = latency.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, gammas=[0, 2],
+                       with_hf=False)
+    assert data["best_gamma"] == 2 and (tmp_path / "latency.json").exists()
+
+
+def test_sampling_does_not_compare_sampled_tokens(monkeypatch, tmp_path):
+    """At T > 0 speculative sampling keeps the distribution, not a seed's tokens: different
+    tokens there are no error, while T = 0 still has to match."""
+    from specstream.bench import sampling
+
+    _patch_stack(monkeypatch, sampling)
+    outputs = {0.0: {0: PLAIN, 2: PLAIN}, 1.0: {0: PLAIN, 2: CHANGED}}
+    monkeypatch.setattr(sampling, "sweep", lambda address, prompts, gammas, max_new_tokens, temperature:
+                        _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens))
+    data = sampling.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, temperatures=[0.0, 1.0],
+                        gammas=[0, 2], with_hf=False)
+    assert set(data["temperatures"]) == {0.0, 1.0} and (tmp_path / "sampling.json").exists()
+
+
+def test_synthetic_stops_when_an_alpha_changes_the_output(monkeypatch, tmp_path):
+    from specstream.bench import synthetic
+    import specstream.models
+
+    _patch_stack(monkeypatch, synthetic)
+    monkeypatch.setattr(synthetic, "build_target", lambda path, *a, **k: path)
+    monkeypatch.setattr(synthetic, "_params", lambda path: 1_000_000)
+    monkeypatch.setattr(specstream.models, "read_config", lambda path: SimpleNamespace(vocab_size=300))
+    monkeypatch.setattr(synthetic, "sweep", _fake_sweep({0: PLAIN, 2: CHANGED}))
+    with pytest.raises(BenchmarkError, match=r"^synthetic alpha 0.5, gamma 2 against plain decoding: prompt 1: "
+                                             r"first difference at generated position 1: token 77, expected 21"):
+        synthetic.run(tmp_path, alphas=[0.5], gammas=[2], n_prompts=2, max_new_tokens=3)
+
+
+def test_the_benchmarks_stop_under_python_O():
+    """The stop tests above, run under `python -O`: the benchmarks' checks are not asserts."""
+    result = subprocess.run([sys.executable, "-O", "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                             "-k", "stops_when"], capture_output=True, text=True, timeout=300,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0 and re.search(r"^3 passed", result.stdout, re.M), result.stdout + result.stderr
