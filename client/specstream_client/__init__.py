@@ -2,8 +2,10 @@
 
 Contract: ``Client`` (blocking) and ``AsyncClient`` (asyncio) talk to the gateway's
 ``specstream.v1.Generation`` gRPC service and return plain dataclasses (``GenerateResult``,
-``StreamChunk``, ``ModelInfo``); failed RPCs raise ``SpecstreamError`` subclasses. Depends on
-grpcio and protobuf only -- importing it never imports torch or the server packages.
+``StreamChunk``, ``ModelInfo``); failed RPCs raise ``SpecstreamError`` subclasses. Every
+generate/chat call takes the options that ``GenerateOptions`` defines, as keywords or as one
+object. Depends on grpcio and protobuf only -- importing it never imports torch or the server
+packages.
 
 What it does not know: tokenization (the server tokenizes text prompts), the server's limits
 (ask ``model_info()``), and retry policy (it never retries).
@@ -11,7 +13,6 @@ What it does not know: tokenization (the server tokenizes text prompts), the ser
 
 from __future__ import annotations
 
-from ._request import GenerateOptions
 from .aio import AsyncClient, AsyncResponseStream
 from .client import Client, ResponseStream
 from .errors import (
@@ -22,6 +23,7 @@ from .errors import (
     SpecstreamError,
     Unavailable,
 )
+from .options import GenerateOptions, GenerateOptionsDict
 from .types import (
     GenerateResult,
     Logprob,
@@ -40,6 +42,7 @@ __all__ = [
     "Client",
     "DeadlineExceeded",
     "GenerateOptions",
+    "GenerateOptionsDict",
     "GenerateResult",
     "InvalidArgument",
     "Logprob",

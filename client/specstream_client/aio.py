@@ -20,12 +20,15 @@ import grpc.aio
 
 from specstream_pb import generation_pb2, generation_pb2_grpc
 
-from ._request import GenerateOptions, build_chat_request, build_generate_request, parse_target, resolve_timeout
+from ._request import build_chat_request, build_generate_request, parse_target, resolve_timeout
 from .errors import from_rpc_error
+from .options import GenerateOptions
 from .types import GenerateResult, ModelInfo, StreamChunk
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
+
+    from .options import GenerateOptionsDict
 
 __all__ = ["AsyncClient", "AsyncResponseStream"]
 
@@ -131,39 +134,13 @@ class AsyncClient:
     async def generate(
         self,
         prompt: str | Sequence[int],
+        options: GenerateOptions | None = None,
         *,
-        max_new_tokens: int = 64,
-        speculation: str | int = "auto",
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float | None = None,
-        seed: int | None = None,
-        logprobs: bool = False,
-        top_logprobs: int = 0,
         timeout: float | None = None,
-        request_id: str | None = None,
-        traceparent: str | None = None,
+        **overrides: Unpack[GenerateOptionsDict],
     ) -> GenerateResult:
         """See ``Client.generate``."""
-        request = build_generate_request(
-            prompt,
-            max_new_tokens=max_new_tokens,
-            speculation=speculation,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            request_id=request_id,
-            traceparent=traceparent,
-        )
+        request = build_generate_request(prompt, options, **overrides)
         deadline = resolve_timeout(timeout, self.timeout)
         try:
             response = await self._get_stub().Generate(request, timeout=deadline)
@@ -174,47 +151,25 @@ class AsyncClient:
     def generate_stream(
         self,
         prompt: str | Sequence[int],
+        options: GenerateOptions | None = None,
         *,
-        max_new_tokens: int = 64,
-        speculation: str | int = "auto",
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float | None = None,
-        seed: int | None = None,
-        logprobs: bool = False,
-        top_logprobs: int = 0,
         timeout: float | None = None,
-        request_id: str | None = None,
-        traceparent: str | None = None,
+        **overrides: Unpack[GenerateOptionsDict],
     ) -> AsyncResponseStream:
         """See ``Client.generate_stream``; use with ``async for``. Arguments are checked now."""
-        request = build_generate_request(
-            prompt,
-            max_new_tokens=max_new_tokens,
-            speculation=speculation,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            request_id=request_id,
-            traceparent=traceparent,
-        )
+        request = build_generate_request(prompt, options, **overrides)
         return AsyncResponseStream(self, request, resolve_timeout(timeout, self.timeout))
 
     async def chat(
-        self, messages: Sequence[Mapping[str, str]], *, timeout: float | None = None,
-        **options: Unpack[GenerateOptions],
+        self,
+        messages: Sequence[Mapping[str, str]],
+        options: GenerateOptions | None = None,
+        *,
+        timeout: float | None = None,
+        **overrides: Unpack[GenerateOptionsDict],
     ) -> GenerateResult:
         """See ``Client.chat``."""
-        request = build_chat_request(messages, **options)
+        request = build_chat_request(messages, options, **overrides)
         deadline = resolve_timeout(timeout, self.timeout)
         try:
             response = await self._get_stub().Generate(request, timeout=deadline)
@@ -223,11 +178,15 @@ class AsyncClient:
         return GenerateResult.from_pb(response)
 
     def chat_stream(
-        self, messages: Sequence[Mapping[str, str]], *, timeout: float | None = None,
-        **options: Unpack[GenerateOptions],
+        self,
+        messages: Sequence[Mapping[str, str]],
+        options: GenerateOptions | None = None,
+        *,
+        timeout: float | None = None,
+        **overrides: Unpack[GenerateOptionsDict],
     ) -> AsyncResponseStream:
         """See ``Client.chat_stream``; use with ``async for``. Arguments are checked now."""
-        request = build_chat_request(messages, **options)
+        request = build_chat_request(messages, options, **overrides)
         return AsyncResponseStream(self, request, resolve_timeout(timeout, self.timeout))
 
     async def model_info(self, *, timeout: float | None = None) -> ModelInfo:

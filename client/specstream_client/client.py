@@ -19,12 +19,15 @@ import grpc
 
 from specstream_pb import generation_pb2, generation_pb2_grpc
 
-from ._request import GenerateOptions, build_chat_request, build_generate_request, parse_target, resolve_timeout
+from ._request import build_chat_request, build_generate_request, parse_target, resolve_timeout
 from .errors import from_rpc_error
+from .options import GenerateOptions
 from .types import GenerateResult, ModelInfo, StreamChunk
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
+
+    from .options import GenerateOptionsDict
 
 __all__ = ["Client", "ResponseStream"]
 
@@ -115,50 +118,20 @@ class Client:
     def generate(
         self,
         prompt: str | Sequence[int],
+        options: GenerateOptions | None = None,
         *,
-        max_new_tokens: int = 64,
-        speculation: str | int = "auto",
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float | None = None,
-        seed: int | None = None,
-        logprobs: bool = False,
-        top_logprobs: int = 0,
         timeout: float | None = None,
-        request_id: str | None = None,
-        traceparent: str | None = None,
+        **overrides: Unpack[GenerateOptionsDict],
     ) -> GenerateResult:
         """Generate a completion and wait for all of it.
 
-        ``prompt``: text (tokenized by the server) or token ids. ``speculation``: "auto" (server
-        default), "off" or 0 (plain decoding), or an int gamma > 0 (exactly that many draft tokens
-        per step). ``stop``: one stop string or several; not included in the text.
-        ``temperature``: 0 (the default) is greedy; > 0 samples, keeping only the ``top_k`` most
-        likely tokens (0: all) and the smallest most-likely set with mass >= ``top_p`` (None: 1,
-        all). ``seed`` makes sampling reproducible; None lets the server pick one, which the result
-        reports as ``.seed``. ``logprobs=True`` returns each token's log-probability in
-        ``.logprobs``, with the ``top_logprobs`` most likely alternatives.
-        ``timeout`` overrides the client's default deadline for this call.
+        ``prompt``: text (tokenized by the server) or token ids. The generation options
+        (``max_new_tokens``, ``speculation``, ``temperature``, ``seed``, ...) are keyword
+        arguments, or a ``GenerateOptions`` whose fields the keywords override; ``GenerateOptions``
+        documents each one. ``timeout`` overrides the client's default deadline for this call.
+        Options are checked before anything is sent (``ValueError``/``TypeError``).
         """
-        request = build_generate_request(
-            prompt,
-            max_new_tokens=max_new_tokens,
-            speculation=speculation,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            request_id=request_id,
-            traceparent=traceparent,
-        )
+        request = build_generate_request(prompt, options, **overrides)
         try:
             response = self._stub.Generate(request, timeout=resolve_timeout(timeout, self.timeout))
         except grpc.RpcError as err:
@@ -168,51 +141,30 @@ class Client:
     def generate_stream(
         self,
         prompt: str | Sequence[int],
+        options: GenerateOptions | None = None,
         *,
-        max_new_tokens: int = 64,
-        speculation: str | int = "auto",
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float | None = None,
-        seed: int | None = None,
-        logprobs: bool = False,
-        top_logprobs: int = 0,
         timeout: float | None = None,
-        request_id: str | None = None,
-        traceparent: str | None = None,
+        **overrides: Unpack[GenerateOptionsDict],
     ) -> ResponseStream:
         """Like ``generate`` but yields ``StreamChunk`` deltas (each with the logprobs of its own
-        tokens, when asked for); the last one carries finish_reason, usage, stats, timings and seed. Arguments are checked now; the RPC starts on first iteration."""
-        request = build_generate_request(
-            prompt,
-            max_new_tokens=max_new_tokens,
-            speculation=speculation,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            request_id=request_id,
-            traceparent=traceparent,
-        )
+        tokens, when asked for); the last one carries finish_reason, usage, stats, timings and
+        seed. Arguments are checked now; the RPC starts on first iteration."""
+        request = build_generate_request(prompt, options, **overrides)
         return ResponseStream(self._stub, request, resolve_timeout(timeout, self.timeout))
 
     def chat(
-        self, messages: Sequence[Mapping[str, str]], *, timeout: float | None = None,
-        **options: Unpack[GenerateOptions],
+        self,
+        messages: Sequence[Mapping[str, str]],
+        options: GenerateOptions | None = None,
+        *,
+        timeout: float | None = None,
+        **overrides: Unpack[GenerateOptionsDict],
     ) -> GenerateResult:
         """The assistant's reply to a conversation: ``messages`` is a list of ``{"role", "content"}``
         mappings (roles "system", "user", "assistant"), rendered by the server with the model's
-        chat template; generation stops at the template's end-of-turn token. ``options`` are
-        ``generate``'s keyword arguments. A model without a chat template answers InvalidArgument."""
-        request = build_chat_request(messages, **options)
+        chat template; generation stops at the template's end-of-turn token. Options and
+        ``timeout`` as in ``generate``. A model without a chat template answers InvalidArgument."""
+        request = build_chat_request(messages, options, **overrides)
         try:
             response = self._stub.Generate(request, timeout=resolve_timeout(timeout, self.timeout))
         except grpc.RpcError as err:
@@ -220,11 +172,15 @@ class Client:
         return GenerateResult.from_pb(response)
 
     def chat_stream(
-        self, messages: Sequence[Mapping[str, str]], *, timeout: float | None = None,
-        **options: Unpack[GenerateOptions],
+        self,
+        messages: Sequence[Mapping[str, str]],
+        options: GenerateOptions | None = None,
+        *,
+        timeout: float | None = None,
+        **overrides: Unpack[GenerateOptionsDict],
     ) -> ResponseStream:
         """``chat`` as a stream of ``StreamChunk`` deltas (see ``generate_stream``)."""
-        request = build_chat_request(messages, **options)
+        request = build_chat_request(messages, options, **overrides)
         return ResponseStream(self._stub, request, resolve_timeout(timeout, self.timeout))
 
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:

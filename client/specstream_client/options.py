@@ -1,0 +1,194 @@
+"""The generation options of every ``generate``/``chat`` call, defined once.
+
+Contract: ``GenerateOptions`` is the one definition of the options -- each field's name, type,
+default, wire check and meaning (the comment above it) -- and ``GenerateOptions.to_pb`` is their
+mapping onto a ``GenerateRequest``. ``Client`` and ``AsyncClient`` (``generate``,
+``generate_stream``, ``chat``, ``chat_stream``) take a ``GenerateOptions`` and/or the same options
+as keyword arguments, which override its fields. ``GenerateOptionsDict`` types those keywords for
+type checkers; it mirrors the fields because Python cannot derive one from the other (a test keeps
+them equal).
+
+Local checks are limited to what the wire format needs: types, values a field cannot encode (an
+int outside its int32/uint32/uint64 field, a negative seed). Ranges the server decides
+(max_new_tokens limits, gamma limits, stop-string counts, temperature >= 0, top_p in (0, 1],
+top_logprobs limits and its need for logprobs=True) are sent as given and rejected by the server
+with INVALID_ARGUMENT. Errors are raised when a ``GenerateOptions`` is made, so before any RPC:
+``ValueError`` (a bad value, quoted) or ``TypeError`` (a wrong type, or an unknown option), naming
+the option.
+
+Adding an option: a field of ``GenerateOptions`` (type, default, check, comment), its line in
+``to_pb``, and its line in ``GenerateOptionsDict``.
+
+What it does not know: the server's limits (``model_info()``), its tokenizer, and the call's
+deadline (``timeout`` is an argument of each call, not a request field).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, TypedDict
+
+from specstream_pb import common_pb2, generation_pb2
+
+from ._wire import INT32_MAX, INT32_MIN, UINT32_MAX, UINT64_MAX, check_bool, check_float, check_int, check_str, \
+    check_token_ids
+
+__all__ = ["GenerateOptions", "GenerateOptionsDict", "resolve_options"]
+
+_Check = Callable[[str, Any], Any]  # (option name, value) -> the value to store; raises on a bad one
+
+
+def _option(default: Any, check: _Check) -> Any:
+    """A field whose value ``__post_init__`` passes through ``check``."""
+    return field(default=default, metadata={"check": check})
+
+
+def _optional(check: _Check) -> _Check:
+    def optional(name: str, value: Any) -> Any:
+        return None if value is None else check(name, value)
+
+    return optional
+
+
+def _int32(name: str, value: Any) -> int:
+    return check_int(name, value, INT32_MIN, INT32_MAX, "int32")
+
+
+def _uint64(name: str, value: Any) -> int:
+    return check_int(name, value, 0, UINT64_MAX, "uint64")
+
+
+def _stop(name: str, value: Any) -> tuple[str, ...]:
+    stops = (value,) if isinstance(value, str) else value
+    if isinstance(stops, bytes | bytearray) or not isinstance(stops, Sequence):
+        raise TypeError(f"{name} must be a str or a sequence of str, got {type(value).__name__}")
+    return tuple(check_str(f"{name}[{i}]", s) for i, s in enumerate(stops))
+
+
+def _token_ids(name: str, value: Any) -> tuple[int, ...]:
+    return tuple(check_token_ids(name, value))
+
+
+def _speculation(name: str, value: Any) -> str | int:
+    # bool is an int subclass; True meaning "gamma 1" would be a silent surprise.
+    if isinstance(value, str) and value in ("auto", "off"):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= UINT32_MAX:
+        return value
+    raise ValueError(f"{name} must be 'auto', 'off', 0 or a positive int gamma, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateOptions:
+    """How to generate: the options of ``generate``, ``generate_stream``, ``chat`` and
+    ``chat_stream``, as one checked, reusable value.
+
+    ``client.generate(prompt, max_new_tokens=8)`` and
+    ``client.generate(prompt, GenerateOptions(max_new_tokens=8))`` send the same request; keywords
+    given next to an object override its fields (``client.generate(prompt, opts, seed=3)``).
+    Values are checked when the object is made (see the module docstring); ``stop`` and
+    ``stop_token_ids`` are stored as tuples.
+    """
+
+    # Most tokens to generate; 1..the server's limit (``ModelInfo.max_new_tokens_limit``).
+    max_new_tokens: int = _option(64, _int32)
+    # "auto": the server's controller picks gamma (draft tokens per step) each step; "off" or 0:
+    # plain decoding; an int gamma > 0: exactly that many draft tokens per step
+    # (1..``ModelInfo.max_gamma``).
+    speculation: str | int = _option("auto", _speculation)
+    # One stop string or several; generation ends at the first match, which the text leaves out.
+    stop: str | Sequence[str] | None = _option(None, _optional(_stop))
+    # Token ids that end generation (each < the vocabulary size).
+    stop_token_ids: Sequence[int] | None = _option(None, _optional(_token_ids))
+    # Keep generating past the model's end-of-sequence token(s).
+    ignore_eos: bool = _option(False, check_bool)
+    # 0: greedy (argmax); > 0: sample from softmax(logits / temperature).
+    temperature: float = _option(0.0, check_float)
+    # When sampling: keep only the k most likely tokens; 0: all.
+    top_k: int = _option(0, _int32)
+    # When sampling: keep the smallest most-likely set with mass >= top_p, in (0, 1]; None: 1 (all).
+    top_p: float | None = _option(None, _optional(check_float))
+    # Makes sampling reproducible (0..2**64-1); None: the server picks one and reports it as `.seed`.
+    seed: int | None = _option(None, _optional(_uint64))
+    # Return each generated token's log-probability (``.logprobs``).
+    logprobs: bool = _option(False, check_bool)
+    # With logprobs=True: also the n most likely alternatives per token (0..the server's limit).
+    top_logprobs: int = _option(0, _int32)
+    # Names the request in results, logs and metrics; None: the gateway assigns one.
+    request_id: str | None = _option(None, _optional(check_str))
+    # W3C trace context of the caller, to join its trace.
+    traceparent: str | None = _option(None, _optional(check_str))
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            object.__setattr__(self, f.name, f.metadata["check"](f.name, getattr(self, f.name)))
+
+    def to_pb(self) -> generation_pb2.GenerateRequest:
+        """A ``GenerateRequest`` carrying these options and no input (the caller sets the prompt
+        or the messages)."""
+        req = generation_pb2.GenerateRequest(
+            max_new_tokens=self.max_new_tokens,
+            speculation=self._speculation_pb(),
+            stop=self.stop or (),
+            stop_token_ids=self.stop_token_ids or (),
+            ignore_eos=self.ignore_eos,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs,
+            request_id=self.request_id or "",
+            traceparent=self.traceparent or "",
+        )
+        if self.top_p is not None:  # unset means 1 (off); only a set value is sent
+            req.top_p = self.top_p
+        if self.seed is not None:  # unset: the server picks one and returns it
+            req.seed = self.seed
+        return req
+
+    def _speculation_pb(self) -> common_pb2.Speculation:
+        if self.speculation == "auto":
+            return common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_AUTO)
+        if self.speculation in ("off", 0):
+            return common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_OFF)
+        assert isinstance(self.speculation, int)  # all that _speculation lets through
+        return common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_FIXED, gamma=self.speculation)
+
+
+class GenerateOptionsDict(TypedDict, total=False):
+    """``GenerateOptions``' fields as keyword arguments, for type checkers
+    (``**overrides: Unpack[GenerateOptionsDict]``); the same names and types, documented there."""
+
+    max_new_tokens: int
+    speculation: str | int
+    stop: str | Sequence[str] | None
+    stop_token_ids: Sequence[int] | None
+    ignore_eos: bool
+    temperature: float
+    top_k: int
+    top_p: float | None
+    seed: int | None
+    logprobs: bool
+    top_logprobs: int
+    request_id: str | None
+    traceparent: str | None
+
+
+_NAMES = tuple(f.name for f in fields(GenerateOptions))
+
+
+def resolve_options(options: GenerateOptions | None, overrides: Mapping[str, Any]) -> GenerateOptions:
+    """The options of one call: ``options`` (None: the defaults) with the keyword ``overrides``
+    replacing its fields, checked."""
+    for name in overrides:
+        if name not in _NAMES:
+            close = difflib.get_close_matches(name, _NAMES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(f"unexpected keyword argument {name!r}{hint}; the options are {', '.join(_NAMES)}")
+    if options is None:
+        return GenerateOptions(**overrides)
+    if not isinstance(options, GenerateOptions):
+        raise TypeError(f"options must be a GenerateOptions (or pass the options as keywords), "
+                        f"got {type(options).__name__}")
+    return replace(options, **overrides) if overrides else options

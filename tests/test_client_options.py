@@ -1,0 +1,265 @@
+"""The SDK's generation options are defined once (``GenerateOptions``): every generate/chat entry
+point takes exactly that set, every option reaches the wire, and the keyword form, the object form
+and the two mixed send the same request. Against an in-process recording Generation service."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import typing
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import pytest
+
+from specstream_client import AsyncClient, Client, GenerateOptions, GenerateOptionsDict
+from specstream_client._request import build_chat_request, build_generate_request
+from specstream_pb import common_pb2, generation_pb2, generation_pb2_grpc
+
+MESSAGES = [{"role": "user", "content": "Hi?"}]
+
+# A value other than the default for every option. Adding an option means adding it here too
+# (test_sample_covers_every_option says so), which proves it reaches the wire.
+SAMPLE: dict[str, Any] = {
+    "max_new_tokens": 9,
+    "speculation": 3,
+    "stop": ["\n", "END"],
+    "stop_token_ids": [2, 7],
+    "ignore_eos": True,
+    "temperature": 0.5,
+    "top_k": 40,
+    "top_p": 0.9,
+    "seed": 12345,
+    "logprobs": True,
+    "top_logprobs": 2,
+    "request_id": "req-sample",
+    "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+}
+
+# (name, the input it takes) of every public entry point that sends a GenerateRequest.
+ENTRY_POINTS = [
+    (Client.generate, "prompt"),
+    (Client.generate_stream, "prompt"),
+    (Client.chat, "messages"),
+    (Client.chat_stream, "messages"),
+    (AsyncClient.generate, "prompt"),
+    (AsyncClient.generate_stream, "prompt"),
+    (AsyncClient.chat, "messages"),
+    (AsyncClient.chat_stream, "messages"),
+]
+BUILDERS = [(build_generate_request, "prompt"), (build_chat_request, "messages")]
+
+
+def option_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(GenerateOptions)]
+
+
+def without_input(req: generation_pb2.GenerateRequest) -> generation_pb2.GenerateRequest:
+    out = generation_pb2.GenerateRequest()
+    out.CopyFrom(req)
+    out.ClearField("input")
+    return out
+
+
+class Recorder(generation_pb2_grpc.GenerationServicer):
+    def __init__(self) -> None:
+        self.requests: list[generation_pb2.GenerateRequest] = []
+
+    def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.requests.append(request)
+        return generation_pb2.GenerateResponse(request_id=request.request_id, finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+    def GenerateStream(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        self.requests.append(request)
+        yield generation_pb2.GenerateStreamResponse(request_id=request.request_id,
+                                                    finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[Recorder, str]]:
+    recorder = Recorder()
+    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    generation_pb2_grpc.add_GenerationServicer_to_server(recorder, srv)
+    port = srv.add_insecure_port("127.0.0.1:0")
+    srv.start()
+    yield recorder, f"127.0.0.1:{port}"
+    srv.stop(grace=None)
+
+
+def send(url: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """Call a Client or AsyncClient entry point to completion (streams drained)."""
+    owner = Client if method.__qualname__.startswith("Client.") else AsyncClient
+    if owner is Client:
+        with Client(url) as client:
+            out = getattr(client, method.__name__)(*args, **kwargs)
+            if method.__name__.endswith("_stream"):
+                list(out)
+        return
+
+    async def main() -> None:
+        async with AsyncClient(url) as client:
+            out = getattr(client, method.__name__)(*args, **kwargs)
+            if method.__name__.endswith("_stream"):
+                [chunk async for chunk in out]
+            else:
+                await out
+
+    asyncio.run(main())
+
+
+# --- one definition ---------------------------------------------------------------------------------
+
+
+def test_typed_dict_mirrors_the_dataclass() -> None:
+    # Python cannot derive the keyword TypedDict from the dataclass, so the mirror is checked here:
+    # same names, same order, same type annotations, every key optional.
+    fields = typing.get_type_hints(GenerateOptions)
+    keywords = typing.get_type_hints(GenerateOptionsDict)
+    assert list(keywords.items()) == list(fields.items())
+    assert GenerateOptionsDict.__total__ is False and not GenerateOptionsDict.__required_keys__
+
+
+@pytest.mark.parametrize(("method", "input_name"), ENTRY_POINTS + BUILDERS,
+                         ids=lambda p: getattr(p, "__qualname__", p))
+def test_entry_points_take_the_options_and_nothing_else(method: Callable[..., Any], input_name: str) -> None:
+    # Fails if an option is spelled out as a parameter of one entry point instead of in
+    # GenerateOptions: the only parameters are the input, the options object, the call's
+    # deadline (not a request field) and the GenerateOptionsDict keywords.
+    params = list(inspect.signature(method).parameters.values())
+    if params[0].name == "self":
+        params = params[1:]
+        expected = [input_name, "options", "timeout", "overrides"]
+    else:
+        expected = [input_name, "options", "overrides"]  # the builders have no deadline
+    assert [p.name for p in params] == expected
+    by_name = {p.name: p for p in params}
+    assert by_name["options"].annotation == "GenerateOptions | None" and by_name["options"].default is None
+    assert by_name["overrides"].kind is inspect.Parameter.VAR_KEYWORD
+    assert by_name["overrides"].annotation == "Unpack[GenerateOptionsDict]"
+    assert not set(expected) & set(option_names())  # no option shadowed by a parameter
+
+
+def test_sample_covers_every_option() -> None:
+    assert list(SAMPLE) == option_names()
+
+
+def test_defaults_are_the_dataclass_defaults() -> None:
+    assert build_generate_request("x") == build_generate_request("x", GenerateOptions())
+    req = without_input(build_generate_request("x"))
+    assert req == GenerateOptions().to_pb()
+    assert req.max_new_tokens == 64 and req.speculation.mode == common_pb2.SPECULATION_MODE_AUTO
+    assert not req.HasField("top_p") and not req.HasField("seed")
+
+
+@pytest.mark.parametrize("name", list(SAMPLE))
+def test_every_option_reaches_the_wire(name: str) -> None:
+    # A field added to GenerateOptions but not to to_pb() sends the default request.
+    value = SAMPLE[name]
+    assert GenerateOptions(**{name: value}).to_pb() != GenerateOptions().to_pb(), name
+    assert build_generate_request("x", **{name: value}) != build_generate_request("x"), name
+    assert build_chat_request(MESSAGES, **{name: value}) != build_chat_request(MESSAGES), name
+
+
+@pytest.mark.parametrize(("method", "input_name"), ENTRY_POINTS, ids=lambda p: getattr(p, "__qualname__", p))
+def test_every_entry_point_sends_every_option(served: tuple[Recorder, str], method: Callable[..., Any],
+                                              input_name: str) -> None:
+    recorder, url = served
+    given = "hello" if input_name == "prompt" else MESSAGES
+    expected = GenerateOptions(**SAMPLE).to_pb()
+
+    recorder.requests.clear()
+    send(url, method, given, **SAMPLE)  # keywords
+    send(url, method, given, GenerateOptions(**SAMPLE))  # one object
+    base = GenerateOptions(max_new_tokens=1, seed=1, stop="x", speculation="off")
+    send(url, method, given, base, **SAMPLE)  # keywords override the object's fields
+    assert len(recorder.requests) == 3
+    for req in recorder.requests:
+        assert without_input(req) == expected
+        assert req.WhichOneof("input") == ("prompt" if input_name == "prompt" else "messages")
+    # The values the sample puts on the wire, spelled out once.
+    req = recorder.requests[0]
+    assert (req.max_new_tokens, req.speculation.mode, req.speculation.gamma) == (9, common_pb2.SPECULATION_MODE_FIXED, 3)
+    assert list(req.stop) == ["\n", "END"] and list(req.stop_token_ids) == [2, 7] and req.ignore_eos
+    assert (req.temperature, req.top_k, req.top_p, req.seed) == (0.5, 40, pytest.approx(0.9), 12345)
+    assert req.logprobs and req.top_logprobs == 2
+    assert req.request_id == "req-sample" and req.traceparent == SAMPLE["traceparent"]
+
+
+# --- the options object ----------------------------------------------------------------------------------
+
+
+def test_object_plus_keywords() -> None:
+    base = GenerateOptions(max_new_tokens=5, temperature=0.7, stop="\n")
+    req = build_generate_request("x", base, seed=3, max_new_tokens=6)
+    assert (req.max_new_tokens, req.temperature, req.seed) == (6, pytest.approx(0.7), 3)
+    assert list(req.stop) == ["\n"]
+    assert base.max_new_tokens == 5 and base.seed is None  # the object is not changed
+
+
+def test_options_are_frozen_and_own_their_sequences() -> None:
+    stop = ["a"]
+    ids = [1, 2]
+    opts = GenerateOptions(stop=stop, stop_token_ids=ids)
+    stop.append("b")
+    ids.append(3)
+    assert opts.stop == ("a",) and opts.stop_token_ids == (1, 2)
+    assert GenerateOptions(stop="a").stop == ("a",)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.seed = 1  # type: ignore[misc]
+    assert opts == GenerateOptions(stop=("a",), stop_token_ids=(1, 2))
+    assert hash(opts) == hash(GenerateOptions(stop=("a",), stop_token_ids=(1, 2)))
+
+
+def test_numpy_style_ints_are_stored_as_ints() -> None:
+    class Index:
+        def __index__(self) -> int:
+            return 7
+
+    opts = GenerateOptions(max_new_tokens=Index(), seed=Index(), top_k=Index())  # type: ignore[arg-type]
+    assert (opts.max_new_tokens, opts.seed, opts.top_k) == (7, 7, 7)
+    assert type(opts.seed) is int
+
+
+@pytest.mark.parametrize(("kwargs", "exc", "needle"), [
+    (dict(seed=-1), ValueError, "seed"),
+    (dict(top_k=2**31), ValueError, "top_k"),
+    (dict(max_new_tokens="8"), TypeError, "max_new_tokens"),
+    (dict(stop=[1]), TypeError, r"stop\[0\]"),
+    (dict(stop=b"x"), TypeError, "stop"),
+    (dict(stop_token_ids=[-1]), ValueError, r"stop_token_ids\[0\]"),
+    (dict(speculation=True), ValueError, "speculation"),
+    (dict(request_id=7), TypeError, "request_id"),
+    (dict(ignore_eos=1), TypeError, "ignore_eos"),
+])
+def test_bad_values_raise_when_the_options_are_made(kwargs: dict[str, Any], exc: type, needle: str) -> None:
+    with pytest.raises(exc, match=needle):
+        GenerateOptions(**kwargs)
+    with pytest.raises(exc, match=needle):  # replace() checks again
+        dataclasses.replace(GenerateOptions(), **kwargs)
+    with pytest.raises(exc, match=needle):
+        build_generate_request("x", GenerateOptions(), **kwargs)
+
+
+def test_unknown_option_and_wrong_options_type() -> None:
+    with pytest.raises(TypeError, match="unexpected keyword argument 'temprature'.*did you mean 'temperature'"):
+        build_generate_request("x", temprature=0.5)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'timeout'"):
+        build_chat_request(MESSAGES, timeout=3)  # a call argument, not a request option
+    with pytest.raises(TypeError, match="options must be a GenerateOptions"):
+        build_generate_request("x", {"max_new_tokens": 3})  # type: ignore[arg-type]
+
+
+def test_client_rejects_before_sending(served: tuple[Recorder, str]) -> None:
+    recorder, url = served
+    recorder.requests.clear()
+    with Client(url) as client:
+        with pytest.raises(TypeError, match="options must be a GenerateOptions"):
+            client.generate("x", 8)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="seed"):
+            client.chat_stream(MESSAGES, GenerateOptions(), seed=-1)
+        with pytest.raises(TypeError, match="did you mean 'max_new_tokens'"):
+            client.generate("x", max_tokens=8)  # type: ignore[call-arg]
+    assert recorder.requests == []
