@@ -26,6 +26,7 @@ MESSAGES = [{"role": "user", "content": "Hi?"}]
 SAMPLE: dict[str, Any] = {
     "max_new_tokens": 9,
     "speculation": 3,
+    "max_gamma": 5,
     "stop": ["\n", "END"],
     "stop_token_ids": [2, 7],
     "ignore_eos": True,
@@ -38,6 +39,8 @@ SAMPLE: dict[str, Any] = {
     "request_id": "req-sample",
     "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
 }
+# Every option set at once: max_gamma goes with automatic speculation only, so twice.
+COMBINED = [{**SAMPLE, "speculation": "auto"}, {k: v for k, v in SAMPLE.items() if k != "max_gamma"}]
 
 # (name, the input it takes) of every public entry point that sends a GenerateRequest.
 ENTRY_POINTS = [
@@ -163,25 +166,33 @@ def test_every_option_reaches_the_wire(name: str) -> None:
     assert build_chat_request(MESSAGES, **{name: value}) != build_chat_request(MESSAGES), name
 
 
+@pytest.mark.parametrize("combined", [0, 1])
 @pytest.mark.parametrize(("method", "input_name"), ENTRY_POINTS, ids=lambda p: getattr(p, "__qualname__", p))
 def test_every_entry_point_sends_every_option(served: tuple[Recorder, str], method: Callable[..., Any],
-                                              input_name: str) -> None:
+                                              input_name: str, combined: int) -> None:
     recorder, url = served
     given = "hello" if input_name == "prompt" else MESSAGES
-    expected = GenerateOptions(**SAMPLE).to_pb()
+    options = COMBINED[combined]
+    expected = GenerateOptions(**options).to_pb()
 
     recorder.requests.clear()
-    send(url, method, given, **SAMPLE)  # keywords
-    send(url, method, given, GenerateOptions(**SAMPLE))  # one object
-    base = GenerateOptions(max_new_tokens=1, seed=1, stop="x", speculation="off")
-    send(url, method, given, base, **SAMPLE)  # keywords override the object's fields
+    send(url, method, given, **options)  # keywords
+    send(url, method, given, GenerateOptions(**options))  # one object
+    base = GenerateOptions(max_new_tokens=1, seed=1, stop="x", top_k=3)
+    send(url, method, given, base, **options)  # keywords override the object's fields
     assert len(recorder.requests) == 3
     for req in recorder.requests:
         assert without_input(req) == expected
         assert req.WhichOneof("input") == ("prompt" if input_name == "prompt" else "messages")
     # The values the sample puts on the wire, spelled out once.
     req = recorder.requests[0]
-    assert (req.max_new_tokens, req.speculation.mode, req.speculation.gamma) == (9, common_pb2.SPECULATION_MODE_FIXED, 3)
+    if combined == 0:
+        assert (req.speculation.mode, req.speculation.gamma, req.speculation.max_gamma) == \
+            (common_pb2.SPECULATION_MODE_AUTO, 0, 5)
+    else:
+        assert (req.speculation.mode, req.speculation.gamma, req.speculation.max_gamma) == \
+            (common_pb2.SPECULATION_MODE_FIXED, 3, 0)
+    assert req.max_new_tokens == 9
     assert list(req.stop) == ["\n", "END"] and list(req.stop_token_ids) == [2, 7] and req.ignore_eos
     assert (req.temperature, req.top_k, req.top_p, req.seed) == (0.5, 40, pytest.approx(0.9), 12345)
     assert req.logprobs and req.top_logprobs == 2
@@ -263,3 +274,77 @@ def test_client_rejects_before_sending(served: tuple[Recorder, str]) -> None:
         with pytest.raises(TypeError, match="did you mean 'max_new_tokens'"):
             client.generate("x", max_tokens=8)  # type: ignore[call-arg]
     assert recorder.requests == []
+
+
+# --- max_gamma -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cap", [1, 8, 1000, 2**32 - 1])  # above the server's max: the server judges it
+def test_max_gamma_caps_automatic_speculation_on_the_wire(cap: int) -> None:
+    for req in (build_generate_request("x", max_gamma=cap), build_chat_request(MESSAGES, max_gamma=cap),
+                build_generate_request("x", speculation="auto", max_gamma=cap)):
+        assert req.speculation.mode == common_pb2.SPECULATION_MODE_AUTO
+        assert req.speculation.max_gamma == cap and req.speculation.gamma == 0
+
+
+def test_max_gamma_unset_sends_zero_the_servers_limit() -> None:
+    for speculation in ("auto", "off", 0, 4):
+        assert build_generate_request("x", speculation=speculation).speculation.max_gamma == 0
+    assert build_generate_request("x", max_gamma=None).speculation.max_gamma == 0
+
+
+def test_max_gamma_reaches_the_server(served: tuple[Recorder, str]) -> None:
+    recorder, url = served
+    recorder.requests.clear()
+    with Client(url) as client:
+        client.generate("x", max_gamma=3)
+        list(client.chat_stream(MESSAGES, GenerateOptions(max_gamma=6), max_new_tokens=2))
+
+    async def main() -> None:
+        async with AsyncClient(url) as client:
+            await client.chat(MESSAGES, max_gamma=4)
+            [chunk async for chunk in client.generate_stream("x", GenerateOptions(max_gamma=1), max_gamma=7)]
+
+    asyncio.run(main())
+    assert [r.speculation.max_gamma for r in recorder.requests] == [3, 6, 4, 7]
+    assert {r.speculation.mode for r in recorder.requests} == {common_pb2.SPECULATION_MODE_AUTO}
+
+
+@pytest.mark.parametrize(("value", "exc", "needle"), [
+    (0, ValueError, "max_gamma must be >= 1, got 0"),  # the wire's 0 would mean "the server's limit"
+    (-1, ValueError, "max_gamma must fit in uint32.*got -1"),
+    (2**32, ValueError, f"max_gamma must fit in uint32.*got {2**32}"),
+    (True, TypeError, "max_gamma must be an int, got True"),
+    (2.0, TypeError, "max_gamma must be an int, got 2.0"),
+    ("4", TypeError, "max_gamma must be an int, got '4'"),
+])
+def test_bad_max_gamma_raises_before_sending(served: tuple[Recorder, str], value: Any, exc: type,
+                                             needle: str) -> None:
+    with pytest.raises(exc, match=needle):
+        GenerateOptions(max_gamma=value)
+    with pytest.raises(exc, match=needle):
+        build_generate_request("x", max_gamma=value)
+    recorder, url = served
+    recorder.requests.clear()
+    with Client(url) as client:
+        with pytest.raises(exc, match=needle):
+            client.generate("x", max_gamma=value)
+        with pytest.raises(exc, match=needle):
+            client.chat_stream(MESSAGES, max_gamma=value)
+    assert recorder.requests == []
+
+
+@pytest.mark.parametrize("speculation", ["off", 0, 1, 4])
+def test_max_gamma_needs_automatic_speculation(speculation: str | int) -> None:
+    # A fixed gamma already says how many tokens to draft, and "off" drafts none: a cap on the
+    # automatic controller would be ignored, so it is refused here, naming both options.
+    pattern = rf"max_gamma=5 .*speculation='auto', got speculation={speculation!r}"
+    with pytest.raises(ValueError, match=pattern):
+        GenerateOptions(speculation=speculation, max_gamma=5)
+    with pytest.raises(ValueError, match=pattern):
+        build_chat_request(MESSAGES, GenerateOptions(max_gamma=5), speculation=speculation)
+    with pytest.raises(ValueError, match=pattern):
+        build_generate_request("x", GenerateOptions(speculation=speculation), max_gamma=5)
+    # Replacing the cap with None (the server's limit) makes the pair valid again.
+    opts = GenerateOptions(max_gamma=5)
+    assert dataclasses.replace(opts, speculation=speculation, max_gamma=None).max_gamma is None

@@ -9,12 +9,13 @@ type checkers; it mirrors the fields because Python cannot derive one from the o
 them equal).
 
 Local checks are limited to what the wire format needs: types, values a field cannot encode (an
-int outside its int32/uint32/uint64 field, a negative seed). Ranges the server decides
-(max_new_tokens limits, gamma limits, stop-string counts, temperature >= 0, top_p in (0, 1],
-top_logprobs limits and its need for logprobs=True) are sent as given and rejected by the server
-with INVALID_ARGUMENT. Errors are raised when a ``GenerateOptions`` is made, so before any RPC:
-``ValueError`` (a bad value, quoted) or ``TypeError`` (a wrong type, or an unknown option), naming
-the option.
+int outside its int32/uint32/uint64 field, a negative seed, ``max_gamma=0``, which the wire reads
+as "the server's limit"), and ``max_gamma`` without automatic speculation, which the request
+cannot express. Ranges the server decides (max_new_tokens limits, gamma and max_gamma limits,
+stop-string counts, temperature >= 0, top_p in (0, 1], top_logprobs limits and its need for
+logprobs=True) are sent as given and rejected by the server with INVALID_ARGUMENT. Errors are
+raised when a ``GenerateOptions`` is made, so before any RPC: ``ValueError`` (a bad value, quoted)
+or ``TypeError`` (a wrong type, or an unknown option), naming the option.
 
 Adding an option: a field of ``GenerateOptions`` (type, default, check, comment), its line in
 ``to_pb``, and its line in ``GenerateOptionsDict``.
@@ -80,6 +81,14 @@ def _speculation(name: str, value: Any) -> str | int:
     raise ValueError(f"{name} must be 'auto', 'off', 0 or a positive int gamma, got {value!r}")
 
 
+def _max_gamma(name: str, value: Any) -> int:
+    cap = check_int(name, value, 0, UINT32_MAX, "uint32")
+    if cap == 0:
+        # The wire's 0 is "unset": sent, it would let the controller go up to the server's limit.
+        raise ValueError(f"{name} must be >= 1, got 0 (None: the server's limit; speculation='off': no draft)")
+    return cap
+
+
 @dataclass(frozen=True, slots=True)
 class GenerateOptions:
     """How to generate: the options of ``generate``, ``generate_stream``, ``chat`` and
@@ -98,6 +107,10 @@ class GenerateOptions:
     # plain decoding; an int gamma > 0: exactly that many draft tokens per step
     # (1..``ModelInfo.max_gamma``).
     speculation: str | int = _option("auto", _speculation)
+    # With speculation="auto" only: the most draft tokens the controller may pick per step, >= 1
+    # (a cap above ``ModelInfo.max_gamma`` is the server's to judge). None: the server's limit.
+    # With speculation "off" or a fixed gamma it is a ValueError, raised here.
+    max_gamma: int | None = _option(None, _optional(_max_gamma))
     # One stop string or several; generation ends at the first match, which the text leaves out.
     stop: str | Sequence[str] | None = _option(None, _optional(_stop))
     # Token ids that end generation (each < the vocabulary size).
@@ -124,6 +137,11 @@ class GenerateOptions:
     def __post_init__(self) -> None:
         for f in fields(self):
             object.__setattr__(self, f.name, f.metadata["check"](f.name, getattr(self, f.name)))
+        if self.max_gamma is not None and self.speculation != "auto":
+            raise ValueError(
+                f"max_gamma={self.max_gamma} caps automatic speculation and needs speculation='auto', "
+                f"got speculation={self.speculation!r}; drop max_gamma or use speculation='auto'"
+            )
 
     def to_pb(self) -> generation_pb2.GenerateRequest:
         """A ``GenerateRequest`` carrying these options and no input (the caller sets the prompt
@@ -149,7 +167,8 @@ class GenerateOptions:
 
     def _speculation_pb(self) -> common_pb2.Speculation:
         if self.speculation == "auto":
-            return common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_AUTO)
+            # max_gamma 0 on the wire: the server's limit.
+            return common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_AUTO, max_gamma=self.max_gamma or 0)
         if self.speculation in ("off", 0):
             return common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_OFF)
         assert isinstance(self.speculation, int)  # all that _speculation lets through
@@ -162,6 +181,7 @@ class GenerateOptionsDict(TypedDict, total=False):
 
     max_new_tokens: int
     speculation: str | int
+    max_gamma: int | None
     stop: str | Sequence[str] | None
     stop_token_ids: Sequence[int] | None
     ignore_eos: bool
