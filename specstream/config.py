@@ -8,7 +8,9 @@ here reads the environment.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
+GAMMA_POLICIES = ("goodput", "fixed", "hf", "leviathan")  # target_service/gamma.py
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 where native (model_registry.resolve_dtype)
 
 
@@ -72,8 +74,9 @@ class TargetConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     max_slots: int = 8  # sequences decoded at once (KV-cache slots)
     max_seq_len: int = 2048  # per slot: prompt + generated + gamma + 1; capped by the model
-    default_gamma: int = 4  # proposals per step for speculation=auto
-    max_gamma: int = 16  # largest gamma a request may ask for
+    default_gamma: int = 4  # speculation=auto's γ under gamma_policy "fixed" (and before any step is measured)
+    max_gamma: int = 16  # largest gamma a request may ask for, and the controller may pick
+    gamma_policy: str = "goodput"  # speculation=auto: "goodput", "fixed", "hf" or "leviathan" (target_service/gamma.py)
     draft_url: str | None = None  # host:port of the draft service; None decodes plainly
     draft_timeout_s: float = 10.0  # a propose round trip longer than this counts as draft failure
     draft_retry_s: float = 1.0  # wait this long before reconnecting to a failed draft
@@ -102,6 +105,8 @@ class TargetConfig:
         _check(0 <= self.default_gamma <= self.max_gamma, "default_gamma", self.default_gamma,
                f"in 0..max_gamma ({self.max_gamma})")
         _check(self.max_gamma + 2 < self.max_seq_len, "max_gamma", self.max_gamma, "well below max_seq_len")
+        _check(self.gamma_policy in GAMMA_POLICIES, "gamma_policy", self.gamma_policy,
+               f"one of {', '.join(GAMMA_POLICIES)}")
         _check(self.draft_timeout_s > 0, "draft_timeout_s", self.draft_timeout_s, "> 0")
         _check(self.draft_retry_s >= 0, "draft_retry_s", self.draft_retry_s, ">= 0")
         _check(self.torch_threads >= 0, "torch_threads", self.torch_threads, ">= 0")
@@ -113,8 +118,18 @@ class TargetConfig:
 
 @dataclass
 class DraftConfig:
-    model: ModelSpec | None  # None only with synthetic_oracle
+    # What proposes: the draft model; prompt-lookup n-grams (no model); or n-grams where they match
+    # and the model elsewhere (draft_service/server.py PROPOSERS builds each).
+    PROPOSERS: ClassVar[tuple[str, ...]] = ("model", "ngram", "ngram+model")
+
+    model: ModelSpec | None  # None with proposer "ngram" or with synthetic_oracle
     server: ServerConfig = field(default_factory=ServerConfig)
+    proposer: str = "model"  # one of PROPOSERS
+    # Prompt lookup copies what followed the latest earlier occurrence of the sequence's last n
+    # tokens, trying n = ngram_max down to ngram_min (draft_service/ngram.py). A larger ngram_min
+    # makes "ngram+model" trust fewer, longer matches and ask the model more often.
+    ngram_max: int = 4
+    ngram_min: int = 1
     max_slots: int = 64  # sequences whose KV state the draft holds at once
     max_seq_len: int = 2048  # per slot; capped by the model
     torch_threads: int = 0  # CPU threads for the model (0: torch's default, one per core)
@@ -129,8 +144,14 @@ class DraftConfig:
     synthetic_seed: int = 0
 
     def __post_init__(self) -> None:
-        _check((self.model is None) != (self.synthetic_oracle is None), "model", self.model,
-               "given unless synthetic_oracle is (and not both)")
+        _check(self.proposer in self.PROPOSERS, "proposer", self.proposer, f"one of {', '.join(self.PROPOSERS)}")
+        _check(self.synthetic_oracle is None or self.proposer == "model", "proposer", self.proposer,
+               "'model' (the default) with synthetic_oracle, which replaces the model")
+        needs_model = self.proposer != "ngram" and self.synthetic_oracle is None
+        _check((self.model is not None) == needs_model, "model", self.model,
+               "given unless synthetic_oracle is or proposer is 'ngram' (and not with them)")
+        _check(1 <= self.ngram_min <= self.ngram_max <= 32, "ngram_min", (self.ngram_min, self.ngram_max),
+               "with ngram_max: 1 <= ngram_min <= ngram_max <= 32")
         _check(0.0 <= self.synthetic_alpha <= 1.0, "synthetic_alpha", self.synthetic_alpha, "in [0, 1]")
         _check(self.max_slots >= 1, "max_slots", self.max_slots, ">= 1")
         _check(self.max_seq_len >= 8, "max_seq_len", self.max_seq_len, ">= 8")

@@ -27,6 +27,23 @@ class InvalidArgumentError(SpecstreamError, ValueError):
         super().__init__(f"{field}={_short(value)}: {reason}")
 
 
+class AlreadyExistsError(SpecstreamError):
+    """A request id that is already in use where it must be unique."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+    def __init__(self, field: str, value: Any, reason: str) -> None:
+        self.field = field
+        self.value = value
+        super().__init__(f"{field}={_short(value)}: {reason}")
+
+
+class InternalError(SpecstreamError):
+    """A bug or a failed computation on our side; the caller did nothing wrong."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
 class OverloadedError(SpecstreamError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 

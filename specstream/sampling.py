@@ -44,12 +44,18 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @classmethod
+    def from_settings(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0
+                      ) -> SamplingParams:
+        """Params from a request's settings; raises InvalidArgumentError. With temperature 0 the
+        cuts are ignored (greedy), so unset settings mean greedy."""
+        if temperature == 0.0:
+            return cls(seed=seed)
+        return cls(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+    @classmethod
     def from_pb(cls, pb) -> SamplingParams:
-        """A `Sampling` message -> params; raises InvalidArgumentError. With temperature 0
-        the cuts are ignored (greedy), so an unset message means greedy."""
-        if pb.temperature == 0.0:
-            return cls(seed=pb.seed)
-        return cls(temperature=pb.temperature, top_k=pb.top_k, top_p=pb.top_p, seed=pb.seed)
+        """A `Sampling` message -> params (see `from_settings`)."""
+        return cls.from_settings(pb.temperature, pb.top_k, pb.top_p, pb.seed)
 
 
 GREEDY = SamplingParams()

@@ -179,19 +179,17 @@ def measure_alpha(target_dir: Path, draft_dir: Path, prompts: list[list[int]], g
     from draft_service.proposer import DraftProposer
     from specstream.config import ModelSpec, TargetConfig
     from specstream.models import load_model
-    from specstream_pb import common_pb2, target_pb2
     from target_service.engine import Engine
     from target_service.inprocess import run_requests
     from target_service.local_draft import LocalDraft
+    from target_service.messages import SequenceRequest, Speculation
 
     engine = Engine(load_model(target_dir), TargetConfig(model=ModelSpec(str(target_dir)), max_slots=8,
                                                          max_seq_len=1024),
                     LocalDraft(DraftProposer(load_model(draft_dir), 8, 1024)))
-    spec = common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_FIXED, gamma=gamma)
-
+    spec = Speculation("fixed", gamma)
     final = [r.final for r in run_requests(engine, [
-        target_pb2.SequenceRequest(id=str(i), prompt_token_ids=p, max_new_tokens=max_new_tokens, speculation=spec)
-        for i, p in enumerate(prompts)])]
+        SequenceRequest(str(i), list(p), max_new_tokens, speculation=spec) for i, p in enumerate(prompts)])]
     accepted = sum(e.stats.accepted_tokens for e in final)
     proposed = sum(e.stats.draft_tokens for e in final)
     rejections = sum(e.stats.rejections for e in final)

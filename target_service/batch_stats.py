@@ -1,12 +1,11 @@
 """Per-run batching counters of the target engine (design §4's report): steps, row expansions,
 tokens processed, padding, batch occupancy (mean and histogram, overall and while requests were
-waiting) and queue time. Cumulative since the service started; `to_pb` is the protobuf edge."""
+waiting) and queue time. Cumulative since the service started; target_service/wire.py writes them as protobuf."""
 
 from __future__ import annotations
 
+import copy as _copy
 from dataclasses import dataclass, field
-
-from specstream_pb import common_pb2
 
 
 @dataclass
@@ -55,9 +54,8 @@ class BatchStats:
         total = self.tokens_processed + self.padded_tokens
         return self.padded_tokens / total if total else 0.0
 
-    def to_pb(self) -> common_pb2.BatchStats:
-        return common_pb2.BatchStats(
-            policy=self.policy, max_batch=self.max_batch, steps=self.steps, row_expansions=self.row_expansions,
-            tokens_processed=self.tokens_processed, padded_tokens=self.padded_tokens,
-            prefill_tokens=self.prefill_tokens, queued_steps=self.queued_steps, queued_rows=self.queued_rows,
-            admitted=self.admitted, queue_seconds=self.queue_seconds, occupancy=self.occupancy)
+    def snapshot(self) -> BatchStats:
+        """A copy that later steps do not change."""
+        copy = _copy.copy(self)
+        copy.occupancy = list(self.occupancy)
+        return copy

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-from specstream_pb import target_pb2
+from target_service.messages import EngineMessage
 
 _ids = itertools.count(1)
 
@@ -17,9 +17,9 @@ _ids = itertools.count(1)
 class Connection:
     def __init__(self) -> None:
         self.conn_id = next(_ids)
-        self.outbox: asyncio.Queue[target_pb2.TargetMessage | None] = asyncio.Queue()
+        self.outbox: asyncio.Queue[EngineMessage | None] = asyncio.Queue()
 
-    def send(self, message: target_pb2.TargetMessage) -> None:
+    def send(self, message: EngineMessage) -> None:
         self.outbox.put_nowait(message)
 
     def close(self) -> None:

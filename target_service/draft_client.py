@@ -1,4 +1,5 @@
-"""The target's side of `Draft.Speculate`: one bidi stream, one response per request, in order.
+"""The target's side of `Draft.Speculate`: one bidi stream, one response per request, in order; a
+``DraftSource`` (target_service/drafting.py) whose items and proposals cross the wire as protobuf.
 
 Failures never reach the engine as exceptions: `propose` returns None and the engine decodes with
 γ=0 for that step. A dead draft costs a step nothing (reachability is probed in the background); a
@@ -14,7 +15,8 @@ import time
 
 import grpc
 
-from specstream_pb import draft_pb2, draft_pb2_grpc
+from draft_service.proposer import Proposal, ProposeItem
+from specstream_pb import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -56,21 +58,21 @@ class DraftClient:
         async with self._lock:
             return self._call is not None or await self._open()
 
-    async def propose(self, step: int, items: list[draft_pb2.ProposeItem],
-                      traceparent: str = "") -> list[draft_pb2.Proposal] | None:
-        request = draft_pb2.ProposeRequest(propose=draft_pb2.ProposeBatch(step=step, items=items),
-                                           traceparent=traceparent)
-        response = await self._exchange(request)
+    async def propose(self, step: int, items: list[ProposeItem], traceparent: str = "",
+                      item_traceparents: list[str] | None = None) -> list[Proposal] | None:
+        parents = item_traceparents or [""] * len(items)
+        batch = draft_pb2.ProposeBatch(step=step, items=[_item_to_pb(it, tp) for it, tp in zip(items, parents)])
+        response = await self._exchange(draft_pb2.ProposeRequest(propose=batch, traceparent=traceparent))
         if response is None:
             return None
         if len(response.proposals) != len(items):
             self._fail(f"answered {len(response.proposals)} proposals for {len(items)} items")
             return None
-        return list(response.proposals)
+        return [_proposal_from_pb(p) for p in response.proposals]
 
-    async def release(self, seq_ids: list[int]) -> None:
-        if seq_ids and self.connected:
-            await self._exchange(draft_pb2.ProposeRequest(release=draft_pb2.Release(seq_ids=seq_ids)))
+    async def release(self, keys: list[int]) -> None:
+        if keys and self.connected:
+            await self._exchange(draft_pb2.ProposeRequest(release=draft_pb2.Release(seq_ids=keys)))
 
     async def _exchange(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse | None:
         async with self._lock:
@@ -139,3 +141,15 @@ class DraftClient:
             self._call.cancel()
             self._call = None
         await self._channel.close()
+
+
+def _item_to_pb(item: ProposeItem, traceparent: str) -> draft_pb2.ProposeItem:
+    p = item.sampling
+    sampling = common_pb2.Sampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
+    return draft_pb2.ProposeItem(seq_id=item.key, rollback_to=item.rollback_to, append_token_ids=item.append,
+                                 gamma=item.gamma, sampling=sampling, traceparent=traceparent)
+
+
+def _proposal_from_pb(pb: draft_pb2.Proposal) -> Proposal:
+    return Proposal(list(pb.token_ids), pb.length, pb.q_width, list(pb.q_ids), list(pb.q_probs),
+                    **({"source": pb.proposer} if pb.proposer else {}))

@@ -3,8 +3,8 @@
 For training pipelines and benchmarks that want the real engine (batching, speculation,
 verification) without gRPC. ``run_requests(engine, requests)`` starts the engine loop, submits the
 requests on one in-process connection, collects every sequence's tokens and log-probabilities from
-the per-step events, and stops the loop when all have finished. It speaks the engine's own request
-and event messages; it knows nothing about text. Tests, the demo-pair trainer and the draft
+the per-step events, and stops the loop when all have finished. It speaks the engine's own
+dataclasses (target_service/messages.py); it knows nothing about text or protobuf. Tests, the demo-pair trainer and the draft
 distillation all drive engines through it.
 """
 
@@ -14,27 +14,27 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specstream_pb import common_pb2, target_pb2
 from target_service.connection import Connection
 from target_service.engine import Engine
+from target_service.messages import FinishReason, SequenceEvent, SequenceRequest, TokenLogprob
 
-__all__ = ["Finished", "run_requests"]
+__all__ = ["Finished", "generate", "run_requests"]
 
 
 @dataclass
 class Finished:
     request_id: str
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
-    final: target_pb2.SequenceEvent | None = None  # the last event: finish reason, stats, error
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    final: SequenceEvent | None = None  # the last event: finish reason, stats, error
     steps: list[int] = field(default_factory=list)  # engine steps whose events carried its tokens
 
     @property
-    def finish_reason(self) -> int:
-        return self.final.finish_reason if self.final is not None else common_pb2.FINISH_REASON_UNSPECIFIED
+    def finish_reason(self) -> FinishReason | None:
+        return self.final.finish_reason if self.final is not None else None
 
 
-async def generate(engine: Engine, requests: list[target_pb2.SequenceRequest], timeout_s: float = 600.0,
+async def generate(engine: Engine, requests: list[SequenceRequest], timeout_s: float = 600.0,
                    on_finished: Callable[[Finished], None] | None = None) -> list[Finished]:
     """Every request's result, in request order; the engine loop must be running. ``timeout_s``
     bounds the wait for any one step's events; ``on_finished`` sees each result as it completes."""
@@ -50,13 +50,13 @@ async def generate(engine: Engine, requests: list[target_pb2.SequenceRequest], t
             message = await asyncio.wait_for(conn.outbox.get(), timeout_s)
             if message is None:
                 raise RuntimeError("the engine closed the connection")
-            for event in message.events.events:
+            for event in message.events:
                 result = results[event.id]
                 if event.token_ids:
-                    result.steps.append(message.events.step)
+                    result.steps.append(message.step)
                 result.token_ids.extend(event.token_ids)
                 result.logprobs.extend(event.logprobs)
-                if event.finish_reason:
+                if event.finish_reason is not None:
                     result.final = event
                     pending.discard(event.id)
                     if on_finished is not None:
@@ -66,7 +66,7 @@ async def generate(engine: Engine, requests: list[target_pb2.SequenceRequest], t
     return [results[r.id] for r in requests]
 
 
-def run_requests(engine: Engine, requests: list[target_pb2.SequenceRequest], timeout_s: float = 600.0,
+def run_requests(engine: Engine, requests: list[SequenceRequest], timeout_s: float = 600.0,
                  on_finished: Callable[[Finished], None] | None = None) -> list[Finished]:
     """``generate`` with the engine loop started and stopped around it (synchronous callers).
     Call it once per engine: the engine's wake-up event belongs to the first event loop that runs it."""

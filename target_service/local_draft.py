@@ -1,25 +1,24 @@
-"""A draft proposer in the target's own process, behind the same interface as DraftClient.
+"""A proposer in the target's own process, as a ``DraftSource`` (target_service/drafting.py).
 
 For colocated deployments that want no gRPC hop to the draft, and for driving the engine in one
-process (tests, benchmarks). Proposals run on the calling thread.
+process (tests, benchmarks, training). Takes any proposer with the draft service's interface: a
+draft model (``DraftProposer``), the n-gram ones, the synthetic one. Proposals run on the calling
+thread.
 """
 
 from __future__ import annotations
 
-from draft_service.proposer import DraftProposer
-from draft_service.synthetic import SyntheticProposer
-from draft_service.wire import item_from_pb, proposal_to_pb
-from specstream_pb import draft_pb2
+from draft_service.proposer import Proposal, ProposeItem
 
 
 class LocalDraft:
-    epoch = 1
+    url = "in-process"
+    epoch = 1  # the proposer's state is never lost
     connected = True
 
-    def __init__(self, proposer: DraftProposer | SyntheticProposer) -> None:
+    def __init__(self, proposer) -> None:
         self.proposer = proposer
         self.model_name = proposer.name
-        self.url = "in-process"
         self.max_context_length = proposer.max_len
         self.vocab_size = proposer.vocab_size
 
@@ -30,13 +29,12 @@ class LocalDraft:
     async def ready(self) -> bool:
         return True
 
-    async def propose(self, step: int, items: list[draft_pb2.ProposeItem],
-                      traceparent: str = "") -> list[draft_pb2.Proposal]:
-        proposals = self.proposer.propose([item_from_pb(it.seq_id, it) for it in items])
-        return [proposal_to_pb(it.seq_id, p) for it, p in zip(items, proposals)]
+    async def propose(self, step: int, items: list[ProposeItem], traceparent: str = "",
+                      item_traceparents: list[str] | None = None) -> list[Proposal]:
+        return self.proposer.propose(items)
 
-    async def release(self, seq_ids: list[int]) -> None:
-        self.proposer.release(seq_ids)
+    async def release(self, keys: list[int]) -> None:
+        self.proposer.release(keys)
 
     async def close(self) -> None:
         pass

@@ -1,6 +1,7 @@
 """One generation request inside the target engine: its tokens, budget, slot and counters.
 
-Knows nothing about the model or gRPC streams; `from_pb` / `event_pb` are the protobuf edge.
+Knows nothing about the model, the draft or gRPC: it is built from a ``SequenceRequest`` and
+reports ``SequenceEvent``s (target_service/messages.py).
 """
 
 from __future__ import annotations
@@ -12,15 +13,10 @@ from typing import Any
 from opentelemetry.trace import INVALID_SPAN
 
 from specstream.sampling import GREEDY, SamplingParams
-from specstream_pb import common_pb2, target_pb2
+from target_service.messages import (FinishReason, SequenceEvent, SequenceRequest, SequenceStats, Speculation,
+                                     TokenLogprob)
 
-FINISH = {
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "eos": common_pb2.FINISH_REASON_EOS,
-    "cancelled": common_pb2.FINISH_REASON_CANCELLED,
-    "error": common_pb2.FINISH_REASON_ERROR,
-}
+AUTO_GAMMA = -1  # Sequence.gamma for speculation=auto: the γ controller decides each step
 
 
 @dataclass(eq=False)  # identity semantics: sequences are hashed by object
@@ -33,16 +29,15 @@ class Sequence:
     max_new_tokens: int
     stop_ids: frozenset[int]  # generation ends after any of these (EOS included)
     eos_ids: frozenset[int]  # the stop ids reported as finish reason "eos"
-    gamma: int  # proposals per step; 0 = plain decoding
+    gamma: int  # proposals per step: fixed (>= 1), 0 = plain decoding, AUTO_GAMMA = the controller's choice
+    max_gamma: int = 0  # the most the controller may pick (auto)
     sampling: SamplingParams = GREEDY
-    sampling_pb: common_pb2.Sampling = field(default_factory=common_pb2.Sampling)  # forwarded to the draft
     logprobs: int | None = None  # None: not requested; n: with the n most likely alternatives
     traceparent: str = ""
     arrival: float = field(default_factory=time.monotonic)
     slot: int | None = None
-    draft_len: int = 0  # leading tokens the draft holds that agree with `tokens`
-    draft_epoch: int = -1  # the draft stream the above refers to
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
+    error: Exception | None = None  # with finish_reason "error"
     queue_seconds: float | None = None  # set at admission, reported once
     prefilled: int = 0  # prompt tokens in the cache so far (chunked prefill)
     last_expanded: int = 0  # the engine step that last advanced this sequence (starvation bound)
@@ -53,16 +48,17 @@ class Sequence:
     target_passes: int = 0
     decode_passes: int = 0
     rejections: int = 0  # decode passes in which a proposal was rejected
+    gamma_histogram: list[int] = field(default_factory=list)  # [g]: decode passes given g proposals
+    alpha_estimate: float = 0.0  # the controller's estimate at the last step (auto)
     pending: list[int] = field(default_factory=list)  # tokens not yet sent in an event
-    pending_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)  # in step with `pending`
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # in step with `pending`
     max_token: int = 0  # largest id in `tokens` (a draft with a smaller vocabulary cannot take it)
 
     def __post_init__(self) -> None:
         self.max_token = max(self.tokens, default=0)
 
     @classmethod
-    def from_pb(cls, seq_id: int, conn: Any, req: target_pb2.SequenceRequest, gamma: int,
-                sampling: SamplingParams) -> Sequence:
+    def from_request(cls, seq_id: int, conn: Any, req: SequenceRequest, gamma: int, max_gamma: int) -> Sequence:
         return cls(
             seq_id=seq_id,
             request_id=req.id,
@@ -73,9 +69,9 @@ class Sequence:
             stop_ids=frozenset(req.stop_token_ids),
             eos_ids=frozenset(req.eos_token_ids),
             gamma=gamma,
-            sampling=sampling,
-            sampling_pb=req.sampling,
-            logprobs=req.top_logprobs if req.logprobs else None,
+            max_gamma=max_gamma,
+            sampling=req.sampling,
+            logprobs=req.logprobs,
             traceparent=req.traceparent,
         )
 
@@ -96,8 +92,7 @@ class Sequence:
             self.pending.append(tok)
             if logprobs is not None:
                 chosen, top = logprobs[i]
-                self.pending_logprobs.append(common_pb2.TokenLogprob(
-                    token_id=tok, logprob=chosen, top=[common_pb2.Logprob(token_id=t, logprob=v) for t, v in top]))
+                self.pending_logprobs.append(TokenLogprob(tok, chosen, top))
             self.max_token = max(self.max_token, tok)
             if tok in self.stop_ids:
                 self.finish_reason = "eos" if tok in self.eos_ids else "stop"
@@ -105,24 +100,28 @@ class Sequence:
         if self.remaining <= 0:
             self.finish_reason = "length"
 
-    def stats_pb(self) -> common_pb2.SpeculationStats:
+    def record_decode(self, proposed: int) -> None:
+        """A decode pass that verified `proposed` proposals."""
+        self.decode_passes += 1
+        if proposed >= len(self.gamma_histogram):
+            self.gamma_histogram.extend([0] * (proposed + 1 - len(self.gamma_histogram)))
+        self.gamma_histogram[proposed] += 1
+
+    def stats(self) -> SequenceStats:
         emitted = max(self.generated - 1, 0)  # the first token comes from prefill, not a decode pass
-        return common_pb2.SpeculationStats(
+        return SequenceStats(
             draft_tokens=self.draft_tokens,
             accepted_tokens=self.accepted_tokens,
             target_passes=self.target_passes,
             mean_accepted_length=emitted / self.decode_passes if self.decode_passes else 0.0,
             rejections=self.rejections,
+            gamma_histogram=list(self.gamma_histogram),
+            alpha_estimate=self.alpha_estimate,
         )
 
-    def event_pb(self) -> target_pb2.SequenceEvent:
+    def event(self) -> SequenceEvent:
         """The step's event: new tokens since the last one, and the finish reason once ended."""
-        event = target_pb2.SequenceEvent(id=self.request_id, token_ids=self.pending, stats=self.stats_pb(),
-                                         logprobs=self.pending_logprobs)
-        self.pending, self.pending_logprobs = [], []
-        if self.finish_reason is not None:
-            event.finish_reason = FINISH[self.finish_reason]
-        if self.queue_seconds is not None:
-            event.queue_seconds = self.queue_seconds
-            self.queue_seconds = None
+        event = SequenceEvent(self.request_id, self.pending, self.pending_logprobs, self.finish_reason,
+                              self.stats(), self.error, self.queue_seconds)
+        self.pending, self.pending_logprobs, self.queue_seconds = [], [], None
         return event

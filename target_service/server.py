@@ -1,7 +1,8 @@
 """The target service process: the `Target` gRPC servicer around the engine.
 
 The servicer is thin: it turns each `Connect` stream into a `Connection`, forwards Submit/Cancel
-to the engine and drains the connection's outbox into the stream.
+to the engine (converted by target_service/wire.py) and drains the connection's outbox into the
+stream as protobuf.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import grpc
 
 from specstream.compute import compute_executor
 from specstream.config import TargetConfig
+from specstream.errors import SpecstreamError
 from specstream.grpc_server import ServiceServer
 from specstream.metrics import TargetMetrics
 from specstream.model_registry import resolve_dtype, resolve_model
@@ -21,6 +23,7 @@ from specstream_pb import target_pb2, target_pb2_grpc
 from target_service.connection import Connection
 from target_service.draft_client import DraftClient
 from target_service.engine import Engine
+from target_service.wire import load_to_pb, message_to_pb, request_from_pb
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
@@ -36,7 +39,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         reader = asyncio.create_task(self._read(request_iterator, conn))
         try:
             while (message := await conn.outbox.get()) is not None:
-                yield message
+                yield message_to_pb(message)
         finally:
             reader.cancel()
             self.engine.detach(conn)
@@ -46,11 +49,20 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             async for message in request_iterator:
                 kind = message.WhichOneof("kind")
                 if kind == "submit":
-                    self.engine.submit(conn, list(message.submit.requests))
+                    self._submit(conn, message.submit.requests)
                 elif kind == "cancel":
                     self.engine.cancel(conn, list(message.cancel.ids))
         finally:
             conn.close()
+
+    def _submit(self, conn: Connection, requests) -> None:
+        accepted = []
+        for pb in requests:
+            try:
+                accepted.append(request_from_pb(pb))
+            except SpecstreamError as exc:  # settings the engine cannot even represent
+                self.engine.reject(conn, pb.id, exc)
+        self.engine.submit(conn, accepted)
 
     async def GetInfo(self, request, context):  # noqa: N802
         engine = self.engine
@@ -62,7 +74,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             max_gamma=engine.config.max_gamma,
             default_gamma=engine.config.default_gamma,
             eos_token_ids=list(engine.model.config.eos_token_ids),
-            load=engine.load_pb(),
+            load=load_to_pb(engine.load()),
         )
 
 

@@ -3,7 +3,8 @@
 A sequence's span is a child of the gateway's request span (the `traceparent` in its
 SequenceRequest) and records the phases as events: admitted (with the queue time), prefilled,
 finished. A step's span is a root of its own with links to the sequences it advanced, and carries
-the step's batch size, tokens, γ per row, acceptance and verify time; the draft's propose span is
+the step's batch size, tokens, γ per row (and which proposer made them), acceptance, verify time, and
+the step time the γ controller predicted beside the measured one; the draft's propose span is
 its child (the traceparent in ProposeRequest). With tracing off every call here is a no-op on
 OpenTelemetry's non-recording span.
 """
@@ -21,7 +22,7 @@ def start_sequence(seq, traceparent: str) -> Span:
     return _tracer.start_span("specstream.sequence", context=telemetry.context_from(traceparent),
                               attributes={"specstream.seq_id": seq.seq_id, "specstream.prompt_tokens": seq.prompt_len,
                                           "specstream.max_new_tokens": seq.max_new_tokens,
-                                          "specstream.gamma": seq.gamma,
+                                          "specstream.gamma": "auto" if seq.gamma < 0 else seq.gamma,
                                           "gen_ai.request.temperature": seq.sampling.temperature})
 
 
@@ -49,11 +50,16 @@ def start_step(step: int, rows: list) -> Span:
                               attributes={"specstream.step": step, "specstream.batch_size": len(rows)})
 
 
-def end_step(span: Span, checks: list, verdicts: list, verify_seconds: float) -> None:
+def end_step(span: Span, checks: list, verdicts: list, verify_seconds: float, predicted_seconds: float,
+             step_seconds: float) -> None:
+    """`predicted_seconds`: the γ controller's prediction for the step (0: none was made)."""
     if not span.is_recording():
         return
     span.set_attributes({
         "specstream.gammas": [len(c.proposals) for c in checks],
+        "specstream.proposers": [c.source if c.proposals else "" for c in checks],
+        "specstream.step_s": step_seconds,
+        "specstream.predicted_step_s": predicted_seconds,
         "specstream.tokens_processed": sum(1 + len(c.proposals) for c in checks),
         "specstream.accepted": [v.accepted for v in verdicts],
         "specstream.emitted_tokens": sum(len(v.tokens) for v in verdicts),

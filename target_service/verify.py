@@ -31,6 +31,7 @@ class Row:
     q_ids: Sequence[int] = ()
     q_probs: Sequence[float] = ()
     logprobs: int | None = None  # None: not requested; n: with the n most likely alternatives
+    source: str = "model"  # the proposer that made the proposals (the γ controller's statistics are per proposer)
 
 
 @dataclass

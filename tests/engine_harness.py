@@ -11,25 +11,26 @@ from draft_service.proposer import DraftProposer
 from specstream.config import ModelSpec, TargetConfig
 from specstream.models import load_model
 from specstream.sampling import SamplingParams
-from specstream_pb import common_pb2, target_pb2
 from target_service.engine import Engine
 from target_service.inprocess import run_requests
 from target_service.local_draft import LocalDraft
+from target_service.messages import SequenceEvent, SequenceRequest, Speculation
 
 
-def speculation(gamma: int | None) -> common_pb2.Speculation:
+def speculation(gamma: int | None) -> Speculation:
+    """None: auto (the γ controller); 0: off; n: fixed n."""
     if gamma is None:
-        return common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_AUTO)
+        return Speculation("auto")
     if gamma == 0:
-        return common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_OFF)
-    return common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_FIXED, gamma=gamma)
+        return Speculation("off")
+    return Speculation("fixed", gamma)
 
 
 def run_engine(target: Path, draft: Path | None, prompts: list[list[int]], gamma: int, max_new_tokens: int | list[int],
                stop_ids: list[int] = (), eos_ids: list[int] = (), max_slots: int = 8,
                sampling: list[SamplingParams] | None = None, logprobs: int | None = None,
                max_seq_len: int = 512, proposer=None, config: dict | None = None,
-               steps: dict | None = None) -> tuple[list[list[int]], list[target_pb2.SequenceEvent]]:
+               steps: dict | None = None) -> tuple[list[list[int]], list[SequenceEvent]]:
     """Returns each prompt's generated tokens and its final event (finish reason, stats, and the
     log-probabilities of all its tokens when `logprobs` is given). `sampling`: one per prompt
     (default greedy); `proposer` replaces the draft model's proposer (e.g. a wrapped one);
@@ -44,20 +45,14 @@ def run_engine(target: Path, draft: Path | None, prompts: list[list[int]], gamma
     sampling = sampling or [SamplingParams()] * len(prompts)
     budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
 
-    requests = [target_pb2.SequenceRequest(id=str(i), prompt_token_ids=p, max_new_tokens=budget,
-                                           stop_token_ids=stop_ids, eos_token_ids=eos_ids,
-                                           speculation=speculation(gamma),
-                                           sampling=common_pb2.Sampling(**dataclasses.asdict(params)),
-                                           logprobs=logprobs is not None, top_logprobs=logprobs or 0)
+    requests = [SequenceRequest(str(i), list(p), budget, frozenset(stop_ids), frozenset(eos_ids), speculation(gamma),
+                                params, logprobs)
                 for i, (p, params, budget) in enumerate(zip(prompts, sampling, budgets))]
     results = run_requests(engine, requests, timeout_s=60)
     finals = []
     for r in results:
-        final = target_pb2.SequenceEvent()
-        final.CopyFrom(r.final)
-        del final.logprobs[:]
-        final.logprobs.extend(r.logprobs)  # all of the sequence's log-probabilities, not the last step's
-        finals.append(final)
+        # all of the sequence's log-probabilities, not the last step's
+        finals.append(dataclasses.replace(r.final, logprobs=r.logprobs))
         if steps is not None:
             steps[r.request_id] = r.steps
     if steps is not None:

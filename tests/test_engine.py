@@ -9,10 +9,10 @@ from engine_harness import speculation
 from draft_service.proposer import DraftProposer
 from specstream.config import ModelSpec, TargetConfig
 from specstream.models import load_model
-from specstream_pb import target_pb2
 from target_service.connection import Connection
 from target_service.engine import Engine
 from target_service.local_draft import LocalDraft
+from target_service.messages import SequenceEvent, SequenceRequest, Speculation
 
 
 class RecordingProposer(DraftProposer):
@@ -34,16 +34,15 @@ def _engine(model_zoo, draft: str | None = None, max_slots: int = 2):
     return Engine(model, config, LocalDraft(proposer) if proposer else None), proposer
 
 
-def _request(rid: str, max_new: int = 8, gamma: int = 4, prompt=(0, 5, 6)) -> target_pb2.SequenceRequest:
-    return target_pb2.SequenceRequest(id=rid, prompt_token_ids=list(prompt), max_new_tokens=max_new,
-                                      speculation=speculation(gamma))
+def _request(rid: str, max_new: int = 8, gamma: int = 4, prompt=(0, 5, 6)) -> SequenceRequest:
+    return SequenceRequest(rid, list(prompt), max_new, speculation=speculation(gamma))
 
 
-async def _until_finished(conn: Connection, ids: set[str]) -> dict[str, target_pb2.SequenceEvent]:
+async def _until_finished(conn: Connection, ids: set[str]) -> dict[str, SequenceEvent]:
     final = {}
     while not ids <= set(final):
         message = await asyncio.wait_for(conn.outbox.get(), 30)
-        final.update({e.id: e for e in message.events.events if e.finish_reason})
+        final.update({e.id: e for e in message.events if e.finish_reason})
     return final
 
 
@@ -58,11 +57,11 @@ def test_cancel_while_queued_frees_the_id(model_zoo):
         await asyncio.sleep(0)  # "b" is queued behind "a" (one slot)
         engine.cancel(conn, ["b"])
         final = await _until_finished(conn, {"a", "b"})
-        assert final["b"].finish_reason == 4  # CANCELLED
+        assert final["b"].finish_reason == "cancelled"
         assert (conn, "b") not in engine.by_request
         engine.submit(conn, [_request("b")])  # the id is free again
         final = await _until_finished(conn, {"b"})
-        assert final["b"].finish_reason == 1  # LENGTH
+        assert final["b"].finish_reason == "length"
         assert engine.by_request == {} and engine.cache.num_free == 1
         task.cancel()
 
@@ -93,20 +92,30 @@ def test_invalid_sequence_requests_get_error_events(model_zoo):
     engine, _ = _engine(model_zoo)
     conn = Connection()
     engine.submit(conn, [
-        target_pb2.SequenceRequest(id="empty", max_new_tokens=3),
+        SequenceRequest("empty", [], 3),
         _request("toolong", max_new=10_000),
         _request("badgamma", gamma=99),
-        target_pb2.SequenceRequest(id="badtok", prompt_token_ids=[10**6], max_new_tokens=3),
+        SequenceRequest("badtok", [10**6], 3),
+        SequenceRequest("badmax", [1], 3, speculation=Speculation("auto", max_gamma=9)),
+        SequenceRequest("dup", [1], 3),
+        SequenceRequest("dup", [1], 3),
     ])
     errors = {}
     while not conn.outbox.empty():
-        for event in conn.outbox.get_nowait().events.events:
-            errors[event.id] = event.error.message
+        for event in conn.outbox.get_nowait().events:
+            errors[event.id] = event.error
+    # Every error names the field and the value, and its class is its status.
+    assert {rid: e.code.name for rid, e in errors.items()} == {
+        "empty": "INVALID_ARGUMENT", "toolong": "INVALID_ARGUMENT", "badgamma": "INVALID_ARGUMENT",
+        "badtok": "INVALID_ARGUMENT", "badmax": "INVALID_ARGUMENT", "dup": "ALREADY_EXISTS"}
+    errors = {rid: str(e) for rid, e in errors.items()}
     assert errors["empty"].startswith("prompt_token_ids")
     assert errors["toolong"].startswith("max_new_tokens=10000")
     assert errors["badgamma"].startswith("speculation.gamma=99")
     assert errors["badtok"].startswith("prompt_token_ids=1000000")
-    assert not engine.waiting
+    assert errors["badmax"].startswith("speculation.max_gamma=9")
+    assert errors["dup"].startswith("id='dup'")
+    assert [seq.request_id for seq in engine.waiting] == ["dup"]  # the first one runs
 
 
 def test_prefill_failure_fails_only_that_request_and_frees_its_slot(model_zoo):
@@ -128,11 +137,12 @@ def test_prefill_failure_fails_only_that_request_and_frees_its_slot(model_zoo):
         task = asyncio.create_task(engine.run())
         engine.submit(conn, [_request("a")])
         final = await _until_finished(conn, {"a"})
-        assert final["a"].finish_reason == 5 and "internal error" in final["a"].error.message  # ERROR
+        assert final["a"].finish_reason == "error" and "internal error" in str(final["a"].error)
+        assert final["a"].error.code.name == "INTERNAL"
         assert engine.cache.num_free == 1 and engine.by_request == {}
         engine.submit(conn, [_request("a")])  # the id and the slot are usable again
         final = await _until_finished(conn, {"a"})
-        assert final["a"].finish_reason == 1
+        assert final["a"].finish_reason == "length"
         task.cancel()
 
     asyncio.run(main())
@@ -162,7 +172,7 @@ def test_draft_with_a_smaller_vocabulary_is_skipped_not_crashed(model_zoo, tmp_p
         final = {}
         while len(final) < len(prompts):
             message = await asyncio.wait_for(conn.outbox.get(), 30)
-            for event in message.events.events:
+            for event in message.events:
                 tokens[event.id] += event.token_ids
                 if event.finish_reason:
                     final[event.id] = event
@@ -173,4 +183,4 @@ def test_draft_with_a_smaller_vocabulary_is_skipped_not_crashed(model_zoo, tmp_p
     spec, final = asyncio.run(main(engines["spec"]))
     assert spec == plain
     assert final["high"].stats.draft_tokens == 0
-    assert all(f.finish_reason == 1 for f in final.values())
+    assert all(f.finish_reason == "length" for f in final.values())

@@ -67,11 +67,11 @@ def test_speculative_equals_plain(model_zoo, prompts, plain, draft_kind, gamma):
         assert 0.05 < alpha < 1.0, alpha
 
 
-@pytest.mark.parametrize("prompt_index,at,is_eos,finish", [(0, 5, False, 2), (1, 3, True, 3)],
+@pytest.mark.parametrize("prompt_index,at,is_eos,finish", [(0, 5, False, "stop"), (1, 3, True, "eos")],
                          ids=["stop-id", "eos"])
 def test_stop_or_eos_inside_accepted_run_truncates(model_zoo, prompts, plain, prompt_index, at, is_eos, finish):
     """A stop id / EOS inside an accepted run ends the sequence there, exactly as plain decoding
-    does, with finish reason STOP (2) or EOS (3)."""
+    does, with finish reason stop or eos."""
     prompt, want = prompts[prompt_index], plain[prompt_index]
     stop = want[at]
     cut = want[: want.index(stop) + 1]
@@ -87,4 +87,4 @@ def test_max_new_tokens_is_exact_with_speculation(model_zoo, prompts, plain):
         tokens, finals = run_engine(model_zoo["target"], model_zoo["same"], prompts[:3], gamma=8,
                                     max_new_tokens=max_new)
         assert tokens == [p[:max_new] for p in plain[:3]]
-        assert all(f.finish_reason == 1 for f in finals)  # FINISH_REASON_LENGTH
+        assert all(f.finish_reason == "length" for f in finals)

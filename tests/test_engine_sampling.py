@@ -64,8 +64,8 @@ def test_logprobs_are_the_targets_processed_distribution(sampling_pair, params):
         assert math.isclose(lp.logprob, float(expected[lp.token_id]), abs_tol=1e-4)
         top = torch.topk(expected, 4)
         finite = [(int(i), float(v)) for i, v in zip(top.indices, top.values) if v > float("-inf")]
-        assert [a.token_id for a in lp.top] == [i for i, _ in finite]
-        assert all(math.isclose(a.logprob, v, abs_tol=1e-4) for a, (_, v) in zip(lp.top, finite))
+        assert [t for t, _ in lp.top] == [i for i, _ in finite]
+        assert all(math.isclose(got, v, abs_tol=1e-4) for (_, got), (_, v) in zip(lp.top, finite))
     if params.top_k:
         assert all(len(lp.top) == 4 for lp in logprobs)  # 6 tokens survive the cut: 4 alternatives
     none, finals = run_engine(sampling_pair["target"], sampling_pair["draft"], [PROMPTS[0]], 3, 12, sampling=[params])
@@ -87,10 +87,13 @@ def test_a_stop_id_inside_an_accepted_run_ends_the_sequence(sampling_pair):
     assert cut >= 10
 
 
-def test_sampling_settings_are_validated_by_the_engine(sampling_pair):
+def test_sampling_settings_are_validated_at_the_target(sampling_pair):
+    """Through the servicer's edge (protobuf -> the engine's dataclasses): every bad request gets
+    its own error event naming the field and value; the good one in the same Submit runs."""
     from specstream_pb import common_pb2, target_pb2
     from target_service.connection import Connection
     from target_service.engine import Engine
+    from target_service.server import TargetServicer
     from specstream.config import ModelSpec, TargetConfig
 
     engine = Engine(load_model(sampling_pair["target"]), TargetConfig(model=ModelSpec("t"), max_slots=2, max_seq_len=64), None)
@@ -99,12 +102,17 @@ def test_sampling_settings_are_validated_by_the_engine(sampling_pair):
                                       sampling=common_pb2.Sampling(temperature=1.0, top_p=0.0)),
            target_pb2.SequenceRequest(id="t", prompt_token_ids=[1], max_new_tokens=2,
                                       sampling=common_pb2.Sampling(temperature=float("nan"), top_p=1.0)),
-           target_pb2.SequenceRequest(id="l", prompt_token_ids=[1], max_new_tokens=2, logprobs=True, top_logprobs=33)]
-    engine.submit(conn, bad)
+           target_pb2.SequenceRequest(id="l", prompt_token_ids=[1], max_new_tokens=2, logprobs=True, top_logprobs=33),
+           target_pb2.SequenceRequest(id="m", prompt_token_ids=[1], max_new_tokens=2,
+                                      speculation=common_pb2.Speculation(mode=7)),
+           target_pb2.SequenceRequest(id="ok", prompt_token_ids=[1], max_new_tokens=2)]
+    TargetServicer(engine)._submit(conn, bad)
     errors = {}
     while not conn.outbox.empty():
-        for event in conn.outbox.get_nowait().events.events:
-            errors[event.id] = event.error.message
+        for event in conn.outbox.get_nowait().events:
+            errors[event.id] = str(event.error)
+    assert set(errors) == {"p", "t", "l", "m"} and [s.request_id for s in engine.waiting] == ["ok"]
+    assert errors["m"].startswith("speculation.mode=7")
     assert errors["p"].startswith("sampling.top_p=0.0")
     assert errors["t"].startswith("sampling.temperature=nan")
     assert errors["l"].startswith("top_logprobs=33")

@@ -65,7 +65,7 @@ def _generate(job: dict) -> list[list[int]]:
     tokens, finals = run_engine(job["target"], job["draft"] if job["gamma"] else None, [PROMPT] * job["samples"],
                                 job["gamma"], job["max_new_tokens"], max_slots=2048, sampling=params,
                                 max_seq_len=24, proposer=proposer)
-    assert all(f.finish_reason == 1 for f in finals)  # LENGTH: the token budget, nothing else
+    assert all(f.finish_reason == "length" for f in finals)  # the token budget, nothing else
     if job["gamma"] and job.get("variant") != "wrong_residual":
         # The draft really proposed and was really both accepted and rejected.
         accepted = sum(f.stats.accepted_tokens for f in finals)

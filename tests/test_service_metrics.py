@@ -19,7 +19,8 @@ from specstream.config import ModelSpec, ServerConfig, TargetConfig
 from specstream.metrics import (DraftMetrics, GatewayMetrics, TargetMetrics, finish_reason_label, occupancy_buckets,
                                 start_metrics_server)
 from specstream.models import load_model
-from specstream_pb import common_pb2, generation_pb2, target_pb2
+from specstream_pb import common_pb2, generation_pb2
+from target_service.messages import SequenceEvent, SequenceRequest
 from target_service.connection import Connection
 from target_service.engine import Engine
 from target_service.local_draft import LocalDraft
@@ -136,12 +137,11 @@ def test_engine_counters_agree_with_its_sequences(model_zoo):
     config = TargetConfig(model=ModelSpec(str(model_zoo["target"])), max_slots=2, max_seq_len=512, max_gamma=8)
     engine = Engine(model, config, LocalDraft(proposer))
     r = engine.metrics.registry
-    requests = [target_pb2.SequenceRequest(id=str(i), prompt_token_ids=[0, 5 + i, 6, 7 * i % 50 + 2],
-                                           max_new_tokens=30, speculation=speculation(gamma),
-                                           stop_token_ids=[17] if i % 2 else [])
+    requests = [SequenceRequest(str(i), [0, 5 + i, 6, 7 * i % 50 + 2], 30, speculation=speculation(gamma),
+                                stop_token_ids=frozenset([17] if i % 2 else []))
                 for i, gamma in enumerate([8, 4, 1, 0, 6])]
 
-    async def main() -> dict[str, target_pb2.SequenceEvent]:
+    async def main() -> dict[str, SequenceEvent]:
         conn = Connection()
         engine.attach(conn)
         engine.submit(conn, requests)
@@ -149,10 +149,10 @@ def test_engine_counters_agree_with_its_sequences(model_zoo):
         assert _value(r, "specstream:num_requests_waiting") == 5
         assert _value(r, "specstream:num_requests_running") == 0
         task = asyncio.create_task(engine.run())
-        final: dict[str, target_pb2.SequenceEvent] = {}
+        final: dict[str, SequenceEvent] = {}
         while len(final) < len(requests):
             message = await asyncio.wait_for(conn.outbox.get(), 60)
-            final.update({e.id: e for e in message.events.events if e.finish_reason})
+            final.update({e.id: e for e in message.events if e.finish_reason})
         task.cancel()
         return final
 

@@ -11,7 +11,7 @@ from engine_harness import run_engine, speculation
 from draft_service.synthetic import SyntheticProposer
 from specstream.config import ModelSpec, TargetConfig
 from specstream.models import load_model
-from specstream_pb import target_pb2
+from target_service.messages import SequenceRequest
 from target_service.connection import Connection
 from target_service.engine import Engine
 from target_service.local_draft import LocalDraft
@@ -30,11 +30,11 @@ def _run(model_zoo, oracle, alpha: float, gamma: int):
         conn = Connection()
         engine.attach(conn)
         task = asyncio.create_task(engine.run())
-        engine.submit(conn, [target_pb2.SequenceRequest(id=str(i), prompt_token_ids=p, max_new_tokens=MAX_NEW,
-                                                        speculation=speculation(gamma)) for i, p in enumerate(PROMPTS)])
+        engine.submit(conn, [SequenceRequest(str(i), list(p), MAX_NEW, speculation=speculation(gamma))
+                             for i, p in enumerate(PROMPTS)])
         tokens, final = {str(i): [] for i in range(len(PROMPTS))}, {}
         while len(final) < len(PROMPTS):
-            for event in (await asyncio.wait_for(conn.outbox.get(), 30)).events.events:
+            for event in (await asyncio.wait_for(conn.outbox.get(), 30)).events:
                 tokens[event.id] += event.token_ids
                 if event.finish_reason:
                     final[event.id] = event

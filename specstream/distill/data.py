@@ -25,9 +25,10 @@ from safetensors.torch import load_file, save_file
 from specstream.config import ModelSpec, TargetConfig
 from specstream.models import load_model
 from specstream.tokenizer import TextTokenizer
-from specstream_pb import common_pb2, target_pb2
+from specstream.sampling import GREEDY, SamplingParams
 from target_service.engine import Engine
 from target_service.inprocess import run_requests
+from target_service.messages import SequenceRequest, Speculation
 
 __all__ = ["TOP_K", "Record", "generate_responses", "load_records", "save_records"]
 
@@ -59,11 +60,9 @@ def generate_responses(target_dir: Path, prompts: list[dict], *, dtype: str, max
         if len(ids) + max_new_tokens > engine.max_context_length:
             continue
         sampled = zlib.crc32(f"mode:{p['id']}".encode()) % 2 == 1
-        sampling = common_pb2.Sampling(temperature=1.0, top_p=1.0, seed=p["id"]) if sampled else common_pb2.Sampling()
-        requests.append(target_pb2.SequenceRequest(
-            id=str(p["id"]), prompt_token_ids=ids, max_new_tokens=max_new_tokens, stop_token_ids=stop,
-            eos_token_ids=stop, speculation=common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_OFF),
-            sampling=sampling, logprobs=True, top_logprobs=TOP_K))
+        sampling = SamplingParams(temperature=1.0, top_p=1.0, seed=p["id"]) if sampled else GREEDY
+        requests.append(SequenceRequest(str(p["id"]), ids, max_new_tokens, frozenset(stop), frozenset(stop),
+                                        Speculation("off"), sampling, logprobs=TOP_K))
         meta.append((p, ids, sampled))
     done_count = [0, 0]
 
@@ -75,10 +74,10 @@ def generate_responses(target_dir: Path, prompts: list[dict], *, dtype: str, max
 
     records = []
     for (p, ids, sampled), done in zip(meta, run_requests(engine, requests, timeout_s=600, on_finished=progress)):
-        if done.final is None or done.finish_reason == common_pb2.FINISH_REASON_ERROR:
+        if done.final is None or done.finish_reason == "error":
             raise RuntimeError(f"prompt {p['id']}: generation failed: {done.final}")
-        top_ids = torch.tensor([[t.token_id for t in lp.top] for lp in done.logprobs], dtype=torch.int32)
-        top_lp = torch.tensor([[t.logprob for t in lp.top] for lp in done.logprobs], dtype=torch.float32)
+        top_ids = torch.tensor([[t for t, _ in lp.top] for lp in done.logprobs], dtype=torch.int32)
+        top_lp = torch.tensor([[v for _, v in lp.top] for lp in done.logprobs], dtype=torch.float32)
         records.append(Record(p["id"], p["split"], sampled, ids, list(done.token_ids), top_ids.reshape(-1, TOP_K),
                               top_lp.reshape(-1, TOP_K)))
     return records

@@ -18,9 +18,10 @@ from draft_service.proposer import DraftProposer
 from specstream.config import ModelSpec, TargetConfig
 from specstream.models import load_model
 from specstream.tokenizer import TextTokenizer
-from specstream_pb import common_pb2, target_pb2
+from specstream.sampling import SamplingParams
 from target_service.engine import Engine
 from target_service.inprocess import run_requests
+from target_service.messages import SequenceRequest, Speculation
 from target_service.local_draft import LocalDraft
 
 __all__ = ["measure_acceptance", "measure_costs"]
@@ -41,14 +42,10 @@ def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[dict], *
     config = TargetConfig(model=ModelSpec(str(target_dir), dtype), max_slots=16, max_seq_len=1024, max_gamma=8)
     engine = Engine(target, config, LocalDraft(DraftProposer(draft, 16, 1024)))
     stop = [t for t in {tok.end_of_turn_id, *tok.eos_token_ids} if t is not None]
-    sampling = common_pb2.Sampling(temperature=temperature, top_p=top_p)
-    requests = []
-    for p in prompts:
-        sampling.seed = p["id"]
-        requests.append(target_pb2.SequenceRequest(
-            id=str(p["id"]), prompt_token_ids=tok.encode_chat(p["messages"]), max_new_tokens=max_new_tokens,
-            stop_token_ids=stop, eos_token_ids=stop, sampling=sampling,
-            speculation=common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_FIXED, gamma=gamma)))
+    requests = [SequenceRequest(str(p["id"]), tok.encode_chat(p["messages"]), max_new_tokens, frozenset(stop),
+                                frozenset(stop), Speculation("fixed", gamma),
+                                SamplingParams.from_settings(temperature, top_p=top_p, seed=p["id"]))
+                for p in prompts]
     results = run_requests(engine, requests)
     stats = [r.final.stats for r in results]
     accepted = sum(s.accepted_tokens for s in stats)

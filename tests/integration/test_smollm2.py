@@ -85,14 +85,14 @@ def test_greedy_output_matches_transformers_8_prompts_x_64_tokens(real) -> None:
     from specstream.config import ModelSpec, TargetConfig
     from target_service.engine import Engine
     from target_service.inprocess import run_requests
+    from target_service.messages import SequenceRequest, Speculation
 
     directory, tok, hf_model, _ = real
     prompts = _prompts(tok)
     engine = Engine(load_model(directory, dtype="float32"),
                     TargetConfig(model=ModelSpec(str(directory)), max_slots=8, max_seq_len=512), None)
-    off = common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_OFF)
-    ours = run_requests(engine, [target_pb2.SequenceRequest(id=str(i), prompt_token_ids=p, max_new_tokens=64,
-                                                            speculation=off) for i, p in enumerate(prompts)])
+    ours = run_requests(engine, [SequenceRequest(str(i), p, 64, speculation=Speculation("off"))
+                                 for i, p in enumerate(prompts)])
     for prompt, result in zip(prompts, ours):
         with torch.inference_mode():
             # An explicit mask: without one, generate() masks every pad token (id 2, which is also

@@ -1,0 +1,184 @@
+"""Everything the target engine does with a draft (design §3, §6): deciding how many tokens each
+row asks for, keeping the draft's copy of each sequence in sync, building the propose items,
+checking the replies, and releasing sequences that ended.
+
+``DraftSource`` is the one interface to a proposer, whoever runs it: ``DraftClient`` (the gRPC
+draft service), ``LocalDraft`` (a proposer in this process: a draft model, the n-gram proposers,
+the synthetic one). ``Drafting`` drives a source for the engine; the γ per row comes from the
+controller (target_service/gamma.py) within caps only this module knows (the token budget, the
+draft's context and vocabulary).
+
+Sync: for every sequence the draft holds a prefix of the sequence's tokens (`held`), valid for one
+draft stream (`epoch`; a new stream holds nothing). Each item asks the draft to roll back to what
+still agrees, append the rest, and guess. After verification only the part the target accepted
+stays agreed (`settle`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from draft_service.proposer import Proposal, ProposeItem
+from target_service import tracing
+from target_service.gamma import GammaController, RowView
+from target_service.sequence import Sequence
+from target_service.verify import Row
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DraftSource", "Drafting"]
+
+
+class DraftSource(Protocol):
+    """A proposer the engine can ask for guesses.
+
+    Contract:
+    - ``propose(step, items, traceparent, item_traceparents)`` returns one ``Proposal`` per item, in
+      order, or None when the source failed this time (the engine then decodes plainly for a step).
+      For each item the source first keeps ``item.rollback_to`` tokens of what it holds for
+      ``item.key``, appends ``item.append``, then guesses up to ``item.gamma`` tokens (fewer, even
+      none, is allowed); ``Proposal.length`` says how many leading tokens it now holds. Sampled
+      items (``item.sampling`` not greedy) come with the q each guess was drawn from, or none
+      (point masses) from deterministic proposers; ``Proposal.source`` names the proposer.
+    - ``epoch`` changes whenever the source's state was lost (a new stream): then it holds nothing.
+    - ``release(keys)`` forgets sequences; unknown keys are ignored.
+    - ``ready()`` is True when a propose can be attempted now; it must not block on a dead source.
+    - ``vocab_size`` / ``max_context_length``: the ids and the sequence length it can take.
+    """
+
+    model_name: str
+    url: str
+    vocab_size: int
+    max_context_length: int
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def connected(self) -> bool: ...
+
+    @property
+    def held_sequences(self) -> int: ...
+
+    async def ready(self) -> bool: ...
+
+    async def propose(self, step: int, items: list[ProposeItem], traceparent: str = "",
+                      item_traceparents: list[str] | None = None) -> list[Proposal] | None: ...
+
+    async def release(self, keys: list[int]) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass
+class _Held:
+    length: int = 0  # leading tokens the draft holds that agree with the sequence
+    epoch: int = -1  # the draft stream `length` refers to
+
+
+@dataclass
+class Drafting:
+    source: DraftSource | None
+    controller: GammaController
+    vocab_size: int  # the target's: proposals at or past it are cut
+    _held: dict[int, _Held] = field(default_factory=dict)
+
+    @property
+    def connected(self) -> bool:
+        return bool(self.source and self.source.connected)
+
+    @property
+    def held_sequences(self) -> int:
+        return self.source.held_sequences if self.source else 0
+
+    def caps(self, rows: list[Sequence]) -> list[int]:
+        """The most each row may ask for this step, whatever the controller wants: the budget left
+        (the last token is always the target's own), the draft's context and vocabulary."""
+        source = self.source
+        if source is None:
+            return [0] * len(rows)
+        room = source.max_context_length
+        # Past the draft's context a sequence decodes plainly rather than resending its whole
+        # context every step; a draft with a smaller vocabulary cannot read ids past its own.
+        return [0 if seq.max_token >= source.vocab_size else max(0, min(seq.remaining - 1, room - len(seq.tokens)))
+                for seq in rows]
+
+    async def propose(self, rows: list[Sequence], step: int, traceparent: str = "") -> list[Row]:
+        """What each row will verify this step: the controller's γ per row, the draft's guesses
+        (checked), and each row's q when it samples. Rows get no proposals when γ is 0 for them or
+        the draft is unavailable."""
+        checks = [Row(s.sampling, len(s.tokens), logprobs=s.logprobs) for s in rows]
+        source = self.source
+        if source is None:
+            return checks
+        gammas = self.controller.choose([RowView(s.seq_id, s.gamma, s.max_gamma, s.sampling.greedy) for s in rows],
+                                        self.caps(rows))
+        asked = [i for i, g in enumerate(gammas) if g > 0]
+        if not asked or not await source.ready():
+            return checks
+        items = []
+        for i in asked:
+            seq = rows[i]
+            held = self._held.setdefault(seq.seq_id, _Held())
+            if held.epoch != source.epoch:  # a fresh stream holds nothing
+                held.length, held.epoch = 0, source.epoch
+            items.append(ProposeItem(seq.seq_id, held.length, seq.tokens[held.length:], gammas[i], seq.sampling))
+        replies = await source.propose(step, items, traceparent,
+                                       [tracing.sequence_traceparent(rows[i]) for i in asked])
+        if replies is None:
+            return checks
+        for i, reply in zip(asked, replies):
+            seq = rows[i]
+            checks[i] = self._check(seq, reply, gammas[i])
+            # Beyond the context the draft holds its own guesses; `settle` keeps the part the target agreed with.
+            self._held[seq.seq_id].length = reply.length
+            seq.draft_tokens += len(checks[i].proposals)
+        return checks
+
+    def _check(self, seq: Sequence, reply: Proposal, gamma: int) -> Row:
+        """The usable part of a reply, as a Row to verify: tokens the target can score, with the q
+        table when the row samples (none from a model-free proposer: point masses). A malformed
+        table is a draft bug; its proposals are dropped rather than trusted."""
+        vocab = self.vocab_size
+        tokens = list(reply.tokens[:gamma])
+        cut = next((j for j, t in enumerate(tokens) if t >= vocab), len(tokens))
+        row = Row(seq.sampling, len(seq.tokens), tokens[:cut], logprobs=seq.logprobs,
+                  source=getattr(reply, "source", "model"))
+        width = reply.q_width
+        if seq.sampling.greedy or not width or not row.proposals:
+            return row
+        size = len(row.proposals) * width
+        ids, probs = reply.q_ids[:size], reply.q_probs[:size]
+        if len(ids) != size or len(probs) != size or max(ids) >= vocab or min(probs) < 0.0 \
+                or not sum(probs) < float("inf"):  # also catches NaN
+            log.warning("draft sent a malformed q for sequence %d; ignoring its proposals", seq.seq_id)
+            row.proposals = []
+            return row
+        row.q_width, row.q_ids, row.q_probs = width, ids, probs
+        return row
+
+    def settle(self, seq: Sequence, check: Row, accepted: int) -> None:
+        """After verification: the draft fed context + proposals[:-1]; only the first `accepted`
+        proposals agree with the target."""
+        held = self._held.get(seq.seq_id)
+        if held is not None:
+            held.length = min(held.length, check.position + accepted)
+        self.controller.observe(seq.seq_id, check.source, seq.sampling.greedy, len(check.proposals), accepted)
+
+    async def release(self, rows: list[Sequence]) -> None:
+        """Forgets sequences that ended (here, in the draft and in the controller)."""
+        keys = self._forget(rows)
+        if self.source is not None and keys:
+            await self.source.release(keys)
+
+    def _forget(self, rows: list[Sequence]) -> list[int]:
+        epoch = self.source.epoch if self.source else None
+        keys = []
+        for seq in rows:
+            held = self._held.pop(seq.seq_id, None)
+            self.controller.forget(seq.seq_id)
+            if held is not None and held.epoch == epoch:
+                keys.append(seq.seq_id)
+        return keys

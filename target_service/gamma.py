@@ -1,0 +1,305 @@
+"""The γ controller (design §6): how many tokens each row asks the draft for, every step.
+
+Policies for ``speculation=auto`` rows (``--gamma-policy``):
+- ``goodput`` (the default): per sequence, an acceptance estimate α̂ (discounted Beta posterior,
+  separate per proposer and for greedy vs sampled rows, starting from the pooled estimate of its
+  kind); the engine's own measured costs (``CostModel``: verify time as a function of the step's
+  total tokens, draft time as a function of its depth and total proposals, the rest of a step).
+  It picks the γ vector that maximises expected committed tokens per second for the WHOLE batch:
+  Σ_i E_i(γ_i) / T(γ), E(γ) = (1 − α^(γ+1)) / (1 − α) (Leviathan et al., Thm 3.8, per row) and T
+  the predicted step time. γ = 0 for some or all rows is a normal answer; all-zero is always a
+  candidate, so the predicted goodput is never below plain decoding's.
+- ``fixed``: the configured default γ.
+- ``hf``: Hugging Face's heuristic per sequence: start at 5, +2 after a step whose proposals were
+  all accepted, −1 otherwise (never below 1).
+- ``leviathan``: per row, the batch-1 optimum argmax_γ (1 − α^(γ+1)) / ((1 − α)(γc + 1)) from the
+  row's α̂ and the measured c = draft time per proposal / time of a one-token step.
+Rows with ``speculation=fixed`` get their γ; ``off`` rows get 0. Every choice is capped by the
+row's caps (budget, draft context: target_service/drafting.py) and its request's ``max_gamma``.
+
+Knows nothing about models, tokens or gRPC: rows are ids with a few facts, costs are seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specstream.config import GAMMA_POLICIES as POLICIES
+
+__all__ = ["AUTO_GAMMA", "POLICIES", "CostModel", "GammaController", "RowView", "expected_tokens",
+           "leviathan_gamma"]
+
+AUTO_GAMMA = -1  # a row's requested γ under speculation=auto
+
+
+@dataclass(frozen=True)
+class RowView:
+    seq_id: int
+    gamma: int  # requested: AUTO_GAMMA, 0 (off) or a fixed γ >= 1
+    max_gamma: int  # auto rows: the most they may get
+    greedy: bool
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Tokens a pass commits on average with γ proposals at per-token acceptance α: 1 + α + … + α^γ."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def leviathan_gamma(alpha: float, c: float, cap: int) -> int:
+    """argmax over γ in 0..cap of the improvement factor (1 − α^(γ+1)) / ((1 − α)(γc + 1))."""
+    return max(range(cap + 1), key=lambda g: (expected_tokens(alpha, g) / (g * c + 1.0), -g))
+
+
+class _LinearFit:
+    """Recursive least squares with exponential forgetting: y ≈ θ·x, refit on every sample.
+
+    The prior is θ0 with covariance diag(prior_var): a small variance on a slope keeps it near its
+    prior until the samples tell it apart from the intercept (the first steps all have one size)."""
+
+    def __init__(self, theta0: Sequence[float], prior_var: Sequence[float], forget: float = 0.995) -> None:
+        self.theta = np.array(theta0, dtype=np.float64)  # [F]
+        self.P0 = np.diag(np.array(prior_var, dtype=np.float64))  # [F, F]
+        self.P = self.P0.copy()  # [F, F] covariance of θ over the noise variance
+        self.forget = forget
+        self.samples = 0
+
+    def observe(self, x: Sequence[float], y: float) -> None:
+        x = np.asarray(x, dtype=np.float64)  # [F]
+        Px = self.P @ x  # [F]
+        gain = Px / (self.forget + x @ Px)  # [F]
+        self.theta = self.theta + gain * (y - x @ self.theta)
+        self.P = (self.P - np.outer(gain, Px)) / self.forget
+        # Forgetting inflates P along directions no sample excites (a constant size, say); never
+        # beyond the prior, or a long steady run would make the next new size swing θ wildly.
+        scale = np.trace(self.P) / np.trace(self.P0)
+        if scale > 1.0:
+            self.P /= scale
+        self.samples += 1
+
+    def predict(self, x: Sequence[float]) -> float:
+        return float(np.asarray(x, dtype=np.float64) @ self.theta)
+
+
+class CostModel:
+    """Seconds a decode step takes, learnt from the engine's own measurements.
+
+    verify(tokens) = v0 + v1·tokens (one target forward + verification over the step's tokens);
+    draft(depth, proposals) = d0 + d1·depth + d2·proposals (depth = the largest γ: the draft's
+    sequential forwards; proposals = Σγ), 0 when nothing is proposed; other = the rest of a step
+    (an EMA). Slopes are clamped at 0 when predicting. Before any sample the model knows nothing and
+    ``ready`` is False."""
+
+    # Prior variances over a noise of ~1 ms: intercepts and the draft's per-forward cost are free to
+    # take the first sample whole; the per-token slopes start at 0 (optimistic: more tokens look
+    # cheap until steps of different sizes show otherwise).
+    def __init__(self) -> None:
+        self.verify = _LinearFit([0.0, 0.0], [1e6, 1.0])  # [v0, v1]
+        self.draft = _LinearFit([0.0, 0.0, 0.0], [1.0, 1e6, 1.0])  # [d0, d1, d2]
+        self.other_s = 0.0
+
+    @property
+    def ready(self) -> bool:
+        return self.verify.samples > 0
+
+    def observe(self, tokens: int, depth: int, proposals: int, verify_s: float, draft_s: float,
+                other_s: float) -> None:
+        self.verify.observe([1.0, tokens], verify_s)
+        if depth > 0:
+            self.draft.observe([1.0, depth, proposals], draft_s)
+        self.other_s = other_s if self.verify.samples == 1 else 0.9 * self.other_s + 0.1 * other_s
+
+    def verify_s(self, tokens: int) -> float:
+        v0, v1 = self.verify.theta
+        return max(v0 + max(v1, 0.0) * tokens, 1e-6)
+
+    def draft_s(self, depth: int, proposals: int) -> float:
+        if depth <= 0:
+            return 0.0
+        d0, d1, d2 = self.draft.theta
+        return max(d0, 0.0) + max(d1, 0.0) * depth + max(d2, 0.0) * proposals
+
+    def step_s(self, tokens: int, depth: int, proposals: int) -> float:
+        return self.verify_s(tokens) + self.draft_s(depth, proposals) + self.other_s
+
+    def draft_ratio(self) -> float:
+        """Leviathan's c at batch 1: a draft proposal's time over a one-token step's."""
+        return self.draft_s(1, 1) / (self.verify_s(1) + self.other_s)
+
+
+@dataclass
+class _Acceptance:
+    """Discounted Beta counts of accepted (hits) and rejected (misses) proposals."""
+
+    hits: float = 0.0
+    misses: float = 0.0
+
+    def add(self, proposed: int, accepted: int, decay: float) -> None:
+        self.hits = self.hits * decay + accepted
+        self.misses = self.misses * decay + (1.0 if accepted < proposed else 0.0)
+
+    def decay(self, decay: float) -> None:
+        self.hits *= decay
+        self.misses *= decay
+
+
+@dataclass
+class _RowState:
+    source: str = "model"  # the proposer that answered last
+    counts: dict[str, _Acceptance] = field(default_factory=dict)  # per proposer
+    hf_gamma: int = 5  # the HF heuristic's current γ
+    alpha: float = 0.0  # the estimate used at the last choice
+
+
+class GammaController:
+    """Chooses γ per row (``choose``) and learns from what happened (``observe``, ``observe_step``)."""
+
+    def __init__(self, policy: str = "goodput", default_gamma: int = 4, max_gamma: int = 16,
+                 prior_alpha: float = 0.6, prior_strength: float = 4.0, row_decay: float = 0.9,
+                 pool_decay: float = 0.995, idle_decay: float = 0.95) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"gamma policy {policy!r}: must be one of {', '.join(POLICIES)}")
+        self.policy = policy
+        self.default_gamma = default_gamma
+        self.max_gamma = max_gamma
+        self.prior_alpha = prior_alpha  # before anything is measured
+        self.prior_strength = prior_strength  # pseudo-observations the pooled estimate is worth to a row
+        self.row_decay = row_decay  # per observation: a row's memory is ~1 / (1 − decay) passes
+        self.pool_decay = pool_decay
+        self.idle_decay = idle_decay  # per step a row is not drafting: its estimate drifts back to the pool
+        self.costs = CostModel()
+        self._rows: dict[int, _RowState] = {}
+        self._pool: dict[tuple[str, bool], _Acceptance] = {}  # (proposer, greedy) -> pooled counts
+        self.predicted_s = 0.0  # the chosen vector's predicted step time (0 when not predicted)
+
+    # ----- estimates --------------------------------------------------------------------------
+    def pooled_alpha(self, source: str, greedy: bool) -> float:
+        pool = self._pool.get((source, greedy))
+        if pool is None:
+            return self.prior_alpha
+        s = self.prior_strength
+        return (pool.hits + s * self.prior_alpha) / (pool.hits + pool.misses + s)
+
+    def alpha(self, seq_id: int, greedy: bool) -> float:
+        """The row's acceptance estimate: its own discounted counts over a prior worth
+        `prior_strength` observations at the pooled estimate of its proposer and kind."""
+        row = self._rows.get(seq_id)
+        source = row.source if row else "model"
+        prior = self.pooled_alpha(source, greedy)
+        counts = row.counts.get(source) if row else None
+        if counts is None:
+            return prior
+        s = self.prior_strength
+        return (counts.hits + s * prior) / (counts.hits + counts.misses + s)
+
+    # ----- learning ----------------------------------------------------------------------------
+    def observe(self, seq_id: int, source: str, greedy: bool, proposed: int, accepted: int) -> None:
+        """A verified pass: `accepted` of `proposed` proposals (by `source`) stood."""
+        if proposed <= 0:
+            return
+        row = self._rows.setdefault(seq_id, _RowState())
+        row.source = source
+        row.counts.setdefault(source, _Acceptance()).add(proposed, accepted, self.row_decay)
+        self._pool.setdefault((source, greedy), _Acceptance()).add(proposed, accepted, self.pool_decay)
+        row.hf_gamma = row.hf_gamma + 2 if accepted == proposed else max(1, row.hf_gamma - 1)
+
+    def observe_step(self, tokens: int, depth: int, proposals: int, verify_s: float, draft_s: float,
+                     other_s: float) -> None:
+        """A decode step's measured times (seconds) and its size."""
+        self.costs.observe(tokens, depth, proposals, verify_s, draft_s, other_s)
+
+    def forget(self, seq_id: int) -> None:
+        self._rows.pop(seq_id, None)
+
+    # ----- choosing ----------------------------------------------------------------------------
+    def choose(self, rows: list[RowView], caps: list[int]) -> list[int]:
+        """γ per row, each within its cap (caps[i] >= 0)."""
+        gammas = [0] * len(rows)
+        auto: list[int] = []
+        for i, (row, cap) in enumerate(zip(rows, caps)):
+            if row.gamma == AUTO_GAMMA:
+                auto.append(i)
+            else:
+                gammas[i] = min(row.gamma, cap)
+        self.predicted_s = 0.0
+        if not auto:
+            return gammas
+        limits = {i: max(0, min(caps[i], rows[i].max_gamma or self.max_gamma, self.max_gamma)) for i in auto}
+        alphas = {i: self.alpha(rows[i].seq_id, rows[i].greedy) for i in auto}
+        for i in auto:
+            state = self._rows.setdefault(rows[i].seq_id, _RowState())
+            state.alpha = alphas[i]
+        if self.policy == "fixed" or not self.costs.ready and self.policy != "hf":
+            # Before the first measured step: the configured γ (it also gives the cost model a sample).
+            for i in auto:
+                gammas[i] = min(self.default_gamma, limits[i])
+        elif self.policy == "hf":
+            for i in auto:
+                gammas[i] = min(self._rows[rows[i].seq_id].hf_gamma, limits[i])
+        elif self.policy == "leviathan":
+            c = self.costs.draft_ratio()
+            for i in auto:
+                gammas[i] = leviathan_gamma(alphas[i], c, limits[i])
+        else:
+            self._goodput(gammas, auto, limits, alphas, rows)
+        for i in auto:
+            if gammas[i] == 0:  # not drafting: what it learnt fades toward the pool (a later retry is cheap)
+                for counts in self._rows[rows[i].seq_id].counts.values():
+                    counts.decay(self.idle_decay)
+        return gammas
+
+    def _goodput(self, gammas: list[int], auto: list[int], limits: dict[int, int], alphas: dict[int, float],
+                 rows: list[RowView]) -> None:
+        """Maximises Σ E_i(γ_i) / T(γ) over the auto rows' γ (fixed rows as given), in place.
+
+        For a depth G (the largest γ) and a price λ per second, each row independently takes the γ
+        maximising E_i(γ) − λ·τ·γ within min(G, limit), τ the marginal seconds of one more
+        proposal: since E_i's increments α^k shrink, that is the number of k with α^k > λτ.
+        Dinkelbach's iteration (λ ← the best goodput found) over every G converges in a few rounds;
+        G = 0 (nothing proposed) is always a candidate."""
+        costs = self.costs
+        fixed_tokens = sum(1 + gammas[i] for i in range(len(rows)) if i not in limits)
+        fixed_expected = sum(expected_tokens(self.alpha(rows[i].seq_id, rows[i].greedy), gammas[i])
+                             for i in range(len(rows)) if i not in limits)
+        fixed_depth = max((gammas[i] for i in range(len(rows)) if i not in limits), default=0)
+        fixed_proposals = sum(gammas[i] for i in range(len(rows)) if i not in limits)
+        auto_rows = len(auto)
+        depth_max = max(limits.values(), default=0)
+
+        def evaluate(vector: dict[int, int]) -> tuple[float, float]:
+            total = sum(vector.values())
+            depth = max(fixed_depth, max(vector.values(), default=0))
+            seconds = costs.step_s(fixed_tokens + auto_rows + total, depth, fixed_proposals + total)
+            expected = fixed_expected + sum(expected_tokens(alphas[i], g) for i, g in vector.items())
+            return expected / seconds, seconds
+
+        plain = {i: 0 for i in auto}
+        best, (best_rate, best_s) = plain, evaluate(plain)
+        tau = max(costs.verify_s(2) - costs.verify_s(1), 0.0) + max(costs.draft_s(1, 2) - costs.draft_s(1, 1), 0.0)
+        logs = {i: math.log(alphas[i]) if alphas[i] > 0.0 else -math.inf for i in auto}
+        for _ in range(3):
+            price = best_rate * tau
+            found = False
+            for depth in range(1, depth_max + 1):
+                vector = {}
+                for i in auto:
+                    top = min(depth, limits[i])
+                    if price <= 0.0 or logs[i] == 0.0:
+                        vector[i] = top
+                    elif logs[i] == -math.inf:
+                        vector[i] = 0
+                    else:  # α^k > price  <=>  k < log(price) / log(α)
+                        vector[i] = min(top, max(0, math.ceil(math.log(price) / logs[i]) - 1))
+                rate, seconds = evaluate(vector)
+                if rate > best_rate * (1.0 + 1e-9):
+                    best, best_rate, best_s, found = vector, rate, seconds, True
+            if not found:
+                break
+        for i, g in best.items():
+            gammas[i] = g
+        self.predicted_s = best_s
