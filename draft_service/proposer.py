@@ -11,6 +11,9 @@ so the target verifies against exactly the distribution that was sampled (design
 A draft that predicts over a subset of the vocabulary (``model.output_token_ids``) has its
 columns mapped back to token ids before anything leaves here.
 Knows nothing about gRPC or about the target: keys are opaque.
+
+Also defines what every proposer speaks (`ProposeItem` in, `Proposal` out, the `Proposer`
+protocol): the model-free ones (draft_service/ngram.py, combined.py, synthetic.py) share it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -35,15 +39,53 @@ class ProposeItem:
     sampling: SamplingParams = GREEDY
 
 
+SOURCE = "model"  # Proposal.source of this proposer's guesses
+
+
 @dataclass
 class Proposal:
     tokens: list[int]
     length: int  # tokens the cache now holds for the sequence (0: state lost or refused)
     # Sampling items: the sparse q each token was drawn from, as a [len(tokens), q_width] table
-    # flattened row-major (padding has probability 0). q_width 0: greedy guesses.
+    # flattened row-major (padding has probability 0). q_width 0: deterministic guesses (greedy,
+    # or model-free), which the target verifies as point masses.
     q_width: int = 0
     q_ids: list[int] = field(default_factory=list)
     q_probs: list[float] = field(default_factory=list)
+    # Which proposer made `tokens` ("model", "ngram", "synthetic"), so the target can keep its
+    # acceptance statistics per proposer when one draft service combines several.
+    source: str = SOURCE
+
+
+class Proposer(Protocol):
+    """What the draft servicer and an in-process draft need of a proposer.
+
+    `propose` answers each item with one Proposal, in order: the sequence `item.key` is cut to its
+    first `rollback_to` tokens, `append` is added, then up to `gamma` tokens are guessed (fewer,
+    even none, is allowed). `Proposal.length` is how many leading tokens of the sequence the
+    proposer now holds; the target sends everything after it next time. A key it holds nothing
+    for, or a `rollback_to` beyond what it holds, gets length 0 and its state dropped.
+    `release` forgets sequences (unknown keys are ignored).
+    """
+
+    @property
+    def name(self) -> str: ...  # what GetInfo reports as the draft's model
+
+    @property
+    def vocab_size(self) -> int: ...  # the target speculates only on sequences whose ids are all below it
+
+    @property
+    def max_len(self) -> int: ...  # tokens it can hold per sequence
+
+    @property
+    def held(self) -> int: ...  # sequences it holds state for
+
+    @property
+    def free_slots(self) -> int: ...  # further sequences it can take
+
+    def propose(self, items: list[ProposeItem]) -> list[Proposal]: ...
+
+    def release(self, keys: list[Hashable]) -> None: ...
 
 
 class DraftProposer:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from draft_service.proposer import Proposal, ProposeItem
 
+SOURCE = "synthetic"  # Proposal.source of this proposer's guesses
+
 
 @dataclass(frozen=True)
 class OracleInfo:
@@ -65,11 +67,11 @@ class SyntheticProposer:
         context = self._context.get(item.key)
         if context is None:
             if item.rollback_to != 0:
-                return Proposal([], 0)
+                return Proposal([], 0, source=SOURCE)
             context = self._context[item.key] = []
         if item.rollback_to > len(context):
             self.release([item.key])
-            return Proposal([], 0)
+            return Proposal([], 0, source=SOURCE)
         del context[item.rollback_to:]
         context.extend(item.append)
         truth = self._truth.get(item.key)
@@ -80,7 +82,7 @@ class SyntheticProposer:
         tokens = [t if self._rng.random() < self.alpha else self._other(t) for t in upcoming]
         # Holds the context and the guesses fed back, like a model-based draft would.
         context.extend(tokens[:-1])
-        return Proposal(tokens, len(context))
+        return Proposal(tokens, len(context), source=SOURCE)
 
     def _other(self, token: int) -> int:
         """A token that is certainly not the target's."""

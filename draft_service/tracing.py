@@ -26,5 +26,6 @@ def record_propose(request, proposals: list, start_ns: int, end_ns: int) -> None
                 "specstream.draft_propose_sequence", context=telemetry.context_from(item.traceparent),
                 start_time=start_ns, links=[Link(batch.get_span_context())],
                 attributes={"specstream.gamma": item.gamma, "specstream.appended_tokens": len(item.append_token_ids),
-                            "specstream.proposed_tokens": len(proposal.tokens)})
+                            "specstream.proposed_tokens": len(proposal.tokens),
+                            "specstream.proposer": proposal.source})
             span.end(end_time=end_ns)

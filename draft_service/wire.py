@@ -20,4 +20,5 @@ def item_from_pb(key: Hashable, item: draft_pb2.ProposeItem) -> ProposeItem:
 
 def proposal_to_pb(seq_id: int, proposal: Proposal) -> draft_pb2.Proposal:
     return draft_pb2.Proposal(seq_id=seq_id, token_ids=proposal.tokens, length=proposal.length,
-                              q_width=proposal.q_width, q_ids=proposal.q_ids, q_probs=proposal.q_probs)
+                              q_width=proposal.q_width, q_ids=proposal.q_ids, q_probs=proposal.q_probs,
+                              proposer=proposal.source)
