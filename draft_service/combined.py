@@ -1,0 +1,91 @@
+"""Prompt lookup where it matches, the draft model elsewhere: chosen per sequence, every step.
+
+Each item goes to the n-gram lookup first (draft_service/ngram.py); the items it has no guesses
+for are answered by ONE `DraftProposer.propose` call over all of them, so the model's forwards
+stay batched. Each Proposal's `source` says which of the two made it ("ngram" or "model").
+
+The model's KV cache is brought up to date lazily. The n-gram side holds every sequence's tokens;
+per sequence we remember how many leading ones the model's cache holds (`model_len`, cut to
+`rollback_to` whenever the target rolls back). Steps the n-gram answers do not touch the model;
+when the model is next asked, it is sent rollback_to = model_len and everything after it, so a
+run of n-gram steps costs the model one catch-up prefill instead of a forward per step, and
+nothing at all if the sequence ends first. When the model answers, it holds the sequence and its
+guesses but the last (as DraftProposer always does); the n-gram history takes those guesses too,
+so both sides hold the same tokens and the reported `length` (the history's) is true of both:
+the target then re-sends only what the model rejected, exactly as with the model alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from draft_service.ngram import SOURCE as NGRAM
+from draft_service.ngram import NgramIndex, NgramProposer
+from draft_service.proposer import SOURCE as MODEL
+from draft_service.proposer import DraftProposer, Proposal, ProposeItem
+
+
+class NgramPlusModelProposer:
+    def __init__(self, model: DraftProposer, max_slots: int, min_n: int = 1, max_n: int = 4) -> None:
+        self.model = model
+        self.ngram = NgramProposer(max_slots, model.max_len, min_n, max_n)
+        self.model_len: dict[Hashable, int] = {}  # leading tokens of the history the model's cache holds
+
+    @property
+    def name(self) -> str:
+        return f"{self.ngram.name}+{self.model.name}"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size  # the model cannot read ids past its own vocabulary
+
+    @property
+    def max_len(self) -> int:
+        return self.ngram.max_len
+
+    @property
+    def held(self) -> int:
+        return self.ngram.held
+
+    @property
+    def free_slots(self) -> int:
+        return min(self.ngram.free_slots, self.model.free_slots)
+
+    def release(self, keys: list[Hashable]) -> None:
+        self.ngram.release(keys)
+        self.model.release(keys)
+        for key in keys:
+            self.model_len.pop(key, None)
+
+    def propose(self, items: list[ProposeItem]) -> list[Proposal]:
+        out = [Proposal([], 0, source=NGRAM) for _ in items]
+        asked: list[tuple[int, NgramIndex]] = []
+        model_items: list[ProposeItem] = []
+        for i, item in enumerate(items):
+            sequence = self.ngram.sync(item)
+            if sequence is None:
+                self.release([item.key])  # refused or out of sync: the model's copy is stale too
+                continue
+            held = self.model_len[item.key] = min(self.model_len.get(item.key, 0), item.rollback_to)
+            gamma = min(item.gamma, self.max_len - len(sequence))
+            out[i].tokens, out[i].length = sequence.lookup(gamma), len(sequence)
+            if out[i].tokens or gamma <= 0:
+                continue
+            # held <= rollback_to < len(sequence): the catch-up is never empty.
+            model_items.append(ProposeItem(item.key, held, sequence.tokens[held:], gamma, item.sampling))
+            asked.append((i, sequence))
+        if model_items:
+            for (i, sequence), reply in zip(asked, self.model.propose(model_items)):
+                self._take(items[i].key, sequence, reply)
+                out[i] = reply
+        return out
+
+    def _take(self, key: Hashable, sequence: NgramIndex, reply: Proposal) -> None:
+        """Records what the model now holds; `reply` then reports what both sides hold."""
+        if reply.tokens:
+            sequence.extend(reply.tokens[:-1])  # the model fed all its guesses but the last
+            assert reply.length == len(sequence), (reply.length, len(sequence))
+        # With no guesses the model holds at most the history (0: it dropped the sequence).
+        self.model_len[key] = reply.length
+        reply.length = len(sequence)
+        reply.source = MODEL
