@@ -207,6 +207,13 @@ def _check_speculation(spec: common_pb2.Speculation, limits: Limits) -> None:
     elif spec.gamma != 0:
         raise InvalidArgumentError("speculation.gamma", spec.gamma,
                                    f"only applies with mode SPECULATION_MODE_FIXED (mode is {modes.Name(spec.mode)})")
+    if spec.mode == common_pb2.SPECULATION_MODE_AUTO:
+        if spec.max_gamma > limits.max_gamma:
+            raise InvalidArgumentError("speculation.max_gamma", spec.max_gamma,
+                                       f"must be in 0..{limits.max_gamma} (0: the server's limit)")
+    elif spec.max_gamma != 0:
+        raise InvalidArgumentError("speculation.max_gamma", spec.max_gamma,
+                                   f"only applies with mode SPECULATION_MODE_AUTO (mode is {modes.Name(spec.mode)})")
 
 
 def _check_sampling(req: generation_pb2.GenerateRequest) -> None:

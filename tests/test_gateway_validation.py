@@ -98,3 +98,19 @@ def test_seed_zero_is_kept_and_an_unset_seed_is_picked():
     assert all(0 <= s < 2**64 for s in picked)
     # 64 random bits: eight draws colliding has probability ~ 28 / 2**64.
     assert len(picked) == 8
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    (dict(speculation=dict(mode=0, max_gamma=9)), "speculation.max_gamma=9: must be in 0..8"),
+    (dict(speculation=dict(mode=2, gamma=2, max_gamma=3)), "speculation.max_gamma=3: only applies with mode"),
+    (dict(speculation=dict(mode=1, max_gamma=3)), "speculation.max_gamma=3: only applies with mode"),
+])
+def test_max_gamma_is_checked_against_the_mode_and_the_limit(fields, message):
+    with pytest.raises(InvalidArgumentError) as info:
+        _validate(**fields)
+    assert info.value.field == "speculation.max_gamma" and str(info.value).startswith(message)
+
+
+def test_max_gamma_reaches_the_target_with_auto():
+    validated = _validate(speculation=dict(mode=0, max_gamma=3))
+    assert validated.speculation.max_gamma == 3 and validated.speculation.mode == 0
