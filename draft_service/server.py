@@ -1,4 +1,5 @@
-"""The draft service process: the `Draft` gRPC servicer around a DraftProposer.
+"""The draft service process: the `Draft` gRPC servicer around a proposer (DraftConfig.proposer:
+the draft model, prompt-lookup n-grams, or both; or the synthetic benchmark proposer).
 
 Thin: each `Speculate` stream gets its own key space; every request gets exactly one response;
 a stream's sequences are released when it ends. Proposals run on one worker thread.
@@ -10,12 +11,15 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from draft_service import tracing
-from draft_service.proposer import DraftProposer
+from draft_service.combined import NgramPlusModelProposer
+from draft_service.ngram import NgramProposer
+from draft_service.proposer import DraftProposer, Proposer
 from draft_service.synthetic import SyntheticProposer
 from draft_service.wire import item_from_pb, proposal_to_pb
 from specstream.compute import compute_executor
@@ -31,7 +35,7 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
 
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):
-    def __init__(self, proposer: DraftProposer | SyntheticProposer, compute: ThreadPoolExecutor,
+    def __init__(self, proposer: Proposer, compute: ThreadPoolExecutor,
                  metrics: DraftMetrics) -> None:
         self.proposer = proposer
         self.metrics = metrics
@@ -75,15 +79,7 @@ async def serve(config: DraftConfig) -> None:
     # Load and run on one thread (see specstream.compute).
     compute = compute_executor("draft-compute", config.torch_threads)
 
-    def build() -> DraftProposer | SyntheticProposer:
-        if config.synthetic_oracle:
-            return SyntheticProposer.from_file(config.synthetic_oracle, config.synthetic_alpha, config.synthetic_seed)
-        spec = config.model
-        model = load_model(resolve_model(spec.path), dtype=resolve_dtype(spec.dtype, spec.device), device=spec.device,
-                           resolve=resolve_model)
-        return DraftProposer(model, config.max_slots, config.max_seq_len, config.q_support)
-
-    proposer = await asyncio.get_running_loop().run_in_executor(compute, build)
+    proposer = await asyncio.get_running_loop().run_in_executor(compute, build_proposer, config)
     metrics = DraftMetrics()
     metrics.watch_sequences(held=lambda: proposer.held)
     server = ServiceServer(config.server, [SERVICE_NAME], metrics.registry)
@@ -93,3 +89,25 @@ async def serve(config: DraftConfig) -> None:
     log.info("draft %s serving on %s", proposer.name, server.address)
     await server.serve_forever()
 
+
+def build_proposer(config: DraftConfig) -> Proposer:
+    """The proposer `config` names, its draft model loaded (on the calling thread) if it has one."""
+    if config.synthetic_oracle:
+        return SyntheticProposer.from_file(config.synthetic_oracle, config.synthetic_alpha, config.synthetic_seed)
+    return PROPOSERS[config.proposer](config)
+
+
+def _draft_model(config: DraftConfig) -> DraftProposer:
+    spec = config.model
+    model = load_model(resolve_model(spec.path), dtype=resolve_dtype(spec.dtype, spec.device), device=spec.device,
+                       resolve=resolve_model)
+    return DraftProposer(model, config.max_slots, config.max_seq_len, config.q_support)
+
+
+# DraftConfig.proposer -> how to build it (the keys are DraftConfig.PROPOSERS).
+PROPOSERS: dict[str, Callable[[DraftConfig], Proposer]] = {
+    "model": _draft_model,
+    "ngram": lambda config: NgramProposer(config.max_slots, config.max_seq_len, config.ngram_min, config.ngram_max),
+    "ngram+model": lambda config: NgramPlusModelProposer(_draft_model(config), config.max_slots, config.ngram_min,
+                                                         config.ngram_max),
+}

@@ -114,7 +114,8 @@ def cmd_draft(args: argparse.Namespace) -> int:
     model = ModelSpec(args.model, args.dtype, args.device) if args.model else None
     config = DraftConfig(model=model, server=_server_config(args), max_slots=args.max_slots,
                          max_seq_len=args.max_seq_len, torch_threads=args.threads, q_support=args.q_support,
-                         synthetic_oracle=args.synthetic_oracle, synthetic_alpha=args.synthetic_alpha)
+                         synthetic_oracle=args.synthetic_oracle, synthetic_alpha=args.synthetic_alpha,
+                         proposer=args.proposer, ngram_max=args.ngram_max, ngram_min=args.ngram_min)
     return _run_service(args, lambda: serve(config))
 
 
@@ -426,6 +427,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("draft", help="run the draft-model service")
     _model_flags(p, required=False)
+    p.add_argument("--proposer", default="model", choices=["model", "ngram", "ngram+model"],
+                   help="model: the draft model (--model); ngram: prompt lookup, copying what followed the "
+                        "latest earlier occurrence of the last n tokens (no model); ngram+model: n-grams where "
+                        "they match, the model elsewhere")
+    p.add_argument("--ngram-max", type=int, default=4, help="prompt lookup tries n from this ...")
+    p.add_argument("--ngram-min", type=int, default=1, help="... down to this")
     p.add_argument("--synthetic-oracle", help="benchmarks: replay greedy continuations from this JSON file "
                                               "instead of running a model")
     p.add_argument("--synthetic-alpha", type=float, default=0.7, help="benchmarks: acceptance rate to simulate")
