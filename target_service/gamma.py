@@ -134,18 +134,39 @@ class CostModel:
 
 @dataclass
 class _Acceptance:
-    """Discounted Beta counts of accepted (hits) and rejected (misses) proposals."""
+    """Discounted Beta counts of accepted (hits) and rejected (misses) proposals, with a change
+    detector: a fast-forgetting copy runs beside them, and when it disagrees with the slow counts by
+    more than `_CHANGE_Z` standard deviations the text has changed (code after prose, a quote
+    ending), so the slow counts restart from the fast ones instead of unlearning pass by pass."""
 
     hits: float = 0.0
     misses: float = 0.0
+    fast_hits: float = 0.0
+    fast_misses: float = 0.0
 
     def add(self, proposed: int, accepted: int, decay: float) -> None:
+        miss = 1.0 if accepted < proposed else 0.0
         self.hits = self.hits * decay + accepted
-        self.misses = self.misses * decay + (1.0 if accepted < proposed else 0.0)
+        self.misses = self.misses * decay + miss
+        self.fast_hits = self.fast_hits * _FAST_DECAY + accepted
+        self.fast_misses = self.fast_misses * _FAST_DECAY + miss
+        slow_n, fast_n = self.hits + self.misses, self.fast_hits + self.fast_misses
+        if fast_n < 4.0 or slow_n <= fast_n:
+            return
+        slow, fast = self.hits / slow_n, self.fast_hits / fast_n
+        spread = math.sqrt(max(slow * (1.0 - slow), 0.01) / fast_n)
+        if abs(fast - slow) > _CHANGE_Z * spread:
+            self.hits, self.misses = self.fast_hits, self.fast_misses
 
     def decay(self, decay: float) -> None:
         self.hits *= decay
         self.misses *= decay
+        self.fast_hits *= decay
+        self.fast_misses *= decay
+
+
+_FAST_DECAY = 0.7  # the change detector's memory: ~3 passes
+_CHANGE_Z = 3.0
 
 
 @dataclass
@@ -153,15 +174,14 @@ class _RowState:
     source: str = "model"  # the proposer that answered last
     counts: dict[str, _Acceptance] = field(default_factory=dict)  # per proposer
     hf_gamma: int = 5  # the HF heuristic's current γ
-    alpha: float = 0.0  # the estimate used at the last choice
 
 
 class GammaController:
     """Chooses γ per row (``choose``) and learns from what happened (``observe``, ``observe_step``)."""
 
     def __init__(self, policy: str = "goodput", default_gamma: int = 4, max_gamma: int = 16,
-                 prior_alpha: float = 0.6, prior_strength: float = 4.0, row_decay: float = 0.9,
-                 pool_decay: float = 0.995, idle_decay: float = 0.95) -> None:
+                 prior_alpha: float = 0.6, prior_strength: float = 4.0, row_decay: float = 0.97,
+                 pool_decay: float = 0.995, idle_decay: float = 0.98, explore: float = 0.5) -> None:
         if policy not in POLICIES:
             raise ValueError(f"gamma policy {policy!r}: must be one of {', '.join(POLICIES)}")
         self.policy = policy
@@ -172,6 +192,7 @@ class GammaController:
         self.row_decay = row_decay  # per observation: a row's memory is ~1 / (1 − decay) passes
         self.pool_decay = pool_decay
         self.idle_decay = idle_decay  # per step a row is not drafting: its estimate drifts back to the pool
+        self.explore = explore  # standard deviations of optimism in the estimate a choice uses
         self.costs = CostModel()
         self._rows: dict[int, _RowState] = {}
         self._pool: dict[tuple[str, bool], _Acceptance] = {}  # (proposer, greedy) -> pooled counts
@@ -188,14 +209,26 @@ class GammaController:
     def alpha(self, seq_id: int, greedy: bool) -> float:
         """The row's acceptance estimate: its own discounted counts over a prior worth
         `prior_strength` observations at the pooled estimate of its proposer and kind."""
+        return self._posterior(seq_id, greedy)[0]
+
+    def _posterior(self, seq_id: int, greedy: bool) -> tuple[float, float]:
+        """(mean, standard deviation) of the row's Beta posterior over α."""
         row = self._rows.get(seq_id)
         source = row.source if row else "model"
         prior = self.pooled_alpha(source, greedy)
         counts = row.counts.get(source) if row else None
-        if counts is None:
-            return prior
-        s = self.prior_strength
-        return (counts.hits + s * prior) / (counts.hits + counts.misses + s)
+        hits = counts.hits if counts else 0.0
+        misses = counts.misses if counts else 0.0
+        a = hits + self.prior_strength * prior
+        b = misses + self.prior_strength * (1.0 - prior)
+        return a / (a + b), math.sqrt(a * b / ((a + b) ** 2 * (a + b + 1.0)))
+
+    def _optimistic_alpha(self, seq_id: int, greedy: bool) -> float:
+        """The estimate the choice uses: the mean plus `explore` standard deviations. A row whose
+        few first guesses failed is not written off: while its evidence is thin (and again as it
+        fades while the row is not drafting) it gets another try; with evidence the bonus shrinks."""
+        mean, std = self._posterior(seq_id, greedy)
+        return min(mean + self.explore * std, 1.0)
 
     # ----- learning ----------------------------------------------------------------------------
     def observe(self, seq_id: int, source: str, greedy: bool, proposed: int, accepted: int) -> None:
@@ -230,10 +263,9 @@ class GammaController:
         if not auto:
             return gammas
         limits = {i: max(0, min(caps[i], rows[i].max_gamma or self.max_gamma, self.max_gamma)) for i in auto}
-        alphas = {i: self.alpha(rows[i].seq_id, rows[i].greedy) for i in auto}
+        alphas = {i: self._optimistic_alpha(rows[i].seq_id, rows[i].greedy) for i in auto}
         for i in auto:
-            state = self._rows.setdefault(rows[i].seq_id, _RowState())
-            state.alpha = alphas[i]
+            self._rows.setdefault(rows[i].seq_id, _RowState())
         if self.policy == "fixed" or not self.costs.ready and self.policy != "hf":
             # Before the first measured step: the configured γ (it also gives the cost model a sample).
             for i in auto:

@@ -1,0 +1,192 @@
+"""The γ controller against a simulated engine: known acceptance α per token, known costs.
+
+A simulated step: each row's proposals are accepted one by one with probability α until the first
+rejection; the step costs verify(tokens) + draft(depth, proposals). The analytic batch-1 optimum is
+Leviathan et al.'s argmax_γ (1 − α^(γ+1)) / ((1 − α)(γc + 1)), written out here independently of
+the controller's code.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+from target_service.gamma import AUTO_GAMMA, GammaController, RowView
+
+MAX_GAMMA = 16
+
+
+def analytic_optimum(alpha: float, c: float, cap: int = MAX_GAMMA) -> int:
+    def speedup(g: int) -> float:
+        return (1 - alpha ** (g + 1)) / ((1 - alpha) * (g * c + 1))
+    return max(range(cap + 1), key=speedup)
+
+
+class SimulatedEngine:
+    """rows sequences with acceptance alpha(step, row); costs in seconds."""
+
+    def __init__(self, controller: GammaController, rows: int, verify, draft, seed: int = 0) -> None:
+        self.controller, self.rows, self.verify, self.draft = controller, rows, verify, draft
+        self.rng = random.Random(seed)
+        self.chosen: list[list[int]] = []
+        self.committed = 0
+        self.seconds = 0.0
+
+    def step(self, alpha: float, greedy: bool = True) -> list[int]:
+        views = [RowView(i, AUTO_GAMMA, MAX_GAMMA, greedy) for i in range(self.rows)]
+        gammas = self.controller.choose(views, [MAX_GAMMA] * self.rows)
+        for i, g in enumerate(gammas):
+            k = 0
+            while k < g and self.rng.random() < alpha:
+                k += 1
+            self.controller.observe(i, "model", greedy, g, k)
+            self.committed += k + 1
+        tokens, depth, proposals = self.rows + sum(gammas), max(gammas), sum(gammas)
+        verify_s, draft_s = self.verify(tokens), self.draft(depth, proposals) if proposals else 0.0
+        self.controller.observe_step(tokens, depth, proposals, verify_s, draft_s, 0.0)
+        self.seconds += verify_s + draft_s
+        self.chosen.append(gammas)
+        return gammas
+
+
+def _batch1(alpha: float, c: float, steps: int = 400, seed: int = 0) -> SimulatedEngine:
+    sim = SimulatedEngine(GammaController(max_gamma=MAX_GAMMA), 1, verify=lambda tokens: 1.0,
+                          draft=lambda depth, proposals: c * depth, seed=seed)
+    for _ in range(steps):
+        sim.step(alpha)
+    return sim
+
+
+@pytest.mark.parametrize("c", [0.05, 0.2, 0.5])
+@pytest.mark.parametrize("alpha", [0.3, 0.6, 0.8, 0.95])
+def test_batch_one_choice_is_within_one_of_the_analytic_optimum(alpha, c):
+    sim = _batch1(alpha, c)
+    settled = [g[0] for g in sim.chosen[100:]]
+    best = analytic_optimum(alpha, c)
+    assert abs(statistics.median(settled) - best) <= 1, (best, settled[-30:])
+
+
+def test_gamma_goes_to_zero_when_alpha_is_tiny():
+    """Apart from rare one-token retries (the estimate fades back toward the pool while a row
+    does not draft, so a sequence whose text turns predictable is noticed)."""
+    sim = _batch1(0.02, 0.2, steps=300)
+    assert analytic_optimum(0.02, 0.2) == 0
+    late = [g[0] for g in sim.chosen[50:]]
+    assert max(late) <= 1 and sum(late) <= 0.03 * len(late), late
+
+
+def test_gamma_goes_to_zero_when_verify_cost_grows_steeply_with_tokens():
+    """A compute-bound target (every token costs as much as a row) under a full batch: a
+    proposal can never pay for itself (E(γ) < γ + 1), so the controller stops proposing."""
+    sim = SimulatedEngine(GammaController(max_gamma=MAX_GAMMA), 32, verify=lambda tokens: 0.001 * tokens,
+                          draft=lambda depth, proposals: 0.002 * depth)
+    for _ in range(150):
+        sim.step(0.7)
+    late = [sum(g) for g in sim.chosen[50:]]
+    assert sum(late) == 0, late[:20]
+
+
+def test_batch_one_speculates_when_verify_is_flat_but_stops_when_the_batch_makes_it_steep():
+    """The same α and draft, two devices: flat verify cost (memory-bound) and one growing with
+    tokens past a batch's worth. Acceptance alone cannot tell these apart; the cost model can."""
+    flat = SimulatedEngine(GammaController(max_gamma=MAX_GAMMA), 4, verify=lambda tokens: 1.0,
+                           draft=lambda depth, proposals: 0.1 * depth)
+    steep = SimulatedEngine(GammaController(max_gamma=MAX_GAMMA), 4, verify=lambda tokens: 0.25 * tokens,
+                            draft=lambda depth, proposals: 0.1 * depth)
+    for _ in range(200):
+        flat.step(0.8)
+        steep.step(0.8)
+    assert statistics.median(sum(g) / 4 for g in flat.chosen[100:]) >= 3
+    assert sum(sum(g) for g in steep.chosen[100:]) == 0
+
+
+def test_reconverges_when_alpha_changes_mid_sequence():
+    """α drops from 0.9 to 0.3 and comes back. From 45 steps after each change on, the choices lose
+    under 3% of the best speedup on average (the optimum's neighbours are almost as good: at α 0.9,
+    γ 8..12 are within 1% of γ = 10, so the test measures speed, not the exact γ)."""
+    c = 0.1
+
+    def speedup(alpha: float, g: int) -> float:
+        return (1 - alpha ** (g + 1)) / ((1 - alpha) * (g * c + 1))
+
+    for seed in (3, 4, 5):
+        sim = SimulatedEngine(GammaController(max_gamma=MAX_GAMMA), 1, verify=lambda tokens: 1.0,
+                              draft=lambda depth, proposals: c * depth, seed=seed)
+        for alpha, steps in [(0.9, 150), (0.3, 150), (0.9, 150)]:
+            start = len(sim.chosen)
+            for _ in range(steps):
+                sim.step(alpha)
+            best = speedup(alpha, analytic_optimum(alpha, c))
+            after = [g[0] for g in sim.chosen[start + 45: start + steps]]
+            loss = sum(1 - speedup(alpha, g) / best for g in after) / len(after)
+            assert loss < 0.03, (seed, alpha, after)
+            assert statistics.median(after) == pytest.approx(analytic_optimum(alpha, c), abs=2), (seed, alpha, after)
+
+
+def test_goodput_beats_every_fixed_gamma_on_a_changing_workload():
+    """Half the rows predictable (α 0.9), half not (α 0.2), verify cost rising with tokens: per-row
+    choices commit more tokens per second than the best single γ for everyone."""
+    def run(policy: str, gamma: int) -> float:
+        controller = GammaController(policy, default_gamma=gamma, max_gamma=MAX_GAMMA)
+        sim = SimulatedEngine(controller, 8, verify=lambda tokens: 1.0 + 0.05 * tokens,
+                              draft=lambda depth, proposals: 0.1 * depth, seed=5)
+        rng = random.Random(1)
+        for _ in range(300):
+            views = [RowView(i, AUTO_GAMMA, MAX_GAMMA, True) for i in range(8)]
+            gammas = controller.choose(views, [MAX_GAMMA] * 8)
+            for i, g in enumerate(gammas):
+                alpha = 0.9 if i < 4 else 0.2
+                k = 0
+                while k < g and rng.random() < alpha:
+                    k += 1
+                controller.observe(i, "model", True, g, k)
+                sim.committed += k + 1
+            tokens, depth = 8 + sum(gammas), max(gammas)
+            verify_s, draft_s = 1.0 + 0.05 * tokens, 0.1 * depth if depth else 0.0
+            controller.observe_step(tokens, depth, sum(gammas), verify_s, draft_s, 0.0)
+            sim.seconds += verify_s + draft_s
+        return sim.committed / sim.seconds
+
+    ours = run("goodput", 4)
+    fixed = {g: run("fixed", g) for g in (0, 1, 2, 3, 4, 6, 8)}
+    assert ours >= 1.05 * max(fixed.values()), (ours, fixed)
+
+
+def test_requested_gammas_and_caps_are_respected():
+    controller = GammaController(max_gamma=MAX_GAMMA)
+    rows = [RowView(0, 3, 3, True), RowView(1, 0, 0, True), RowView(2, AUTO_GAMMA, 2, True),
+            RowView(3, AUTO_GAMMA, MAX_GAMMA, True)]
+    for _ in range(30):
+        gammas = controller.choose(rows, [MAX_GAMMA, MAX_GAMMA, MAX_GAMMA, 1])
+        assert gammas[0] == 3 and gammas[1] == 0 and gammas[2] <= 2 and gammas[3] <= 1
+        for i, g in enumerate(gammas):
+            controller.observe(i, "model", True, g, g)
+        controller.observe_step(4 + sum(gammas), max(gammas), sum(gammas), 1.0, 0.01 * max(gammas), 0.0)
+    assert controller.choose(rows, [1, 1, 1, 1]) == [1, 0, 1, 1]  # a cap below a fixed γ wins too
+
+
+def test_hf_heuristic_follows_its_rule():
+    controller = GammaController("hf", max_gamma=MAX_GAMMA)
+    row = [RowView(7, AUTO_GAMMA, MAX_GAMMA, True)]
+    assert controller.choose(row, [MAX_GAMMA]) == [5]
+    controller.observe(7, "model", True, 5, 5)
+    assert controller.choose(row, [MAX_GAMMA]) == [7]
+    controller.observe(7, "model", True, 7, 2)
+    assert controller.choose(row, [MAX_GAMMA]) == [6]
+    for _ in range(10):
+        controller.observe(7, "model", True, 1, 0)
+    assert controller.choose(row, [MAX_GAMMA]) == [1]
+
+
+def test_statistics_are_per_proposer_and_per_kind():
+    controller = GammaController(max_gamma=MAX_GAMMA)
+    for _ in range(40):
+        controller.observe(1, "ngram", True, 4, 4)
+        controller.observe(2, "model", False, 4, 0)
+    assert controller.pooled_alpha("ngram", True) > 0.9
+    assert controller.pooled_alpha("model", False) < 0.1
+    assert controller.pooled_alpha("model", True) == controller.prior_alpha  # nothing seen for this kind
+    assert controller.alpha(1, True) > 0.9 and controller.alpha(2, False) < 0.1
+    assert controller.alpha(3, True) == controller.prior_alpha  # a new sequence starts at the pool
