@@ -67,16 +67,39 @@ def _run_service(args: argparse.Namespace, coro_factory) -> int:
     return 0
 
 
-def cmd_target(args: argparse.Namespace) -> int:
+def _target_config(args: argparse.Namespace):
     from specstream.config import ModelSpec, TargetConfig
+
+    return TargetConfig(model=ModelSpec(args.model, args.dtype, args.device), server=_server_config(args),
+                        max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len,
+                        default_gamma=args.gamma, max_gamma=args.max_gamma, gamma_policy=args.gamma_policy,
+                        draft_url=args.draft_url, draft_timeout_s=args.draft_timeout, torch_threads=args.threads,
+                        **_batching_config(args))
+
+
+def cmd_target(args: argparse.Namespace) -> int:
     from target_service.server import serve
 
-    config = TargetConfig(model=ModelSpec(args.model, args.dtype, args.device), server=_server_config(args),
-                          max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len,
-                          default_gamma=args.gamma,
-                          max_gamma=args.max_gamma, draft_url=args.draft_url, draft_timeout_s=args.draft_timeout,
-                          torch_threads=args.threads, **_batching_config(args))
+    config = _target_config(args)
     return _run_service(args, lambda: serve(config))
+
+
+def _gamma_flags(p: argparse.ArgumentParser) -> None:
+    """The target's γ settings (target_service/gamma.py); `serve` passes them on to its targets."""
+    from specstream.config import GAMMA_POLICIES, TargetConfig
+
+    p.add_argument("--gamma-policy", choices=GAMMA_POLICIES, default=TargetConfig.gamma_policy,
+                   help="how γ is chosen for requests with speculation=auto: goodput: per sequence and step, the "
+                        "γ that maximises the batch's expected tokens per second from measured acceptance and "
+                        "costs; fixed: always --gamma; hf: Hugging Face's heuristic (start at 5, +2 after a fully "
+                        "accepted step, -1 otherwise); leviathan: per sequence, the batch-1 optimum of Leviathan "
+                        "et al.")
+    p.add_argument("--gamma", type=int, default=TargetConfig.default_gamma,
+                   help="speculation=auto's γ under --gamma-policy fixed, and under goodput and leviathan until "
+                        "the first step is measured")
+    p.add_argument("--max-gamma", type=int, default=TargetConfig.max_gamma,
+                   help="the largest γ a request may ask for (a fixed γ), and "
+                        "the controller may pick")
 
 
 def _batching_flags(p: argparse.ArgumentParser) -> None:
@@ -107,16 +130,33 @@ def _batching_config(args: argparse.Namespace) -> dict:
                 max_wait_steps=args.max_wait_steps, prefill_chunk=args.prefill_chunk)
 
 
-def cmd_draft(args: argparse.Namespace) -> int:
-    from draft_service.server import serve
+def _draft_config(args: argparse.Namespace):
     from specstream.config import DraftConfig, ModelSpec
 
     model = ModelSpec(args.model, args.dtype, args.device) if args.model else None
-    config = DraftConfig(model=model, server=_server_config(args), max_slots=args.max_slots,
-                         max_seq_len=args.max_seq_len, torch_threads=args.threads, q_support=args.q_support,
-                         synthetic_oracle=args.synthetic_oracle, synthetic_alpha=args.synthetic_alpha,
-                         proposer=args.proposer, ngram_max=args.ngram_max, ngram_min=args.ngram_min)
+    return DraftConfig(model=model, server=_server_config(args), max_slots=args.max_slots,
+                       max_seq_len=args.max_seq_len, torch_threads=args.threads, q_support=args.q_support,
+                       synthetic_oracle=args.synthetic_oracle, synthetic_alpha=args.synthetic_alpha,
+                       proposer=args.proposer, ngram_max=args.ngram_max, ngram_min=args.ngram_min)
+
+
+def cmd_draft(args: argparse.Namespace) -> int:
+    from draft_service.server import serve
+
+    config = _draft_config(args)
     return _run_service(args, lambda: serve(config))
+
+
+def _proposer_flags(p: argparse.ArgumentParser, model_flag: str) -> None:
+    """What the draft service proposes with; `serve` passes them on to its draft."""
+    from specstream.config import DraftConfig
+
+    p.add_argument("--proposer", default=DraftConfig.proposer, choices=DraftConfig.PROPOSERS,
+                   help=f"model: the draft model ({model_flag}); ngram: prompt lookup, copying what followed the "
+                        "latest earlier occurrence of the last n tokens (no model); ngram+model: n-grams where "
+                        "they match, the model elsewhere")
+    p.add_argument("--ngram-max", type=int, default=DraftConfig.ngram_max, help="prompt lookup tries n from this ...")
+    p.add_argument("--ngram-min", type=int, default=DraftConfig.ngram_min, help="... down to this")
 
 
 def _gateway_config(args: argparse.Namespace):
@@ -156,15 +196,34 @@ def _chosen_models(args: argparse.Namespace) -> tuple[str, str | None, str]:
     return target, draft, args.dtype or dtype
 
 
+def _serve_draft(args: argparse.Namespace, draft: str | None) -> str | None:
+    """The draft model `serve` starts its draft with (None: none), from --proposer, --draft (given:
+    `draft` is it; else the --models pair's) and --no-draft; ValueError naming the flags that clash."""
+    if args.no_draft:
+        if args.proposer != "model":
+            raise ValueError(f"--no-draft runs no draft service; --proposer {args.proposer} needs one")
+        return None
+    if args.proposer == "ngram":
+        if args.draft:
+            raise ValueError(f"--draft {args.draft}: --proposer ngram uses no draft model")
+        return None  # the pair's draft model is not needed
+    if args.proposer == "ngram+model" and draft is None:
+        raise ValueError("--proposer ngram+model needs a draft model (--draft)")
+    return draft
+
+
 def _stack_spec(args: argparse.Namespace):
+    from specstream.config import DraftConfig
     from specstream.launcher import StackSpec
 
+    # The draft's own check of the n-gram range, here so that it fails before any process starts.
+    DraftConfig(None, proposer="ngram", ngram_max=args.ngram_max, ngram_min=args.ngram_min)
     target, draft, dtype = _chosen_models(args)
-    if args.no_draft:
-        draft = None
+    draft = _serve_draft(args, draft)
     return StackSpec(target_model=target, draft_model=draft, gateway_port=args.port, host=args.host,
-                     gamma=args.gamma, max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len,
-                     dtype=dtype,
+                     gamma=args.gamma, max_gamma=args.max_gamma, gamma_policy=args.gamma_policy,
+                     proposer=args.proposer, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+                     max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len, dtype=dtype,
                      log_dir=args.log_dir, draft_threads=args.draft_threads, target_threads=args.target_threads,
                      target_replicas=args.replicas, extra_target_args=_batching_args(args), metrics=args.metrics,
                      trace_file=os.path.abspath(args.trace_file) if args.trace_file else None)
@@ -173,7 +232,12 @@ def _stack_spec(args: argparse.Namespace):
 def cmd_serve(args: argparse.Namespace) -> int:
     from specstream.launcher import Stack
 
-    stack = Stack(_stack_spec(args))
+    try:
+        spec = _stack_spec(args)
+    except ValueError as exc:
+        print(f"specstream serve: error: {exc}", file=sys.stderr)
+        return 2
+    stack = Stack(spec)
     stop = {"signal": None}
 
     def on_signal(signum, frame) -> None:  # noqa: ARG001
@@ -397,9 +461,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="target model: name, .gguf file or checkpoint directory (default: --models)")
     p.add_argument("--draft", help="draft model directory (default: the --models pair's draft)")
     p.add_argument("--no-draft", action="store_true", help="run without a draft service (plain decoding)")
+    _proposer_flags(p, model_flag="--draft or the --models pair's")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="gateway port (0: pick a free one)")
-    p.add_argument("--gamma", type=int, default=4, help="default proposals per step (speculation=auto)")
+    _gamma_flags(p)
     p.add_argument("--max-slots", type=int, default=8)
     p.add_argument("--replicas", type=_int_in("--replicas", 1, 64), default=1,
                    help="target processes behind the gateway (they share one draft service)")
@@ -419,20 +484,14 @@ def build_parser() -> argparse.ArgumentParser:
     _server_flags(p, 50052)
     p.add_argument("--draft-url", help="host:port of the draft service (omit: plain decoding)")
     p.add_argument("--draft-timeout", type=float, default=10.0)
-    p.add_argument("--gamma", type=int, default=4)
-    p.add_argument("--max-gamma", type=int, default=16)
+    _gamma_flags(p)
     p.add_argument("--max-slots", type=int, default=8)
     _batching_flags(p)
     p.set_defaults(func=cmd_target)
 
     p = sub.add_parser("draft", help="run the draft-model service")
     _model_flags(p, required=False)
-    p.add_argument("--proposer", default="model", choices=["model", "ngram", "ngram+model"],
-                   help="model: the draft model (--model); ngram: prompt lookup, copying what followed the "
-                        "latest earlier occurrence of the last n tokens (no model); ngram+model: n-grams where "
-                        "they match, the model elsewhere")
-    p.add_argument("--ngram-max", type=int, default=4, help="prompt lookup tries n from this ...")
-    p.add_argument("--ngram-min", type=int, default=1, help="... down to this")
+    _proposer_flags(p, model_flag="--model")
     p.add_argument("--synthetic-oracle", help="benchmarks: replay greedy continuations from this JSON file "
                                               "instead of running a model")
     p.add_argument("--synthetic-alpha", type=float, default=0.7, help="benchmarks: acceptance rate to simulate")

@@ -4,6 +4,8 @@ Used by `specstream serve`, the demo and the integration tests. With `target_rep
 are N target processes, named `target`, `target-1`, ..., `target-{N-1}`, all behind the one
 gateway and all sharing the one draft process (the draft keys its state per stream, so targets
 cannot see each other's sequences; its `max_slots` bounds the sequences of all of them together).
+There is a draft process when there is something to propose with: a draft model, the synthetic
+oracle, or `proposer = "ngram"` (prompt lookup, no model).
 Waits until each process answers `grpc.health.v1` with SERVING; stopping sends SIGTERM (graceful)
 and escalates to SIGKILL only after a grace period. With `metrics`, each process also serves
 Prometheus `/metrics` on a free port of its own (`Stack.metrics_addresses`). Knows nothing about
@@ -25,6 +27,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specstream.config import GAMMA_POLICIES, DraftConfig, TargetConfig
 from specstream.model_registry import resolve_model
 
 
@@ -60,11 +63,17 @@ def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None =
 @dataclass
 class StackSpec:
     target_model: str  # model reference: name, .gguf file or checkpoint directory
-    draft_model: str | None  # None: no draft service (plain decoding)
+    # Draft model reference. None: no draft service (plain decoding), unless `proposer` is "ngram"
+    # or `synthetic` is set, which need no model.
+    draft_model: str | None
     gateway_port: int = 0  # 0 picks a free port
     host: str = "127.0.0.1"
-    gamma: int = 4
-    max_gamma: int = 16
+    gamma: int = 4  # the targets' default γ: policy "fixed"'s, and every policy's before a step is measured
+    max_gamma: int = 16  # the targets' limit on γ, per request and for the controller
+    gamma_policy: str = TargetConfig.gamma_policy  # the targets' γ controller for speculation=auto
+    proposer: str = DraftConfig.proposer  # the draft's: "model", "ngram" (no draft_model) or "ngram+model"
+    ngram_max: int = DraftConfig.ngram_max  # prompt lookup tries n = ngram_max down to ngram_min
+    ngram_min: int = DraftConfig.ngram_min
     max_slots: int = 8  # per target replica
     target_replicas: int = 1  # target processes behind the gateway
     max_seq_len: int = 2048
@@ -77,6 +86,64 @@ class StackSpec:
     synthetic: tuple[str, float] | None = None  # benchmarks: (oracle file, alpha) replaces the draft model
     trace_file: str | None = None  # all processes append their spans to this file (JSON lines)
     metrics: bool = False  # each process serves Prometheus /metrics on a free port (Stack.metrics_addresses)
+
+    def __post_init__(self) -> None:
+        # The services check their own values again; these are the ones that decide which
+        # processes start and with which flags, caught before any of them does.
+        if self.gamma_policy not in GAMMA_POLICIES:
+            raise ValueError(f"gamma_policy={self.gamma_policy!r}: must be one of {', '.join(GAMMA_POLICIES)}")
+        if self.proposer not in DraftConfig.PROPOSERS:
+            raise ValueError(f"proposer={self.proposer!r}: must be one of {', '.join(DraftConfig.PROPOSERS)}")
+        if self.synthetic and self.proposer != "model":
+            raise ValueError(f"proposer={self.proposer!r}: synthetic replaces the draft model and needs 'model'")
+        if self.proposer == "ngram" and self.draft_model:
+            raise ValueError(f"draft_model={self.draft_model!r}: proposer 'ngram' uses no draft model")
+        if self.proposer == "ngram+model" and not self.draft_model:
+            raise ValueError("draft_model=None: proposer 'ngram+model' needs a draft model")
+
+    @property
+    def has_draft(self) -> bool:
+        """Whether a draft process runs (see the module docstring)."""
+        return bool(self.draft_model or self.synthetic or self.proposer == "ngram")
+
+
+def target_names(replicas: int) -> list[str]:
+    """`target`, then `target-1`, `target-2`, ... for further replicas."""
+    return ["target", *(f"target-{i}" for i in range(1, replicas))]
+
+
+def command_lines(spec: StackSpec, target_model: str, addresses: dict[str, str],
+                  metrics_ports: dict[str, int]) -> dict[str, list[str]]:
+    """Each process's `specstream` arguments, in start order (draft if `spec.has_draft`, targets,
+    gateway). `addresses`: host:port per process name; `target_model`: the resolved checkpoint
+    directory; `metrics_ports`: the /metrics port of each process that serves one. Starts nothing."""
+    names = target_names(spec.target_replicas)
+    port = {name: address.rpartition(":")[2] for name, address in addresses.items()}
+
+    def metrics_flag(name: str) -> list[str]:
+        return ["--metrics-port", str(metrics_ports[name])] if name in metrics_ports else []
+
+    tracing = ["--trace-file", spec.trace_file] if spec.trace_file else []
+    common = ["--host", spec.host, "--dtype", spec.dtype, "--max-seq-len", str(spec.max_seq_len), *tracing]
+    lines: dict[str, list[str]] = {}
+    if spec.has_draft:
+        if spec.synthetic:
+            source = ["--synthetic-oracle", spec.synthetic[0], "--synthetic-alpha", str(spec.synthetic[1])]
+        else:
+            source = ["--proposer", spec.proposer, "--ngram-max", str(spec.ngram_max), "--ngram-min",
+                      str(spec.ngram_min), *(["--model", spec.draft_model] if spec.draft_model else [])]
+        lines["draft"] = ["draft", *source, "--port", port["draft"], *common, "--threads", str(spec.draft_threads),
+                          *metrics_flag("draft")]
+    for name in names:
+        lines[name] = ["target", "--model", target_model, "--port", port[name], *common,
+                       "--gamma", str(spec.gamma), "--max-gamma", str(spec.max_gamma), "--gamma-policy",
+                       spec.gamma_policy, "--max-slots", str(spec.max_slots), "--threads", str(spec.target_threads),
+                       *metrics_flag(name), *spec.extra_target_args,
+                       *(["--draft-url", addresses["draft"]] if spec.has_draft else [])]
+    lines["gateway"] = ["gateway", "--target-url", ",".join(addresses[name] for name in names), "--tokenizer",
+                        target_model, "--host", spec.host, "--port", port["gateway"], *metrics_flag("gateway"),
+                        *tracing, *spec.extra_gateway_args]
+    return lines
 
 
 def _child_env() -> dict[str, str]:
@@ -103,8 +170,7 @@ class Stack:
 
     @property
     def target_names(self) -> list[str]:
-        """`target`, then `target-1`, `target-2`, ... for further replicas."""
-        return ["target", *(f"target-{i}" for i in range(1, self.spec.target_replicas))]
+        return target_names(self.spec.target_replicas)
 
     def start(self, timeout_s: float = 120.0, should_stop: Callable[[], bool] = lambda: False) -> Stack:
         spec = self.spec
@@ -115,35 +181,12 @@ class Stack:
         self.addresses = {name: f"{spec.host}:{port}" for name, port in ports.items()}
         # A named or GGUF target is converted here, once, before three processes would race for it.
         target_model = str(resolve_model(spec.target_model))
-        has_draft = bool(spec.draft_model or spec.synthetic)
-        names = [*(["draft"] if has_draft else []), *self.target_names, "gateway"]
+        names = [*(["draft"] if spec.has_draft else []), *self.target_names, "gateway"]
         metrics_ports = {name: free_port(spec.host) for name in names} if spec.metrics else {}
         self.metrics_addresses = {name: f"{spec.host}:{port}" for name, port in metrics_ports.items()}
-
-        def metrics_flag(name: str) -> list[str]:
-            return ["--metrics-port", str(metrics_ports[name])] if name in metrics_ports else []
-
-        common = ["--host", spec.host, "--dtype", spec.dtype, "--max-seq-len", str(spec.max_seq_len)]
-        tracing = ["--trace-file", spec.trace_file] if spec.trace_file else []
-        common += tracing
         try:
-            if has_draft:
-                model = (["--synthetic-oracle", spec.synthetic[0], "--synthetic-alpha", str(spec.synthetic[1])]
-                         if spec.synthetic else ["--model", spec.draft_model])
-                self._spawn("draft", ["draft", *model, "--port", str(ports["draft"]), *common,
-                                      "--threads", str(spec.draft_threads), *metrics_flag("draft")])
-            for name in self.target_names:
-                target_args = ["target", "--model", target_model, "--port", str(ports[name]), *common,
-                               "--gamma", str(spec.gamma), "--max-gamma", str(spec.max_gamma),
-                               "--max-slots", str(spec.max_slots), "--threads", str(spec.target_threads),
-                               *metrics_flag(name), *spec.extra_target_args]
-                if has_draft:
-                    target_args += ["--draft-url", self.addresses["draft"]]
-                self._spawn(name, target_args)
-            target_urls = ",".join(self.addresses[name] for name in self.target_names)
-            self._spawn("gateway", ["gateway", "--target-url", target_urls, "--tokenizer",
-                                    target_model, "--host", spec.host, "--port", str(ports["gateway"]),
-                                    *metrics_flag("gateway"), *tracing, *spec.extra_gateway_args])
+            for name, args in command_lines(spec, target_model, self.addresses, metrics_ports).items():
+                self._spawn(name, args)
             for name, proc in self.procs.items():
                 wait_healthy(self.addresses[name], timeout_s, proc, should_stop)
         except BaseException:

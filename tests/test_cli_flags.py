@@ -1,0 +1,134 @@
+"""Flags that must reach another process: `specstream serve`'s γ controller and proposer flags on
+the target and draft command lines the launcher builds.
+
+The launcher's command lines are parsed back by the real CLI into the services' configs, so a flag
+that `serve` accepts but does not pass on, or passes in a form the service reads differently,
+fails here. Nothing is started.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from specstream.cli import _draft_config, _stack_spec, _target_config, build_parser, main
+from specstream.config import GAMMA_POLICIES, DraftConfig, TargetConfig
+from specstream.launcher import StackSpec, command_lines
+
+ADDRESSES = {"draft": "127.0.0.1:7001", "target": "127.0.0.1:7002", "target-1": "127.0.0.1:7003",
+             "gateway": "127.0.0.1:7000"}
+
+
+def _lines(spec: StackSpec) -> dict[str, list[str]]:
+    return command_lines(spec, "/models/target", ADDRESSES, {})
+
+
+def _serve(*flags: str) -> dict[str, list[str]]:
+    """The command lines `specstream serve <flags>` would start its processes with."""
+    return _lines(_stack_spec(build_parser().parse_args(["serve", *flags])))
+
+
+def _target_configs(lines: dict[str, list[str]]) -> list[TargetConfig]:
+    return [_target_config(build_parser().parse_args(args))
+            for name, args in lines.items() if name.startswith("target")]
+
+
+def _draft(lines: dict[str, list[str]]) -> DraftConfig:
+    return _draft_config(build_parser().parse_args(lines["draft"]))
+
+
+# --- γ controller: serve -> target ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", GAMMA_POLICIES)
+def test_serve_passes_the_gamma_policy_to_every_target(policy: str) -> None:
+    lines = _serve("--target", "t", "--draft", "d", "--replicas", "2", "--gamma-policy", policy, "--gamma", "3",
+                   "--max-gamma", "9")
+    configs = _target_configs(lines)
+    assert len(configs) == 2
+    for config in configs:
+        assert (config.gamma_policy, config.default_gamma, config.max_gamma) == (policy, 3, 9)
+        assert config.draft_url == ADDRESSES["draft"]
+
+
+def test_gamma_policy_defaults_to_the_configs_and_rejects_unknown_names() -> None:
+    (config,) = _target_configs(_serve("--target", "t", "--draft", "d"))
+    assert (config.gamma_policy, config.default_gamma, config.max_gamma) == ("goodput", 4, 16)
+    config = _target_config(build_parser().parse_args(["target", "--model", "m", "--gamma-policy", "hf",
+                                                       "--gamma", "2"]))
+    assert (config.gamma_policy, config.default_gamma) == ("hf", 2)
+    for command in (["serve"], ["target", "--model", "m"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*command, "--gamma-policy", "greedy"])
+    with pytest.raises(ValueError, match="gamma_policy='greedy'"):
+        StackSpec("t", "d", gamma_policy="greedy")
+
+
+# --- proposer: serve -> draft -----------------------------------------------------------------------------
+
+
+def test_serve_ngram_starts_a_draft_without_a_model() -> None:
+    # The default pair (smollm2) has a draft model; prompt lookup leaves it out.
+    for flags in ([], ["--target", "t"], ["--models", "smollm2"]):
+        lines = _serve(*flags, "--proposer", "ngram", "--ngram-max", "6", "--ngram-min", "2")
+        assert "--model" not in lines["draft"]
+        draft = _draft(lines)
+        assert (draft.proposer, draft.model, draft.ngram_max, draft.ngram_min) == ("ngram", None, 6, 2)
+        (target,) = _target_configs(lines)
+        assert target.draft_url == ADDRESSES["draft"]
+
+
+def test_serve_passes_the_proposer_with_its_draft_model() -> None:
+    draft = _draft(_serve("--target", "t", "--draft", "d", "--proposer", "ngram+model", "--ngram-min", "3"))
+    assert (draft.proposer, draft.model.path, draft.ngram_max, draft.ngram_min) == ("ngram+model", "d", 4, 3)
+    from specstream.model_registry import pair_refs
+
+    pair_draft = pair_refs("smollm2")[1]
+    draft = _draft(_serve("--proposer", "ngram+model"))
+    assert (draft.proposer, draft.model.path) == ("ngram+model", pair_draft)
+    draft = _draft(_serve())
+    assert (draft.proposer, draft.model.path) == ("model", pair_draft)
+
+
+def test_serve_without_a_draft_starts_no_draft_process() -> None:
+    for flags in (["--no-draft"], ["--target", "t"]):  # a --target without --draft: no draft model
+        lines = _serve(*flags)
+        assert "draft" not in lines
+        assert [config.draft_url for config in _target_configs(lines)] == [None]
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--no-draft", "--proposer", "ngram"], "--no-draft runs no draft service; --proposer ngram needs one"),
+    (["--proposer", "ngram", "--draft", "d"], "--draft d: --proposer ngram uses no draft model"),
+    (["--target", "t", "--proposer", "ngram+model"], "--proposer ngram\\+model needs a draft model"),
+    (["--proposer", "ngram", "--ngram-min", "3", "--ngram-max", "2"], "ngram_min=\\(3, 2\\)"),
+    (["--proposer", "ngram", "--ngram-max", "33"], "ngram_min=\\(1, 33\\)"),
+])
+def test_serve_refuses_clashing_proposer_flags_before_starting_anything(
+        flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match=message):
+        _stack_spec(build_parser().parse_args(["serve", *flags]))
+    assert main(["serve", "--port", "0", *flags]) == 2  # returns before any process or port is taken
+    err = capsys.readouterr().err
+    assert err.startswith("specstream serve: error: ") and re.search(message, err)
+
+
+def test_stack_spec_checks_the_proposer_against_the_draft_model() -> None:
+    assert StackSpec("t", None, proposer="ngram").has_draft
+    assert not StackSpec("t", None).has_draft
+    for kwargs, message in [(dict(draft_model="d", proposer="ngram"), "draft_model='d'"),
+                            (dict(draft_model=None, proposer="ngram+model"), "draft_model=None"),
+                            (dict(draft_model=None, proposer="lookup"), "proposer='lookup'"),
+                            (dict(draft_model=None, proposer="ngram", synthetic=("o.json", 0.5)),
+                             "proposer='ngram'")]:
+        with pytest.raises(ValueError, match=message):
+            StackSpec("t", **kwargs)
+
+
+def test_synthetic_draft_keeps_its_own_flags() -> None:
+    lines = _lines(StackSpec("t", None, synthetic=("oracle.json", 0.5)))
+    assert "--proposer" not in lines["draft"]
+    draft = _draft(lines)
+    assert (draft.synthetic_oracle, draft.synthetic_alpha, draft.model, draft.proposer) == \
+        ("oracle.json", 0.5, None, "model")
