@@ -98,7 +98,7 @@ def _gamma_flags(p: argparse.ArgumentParser) -> None:
                    help="speculation=auto's γ under --gamma-policy fixed, and under goodput and leviathan until "
                         "the first step is measured")
     p.add_argument("--max-gamma", type=int, default=TargetConfig.max_gamma,
-                   help="the largest γ a request may ask for (a fixed γ), and "
+                   help="the largest γ a request may ask for (a fixed γ, or generate/chat --max-gamma), and "
                         "the controller may pick")
 
 
@@ -304,11 +304,15 @@ def _call(args: argparse.Namespace, messages: list[dict[str, str]] | None) -> in
     """One generate (messages None) or chat call with the shared flags; prints text or JSON."""
     from specstream_client import Client, SpecstreamError
 
+    if args.max_gamma is not None and args.gamma != "auto":
+        print(f"error: --max-gamma {args.max_gamma} caps automatic speculation and needs --gamma auto "
+              f"(got --gamma {args.gamma})", file=sys.stderr)
+        return 2
     # Ranges of temperature / top-p are the server's to check; its error names the field.
-    kwargs = dict(max_new_tokens=args.max_new_tokens, speculation=args.gamma, stop=args.stop or None,
-                  timeout=args.timeout, ignore_eos=args.ignore_eos, temperature=args.temperature,
-                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, logprobs=args.logprobs is not None,
-                  top_logprobs=args.logprobs or 0)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, speculation=args.gamma, max_gamma=args.max_gamma,
+                  stop=args.stop or None, timeout=args.timeout, ignore_eos=args.ignore_eos,
+                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                  logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0)
     sampled = args.temperature > 0
     try:
         with Client(args.url) as client:
@@ -434,7 +438,11 @@ def _call_flags(p: argparse.ArgumentParser, default_max_new_tokens: int) -> None
     """Flags shared by `generate` and `chat`."""
     p.add_argument("--url", default=os.environ.get("SPECSTREAM_URL", "127.0.0.1:50051"))
     p.add_argument("--max-new-tokens", type=int, default=default_max_new_tokens)
-    p.add_argument("--gamma", type=_speculation, default="auto", help="auto, off, or N proposals per step (0 = off)")
+    p.add_argument("--gamma", type=_speculation, default="auto",
+                   help="auto (the server picks γ each step), off, or N proposals per step (0 = off)")
+    p.add_argument("--max-gamma", type=_int_in("--max-gamma", 1, 2**32 - 1), default=None, metavar="N",
+                   help="with --gamma auto only: this request's cap on the γ the server picks, N >= 1 (default: "
+                        "the server's own --max-gamma)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0 samples")

@@ -1,20 +1,27 @@
 """Flags that must reach another process: `specstream serve`'s γ controller and proposer flags on
-the target and draft command lines the launcher builds.
+the target and draft command lines the launcher builds, and the client commands' --max-gamma in
+the request they send.
 
 The launcher's command lines are parsed back by the real CLI into the services' configs, so a flag
 that `serve` accepts but does not pass on, or passes in a form the service reads differently,
-fails here. Nothing is started.
+fails here. Nothing is started but a fake gateway on a loopback port.
 """
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
 
+import grpc
 import pytest
 
 from specstream.cli import _draft_config, _stack_spec, _target_config, build_parser, main
 from specstream.config import GAMMA_POLICIES, DraftConfig, TargetConfig
 from specstream.launcher import StackSpec, command_lines
+from specstream_pb import common_pb2, generation_pb2, generation_pb2_grpc
 
 ADDRESSES = {"draft": "127.0.0.1:7001", "target": "127.0.0.1:7002", "target-1": "127.0.0.1:7003",
              "gateway": "127.0.0.1:7000"}
@@ -132,3 +139,68 @@ def test_synthetic_draft_keeps_its_own_flags() -> None:
     draft = _draft(lines)
     assert (draft.synthetic_oracle, draft.synthetic_alpha, draft.model, draft.proposer) == \
         ("oracle.json", 0.5, None, "model")
+
+
+# --- generate / chat --max-gamma -> the request -----------------------------------------------------------
+
+
+class RecordingGateway(generation_pb2_grpc.GenerationServicer):
+    """Records each request and answers with a minimal finished generation."""
+
+    def __init__(self) -> None:
+        self.requests: list[generation_pb2.GenerateRequest] = []
+
+    def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.requests.append(request)
+        return generation_pb2.GenerateResponse(request_id="r", text="ok", token_ids=[1],
+                                               finish_reason=common_pb2.FINISH_REASON_LENGTH,
+                                               usage=common_pb2.Usage(prompt_tokens=1, completion_tokens=1))
+
+    def GenerateStream(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        self.requests.append(request)
+        yield generation_pb2.GenerateStreamResponse(request_id="r", text="ok", token_ids=[1],
+                                                    finish_reason=common_pb2.FINISH_REASON_LENGTH,
+                                                    usage=common_pb2.Usage(prompt_tokens=1, completion_tokens=1),
+                                                    stats=common_pb2.SpeculationStats(),
+                                                    timings=common_pb2.Timings())
+
+
+@pytest.fixture(scope="module")
+def gateway() -> Iterator[tuple[RecordingGateway, str]]:
+    servicer = RecordingGateway()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    server.stop(grace=None)
+
+
+@pytest.mark.parametrize("command", [["generate"], ["chat"], ["generate", "--stream"], ["chat", "--stream"]])
+def test_client_max_gamma_reaches_the_request(command: list[str], gateway: tuple[RecordingGateway, str],
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    fake, url = gateway
+    assert main([*command, "--url", url, "--max-gamma", "5", "--json", "hi"]) == 0
+    speculation = fake.requests[-1].speculation
+    assert (speculation.mode, speculation.max_gamma) == (common_pb2.SPECULATION_MODE_AUTO, 5)
+    json.loads(capsys.readouterr().out.splitlines()[-1] if "--stream" in command else capsys.readouterr().out)
+
+    assert main([*command, "--url", url, "--gamma", "auto", "--max-gamma", "1", "hi"]) == 0
+    assert fake.requests[-1].speculation.max_gamma == 1
+    assert main([*command, "--url", url, "hi"]) == 0  # unset: 0 on the wire, the server's limit
+    speculation = fake.requests[-1].speculation
+    assert (speculation.mode, speculation.max_gamma) == (common_pb2.SPECULATION_MODE_AUTO, 0)
+
+
+def test_client_max_gamma_needs_automatic_speculation(gateway: tuple[RecordingGateway, str],
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    fake, url = gateway
+    sent = len(fake.requests)
+    for gamma in ("2", "off"):
+        assert main(["generate", "--url", url, "--gamma", gamma, "--max-gamma", "5", "hi"]) == 2
+        assert "--max-gamma 5 caps automatic speculation and needs --gamma auto" in capsys.readouterr().err
+    assert len(fake.requests) == sent  # refused before any request
+    for bad in ("0", "-1", "x"):
+        with pytest.raises(SystemExit):
+            main(["chat", "--url", url, "--max-gamma", bad, "hi"])
+        assert "--max-gamma" in capsys.readouterr().err
