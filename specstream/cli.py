@@ -392,6 +392,9 @@ def cmd_experiment(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.kind != "gamma":
+        args.prompts = args.prompts or 8
+        args.max_new_tokens = args.max_new_tokens or 128
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gammas = [int(g) for g in args.gammas.split(",")] if args.gammas else None
@@ -410,6 +413,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from specstream.bench import profile
 
         profile.run(bench_models(args), out)
+    elif args.kind == "gamma":
+        from specstream.bench import gamma
+
+        gamma.run(bench_models(args), out, [int(n) for n in (args.batch_sizes or "1,8,32").split(",")],
+                  n_prompts=args.prompts or 4, max_new_tokens=args.max_new_tokens or 48,
+                  names=args.workloads.split(",") if args.workloads else None,
+                  fixed=tuple(gammas) if gammas else gamma.FIXED_GAMMAS,
+                  proposers=tuple(args.proposers.split(",")) if args.proposers else gamma.PROPOSERS)
     elif args.kind == "throughput":
         from specstream.bench import throughput
 
@@ -420,7 +431,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             settings = [s for s in settings if str(s.n) in args.batch_sizes.split(",")]
         if args.policies:
             settings = [s for s in settings if s.policy_name in args.policies.split(",")]
-        throughput.run(bench_models(args), out, kinds=args.workloads.split(","), settings=settings,
+        throughput.run(bench_models(args), out, kinds=(args.workloads or "short").split(","), settings=settings,
                        count=args.requests)
     else:
         from specstream.bench import synthetic
@@ -558,8 +569,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train_draft)
 
     p = sub.add_parser("bench", help="benchmarks: table on stdout, JSON and PNG plots in --out")
-    p.add_argument("kind", choices=["latency", "sampling", "synthetic", "throughput", "profile"],
+    p.add_argument("kind", choices=["latency", "sampling", "synthetic", "throughput", "profile", "gamma"],
                    help="latency: gamma sweep vs theory, Hugging Face and (when installed) llama.cpp; "
+                        "gamma: fixed gamma vs the HF heuristic, Leviathan's optimum and our controller, with "
+                        "model / n-gram / n-gram+model proposers, per workload and batch size; "
                         "sampling: the same at several temperatures (speculative sampling); "
                         "synthetic: overhead vs theory at set acceptance rates on a ~100M random target; "
                         "throughput: batching policies under load; profile: where one decode step's time goes")
@@ -569,14 +582,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                    help="default: the --models pair's")
     p.add_argument("--out", default="bench-results", help="directory for JSON and PNG output")
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--prompts", type=int, default=None, help="prompts per workload (default 8; gamma 4)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 128; gamma 48")
     p.add_argument("--gammas", help="comma-separated gamma values (default: latency 0,1,2,3,4,6,8; sampling 0,2,4,6)")
     p.add_argument("--alphas", help="comma-separated acceptance rates (synthetic)")
     p.add_argument("--temperatures", help="comma-separated temperatures, 0 = greedy (sampling; default 0,0.7,1.0)")
-    p.add_argument("--workloads", default="short", help="throughput: comma-separated, of short,long")
+    p.add_argument("--workloads", help="throughput: comma-separated, of short,long (default short); "
+                                       "gamma: of code,chat,repetitive,sampled,mix (default all)")
+    p.add_argument("--proposers", help="gamma: comma-separated, of model,ngram,ngram+model (default all)")
     p.add_argument("--requests", type=int, default=200, help="throughput: requests per setting")
-    p.add_argument("--batch-sizes", help="throughput: only these n (comma-separated, of 8,32)")
+    p.add_argument("--batch-sizes", help="throughput: only these n (comma-separated, of 8,32); gamma: default 1,8,32")
     p.add_argument("--policies", help="throughput: only these settings, comma-separated, of 'static all', "
                                       "'topup ε=0.5 all', 'topup ε=1 all', 'topup ε=1 min_length', 'topup ε=1 fifo'")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison (latency, sampling)")

@@ -141,6 +141,35 @@ class TargetMetrics:
                                         "Accepted proposals by their position in the run (1: first proposal).",
                                         ["position"], registry=r)
         self._per_pos = [self.accepted_per_pos.labels(position=str(i)) for i in range(1, max_gamma + 1)]
+        # The γ controller (target_service/gamma.py): what it chose, what it believes, how well it predicts.
+        self.gamma = Histogram(f"{PREFIX}spec_decode_gamma", "γ given to each row of each decode step (0: none).",
+                               buckets=gamma_buckets(max_gamma), registry=r)
+        self.alpha = Gauge(f"{PREFIX}gamma_controller_alpha",
+                           "Pooled acceptance estimate per proposer and kind of request (greedy or sampled).",
+                           ["proposer", "kind"], registry=r)
+        self.cost = Gauge(f"{PREFIX}gamma_controller_cost_seconds",
+                          "The controller's cost model: verify = v0 + v1·tokens, draft = d0 + d1·depth + d2·proposals, "
+                          "other = the rest of a step.", ["term"], registry=r)
+        self.predicted_step = Gauge(f"{PREFIX}gamma_controller_predicted_step_seconds",
+                                    "Predicted time of the last decode step the controller planned.", registry=r)
+        self.measured_step = Gauge(f"{PREFIX}gamma_controller_measured_step_seconds",
+                                   "Measured time of that step.", registry=r)
+
+    def observe_gammas(self, gammas: list[int]) -> None:
+        for g in gammas:
+            self.gamma.observe(g)
+
+    def observe_controller(self, alphas: dict[tuple[str, bool], float], costs: dict[str, float],
+                           predicted_s: float, measured_s: float) -> None:
+        """The controller's state after a step: pooled α per (proposer, greedy), cost terms, and the
+        step time it predicted (0: it made no prediction) beside the measured one."""
+        for (proposer, greedy), value in alphas.items():
+            self.alpha.labels(proposer=proposer, kind="greedy" if greedy else "sampled").set(value)
+        for term, value in costs.items():
+            self.cost.labels(term=term).set(value)
+        if predicted_s > 0.0:
+            self.predicted_step.set(predicted_s)
+            self.measured_step.set(measured_s)
 
     def watch_sequences(self, running: Callable[[], int], waiting: Callable[[], int]) -> None:
         self.running.set_function(running)
@@ -161,6 +190,12 @@ class TargetMetrics:
         for i in range(accepted):
             child = self._per_pos[i] if i < len(self._per_pos) else self.accepted_per_pos.labels(position=str(i + 1))
             child.inc()
+
+
+def gamma_buckets(max_gamma: int) -> list[float]:
+    """Upper bounds 0, 1, 2, 3, 4, 6, 8, 12, 16, ... up to max_gamma."""
+    bounds = [0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+    return [float(b) for b in bounds if b < max_gamma] + [float(max_gamma)]
 
 
 class DraftMetrics:

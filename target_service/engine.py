@@ -267,9 +267,12 @@ class Engine:
         proposals = tokens - len(rows)
         draft_s = drafted - started if proposals else 0.0
         other_s = time.perf_counter() - verified + (0.0 if proposals else drafted - started)
+        step_s = time.perf_counter() - started
         self.controller.observe_step(tokens, width - 1, proposals, verified - drafted, draft_s, other_s)
-        tracing.end_step(span, checks, verdicts, verified - drafted, self.controller.predicted_s,
-                         time.perf_counter() - started)
+        self.metrics.observe_gammas([len(c.proposals) for c in checks])
+        self.metrics.observe_controller(self.controller.pooled(), self.controller.costs.terms(),
+                                        self.controller.predicted_s, step_s)
+        tracing.end_step(span, checks, verdicts, verified - drafted, self.controller.predicted_s, step_s)
 
     def _verify_compute(self, rows: list[Sequence], checks: list[Row]) -> list[Verdict]:
         """ONE forward over every row's [last token, proposals...] (design §3), then verification."""

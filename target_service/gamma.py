@@ -127,6 +127,13 @@ class CostModel:
     def step_s(self, tokens: int, depth: int, proposals: int) -> float:
         return self.verify_s(tokens) + self.draft_s(depth, proposals) + self.other_s
 
+    def terms(self) -> dict[str, float]:
+        """The fitted terms by name (for metrics)."""
+        v0, v1 = self.verify.theta
+        d0, d1, d2 = self.draft.theta
+        return {"verify_v0": v0, "verify_v1": v1, "draft_d0": d0, "draft_d1": d1, "draft_d2": d2,
+                "other": self.other_s}
+
     def draft_ratio(self) -> float:
         """Leviathan's c at batch 1: a draft proposal's time over a one-token step's."""
         return self.draft_s(1, 1) / (self.verify_s(1) + self.other_s)
@@ -246,6 +253,10 @@ class GammaController:
         """A decode step's measured times (seconds) and its size."""
         self.costs.observe(tokens, depth, proposals, verify_s, draft_s, other_s)
 
+    def pooled(self) -> dict[tuple[str, bool], float]:
+        """The pooled acceptance estimate per (proposer, greedy) seen so far."""
+        return {key: self.pooled_alpha(*key) for key in self._pool}
+
     def forget(self, seq_id: int) -> None:
         self._rows.pop(seq_id, None)
 
@@ -295,43 +306,46 @@ class GammaController:
         Dinkelbach's iteration (λ ← the best goodput found) over every G converges in a few rounds;
         G = 0 (nothing proposed) is always a candidate."""
         costs = self.costs
-        fixed_tokens = sum(1 + gammas[i] for i in range(len(rows)) if i not in limits)
-        fixed_expected = sum(expected_tokens(self.alpha(rows[i].seq_id, rows[i].greedy), gammas[i])
-                             for i in range(len(rows)) if i not in limits)
-        fixed_depth = max((gammas[i] for i in range(len(rows)) if i not in limits), default=0)
-        fixed_proposals = sum(gammas[i] for i in range(len(rows)) if i not in limits)
-        auto_rows = len(auto)
-        depth_max = max(limits.values(), default=0)
+        others = [i for i in range(len(rows)) if i not in limits]
+        fixed_tokens = sum(1 + gammas[i] for i in others)
+        fixed_expected = sum(expected_tokens(self.alpha(rows[i].seq_id, rows[i].greedy), gammas[i]) for i in others)
+        fixed_depth = max((gammas[i] for i in others), default=0)
+        fixed_proposals = sum(gammas[i] for i in others)
+        alpha = np.array([alphas[i] for i in auto], dtype=np.float64)  # [A]
+        limit = np.array([limits[i] for i in auto], dtype=np.int64)  # [A]
+        log_alpha = np.log(np.clip(alpha, 1e-300, 1.0))  # [A], 0 where α = 1
 
-        def evaluate(vector: dict[int, int]) -> tuple[float, float]:
-            total = sum(vector.values())
-            depth = max(fixed_depth, max(vector.values(), default=0))
-            seconds = costs.step_s(fixed_tokens + auto_rows + total, depth, fixed_proposals + total)
-            expected = fixed_expected + sum(expected_tokens(alphas[i], g) for i, g in vector.items())
-            return expected / seconds, seconds
+        def evaluate(vector: np.ndarray) -> tuple[float, float]:  # vector [A] int
+            total = int(vector.sum())
+            depth = max(fixed_depth, int(vector.max(initial=0)))
+            seconds = costs.step_s(fixed_tokens + len(auto) + total, depth, fixed_proposals + total)
+            # E(γ) = Σ_{k=0..γ} α^k, with α = 1 giving γ + 1
+            geometric = np.where(alpha < 1.0, (1.0 - alpha ** (vector + 1)) / np.maximum(1.0 - alpha, 1e-12),
+                                 vector + 1.0)
+            return (fixed_expected + float(geometric.sum())) / seconds, seconds
 
-        plain = {i: 0 for i in auto}
-        best, (best_rate, best_s) = plain, evaluate(plain)
+        best = np.zeros(len(auto), dtype=np.int64)
+        best_rate, best_s = evaluate(best)
         tau = max(costs.verify_s(2) - costs.verify_s(1), 0.0) + max(costs.draft_s(1, 2) - costs.draft_s(1, 1), 0.0)
-        logs = {i: math.log(alphas[i]) if alphas[i] > 0.0 else -math.inf for i in auto}
         for _ in range(3):
             price = best_rate * tau
+            if price <= 0.0:
+                wanted = limit
+            elif price >= 1.0:
+                wanted = np.zeros_like(limit)
+            else:  # α^k > price  <=>  k < log(price) / log(α): the count of such k >= 1
+                with np.errstate(divide="ignore"):
+                    bound = np.where(log_alpha < 0.0, math.log(price) / np.minimum(log_alpha, -1e-300), np.inf)
+                wanted = np.where(np.isinf(bound), limit, np.maximum(np.ceil(bound) - 1, 0)).astype(np.int64)
+            wanted = np.minimum(wanted, limit)  # [A]
             found = False
-            for depth in range(1, depth_max + 1):
-                vector = {}
-                for i in auto:
-                    top = min(depth, limits[i])
-                    if price <= 0.0 or logs[i] == 0.0:
-                        vector[i] = top
-                    elif logs[i] == -math.inf:
-                        vector[i] = 0
-                    else:  # α^k > price  <=>  k < log(price) / log(α)
-                        vector[i] = min(top, max(0, math.ceil(math.log(price) / logs[i]) - 1))
+            for depth in range(1, int(limit.max(initial=0)) + 1):
+                vector = np.minimum(wanted, depth)
                 rate, seconds = evaluate(vector)
                 if rate > best_rate * (1.0 + 1e-9):
                     best, best_rate, best_s, found = vector, rate, seconds, True
             if not found:
                 break
-        for i, g in best.items():
+        for i, g in zip(auto, best.tolist()):
             gammas[i] = g
         self.predicted_s = best_s

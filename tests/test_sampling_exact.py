@@ -15,8 +15,8 @@ lengths, rejections and residual draws all happen (acceptance ~0.65 per token).
 
 False-alarm rate: every comparison is a chi-square test that fails when p < 1e-3, so for an exact
 implementation each fails with probability 1e-3 over the choice of seeds; this file makes
-9 first-pair + 27 last-pair speculative comparisons + 2 point-mass + 2 vocabulary-subset comparisons +
-9 goodness-of-fit checks = 49 distinct tests, at most 4.9% together (union bound) for seeds drawn at random. The seeds are fixed, so the outcome
+9 first-pair + 27 last-pair speculative comparisons + 6 with automatic γ + 2 point-mass + 2
+vocabulary-subset comparisons + 9 goodness-of-fit checks = 55 distinct tests, at most 5.5% together (union bound) for seeds drawn at random. The seeds are fixed, so the outcome
 is deterministic and CI never flakes. `test_the_test_catches_a_wrong_residual` shows the same
 test fails (p < 1e-3) on a classic bug.
 """
@@ -62,11 +62,15 @@ def _generate(job: dict) -> list[list[int]]:
         kernels.speculative_verify = _verify_with_wrong_residual
     params = [SamplingParams(temperature=job["temperature"], seed=job["seed"] + i, **job["filter"])
               for i in range(job["samples"])]
-    tokens, finals = run_engine(job["target"], job["draft"] if job["gamma"] else None, [PROMPT] * job["samples"],
-                                job["gamma"], job["max_new_tokens"], max_slots=2048, sampling=params,
-                                max_seq_len=24, proposer=proposer)
+    auto = job.get("variant") == "auto"  # speculation=auto: the γ controller picks per row and step
+    tokens, finals = run_engine(job["target"], job["draft"] if job["gamma"] or auto else None,
+                                [PROMPT] * job["samples"], None if auto else job["gamma"], job["max_new_tokens"],
+                                max_slots=2048, sampling=params, max_seq_len=24, proposer=proposer)
     assert all(f.finish_reason == "length" for f in finals)  # the token budget, nothing else
-    if job["gamma"] and job.get("variant") != "wrong_residual":
+    if auto:  # the controller really varied γ (not one fixed value, not all zero)
+        used = {g for f in finals for g, n in enumerate(f.stats.gamma_histogram) if n and g}
+        assert len(used) >= 2, used
+    if (job["gamma"] or auto) and job.get("variant") != "wrong_residual":
         # The draft really proposed and was really both accepted and rejected.
         accepted = sum(f.stats.accepted_tokens for f in finals)
         assert 0 < accepted < sum(f.stats.draft_tokens for f in finals)
@@ -113,6 +117,9 @@ def _jobs(pair: dict[str, Path]) -> dict[tuple, dict]:
                                                 seed=SPEC_SEED, variant="point_mass")
     jobs[("wrong_residual", 1.0, "none", 1)] = dict(base, temperature=1.0, filter={}, gamma=1, max_new_tokens=3,
                                                     seed=SPEC_SEED, variant="wrong_residual")
+    for temperature in TEMPERATURES:
+        jobs[("auto", temperature, "none", 0)] = dict(base, temperature=temperature, filter={}, gamma=0,
+                                                      max_new_tokens=LONGEST, seed=SPEC_SEED, variant="auto")
     jobs[("vocab_subset", 1.0, "none", 3)] = dict(base, draft=str(pair["draft_subset"]), temperature=1.0, filter={},
                                                   gamma=3, max_new_tokens=5, seed=SPEC_SEED)
     return jobs
@@ -195,6 +202,17 @@ def test_speculative_sampling_matches_target_sampling(samples, temperature, filt
     reference = samples[("reference", temperature, filter_name)]
     first = two_sample_p_value(_pairs(spec, 1), _pairs(reference, 1))
     last = two_sample_p_value(_pairs(spec, gamma + 1), _pairs(reference, gamma + 1))
+    assert first > THRESHOLD and last > THRESHOLD, (first, last)
+
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_automatic_gamma_keeps_the_distribution(samples, temperature):
+    """speculation=auto: γ differs by row and step (the controller's choice) and the output is
+    still the target's distribution, at the first pair and at the deepest pair (t7, t8)."""
+    spec = samples[("auto", temperature, "none", 0)]
+    reference = samples[("reference", temperature, "none")]
+    first = two_sample_p_value(_pairs(spec, 1), _pairs(reference, 1))
+    last = two_sample_p_value(_pairs(spec, LONGEST - 1), _pairs(reference, LONGEST - 1))
     assert first > THRESHOLD and last > THRESHOLD, (first, last)
 
 

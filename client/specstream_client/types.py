@@ -70,6 +70,10 @@ class SpeculationStats:
     target_passes: int = 0
     mean_accepted_length: float = 0.0
     rejections: int = 0
+    # gamma_histogram[g]: decode passes in which the request was given g proposals (automatic
+    # speculation picks g per step); alpha_estimate: the server's final acceptance estimate.
+    gamma_histogram: tuple[int, ...] = ()
+    alpha_estimate: float = 0.0
 
     @classmethod
     def from_pb(cls, msg: common_pb2.SpeculationStats) -> SpeculationStats:
@@ -79,6 +83,8 @@ class SpeculationStats:
             target_passes=msg.target_passes,
             mean_accepted_length=msg.mean_accepted_length,
             rejections=msg.rejections,
+            gamma_histogram=tuple(msg.gamma_histogram),
+            alpha_estimate=msg.alpha_estimate,
         )
 
     @property

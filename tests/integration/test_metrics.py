@@ -34,6 +34,11 @@ EXPECTED = {
         "specstream:spec_decode_num_accepted_tokens_per_pos_total": "counter",
         "specstream:batch_occupancy": "histogram",
         "specstream:engine_steps_total": "counter",
+        "specstream:spec_decode_gamma": "histogram",
+        "specstream:gamma_controller_alpha": "gauge",
+        "specstream:gamma_controller_cost_seconds": "gauge",
+        "specstream:gamma_controller_predicted_step_seconds": "gauge",
+        "specstream:gamma_controller_measured_step_seconds": "gauge",
     },
     "draft": {
         "specstream:draft_propose_seconds": "histogram",
@@ -151,6 +156,13 @@ def test_counters_move_with_the_requests(stack):
     assert delta("target", "specstream:batch_occupancy_count") == steps > 0
     assert delta("target", "specstream:batch_occupancy_sum") == sum(r.stats.target_passes - 1 for r in results)
     assert delta("target", "specstream:batch_occupancy_bucket", le="4.0") == steps  # max_slots 4
+    # The γ of every row of every decode step, and the requests' own γ histograms, agree.
+    passes = sum(r.stats.target_passes - 1 for r in results)
+    assert delta("target", "specstream:spec_decode_gamma_count") == passes
+    assert delta("target", "specstream:spec_decode_gamma_sum") == draft_tokens
+    assert sum(sum(r.stats.gamma_histogram) for r in results) == passes
+    assert sum(g * n for r in results for g, n in enumerate(r.stats.gamma_histogram)) == draft_tokens
+    assert 0 < after["target"]("specstream:gamma_controller_alpha", proposer="model", kind="greedy") < 1
 
     # Draft: at most one ProposeBatch per step; everything released once the requests finished.
     assert 0 < delta("draft", "specstream:draft_propose_seconds_count") <= steps
