@@ -611,7 +611,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="start the stack on the default models and ask it a few questions")
     _models_flag(p)
     p.add_argument("--max-new-tokens", type=int, default=160)
-    p.add_argument("--gamma", type=int, default=3, help="greedy half (bench latency: best at 3 on SmolLM2)")
+    p.add_argument("--gamma", default="auto", type=lambda v: v if v == "auto" else int(v),
+                   help="speculation for the 'on' runs: auto (the γ controller, default) or a fixed γ")
     p.set_defaults(func=cmd_demo)
     return parser
 
