@@ -20,6 +20,7 @@ def test_one_trace_per_request_across_the_three_services(stack_factory, model_zo
                                  request_id="traced", traceparent=f"00-{CLIENT_TRACE}-{CLIENT_PARENT}-01")
         other = client.generate("import os", max_new_tokens=16, speculation=4, ignore_eos=True,
                                 request_id="other", temperature=0.9, seed=3)
+        auto = client.generate("class A:", max_new_tokens=16, ignore_eos=True)  # speculation=auto
     stack.stop()  # the services flush their spans on shutdown
     spans = [json.loads(line) for line in trace_file.read_text().splitlines()]
     by_trace = defaultdict(list)
@@ -49,6 +50,9 @@ def test_one_trace_per_request_across_the_three_services(stack_factory, model_zo
     sequence_ids = {s["span_id"] for s in spans if s["name"] == "specstream.sequence"}
     assert all({link["span_id"] for link in s["links"]} <= sequence_ids and s["links"] for s in steps)
     assert all(len(s["attributes"]["specstream.gammas"]) == s["attributes"]["specstream.batch_size"] for s in steps)
+    # The γ controller's prediction beside the measured step time: made for the auto request's steps.
+    assert all(s["attributes"]["specstream.step_s"] >= s["attributes"]["specstream.verify_s"] for s in steps)
+    assert sum(s["attributes"]["specstream.predicted_step_s"] > 0 for s in steps) >= len(auto.token_ids) // 4
     step_ids = {s["span_id"] for s in steps}
     batches = [s for s in spans if s["name"] == "specstream.draft_propose"]
     assert batches and all(s["parent_span_id"] in step_ids for s in batches)
