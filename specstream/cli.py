@@ -420,7 +420,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   n_prompts=args.prompts or 4, max_new_tokens=args.max_new_tokens or 48,
                   names=args.workloads.split(",") if args.workloads else None,
                   fixed=tuple(gammas) if gammas else gamma.FIXED_GAMMAS,
-                  proposers=tuple(args.proposers.split(",")) if args.proposers else gamma.PROPOSERS)
+                  proposers=tuple(args.proposers.split(",")) if args.proposers else gamma.PROPOSERS,
+                  repeats=args.repeats)
     elif args.kind == "throughput":
         from specstream.bench import throughput
 
@@ -590,6 +591,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workloads", help="throughput: comma-separated, of short,long (default short); "
                                        "gamma: of code,chat,repetitive,sampled,mix (default all)")
     p.add_argument("--proposers", help="gamma: comma-separated, of model,ngram,ngram+model (default all)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="gamma: run every setting this many times, interleaved, and report the median")
     p.add_argument("--requests", type=int, default=200, help="throughput: requests per setting")
     p.add_argument("--batch-sizes", help="throughput: only these n (comma-separated, of 8,32); gamma: default 1,8,32")
     p.add_argument("--policies", help="throughput: only these settings, comma-separated, of 'static all', "

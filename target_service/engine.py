@@ -268,7 +268,7 @@ class Engine:
         draft_s = drafted - started if proposals else 0.0
         other_s = time.perf_counter() - verified + (0.0 if proposals else drafted - started)
         step_s = time.perf_counter() - started
-        self.controller.observe_step(tokens, width - 1, proposals, verified - drafted, draft_s, other_s)
+        self.controller.observe_step(len(rows), width - 1, proposals, verified - drafted, draft_s, other_s)
         self.metrics.observe_gammas([len(c.proposals) for c in checks])
         self.metrics.observe_controller(self.controller.pooled(), self.controller.costs.terms(),
                                         self.controller.predicted_s, step_s)

@@ -89,34 +89,38 @@ class _LinearFit:
 class CostModel:
     """Seconds a decode step takes, learnt from the engine's own measurements.
 
-    verify(tokens) = v0 + v1·tokens (one target forward + verification over the step's tokens);
+    verify(positions) = v0 + v1·positions (one target forward + verification); positions = rows ×
+    (depth + 1): the forward is one rectangle, so a row with fewer proposals than the deepest is
+    padded and costs as much as if it had proposed;
     draft(depth, proposals) = d0 + d1·depth + d2·proposals (depth = the largest γ: the draft's
     sequential forwards; proposals = Σγ), 0 when nothing is proposed; other = the rest of a step
     (an EMA). Slopes are clamped at 0 when predicting. Before any sample the model knows nothing and
     ``ready`` is False."""
 
-    # Prior variances over a noise of ~1 ms: intercepts and the draft's per-forward cost are free to
-    # take the first sample whole; the per-token slopes start at 0 (optimistic: more tokens look
-    # cheap until steps of different sizes show otherwise).
+    # Prior variances over a noise of ~1 ms. Verify: the intercept takes the first sample whole and
+    # the per-position slope starts at 0 (optimistic: more positions look cheap until steps of
+    # different sizes show otherwise). Draft: its cost is split between depth and proposals from
+    # the first sample on (weighted by their sizes, so at first a batch's proposals look dear):
+    # rows with a poor α then draft less than the others, which is what separates the two terms.
     def __init__(self) -> None:
         self.verify = _LinearFit([0.0, 0.0], [1e6, 1.0])  # [v0, v1]
-        self.draft = _LinearFit([0.0, 0.0, 0.0], [1.0, 1e6, 1.0])  # [d0, d1, d2]
+        self.draft = _LinearFit([0.0, 0.0, 0.0], [1.0, 1e6, 1e6])  # [d0, d1, d2]
         self.other_s = 0.0
 
     @property
     def ready(self) -> bool:
         return self.verify.samples > 0
 
-    def observe(self, tokens: int, depth: int, proposals: int, verify_s: float, draft_s: float,
+    def observe(self, positions: int, depth: int, proposals: int, verify_s: float, draft_s: float,
                 other_s: float) -> None:
-        self.verify.observe([1.0, tokens], verify_s)
+        self.verify.observe([1.0, positions], verify_s)
         if depth > 0:
             self.draft.observe([1.0, depth, proposals], draft_s)
         self.other_s = other_s if self.verify.samples == 1 else 0.9 * self.other_s + 0.1 * other_s
 
-    def verify_s(self, tokens: int) -> float:
+    def verify_s(self, positions: int) -> float:
         v0, v1 = self.verify.theta
-        return max(v0 + max(v1, 0.0) * tokens, 1e-6)
+        return max(v0 + max(v1, 0.0) * positions, 1e-6)
 
     def draft_s(self, depth: int, proposals: int) -> float:
         if depth <= 0:
@@ -124,8 +128,8 @@ class CostModel:
         d0, d1, d2 = self.draft.theta
         return max(d0, 0.0) + max(d1, 0.0) * depth + max(d2, 0.0) * proposals
 
-    def step_s(self, tokens: int, depth: int, proposals: int) -> float:
-        return self.verify_s(tokens) + self.draft_s(depth, proposals) + self.other_s
+    def step_s(self, rows: int, depth: int, proposals: int) -> float:
+        return self.verify_s(rows * (depth + 1)) + self.draft_s(depth, proposals) + self.other_s
 
     def terms(self) -> dict[str, float]:
         """The fitted terms by name (for metrics)."""
@@ -248,10 +252,11 @@ class GammaController:
         self._pool.setdefault((source, greedy), _Acceptance()).add(proposed, accepted, self.pool_decay)
         row.hf_gamma = row.hf_gamma + 2 if accepted == proposed else max(1, row.hf_gamma - 1)
 
-    def observe_step(self, tokens: int, depth: int, proposals: int, verify_s: float, draft_s: float,
+    def observe_step(self, rows: int, depth: int, proposals: int, verify_s: float, draft_s: float,
                      other_s: float) -> None:
-        """A decode step's measured times (seconds) and its size."""
-        self.costs.observe(tokens, depth, proposals, verify_s, draft_s, other_s)
+        """A decode step's measured times (seconds) and its size: `rows` rows, the deepest with
+        `depth` proposals, `proposals` in all."""
+        self.costs.observe(rows * (depth + 1), depth, proposals, verify_s, draft_s, other_s)
 
     def pooled(self) -> dict[tuple[str, bool], float]:
         """The pooled acceptance estimate per (proposer, greedy) seen so far."""
@@ -300,14 +305,15 @@ class GammaController:
                  rows: list[RowView]) -> None:
         """Maximises Σ E_i(γ_i) / T(γ) over the auto rows' γ (fixed rows as given), in place.
 
-        For a depth G (the largest γ) and a price λ per second, each row independently takes the γ
-        maximising E_i(γ) − λ·τ·γ within min(G, limit), τ the marginal seconds of one more
-        proposal: since E_i's increments α^k shrink, that is the number of k with α^k > λτ.
+        For a depth G (the largest γ) the verify cost is fixed (every row is padded to G + 1
+        positions) and so is the draft's depth cost; what one more proposal adds is τ, the draft's
+        marginal seconds per proposal. For a price λ per second each row then independently takes
+        the γ maximising E_i(γ) − λ·τ·γ within min(G, limit): since E_i's increments α^k shrink,
+        that is the number of k with α^k > λτ.
         Dinkelbach's iteration (λ ← the best goodput found) over every G converges in a few rounds;
         G = 0 (nothing proposed) is always a candidate."""
         costs = self.costs
         others = [i for i in range(len(rows)) if i not in limits]
-        fixed_tokens = sum(1 + gammas[i] for i in others)
         fixed_expected = sum(expected_tokens(self.alpha(rows[i].seq_id, rows[i].greedy), gammas[i]) for i in others)
         fixed_depth = max((gammas[i] for i in others), default=0)
         fixed_proposals = sum(gammas[i] for i in others)
@@ -318,7 +324,7 @@ class GammaController:
         def evaluate(vector: np.ndarray) -> tuple[float, float]:  # vector [A] int
             total = int(vector.sum())
             depth = max(fixed_depth, int(vector.max(initial=0)))
-            seconds = costs.step_s(fixed_tokens + len(auto) + total, depth, fixed_proposals + total)
+            seconds = costs.step_s(len(rows), depth, fixed_proposals + total)
             # E(γ) = Σ_{k=0..γ} α^k, with α = 1 giving γ + 1
             geometric = np.where(alpha < 1.0, (1.0 - alpha ** (vector + 1)) / np.maximum(1.0 - alpha, 1e-12),
                                  vector + 1.0)
@@ -326,7 +332,7 @@ class GammaController:
 
         best = np.zeros(len(auto), dtype=np.int64)
         best_rate, best_s = evaluate(best)
-        tau = max(costs.verify_s(2) - costs.verify_s(1), 0.0) + max(costs.draft_s(1, 2) - costs.draft_s(1, 1), 0.0)
+        tau = max(costs.draft_s(1, 2) - costs.draft_s(1, 1), 0.0)
         for _ in range(3):
             price = best_rate * tau
             if price <= 0.0:

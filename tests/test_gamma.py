@@ -1,7 +1,8 @@
 """The γ controller against a simulated engine: known acceptance α per token, known costs.
 
 A simulated step: each row's proposals are accepted one by one with probability α until the first
-rejection; the step costs verify(tokens) + draft(depth, proposals). The analytic batch-1 optimum is
+rejection; the step costs verify(positions) + draft(depth, proposals), positions = rows × (depth + 1)
+as in the engine, whose verify forward pads every row to the deepest. The analytic batch-1 optimum is
 Leviathan et al.'s argmax_γ (1 − α^(γ+1)) / ((1 − α)(γc + 1)), written out here independently of
 the controller's code.
 """
@@ -43,16 +44,16 @@ class SimulatedEngine:
                 k += 1
             self.controller.observe(i, "model", greedy, g, k)
             self.committed += k + 1
-        tokens, depth, proposals = self.rows + sum(gammas), max(gammas), sum(gammas)
-        verify_s, draft_s = self.verify(tokens), self.draft(depth, proposals) if proposals else 0.0
-        self.controller.observe_step(tokens, depth, proposals, verify_s, draft_s, 0.0)
+        depth, proposals = max(gammas), sum(gammas)
+        verify_s, draft_s = self.verify(self.rows * (depth + 1)), self.draft(depth, proposals) if proposals else 0.0
+        self.controller.observe_step(self.rows, depth, proposals, verify_s, draft_s, 0.0)
         self.seconds += verify_s + draft_s
         self.chosen.append(gammas)
         return gammas
 
 
 def _batch1(alpha: float, c: float, steps: int = 400, seed: int = 0) -> SimulatedEngine:
-    sim = SimulatedEngine(GammaController(max_gamma=MAX_GAMMA), 1, verify=lambda tokens: 1.0,
+    sim = SimulatedEngine(GammaController(max_gamma=MAX_GAMMA), 1, verify=lambda positions: 1.0,
                           draft=lambda depth, proposals: c * depth, seed=seed)
     for _ in range(steps):
         sim.step(alpha)
@@ -80,7 +81,7 @@ def test_gamma_goes_to_zero_when_alpha_is_tiny():
 def test_gamma_goes_to_zero_when_verify_cost_grows_steeply_with_tokens():
     """A compute-bound target (every token costs as much as a row) under a full batch: a
     proposal can never pay for itself (E(γ) < γ + 1), so the controller stops proposing."""
-    sim = SimulatedEngine(GammaController(max_gamma=MAX_GAMMA), 32, verify=lambda tokens: 0.001 * tokens,
+    sim = SimulatedEngine(GammaController(max_gamma=MAX_GAMMA), 32, verify=lambda positions: 0.001 * positions,
                           draft=lambda depth, proposals: 0.002 * depth)
     for _ in range(150):
         sim.step(0.7)
@@ -91,9 +92,9 @@ def test_gamma_goes_to_zero_when_verify_cost_grows_steeply_with_tokens():
 def test_batch_one_speculates_when_verify_is_flat_but_stops_when_the_batch_makes_it_steep():
     """The same α and draft, two devices: flat verify cost (memory-bound) and one growing with
     tokens past a batch's worth. Acceptance alone cannot tell these apart; the cost model can."""
-    flat = SimulatedEngine(GammaController(max_gamma=MAX_GAMMA), 4, verify=lambda tokens: 1.0,
+    flat = SimulatedEngine(GammaController(max_gamma=MAX_GAMMA), 4, verify=lambda positions: 1.0,
                            draft=lambda depth, proposals: 0.1 * depth)
-    steep = SimulatedEngine(GammaController(max_gamma=MAX_GAMMA), 4, verify=lambda tokens: 0.25 * tokens,
+    steep = SimulatedEngine(GammaController(max_gamma=MAX_GAMMA), 4, verify=lambda positions: 0.25 * positions,
                             draft=lambda depth, proposals: 0.1 * depth)
     for _ in range(200):
         flat.step(0.8)
@@ -112,7 +113,7 @@ def test_reconverges_when_alpha_changes_mid_sequence():
         return (1 - alpha ** (g + 1)) / ((1 - alpha) * (g * c + 1))
 
     for seed in (3, 4, 5):
-        sim = SimulatedEngine(GammaController(max_gamma=MAX_GAMMA), 1, verify=lambda tokens: 1.0,
+        sim = SimulatedEngine(GammaController(max_gamma=MAX_GAMMA), 1, verify=lambda positions: 1.0,
                               draft=lambda depth, proposals: c * depth, seed=seed)
         for alpha, steps in [(0.9, 150), (0.3, 150), (0.9, 150)]:
             start = len(sim.chosen)
@@ -125,14 +126,14 @@ def test_reconverges_when_alpha_changes_mid_sequence():
             assert statistics.median(after) == pytest.approx(analytic_optimum(alpha, c), abs=2), (seed, alpha, after)
 
 
-def test_goodput_beats_every_fixed_gamma_on_a_changing_workload():
-    """Half the rows predictable (α 0.9), half not (α 0.2), verify cost rising with tokens: per-row
-    choices commit more tokens per second than the best single γ for everyone."""
+def test_goodput_beats_every_fixed_gamma_on_a_mixed_batch():
+    """Half the rows predictable (α 0.9), half not (α 0.2), a draft whose cost grows with the
+    proposals it makes: per-row choices (the predictable rows draft deep, the others not at all)
+    commit more tokens per second than the best single γ for everyone."""
     def run(policy: str, gamma: int) -> float:
         controller = GammaController(policy, default_gamma=gamma, max_gamma=MAX_GAMMA)
-        sim = SimulatedEngine(controller, 8, verify=lambda tokens: 1.0 + 0.05 * tokens,
-                              draft=lambda depth, proposals: 0.1 * depth, seed=5)
         rng = random.Random(1)
+        committed, seconds = 0, 0.0
         for _ in range(300):
             views = [RowView(i, AUTO_GAMMA, MAX_GAMMA, True) for i in range(8)]
             gammas = controller.choose(views, [MAX_GAMMA] * 8)
@@ -142,16 +143,39 @@ def test_goodput_beats_every_fixed_gamma_on_a_changing_workload():
                 while k < g and rng.random() < alpha:
                     k += 1
                 controller.observe(i, "model", True, g, k)
-                sim.committed += k + 1
-            tokens, depth = 8 + sum(gammas), max(gammas)
-            verify_s, draft_s = 1.0 + 0.05 * tokens, 0.1 * depth if depth else 0.0
-            controller.observe_step(tokens, depth, sum(gammas), verify_s, draft_s, 0.0)
-            sim.seconds += verify_s + draft_s
-        return sim.committed / sim.seconds
+                committed += k + 1
+            depth, proposals = max(gammas), sum(gammas)
+            verify_s = 1.0 + 0.005 * 8 * (depth + 1)
+            draft_s = 0.02 * depth + 0.05 * proposals if proposals else 0.0
+            controller.observe_step(8, depth, proposals, verify_s, draft_s, 0.0)
+            seconds += verify_s + draft_s
+        return committed / seconds
 
     ours = run("goodput", 4)
     fixed = {g: run("fixed", g) for g in (0, 1, 2, 3, 4, 6, 8)}
     assert ours >= 1.05 * max(fixed.values()), (ours, fixed)
+
+
+def test_a_padded_row_costs_as_much_as_a_drafting_one():
+    """The verify forward pads every row to the deepest: when verifying is expensive per position,
+    one row drafting deep costs the whole batch, so a batch of mostly unpredictable rows gets γ = 0
+    throughout instead of γ > 0 for the one predictable row."""
+    controller = GammaController(max_gamma=MAX_GAMMA)
+    rng = random.Random(2)
+    chosen = []
+    for _ in range(200):
+        views = [RowView(i, AUTO_GAMMA, MAX_GAMMA, True) for i in range(16)]
+        gammas = controller.choose(views, [MAX_GAMMA] * 16)
+        for i, g in enumerate(gammas):
+            alpha = 0.8 if i == 0 else 0.05
+            k = 0
+            while k < g and rng.random() < alpha:
+                k += 1
+            controller.observe(i, "model", True, g, k)
+        depth = max(gammas)
+        controller.observe_step(16, depth, sum(gammas), 0.01 * 16 * (depth + 1), 0.001 * depth, 0.0)
+        chosen.append(gammas)
+    assert sum(max(g) for g in chosen[50:]) <= 0.05 * len(chosen[50:]), chosen[50:60]
 
 
 def test_requested_gammas_and_caps_are_respected():

@@ -134,12 +134,15 @@ def run_setting(loaded: _Models, setting: Setting, jobs: list[Job], batch: int, 
 
 def run(models: BenchModels, out_dir: Path, batches: list[int], n_prompts: int = 4, max_new_tokens: int = 48,
         names: list[str] | None = None, fixed: tuple[int, ...] = FIXED_GAMMAS,
-        proposers: tuple[str, ...] = PROPOSERS) -> dict:
+        proposers: tuple[str, ...] = PROPOSERS, repeats: int = 1) -> dict:
+    """``repeats`` > 1 runs every setting that many times, interleaved (all settings once, then all
+    again, ...), and reports each setting's median tokens/s: on a shared machine whose speed drifts
+    over minutes, interleaving keeps the drift from favouring whichever setting ran in a fast spell."""
     models.require_draft()
     loaded = _Models(models)
     chosen = settings(fixed, proposers)
     data: dict = {"model": models.label, "dtype": models.dtype, "max_new_tokens": max_new_tokens,
-                  "settings": [s.name for s in chosen], "runs": {}}
+                  "repeats": repeats, "settings": [s.name for s in chosen], "runs": {}}
     for batch in batches:
         per_workload = n_prompts if batch == 1 else max(n_prompts, 2 * batch // 4)
         all_jobs = workloads(models, per_workload)
@@ -147,16 +150,27 @@ def run(models: BenchModels, out_dir: Path, batches: list[int], n_prompts: int =
             jobs = all_jobs[name]
             if batch > 1:  # 2n requests: the batch refills once
                 jobs = (jobs * (2 * batch // len(jobs) + 1))[: 2 * batch]
-            runs = {}
-            for setting in chosen:
-                runs[setting.name] = run_setting(loaded, setting, jobs, batch, max_new_tokens)
-                print(f"batch {batch} {name:10s} {setting.name:18s} {runs[setting.name]['tokens_per_s']:7.1f} tok/s "
-                      f"mean γ {runs[setting.name]['mean_gamma']:.2f}", flush=True)
+            repeated: dict[str, list[dict]] = {s.name: [] for s in chosen}
+            for _ in range(repeats):
+                for setting in chosen:
+                    result = run_setting(loaded, setting, jobs, batch, max_new_tokens)
+                    repeated[setting.name].append(result)
+                    print(f"batch {batch} {name:10s} {setting.name:18s} {result['tokens_per_s']:7.1f} tok/s "
+                          f"mean γ {result['mean_gamma']:.2f}", flush=True)
+            for results in repeated.values():
+                _check_greedy({f"run {i}": r for i, r in enumerate(results)}, batch, name)
+            runs = {n: _median(results) for n, results in repeated.items()}
             _check_greedy(runs, batch, name)
             data["runs"][f"{batch}/{name}"] = _summary(runs)
             report.write_json(out_dir / "gamma.json", data)  # after every workload: a long run keeps what it measured
     _print_and_plot(data, out_dir)
     return data
+
+
+def _median(results: list[dict]) -> dict:
+    """The run with the median tokens/s, with every run's tokens/s beside it."""
+    ranked = sorted(results, key=lambda r: r["tokens_per_s"])
+    return {**ranked[len(ranked) // 2], "tokens_per_s_runs": [r["tokens_per_s"] for r in results]}
 
 
 def _check_greedy(runs: dict[str, dict], batch: int, workload: str) -> None:
@@ -182,21 +196,30 @@ def _summary(runs: dict[str, dict]) -> dict:
     return out
 
 
+def tables(data: dict, markdown: bool = False) -> str:
+    """Per batch size, one row per workload: plain tok/s, the best fixed γ, and every other setting
+    as a ratio to the best fixed γ; then ours against the targets (ratio to plain, mean γ chosen)."""
+    fmt = report.markdown_table if markdown else report.table
+    names = [n for n in data["settings"] if not n.startswith("γ=")]
+    out = []
+    for batch in sorted({int(key.split("/")[0]) for key in data["runs"]}):
+        rows = []
+        for key, summary in data["runs"].items():
+            if int(key.split("/")[0]) != batch:
+                continue
+            s = summary["settings"]
+            best = summary["best_fixed"]
+            rows.append([key.split("/")[1], f"{s['γ=0']['tokens_per_s']:.1f}",
+                         f"{best} ({s[best]['tokens_per_s']:.1f})",
+                         *[f"{s[n]['over_best_fixed']:.2f}" for n in names],
+                         f"{s['ours']['over_plain']:.2f}", f"{s['ours']['mean_gamma']:.1f}"])
+        out.append(f"batch {batch}\n" + fmt(["workload", "γ=0 tok/s", "best fixed (tok/s)",
+                                              *[f"{n} ÷ best fixed" for n in names], "ours ÷ γ=0", "ours mean γ"],
+                                             rows))
+    return "\n\n".join(out)
+
+
 def _print_and_plot(data: dict, out_dir: Path) -> None:
-    names = data["settings"]
-    headers = ["batch/workload", "best fixed", *[f"{n} ×plain" for n in names if n != "γ=0"]]
-    rows = []
-    for key, summary in data["runs"].items():
-        s = summary["settings"]
-        rows.append([key, f"{summary['best_fixed']} {s[summary['best_fixed']]['tokens_per_s']:.1f} tok/s",
-                     *[f"{s[n]['over_plain']:.2f}" for n in names if n != "γ=0"]])
-    print(report.table(headers, rows))
-    ours = [n for n in names if n.startswith("ours")]
-    rows = [[key, *[f"{summary['settings'][n]['over_best_fixed']:.2f}" for n in ours],
-             *[f"{summary['settings'][n]['mean_gamma']:.2f}" for n in ours]]
-            for key, summary in data["runs"].items()]
-    print(report.table(["batch/workload", *[f"{n} ×best fixed" for n in ours], *[f"{n} mean γ" for n in ours]],
-                       rows))
+    print(tables(data))
     report.plot_bars(out_dir / "gamma_vs_best_fixed.png", "ours / best fixed γ (1.0 = as fast as the best fixed γ)",
-                     "ratio", {key: s["settings"]["ours"]["over_best_fixed"] for key, s in data["runs"].items()
-                               if "ours" in s["settings"]})
+                     "ratio", {key: s["settings"]["ours"]["over_best_fixed"] for key, s in data["runs"].items()})

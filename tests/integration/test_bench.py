@@ -186,3 +186,32 @@ def test_bench_profile_splits_a_step_into_its_parts(model_zoo, tmp_path):
     rpc = data["rpc"]
     assert rpc["RPC + serialisation"] == same(max(rpc["gRPC round trip"] - rpc["draft compute, in process"], 0.0))
     assert "output layer" in data["table_markdown"] and (tmp_path / "profile.png").stat().st_size > 1000
+
+
+def test_bench_gamma_compares_policies_and_proposers(model_zoo, tmp_path):
+    from specstream.bench import gamma
+    from specstream.bench.models import BenchModels
+
+    models = BenchModels("zoo", model_zoo["target"], model_zoo["partial"], "float32")
+    data = gamma.run(models, tmp_path, [1, 2], n_prompts=2, max_new_tokens=8, names=["code", "repetitive", "mix"],
+                     fixed=(0, 2), proposers=("model", "ngram"))
+    assert data["settings"] == ["γ=0", "γ=2", "HF heuristic", "Leviathan", "ours", "ours ngram"]
+    assert set(data["runs"]) == {f"{b}/{w}" for b in (1, 2) for w in ("code", "repetitive", "mix")}
+    for key, summary in data["runs"].items():
+        runs = summary["settings"]
+        requests = 8 if key.endswith("mix") and key.startswith("1/") else 2 if key.startswith("1/") else 4
+        fixed = {n: r["tokens_per_s"] for n, r in runs.items() if n.startswith("γ=")}
+        assert summary["best_fixed"] == max(fixed, key=fixed.get), key
+        for name, r in runs.items():
+            assert r["tokens"] == 8 * requests, (key, name)
+            # every decode pass is in the γ histogram; the first token of each request is prefill's
+            assert sum(r["gamma_histogram"].values()) == r["decode_passes"], (key, name)
+            assert sum(int(g) * n for g, n in r["gamma_histogram"].items()) == r["proposed"], (key, name)
+            assert r["tokens"] == requests + r["decode_passes"] + r["accepted"], (key, name)
+            assert r["over_plain"] == r["tokens_per_s"] / runs["γ=0"]["tokens_per_s"]
+            assert r["over_best_fixed"] == r["tokens_per_s"] / fixed[summary["best_fixed"]]
+        assert runs["γ=0"]["proposed"] == 0 and set(runs["γ=2"]["gamma_histogram"]) <= {"0", "1", "2"}
+    # the n-gram proposer finds the repeated half of a repetitive prompt
+    assert data["runs"]["1/repetitive"]["settings"]["ours ngram"]["accepted"] > 0
+    assert (tmp_path / "gamma_vs_best_fixed.png").stat().st_size > 1000
+    assert "ours ÷ best fixed" in gamma.tables(data, markdown=True)
