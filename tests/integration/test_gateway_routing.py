@@ -43,7 +43,9 @@ def test_a_burst_beyond_slots_and_queue_is_refused_at_once_and_the_rest_is_exact
     async def one(client: AsyncClient, prompt: str):
         start = time.monotonic()
         try:
-            result = await client.generate(prompt, max_new_tokens=max_new, ignore_eos=True)
+            # A fixed γ: the check below is that the served requests really speculated (under
+            # automatic γ the controller may rightly decide a full batch should not).
+            result = await client.generate(prompt, max_new_tokens=max_new, ignore_eos=True, speculation=4)
         except Overloaded as exc:
             result = exc
         return result, time.monotonic() - start

@@ -20,7 +20,7 @@ def test_one_trace_per_request_across_the_three_services(stack_factory, model_zo
                                  request_id="traced", traceparent=f"00-{CLIENT_TRACE}-{CLIENT_PARENT}-01")
         other = client.generate("import os", max_new_tokens=16, speculation=4, ignore_eos=True,
                                 request_id="other", temperature=0.9, seed=3)
-        auto = client.generate("class A:", max_new_tokens=16, ignore_eos=True)  # speculation=auto
+        auto = client.generate("class A:", max_new_tokens=16, ignore_eos=True, request_id="auto")  # speculation=auto
     stack.stop()  # the services flush their spans on shutdown
     spans = [json.loads(line) for line in trace_file.read_text().splitlines()]
     by_trace = defaultdict(list)
@@ -28,7 +28,7 @@ def test_one_trace_per_request_across_the_three_services(stack_factory, model_zo
         by_trace[span["trace_id"]].append(span)
 
     requests = {s["attributes"]["specstream.request_id"]: s for s in spans if s["name"] == "gen_ai.generate"}
-    assert set(requests) == {"traced", "other"}
+    assert set(requests) == {"traced", "other", "auto"}
     assert requests["traced"]["trace_id"] == CLIENT_TRACE and requests["traced"]["parent_span_id"] == CLIENT_PARENT
     assert requests["other"]["parent_span_id"] is None  # no caller context: the gateway starts the trace
     for result, root in ((traced, requests["traced"]), (other, requests["other"])):
