@@ -234,12 +234,14 @@ class GammaController:
         b = misses + self.prior_strength * (1.0 - prior)
         return a / (a + b), math.sqrt(a * b / ((a + b) ** 2 * (a + b + 1.0)))
 
-    def _optimistic_alpha(self, seq_id: int, greedy: bool) -> float:
-        """The estimate the choice uses: the mean plus `explore` standard deviations. A row whose
-        few first guesses failed is not written off: while its evidence is thin (and again as it
-        fades while the row is not drafting) it gets another try; with evidence the bonus shrinks."""
+    def _optimistic_alpha(self, seq_id: int, greedy: bool, rows: int) -> float:
+        """The estimate the choice uses: the mean plus `explore` / `rows` standard deviations. A
+        row whose few first guesses failed is not written off: while its evidence is thin (and again
+        as it fades while the row is not drafting) it gets another try; with evidence the bonus
+        shrinks. A try pads every row of the step to its depth, so it costs the whole batch while
+        informing one row: the bonus shrinks with the batch."""
         mean, std = self._posterior(seq_id, greedy)
-        return min(mean + self.explore * std, 1.0)
+        return min(mean + self.explore * std / rows, 1.0)
 
     # ----- learning ----------------------------------------------------------------------------
     def observe(self, seq_id: int, source: str, greedy: bool, proposed: int, accepted: int) -> None:
@@ -279,7 +281,7 @@ class GammaController:
         if not auto:
             return gammas
         limits = {i: max(0, min(caps[i], rows[i].max_gamma or self.max_gamma, self.max_gamma)) for i in auto}
-        alphas = {i: self._optimistic_alpha(rows[i].seq_id, rows[i].greedy) for i in auto}
+        alphas = {i: self._optimistic_alpha(rows[i].seq_id, rows[i].greedy, len(rows)) for i in auto}
         for i in auto:
             self._rows.setdefault(rows[i].seq_id, _RowState())
         if self.policy == "fixed" or not self.costs.ready and self.policy != "hf":
