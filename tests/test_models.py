@@ -469,3 +469,26 @@ def test_error_missing_shard_file(tmp_path: Path) -> None:
 def test_error_bad_dtype(llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="dtype 'int8'"):
         load_model(llama_dir, dtype="int8")
+
+
+@pytest.mark.parametrize("arch", ["llama3_gqa", "gpt2"])
+def test_prefill_in_chunks_equals_one_chunk_bitwise_in_bfloat16(tmp_path: Path, arch: str) -> None:
+    """How a prompt is split into prefill chunks depends on what else the engine is admitting, so a
+    plain and a speculative run split it differently; the cache and the logits must not care."""
+    path = make_hf_checkpoint(tmp_path, arch, vocab_size=1024, seed=4, **_WIDE[arch])
+    model = load_model(path, dtype="bfloat16")
+    seq = tokens(50, seed=5)  # [1, 50]
+
+    def prefill(splits: list[int]) -> torch.Tensor:
+        cache = model.new_cache(1, 64)
+        cache.alloc()
+        bounds = [0, *splits, seq.shape[1]]
+        for a, b in zip(bounds, bounds[1:]):
+            logits = run(model, cache, seq[:, a:b], [0], [a])
+            cache.set_length(0, b)
+        return logits[0, -1]  # [V]
+
+    whole = prefill([])
+    for splits in ([12], [7, 30], [49]):
+        parts = prefill(splits)
+        assert torch.equal(parts, whole), f"{arch} splits {splits}: max |difference| {(parts - whole).abs().max()}"

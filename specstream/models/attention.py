@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from specstream.models.kv_cache import KVCache
 
@@ -24,7 +23,6 @@ class _WindowPlan:
 
     lo: int  # first absolute key position read; keys are [lo, kv_len)
     mask: torch.Tensor | None  # [B or 1, 1, n_rep*T, kv_len-lo] bool (True = attend), query rows folded per kv head
-    causal: bool  # a fresh prompt: SDPA's is_causal (all rows start at 0, keys == queries)
 
 
 class CacheBatch:
@@ -119,11 +117,12 @@ class CacheBatch:
         # Keys before the earliest query's window are never attended: skip them instead of masking.
         lo = 0 if window is None else max(0, self.min_start - window + 1)
         if self.uniform:
-            if self.start0 == 0 and T > 1 and (window is None or window >= T):
-                return _WindowPlan(0, None, True)
+            # No fused causal kernel, even for a fresh prompt: its rows' bits differ from the
+            # masked path's, and a prompt prefilled in one chunk must give the same cache as one
+            # split across steps (the split depends on what else is admitted).
             if T == 1:
                 # One query per row at the last key: [lo, L) is exactly its causal (windowed) range.
-                return _WindowPlan(lo, None, False)
+                return _WindowPlan(lo, None)
             q_pos = (self.start0 + torch.arange(T, dtype=torch.int64))[None, :]  # [1, T]
         else:
             q_pos = self._positions_cpu  # [B, T]
@@ -135,7 +134,7 @@ class CacheBatch:
             # Query rows are folded as (group member, t): repeat the per-t mask once per group member.
             mask = mask.repeat(1, self.n_rep, 1)  # [B or 1, n_rep*T, L-lo]
         mask = mask[:, None].to(self.cache.device)  # [B or 1, 1, n_rep*T, L-lo]
-        return _WindowPlan(lo, mask, False)
+        return _WindowPlan(lo, mask)
 
     def attend(self, layer: int, q: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
         """Attention of q [B, H, T, D] over the cached keys (this forward's already written). Returns [B, T, H*D]."""
@@ -150,11 +149,6 @@ class CacheBatch:
             keys = kc[:, :, lo:L][self._slot_index]  # [B, Hkv, L-lo, D]
             values = vc[:, :, lo:L][self._slot_index]  # [B, Hkv, L-lo, D]
         B, H, T, D = q.shape
-        if plan.causal:
-            out = F.scaled_dot_product_attention(
-                q, keys, values, is_causal=True, scale=scale, enable_gqa=self.n_rep > 1
-            )  # [B, H, T, D]
-            return out.transpose(1, 2).reshape(B, T, H * D)  # [B, T, H*D]
         # GQA without repeating K/V: the n_rep query heads sharing a kv head become extra query rows.
         qf = q.reshape(B, H // self.n_rep, self.n_rep * T, D)  # [B, Hkv, n_rep*T, D]
         out = _attention_over_cache(qf, keys, values, plan.mask, scale)  # [B, Hkv, n_rep*T, D]
