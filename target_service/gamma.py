@@ -185,6 +185,7 @@ class _RowState:
     source: str = "model"  # the proposer that answered last
     counts: dict[str, _Acceptance] = field(default_factory=dict)  # per proposer
     hf_gamma: int = 5  # the HF heuristic's current γ
+    idle: int = 0  # consecutive steps it was given γ = 0 though it could draft
 
 
 class GammaController:
@@ -192,7 +193,8 @@ class GammaController:
 
     def __init__(self, policy: str = "goodput", default_gamma: int = 4, max_gamma: int = 16,
                  prior_alpha: float = 0.6, prior_strength: float = 4.0, row_decay: float = 0.97,
-                 pool_decay: float = 0.995, idle_decay: float = 0.98, explore: float = 0.5) -> None:
+                 pool_decay: float = 0.995, idle_decay: float = 0.98, explore: float = 0.5,
+                 probe_every: int = 16) -> None:
         if policy not in POLICIES:
             raise ValueError(f"gamma policy {policy!r}: must be one of {', '.join(POLICIES)}")
         self.policy = policy
@@ -204,6 +206,13 @@ class GammaController:
         self.pool_decay = pool_decay
         self.idle_decay = idle_decay  # per step a row is not drafting: its estimate drifts back to the pool
         self.explore = explore  # standard deviations of optimism in the estimate a choice uses
+        # Once every probe_every × (rows in the step) steps, the row idle longest (γ = 0 though it
+        # could draft) gets one proposal: without it a pool that turned pessimistic (a few hard
+        # prompts) would keep every later sequence at γ = 0 and never see that they are easier. At
+        # batch 1 that is one extra position every 16 steps; at batch n the interval grows with n,
+        # since a probe pads every row of its step.
+        self.probe_every = probe_every
+        self._since_probe = 0
         self.costs = CostModel()
         self._rows: dict[int, _RowState] = {}
         self._pool: dict[tuple[str, bool], _Acceptance] = {}  # (proposer, greedy) -> pooled counts
@@ -297,10 +306,21 @@ class GammaController:
                 gammas[i] = leviathan_gamma(alphas[i], c, limits[i])
         else:
             self._goodput(gammas, auto, limits, alphas, rows)
+        idle = []
         for i in auto:
-            if gammas[i] == 0:  # not drafting: what it learnt fades toward the pool (a later retry is cheap)
-                for counts in self._rows[rows[i].seq_id].counts.values():
-                    counts.decay(self.idle_decay)
+            state = self._rows[rows[i].seq_id]
+            if gammas[i] > 0 or limits[i] == 0:
+                state.idle = 0
+                continue
+            # Not drafting: what it learnt fades toward the pool (a later retry is cheap).
+            for counts in state.counts.values():
+                counts.decay(self.idle_decay)
+            state.idle += 1
+            idle.append(i)
+        self._since_probe += 1
+        if idle and self.policy in ("goodput", "leviathan") and self._since_probe >= self.probe_every * len(rows):
+            i = max(idle, key=lambda j: self._rows[rows[j].seq_id].idle)
+            gammas[i], self._rows[rows[i].seq_id].idle, self._since_probe = 1, 0, 0
         return gammas
 
     def _goodput(self, gammas: list[int], auto: list[int], limits: dict[int, int], alphas: dict[int, float],

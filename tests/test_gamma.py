@@ -70,12 +70,36 @@ def test_batch_one_choice_is_within_one_of_the_analytic_optimum(alpha, c):
 
 
 def test_gamma_goes_to_zero_when_alpha_is_tiny():
-    """Apart from rare one-token retries (the estimate fades back toward the pool while a row
-    does not draft, so a sequence whose text turns predictable is noticed)."""
+    """Apart from rare one-token probes (every 16 idle steps at batch 1, so a sequence whose text
+    turns predictable is noticed)."""
     sim = _batch1(0.02, 0.2, steps=300)
     assert analytic_optimum(0.02, 0.2) == 0
     late = [g[0] for g in sim.chosen[50:]]
-    assert max(late) <= 1 and sum(late) <= 0.03 * len(late), late
+    assert max(late) <= 1 and sum(late) <= 0.08 * len(late), late
+
+
+def test_a_pessimistic_pool_does_not_lock_later_sequences_out():
+    """Hard sequences first (α 0.1) drive the pooled estimate down until new sequences start at
+    γ = 0; when easy ones (α 0.9) follow, probes find out and the controller speculates again."""
+    controller = GammaController(max_gamma=MAX_GAMMA)
+    rng = random.Random(4)
+    seq_id, chosen = 0, []
+    for alpha, sequences in [(0.1, 6), (0.9, 6)]:
+        for _ in range(sequences):
+            seq_id += 1
+            for _ in range(60):
+                (g,) = controller.choose([RowView(seq_id, AUTO_GAMMA, MAX_GAMMA, True)], [MAX_GAMMA])
+                k = 0
+                while k < g and rng.random() < alpha:
+                    k += 1
+                controller.observe(seq_id, "model", True, g, k)
+                controller.observe_step(1, g, g, 1.0, 0.5 * g, 0.0)
+                chosen.append((alpha, g))
+            controller.forget(seq_id)
+    hard = [g for a, g in chosen[120:360] if a == 0.1]
+    easy = [g for a, g in chosen[-120:]]
+    assert sum(hard) <= 0.1 * len(hard), hard  # c = 0.5: nothing pays at α 0.1
+    assert sum(g >= 2 for g in easy) >= 0.8 * len(easy), easy  # analytic optimum at α 0.9, c 0.5: 3
 
 
 def test_gamma_goes_to_zero_when_verify_cost_grows_steeply_with_tokens():
@@ -100,7 +124,8 @@ def test_batch_one_speculates_when_verify_is_flat_but_stops_when_the_batch_makes
         flat.step(0.8)
         steep.step(0.8)
     assert statistics.median(sum(g) / 4 for g in flat.chosen[100:]) >= 3
-    assert sum(sum(g) for g in steep.chosen[100:]) == 0
+    # steep: nothing but the rare one-row probe (one step in 16 × 4)
+    assert all(sum(g) <= 1 for g in steep.chosen[100:]) and sum(sum(g) for g in steep.chosen[100:]) <= 2
 
 
 def test_reconverges_when_alpha_changes_mid_sequence():
