@@ -16,8 +16,6 @@ from specstream.sampling import GREEDY, SamplingParams
 from target_service.messages import (FinishReason, SequenceEvent, SequenceRequest, SequenceStats, Speculation,
                                      TokenLogprob)
 
-AUTO_GAMMA = -1  # Sequence.gamma for speculation=auto: the γ controller decides each step
-
 
 @dataclass(eq=False)  # identity semantics: sequences are hashed by object
 class Sequence:
@@ -29,7 +27,7 @@ class Sequence:
     max_new_tokens: int
     stop_ids: frozenset[int]  # generation ends after any of these (EOS included)
     eos_ids: frozenset[int]  # the stop ids reported as finish reason "eos"
-    gamma: int  # proposals per step: fixed (>= 1), 0 = plain decoding, AUTO_GAMMA = the controller's choice
+    gamma: int  # proposals per step: fixed (>= 1), 0 = plain decoding, gamma.AUTO_GAMMA = the controller's choice
     max_gamma: int = 0  # the most the controller may pick (auto)
     sampling: SamplingParams = GREEDY
     logprobs: int | None = None  # None: not requested; n: with the n most likely alternatives

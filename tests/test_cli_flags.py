@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from concurrent import futures
 from typing import Any
 
 import grpc
 import pytest
+from fake_gateway import serve_generation
 
 from specstream.cli import _draft_config, _stack_spec, _target_config, build_parser, main
 from specstream.config import GAMMA_POLICIES, DraftConfig, TargetConfig
@@ -168,12 +168,8 @@ class RecordingGateway(generation_pb2_grpc.GenerationServicer):
 @pytest.fixture(scope="module")
 def gateway() -> Iterator[tuple[RecordingGateway, str]]:
     servicer = RecordingGateway()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield servicer, f"127.0.0.1:{port}"
-    server.stop(grace=None)
+    with serve_generation(servicer, workers=2) as address:
+        yield servicer, address
 
 
 @pytest.mark.parametrize("command", [["generate"], ["chat"], ["generate", "--stream"], ["chat", "--stream"]])

@@ -9,11 +9,11 @@ import dataclasses
 import inspect
 import typing
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from typing import Any
 
 import grpc
 import pytest
+from fake_gateway import serve_generation
 
 from specstream_client import AsyncClient, Client, GenerateOptions, GenerateOptionsDict
 from specstream_client._request import build_chat_request, build_generate_request
@@ -84,12 +84,8 @@ class Recorder(generation_pb2_grpc.GenerationServicer):
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[Recorder, str]]:
     recorder = Recorder()
-    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    generation_pb2_grpc.add_GenerationServicer_to_server(recorder, srv)
-    port = srv.add_insecure_port("127.0.0.1:0")
-    srv.start()
-    yield recorder, f"127.0.0.1:{port}"
-    srv.stop(grace=None)
+    with serve_generation(recorder, workers=4) as address:
+        yield recorder, address
 
 
 def send(url: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> None:

@@ -12,11 +12,11 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from typing import Any
 
 import grpc
 import pytest
+from fake_gateway import serve_generation
 
 from specstream_client import (
     AsyncClient,
@@ -140,12 +140,8 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[FakeGeneration, str]]:
     servicer = FakeGeneration()
-    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, srv)
-    port = srv.add_insecure_port("127.0.0.1:0")
-    srv.start()
-    yield servicer, f"127.0.0.1:{port}"
-    srv.stop(grace=None)
+    with serve_generation(servicer, workers=8) as address:
+        yield servicer, address
 
 
 @pytest.fixture
