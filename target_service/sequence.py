@@ -13,8 +13,7 @@ from typing import Any
 from opentelemetry.trace import INVALID_SPAN
 
 from specstream.sampling import GREEDY, SamplingParams
-from target_service.messages import (FinishReason, SequenceEvent, SequenceRequest, SequenceStats, Speculation,
-                                     TokenLogprob)
+from target_service.messages import FinishReason, SequenceEvent, SequenceRequest, SequenceStats, TokenLogprob
 
 
 @dataclass(eq=False)  # identity semantics: sequences are hashed by object
