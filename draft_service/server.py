@@ -100,7 +100,7 @@ def build_proposer(config: DraftConfig) -> Proposer:
 def _draft_model(config: DraftConfig) -> DraftProposer:
     spec = config.model
     model = load_model(resolve_model(spec.path), dtype=resolve_dtype(spec.dtype, spec.device), device=spec.device,
-                       resolve=resolve_model)
+                       resolve=resolve_model, weights=spec.weights)
     return DraftProposer(model, config.max_slots, config.max_seq_len, config.q_support)
 
 

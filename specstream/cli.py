@@ -31,11 +31,20 @@ def _server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
                                         "environment variables)")
 
 
+def _weights_flag(p: argparse.ArgumentParser) -> None:
+    from specstream.config import WEIGHT_FORMATS
+
+    p.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS,
+                   help="int4: serve a GGUF file's Q4_0/Q4_1 matrices as 4-bit blocks (CPU); dense: dequantize "
+                        "them to --dtype; auto: int4 where the model has them and the dtype is bfloat16")
+
+
 def _model_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--model", required=required,
                    help="a model name (smollm2), a .gguf file or a Hugging Face checkpoint directory")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 where the device computes it natively, else float32")
+    _weights_flag(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--threads", type=int, default=0, help="CPU threads for the model (0: one per core)")
@@ -70,7 +79,7 @@ def _run_service(args: argparse.Namespace, coro_factory) -> int:
 def _target_config(args: argparse.Namespace):
     from specstream.config import ModelSpec, TargetConfig
 
-    return TargetConfig(model=ModelSpec(args.model, args.dtype, args.device), server=_server_config(args),
+    return TargetConfig(model=ModelSpec(args.model, args.dtype, args.device, args.weights), server=_server_config(args),
                         max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len,
                         default_gamma=args.gamma, max_gamma=args.max_gamma, gamma_policy=args.gamma_policy,
                         draft_url=args.draft_url, draft_timeout_s=args.draft_timeout, torch_threads=args.threads,
@@ -133,7 +142,7 @@ def _batching_config(args: argparse.Namespace) -> dict:
 def _draft_config(args: argparse.Namespace):
     from specstream.config import DraftConfig, ModelSpec
 
-    model = ModelSpec(args.model, args.dtype, args.device) if args.model else None
+    model = ModelSpec(args.model, args.dtype, args.device, args.weights) if args.model else None
     return DraftConfig(model=model, server=_server_config(args), max_slots=args.max_slots,
                        max_seq_len=args.max_seq_len, torch_threads=args.threads, q_support=args.q_support,
                        synthetic_oracle=args.synthetic_oracle, synthetic_alpha=args.synthetic_alpha,
@@ -224,7 +233,7 @@ def _stack_spec(args: argparse.Namespace):
                      gamma=args.gamma, max_gamma=args.max_gamma, gamma_policy=args.gamma_policy,
                      proposer=args.proposer, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
                      max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len, dtype=dtype,
-                     log_dir=args.log_dir, draft_threads=args.draft_threads, target_threads=args.target_threads,
+                     weights=args.weights, log_dir=args.log_dir, draft_threads=args.draft_threads, target_threads=args.target_threads,
                      target_replicas=args.replicas, extra_target_args=_batching_args(args), metrics=args.metrics,
                      trace_file=os.path.abspath(args.trace_file) if args.trace_file else None)
 
@@ -379,7 +388,8 @@ def bench_models(args: argparse.Namespace):
     from specstream.bench.models import BenchModels
 
     target, draft, dtype = _chosen_models(args)
-    return BenchModels.from_refs(target, draft, dtype, args.models if args.target is None else Path(target).name)
+    return BenchModels.from_refs(target, draft, dtype, args.models if args.target is None else Path(target).name,
+                                 weights=args.weights)
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
@@ -491,6 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                    help="default: the --models pair's (auto: bfloat16 where native, else float32)")
+    _weights_flag(p)
     p.add_argument("--draft-threads", type=int, default=1, help="CPU threads of the draft model (0: one per core)")
     p.add_argument("--target-threads", type=int, default=0, help="CPU threads of the target model (0: one per core)")
     p.add_argument("--log-dir", help="write each service's log here instead of the terminal")
@@ -582,6 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", help="draft model directory (default: the --models pair's draft)")
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                    help="default: the --models pair's")
+    _weights_flag(p)
     p.add_argument("--out", default="bench-results", help="directory for JSON and PNG output")
     p.add_argument("--prompts", type=int, default=None, help="prompts per workload (default 8; gamma 4)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 128; gamma 48")
@@ -607,6 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="target model: name, .gguf file or directory (default: --models)")
     p.add_argument("--draft", help="draft model directory (default: the --models pair's draft)")
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    _weights_flag(p)
     p.add_argument("--max-slots", type=int, default=8)
     p.add_argument("--out", default="experiment-results", help="directory for experiment_<workload>.json and .png")
     p.set_defaults(func=cmd_experiment)

@@ -12,6 +12,10 @@ from typing import ClassVar
 
 GAMMA_POLICIES = ("goodput", "fixed", "hf", "leviathan")  # target_service/gamma.py
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 where native (model_registry.resolve_dtype)
+# How weight matrices are served (specstream/models/loader.py): dense in the dtype, or the
+# checkpoint's 4-bit blocks (a converted Q4_0/Q4_1 GGUF file); auto: 4-bit where the checkpoint
+# has them, the device is a CPU and the dtype bfloat16 (the kernel's fast path), dense otherwise.
+WEIGHT_FORMATS = ("auto", "dense", "int4")
 
 
 def _check(ok: bool, name: str, value: object, want: str) -> None:
@@ -62,10 +66,12 @@ class ModelSpec:
     path: str  # model reference: a name (smollm2), a .gguf file or a Hugging Face checkpoint directory
     dtype: str = "float32"  # auto | float32 | bfloat16 | float16
     device: str = "cpu"  # torch device, e.g. cuda:0
+    weights: str = "auto"  # one of WEIGHT_FORMATS
 
     def __post_init__(self) -> None:
         _check(bool(self.path), "model path", self.path, "a directory")
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
+        _check(self.weights in WEIGHT_FORMATS, "weights", self.weights, f"one of {WEIGHT_FORMATS}")
 
 
 @dataclass

@@ -42,7 +42,7 @@ def run(models: BenchModels, out_dir: Path, workload: str = "single", max_slots:
     with tempfile.TemporaryDirectory() as tmp:
         trace_file = Path(tmp) / "spans.jsonl"
         with Stack(StackSpec(str(models.target), str(models.require_draft()), gamma=gamma, max_slots=max_slots, log_dir=tmp,
-                             dtype=models.dtype,
+                             dtype=models.dtype, weights=models.weights,
                              trace_file=str(trace_file))) as stack:
             asyncio.run(_drive(stack.gateway_address, requests, clients))
         spans = [json.loads(line) for line in trace_file.read_text().splitlines()]  # flushed at shutdown

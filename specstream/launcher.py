@@ -78,6 +78,7 @@ class StackSpec:
     target_replicas: int = 1  # target processes behind the gateway
     max_seq_len: int = 2048
     dtype: str = "float32"  # or "auto" (bfloat16 where native)
+    weights: str = "auto"  # the models' weight format: "auto", "dense" or "int4" (specstream/config.py)
     draft_threads: int = 1  # CPU threads of the draft's model (0: one per core); a small draft runs best on one
     target_threads: int = 0  # CPU threads of the target's model (0: one per core)
     extra_target_args: list[str] = field(default_factory=list)
@@ -124,7 +125,7 @@ def command_lines(spec: StackSpec, target_model: str, addresses: dict[str, str],
         return ["--metrics-port", str(metrics_ports[name])] if name in metrics_ports else []
 
     tracing = ["--trace-file", spec.trace_file] if spec.trace_file else []
-    common = ["--host", spec.host, "--dtype", spec.dtype, "--max-seq-len", str(spec.max_seq_len), *tracing]
+    common = ["--host", spec.host, "--dtype", spec.dtype, "--weights", spec.weights, "--max-seq-len", str(spec.max_seq_len), *tracing]
     lines: dict[str, list[str]] = {}
     if spec.has_draft:
         if spec.synthetic:

@@ -34,7 +34,7 @@ DRAFTS = Path(__file__).parent / "drafts"
 
 
 # Bump when the converted layout changes: old cache entries are then ignored, not misread.
-GGUF_CONVERTER_VERSION = 1
+GGUF_CONVERTER_VERSION = 2
 
 
 def models_home() -> Path:

@@ -83,7 +83,7 @@ async def serve(config: TargetConfig, ready_file: str | None = None) -> None:
     spec = config.model
     model = await asyncio.get_running_loop().run_in_executor(
         compute, lambda: load_model(resolve_model(spec.path), dtype=resolve_dtype(spec.dtype, spec.device),
-                                    device=spec.device))
+                                    device=spec.device, weights=spec.weights))
     if model.output_token_ids is not None:
         raise ModelLoadError(f"{spec.path}: predicts over a subset of its vocabulary (specstream.output_vocab); "
                              "such a model can only serve as a draft")
@@ -100,8 +100,8 @@ async def serve(config: TargetConfig, ready_file: str | None = None) -> None:
         await draft.wait_connected(timeout_s=config.draft_timeout_s)
     engine_task = asyncio.create_task(engine.run(), name="engine")
     await server.set_serving(True)
-    log.info("target %s serving %s on %s (draft: %s)", model.config.name, model.config.architecture,
-             server.address, draft.url if draft else "none")
+    log.info("target %s serving %s (%s, %s weights) on %s (draft: %s)", model.config.name,
+             model.config.architecture, model.dtype, model.weights, server.address, draft.url if draft else "none")
 
     async def on_stop() -> None:
         engine_task.cancel()

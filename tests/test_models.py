@@ -258,8 +258,12 @@ def test_verify_forward_equals_single_steps_bitwise_in_bfloat16(tmp_path: Path, 
     that γ+1 one-token decode steps give, in the serving dtype (bfloat16 on CPU), for every row of a
     batch with different starts."""
     path = make_hf_checkpoint(tmp_path, arch, vocab_size=1024, seed=3, **_WIDE[arch])
-    model = load_model(path, dtype="bfloat16")
-    seq = tokens(60, seed=2, batch=2)  # [2, 60]
+    assert_verify_equals_steps(load_model(path, dtype="bfloat16"), arch)
+
+
+def assert_verify_equals_steps(model: CausalLM, what: str) -> None:
+    """Verify forwards over T = 2, 5, 9 positions give the bits of T decode steps, per row of a batch."""
+    seq = tokens(60, seed=2, batch=2) % model.config.vocab_size  # [2, 60]
     starts = [40, 47]
 
     def prefilled() -> KVCache:
@@ -279,7 +283,7 @@ def test_verify_forward_equals_single_steps_bitwise_in_bfloat16(tmp_path: Path, 
             steps = torch.cat([run(model, cache, window[row : row + 1, t : t + 1], [row], [start + t])
                                for t in range(T)], dim=1)  # [1, T, V]
             diff = (steps[0] - verify[row]).abs().max().item()
-            assert torch.equal(steps[0], verify[row]), f"{arch} T={T} row {row}: max |difference| {diff}"
+            assert torch.equal(steps[0], verify[row]), f"{what} T={T} row {row}: max |difference| {diff}"
 
 
 def test_gpt2_unprefixed_hub_layout(tmp_path: Path) -> None:

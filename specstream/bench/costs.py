@@ -34,7 +34,8 @@ def step_ms(model: CausalLM, context: int, tokens: int, repeats: int = 30) -> fl
 
 def measure_costs(models: BenchModels, context: int, gammas: list[int], draft_threads: int = 1) -> dict:
     target = models.load("target")
-    result = {"context": context, "dtype": models.dtype, "target_step_ms": step_ms(target, context, 1),
+    result = {"context": context, "dtype": models.dtype, "weights": target.weights,
+              "target_step_ms": step_ms(target, context, 1),
               "target_verify_ms": {g: step_ms(target, context, g + 1) for g in gammas}}
     if models.draft is not None:
         threads = torch.get_num_threads()

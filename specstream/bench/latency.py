@@ -72,6 +72,7 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
     print(f"{models.label} ({models.dtype}): measuring the cost ratio c at context {context} ...", flush=True)
     costs = measure_costs(models, context, [g for g in gammas if g])
     with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(str(models.target), str(draft), max_gamma=16,
+                                                                 weights=models.weights,
                                                                  dtype=models.dtype, log_dir=logs)) as stack:
         print(f"stack up at {stack.gateway_address}; sweeping gamma {gammas} over {len(prompts)} prompts x "
               f"{max_new_tokens} tokens ...", flush=True)
@@ -99,6 +100,16 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
     best = max((g for g in gammas if g), key=lambda g: ours[g]["tokens_per_s"])
     result["best_gamma"] = best
     if with_hf:
+        if costs["weights"] != "dense":
+            # Our 4-bit serving beside our dense serving: the peers below dequantize, as dense does.
+            with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(
+                    str(models.target), str(draft), max_gamma=16, weights="dense", dtype=models.dtype,
+                    log_dir=logs)) as stack:
+                print(f"\nthe same with dense weights: gamma 0 and {best} ...", flush=True)
+                dense = sweep(stack.gateway_address, prompts, [0, best], max_new_tokens)
+            check_runs_match("speculative output (dense weights)", "plain decoding (dense weights)",
+                             dense[0]["token_ids"], {f"gamma {best}": dense[best]["token_ids"]})
+            result["dense"] = {g: public(r) for g, r in dense.items()}
         _compare_with_peers(result, ours, best, models, prompts, max_new_tokens, out_dir)
     result["table_markdown"] = report.markdown_table(headers, rows)
     report.plot_lines(out_dir / "latency_speedup.png", "Speedup over γ=0: measured vs theory", "γ",
@@ -129,9 +140,13 @@ def _compare_with_peers(result: dict, ours: dict[int, dict], best: int, models: 
     result["peers"] = {name: {k: v for k, v in r.items() if k != "token_ids"}
                        | {"same_tokens_as_ours": r["token_ids"] == baseline} for name, r in peers.items()}
     plain = ours[0]["tokens_per_s"]
-    rows = [["specstream gamma=0", models.dtype, plain, 1.0, "-"],
-            [f"specstream gamma={best}", models.dtype, ours[best]["tokens_per_s"], ours[best]["tokens_per_s"] / plain,
+    served = models.dtype + ("" if result["costs"]["weights"] == "dense" else ", int4 weights")
+    rows = [["specstream gamma=0", served, plain, 1.0, "-"],
+            [f"specstream gamma={best}", served, ours[best]["tokens_per_s"], ours[best]["tokens_per_s"] / plain,
              "our draft"]]
+    dense = result.get("dense", {})
+    rows += [[f"specstream gamma={g}", f"{models.dtype}, dense weights", r["tokens_per_s"],
+              r["tokens_per_s"] / plain, "our draft" if g else "-"] for g, r in dense.items()]
     rows += [[name, r.get("dtype", "-"), r["tokens_per_s"], r["tokens_per_s"] / plain, r.get("assistant") or "-"]
              for name, r in peers.items()]
     print(report.table(["system", "dtype", "tok/s", "x specstream gamma=0", "draft"], rows))
@@ -141,6 +156,8 @@ def _compare_with_peers(result: dict, ours: dict[int, dict], best: int, models: 
         result["best_hf_assisted"] = best_hf
         result["ours_over_best_hf_assisted"] = ours[best]["tokens_per_s"] / assisted[best_hf]
     result["ours_plain_over_hf_plain"] = plain / hf["plain"]["tokens_per_s"]
+    if dense:
+        result["ours_dense_plain_over_hf_plain"] = dense[0]["tokens_per_s"] / hf["plain"]["tokens_per_s"]
     print(f"ours plain / HF plain ({models.dtype}): {result['ours_plain_over_hf_plain']:.2f}x; ours (gamma={best}) / "
           f"best HF assisted ({best_hf}): {result.get('ours_over_best_hf_assisted', float('nan')):.2f}x; "
           f"identical outputs: { {n: v['same_tokens_as_ours'] for n, v in result['peers'].items()} }", flush=True)
@@ -148,6 +165,7 @@ def _compare_with_peers(result: dict, ours: dict[int, dict], best: int, models: 
                                                            rows)
     report.plot_bars(out_dir / "latency_vs_hf.png", f"Batch-1 greedy tokens/s, {models.label}, same prompts",
                      "tokens/s", {"specstream γ=0": plain, f"specstream γ={best}": ours[best]["tokens_per_s"],
+                                  **{f"specstream γ={g}, dense": r["tokens_per_s"] for g, r in dense.items()},
                                   **{name: r["tokens_per_s"] for name, r in peers.items()}})
 
 

@@ -46,12 +46,14 @@ class BenchModels:
     draft: Path | None
     dtype: str  # resolved: "bfloat16" or "float32"
     gguf: Path | None = None  # the target's original GGUF file, when it came as one (llama.cpp runs it)
+    weights: str = "auto"  # our weight format (specstream/config.py WEIGHT_FORMATS); peers always run dense
     _hf_draft: Path | None = field(default=None, repr=False)
 
     @classmethod
-    def from_refs(cls, target: str, draft: str | None, dtype: str, label: str) -> BenchModels:
+    def from_refs(cls, target: str, draft: str | None, dtype: str, label: str, weights: str = "auto") -> BenchModels:
         gguf = MODELS[target].path() if target in MODELS else Path(target) if target.endswith(".gguf") else None
-        return cls(label, resolve_model(target), resolve_model(draft) if draft else None, resolve_dtype(dtype), gguf)
+        return cls(label, resolve_model(target), resolve_model(draft) if draft else None, resolve_dtype(dtype), gguf,
+                   weights)
 
     def require_draft(self) -> Path:
         """The draft directory; a benchmark of speculation without one is a usage error."""
@@ -78,7 +80,7 @@ class BenchModels:
         from specstream.models import load_model
 
         path = self.target if which == "target" else self.require_draft()
-        return load_model(path, dtype=self.dtype, resolve=resolve_model)
+        return load_model(path, dtype=self.dtype, resolve=resolve_model, weights=self.weights)
 
     def hf_draft(self) -> Path | None:
         """The draft as a plain transformers checkpoint (see the module docstring); cached per run."""

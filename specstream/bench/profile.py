@@ -79,7 +79,8 @@ def rpc_round_trip(models: BenchModels, gamma: int = 4, rounds: int = 40) -> dic
     local_round(0)
     in_process = _median_ms(lambda: local_round(1), rounds)
     with tempfile.TemporaryDirectory() as logs, \
-            Stack(StackSpec(str(models.target), str(models.require_draft()), dtype=models.dtype, log_dir=logs)) as stack:
+            Stack(StackSpec(str(models.target), str(models.require_draft()), dtype=models.dtype,
+                            weights=models.weights, log_dir=logs)) as stack:
         with grpc.insecure_channel(stack.addresses["draft"]) as channel:
             stub = draft_pb2_grpc.DraftStub(channel)
             q: queue.Queue = queue.Queue()

@@ -42,6 +42,7 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
     costs = measure_costs(models, context, [g for g in gammas if g])
     ours: dict[float, dict[int, dict]] = {}
     with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(str(models.target), str(draft), max_gamma=16,
+                                                                 weights=models.weights,
                                                                  dtype=models.dtype, log_dir=logs)) as stack:
         for t in temperatures:
             print(f"T={t}: sweeping gamma {gammas} over {len(prompts)} prompts x {max_new_tokens} tokens ...",

@@ -12,7 +12,8 @@ Contract:
   Shapes are checked against the metadata; an unknown tensor name is an error, not ignored.
 * ``convert_gguf(path, cache_root)`` writes a checkpoint directory (``config.json``,
   ``generation_config.json``, ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``
-  with the file's chat template) under ``cache_root/gguf/<sha256 prefix>-v<N>/`` and returns it. The
+  with the file's chat template; ``weights.q4.safetensors`` with its Q4_0/Q4_1 matrices as stored,
+  see ``hf_q4_tensors``) under ``cache_root/gguf/<sha256 prefix>-v<N>/`` and returns it. The
   key is the file's content hash, so the second start only hashes the file; a converted copy is
   published by an atomic rename under a file lock, so processes starting together convert once.
   ``load_model`` and ``TextTokenizer.from_dir`` then read that directory like any other checkpoint.
@@ -38,7 +39,8 @@ from safetensors.torch import save_file
 
 from specstream.model_registry import GGUF_CONVERTER_VERSION, file_sha256, gguf_cache_dir
 from specstream.models.config import ModelLoadError
-from specstream.models.gguf_dequant import FORMATS, dequantize, nbytes
+from specstream.models.gguf_dequant import FORMATS, Q4_TYPES, dequantize, nbytes, q4_parts
+from specstream.models.int4 import Q4_FILE, pack_codes
 
 __all__ = ["ARCHITECTURES", "GGUFFile", "convert_gguf", "hf_config", "hf_tensors"]
 
@@ -143,6 +145,14 @@ class GGUFFile:
         if not isinstance(value, str):
             raise self.error(key, "is missing" if value is None else f"= {value!r} must be a string")
         return value
+
+    def read_q4(self, name: str) -> tuple[torch.Tensor, ...]:
+        """(codes, scale, min) of a Q4_0/Q4_1 matrix in torch order (``gguf_dequant.q4_parts``)."""
+        t = self.tensors[name]
+        try:
+            return q4_parts(t.raw, t.type_name, t.shape, name)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{self.path}: {e}") from None
 
     def read(self, name: str) -> torch.Tensor:
         """One tensor as float32 in torch order."""
@@ -300,10 +310,31 @@ def hf_tensors(gguf: GGUFFile, config: dict[str, Any]) -> Iterator[tuple[str, to
         if want is not None and t.shape != want:
             raise ModelLoadError(
                 f"{gguf.path}: tensor {name!r} has shape {list(t.shape)}, expected {list(want)} from the {arch}.* metadata")
-        w = gguf.read(name)
-        if spec.permute_qk and name.endswith(("attn_q.weight", "attn_k.weight")):
-            w = _unpermute(w, config["num_attention_heads"] if "attn_q" in name else config["num_key_value_heads"])
-        yield hf_name, w
+        yield hf_name, _unpermuted(gguf.read(name), name, spec, config)
+
+
+def _unpermuted(w: torch.Tensor, name: str, spec: Architecture, config: dict[str, Any]) -> torch.Tensor:
+    """A tensor with per-row data ([rows, ...]) in transformers' row order."""
+    if spec.permute_qk and name.endswith(("attn_q.weight", "attn_k.weight")):
+        return _unpermute(w, config["num_attention_heads"] if "attn_q" in name else config["num_key_value_heads"])
+    return w
+
+
+def hf_q4_tensors(gguf: GGUFFile, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The 4-bit matrices of the file as they are stored, for ``models/int4.py``: for each Q4_0/Q4_1
+    tensor, ``<hf name>.q4_codes`` ([rows, cols/2] uint8, ``int4.pack_codes``), ``.q4_scale`` and
+    ``.q4_min`` ([rows, cols/32] float32), rows in transformers' order. Call after ``hf_tensors``
+    has checked names and shapes."""
+    _, spec = _architecture(gguf)
+    for name, t in gguf.tensors.items():
+        if t.type_name not in Q4_TYPES or len(t.shape) != 2:
+            continue
+        m = _LAYER_NAME.match(name)
+        hf_name = _GLOBAL_TENSORS[name] if m is None else f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}"
+        codes, scale, minimum = (_unpermuted(part, name, spec, config) for part in gguf.read_q4(name))
+        yield f"{hf_name}.q4_codes", pack_codes(codes).contiguous()
+        yield f"{hf_name}.q4_scale", scale.contiguous()
+        yield f"{hf_name}.q4_min", minimum.contiguous()
 
 
 def _write_checkpoint(gguf: GGUFFile, out: Path, sha256: str) -> None:
@@ -321,6 +352,10 @@ def _write_checkpoint(gguf: GGUFFile, out: Path, sha256: str) -> None:
                                        "converter_version": GGUF_CONVERTER_VERSION}}
     out.mkdir(parents=True)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    del weights
+    q4 = dict(hf_q4_tensors(gguf, config))
+    if q4:
+        save_file(q4, str(out / Q4_FILE), metadata={"format": "specstream-q4"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")

@@ -20,7 +20,7 @@ import torch
 
 from specstream.models.config import ModelLoadError
 
-__all__ = ["BlockFormat", "DEQUANTIZERS", "FORMATS", "dequantize", "nbytes"]
+__all__ = ["BlockFormat", "DEQUANTIZERS", "FORMATS", "Q4_TYPES", "dequantize", "nbytes", "q4_parts"]
 
 
 @dataclass(frozen=True)
@@ -138,3 +138,29 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...], tensor: 
     for lo in range(0, blocks.shape[0], step):
         out[lo : lo + step] = fn(blocks[lo : lo + step]).reshape(-1, fmt.block)
     return out.reshape(shape)
+
+
+# Types whose values are exactly scale * code + min with 4-bit codes in blocks of 32 along a row:
+# served as they are by ``models/int4.py`` instead of dequantized.
+Q4_TYPES = ("Q4_0", "Q4_1")
+
+
+def q4_parts(raw: np.ndarray, type_name: str, shape: tuple[int, ...], tensor: str) -> tuple[torch.Tensor, ...]:
+    """(codes [rows, cols] uint8 in 0..15, scale [rows, cols/32] float32, min [rows, cols/32] float32)
+    of a Q4_0/Q4_1 matrix, such that value = scale * code + min (Q4_0: min = -8 * scale) exactly as
+    ``dequantize`` computes it."""
+    if type_name not in Q4_TYPES or len(shape) != 2:
+        raise ModelLoadError(f"tensor {tensor!r}: {type_name} {list(shape)} is not a 4-bit matrix ({', '.join(Q4_TYPES)})")
+    fmt = FORMATS[type_name]
+    rows, cols = shape
+    want = nbytes(type_name, rows * cols)
+    if cols % fmt.block or raw.size != want:
+        raise ModelLoadError(f"tensor {tensor!r}: {raw.size} bytes of {type_name} data do not hold a {list(shape)} matrix")
+    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True).reshape(-1, fmt.nbytes))  # [n_blocks, nbytes]
+    scale = _half(blocks, 0)  # [n_blocks, 1]
+    if type_name == "Q4_0":
+        minimum, codes = -8 * scale, _nibbles(blocks[:, 2:])  # [n_blocks, 1], [n_blocks, 32]
+    else:
+        minimum, codes = _half(blocks, 2), _nibbles(blocks[:, 4:])
+    per_row = cols // fmt.block
+    return codes.reshape(rows, cols), scale.reshape(rows, per_row), minimum.reshape(rows, per_row)

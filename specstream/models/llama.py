@@ -23,7 +23,8 @@ from torch import nn
 
 from specstream.models.config import ModelConfig, ModelLoadError, RopeConfig
 from specstream.models.attention import CacheBatch
-from specstream.models.base import ACTIVATIONS, CausalLM, TensorSource, linear, rms_norm
+from specstream.models.base import ACTIVATIONS, CausalLM, Q4Parts, TensorSource, linear, rms_norm
+from specstream.models.int4 import Q4Weight
 from specstream.models.kv_cache import KVCache
 
 __all__ = ["LlamaForCausalLM", "rope_inv_freq"]
@@ -118,6 +119,32 @@ class _LlamaLayer(nn.Module):
             self.gate_up_b[inter:].copy_(src.take(m + "up_proj.bias", (inter,)))
             self.down_b.copy_(src.take(m + "down_proj.bias", (hidden,)))
 
+    def use_q4(self, parts: Q4Parts, prefix: str, dtype: torch.dtype) -> int:
+        """Swap each fused projection whose every checkpoint part has 4-bit data for a Q4Weight."""
+        a, m = prefix + "self_attn.", prefix + "mlp."
+        fused = {
+            "qkv_w": (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+            "o_w": (a + "o_proj.weight",),
+            "gate_up_w": (m + "gate_proj.weight", m + "up_proj.weight"),
+            "down_w": (m + "down_proj.weight",),
+        }
+        swapped = 0
+        for attr, names in fused.items():
+            found = [parts(name) for name in names]
+            if any(part is None for part in found):
+                continue  # a mixed-precision group stays dense
+            codes, scale, minimum = (torch.cat(group) for group in zip(*found))  # [N, K], [N, K/32] x2
+            dense = getattr(self, attr)
+            if tuple(codes.shape) != tuple(dense.shape):
+                raise ModelLoadError(f"4-bit data for {', '.join(names)}: shape {list(codes.shape)}, "
+                                     f"expected {list(dense.shape)}")
+            if not Q4Weight.fits(*codes.shape):
+                continue  # the kernel's tiles do not divide it: stays dense
+            del self._parameters[attr]  # a plain attribute from now on: the dense copy is freed
+            setattr(self, attr, Q4Weight.from_parts(codes, scale, minimum, dtype))
+            swapped += len(names)
+        return swapped
+
     def attention(self, x: torch.Tensor, batch: CacheBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, T, H] -> x + attention block [B, T, H]; writes this layer's K/V into the cache."""
         B, T, _ = x.shape
@@ -205,6 +232,22 @@ class LlamaForCausalLM(CausalLM):
                 self.lm_head.copy_(full[ids.to(full.device)])
             elif self.lm_head is not None:
                 self.lm_head.copy_(source.take("lm_head.weight", (V, H)))
+
+    def use_q4(self, parts: Q4Parts) -> int:
+        """The layers' projections and an untied, full-vocabulary output layer; the embedding lookup
+        (and a tied output layer, which is the embedding) stay dense."""
+        swapped = sum(layer.use_q4(parts, f"model.layers.{i}.", self.dtype)  # type: ignore[operator]
+                      for i, layer in enumerate(self.layers))
+        head = parts("lm_head.weight") if self.lm_head is not None and self.config.output_vocab is None else None
+        if head is not None:
+            if tuple(head[0].shape) != tuple(self.lm_head.shape):
+                raise ModelLoadError(f"4-bit data for lm_head.weight: shape {list(head[0].shape)}, "
+                                     f"expected {list(self.lm_head.shape)}")
+        if head is not None and Q4Weight.fits(*head[0].shape):
+            del self._parameters["lm_head"]
+            self.lm_head = Q4Weight.from_parts(*head, self.dtype)
+            swapped += 1
+        return swapped
 
     def embed_positions(self, input_ids: torch.Tensor, batch: CacheBatch) -> tuple[torch.Tensor, ...]:
         """(hidden [B, T, H], cos, sin [B, 1, T, D]): the input embedding and this forward's RoPE rows."""

@@ -2,7 +2,9 @@
 
 Contract: ``load_model(path, dtype, device)`` reads ``config.json`` (+ ``generation_config.json`` for extra
 eos ids), picks the model class for its architecture (``MODEL_CLASSES``), and fills it from
-``model.safetensors`` or the shards listed in ``model.safetensors.index.json``, converting to ``dtype``.
+``model.safetensors`` or the shards listed in ``model.safetensors.index.json``, converting to ``dtype``;
+with ``weights`` "int4"/"auto" it then serves the matrices that ``weights.q4.safetensors`` holds as
+4-bit blocks (``int4.py``).
 Every tensor is shape-checked and every checkpoint tensor must be consumed (apart from known
 buffers), so a config that disagrees with its weights fails at load. Every failure is a
 ``ModelLoadError`` naming the file and the field or tensor. The model comes back in eval mode with
@@ -26,12 +28,14 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from specstream.config import WEIGHT_FORMATS
 from specstream.models.config import CONFIG_PARSERS, ModelConfig, ModelLoadError, parse_config
 from specstream.models.gpt2 import GPT2LMHeadModel
+from specstream.models.int4 import Q4_FILE, unpack_codes
 from specstream.models.base import CausalLM
 from specstream.models.llama import LlamaForCausalLM
 
-__all__ = ["load_model", "read_config", "ModelLoadError", "MODEL_CLASSES", "DTYPES", "SafetensorsSource"]
+__all__ = ["load_model", "read_config", "ModelLoadError", "MODEL_CLASSES", "DTYPES", "WEIGHTS", "SafetensorsSource"]
 
 # Architecture name -> implementation; keys mirror config.CONFIG_PARSERS (kept apart to avoid an import cycle).
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
@@ -50,6 +54,8 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
+
+WEIGHTS = WEIGHT_FORMATS  # "auto", "dense", "int4": see specstream/config.py
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -240,18 +246,52 @@ def embedding_sha256(embed: torch.Tensor) -> str:
     return hashlib.sha256(embed.detach().to(torch.float32).contiguous().numpy().tobytes()).hexdigest()
 
 
+def _use_q4(model: CausalLM, file: Path, weights: str) -> int:
+    """Swap the model's matrices that ``file`` has 4-bit data for; returns how many."""
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            names = set(f.keys())
+
+            def parts(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                keys = (f"{name}.q4_codes", f"{name}.q4_scale", f"{name}.q4_min")
+                if not all(k in names for k in keys):
+                    return None
+                codes, scale, minimum = (f.get_tensor(k) for k in keys)
+                if codes.dtype != torch.uint8 or scale.dtype != torch.float32 or minimum.dtype != torch.float32:
+                    raise ModelLoadError(f"{file}: tensor {name!r}: 4-bit parts must be uint8 codes and float32 "
+                                         f"scale/min, got {codes.dtype}, {scale.dtype}, {minimum.dtype}")
+                return unpack_codes(codes), scale, minimum
+
+            swapped = model.use_q4(parts)
+    except SafetensorError as e:
+        raise ModelLoadError(f"{file}: not a readable safetensors file ({e})") from e
+    if weights == "int4" and swapped == 0:
+        raise ModelLoadError(f"{file}: weights='int4', but none of its matrices fits {model.config.architecture}")
+    return swapped
+
+
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
-               resolve: Callable[[str], Path] | None = None) -> CausalLM:
+               resolve: Callable[[str], Path] | None = None, weights: str = "dense") -> CausalLM:
     """A ready model (eval mode, no grad) from a checkpoint directory; see the module docstring.
 
     ``resolve`` turns a model reference (a draft's ``specstream.shared_embedding.model``) into a
-    checkpoint directory; without it such a draft cannot be loaded."""
+    checkpoint directory; without it such a draft cannot be loaded. ``weights``: one of ``WEIGHTS``;
+    the model's ``weights`` attribute says what was served ("int4 (N matrices)" or "dense")."""
     torch_dtype = DTYPES.get(dtype)
     if torch_dtype is None:
         raise ValueError(f"load_model: dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    if weights not in WEIGHTS:
+        raise ValueError(f"load_model: weights {weights!r} is not one of {WEIGHTS}")
     root = Path(path)
     if not root.is_dir():
         raise ModelLoadError(f"{root}: not a directory (expected a checkpoint with config.json)")
+    q4_file = root / Q4_FILE
+    if weights == "int4":
+        if not q4_file.is_file():
+            raise ModelLoadError(f"{root}: weights='int4' needs {Q4_FILE}, which converting a GGUF file with "
+                                 "Q4_0/Q4_1 tensors writes; this checkpoint has none")
+        if torch.device(device).type != "cpu":
+            raise ModelLoadError(f"weights='int4' runs on the CPU only, got device {device!r}")
     config = read_config(root)
     with SafetensorsSource(root, torch_dtype, device) as own:
         source: SafetensorsSource | SharedEmbeddingSource = own
@@ -270,6 +310,11 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
             f"{own.describe}: unexpected tensor(s) {shown} not used by {config.architecture} "
             f"as configured in config.json (num_hidden_layers={config.num_layers})"
         )
+    # auto: the int4 kernel is vectorised for bfloat16; in float32 it is slower than dense matmuls.
+    use_q4 = weights == "int4" or (weights == "auto" and q4_file.is_file() and torch_dtype == torch.bfloat16
+                                   and torch.device(device).type == "cpu")
+    swapped = _use_q4(model, q4_file, weights) if use_q4 else 0
+    model.weights = f"int4 ({swapped} matrices)" if swapped else "dense"
     model.eval()
     model.requires_grad_(False)
     return model

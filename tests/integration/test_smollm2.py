@@ -81,6 +81,32 @@ def test_logits_match_transformers_on_the_real_file(real) -> None:
         assert diff <= LOGIT_TOLERANCE, f"max |logit difference| {diff:.2e} on {tok.decode(ids)[:40]!r}"
 
 
+def test_4_bit_serving_is_as_close_to_the_file_as_dequantized_bfloat16(real) -> None:
+    """The default on CPU (bfloat16, the file's Q4_1 matrices served as 4-bit blocks) against the
+    file's exact values (float32, dequantized): no further from them than dequantizing to bfloat16."""
+    directory, tok, _, _ = real
+    exact = load_model(directory, "float32", weights="dense")
+    dense = load_model(directory, "bfloat16", weights="dense")
+    q4 = load_model(directory, "bfloat16", weights="auto")
+    assert q4.weights == "int4 (210 matrices)"  # 30 layers x 7; the Q8_0 embedding stays dense
+    err = {"dense": [], "int4": []}
+    agree = {"dense": [], "int4": []}
+    for ids in _prompts(tok):
+        cache = exact.new_cache(1, len(ids))
+        with torch.inference_mode():
+            want = exact(torch.tensor([ids]), cache, torch.tensor([cache.alloc()]), torch.tensor([0]))[0]  # [T, V]
+        for name, model in (("dense", dense), ("int4", q4)):
+            cache = model.new_cache(1, len(ids))
+            with torch.inference_mode():
+                got = model(torch.tensor([ids]), cache, torch.tensor([cache.alloc()]), torch.tensor([0]))[0]
+            err[name].append((got - want).abs().mean().item())
+            agree[name].append((got.argmax(-1) == want.argmax(-1)).float().mean().item())
+    mean = {k: sum(v) / len(v) for k, v in err.items()}
+    top1 = {k: sum(v) / len(v) for k, v in agree.items()}
+    assert mean["int4"] <= 1.2 * mean["dense"], mean
+    assert min(top1.values()) >= 0.95, top1
+
+
 def test_greedy_output_matches_transformers_8_prompts_x_64_tokens(real) -> None:
     from specstream.config import ModelSpec, TargetConfig
     from target_service.engine import Engine

@@ -1,0 +1,209 @@
+"""4-bit weights served as stored (specstream/models/int4.py): the kernel against its torch reference,
+its rows' independence (exact greedy speculation needs it), the GGUF parts, and load_model's choice."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from test_models import assert_verify_equals_steps
+
+from specstream.config import ModelSpec
+from specstream.models import ModelLoadError, load_model
+from specstream.models.base import rms_norm
+from specstream.models.gguf import convert_gguf
+from specstream.models.gguf_dequant import dequantize, q4_parts
+from specstream.models.int4 import (GROUP, Q4_FILE, Q4Weight, pack_codes, q4_dense, q4_linear,
+                                    q4_linear_reference, unpack_codes)
+from tests.checkpoints import make_hf_checkpoint
+from tests.gguf_files import chatml_tokenizer, write_gguf
+
+gguf = pytest.importorskip("gguf")
+
+
+def _parts(kind: str, shape: tuple[int, int], seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """(codes, scale, min) of a random matrix quantized by the gguf package, and its raw bytes."""
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 0.1
+    raw = np.ascontiguousarray(gguf.quants.quantize(x, gguf.GGMLQuantizationType[kind])).reshape(-1).view(np.uint8)
+    return (*q4_parts(raw, kind, shape, "w"), raw)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_parts_are_exactly_the_dequantized_values(kind: str) -> None:
+    codes, scale, minimum, raw = _parts(kind, (48, 96))
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
+    dense = codes.float() * scale.repeat_interleave(GROUP, 1) + minimum.repeat_interleave(GROUP, 1)
+    assert torch.equal(dense, dequantize(raw, kind, (48, 96), "w"))
+
+
+def test_parts_reject_other_types_and_wrong_sizes() -> None:
+    with pytest.raises(ModelLoadError, match=r"tensor 'w': Q8_0 \[2, 32\] is not a 4-bit matrix"):
+        q4_parts(np.zeros(68, np.uint8), "Q8_0", (2, 32), "w")
+    with pytest.raises(ModelLoadError, match=r"tensor 'w': 10 bytes of Q4_1 data do not hold a \[2, 32\] matrix"):
+        q4_parts(np.zeros(10, np.uint8), "Q4_1", (2, 32), "w")
+
+
+def test_pack_codes_round_trips() -> None:
+    codes = torch.randint(0, 16, (7, 64), dtype=torch.uint8)
+    packed = pack_codes(codes)
+    assert packed.shape == (7, 32)
+    assert torch.equal(unpack_codes(packed), codes)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_float32_kernel_weights_are_ggmls_bit_for_bit(kind: str) -> None:
+    """Multiplying by the identity reads the kernel's weights back: in float32 they are ggml's values."""
+    codes, scale, minimum, raw = _parts(kind, (64, 128), seed=1)
+    w = Q4Weight.from_parts(codes, scale, minimum, torch.float32)
+    read_back = q4_linear(torch.eye(128), w).t()  # [N, K]
+    assert torch.equal(read_back, dequantize(raw, kind, (64, 128), "w"))
+    assert torch.equal(q4_dense(codes, scale, minimum, torch.float32), read_back)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("shape", [(96, 64), (3072, 576), (576, 1536)])
+def test_kernel_matches_its_torch_reference(dtype: torch.dtype, tol: float, shape: tuple[int, int]) -> None:
+    codes, scale, minimum, _ = _parts("Q4_1", shape, seed=2)
+    w = Q4Weight.from_parts(codes, scale, minimum, dtype)
+    bias = torch.randn(shape[0]).to(dtype)
+    x = torch.randn(3, 5, shape[1]).to(dtype)  # [B, T, K]
+    got = q4_linear(x, w, bias)
+    want = q4_linear_reference(x, codes, scale, minimum, bias)
+    assert got.shape == (3, 5, shape[0]) and got.dtype == dtype
+    scale_of = want.float().abs().max().item()
+    assert (got.float() - want.float()).abs().max().item() <= tol * scale_of
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_row_is_the_same_bits_however_many_rows_the_call_has(dtype: torch.dtype) -> None:
+    codes, scale, minimum, _ = _parts("Q4_1", (3072, 576), seed=3)
+    w = Q4Weight.from_parts(codes, scale, minimum, dtype)
+    x = torch.randn(40, 576).to(dtype)
+    full = q4_linear(x, w)  # [40, N]
+    for rows, start in [(1, 0), (1, 13), (2, 5), (3, 1), (4, 8), (5, 0), (9, 30), (17, 3)]:
+        part = q4_linear(x[start : start + rows].contiguous(), w)
+        assert torch.equal(part, full[start : start + rows]), f"{rows} rows from {start}"
+
+
+def test_from_parts_rejects_shapes_the_kernel_cannot_take() -> None:
+    codes = torch.zeros(8, 48, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"codes \[8, 48\] need N a multiple of 16, K of 32"):
+        Q4Weight.from_parts(codes, torch.ones(8, 1), torch.zeros(8, 1), torch.float32)
+
+
+# ----- whole models from GGUF files --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def q4_checkpoint(tmp_path_factory) -> tuple:
+    """A converted Q4_1 GGUF llama (GQA, untied head) and the tokenizer."""
+    tok = chatml_tokenizer()
+    root = tmp_path_factory.mktemp("q4")
+    hf = make_hf_checkpoint(root / "hf", "llama", vocab_size=tok.get_vocab_size(), num_key_value_heads=2,
+                            hidden_size=64, intermediate_size=128, tie_word_embeddings=False)
+    return convert_gguf(write_gguf(root / "m.gguf", hf, tok, qtype="Q4_1"), root / "cache"), tok
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    cache = model.new_cache(1, 64)
+    with torch.inference_mode():
+        return model(torch.tensor([ids]), cache, torch.tensor([cache.alloc()]), torch.tensor([0]))[0]  # [T, V]
+
+
+def test_a_converted_q4_file_serves_its_matrices_in_4_bits(q4_checkpoint) -> None:
+    out, tok = q4_checkpoint
+    assert (out / Q4_FILE).is_file()
+    # 2 layers x (q, k, v, o, gate, up, down); the output layer's 300 rows do not fit the kernel's
+    # 16-row tiles, so it stays dense.
+    model = load_model(out, "float32", weights="int4")
+    assert model.weights == "int4 (14 matrices)"
+    assert isinstance(model.layers[0].qkv_w, Q4Weight) and isinstance(model.lm_head, torch.nn.Parameter)
+    dense = load_model(out, "float32", weights="dense")
+    assert dense.weights == "dense" and isinstance(dense.layers[0].qkv_w, torch.nn.Parameter)
+    ids = tok.encode("def f(x):\n    return x * 2").ids
+    # Same weights bit for bit (float32); only the order of the sums differs.
+    assert (_logits(model, ids) - _logits(dense, ids)).abs().max().item() < 1e-4
+
+
+def test_an_untied_output_layer_runs_in_4_bits_when_it_fits(tmp_path) -> None:
+    path = make_hf_checkpoint(tmp_path, "llama", vocab_size=320, tie_word_embeddings=False)
+    model = load_model(path, "float32")
+    codes, scale, minimum, _ = _parts("Q4_1", (320, 64), seed=4)
+    assert model.use_q4(lambda name: (codes, scale, minimum) if name == "lm_head.weight" else None) == 1
+    assert isinstance(model.lm_head, Q4Weight)
+    hidden = torch.randn(1, 3, 64)  # [B, T, H]
+    normed = rms_norm(hidden, model.norm, model.config.norm_eps)  # [B, T, H]
+    expected = torch.nn.functional.linear(normed, q4_dense(codes, scale, minimum, torch.float32))  # [B, T, V]
+    assert (model.logits(hidden) - expected).abs().max().item() < 1e-5
+
+
+def test_auto_picks_int4_for_bfloat16_on_cpu_and_dense_for_float32(q4_checkpoint) -> None:
+    out, _ = q4_checkpoint
+    assert load_model(out, "bfloat16", weights="auto").weights.startswith("int4")
+    assert load_model(out, "float32", weights="auto").weights == "dense"
+
+
+def test_bfloat16_int4_logits_are_as_close_to_the_file_as_dense_bfloat16(q4_checkpoint) -> None:
+    """Against the exact (float32) values of the file, 4-bit serving in bfloat16 errs no more than
+    dequantizing to bfloat16 does, within a margin."""
+    out, tok = q4_checkpoint
+    ids = tok.encode("The quick brown fox jumps over the lazy dog").ids
+    exact = _logits(load_model(out, "float32", weights="dense"), ids)
+    err_dense = (_logits(load_model(out, "bfloat16", weights="dense"), ids) - exact).abs().max().item()
+    err_q4 = (_logits(load_model(out, "bfloat16", weights="int4"), ids) - exact).abs().max().item()
+    assert err_q4 <= 1.5 * err_dense, f"int4 {err_q4:.4g} vs dense {err_dense:.4g}"
+
+
+def test_verify_forward_equals_single_steps_bitwise_with_int4_weights(q4_checkpoint) -> None:
+    out, _ = q4_checkpoint
+    assert_verify_equals_steps(load_model(out, "bfloat16", weights="int4"), "int4 llama")
+
+
+def test_a_group_with_a_part_not_in_4_bits_stays_dense(tmp_path, q4_checkpoint) -> None:
+    _, tok = q4_checkpoint
+    hf = make_hf_checkpoint(tmp_path / "hf", "llama", vocab_size=tok.get_vocab_size(), hidden_size=64,
+                            intermediate_size=128)
+    out = convert_gguf(write_gguf(tmp_path / "m.gguf", hf, tok, qtype="Q4_0",
+                                  tensor_types={"blk.0.attn_k.weight": "Q8_0"}), tmp_path / "cache")
+    model = load_model(out, "bfloat16", weights="int4")
+    assert isinstance(model.layers[0].qkv_w, torch.nn.Parameter)  # q, k, v are one matmul: all or none
+    assert isinstance(model.layers[0].o_w, Q4Weight) and isinstance(model.layers[1].qkv_w, Q4Weight)
+
+
+def test_int4_is_refused_where_it_cannot_run(tmp_path, q4_checkpoint) -> None:
+    out, _ = q4_checkpoint
+    plain = make_hf_checkpoint(tmp_path / "plain", "llama", vocab_size=300)
+    with pytest.raises(ModelLoadError, match=rf"weights='int4' needs {Q4_FILE}"):
+        load_model(plain, "bfloat16", weights="int4")
+    assert load_model(plain, "bfloat16", weights="auto").weights == "dense"
+    with pytest.raises(ModelLoadError, match=r"weights='int4' runs on the CPU only, got device 'cuda:0'"):
+        load_model(out, "bfloat16", device="cuda:0", weights="int4")
+    with pytest.raises(ValueError, match=r"weights 'int8' is not one of"):
+        load_model(out, "bfloat16", weights="int8")
+    with pytest.raises(ValueError, match=r"weights='int8': must be one of"):
+        ModelSpec("smollm2", weights="int8")
+
+
+def test_a_bad_q4_file_names_the_tensor(tmp_path, q4_checkpoint) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out, _ = q4_checkpoint
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    parts = load_file(str(copy / Q4_FILE))
+    name = "model.layers.0.mlp.down_proj.weight"
+    parts[f"{name}.q4_scale"] = parts[f"{name}.q4_scale"].half()
+    save_file(parts, str(copy / Q4_FILE))
+    with pytest.raises(ModelLoadError, match=rf"tensor '{name}': 4-bit parts must be uint8 codes and float32"):
+        load_model(copy, "bfloat16", weights="int4")
+    parts[f"{name}.q4_scale"] = parts[f"{name}.q4_scale"].float()[:-1]
+    parts[f"{name}.q4_min"] = parts[f"{name}.q4_min"][:-1]
+    parts[f"{name}.q4_codes"] = parts[f"{name}.q4_codes"][:-1]
+    save_file(parts, str(copy / Q4_FILE))
+    with pytest.raises(ModelLoadError, match=rf"4-bit data for {name}: shape \[63, 128\], expected \[64, 128\]"):
+        load_model(copy, "bfloat16", weights="int4")
+    assert json.loads((copy / "config.json").read_text())["hidden_size"] == 64
