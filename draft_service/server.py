@@ -11,23 +11,18 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from draft_service import tracing
-from draft_service.combined import NgramPlusModelProposer
-from draft_service.ngram import NgramProposer
-from draft_service.proposer import DraftProposer, Proposer
-from draft_service.synthetic import SyntheticProposer
+from draft_service.build import build_proposer
+from draft_service.proposer import Proposer
 from draft_service.wire import item_from_pb, proposal_to_pb
 from specstream.compute import compute_executor
 from specstream.config import DraftConfig
 from specstream.grpc_server import ServiceServer
 from specstream.metrics import DraftMetrics
-from specstream.model_registry import resolve_dtype, resolve_model
-from specstream.models import load_model
 from specstream_pb import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -88,26 +83,3 @@ async def serve(config: DraftConfig) -> None:
     await server.set_serving(True)
     log.info("draft %s serving on %s", proposer.name, server.address)
     await server.serve_forever()
-
-
-def build_proposer(config: DraftConfig) -> Proposer:
-    """The proposer `config` names, its draft model loaded (on the calling thread) if it has one."""
-    if config.synthetic_oracle:
-        return SyntheticProposer.from_file(config.synthetic_oracle, config.synthetic_alpha, config.synthetic_seed)
-    return PROPOSERS[config.proposer](config)
-
-
-def _draft_model(config: DraftConfig) -> DraftProposer:
-    spec = config.model
-    model = load_model(resolve_model(spec.path), dtype=resolve_dtype(spec.dtype, spec.device), device=spec.device,
-                       resolve=resolve_model, weights=spec.weights)
-    return DraftProposer(model, config.max_slots, config.max_seq_len, config.q_support)
-
-
-# DraftConfig.proposer -> how to build it (the keys are DraftConfig.PROPOSERS).
-PROPOSERS: dict[str, Callable[[DraftConfig], Proposer]] = {
-    "model": _draft_model,
-    "ngram": lambda config: NgramProposer(config.max_slots, config.max_seq_len, config.ngram_min, config.ngram_max),
-    "ngram+model": lambda config: NgramPlusModelProposer(_draft_model(config), config.max_slots, config.ngram_min,
-                                                         config.ngram_max),
-}

@@ -76,6 +76,21 @@ def _run_service(args: argparse.Namespace, coro_factory) -> int:
     return 0
 
 
+def _colocated_draft(args: argparse.Namespace):
+    """The DraftConfig of a draft run inside the target (--draft-model, or --proposer other than
+    model), or None; ValueError when it clashes with --draft-url."""
+    from specstream.config import DraftConfig, ModelSpec
+
+    if not args.draft_model and args.proposer == "model":
+        return None
+    if args.draft_url:
+        raise ValueError(f"--draft-url {args.draft_url}: the draft runs at --draft-url or in this process "
+                         "(--draft-model, --proposer), not both")
+    model = ModelSpec(args.draft_model, args.dtype, args.device) if args.draft_model else None
+    return DraftConfig(model=model, proposer=args.proposer, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+                       max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len)
+
+
 def _target_config(args: argparse.Namespace):
     from specstream.config import ModelSpec, TargetConfig
 
@@ -83,13 +98,18 @@ def _target_config(args: argparse.Namespace):
                         max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len,
                         default_gamma=args.gamma, max_gamma=args.max_gamma, gamma_policy=args.gamma_policy,
                         draft_url=args.draft_url, draft_timeout_s=args.draft_timeout, torch_threads=args.threads,
+                        colocated_draft=_colocated_draft(args),
                         **_batching_config(args))
 
 
 def cmd_target(args: argparse.Namespace) -> int:
     from target_service.server import serve
 
-    config = _target_config(args)
+    try:
+        config = _target_config(args)
+    except ValueError as exc:
+        print(f"specstream target: error: {exc}", file=sys.stderr)
+        return 2
     return _run_service(args, lambda: serve(config))
 
 
@@ -152,7 +172,11 @@ def _draft_config(args: argparse.Namespace):
 def cmd_draft(args: argparse.Namespace) -> int:
     from draft_service.server import serve
 
-    config = _draft_config(args)
+    try:
+        config = _draft_config(args)
+    except ValueError as exc:
+        print(f"specstream draft: error: {exc}", file=sys.stderr)
+        return 2
     return _run_service(args, lambda: serve(config))
 
 
@@ -233,7 +257,7 @@ def _stack_spec(args: argparse.Namespace):
                      gamma=args.gamma, max_gamma=args.max_gamma, gamma_policy=args.gamma_policy,
                      proposer=args.proposer, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
                      max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len, dtype=dtype,
-                     weights=args.weights, log_dir=args.log_dir, draft_threads=args.draft_threads, target_threads=args.target_threads,
+                     weights=args.weights, colocate_draft=args.colocate_draft, log_dir=args.log_dir, draft_threads=args.draft_threads, target_threads=args.target_threads,
                      target_replicas=args.replicas, extra_target_args=_batching_args(args), metrics=args.metrics,
                      trace_file=os.path.abspath(args.trace_file) if args.trace_file else None)
 
@@ -491,6 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="target model: name, .gguf file or checkpoint directory (default: --models)")
     p.add_argument("--draft", help="draft model directory (default: the --models pair's draft)")
     p.add_argument("--no-draft", action="store_true", help="run without a draft service (plain decoding)")
+    p.add_argument("--colocate-draft", action="store_true",
+                   help="run the draft inside each target process instead of as its own service: no gRPC hop "
+                        "per step (faster on one machine); the draft then shares the target's threads")
     _proposer_flags(p, model_flag="--draft or the --models pair's")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="gateway port (0: pick a free one)")
@@ -513,8 +540,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("target", help="run the target-model service")
     _model_flags(p)
     _server_flags(p, 50052)
-    p.add_argument("--draft-url", help="host:port of the draft service (omit: plain decoding)")
+    p.add_argument("--draft-url", help="host:port of the draft service (omit: plain decoding, or --draft-model)")
     p.add_argument("--draft-timeout", type=float, default=10.0)
+    p.add_argument("--draft-model", help="run the draft in this process instead of a draft service (no gRPC hop "
+                                         "between the two models): a model reference; exclusive with --draft-url")
+    _proposer_flags(p, model_flag="--draft-model, in this process; with --proposer ngram no draft model is needed")
     _gamma_flags(p)
     p.add_argument("--max-slots", type=int, default=8)
     _batching_flags(p)

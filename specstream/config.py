@@ -12,10 +12,12 @@ from typing import ClassVar
 
 GAMMA_POLICIES = ("goodput", "fixed", "hf", "leviathan")  # target_service/gamma.py
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 where native (model_registry.resolve_dtype)
-# How weight matrices are served (specstream/models/loader.py): dense in the dtype, or the
-# checkpoint's 4-bit blocks (a converted Q4_0/Q4_1 GGUF file); auto: 4-bit where the checkpoint
-# has them, the device is a CPU and the dtype bfloat16 (the kernel's fast path), dense otherwise.
-WEIGHT_FORMATS = ("auto", "dense", "int4")
+# How weight matrices are served (specstream/models/loader.py): dense in the dtype; "int4": the
+# checkpoint's own 4-bit blocks (a converted Q4_0/Q4_1 GGUF file); "int4-rtn": a dense checkpoint
+# rounded to 4 bits at load (drafts only: it changes the model, which a draft may, since only α
+# depends on it). auto: on a CPU in bfloat16 (the kernel's fast path), int4 where the checkpoint
+# has 4-bit blocks, and for a draft int4-rtn otherwise; dense everywhere else.
+WEIGHT_FORMATS = ("auto", "dense", "int4", "int4-rtn")
 
 
 def _check(ok: bool, name: str, value: object, want: str) -> None:
@@ -83,7 +85,10 @@ class TargetConfig:
     default_gamma: int = 4  # speculation=auto's γ under gamma_policy "fixed" (and before any step is measured)
     max_gamma: int = 16  # largest gamma a request may ask for, and the controller may pick
     gamma_policy: str = "goodput"  # speculation=auto: "goodput", "fixed", "hf" or "leviathan" (target_service/gamma.py)
-    draft_url: str | None = None  # host:port of the draft service; None decodes plainly
+    draft_url: str | None = None  # host:port of the draft service; None decodes plainly (or colocated_draft)
+    # The draft in this process instead (no gRPC hop; it runs on the engine's torch thread between
+    # forwards). Exclusive with draft_url. Its server settings are unused.
+    colocated_draft: DraftConfig | None = None
     draft_timeout_s: float = 10.0  # a propose round trip longer than this counts as draft failure
     draft_retry_s: float = 1.0  # wait this long before reconnecting to a failed draft
     torch_threads: int = 0  # CPU threads for the model (0: torch's default, one per core)
@@ -99,6 +104,8 @@ class TargetConfig:
     def __post_init__(self) -> None:
         _check(self.max_slots >= 1, "max_slots", self.max_slots, ">= 1")
         _check(self.max_seq_len >= 8, "max_seq_len", self.max_seq_len, ">= 8")
+        _check(self.model.weights != "int4-rtn", "weights", self.model.weights,
+               "the checkpoint's own ('auto', 'dense' or 'int4') for a target: rounding would change its output")
         _check(self.policy in ("static", "topup"), "policy", self.policy, "'static' or 'topup'")
         _check(0.0 <= self.refill_threshold <= 1.0, "refill_threshold", self.refill_threshold, "in [0, 1]")
         _check(0 <= self.max_batch <= self.max_slots, "max_batch", self.max_batch, f"in 0..max_slots ({self.max_slots})")
@@ -113,6 +120,8 @@ class TargetConfig:
         _check(self.max_gamma + 2 < self.max_seq_len, "max_gamma", self.max_gamma, "well below max_seq_len")
         _check(self.gamma_policy in GAMMA_POLICIES, "gamma_policy", self.gamma_policy,
                f"one of {', '.join(GAMMA_POLICIES)}")
+        _check(not (self.draft_url and self.colocated_draft), "colocated_draft", "set",
+               f"unset when draft_url is set ({self.draft_url!r}): the draft runs in one place")
         _check(self.draft_timeout_s > 0, "draft_timeout_s", self.draft_timeout_s, "> 0")
         _check(self.draft_retry_s >= 0, "draft_retry_s", self.draft_retry_s, ">= 0")
         _check(self.torch_threads >= 0, "torch_threads", self.torch_threads, ">= 0")
@@ -125,7 +134,7 @@ class TargetConfig:
 @dataclass
 class DraftConfig:
     # What proposes: the draft model; prompt-lookup n-grams (no model); or n-grams where they match
-    # and the model elsewhere (draft_service/server.py PROPOSERS builds each).
+    # and the model elsewhere (draft_service/build.py PROPOSERS builds each).
     PROPOSERS: ClassVar[tuple[str, ...]] = ("model", "ngram", "ngram+model")
 
     model: ModelSpec | None  # None with proposer "ngram" or with synthetic_oracle

@@ -5,7 +5,8 @@ are N target processes, named `target`, `target-1`, ..., `target-{N-1}`, all beh
 gateway and all sharing the one draft process (the draft keys its state per stream, so targets
 cannot see each other's sequences; its `max_slots` bounds the sequences of all of them together).
 There is a draft process when there is something to propose with: a draft model, the synthetic
-oracle, or `proposer = "ngram"` (prompt lookup, no model).
+oracle, or `proposer = "ngram"` (prompt lookup, no model) — unless `colocate_draft`, where each
+target runs the draft in its own process (`specstream target --draft-model`) and none starts.
 Waits until each process answers `grpc.health.v1` with SERVING; stopping sends SIGTERM (graceful)
 and escalates to SIGKILL only after a grace period. With `metrics`, each process also serves
 Prometheus `/metrics` on a free port of its own (`Stack.metrics_addresses`). Knows nothing about
@@ -87,6 +88,8 @@ class StackSpec:
     synthetic: tuple[str, float] | None = None  # benchmarks: (oracle file, alpha) replaces the draft model
     trace_file: str | None = None  # all processes append their spans to this file (JSON lines)
     metrics: bool = False  # each process serves Prometheus /metrics on a free port (Stack.metrics_addresses)
+    # Each target runs the draft (draft_model / proposer) in its own process: no draft service.
+    colocate_draft: bool = False
 
     def __post_init__(self) -> None:
         # The services check their own values again; these are the ones that decide which
@@ -101,10 +104,17 @@ class StackSpec:
             raise ValueError(f"draft_model={self.draft_model!r}: proposer 'ngram' uses no draft model")
         if self.proposer == "ngram+model" and not self.draft_model:
             raise ValueError("draft_model=None: proposer 'ngram+model' needs a draft model")
+        if self.colocate_draft and self.synthetic:
+            raise ValueError("colocate_draft: the synthetic benchmark proposer runs as a draft service only")
 
     @property
     def has_draft(self) -> bool:
         """Whether a draft process runs (see the module docstring)."""
+        return self.drafts and not self.colocate_draft
+
+    @property
+    def drafts(self) -> bool:
+        """Whether anything proposes: a draft model, n-grams or the synthetic proposer."""
         return bool(self.draft_model or self.synthetic or self.proposer == "ngram")
 
 
@@ -127,6 +137,8 @@ def command_lines(spec: StackSpec, target_model: str, addresses: dict[str, str],
     tracing = ["--trace-file", spec.trace_file] if spec.trace_file else []
     common = ["--host", spec.host, "--dtype", spec.dtype, "--weights", spec.weights, "--max-seq-len", str(spec.max_seq_len), *tracing]
     lines: dict[str, list[str]] = {}
+    colocated = ["--proposer", spec.proposer, "--ngram-max", str(spec.ngram_max), "--ngram-min", str(spec.ngram_min),
+                 *(["--draft-model", spec.draft_model] if spec.draft_model else [])]
     if spec.has_draft:
         if spec.synthetic:
             source = ["--synthetic-oracle", spec.synthetic[0], "--synthetic-alpha", str(spec.synthetic[1])]
@@ -140,7 +152,8 @@ def command_lines(spec: StackSpec, target_model: str, addresses: dict[str, str],
                        "--gamma", str(spec.gamma), "--max-gamma", str(spec.max_gamma), "--gamma-policy",
                        spec.gamma_policy, "--max-slots", str(spec.max_slots), "--threads", str(spec.target_threads),
                        *metrics_flag(name), *spec.extra_target_args,
-                       *(["--draft-url", addresses["draft"]] if spec.has_draft else [])]
+                       *(["--draft-url", addresses["draft"]] if spec.has_draft else []),
+                       *(colocated if spec.colocate_draft and spec.drafts else [])]
     lines["gateway"] = ["gateway", "--target-url", ",".join(addresses[name] for name in names), "--tokenizer",
                         target_model, "--host", spec.host, "--port", port["gateway"], *metrics_flag("gateway"),
                         *tracing, *spec.extra_gateway_args]

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from specstream import telemetry
-from specstream.compute import compute_executor
+from specstream.compute import torch_thread
 from specstream.config import TargetConfig
 from specstream.errors import AlreadyExistsError, InternalError, InvalidArgumentError, SpecstreamError, UnavailableError
 from specstream.metrics import TargetMetrics
@@ -55,7 +55,7 @@ class Engine:
         self.drafting = Drafting(draft, self.controller, model.config.vocab_size)
         self.max_len = min(config.max_seq_len, model.config.max_position_embeddings)
         # All torch work belongs on this one thread (see specstream.compute).
-        self._compute = compute or compute_executor("engine-compute")
+        self._compute = compute or torch_thread()
         self.cache = self._compute.submit(model.new_cache, config.max_slots, self.max_len).result()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

@@ -2,13 +2,18 @@
 
 For colocated deployments that want no gRPC hop to the draft, and for driving the engine in one
 process (tests, benchmarks, training). Takes any proposer with the draft service's interface: a
-draft model (``DraftProposer``), the n-gram ones, the synthetic one. Proposals run on the calling
-thread.
+draft model (``DraftProposer``), the n-gram ones, the synthetic one. Proposals run on ``compute``,
+by default the process's torch thread (``specstream.compute``), which is where an in-process
+engine's forwards run too: torch work from a second thread would slow both down.
 """
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
 from draft_service.proposer import Proposal, ProposeItem
+from specstream.compute import torch_thread
 
 
 class LocalDraft:
@@ -16,8 +21,9 @@ class LocalDraft:
     epoch = 1  # the proposer's state is never lost
     connected = True
 
-    def __init__(self, proposer) -> None:
+    def __init__(self, proposer, compute: ThreadPoolExecutor | None = None) -> None:
         self.proposer = proposer
+        self._compute = compute or torch_thread()
         self.model_name = proposer.name
         self.max_context_length = proposer.max_len
         self.vocab_size = proposer.vocab_size
@@ -31,10 +37,10 @@ class LocalDraft:
 
     async def propose(self, step: int, items: list[ProposeItem], traceparent: str = "",
                       item_traceparents: list[str] | None = None) -> list[Proposal]:
-        return self.proposer.propose(items)
+        return await asyncio.get_running_loop().run_in_executor(self._compute, self.proposer.propose, items)
 
     async def release(self, keys: list[int]) -> None:
-        self.proposer.release(keys)
+        await asyncio.get_running_loop().run_in_executor(self._compute, self.proposer.release, keys)
 
     async def close(self) -> None:
         pass

@@ -12,6 +12,7 @@ import logging
 
 import grpc
 
+from draft_service.build import build_proposer
 from specstream.compute import compute_executor
 from specstream.config import TargetConfig
 from specstream.errors import SpecstreamError
@@ -23,6 +24,7 @@ from specstream_pb import target_pb2, target_pb2_grpc
 from target_service.connection import Connection
 from target_service.draft_client import DraftClient
 from target_service.engine import Engine
+from target_service.local_draft import LocalDraft
 from target_service.wire import load_to_pb, message_to_pb, request_from_pb
 
 log = logging.getLogger(__name__)
@@ -87,16 +89,19 @@ async def serve(config: TargetConfig, ready_file: str | None = None) -> None:
     if model.output_token_ids is not None:
         raise ModelLoadError(f"{spec.path}: predicts over a subset of its vocabulary (specstream.output_vocab); "
                              "such a model can only serve as a draft")
-    draft = None
+    draft: DraftClient | LocalDraft | None = None
     if config.draft_url:
         draft = DraftClient(config.draft_url, config.draft_timeout_s, config.draft_retry_s,
                             options=config.server.grpc_options())
+    elif config.colocated_draft is not None:
+        proposer = await asyncio.get_running_loop().run_in_executor(compute, build_proposer, config.colocated_draft)
+        draft = LocalDraft(proposer, compute)
     metrics = TargetMetrics(config.max_gamma, config.batch_rows)
     engine = Engine(model, config, draft, compute, metrics)
     server = ServiceServer(config.server, [SERVICE_NAME], metrics.registry)
     target_pb2_grpc.add_TargetServicer_to_server(TargetServicer(engine), server.server)
     await server.start()
-    if draft is not None:
+    if isinstance(draft, DraftClient):
         await draft.wait_connected(timeout_s=config.draft_timeout_s)
     engine_task = asyncio.create_task(engine.run(), name="engine")
     await server.set_serving(True)

@@ -19,7 +19,7 @@ import pytest
 from fake_gateway import serve_generation
 
 from specstream.cli import _draft_config, _stack_spec, _target_config, build_parser, main
-from specstream.config import GAMMA_POLICIES, DraftConfig, TargetConfig
+from specstream.config import GAMMA_POLICIES, DraftConfig, ModelSpec, TargetConfig
 from specstream.launcher import StackSpec, command_lines
 from specstream_pb import common_pb2, generation_pb2, generation_pb2_grpc
 
@@ -103,6 +103,30 @@ def test_serve_without_a_draft_starts_no_draft_process() -> None:
         lines = _serve(*flags)
         assert "draft" not in lines
         assert [config.draft_url for config in _target_configs(lines)] == [None]
+
+
+def test_serve_colocate_draft_runs_the_draft_inside_every_target() -> None:
+    lines = _serve("--target", "t", "--draft", "d", "--replicas", "2", "--colocate-draft", "--proposer",
+                   "ngram+model", "--ngram-min", "2")
+    assert "draft" not in lines  # no draft process
+    configs = _target_configs(lines)
+    assert len(configs) == 2
+    for config in configs:
+        draft = config.colocated_draft
+        assert config.draft_url is None and draft is not None
+        assert (draft.proposer, draft.model.path, draft.ngram_min, draft.max_slots) == ("ngram+model", "d", 2, 8)
+        assert draft.model.weights == "auto"  # a draft: auto may round it to 4 bits
+    (config,) = _target_configs(_serve("--colocate-draft", "--proposer", "ngram"))
+    assert (config.colocated_draft.proposer, config.colocated_draft.model) == ("ngram", None)
+    (config,) = _target_configs(_serve("--colocate-draft", "--no-draft"))
+    assert config.colocated_draft is None and config.draft_url is None
+
+
+def test_target_refuses_a_draft_both_remote_and_in_process(capsys) -> None:
+    assert main(["target", "--model", "m", "--draft-url", "h:1", "--draft-model", "d"]) == 2
+    assert "--draft-url h:1: the draft runs at --draft-url or in this process" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="colocated_draft='set': must be unset when draft_url is set"):
+        TargetConfig(model=ModelSpec("m"), draft_url="h:1", colocated_draft=DraftConfig(None, proposer="ngram"))
 
 
 @pytest.mark.parametrize(("flags", "message"), [

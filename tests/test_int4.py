@@ -16,7 +16,7 @@ from specstream.models.base import rms_norm
 from specstream.models.gguf import convert_gguf
 from specstream.models.gguf_dequant import dequantize, q4_parts
 from specstream.models.int4 import (GROUP, Q4_FILE, Q4Weight, pack_codes, q4_dense, q4_linear,
-                                    q4_linear_reference, unpack_codes)
+                                    q4_linear_reference, rtn_parts, unpack_codes)
 from tests.checkpoints import make_hf_checkpoint
 from tests.gguf_files import chatml_tokenizer, write_gguf
 
@@ -207,3 +207,36 @@ def test_a_bad_q4_file_names_the_tensor(tmp_path, q4_checkpoint) -> None:
     with pytest.raises(ModelLoadError, match=rf"4-bit data for {name}: shape \[63, 128\], expected \[64, 128\]"):
         load_model(copy, "bfloat16", weights="int4")
     assert json.loads((copy / "config.json").read_text())["hidden_size"] == 64
+
+
+# ----- drafts rounded to 4 bits at load -------------------------------------------------------------
+
+
+def test_round_to_nearest_parts_are_within_half_a_step() -> None:
+    w = torch.randn(48, 96) * 0.05
+    w[3, :32] = 0.25  # a constant block: scale 0, every code 0, exact
+    codes, scale, minimum = rtn_parts(w)
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
+    back = q4_dense(codes, scale, minimum, torch.float32)  # [N, K]
+    step = scale.repeat_interleave(GROUP, 1)
+    assert bool(((back - w).abs() <= step / 2 + 1e-7).all())
+    assert torch.equal(back[3, :32], w[3, :32])
+
+
+def test_a_draft_is_rounded_to_4_bits_by_auto_and_a_target_refuses_it(tmp_path) -> None:
+    from specstream.config import TargetConfig
+
+    path = make_hf_checkpoint(tmp_path, "llama", vocab_size=320, tie_word_embeddings=False)
+    draft = load_model(path, "bfloat16", weights="auto", draft=True)
+    assert draft.weights == "int4-rtn (9 matrices)"  # 2 layers x 4 fused projections + the head
+    assert isinstance(draft.lm_head, Q4Weight)
+    assert load_model(path, "bfloat16", weights="auto").weights == "dense"  # not a draft: never rounded
+    assert load_model(path, "float32", weights="auto", draft=True).weights == "dense"
+    dense = load_model(path, "bfloat16", weights="dense")
+    ids = list(range(5, 25))
+    # Rounding moves the logits a little relative to their spread, not arbitrarily.
+    got, want = _logits(draft, ids), _logits(dense, ids)
+    moved = (got - want).abs().mean().item()
+    assert moved <= 0.2 * want.std().item(), (moved, want.std().item())
+    with pytest.raises(ValueError, match=r"weights='int4-rtn': must be the checkpoint's own"):
+        TargetConfig(model=ModelSpec(str(path), weights="int4-rtn"))

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from draft_service.combined import NgramPlusModelProposer
 from draft_service.ngram import ANY_ID, NgramIndex, NgramProposer
 from draft_service.proposer import DraftProposer, ProposeItem
-from draft_service.server import PROPOSERS
+from draft_service.build import PROPOSERS
 from draft_service.wire import proposal_to_pb
 from specstream.cli import build_parser
 from specstream.config import DraftConfig, ModelSpec

@@ -25,6 +25,7 @@ from pathlib import Path
 from specstream.bench import report
 from specstream.bench.checks import check_runs_match
 from specstream.bench.models import BenchModels
+from specstream.compute import on_torch_thread
 from specstream.sampling import GREEDY, SamplingParams
 
 WORKLOADS = ("code", "chat", "repetitive", "sampled", "mix")
@@ -90,7 +91,7 @@ class _Models:
 
         if kind == "ngram":
             return NgramProposer(slots, max_len)
-        model = DraftProposer(self.draft, slots, max_len)
+        model = on_torch_thread(DraftProposer, self.draft, slots, max_len)  # its cache: torch work
         return model if kind == "model" else NgramPlusModelProposer(model, slots)
 
 

@@ -22,6 +22,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specstream.compute import on_torch_thread
 from specstream.model_registry import DRAFTS, MODELS, resolve_dtype, resolve_model
 from specstream.tokenizer import TextTokenizer
 
@@ -80,7 +81,9 @@ class BenchModels:
         from specstream.models import load_model
 
         path = self.target if which == "target" else self.require_draft()
-        return load_model(path, dtype=self.dtype, resolve=resolve_model, weights=self.weights)
+        # On the process's torch thread, where in-process engines run it (specstream.compute).
+        return on_torch_thread(load_model, path, dtype=self.dtype, resolve=resolve_model, weights=self.weights,
+                               draft=which == "draft")
 
     def hf_draft(self) -> Path | None:
         """The draft as a plain transformers checkpoint (see the module docstring); cached per run."""

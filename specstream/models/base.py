@@ -111,6 +111,12 @@ class CausalLM(torch.nn.Module):
         Architectures without 4-bit support keep everything dense and return 0."""
         return 0
 
+    def quantize_int4(self) -> int:
+        """Replace the dense weight matrices the int4 kernel can take by their round-to-nearest 4-bit
+        quantization (``int4.rtn_parts``); returns how many. Changes the model: for drafts only.
+        Architectures without 4-bit support change nothing and return 0."""
+        return 0
+
     def _prepare_positions(self, max_len: int) -> None:
         """Hook for per-position tables (RoPE) sized to the longest cache; called by new_cache."""
 

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["GROUP", "Q4_FILE", "Q4Weight", "pack_codes", "q4_dense", "q4_linear", "q4_linear_reference", "unpack_codes"]
+__all__ = ["GROUP", "Q4_FILE", "Q4Weight", "pack_codes", "q4_dense", "q4_linear", "q4_linear_reference", "rtn_parts",
+           "unpack_codes"]
 
 # A converted GGUF checkpoint keeps its 4-bit matrices here, beside model.safetensors (gguf.py writes it).
 Q4_FILE = "weights.q4.safetensors"
@@ -84,6 +85,20 @@ class Q4Weight:
     @property
     def dtype(self) -> torch.dtype:
         return self.scale_zero.dtype
+
+
+def rtn_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest 4-bit quantization of a dense [N, K] matrix, per block of GROUP columns, in
+    Q4_1's form: (codes [N, K] uint8 0..15, scale [N, K/GROUP], min [N, K/GROUP] float32), each block
+    spanning its own min..max in 15 steps. For drafts only: it changes the model (a target serves its
+    checkpoint's values)."""
+    N, K = weight.shape
+    blocks = weight.float().reshape(N, K // GROUP, GROUP)  # [N, K/G, G]
+    lo, hi = blocks.amin(-1), blocks.amax(-1)  # [N, K/G]
+    scale = (hi - lo) / 15
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant block: every code 0
+    codes = torch.round((blocks - lo[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.uint8)  # [N, K/G, G]
+    return codes.reshape(N, K), scale, lo
 
 
 def q4_linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

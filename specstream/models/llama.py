@@ -24,7 +24,7 @@ from torch import nn
 from specstream.models.config import ModelConfig, ModelLoadError, RopeConfig
 from specstream.models.attention import CacheBatch
 from specstream.models.base import ACTIVATIONS, CausalLM, Q4Parts, TensorSource, linear, rms_norm
-from specstream.models.int4 import Q4Weight
+from specstream.models.int4 import Q4Weight, rtn_parts
 from specstream.models.kv_cache import KVCache
 
 __all__ = ["LlamaForCausalLM", "rope_inv_freq"]
@@ -145,6 +145,17 @@ class _LlamaLayer(nn.Module):
             swapped += len(names)
         return swapped
 
+    def quantize_int4(self, dtype: torch.dtype) -> int:
+        """Each fused projection the kernel can take, quantized to 4 bits (``LlamaForCausalLM.quantize_int4``)."""
+        swapped = 0
+        for attr in ("qkv_w", "o_w", "gate_up_w", "down_w"):
+            dense = getattr(self, attr)
+            if isinstance(dense, torch.nn.Parameter) and Q4Weight.fits(*dense.shape):
+                del self._parameters[attr]
+                setattr(self, attr, Q4Weight.from_parts(*rtn_parts(dense.detach()), dtype))
+                swapped += 1
+        return swapped
+
     def attention(self, x: torch.Tensor, batch: CacheBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, T, H] -> x + attention block [B, T, H]; writes this layer's K/V into the cache."""
         B, T, _ = x.shape
@@ -246,6 +257,18 @@ class LlamaForCausalLM(CausalLM):
         if head is not None and Q4Weight.fits(*head[0].shape):
             del self._parameters["lm_head"]
             self.lm_head = Q4Weight.from_parts(*head, self.dtype)
+            swapped += 1
+        return swapped
+
+    def quantize_int4(self) -> int:
+        """The layers' fused projections and an own output layer (untied, or a draft's vocabulary
+        subset); the embedding, which a tied head shares, stays dense."""
+        dtype = self.dtype
+        swapped = sum(layer.quantize_int4(dtype) for layer in self.layers)  # type: ignore[operator]
+        if isinstance(self.lm_head, torch.nn.Parameter) and Q4Weight.fits(*self.lm_head.shape):
+            head = self.lm_head.detach()
+            del self._parameters["lm_head"]
+            self.lm_head = Q4Weight.from_parts(*rtn_parts(head), dtype)
             swapped += 1
         return swapped
 

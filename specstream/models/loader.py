@@ -4,7 +4,7 @@ Contract: ``load_model(path, dtype, device)`` reads ``config.json`` (+ ``generat
 eos ids), picks the model class for its architecture (``MODEL_CLASSES``), and fills it from
 ``model.safetensors`` or the shards listed in ``model.safetensors.index.json``, converting to ``dtype``;
 with ``weights`` "int4"/"auto" it then serves the matrices that ``weights.q4.safetensors`` holds as
-4-bit blocks (``int4.py``).
+4-bit blocks (``int4.py``), and with "int4-rtn" (or "auto" for a draft) rounds a dense one to 4 bits.
 Every tensor is shape-checked and every checkpoint tensor must be consumed (apart from known
 buffers), so a config that disagrees with its weights fails at load. Every failure is a
 ``ModelLoadError`` naming the file and the field or tensor. The model comes back in eval mode with
@@ -55,7 +55,7 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
 }
 
-WEIGHTS = WEIGHT_FORMATS  # "auto", "dense", "int4": see specstream/config.py
+WEIGHTS = WEIGHT_FORMATS  # "auto", "dense", "int4", "int4-rtn": see specstream/config.py
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -247,7 +247,8 @@ def embedding_sha256(embed: torch.Tensor) -> str:
 
 
 def _use_q4(model: CausalLM, file: Path, weights: str) -> int:
-    """Swap the model's matrices that ``file`` has 4-bit data for; returns how many."""
+    """Swap the model's matrices that ``file`` has 4-bit data for; returns how many (> 0 when
+    ``weights`` is "int4", which asked for them)."""
     try:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             names = set(f.keys())
@@ -271,12 +272,13 @@ def _use_q4(model: CausalLM, file: Path, weights: str) -> int:
 
 
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
-               resolve: Callable[[str], Path] | None = None, weights: str = "dense") -> CausalLM:
+               resolve: Callable[[str], Path] | None = None, weights: str = "dense", draft: bool = False) -> CausalLM:
     """A ready model (eval mode, no grad) from a checkpoint directory; see the module docstring.
 
     ``resolve`` turns a model reference (a draft's ``specstream.shared_embedding.model``) into a
-    checkpoint directory; without it such a draft cannot be loaded. ``weights``: one of ``WEIGHTS``;
-    the model's ``weights`` attribute says what was served ("int4 (N matrices)" or "dense")."""
+    checkpoint directory; without it such a draft cannot be loaded. ``weights``: one of ``WEIGHTS``
+    (``draft``: the model only proposes, so ``auto`` may round it to 4 bits); the model's ``weights``
+    attribute says what was served ("int4 (N matrices)", "int4-rtn (N matrices)" or "dense")."""
     torch_dtype = DTYPES.get(dtype)
     if torch_dtype is None:
         raise ValueError(f"load_model: dtype {dtype!r} is not one of {sorted(DTYPES)}")
@@ -286,12 +288,12 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
     if not root.is_dir():
         raise ModelLoadError(f"{root}: not a directory (expected a checkpoint with config.json)")
     q4_file = root / Q4_FILE
+    if weights in ("int4", "int4-rtn") and torch.device(device).type != "cpu":
+        raise ModelLoadError(f"weights={weights!r} runs on the CPU only, got device {device!r}")
     if weights == "int4":
         if not q4_file.is_file():
             raise ModelLoadError(f"{root}: weights='int4' needs {Q4_FILE}, which converting a GGUF file with "
                                  "Q4_0/Q4_1 tensors writes; this checkpoint has none")
-        if torch.device(device).type != "cpu":
-            raise ModelLoadError(f"weights='int4' runs on the CPU only, got device {device!r}")
     config = read_config(root)
     with SafetensorsSource(root, torch_dtype, device) as own:
         source: SafetensorsSource | SharedEmbeddingSource = own
@@ -311,10 +313,18 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
             f"as configured in config.json (num_hidden_layers={config.num_layers})"
         )
     # auto: the int4 kernel is vectorised for bfloat16; in float32 it is slower than dense matmuls.
-    use_q4 = weights == "int4" or (weights == "auto" and q4_file.is_file() and torch_dtype == torch.bfloat16
-                                   and torch.device(device).type == "cpu")
-    swapped = _use_q4(model, q4_file, weights) if use_q4 else 0
-    model.weights = f"int4 ({swapped} matrices)" if swapped else "dense"
+    fast = torch_dtype == torch.bfloat16 and torch.device(device).type == "cpu"
+    if weights == "auto":
+        weights = "int4" if fast and q4_file.is_file() else "int4-rtn" if fast and draft else "dense"
+    if weights == "int4":
+        model.weights = f"int4 ({_use_q4(model, q4_file, weights)} matrices)"
+    elif weights == "int4-rtn":
+        swapped = model.quantize_int4()
+        if swapped == 0:
+            raise ModelLoadError(f"{root}: weights='int4-rtn', but none of its matrices fits the int4 kernel")
+        model.weights = f"int4-rtn ({swapped} matrices)"
+    else:
+        model.weights = "dense"
     model.eval()
     model.requires_grad_(False)
     return model

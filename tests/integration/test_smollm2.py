@@ -163,6 +163,26 @@ def test_chat_through_the_three_processes_speculative_equals_plain(smollm2_stack
         assert "".join(c.text for c in streamed) == short.text and streamed[-1].finish_reason == "eos"
 
 
+def test_a_draft_colocated_in_the_target_is_exact_too(stack_factory) -> None:
+    """serve --colocate-draft: no draft process; the target runs the (4-bit rounded) draft itself."""
+    from specstream_client import Client
+
+    pair = PAIRS["smollm2"]
+    stack = stack_factory(pair.target, pair.draft, dtype="auto", gamma=3, colocate_draft=True)
+    assert "draft" not in stack.procs
+    with Client(stack.gateway_address, timeout=300) as client:
+        assert client.model_info().draft_model == "smollm2-135m-draft"
+        proposed = accepted = 0
+        for question in CHAT[:2]:
+            messages = [{"role": "user", "content": question}]
+            plain = client.chat(messages, max_new_tokens=64, speculation="off")
+            spec = client.chat(messages, max_new_tokens=64, speculation=3)
+            assert spec.token_ids == plain.token_ids
+            proposed += spec.stats.draft_tokens
+            accepted += spec.stats.accepted_tokens
+        assert proposed > 0 and accepted > 0.1 * proposed, (accepted, proposed)
+
+
 def test_sampled_chat_is_reproducible_per_seed(smollm2_stack) -> None:
     from specstream_client import Client
 

@@ -1,0 +1,44 @@
+"""Building the proposer a ``DraftConfig`` names: the draft model, prompt-lookup n-grams, both, or
+the synthetic benchmark proposer. The draft service builds its proposer here, and so does a target
+that runs its draft in its own process (``TargetConfig.colocated_draft``).
+
+What it does not know: gRPC, which process it is in. It loads on the calling thread: call it on
+the thread that will run the proposer (``specstream.compute``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from draft_service.combined import NgramPlusModelProposer
+from draft_service.ngram import NgramProposer
+from draft_service.proposer import DraftProposer, Proposer
+from draft_service.synthetic import SyntheticProposer
+from specstream.config import DraftConfig
+from specstream.model_registry import resolve_dtype, resolve_model
+from specstream.models import load_model
+
+__all__ = ["PROPOSERS", "build_proposer"]
+
+
+def build_proposer(config: DraftConfig) -> Proposer:
+    """The proposer ``config`` names, its draft model loaded (on the calling thread) if it has one."""
+    if config.synthetic_oracle:
+        return SyntheticProposer.from_file(config.synthetic_oracle, config.synthetic_alpha, config.synthetic_seed)
+    return PROPOSERS[config.proposer](config)
+
+
+def _draft_model(config: DraftConfig) -> DraftProposer:
+    spec = config.model
+    model = load_model(resolve_model(spec.path), dtype=resolve_dtype(spec.dtype, spec.device), device=spec.device,
+                       resolve=resolve_model, weights=spec.weights, draft=True)
+    return DraftProposer(model, config.max_slots, config.max_seq_len, config.q_support)
+
+
+# DraftConfig.proposer -> how to build it (the keys are DraftConfig.PROPOSERS).
+PROPOSERS: dict[str, Callable[[DraftConfig], Proposer]] = {
+    "model": _draft_model,
+    "ngram": lambda config: NgramProposer(config.max_slots, config.max_seq_len, config.ngram_min, config.ngram_max),
+    "ngram+model": lambda config: NgramPlusModelProposer(_draft_model(config), config.max_slots, config.ngram_min,
+                                                         config.ngram_max),
+}
