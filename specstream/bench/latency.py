@@ -77,8 +77,14 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
         print(f"stack up at {stack.gateway_address}; sweeping gamma {gammas} over {len(prompts)} prompts x "
               f"{max_new_tokens} tokens ...", flush=True)
         ours = sweep(stack.gateway_address, prompts, gammas, max_new_tokens)
+    with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(str(models.target), str(draft), max_gamma=16,
+                                                                 weights=models.weights, colocate_draft=True,
+                                                                 dtype=models.dtype, log_dir=logs)) as stack:
+        print(f"the same with the draft colocated in the target process (no draft service) ...", flush=True)
+        colocated = sweep(stack.gateway_address, prompts, gammas, max_new_tokens)
     check_runs_match("speculative output", "plain decoding (gamma 0)", ours[0]["token_ids"],
-                     {f"gamma {g}": ours[g]["token_ids"] for g in gammas if g})
+                     {**{f"gamma {g}": ours[g]["token_ids"] for g in gammas if g},
+                      **{f"gamma {g}, draft colocated": colocated[g]["token_ids"] for g in gammas}})
     rows = []
     for gamma in gammas:
         r = score(ours, gamma, costs)
@@ -97,6 +103,19 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
               "dtype": models.dtype, "chat_prompts": models.chat, "prompts": len(prompts),
               "max_new_tokens": max_new_tokens, "costs": costs, "gammas": {g: public(ours[g]) for g in gammas}}
     print("\n" + report.table(headers, rows), flush=True)
+    colocated_rows = []
+    for gamma in gammas:
+        r = colocated[gamma]
+        r["speedup"] = r["tokens_per_s"] / colocated[0]["tokens_per_s"]
+        r["ms_per_pass"] = 1000 * r["seconds"] / r["passes"]
+        colocated_rows.append([gamma, r["tokens_per_s"], r["alpha"] if gamma else "-",
+                               r["mean_accepted_length"] or 1.0, r["speedup"], r["ms_per_pass"]])
+    colocated_headers = ["gamma", "tok/s", "alpha", "mean acc len", "measured x", "ms/pass"]
+    print("\ndraft colocated in the target process:\n" + report.table(colocated_headers, colocated_rows), flush=True)
+    result["colocated"] = {g: public(colocated[g]) for g in gammas}
+    result["colocated_table_markdown"] = report.markdown_table(colocated_headers, colocated_rows)
+    best_colocated = max((g for g in gammas if g), key=lambda g: colocated[g]["tokens_per_s"])
+    result["best_colocated_gamma"] = best_colocated
     best = max((g for g in gammas if g), key=lambda g: ours[g]["tokens_per_s"])
     result["best_gamma"] = best
     if with_hf:
@@ -110,7 +129,7 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
             check_runs_match("speculative output (dense weights)", "plain decoding (dense weights)",
                              dense[0]["token_ids"], {f"gamma {best}": dense[best]["token_ids"]})
             result["dense"] = {g: public(r) for g, r in dense.items()}
-        _compare_with_peers(result, ours, best, models, prompts, max_new_tokens, out_dir)
+        _compare_with_peers(result, ours, best, colocated, best_colocated, models, prompts, max_new_tokens, out_dir)
     result["table_markdown"] = report.markdown_table(headers, rows)
     report.plot_lines(out_dir / "latency_speedup.png", "Speedup over γ=0: measured vs theory", "γ",
                       "speedup (x)", {"measured": (gammas, [ours[g]["speedup"] for g in gammas]),
@@ -122,8 +141,9 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
     return result
 
 
-def _compare_with_peers(result: dict, ours: dict[int, dict], best: int, models: BenchModels,
-                        prompts: list[list[int]], max_new_tokens: int, out_dir: Path) -> None:
+def _compare_with_peers(result: dict, ours: dict[int, dict], best: int, colocated: dict[int, dict],
+                        best_colocated: int, models: BenchModels, prompts: list[list[int]], max_new_tokens: int,
+                        out_dir: Path) -> None:
     """transformers (plain in the serving dtype and in float32, assisted with our draft's layers,
     prompt lookup) and, when installed, llama.cpp on the same GGUF file; the stack is down by now."""
     from specstream.bench.hf import hf_generate
@@ -143,7 +163,9 @@ def _compare_with_peers(result: dict, ours: dict[int, dict], best: int, models: 
     served = models.dtype + ("" if result["costs"]["weights"] == "dense" else ", int4 weights")
     rows = [["specstream gamma=0", served, plain, 1.0, "-"],
             [f"specstream gamma={best}", served, ours[best]["tokens_per_s"], ours[best]["tokens_per_s"] / plain,
-             "our draft"]]
+             "our draft, draft service"],
+            [f"specstream gamma={best_colocated}", served, colocated[best_colocated]["tokens_per_s"],
+             colocated[best_colocated]["tokens_per_s"] / plain, "our draft, colocated in the target"]]
     dense = result.get("dense", {})
     rows += [[f"specstream gamma={g}", f"{models.dtype}, dense weights", r["tokens_per_s"],
               r["tokens_per_s"] / plain, "our draft" if g else "-"] for g, r in dense.items()]
@@ -152,19 +174,22 @@ def _compare_with_peers(result: dict, ours: dict[int, dict], best: int, models: 
     print(report.table(["system", "dtype", "tok/s", "x specstream gamma=0", "draft"], rows))
     assisted = {n: r["tokens_per_s"] for n, r in peers.items() if n.startswith("HF ") and r.get("assistant")}
     best_hf = max(assisted, key=assisted.get) if assisted else None
+    ours_best = max(ours[best]["tokens_per_s"], colocated[best_colocated]["tokens_per_s"])
+    result["ours_best_speculative_over_plain"] = ours_best / plain
     if best_hf is not None:
         result["best_hf_assisted"] = best_hf
-        result["ours_over_best_hf_assisted"] = ours[best]["tokens_per_s"] / assisted[best_hf]
+        result["ours_over_best_hf_assisted"] = ours_best / assisted[best_hf]
     result["ours_plain_over_hf_plain"] = plain / hf["plain"]["tokens_per_s"]
     if dense:
         result["ours_dense_plain_over_hf_plain"] = dense[0]["tokens_per_s"] / hf["plain"]["tokens_per_s"]
-    print(f"ours plain / HF plain ({models.dtype}): {result['ours_plain_over_hf_plain']:.2f}x; ours (gamma={best}) / "
+    print(f"ours plain / HF plain ({models.dtype}): {result['ours_plain_over_hf_plain']:.2f}x; ours best speculative / "
           f"best HF assisted ({best_hf}): {result.get('ours_over_best_hf_assisted', float('nan')):.2f}x; "
           f"identical outputs: { {n: v['same_tokens_as_ours'] for n, v in result['peers'].items()} }", flush=True)
     result["peers_table_markdown"] = report.markdown_table(["system", "dtype", "tok/s", "x specstream gamma=0", "draft"],
                                                            rows)
     report.plot_bars(out_dir / "latency_vs_hf.png", f"Batch-1 greedy tokens/s, {models.label}, same prompts",
                      "tokens/s", {"specstream γ=0": plain, f"specstream γ={best}": ours[best]["tokens_per_s"],
+                                  f"specstream γ={best_colocated}, colocated": colocated[best_colocated]["tokens_per_s"],
                                   **{f"specstream γ={g}, dense": r["tokens_per_s"] for g, r in dense.items()},
                                   **{name: r["tokens_per_s"] for name, r in peers.items()}})
 
