@@ -184,9 +184,12 @@ def measure_alpha(target_dir: Path, draft_dir: Path, prompts: list[list[int]], g
     from target_service.local_draft import LocalDraft
     from target_service.messages import SequenceRequest, Speculation
 
-    engine = Engine(load_model(target_dir), TargetConfig(model=ModelSpec(str(target_dir)), max_slots=8,
-                                                         max_seq_len=1024),
-                    LocalDraft(DraftProposer(load_model(draft_dir), 8, 1024)))
+    from specstream.compute import on_torch_thread
+
+    # Loaded on the torch thread the engine runs on (specstream.compute).
+    engine = Engine(on_torch_thread(load_model, target_dir), TargetConfig(model=ModelSpec(str(target_dir)),
+                                                                          max_slots=8, max_seq_len=1024),
+                    LocalDraft(on_torch_thread(lambda: DraftProposer(load_model(draft_dir), 8, 1024))))
     spec = Speculation("fixed", gamma)
     final = [r.final for r in run_requests(engine, [
         SequenceRequest(str(i), list(p), max_new_tokens, speculation=spec) for i, p in enumerate(prompts)])]

@@ -14,6 +14,7 @@ import time
 import torch
 
 from specstream.bench.models import BenchModels
+from specstream.compute import on_torch_thread
 from specstream.models import CausalLM
 
 
@@ -33,6 +34,11 @@ def step_ms(model: CausalLM, context: int, tokens: int, repeats: int = 30) -> fl
 
 
 def measure_costs(models: BenchModels, context: int, gammas: list[int], draft_threads: int = 1) -> dict:
+    """Target step and verify ms and the draft's step ms (and c), timed on the process's torch thread."""
+    return on_torch_thread(_measure_costs, models, context, gammas, draft_threads)
+
+
+def _measure_costs(models: BenchModels, context: int, gammas: list[int], draft_threads: int) -> dict:
     target = models.load("target")
     result = {"context": context, "dtype": models.dtype, "weights": target.weights,
               "target_step_ms": step_ms(target, context, 1),

@@ -15,6 +15,7 @@ import time
 import torch
 
 from specstream.bench.models import BenchModels
+from specstream.compute import on_torch_thread
 
 MODES = ("plain", "assisted", "assisted_heuristic", "prompt_lookup")
 
@@ -24,7 +25,14 @@ def hf_generate(models: BenchModels, prompts: list[list[int]], max_new_tokens: i
     """Tokens/s of plain generate() and of assisted generation (our draft's layers as the assistant
     model, see BenchModels.hf_draft; and transformers' model-free prompt lookup), plus the token
     ids (greedy: to check they equal ours). temperature 0 is greedy; > 0 samples. ``dtype``:
-    default the pair's serving dtype, so both sides do the same arithmetic."""
+    default the pair's serving dtype, so both sides do the same arithmetic. Runs on the process's
+    torch thread, like every torch call of a benchmark (specstream.compute: a second thread's
+    OpenMP team would slow transformers down)."""
+    return on_torch_thread(_hf_generate, models, prompts, max_new_tokens, threads, temperature, dtype, modes)
+
+
+def _hf_generate(models: BenchModels, prompts: list[list[int]], max_new_tokens: int, threads: int,
+                 temperature: float, dtype: str | None, modes: tuple[str, ...]) -> dict:
     from transformers import AutoModelForCausalLM
 
     if threads:

@@ -23,6 +23,7 @@ import torch
 
 from specstream.bench import report
 from specstream.bench.models import BenchModels
+from specstream.compute import on_torch_thread
 
 CONTEXT = 200
 
@@ -60,14 +61,9 @@ def components(model, tokens: int) -> dict[str, float]:
     return out
 
 
-def rpc_round_trip(models: BenchModels, gamma: int = 4, rounds: int = 40) -> dict[str, float]:
-    """ms of a propose round trip to a real draft process (one sequence, γ proposals), and of the
-    same proposals computed in this process."""
-    import grpc
-
+def local_propose_ms(models: BenchModels, gamma: int = 4, rounds: int = 40) -> float:
+    """ms of γ proposals for one sequence computed in this process (call on the torch thread)."""
     from draft_service.proposer import DraftProposer, ProposeItem
-    from specstream.launcher import Stack, StackSpec
-    from specstream_pb import draft_pb2, draft_pb2_grpc
 
     prompt = models.prompts(1)[0]
     local = DraftProposer(models.load("draft"), 4, 1024)
@@ -77,7 +73,18 @@ def rpc_round_trip(models: BenchModels, gamma: int = 4, rounds: int = 40) -> dic
                                    prompt if i == 0 else [100], gamma)])
 
     local_round(0)
-    in_process = _median_ms(lambda: local_round(1), rounds)
+    return _median_ms(lambda: local_round(1), rounds)
+
+
+def rpc_round_trip(models: BenchModels, in_process: float, gamma: int = 4, rounds: int = 40) -> dict[str, float]:
+    """ms of a propose round trip to a real draft process (one sequence, γ proposals), beside
+    ``in_process``, the ms of the same proposals computed in this process."""
+    import grpc
+
+    from specstream.launcher import Stack, StackSpec
+    from specstream_pb import draft_pb2, draft_pb2_grpc
+
+    prompt = models.prompts(1)[0]
     with tempfile.TemporaryDirectory() as logs, \
             Stack(StackSpec(str(models.target), str(models.require_draft()), dtype=models.dtype,
                             weights=models.weights, log_dir=logs)) as stack:
@@ -99,24 +106,35 @@ def rpc_round_trip(models: BenchModels, gamma: int = 4, rounds: int = 40) -> dic
             "RPC + serialisation": max(remote - in_process, 0.0)}
 
 
-def run(models: BenchModels, out_dir: Path) -> dict:
+def _time_models(models: BenchModels) -> dict:
+    """The in-process timings (run on the torch thread: specstream.compute)."""
     target = models.load("target")
     result: dict = {"models": models.label, "dtype": models.dtype, "threads": torch.get_num_threads(),
-                    "context": CONTEXT}
-    print(f"{models.label} ({models.dtype}, {torch.get_num_threads()} threads): timing a 1-token step ...", flush=True)
+                    "context": CONTEXT, "weights": target.weights}
+    print(f"{models.label} ({models.dtype}, {target.weights} weights, {torch.get_num_threads()} threads): "
+          "timing a 1-token step ...", flush=True)
     result["target_step"] = components(target, 1)
     print("... a 5-token verify ...", flush=True)
     result["target_verify5"] = components(target, 5)
-    rows = [[name, result["target_step"][name], result["target_verify5"][name]] for name in result["target_step"]]
     if models.draft is not None:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # as the draft service runs it
         draft = models.load("draft")
+        result["draft_weights"] = draft.weights
         result["draft_step"] = components(draft, 1)
+        result["draft_propose_ms"] = local_propose_ms(models)
         torch.set_num_threads(threads)
-        rows.append(["draft step (1 token, 1 thread)", result["draft_step"]["whole forward"], "-"])
+    return result
+
+
+def run(models: BenchModels, out_dir: Path) -> dict:
+    result = on_torch_thread(_time_models, models)
+    rows = [[name, result["target_step"][name], result["target_verify5"][name]] for name in result["target_step"]]
+    if models.draft is not None:
+        rows.append([f"draft step (1 token, 1 thread, {result['draft_weights']} weights)",
+                     result["draft_step"]["whole forward"], "-"])
         print("... a propose round trip over gRPC ...", flush=True)
-        result["rpc"] = rpc_round_trip(models)
+        result["rpc"] = rpc_round_trip(models, result["draft_propose_ms"])
         rows += [[f"draft propose γ=4: {k}", v, "-"] for k, v in result["rpc"].items()]
     headers = ["component", "1-token step ms", "5-token verify ms"]
     print("\n" + report.table(headers, rows), flush=True)

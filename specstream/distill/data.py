@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from specstream.compute import on_torch_thread
 from specstream.config import ModelSpec, TargetConfig
 from specstream.models import load_model
 from specstream.tokenizer import TextTokenizer
@@ -49,7 +50,7 @@ class Record:
 def generate_responses(target_dir: Path, prompts: list[dict], *, dtype: str, max_new_tokens: int,
                        max_slots: int = 48, log_every: int = 200) -> list[Record]:
     tok = TextTokenizer.from_dir(target_dir)
-    model = load_model(target_dir, dtype=dtype)
+    model = on_torch_thread(load_model, target_dir, dtype=dtype)  # where the engine runs (specstream.compute)
     config = TargetConfig(model=ModelSpec(str(target_dir), dtype), max_slots=max_slots, max_seq_len=1024,
                           default_gamma=0, max_gamma=8)
     engine = Engine(model, config, None)

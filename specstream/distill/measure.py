@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from draft_service.proposer import DraftProposer
+from specstream.compute import on_torch_thread
 from specstream.config import ModelSpec, TargetConfig
 from specstream.models import load_model
 from specstream.tokenizer import TextTokenizer
@@ -37,10 +38,11 @@ def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[dict], *
                        top_p: float = 1.0, gamma: int = 4, max_new_tokens: int = 96,
                        dtype: str = "bfloat16") -> dict:
     tok = TextTokenizer.from_dir(target_dir)
-    target = load_model(target_dir, dtype=dtype)
-    draft = load_model(draft_dir, dtype=dtype, resolve=_resolve)
+    # On the torch thread the engine runs on (specstream.compute).
+    target = on_torch_thread(load_model, target_dir, dtype=dtype)
+    draft = on_torch_thread(lambda: DraftProposer(load_model(draft_dir, dtype=dtype, resolve=_resolve), 16, 1024))
     config = TargetConfig(model=ModelSpec(str(target_dir), dtype), max_slots=16, max_seq_len=1024, max_gamma=8)
-    engine = Engine(target, config, LocalDraft(DraftProposer(draft, 16, 1024)))
+    engine = Engine(target, config, LocalDraft(draft))
     stop = [t for t in {tok.end_of_turn_id, *tok.eos_token_ids} if t is not None]
     requests = [SequenceRequest(str(p["id"]), tok.encode_chat(p["messages"]), max_new_tokens, frozenset(stop),
                                 frozenset(stop), Speculation("fixed", gamma),

@@ -86,8 +86,17 @@ def test_bench_latency_writes_json_and_plots(model_zoo, tmp_path):
         assert peer["tokens_per_s"] == same(peer["tokens"] / peer["seconds"]), name
     assisted = {name: peer["tokens_per_s"] for name, peer in peers.items() if name != "HF plain"}
     assert data["best_hf_assisted"] == max(assisted, key=assisted.get)  # prompt lookup counts as assisted
-    best = data["gammas"][str(data["best_gamma"])]
-    assert data["ours_over_best_hf_assisted"] == same(best["tokens_per_s"] / assisted[data["best_hf_assisted"]])
+    colocated = data["colocated"]
+    assert set(colocated) == set(data["gammas"])  # the same sweep with the draft inside the target
+    assert data["best_colocated_gamma"] == fastest(colocated)
+    for gamma, run in colocated.items():
+        assert run["tokens"] == PROMPTS * BUDGET, gamma
+        assert run["speedup"] == same(run["tokens_per_s"] / colocated["0"]["tokens_per_s"]), gamma
+    ours_best = max(data["gammas"][str(data["best_gamma"])]["tokens_per_s"],
+                    colocated[str(data["best_colocated_gamma"])]["tokens_per_s"])
+    assert data["ours_best_speculative_over_plain"] == same(ours_best / data["gammas"]["0"]["tokens_per_s"])
+    assert data["ours_over_best_hf_assisted"] == same(ours_best / assisted[data["best_hf_assisted"]])
+    assert "dense" not in data  # a float32 safetensors pair has no 4-bit weights to compare with
     assert data["ours_plain_over_hf_plain"] == same(data["gammas"]["0"]["tokens_per_s"]
                                                     / peers["HF plain"]["tokens_per_s"])
     for png in ("latency_speedup.png", "latency_vs_hf.png"):
