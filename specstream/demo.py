@@ -7,7 +7,10 @@ answers must be token-identical) and then sampled with a seed; it prints the ans
 acceptance α, the γ the controller chose and the measured speedups. A sampled seed reproduces its
 text when the γ schedule is the same (off, or a fixed γ); under ``auto`` the schedule follows the
 measured costs, so only the distribution is guaranteed, and the demo reports whether repeats matched. A pair without a
-chat template (``--models demo-small``) gets code-completion prompts instead.
+chat template (``--models demo-small``) gets code-completion prompts instead. Then the greedy
+questions again on a second stack whose target runs the draft in its own process
+(``serve --colocate-draft``: no draft service, no gRPC hop per step), the faster layout on one
+machine.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def run_demo(pair: str = "smollm2", max_new_tokens: int = 160, gamma: int | str 
     chat = TextTokenizer.from_dir(target).chat_template is not None
     prompts = QUESTIONS if chat else CODE_PROMPTS
     with tempfile.TemporaryDirectory() as logs:
-        with Stack(StackSpec(str(target), draft, dtype=dtype, log_dir=logs)) as stack:
+        with Stack(StackSpec(str(target), draft, dtype=dtype, log_dir=logs + "/service")) as stack:
             print(f"stack up: gateway {stack.gateway_address}, target {stack.addresses['target']}, "
                   f"draft {stack.addresses['draft']}\n")
             with Client(stack.gateway_address, timeout=300) as client:
@@ -57,11 +60,27 @@ def run_demo(pair: str = "smollm2", max_new_tokens: int = 160, gamma: int | str 
                 print(f"--- sampling: {_settings()}, seed = question number, gamma={gamma} ---\n")
                 sampled = [_compare(call, p, max_new_tokens, gamma, repeats, {**SAMPLING, "seed": i},
                                     show=i == 0) for i, p in enumerate(prompts[:2])]
-    identical = all(same for _, same in greedy)
-    print(f"greedy: mean speedup over speculation=off {sum(s for s, _ in greedy) / len(greedy):.2f}x; "
-          f"all answers token-identical to plain decoding: {identical}")
-    print(f"sampled ({_settings()}): mean speedup {sum(s for s, _ in sampled) / len(sampled):.2f}x")
+        colocated = []
+        if draft is not None:
+            with Stack(StackSpec(str(target), draft, dtype=dtype, colocate_draft=True,
+                                 log_dir=logs + "/colocated")) as stack, \
+                    Client(stack.gateway_address, timeout=300) as client:
+                print(f"--- the draft inside the target process (serve --colocate-draft): gateway "
+                      f"{stack.gateway_address}, target {stack.addresses['target']}, no draft service; greedy ---\n")
+                call = _chat(client) if chat else _complete(client)
+                call(prompts[0], 8, "off", {})  # warm-up
+                colocated = [_compare(call, p, max_new_tokens, gamma, repeats, {}, show=False) for p in prompts]
+    identical = all(same for _, same in greedy + colocated)
+    print(f"greedy, draft service: mean speedup over speculation=off {_mean(greedy):.2f}x")
+    if colocated:
+        print(f"greedy, draft colocated in the target: mean speedup over speculation=off {_mean(colocated):.2f}x")
+    print(f"all greedy answers token-identical to plain decoding: {identical}")
+    print(f"sampled ({_settings()}), draft service: mean speedup {_mean(sampled):.2f}x")
     return 0 if identical else 1
+
+
+def _mean(results: list[tuple[float, bool]]) -> float:
+    return sum(speedup for speedup, _ in results) / len(results)
 
 
 def _chat(client):
