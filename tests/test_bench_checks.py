@@ -129,7 +129,7 @@ class _FakeStack:
 
 def _fake_models(tmp_path: Path) -> SimpleNamespace:
     return SimpleNamespace(label="fake", target=tmp_path / "target", draft=tmp_path / "draft", dtype="float32",
-                           chat=False, require_draft=lambda: tmp_path / "draft",
+                           weights="auto", chat=False, require_draft=lambda: tmp_path / "draft",
                            prompts=lambda n: [[1, 2, 3]] * n)
 
 
@@ -145,7 +145,7 @@ def _fake_sweep(outputs: dict[int, list[list[int]]]):
     return sweep
 
 
-COSTS = {"c": 0.1, "target_step_ms": 1.0, "draft_step_ms": 0.1, "target_verify_ms": {g: 1.2 for g in range(9)}}
+COSTS = {"c": 0.1, "weights": "dense", "target_step_ms": 1.0, "draft_step_ms": 0.1, "target_verify_ms": {g: 1.2 for g in range(9)}}
 
 
 def _patch_stack(monkeypatch, module) -> None:
@@ -163,6 +163,7 @@ def test_latency_stops_when_a_gamma_changes_the_output(monkeypatch, tmp_path):
                                              r"token 77, expected 21") as error:
         latency.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, gammas=[0, 2, 4])
     assert "gamma 2" not in str(error.value)
+    assert "gamma 4, draft colocated: prompt 1" in str(error.value)  # the colocated sweep is checked too
     assert not (tmp_path / "latency.json").exists()
 
 
