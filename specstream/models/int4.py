@@ -5,7 +5,8 @@ is ``scale * code + min`` per block of ``GROUP`` = 32 consecutive columns (codes
 w, bias)`` is ``F.linear(x, q4_dense(...), bias)`` computed by ATen's CPU int4 kernel
 (``_weight_int4pack_mm_for_cpu``), which never materialises the dense matrix; ``q4_linear_reference`` is
 the torch reference beside it. ``pack_codes``/``unpack_codes`` are the on-disk layout (two codes a
-byte, the even column in the low nibble).
+byte, the even column in the low nibble). ``rtn_parts`` rounds a dense matrix to such parts (for
+drafts, whose rounding only moves α).
 
 Why: at batch 1 a decode step on a CPU reads every weight once, so its time is the weights' bytes
 over memory bandwidth. A Q4_1 model dequantized to bfloat16 reads 16 bits a weight; served as 4-bit
