@@ -224,3 +224,17 @@ def test_the_benchmarks_stop_under_python_O():
                              "-k", "stops_when"], capture_output=True, text=True, timeout=300,
                             cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 0 and re.search(r"^3 passed", result.stdout, re.M), result.stdout + result.stderr
+
+
+def test_bench_gamma_keeps_the_other_batch_sizes_of_the_same_configuration(tmp_path):
+    import json
+
+    from specstream.bench.gamma import _other_batches
+
+    data = {"model": "m", "dtype": "bfloat16", "max_new_tokens": 48, "settings": ["γ=0", "ours"]}
+    path = tmp_path / "gamma.json"
+    path.write_text(json.dumps({**data, "runs": {"1/code": {"a": 1}, "8/code": {"b": 2}, "32/chat": {"c": 3}}}))
+    assert _other_batches(path, data, [1]) == {"8/code": {"b": 2}, "32/chat": {"c": 3}}
+    assert _other_batches(path, data, [1, 8, 32]) == {}
+    assert _other_batches(path, {**data, "dtype": "float32"}, [1]) == {}  # another configuration: start afresh
+    assert _other_batches(tmp_path / "absent.json", data, [1]) == {}

@@ -144,6 +144,7 @@ def run(models: BenchModels, out_dir: Path, batches: list[int], n_prompts: int =
     chosen = settings(fixed, proposers)
     data: dict = {"model": models.label, "dtype": models.dtype, "max_new_tokens": max_new_tokens,
                   "repeats": repeats, "settings": [s.name for s in chosen], "runs": {}}
+    data["runs"] = _other_batches(out_dir / "gamma.json", data, batches)
     for batch in batches:
         per_workload = n_prompts if batch == 1 else max(n_prompts, 2 * batch // 4)
         all_jobs = workloads(models, per_workload)
@@ -162,10 +163,25 @@ def run(models: BenchModels, out_dir: Path, batches: list[int], n_prompts: int =
                 _check_greedy({f"run {i}": r for i, r in enumerate(results)}, batch, name)
             runs = {n: _median(results) for n, results in repeated.items()}
             _check_greedy(runs, batch, name)
-            data["runs"][f"{batch}/{name}"] = _summary(runs)
+            data["runs"][f"{batch}/{name}"] = _summary(runs) | {"target_weights": loaded.target.weights}
             report.write_json(out_dir / "gamma.json", data)  # after every workload: a long run keeps what it measured
     _print_and_plot(data, out_dir)
     return data
+
+
+def _other_batches(path: Path, data: dict, batches: list[int]) -> dict:
+    """The rows of batch sizes this run does not measure, kept from an earlier ``gamma.json`` of the
+    same model, dtype, budget and settings (so ``--batch-sizes 1`` and ``--batch-sizes 8,32`` can be
+    run apart); nothing when that file is absent or from another configuration."""
+    import json
+
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    same = all(old.get(k) == data[k] for k in ("model", "dtype", "max_new_tokens", "settings"))
+    return {key: run for key, run in old.get("runs", {}).items()
+            if same and int(key.split("/")[0]) not in batches}
 
 
 def _median(results: list[dict]) -> dict:
