@@ -36,7 +36,8 @@ def _weights_flag(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS,
                    help="int4: serve a GGUF file's Q4_0/Q4_1 matrices as 4-bit blocks (CPU); dense: dequantize "
-                        "them to --dtype; auto: int4 where the model has them and the dtype is bfloat16")
+                        "them to --dtype; int4-rtn: round a dense model to 4 bits at load (drafts only); auto: on a "
+                        "CPU in bfloat16, int4 where the model has 4-bit blocks, int4-rtn for a draft, else dense")
 
 
 def _model_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -257,7 +258,8 @@ def _stack_spec(args: argparse.Namespace):
                      gamma=args.gamma, max_gamma=args.max_gamma, gamma_policy=args.gamma_policy,
                      proposer=args.proposer, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
                      max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len, dtype=dtype,
-                     weights=args.weights, colocate_draft=args.colocate_draft, log_dir=args.log_dir, draft_threads=args.draft_threads, target_threads=args.target_threads,
+                     weights=args.weights, colocate_draft=args.colocate_draft, log_dir=args.log_dir,
+                     draft_threads=args.draft_threads, target_threads=args.target_threads,
                      target_replicas=args.replicas, extra_target_args=_batching_args(args), metrics=args.metrics,
                      trace_file=os.path.abspath(args.trace_file) if args.trace_file else None)
 

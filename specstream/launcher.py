@@ -79,7 +79,7 @@ class StackSpec:
     target_replicas: int = 1  # target processes behind the gateway
     max_seq_len: int = 2048
     dtype: str = "float32"  # or "auto" (bfloat16 where native)
-    weights: str = "auto"  # the models' weight format: "auto", "dense" or "int4" (specstream/config.py)
+    weights: str = "auto"  # the targets' weight format (specstream/config.py); a draft always uses "auto"
     draft_threads: int = 1  # CPU threads of the draft's model (0: one per core); a small draft runs best on one
     target_threads: int = 0  # CPU threads of the target's model (0: one per core)
     extra_target_args: list[str] = field(default_factory=list)
@@ -135,25 +135,27 @@ def command_lines(spec: StackSpec, target_model: str, addresses: dict[str, str],
         return ["--metrics-port", str(metrics_ports[name])] if name in metrics_ports else []
 
     tracing = ["--trace-file", spec.trace_file] if spec.trace_file else []
-    common = ["--host", spec.host, "--dtype", spec.dtype, "--weights", spec.weights, "--max-seq-len", str(spec.max_seq_len), *tracing]
+    common = ["--host", spec.host, "--dtype", spec.dtype, "--max-seq-len", str(spec.max_seq_len), *tracing]
     lines: dict[str, list[str]] = {}
-    colocated = ["--proposer", spec.proposer, "--ngram-max", str(spec.ngram_max), "--ngram-min", str(spec.ngram_min),
-                 *(["--draft-model", spec.draft_model] if spec.draft_model else [])]
+    proposer = ["--proposer", spec.proposer, "--ngram-max", str(spec.ngram_max), "--ngram-min", str(spec.ngram_min)]
+
+    def draft_model(flag: str) -> list[str]:
+        return [flag, spec.draft_model] if spec.draft_model else []
+
     if spec.has_draft:
         if spec.synthetic:
             source = ["--synthetic-oracle", spec.synthetic[0], "--synthetic-alpha", str(spec.synthetic[1])]
         else:
-            source = ["--proposer", spec.proposer, "--ngram-max", str(spec.ngram_max), "--ngram-min",
-                      str(spec.ngram_min), *(["--model", spec.draft_model] if spec.draft_model else [])]
+            source = [*proposer, *draft_model("--model")]
         lines["draft"] = ["draft", *source, "--port", port["draft"], *common, "--threads", str(spec.draft_threads),
                           *metrics_flag("draft")]
     for name in names:
-        lines[name] = ["target", "--model", target_model, "--port", port[name], *common,
+        lines[name] = ["target", "--model", target_model, "--port", port[name], *common, "--weights", spec.weights,
                        "--gamma", str(spec.gamma), "--max-gamma", str(spec.max_gamma), "--gamma-policy",
                        spec.gamma_policy, "--max-slots", str(spec.max_slots), "--threads", str(spec.target_threads),
                        *metrics_flag(name), *spec.extra_target_args,
                        *(["--draft-url", addresses["draft"]] if spec.has_draft else []),
-                       *(colocated if spec.colocate_draft and spec.drafts else [])]
+                       *([*proposer, *draft_model("--draft-model")] if spec.colocate_draft and spec.drafts else [])]
     lines["gateway"] = ["gateway", "--target-url", ",".join(addresses[name] for name in names), "--tokenizer",
                         target_model, "--host", spec.host, "--port", port["gateway"], *metrics_flag("gateway"),
                         *tracing, *spec.extra_gateway_args]

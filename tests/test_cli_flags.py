@@ -116,6 +116,9 @@ def test_serve_colocate_draft_runs_the_draft_inside_every_target() -> None:
         assert config.draft_url is None and draft is not None
         assert (draft.proposer, draft.model.path, draft.ngram_min, draft.max_slots) == ("ngram+model", "d", 2, 8)
         assert draft.model.weights == "auto"  # a draft: auto may round it to 4 bits
+    lines = _serve("--target", "t", "--draft", "d", "--weights", "dense")
+    assert [config.model.weights for config in _target_configs(lines)] == ["dense"]
+    assert "--weights" not in lines["draft"] and _draft(lines).model.weights == "auto"  # a draft may round itself
     (config,) = _target_configs(_serve("--colocate-draft", "--proposer", "ngram"))
     assert (config.colocated_draft.proposer, config.colocated_draft.model) == ("ngram", None)
     (config,) = _target_configs(_serve("--colocate-draft", "--no-draft"))

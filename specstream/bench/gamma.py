@@ -18,6 +18,7 @@ What it does not know: how the engine or controller work; it only drives them.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,8 +174,6 @@ def _other_batches(path: Path, data: dict, batches: list[int]) -> dict:
     """The rows of batch sizes this run does not measure, kept from an earlier ``gamma.json`` of the
     same model, dtype, budget and settings (so ``--batch-sizes 1`` and ``--batch-sizes 8,32`` can be
     run apart); nothing when that file is absent or from another configuration."""
-    import json
-
     try:
         old = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -82,7 +82,7 @@ class CausalLM(torch.nn.Module):
     """
 
     config: ModelConfig
-    weights: str = "dense"  # what load_model served: "dense" or "int4 (N matrices)"
+    weights: str = "dense"  # what load_model served: "dense", "int4 (N matrices)" or "int4-rtn (N matrices)"
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

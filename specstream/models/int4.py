@@ -79,14 +79,6 @@ class Q4Weight:
         """Whether the kernel takes an [out_features, in_features] matrix (its tiles are 16 x 32)."""
         return out_features % 16 == 0 and in_features % (16 * _INNER_K_TILES) == 0
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.scale_zero.shape[1], self.scale_zero.shape[0] * GROUP
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.scale_zero.dtype
-
 
 def rtn_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest 4-bit quantization of a dense [N, K] matrix, per block of GROUP columns, in

@@ -63,6 +63,20 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + _rotate_half(x) * sin
 
 
+def _serve_q4(module: nn.Module, attr: str, what: str, codes: torch.Tensor, scale: torch.Tensor,
+              minimum: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Replace the dense parameter ``attr`` by its 4-bit form, when the kernel takes its shape;
+    whether it did. ``what`` names the checkpoint matrices in errors."""
+    dense = getattr(module, attr)
+    if tuple(codes.shape) != tuple(dense.shape):
+        raise ModelLoadError(f"4-bit data for {what}: shape {list(codes.shape)}, expected {list(dense.shape)}")
+    if not Q4Weight.fits(*codes.shape):
+        return False  # the kernel's 16 x 32 tiles do not divide it: stays dense
+    del module._parameters[attr]  # a plain attribute from now on: the dense copy is freed
+    setattr(module, attr, Q4Weight.from_parts(codes, scale, minimum, dtype))
+    return True
+
+
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     # Uninitialised on purpose: every parameter is overwritten by load_weights.
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
@@ -119,42 +133,33 @@ class _LlamaLayer(nn.Module):
             self.gate_up_b[inter:].copy_(src.take(m + "up_proj.bias", (inter,)))
             self.down_b.copy_(src.take(m + "down_proj.bias", (hidden,)))
 
-    def use_q4(self, parts: Q4Parts, prefix: str, dtype: torch.dtype) -> int:
-        """Swap each fused projection whose every checkpoint part has 4-bit data for a Q4Weight."""
+    @staticmethod
+    def _fused(prefix: str) -> dict[str, tuple[str, ...]]:
+        """Each fused weight attribute -> the checkpoint matrices stacked in it, in row order."""
         a, m = prefix + "self_attn.", prefix + "mlp."
-        fused = {
+        return {
             "qkv_w": (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
             "o_w": (a + "o_proj.weight",),
             "gate_up_w": (m + "gate_proj.weight", m + "up_proj.weight"),
             "down_w": (m + "down_proj.weight",),
         }
+
+    def use_q4(self, parts: Q4Parts, prefix: str, dtype: torch.dtype) -> int:
+        """Swap each fused projection whose every checkpoint part has 4-bit data for a Q4Weight."""
         swapped = 0
-        for attr, names in fused.items():
+        for attr, names in self._fused(prefix).items():
             found = [parts(name) for name in names]
             if any(part is None for part in found):
                 continue  # a mixed-precision group stays dense
             codes, scale, minimum = (torch.cat(group) for group in zip(*found))  # [N, K], [N, K/32] x2
-            dense = getattr(self, attr)
-            if tuple(codes.shape) != tuple(dense.shape):
-                raise ModelLoadError(f"4-bit data for {', '.join(names)}: shape {list(codes.shape)}, "
-                                     f"expected {list(dense.shape)}")
-            if not Q4Weight.fits(*codes.shape):
-                continue  # the kernel's tiles do not divide it: stays dense
-            del self._parameters[attr]  # a plain attribute from now on: the dense copy is freed
-            setattr(self, attr, Q4Weight.from_parts(codes, scale, minimum, dtype))
-            swapped += len(names)
+            if _serve_q4(self, attr, ", ".join(names), codes, scale, minimum, dtype):
+                swapped += len(names)
         return swapped
 
     def quantize_int4(self, dtype: torch.dtype) -> int:
         """Each fused projection the kernel can take, quantized to 4 bits (``LlamaForCausalLM.quantize_int4``)."""
-        swapped = 0
-        for attr in ("qkv_w", "o_w", "gate_up_w", "down_w"):
-            dense = getattr(self, attr)
-            if isinstance(dense, torch.nn.Parameter) and Q4Weight.fits(*dense.shape):
-                del self._parameters[attr]
-                setattr(self, attr, Q4Weight.from_parts(*rtn_parts(dense.detach()), dtype))
-                swapped += 1
-        return swapped
+        return sum(_serve_q4(self, attr, attr, *rtn_parts(getattr(self, attr).detach()), dtype)
+                   for attr in self._fused("") if Q4Weight.fits(*getattr(self, attr).shape))
 
     def attention(self, x: torch.Tensor, batch: CacheBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, T, H] -> x + attention block [B, T, H]; writes this layer's K/V into the cache."""
@@ -251,13 +256,7 @@ class LlamaForCausalLM(CausalLM):
                       for i, layer in enumerate(self.layers))
         head = parts("lm_head.weight") if self.lm_head is not None and self.config.output_vocab is None else None
         if head is not None:
-            if tuple(head[0].shape) != tuple(self.lm_head.shape):
-                raise ModelLoadError(f"4-bit data for lm_head.weight: shape {list(head[0].shape)}, "
-                                     f"expected {list(self.lm_head.shape)}")
-        if head is not None and Q4Weight.fits(*head[0].shape):
-            del self._parameters["lm_head"]
-            self.lm_head = Q4Weight.from_parts(*head, self.dtype)
-            swapped += 1
+            swapped += _serve_q4(self, "lm_head", "lm_head.weight", *head, self.dtype)
         return swapped
 
     def quantize_int4(self) -> int:
@@ -265,11 +264,8 @@ class LlamaForCausalLM(CausalLM):
         subset); the embedding, which a tied head shares, stays dense."""
         dtype = self.dtype
         swapped = sum(layer.quantize_int4(dtype) for layer in self.layers)  # type: ignore[operator]
-        if isinstance(self.lm_head, torch.nn.Parameter) and Q4Weight.fits(*self.lm_head.shape):
-            head = self.lm_head.detach()
-            del self._parameters["lm_head"]
-            self.lm_head = Q4Weight.from_parts(*rtn_parts(head), dtype)
-            swapped += 1
+        if self.lm_head is not None and Q4Weight.fits(*self.lm_head.shape):
+            swapped += _serve_q4(self, "lm_head", "lm_head", *rtn_parts(self.lm_head.detach()), dtype)
         return swapped
 
     def embed_positions(self, input_ids: torch.Tensor, batch: CacheBatch) -> tuple[torch.Tensor, ...]:

@@ -246,9 +246,8 @@ def embedding_sha256(embed: torch.Tensor) -> str:
     return hashlib.sha256(embed.detach().to(torch.float32).contiguous().numpy().tobytes()).hexdigest()
 
 
-def _use_q4(model: CausalLM, file: Path, weights: str) -> int:
-    """Swap the model's matrices that ``file`` has 4-bit data for; returns how many (> 0 when
-    ``weights`` is "int4", which asked for them)."""
+def _use_q4(model: CausalLM, file: Path) -> int:
+    """Swap the model's matrices that ``file`` has 4-bit data for; returns how many."""
     try:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             names = set(f.keys())
@@ -266,8 +265,6 @@ def _use_q4(model: CausalLM, file: Path, weights: str) -> int:
             swapped = model.use_q4(parts)
     except SafetensorError as e:
         raise ModelLoadError(f"{file}: not a readable safetensors file ({e})") from e
-    if weights == "int4" and swapped == 0:
-        raise ModelLoadError(f"{file}: weights='int4', but none of its matrices fits {model.config.architecture}")
     return swapped
 
 
@@ -314,17 +311,15 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
         )
     # auto: the int4 kernel is vectorised for bfloat16; in float32 it is slower than dense matmuls.
     fast = torch_dtype == torch.bfloat16 and torch.device(device).type == "cpu"
+    served = weights
     if weights == "auto":
-        weights = "int4" if fast and q4_file.is_file() else "int4-rtn" if fast and draft else "dense"
-    if weights == "int4":
-        model.weights = f"int4 ({_use_q4(model, q4_file, weights)} matrices)"
-    elif weights == "int4-rtn":
-        swapped = model.quantize_int4()
-        if swapped == 0:
-            raise ModelLoadError(f"{root}: weights='int4-rtn', but none of its matrices fits the int4 kernel")
-        model.weights = f"int4-rtn ({swapped} matrices)"
-    else:
-        model.weights = "dense"
+        served = "int4" if fast and q4_file.is_file() else "int4-rtn" if fast and draft else "dense"
+    swapped = (_use_q4(model, q4_file) if served == "int4" else model.quantize_int4() if served == "int4-rtn"
+               else 0)
+    if swapped == 0 and weights in ("int4", "int4-rtn"):  # asked for; auto falls back to dense quietly
+        raise ModelLoadError(f"{root}: weights={weights!r}, but none of its matrices fits the int4 kernel "
+                             f"({config.architecture})")
+    model.weights = f"{served} ({swapped} matrices)" if swapped else "dense"
     model.eval()
     model.requires_grad_(False)
     return model
