@@ -181,16 +181,34 @@ def cmd_draft(args: argparse.Namespace) -> int:
     return _run_service(args, lambda: serve(config))
 
 
-def _proposer_flags(p: argparse.ArgumentParser, model_flag: str) -> None:
-    """What the draft service proposes with; `serve` passes them on to its draft."""
+def _proposer_flags(p: argparse.ArgumentParser, model_flag: str, pair: bool = False) -> None:
+    """What the draft service proposes with; `serve` passes them on to its draft. With ``pair``
+    (commands that take --models) --proposer and --ngram-min default to the pair's: _chosen_proposer."""
     from specstream.config import DraftConfig
 
-    p.add_argument("--proposer", default=DraftConfig.proposer, choices=DraftConfig.PROPOSERS,
+    default = "the --models pair's" if pair else None
+    p.add_argument("--proposer", default=None if pair else DraftConfig.proposer, choices=DraftConfig.PROPOSERS,
                    help=f"model: the draft model ({model_flag}); ngram: prompt lookup, copying what followed the "
                         "latest earlier occurrence of the last n tokens (no model); ngram+model: n-grams where "
-                        "they match, the model elsewhere")
+                        "they match, the model elsewhere" + (f" (default: {default})" if pair else ""))
     p.add_argument("--ngram-max", type=int, default=DraftConfig.ngram_max, help="prompt lookup tries n from this ...")
-    p.add_argument("--ngram-min", type=int, default=DraftConfig.ngram_min, help="... down to this")
+    p.add_argument("--ngram-min", type=int, default=None if pair else DraftConfig.ngram_min,
+                   help="... down to this" + (f" (default: {default} with its proposer, else "
+                                              f"{DraftConfig.ngram_min})" if pair else ""))
+
+
+def _chosen_proposer(args: argparse.Namespace) -> tuple[str, int]:
+    """(proposer, ngram_min) from --proposer/--ngram-min, filled from the --models pair where not
+    given (when --target is, from DraftConfig's defaults). The pair's ngram_min goes with its
+    proposer only: another proposer asked for by name gets DraftConfig's."""
+    from specstream.config import DraftConfig
+    from specstream.model_registry import PAIRS
+
+    pair = PAIRS[args.models] if args.target is None else None
+    proposer = args.proposer or (pair.proposer if pair else DraftConfig.proposer)
+    if args.ngram_min is not None:
+        return proposer, args.ngram_min
+    return proposer, pair.ngram_min if pair and proposer == pair.proposer else DraftConfig.ngram_min
 
 
 def _gateway_config(args: argparse.Namespace):
@@ -230,20 +248,21 @@ def _chosen_models(args: argparse.Namespace) -> tuple[str, str | None, str]:
     return target, draft, args.dtype or dtype
 
 
-def _serve_draft(args: argparse.Namespace, draft: str | None) -> str | None:
-    """The draft model `serve` starts its draft with (None: none), from --proposer, --draft (given:
-    `draft` is it; else the --models pair's) and --no-draft; ValueError naming the flags that clash."""
+def _serve_draft(args: argparse.Namespace, draft: str | None, proposer: str) -> tuple[str | None, str]:
+    """(the draft model `serve` starts its draft with (None: none), its proposer), from the chosen
+    proposer, --draft (given: `draft` is it; else the --models pair's) and --no-draft; ValueError
+    naming the flags that clash. --no-draft turns the pair's default proposer off with the draft."""
     if args.no_draft:
-        if args.proposer != "model":
+        if args.proposer not in (None, "model"):
             raise ValueError(f"--no-draft runs no draft service; --proposer {args.proposer} needs one")
-        return None
-    if args.proposer == "ngram":
+        return None, "model"
+    if proposer == "ngram":
         if args.draft:
             raise ValueError(f"--draft {args.draft}: --proposer ngram uses no draft model")
-        return None  # the pair's draft model is not needed
-    if args.proposer == "ngram+model" and draft is None:
+        return None, proposer  # the pair's draft model is not needed
+    if proposer == "ngram+model" and draft is None:
         raise ValueError("--proposer ngram+model needs a draft model (--draft)")
-    return draft
+    return draft, proposer
 
 
 def _stack_spec(args: argparse.Namespace):
@@ -251,12 +270,13 @@ def _stack_spec(args: argparse.Namespace):
     from specstream.launcher import StackSpec
 
     # The draft's own check of the n-gram range, here so that it fails before any process starts.
-    DraftConfig(None, proposer="ngram", ngram_max=args.ngram_max, ngram_min=args.ngram_min)
+    proposer, ngram_min = _chosen_proposer(args)
+    DraftConfig(None, proposer="ngram", ngram_max=args.ngram_max, ngram_min=ngram_min)
     target, draft, dtype = _chosen_models(args)
-    draft = _serve_draft(args, draft)
+    draft, proposer = _serve_draft(args, draft, proposer)
     return StackSpec(target_model=target, draft_model=draft, gateway_port=args.port, host=args.host,
                      gamma=args.gamma, max_gamma=args.max_gamma, gamma_policy=args.gamma_policy,
-                     proposer=args.proposer, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+                     proposer=proposer, ngram_max=args.ngram_max, ngram_min=ngram_min,
                      max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len, dtype=dtype,
                      weights=args.weights, colocate_draft=args.colocate_draft, log_dir=args.log_dir,
                      draft_threads=args.draft_threads, target_threads=args.target_threads,
@@ -414,8 +434,9 @@ def bench_models(args: argparse.Namespace):
     from specstream.bench.models import BenchModels
 
     target, draft, dtype = _chosen_models(args)
+    proposer, ngram_min = _chosen_proposer(args)
     return BenchModels.from_refs(target, draft, dtype, args.models if args.target is None else Path(target).name,
-                                 weights=args.weights)
+                                 weights=args.weights, proposer=proposer, ngram_max=args.ngram_max, ngram_min=ngram_min)
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
@@ -520,7 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--colocate-draft", action="store_true",
                    help="run the draft inside each target process instead of as its own service: no gRPC hop "
                         "per step (faster on one machine); the draft then shares the target's threads")
-    _proposer_flags(p, model_flag="--draft or the --models pair's")
+    _proposer_flags(p, model_flag="--draft or the --models pair's", pair=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="gateway port (0: pick a free one)")
     _gamma_flags(p)
@@ -634,6 +655,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperatures", help="comma-separated temperatures, 0 = greedy (sampling; default 0,0.7,1.0)")
     p.add_argument("--workloads", help="throughput: comma-separated, of short,long (default short); "
                                        "gamma: of code,chat,repetitive,sampled,mix (default all)")
+    _proposer_flags(p, model_flag="--draft or the --models pair's; latency, sampling, throughput: what our "
+                                  "speculative runs propose with", pair=True)
     p.add_argument("--proposers", help="gamma: comma-separated, of model,ngram,ngram+model (default all)")
     p.add_argument("--repeats", type=int, default=1,
                    help="gamma: run every setting this many times, interleaved, and report the median")
@@ -652,6 +675,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", help="draft model directory (default: the --models pair's draft)")
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     _weights_flag(p)
+    _proposer_flags(p, model_flag="--draft or the --models pair's", pair=True)
     p.add_argument("--max-slots", type=int, default=8)
     p.add_argument("--out", default="experiment-results", help="directory for experiment_<workload>.json and .png")
     p.set_defaults(func=cmd_experiment)

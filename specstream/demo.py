@@ -38,7 +38,7 @@ CODE_PROMPTS = [
 
 def run_demo(pair: str = "smollm2", max_new_tokens: int = 160, gamma: int | str = "auto", repeats: int = 3) -> int:
     """Each prompt runs `repeats` times per setting; tokens/s is taken from the median run."""
-    from specstream.model_registry import pair_refs, resolve_model
+    from specstream.model_registry import PAIRS, pair_refs, resolve_model
     from specstream.tokenizer import TextTokenizer
     from specstream_client import Client
 
@@ -46,8 +46,9 @@ def run_demo(pair: str = "smollm2", max_new_tokens: int = 160, gamma: int | str 
     target = resolve_model(target_ref)  # a GGUF model is converted once, here, with a message
     chat = TextTokenizer.from_dir(target).chat_template is not None
     prompts = QUESTIONS if chat else CODE_PROMPTS
+    proposing = {"proposer": PAIRS[pair].proposer, "ngram_min": PAIRS[pair].ngram_min} if draft else {}
     with tempfile.TemporaryDirectory() as logs:
-        with Stack(StackSpec(str(target), draft, dtype=dtype, log_dir=logs + "/service")) as stack:
+        with Stack(StackSpec(str(target), draft, dtype=dtype, **proposing, log_dir=logs + "/service")) as stack:
             print(f"stack up: gateway {stack.gateway_address}, target {stack.addresses['target']}, "
                   f"draft {stack.addresses['draft']}\n")
             with Client(stack.gateway_address, timeout=300) as client:
@@ -62,7 +63,7 @@ def run_demo(pair: str = "smollm2", max_new_tokens: int = 160, gamma: int | str 
                                     show=i == 0) for i, p in enumerate(prompts[:2])]
         colocated = []
         if draft is not None:
-            with Stack(StackSpec(str(target), draft, dtype=dtype, colocate_draft=True,
+            with Stack(StackSpec(str(target), draft, dtype=dtype, colocate_draft=True, **proposing,
                                  log_dir=logs + "/colocated")) as stack, \
                     Client(stack.gateway_address, timeout=300) as client:
                 print(f"--- the draft inside the target process (serve --colocate-draft): gateway "

@@ -42,12 +42,13 @@ def run(models: BenchModels, out_dir: Path, workload: str = "single", max_slots:
     with tempfile.TemporaryDirectory() as tmp:
         trace_file = Path(tmp) / "spans.jsonl"
         with Stack(StackSpec(str(models.target), str(models.require_draft()), gamma=gamma, max_slots=max_slots, log_dir=tmp,
-                             dtype=models.dtype, weights=models.weights,
+                             dtype=models.dtype, weights=models.weights, **models.proposing,
                              trace_file=str(trace_file))) as stack:
             asyncio.run(_drive(stack.gateway_address, requests, clients))
         spans = [json.loads(line) for line in trace_file.read_text().splitlines()]  # flushed at shutdown
     breakdown = breakdown_from_spans(spans)
-    return _report(breakdown, out_dir, workload) | {"models": models.label, "dtype": models.dtype}
+    return _report(breakdown, out_dir, workload, {"models": models.label, "dtype": models.dtype,
+                                                  "proposer": models.proposing})
 
 
 async def _drive(address: str, requests: list[tuple[list[int], int]], clients: int) -> None:
@@ -105,7 +106,7 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
-def _report(rows: list[dict], out_dir: Path, workload: str) -> dict:
+def _report(rows: list[dict], out_dir: Path, workload: str, about: dict) -> dict:
     assert rows, "no request could be broken down: is tracing writing spans?"
     headers = ["component", "mean ms", "p50 ms", "p99 ms", "share of total"]
     total = sum(r["total"] for r in rows)
@@ -115,7 +116,7 @@ def _report(rows: list[dict], out_dir: Path, workload: str) -> dict:
         table.append([name, 1000 * sum(values) / len(values), 1000 * _percentile(values, 0.5),
                       1000 * _percentile(values, 0.99), sum(values) / total if total else 0.0])
     print(report.table(headers, table), flush=True)
-    data = {"workload": workload, "requests": len(rows), "table_markdown": report.markdown_table(headers, table),
+    data = {**about, "workload": workload, "requests": len(rows), "table_markdown": report.markdown_table(headers, table),
             "per_request": rows}
     _plot(out_dir / f"experiment_{workload}.png", rows)
     report.write_json(out_dir / f"experiment_{workload}.json", data)

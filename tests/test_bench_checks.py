@@ -130,7 +130,8 @@ class _FakeStack:
 def _fake_models(tmp_path: Path) -> SimpleNamespace:
     return SimpleNamespace(label="fake", target=tmp_path / "target", draft=tmp_path / "draft", dtype="float32",
                            weights="auto", chat=False, require_draft=lambda: tmp_path / "draft",
-                           prompts=lambda n: [[1, 2, 3]] * n)
+                           prompts=lambda n: [[1, 2, 3]] * n, proposer="model", proposer_label="our draft",
+                           proposing={"proposer": "model", "ngram_max": 4, "ngram_min": 1})
 
 
 PLAIN = [[10, 11, 12], [20, 21, 22]]
@@ -139,8 +140,9 @@ CHANGED = [[10, 11, 12], [20, 77, 22]]  # prompt 1, position 1
 
 def _fake_sweep(outputs: dict[int, list[list[int]]]):
     def sweep(address, prompts, gammas, max_new_tokens, temperature=0.0):
-        return {g: {"token_ids": outputs[g], "tokens_per_s": 10.0 + g, "seconds": 1.0, "passes": 6,
-                    "alpha": 0.5 if g else None, "accepted_fraction": 0.5 if g else None,
+        # "auto" (the γ controller) answers as plain decoding does unless told otherwise.
+        return {g: {"token_ids": outputs.get(g, outputs[0]), "tokens_per_s": 10.0 + (g if g != "auto" else 1),
+                    "seconds": 1.0, "passes": 6, "alpha": 0.5 if g else None, "accepted_fraction": 0.5 if g else None,
                     "mean_accepted_length": 1.5 if g else None} for g in gammas}
     return sweep
 
@@ -165,6 +167,16 @@ def test_latency_stops_when_a_gamma_changes_the_output(monkeypatch, tmp_path):
     assert "gamma 2" not in str(error.value)
     assert "gamma 4, draft colocated: prompt 1" in str(error.value)  # the colocated sweep is checked too
     assert not (tmp_path / "latency.json").exists()
+
+
+def test_latency_checks_the_gamma_controller_too(monkeypatch, tmp_path):
+    from specstream.bench import latency
+
+    _patch_stack(monkeypatch, latency)
+    monkeypatch.setattr(latency, "sweep", _fake_sweep({0: PLAIN, 2: PLAIN, "auto": CHANGED}))
+    with pytest.raises(BenchmarkError, match=r"\n  auto: prompt 1: first difference at generated position 1") as error:
+        latency.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, gammas=[0, 2])
+    assert "gamma 2" not in str(error.value)
 
 
 def test_sampling_stops_when_a_greedy_gamma_changes_the_output(monkeypatch, tmp_path):

@@ -92,10 +92,29 @@ def test_serve_passes_the_proposer_with_its_draft_model() -> None:
     from specstream.model_registry import pair_refs
 
     pair_draft = pair_refs("smollm2")[1]
-    draft = _draft(_serve("--proposer", "ngram+model"))
-    assert (draft.proposer, draft.model.path) == ("ngram+model", pair_draft)
-    draft = _draft(_serve())
+    draft = _draft(_serve("--proposer", "model"))
     assert (draft.proposer, draft.model.path) == ("model", pair_draft)
+
+
+def test_serve_takes_the_pairs_proposer_unless_told_otherwise() -> None:
+    from specstream.model_registry import PAIRS
+
+    pair = PAIRS["smollm2"]
+    assert (pair.proposer, pair.ngram_min) == ("ngram+model", 2)
+    draft = _draft(_serve())  # no flags: the default pair as it is meant to be served
+    assert (draft.proposer, draft.model.path, draft.ngram_min) == ("ngram+model", pair.draft, 2)
+    draft = _draft(_serve("--ngram-min", "3"))
+    assert (draft.proposer, draft.ngram_min) == ("ngram+model", 3)
+    # Another proposer by name gets DraftConfig's n-gram range, not the pair's (tuned for its own).
+    draft = _draft(_serve("--proposer", "ngram"))
+    assert (draft.proposer, draft.ngram_min) == ("ngram", DraftConfig.ngram_min)
+    # A pair without one, and models given by path, propose with the draft model alone.
+    assert _draft(_serve("--models", "demo-small")).proposer == "model"
+    assert _draft(_serve("--target", "t", "--draft", "d")).proposer == "model"
+    # --no-draft turns the pair's default proposer off with its draft, but not one asked for.
+    assert "draft" not in _serve("--no-draft")
+    (config,) = _target_configs(_serve("--colocate-draft"))
+    assert (config.colocated_draft.proposer, config.colocated_draft.ngram_min) == ("ngram+model", 2)
 
 
 def test_serve_without_a_draft_starts_no_draft_process() -> None:

@@ -25,9 +25,10 @@ from specstream.launcher import Stack, StackSpec
 DEFAULT_GAMMAS = [0, 1, 2, 3, 4, 6, 8]
 
 
-def sweep(address: str, prompts: list[list[int]], gammas: list[int], max_new_tokens: int,
-          temperature: float = 0.0) -> dict[int, dict]:
-    """Generates every prompt at every γ, one request at a time (batch 1). Greedy by default; at
+def sweep(address: str, prompts: list[list[int]], gammas: list[int | str], max_new_tokens: int,
+          temperature: float = 0.0) -> dict[int | str, dict]:
+    """Generates every prompt at every γ (or "auto": the γ controller), one request at a time
+    (batch 1). Greedy by default; at
     temperature > 0 it samples from the full distribution (no top-k/top-p) with seed = the
     prompt's index, so every γ sees the same seeds."""
     from specstream_client import Client
@@ -72,18 +73,20 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
     print(f"{models.label} ({models.dtype}): measuring the cost ratio c at context {context} ...", flush=True)
     costs = measure_costs(models, context, [g for g in gammas if g])
     with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(str(models.target), str(draft), max_gamma=16,
-                                                                 weights=models.weights,
+                                                                 weights=models.weights, **models.proposing,
                                                                  dtype=models.dtype, log_dir=logs)) as stack:
-        print(f"stack up at {stack.gateway_address}; sweeping gamma {gammas} over {len(prompts)} prompts x "
-              f"{max_new_tokens} tokens ...", flush=True)
+        print(f"stack up at {stack.gateway_address}; proposing with {models.proposer_label}; sweeping gamma "
+              f"{gammas} and auto over {len(prompts)} prompts x {max_new_tokens} tokens ...", flush=True)
         ours = sweep(stack.gateway_address, prompts, gammas, max_new_tokens)
+        auto = sweep(stack.gateway_address, prompts, ["auto"], max_new_tokens)["auto"]
     with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(str(models.target), str(draft), max_gamma=16,
                                                                  weights=models.weights, colocate_draft=True,
+                                                                 **models.proposing,
                                                                  dtype=models.dtype, log_dir=logs)) as stack:
         print(f"the same with the draft colocated in the target process (no draft service) ...", flush=True)
         colocated = sweep(stack.gateway_address, prompts, gammas, max_new_tokens)
     check_runs_match("speculative output", "plain decoding (gamma 0)", ours[0]["token_ids"],
-                     {**{f"gamma {g}": ours[g]["token_ids"] for g in gammas if g},
+                     {**{f"gamma {g}": ours[g]["token_ids"] for g in gammas if g}, "auto": auto["token_ids"],
                       **{f"gamma {g}, draft colocated": colocated[g]["token_ids"] for g in gammas}})
     rows = []
     for gamma in gammas:
@@ -102,7 +105,12 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
     result = {"models": models.label, "target": display(models.target), "draft": display(models.draft),
               "dtype": models.dtype, "chat_prompts": models.chat, "prompts": len(prompts),
               "max_new_tokens": max_new_tokens, "costs": costs, "gammas": {g: public(ours[g]) for g in gammas}}
+    auto["speedup"] = auto["tokens_per_s"] / ours[0]["tokens_per_s"]
+    result["auto"] = public(auto)
     print("\n" + report.table(headers, rows), flush=True)
+    print(f"speculation=auto (the default, γ chosen per step): {auto['tokens_per_s']:.1f} tok/s, "
+          f"{auto['speedup']:.2f}x gamma 0, alpha {auto['alpha'] or 0.0:.3f}, mean accepted length "
+          f"{auto['mean_accepted_length']:.2f}", flush=True)
     colocated_rows = []
     for gamma in gammas:
         r = colocated[gamma]
@@ -118,12 +126,27 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
     result["best_colocated_gamma"] = best_colocated
     best = max((g for g in gammas if g), key=lambda g: ours[g]["tokens_per_s"])
     result["best_gamma"] = best
+    result["proposer"] = models.proposing
+    if models.proposer == "ngram+model":
+        # What the prompt lookup adds: the draft model alone at the same γ, same layout.
+        with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(
+                str(models.target), str(draft), max_gamma=16, weights=models.weights, dtype=models.dtype,
+                log_dir=logs)) as stack:
+            print(f"\nthe same with the draft model alone (no prompt lookup): gamma {best} ...", flush=True)
+            alone = sweep(stack.gateway_address, prompts, [best], max_new_tokens)[best]
+        check_runs_match("speculative output (draft model alone)", "plain decoding (gamma 0)", ours[0]["token_ids"],
+                         {f"gamma {best}": alone["token_ids"]})
+        result["model_alone"] = {"gamma": best, **public(alone)}
+        print(f"gamma {best}: {alone['tokens_per_s']:.1f} tok/s, alpha {alone['alpha']:.3f}, mean accepted length "
+              f"{alone['mean_accepted_length']:.2f} with the model alone; {ours[best]['tokens_per_s']:.1f} tok/s, "
+              f"alpha {ours[best]['alpha']:.3f}, {ours[best]['mean_accepted_length']:.2f} with "
+              f"{models.proposer_label}", flush=True)
     if with_hf:
         if costs["weights"] != "dense":
             # Our 4-bit serving beside our dense serving: the peers below dequantize, as dense does.
             with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(
                     str(models.target), str(draft), max_gamma=16, weights="dense", dtype=models.dtype,
-                    log_dir=logs)) as stack:
+                    **models.proposing, log_dir=logs)) as stack:
                 print(f"\nthe same with dense weights: gamma 0 and {best} ...", flush=True)
                 dense = sweep(stack.gateway_address, prompts, [0, best], max_new_tokens)
             check_runs_match("speculative output (dense weights)", "plain decoding (dense weights)",
@@ -161,20 +184,28 @@ def _compare_with_peers(result: dict, ours: dict[int, dict], best: int, colocate
                        | {"same_tokens_as_ours": r["token_ids"] == baseline} for name, r in peers.items()}
     plain = ours[0]["tokens_per_s"]
     served = models.dtype + ("" if result["costs"]["weights"] == "dense" else ", int4 weights")
+    label = models.proposer_label
     rows = [["specstream gamma=0", served, plain, 1.0, "-"],
             [f"specstream gamma={best}", served, ours[best]["tokens_per_s"], ours[best]["tokens_per_s"] / plain,
-             "our draft, draft service"],
+             f"{label}, draft service"],
             [f"specstream gamma={best_colocated}", served, colocated[best_colocated]["tokens_per_s"],
-             colocated[best_colocated]["tokens_per_s"] / plain, "our draft, colocated in the target"]]
+             colocated[best_colocated]["tokens_per_s"] / plain, f"{label}, colocated in the target"]]
+    rows.append(["specstream speculation=auto", served, result["auto"]["tokens_per_s"],
+                 result["auto"]["tokens_per_s"] / plain, f"{label}, draft service (the default)"])
+    if "model_alone" in result:
+        alone = result["model_alone"]
+        rows.append([f"specstream gamma={alone['gamma']}", served, alone["tokens_per_s"],
+                     alone["tokens_per_s"] / plain, "our draft alone, draft service"])
     dense = result.get("dense", {})
     rows += [[f"specstream gamma={g}", f"{models.dtype}, dense weights", r["tokens_per_s"],
-              r["tokens_per_s"] / plain, "our draft" if g else "-"] for g, r in dense.items()]
+              r["tokens_per_s"] / plain, label if g else "-"] for g, r in dense.items()]
     rows += [[name, r.get("dtype", "-"), r["tokens_per_s"], r["tokens_per_s"] / plain, r.get("assistant") or "-"]
              for name, r in peers.items()]
     print(report.table(["system", "dtype", "tok/s", "x specstream gamma=0", "draft"], rows))
     assisted = {n: r["tokens_per_s"] for n, r in peers.items() if n.startswith("HF ") and r.get("assistant")}
     best_hf = max(assisted, key=assisted.get) if assisted else None
-    ours_best = max(ours[best]["tokens_per_s"], colocated[best_colocated]["tokens_per_s"])
+    ours_best = max(ours[best]["tokens_per_s"], colocated[best_colocated]["tokens_per_s"],
+                    result["auto"]["tokens_per_s"])
     result["ours_best_speculative_over_plain"] = ours_best / plain
     if best_hf is not None:
         result["best_hf_assisted"] = best_hf
@@ -190,6 +221,8 @@ def _compare_with_peers(result: dict, ours: dict[int, dict], best: int, colocate
     report.plot_bars(out_dir / "latency_vs_hf.png", f"Batch-1 greedy tokens/s, {models.label}, same prompts",
                      "tokens/s", {"specstream γ=0": plain, f"specstream γ={best}": ours[best]["tokens_per_s"],
                                   f"specstream γ={best_colocated}, colocated": colocated[best_colocated]["tokens_per_s"],
+                                  **({f"specstream γ={result['model_alone']['gamma']}, draft alone":
+                                      result["model_alone"]["tokens_per_s"]} if "model_alone" in result else {}),
                                   **{f"specstream γ={g}, dense": r["tokens_per_s"] for g, r in dense.items()},
                                   **{name: r["tokens_per_s"] for name, r in peers.items()}})
 

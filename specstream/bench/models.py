@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specstream.compute import on_torch_thread
+from specstream.config import DraftConfig
 from specstream.model_registry import DRAFTS, MODELS, resolve_dtype, resolve_model
 from specstream.tokenizer import TextTokenizer
 
@@ -48,13 +49,32 @@ class BenchModels:
     dtype: str  # resolved: "bfloat16" or "float32"
     gguf: Path | None = None  # the target's original GGUF file, when it came as one (llama.cpp runs it)
     weights: str = "auto"  # our weight format (specstream/config.py WEIGHT_FORMATS); peers always run dense
+    # What our speculative runs propose with (DraftConfig.PROPOSERS), as the pair serves it.
+    proposer: str = DraftConfig.proposer
+    ngram_max: int = DraftConfig.ngram_max
+    ngram_min: int = DraftConfig.ngram_min
     _hf_draft: Path | None = field(default=None, repr=False)
 
     @classmethod
-    def from_refs(cls, target: str, draft: str | None, dtype: str, label: str, weights: str = "auto") -> BenchModels:
+    def from_refs(cls, target: str, draft: str | None, dtype: str, label: str, weights: str = "auto",
+                  proposer: str = DraftConfig.proposer, ngram_max: int = DraftConfig.ngram_max,
+                  ngram_min: int = DraftConfig.ngram_min) -> BenchModels:
         gguf = MODELS[target].path() if target in MODELS else Path(target) if target.endswith(".gguf") else None
         return cls(label, resolve_model(target), resolve_model(draft) if draft else None, resolve_dtype(dtype), gguf,
-                   weights)
+                   weights, proposer, ngram_max, ngram_min)
+
+    @property
+    def proposing(self) -> dict:
+        """StackSpec's proposer fields for our speculative runs."""
+        return {"proposer": self.proposer, "ngram_max": self.ngram_max, "ngram_min": self.ngram_min}
+
+    @property
+    def proposer_label(self) -> str:
+        """How tables name what proposes: "our draft", or with the n-gram range it tries first."""
+        if self.proposer == "model":
+            return "our draft"
+        lookup = f"prompt lookup (n={self.ngram_max}..{self.ngram_min})"
+        return lookup if self.proposer == "ngram" else f"{lookup}, else our draft"
 
     def require_draft(self) -> Path:
         """The draft directory; a benchmark of speculation without one is a usage error."""

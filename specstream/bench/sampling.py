@@ -42,7 +42,7 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
     costs = measure_costs(models, context, [g for g in gammas if g])
     ours: dict[float, dict[int, dict]] = {}
     with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(str(models.target), str(draft), max_gamma=16,
-                                                                 weights=models.weights,
+                                                                 weights=models.weights, **models.proposing,
                                                                  dtype=models.dtype, log_dir=logs)) as stack:
         for t in temperatures:
             print(f"T={t}: sweeping gamma {gammas} over {len(prompts)} prompts x {max_new_tokens} tokens ...",
@@ -57,6 +57,7 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
             rows.append(_score(ours[t], gamma, costs, t))
     result = {"models": models.label, "target": display(models.target), "draft": display(models.draft),
               "dtype": models.dtype, "chat_prompts": models.chat, "prompts": len(prompts),
+              "proposer": models.proposing,
               "max_new_tokens": max_new_tokens, "seeds": "prompt index", "costs": costs,
               "temperatures": {t: {"gammas": {g: public(ours[t][g]) for g in gammas},
                                    "best_gamma": _best(ours[t])} for t in temperatures}}

@@ -105,7 +105,7 @@ def measure(models: BenchModels, setting: Setting, requests: list[tuple[list[int
     with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(
             str(models.target), str(models.require_draft()) if setting.gamma else None, gamma=setting.gamma or 4,
             max_slots=setting.n, dtype=models.dtype, weights=models.weights,
-            extra_target_args=setting.target_args(), extra_gateway_args=["--max-in-flight", str(4 * clients)],
+            **(models.proposing if setting.gamma else {}), extra_target_args=setting.target_args(), extra_gateway_args=["--max-in-flight", str(4 * clients)],
             log_dir=logs)) as stack:
         asyncio.run(_closed_loop(stack.gateway_address, requests[:clients], clients))  # warm-up
         before = _batch_counters(stack.addresses["target"])
@@ -154,7 +154,7 @@ def run(models: BenchModels, out_dir: Path, kinds: list[str], settings: list[Set
                          r["expansions_per_step"], r["padding_fraction"]])
     print("\n" + report.table(headers, rows), flush=True)
     data = {"models": models.label, "target": display(models.target), "draft": display(models.draft),
-            "dtype": models.dtype, "requests": count,
+            "dtype": models.dtype, "requests": count, "proposer": models.proposing,
             "workloads": {k: WORKLOADS[k] for k in kinds}, "table_markdown": report.markdown_table(headers, rows),
             "runs": [results[key] | {"workload": key[0]} for key in results]}
     _plot_occupancy(out_dir / "throughput_occupancy.png", results, kinds[0])

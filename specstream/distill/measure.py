@@ -1,7 +1,8 @@
 """Measurements of a draft against its target: acceptance through the real engine, and cost per step.
 
 ``measure_acceptance`` runs held-out chat prompts through the target engine (in this process) with
-the real draft proposer at a fixed γ and reports the per-token acceptance estimate α =
+the proposer the draft service would build (the draft model alone, or behind prompt lookup; its
+weights as served) at a fixed γ and reports the per-token acceptance estimate α =
 accepted / (accepted + rejections) (Leviathan et al.'s i.i.d. α) and the mean tokens per target
 pass. ``measure_costs`` times one forward of each model on this machine with the benchmarks' own
 measurement: the draft proposing one token (one thread, as the draft service runs), the target
@@ -14,9 +15,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draft_service.proposer import DraftProposer
+from draft_service.build import build_proposer
 from specstream.compute import on_torch_thread
-from specstream.config import ModelSpec, TargetConfig
+from specstream.config import DraftConfig, ModelSpec, TargetConfig
 from specstream.models import load_model
 from specstream.tokenizer import TextTokenizer
 from specstream.sampling import SamplingParams
@@ -28,19 +29,16 @@ from target_service.local_draft import LocalDraft
 __all__ = ["measure_acceptance", "measure_costs"]
 
 
-def _resolve(name: str) -> Path:
-    from specstream.model_registry import resolve_model
-
-    return resolve_model(name)
-
-
 def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[dict], *, temperature: float,
                        top_p: float = 1.0, gamma: int = 4, max_new_tokens: int = 96,
-                       dtype: str = "bfloat16") -> dict:
+                       dtype: str = "bfloat16", proposer: str = "model", ngram_min: int = 1) -> dict:
+    """α and tokens per pass with the draft as the service runs it (its weights "auto"), proposing
+    with ``proposer`` (DraftConfig.PROPOSERS; "ngram+model" tries n-grams down to ``ngram_min``)."""
     tok = TextTokenizer.from_dir(target_dir)
     # On the torch thread the engine runs on (specstream.compute).
     target = on_torch_thread(load_model, target_dir, dtype=dtype)
-    draft = on_torch_thread(lambda: DraftProposer(load_model(draft_dir, dtype=dtype, resolve=_resolve), 16, 1024))
+    draft = on_torch_thread(build_proposer, DraftConfig(ModelSpec(str(draft_dir), dtype), max_slots=16,
+                                                        max_seq_len=1024, proposer=proposer, ngram_min=ngram_min))
     config = TargetConfig(model=ModelSpec(str(target_dir), dtype), max_slots=16, max_seq_len=1024, max_gamma=8)
     engine = Engine(target, config, LocalDraft(draft))
     stop = [t for t in {tok.end_of_turn_id, *tok.eos_token_ids} if t is not None]
@@ -54,7 +52,8 @@ def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[dict], *
     rejections = sum(s.rejections for s in stats)
     tokens = sum(len(r.token_ids) for r in results)
     passes = sum(s.target_passes - 1 for s in stats)  # without the prefill pass
-    return {"alpha": accepted / max(accepted + rejections, 1), "accepted": accepted,
+    return {"proposer": draft.name if proposer == "model" else f"{proposer}, n-grams of {DraftConfig.ngram_max} down to {ngram_min} tokens",
+            "alpha": accepted / max(accepted + rejections, 1), "accepted": accepted,
             "proposed": sum(s.draft_tokens for s in stats), "rejections": rejections,
             "mean_accepted_length": (tokens - len(results)) / max(passes, 1), "prompts": len(prompts),
             "max_new_tokens": max_new_tokens, "gamma": gamma, "temperature": temperature, "top_p": top_p}

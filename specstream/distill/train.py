@@ -249,12 +249,18 @@ def _save(model: _Draft, draft_dir: Path, vocab_ids: torch.Tensor, target_config
 def write_card(target_dir: Path, draft_dir: Path, records: list[Record], prompts: list[dict], log: dict) -> dict:
     from specstream.distill.measure import measure_acceptance, measure_costs
 
+    from specstream.model_registry import PAIRS
+
     held_prompts = [p for p in prompts if p["split"] == "held_out"]
     greedy = measure_acceptance(target_dir, draft_dir, held_prompts, temperature=0.0)
     sampled = measure_acceptance(target_dir, draft_dir, held_prompts, temperature=0.8, top_p=0.95)
+    # As `specstream serve` runs the pair: prompt lookup first, the draft where it finds nothing.
+    served = {"proposer": PAIRS["smollm2"].proposer, "ngram_min": PAIRS["smollm2"].ngram_min}
+    served_greedy = measure_acceptance(target_dir, draft_dir, held_prompts, temperature=0.0, **served)
+    served_sampled = measure_acceptance(target_dir, draft_dir, held_prompts, temperature=0.8, top_p=0.95, **served)
     costs = measure_costs(target_dir, draft_dir)
-    facts = {"greedy": greedy, "sampled": sampled, "costs": costs, "python": platform.python_version(),
-             "cpus": os.cpu_count()}
+    facts = {"greedy": greedy, "sampled": sampled, "served_greedy": served_greedy, "served_sampled": served_sampled,
+             "costs": costs, "python": platform.python_version(), "cpus": os.cpu_count()}
     _write_readme(draft_dir, log, facts)
     (draft_dir / "train_log.json").write_text(json.dumps({**log, **facts}, indent=2) + "\n")
     return facts
@@ -262,6 +268,7 @@ def write_card(target_dir: Path, draft_dir: Path, records: list[Record], prompts
 
 def _write_readme(draft_dir: Path, log: dict, facts: dict) -> None:
     g, s, c = facts["greedy"], facts["sampled"], facts["costs"]
+    sg, ss = facts["served_greedy"], facts["served_sampled"]
     d = log.get("held_out_distill", {})
     lines = [
         "# smollm2-135m-draft",
@@ -287,10 +294,16 @@ def _write_readme(draft_dir: Path, log: dict, facts: dict) -> None:
         f"{log.get('generate_minutes', 0):.0f} min generating the data) |",
         f"| held-out distillation loss / top-1 agreement | {d.get('loss', float('nan')):.3f} / "
         f"{d.get('top1_agreement', float('nan')):.3f} |",
-        f"| greedy α (γ=4, held out) | **{g['alpha']:.3f}** (accepted / (accepted + rejections)); mean accepted "
-        f"length {g['mean_accepted_length']:.2f} on {g['prompts']} prompts x {g['max_new_tokens']} tokens |",
-        f"| sampled α (γ=4, T=0.8, top-p 0.95, held out) | **{s['alpha']:.3f}**; mean accepted length "
-        f"{s['mean_accepted_length']:.2f} |",
+        f"| greedy α (γ=4, held out), the draft alone | **{g['alpha']:.3f}** (accepted / (accepted + "
+        f"rejections)); mean accepted length {g['mean_accepted_length']:.2f} on {g['prompts']} prompts x "
+        f"{g['max_new_tokens']} tokens |",
+        f"| sampled α (γ=4, T=0.8, top-p 0.95, held out), the draft alone | **{s['alpha']:.3f}**; mean accepted "
+        f"length {s['mean_accepted_length']:.2f} |",
+        f"| greedy / sampled α as served (`specstream serve`'s default: {sg['proposer']}, prompt lookup first and "
+        f"this draft where it finds no match) | **{sg['alpha']:.3f}** / **{ss['alpha']:.3f}**; mean accepted length "
+        f"{sg['mean_accepted_length']:.2f} / {ss['mean_accepted_length']:.2f} |",
+        "| weights as served on a CPU in bfloat16 | the draft rounded to 4 bits at load (`int4-rtn`), the target "
+        "as the GGUF file stores it (`int4`); α above is measured that way |",
         f"| cost per step, bf16, batch 1, {facts['cpus']} cores | draft {c['draft_ms']:.2f} ms, target "
         f"{c['target_ms']:.2f} ms: c = **{c['ratio']:.3f}**; target verifying 5 tokens: {c['verify5_ms']:.2f} ms |",
         "",

@@ -70,10 +70,11 @@ def test_bench_latency_writes_json_and_plots(model_zoo, tmp_path):
     result = subprocess.run([sys.executable, "-m", "specstream.cli", "bench", "latency", "--target",
                              str(model_zoo["target"]), "--draft", str(model_zoo["partial"]), "--prompts", str(PROMPTS),
                              "--max-new-tokens", str(BUDGET), "--gammas", "0,1,2", "--dtype", "float32",
-                             "--out", str(out)],
+                             "--proposer", "ngram+model", "--ngram-min", "2", "--out", str(out)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads((out / "latency.json").read_text())
+    assert data["proposer"] == {"proposer": "ngram+model", "ngram_max": 4, "ngram_min": 2}
     assert set(data["gammas"]) == {"0", "1", "2"}
     check_costs(data["costs"], set(data["gammas"]))
     check_sweep(data["gammas"], data["costs"])
@@ -92,8 +93,12 @@ def test_bench_latency_writes_json_and_plots(model_zoo, tmp_path):
     for gamma, run in colocated.items():
         assert run["tokens"] == PROMPTS * BUDGET, gamma
         assert run["speedup"] == same(run["tokens_per_s"] / colocated["0"]["tokens_per_s"]), gamma
+    auto, alone = data["auto"], data["model_alone"]  # the γ controller; the draft without prompt lookup
+    assert auto["tokens"] == alone["tokens"] == PROMPTS * BUDGET and alone["proposed"] > 0
+    assert auto["speedup"] == same(auto["tokens_per_s"] / data["gammas"]["0"]["tokens_per_s"])
+    assert alone["gamma"] == data["best_gamma"]
     ours_best = max(data["gammas"][str(data["best_gamma"])]["tokens_per_s"],
-                    colocated[str(data["best_colocated_gamma"])]["tokens_per_s"])
+                    colocated[str(data["best_colocated_gamma"])]["tokens_per_s"], auto["tokens_per_s"])
     assert data["ours_best_speculative_over_plain"] == same(ours_best / data["gammas"]["0"]["tokens_per_s"])
     assert data["ours_over_best_hf_assisted"] == same(ours_best / assisted[data["best_hf_assisted"]])
     assert "dense" not in data  # a float32 safetensors pair has no 4-bit weights to compare with

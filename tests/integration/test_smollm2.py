@@ -133,8 +133,9 @@ def test_greedy_output_matches_transformers_8_prompts_x_64_tokens(real) -> None:
 
 @pytest.fixture(scope="module")
 def smollm2_stack(stack_factory):
-    pair = PAIRS["smollm2"]
-    return stack_factory(pair.target, pair.draft, dtype="auto", gamma=4)
+    pair = PAIRS["smollm2"]  # served as `specstream serve` serves it: prompt lookup, then the draft
+    return stack_factory(pair.target, pair.draft, dtype="auto", gamma=4, proposer=pair.proposer,
+                         ngram_min=pair.ngram_min)
 
 
 def test_chat_through_the_three_processes_speculative_equals_plain(smollm2_stack) -> None:
@@ -143,7 +144,7 @@ def test_chat_through_the_three_processes_speculative_equals_plain(smollm2_stack
     with Client(smollm2_stack.gateway_address, timeout=300) as client:
         info = client.model_info()
         assert info.has_chat_template and info.vocab_size == 49152 and info.max_context_length > 256
-        assert info.target_model == "SmolLM2-135M-Instruct.Q4_1" and info.draft_model == "smollm2-135m-draft"
+        assert info.target_model == "SmolLM2-135M-Instruct.Q4_1" and info.draft_model == "ngram+smollm2-135m-draft"
         proposed = accepted = 0
         for question in CHAT[:3]:
             messages = [{"role": "user", "content": question}]
