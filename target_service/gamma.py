@@ -89,9 +89,13 @@ class _LinearFit:
 class CostModel:
     """Seconds a decode step takes, learnt from the engine's own measurements.
 
-    verify(positions) = v0 + v1·positions (one target forward + verification); positions = rows ×
-    (depth + 1): the forward is one rectangle, so a row with fewer proposals than the deepest is
-    padded and costs as much as if it had proposed;
+    verify(positions) = v0 + v1·positions + r[positions] (one target forward + verification);
+    positions = rows × (depth + 1): the forward is one rectangle, so a row with fewer proposals than
+    the deepest is padded and costs as much as if it had proposed. r is a per-size correction (an
+    EMA of what the line missed at that size, once measured): kernels work in blocks, so the true
+    cost is a staircase — the CPU int4 kernel takes rows 4 at a time, and on SmolLM2 a verify over
+    4 positions costs 1.06× a step, over 5 1.3× — which a line alone smooths away, making the
+    first position of a new block look cheap for ever. Sizes never measured get the line;
     draft(depth, proposals) = d0 + d1·depth + d2·proposals (depth = the largest γ: the draft's
     sequential forwards; proposals = Σγ), 0 when nothing is proposed; other = the rest of a step
     (an EMA). Slopes are clamped at 0 when predicting. Before any sample the model knows nothing and
@@ -102,8 +106,15 @@ class CostModel:
     # different sizes show otherwise). Draft: its cost is split between depth and proposals from
     # the first sample on (weighted by their sizes, so at first a batch's proposals look dear):
     # rows with a poor α then draft less than the others, which is what separates the two terms.
+    RESIDUAL_WEIGHT = 0.3  # of the newest sample in a size's correction
+    # Per decode step a size goes unmeasured, its correction fades by this factor (~100 steps to
+    # 1/e): one unlucky sample (a pause during the forward) must not rule a size out for good.
+    RESIDUAL_FADE = 0.99
+
     def __init__(self) -> None:
         self.verify = _LinearFit([0.0, 0.0], [1e6, 1.0])  # [v0, v1]
+        # positions -> (seconds the line misses there, self.verify.samples when last measured)
+        self.residual: dict[int, tuple[float, int]] = {}
         self.draft = _LinearFit([0.0, 0.0, 0.0], [1.0, 1e6, 1e6])  # [d0, d1, d2]
         self.other_s = 0.0
 
@@ -114,13 +125,25 @@ class CostModel:
     def observe(self, positions: int, depth: int, proposals: int, verify_s: float, draft_s: float,
                 other_s: float) -> None:
         self.verify.observe([1.0, positions], verify_s)
+        missed = verify_s - self._line(positions)
+        old = self._residual(positions)
+        w = self.RESIDUAL_WEIGHT
+        self.residual[positions] = (missed if positions not in self.residual else (1.0 - w) * old + w * missed,
+                                    self.verify.samples)
         if depth > 0:
             self.draft.observe([1.0, depth, proposals], draft_s)
         self.other_s = other_s if self.verify.samples == 1 else 0.9 * self.other_s + 0.1 * other_s
 
-    def verify_s(self, positions: int) -> float:
+    def _line(self, positions: int) -> float:
         v0, v1 = self.verify.theta
-        return max(v0 + max(v1, 0.0) * positions, 1e-6)
+        return v0 + max(v1, 0.0) * positions
+
+    def _residual(self, positions: int) -> float:
+        missed, at = self.residual.get(positions, (0.0, 0))
+        return missed * self.RESIDUAL_FADE ** (self.verify.samples - at)
+
+    def verify_s(self, positions: int) -> float:
+        return max(self._line(positions) + self._residual(positions), 1e-6)
 
     def draft_s(self, depth: int, proposals: int) -> float:
         if depth <= 0:

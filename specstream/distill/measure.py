@@ -36,7 +36,7 @@ def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[dict], *
     with ``proposer`` (DraftConfig.PROPOSERS; "ngram+model" tries n-grams down to ``ngram_min``)."""
     tok = TextTokenizer.from_dir(target_dir)
     # On the torch thread the engine runs on (specstream.compute).
-    target = on_torch_thread(load_model, target_dir, dtype=dtype)
+    target = on_torch_thread(load_model, target_dir, dtype=dtype, weights="auto")  # as served
     draft = on_torch_thread(build_proposer, DraftConfig(ModelSpec(str(draft_dir), dtype), max_slots=16,
                                                         max_seq_len=1024, proposer=proposer, ngram_min=ngram_min))
     config = TargetConfig(model=ModelSpec(str(target_dir), dtype), max_slots=16, max_seq_len=1024, max_gamma=8)
