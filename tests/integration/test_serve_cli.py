@@ -47,7 +47,8 @@ def test_serve_with_default_models_then_sigint(tmp_path):
         assert "grpc.health.v1.Health" in _services(address)
         with Client(address, timeout=60) as client:
             info = client.model_info()
-            assert (info.target_model, info.draft_model) == ("SmolLM2-135M-Instruct.Q4_1", "smollm2-135m-draft")
+            # The pair's default proposer: prompt lookup in front of its draft.
+            assert (info.target_model, info.draft_model) == ("SmolLM2-135M-Instruct.Q4_1", "ngram+smollm2-135m-draft")
             assert info.has_chat_template
             off = client.generate("def main():", max_new_tokens=16, speculation="off", ignore_eos=True)
             spec = client.generate("def main():", max_new_tokens=16, speculation=4, ignore_eos=True)
@@ -58,5 +59,9 @@ def test_serve_with_default_models_then_sigint(tmp_path):
         assert proc.returncode == 0, rest
         assert re.search(r"stopped: \{'draft': 0, 'target': 0, 'gateway': 0\}", rest), rest
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # a failed assertion: stop the stack gracefully (a kill orphans its services)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
