@@ -186,14 +186,13 @@ def _proposer_flags(p: argparse.ArgumentParser, model_flag: str, pair: bool = Fa
     (commands that take --models) --proposer and --ngram-min default to the pair's: _chosen_proposer."""
     from specstream.config import DraftConfig
 
-    default = "the --models pair's" if pair else None
     p.add_argument("--proposer", default=None if pair else DraftConfig.proposer, choices=DraftConfig.PROPOSERS,
                    help=f"model: the draft model ({model_flag}); ngram: prompt lookup, copying what followed the "
                         "latest earlier occurrence of the last n tokens (no model); ngram+model: n-grams where "
-                        "they match, the model elsewhere" + (f" (default: {default})" if pair else ""))
+                        "they match, the model elsewhere" + (" (default: the --models pair's)" if pair else ""))
     p.add_argument("--ngram-max", type=int, default=DraftConfig.ngram_max, help="prompt lookup tries n from this ...")
     p.add_argument("--ngram-min", type=int, default=None if pair else DraftConfig.ngram_min,
-                   help="... down to this" + (f" (default: {default} with its proposer, else "
+                   help="... down to this" + (f" (default: the --models pair's with its proposer, else "
                                               f"{DraftConfig.ngram_min})" if pair else ""))
 
 

@@ -46,7 +46,7 @@ def run_demo(pair: str = "smollm2", max_new_tokens: int = 160, gamma: int | str 
     target = resolve_model(target_ref)  # a GGUF model is converted once, here, with a message
     chat = TextTokenizer.from_dir(target).chat_template is not None
     prompts = QUESTIONS if chat else CODE_PROMPTS
-    proposing = {"proposer": PAIRS[pair].proposer, "ngram_min": PAIRS[pair].ngram_min} if draft else {}
+    proposing = PAIRS[pair].proposing if draft else {}
     with tempfile.TemporaryDirectory() as logs:
         with Stack(StackSpec(str(target), draft, dtype=dtype, **proposing, log_dir=logs + "/service")) as stack:
             print(f"stack up: gateway {stack.gateway_address}, target {stack.addresses['target']}, "

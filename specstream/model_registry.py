@@ -133,6 +133,11 @@ class ModelPair:
     proposer: str = "model"  # what the draft proposes with by default (DraftConfig.PROPOSERS)
     ngram_min: int = 1  # with an n-gram proposer: the shortest match it copies from
 
+    @property
+    def proposing(self) -> dict:
+        """The pair's proposer fields, as StackSpec and DraftConfig name them."""
+        return {"proposer": self.proposer, "ngram_min": self.ngram_min}
+
 
 PAIRS: dict[str, ModelPair] = {
     "smollm2": ModelPair("smollm2", str(DRAFTS / "smollm2-135m-draft"), "auto",

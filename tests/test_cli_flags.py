@@ -100,7 +100,7 @@ def test_serve_takes_the_pairs_proposer_unless_told_otherwise() -> None:
     from specstream.model_registry import PAIRS
 
     pair = PAIRS["smollm2"]
-    assert (pair.proposer, pair.ngram_min) == ("ngram+model", 2)
+    assert pair.proposing == {"proposer": "ngram+model", "ngram_min": 2}
     draft = _draft(_serve())  # no flags: the default pair as it is meant to be served
     assert (draft.proposer, draft.model.path, draft.ngram_min) == ("ngram+model", pair.draft, 2)
     draft = _draft(_serve("--ngram-min", "3"))

@@ -105,7 +105,8 @@ def measure(models: BenchModels, setting: Setting, requests: list[tuple[list[int
     with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(
             str(models.target), str(models.require_draft()) if setting.gamma else None, gamma=setting.gamma or 4,
             max_slots=setting.n, dtype=models.dtype, weights=models.weights,
-            **(models.proposing if setting.gamma else {}), extra_target_args=setting.target_args(), extra_gateway_args=["--max-in-flight", str(4 * clients)],
+            **(models.proposing if setting.gamma else {}), extra_target_args=setting.target_args(),
+            extra_gateway_args=["--max-in-flight", str(4 * clients)],
             log_dir=logs)) as stack:
         asyncio.run(_closed_loop(stack.gateway_address, requests[:clients], clients))  # warm-up
         before = _batch_counters(stack.addresses["target"])

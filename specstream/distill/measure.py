@@ -52,8 +52,9 @@ def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[dict], *
     rejections = sum(s.rejections for s in stats)
     tokens = sum(len(r.token_ids) for r in results)
     passes = sum(s.target_passes - 1 for s in stats)  # without the prefill pass
-    return {"proposer": draft.name if proposer == "model" else f"{proposer}, n-grams of {DraftConfig.ngram_max} down to {ngram_min} tokens",
-            "alpha": accepted / max(accepted + rejections, 1), "accepted": accepted,
+    named = (draft.name if proposer == "model"
+             else f"{proposer}, n-grams of {DraftConfig.ngram_max} down to {ngram_min} tokens")
+    return {"proposer": named, "alpha": accepted / max(accepted + rejections, 1), "accepted": accepted,
             "proposed": sum(s.draft_tokens for s in stats), "rejections": rejections,
             "mean_accepted_length": (tokens - len(results)) / max(passes, 1), "prompts": len(prompts),
             "max_new_tokens": max_new_tokens, "gamma": gamma, "temperature": temperature, "top_p": top_p}

@@ -248,14 +248,13 @@ def _save(model: _Draft, draft_dir: Path, vocab_ids: torch.Tensor, target_config
 
 def write_card(target_dir: Path, draft_dir: Path, records: list[Record], prompts: list[dict], log: dict) -> dict:
     from specstream.distill.measure import measure_acceptance, measure_costs
-
     from specstream.model_registry import PAIRS
 
     held_prompts = [p for p in prompts if p["split"] == "held_out"]
     greedy = measure_acceptance(target_dir, draft_dir, held_prompts, temperature=0.0)
     sampled = measure_acceptance(target_dir, draft_dir, held_prompts, temperature=0.8, top_p=0.95)
     # As `specstream serve` runs the pair: prompt lookup first, the draft where it finds nothing.
-    served = {"proposer": PAIRS["smollm2"].proposer, "ngram_min": PAIRS["smollm2"].ngram_min}
+    served = PAIRS["smollm2"].proposing
     served_greedy = measure_acceptance(target_dir, draft_dir, held_prompts, temperature=0.0, **served)
     served_sampled = measure_acceptance(target_dir, draft_dir, held_prompts, temperature=0.8, top_p=0.95, **served)
     costs = measure_costs(target_dir, draft_dir)
