@@ -85,6 +85,9 @@ class TargetConfig:
     default_gamma: int = 4  # speculation=auto's γ under gamma_policy "fixed" (and before any step is measured)
     max_gamma: int = 16  # largest gamma a request may ask for, and the controller may pick
     gamma_policy: str = "goodput"  # speculation=auto: "goodput", "fixed", "hf" or "leviathan" (target_service/gamma.py)
+    # Time verify forwards of each step shape at start-up for the γ controller's cost model
+    # (target_service/calibration.py; a few seconds at most).
+    calibrate: bool = True
     draft_url: str | None = None  # host:port of the draft service; None decodes plainly (or colocated_draft)
     # The draft in this process instead (no gRPC hop; it runs on the engine's torch thread between
     # forwards). Exclusive with draft_url. Its server settings are unused.

@@ -72,6 +72,7 @@ class StackSpec:
     gamma: int = 4  # the targets' default γ: policy "fixed"'s, and every policy's before a step is measured
     max_gamma: int = 16  # the targets' limit on γ, per request and for the controller
     gamma_policy: str = TargetConfig.gamma_policy  # the targets' γ controller for speculation=auto
+    calibrate: bool = TargetConfig.calibrate  # the targets time their verify forwards at start-up
     proposer: str = DraftConfig.proposer  # the draft's: "model", "ngram" (no draft_model) or "ngram+model"
     ngram_max: int = DraftConfig.ngram_max  # prompt lookup tries n = ngram_max down to ngram_min
     ngram_min: int = DraftConfig.ngram_min
@@ -152,7 +153,8 @@ def command_lines(spec: StackSpec, target_model: str, addresses: dict[str, str],
     for name in names:
         lines[name] = ["target", "--model", target_model, "--port", port[name], *common, "--weights", spec.weights,
                        "--gamma", str(spec.gamma), "--max-gamma", str(spec.max_gamma), "--gamma-policy",
-                       spec.gamma_policy, "--max-slots", str(spec.max_slots), "--threads", str(spec.target_threads),
+                       spec.gamma_policy, *([] if spec.calibrate else ["--no-calibrate"]),
+                       "--max-slots", str(spec.max_slots), "--threads", str(spec.target_threads),
                        *metrics_flag(name), *spec.extra_target_args,
                        *(["--draft-url", addresses["draft"]] if spec.has_draft else []),
                        *([*proposer, *draft_model("--draft-model")] if spec.colocate_draft and spec.drafts else [])]

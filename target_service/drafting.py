@@ -83,6 +83,7 @@ class Drafting:
     source: DraftSource | None
     controller: GammaController
     vocab_size: int  # the target's: proposals at or past it are cut
+    fed: int = 0  # tokens the last propose call fed the draft before it guessed (for the cost model)
     _held: dict[int, _Held] = field(default_factory=dict)
 
     @property
@@ -110,6 +111,7 @@ class Drafting:
         (checked), and each row's q when it samples. Rows get no proposals when γ is 0 for them or
         the draft is unavailable."""
         checks = [Row(s.sampling, len(s.tokens), logprobs=s.logprobs) for s in rows]
+        self.fed = 0
         source = self.source
         if source is None:
             return checks
@@ -125,6 +127,7 @@ class Drafting:
             if held.epoch != source.epoch:  # a fresh stream holds nothing
                 held.length, held.epoch = 0, source.epoch
             items.append(ProposeItem(seq.seq_id, held.length, seq.tokens[held.length:], gammas[i], seq.sampling))
+            self.fed += len(items[-1].append)
         replies = await source.propose(step, items, traceparent,
                                        [tracing.sequence_traceparent(rows[i]) for i in asked])
         if replies is None:

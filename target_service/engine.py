@@ -32,6 +32,7 @@ from specstream.errors import AlreadyExistsError, InternalError, InvalidArgument
 from specstream.metrics import TargetMetrics
 from specstream.models import CausalLM
 from target_service.batch_stats import BatchStats
+from target_service.calibration import verify_costs
 from target_service.connection import Connection
 from target_service.drafting import DraftSource, Drafting
 from target_service.gamma import AUTO_GAMMA, GammaController
@@ -57,6 +58,11 @@ class Engine:
         # All torch work belongs on this one thread (see specstream.compute).
         self._compute = compute or torch_thread()
         self.cache = self._compute.submit(model.new_cache, config.max_slots, self.max_len).result()
+        if config.calibrate and draft is not None:
+            samples = self._compute.submit(verify_costs, model, self.cache,
+                                           min(config.max_gamma, self.max_len - 1) + 1).result()
+            for positions, seconds in samples:
+                self.controller.costs.observe_verify(positions, seconds)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.by_request: dict[tuple[Connection, str], Sequence] = {}
@@ -268,7 +274,8 @@ class Engine:
         draft_s = drafted - started if proposals else 0.0
         other_s = time.perf_counter() - verified + (0.0 if proposals else drafted - started)
         step_s = time.perf_counter() - started
-        self.controller.observe_step(len(rows), width - 1, proposals, verified - drafted, draft_s, other_s)
+        self.controller.observe_step(len(rows), width - 1, proposals, verified - drafted, draft_s, other_s,
+                                     self.drafting.fed)
         self.metrics.observe_gammas([len(c.proposals) for c in checks])
         self.metrics.observe_controller(self.controller.pooled(), self.controller.costs.terms(),
                                         self.controller.predicted_s, step_s)

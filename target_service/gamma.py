@@ -96,43 +96,63 @@ class CostModel:
     cost is a staircase — the CPU int4 kernel takes rows 4 at a time, and on SmolLM2 a verify over
     4 positions costs 1.06× a step, over 5 1.3× — which a line alone smooths away, making the
     first position of a new block look cheap for ever. Sizes never measured get the line;
-    draft(depth, proposals) = d0 + d1·depth + d2·proposals (depth = the largest γ: the draft's
-    sequential forwards; proposals = Σγ), 0 when nothing is proposed; other = the rest of a step
-    (an EMA). Slopes are clamped at 0 when predicting. Before any sample the model knows nothing and
-    ``ready`` is False."""
+    draft(depth, proposals, fed) = d0 + d1·depth + d2·proposals + d3·fed (depth = the largest γ: the
+    draft's sequential forwards; proposals = Σγ; fed = the tokens the draft had to take in first),
+    0 when nothing is proposed; other = the rest of a step (an EMA). Slopes are clamped at 0 when
+    predicting. The engine seeds the verify terms before its first request
+    (target_service/calibration.py: one forward per step shape); until the draft has proposed, a
+    draft forward is assumed to cost ``DRAFT_PRIOR`` of a one-position verify. ``ready`` is False
+    until a verify has been measured (then the policy's answer is the configured γ).
+
+    The fed term keeps catch-up out of the price of a guess: a row's first proposal feeds the draft
+    its whole prompt, and a row that sat at γ = 0 feeds everything since. Without the term one such
+    step (8 prompts of 150 tokens: ~40 ms) read as 36 ms per draft forward, γ = 0 then looked best
+    for every row, and no later step corrected it. A choice is priced with one token fed per
+    drafting row, what a row that drafts every step feeds."""
 
     # Prior variances over a noise of ~1 ms. Verify: the intercept takes the first sample whole and
     # the per-position slope starts at 0 (optimistic: more positions look cheap until steps of
     # different sizes show otherwise). Draft: its cost is split between depth and proposals from
     # the first sample on (weighted by their sizes, so at first a batch's proposals look dear):
     # rows with a poor α then draft less than the others, which is what separates the two terms.
+    # A catch-up step is hundreds of tokens fed against a few proposals, so the fed term takes
+    # nearly all of it.
     RESIDUAL_WEIGHT = 0.3  # of the newest sample in a size's correction
     # Per decode step a size goes unmeasured, its correction fades by this factor (~100 steps to
     # 1/e): one unlucky sample (a pause during the forward) must not rule a size out for good.
     RESIDUAL_FADE = 0.99
+    # A draft forward's cost before the draft has proposed, as a share of a one-position verify:
+    # Leviathan et al.'s c for a draft ~10× smaller than its target.
+    DRAFT_PRIOR = 0.1
 
     def __init__(self) -> None:
         self.verify = _LinearFit([0.0, 0.0], [1e6, 1.0])  # [v0, v1]
         # positions -> (seconds the line misses there, self.verify.samples when last measured)
         self.residual: dict[int, tuple[float, int]] = {}
-        self.draft = _LinearFit([0.0, 0.0, 0.0], [1.0, 1e6, 1e6])  # [d0, d1, d2]
+        self.draft = _LinearFit([0.0, 0.0, 0.0, 0.0], [1.0, 1e6, 1e6, 1e6])  # [d0, d1, d2, d3]
         self.other_s = 0.0
+        self._steps = 0
 
     @property
     def ready(self) -> bool:
         return self.verify.samples > 0
 
     def observe(self, positions: int, depth: int, proposals: int, verify_s: float, draft_s: float,
-                other_s: float) -> None:
+                other_s: float, fed: int = 0) -> None:
+        self.observe_verify(positions, verify_s)
+        if depth > 0:
+            self.draft.observe([1.0, depth, proposals, fed], draft_s)
+        self._steps += 1
+        self.other_s = other_s if self._steps == 1 else 0.9 * self.other_s + 0.1 * other_s
+
+    def observe_verify(self, positions: int, verify_s: float) -> None:
+        """A verify forward over `positions` took `verify_s` seconds."""
         self.verify.observe([1.0, positions], verify_s)
         missed = verify_s - self._line(positions)
         old = self._residual(positions)
         w = self.RESIDUAL_WEIGHT
         self.residual[positions] = (missed if positions not in self.residual else (1.0 - w) * old + w * missed,
                                     self.verify.samples)
-        if depth > 0:
-            self.draft.observe([1.0, depth, proposals], draft_s)
-        self.other_s = other_s if self.verify.samples == 1 else 0.9 * self.other_s + 0.1 * other_s
 
     def _line(self, positions: int) -> float:
         v0, v1 = self.verify.theta
@@ -145,21 +165,24 @@ class CostModel:
     def verify_s(self, positions: int) -> float:
         return max(self._line(positions) + self._residual(positions), 1e-6)
 
-    def draft_s(self, depth: int, proposals: int) -> float:
+    def draft_s(self, depth: int, proposals: int, drafting: int = 1) -> float:
+        """A propose call's seconds; `drafting` rows ask, each feeding the draft one token."""
         if depth <= 0:
             return 0.0
-        d0, d1, d2 = self.draft.theta
-        return max(d0, 0.0) + max(d1, 0.0) * depth + max(d2, 0.0) * proposals
+        if not self.draft.samples:
+            return self.DRAFT_PRIOR * self.verify_s(1) * depth
+        d0, d1, d2, d3 = self.draft.theta
+        return max(d0, 0.0) + max(d1, 0.0) * depth + max(d2, 0.0) * proposals + max(d3, 0.0) * drafting
 
-    def step_s(self, rows: int, depth: int, proposals: int) -> float:
-        return self.verify_s(rows * (depth + 1)) + self.draft_s(depth, proposals) + self.other_s
+    def step_s(self, rows: int, depth: int, proposals: int, drafting: int = 1) -> float:
+        return self.verify_s(rows * (depth + 1)) + self.draft_s(depth, proposals, drafting) + self.other_s
 
     def terms(self) -> dict[str, float]:
         """The fitted terms by name (for metrics)."""
         v0, v1 = self.verify.theta
-        d0, d1, d2 = self.draft.theta
+        d0, d1, d2, d3 = self.draft.theta
         return {"verify_v0": v0, "verify_v1": v1, "draft_d0": d0, "draft_d1": d1, "draft_d2": d2,
-                "other": self.other_s}
+                "draft_fed": d3, "other": self.other_s}
 
     def draft_ratio(self) -> float:
         """Leviathan's c at batch 1: a draft proposal's time over a one-token step's."""
@@ -287,10 +310,10 @@ class GammaController:
         row.hf_gamma = row.hf_gamma + 2 if accepted == proposed else max(1, row.hf_gamma - 1)
 
     def observe_step(self, rows: int, depth: int, proposals: int, verify_s: float, draft_s: float,
-                     other_s: float) -> None:
+                     other_s: float, fed: int = 0) -> None:
         """A decode step's measured times (seconds) and its size: `rows` rows, the deepest with
-        `depth` proposals, `proposals` in all."""
-        self.costs.observe(rows * (depth + 1), depth, proposals, verify_s, draft_s, other_s)
+        `depth` proposals, `proposals` in all, `fed` tokens the draft took in before guessing."""
+        self.costs.observe(rows * (depth + 1), depth, proposals, verify_s, draft_s, other_s, fed)
 
     def pooled(self) -> dict[tuple[str, bool], float]:
         """The pooled acceptance estimate per (proposer, greedy) seen so far."""
@@ -362,6 +385,7 @@ class GammaController:
         fixed_expected = sum(expected_tokens(self.alpha(rows[i].seq_id, rows[i].greedy), gammas[i]) for i in others)
         fixed_depth = max((gammas[i] for i in others), default=0)
         fixed_proposals = sum(gammas[i] for i in others)
+        fixed_drafting = sum(1 for i in others if gammas[i] > 0)
         alpha = np.array([alphas[i] for i in auto], dtype=np.float64)  # [A]
         limit = np.array([limits[i] for i in auto], dtype=np.int64)  # [A]
         log_alpha = np.log(np.clip(alpha, 1e-300, 1.0))  # [A], 0 where α = 1
@@ -369,7 +393,8 @@ class GammaController:
         def evaluate(vector: np.ndarray) -> tuple[float, float]:  # vector [A] int
             total = int(vector.sum())
             depth = max(fixed_depth, int(vector.max(initial=0)))
-            seconds = costs.step_s(len(rows), depth, fixed_proposals + total)
+            seconds = costs.step_s(len(rows), depth, fixed_proposals + total,
+                                   fixed_drafting + int(np.count_nonzero(vector)))
             # E(γ) = Σ_{k=0..γ} α^k, with α = 1 giving γ + 1
             geometric = np.where(alpha < 1.0, (1.0 - alpha ** (vector + 1)) / np.maximum(1.0 - alpha, 1e-12),
                                  vector + 1.0)
@@ -377,7 +402,7 @@ class GammaController:
 
         best = np.zeros(len(auto), dtype=np.int64)
         best_rate, best_s = evaluate(best)
-        tau = max(costs.draft_s(1, 2) - costs.draft_s(1, 1), 0.0)
+        tau = max(costs.draft_s(1, 2) - costs.draft_s(1, 1), 0.0)  # what one more guess adds
         for _ in range(3):
             price = best_rate * tau
             if price <= 0.0:
@@ -390,7 +415,7 @@ class GammaController:
                 wanted = np.where(np.isinf(bound), limit, np.maximum(np.ceil(bound) - 1, 0)).astype(np.int64)
             wanted = np.minimum(wanted, limit)  # [A]
             found = False
-            for depth in range(1, int(limit.max(initial=0)) + 1):
+            for depth in range(1, int(wanted.max(initial=0)) + 1):  # deeper: the same vector again
                 vector = np.minimum(wanted, depth)
                 rate, seconds = evaluate(vector)
                 if rate > best_rate * (1.0 + 1e-9):

@@ -181,6 +181,38 @@ def test_goodput_beats_every_fixed_gamma_on_a_mixed_batch():
     assert ours >= 1.05 * max(fixed.values()), (ours, fixed)
 
 
+def test_catching_up_is_not_read_as_the_price_of_a_guess():
+    """A row's first proposal feeds the draft its whole prompt (here 8 × 150 tokens: 0.24 s), and
+    a row that sat at γ = 0 feeds everything since. With α = 0.8 and a draft at 2 ms per forward
+    on a 20 ms step, drafting pays off; the catch-up step must not make the draft look so dear
+    that γ stays 0 for the rest of the run."""
+    rows, alpha = 8, 0.8
+    controller = GammaController(max_gamma=MAX_GAMMA)
+    rng = random.Random(3)
+    held = [0] * rows  # tokens the draft holds per row
+    length = [150] * rows  # tokens per row
+    chosen = []
+    for _ in range(200):
+        gammas = controller.choose([RowView(i, AUTO_GAMMA, MAX_GAMMA, True) for i in range(rows)], [MAX_GAMMA] * rows)
+        fed = sum(length[i] - held[i] for i in range(rows) if gammas[i] > 0)
+        for i, g in enumerate(gammas):
+            k = 0
+            while k < g and rng.random() < alpha:
+                k += 1
+            controller.observe(i, "model", True, g, k)
+            if g > 0:
+                held[i] = length[i] + k  # the draft fed its accepted guesses too
+            length[i] += k + 1
+        depth, proposals = max(gammas), sum(gammas)
+        verify_s = 0.02 + 0.0005 * rows * (depth + 1)
+        draft_s = 0.002 * depth + 0.0002 * proposals + 0.0002 * fed if proposals else 0.0
+        controller.observe_step(rows, depth, proposals, verify_s, draft_s, 0.0, fed)
+        chosen.append(gammas)
+    settled = [statistics.mean(g) for g in chosen[50:]]
+    assert statistics.mean(settled) >= 2.0, chosen[40:50]
+    assert controller.costs.draft_s(1, 1) == pytest.approx(0.0024, rel=0.5), controller.costs.terms()
+
+
 def test_a_padded_row_costs_as_much_as_a_drafting_one():
     """The verify forward pads every row to the deepest: when verifying is expensive per position,
     one row drafting deep costs the whole batch, so a batch of mostly unpredictable rows gets γ = 0

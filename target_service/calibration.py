@@ -1,0 +1,67 @@
+"""Measures what a verify forward costs at the sizes the engine will use, before the first request.
+
+The γ controller prices every choice with the engine's own verify cost (target_service/gamma.py,
+``CostModel``). Learnt online only, a new server knows nothing: its first steps either explore
+deep (a γ of 10 at batch 8 once cost ~10 plain steps on SmolLM2) or guess, and at batch sizes
+where speculation rarely pays it takes many steps to find out. Kernels also work in blocks (the CPU
+int4 kernel takes rows 4 at a time), a staircase an online fit learns one size at a time. So the
+engine times one forward per shape here, at start-up, and the controller starts from those.
+
+Shapes are what a decode step runs: ``rows`` sequences × ``width`` = 1 + the deepest γ positions,
+all rows padded to the same width. Batch 1 takes every width up to ``max_width``; larger batches
+(powers of two up to the slot count) a few widths. Sizes are measured smallest first, and
+measuring stops at ``max_positions`` or once ``budget_s`` has passed, so a big model or a big slot
+count costs a bounded start-up.
+
+What it does not know: γ, drafts or requests; it runs forwards on free slots and reads the clock.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specstream.models import CausalLM
+from specstream.models.kv_cache import KVCache
+
+__all__ = ["shapes", "verify_costs"]
+
+
+def shapes(max_slots: int, max_width: int, max_positions: int = 512) -> list[tuple[int, int]]:
+    """(rows, width) per forward to time, smallest first."""
+    rows = sorted({1 << k for k in range(max_slots.bit_length()) if 1 << k <= max_slots} | {max_slots})
+    wide = [w for w in (1, 2, 3, 5, 9) if w <= max_width]
+    out = {(1, w) for w in range(1, max_width + 1)}
+    out |= {(r, w) for r in rows if r > 1 for w in wide}
+    return sorted((s for s in out if s[0] * s[1] <= max_positions), key=lambda s: (s[0] * s[1], s[0]))
+
+
+def verify_costs(model: CausalLM, cache: KVCache, max_width: int, budget_s: float = 3.0,
+                 max_positions: int = 512) -> list[tuple[int, float]]:
+    """(positions, seconds) per shape measured: one forward plus the argmax a greedy verification
+    takes. Uses free slots of ``cache`` and leaves them free; call on the model's torch thread."""
+    free = cache.num_free
+    slots = [cache.alloc() for _ in range(free)]
+    try:
+        out = []
+        started = time.perf_counter()
+        with torch.inference_mode():
+            _forward(model, cache, slots, 1, 1)  # the first forward allocates; not timed
+            for rows, width in shapes(free, max_width, max_positions):
+                if time.perf_counter() - started > budget_s:
+                    break
+                t0 = time.perf_counter()
+                _forward(model, cache, slots, rows, width)
+                out.append((rows * width, time.perf_counter() - t0))
+        return out
+    finally:
+        for slot in slots:
+            cache.free(slot)
+
+
+def _forward(model: CausalLM, cache: KVCache, slots: list[int], rows: int, width: int) -> None:
+    input_ids = torch.zeros((rows, width), dtype=torch.int64)  # [rows, width]
+    logits = model(input_ids, cache, torch.tensor(slots[:rows], dtype=torch.int64),
+                   torch.zeros(rows, dtype=torch.int64))  # [rows, width, V]
+    logits.argmax(dim=-1)  # [rows, width]
