@@ -64,4 +64,4 @@ def _forward(model: CausalLM, cache: KVCache, slots: list[int], rows: int, width
     input_ids = torch.zeros((rows, width), dtype=torch.int64)  # [rows, width]
     logits = model(input_ids, cache, torch.tensor(slots[:rows], dtype=torch.int64),
                    torch.zeros(rows, dtype=torch.int64))  # [rows, width, V]
-    logits.argmax(dim=-1)  # [rows, width]
+    logits.argmax(dim=-1).cpu()  # [rows, width]; to the host, as a verification does (waits for a GPU)

@@ -59,10 +59,13 @@ class Engine:
         self._compute = compute or torch_thread()
         self.cache = self._compute.submit(model.new_cache, config.max_slots, self.max_len).result()
         if config.calibrate and draft is not None:
+            started = time.perf_counter()
             samples = self._compute.submit(verify_costs, model, self.cache,
                                            min(config.max_gamma, self.max_len - 1) + 1).result()
             for positions, seconds in samples:
                 self.controller.costs.observe_verify(positions, seconds)
+            log.info("timed %d verify shapes (1..%d positions) in %.2f s for the γ controller", len(samples),
+                     max((p for p, _ in samples), default=0), time.perf_counter() - started)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.by_request: dict[tuple[Connection, str], Sequence] = {}
