@@ -98,7 +98,8 @@ def _target_config(args: argparse.Namespace):
     return TargetConfig(model=ModelSpec(args.model, args.dtype, args.device, args.weights), server=_server_config(args),
                         max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len,
                         default_gamma=args.gamma, max_gamma=args.max_gamma, gamma_policy=args.gamma_policy,
-                        calibrate=not args.no_calibrate, draft_url=args.draft_url, draft_timeout_s=args.draft_timeout, torch_threads=args.threads,
+                        calibrate=not args.no_calibrate, draft_url=args.draft_url,
+                        draft_timeout_s=args.draft_timeout, torch_threads=args.threads,
                         colocated_draft=_colocated_draft(args),
                         **_batching_config(args))
 
@@ -278,7 +279,8 @@ def _stack_spec(args: argparse.Namespace):
     draft, proposer = _serve_draft(args, draft, proposer)
     return StackSpec(target_model=target, draft_model=draft, gateway_port=args.port, host=args.host,
                      gamma=args.gamma, max_gamma=args.max_gamma, gamma_policy=args.gamma_policy,
-                     calibrate=not args.no_calibrate, proposer=proposer, ngram_max=args.ngram_max, ngram_min=ngram_min,
+                     calibrate=not args.no_calibrate, proposer=proposer, ngram_max=args.ngram_max,
+                     ngram_min=ngram_min,
                      max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len, dtype=dtype,
                      weights=args.weights, colocate_draft=args.colocate_draft, log_dir=args.log_dir,
                      draft_threads=args.draft_threads, target_threads=args.target_threads,

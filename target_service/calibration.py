@@ -30,7 +30,7 @@ __all__ = ["shapes", "verify_costs"]
 
 def shapes(max_slots: int, max_width: int, max_positions: int = 512) -> list[tuple[int, int]]:
     """(rows, width) per forward to time, smallest first."""
-    rows = sorted({1 << k for k in range(max_slots.bit_length()) if 1 << k <= max_slots} | {max_slots})
+    rows = {1 << k for k in range(max_slots.bit_length())} | {max_slots}  # powers of two, and the slot count
     wide = [w for w in (1, 2, 3, 5, 9) if w <= max_width]
     out = {(1, w) for w in range(1, max_width + 1)}
     out |= {(r, w) for r in rows if r > 1 for w in wide}

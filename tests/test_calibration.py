@@ -43,8 +43,9 @@ def test_an_engine_with_a_draft_starts_with_measured_verify_costs(model_zoo):
     assert costs.verify.samples == len(shapes(2, 5))
     assert set(costs.residual) == {r * w for r, w in shapes(2, 5)}
     assert costs.ready and costs.draft.samples == 0
-    # Until the draft has proposed, a draft forward is priced at a tenth of a one-position verify.
-    assert costs.draft_s(2, 4) == 2 * costs.DRAFT_PRIOR * costs.verify_s(1)
+    # Until the draft has proposed, a draft forward is priced below a one-position verify, and
+    # deeper drafting costs more.
+    assert 0.0 < costs.draft_s(1, 1) < costs.verify_s(1) and costs.draft_s(2, 2) > costs.draft_s(1, 1)
     assert engine.cache.num_free == 2
     off = Engine(model, TargetConfig(model=config.model, max_slots=2, max_seq_len=128, max_gamma=4, calibrate=False),
                  draft)
