@@ -238,15 +238,16 @@ def test_the_benchmarks_stop_under_python_O():
     assert result.returncode == 0 and re.search(r"^3 passed", result.stdout, re.M), result.stdout + result.stderr
 
 
-def test_bench_gamma_keeps_the_other_batch_sizes_of_the_same_configuration(tmp_path):
+def test_bench_gamma_keeps_the_rows_it_does_not_measure_of_the_same_configuration(tmp_path):
     import json
 
-    from specstream.bench.gamma import _other_batches
+    from specstream.bench.gamma import _other_rows
 
     data = {"model": "m", "dtype": "bfloat16", "max_new_tokens": 48, "settings": ["γ=0", "ours"]}
     path = tmp_path / "gamma.json"
     path.write_text(json.dumps({**data, "runs": {"1/code": {"a": 1}, "8/code": {"b": 2}, "32/chat": {"c": 3}}}))
-    assert _other_batches(path, data, [1]) == {"8/code": {"b": 2}, "32/chat": {"c": 3}}
-    assert _other_batches(path, data, [1, 8, 32]) == {}
-    assert _other_batches(path, {**data, "dtype": "float32"}, [1]) == {}  # another configuration: start afresh
-    assert _other_batches(tmp_path / "absent.json", data, [1]) == {}
+    assert _other_rows(path, data, {"1/code", "1/chat"}) == {"8/code": {"b": 2}, "32/chat": {"c": 3}}
+    assert _other_rows(path, data, {"32/mix"}) == {"1/code": {"a": 1}, "8/code": {"b": 2}, "32/chat": {"c": 3}}
+    assert _other_rows(path, data, {"1/code", "8/code", "32/chat"}) == {}
+    assert _other_rows(path, {**data, "dtype": "float32"}, {"32/mix"}) == {}  # another configuration: start afresh
+    assert _other_rows(tmp_path / "absent.json", data, {"32/mix"}) == {}

@@ -145,7 +145,7 @@ def run(models: BenchModels, out_dir: Path, batches: list[int], n_prompts: int =
     chosen = settings(fixed, proposers)
     data: dict = {"model": models.label, "dtype": models.dtype, "max_new_tokens": max_new_tokens,
                   "repeats": repeats, "settings": [s.name for s in chosen], "runs": {}}
-    data["runs"] = _other_batches(out_dir / "gamma.json", data, batches)
+    data["runs"] = _other_rows(out_dir / "gamma.json", data, {f"{b}/{n}" for b in batches for n in names or WORKLOADS})
     for batch in batches:
         per_workload = n_prompts if batch == 1 else max(n_prompts, 2 * batch // 4)
         all_jobs = workloads(models, per_workload)
@@ -170,17 +170,18 @@ def run(models: BenchModels, out_dir: Path, batches: list[int], n_prompts: int =
     return data
 
 
-def _other_batches(path: Path, data: dict, batches: list[int]) -> dict:
-    """The rows of batch sizes this run does not measure, kept from an earlier ``gamma.json`` of the
-    same model, dtype, budget and settings (so ``--batch-sizes 1`` and ``--batch-sizes 8,32`` can be
-    run apart); nothing when that file is absent or from another configuration."""
+def _other_rows(path: Path, data: dict, measured: set[str]) -> dict:
+    """The rows ("batch/workload") this run does not measure, kept from an earlier ``gamma.json`` of
+    the same model, dtype, budget and settings (so ``--batch-sizes 1`` and ``--batch-sizes 8,32``, or
+    one workload at one batch size, can be run apart); nothing when that file is absent or from
+    another configuration."""
     try:
         old = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
     same = all(old.get(k) == data[k] for k in ("model", "dtype", "max_new_tokens", "settings"))
     return {key: run for key, run in old.get("runs", {}).items()
-            if same and int(key.split("/")[0]) not in batches}
+            if same and key not in measured}
 
 
 def _median(results: list[dict]) -> dict:
