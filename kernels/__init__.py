@@ -1,11 +1,18 @@
-"""Output-layer and verification ops of the target engine, one function each.
+"""Output-layer and verification ops, one function each, behind one dispatcher (kernels/dispatch.py):
+the Triton kernels on CUDA, their torch references elsewhere (or as SPECSTREAM_KERNELS says).
 
-Today every op is its plain-torch reference; the fused Triton versions slot in behind the same
-functions (Triton on CUDA, torch on CPU) without changing callers.
+Each op's file holds its Triton kernel, its launcher and the torch reference it must match. The
+ops read logits, or final hidden states with the LM head (``Hidden``, kernels/lm_head.py), which
+the Triton kernels multiply tile by tile instead of building [rows, vocab] logits.
 """
 
-from kernels.output import argmax
-from kernels.speculative import speculative_verify
+from kernels.argmax import argmax, best_token
+from kernels.dispatch import backend, use
+from kernels.lm_head import Hidden, OutputHead
+from kernels.nbest import topk_logprobs
+from kernels.sample import cut_thresholds, sample
+from kernels.speculative import speculative_verify, speculative_verify_fused
 from kernels.verify import greedy_verify
 
-__all__ = ["argmax", "greedy_verify", "speculative_verify"]
+__all__ = ["Hidden", "OutputHead", "argmax", "backend", "best_token", "cut_thresholds", "greedy_verify", "sample",
+           "speculative_verify", "speculative_verify_fused", "topk_logprobs", "use"]

@@ -16,12 +16,29 @@ Randomness comes in as uniforms (one per proposal for acceptance, one per positi
 sample), so a row's result depends only on its own counter-based stream (specstream.sampling).
 Uniforms must be float64 in [0, 1): in float32 a draw just below 1 rounds to 1.0, which would
 reject a proposal with p == q that must always be accepted.
+
+Two implementations of the same rule:
+- ``speculative_verify`` takes the processed probabilities p [B, G+1, V] and samples by inverse
+  CDF (the torch path, what the engine runs on CPU);
+- ``speculative_verify_fused`` reads the target's scores (logits, or hidden states with the LM head)
+  once per row in a Triton kernel (``_speculative_kernel``): per row the log-sum-exp of the
+  processed scores and an exponential race over the tokens outside q's support; the accept/reject
+  decisions and the residual max(0, p - q), which differs from p only on q's K support ids, are then
+  settled over [B, G+1, K] numbers (``_settle``), so no [rows, vocab] probabilities are written.
+  The race's winner among non-support tokens is also the residual's, since there the residual is
+  p; the support ids race with their residual mass and the same uniforms. Its reference,
+  ``speculative_verify_fused_reference``, does the same over materialised logits.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels.dispatch import backend
+from kernels.lm_head import Hidden, Scores, kernel_args, rows_and_vocab, scores_reference
+from kernels.random import uniform_table
+from kernels.row_pass import _row_pass, launch_rows, row_pass_reference, tile
+from kernels.triton_shim import tl, triton
 from specstream.sampling import sample, sample_rows
 
 # A residual with less mass than this is rounding noise around p == q: rejecting there had
@@ -103,3 +120,146 @@ def speculative_verify_reference(p, q_ids, q_probs, draft, num_draft, u_accept, 
         accepted.append(k)
         emitted.append(sample(dist, float(u_sample[b, k])))
     return torch.tensor(accepted, dtype=torch.int64), torch.tensor(emitted, dtype=torch.int64)
+
+
+@triton.jit
+def _speculative_kernel(lse_out, race_out, race_key_out, inv_temperature, threshold, keys, exclude, K, G, V,
+                        logits, logits_stride, hidden, hidden_stride, weight, weight_stride, bias, H,
+                        FROM_HIDDEN: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, N_EXCLUDE: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One sequence per program: its G+1 rows read once, tile by tile."""
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK_R)
+    ok = j < G + 1
+    rows = b * (G + 1) + j
+    inv_t = tl.load(inv_temperature + b)
+    thr = tl.load(threshold + rows, mask=ok, other=float("-inf"))
+    key = tl.load(keys + rows, mask=ok, other=0)
+    _, _, lse, race, race_key = _row_pass(logits, logits_stride, hidden, hidden_stride, weight, weight_stride, bias,
+                                          H, V, rows, ok, tl.full([BLOCK_R], 1.0, tl.float32) * inv_t, thr, key,
+                                          exclude, K, True, True, N_EXCLUDE, FROM_HIDDEN, HAS_BIAS, ROUND,
+                                          BLOCK_R, BLOCK_V, BLOCK_H)
+    tl.store(lse_out + rows, lse, mask=ok)
+    tl.store(race_out + rows, race, mask=ok)
+    tl.store(race_key_out + rows, race_key, mask=ok)
+
+
+def speculative_verify_fused(target: Scores, q_ids: torch.Tensor, q_probs: torch.Tensor, draft: torch.Tensor,
+                             num_draft: torch.Tensor, temperature: torch.Tensor, threshold: torch.Tensor,
+                             keys: torch.Tensor, u_accept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """target: logits [B, G+1, V] or Hidden over the B*(G+1) rows (sequence-major); q_ids, q_probs
+    [B, G, K]; draft [B, G]; num_draft [B]; temperature [B] (> 0); threshold [B, G+1] raw-score cuts
+    (-inf: none; kernels.sample.cut_thresholds); keys [B, G+1] int64 race keys of the positions
+    (kernels.random.row_keys); u_accept [B, G] float64. Returns (num_accepted [B], emitted [B])."""
+    states = target.states if isinstance(target, Hidden) else target
+    if backend(states) == "torch":
+        return speculative_verify_fused_reference(target, q_ids, q_probs, draft, num_draft, temperature,
+                                                  threshold, keys, u_accept)
+    batch, gamma = draft.shape
+    device = states.device
+    scores = target if isinstance(target, Hidden) else target.reshape(batch * (gamma + 1), -1)
+    _, vocab = rows_and_vocab(scores)
+    q, exclude, point = _support(q_ids.to(device), q_probs.to(device), draft.to(device), num_draft.to(device))
+    width = exclude.shape[-1]
+    lse = torch.empty(batch, gamma + 1, dtype=torch.float32, device=device)
+    race = torch.empty(batch, gamma + 1, dtype=torch.int64, device=device)
+    race_key = torch.empty(batch, gamma + 1, dtype=torch.float32, device=device)
+    if batch:
+        _speculative_kernel[(batch,)](lse, race, race_key, temperature.to(device, torch.float32).reciprocal(),
+                                      threshold.to(device, torch.float32).contiguous(), keys.to(device).contiguous(),
+                                      exclude.contiguous(), width, gamma, vocab, **kernel_args(scores),
+                                      N_EXCLUDE=width, BLOCK_R=launch_rows(gamma + 1), BLOCK_V=tile(vocab))
+    gathered = _scores_at(scores, exclude, draft.to(device), batch, gamma)
+    return _settle(lse, race, race_key, gathered, q, exclude, point, draft.to(device), num_draft.to(device),
+                   temperature.to(device), threshold.to(device), keys.to(device), u_accept.to(device))
+
+
+def speculative_verify_fused_reference(target: Scores, q_ids, q_probs, draft, num_draft, temperature, threshold,
+                                       keys, u_accept) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, gamma = draft.shape
+    logits = scores_reference(target).reshape(batch * (gamma + 1), -1)  # [B*(G+1), V]
+    q, exclude, point = _support(q_ids, q_probs, draft, num_draft)
+    inv_t = temperature.float().reciprocal().repeat_interleave(gamma + 1)  # [B*(G+1)]
+    _, _, lse, race, race_key = row_pass_reference(logits, inv_t, threshold.reshape(-1).float(), keys.reshape(-1),
+                                                   exclude.reshape(batch * (gamma + 1), -1))
+    view = (batch, gamma + 1)
+    gathered = _scores_at(logits, exclude, draft, batch, gamma)
+    return _settle(lse.view(view), race.view(view), race_key.view(view), gathered, q, exclude, point, draft,
+                   num_draft, temperature, threshold, keys, u_accept)
+
+
+def _support(q_ids: torch.Tensor, q_probs: torch.Tensor, draft: torch.Tensor, num_draft: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [B, G+1, K] float64, exclude [B, G+1, K] ids with mass (-1: none), point [B, G]): each
+    proposed row's q normalised, or the point mass on its proposal where q gives it none; rows
+    past the proposals (and the last) have no support."""
+    batch, gamma = draft.shape
+    width = max(q_ids.shape[-1] if q_ids.dim() == 3 else 0, 1)
+    q = torch.zeros(batch, gamma + 1, width, dtype=torch.float64, device=draft.device)
+    ids = torch.full((batch, gamma + 1, width), -1, dtype=torch.int64, device=draft.device)
+    if gamma == 0:
+        return q, ids, torch.zeros(batch, 0, dtype=torch.bool, device=draft.device)
+    qn = _normalise(q_probs)  # [B, G, K]
+    q_x = (qn * (q_ids.long() == draft[..., None])).sum(dim=-1)  # [B, G]
+    proposed = torch.arange(gamma, device=draft.device) < num_draft[:, None]  # [B, G]
+    point = (q_x <= 0) & proposed
+    point_q = torch.zeros_like(qn)
+    point_q[..., 0] = 1.0
+    point_ids = torch.full_like(q_ids.long(), -1)
+    point_ids[..., 0] = draft
+    qn = torch.where(point[..., None], point_q, qn) * proposed[..., None]
+    id_table = torch.where(point[..., None], point_ids, q_ids.long())
+    q[:, :gamma] = qn
+    ids[:, :gamma] = torch.where(qn > 0, id_table, -1)
+    return q, ids, point
+
+
+def _scores_at(scores: Scores | torch.Tensor, exclude: torch.Tensor, draft: torch.Tensor, batch: int, gamma: int
+               ) -> torch.Tensor:
+    """Raw scores [B, G+1, K+1] of each row at its support ids (the last column: at its proposal;
+    -inf where there is none)."""
+    ids = torch.cat([exclude, torch.cat([draft, draft.new_full((batch, 1), -1)], dim=1)[..., None]], dim=-1)
+    flat = ids.view(batch * (gamma + 1), -1)  # [R, K+1]
+    safe = flat.clamp(min=0)
+    if isinstance(scores, Hidden):
+        head = scores.head
+        if not head.fusable:  # a 4-bit head: its logits come from torch anyway
+            picked = scores.logits().gather(1, safe)
+        else:  # float32 dot products (+ bias), rounded once to the head's dtype, as the fused head does
+            picked = torch.einsum("rh,rkh->rk", scores.states.float(), head.weight[safe].float())  # [R, K+1]
+            if head.bias is not None:
+                picked = picked + head.bias[safe].float()
+            picked = picked.to(head.weight.dtype).float()
+    else:
+        picked = scores.float().gather(1, safe)
+    return torch.where(flat >= 0, picked, float("-inf")).view(batch, gamma + 1, -1)
+
+
+def _settle(lse, race, race_key, gathered, q, exclude, point, draft, num_draft, temperature, threshold, keys, u_accept
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Leviathan's rule over the per-row pass results: O(B·G·K) work, no vocabulary-sized tensor."""
+    batch, positions = lse.shape
+    gamma = positions - 1
+    rows = torch.arange(batch, device=lse.device)
+    inv_t = temperature.float().reciprocal()[:, None, None]  # [B, 1, 1]
+    kept = gathered >= threshold[..., None]  # [B, G+1, K+1]
+    p = torch.where(kept, torch.exp(gathered * inv_t - lse[..., None]), 0.0).double()  # [B, G+1, K+1]
+    p_support, p_x = p[..., :-1], p[:, :gamma, -1]  # [B, G+1, K], [B, G]
+    q_x = (q[:, :gamma] * (exclude[:, :gamma] == draft[..., None])).sum(dim=-1)  # [B, G]
+    proposed = torch.arange(gamma, device=lse.device) < num_draft[:, None]
+    accept = proposed & (u_accept * q_x < p_x)  # [B, G] (a point mass has q_x = 1)
+    k = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
+    # The row where the emitted token goes: its race over non-support tokens, and its support ids.
+    lse_k, race_k, key_k = lse[rows, k], race[rows, k], race_key[rows, k]  # [B]
+    ids_k, q_k, p_k = exclude[rows, k], q[rows, k], p_support[rows, k]  # [B, K]
+    log_e = torch.log(-torch.log(uniform_table(keys[rows, k], ids_k.clamp(min=0)))).double()  # [B, K]
+    # log p_i - log E_i of the best non-support token (-inf: none with mass)
+    outside = torch.where(key_k == float("-inf"), float("-inf"), key_k - lse_k).double()
+    residual = (p_k - q_k).clamp(min=0.0)  # [B, K]
+    mass = residual.sum(dim=-1) + (1.0 - p_k.sum(dim=-1))  # the residual's total (non-support mass is p's)
+    use_residual = (k < num_draft) & (mass > _EMPTY_RESIDUAL)
+    weight = torch.where(use_residual[:, None], residual, p_k)  # [B, K]
+    support_key = torch.where((ids_k >= 0) & (weight > 0), torch.log(weight) - log_e, float("-inf"))
+    best_support, at = support_key.max(dim=-1)
+    emitted = torch.where(best_support > outside, ids_k.gather(1, at[:, None]).squeeze(1), race_k)
+    return k, emitted

@@ -24,7 +24,7 @@ from draft_service.proposer import Proposal, ProposeItem
 from target_service import tracing
 from target_service.gamma import GammaController, RowView
 from target_service.sequence import Sequence
-from target_service.verify import Row
+from target_service.settle import Row
 
 log = logging.getLogger(__name__)
 

@@ -3,13 +3,13 @@
 Every running sequence advances once per step: the draft service proposes up to γ tokens per
 sequence, ONE target forward scores all of them (rows of different lengths and γ side by side),
 verification keeps the accepted prefix plus the target's own next token (greedy matching, or
-Leviathan's rule for sampling requests: target_service.verify), and a rejection is undone by
+Leviathan's rule for sampling requests: target_service.settle), and a rejection is undone by
 resetting the slot's KV length (O(1)). When the draft is down or a request says `speculation=off`
 the same loop decodes plainly (γ = 0).
 
 The engine works on token ids only and speaks plain dataclasses (target_service/messages.py): it
 knows nothing about text, protobuf or the gateway. Drafts are target_service/drafting.py's business,
-the γ per row the controller's (target_service/gamma.py), verification target_service/verify.py's,
+the γ per row the controller's (target_service/gamma.py), verification target_service/settle.py's,
 batching target_service/scheduler.py's. Model forwards run on one worker thread so the event loop
 keeps serving the gRPC streams.
 """
@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from kernels.lm_head import Hidden
 from specstream import telemetry
 from specstream.compute import torch_thread
 from specstream.config import TargetConfig
@@ -40,7 +41,7 @@ from target_service.messages import EngineMessage, Load, SequenceEvent, Sequence
 from target_service.scheduler import Scheduler
 from target_service import tracing
 from target_service.sequence import Sequence
-from target_service.verify import Row, Verdict, verify
+from target_service.settle import Row, Verdict, settle
 
 log = logging.getLogger(__name__)
 
@@ -244,11 +245,11 @@ class Engine:
         starts = torch.tensor([start for _, start in group], dtype=torch.int64)  # [b]
         verdicts: list[Verdict | None] = [None] * len(group)
         with torch.inference_mode():
-            logits = self.model(ids, self.cache, slots, starts, last_only=True)  # [b, 1, V]
+            hidden = self.model.hidden(ids, self.cache, slots, starts, last_only=True)  # [b, 1, H]
             done = [i for i, (seq, start) in enumerate(group) if start + length == seq.prompt_len]
             if done:
                 rows = [Row(group[i][0].sampling, group[i][0].prompt_len, logprobs=group[i][0].logprobs) for i in done]
-                for i, verdict in zip(done, verify(logits[done], rows)):
+                for i, verdict in zip(done, settle(Hidden(hidden[done, 0], self.model.output_head), rows)):
                     verdicts[i] = verdict
         return verdicts
 
@@ -293,8 +294,9 @@ class Engine:
         slots = torch.tensor([s.slot for s in rows], dtype=torch.int64)  # [B]
         start = torch.tensor([len(s.tokens) - 1 for s in rows], dtype=torch.int64)  # [B]
         with torch.inference_mode():
-            logits = self.model(input_ids, self.cache, slots, start)  # [B, G+1, V]
-            return verify(logits, checks)
+            hidden = self.model.hidden(input_ids, self.cache, slots, start)  # [B, G+1, H]
+            # The output layer runs inside settlement: fused with it on the Triton backend.
+            return settle(Hidden(hidden.flatten(0, 1), self.model.output_head), checks)
 
     def _accept(self, seq: Sequence, check: Row, verdict: Verdict) -> None:
         ctx_len, k = check.position, verdict.accepted

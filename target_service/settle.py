@@ -7,6 +7,15 @@ nothing else in the batch. A pass without proposals (prefill, γ = 0) is plain d
 a sample from p. Rows that asked for log-probabilities get them under the distribution their token
 came from (the processed p; the plain softmax for greedy rows).
 
+The target's scores come as logits [B, G+1, V] or as hidden states with the LM head (``Hidden``).
+On the torch backend (CPU) the logits are built and settled here with the torch ops; on the Triton
+backend (CUDA) greedy rows go through the fused 1-best verification kernel and sampling rows
+through the fused speculative kernel (temperature, cuts, accept/reject and the residual sample in
+one read of each row, an exponential race instead of an inverse CDF), so [rows, vocab] logits are
+built only for rows that asked for log-probabilities or top-k/top-p cuts. Both draw with the same
+(seed, position) keys, so a row's result never depends on its batch; the two backends' samples
+are equally distributed, not equal.
+
 Runs on the compute thread; all results reach the host in ONE transfer.
 """
 
@@ -18,6 +27,9 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
+from kernels.lm_head import Hidden
+from kernels.random import row_keys
+from kernels.sample import cut_thresholds
 from specstream.sampling import ACCEPT, TARGET_SAMPLE, SamplingParams, process_logits, uniforms
 
 @dataclass
@@ -42,28 +54,39 @@ class Verdict:
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
-def verify(logits: torch.Tensor, rows: list[Row]) -> list[Verdict]:
-    """logits [B, G+1, V]: position j scores the token after proposal j (0: after the row's last
-    committed token). Returns one Verdict per row."""
-    batch, positions, _ = logits.shape
+def settle(target: torch.Tensor | Hidden, rows: list[Row]) -> list[Verdict]:
+    """target: logits [B, G+1, V], or Hidden over the B*(G+1) rows (sequence-major): position j
+    scores the token after proposal j (0: after the row's last committed token). Returns one
+    Verdict per row."""
+    batch = len(rows)
+    if isinstance(target, Hidden):
+        positions = target.states.shape[0] // batch
+        if kernels.backend(target.states) == "torch":
+            target = target.logits().view(batch, positions, -1)  # [B, G+1, V]
+    else:
+        positions = target.shape[1]
     gamma = positions - 1
-    device = logits.device
+    device = target.states.device if isinstance(target, Hidden) else target.device
     draft = torch.tensor([r.proposals + [-1] * (gamma - len(r.proposals)) for r in rows],
-                         dtype=torch.int64).view(batch, gamma)  # [B, G], padded with -1
-    num_draft = torch.tensor([len(r.proposals) for r in rows], dtype=torch.int64)  # [B]
-    draft, num_draft = draft.to(device), num_draft.to(device)
-    num_accepted, tokens = kernels.greedy_verify(draft, num_draft, logits)  # [B], [B, G+1]
-    sampled = [b for b, r in enumerate(rows) if not r.params.greedy]
-    if sampled:
-        k, emitted = _verify_sampled(logits[sampled], [rows[b] for b in sampled], draft[sampled], num_draft[sampled])
-        num_accepted[sampled] = k
-        row_tokens = torch.cat([draft[sampled], draft.new_full((len(sampled), 1), -1)], dim=1)  # [S, G+1]
-        tokens[sampled] = row_tokens.scatter(1, k[:, None], emitted[:, None])
-    parts = [num_accepted[:, None], tokens]  # [B, 1], [B, G+1]
+                         dtype=torch.int64).view(batch, gamma).to(device)  # [B, G], padded with -1
+    num_draft = torch.tensor([len(r.proposals) for r in rows], dtype=torch.int64).to(device)  # [B]
     wanted = [b for b, r in enumerate(rows) if r.logprobs is not None]
+    if isinstance(target, Hidden):
+        num_accepted, tokens = _settle_fused(target, rows, draft, num_draft, positions)
+        wanted_logits = _rows_logits(target, wanted, positions) if wanted else None  # [W, G+1, V]
+    else:
+        num_accepted, tokens = kernels.greedy_verify(draft, num_draft, target)  # [B], [B, G+1]
+        sampled = [b for b, r in enumerate(rows) if not r.params.greedy]
+        if sampled:
+            k, emitted = _verify_sampled(target[sampled], [rows[b] for b in sampled], draft[sampled],
+                                         num_draft[sampled])
+            num_accepted[sampled] = k
+            tokens[sampled] = _emitted_tokens(draft[sampled], k, emitted)
+        wanted_logits = target[wanted] if wanted else None
+    parts = [num_accepted[:, None], tokens]  # [B, 1], [B, G+1]
     top_n = max((rows[b].logprobs for b in wanted), default=0)
     if wanted:
-        logp = process_logits(logits[wanted], [rows[b].params for b in wanted]).log()  # [W, G+1, V]
+        logp = process_logits(wanted_logits, [rows[b].params for b in wanted]).log()  # [W, G+1, V]
         parts.append(logp.gather(-1, tokens[wanted][..., None].clamp(min=0)).squeeze(-1))  # [W, G+1]
         if top_n:
             top = torch.topk(logp, top_n, dim=-1)  # [W, G+1, n]
@@ -71,6 +94,57 @@ def verify(logits: torch.Tensor, rows: list[Row]) -> list[Verdict]:
     # The pass's one host sync: every result in one flat transfer.
     flat = torch.cat([t.double().flatten() for t in parts]).tolist()
     return _unpack(flat, rows, wanted, positions, top_n)
+
+
+def _emitted_tokens(draft: torch.Tensor, k: torch.Tensor, emitted: torch.Tensor) -> torch.Tensor:
+    """[S, G+1]: the proposals, with the emitted token at position k (what a row commits is the
+    first k + 1)."""
+    row_tokens = torch.cat([draft, draft.new_full((draft.shape[0], 1), -1)], dim=1)  # [S, G+1]
+    return row_tokens.scatter(1, k[:, None], emitted[:, None])
+
+
+def _rows_logits(target: Hidden, chosen: list[int], positions: int) -> torch.Tensor:
+    """The logits [len(chosen), G+1, V] of the chosen sequences only."""
+    states = target.states.view(-1, positions, target.states.shape[-1])[chosen]  # [C, G+1, H]
+    return target.head.logits(states)
+
+
+def _settle_fused(target: Hidden, rows: list[Row], draft: torch.Tensor, num_draft: torch.Tensor, positions: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_accepted [B], tokens [B, G+1]) through the fused kernels (kernels/verify.py, speculative.py)."""
+    batch, gamma = draft.shape
+    device = draft.device
+    states = target.states.view(batch, positions, -1)  # [B, G+1, H]
+    num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)
+    tokens = torch.zeros(batch, positions, dtype=torch.int64, device=device)
+    greedy = [b for b, r in enumerate(rows) if r.params.greedy]
+    sampled = [b for b, r in enumerate(rows) if not r.params.greedy]
+    if greedy:
+        part = Hidden(states[greedy].reshape(-1, states.shape[-1]), target.head)
+        num_accepted[greedy], tokens[greedy] = kernels.greedy_verify(draft[greedy], num_draft[greedy], part)
+    if sampled:
+        chosen = [rows[b] for b in sampled]
+        params = [r.params for r in chosen]
+        threshold = torch.full((len(sampled), positions), float("-inf"), device=device)  # [S, G+1]
+        cut = [i for i, p in enumerate(params) if p.top_k or p.top_p < 1.0]
+        if cut:  # cuts need the rows' largest scores: only these rows' logits are built
+            logits = _rows_logits(target, [sampled[i] for i in cut], positions)  # [C, G+1, V]
+            threshold[cut] = cut_thresholds(logits.reshape(-1, logits.shape[-1]),
+                                            [p for p in (params[i] for i in cut) for _ in range(positions)]
+                                            ).view(len(cut), positions)
+        seeds = [p.seed for p in params]
+        starts = [r.position for r in chosen]
+        keys = torch.stack([row_keys(seeds, [s + j for s in starts], TARGET_SAMPLE, device)
+                            for j in range(positions)], dim=1)  # [S, G+1]
+        u_accept = uniforms(seeds, starts, gamma, ACCEPT, device)  # [S, G]
+        q_ids, q_probs = _sparse_q(chosen, gamma)
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        part = Hidden(states[sampled].reshape(-1, states.shape[-1]), target.head)
+        k, emitted = kernels.speculative_verify_fused(part, q_ids.to(device), q_probs.to(device), draft[sampled],
+                                                      num_draft[sampled], temperature, threshold, keys, u_accept)
+        num_accepted[sampled] = k
+        tokens[sampled] = _emitted_tokens(draft[sampled], k, emitted)
+    return num_accepted, tokens
 
 
 def _verify_sampled(logits: torch.Tensor, rows: list[Row], draft: torch.Tensor, num_draft: torch.Tensor

@@ -453,3 +453,13 @@ def test_cuda_image_installs_the_default_cuda_torch() -> None:
     assert re.fullmatch(r"CUDA_IMAGE=nvidia/cuda:[\d.]+-runtime-ubuntu[\d.]+", base)
     installs = [args for i, args in steps if i == "RUN" and "torch==" in args]
     assert installs == [f"pip install {_makefile_torch_pin()}"]  # PyPI's default build is the CUDA one
+
+
+def test_only_the_cuda_image_installs_triton() -> None:
+    """The fused kernels run on CUDA; the CPU image serves with the torch references and stays
+    ~1 GB smaller."""
+    def installs(name: str) -> str:
+        return " ".join(args for i, args in _instructions(_dockerfile(name)) if i == "RUN" and "pip install" in args)
+
+    assert '".[kernels]"' in installs("Dockerfile.cuda")
+    assert "kernels" not in installs("Dockerfile.cpu") and "triton" not in installs("Dockerfile.cpu")

@@ -136,7 +136,7 @@ def test_an_untied_output_layer_runs_in_4_bits_when_it_fits(tmp_path) -> None:
     hidden = torch.randn(1, 3, 64)  # [B, T, H]
     normed = rms_norm(hidden, model.norm, model.config.norm_eps)  # [B, T, H]
     expected = torch.nn.functional.linear(normed, q4_dense(codes, scale, minimum, torch.float32))  # [B, T, V]
-    assert (model.logits(hidden) - expected).abs().max().item() < 1e-5
+    assert (model.output_head.logits(normed) - expected).abs().max().item() < 1e-5
 
 
 def test_auto_picks_int4_for_bfloat16_on_cpu_and_dense_for_float32(q4_checkpoint) -> None:

@@ -53,7 +53,7 @@ def components(model, tokens: int) -> dict[str, float]:
         "embedding + RoPE rows": _median_ms(lambda: model.embed_positions(ids, model._cache_batch(ids, cache, slot, start))),
         f"attention x{len(layers)}": _median_ms(lambda: [layer.attention(x, batch, cos, sin) for layer in layers]),
         f"MLP x{len(layers)}": _median_ms(lambda: [layer.mlp(x) for layer in layers]),
-        f"output layer ({model.config.output_vocab or model.config.vocab_size} rows)": _median_ms(lambda: model.logits(x)),
+        f"output layer ({model.config.output_vocab or model.config.vocab_size} rows)": _median_ms(lambda: model.output_head.logits(x)),
     }
     whole = _median_ms(lambda: model(ids, cache, slot, start))
     out["Python and dispatch between them"] = max(whole - sum(out.values()), 0.0)

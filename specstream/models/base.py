@@ -1,6 +1,7 @@
 """The ``CausalLM`` contract every architecture implements, and the numeric helpers they share.
 
-``CausalLM``: ``new_cache`` and ``forward(input_ids, cache, slots, start_pos)`` (see its docstring).
+``CausalLM``: ``new_cache`` and ``forward(input_ids, cache, slots, start_pos)`` (see its docstring),
+which is ``hidden(...)`` (the layers and the final norm) followed by ``output_head`` (the LM head).
 Knows nothing about checkpoints and weight names (models and ``loader.py`` do that).
 """
 
@@ -12,6 +13,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kernels.lm_head import OutputHead
 from specstream.models.attention import CacheBatch
 from specstream.models.config import SUPPORTED_ACTIVATIONS, ModelConfig
 from specstream.models.int4 import Q4Weight, q4_linear
@@ -148,6 +150,25 @@ class CausalLM(torch.nn.Module):
             cache, slots, start_pos, input_ids.shape[1], cfg.num_kv_groups, cfg.max_position_embeddings
         )
 
+    @property
+    def output_head(self) -> OutputHead:
+        """The output layer: ``forward`` is ``output_head.logits(hidden(...))``. The engines hand
+        it with the hidden states to the output ops (kernels/), which can fuse it with argmax,
+        sampling and verification instead of building [tokens, vocab] logits."""
+        raise NotImplementedError
+
+    def hidden(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor,
+        start_pos: torch.Tensor,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """The forward up to the output layer: final (normed) hidden states [B, T, H] ([B, 1, H] when
+        last_only), in the model's dtype; cache writes and arguments as ``forward``."""
+        raise NotImplementedError
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -163,4 +184,4 @@ class CausalLM(torch.nn.Module):
         architecture has one). Returns logits [B, T, vocab] float32 ([B, 1, vocab] when last_only). Does NOT
         change cache lengths: the caller commits with cache.set_length.
         """
-        raise NotImplementedError
+        return self.output_head.logits(self.hidden(input_ids, cache, slots, start_pos, last_only))

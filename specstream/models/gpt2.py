@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.lm_head import OutputHead
 from specstream.models.config import ModelConfig
 from specstream.models.attention import CacheBatch
 from specstream.models.base import ACTIVATIONS, CausalLM, TensorSource, linear
@@ -112,7 +113,11 @@ class GPT2LMHeadModel(CausalLM):
             if self.lm_head is not None:
                 self.lm_head.copy_(source.take("lm_head.weight", (V, H)))
 
-    def forward(
+    @property
+    def output_head(self) -> OutputHead:
+        return OutputHead(self.wte if self.lm_head is None else self.lm_head)  # [V, H]
+
+    def hidden(
         self,
         input_ids: torch.Tensor,
         cache: KVCache,
@@ -128,6 +133,4 @@ class GPT2LMHeadModel(CausalLM):
         if last_only:
             x = x[:, -1:]  # [B, 1, H]
         H = self.config.hidden_size
-        x = F.layer_norm(x, (H,), self.lnf_w, self.lnf_b, self.config.norm_eps)  # [B, T', H]
-        head = self.wte if self.lm_head is None else self.lm_head
-        return linear(x, head).float()  # [B, T', V]
+        return F.layer_norm(x, (H,), self.lnf_w, self.lnf_b, self.config.norm_eps)  # [B, T', H]

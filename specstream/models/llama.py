@@ -23,6 +23,7 @@ from torch import nn
 
 from specstream.models.config import ModelConfig, ModelLoadError, RopeConfig
 from specstream.models.attention import CacheBatch
+from kernels.lm_head import OutputHead
 from specstream.models.base import ACTIVATIONS, CausalLM, Q4Parts, TensorSource, linear, rms_norm
 from specstream.models.int4 import Q4Weight, rtn_parts
 from specstream.models.kv_cache import KVCache
@@ -278,13 +279,12 @@ class LlamaForCausalLM(CausalLM):
         sin = self.rope_sin[batch.positions].unsqueeze(1)  # [B, 1, T, D]
         return F.embedding(input_ids.to(self.embed.device), self.embed), cos, sin  # [B, T, H], ...
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm and output layer: [B, T, H] -> [B, T, V] float32 ([B, T, N] over a vocabulary subset)."""
-        x = rms_norm(x, self.norm, self.config.norm_eps)  # [B, T, H]
-        head = self.embed if self.lm_head is None else self.lm_head
-        return linear(x, head).float()  # [B, T, V]
+    @property
+    def output_head(self) -> OutputHead:
+        """[V, H] (or [N, H] over a draft's vocabulary subset, columns named by output_ids)."""
+        return OutputHead(self.embed if self.lm_head is None else self.lm_head, output_ids=self.output_ids)
 
-    def forward(
+    def hidden(
         self,
         input_ids: torch.Tensor,
         cache: KVCache,
@@ -298,4 +298,4 @@ class LlamaForCausalLM(CausalLM):
             x = layer(x, batch, cos, sin)  # [B, T, H]
         if last_only:
             x = x[:, -1:]  # [B, 1, H]
-        return self.logits(x)  # [B, T', V]
+        return rms_norm(x, self.norm, self.config.norm_eps)  # [B, T', H]
