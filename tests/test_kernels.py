@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import kernels
@@ -39,3 +40,53 @@ def test_greedy_verify_with_no_proposals():
     accepted, tokens = kernels.greedy_verify(torch.zeros(2, 0, dtype=torch.int64), torch.tensor([0, 0]),
                                              _logits_for([[5], [6]]))
     assert accepted.tolist() == [0, 0] and tokens.tolist() == [[5], [6]]
+
+
+def test_the_ops_serve_without_triton_installed():
+    """The CPU runtime has no Triton: the ops import and run their torch references, and forcing a
+    Triton kernel says what is missing."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
+        "import torch, kernels\n"
+        "from kernels.dispatch import triton_available\n"
+        "assert not triton_available()\n"
+        "print(kernels.argmax(torch.tensor([[0.0, 2.0, 1.0]])).tolist())\n"
+        "from kernels.argmax import _best_kernel\n"
+        "try:\n"
+        "    _best_kernel[(1,)]()\n"
+        "except RuntimeError as e:\n"
+        "    print(e)\n"
+        "with kernels.use('triton'):\n"
+        "    try:\n"
+        "        kernels.argmax(torch.zeros(1, 3))\n"
+        "    except RuntimeError as e:\n"
+        "        print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "[1]"
+    assert "Triton is not installed" in lines[1] and "_best_kernel" in lines[1]
+    assert "Triton is not installed" in lines[2]
+
+
+def test_the_dispatcher_picks_and_checks_its_backend(monkeypatch):
+    from kernels.dispatch import backend, use
+
+    cpu = torch.zeros(1)
+    assert backend(cpu) == "torch"  # auto: Triton only for CUDA tensors
+    with use("torch"):
+        assert backend(cpu) == "torch"
+    monkeypatch.setenv("SPECSTREAM_KERNELS", "fast")
+    with pytest.raises(ValueError, match="SPECSTREAM_KERNELS='fast'"):
+        backend(cpu)
+    monkeypatch.setenv("SPECSTREAM_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        backend(cpu)
+    with pytest.raises(ValueError, match="kernel backend 'gpu'"):
+        with use("gpu"):
+            pass
