@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from specstream.bench import report
+from specstream.compute import on_torch_thread  # the thread the engine runs torch on (its settings)
 
 VOCABS = (32_000, 49_152, 128_256, 151_936)
 ROWS = (1, 8, 64, 576)
@@ -127,16 +128,17 @@ def run(out_dir: Path, device: str | None = None, vocabs=VOCABS, rows=None, hidd
     for hidden in hiddens:
         for vocab in vocabs:
             for n in rows:
-                times = output_layer(vocab, n, hidden, dev, fused)
+                times = on_torch_thread(output_layer, vocab, n, hidden, dev, fused)
                 data["sizes"].append({"vocab": vocab, "rows": n, "hidden": hidden, "ms": times})
                 print(f"V={vocab:>6} rows={n:>3} H={hidden:>4}  " + "  ".join(f"{k} {v:8.3f} ms" for k, v in times.items()),
                       flush=True)
                 report.write_json(out_dir / "kernels.json", data)
     if models is not None:
         model = models.load("target")
+        data["weights"] = model.weights
         for n in rows:
             if n <= 64:
-                data["steps"][str(n)] = step_share(model, n, dev, fused)
+                data["steps"][str(n)] = on_torch_thread(step_share, model, n, dev, fused)
         data["model"] = models.label
     report.write_json(out_dir / "kernels.json", data)
     print(tables(data))
@@ -167,7 +169,8 @@ def tables(data: dict, markdown: bool = False) -> str:
         headers = ["rows", "layers (ms)", "output layer, unfused (ms)", "share"]
         if data["fused_measured"]:
             headers += ["output layer, fused (ms)", "share"]
-        out.append(f"one decode step of {data.get('model', 'the target')}\n" + fmt(headers, step_rows))
+        out.append(f"one decode step of {data.get('model', 'the target')} ({data.get('weights', '')} weights)\n"
+                   + fmt(headers, step_rows))
     return "\n\n".join(out)
 
 

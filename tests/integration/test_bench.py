@@ -202,6 +202,21 @@ def test_bench_profile_splits_a_step_into_its_parts(model_zoo, tmp_path):
     assert "output layer" in data["table_markdown"] and (tmp_path / "profile.png").stat().st_size > 1000
 
 
+def test_bench_kernels_times_the_output_layer_and_a_steps_share(model_zoo, tmp_path):
+    from specstream.bench import kernels as kernel_bench
+    from specstream.bench.models import BenchModels
+
+    models = BenchModels("zoo", model_zoo["target"], model_zoo["partial"], "float32")
+    data = kernel_bench.run(tmp_path, "cpu", vocabs=(123, 300), rows=(1, 8), hiddens=(32,), models=models)
+    assert data["device"].startswith("CPU") and data["fused_measured"] is False  # no GPU: torch timings only
+    assert [(s["vocab"], s["rows"]) for s in data["sizes"]] == [(123, 1), (123, 8), (300, 1), (300, 8)]
+    assert all(set(s["ms"]) == {"unfused 1-best + logprob", "unfused sample"} and min(s["ms"].values()) > 0
+               for s in data["sizes"])
+    assert set(data["steps"]) == {"1", "8"} and all(t["layers"] > 0 for t in data["steps"].values())
+    assert json.loads((tmp_path / "kernels.json").read_text())["sizes"] == data["sizes"]
+    assert "share" in kernel_bench.tables(data) and (tmp_path / "kernels.png").stat().st_size > 1000
+
+
 def test_bench_gamma_compares_policies_and_proposers(model_zoo, tmp_path):
     from specstream.bench import gamma
     from specstream.bench.models import BenchModels
