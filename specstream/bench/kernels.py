@@ -94,6 +94,33 @@ def output_layer(vocab: int, rows: int, hidden: int, device: torch.device, fused
 
 
 @torch.inference_mode()
+def verification(vocab: int, sequences: int, gamma: int, device: torch.device) -> dict[str, float]:
+    """The fused speculative verification over logits [sequences, γ+1, vocab] bf16 (every row read
+    once): ms, the bytes it must read, and the time a read-and-write copy of those bytes takes on
+    this device (the memory-bandwidth bound, measured rather than taken from a data sheet)."""
+    import kernels
+    from kernels.random import row_keys
+    from specstream.sampling import ACCEPT, uniforms
+
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    logits = (torch.randn(sequences, gamma + 1, vocab, generator=gen) * 2).to(device, torch.bfloat16)
+    width = 8
+    q_ids = torch.randint(0, vocab, (sequences, gamma, width), generator=gen).to(device)
+    q_probs = torch.full((sequences, gamma, width), 1.0 / width, device=device)
+    draft = q_ids[..., 0].contiguous()
+    num_draft = torch.full((sequences,), gamma, device=device)
+    temperature = torch.ones(sequences, device=device)
+    threshold = torch.full((sequences, gamma + 1), float("-inf"), device=device)
+    keys = torch.stack([row_keys(range(sequences), [j] * sequences, 3, device) for j in range(gamma + 1)], dim=1)
+    u_accept = uniforms(range(sequences), [0] * sequences, gamma, ACCEPT, device)
+    with kernels.use("triton"):
+        ms = _median_ms(lambda: kernels.speculative_verify_fused(logits, q_ids, q_probs, draft, num_draft, temperature,
+                                                                 threshold, keys, u_accept), device)
+    copy_ms = _median_ms(lambda: logits.clone(), device) / 2  # a clone reads and writes: half is the read
+    return {"ms": ms, "bytes": logits.numel() * logits.element_size(), "read bound ms": copy_ms}
+
+
+@torch.inference_mode()
 def step_share(model, rows: int, device: torch.device, fused: bool) -> dict[str, float]:
     """ms of one decode step over ``rows`` sequences (200 cached tokens each): the forward up to
     the final norm, and the output layer + 1-best after it (unfused torch; fused when ``fused``)."""
@@ -116,14 +143,19 @@ def step_share(model, rows: int, device: torch.device, fused: bool) -> dict[str,
     return out
 
 
-def run(out_dir: Path, device: str | None = None, vocabs=VOCABS, rows=None, hiddens=None, models=None) -> dict:
+def run(out_dir: Path, device: str | None = None, vocabs=VOCABS, rows=None, hiddens=None, models=None,
+        fused: bool | None = None, verify_shape: tuple[int, int] = (64, 8)) -> dict:
+    """``fused`` (default: on CUDA with Triton) also times the Triton ops; forced on a CPU it runs
+    them interpreted (to exercise this code in tests: the timings then mean nothing).
+    ``verify_shape``: (sequences, γ) of the verification timing."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     from kernels.dispatch import triton_available
 
-    fused = dev.type == "cuda" and triton_available()
+    fused = (dev.type == "cuda" and triton_available()) if fused is None else fused
     rows = rows or (ROWS if dev.type == "cuda" else CPU_ROWS)
     hiddens = hiddens or (HIDDENS if dev.type == "cuda" else CPU_HIDDENS)
-    data: dict = {"device": device_name(dev), "dtype": "bfloat16", "fused_measured": fused, "sizes": [], "steps": {}}
+    data: dict = {"device": device_name(dev), "dtype": "bfloat16", "fused_measured": fused, "sizes": [], "steps": {},
+                  "verification": []}
     print(f"device: {data['device']}" + ("" if fused else "  (fused kernels: not timed here, see the docstring)"))
     for hidden in hiddens:
         for vocab in vocabs:
@@ -133,6 +165,11 @@ def run(out_dir: Path, device: str | None = None, vocabs=VOCABS, rows=None, hidd
                 print(f"V={vocab:>6} rows={n:>3} H={hidden:>4}  " + "  ".join(f"{k} {v:8.3f} ms" for k, v in times.items()),
                       flush=True)
                 report.write_json(out_dir / "kernels.json", data)
+    if fused:
+        sequences, gamma = verify_shape
+        for vocab in vocabs:
+            timing = on_torch_thread(verification, vocab, sequences, gamma, dev)
+            data["verification"].append({"vocab": vocab, "sequences": sequences, "gamma": gamma, **timing})
     if models is not None:
         model = models.load("target")
         data["weights"] = model.weights
@@ -171,6 +208,11 @@ def tables(data: dict, markdown: bool = False) -> str:
             headers += ["output layer, fused (ms)", "share"]
         out.append(f"one decode step of {data.get('model', 'the target')} ({data.get('weights', '')} weights)\n"
                    + fmt(headers, step_rows))
+    if data.get("verification"):
+        rows = [[v["vocab"], f"{v['sequences']} x {v['gamma'] + 1}", f"{v['bytes'] / 1e6:.1f}", f"{v['ms']:.3f}",
+                 f"{v['read bound ms']:.3f}", f"{v['ms'] / v['read bound ms']:.2f}"] for v in data["verification"]]
+        out.append("fused speculative verification (logits in bfloat16)\n"
+                   + fmt(["vocab", "rows", "MB read", "ms", "read bound ms", "÷ bound (target ≤ 2)"], rows))
     return "\n\n".join(out)
 
 

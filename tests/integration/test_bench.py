@@ -217,6 +217,19 @@ def test_bench_kernels_times_the_output_layer_and_a_steps_share(model_zoo, tmp_p
     assert "share" in kernel_bench.tables(data) and (tmp_path / "kernels.png").stat().st_size > 1000
 
 
+def test_bench_kernels_fused_columns_run_through_the_dispatcher(tmp_path):
+    """What a CUDA run adds (fused ops, the verification against its bandwidth bound), run here by
+    Triton's interpreter at tiny sizes: the code path works; the timings mean nothing on a CPU."""
+    from specstream.bench import kernels as kernel_bench
+
+    data = kernel_bench.run(tmp_path, "cpu", vocabs=(123,), rows=(1,), hiddens=(32,), fused=True, verify_shape=(2, 2))
+    [size] = data["sizes"]
+    assert set(size["ms"]) == {"unfused 1-best + logprob", "unfused sample", "fused 1-best + logprob", "fused sample"}
+    [verify] = data["verification"]
+    assert verify["bytes"] == 2 * 3 * 123 * 2 and verify["ms"] > 0 and verify["read bound ms"] > 0
+    assert "unfused ÷ fused" in kernel_bench.tables(data) and "÷ bound" in kernel_bench.tables(data)
+
+
 def test_bench_gamma_compares_policies_and_proposers(model_zoo, tmp_path):
     from specstream.bench import gamma
     from specstream.bench.models import BenchModels
