@@ -27,6 +27,7 @@ import torch
 
 import kernels
 from kernels.lm_head import Hidden
+from kernels.nbest import MAX_K, top_scores
 from specstream.models import CausalLM
 from specstream.sampling import DRAFT_SAMPLE, GREEDY, SamplingParams, process_logits, sample_rows, truncate, uniforms
 
@@ -194,6 +195,18 @@ class DraftProposer:
         return (torch.stack(guesses, dim=1).tolist(), *picker.tables())  # [B, max gamma], ...
 
 
+def _truncated_q(scores: Hidden, params: list[SamplingParams], support: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, q) [s, K] as ``truncate(process_logits(...), support)`` gives them, from the fused
+    kernels: the cut thresholds and the K largest scores (kernels/nbest.py), no logits built. The
+    truncated q renormalises, so it is softmax(score / T) over the kept ones among those K."""
+    width = min(support, scores.head.vocab)
+    threshold = kernels.cut_thresholds(scores, params)  # [s]
+    values, ids, _ = top_scores(scores, width)  # [s, K] raw scores, best first
+    inv_t = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32, device=values.device)
+    scaled = torch.where(values >= threshold[:, None], values * inv_t[:, None], float("-inf"))  # [s, K]
+    return ids, torch.softmax(scaled, dim=-1)
+
+
 class _Picker:
     """Chooses each guess: argmax for greedy rows, x ~ truncated q for sampling rows (keeping q)."""
 
@@ -216,8 +229,9 @@ class _Picker:
 
     def pick(self, scores: Hidden, members: list[int], step: int) -> torch.Tensor:
         """The final hidden states [b, H] (with the head) of the rows `members` at guess `step` ->
-        tokens [b]. Greedy rows take the fused 1-best on the Triton backend; sampling rows need
-        their truncated q, so their logits are built (as every row's are on the torch backend)."""
+        tokens [b]. On the Triton backend greedy rows take the fused 1-best and sampling rows their
+        truncated q from the fused n-best (a support wider than its 64 builds their logits); on the
+        torch backend every row's logits are built."""
         if kernels.backend(scores.states) == "torch":
             logits = scores.logits()  # [b, V or N]
             tokens = kernels.argmax(logits)  # [b] logit columns
@@ -232,9 +246,12 @@ class _Picker:
         rows = [members[i] for i in local]
         # q lives on the draft's columns (a subset of the vocabulary is fine: the target verifies
         # against exactly the q that was sampled from, whatever its support).
-        picked = logits[local] if logits is not None else scores.head.logits(scores.states[local])  # [s, V or N]
-        probs = process_logits(picked, [self.params[b] for b in rows])  # [s, V or N]
-        ids, q = truncate(probs, self.support)  # [s, K]: exactly what is sampled from and sent
+        params = [self.params[b] for b in rows]
+        if logits is None and self.support <= MAX_K:
+            ids, q = _truncated_q(Hidden(scores.states[local], scores.head), params, self.support)  # [s, K]
+        else:
+            picked = logits[local] if logits is not None else scores.head.logits(scores.states[local])  # [s, V or N]
+            ids, q = truncate(process_logits(picked, params), self.support)  # [s, K]: exactly what is sampled from and sent
         if self.output_ids is not None:
             ids = self.output_ids[ids]  # [s, K] token ids
         tokens[local] = ids.gather(1, sample_rows(q, self.u[rows, step])[:, None]).squeeze(1)

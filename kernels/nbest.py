@@ -21,12 +21,14 @@ MAX_K = 64  # the widest n-best the kernel keeps per tile
 
 
 @triton.jit
-def _nbest_kernel(values_out, ids_out, lse_out, N, V, logits, logits_stride, hidden, hidden_stride, weight,
+def _nbest_kernel(values_out, ids_out, lse_out, inv_temperature, N, V, logits, logits_stride, hidden, hidden_stride, weight,
                   weight_stride, bias, H, K: tl.constexpr, FROM_HIDDEN: tl.constexpr, HAS_BIAS: tl.constexpr,
                   ROUND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
-    """values_out, ids_out [N, tiles, K]: each tile's K best raw scores and ids; lse_out [N]."""
+    """values_out, ids_out [N, tiles, K]: each tile's K best raw scores and ids; lse_out [N]: the
+    log-sum-exp of score * inv_temperature."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < N
+    inv_t = tl.load(inv_temperature + rows, mask=ok, other=1.0)
     tiles = tl.cdiv(V, BLOCK_V)
     neg_inf = float("-inf")
     m = tl.full([BLOCK_R], neg_inf, dtype=tl.float32)
@@ -35,9 +37,10 @@ def _nbest_kernel(values_out, ids_out, lse_out, N, V, logits, logits_stride, hid
         cols = start + tl.arange(0, BLOCK_V).to(tl.int64)
         t = _score_tile(logits, logits_stride, hidden, hidden_stride, weight, weight_stride, bias, H,
                         rows, ok, cols, cols < V, FROM_HIDDEN, HAS_BIAS, ROUND, BLOCK_R, BLOCK_V, BLOCK_H)
-        new_m = tl.maximum(m, tl.max(t, axis=1))
+        s = t * inv_t[:, None]
+        new_m = tl.maximum(m, tl.max(s, axis=1))
         shift = tl.where(new_m == neg_inf, 0.0, new_m)
-        total = total * tl.exp(m - shift) + tl.sum(tl.exp(t - shift[:, None]), axis=1)
+        total = total * tl.exp(m - shift) + tl.sum(tl.exp(s - shift[:, None]), axis=1)
         m = new_m
         out = (rows * tiles + start // BLOCK_V) * K  # [R]: this tile's K slots
         for j in tl.static_range(K):
@@ -58,22 +61,31 @@ def topk_logprobs(scores: Scores, k: int, running: torch.Tensor | None = None
         raise ValueError(f"topk_logprobs: k={k} must be in 1..{min(vocab, MAX_K)}")
     if backend(states) == "torch":
         return topk_logprobs_reference(scores, k, running)
+    best, chosen, lse = top_scores(scores, k)
+    return _finish(best, lse, running), chosen
+
+
+def top_scores(scores: Scores, k: int, inv_temperature: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's raw result: (the k largest raw scores [N, k], best first, lower id first among
+    ties; their ids [N, k]; the log-sum-exp [N] of score * inv_temperature (default 1))."""
+    states = scores.states if isinstance(scores, Hidden) else scores
+    n, vocab = rows_and_vocab(scores)
     device = states.device
     block_v = tile(vocab)
     tiles = triton.cdiv(vocab, block_v)
     values = torch.full((n, tiles, k), float("-inf"), dtype=torch.float32, device=device)
     ids = torch.zeros((n, tiles, k), dtype=torch.int64, device=device)
     lse = torch.empty(n, dtype=torch.float32, device=device)
+    inv_t = (inv_temperature if inv_temperature is not None else torch.ones(n)).to(device, torch.float32).contiguous()
     if n:
         rows = launch_rows(n)
-        _nbest_kernel[(triton.cdiv(n, rows),)](values, ids, lse, n, vocab, **kernel_args(scores), K=k,
+        _nbest_kernel[(triton.cdiv(n, rows),)](values, ids, lse, inv_t, n, vocab, **kernel_args(scores), K=k,
                                                BLOCK_R=rows, BLOCK_V=block_v)
     # Candidates are in id order within equal values (tiles in order, each tile lowest id first),
     # so a stable sort keeps the lower id first among ties.
     order = torch.sort(values.view(n, -1), dim=1, descending=True, stable=True).indices[:, :k]  # [N, k]
-    best = values.view(n, -1).gather(1, order)
-    chosen = ids.view(n, -1).gather(1, order)
-    return _finish(best, lse, running), chosen
+    return values.view(n, -1).gather(1, order), ids.view(n, -1).gather(1, order), lse
 
 
 def topk_logprobs_reference(scores: Scores, k: int, running: torch.Tensor | None = None

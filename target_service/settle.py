@@ -12,7 +12,8 @@ On the torch backend (CPU) the logits are built and settled here with the torch 
 backend (CUDA) greedy rows go through the fused 1-best verification kernel and sampling rows
 through the fused speculative kernel (temperature, cuts, accept/reject and the residual sample in
 one read of each row, an exponential race instead of an inverse CDF), so [rows, vocab] logits are
-built only for rows that asked for log-probabilities or top-k/top-p cuts. Both draw with the same
+built only for rows that asked for log-probabilities (top-k/top-p cuts come from a fused n-best
+pass; only a row whose cut reaches past its 64 largest scores builds its logits). Both draw with the same
 (seed, position) keys, so a row's result never depends on its batch; the two backends' samples
 are equally distributed, not equal.
 
@@ -125,13 +126,9 @@ def _settle_fused(target: Hidden, rows: list[Row], draft: torch.Tensor, num_draf
     if sampled:
         chosen = [rows[b] for b in sampled]
         params = [r.params for r in chosen]
-        threshold = torch.full((len(sampled), positions), float("-inf"), device=device)  # [S, G+1]
-        cut = [i for i, p in enumerate(params) if p.top_k or p.top_p < 1.0]
-        if cut:  # cuts need the rows' largest scores: only these rows' logits are built
-            logits = _rows_logits(target, [sampled[i] for i in cut], positions)  # [C, G+1, V]
-            threshold[cut] = cut_thresholds(logits.reshape(-1, logits.shape[-1]),
-                                            [p for p in (params[i] for i in cut) for _ in range(positions)]
-                                            ).view(len(cut), positions)
+        part = Hidden(states[sampled].reshape(-1, states.shape[-1]), target.head)  # [S*(G+1), H]
+        # Top-k/top-p cuts: one threshold per row, from a fused n-best pass over the rows with cuts.
+        threshold = cut_thresholds(part, [p for p in params for _ in range(positions)]).view(len(sampled), positions)
         seeds = [p.seed for p in params]
         starts = [r.position for r in chosen]
         keys = torch.stack([row_keys(seeds, [s + j for s in starts], TARGET_SAMPLE, device)
@@ -139,7 +136,6 @@ def _settle_fused(target: Hidden, rows: list[Row], draft: torch.Tensor, num_draf
         u_accept = uniforms(seeds, starts, gamma, ACCEPT, device)  # [S, G]
         q_ids, q_probs = _sparse_q(chosen, gamma)
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-        part = Hidden(states[sampled].reshape(-1, states.shape[-1]), target.head)
         k, emitted = kernels.speculative_verify_fused(part, q_ids.to(device), q_probs.to(device), draft[sampled],
                                                       num_draft[sampled], temperature, threshold, keys, u_accept)
         num_accepted[sampled] = k

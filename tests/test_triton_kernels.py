@@ -24,7 +24,7 @@ from kernels.dispatch import use
 from kernels.lm_head import Hidden, OutputHead, lm_head, scores_reference
 from kernels.nbest import topk_logprobs, topk_logprobs_reference
 from kernels.random import row_keys, uniform_table
-from kernels.sample import cut_thresholds, sample, sample_reference
+from kernels.sample import cut_thresholds, cut_thresholds_reference, sample, sample_reference
 from kernels.speculative import speculative_verify_fused, speculative_verify_fused_reference
 from kernels.verify import greedy_verify, greedy_verify_reference
 from specstream.sampling import ACCEPT, TARGET_SAMPLE, SamplingParams, process_logits, truncate, uniforms
@@ -205,6 +205,36 @@ def test_cut_thresholds_keep_what_process_logits_keeps():
     assert len(rows) >= 20
     differ = [b for b in rows if (kept[b] != want[b]).any()]
     assert not differ, f"rows {differ}: the cut keeps other tokens than process_logits"
+
+
+@pytest.mark.parametrize("vocab", (5, 123, 4097, 49152))
+def test_fused_cut_thresholds_equal_the_reference(vocab, monkeypatch):
+    """Thresholds read off the fused n-best pass, logits or hidden states, equal the torch ones;
+    rows the 64 largest scores do not settle (a flat nucleus, an all-masked row) take the fallback."""
+    import sys
+
+    module = sys.modules["kernels.sample"]
+    fallback_rows: list[int] = []
+
+    def counted(logits, params):
+        fallback_rows.append(len(params))
+        return cut_thresholds_reference(logits, params)
+
+    logits = _logits(64, vocab, torch.float32, seed=8)
+    params = _sampling_rows(64)
+    want = cut_thresholds_reference(logits, params)
+    monkeypatch.setattr(module, "cut_thresholds_reference", counted)
+    with use("triton"):
+        got = cut_thresholds(logits, params)
+    _assert_same(got, want, "threshold")
+    assert 0 < sum(fallback_rows) < 64  # both ways were taken
+    gen = torch.Generator().manual_seed(9)
+    head = OutputHead((torch.randn(vocab, 40, generator=gen) * 0.5).to(DEVICE))
+    hidden = Hidden(torch.randn(64, 40, generator=gen).to(DEVICE), head)
+    with use("triton"):
+        got = cut_thresholds(hidden, params)
+        tiles = lm_head(hidden)  # the logits as the fused head computes them (float32 sums in its order)
+    _assert_same(got, cut_thresholds_reference(tiles, params), "threshold from hidden states")
 
 
 def _race_counts(logits: torch.Tensor, params: SamplingParams, draws: int, sampler=None) -> Counter:
@@ -395,3 +425,22 @@ def test_the_engine_samples_the_same_distribution_through_triton_and_torch(sampl
     with use("torch"):
         through_torch = pairs(1 << 40)
     assert two_sample_p_value(through_triton, through_torch) > THRESHOLD
+
+
+def test_the_drafts_truncated_q_from_the_kernels_is_the_torch_one():
+    """A draft's sampling rows on the Triton backend: q = the K most likely tokens after the cuts,
+    renormalised, from the fused n-best pass; the same table the torch path sends."""
+    from draft_service.proposer import _truncated_q
+
+    gen = torch.Generator().manual_seed(10)
+    head = OutputHead((torch.randn(4097, 40, generator=gen) * 0.5).to(DEVICE))
+    hidden = Hidden(torch.randn(32, 40, generator=gen).to(DEVICE), head)
+    params = [p for p in _sampling_rows(32) if p.temperature >= 0.7]
+    hidden = Hidden(hidden.states[: len(params)], head)
+    with use("triton"):
+        ids, q = _truncated_q(hidden, params, 16)
+        logits = lm_head(hidden)
+    want_ids, want_q = truncate(process_logits(logits, params), 16)
+    live = want_q > 0
+    _assert_same(ids[live], want_ids[live], "q ids")
+    _assert_close(q, want_q, "q", atol=1e-6, rtol=1e-5)
