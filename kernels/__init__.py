@@ -9,10 +9,10 @@ the Triton kernels multiply tile by tile instead of building [rows, vocab] logit
 from kernels.argmax import argmax, best_token
 from kernels.dispatch import backend, use
 from kernels.lm_head import Hidden, OutputHead
-from kernels.nbest import topk_logprobs
+from kernels.nbest import token_logprobs, topk_logprobs
 from kernels.sample import cut_thresholds, sample
 from kernels.speculative import speculative_verify, speculative_verify_fused
 from kernels.verify import greedy_verify
 
 __all__ = ["Hidden", "OutputHead", "argmax", "backend", "best_token", "cut_thresholds", "greedy_verify", "sample",
-           "speculative_verify", "speculative_verify_fused", "topk_logprobs", "use"]
+           "speculative_verify", "speculative_verify_fused", "token_logprobs", "topk_logprobs", "use"]

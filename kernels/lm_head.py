@@ -90,6 +90,20 @@ def kernel_args(scores: Scores) -> dict:
                 FROM_HIDDEN=False, HAS_BIAS=False, ROUND=0, BLOCK_H=BLOCK_H)
 
 
+def scores_at(scores: Scores, ids: torch.Tensor) -> torch.Tensor:
+    """Raw scores [N, K] at ids [N, K]: gathered from logits, or dot products with the head's rows
+    (float32, + bias, rounded once to the head's dtype, as the fused head computes them)."""
+    if not isinstance(scores, Hidden):
+        return scores.float().gather(1, ids)
+    head = scores.head
+    if not head.fusable:
+        return scores.logits().gather(1, ids)
+    out = torch.einsum("rh,rkh->rk", scores.states.float(), head.weight[ids].float())  # [N, K]
+    if head.bias is not None:
+        out = out + head.bias[ids].float()
+    return out.to(head.weight.dtype).float()
+
+
 # The torch head returns logits in the model's dtype before `.float()`; the fused head rounds its
 # float32 sums the same way, so both paths score with numbers of the same precision.
 _ROUNDING = {torch.bfloat16: 1, torch.float16: 2}

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from kernels.dispatch import backend
-from kernels.lm_head import Hidden, Scores, kernel_args, rows_and_vocab, scores_reference
+from kernels.lm_head import Hidden, Scores, kernel_args, rows_and_vocab, scores_at, scores_reference
 from kernels.random import uniform_table
 from kernels.row_pass import _row_pass, launch_rows, row_pass_reference, tile
 from kernels.triton_shim import tl, triton
@@ -220,18 +220,7 @@ def _scores_at(scores: Scores | torch.Tensor, exclude: torch.Tensor, draft: torc
     -inf where there is none)."""
     ids = torch.cat([exclude, torch.cat([draft, draft.new_full((batch, 1), -1)], dim=1)[..., None]], dim=-1)
     flat = ids.view(batch * (gamma + 1), -1)  # [R, K+1]
-    safe = flat.clamp(min=0)
-    if isinstance(scores, Hidden):
-        head = scores.head
-        if not head.fusable:  # a 4-bit head: its logits come from torch anyway
-            picked = scores.logits().gather(1, safe)
-        else:  # float32 dot products (+ bias), rounded once to the head's dtype, as the fused head does
-            picked = torch.einsum("rh,rkh->rk", scores.states.float(), head.weight[safe].float())  # [R, K+1]
-            if head.bias is not None:
-                picked = picked + head.bias[safe].float()
-            picked = picked.to(head.weight.dtype).float()
-    else:
-        picked = scores.float().gather(1, safe)
+    picked = scores_at(scores, flat.clamp(min=0))  # [R, K+1]
     return torch.where(flat >= 0, picked, float("-inf")).view(batch, gamma + 1, -1)
 
 

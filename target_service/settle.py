@@ -12,8 +12,8 @@ On the torch backend (CPU) the logits are built and settled here with the torch 
 backend (CUDA) greedy rows go through the fused 1-best verification kernel and sampling rows
 through the fused speculative kernel (temperature, cuts, accept/reject and the residual sample in
 one read of each row, an exponential race instead of an inverse CDF), so [rows, vocab] logits are
-built only for rows that asked for log-probabilities (top-k/top-p cuts come from a fused n-best
-pass; only a row whose cut reaches past its 64 largest scores builds its logits). Both draw with the same
+built only for a row whose top-k/top-p cut reaches past its 64 largest scores (cuts and
+log-probabilities come from a fused n-best pass). Both draw with the same
 (seed, position) keys, so a row's result never depends on its batch; the two backends' samples
 are equally distributed, not equal.
 
@@ -72,9 +72,9 @@ def settle(target: torch.Tensor | Hidden, rows: list[Row]) -> list[Verdict]:
                          dtype=torch.int64).view(batch, gamma).to(device)  # [B, G], padded with -1
     num_draft = torch.tensor([len(r.proposals) for r in rows], dtype=torch.int64).to(device)  # [B]
     wanted = [b for b, r in enumerate(rows) if r.logprobs is not None]
+    top_n = max((rows[b].logprobs for b in wanted), default=0)
     if isinstance(target, Hidden):
         num_accepted, tokens = _settle_fused(target, rows, draft, num_draft, positions)
-        wanted_logits = _rows_logits(target, wanted, positions) if wanted else None  # [W, G+1, V]
     else:
         num_accepted, tokens = kernels.greedy_verify(draft, num_draft, target)  # [B], [B, G+1]
         sampled = [b for b, r in enumerate(rows) if not r.params.greedy]
@@ -83,15 +83,18 @@ def settle(target: torch.Tensor | Hidden, rows: list[Row]) -> list[Verdict]:
                                          num_draft[sampled])
             num_accepted[sampled] = k
             tokens[sampled] = _emitted_tokens(draft[sampled], k, emitted)
-        wanted_logits = target[wanted] if wanted else None
     parts = [num_accepted[:, None], tokens]  # [B, 1], [B, G+1]
-    top_n = max((rows[b].logprobs for b in wanted), default=0)
-    if wanted:
-        logp = process_logits(wanted_logits, [rows[b].params for b in wanted]).log()  # [W, G+1, V]
+    if wanted and isinstance(target, Hidden):  # from the fused n-best pass, no logits built
+        states = target.states.view(batch, positions, -1)[wanted].reshape(-1, target.states.shape[-1])
+        chosen, top_ids, top_values = kernels.token_logprobs(
+            Hidden(states, target.head), tokens[wanted].flatten(),
+            [rows[b].params for b in wanted for _ in range(positions)], top_n)  # [W*(G+1)], [W*(G+1), n] x2
+        parts += [chosen, top_ids, top_values]
+    elif wanted:
+        logp = process_logits(target[wanted], [rows[b].params for b in wanted]).log()  # [W, G+1, V]
         parts.append(logp.gather(-1, tokens[wanted][..., None].clamp(min=0)).squeeze(-1))  # [W, G+1]
-        if top_n:
-            top = torch.topk(logp, top_n, dim=-1)  # [W, G+1, n]
-            parts += [top.indices, top.values]
+        top = torch.topk(logp, top_n, dim=-1)  # [W, G+1, n]
+        parts += [top.indices, top.values]
     # The pass's one host sync: every result in one flat transfer.
     flat = torch.cat([t.double().flatten() for t in parts]).tolist()
     return _unpack(flat, rows, wanted, positions, top_n)
@@ -102,12 +105,6 @@ def _emitted_tokens(draft: torch.Tensor, k: torch.Tensor, emitted: torch.Tensor)
     first k + 1)."""
     row_tokens = torch.cat([draft, draft.new_full((draft.shape[0], 1), -1)], dim=1)  # [S, G+1]
     return row_tokens.scatter(1, k[:, None], emitted[:, None])
-
-
-def _rows_logits(target: Hidden, chosen: list[int], positions: int) -> torch.Tensor:
-    """The logits [len(chosen), G+1, V] of the chosen sequences only."""
-    states = target.states.view(-1, positions, target.states.shape[-1])[chosen]  # [C, G+1, H]
-    return target.head.logits(states)
 
 
 def _settle_fused(target: Hidden, rows: list[Row], draft: torch.Tensor, num_draft: torch.Tensor, positions: int

@@ -22,7 +22,7 @@ from chi_square import goodness_of_fit_p_value
 from kernels.argmax import best_token, best_token_reference
 from kernels.dispatch import use
 from kernels.lm_head import Hidden, OutputHead, lm_head, scores_reference
-from kernels.nbest import topk_logprobs, topk_logprobs_reference
+from kernels.nbest import token_logprobs, token_logprobs_reference, topk_logprobs, topk_logprobs_reference
 from kernels.random import row_keys, uniform_table
 from kernels.sample import cut_thresholds, cut_thresholds_reference, sample, sample_reference
 from kernels.speculative import speculative_verify_fused, speculative_verify_fused_reference
@@ -155,6 +155,27 @@ def test_topk_logprobs_match_their_reference(vocab, rows, dtype):
         assert ids[0, :2].tolist() == [vocab // 3, 2 * vocab // 3]  # tied best: the lower id first
     want_lp = torch.log_softmax(logits.float(), dim=-1).gather(1, want_ids) + running[:, None]
     _assert_close(want_values[finite], want_lp[finite], "reference against log_softmax", atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", (5, 123, 4097))
+def test_token_logprobs_match_the_processed_distribution(vocab):
+    """Log-probabilities of given tokens and the top alternatives under each row's processed
+    distribution (greedy rows: the plain softmax), fused against process_logits."""
+    logits = _logits(64, vocab, torch.float32, seed=11)[:-1]  # without the all-masked row
+    # Greedy rows and sampled ones at temperatures where no kept token's probability underflows to
+    # 0 in process_logits (at T = 0.05 it gives -inf where the exact value is finite).
+    params = [SamplingParams() if i % 5 == 0 or p.temperature < 0.7 else p for i, p in enumerate(_sampling_rows(63))]
+    tokens = torch.randint(0, vocab, (63,), generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    tokens[::3] = logits.argmax(-1)[::3]  # some rows ask for their most likely token
+    n = min(vocab, 4)
+    with use("triton"):
+        chosen, top_ids, top_values = token_logprobs(logits, tokens, params, n)
+    want_chosen, want_ids, want_values = token_logprobs_reference(logits, tokens, params, n)
+    _assert_close(chosen, want_chosen, "chosen log-probability", atol=1e-4, rtol=1e-4)
+    _assert_close(top_values, want_values, "top log-probabilities", atol=1e-4, rtol=1e-4)
+    live = torch.isfinite(want_values)
+    live[0] = False  # row 0's two tied maxima: torch.topk orders them either way
+    _assert_same(top_ids[live], want_ids[live], "top ids")
 
 
 def test_topk_logprobs_through_the_fused_head():
@@ -444,3 +465,24 @@ def test_the_drafts_truncated_q_from_the_kernels_is_the_torch_one():
     live = want_q > 0
     _assert_same(ids[live], want_ids[live], "q ids")
     _assert_close(q, want_q, "q", atol=1e-6, rtol=1e-5)
+
+
+def test_the_engine_reports_the_same_logprobs_through_triton_and_torch(sampling_pair):
+    from engine_harness import run_engine
+
+    prompts = [[5, 9, 17, 3], [1, 2, 3]]
+    sampling = [SamplingParams(), SamplingParams(temperature=0.9, top_k=6, seed=4)]
+    runs = {}
+    for name in ("torch", "triton"):
+        with use(name):
+            runs[name] = run_engine(sampling_pair["target"], sampling_pair["draft"], prompts, 3, 6,
+                                    sampling=sampling, logprobs=3)
+    (torch_tokens, torch_finals), (triton_tokens, triton_finals) = runs["torch"], runs["triton"]
+    assert triton_tokens[0] == torch_tokens[0]  # greedy: the same tokens (the sampled row may differ)
+    for b in range(2):
+        for got, want, token in zip(triton_finals[b].logprobs, torch_finals[b].logprobs, triton_tokens[b]):
+            assert got.token_id == token
+            if b == 0:  # same token, same distribution: same numbers
+                assert abs(got.logprob - want.logprob) < 1e-4
+                assert [t for t, _ in got.top] == [t for t, _ in want.top]
+            assert len(got.top) == 3 and all(v <= 0 for _, v in got.top)
