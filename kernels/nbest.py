@@ -109,14 +109,14 @@ def token_logprobs(scores: Scores, tokens: torch.Tensor, params: Sequence[Sampli
     """Log-probabilities under each row's processed distribution (the plain softmax for greedy
     rows): of ``tokens`` [N], and the ``top_n`` most likely (ids, values) [N, n], -inf for tokens
     the cuts remove. On the Triton backend from one n-best pass (the 64 largest scores and the
-    normaliser) and the scores at ``tokens``; a row whose cut the window does not settle builds its
-    logits for the reference."""
+    normaliser) and the scores at ``tokens``; a row whose cut the window does not settle, or a
+    ``top_n`` wider than it, builds the logits for the reference."""
     states = scores.states if isinstance(scores, Hidden) else scores
-    if backend(states) == "torch":
+    n, vocab = rows_and_vocab(scores)
+    if backend(states) == "torch" or top_n > min(vocab, MAX_K):  # more alternatives than the window holds
         return token_logprobs_reference(scores_reference(scores), tokens, params, top_n)
     from kernels.sample import cut_thresholds  # sample.py builds on this file
 
-    n, vocab = rows_and_vocab(scores)
     device = states.device
     inv_t = torch.tensor([1.0 if p.greedy else 1.0 / p.temperature for p in params], dtype=torch.float32, device=device)
     threshold = cut_thresholds(scores, params)  # [N], -inf without cuts

@@ -176,6 +176,12 @@ def test_token_logprobs_match_the_processed_distribution(vocab):
     live = torch.isfinite(want_values)
     live[0] = False  # row 0's two tied maxima: torch.topk orders them either way
     _assert_same(top_ids[live], want_ids[live], "top ids")
+    if vocab > 64:  # more alternatives than the fused window holds: the reference answers
+        with use("triton"):
+            _, wide_ids, wide_values = token_logprobs(logits[1:3], tokens[1:3], params[1:3], 70)
+        assert wide_ids.shape == (2, 70)
+        _assert_close(wide_values, token_logprobs_reference(logits[1:3], tokens[1:3], params[1:3], 70)[2],
+                      "70 alternatives", atol=1e-6, rtol=1e-6)
 
 
 def test_topk_logprobs_through_the_fused_head():
