@@ -154,6 +154,18 @@ class TargetMetrics:
                                     "Predicted time of the last decode step the controller planned.", registry=r)
         self.measured_step = Gauge(f"{PREFIX}gamma_controller_measured_step_seconds",
                                    "Measured time of that step.", registry=r)
+        # Beam search (target_service/beam.py).
+        self.beam_width = Histogram(f"{PREFIX}beam_width", "Running hypotheses of a beam request at each step it is "
+                                    "expanded (variable width prunes below num_beams).",
+                                    buckets=occupancy_buckets(max_batch), registry=r)
+        self.beam_expansions = Counter(f"{PREFIX}beam_expansions", "Beam hypothesis rows expanded (candidate "
+                                       "expansions): per step, their rate over engine_steps'.", registry=r)
+        self.beam_requests = Counter(f"{PREFIX}beam_requests", "Beam requests admitted, by whether others were "
+                                     "running (refill: streaming top-up) or the batch was empty (start).",
+                                     ["admission"], registry=r)
+        self.beam_finished_expansions = Histogram(f"{PREFIX}beam_request_expansions", "Hypothesis rows a beam "
+                                                  "request expanded in all, at its end.",
+                                                  buckets=(1, 4, 16, 64, 256, 1024, 4096), registry=r)
 
     def observe_gammas(self, gammas: list[int]) -> None:
         for g in gammas:
@@ -179,6 +191,17 @@ class TargetMetrics:
         """A decode step expanded `rows` rows."""
         self.steps.inc()
         self.occupancy.observe(rows)
+
+    def observe_beam_admission(self, refill: bool) -> None:
+        self.beam_requests.labels(admission="refill" if refill else "start").inc()
+
+    def observe_beam_step(self, width: int) -> None:
+        """A beam request expanded `width` hypotheses in a step."""
+        self.beam_width.observe(width)
+        self.beam_expansions.inc(width)
+
+    def observe_beam_end(self, expansions: int) -> None:
+        self.beam_finished_expansions.observe(expansions)
 
     def observe_accept(self, proposed: int, accepted: int) -> None:
         """One row's pass verified `proposed` proposals and emitted the first `accepted` of them."""

@@ -5,7 +5,9 @@ sequence, ONE target forward scores all of them (rows of different lengths and �
 verification keeps the accepted prefix plus the target's own next token (greedy matching, or
 Leviathan's rule for sampling requests: target_service.settle), and a rejection is undone by
 resetting the slot's KV length (O(1)). When the draft is down or a request says `speculation=off`
-the same loop decodes plainly (γ = 0).
+the same loop decodes plainly (γ = 0). A beam request (target_service/beam.py) takes one row per
+running hypothesis in the same forward; its hypotheses share their common prefix in the KV cache
+(KVCache.fork: forking a hypothesis copies a table of slot numbers, never K/V).
 
 The engine works on token ids only and speaks plain dataclasses (target_service/messages.py): it
 knows nothing about text, protobuf or the gateway. Drafts are target_service/drafting.py's business,
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import logging
 import time
 from collections import deque
@@ -26,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from kernels.lm_head import Hidden
+from kernels.nbest import MAX_K, topk_logprobs, topk_logprobs_reference
 from specstream import telemetry
 from specstream.compute import torch_thread
 from specstream.config import TargetConfig
@@ -145,6 +149,9 @@ class Engine:
             raise InvalidArgumentError("max_new_tokens", req.max_new_tokens,
                                        f"prompt ({len(req.prompt_token_ids)}) + max_new_tokens exceeds "
                                        f"the context length {self.max_context_length}")
+        if req.beam is not None:
+            self._validate_beam(req)
+            return 0, 0
         spec, limit = req.speculation, self.config.max_gamma
         if spec.mode == "auto":
             if not 0 <= spec.max_gamma <= limit:
@@ -157,6 +164,31 @@ class Engine:
         if spec.mode == "fixed":
             raise InvalidArgumentError("speculation.gamma", spec.gamma, f"must be in 1..{limit}")
         raise InvalidArgumentError("speculation.mode", spec.mode, "unknown speculation mode")
+
+    def _validate_beam(self, req: SequenceRequest) -> None:
+        """Beam options against this engine's limits; beams combine with greedy decoding only."""
+        beam, widest = req.beam, min(self.config.max_slots, self.config.batch_rows)
+        if not 1 <= beam.num_beams <= widest:
+            raise InvalidArgumentError("beam.num_beams", beam.num_beams,
+                                       f"must be in 1..{widest} (this target's slots and rows per step)")
+        if not 1 <= beam.num_return_sequences <= beam.num_beams:
+            raise InvalidArgumentError("beam.num_return_sequences", beam.num_return_sequences,
+                                       f"must be in 1..num_beams ({beam.num_beams})")
+        if not math.isfinite(beam.length_penalty):
+            raise InvalidArgumentError("beam.length_penalty", beam.length_penalty, "must be finite")
+        if not beam.beam_threshold > 0:  # NaN fails too
+            raise InvalidArgumentError("beam.beam_threshold", beam.beam_threshold, "must be > 0 (infinity: fixed width)")
+        if not 0 <= beam.max_candidates_per_parent <= beam.num_beams:
+            raise InvalidArgumentError("beam.max_candidates_per_parent", beam.max_candidates_per_parent,
+                                       f"must be in 0..num_beams ({beam.num_beams}); 0 = num_beams")
+        if beam.early_stopping not in ("heuristic", "first_k", "never"):
+            raise InvalidArgumentError("beam.early_stopping", beam.early_stopping, "must be heuristic, first_k or never")
+        if not req.sampling.greedy:
+            raise InvalidArgumentError("temperature", req.sampling.temperature, "beam search is greedy: must be 0")
+        if req.speculation.mode == "fixed":
+            raise InvalidArgumentError("speculation.mode", "fixed", "beam search does not speculate: use auto or off")
+        if req.logprobs is not None:
+            raise InvalidArgumentError("logprobs", True, "not available with beam search (each sequence has its score)")
 
     # ----- the loop ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -191,10 +223,15 @@ class Engine:
 
     async def _admit(self) -> None:
         """Moves waiting sequences into free slots, oldest first, as many as the policy allows
-        (target_service/scheduler.py). Every slot has room for prompt + max_new_tokens + γ + 1:
-        `_validate` refused anything longer."""
-        quota = self.scheduler.admissions(len(self.running), self.cache.num_free)
-        while self.waiting and quota > 0 and self.cache.num_free:
+        (target_service/scheduler.py); a beam takes its k slots at once. Every slot has room for
+        prompt + max_new_tokens + γ + 1: `_validate` refused anything longer."""
+        free = self.cache.num_free
+        needs = []
+        for seq in itertools.islice(self.waiting, free + 1):  # nothing past these can fit
+            needs.append(0 if seq.finish_reason is not None else seq.slots_needed)
+        quota = self.scheduler.admissions(sum(s.width for s in self.running), free, needs)
+        refill = bool(self.running)
+        for _ in range(quota):
             seq = self.waiting.popleft()
             if seq.finish_reason is not None:  # cancelled while queued: nothing to free but the id
                 self.by_request.pop((seq.conn, seq.request_id), None)
@@ -202,11 +239,14 @@ class Engine:
                 continue
             seq.slot = self.cache.alloc()
             assert seq.slot is not None
+            if seq.beam is not None:
+                seq.beam_slots = [seq.slot, *(self.cache.alloc() for _ in range(seq.beam.k - 1))]
+                seq.hypothesis_slots = [seq.slot]
+                self.metrics.observe_beam_admission(refill)
             seq.queue_seconds = time.monotonic() - seq.arrival
             self.stats.record_admission(seq.queue_seconds)
             seq.span.add_event("admitted", {"specstream.queue_s": seq.queue_seconds})
             self.running.append(seq)  # before prefill: if it fails, _fail_all reports and frees it
-            quota -= 1
 
     async def _prefill(self) -> None:
         """Feeds up to `prefill_chunk` prompt tokens of admitted sequences, oldest first, so a long
@@ -229,17 +269,20 @@ class Engine:
                 seq.prefilled = start + length
                 self.cache.set_length(seq.slot, seq.prefilled)
                 self.stats.prefill_tokens += length
-                if verdict is not None:  # the prompt is complete: its first token
+                if verdict is not None:  # the prompt is complete: its first token (a beam's first step)
                     seq.span.add_event("prefilled")
                     seq.target_passes += 1
                     seq.last_expanded = self.step_count
-                    seq.append(verdict.tokens, verdict.logprobs)
+                    if seq.beam is not None:
+                        self._advance_beam(seq, *verdict)
+                    else:
+                        seq.append(verdict.tokens, verdict.logprobs)
                     self._touched.append(seq)
 
 
-    def _prefill_compute(self, group: list[tuple[Sequence, int]], length: int) -> list[Verdict | None]:
+    def _prefill_compute(self, group: list[tuple[Sequence, int]], length: int) -> list:
         """Prompt tokens [start, start + length) of each sequence -> a Verdict (the first token)
-        for those whose prompt this completes, None for the rest."""
+        for those whose prompt this completes (for a beam: its first candidates), None for the rest."""
         ids = torch.tensor([seq.tokens[start : start + length] for seq, start in group], dtype=torch.int64)  # [b, L]
         slots = torch.tensor([seq.slot for seq, _ in group], dtype=torch.int64)  # [b]
         starts = torch.tensor([start for _, start in group], dtype=torch.int64)  # [b]
@@ -247,6 +290,10 @@ class Engine:
         with torch.inference_mode():
             hidden = self.model.hidden(ids, self.cache, slots, starts, last_only=True)  # [b, 1, H]
             done = [i for i, (seq, start) in enumerate(group) if start + length == seq.prompt_len]
+            beams = [i for i in done if group[i][0].beam is not None]
+            for i in beams:
+                verdicts[i] = self._beam_candidates(hidden[i, :1], group[i][0])
+            done = [i for i in done if group[i][0].beam is None]
             if done:
                 rows = [Row(group[i][0].sampling, group[i][0].prompt_len, logprobs=group[i][0].logprobs) for i in done]
                 for i, verdict in zip(done, settle(Hidden(hidden[done, 0], self.model.output_head), rows)):
@@ -255,48 +302,102 @@ class Engine:
 
     async def _decode(self) -> None:
         ready = [s for s in self.running if s.finish_reason is None and s.prefilled == s.prompt_len]
-        rows = self.scheduler.select(ready, self.step_count) if ready else []
-        if not rows:
+        chosen = self.scheduler.select(ready, self.step_count) if ready else []
+        if not chosen:
             return
         started = time.perf_counter()
-        for seq in rows:
+        for seq in chosen:
             seq.last_expanded = self.step_count
-        span = tracing.start_step(self.step_count, rows)
+        rows = [s for s in chosen if s.beam is None]
+        beams = [s for s in chosen if s.beam is not None]
+        span = tracing.start_step(self.step_count, chosen)
         checks = await self.drafting.propose(rows, self.step_count,
-                                             telemetry.traceparent_of(span) if span.is_recording() else "")
+                                             telemetry.traceparent_of(span) if span.is_recording() else "") if rows else []
         drafted = time.perf_counter()
-        width = 1 + max(len(c.proposals) for c in checks)
-        tokens = sum(1 + len(c.proposals) for c in checks)
-        self.stats.record_step(len(rows), width, tokens, len(self.waiting))
-        self.metrics.observe_step(len(rows))
-        verdicts = await self._run_compute(self._verify_compute, rows, checks)
+        width = 1 + max((len(c.proposals) for c in checks), default=0)
+        hypotheses = sum(s.width for s in beams)
+        tokens = sum(1 + len(c.proposals) for c in checks) + hypotheses
+        self.stats.record_step(len(rows) + hypotheses, width, tokens, len(self.waiting))
+        self.metrics.observe_step(len(rows) + hypotheses)
+        verdicts, candidates = await self._run_compute(self._verify_compute, rows, checks, beams)
         verified = time.perf_counter()
         for seq, check, verdict in zip(rows, checks, verdicts):
             self._accept(seq, check, verdict)
             self._touched.append(seq)
-        proposals = tokens - len(rows)
+        for seq, (values, ids) in zip(beams, candidates):
+            seq.target_passes += 1
+            self.metrics.observe_beam_step(seq.width)
+            self._advance_beam(seq, values, ids)
+            self._touched.append(seq)
+        proposals = tokens - len(rows) - hypotheses
         draft_s = drafted - started if proposals else 0.0
         other_s = time.perf_counter() - verified + (0.0 if proposals else drafted - started)
         step_s = time.perf_counter() - started
-        self.controller.observe_step(len(rows), width - 1, proposals, verified - drafted, draft_s, other_s,
+        self.controller.observe_step(len(rows) + hypotheses, width - 1, proposals, verified - drafted, draft_s, other_s,
                                      self.drafting.fed)
         self.metrics.observe_gammas([len(c.proposals) for c in checks])
         self.metrics.observe_controller(self.controller.pooled(), self.controller.costs.terms(),
                                         self.controller.predicted_s, step_s)
-        tracing.end_step(span, checks, verdicts, verified - drafted, self.controller.predicted_s, step_s)
+        tracing.end_step(span, checks, verdicts, verified - drafted, self.controller.predicted_s, step_s,
+                         [s.width for s in beams])
 
-    def _verify_compute(self, rows: list[Sequence], checks: list[Row]) -> list[Verdict]:
-        """ONE forward over every row's [last token, proposals...] (design §3), then verification."""
-        gamma = max(len(c.proposals) for c in checks)
+    def _verify_compute(self, rows: list[Sequence], checks: list[Row], beams: list[Sequence]
+                        ) -> tuple[list[Verdict], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """ONE forward over every row's [last token, proposals...] (design §3) and every running
+        beam hypothesis' last token, then verification, and each beam's best candidates."""
+        gamma = max((len(c.proposals) for c in checks), default=0)
         # [B, G+1]: last committed token, proposals, zero padding (never read)
-        input_ids = torch.tensor([[seq.tokens[-1], *c.proposals, *[0] * (gamma - len(c.proposals))]
-                                  for seq, c in zip(rows, checks)], dtype=torch.int64)
-        slots = torch.tensor([s.slot for s in rows], dtype=torch.int64)  # [B]
-        start = torch.tensor([len(s.tokens) - 1 for s in rows], dtype=torch.int64)  # [B]
+        input_ids = [[seq.tokens[-1], *c.proposals, *[0] * (gamma - len(c.proposals))] for seq, c in zip(rows, checks)]
+        slots = [s.slot for s in rows]
+        start = [len(s.tokens) - 1 for s in rows]
+        for seq in beams:  # one row per hypothesis: its newest token, not yet in the cache
+            position = seq.prompt_len + seq.beam.generated - 1
+            for tokens, slot in zip(seq.beam.running, seq.hypothesis_slots):
+                input_ids.append([tokens[-1], *[0] * gamma])
+                slots.append(slot)
+                start.append(position)
         with torch.inference_mode():
-            hidden = self.model.hidden(input_ids, self.cache, slots, start)  # [B, G+1, H]
+            hidden = self.model.hidden(torch.tensor(input_ids, dtype=torch.int64), self.cache,
+                                       torch.tensor(slots, dtype=torch.int64),
+                                       torch.tensor(start, dtype=torch.int64))  # [B, G+1, H]
             # The output layer runs inside settlement: fused with it on the Triton backend.
-            return settle(Hidden(hidden.flatten(0, 1), self.model.output_head), checks)
+            verdicts = settle(Hidden(hidden[: len(rows)].flatten(0, 1), self.model.output_head), checks) if rows else []
+            candidates, at = [], len(rows)
+            for seq in beams:
+                candidates.append(self._beam_candidates(hidden[at : at + seq.width, 0], seq))
+                at += seq.width
+        return verdicts, candidates
+
+    def _beam_candidates(self, hidden: torch.Tensor, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [w, H] of a beam's running hypotheses -> their best candidates (accumulated
+        scores [w, c] float32, best first; token ids [w, c]) from the fused n-best op (a torch
+        top-k past its window)."""
+        c = min(seq.beam.candidates, self.model.config.vocab_size)
+        nbest = topk_logprobs if c <= MAX_K else topk_logprobs_reference
+        values, ids = nbest(Hidden(hidden, self.model.output_head), c, seq.beam.scores)
+        return values.float().cpu(), ids.cpu()
+
+    def _advance_beam(self, seq: Sequence, values: torch.Tensor, ids: torch.Tensor) -> None:
+        """One search step, then the KV rows follow the hypotheses: a parent's first continuation
+        keeps its slot (the newest position is committed), the others fork it into slots that
+        lost their hypothesis (K/V shared, not copied)."""
+        parents = seq.hypothesis_slots
+        continuations = seq.beam.step(values, ids)
+        length = seq.prompt_len + seq.beam.generated - 1  # committed: all but the newest token
+        slots: list[int | None] = [None] * len(continuations)
+        for j, c in enumerate(continuations):
+            if parents[c.parent] not in slots:
+                slots[j] = parents[c.parent]
+                self.cache.set_length(slots[j], length)
+        spare = [s for s in seq.beam_slots if s not in slots]
+        for j, c in enumerate(continuations):
+            if slots[j] is None:
+                slots[j] = spare.pop()
+                self.cache.fork(parents[c.parent], slots[j])
+        seq.hypothesis_slots = slots
+        if seq.beam.done:
+            seq.end_search()
+            self.metrics.observe_beam_end(seq.beam.expansions)
 
     def _accept(self, seq: Sequence, check: Row, verdict: Verdict) -> None:
         ctx_len, k = check.position, verdict.accepted
@@ -324,20 +425,21 @@ class Engine:
         self.waiting = deque(s for s in self.waiting if s.finish_reason is None)
         for seq in done:
             tracing.finish_sequence(seq)
-            if seq.slot is not None:
-                self.cache.free(seq.slot)
-                seq.slot = None
+            self._free_slots(seq)
             self.by_request.pop((seq.conn, seq.request_id), None)
         await self.drafting.release(done)
+
+    def _free_slots(self, seq: Sequence) -> None:
+        for slot in seq.beam_slots or ([seq.slot] if seq.slot is not None else []):
+            self.cache.free(slot)
+        seq.slot, seq.beam_slots, seq.hypothesis_slots = None, [], []
 
     def _fail_all(self, error: SpecstreamError) -> None:
         """Ends every sequence with `error` (a failed step, or shutdown)."""
         failed = [*self.running, *self.waiting]
         for seq in failed:
             tracing.finish_sequence(seq, str(error))
-            if seq.slot is not None:
-                self.cache.free(seq.slot)
-                seq.slot = None
+            self._free_slots(seq)
             seq.pending, seq.pending_logprobs = [], []
             seq.finish_reason, seq.error = "error", error
             self._touched.append(seq)

@@ -18,11 +18,16 @@ from specstream.errors import SpecstreamError
 from specstream.sampling import GREEDY, SamplingParams
 from target_service.batch_stats import BatchStats
 
-__all__ = ["EngineMessage", "FinishReason", "Load", "SequenceEvent", "SequenceRequest", "SequenceStats",
-           "Speculation", "TokenLogprob"]
+__all__ = ["BeamHypothesis", "BeamOptions", "EarlyStopping", "EngineMessage", "FinishReason", "Load",
+           "SequenceEvent", "SequenceRequest", "SequenceStats", "Speculation", "TokenLogprob"]
 
 SpeculationMode = Literal["auto", "off", "fixed"]
 FinishReason = Literal["length", "stop", "eos", "cancelled", "error"]
+# When a beam search ends, as transformers' `early_stopping` defines it: "heuristic" (False, its
+# default: once the best running hypothesis, scored at the current length, cannot beat the worst of
+# the k finished ones), "first_k" (True: as soon as k hypotheses have finished), "never" (the
+# canonical rule: only when no running hypothesis can improve, at the best length it could reach).
+EarlyStopping = Literal["heuristic", "first_k", "never"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,35 @@ class Speculation:
 
 
 AUTO = Speculation()
+
+
+@dataclass(frozen=True)
+class BeamOptions:
+    """Beam search instead of one greedy sequence (target_service/beam.py). A request with these
+    holds up to `num_beams` rows of the batch and returns its `num_return_sequences` best
+    hypotheses. Fixed width is transformers' beam search; a finite `beam_threshold` or a
+    `max_candidates_per_parent` below `num_beams` make the width variable (Freitag & Al-Onaizan)."""
+
+    num_beams: int  # k: hypotheses kept per step, >= 1 (k = 1 is greedy decoding)
+    num_return_sequences: int = 1  # 1..k: best finished hypotheses returned, best first
+    length_penalty: float = 1.0  # a hypothesis scores sum(logprobs) / generated_length ** length_penalty
+    early_stopping: EarlyStopping = "heuristic"
+    beam_threshold: float = float("inf")  # δ > 0: prune hypotheses whose log-probability falls more than δ below the best (a finished one included)
+    max_candidates_per_parent: int = 0  # M: at most this many running hypotheses extend one parent; 0 = k
+
+    @property
+    def variable_width(self) -> bool:
+        return self.beam_threshold != float("inf") or 0 < self.max_candidates_per_parent < self.num_beams
+
+
+@dataclass
+class BeamHypothesis:
+    """One of a beam request's returned hypotheses."""
+
+    token_ids: list[int]  # generated tokens (the stop token included when it ended one)
+    score: float  # sum of its log-probabilities / len(token_ids) ** length_penalty: the ranking
+    logprob: float  # sum of its tokens' log-probabilities
+    finish_reason: FinishReason  # "eos" / "stop" (ended by a stop id) or "length"
 
 
 @dataclass
@@ -46,6 +80,7 @@ class SequenceRequest:
     sampling: SamplingParams = GREEDY
     logprobs: int | None = None  # None: not requested; n: with the n most likely alternatives
     traceparent: str = ""
+    beam: BeamOptions | None = None  # beam search (greedy only: no sampling, speculation or logprobs)
 
 
 @dataclass
@@ -66,6 +101,7 @@ class SequenceStats:
     rejections: int = 0  # decode passes in which a proposal was rejected
     gamma_histogram: list[int] = field(default_factory=list)  # [g]: decode passes given g proposals
     alpha_estimate: float = 0.0  # the γ controller's acceptance estimate at the last step (auto mode)
+    beam_expansions: int = 0  # beam requests: hypothesis rows expanded, all steps together
 
 
 @dataclass
@@ -77,6 +113,9 @@ class SequenceEvent:
     stats: SequenceStats = field(default_factory=SequenceStats)
     error: SpecstreamError | None = None  # with finish_reason "error"; its class gives the status
     queue_seconds: float | None = None  # arrival -> admission, on the first event after admission
+    # Beam requests: no tokens until the last event, which carries the best hypothesis' tokens in
+    # `token_ids` and the n best in `sequences`, best first.
+    sequences: list[BeamHypothesis] = field(default_factory=list)
 
 
 @dataclass

@@ -1,5 +1,9 @@
 """One generation request inside the target engine: its tokens, budget, slot and counters.
 
+A beam request is one ``Sequence`` too (the request group): its hypotheses live in
+``beam`` (target_service/beam.py), one KV slot each out of the k it holds from admission to the
+end (``beam_slots``); ``tokens`` stays the prompt until the search ends with the best hypothesis.
+
 Knows nothing about the model, the draft or gRPC: it is built from a ``SequenceRequest`` and
 reports ``SequenceEvent``s (target_service/messages.py).
 """
@@ -13,7 +17,9 @@ from typing import Any
 from opentelemetry.trace import INVALID_SPAN
 
 from specstream.sampling import GREEDY, SamplingParams
-from target_service.messages import FinishReason, SequenceEvent, SequenceRequest, SequenceStats, TokenLogprob
+from target_service.beam import BeamSearch
+from target_service.messages import (BeamHypothesis, FinishReason, SequenceEvent, SequenceRequest, SequenceStats,
+                                     TokenLogprob)
 
 
 @dataclass(eq=False)  # identity semantics: sequences are hashed by object
@@ -50,6 +56,11 @@ class Sequence:
     pending: list[int] = field(default_factory=list)  # tokens not yet sent in an event
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # in step with `pending`
     max_token: int = 0  # largest id in `tokens` (a draft with a smaller vocabulary cannot take it)
+    # Beam requests only.
+    beam: BeamSearch | None = None
+    beam_slots: list[int] = field(default_factory=list)  # the k slots it holds (the first is `slot`, the prompt's)
+    hypothesis_slots: list[int] = field(default_factory=list)  # per running hypothesis, in beam.running's order
+    sequences: list[BeamHypothesis] = field(default_factory=list)  # the results, once the search has ended
 
     def __post_init__(self) -> None:
         self.max_token = max(self.tokens, default=0)
@@ -70,7 +81,37 @@ class Sequence:
             sampling=req.sampling,
             logprobs=req.logprobs,
             traceparent=req.traceparent,
+            beam=(BeamSearch(req.beam, req.max_new_tokens, frozenset(req.stop_token_ids), frozenset(req.eos_token_ids))
+                  if req.beam is not None else None),
         )
+
+    @property
+    def length(self) -> int:
+        """Tokens so far, prompt included (a beam's hypotheses all have this length)."""
+        if self.beam is not None and self.finish_reason is None:
+            return self.prompt_len + self.beam.generated
+        return len(self.tokens)
+
+    @property
+    def width(self) -> int:
+        """Rows it takes in a decode step: a beam's running hypotheses, else 1."""
+        return self.beam.width if self.beam is not None else 1
+
+    @property
+    def slots_needed(self) -> int:
+        return self.beam.k if self.beam is not None else 1
+
+    def end_search(self) -> None:
+        """A beam whose search has ended: its tokens become the best hypothesis', reported with
+        the n best."""
+        assert self.beam is not None
+        self.sequences = self.beam.results()
+        best = self.sequences[0] if self.sequences else None
+        if best is not None:
+            self.tokens.extend(best.token_ids)
+            self.pending.extend(best.token_ids)
+            self.max_token = max(self.tokens)
+        self.finish_reason = best.finish_reason if best is not None else "length"
 
     @property
     def generated(self) -> int:
@@ -114,11 +155,12 @@ class Sequence:
             rejections=self.rejections,
             gamma_histogram=list(self.gamma_histogram),
             alpha_estimate=self.alpha_estimate,
+            beam_expansions=self.beam.expansions if self.beam is not None else 0,
         )
 
     def event(self) -> SequenceEvent:
         """The step's event: new tokens since the last one, and the finish reason once ended."""
         event = SequenceEvent(self.request_id, self.pending, self.pending_logprobs, self.finish_reason,
-                              self.stats(), self.error, self.queue_seconds)
-        self.pending, self.pending_logprobs, self.queue_seconds = [], [], None
+                              self.stats(), self.error, self.queue_seconds, self.sequences)
+        self.pending, self.pending_logprobs, self.queue_seconds, self.sequences = [], [], None, []
         return event

@@ -39,6 +39,10 @@ def finish_sequence(seq, error: str = "") -> None:
                          "gen_ai.usage.output_tokens": seq.generated, "specstream.draft_tokens": seq.draft_tokens,
                          "specstream.accepted_tokens": seq.accepted_tokens,
                          "specstream.target_passes": seq.target_passes})
+    if seq.beam is not None:
+        span.set_attributes({"specstream.beam.num_beams": seq.beam.k, "specstream.beam.steps": seq.beam.generated,
+                             "specstream.beam.expansions": seq.beam.expansions,
+                             "specstream.beam.returned": len(seq.sequences)})
     if error:
         span.set_status(telemetry.StatusCode.ERROR, error)
     span.end()
@@ -51,8 +55,9 @@ def start_step(step: int, rows: list) -> Span:
 
 
 def end_step(span: Span, checks: list, verdicts: list, verify_seconds: float, predicted_seconds: float,
-             step_seconds: float) -> None:
-    """`predicted_seconds`: the γ controller's prediction for the step (0: none was made)."""
+             step_seconds: float, beam_widths: list[int] = ()) -> None:
+    """`predicted_seconds`: the γ controller's prediction for the step (0: none was made);
+    `beam_widths`: the hypotheses each beam request in the step expanded."""
     if not span.is_recording():
         return
     span.set_attributes({
@@ -63,5 +68,7 @@ def end_step(span: Span, checks: list, verdicts: list, verify_seconds: float, pr
         "specstream.tokens_processed": sum(1 + len(c.proposals) for c in checks),
         "specstream.accepted": [v.accepted for v in verdicts],
         "specstream.emitted_tokens": sum(len(v.tokens) for v in verdicts),
-        "specstream.verify_s": verify_seconds})
+        "specstream.verify_s": verify_seconds,
+        "specstream.beam_widths": list(beam_widths),
+        "specstream.beam_expansions": sum(beam_widths)})
     span.end()

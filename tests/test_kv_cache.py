@@ -132,3 +132,78 @@ def test_copy_prefix_errors_and_edge_cases(cache: KVCache) -> None:
     assert cache.length(dst) == 0
     cache.copy_prefix(src, src, 3)  # same slot: a truncation
     assert cache.length(src) == 3
+
+
+# -- shared prefixes (beam search) ----------------------------------------------------------------------------
+def test_fork_shares_positions_without_copying(cache: KVCache) -> None:
+    a, b, c = cache.alloc(), cache.alloc(), cache.alloc()
+    for slot, seed in ((a, 1), (b, 2), (c, 3)):
+        fill(cache, slot, seed)
+    before = [t.clone() for t in cache.k + cache.v]
+    cache.set_length(a, 5)
+    cache.fork(a, b)  # b continues a after 5 positions
+    assert cache.length(b) == 5 and cache.sources(b) == [a] * 5 and cache.sources(a) is None
+    cache.set_length(b, 7)  # b's own positions 5, 6
+    cache.fork(b, c)  # c reads 0..4 from a, 5..6 from b
+    assert cache.sources(c) == [a] * 5 + [b] * 2 and cache.length(c) == 7
+    assert all(torch.equal(x, y) for x, y in zip(cache.k + cache.v, before)), "fork moved K/V"
+    cache.set_length(c, 6)  # a rollback inside the table shortens it
+    assert cache.sources(c) == [a] * 5 + [b]
+    cache.fork(c, c)  # a slot continuing itself: nothing changes
+    assert cache.sources(c) == [a] * 5 + [b] and cache.length(c) == 6
+
+
+def test_a_slot_others_read_is_freed_after_its_last_reader(cache: KVCache) -> None:
+    a, b, c = cache.alloc(), cache.alloc(), cache.alloc()
+    cache.set_length(a, 4)
+    cache.fork(a, b)
+    cache.fork(a, c)
+    cache.free(a)
+    assert cache.num_free == SLOTS - 3 and not cache.is_allocated(a), "a is read by b and c: held back"
+    cache.free(b)
+    assert cache.num_free == SLOTS - 2  # b returns; a is still read by c
+    cache.set_length(c, 2)  # c still reads a's positions 0, 1
+    assert cache.num_free == SLOTS - 2
+    cache.set_length(c, 0)  # nothing of a is read any more
+    assert cache.num_free == SLOTS - 1 and not cache.shared
+    cache.free(c)
+    assert cache.num_free == SLOTS
+    with pytest.raises(ValueError, match="not allocated"):
+        cache.fork(a, c)
+
+
+def test_copy_prefix_refuses_a_slot_that_reads_others(cache: KVCache) -> None:
+    a, b, c = cache.alloc(), cache.alloc(), cache.alloc()
+    cache.set_length(a, 3)
+    cache.fork(a, b)
+    with pytest.raises(ValueError, match="use fork"):
+        cache.copy_prefix(b, c, 2)
+
+
+def test_attention_through_a_forked_slot_equals_a_copied_one() -> None:
+    """A forward on a slot that reads its prefix from another gives the logits of one whose
+    prefix was copied; writing inside the shared prefix is refused."""
+    from checkpoints import make_hf_checkpoint
+    from specstream.models import load_model
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = load_model(make_hf_checkpoint(tmp, "llama3_gqa", vocab_size=64, seed=5))
+    cache = model.new_cache(4, 32)
+    prompt = torch.randint(0, 64, (1, 9))
+    src, forked, copied = cache.alloc(), cache.alloc(), cache.alloc()
+    with torch.inference_mode():
+        model(prompt, cache, torch.tensor([src]), torch.tensor([0]))
+        cache.set_length(src, 9)
+        cache.fork(src, forked)
+        cache.copy_prefix(src, copied, 9)
+        nxt = torch.randint(0, 64, (1, 3))  # positions 9..11, the same tokens in both slots
+        # one batch: the forked slot's row (keys gathered per position) beside the copied one's
+        both = model(nxt.expand(2, -1), cache, torch.tensor([forked, copied]), torch.tensor([9, 9]))  # [2, 3, V]
+        # (rows of one float32 matrix product may round differently, hence a tolerance far below
+        # what reading any other K/V would change)
+        assert torch.allclose(both[0], both[1], atol=1e-5), "the forked slot reads the copied K/V"
+        alone = model(nxt, cache, torch.tensor([copied]), torch.tensor([9]))  # [1, 3, V]
+        assert torch.allclose(both[1], alone[0], atol=1e-5)
+        with pytest.raises(ValueError, match="inside its shared prefix"):
+            model(nxt, cache, torch.tensor([forked]), torch.tensor([5]))

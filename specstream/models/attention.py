@@ -85,6 +85,16 @@ class CacheBatch:
         self.positions = positions_cpu.to(device)  # [B, T]
         self._slot_index = slots.to(device=device, dtype=torch.int64)  # [B]
         self._windows: dict[int | None, _WindowPlan] = {}
+        # Rows that read positions from other slots (KVCache.fork): one source slot per key position.
+        self._sources: torch.Tensor | None = None  # [B, kv_len]
+        tables = [cache.sources(s) for s in slot_list] if cache.shared else []
+        if any(t is not None for t in tables):
+            for s, p, t in zip(slot_list, start_list, tables):
+                if t is not None and p < len(t):
+                    raise ValueError(f"forward: slot {s} writes position {p} inside its shared prefix "
+                                     f"(positions [0, {len(t)}) live in other slots)")
+            self._sources = torch.tensor([(t or [])[: self.kv_len] + [s] * (self.kv_len - len(t or []))
+                                          for s, t in zip(slot_list, tables)], dtype=torch.int64, device=device)
 
     # -- writes ---------------------------------------------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -141,7 +151,13 @@ class CacheBatch:
         plan = self._plan(window)
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         lo, L = plan.lo, self.kv_len
-        if self.contiguous:
+        if self._sources is not None:
+            # Per position, from the slot that holds it (shared prefixes): [B, Hkv, L-lo, D]
+            heads = torch.arange(kc.shape[1], device=kc.device)[None, :, None]  # [1, Hkv, 1]
+            where = self._sources[:, None, lo:L]  # [B, 1, L-lo]
+            at = torch.arange(lo, L, device=kc.device)[None, None, :]  # [1, 1, L-lo]
+            keys, values = kc[where, heads, at], vc[where, heads, at]
+        elif self.contiguous:
             keys = kc[self.slot0 : self.slot0 + self.B, :, lo:L]  # [B, Hkv, L-lo, D] view
             values = vc[self.slot0 : self.slot0 + self.B, :, lo:L]  # [B, Hkv, L-lo, D] view
         else:
