@@ -1,6 +1,8 @@
 """One request's path through the gateway: admit it to the router (sent to a target replica or
 queued), turn per-step token events into text chunks (incremental detokenization + stop strings),
-and finish with usage, stats, timings and the seed used. Log-probabilities come from the target,
+and finish with usage, stats, timings and the seed used (and, for a beam request, its n best
+hypotheses, each detokenized; the engine reports a beam only when its search ends, so
+`GenerateStream` sends it as one chunk). Log-probabilities come from the target,
 one per token; they are passed through in step with the token ids (and cut with them at a stop
 string), never computed here.
 
@@ -89,6 +91,7 @@ async def stream_chunks(req: ValidRequest, router: Router, tokenizer: TextTokeni
                 chunk.stats.CopyFrom(event.stats)
                 chunk.timings.CopyFrom(timings)
                 chunk.seed = req.seed
+                chunk.sequences.extend(_beam_sequences(tokenizer, req.prompt_ids, event.sequences))
                 observer.finished(chunk)
                 _finish_span(span, chunk)
                 yield chunk
@@ -124,6 +127,17 @@ def _finish_span(span, chunk: generation_pb2.GenerateStreamResponse) -> None:
         "specstream.draft_tokens": chunk.stats.draft_tokens, "specstream.accepted_tokens": chunk.stats.accepted_tokens})
 
 
+def _beam_sequences(tokenizer: TextTokenizer, prompt_ids: list[int], sequences) -> list[common_pb2.BeamSequence]:
+    """The target's hypotheses with their text, detokenized as the main text is (after the prompt)."""
+    out = []
+    for seq in sequences:
+        detok = tokenizer.detokenizer(prompt_ids)
+        text = detok.push(list(seq.token_ids)) + detok.flush()
+        out.append(common_pb2.BeamSequence(text=text, token_ids=seq.token_ids, score=seq.score, logprob=seq.logprob,
+                                           finish_reason=seq.finish_reason))
+    return out
+
+
 def _flush(detok: IncrementalDetokenizer, stop: StopStringMatcher | None) -> tuple[str, bool]:
     """End of generation: release text held back for UTF-8 completion and for stop strings;
     (text, whether a stop string completed in it)."""
@@ -147,4 +161,5 @@ async def generate(req: ValidRequest, router: Router, tokenizer: TextTokenizer, 
             response.stats.CopyFrom(chunk.stats)
             response.timings.CopyFrom(chunk.timings)
             response.seed = chunk.seed
+            response.sequences.extend(chunk.sequences)
     return response

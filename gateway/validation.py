@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
+from specstream.beam_options import BeamOptions, check_combination
 from specstream.chat import ChatError
 from specstream.config import GatewayConfig
 from specstream.errors import InvalidArgumentError
@@ -72,6 +73,7 @@ class ValidRequest:
     model: str = ""  # the served model's name (set by the servicer; for traces)
     chat: bool = False  # the prompt came as `messages`, rendered with the chat template
     end_of_turn: int | None = None  # chat requests: the template's end-of-turn token ends generation
+    beam: common_pb2.BeamSearch | None = None  # beam search (validated: specstream/beam_options.py)
 
     def to_sequence_pb(self, eos_ids: tuple[int, ...]) -> target_pb2.SequenceRequest:
         ends = (*eos_ids, self.end_of_turn) if self.end_of_turn is not None else eos_ids
@@ -82,7 +84,7 @@ class ValidRequest:
             speculation=self.speculation,
             sampling=common_pb2.Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                                          seed=self.seed),
-            logprobs=self.logprobs, top_logprobs=self.top_logprobs, traceparent=self.traceparent)
+            logprobs=self.logprobs, top_logprobs=self.top_logprobs, traceparent=self.traceparent, beam=self.beam)
 
 
 def validate(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: TextTokenizer) -> ValidRequest:
@@ -96,6 +98,7 @@ def validate(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: Tex
     _check_speculation(req.speculation, limits)
     _check_sampling(req)
     _check_logprobs(req, limits)
+    _check_beam(req)
     if req.traceparent and not TRACEPARENT.match(req.traceparent):
         raise InvalidArgumentError("traceparent", req.traceparent, "not a W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>)")
     return ValidRequest(
@@ -107,7 +110,8 @@ def validate(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: Tex
         logprobs=req.logprobs, top_logprobs=req.top_logprobs, traceparent=req.traceparent, received=received,
         chat=req.WhichOneof("input") == "messages",
         # A template whose end of turn is not one token (rare) ends on EOS only.
-        end_of_turn=tokenizer.end_of_turn_id if req.WhichOneof("input") == "messages" else None)
+        end_of_turn=tokenizer.end_of_turn_id if req.WhichOneof("input") == "messages" else None,
+        beam=req.beam if req.HasField("beam") else None)
 
 
 def _reject_unknown_fields(message: Message, path: str) -> None:
@@ -231,3 +235,15 @@ def _check_logprobs(req: generation_pb2.GenerateRequest, limits: Limits) -> None
         raise InvalidArgumentError("top_logprobs", req.top_logprobs, f"must be in 0..{limits.max_top_logprobs}")
     if req.top_logprobs and not req.logprobs:
         raise InvalidArgumentError("top_logprobs", req.top_logprobs, "requires logprobs=true")
+
+
+def _check_beam(req: generation_pb2.GenerateRequest) -> None:
+    """Beam options and what may go with them (greedy only); the target checks num_beams against
+    its slots."""
+    if not req.HasField("beam"):
+        return
+    BeamOptions.from_pb(req.beam)
+    check_combination(temperature=req.temperature, top_k=req.top_k,
+                      top_p=req.top_p if req.HasField("top_p") else 1.0,
+                      fixed_speculation=req.speculation.mode == common_pb2.SPECULATION_MODE_FIXED,
+                      logprobs=req.logprobs, stop_strings=len(req.stop))

@@ -371,7 +371,10 @@ def _call(args: argparse.Namespace, messages: list[dict[str, str]] | None) -> in
     kwargs = dict(max_new_tokens=args.max_new_tokens, speculation=args.gamma, max_gamma=args.max_gamma,
                   stop=args.stop or None, timeout=args.timeout, ignore_eos=args.ignore_eos,
                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                  logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0)
+                  logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0,
+                  num_beams=args.num_beams, num_return_sequences=args.num_return, length_penalty=args.length_penalty,
+                  early_stopping=args.early_stopping, beam_threshold=args.beam_threshold,
+                  max_candidates_per_parent=args.max_candidates_per_parent)
     sampled = args.temperature > 0
     try:
         with Client(args.url) as client:
@@ -387,6 +390,8 @@ def _call(args: argparse.Namespace, messages: list[dict[str, str]] | None) -> in
                     last = chunk
                 if not args.json:
                     print()
+                    if last is not None and last.sequences:
+                        _print_beams(last.sequences)
                     if last is not None and last.stats is not None:
                         _print_stats(last.stats, last.usage, last.timings, last.seed if sampled else None)
                 return 0
@@ -396,10 +401,21 @@ def _call(args: argparse.Namespace, messages: list[dict[str, str]] | None) -> in
         return 2
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
+    elif result.sequences:
+        _print_beams(result.sequences)
+        _print_stats(result.stats, result.usage, result.timings)
     else:
         print(result.text)
         _print_stats(result.stats, result.usage, result.timings, result.seed if sampled else None)
     return 0
+
+
+def _print_beams(sequences) -> None:
+    """The n best hypotheses, best first: rank, score, finish reason, then the text (indented)."""
+    for rank, seq in enumerate(sequences, 1):
+        print(f"#{rank}  score {seq.score:.4f}  logprob {seq.logprob:.3f}  {len(seq.token_ids)} tokens  "
+              f"{seq.finish_reason}")
+        print("    " + seq.text.replace("\n", "\n    "))
 
 
 def _print_stats(stats, usage, timings, seed: int | None = None) -> None:
@@ -407,6 +423,7 @@ def _print_stats(stats, usage, timings, seed: int | None = None) -> None:
     print(f"-- {usage.completion_tokens} tokens in {timings.total_seconds:.3f}s ({tps:.1f} tok/s); "
           f"draft proposed {stats.draft_tokens}, accepted {stats.accepted_tokens}; "
           f"{stats.target_passes} target passes, mean accepted length {stats.mean_accepted_length:.2f}"
+          + (f"; {stats.beam_expansions} beam expansions" if stats.beam_expansions else "")
           + (f"; seed {seed}" if seed is not None else ""), file=sys.stderr)
 
 
@@ -539,6 +556,20 @@ def _call_flags(p: argparse.ArgumentParser, default_max_new_tokens: int) -> None
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--json", action="store_true", help="print the whole response as JSON")
+    beam = p.add_argument_group("beam search (greedy only; prints the n best with their scores)")
+    beam.add_argument("--num-beams", type=_int_in("--num-beams", 1, 2**31 - 1), default=None, metavar="K",
+                      help="beam search with K beams (1: greedy decoding; at most the server's slots)")
+    beam.add_argument("--num-return", type=_int_in("--num-return", 1, 2**31 - 1), default=None, metavar="N",
+                      help="with --num-beams: the N best hypotheses to return (default 1)")
+    beam.add_argument("--length-penalty", type=float, default=None,
+                      help="score = sum of logprobs / length ** this (default 1; > 0 favours longer)")
+    beam.add_argument("--early-stopping", choices=["heuristic", "first_k", "never"], default=None,
+                      help="when the search ends, as transformers' early_stopping False / True / 'never' "
+                           "(default heuristic)")
+    beam.add_argument("--beam-threshold", type=float, default=None, metavar="DELTA",
+                      help="variable width: prune hypotheses more than DELTA below the best log-probability")
+    beam.add_argument("--max-candidates-per-parent", type=_int_in("--max-candidates-per-parent", 1, 2**31 - 1),
+                      default=None, metavar="M", help="variable width: at most M hypotheses extend one parent")
 
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 import logging
 import time
 from collections import deque
@@ -31,6 +30,7 @@ import torch
 from kernels.lm_head import Hidden
 from kernels.nbest import MAX_K, topk_logprobs, topk_logprobs_reference
 from specstream import telemetry
+from specstream.beam_options import check_combination
 from specstream.compute import torch_thread
 from specstream.config import TargetConfig
 from specstream.errors import AlreadyExistsError, InternalError, InvalidArgumentError, SpecstreamError, UnavailableError
@@ -166,29 +166,14 @@ class Engine:
         raise InvalidArgumentError("speculation.mode", spec.mode, "unknown speculation mode")
 
     def _validate_beam(self, req: SequenceRequest) -> None:
-        """Beam options against this engine's limits; beams combine with greedy decoding only."""
-        beam, widest = req.beam, min(self.config.max_slots, self.config.batch_rows)
-        if not 1 <= beam.num_beams <= widest:
-            raise InvalidArgumentError("beam.num_beams", beam.num_beams,
-                                       f"must be in 1..{widest} (this target's slots and rows per step)")
-        if not 1 <= beam.num_return_sequences <= beam.num_beams:
-            raise InvalidArgumentError("beam.num_return_sequences", beam.num_return_sequences,
-                                       f"must be in 1..num_beams ({beam.num_beams})")
-        if not math.isfinite(beam.length_penalty):
-            raise InvalidArgumentError("beam.length_penalty", beam.length_penalty, "must be finite")
-        if not beam.beam_threshold > 0:  # NaN fails too
-            raise InvalidArgumentError("beam.beam_threshold", beam.beam_threshold, "must be > 0 (infinity: fixed width)")
-        if not 0 <= beam.max_candidates_per_parent <= beam.num_beams:
-            raise InvalidArgumentError("beam.max_candidates_per_parent", beam.max_candidates_per_parent,
-                                       f"must be in 0..num_beams ({beam.num_beams}); 0 = num_beams")
-        if beam.early_stopping not in ("heuristic", "first_k", "never"):
-            raise InvalidArgumentError("beam.early_stopping", beam.early_stopping, "must be heuristic, first_k or never")
-        if not req.sampling.greedy:
-            raise InvalidArgumentError("temperature", req.sampling.temperature, "beam search is greedy: must be 0")
-        if req.speculation.mode == "fixed":
-            raise InvalidArgumentError("speculation.mode", "fixed", "beam search does not speculate: use auto or off")
-        if req.logprobs is not None:
-            raise InvalidArgumentError("logprobs", True, "not available with beam search (each sequence has its score)")
+        """The options validated themselves (specstream/beam_options.py); here: what this engine
+        can hold, and greedy only."""
+        widest = min(self.config.max_slots, self.config.batch_rows)
+        if req.beam.num_beams > widest:
+            raise InvalidArgumentError("beam.num_beams", req.beam.num_beams,
+                                       f"must be <= {widest} (this target's slots and rows per step)")
+        check_combination(temperature=req.sampling.temperature, top_k=req.sampling.top_k, top_p=req.sampling.top_p,
+                          fixed_speculation=req.speculation.mode == "fixed", logprobs=req.logprobs is not None)
 
     # ----- the loop ----------------------------------------------------------------------------
     async def run(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from specstream.beam_options import BeamOptions, EarlyStopping
 from specstream.errors import SpecstreamError
 from specstream.sampling import GREEDY, SamplingParams
 from target_service.batch_stats import BatchStats
@@ -23,11 +24,6 @@ __all__ = ["BeamHypothesis", "BeamOptions", "EarlyStopping", "EngineMessage", "F
 
 SpeculationMode = Literal["auto", "off", "fixed"]
 FinishReason = Literal["length", "stop", "eos", "cancelled", "error"]
-# When a beam search ends, as transformers' `early_stopping` defines it: "heuristic" (False, its
-# default: once the best running hypothesis, scored at the current length, cannot beat the worst of
-# the k finished ones), "first_k" (True: as soon as k hypotheses have finished), "never" (the
-# canonical rule: only when no running hypothesis can improve, at the best length it could reach).
-EarlyStopping = Literal["heuristic", "first_k", "never"]
 
 
 @dataclass(frozen=True)
@@ -38,25 +34,6 @@ class Speculation:
 
 
 AUTO = Speculation()
-
-
-@dataclass(frozen=True)
-class BeamOptions:
-    """Beam search instead of one greedy sequence (target_service/beam.py). A request with these
-    holds up to `num_beams` rows of the batch and returns its `num_return_sequences` best
-    hypotheses. Fixed width is transformers' beam search; a finite `beam_threshold` or a
-    `max_candidates_per_parent` below `num_beams` make the width variable (Freitag & Al-Onaizan)."""
-
-    num_beams: int  # k: hypotheses kept per step, >= 1 (k = 1 is greedy decoding)
-    num_return_sequences: int = 1  # 1..k: best finished hypotheses returned, best first
-    length_penalty: float = 1.0  # a hypothesis scores sum(logprobs) / generated_length ** length_penalty
-    early_stopping: EarlyStopping = "heuristic"
-    beam_threshold: float = float("inf")  # δ > 0: prune hypotheses whose log-probability falls more than δ below the best (a finished one included)
-    max_candidates_per_parent: int = 0  # M: at most this many running hypotheses extend one parent; 0 = k
-
-    @property
-    def variable_width(self) -> bool:
-        return self.beam_threshold != float("inf") or 0 < self.max_candidates_per_parent < self.num_beams
 
 
 @dataclass

@@ -7,6 +7,7 @@ InvalidArgumentError naming the field, prefixed as the request spells it (``samp
 
 from __future__ import annotations
 
+from specstream.beam_options import BeamOptions
 from specstream.errors import InvalidArgumentError, SpecstreamError
 from specstream.sampling import SamplingParams
 from specstream_pb import common_pb2, target_pb2
@@ -47,6 +48,7 @@ def request_from_pb(pb: target_pb2.SequenceRequest) -> SequenceRequest:
         sampling=sampling,
         logprobs=pb.top_logprobs if pb.logprobs else None,
         traceparent=pb.traceparent,
+        beam=BeamOptions.from_pb(pb.beam) if pb.HasField("beam") else None,
     )
 
 
@@ -54,7 +56,8 @@ def stats_to_pb(stats: SequenceStats) -> common_pb2.SpeculationStats:
     return common_pb2.SpeculationStats(
         draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens, target_passes=stats.target_passes,
         mean_accepted_length=stats.mean_accepted_length, rejections=stats.rejections,
-        gamma_histogram=stats.gamma_histogram, alpha_estimate=stats.alpha_estimate)
+        gamma_histogram=stats.gamma_histogram, alpha_estimate=stats.alpha_estimate,
+        beam_expansions=stats.beam_expansions)
 
 
 def _error_pb(error: SpecstreamError) -> common_pb2.SequenceError:
@@ -66,7 +69,9 @@ def event_to_pb(event: SequenceEvent) -> target_pb2.SequenceEvent:
         id=event.id, token_ids=event.token_ids, stats=stats_to_pb(event.stats),
         logprobs=[common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
                                           top=[common_pb2.Logprob(token_id=t, logprob=v) for t, v in lp.top])
-                  for lp in event.logprobs])
+                  for lp in event.logprobs],
+        sequences=[common_pb2.BeamSequence(token_ids=h.token_ids, score=h.score, logprob=h.logprob,
+                                           finish_reason=_FINISH[h.finish_reason]) for h in event.sequences])
     if event.finish_reason is not None:
         pb.finish_reason = _FINISH[event.finish_reason]
     if event.error is not None:

@@ -236,26 +236,57 @@ def test_cancelling_a_beam_frees_all_its_rows(model):
     assert engine.cache.num_free == 12 and not engine.cache.shared and not engine.running
 
 
-@pytest.mark.parametrize("field,beam,extra", [
-    ("beam.num_beams", BeamOptions(0), {}),
-    ("beam.num_beams", BeamOptions(25), {}),
-    ("beam.num_return_sequences", BeamOptions(3, 4), {}),
-    ("beam.num_return_sequences", BeamOptions(3, 0), {}),
-    ("beam.length_penalty", BeamOptions(3, 1, float("nan")), {}),
-    ("beam.beam_threshold", BeamOptions(3, 1, beam_threshold=0.0), {}),
-    ("beam.beam_threshold", BeamOptions(3, 1, beam_threshold=float("nan")), {}),
-    ("beam.max_candidates_per_parent", BeamOptions(3, 1, max_candidates_per_parent=4), {}),
-    ("beam.early_stopping", BeamOptions(3, 1, early_stopping="sometimes"), {}),
-    ("temperature", BeamOptions(3), {"sampling": SamplingParams(temperature=0.7)}),
-    ("speculation.mode", BeamOptions(3), {"speculation": Speculation("fixed", 2)}),
-    ("logprobs", BeamOptions(3), {"logprobs": 2}),
+@pytest.mark.parametrize("field,kwargs", [
+    ("beam.num_beams", {"num_beams": 0}),
+    ("beam.num_return_sequences", {"num_return_sequences": 4}),
+    ("beam.num_return_sequences", {"num_return_sequences": 0}),
+    ("beam.length_penalty", {"length_penalty": float("nan")}),
+    ("beam.length_penalty", {"length_penalty": float("inf")}),
+    ("beam.beam_threshold", {"beam_threshold": 0.0}),
+    ("beam.beam_threshold", {"beam_threshold": float("nan")}),
+    ("beam.max_candidates_per_parent", {"max_candidates_per_parent": 4}),
+    ("beam.max_candidates_per_parent", {"max_candidates_per_parent": -1}),
+    ("beam.early_stopping", {"early_stopping": "sometimes"}),
 ])
-def test_bad_beam_options_are_invalid_argument_naming_the_field(model, field, beam, extra):
+def test_bad_beam_options_name_the_field(field, kwargs):
+    with pytest.raises(InvalidArgumentError) as raised:
+        BeamOptions(**{"num_beams": 3, **kwargs})
+    assert raised.value.field == field
+
+
+@pytest.mark.parametrize("field,extra", [
+    ("beam.num_beams", {"beam": BeamOptions(25)}),  # more than the engine's 24 slots
+    ("temperature", {"sampling": SamplingParams(temperature=0.7)}),
+    ("speculation.mode", {"speculation": Speculation("fixed", 2)}),
+    ("logprobs", {"logprobs": 2}),
+])
+def test_the_engine_refuses_what_it_cannot_run_and_serves_the_rest(model, field, extra):
     good = _request("good", PROMPTS[0], 5, BeamOptions(2))
-    bad = _request("bad", PROMPTS[1], 5, beam)
+    bad = _request("bad", PROMPTS[1], 5, BeamOptions(3))
     for name, value in extra.items():
         setattr(bad, name, value)
     results = _run(model, [good, bad])
     error = results["bad"].final.error
     assert isinstance(error, InvalidArgumentError) and error.field == field, error
     assert results["good"].final.finish_reason in ("length", "eos", "stop") and results["good"].final.sequences
+
+
+def test_beam_options_cross_the_target_edge(model):
+    """SequenceRequest.beam and the final event's sequences survive the protobuf edge."""
+    from specstream_pb import common_pb2, target_pb2
+    from target_service.wire import event_to_pb, request_from_pb
+
+    pb = target_pb2.SequenceRequest(id="x", prompt_token_ids=PROMPTS[0], max_new_tokens=6, beam=common_pb2.BeamSearch(
+        num_beams=3, num_return_sequences=2, length_penalty=0.5, early_stopping=common_pb2.EARLY_STOPPING_NEVER,
+        beam_threshold=2.5, max_candidates_per_parent=2))
+    req = request_from_pb(pb)
+    assert req.beam == BeamOptions(3, 2, 0.5, "never", 2.5, 2)
+    unset = request_from_pb(target_pb2.SequenceRequest(id="y", prompt_token_ids=[1], max_new_tokens=1,
+                                                       beam=common_pb2.BeamSearch(num_beams=2)))
+    assert unset.beam == BeamOptions(2) and not unset.beam.variable_width
+    assert request_from_pb(target_pb2.SequenceRequest(id="z", prompt_token_ids=[1], max_new_tokens=1)).beam is None
+    final = _run(model, [req])["x"].final
+    out = event_to_pb(final)
+    assert [list(s.token_ids) for s in out.sequences] == [h.token_ids for h in final.sequences]
+    assert [s.score for s in out.sequences] == pytest.approx([h.score for h in final.sequences])
+    assert len(out.sequences) == 2 and out.stats.beam_expansions == final.stats.beam_expansions > 0

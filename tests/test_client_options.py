@@ -38,6 +38,12 @@ SAMPLE: dict[str, Any] = {
     "top_logprobs": 2,
     "request_id": "req-sample",
     "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    "num_beams": 4,
+    "num_return_sequences": 2,
+    "length_penalty": 0.5,
+    "early_stopping": "never",
+    "beam_threshold": 1.5,
+    "max_candidates_per_parent": 3,
 }
 # Every option set at once: max_gamma goes with automatic speculation only, so twice.
 COMBINED = [{**SAMPLE, "speculation": "auto"}, {k: v for k, v in SAMPLE.items() if k != "max_gamma"}]
@@ -344,3 +350,24 @@ def test_max_gamma_needs_automatic_speculation(speculation: str | int) -> None:
     # Replacing the cap with None (the server's limit) makes the pair valid again.
     opts = GenerateOptions(max_gamma=5)
     assert dataclasses.replace(opts, speculation=speculation, max_gamma=None).max_gamma is None
+
+
+# --- beam search ----------------------------------------------------------------------------------------
+
+
+def test_beam_options_reach_the_wire_as_one_message() -> None:
+    assert not GenerateOptions().to_pb().HasField("beam")  # no beam option: one sequence
+    beam = GenerateOptions(num_beams=5, num_return_sequences=3, early_stopping=True).to_pb().beam
+    assert (beam.num_beams, beam.num_return_sequences, beam.early_stopping) == (5, 3, common_pb2.EARLY_STOPPING_FIRST_K)
+    assert not beam.HasField("length_penalty") and not beam.HasField("beam_threshold")  # unset: server defaults
+    assert GenerateOptions(num_beams=2, length_penalty=0.0).to_pb().beam.HasField("length_penalty")
+    assert GenerateOptions(num_beams=2, early_stopping=False).to_pb().beam.early_stopping == \
+        common_pb2.EARLY_STOPPING_HEURISTIC
+    # a beam option without num_beams is sent, num_beams 0: the server names it
+    assert GenerateOptions(beam_threshold=1.0).to_pb().beam.num_beams == 0
+
+
+@pytest.mark.parametrize("value", ["sometimes", 1, None.__class__])
+def test_bad_early_stopping_raises_when_made(value: Any) -> None:
+    with pytest.raises(ValueError, match="early_stopping"):
+        GenerateOptions(num_beams=2, early_stopping=value)

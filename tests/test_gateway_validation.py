@@ -11,7 +11,7 @@ from gateway.validation import Limits, validate
 from specstream.config import GatewayConfig
 from specstream.errors import InvalidArgumentError
 from specstream.tokenizer import TextTokenizer, build_byte_level_tokenizer
-from specstream_pb import generation_pb2, target_pb2
+from specstream_pb import common_pb2, generation_pb2, target_pb2
 
 TT = TextTokenizer(build_byte_level_tokenizer(), eos_token_ids=[1], bos_token_id=0)
 INFO = target_pb2.TargetInfo(vocab_size=TT.vocab_size, max_context_length=256, max_gamma=8, default_gamma=4)
@@ -114,3 +114,50 @@ def test_max_gamma_is_checked_against_the_mode_and_the_limit(fields, message):
 def test_max_gamma_reaches_the_target_with_auto():
     validated = _validate(speculation=dict(mode=0, max_gamma=3))
     assert validated.speculation.max_gamma == 3 and validated.speculation.mode == 0
+
+
+# -- beam search -----------------------------------------------------------------------------------------------
+def _beam(**fields):
+    return common_pb2.BeamSearch(**{"num_beams": 3, **fields})
+
+
+@pytest.mark.parametrize(("field", "fields"), [
+    ("beam.num_beams", dict(beam=_beam(num_beams=0))),
+    ("beam.num_beams", dict(beam=_beam(num_beams=-2))),
+    ("beam.num_return_sequences", dict(beam=_beam(num_return_sequences=4))),
+    ("beam.num_return_sequences", dict(beam=_beam(num_return_sequences=-1))),
+    ("beam.length_penalty", dict(beam=_beam(length_penalty=math.nan))),
+    ("beam.length_penalty", dict(beam=_beam(length_penalty=math.inf))),
+    ("beam.beam_threshold", dict(beam=_beam(beam_threshold=0.0))),
+    ("beam.beam_threshold", dict(beam=_beam(beam_threshold=-1.0))),
+    ("beam.beam_threshold", dict(beam=_beam(beam_threshold=math.nan))),
+    ("beam.max_candidates_per_parent", dict(beam=_beam(max_candidates_per_parent=4))),
+    ("beam.max_candidates_per_parent", dict(beam=_beam(max_candidates_per_parent=-1))),
+    ("beam.early_stopping", dict(beam=_beam(early_stopping=7))),
+    # beam search is greedy only
+    ("temperature", dict(beam=_beam(), temperature=0.8)),
+    ("top_k", dict(beam=_beam(), top_k=5)),
+    ("top_p", dict(beam=_beam(), top_p=0.9)),
+    ("speculation.mode", dict(beam=_beam(), speculation=common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_FIXED,
+                                                                                gamma=2))),
+    ("logprobs", dict(beam=_beam(), logprobs=True)),
+    ("stop", dict(beam=_beam(), stop=["\n"])),
+])
+def test_bad_beam_options_and_combinations_are_named(field, fields):
+    with pytest.raises(InvalidArgumentError) as info:
+        _validate(**fields)
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{field}=")
+
+
+def test_beam_options_reach_the_target():
+    beam = _beam(num_return_sequences=2, length_penalty=0.0, early_stopping=common_pb2.EARLY_STOPPING_FIRST_K,
+                 beam_threshold=1.5, max_candidates_per_parent=2)
+    seq = _validate(beam=beam, speculation=common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_OFF),
+                    stop_token_ids=[7]).to_sequence_pb((1,))
+    assert seq.HasField("beam") and seq.beam == beam
+    assert seq.beam.HasField("length_penalty") and seq.beam.length_penalty == 0.0  # set to 0, not unset
+    assert sorted(seq.stop_token_ids) == [1, 7]
+    assert not _validate().to_sequence_pb((1,)).HasField("beam")
+    top_p_one = _validate(beam=_beam(), top_p=1.0)  # an explicit top_p of 1 is "off": allowed
+    assert top_p_one.beam.num_beams == 3

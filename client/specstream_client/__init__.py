@@ -25,6 +25,7 @@ from .errors import (
 )
 from .options import GenerateOptions, GenerateOptionsDict
 from .types import (
+    BeamSequence,
     GenerateResult,
     Logprob,
     ModelInfo,
@@ -38,6 +39,7 @@ from .types import (
 __all__ = [
     "AsyncClient",
     "AsyncResponseStream",
+    "BeamSequence",
     "Cancelled",
     "Client",
     "DeadlineExceeded",

@@ -81,6 +81,16 @@ def _speculation(name: str, value: Any) -> str | int:
     raise ValueError(f"{name} must be 'auto', 'off', 0 or a positive int gamma, got {value!r}")
 
 
+_EARLY_STOPPING = {False: "EARLY_STOPPING_HEURISTIC", "heuristic": "EARLY_STOPPING_HEURISTIC",
+                   True: "EARLY_STOPPING_FIRST_K", "first_k": "EARLY_STOPPING_FIRST_K", "never": "EARLY_STOPPING_NEVER"}
+
+
+def _early_stopping(name: str, value: Any) -> bool | str:
+    if (isinstance(value, bool) or isinstance(value, str)) and value in _EARLY_STOPPING:
+        return value
+    raise ValueError(f"{name} must be False/'heuristic', True/'first_k' or 'never', got {value!r}")
+
+
 def _max_gamma(name: str, value: Any) -> int:
     cap = check_int(name, value, 0, UINT32_MAX, "uint32")
     if cap == 0:
@@ -133,6 +143,22 @@ class GenerateOptions:
     request_id: str | None = _option(None, _optional(check_str))
     # W3C trace context of the caller, to join its trace.
     traceparent: str | None = _option(None, _optional(check_str))
+    # Beam search with this many beams k (1..the server's slots); None: one sequence. Greedy only:
+    # with temperature, top_k, top_p, a fixed gamma, logprobs or stop strings the server answers
+    # INVALID_ARGUMENT. The result's text is the best hypothesis'; ``.sequences`` has the n best.
+    num_beams: int | None = _option(None, _optional(_int32))
+    # With num_beams: how many of the best finished hypotheses to return (1..num_beams); None: 1.
+    num_return_sequences: int | None = _option(None, _optional(_int32))
+    # With num_beams: score = sum of logprobs / length ** length_penalty (> 0 favours longer); None: 1.
+    length_penalty: float | None = _option(None, _optional(check_float))
+    # With num_beams: when the search ends, as transformers' early_stopping: False or "heuristic"
+    # (its default), True or "first_k" (once num_beams hypotheses finished), "never". None: heuristic.
+    early_stopping: bool | str | None = _option(None, _optional(_early_stopping))
+    # With num_beams: variable width, pruning hypotheses more than this below the best
+    # log-probability (> 0). None: no pruning (fixed width).
+    beam_threshold: float | None = _option(None, _optional(check_float))
+    # With num_beams: at most this many hypotheses extend one parent per step (1..num_beams). None: num_beams.
+    max_candidates_per_parent: int | None = _option(None, _optional(_int32))
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -163,7 +189,22 @@ class GenerateOptions:
             req.top_p = self.top_p
         if self.seed is not None:  # unset: the server picks one and returns it
             req.seed = self.seed
+        if any(getattr(self, name) is not None for name in _BEAM_OPTIONS):
+            # A beam option without num_beams is sent too: the server names num_beams as missing.
+            req.beam.CopyFrom(self._beam_pb())
         return req
+
+    def _beam_pb(self) -> common_pb2.BeamSearch:
+        beam = common_pb2.BeamSearch(
+            num_beams=self.num_beams or 0, num_return_sequences=self.num_return_sequences or 0,
+            max_candidates_per_parent=self.max_candidates_per_parent or 0,
+            early_stopping=common_pb2.EarlyStopping.Value(_EARLY_STOPPING[self.early_stopping])
+            if self.early_stopping is not None else common_pb2.EARLY_STOPPING_UNSPECIFIED)
+        if self.length_penalty is not None:
+            beam.length_penalty = self.length_penalty
+        if self.beam_threshold is not None:
+            beam.beam_threshold = self.beam_threshold
+        return beam
 
     def _speculation_pb(self) -> common_pb2.Speculation:
         if self.speculation == "auto":
@@ -193,8 +234,16 @@ class GenerateOptionsDict(TypedDict, total=False):
     top_logprobs: int
     request_id: str | None
     traceparent: str | None
+    num_beams: int | None
+    num_return_sequences: int | None
+    length_penalty: float | None
+    early_stopping: bool | str | None
+    beam_threshold: float | None
+    max_candidates_per_parent: int | None
 
 
+_BEAM_OPTIONS = ("num_beams", "num_return_sequences", "length_penalty", "early_stopping", "beam_threshold",
+                 "max_candidates_per_parent")
 _NAMES = tuple(f.name for f in fields(GenerateOptions))
 
 

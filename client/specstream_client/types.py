@@ -6,7 +6,9 @@ so callers never touch protobuf. Finish reasons are lower-case strings: "length"
 ``GenerateResult`` and ``None`` in a non-final ``StreamChunk``; an enum value newer than this SDK
 gives "unknown". ``logprobs`` is a list aligned 1:1 with ``token_ids`` when the request asked for
 logprobs, and empty otherwise; ``seed`` is the seed the server used (chosen by it when the request
-set none), on a ``GenerateResult`` and on the final ``StreamChunk``.
+set none), on a ``GenerateResult`` and on the final ``StreamChunk``. A beam-search request's
+``sequences`` are its n best hypotheses (``BeamSequence``), best first, on the result and on the
+final (only) chunk; its ``text``/``token_ids`` are the best one's.
 
 What it does not know: token text (``token_ids`` are raw ids; ``text`` is the server's
 detokenization), and anything the server did not send (missing sub-messages read as zeros in a
@@ -21,6 +23,7 @@ from typing import Any
 from specstream_pb import common_pb2, generation_pb2
 
 __all__ = [
+    "BeamSequence",
     "FINISH_REASONS",
     "GenerateResult",
     "Logprob",
@@ -74,6 +77,7 @@ class SpeculationStats:
     # speculation picks g per step); alpha_estimate: the server's final acceptance estimate.
     gamma_histogram: tuple[int, ...] = ()
     alpha_estimate: float = 0.0
+    beam_expansions: int = 0  # beam search: hypothesis rows the server expanded for the request
 
     @classmethod
     def from_pb(cls, msg: common_pb2.SpeculationStats) -> SpeculationStats:
@@ -85,6 +89,7 @@ class SpeculationStats:
             rejections=msg.rejections,
             gamma_histogram=tuple(msg.gamma_histogram),
             alpha_estimate=msg.alpha_estimate,
+            beam_expansions=msg.beam_expansions,
         )
 
     @property
@@ -153,6 +158,27 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class BeamSequence:
+    """One hypothesis of a beam search: its text and tokens, its score (sum of log-probabilities /
+    length ** length_penalty, the ranking), the plain sum, and why it ended ("eos", "stop", "length")."""
+
+    text: str
+    token_ids: list[int]
+    score: float
+    logprob: float
+    finish_reason: str
+
+    @classmethod
+    def from_pb(cls, msg: common_pb2.BeamSequence) -> BeamSequence:
+        return cls(text=msg.text, token_ids=list(msg.token_ids), score=msg.score, logprob=msg.logprob,
+                   finish_reason=finish_reason_name(msg.finish_reason) or "unspecified")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "token_ids": list(self.token_ids), "score": self.score, "logprob": self.logprob,
+                "finish_reason": self.finish_reason}
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateResult:
     request_id: str
     text: str
@@ -163,6 +189,7 @@ class GenerateResult:
     timings: Timings = field(default_factory=Timings)
     seed: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    sequences: list[BeamSequence] = field(default_factory=list)  # beam search: the n best, best first
 
     @classmethod
     def from_pb(cls, msg: generation_pb2.GenerateResponse) -> GenerateResult:
@@ -176,6 +203,7 @@ class GenerateResult:
             timings=Timings.from_pb(msg.timings),
             seed=msg.seed,
             logprobs=[TokenLogprob.from_pb(lp) for lp in msg.logprobs],
+            sequences=[BeamSequence.from_pb(b) for b in msg.sequences],
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -192,6 +220,8 @@ class GenerateResult:
         }
         if self.logprobs:
             d["logprobs"] = [lp.to_dict() for lp in self.logprobs]
+        if self.sequences:
+            d["sequences"] = [b.to_dict() for b in self.sequences]
         return d
 
 
@@ -210,6 +240,7 @@ class StreamChunk:
     timings: Timings | None = None
     seed: int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    sequences: list[BeamSequence] = field(default_factory=list)  # beam search, final chunk: the n best
 
     @classmethod
     def from_pb(cls, msg: generation_pb2.GenerateStreamResponse) -> StreamChunk:
@@ -225,6 +256,7 @@ class StreamChunk:
             # uint64 has no presence: 0 is a real seed on the final chunk, "not sent" before it.
             seed=msg.seed if finish_reason is not None else None,
             logprobs=[TokenLogprob.from_pb(lp) for lp in msg.logprobs],
+            sequences=[BeamSequence.from_pb(b) for b in msg.sequences],
         )
 
     @property
@@ -245,6 +277,8 @@ class StreamChunk:
         }
         if self.logprobs:
             d["logprobs"] = [lp.to_dict() for lp in self.logprobs]
+        if self.sequences:
+            d["sequences"] = [b.to_dict() for b in self.sequences]
         return d
 
 

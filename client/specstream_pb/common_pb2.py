@@ -25,17 +25,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecstream/v1/common.proto\x12\rspecstream.v1\"]\n\x0bSpeculation\x12,\n\x04mode\x18\x01 \x01(\x0e\x32\x1e.specstream.v1.SpeculationMode\x12\r\n\x05gamma\x18\x02 \x01(\r\x12\x11\n\tmax_gamma\x18\x03 \x01(\r\"K\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\",\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.specstream.v1.Logprob\"\xbb\x01\n\x10SpeculationStats\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\r\x12\x15\n\rtarget_passes\x18\x03 \x01(\r\x12\x1c\n\x14mean_accepted_length\x18\x04 \x01(\x01\x12\x12\n\nrejections\x18\x05 \x01(\r\x12\x17\n\x0fgamma_histogram\x18\x06 \x03(\r\x12\x16\n\x0e\x61lpha_estimate\x18\x07 \x01(\x01\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\\\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\".\n\rSequenceError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x86\x02\n\nBatchStats\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x11\n\tmax_batch\x18\x02 \x01(\r\x12\r\n\x05steps\x18\x03 \x01(\x04\x12\x16\n\x0erow_expansions\x18\x04 \x01(\x04\x12\x18\n\x10tokens_processed\x18\x05 \x01(\x04\x12\x15\n\rpadded_tokens\x18\x06 \x01(\x04\x12\x16\n\x0eprefill_tokens\x18\x07 \x01(\x04\x12\x14\n\x0cqueued_steps\x18\x08 \x01(\x04\x12\x13\n\x0bqueued_rows\x18\t \x01(\x04\x12\x10\n\x08\x61\x64mitted\x18\n \x01(\x04\x12\x15\n\rqueue_seconds\x18\x0b \x01(\x01\x12\x11\n\toccupancy\x18\x0c \x03(\x04*\xac\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05*b\n\x0fSpeculationMode\x12\x19\n\x15SPECULATION_MODE_AUTO\x10\x00\x12\x18\n\x14SPECULATION_MODE_OFF\x10\x01\x12\x1a\n\x16SPECULATION_MODE_FIXED\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecstream/v1/common.proto\x12\rspecstream.v1\"]\n\x0bSpeculation\x12,\n\x04mode\x18\x01 \x01(\x0e\x32\x1e.specstream.v1.SpeculationMode\x12\r\n\x05gamma\x18\x02 \x01(\r\x12\x11\n\tmax_gamma\x18\x03 \x01(\r\"K\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\",\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.specstream.v1.Logprob\"\xf6\x01\n\nBeamSearch\x12\x11\n\tnum_beams\x18\x01 \x01(\x05\x12\x1c\n\x14num_return_sequences\x18\x02 \x01(\x05\x12\x1b\n\x0elength_penalty\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x34\n\x0e\x65\x61rly_stopping\x18\x04 \x01(\x0e\x32\x1c.specstream.v1.EarlyStopping\x12\x1b\n\x0e\x62\x65\x61m_threshold\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12!\n\x19max_candidates_per_parent\x18\x06 \x01(\x05\x42\x11\n\x0f_length_penaltyB\x11\n\x0f_beam_threshold\"\x83\x01\n\x0c\x42\x65\x61mSequence\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05score\x18\x03 \x01(\x01\x12\x0f\n\x07logprob\x18\x04 \x01(\x01\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.specstream.v1.FinishReason\"\xd4\x01\n\x10SpeculationStats\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\r\x12\x15\n\rtarget_passes\x18\x03 \x01(\r\x12\x1c\n\x14mean_accepted_length\x18\x04 \x01(\x01\x12\x12\n\nrejections\x18\x05 \x01(\r\x12\x17\n\x0fgamma_histogram\x18\x06 \x03(\r\x12\x16\n\x0e\x61lpha_estimate\x18\x07 \x01(\x01\x12\x17\n\x0f\x62\x65\x61m_expansions\x18\x08 \x01(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\\\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\".\n\rSequenceError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x86\x02\n\nBatchStats\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x11\n\tmax_batch\x18\x02 \x01(\r\x12\r\n\x05steps\x18\x03 \x01(\x04\x12\x16\n\x0erow_expansions\x18\x04 \x01(\x04\x12\x18\n\x10tokens_processed\x18\x05 \x01(\x04\x12\x15\n\rpadded_tokens\x18\x06 \x01(\x04\x12\x16\n\x0eprefill_tokens\x18\x07 \x01(\x04\x12\x14\n\x0cqueued_steps\x18\x08 \x01(\x04\x12\x13\n\x0bqueued_rows\x18\t \x01(\x04\x12\x10\n\x08\x61\x64mitted\x18\n \x01(\x04\x12\x15\n\rqueue_seconds\x18\x0b \x01(\x01\x12\x11\n\toccupancy\x18\x0c \x03(\x04*\xac\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05*b\n\x0fSpeculationMode\x12\x19\n\x15SPECULATION_MODE_AUTO\x10\x00\x12\x18\n\x14SPECULATION_MODE_OFF\x10\x01\x12\x1a\n\x16SPECULATION_MODE_FIXED\x10\x02*\x83\x01\n\rEarlyStopping\x12\x1e\n\x1a\x45\x41RLY_STOPPING_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x45\x41RLY_STOPPING_HEURISTIC\x10\x01\x12\x1a\n\x16\x45\x41RLY_STOPPING_FIRST_K\x10\x02\x12\x18\n\x14\x45\x41RLY_STOPPING_NEVER\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specstream_pb.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1008
-  _globals['_FINISHREASON']._serialized_end=1180
-  _globals['_SPECULATIONMODE']._serialized_start=1182
-  _globals['_SPECULATIONMODE']._serialized_end=1280
+  _globals['_FINISHREASON']._serialized_start=1416
+  _globals['_FINISHREASON']._serialized_end=1588
+  _globals['_SPECULATIONMODE']._serialized_start=1590
+  _globals['_SPECULATIONMODE']._serialized_end=1688
+  _globals['_EARLYSTOPPING']._serialized_start=1691
+  _globals['_EARLYSTOPPING']._serialized_end=1822
   _globals['_SPECULATION']._serialized_start=45
   _globals['_SPECULATION']._serialized_end=138
   _globals['_SAMPLING']._serialized_start=140
@@ -44,14 +46,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOGPROB']._serialized_end=261
   _globals['_TOKENLOGPROB']._serialized_start=263
   _globals['_TOKENLOGPROB']._serialized_end=349
-  _globals['_SPECULATIONSTATS']._serialized_start=352
-  _globals['_SPECULATIONSTATS']._serialized_end=539
-  _globals['_USAGE']._serialized_start=541
-  _globals['_USAGE']._serialized_end=598
-  _globals['_TIMINGS']._serialized_start=600
-  _globals['_TIMINGS']._serialized_end=692
-  _globals['_SEQUENCEERROR']._serialized_start=694
-  _globals['_SEQUENCEERROR']._serialized_end=740
-  _globals['_BATCHSTATS']._serialized_start=743
-  _globals['_BATCHSTATS']._serialized_end=1005
+  _globals['_BEAMSEARCH']._serialized_start=352
+  _globals['_BEAMSEARCH']._serialized_end=598
+  _globals['_BEAMSEQUENCE']._serialized_start=601
+  _globals['_BEAMSEQUENCE']._serialized_end=732
+  _globals['_SPECULATIONSTATS']._serialized_start=735
+  _globals['_SPECULATIONSTATS']._serialized_end=947
+  _globals['_USAGE']._serialized_start=949
+  _globals['_USAGE']._serialized_end=1006
+  _globals['_TIMINGS']._serialized_start=1008
+  _globals['_TIMINGS']._serialized_end=1100
+  _globals['_SEQUENCEERROR']._serialized_start=1102
+  _globals['_SEQUENCEERROR']._serialized_end=1148
+  _globals['_BATCHSTATS']._serialized_start=1151
+  _globals['_BATCHSTATS']._serialized_end=1413
 # @@protoc_insertion_point(module_scope)

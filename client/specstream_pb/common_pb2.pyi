@@ -22,6 +22,13 @@ class SpeculationMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SPECULATION_MODE_AUTO: _ClassVar[SpeculationMode]
     SPECULATION_MODE_OFF: _ClassVar[SpeculationMode]
     SPECULATION_MODE_FIXED: _ClassVar[SpeculationMode]
+
+class EarlyStopping(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EARLY_STOPPING_UNSPECIFIED: _ClassVar[EarlyStopping]
+    EARLY_STOPPING_HEURISTIC: _ClassVar[EarlyStopping]
+    EARLY_STOPPING_FIRST_K: _ClassVar[EarlyStopping]
+    EARLY_STOPPING_NEVER: _ClassVar[EarlyStopping]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
@@ -31,6 +38,10 @@ FINISH_REASON_ERROR: FinishReason
 SPECULATION_MODE_AUTO: SpeculationMode
 SPECULATION_MODE_OFF: SpeculationMode
 SPECULATION_MODE_FIXED: SpeculationMode
+EARLY_STOPPING_UNSPECIFIED: EarlyStopping
+EARLY_STOPPING_HEURISTIC: EarlyStopping
+EARLY_STOPPING_FIRST_K: EarlyStopping
+EARLY_STOPPING_NEVER: EarlyStopping
 
 class Speculation(_message.Message):
     __slots__ = ("mode", "gamma", "max_gamma")
@@ -72,8 +83,38 @@ class TokenLogprob(_message.Message):
     top: _containers.RepeatedCompositeFieldContainer[Logprob]
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[Logprob, _Mapping]]] = ...) -> None: ...
 
+class BeamSearch(_message.Message):
+    __slots__ = ("num_beams", "num_return_sequences", "length_penalty", "early_stopping", "beam_threshold", "max_candidates_per_parent")
+    NUM_BEAMS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RETURN_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    EARLY_STOPPING_FIELD_NUMBER: _ClassVar[int]
+    BEAM_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    MAX_CANDIDATES_PER_PARENT_FIELD_NUMBER: _ClassVar[int]
+    num_beams: int
+    num_return_sequences: int
+    length_penalty: float
+    early_stopping: EarlyStopping
+    beam_threshold: float
+    max_candidates_per_parent: int
+    def __init__(self, num_beams: _Optional[int] = ..., num_return_sequences: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[_Union[EarlyStopping, str]] = ..., beam_threshold: _Optional[float] = ..., max_candidates_per_parent: _Optional[int] = ...) -> None: ...
+
+class BeamSequence(_message.Message):
+    __slots__ = ("text", "token_ids", "score", "logprob", "finish_reason")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    score: float
+    logprob: float
+    finish_reason: FinishReason
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., score: _Optional[float] = ..., logprob: _Optional[float] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
+
 class SpeculationStats(_message.Message):
-    __slots__ = ("draft_tokens", "accepted_tokens", "target_passes", "mean_accepted_length", "rejections", "gamma_histogram", "alpha_estimate")
+    __slots__ = ("draft_tokens", "accepted_tokens", "target_passes", "mean_accepted_length", "rejections", "gamma_histogram", "alpha_estimate", "beam_expansions")
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TARGET_PASSES_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +122,7 @@ class SpeculationStats(_message.Message):
     REJECTIONS_FIELD_NUMBER: _ClassVar[int]
     GAMMA_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
     ALPHA_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
+    BEAM_EXPANSIONS_FIELD_NUMBER: _ClassVar[int]
     draft_tokens: int
     accepted_tokens: int
     target_passes: int
@@ -88,7 +130,8 @@ class SpeculationStats(_message.Message):
     rejections: int
     gamma_histogram: _containers.RepeatedScalarFieldContainer[int]
     alpha_estimate: float
-    def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., target_passes: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., rejections: _Optional[int] = ..., gamma_histogram: _Optional[_Iterable[int]] = ..., alpha_estimate: _Optional[float] = ...) -> None: ...
+    beam_expansions: int
+    def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., target_passes: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., rejections: _Optional[int] = ..., gamma_histogram: _Optional[_Iterable[int]] = ..., alpha_estimate: _Optional[float] = ..., beam_expansions: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")

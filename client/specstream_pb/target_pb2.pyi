@@ -23,7 +23,7 @@ class Submit(_message.Message):
     def __init__(self, requests: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ...) -> None: ...
 
 class SequenceRequest(_message.Message):
-    __slots__ = ("id", "prompt_token_ids", "max_new_tokens", "stop_token_ids", "eos_token_ids", "speculation", "sampling", "logprobs", "top_logprobs", "traceparent")
+    __slots__ = ("id", "prompt_token_ids", "max_new_tokens", "stop_token_ids", "eos_token_ids", "speculation", "sampling", "logprobs", "top_logprobs", "traceparent", "beam")
     ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class SequenceRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    BEAM_FIELD_NUMBER: _ClassVar[int]
     id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
@@ -44,7 +45,8 @@ class SequenceRequest(_message.Message):
     logprobs: bool
     top_logprobs: int
     traceparent: str
-    def __init__(self, id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[_common_pb2.Speculation, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    beam: _common_pb2.BeamSearch
+    def __init__(self, id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[_common_pb2.Speculation, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., traceparent: _Optional[str] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("ids",)
@@ -69,7 +71,7 @@ class Events(_message.Message):
     def __init__(self, step: _Optional[int] = ..., events: _Optional[_Iterable[_Union[SequenceEvent, _Mapping]]] = ...) -> None: ...
 
 class SequenceEvent(_message.Message):
-    __slots__ = ("id", "token_ids", "finish_reason", "stats", "error", "queue_seconds", "logprobs")
+    __slots__ = ("id", "token_ids", "finish_reason", "stats", "error", "queue_seconds", "logprobs", "sequences")
     ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +79,7 @@ class SequenceEvent(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
@@ -84,7 +87,8 @@ class SequenceEvent(_message.Message):
     error: _common_pb2.SequenceError
     queue_seconds: float
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stats: _Optional[_Union[_common_pb2.SpeculationStats, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.SequenceError, _Mapping]] = ..., queue_seconds: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    sequences: _containers.RepeatedCompositeFieldContainer[_common_pb2.BeamSequence]
+    def __init__(self, id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stats: _Optional[_Union[_common_pb2.SpeculationStats, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.SequenceError, _Mapping]] = ..., queue_seconds: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., sequences: _Optional[_Iterable[_Union[_common_pb2.BeamSequence, _Mapping]]] = ...) -> None: ...
 
 class Load(_message.Message):
     __slots__ = ("max_slots", "free_slots", "running", "queued", "draft_sequences", "draft_connected", "batch")
