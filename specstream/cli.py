@@ -479,6 +479,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         kernel_bench.run(out, args.device, vocabs=ints(args.vocabs) or kernel_bench.VOCABS, rows=ints(args.rows),
                          hiddens=ints(args.hidden_sizes), models=None if args.no_model else bench_models(args))
         return 0
+    if args.kind == "beam":
+        from specstream.bench import beam
+
+        ks = tuple(int(k) for k in args.num_beams.split(",")) if args.num_beams else (5, 10)
+        epsilons = tuple(float(e) for e in args.epsilons.split(",")) if args.epsilons else (1 / 6, 1 / 3, 1 / 2)
+        beam.run(bench_models(args), Path(args.out), ks=ks, n_requests=args.prompts or 24,
+                 max_new=args.max_new_tokens or 40, threshold=args.beam_threshold, epsilons=epsilons,
+                 peer=not args.no_hf)
+        return 0
     if args.kind != "gamma":
         args.prompts = args.prompts or 8
         args.max_new_tokens = args.max_new_tokens or 128
@@ -678,14 +687,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train_draft)
 
     p = sub.add_parser("bench", help="benchmarks: table on stdout, JSON and PNG plots in --out")
-    p.add_argument("kind", choices=["latency", "sampling", "synthetic", "throughput", "profile", "gamma", "kernels"],
+    p.add_argument("kind", choices=["latency", "sampling", "synthetic", "throughput", "profile", "gamma", "kernels",
+                                    "beam"],
                    help="latency: gamma sweep vs theory, Hugging Face and (when installed) llama.cpp; "
                         "gamma: fixed gamma vs the HF heuristic, Leviathan's optimum and our controller, with "
                         "model / n-gram / n-gram+model proposers, per workload and batch size; "
                         "sampling: the same at several temperatures (speculative sampling); "
                         "synthetic: overhead vs theory at set acceptance rates on a ~100M random target; "
                         "throughput: batching policies under load; profile: where one decode step's time goes; "
-                        "kernels: the output layer, fused kernels against unfused torch")
+                        "kernels: the output layer, fused kernels against unfused torch; "
+                        "beam: FIXED / VAR-BATCH / VAR-STREAM / VAR-STR-FIFO beam search and transformers' beams")
     _models_flag(p)
     p.add_argument("--target", help="target model: name, .gguf file or directory (default: --models)")
     p.add_argument("--draft", help="draft model directory (default: the --models pair's draft)")
@@ -709,13 +720,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", help="throughput: only these n (comma-separated, of 8,32); gamma: default 1,8,32")
     p.add_argument("--policies", help="throughput: only these settings, comma-separated, of 'static all', "
                                       "'topup ε=0.5 all', 'topup ε=1 all', 'topup ε=1 min_length', 'topup ε=1 fifo'")
-    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison (latency, sampling)")
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison (latency, sampling, beam)")
     p.add_argument("--vocabs", help="kernels: comma-separated vocabulary sizes (default 32000,49152,128256,151936)")
     p.add_argument("--rows", help="kernels: comma-separated row counts (default 1,8,64,576 on CUDA; 1,8,64 on CPU)")
     p.add_argument("--hidden-sizes", help="kernels: comma-separated hidden sizes (default 576,2048,4096 on CUDA; "
                                           "576 on CPU)")
     p.add_argument("--device", default=None, help="kernels: cuda or cpu (default: cuda when there is one)")
     p.add_argument("--no-model", action="store_true", help="kernels: skip the decode-step share on the target")
+    p.add_argument("--num-beams", help="beam: comma-separated k (default 5,10)")
+    p.add_argument("--beam-threshold", type=float, default=1.5, help="beam: the variable width's δ (default 1.5)")
+    p.add_argument("--epsilons", help="beam: VAR-STREAM refill thresholds (default 1/6,1/3,1/2 as decimals)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("experiment", help="traced latency experiment: where each request's time goes")

@@ -12,7 +12,9 @@ running rows to expand in a step.
 
 A beam request is one group of up to k rows (its running hypotheses, all of one length): it is
 admitted whole (k slots, Algorithm 1 of the VAR-STREAM paper), selected whole, and counts its
-width against n; an ordinary request is a group of one row.
+width against n; an ordinary request is a group of one row. A beam's length for min_length and
+fifo is the paper's l_t, the tokens generated: prompts of different lengths would otherwise
+expand one beam at a time.
 
 Knows sequences only by their lengths, widths and step counters; nothing about models or gRPC.
 Which rows share a step never changes any row's tokens (masking makes each row's forward
@@ -30,7 +32,7 @@ class Row(Protocol):
     last_expanded: int  # the step the row was last expanded (or admitted)
 
     @property
-    def length(self) -> int: ...  # tokens so far (prompt + generated)
+    def length(self) -> int: ...  # tokens so far (prompt + generated); a beam: tokens generated (l_t)
 
     @property
     def width(self) -> int: ...  # rows it takes in a step (a beam's running hypotheses; 1 otherwise)

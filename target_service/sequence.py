@@ -87,9 +87,11 @@ class Sequence:
 
     @property
     def length(self) -> int:
-        """Tokens so far, prompt included (a beam's hypotheses all have this length)."""
-        if self.beam is not None and self.finish_reason is None:
-            return self.prompt_len + self.beam.generated
+        """What the scheduler's min_length / fifo selections compare: tokens so far, prompt
+        included; for a beam, the tokens its hypotheses have generated (VAR-STREAM's l_t, the
+        decoder length: beams admitted later catch up whatever their prompts' lengths)."""
+        if self.beam is not None:
+            return self.beam.generated
         return len(self.tokens)
 
     @property
