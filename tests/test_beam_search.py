@@ -135,7 +135,7 @@ POLICIES = {
 
 
 def _variable_requests(stop_ids, order_seed: int) -> list[SequenceRequest]:
-    beam = BeamOptions(4, 3, 1.0, "heuristic", beam_threshold=1.5, max_candidates_per_parent=2)
+    beam = BeamOptions(4, 3, 1.0, "heuristic", beam_threshold=0.3, max_candidates_per_parent=2)
     extra = random.Random(0)
     prompts = [p + [extra.randrange(3, 128)] for p in PROMPTS for _ in range(2)]  # 10 requests
     requests = [_request(i, p, 6 + (5 * i) % 11, beam, stop_ids) for i, p in enumerate(prompts)]
