@@ -485,8 +485,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ks = tuple(int(k) for k in args.num_beams.split(",")) if args.num_beams else (5, 10)
         epsilons = tuple(float(e) for e in args.epsilons.split(",")) if args.epsilons else (1 / 6, 1 / 3, 1 / 2)
         beam.run(bench_models(args), Path(args.out), ks=ks, n_requests=args.prompts or 24,
-                 max_new=args.max_new_tokens or 40, threshold=args.beam_threshold, epsilons=epsilons,
-                 peer=not args.no_hf)
+                 max_new=args.max_new_tokens or 48, threshold=args.beam_threshold, epsilons=epsilons,
+                 peer=not args.no_hf, repeats=args.repeats)
         return 0
     if args.kind != "gamma":
         args.prompts = args.prompts or 8
@@ -715,7 +715,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   "speculative runs propose with", pair=True)
     p.add_argument("--proposers", help="gamma: comma-separated, of model,ngram,ngram+model (default all)")
     p.add_argument("--repeats", type=int, default=1,
-                   help="gamma: run every setting this many times, interleaved, and report the median")
+                   help="gamma, beam: run every setting this many times, interleaved, and report the median")
     p.add_argument("--requests", type=int, default=200, help="throughput: requests per setting")
     p.add_argument("--batch-sizes", help="throughput: only these n (comma-separated, of 8,32); gamma: default 1,8,32")
     p.add_argument("--policies", help="throughput: only these settings, comma-separated, of 'static all', "

@@ -36,6 +36,8 @@ def _best(fn, repeats: int) -> float:
 
 @torch.inference_mode()
 def _measure(model, ks: tuple[int, ...], contexts: tuple[int, ...], repeats: int) -> list[dict]:
+    longest = model.config.max_position_embeddings - 8
+    contexts = tuple(dict.fromkeys(min(c, longest) for c in contexts))  # a short model: its longest context
     rows = []
     for k in ks:
         for context in contexts:

@@ -258,26 +258,3 @@ def test_bench_gamma_compares_policies_and_proposers(model_zoo, tmp_path):
     assert (tmp_path / "gamma_vs_best_fixed.png").stat().st_size > 1000
     assert "ours ÷ best fixed" in gamma.tables(data, markdown=True)
 
-
-def test_bench_beam_compares_the_policies_and_transformers(model_zoo, tmp_path):
-    """A small run: every method reports steps and expansions from its own run; variable width
-    expands fewer candidates than fixed; the streaming policies return VAR-BATCH's hypotheses;
-    transformers' beams are compared with ours on the same (float32) checkpoint."""
-    from specstream.bench import beam
-    from specstream.bench.models import BenchModels
-
-    models = BenchModels("zoo", model_zoo["target"], model_zoo["partial"], "float32")
-    data = beam.run(models, tmp_path, ks=(3,), n_requests=6, min_new=4, max_new=10, threshold=1.0,
-                    epsilons=(1 / 3,), rows_per_beam=2)
-    assert {p.name for p in tmp_path.iterdir()} >= {"beam.json", "beam_wall_time.png", "beam_expansions_per_step.png"}
-    written = json.loads((tmp_path / "beam.json").read_text())
-    runs = written["runs"]["3"]["methods"]
-    assert list(runs) == ["FIXED", "VAR-BATCH", "VAR-STREAM ε=1/3", "VAR-STR-FIFO ε=1/3"]
-    assert all(r["steps"] > 0 and r["expansions"] >= r["steps"] for r in runs.values())
-    assert runs["VAR-BATCH"]["expansions"] < runs["FIXED"]["expansions"]  # δ = 1 pruned something
-    assert runs["VAR-STREAM ε=1/3"]["same_as_var_batch"] and runs["VAR-STR-FIFO ε=1/3"]["same_as_var_batch"]
-    # transformers' fixed-width beams on the same float32 checkpoint: the same best hypotheses
-    assert written["runs"]["3"]["transformers"]["top1_agreement_with_fixed"] == 1.0
-    assert [s["k"] for s in written["prefix_sharing"]] == [3, 3] and all(
-        s["copy_bytes"] > 0 for s in written["prefix_sharing"])
-    assert "VAR-STREAM ε=1/3" in beam.tables(data)
