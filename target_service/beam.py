@@ -10,10 +10,10 @@ and (early_stopping) cannot improve, or at the length limit. Scores are float32 
 Variable width (Freitag & Al-Onaizan 2017, as the VAR-STREAM paper uses it) prunes the continuing
 hypotheses: at most M extend one parent (the next best candidate takes the place of one over
 the cap), and none more than δ below the best score of this step's continuing candidates and of
-the hypotheses finished so far (the paper's Appendix A: the best may be a finished one). Scores
-are the ranking's, sum / length ** length_penalty (length_penalty 0: the paper's plain
-log-probability), so a short finished hypothesis does not prune longer ones the ranking could
-still put first. δ = ∞
+the hypotheses finished so far (the paper's Appendix A: the best may be a finished one). δ is in
+nats of log-probability; a finished hypothesis counts with the log-probability its ranking score
+stands for at the candidates' length (length_penalty 0: its plain sum, the paper's rule), so a
+short finished hypothesis does not prune longer ones the ranking could still put first. δ = ∞
 and M = k prune nothing: the same code is the fixed-width search. The search also ends when
 pruning leaves nothing running.
 
@@ -134,13 +134,15 @@ class BeamSearch:
             chosen.append(i)
         threshold = self.options.beam_threshold
         if threshold != float("inf") and chosen:
-            # On the ranking's scale (length-penalised; length_penalty 0 is the paper's plain
-            # log-probability): a finished hypothesis is shorter, and its plain sum would prune
-            # every longer one that the ranking may still prefer.
+            # δ is in nats of log-probability, as in the paper, and the best is taken on the
+            # ranking's scale: a finished hypothesis counts with the score it would have at this
+            # length (its sum / its length ** length_penalty × this length ** length_penalty), so a
+            # shorter one does not prune longer ones the ranking may still put first. With
+            # length_penalty 0 this is the paper's rule exactly.
             scale = (self.generated + 1) ** self.options.length_penalty
-            finished = [float(v) for v, h in zip(self.finished_scores, self.finished) if h is not None]
-            best = max([float(top[chosen[0]]) / scale, *finished])
-            chosen = [i for i in chosen if float(top[i]) / scale >= best - threshold]
+            finished = [float(v) * scale for v, h in zip(self.finished_scores, self.finished) if h is not None]
+            best = max([float(top[chosen[0]]), *finished])
+            chosen = [i for i in chosen if float(top[i]) >= best - threshold]
         return chosen
 
     def _check_end(self, all_end: bool) -> None:
