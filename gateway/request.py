@@ -19,7 +19,7 @@ the gateway's Prometheus metrics.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import grpc
 
@@ -127,8 +127,10 @@ def _finish_span(span, chunk: generation_pb2.GenerateStreamResponse) -> None:
         "specstream.draft_tokens": chunk.stats.draft_tokens, "specstream.accepted_tokens": chunk.stats.accepted_tokens})
 
 
-def _beam_sequences(tokenizer: TextTokenizer, prompt_ids: list[int], sequences) -> list[common_pb2.BeamSequence]:
-    """The target's hypotheses with their text, detokenized as the main text is (after the prompt)."""
+def _beam_sequences(tokenizer: TextTokenizer, prompt_ids: list[int],
+                    sequences: Iterable[common_pb2.BeamSequence]) -> list[common_pb2.BeamSequence]:
+    """The target's hypotheses with their text, detokenized as the main text is (after the prompt,
+    special tokens skipped alike), so the best one's text equals the response's."""
     out = []
     for seq in sequences:
         detok = tokenizer.detokenizer(prompt_ids)

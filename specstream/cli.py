@@ -367,6 +367,10 @@ def _call(args: argparse.Namespace, messages: list[dict[str, str]] | None) -> in
         print(f"error: --max-gamma {args.max_gamma} caps automatic speculation and needs --gamma auto "
               f"(got --gamma {args.gamma})", file=sys.stderr)
         return 2
+    beam_flags = [flag for flag, value in _beam_flags(args) if value is not None]
+    if beam_flags and args.num_beams is None:
+        print(f"error: {', '.join(beam_flags)} set beam search options and need --num-beams K", file=sys.stderr)
+        return 2
     # Ranges of temperature / top-p are the server's to check; its error names the field.
     kwargs = dict(max_new_tokens=args.max_new_tokens, speculation=args.gamma, max_gamma=args.max_gamma,
                   stop=args.stop or None, timeout=args.timeout, ignore_eos=args.ignore_eos,
@@ -383,15 +387,16 @@ def _call(args: argparse.Namespace, messages: list[dict[str, str]] | None) -> in
                 stream = client.generate_stream(args.prompt, **kwargs) if messages is None \
                     else client.chat_stream(messages, **kwargs)
                 for chunk in stream:
-                    if not args.json:
-                        print(chunk.text, end="", flush=True)
-                    else:
+                    if args.json:
                         print(json.dumps(chunk.to_dict()), flush=True)
+                    elif not chunk.sequences:  # a beam's one chunk is printed as its n-best list
+                        print(chunk.text, end="", flush=True)
                     last = chunk
                 if not args.json:
-                    print()
                     if last is not None and last.sequences:
                         _print_beams(last.sequences)
+                    else:
+                        print()
                     if last is not None and last.stats is not None:
                         _print_stats(last.stats, last.usage, last.timings, last.seed if sampled else None)
                 return 0
@@ -408,6 +413,13 @@ def _call(args: argparse.Namespace, messages: list[dict[str, str]] | None) -> in
         print(result.text)
         _print_stats(result.stats, result.usage, result.timings, result.seed if sampled else None)
     return 0
+
+
+def _beam_flags(args: argparse.Namespace) -> list[tuple[str, object]]:
+    """The beam-search flags other than --num-beams, with their values (None: not given)."""
+    return [("--num-return", args.num_return), ("--length-penalty", args.length_penalty),
+            ("--early-stopping", args.early_stopping), ("--beam-threshold", args.beam_threshold),
+            ("--max-candidates-per-parent", args.max_candidates_per_parent)]
 
 
 def _print_beams(sequences) -> None:

@@ -371,3 +371,38 @@ def test_beam_options_reach_the_wire_as_one_message() -> None:
 def test_bad_early_stopping_raises_when_made(value: Any) -> None:
     with pytest.raises(ValueError, match="early_stopping"):
         GenerateOptions(num_beams=2, early_stopping=value)
+
+
+@pytest.mark.parametrize(("value", "wire"), [
+    (False, common_pb2.EARLY_STOPPING_HEURISTIC),
+    ("heuristic", common_pb2.EARLY_STOPPING_HEURISTIC),
+    (True, common_pb2.EARLY_STOPPING_FIRST_K),
+    ("first_k", common_pb2.EARLY_STOPPING_FIRST_K),
+    ("never", common_pb2.EARLY_STOPPING_NEVER),
+    (None, common_pb2.EARLY_STOPPING_UNSPECIFIED),  # not sent: the server's default (heuristic)
+])
+def test_each_early_stopping_spelling_reaches_the_wire(value: Any, wire: int) -> None:
+    assert GenerateOptions(num_beams=2, early_stopping=value).to_pb().beam.early_stopping == wire
+
+
+@pytest.mark.parametrize(("name", "value", "error"), [
+    ("num_beams", "4", TypeError),
+    ("num_beams", True, TypeError),
+    ("num_beams", 2**31, ValueError),  # outside int32
+    ("num_return_sequences", 1.5, TypeError),
+    ("max_candidates_per_parent", -(2**31) - 1, ValueError),
+    ("length_penalty", "1", TypeError),
+    ("beam_threshold", True, TypeError),
+])
+def test_unencodable_beam_options_raise_when_made(name: str, value: Any, error: type[Exception]) -> None:
+    with pytest.raises(error, match=name):
+        GenerateOptions(num_beams=2, **{name: value}) if name != "num_beams" else GenerateOptions(num_beams=value)
+
+
+def test_beam_ranges_are_the_servers_to_judge() -> None:
+    # Encodable but out of range: sent as given, so the server's INVALID_ARGUMENT names the field.
+    beam = GenerateOptions(num_beams=-1, num_return_sequences=9, length_penalty=float("nan"),
+                           beam_threshold=0.0, max_candidates_per_parent=-3).to_pb().beam
+    assert (beam.num_beams, beam.num_return_sequences, beam.beam_threshold, beam.max_candidates_per_parent) == \
+        (-1, 9, 0.0, -3)
+    assert beam.HasField("length_penalty") and beam.length_penalty != beam.length_penalty  # NaN

@@ -1,6 +1,7 @@
 """The client SDK against an in-process fake Generation service: request building, result
-conversion, error mapping (unary and streaming, also mid-stream), deadlines, AsyncClient, the
-`specstream generate` flags that reach the request, and importing without torch."""
+conversion (beam search's n-best `sequences` included), error mapping (unary and streaming, also
+mid-stream), deadlines, AsyncClient, the `specstream generate` flags that reach the request (the
+beam flags and the n-best list it prints too), and importing without torch."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from fake_gateway import serve_generation
 
 from specstream_client import (
     AsyncClient,
+    BeamSequence,
     Cancelled,
     Client,
     DeadlineExceeded,
@@ -98,6 +100,7 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
 
     def reset(self) -> None:
         self.requests: list[generation_pb2.GenerateRequest] = []
+        self.response: generation_pb2.GenerateResponse = _RESPONSE
         self.chunks: list[generation_pb2.GenerateStreamResponse] = list(_CHUNKS)
         self.abort: tuple[grpc.StatusCode, str] | None = None
         self.abort_after = 0  # stream chunks sent before aborting
@@ -116,7 +119,7 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
         self._sleep(context)
         if self.abort is not None:
             context.abort(*self.abort)
-        return _RESPONSE
+        return self.response
 
     def GenerateStream(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         self.requests.append(request)
@@ -704,6 +707,124 @@ def test_cli_generate_sampling_flags(url: str, fake: FakeGeneration, capsys: pyt
     for bad in (["--seed", "-1"], ["--seed", str(2**64)], ["--logprobs", "-1"], ["--top-k", "-2"]):
         with pytest.raises(SystemExit):
             main(["generate", "--url", url, *bad, "hi"])
+        assert bad[0] in capsys.readouterr().err
+
+
+# --- beam search -----------------------------------------------------------------------------------------
+
+
+# A beam's answer as the gateway sends it: the best hypothesis as the result, the n best in
+# `sequences`; GenerateStream sends the same as its one chunk.
+_BEAMS = [
+    C.BeamSequence(text=" Paris.", token_ids=[21, 22, 2], score=-0.25, logprob=-0.75,
+                   finish_reason=C.FINISH_REASON_EOS),
+    C.BeamSequence(text=" Paris,", token_ids=[21, 23, 24], score=-0.5, logprob=-1.5,
+                   finish_reason=C.FINISH_REASON_LENGTH),
+    C.BeamSequence(text=" Lyon", token_ids=[25, 26], score=-1.25, logprob=-2.5, finish_reason=C.FINISH_REASON_STOP),
+]
+_BEAM_FINAL = dict(request_id="req-b", text=" Paris.", token_ids=[21, 22, 2], finish_reason=C.FINISH_REASON_EOS,
+                   usage=C.Usage(prompt_tokens=4, completion_tokens=3), seed=5, sequences=_BEAMS,
+                   stats=C.SpeculationStats(target_passes=4, beam_expansions=11),
+                   timings=C.Timings(total_seconds=0.5))
+_WANT_BEAMS = [
+    BeamSequence(text=" Paris.", token_ids=[21, 22, 2], score=-0.25, logprob=-0.75, finish_reason="eos"),
+    BeamSequence(text=" Paris,", token_ids=[21, 23, 24], score=-0.5, logprob=-1.5, finish_reason="length"),
+    BeamSequence(text=" Lyon", token_ids=[25, 26], score=-1.25, logprob=-2.5, finish_reason="stop"),
+]
+
+
+@pytest.fixture
+def beams(fake: FakeGeneration) -> FakeGeneration:
+    fake.response = generation_pb2.GenerateResponse(**_BEAM_FINAL)
+    fake.chunks = [generation_pb2.GenerateStreamResponse(**_BEAM_FINAL)]
+    return fake
+
+
+def _sent_beam(fake: FakeGeneration) -> tuple[Any, ...]:
+    beam = fake.requests[-1].beam
+    return (beam.num_beams, beam.num_return_sequences, beam.length_penalty, beam.early_stopping,
+            beam.beam_threshold, beam.max_candidates_per_parent)
+
+
+BEAM_OPTIONS = dict(num_beams=5, num_return_sequences=3, length_penalty=0.5, early_stopping="never",
+                    beam_threshold=1.5, max_candidates_per_parent=2)
+BEAM_WIRE = (5, 3, 0.5, C.EARLY_STOPPING_NEVER, 1.5, 2)
+
+
+def test_beam_results_sync(client: Client, beams: FakeGeneration) -> None:
+    res = client.generate("The capital of France is", **BEAM_OPTIONS)
+    assert _sent_beam(beams) == BEAM_WIRE
+    assert res.sequences == _WANT_BEAMS and res.text == " Paris." and res.finish_reason == "eos"
+    assert res.stats.beam_expansions == 11
+    with pytest.raises(AttributeError):
+        res.sequences[0].score = 0.0  # type: ignore[misc]
+    d = json.loads(json.dumps(res.to_dict()))
+    assert d["sequences"][2] == {"text": " Lyon", "token_ids": [25, 26], "score": -1.25, "logprob": -2.5,
+                                 "finish_reason": "stop"}
+    (chunk,) = client.generate_stream("The capital of France is", num_beams=3)
+    assert chunk.is_final and chunk.sequences == _WANT_BEAMS and chunk.text == res.text
+    assert [s["finish_reason"] for s in chunk.to_dict()["sequences"]] == ["eos", "length", "stop"]
+    assert beams.requests[-1].beam.num_beams == 3 and not beams.requests[-1].beam.HasField("beam_threshold")
+
+
+def test_beam_results_async(url: str, beams: FakeGeneration) -> None:
+    async def main() -> None:
+        async with AsyncClient(url) as c:
+            res = await c.generate("The capital of France is", **BEAM_OPTIONS)
+            assert _sent_beam(beams) == BEAM_WIRE
+            assert res.sequences == _WANT_BEAMS and res.stats.beam_expansions == 11
+            chunks = [chunk async for chunk in c.generate_stream("x", num_beams=2, early_stopping=True)]
+            assert len(chunks) == 1 and chunks[0].sequences == _WANT_BEAMS
+            assert beams.requests[-1].beam.early_stopping == C.EARLY_STOPPING_FIRST_K
+            res = await c.chat(MESSAGES, num_beams=4, num_return_sequences=2)
+            assert res.sequences == _WANT_BEAMS and beams.requests[-1].WhichOneof("input") == "messages"
+            assert (beams.requests[-1].beam.num_beams, beams.requests[-1].beam.num_return_sequences) == (4, 2)
+
+    asyncio.run(main())
+
+
+def test_results_without_beams_have_no_sequences(client: Client, fake: FakeGeneration) -> None:
+    assert client.generate("hi").sequences == [] and "sequences" not in client.generate("hi").to_dict()
+    assert not fake.requests[-1].HasField("beam")
+    assert all(c.sequences == [] for c in client.generate_stream("hi"))
+
+
+def test_cli_generate_beam_flags(url: str, beams: FakeGeneration, capsys: pytest.CaptureFixture[str]) -> None:
+    from specstream.cli import main
+
+    flags = ["--num-beams", "5", "--num-return", "3", "--length-penalty", "0.5", "--early-stopping", "never",
+             "--beam-threshold", "1.5", "--max-candidates-per-parent", "2"]
+    assert main(["generate", "--url", url, *flags, "The capital of France is"]) == 0
+    assert _sent_beam(beams) == BEAM_WIRE
+    out = capsys.readouterr()
+    ranks = [line for line in out.out.splitlines() if line.startswith("#")]
+    assert ranks == ["#1  score -0.2500  logprob -0.750  3 tokens  eos",
+                     "#2  score -0.5000  logprob -1.500  3 tokens  length",
+                     "#3  score -1.2500  logprob -2.500  2 tokens  stop"]
+    assert out.out.splitlines()[1] == "     Paris." and "11 beam expansions" in out.err
+
+    assert main(["generate", "--url", url, "--stream", "--num-beams", "2", "x"]) == 0
+    streamed = capsys.readouterr().out
+    assert streamed == out.out  # the one chunk is printed as the same n-best list
+
+    assert main(["generate", "--url", url, "--json", "--num-beams", "2", "x"]) == 0
+    assert [s["text"] for s in json.loads(capsys.readouterr().out)["sequences"]] == [" Paris.", " Paris,", " Lyon"]
+
+    assert main(["generate", "--url", url, "--num-beams", "2", "--early-stopping", "first_k", "x"]) == 0
+    beam = beams.requests[-1].beam  # what was not given is not sent: the server's defaults apply
+    assert (beam.num_beams, beam.num_return_sequences, beam.early_stopping, beam.max_candidates_per_parent) == \
+        (2, 0, C.EARLY_STOPPING_FIRST_K, 0)
+    assert not beam.HasField("length_penalty") and not beam.HasField("beam_threshold")
+    capsys.readouterr()
+
+    sent = len(beams.requests)
+    assert main(["generate", "--url", url, "--num-return", "2", "--beam-threshold", "1", "x"]) == 2
+    assert "--num-return, --beam-threshold set beam search options and need --num-beams K" in capsys.readouterr().err
+    assert len(beams.requests) == sent  # refused before any request
+    for bad in (["--num-beams", "0"], ["--num-beams", "x"], ["--num-return", "0"], ["--early-stopping", "sometimes"],
+                ["--max-candidates-per-parent", "-1"], ["--beam-threshold", "wide"]):
+        with pytest.raises(SystemExit):
+            main(["generate", "--url", url, "--num-beams", "2", *bad, "x"])
         assert bad[0] in capsys.readouterr().err
 
 

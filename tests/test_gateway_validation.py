@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import grpc
 import pytest
 
 from gateway.validation import Limits, validate
@@ -121,7 +122,9 @@ def _beam(**fields):
     return common_pb2.BeamSearch(**{"num_beams": 3, **fields})
 
 
-@pytest.mark.parametrize(("field", "fields"), [
+# (the field the error names, the request's fields): every bad beam option and every combination a
+# beam refuses. tests/test_gateway_beam.py sends each through the served gateway as well.
+BAD_BEAM_REQUESTS = [
     ("beam.num_beams", dict(beam=_beam(num_beams=0))),
     ("beam.num_beams", dict(beam=_beam(num_beams=-2))),
     ("beam.num_return_sequences", dict(beam=_beam(num_return_sequences=4))),
@@ -142,12 +145,40 @@ def _beam(**fields):
                                                                                 gamma=2))),
     ("logprobs", dict(beam=_beam(), logprobs=True)),
     ("stop", dict(beam=_beam(), stop=["\n"])),
-])
+    ("stop", dict(beam=_beam(), stop=["a", "b"])),
+]
+
+
+@pytest.mark.parametrize(("field", "fields"), BAD_BEAM_REQUESTS)
 def test_bad_beam_options_and_combinations_are_named(field, fields):
     with pytest.raises(InvalidArgumentError) as info:
         _validate(**fields)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.field == field
     assert str(info.value).startswith(f"{field}=")
+
+
+def test_a_beam_with_stop_strings_says_they_are_not_supported():
+    with pytest.raises(InvalidArgumentError, match="not supported with beam"):
+        _validate(beam=_beam(), stop=["\n"])
+
+
+@pytest.mark.parametrize("fields", [
+    dict(num_beams=1),  # greedy decoding as a beam
+    dict(num_return_sequences=0),  # 0 = 1
+    dict(num_return_sequences=3),  # all of them
+    dict(max_candidates_per_parent=3),  # = num_beams: no cap
+    dict(beam_threshold=math.inf),  # set to infinity: fixed width, as unset
+    dict(beam_threshold=1e-3, length_penalty=-2.0),
+    dict(early_stopping=common_pb2.EARLY_STOPPING_NEVER),
+])
+def test_beam_option_bounds_are_inclusive(fields):
+    assert _validate(beam=_beam(**fields)).beam == _beam(**fields)
+
+
+@pytest.mark.parametrize("mode", [common_pb2.SPECULATION_MODE_AUTO, common_pb2.SPECULATION_MODE_OFF])
+def test_a_beam_accepts_automatic_or_no_speculation(mode):
+    assert _validate(beam=_beam(), speculation=common_pb2.Speculation(mode=mode)).beam.num_beams == 3
 
 
 def test_beam_options_reach_the_target():

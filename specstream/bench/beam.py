@@ -173,7 +173,7 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
 def run(models: BenchModels, out_dir: Path, ks: tuple[int, ...] = (5, 10), n_requests: int = 24, min_new: int = 8,
         max_new: int = 48, threshold: float = 1.5, limits: dict[int, int] | None = None,
         epsilons: tuple[float, ...] = (1 / 6, 1 / 3, 1 / 2), rows_per_beam: int = 4, peer: bool = True,
-        seed: int = 0, repeats: int = 1) -> dict:
+        seed: int = 0, repeats: int = 1, sweep: tuple[float, ...] = (3.0, 5.0, 8.0)) -> dict:
     """The table, `beam.json` and plots in `out_dir`. `limits`: M per k (default 3 at k = 5,
     5 at k = 10: the paper's §A.3 values, below k). ``repeats`` > 1 runs every method that many
     times, interleaved (all methods once, then all again), and reports each one's median wall time:
@@ -220,6 +220,21 @@ def run(models: BenchModels, out_dir: Path, ks: tuple[int, ...] = (5, 10), n_req
             print(f"k={k:2d} {'transformers':18s} {hf['seconds']:7.1f} s  top-1 = our FIXED on "
                   f"{hf['top1_agreement_with_fixed']:.0%}", flush=True)
         data["runs"][str(k)] = row
+        report.write_json(out_dir / "beam.json", data)
+    if sweep:  # the paper's Table 5: δ trades expansions for agreement with FIXED (VAR-BATCH, largest k)
+        k = max(ks)
+        fixed = data["runs"][str(k)]["methods"]["FIXED"]
+        data["threshold_sweep"] = {"k": k, "max_candidates_per_parent": limits[k], "rows": []}
+        for delta in (threshold, *sweep):
+            r = run_method(model, chosen[1], k, work, stops, rows_per_beam * k, delta, limits[k])
+            entry = {"beam_threshold": delta, "seconds": r["seconds"], "expansions": r["expansions"],
+                     "expansions_vs_fixed": r["expansions"] / fixed["expansions"],
+                     "top1_agreement_with_fixed": _agreement(r["best"], fixed["best"]),
+                     "mean_best_logprob": r["mean_best_logprob"]}
+            data["threshold_sweep"]["rows"].append(entry)
+            print(f"k={k} VAR-BATCH δ={delta:g}: {r['expansions']} expansions "
+                  f"({entry['expansions_vs_fixed']:.0%} of FIXED's), top-1 = FIXED on "
+                  f"{entry['top1_agreement_with_fixed']:.0%}", flush=True)
         report.write_json(out_dir / "beam.json", data)
     data["prefix_sharing"] = prefix_cost.measure(model, ks=tuple(ks))
     report.write_json(out_dir / "beam.json", data)
@@ -270,6 +285,14 @@ def tables(data: dict, markdown: bool = False) -> str:
                    f"{data['requests']} requests ({data['model']}, {data['target_weights']}, {data['device']})")
         out.append(table(["method", "wall s", "vs FIXED", "vs VAR-BATCH", "steps", "expansions", "exp/step",
                           "mean best logprob", "top-1 = FIXED", "= VAR-BATCH"], rows))
+    sweep = data.get("threshold_sweep")
+    if sweep:
+        out.append(f"VAR-BATCH at k = {sweep['k']}, M = {sweep['max_candidates_per_parent']}: the threshold δ against "
+                   "FIXED")
+        out.append(table(["δ", "wall s", "expansions", "of FIXED's", "mean best logprob", "top-1 = FIXED"],
+                         [[f"{r['beam_threshold']:g}", f"{r['seconds']:.1f}", r["expansions"],
+                           f"{r['expansions_vs_fixed']:.0%}", f"{r['mean_best_logprob']:.3f}",
+                           f"{r['top1_agreement_with_fixed']:.0%}"] for r in sweep["rows"]]))
     sharing = data.get("prefix_sharing")
     if sharing:
         out.append("sharing a beam's prefix (k - 1 forks per step) against copying it")
