@@ -187,4 +187,9 @@ def _attention_over_cache(
     scores = torch.matmul(q, keys.transpose(-1, -2)).float().mul_(scale)  # [B, Hkv, R, L]
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [B, Hkv, R, D]
+    # The softmax in float64: a float32 row sum is reduced in an order that depends on the row's
+    # length, so masked trailing keys changed the probabilities' last bits (seen on SmolLM2: a prompt
+    # prefilled in two chunks got another cache than in one). In float64 the sum's order is far
+    # below the rounding to the values' dtype.
+    probs = torch.softmax(scores.double(), dim=-1).to(values.dtype)  # [B, Hkv, R, L]
+    return torch.matmul(probs, values)  # [B, Hkv, R, D]

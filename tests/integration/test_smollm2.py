@@ -227,3 +227,28 @@ def test_a_model_without_a_chat_template_refuses_messages(stack_factory) -> None
         with pytest.raises(InvalidArgument, match="no chat template"):
             client.chat([{"role": "user", "content": "hi"}])
         assert client.generate("def f(", max_new_tokens=3).usage.completion_tokens == 3
+
+
+def test_a_prompt_prefilled_in_chunks_gets_the_cache_of_one_prefill() -> None:
+    """Every split of a prompt (the engine's chunked prefill splits by what else is admitted) gives
+    the same K/V and last hidden state, bit for bit, as prefilling it at once: attention over a row
+    whose trailing keys are masked must not round differently. A held-out chat prompt whose
+    14 + 22 split once differed at layer 8 (a float32 softmax summed in a length-dependent order)."""
+    from specstream.bench.models import BenchModels
+
+    target, draft, dtype = pair_refs("smollm2")
+    models = BenchModels.from_refs(target, draft, dtype, "smollm2")
+    model = models.load("target")  # as served on CPU: bfloat16, 4-bit matrices
+    prompts = models.prompts(24)
+    assert model.weights.startswith("int4")
+    with torch.inference_mode():
+        for prompt in (prompts[19], *prompts[:3]):
+            ids = torch.tensor([prompt])
+            cache = model.new_cache(2, len(prompt) + 1)
+            whole = model.hidden(ids, cache, torch.tensor([0]), torch.tensor([0]), last_only=True)
+            for split in (1, 14, len(prompt) // 2, len(prompt) - 1):
+                model.hidden(ids[:, :split], cache, torch.tensor([1]), torch.tensor([0]), last_only=True)
+                parts = model.hidden(ids[:, split:], cache, torch.tensor([1]), torch.tensor([split]), last_only=True)
+                assert torch.equal(parts, whole), f"prompt of {len(prompt)} tokens split at {split}"
+                for layer in range(model.config.num_layers):
+                    assert torch.equal(cache.k[layer][1, :, :len(prompt)], cache.k[layer][0, :, :len(prompt)])
