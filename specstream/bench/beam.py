@@ -88,9 +88,8 @@ def run_method(model, method: Method, k: int, work: list[tuple[list[int], int]],
     beam = BeamOptions(k, 1, beam_threshold=threshold, max_candidates_per_parent=limit) if method.variable \
         else BeamOptions(k, 1)
     max_len = max(len(p) for p, _ in work) + max(n for _, n in work) + 16
-    # Every prompt prefilled whole (no chunks), whatever else is admitted with it: how a prompt is split
-    # changes the rounding of its bf16 cache (the products' shapes differ), and so, rarely, a
-    # near-tie among the hypotheses; here only the batching policy differs between the methods.
+    # Every prompt prefilled whole (no chunks), whatever else is admitted with it: the methods differ
+    # in their batching policy only.
     config = TargetConfig(model=ModelSpec("bench-beam"), max_slots=2 * rows, max_batch=rows, max_seq_len=max_len,
                           prefill_chunk=sum(len(p) for p, _ in work),
                           max_gamma=1, default_gamma=0, calibrate=False, policy=method.policy, refill_threshold=method.epsilon,

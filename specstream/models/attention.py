@@ -181,7 +181,7 @@ def _attention_over_cache(
     greedy speculation would not reproduce plain decoding. SDPA's fused CPU kernel does not
     promise that (in bfloat16 a row changes with the number of rows and with where the key count
     ends inside a vector block); batched matmuls (each score a dot product over D, each output a
-    product over the keys in order) and a row-wise float32 softmax do. It is also faster than the
+    product over the keys in order) and a row-wise float64 softmax do. It is also faster than the
     fused kernel for batches of sequences, and slower by ~0.1 ms per layer for a single one.
     q [B, Hkv, R, D], keys/values [B, Hkv, L, D], mask [B or 1, 1, R, L] (True = attend) -> [B, Hkv, R, D]."""
     scores = torch.matmul(q, keys.transpose(-1, -2)).float().mul_(scale)  # [B, Hkv, R, L]
