@@ -1,8 +1,8 @@
-"""The gateway process: the public `Generation` servicer.
+"""The gateway process: the public `Generation` servicer, and the OpenAI-compatible HTTP front
+(gateway/http/) when `http_port` is set, both over one `Gateway` core (gateway/service.py).
 
-Thin: admission (a bound on requests in flight), validation, then `gateway.request` does the
-work through the `Router` (bounded queue, replica choice). Health is SERVING while at least one
-target replica is connected and serving.
+Thin: admission, validation and the request pipeline are the core's. Health is SERVING while at
+least one target replica is connected and serving.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import logging
 
 import grpc
 
-from gateway import request as pipeline
 from gateway.discovery import resolve_targets
+from gateway.http.app import build_app
+from gateway.http.server import HttpServer
 from gateway.router import Router
+from gateway.service import Gateway
 from gateway.target_client import TargetClient
-from gateway.validation import Limits, validate
 from specstream.config import GatewayConfig
-from specstream.errors import OverloadedError
 from specstream.grpc_server import ServiceServer
 from specstream.metrics import GatewayMetrics
 from specstream.model_registry import resolve_model
@@ -30,57 +30,33 @@ SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_nam
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, config: GatewayConfig, router: Router, info: target_pb2.TargetInfo,
-                 tokenizer: TextTokenizer, metrics: GatewayMetrics) -> None:
-        self.config = config
-        self.router = router
-        self.metrics = metrics
-        self.info = info
-        self.tokenizer = tokenizer
-        self.limits = Limits.build(config, info)
-        self.eos_ids = tuple(sorted(set(info.eos_token_ids) | set(tokenizer.eos_token_ids)))
-        self.in_flight = 0
+    """The gRPC front: protobuf in, the gateway core, protobuf out."""
 
-    def _admit(self, request: generation_pb2.GenerateRequest):
-        if self.in_flight >= self.config.max_in_flight:
-            raise OverloadedError(f"{self.in_flight} requests in flight (max_in_flight={self.config.max_in_flight}); "
-                                  "retry later")
-        valid = validate(request, self.limits, self.tokenizer)
-        valid.model = self.info.model_name
-        return valid
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):  # noqa: N802
-        valid = self._admit(request)
-        self.in_flight += 1
-        try:
-            return await pipeline.generate(valid, self.router, self.tokenizer, self.eos_ids, self.metrics)
-        finally:
-            self.in_flight -= 1
+        return await self.gateway.generate(self.gateway.admit(request))
 
     async def GenerateStream(self, request, context: grpc.aio.ServicerContext):  # noqa: N802
-        valid = self._admit(request)
-        self.in_flight += 1
-        try:
-            async for chunk in pipeline.stream_chunks(valid, self.router, self.tokenizer, self.eos_ids,
-                                                      self.metrics):
-                yield chunk
-        finally:
-            self.in_flight -= 1
+        async for chunk in self.gateway.stream(self.gateway.admit(request)):
+            yield chunk
 
     async def GetModelInfo(self, request, context):  # noqa: N802
-        info, replicas = self.info, self.router.replicas
+        gateway = self.gateway
+        info, replicas = gateway.info, gateway.router.replicas
         live = [r.load for r in replicas if r.connected]
         return generation_pb2.ModelInfo(
             target_model=info.model_name, draft_model=info.draft_model_name, vocab_size=info.vocab_size,
-            max_context_length=info.max_context_length, max_new_tokens_limit=self.limits.max_new_tokens,
-            max_gamma=info.max_gamma, default_gamma=info.default_gamma, eos_token_ids=list(self.eos_ids),
+            max_context_length=info.max_context_length, max_new_tokens_limit=gateway.limits.max_new_tokens,
+            max_gamma=info.max_gamma, default_gamma=info.default_gamma, eos_token_ids=list(gateway.eos_ids),
             running_sequences=sum(load.running for load in live), queued_sequences=sum(load.queued for load in live),
             free_slots=sum(load.free_slots for load in live),
             draft_sequences=sum(load.draft_sequences for load in live),
             draft_connected=bool(live) and all(load.draft_connected for load in live),
-            gateway_in_flight=self.in_flight, gateway_queued=self.router.queued,
+            gateway_in_flight=gateway.in_flight, gateway_queued=gateway.router.queued,
             replicas=[_replica_pb(r) for r in replicas],
-            has_chat_template=self.tokenizer.chat_template is not None)
+            has_chat_template=gateway.tokenizer.chat_template is not None)
 
 
 def _replica_pb(replica: TargetClient) -> generation_pb2.ReplicaInfo:
@@ -127,11 +103,19 @@ async def serve(config: GatewayConfig) -> None:
     info = common_info(replicas)
     router = Router(replicas, max_queue=config.max_queue, backlog=config.replica_backlog)
     metrics = GatewayMetrics()
-    servicer = GenerationServicer(config, router, info, tokenizer, metrics)
-    metrics.watch_requests(in_flight=lambda: servicer.in_flight, queued=lambda: router.queued)
+    gateway = Gateway(config, router, info, tokenizer, metrics)
+    metrics.watch_requests(in_flight=lambda: gateway.in_flight, queued=lambda: router.queued)
     server = ServiceServer(config.server, [SERVICE_NAME], metrics.registry)
-    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server.server)
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(gateway), server.server)
+    stopping = asyncio.Event()
+    http = None
+    if config.http_port is not None:
+        app = build_app(gateway, metrics.registry if config.server.metrics_port is not None else None,
+                        ready=lambda: not stopping.is_set())
+        http = HttpServer(app, config.server.host, config.http_port, config.server.grace_s)
     await server.start()
+    if http is not None:
+        await http.start()
     await _wait_routable(replicas, config.connect_timeout_s)
     health_lock = asyncio.Lock()
 
@@ -142,10 +126,15 @@ async def serve(config: GatewayConfig) -> None:
     for replica in replicas:
         replica.on_state = follow_replicas
     await follow_replicas()
-    log.info("gateway serving on %s -> %d target replica(s) %s (%s)", server.address, len(replicas),
-             ", ".join(addresses), info.model_name)
+    log.info("gateway serving on %s%s -> %d target replica(s) %s (%s)", server.address,
+             f" (HTTP on {http.address})" if http else "", len(replicas), ", ".join(addresses), info.model_name)
 
     async def close() -> None:
         await asyncio.gather(*(r.close() for r in replicas))
 
-    await server.serve_forever(on_stop=close)
+    async def stop_http() -> None:
+        stopping.set()  # /health reads 503 from now on
+        if http is not None:
+            await http.stop()
+
+    await server.serve_forever(on_stop=close, stop_beside=stop_http)

@@ -87,13 +87,19 @@ class ValidRequest:
             logprobs=self.logprobs, top_logprobs=self.top_logprobs, traceparent=self.traceparent, beam=self.beam)
 
 
-def validate(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: TextTokenizer) -> ValidRequest:
+def validate(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: TextTokenizer,
+             fill_max_new_tokens: bool = False) -> ValidRequest:
+    """`fill_max_new_tokens`: a max_new_tokens of 0 means as many as the context and the limit
+    allow after the prompt (the HTTP front's unset max_tokens); otherwise 0 is refused."""
     received = time.monotonic()
     _reject_unknown_fields(req, "request")
     if len(req.request_id) > limits.max_request_id_chars:
         raise InvalidArgumentError("request_id", req.request_id, f"longer than {limits.max_request_id_chars} characters")
     prompt_ids = _prompt_ids(req, limits, tokenizer)
-    _check_max_new_tokens(req.max_new_tokens, len(prompt_ids), limits)
+    max_new_tokens = req.max_new_tokens
+    if fill_max_new_tokens and max_new_tokens == 0:
+        max_new_tokens = min(limits.max_new_tokens, limits.max_context_length - len(prompt_ids))
+    _check_max_new_tokens(max_new_tokens, len(prompt_ids), limits)
     _check_stop(req, limits)
     _check_speculation(req.speculation, limits)
     _check_sampling(req)
@@ -102,7 +108,7 @@ def validate(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: Tex
     if req.traceparent and not TRACEPARENT.match(req.traceparent):
         raise InvalidArgumentError("traceparent", req.traceparent, "not a W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>)")
     return ValidRequest(
-        request_id=req.request_id or uuid.uuid4().hex, prompt_ids=prompt_ids, max_new_tokens=req.max_new_tokens,
+        request_id=req.request_id or uuid.uuid4().hex, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
         stop=list(req.stop), stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
         speculation=req.speculation, temperature=req.temperature, top_k=req.top_k,
         top_p=req.top_p if req.HasField("top_p") else 1.0,

@@ -222,7 +222,8 @@ def _gateway_config(args: argparse.Namespace):
     return GatewayConfig(target_url=urls[0] if urls else "", target_urls=urls[1:], tokenizer_path=args.tokenizer,
                          server=_server_config(args), max_new_tokens_limit=args.max_new_tokens_limit,
                          max_in_flight=args.max_in_flight, max_queue=args.max_queue,
-                         replica_backlog=args.replica_backlog, max_messages=args.max_messages)
+                         replica_backlog=args.replica_backlog, max_messages=args.max_messages,
+                         http_port=args.http_port)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -277,7 +278,8 @@ def _stack_spec(args: argparse.Namespace):
     DraftConfig(None, proposer="ngram", ngram_max=args.ngram_max, ngram_min=ngram_min)
     target, draft, dtype = _chosen_models(args)
     draft, proposer = _serve_draft(args, draft, proposer)
-    return StackSpec(target_model=target, draft_model=draft, gateway_port=args.port, host=args.host,
+    return StackSpec(target_model=target, draft_model=draft, gateway_port=args.port, http_port=args.http_port,
+                     host=args.host,
                      gamma=args.gamma, max_gamma=args.max_gamma, gamma_policy=args.gamma_policy,
                      calibrate=not args.no_calibrate, proposer=proposer, ngram_max=args.ngram_max,
                      ngram_min=ngram_min,
@@ -310,6 +312,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"stopped during startup: {stack.stop()}", flush=True)
         return 0
     print(f"specstream gateway listening on {stack.gateway_address}", flush=True)
+    if stack.http_address:
+        print(f"  OpenAI-compatible API: http://{stack.http_address}/v1", flush=True)
     targets = "  ".join(f"{name} {stack.addresses[name]}" for name in stack.target_names)
     print(f"  {targets}  draft {stack.addresses.get('draft', '-')}  (Ctrl-C stops them all)", flush=True)
     if stack.metrics_addresses:
@@ -594,6 +598,12 @@ def _call_flags(p: argparse.ArgumentParser, default_max_new_tokens: int) -> None
 
 
 
+def _http_port_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--http-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                        "/v1/models, /health) on the gateway's host at this port (0: a free one; default: off)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specstream", description="Speculative-decoding LLM inference service")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -609,6 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
     _proposer_flags(p, model_flag="--draft or the --models pair's", pair=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="gateway port (0: pick a free one)")
+    _http_port_flag(p)
     _gamma_flags(p)
     p.add_argument("--max-slots", type=int, default=8)
     p.add_argument("--replicas", type=_int_in("--replicas", 1, 64), default=1,
@@ -664,6 +675,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-messages", type=int, default=256, help="chat turns a request may carry")
     p.add_argument("--replica-backlog", type=int, default=None,
                    help="requests a replica may hold waiting beyond its slots (default: its max_slots)")
+    _http_port_flag(p)
     p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser("generate", help="call a running gateway: complete a text prompt")

@@ -201,6 +201,9 @@ class GatewayConfig:
     max_messages: int = 256  # chat turns per request
     connect_timeout_s: float = 60.0  # how long to wait for the targets at startup
     retry_s: float = 1.0  # wait this long before reconnecting to a lost target replica
+    # The OpenAI-compatible HTTP API (gateway/http/) on `server.host` at this port; also /health,
+    # and /metrics when metrics are on. None: off; 0: a free port (logged).
+    http_port: int | None = None
 
     def __post_init__(self) -> None:
         urls = self.target_addresses
@@ -221,6 +224,11 @@ class GatewayConfig:
         _check(self.max_messages >= 1, "max_messages", self.max_messages, ">= 1")
         _check(self.connect_timeout_s > 0, "connect_timeout_s", self.connect_timeout_s, "> 0")
         _check(self.retry_s >= 0, "retry_s", self.retry_s, ">= 0")
+        _check(self.http_port is None or 0 <= self.http_port <= 65535, "http_port", self.http_port,
+               "None or in 0..65535")
+        _check(self.http_port in (None, 0) or self.http_port not in (self.server.port, self.server.metrics_port),
+               "http_port", self.http_port, f"different from port ({self.server.port}) and metrics_port "
+               f"({self.server.metrics_port})")
 
     @property
     def target_addresses(self) -> list[str]:

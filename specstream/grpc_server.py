@@ -114,9 +114,11 @@ class ServiceServer:
             self.metrics = start_metrics_server(self.registry, self.config.host, self.config.metrics_port)
             log.info("metrics on http://%s:%d/metrics", self.config.host, self.metrics.port)
 
-    async def serve_forever(self, on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+    async def serve_forever(self, on_stop: Callable[[], Awaitable[None]] | None = None,
+                            stop_beside: Callable[[], Awaitable[None]] | None = None) -> None:
         """Runs until SIGTERM/SIGINT; then NOT_SERVING, a graceful stop (new RPCs refused, running
-        ones get `grace_s` to finish), and last `on_stop` to release what they were using."""
+        ones get `grace_s` to finish) alongside `stop_beside` (another front's own graceful stop),
+        and last `on_stop` to release what they were using."""
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -124,7 +126,7 @@ class ServiceServer:
         await stop.wait()
         log.info("stopping %s", self.address)
         await self.set_serving(False)
-        await self.server.stop(self.config.grace_s)
+        await asyncio.gather(self.server.stop(self.config.grace_s), *([stop_beside()] if stop_beside else []))
         if on_stop is not None:
             await on_stop()
         if self.metrics is not None:

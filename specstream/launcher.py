@@ -68,6 +68,7 @@ class StackSpec:
     # or `synthetic` is set, which need no model.
     draft_model: str | None
     gateway_port: int = 0  # 0 picks a free port
+    http_port: int | None = None  # the gateway's OpenAI-compatible HTTP API (0: a free port; None: off)
     host: str = "127.0.0.1"
     gamma: int = 4  # the targets' default γ: policy "fixed"'s, and every policy's before a step is measured
     max_gamma: int = 16  # the targets' limit on γ, per request and for the controller
@@ -158,8 +159,9 @@ def command_lines(spec: StackSpec, target_model: str, addresses: dict[str, str],
                        *metrics_flag(name), *spec.extra_target_args,
                        *(["--draft-url", addresses["draft"]] if spec.has_draft else []),
                        *([*proposer, *draft_model("--draft-model")] if spec.colocate_draft and spec.drafts else [])]
+    http = ["--http-port", port["http"]] if spec.http_port is not None else []
     lines["gateway"] = ["gateway", "--target-url", ",".join(addresses[name] for name in names), "--tokenizer",
-                        target_model, "--host", spec.host, "--port", port["gateway"], *metrics_flag("gateway"),
+                        target_model, "--host", spec.host, "--port", port["gateway"], *http, *metrics_flag("gateway"),
                         *tracing, *spec.extra_gateway_args]
     return lines
 
@@ -190,12 +192,19 @@ class Stack:
     def target_names(self) -> list[str]:
         return target_names(self.spec.target_replicas)
 
+    @property
+    def http_address(self) -> str | None:
+        """host:port of the gateway's OpenAI-compatible HTTP API (None without `http_port`)."""
+        return self.addresses.get("http")
+
     def start(self, timeout_s: float = 120.0, should_stop: Callable[[], bool] = lambda: False) -> Stack:
         spec = self.spec
         if spec.target_replicas < 1:
             raise ValueError(f"target_replicas={spec.target_replicas!r}: must be >= 1")
         ports = {"draft": free_port(spec.host), **{name: free_port(spec.host) for name in self.target_names},
                  "gateway": spec.gateway_port or free_port(spec.host)}
+        if spec.http_port is not None:
+            ports["http"] = spec.http_port or free_port(spec.host)
         self.addresses = {name: f"{spec.host}:{port}" for name, port in ports.items()}
         # A named or GGUF target is converted here, once, before three processes would race for it.
         target_model = str(resolve_model(spec.target_model))

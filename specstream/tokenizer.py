@@ -254,6 +254,10 @@ class TextTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens included (log-probability listings)."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
     def detokenizer(self, prompt_ids: Sequence[int]) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.decode, prompt_ids)
 

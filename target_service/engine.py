@@ -387,9 +387,9 @@ class Engine:
     def _accept(self, seq: Sequence, check: Row, verdict: Verdict) -> None:
         ctx_len, k = check.position, verdict.accepted
         seq.target_passes += 1
-        seq.record_decode(len(check.proposals))
         seq.append(verdict.tokens, verdict.logprobs)  # k accepted proposals, then the correction or bonus token
         accepted = min(k, len(seq.tokens) - ctx_len)  # a stop id may cut the run short
+        seq.record_decode(len(check.proposals), accepted)
         seq.accepted_tokens += accepted
         seq.rejections += k < len(check.proposals)
         self.metrics.observe_accept(len(check.proposals), accepted)

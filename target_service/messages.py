@@ -79,6 +79,7 @@ class SequenceStats:
     gamma_histogram: list[int] = field(default_factory=list)  # [g]: decode passes given g proposals
     alpha_estimate: float = 0.0  # the γ controller's acceptance estimate at the last step (auto mode)
     beam_expansions: int = 0  # beam requests: hypothesis rows expanded, all steps together
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: passes that kept proposal i
 
 
 @dataclass

@@ -52,6 +52,7 @@ class Sequence:
     decode_passes: int = 0
     rejections: int = 0  # decode passes in which a proposal was rejected
     gamma_histogram: list[int] = field(default_factory=list)  # [g]: decode passes given g proposals
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: decode passes that kept proposal i
     alpha_estimate: float = 0.0  # the controller's estimate at the last step (auto)
     pending: list[int] = field(default_factory=list)  # tokens not yet sent in an event
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # in step with `pending`
@@ -140,12 +141,16 @@ class Sequence:
         if self.remaining <= 0:
             self.finish_reason = "length"
 
-    def record_decode(self, proposed: int) -> None:
-        """A decode pass that verified `proposed` proposals."""
+    def record_decode(self, proposed: int, accepted: int) -> None:
+        """A decode pass that verified `proposed` proposals and kept the first `accepted`."""
         self.decode_passes += 1
         if proposed >= len(self.gamma_histogram):
             self.gamma_histogram.extend([0] * (proposed + 1 - len(self.gamma_histogram)))
         self.gamma_histogram[proposed] += 1
+        if accepted > len(self.accepted_per_position):
+            self.accepted_per_position.extend([0] * (accepted - len(self.accepted_per_position)))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
 
     def stats(self) -> SequenceStats:
         emitted = max(self.generated - 1, 0)  # the first token comes from prefill, not a decode pass
@@ -158,6 +163,7 @@ class Sequence:
             gamma_histogram=list(self.gamma_histogram),
             alpha_estimate=self.alpha_estimate,
             beam_expansions=self.beam.expansions if self.beam is not None else 0,
+            accepted_per_position=list(self.accepted_per_position),
         )
 
     def event(self) -> SequenceEvent:

@@ -57,7 +57,7 @@ def stats_to_pb(stats: SequenceStats) -> common_pb2.SpeculationStats:
         draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens, target_passes=stats.target_passes,
         mean_accepted_length=stats.mean_accepted_length, rejections=stats.rejections,
         gamma_histogram=stats.gamma_histogram, alpha_estimate=stats.alpha_estimate,
-        beam_expansions=stats.beam_expansions)
+        beam_expansions=stats.beam_expansions, accepted_per_position=stats.accepted_per_position)
 
 
 def _error_pb(error: SpecstreamError) -> common_pb2.SequenceError:

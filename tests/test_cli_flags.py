@@ -18,7 +18,7 @@ import grpc
 import pytest
 from fake_gateway import serve_generation
 
-from specstream.cli import _draft_config, _stack_spec, _target_config, build_parser, main
+from specstream.cli import _draft_config, _gateway_config, _stack_spec, _target_config, build_parser, main
 from specstream.config import GAMMA_POLICIES, DraftConfig, ModelSpec, TargetConfig
 from specstream.launcher import StackSpec, command_lines
 from specstream_pb import common_pb2, generation_pb2, generation_pb2_grpc
@@ -43,6 +43,27 @@ def _target_configs(lines: dict[str, list[str]]) -> list[TargetConfig]:
 
 def _draft(lines: dict[str, list[str]]) -> DraftConfig:
     return _draft_config(build_parser().parse_args(lines["draft"]))
+
+
+# --- the HTTP front: serve -> gateway ---------------------------------------------------------------------
+
+def test_serve_http_port_reaches_the_gateways_config() -> None:
+    spec = _stack_spec(build_parser().parse_args(["serve", "--http-port", "8000"]))
+    assert spec.http_port == 8000
+    lines = command_lines(spec, "/models/target", {**ADDRESSES, "http": "127.0.0.1:8000"}, {})
+    assert _gateway_config(build_parser().parse_args(lines["gateway"])).http_port == 8000
+    plain = _serve()  # off unless asked for
+    assert "--http-port" not in plain["gateway"]
+    assert _gateway_config(build_parser().parse_args(plain["gateway"])).http_port is None
+
+
+def test_the_gateway_refuses_an_http_port_it_cannot_use() -> None:
+    with pytest.raises(ValueError, match="http_port=70000"):
+        _gateway_config(build_parser().parse_args(["gateway", "--target-url", "h:1", "--tokenizer", "t",
+                                                   "--http-port", "70000"]))
+    with pytest.raises(ValueError, match=r"http_port=9000: must be different from port \(9000\)"):
+        _gateway_config(build_parser().parse_args(["gateway", "--target-url", "h:1", "--tokenizer", "t",
+                                                   "--port", "9000", "--http-port", "9000"]))
 
 
 # --- γ controller: serve -> target ------------------------------------------------------------------------

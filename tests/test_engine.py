@@ -88,6 +88,33 @@ def test_draft_gets_only_new_tokens_after_the_first_step(model_zoo):
     assert proposer.held == 0  # released when the sequence finished
 
 
+def test_accepted_counts_per_position_add_up_to_the_accepted_tokens(model_zoo):
+    """Per-position acceptance (vLLM's num_accepted_tokens_per_pos for one sequence): with the
+    identical draft every proposal is kept, so position i counts every pass given more than i
+    proposals; with the partial draft the counts fall with position and sum to accepted_tokens."""
+    finals = {}
+    for draft in ("same", "partial"):
+        engine, _ = _engine(model_zoo, draft=draft)
+
+        async def main():
+            conn = Connection()
+            engine.attach(conn)
+            task = asyncio.create_task(engine.run())
+            engine.submit(conn, [_request("a", max_new=40, prompt=list(range(2, 30)))])
+            final = await _until_finished(conn, {"a"})
+            task.cancel()
+            return final["a"].stats
+
+        finals[draft] = asyncio.run(main())
+    same, partial = finals["same"], finals["partial"]
+    given_more_than = [sum(n for g, n in enumerate(same.gamma_histogram) if g > i) for i in range(4)]
+    assert same.accepted_per_position == given_more_than, (same.accepted_per_position, same.gamma_histogram)
+    assert sum(partial.accepted_per_position) == partial.accepted_tokens > 0
+    assert partial.rejections > 0, "the partial draft should be rejected sometimes"
+    counts = partial.accepted_per_position
+    assert all(a >= b for a, b in zip(counts, counts[1:])), counts
+
+
 def test_invalid_sequence_requests_get_error_events(model_zoo):
     engine, _ = _engine(model_zoo)
     conn = Connection()

@@ -25,6 +25,7 @@ from test_gateway_validation import BAD_BEAM_REQUESTS
 
 from gateway.router import Router
 from gateway.server import SERVICE_NAME, GenerationServicer
+from gateway.service import Gateway
 from gateway.target_client import TargetClient
 from specstream.config import GatewayConfig, ServerConfig
 from specstream.grpc_server import ServiceServer
@@ -106,7 +107,7 @@ async def served_gateway() -> AsyncIterator[Served]:
     await replica.start(timeout_s=10)
     router = Router([replica], max_queue=8)
     metrics = GatewayMetrics()
-    servicer = GenerationServicer(GatewayConfig(replica.url, "scripted"), router, replica.info, TT, metrics)
+    servicer = GenerationServicer(Gateway(GatewayConfig(replica.url, "scripted"), router, replica.info, TT, metrics))
     gateway = ServiceServer(ServerConfig(), [SERVICE_NAME], metrics.registry)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, gateway.server)
     await gateway.start()

@@ -1,0 +1,94 @@
+"""The OpenAI request bodies the HTTP front accepts (pydantic), named and typed as OpenAI's API
+reference has them, plus the extensions clients send through `extra_body` (vLLM's `top_k`,
+`ignore_eos`, `stop_token_ids`; our `speculation` and `max_gamma`).
+
+Only the JSON types are checked here (a string where a number belongs is a 400 naming the field);
+ranges and limits are checked once, for both fronts, by gateway/validation.py. Unknown fields are
+ignored, as OpenAI ignores them. Fields that OpenAI defines but this server cannot honour exactly
+(penalties, logit_bias, tools, n > 1, ...) are declared so that translate.py can refuse them by name
+instead of silently changing what the model would have produced.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False  # one more chunk before [DONE], with usage (and no choices)
+
+
+class Extensions(BaseModel):
+    """Fields beyond OpenAI's, in both request kinds."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    top_k: int | None = None  # vLLM's: sample among the k most likely tokens (0 or None: off)
+    ignore_eos: bool = False  # vLLM's: keep generating past the end-of-sequence token
+    stop_token_ids: list[int] | None = None  # vLLM's: stop at any of these token ids
+    # Ours: "auto" (the server's γ controller; the default), "off" (plain decoding) or a fixed γ (0 = off).
+    speculation: str | int | None = None
+    max_gamma: int | None = None  # with speculation "auto": this request's cap on γ
+    return_token_ids: bool = False  # vLLM's: each choice (and stream chunk) also carries its `token_ids`
+
+
+class _Common(Extensions):
+    model: str
+    temperature: float | None = None  # None: 1.0, as OpenAI
+    top_p: float | None = None
+    n: int | None = None  # only 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None  # only 0
+    frequency_penalty: float | None = None  # only 0
+    logit_bias: dict[str, float] | None = None  # only empty
+    user: str | None = None  # accepted and ignored
+
+
+class CompletionRequest(_Common):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None  # log-probabilities of the chosen tokens plus this many alternatives
+    echo: bool = False  # the prompt's text before the completion
+    best_of: int | None = None  # only 1
+    suffix: str | None = None  # not supported
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None  # accepted and ignored
+
+
+class ChatCompletionRequest(_Common):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None  # None (both): as many as fit the context and the limit
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None  # not supported
+    tool_choice: Any = None  # only "none"
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+    parallel_tool_calls: bool | None = None  # accepted and ignored (no tools)
+
+
+Endpoint = Literal["completions", "chat"]

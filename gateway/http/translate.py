@@ -1,0 +1,335 @@
+"""Between OpenAI's JSON and the gateway's public messages, both ways.
+
+In: `to_generate_request` turns a completion or chat body into a `GenerateRequest`, refusing by
+name what it cannot honour exactly; `param_name` maps a field named by gateway/validation.py back
+to the OpenAI parameter the caller sent. Out: `CompletionEncoder` / `ChatEncoder` turn the core's
+`GenerateStreamResponse` chunks into OpenAI's stream chunks, and a `GenerateResponse` into the
+unary object, with usage, `metrics` (speculative decoding shaped like vLLM's counters, plus our
+timings) and the seed used.
+
+Defaults are OpenAI's where they differ from gRPC's: temperature 1 (gRPC: 0, greedy), completions
+max_tokens 16, chat: as many tokens as fit. Knows nothing about HTTP status codes or routes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gateway.http.schema import ChatCompletionRequest, CompletionRequest
+from specstream.errors import InvalidArgumentError
+from specstream.tokenizer import TextTokenizer
+from specstream_pb import common_pb2, generation_pb2
+
+UINT32, INT32, UINT64 = 2**32 - 1, 2**31 - 1, 2**64 - 1
+FINISH_REASONS = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
+                  common_pb2.FINISH_REASON_EOS: "stop", common_pb2.FINISH_REASON_CANCELLED: "abort"}
+CHAT_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
+
+Body = CompletionRequest | ChatCompletionRequest
+
+
+# --- in ---------------------------------------------------------------------------------------
+
+def to_generate_request(body: Body, traceparent: str = "") -> generation_pb2.GenerateRequest:
+    """The body as the public request both fronts validate; InvalidArgumentError (naming the
+    OpenAI parameter) for what only an OpenAI body can get wrong."""
+    _refuse_unsupported(body)
+    req = generation_pb2.GenerateRequest(traceparent=traceparent)
+    if isinstance(body, CompletionRequest):
+        _set_prompt(req, body.prompt)
+        req.max_new_tokens = _int("max_tokens", body.max_tokens, 1, INT32) if body.max_tokens is not None else 0
+        if body.logprobs is not None:
+            req.logprobs, req.top_logprobs = True, _int("logprobs", body.logprobs, 0, INT32)
+    else:
+        _set_messages(req, body)
+        chosen = _max_tokens_param(body)
+        value = getattr(body, chosen)
+        req.max_new_tokens = _int(chosen, value, 1, INT32) if value is not None else 0
+        req.logprobs = body.logprobs
+        if body.top_logprobs is not None:
+            req.top_logprobs = _int("top_logprobs", body.top_logprobs, 0, INT32)
+    if isinstance(body.stop, str):
+        req.stop.append(body.stop)
+    elif body.stop:
+        req.stop.extend(body.stop)
+    req.stop_token_ids.extend(_int("stop_token_ids", t, 0, UINT32) for t in body.stop_token_ids or ())
+    req.ignore_eos = body.ignore_eos
+    req.temperature = 1.0 if body.temperature is None else body.temperature
+    if body.top_p is not None:
+        req.top_p = body.top_p
+    req.top_k = _int("top_k", body.top_k or 0, 0, INT32)
+    if body.seed is not None:
+        req.seed = _int("seed", body.seed, 0, UINT64)
+    req.speculation.CopyFrom(_speculation(body))
+    return req
+
+
+def fills_max_new_tokens(body: Body) -> bool:
+    """No token budget given (an explicit null; a completion left out gets OpenAI's 16): as many
+    tokens as fit the context and the server's limit."""
+    return body.max_tokens is None and getattr(body, "max_completion_tokens", None) is None
+
+
+def _max_tokens_param(body: ChatCompletionRequest) -> str:
+    return "max_tokens" if body.max_completion_tokens is None and body.max_tokens is not None else "max_completion_tokens"
+
+
+def param_name(field: str, body: Body) -> str:
+    """The OpenAI parameter behind a field of `GenerateRequest` that validation named."""
+    head = field.split("[", 1)[0].split(".", 1)[0]
+    if head == "max_new_tokens":
+        return "max_tokens" if isinstance(body, CompletionRequest) else _max_tokens_param(body)
+    if head in ("prompt", "prompt_token_ids"):
+        return "prompt"
+    if head == "top_logprobs" and isinstance(body, CompletionRequest):
+        return "logprobs"
+    if field == "speculation.max_gamma":
+        return "max_gamma"
+    if head in ("stop", "stop_token_ids", "speculation"):
+        return head
+    return field  # messages[2].role, temperature, top_p, top_k, seed, logprobs: the same names
+
+
+def _refuse_unsupported(body: Body) -> None:
+    """OpenAI parameters this server does not implement: refused by name rather than ignored,
+    since ignoring them would change the output the caller asked for."""
+    checks: list[tuple[str, Any, bool, str]] = [
+        ("n", body.n, body.n in (None, 1), "only n=1 is supported; send several requests (with different seeds)"),
+        ("presence_penalty", body.presence_penalty, not body.presence_penalty, "penalties are not supported (0 only)"),
+        ("frequency_penalty", body.frequency_penalty, not body.frequency_penalty,
+         "penalties are not supported (0 only)"),
+        ("logit_bias", body.logit_bias, not body.logit_bias, "logit_bias is not supported"),
+    ]
+    if isinstance(body, CompletionRequest):
+        checks += [
+            ("best_of", body.best_of, body.best_of in (None, 1), "only best_of=1 is supported"),
+            ("suffix", body.suffix, not body.suffix, "suffix (insertion) is not supported"),
+            ("echo", body.echo, not (body.echo and body.logprobs is not None),
+             "echo with logprobs is not supported (prompt log-probabilities are not computed)"),
+        ]
+    else:
+        fmt = (body.response_format or {}).get("type", "text")
+        checks += [
+            ("tools", f"<{len(body.tools or [])} tools>", not body.tools, "tool calling is not supported"),
+            ("tool_choice", body.tool_choice, body.tool_choice in (None, "none"),
+             "tool calling is not supported (tool_choice 'none' only)"),
+            ("response_format", body.response_format, fmt == "text", "only the 'text' response format is supported"),
+        ]
+    for param, value, ok, reason in checks:
+        if not ok:
+            raise InvalidArgumentError(param, value, reason)
+
+
+def _int(param: str, value: int, low: int, high: int) -> int:
+    if not low <= value <= high:
+        raise InvalidArgumentError(param, value, f"must be in {low}..{high}")
+    return value
+
+
+def _set_prompt(req: generation_pb2.GenerateRequest, prompt: Any) -> None:
+    """A string, one token-id list, or a list holding one of either (OpenAI's batch forms with
+    one element); batches of several prompts are refused."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise InvalidArgumentError("prompt", f"<{len(prompt)} prompts>",
+                                       "one prompt per request; send several requests")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        req.prompt = prompt
+    else:
+        req.prompt_token_ids.SetInParent()  # an empty list is still "token ids" (refused by validation)
+        req.prompt_token_ids.ids.extend(_int("prompt", t, 0, UINT32) for t in prompt)
+
+
+def _set_messages(req: generation_pb2.GenerateRequest, body: ChatCompletionRequest) -> None:
+    req.messages.SetInParent()
+    for i, message in enumerate(body.messages):
+        content = message.content
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise InvalidArgumentError(f"messages[{i}].content[{j}].type", part.type,
+                                               "only text parts are supported")
+            content = "".join(part.text for part in content)
+        req.messages.messages.add(role=CHAT_ROLES.get(message.role, message.role), content=content or "")
+
+
+def _speculation(body: Body) -> common_pb2.Speculation:
+    value = body.speculation
+    spec = common_pb2.Speculation()
+    if isinstance(value, bool) or (isinstance(value, str) and value not in ("auto", "off")):
+        raise InvalidArgumentError("speculation", value, "'auto', 'off' or a number of proposals per step (0 = off)")
+    if value == "off" or value == 0:
+        spec.mode = common_pb2.SPECULATION_MODE_OFF
+    elif isinstance(value, int):
+        spec.mode, spec.gamma = common_pb2.SPECULATION_MODE_FIXED, _int("speculation", value, 0, UINT32)
+    if body.max_gamma is not None:
+        spec.max_gamma = _int("max_gamma", body.max_gamma, 0, UINT32)
+    return spec
+
+
+# --- out --------------------------------------------------------------------------------------
+
+def usage(pb: common_pb2.Usage) -> dict[str, int]:
+    return {"prompt_tokens": pb.prompt_tokens, "completion_tokens": pb.completion_tokens,
+            "total_tokens": pb.prompt_tokens + pb.completion_tokens}
+
+
+def metrics(stats: common_pb2.SpeculationStats, timings: common_pb2.Timings) -> dict[str, Any]:
+    """Per-request speculation counters under vLLM's names (num_drafts: decode passes given at
+    least one proposal; mean_acceptance_length: tokens per such pass, 1 + accepted / drafts),
+    our own beside them, and the request's timings."""
+    drafts = sum(stats.gamma_histogram[1:])
+    per_position = list(stats.accepted_per_position)
+    per_position += [0] * (max(len(stats.gamma_histogram) - 1, 0) - len(per_position))
+    return {
+        "speculative_decoding": {
+            "num_drafts": drafts,
+            "num_draft_tokens": stats.draft_tokens,
+            "num_accepted_tokens": stats.accepted_tokens,
+            "num_accepted_tokens_per_pos": per_position,
+            "mean_acceptance_length": 1 + stats.accepted_tokens / drafts if drafts else None,
+            "draft_acceptance_rate": stats.accepted_tokens / stats.draft_tokens if stats.draft_tokens else None,
+            "target_passes": stats.target_passes,
+            "tokens_per_target_pass": stats.mean_accepted_length,
+            "gamma_histogram": list(stats.gamma_histogram),
+            "alpha_estimate": stats.alpha_estimate,
+        },
+        "timings": {"queue_seconds": timings.queue_seconds,
+                    "time_to_first_token_seconds": timings.time_to_first_token_seconds,
+                    "total_seconds": timings.total_seconds},
+    }
+
+
+class _Encoder:
+    """One request's response objects; holds what successive stream chunks need (the id, the
+    creation time, what has been sent)."""
+
+    object_name: str
+    chunk_object_name: str
+    id_prefix: str
+
+    def __init__(self, body: Body, request_id: str, tokenizer: TextTokenizer, include_usage: bool) -> None:
+        self.body = body
+        self.id = self.id_prefix + request_id
+        self.created = int(time.time())
+        self.tokenizer = tokenizer
+        self.include_usage = include_usage
+
+    def _head(self, name: str) -> dict[str, Any]:
+        return {"id": self.id, "object": name, "created": self.created, "model": self.body.model}
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.token_text(token_id)
+
+    def _with_ids(self, choice: dict[str, Any], pb) -> dict[str, Any]:
+        if self.body.return_token_ids:
+            choice["token_ids"] = list(pb.token_ids)
+        return choice
+
+    def _finish(self, out: dict[str, Any], pb) -> None:
+        """The extensions of a last chunk / a response: metrics and the seed used."""
+        out["metrics"] = metrics(pb.stats, pb.timings)
+        out["seed"] = pb.seed
+
+    def chunks(self, pb: generation_pb2.GenerateStreamResponse) -> list[dict[str, Any]]:
+        """The stream chunks for one core chunk (with include_usage, a last one with usage)."""
+        choice = self._delta(pb)
+        if choice is None:
+            return []
+        out = self._head(self.chunk_object_name)
+        out["choices"] = [self._with_ids(choice, pb)]
+        if self.include_usage:
+            out["usage"] = None
+        if not pb.finish_reason:
+            return [out]
+        self._finish(out, pb)
+        if not self.include_usage:
+            return [out]
+        tail = {**self._head(self.chunk_object_name), "choices": [], "usage": usage(pb.usage)}
+        self._finish(tail, pb)
+        return [out, tail]
+
+    def response(self, pb: generation_pb2.GenerateResponse) -> dict[str, Any]:
+        out = self._head(self.object_name)
+        out["choices"] = [self._with_ids(self._choice(pb), pb)]
+        out["usage"] = usage(pb.usage)
+        self._finish(out, pb)
+        return out
+
+    def _delta(self, pb: generation_pb2.GenerateStreamResponse) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def _choice(self, pb: generation_pb2.GenerateResponse) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class CompletionEncoder(_Encoder):
+    object_name = chunk_object_name = "text_completion"
+    id_prefix = "cmpl-"
+
+    def __init__(self, body: CompletionRequest, request_id: str, tokenizer: TextTokenizer, include_usage: bool,
+                 prompt_text: str) -> None:
+        super().__init__(body, request_id, tokenizer, include_usage)
+        self.echo = prompt_text if body.echo else ""  # sent before the first chunk's text
+        self.offset = 0  # characters of text sent so far (logprobs' text_offset)
+
+    def _logprobs(self, token_ids, logprobs) -> dict[str, Any] | None:
+        if self.body.logprobs is None:
+            return None
+        tokens = [self._token(t) for t in token_ids]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.offset)
+            self.offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{self._token(alt.token_id): alt.logprob for alt in lp.top} for lp in logprobs],
+                "text_offset": offsets}
+
+    def _delta(self, pb):
+        if not pb.text and not pb.token_ids and not pb.finish_reason and not self.echo:
+            return None
+        text, self.echo = self.echo + pb.text, ""
+        return {"index": 0, "text": text, "logprobs": self._logprobs(pb.token_ids, pb.logprobs),
+                "finish_reason": FINISH_REASONS.get(pb.finish_reason)}
+
+    def _choice(self, pb):
+        return {"index": 0, "text": self.echo + pb.text, "logprobs": self._logprobs(pb.token_ids, pb.logprobs),
+                "finish_reason": FINISH_REASONS.get(pb.finish_reason)}
+
+
+class ChatEncoder(_Encoder):
+    object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    def __init__(self, body: ChatCompletionRequest, request_id: str, tokenizer: TextTokenizer,
+                 include_usage: bool) -> None:
+        super().__init__(body, request_id, tokenizer, include_usage)
+        self.role_sent = False  # OpenAI's first delta carries the role
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        token = self._token(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    def _logprobs(self, logprobs) -> dict[str, Any] | None:
+        if not self.body.logprobs:
+            return None
+        return {"content": [{**self._entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [self._entry(alt.token_id, alt.logprob) for alt in lp.top]}
+                            for lp in logprobs]}
+
+    def _delta(self, pb):
+        delta: dict[str, Any] = {}
+        if not self.role_sent:
+            delta, self.role_sent = {"role": "assistant", "content": ""}, True
+        if pb.text:
+            delta["content"] = pb.text
+        if not delta and not pb.token_ids and not pb.finish_reason:
+            return None
+        return {"index": 0, "delta": delta, "logprobs": self._logprobs(pb.logprobs),
+                "finish_reason": FINISH_REASONS.get(pb.finish_reason)}
+
+    def _choice(self, pb):
+        return {"index": 0, "message": {"role": "assistant", "content": pb.text},
+                "logprobs": self._logprobs(pb.logprobs), "finish_reason": FINISH_REASONS.get(pb.finish_reason)}

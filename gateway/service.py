@@ -1,0 +1,72 @@
+"""The gateway's core, shared by its two fronts (gRPC `Generation` and the OpenAI-compatible HTTP
+API): admission (a bound on requests in flight), validation and tokenization, the request pipeline
+through the `Router`, and what the served model is.
+
+Both fronts hand it a public `GenerateRequest` and get back `GenerateStreamResponse` chunks (or
+one `GenerateResponse`), so they share one path and differ only in encoding. Knows nothing about
+either front's wire format or status codes: errors are `specstream.errors` exceptions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from gateway import request as pipeline
+from gateway.router import Router
+from gateway.validation import Limits, ValidRequest, validate
+from specstream.config import GatewayConfig
+from specstream.errors import OverloadedError
+from specstream.metrics import GatewayMetrics
+from specstream.tokenizer import TextTokenizer
+from specstream_pb import generation_pb2, target_pb2
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, router: Router, info: target_pb2.TargetInfo,
+                 tokenizer: TextTokenizer, metrics: GatewayMetrics) -> None:
+        self.config = config
+        self.router = router
+        self.metrics = metrics
+        self.info = info  # what every replica serves (gateway.server.common_info)
+        self.tokenizer = tokenizer
+        self.limits = Limits.build(config, info)
+        self.eos_ids = tuple(sorted(set(info.eos_token_ids) | set(tokenizer.eos_token_ids)))
+        self.in_flight = 0
+
+    @property
+    def model_name(self) -> str:
+        return self.info.model_name
+
+    @property
+    def serving(self) -> bool:
+        """At least one replica can take requests."""
+        return self.router.serving
+
+    def admit(self, request: generation_pb2.GenerateRequest, fill_max_new_tokens: bool = False) -> ValidRequest:
+        """Refuses the request when `max_in_flight` are being served (OverloadedError), else
+        validates and tokenizes it (InvalidArgumentError naming the field). `fill_max_new_tokens`:
+        max_new_tokens 0 means as many as fit (OpenAI's unset max_tokens)."""
+        if self.in_flight >= self.config.max_in_flight:
+            raise OverloadedError(f"{self.in_flight} requests in flight (max_in_flight={self.config.max_in_flight}); "
+                                  "retry later")
+        valid = validate(request, self.limits, self.tokenizer, fill_max_new_tokens=fill_max_new_tokens)
+        valid.model = self.model_name
+        return valid
+
+    async def stream(self, valid: ValidRequest) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        """The request's chunks (deltas; the last has finish_reason, usage, stats and timings).
+        Counts as in flight until the iteration ends; leaving early cancels it on the target."""
+        self.in_flight += 1
+        try:
+            async for chunk in pipeline.stream_chunks(valid, self.router, self.tokenizer, self.eos_ids,
+                                                      self.metrics):
+                yield chunk
+        finally:
+            self.in_flight -= 1
+
+    async def generate(self, valid: ValidRequest) -> generation_pb2.GenerateResponse:
+        self.in_flight += 1
+        try:
+            return await pipeline.generate(valid, self.router, self.tokenizer, self.eos_ids, self.metrics)
+        finally:
+            self.in_flight -= 1

@@ -1,0 +1,218 @@
+"""The OpenAI-compatible HTTP API of `specstream serve --http-port`, through the three real
+processes on the default model pair (SmolLM2-135M-Instruct + its draft), with the official
+`openai` package as the client (raw HTTP where a client would not send the bytes).
+
+Checked: completions and chat, unary and streamed (deltas concatenate to the unary text, usage
+and the speculative-decoding metrics right), greedy through HTTP equals greedy through gRPC and
+plain target decoding token for token, bad input -> 400 naming `param`, unknown model -> 404,
+overload -> 429 with Retry-After, a disconnected client's sequences cancelled on the target, the
+server carrying on after all of it, and the caller's `traceparent` header as the root of one
+trace across the three services.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from specstream.model_registry import PAIRS
+from specstream_client import Client
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea."]
+PROMPTS = ["The three laws of motion are", "def fibonacci(n):\n", "Once upon a time, in a small village,"]
+MAX_IN_FLIGHT = 3
+TRACE, PARENT = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+
+
+@pytest.fixture(scope="module")
+def stack(stack_factory, tmp_path_factory):
+    pair = PAIRS["smollm2"]
+    trace_file = tmp_path_factory.mktemp("traces") / "spans.jsonl"
+    stack = stack_factory(pair.target, pair.draft, dtype="auto", gamma=4, proposer=pair.proposer,
+                          ngram_min=pair.ngram_min, http_port=0, metrics=True, trace_file=str(trace_file),
+                          extra_gateway_args=["--max-in-flight", str(MAX_IN_FLIGHT)])
+    stack.trace_file = trace_file
+    return stack
+
+
+@pytest.fixture
+def client(stack):
+    with openai.OpenAI(base_url=f"http://{stack.http_address}/v1", api_key="none", max_retries=0,
+                       timeout=300) as client:
+        yield client
+
+
+def _get(url: str) -> tuple[int, dict, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as reply:
+            return reply.status, dict(reply.headers), reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def _post(url: str, body: bytes) -> tuple[int, dict, bytes]:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, dict(reply.headers), reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def test_the_model_health_and_metrics_are_on_the_http_port(stack, client) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    with Client(stack.gateway_address, timeout=30) as grpc_client:
+        context = grpc_client.model_info().max_context_length
+    assert client.models.retrieve(MODEL).model_extra["max_model_len"] == context > 256
+    status, _, body = _get(f"http://{stack.http_address}/health")
+    assert status == 200 and json.loads(body) == {"status": "ok"}
+    status, headers, body = _get(f"http://{stack.http_address}/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    assert b"specstream:time_to_first_token_seconds" in body
+
+
+def test_chat_streamed_deltas_concatenate_to_the_unary_reply(client) -> None:
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    unary = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = unary.choices[0].message.content
+    assert "Paris" in text and unary.choices[0].finish_reason == "stop"  # ended on <|im_end|>
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage == unary.usage
+    assert unary.usage.completion_tokens < 48 and unary.usage.prompt_tokens > 10
+    assert unary.usage.total_tokens == unary.usage.prompt_tokens + unary.usage.completion_tokens
+    spec = unary.model_extra["metrics"]["speculative_decoding"]
+    assert spec["num_draft_tokens"] > 0 and 0 <= spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+    assert sum(spec["num_accepted_tokens_per_pos"]) == spec["num_accepted_tokens"]
+    assert spec["num_drafts"] >= 1 and spec["mean_acceptance_length"] == pytest.approx(
+        1 + spec["num_accepted_tokens"] / spec["num_drafts"])
+    # The final streamed chunk carries the stream's own statistics (γ is chosen per step from
+    # measured costs, so the two runs may guess differently; the tokens are the same).
+    finishing = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
+    streamed = finishing.model_extra["metrics"]["speculative_decoding"]
+    assert sum(streamed["num_accepted_tokens_per_pos"]) == streamed["num_accepted_tokens"]
+    assert streamed["target_passes"] >= 1 and chunks[-1].model_extra["metrics"]["speculative_decoding"] == streamed
+    assert unary.model_extra["metrics"]["timings"]["total_seconds"] > 0
+
+
+def test_seeded_sampled_completions_stream_what_the_unary_call_returns(client) -> None:
+    # A fixed γ: the seed keys the draws of one run's sequence of accept/reject decisions, and γ=auto
+    # chooses per step from measured costs, so a re-run may draw differently (the same distribution).
+    kwargs = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=40, temperature=0.8, top_p=0.95, seed=5,
+                  extra_body={"speculation": 4})
+    unary = client.completions.create(**kwargs)
+    again = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    other = client.completions.create(**{**kwargs, "seed": 6})
+    assert unary.choices[0].text == again.choices[0].text == "".join(c.choices[0].text for c in chunks)
+    assert other.choices[0].text != unary.choices[0].text
+    assert unary.model_extra["seed"] == 5
+
+
+def test_greedy_through_http_equals_greedy_through_grpc_and_plain_decoding(stack, client) -> None:
+    with Client(stack.gateway_address, timeout=300) as grpc_client:
+        for prompt in PROMPTS:
+            http = client.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0,
+                                             extra_body={"return_token_ids": True})
+            grpc_auto = grpc_client.generate(prompt, max_new_tokens=48)
+            plain = grpc_client.generate(prompt, max_new_tokens=48, speculation="off")
+            assert http.choices[0].model_extra["token_ids"] == grpc_auto.token_ids == plain.token_ids
+            assert http.choices[0].text == plain.text
+        for question in QUESTIONS[1:]:
+            messages = [{"role": "user", "content": question}]
+            http = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=64,
+                                                  temperature=0, extra_body={"speculation": 4,
+                                                                             "return_token_ids": True})
+            plain = grpc_client.chat(messages, max_new_tokens=64, speculation="off")
+            assert http.choices[0].model_extra["token_ids"] == plain.token_ids
+            assert http.choices[0].message.content == plain.text
+
+
+def test_bad_input_gets_openai_errors_and_the_server_carries_on(stack, client) -> None:
+    cases = [(dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"), (dict(top_p=2), "top_p"),
+             (dict(n=3), "n"), (dict(logprobs=1000), "logprobs"), (dict(stop=[""]), "stop"),
+             (dict(extra_body={"speculation": "sometimes"}), "speculation"),
+             (dict(max_tokens=100_000), "max_tokens")]
+    for kwargs, param in cases:
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.completions.create(**{"model": MODEL, "prompt": "hi", "max_tokens": 4, **kwargs})
+        assert bad.value.status_code == 400 and bad.value.body["param"] == param, (kwargs, bad.value.body)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "beep"}])
+    assert bad.value.body["param"] == "messages[0].role"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    assert missing.value.body["code"] == "model_not_found"
+    url = f"http://{stack.http_address}/v1/chat/completions"
+    status, _, body = _post(url, b'{"model": "' + MODEL.encode() + b'", "messages": [')
+    assert status == 400 and json.loads(body)["error"]["code"] == "invalid_json"
+    status, _, body = _post(url, json.dumps({"model": MODEL, "messages": "hi"}).encode())
+    assert status == 400 and json.loads(body)["error"]["param"] == "messages"
+    reply = client.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0)
+    assert reply.usage.completion_tokens == 3
+
+
+def test_overload_is_429_and_disconnected_clients_are_cancelled_on_the_target(stack) -> None:
+    async def main() -> tuple:
+        async with openai.AsyncOpenAI(base_url=f"http://{stack.http_address}/v1", api_key="none",
+                                      max_retries=0, timeout=300) as client:
+            streams = [await client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=400,
+                                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+                       for _ in range(MAX_IN_FLIGHT)]
+            for stream in streams:  # all three are generating
+                await stream.__anext__()
+            with pytest.raises(openai.RateLimitError) as limited:
+                await client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+            with Client(stack.gateway_address, timeout=30) as grpc_client:
+                busy = grpc_client.model_info()
+                for stream in streams:
+                    await stream.close()  # the client goes away mid-generation
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    idle = grpc_client.model_info()
+                    if idle.running_sequences == 0 and idle.gateway_in_flight == 0:
+                        break
+                    await asyncio.sleep(0.05)
+            after = await client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0)
+            return limited.value, busy, idle, after
+
+    limited, busy, idle, after = asyncio.run(main())
+    assert limited.status_code == 429 and limited.response.headers["retry-after"] == "1"
+    assert limited.body["code"] == "rate_limit_exceeded"
+    assert busy.running_sequences == MAX_IN_FLIGHT and busy.gateway_in_flight == MAX_IN_FLIGHT
+    # 400 tokens each would take most of a minute: freed within seconds means cancelled, not finished.
+    assert idle.running_sequences == 0 and idle.gateway_in_flight == 0, idle
+    assert after.usage.completion_tokens == 2
+
+
+def test_the_callers_traceparent_roots_one_trace_across_the_three_services(stack, client) -> None:
+    client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                              extra_headers={"traceparent": f"00-{TRACE}-{PARENT}-01"})
+    client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0,
+                              extra_headers={"traceparent": "not-a-traceparent"})  # ignored, not refused
+    spans: list[dict] = []
+    deadline = time.monotonic() + 20  # the processes export in batches
+    while time.monotonic() < deadline:
+        spans = [json.loads(line) for line in stack.trace_file.read_text().splitlines()]
+        trace = [s for s in spans if s["trace_id"] == TRACE]
+        if {s["service"] for s in trace} >= {"specstream-gateway", "specstream-target", "specstream-draft"}:
+            break
+        time.sleep(0.5)
+    trace = [s for s in spans if s["trace_id"] == TRACE]
+    (http,) = [s for s in trace if s["name"] == "POST /v1/completions"]
+    assert http["parent_span_id"] == PARENT and http["kind"] == "SERVER"
+    assert http["attributes"]["http.response.status_code"] == 200
+    (generate,) = [s for s in trace if s["name"] == "gen_ai.generate"]
+    assert generate["parent_span_id"] == http["span_id"]
+    assert {s["service"] for s in trace} == {"specstream-gateway", "specstream-target", "specstream-draft"}
+    untraced = [s for s in spans if s["name"] == "POST /v1/completions" and s["trace_id"] != TRACE]
+    assert untraced and all(s["parent_span_id"] is None for s in untraced)

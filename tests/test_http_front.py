@@ -1,0 +1,453 @@
+"""The OpenAI-compatible HTTP front (gateway/http/) over loopback, in front of a scripted target.
+
+The gateway is the real one (`Gateway` core, `Router`, a `TargetClient` with its `Connect` stream
+to a target on a loopback port) and so is the HTTP server (uvicorn on this test's event loop); the
+client is the official `openai` package, or raw HTTP where a client would not send the bytes. The
+target streams a fixed text, one token per step, and records what it is sent and cancelled, so
+these tests can check what the three real processes cannot cheaply: a client that disconnects
+cancels its sequence on the target (streamed and unary), an error after the first chunk arrives
+as an `error` event, overload is 429 with Retry-After, and the translation of every parameter.
+The model itself, through the three real processes: tests/integration/test_openai_api.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import grpc
+import openai
+import pytest
+
+from gateway.http.app import build_app
+from gateway.http.server import HttpServer
+from gateway.router import Router
+from gateway.service import Gateway
+from gateway.target_client import TargetClient
+from specstream.chat import ChatTemplate
+from specstream.config import GatewayConfig
+from specstream.errors import InvalidArgumentError
+from specstream.metrics import GatewayMetrics
+from specstream.tokenizer import TextTokenizer, build_byte_level_tokenizer
+from specstream_pb import target_pb2, target_pb2_grpc
+from target_service.batch_stats import BatchStats
+from target_service.messages import EngineMessage, Load, SequenceEvent, SequenceStats, TokenLogprob
+from target_service.wire import message_to_pb, request_from_pb
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TT = TextTokenizer(build_byte_level_tokenizer(), eos_token_ids=[1], bos_token_id=0, chat_template=ChatTemplate(CHATML))
+MODEL = "scripted"
+LOAD = Load(max_slots=8, free_slots=8, running=0, queued=0, draft_sequences=0, draft_connected=False,
+            batch=BatchStats("static", 8))
+REPLY = " Paris, the city of light."
+TOKENS = TT.encode(REPLY)[1:]  # without BOS
+STATS = SequenceStats(draft_tokens=12, accepted_tokens=7, target_passes=6, mean_accepted_length=2.0, rejections=3,
+                      gamma_histogram=[1, 0, 1, 0, 3], accepted_per_position=[4, 2, 1])
+
+
+@dataclass
+class StreamingTarget(target_pb2_grpc.TargetServicer):
+    """Answers every request with REPLY's tokens (up to max_new_tokens), one per `delay` seconds.
+    A prompt containing "FAIL" fails after two tokens; "SLOW" streams 100x slower."""
+
+    delay: float = 0.005
+    requests: list = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+
+    async def GetInfo(self, request, context):  # noqa: N802
+        return target_pb2.TargetInfo(model_name=MODEL, vocab_size=TT.vocab_size, max_context_length=256, max_gamma=8,
+                                     default_gamma=4, eos_token_ids=[1], load=message_to_pb(EngineMessage(LOAD)).load)
+
+    async def Connect(self, request_iterator, context):  # noqa: N802
+        out: asyncio.Queue = asyncio.Queue()
+        running: dict[str, asyncio.Task] = {}
+        out.put_nowait(EngineMessage(LOAD))
+
+        async def produce(req) -> None:
+            text = TT.decode(req.prompt_token_ids)
+            delay = self.delay * (100 if "SLOW" in text else 1)
+            tokens = TOKENS[:req.max_new_tokens]
+            for i, token in enumerate(tokens):
+                await asyncio.sleep(delay)
+                last = i == len(tokens) - 1
+                if "FAIL" in text and i == 2:
+                    out.put_nowait(EngineMessage(LOAD, 0, [SequenceEvent(
+                        req.id, finish_reason="error", error=InvalidArgumentError("prompt", "FAIL", "scripted"))]))
+                    return
+                logprobs = [TokenLogprob(token, -0.5, [(token, -0.5), (2, -1.5)][:req.logprobs])] \
+                    if req.logprobs is not None else []
+                out.put_nowait(EngineMessage(LOAD, 0, [SequenceEvent(
+                    req.id, token_ids=[token], logprobs=logprobs, finish_reason="length" if last else None,
+                    stats=STATS, queue_seconds=0.125 if i == 0 else None)]))
+
+        async def read() -> None:
+            async for message in request_iterator:
+                for pb in message.submit.requests:
+                    req = request_from_pb(pb)
+                    self.requests.append(req)
+                    running[req.id] = asyncio.ensure_future(produce(req))
+                for rid in message.cancel.ids:
+                    self.cancelled.append(rid)
+                    if rid in running:
+                        running[rid].cancel()
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while True:
+                yield message_to_pb(await out.get())
+        finally:
+            reader.cancel()
+            for task in running.values():
+                task.cancel()
+
+
+@dataclass
+class Front:
+    target: StreamingTarget
+    gateway: Gateway
+    url: str  # http://127.0.0.1:port
+    client: openai.AsyncOpenAI
+
+
+@asynccontextmanager
+async def served(max_in_flight: int = 8) -> AsyncIterator[Front]:
+    target = StreamingTarget()
+    target_server = grpc.aio.server()
+    target_pb2_grpc.add_TargetServicer_to_server(target, target_server)
+    port = target_server.add_insecure_port("127.0.0.1:0")
+    await target_server.start()
+    replica = TargetClient(f"127.0.0.1:{port}", retry_s=0.1)
+    await replica.start(timeout_s=10)
+    metrics = GatewayMetrics()
+    gateway = Gateway(GatewayConfig(replica.url, MODEL, max_in_flight=max_in_flight), Router([replica], max_queue=8),
+                      replica.info, TT, metrics)
+    http = HttpServer(build_app(gateway, metrics.registry), "127.0.0.1", 0, grace_s=1.0)
+    await http.start()
+    for _ in range(500):
+        if replica.routable:
+            break
+        await asyncio.sleep(0.01)
+    client = openai.AsyncOpenAI(base_url=f"http://{http.address}/v1", api_key="none", max_retries=0, timeout=30)
+    try:
+        yield Front(target, gateway, f"http://{http.address}", client)
+    finally:
+        await client.close()
+        await http.stop()
+        await replica.close()
+        await target_server.stop(None)
+
+
+async def _raw(url: str, path: str, body: bytes | None, method: str = "POST") -> tuple[int, dict, bytes]:
+    """One HTTP/1.1 request on a fresh connection: (status, headers, body)."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
+    if body is not None:
+        head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    writer.write(head.encode() + b"\r\n" + (body or b""))
+    await writer.drain()
+    data = await reader.read()
+    writer.close()
+    header, _, payload = data.partition(b"\r\n\r\n")
+    lines = header.decode().split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    if headers.get("transfer-encoding") == "chunked":
+        payload = _unchunk(payload)
+    return int(lines[0].split()[1]), headers, payload
+
+
+def _unchunk(data: bytes) -> bytes:
+    out = b""
+    while data:
+        size, _, rest = data.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            break
+        out, data = out + rest[:n], rest[n + 2:]
+    return out
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_completions_unary_and_streamed_agree_with_usage_and_speculation_metrics() -> None:
+    async def main():
+        async with served() as front:
+            unary = await front.client.completions.create(model=MODEL, prompt="Capital?", max_tokens=10,
+                                                          extra_body={"return_token_ids": True})
+            stream = await front.client.completions.create(model=MODEL, prompt="Capital?", max_tokens=10, stream=True,
+                                                           stream_options={"include_usage": True})
+            chunks = [chunk async for chunk in stream]
+            return unary, chunks
+
+    unary, chunks = run(main())
+    assert unary.choices[0].text == REPLY[:len(unary.choices[0].text)] and unary.choices[0].text
+    assert unary.choices[0].model_extra["token_ids"] == TOKENS[:10]
+    assert unary.usage.completion_tokens == 10 and unary.usage.total_tokens == unary.usage.prompt_tokens + 10
+    assert unary.choices[0].finish_reason == "length"
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == unary.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10  # include_usage: the last chunk
+    assert all(c.usage is None for c in chunks[:-1])
+    finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finishing) == 1 and finishing[0].choices[0].finish_reason == "length"
+    spec = unary.model_extra["metrics"]["speculative_decoding"]
+    assert spec == finishing[0].model_extra["metrics"]["speculative_decoding"]
+    assert spec["num_drafts"] == 4 and spec["num_draft_tokens"] == 12 and spec["num_accepted_tokens"] == 7
+    assert spec["num_accepted_tokens_per_pos"] == [4, 2, 1, 0]  # padded to the largest γ given (4)
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + 7 / 4)
+    assert spec["draft_acceptance_rate"] == pytest.approx(7 / 12)
+    timings = unary.model_extra["metrics"]["timings"]
+    assert timings["queue_seconds"] >= 0.125 and timings["total_seconds"] >= timings["time_to_first_token_seconds"] > 0
+
+
+def test_chat_streams_role_then_content_and_renders_the_template() -> None:
+    async def main():
+        async with served() as front:
+            messages = [{"role": "developer", "content": "Be brief."},
+                        {"role": "user", "content": [{"type": "text", "text": "Capital"}, {"type": "text", "text": "?"}]}]
+            unary = await front.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                                               logprobs=True, top_logprobs=2)
+            stream = await front.client.chat.completions.create(model=MODEL, messages=messages, stream=True)
+            chunks = [chunk async for chunk in stream]
+            return unary, chunks, front.target.requests
+
+    unary, chunks, requests = run(main())
+    assert unary.object == "chat.completion" and unary.choices[0].message.role == "assistant"
+    assert unary.choices[0].message.content == TT.decode(TOKENS[:6])
+    content = unary.choices[0].logprobs.content
+    assert [c.token for c in content] == [TT.token_text(t) for t in TOKENS[:6]]
+    assert all(c.logprob == -0.5 and len(c.top_logprobs) == 2 for c in content)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == REPLY  # no max_tokens: all that fits
+    # developer -> system; text parts joined; the chat template rendered the prompt.
+    assert TT.decode(requests[0].prompt_token_ids) == \
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nCapital?<|im_end|>\n<|im_start|>assistant\n"
+    assert requests[1].max_new_tokens == 256 - len(requests[1].prompt_token_ids)  # as many as fit the context
+    assert requests[0].sampling.temperature == 1.0  # OpenAI's default, not gRPC's greedy 0
+
+
+def test_parameters_reach_the_target_as_sent() -> None:
+    async def main():
+        async with served() as front:
+            await front.client.completions.create(
+                model=MODEL, prompt=[[5, 6, 7]], max_tokens=3, temperature=0.5, top_p=0.9, seed=11, stop=["zz"],
+                logprobs=1, user="u",
+                extra_body={"top_k": 7, "speculation": 3, "stop_token_ids": [9], "ignore_eos": True, "unknown": 1})
+            await front.client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=2, temperature=0,
+                stop="x", extra_body={"speculation": "auto", "max_gamma": 2})
+            await front.client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
+                                                  extra_body={"speculation": "off"})
+            return front.target.requests
+
+    first, chat, off = run(main())
+    assert first.prompt_token_ids == [5, 6, 7] and first.max_new_tokens == 3
+    assert (first.sampling.temperature, first.sampling.top_k, first.sampling.seed) == (0.5, 7, 11)
+    assert first.sampling.top_p == pytest.approx(0.9)
+    assert first.logprobs == 1
+    assert first.stop_token_ids == {9} and not first.eos_token_ids  # ignore_eos: EOS is neither
+    assert first.speculation.mode == "fixed" and first.speculation.gamma == 3
+    assert chat.max_new_tokens == 2 and chat.sampling.temperature == 0.0
+    assert chat.speculation.mode == "auto" and chat.speculation.max_gamma == 2
+    assert off.speculation.mode == "off"
+
+
+BAD = [  # (endpoint, body changes, the param the 400 must name)
+    ("completions", {"max_tokens": 0}, "max_tokens"),
+    ("completions", {"max_tokens": 10_000}, "max_tokens"),
+    ("completions", {"temperature": -1}, "temperature"),
+    ("completions", {"temperature": "hot"}, "temperature"),
+    ("completions", {"top_p": 0}, "top_p"),
+    ("completions", {"top_p": 1.5}, "top_p"),
+    ("completions", {"top_k": -2}, "top_k"),
+    ("completions", {"seed": -1}, "seed"),
+    ("completions", {"stop": [""]}, "stop"),
+    ("completions", {"stop": ["x"] * 40}, "stop"),
+    ("completions", {"n": 2}, "n"),
+    ("completions", {"best_of": 3}, "best_of"),
+    ("completions", {"logprobs": 500}, "logprobs"),
+    ("completions", {"echo": True, "logprobs": 1}, "echo"),
+    ("completions", {"suffix": "end"}, "suffix"),
+    ("completions", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("completions", {"frequency_penalty": -1}, "frequency_penalty"),
+    ("completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("completions", {"prompt": ""}, "prompt"),
+    ("completions", {"prompt": []}, "prompt"),
+    ("completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("completions", {"prompt": [1, 100000]}, "prompt"),
+    ("completions", {"prompt": [-1]}, "prompt"),
+    ("completions", {"prompt": None}, "prompt"),
+    ("completions", {"speculation": "fast"}, "speculation"),
+    ("completions", {"speculation": 99}, "speculation"),
+    ("completions", {"speculation": "off", "max_gamma": 3}, "max_gamma"),
+    ("completions", {"max_gamma": 99}, "max_gamma"),
+    ("completions", {"stop_token_ids": [10**6]}, "stop_token_ids"),
+    ("completions", {"stream_options": {"include_usage": "yes please"}}, "stream_options.include_usage"),
+    ("chat", {"messages": []}, "messages"),
+    ("chat", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ("chat", {"messages": [{"content": "hi"}]}, "messages[0].role"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0].type"),
+    ("chat", {"max_completion_tokens": 0}, "max_completion_tokens"),
+    ("chat", {"max_tokens": 100_000}, "max_tokens"),
+    ("chat", {"top_logprobs": 3}, "top_logprobs"),  # without logprobs
+    ("chat", {"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"tool_choice": "required"}, "tool_choice"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"model": 5}, "model"),
+]
+
+
+def _body(endpoint: str, changes: dict) -> dict:
+    body = {"model": MODEL, "max_tokens": 4}
+    body |= {"prompt": "hi"} if endpoint == "completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    return {k: v for k, v in (body | changes).items()}
+
+
+def test_every_bad_parameter_is_a_400_naming_it_and_nothing_reaches_the_target() -> None:
+    async def main():
+        results = []
+        async with served() as front:
+            for endpoint, changes, _ in BAD:
+                path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+                results.append(await _raw(front.url, path, json.dumps(_body(endpoint, changes)).encode()))
+            ok = await front.client.completions.create(model=MODEL, prompt="hi", max_tokens=2)  # carries on
+            return results, front.target.requests, ok
+
+    results, requests, ok = run(main())
+    for (endpoint, changes, param), (status, headers, payload) in zip(BAD, results):
+        error = json.loads(payload)["error"]
+        assert status == 400, (endpoint, changes, status, payload)
+        assert error["param"] == param, (endpoint, changes, error)
+        assert error["type"] == "invalid_request_error" and error["message"]
+        assert headers["content-type"] == "application/json"
+    assert len(requests) == 1 and ok.usage.completion_tokens == 2
+
+
+def test_the_openai_client_raises_bad_request_with_the_param() -> None:
+    async def main():
+        async with served() as front:
+            with pytest.raises(openai.BadRequestError) as bad:
+                await front.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                           temperature=-0.5)
+            with pytest.raises(openai.NotFoundError) as missing:
+                await front.client.completions.create(model="gpt-4o", prompt="hi")
+            with pytest.raises(openai.BadRequestError) as streamed:  # refused before the stream starts
+                await front.client.completions.create(model=MODEL, prompt="hi", top_p=7, stream=True)
+            return bad.value, missing.value, streamed.value
+
+    bad, missing, streamed = run(main())
+    assert bad.status_code == 400 and bad.body["param"] == "temperature" and "-0.5" in bad.body["message"]
+    assert missing.status_code == 404 and missing.body["code"] == "model_not_found" and missing.body["param"] == "model"
+    assert streamed.status_code == 400 and streamed.body["param"] == "top_p"
+
+
+def test_malformed_bodies_and_unknown_routes_get_openai_errors() -> None:
+    async def main():
+        async with served() as front:
+            return [await _raw(front.url, "/v1/completions", b'{"model": "scripted", "prompt": '),
+                    await _raw(front.url, "/v1/completions", b"[1, 2]"),
+                    await _raw(front.url, "/v1/completions", b'{"prompt": "hi"}'),
+                    await _raw(front.url, "/v1/embeddings", b"{}"),
+                    await _raw(front.url, "/v1/completions", None, method="GET"),
+                    await _raw(front.url, "/v1/models", None, method="GET"),
+                    await _raw(front.url, f"/v1/models/{MODEL}", None, method="GET"),
+                    await _raw(front.url, "/v1/models/other", None, method="GET"),
+                    await _raw(front.url, "/health", None, method="GET"),
+                    await _raw(front.url, "/metrics", None, method="GET")]
+
+    (json_bad, not_object, no_model, route, method, models, card, other, health, metrics) = run(main())
+    assert json_bad[0] == 400 and json.loads(json_bad[2])["error"]["code"] == "invalid_json"
+    assert not_object[0] == 400 and json.loads(not_object[2])["error"]["type"] == "invalid_request_error"
+    assert no_model[0] == 400 and json.loads(no_model[2])["error"]["param"] == "model"
+    assert route[0] == 404 and "error" in json.loads(route[2])
+    assert method[0] == 405 and "error" in json.loads(method[2])
+    assert models[0] == 200 and [m["id"] for m in json.loads(models[2])["data"]] == [MODEL]
+    assert card[0] == 200 and json.loads(card[2])["max_model_len"] == 256
+    assert other[0] == 404 and json.loads(other[2])["error"]["code"] == "model_not_found"
+    assert health[0] == 200 and json.loads(health[2]) == {"status": "ok"}
+    assert metrics[0] == 200 and b"specstream:time_to_first_token_seconds" in metrics[2]
+
+
+def test_an_error_after_the_first_chunk_is_an_error_event_then_done() -> None:
+    async def main():
+        async with served() as front:
+            body = json.dumps({"model": MODEL, "prompt": "FAIL", "max_tokens": 8, "stream": True}).encode()
+            raw = await _raw(front.url, "/v1/completions", body)
+            stream = await front.client.completions.create(model=MODEL, prompt="FAIL", max_tokens=8, stream=True)
+            texts = []
+            with pytest.raises(openai.APIError) as failed:
+                async for chunk in stream:
+                    texts.append(chunk.choices[0].text)
+            return raw, texts, failed.value
+
+    (status, headers, payload), texts, failed = run(main())
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = [line.removeprefix("data: ") for line in payload.decode().split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "scripted" in error["message"] and error["type"] == "invalid_request_error"
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:-2]] == [TT.decode(TOKENS[:1]), TT.decode(TOKENS[1:2])]
+    assert "".join(texts) == TT.decode(TOKENS[:2]) and "scripted" in str(failed)
+
+
+def test_a_client_that_disconnects_cancels_its_request_on_the_target() -> None:
+    """SLOW prompts take ~0.5 s per token: the client leaves mid-stream / before the unary reply."""
+
+    async def main():
+        async with served() as front:
+            stream = await front.client.completions.create(model=MODEL, prompt="SLOW", max_tokens=20, stream=True)
+            async for _ in stream:
+                break  # one chunk, then go
+            await stream.close()
+            unary = asyncio.ensure_future(front.client.completions.create(model=MODEL, prompt="SLOW", max_tokens=20))
+            await asyncio.sleep(0.3)
+            unary.cancel()  # closes the connection
+            await asyncio.gather(unary, return_exceptions=True)
+            for _ in range(200):
+                if len(front.target.cancelled) == 2 and front.gateway.in_flight == 0:
+                    break
+                await asyncio.sleep(0.01)
+            return [r.id for r in front.target.requests], front.target.cancelled, front.gateway.in_flight
+
+    sent, cancelled, in_flight = run(main())
+    assert sorted(cancelled) == sorted(sent) and len(sent) == 2, (sent, cancelled)
+    assert in_flight == 0
+
+
+def test_overload_is_429_with_retry_after_and_the_server_carries_on() -> None:
+    async def main():
+        async with served(max_in_flight=1) as front:
+            stream = await front.client.completions.create(model=MODEL, prompt="SLOW", max_tokens=3, stream=True)
+            body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+            refused = await _raw(front.url, "/v1/completions", body)
+            with pytest.raises(openai.RateLimitError) as limited:
+                await front.client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+            text = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+            after = await front.client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+            return refused, limited.value, text, after
+
+    (status, headers, payload), limited, text, after = run(main())
+    assert status == 429 and headers["retry-after"] == "1"
+    assert json.loads(payload)["error"]["code"] == "rate_limit_exceeded"
+    assert limited.status_code == 429
+    assert text == TT.decode(TOKENS[:3]) and after.usage.completion_tokens == 2
+
+
+def test_the_http_server_takes_a_free_port_and_refuses_a_taken_one() -> None:
+    async def main():
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            with pytest.raises(OSError):
+                HttpServer(build_app(None), "127.0.0.1", taken.getsockname()[1], grace_s=0.1)  # type: ignore[arg-type]
+
+    run(main())
