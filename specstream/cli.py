@@ -485,6 +485,14 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fronts(value: str) -> tuple[str, ...]:
+    """An argparse type for `bench throughput --fronts`: comma-separated, of grpc,http, each once."""
+    fronts = tuple(v.strip() for v in value.split(",") if v.strip())
+    if not fronts or any(f not in ("grpc", "http") for f in fronts) or len(set(fronts)) != len(fronts):
+        raise argparse.ArgumentTypeError(f"--fronts={value!r}: comma-separated, of grpc,http, each at most once")
+    return fronts
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.kind == "kernels":
         from specstream.bench import kernels as kernel_bench
@@ -545,7 +553,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.policies:
             settings = [s for s in settings if s.policy_name in args.policies.split(",")]
         throughput.run(bench_models(args), out, kinds=(args.workloads or "short").split(","), settings=settings,
-                       count=args.requests)
+                       count=args.requests, fronts=args.fronts, repeats=args.repeats)
     else:
         from specstream.bench import synthetic
 
@@ -739,11 +747,17 @@ def build_parser() -> argparse.ArgumentParser:
                                   "speculative runs propose with", pair=True)
     p.add_argument("--proposers", help="gamma: comma-separated, of model,ngram,ngram+model (default all)")
     p.add_argument("--repeats", type=int, default=1,
-                   help="gamma, beam: run every setting this many times, interleaved, and report the median")
+                   help="gamma, beam: run every setting this many times, interleaved, and report the median; "
+                        "throughput: passes per setting (with --fronts grpc,http: rounds of grpc, http, http, grpc), "
+                        "pooled")
     p.add_argument("--requests", type=int, default=200, help="throughput: requests per setting")
     p.add_argument("--batch-sizes", help="throughput: only these n (comma-separated, of 8,32); gamma: default 1,8,32")
     p.add_argument("--policies", help="throughput: only these settings, comma-separated, of 'static all', "
                                       "'topup ε=0.5 all', 'topup ε=1 all', 'topup ε=1 min_length', 'topup ε=1 fifo'")
+    p.add_argument("--fronts", type=_fronts, default=("grpc",),
+                   help="throughput: comma-separated, of grpc,http (default grpc): with http the stack also serves "
+                        "the OpenAI-compatible API and every setting sends the same requests through each front, "
+                        "in the same stack, and reports the HTTP front's overhead")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison (latency, sampling, beam)")
     p.add_argument("--vocabs", help="kernels: comma-separated vocabulary sizes (default 32000,49152,128256,151936)")
     p.add_argument("--rows", help="kernels: comma-separated row counts (default 1,8,64,576 on CUDA; 1,8,64 on CPU)")

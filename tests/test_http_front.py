@@ -112,6 +112,7 @@ class Front:
     gateway: Gateway
     url: str  # http://127.0.0.1:port
     client: openai.AsyncOpenAI
+    target_server: grpc.aio.Server
 
 
 @asynccontextmanager
@@ -134,7 +135,7 @@ async def served(max_in_flight: int = 8) -> AsyncIterator[Front]:
         await asyncio.sleep(0.01)
     client = openai.AsyncOpenAI(base_url=f"http://{http.address}/v1", api_key="none", max_retries=0, timeout=30)
     try:
-        yield Front(target, gateway, f"http://{http.address}", client)
+        yield Front(target, gateway, f"http://{http.address}", client, target_server)
     finally:
         await client.close()
         await http.stop()
@@ -451,3 +452,23 @@ def test_the_http_server_takes_a_free_port_and_refuses_a_taken_one() -> None:
                 HttpServer(build_app(None), "127.0.0.1", taken.getsockname()[1], grace_s=0.1)  # type: ignore[arg-type]
 
     run(main())
+
+
+def test_without_a_serving_replica_requests_get_503_and_health_says_so() -> None:
+    async def main():
+        async with served() as front:
+            before = await _raw(front.url, "/health", None, method="GET")
+            await front.target_server.stop(None)  # the gateway's only replica is gone
+            for _ in range(500):
+                if not front.gateway.serving:
+                    break
+                await asyncio.sleep(0.01)
+            body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+            return before, await _raw(front.url, "/health", None, method="GET"), \
+                await _raw(front.url, "/v1/completions", body)
+
+    before, health, refused = run(main())
+    assert before[0] == 200
+    assert health[0] == 503 and json.loads(health[2]) == {"status": "not_serving"}
+    assert refused[0] == 503 and refused[1]["retry-after"] == "1"
+    assert json.loads(refused[2])["error"]["type"] == "service_unavailable_error"
