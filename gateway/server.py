@@ -111,7 +111,7 @@ async def serve(config: GatewayConfig) -> None:
     http = None
     if config.http_port is not None:
         app = build_app(gateway, metrics.registry if config.server.metrics_port is not None else None,
-                        ready=lambda: not stopping.is_set())
+                        ready=lambda: not stopping.is_set(), max_body_bytes=config.server.max_message_bytes)
         http = HttpServer(app, config.server.host, config.http_port, config.server.grace_s)
     await server.start()
     if http is not None:

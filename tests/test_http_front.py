@@ -116,7 +116,7 @@ class Front:
 
 
 @asynccontextmanager
-async def served(max_in_flight: int = 8) -> AsyncIterator[Front]:
+async def served(max_in_flight: int = 8, max_body_bytes: int = 1 << 20) -> AsyncIterator[Front]:
     target = StreamingTarget()
     target_server = grpc.aio.server()
     target_pb2_grpc.add_TargetServicer_to_server(target, target_server)
@@ -127,7 +127,8 @@ async def served(max_in_flight: int = 8) -> AsyncIterator[Front]:
     metrics = GatewayMetrics()
     gateway = Gateway(GatewayConfig(replica.url, MODEL, max_in_flight=max_in_flight), Router([replica], max_queue=8),
                       replica.info, TT, metrics)
-    http = HttpServer(build_app(gateway, metrics.registry), "127.0.0.1", 0, grace_s=1.0)
+    http = HttpServer(build_app(gateway, metrics.registry, max_body_bytes=max_body_bytes), "127.0.0.1", 0,
+                      grace_s=1.0)
     await http.start()
     for _ in range(500):
         if replica.routable:
@@ -245,7 +246,7 @@ def test_parameters_reach_the_target_as_sent() -> None:
                 model=MODEL, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=2, temperature=0,
                 stop="x", extra_body={"speculation": "auto", "max_gamma": 2})
             await front.client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
-                                                  extra_body={"speculation": "off"})
+                                                  extra_body={"speculation": "off", "top_k": -1})
             return front.target.requests
 
     first, chat, off = run(main())
@@ -257,7 +258,7 @@ def test_parameters_reach_the_target_as_sent() -> None:
     assert first.speculation.mode == "fixed" and first.speculation.gamma == 3
     assert chat.max_new_tokens == 2 and chat.sampling.temperature == 0.0
     assert chat.speculation.mode == "auto" and chat.speculation.max_gamma == 2
-    assert off.speculation.mode == "off"
+    assert off.speculation.mode == "off" and off.sampling.top_k == 0  # vLLM's top_k=-1: no cut
 
 
 BAD = [  # (endpoint, body changes, the param the 400 must name)
@@ -472,3 +473,32 @@ def test_without_a_serving_replica_requests_get_503_and_health_says_so() -> None
     assert health[0] == 503 and json.loads(health[2]) == {"status": "not_serving"}
     assert refused[0] == 503 and refused[1]["retry-after"] == "1"
     assert json.loads(refused[2])["error"]["type"] == "service_unavailable_error"
+
+
+def test_a_body_over_the_limit_is_413_declared_or_chunked() -> None:
+    async def main():
+        async with served(max_body_bytes=4096) as front:
+            host, port = front.url.removeprefix("http://").split(":")
+            replies = []
+            for chunked in (False, True):
+                reader, writer = await asyncio.open_connection(host, int(port))
+                body = json.dumps({"model": MODEL, "prompt": "x" * 5000, "max_tokens": 2}).encode()
+                if chunked:
+                    head = b"POST /v1/completions HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    payload = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 1000]), body[i:i + 1000])
+                                       for i in range(0, len(body), 1000)) + b"0\r\n\r\n"
+                else:
+                    head = b"POST /v1/completions HTTP/1.1\r\nHost: h\r\nContent-Length: %d\r\n\r\n" % len(body)
+                    payload = body
+                writer.write(head + payload)
+                await writer.drain()
+                replies.append(await reader.read())
+                writer.close()
+            small = await front.client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+            return replies, small, front.target.requests
+
+    replies, small, requests = run(main())
+    for reply in replies:
+        assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+        assert b'"request_too_large"' in reply
+    assert small.usage.completion_tokens == 2 and len(requests) == 1  # refused ones never reached the target

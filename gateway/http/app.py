@@ -88,20 +88,66 @@ async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is refused with 413 before the app (and
+    pydantic) see it, whether it declares its length or streams in chunks: the HTTP twin of the
+    gRPC servers' message-size limit. The body is read here and replayed to the app, whose later
+    `receive()` calls (disconnect watching) go to the connection as before."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # gone before the body arrived
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._refuse(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send) -> None:
+        error = ApiError(413, f"the request body is larger than {self.limit} bytes", "invalid_request_error", None,
+                         "request_too_large")
+        await JSONResponse(error.body(), status_code=413, headers={"Connection": "close"})(scope, receive, send)
+
+
 def _json_event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 def build_app(gateway: Gateway, registry: CollectorRegistry | None = None,
-              ready: Callable[[], bool] | None = None) -> FastAPI:
+              ready: Callable[[], bool] | None = None, max_body_bytes: int = 64 * 1024 * 1024) -> FastAPI:
     """The app. `registry`: served on /metrics when given. `ready`: False while the gateway is
-    shutting down (health then reads 503 whatever the replicas say)."""
+    shutting down (health then reads 503 whatever the replicas say). `max_body_bytes`: larger
+    request bodies get 413."""
     # FastAPI releases with their own OpenTelemetry spans would trace each request twice: ours
     # (below) is the one that joins the gateway's and the target's spans, in every release.
     native = {"telemetry": {"tracing": False, "metrics": False, "logs": False}} \
         if "telemetry" in inspect.signature(FastAPI).parameters else {}
     app = FastAPI(title="specstream", summary="OpenAI-compatible API of a speculative-decoding server",
                   version="0.1.0", **native)
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
     tracer = telemetry.tracer("specstream.gateway.http")
     is_ready = ready or (lambda: True)
 

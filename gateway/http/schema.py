@@ -27,7 +27,7 @@ class Extensions(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    top_k: int | None = None  # vLLM's: sample among the k most likely tokens (0 or None: off)
+    top_k: int | None = None  # vLLM's: sample among the k most likely tokens (0, -1 or None: off)
     ignore_eos: bool = False  # vLLM's: keep generating past the end-of-sequence token
     stop_token_ids: list[int] | None = None  # vLLM's: stop at any of these token ids
     # Ours: "auto" (the server's γ controller; the default), "off" (plain decoding) or a fixed γ (0 = off).

@@ -58,7 +58,7 @@ def to_generate_request(body: Body, traceparent: str = "") -> generation_pb2.Gen
     req.temperature = 1.0 if body.temperature is None else body.temperature
     if body.top_p is not None:
         req.top_p = body.top_p
-    req.top_k = _int("top_k", body.top_k or 0, 0, INT32)
+    req.top_k = _int("top_k", 0 if body.top_k in (None, -1) else body.top_k, 0, INT32)  # vLLM's -1: off
     if body.seed is not None:
         req.seed = _int("seed", body.seed, 0, UINT64)
     req.speculation.CopyFrom(_speculation(body))
