@@ -31,7 +31,13 @@ class Gateway:
         self.tokenizer = tokenizer
         self.limits = Limits.build(config, info)
         self.eos_ids = tuple(sorted(set(info.eos_token_ids) | set(tokenizer.eos_token_ids)))
-        self.in_flight = 0
+        # Admitted requests, by id(): each holds one of `max_in_flight` places from `admit` until
+        # `release` (the reference keeps its id unique while it is held).
+        self._held: dict[int, ValidRequest] = {}
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._held)
 
     @property
     def model_name(self) -> str:
@@ -44,29 +50,36 @@ class Gateway:
 
     def admit(self, request: generation_pb2.GenerateRequest, fill_max_new_tokens: bool = False) -> ValidRequest:
         """Refuses the request when `max_in_flight` are being served (OverloadedError), else
-        validates and tokenizes it (InvalidArgumentError naming the field). `fill_max_new_tokens`:
-        max_new_tokens 0 means as many as fit (OpenAI's unset max_tokens)."""
+        validates and tokenizes it (InvalidArgumentError naming the field) and holds a place for it
+        at once, so that requests admitted together cannot pass the bound between admission and
+        their first await. `stream`/`generate` release the place when they end; a caller that
+        admits and never calls them must `release` it. `fill_max_new_tokens`: max_new_tokens 0
+        means as many as fit (OpenAI's unset max_tokens)."""
         if self.in_flight >= self.config.max_in_flight:
             raise OverloadedError(f"{self.in_flight} requests in flight (max_in_flight={self.config.max_in_flight}); "
                                   "retry later")
         valid = validate(request, self.limits, self.tokenizer, fill_max_new_tokens=fill_max_new_tokens)
         valid.model = self.model_name
+        self._held[id(valid)] = valid
         return valid
+
+    def release(self, valid: ValidRequest) -> None:
+        """Gives back the place `admit` held for `valid`; idempotent."""
+        if self._held.get(id(valid)) is valid:
+            del self._held[id(valid)]
 
     async def stream(self, valid: ValidRequest) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
         """The request's chunks (deltas; the last has finish_reason, usage, stats and timings).
         Counts as in flight until the iteration ends; leaving early cancels it on the target."""
-        self.in_flight += 1
         try:
             async for chunk in pipeline.stream_chunks(valid, self.router, self.tokenizer, self.eos_ids,
                                                       self.metrics):
                 yield chunk
         finally:
-            self.in_flight -= 1
+            self.release(valid)
 
     async def generate(self, valid: ValidRequest) -> generation_pb2.GenerateResponse:
-        self.in_flight += 1
         try:
             return await pipeline.generate(valid, self.router, self.tokenizer, self.eos_ids, self.metrics)
         finally:
-            self.in_flight -= 1
+            self.release(valid)

@@ -26,6 +26,7 @@ already-final text when later tokens arrive would make deltas differ from a one-
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -258,8 +259,37 @@ class TextTokenizer:
         """One token's own text, special tokens included (log-probability listings)."""
         return self._tok.decode([token_id], skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes: part of a UTF-8 character where the token holds one (which
+        `token_text` shows as U+FFFD). Byte-level BPE pieces map back through GPT-2's byte
+        alphabet, SentencePiece byte pieces (`<0x0A>`) are their byte; other tokens are their text."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is not None and isinstance(self._tok.decoder, decoders.ByteLevel):
+            if all(ch in _BYTE_OF_CHAR for ch in piece):
+                return bytes(_BYTE_OF_CHAR[ch] for ch in piece)
+        elif piece is not None and (byte := _SENTENCEPIECE_BYTE.fullmatch(piece)):
+            return bytes([int(byte.group(1), 16)])
+        return self.token_text(token_id).encode("utf-8")
+
     def detokenizer(self, prompt_ids: Sequence[int]) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.decode, prompt_ids)
+
+
+def _gpt2_byte_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-in for each byte, inverted: char -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _gpt2_byte_alphabet()
+_SENTENCEPIECE_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _read_json(file: Path) -> dict[str, Any] | None:

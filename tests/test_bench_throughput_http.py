@@ -80,6 +80,16 @@ def test_fronts_must_return_the_same_completion_tokens():
     short = good + [Pass("http", [(4, 0.1), (2, 0.1)], 1.0)]
     with pytest.raises(BenchmarkError, match="pass 3 \\(http\\) answered 2 requests"):
         throughput.check_fronts_agree(SETTING.name, REQUESTS, short)
+    # With the token ids: the same counts are not enough.
+    ids = [[1, 2, 3, 4], [5, 6], [7], [8, 9, 10]]
+    agree = [_pass("grpc", [0.1] * 4, 1.0), _pass("http", [0.2] * 4, 1.0)]
+    for p in agree:
+        p.outputs = [list(i) for i in ids]
+    throughput.check_fronts_agree(SETTING.name, REQUESTS, agree)
+    agree[1].outputs[2] = [70]
+    with pytest.raises(BenchmarkError, match=r"1 requests got other completion tokens through http \(pass 1\) "
+                                             r"than through grpc \(pass 0\), greedy: requests 2"):
+        throughput.check_fronts_agree(SETTING.name, REQUESTS, agree)
 
 
 def test_front_overhead_and_its_row():
@@ -134,7 +144,8 @@ class _FakeOpenAI:
     async def _create(self, **kwargs):
         _FakeOpenAI.calls.append(kwargs)
         await asyncio.sleep(0.001 * kwargs["max_tokens"])  # the long ones finish last
-        return SimpleNamespace(usage=SimpleNamespace(completion_tokens=kwargs["max_tokens"]))
+        ids = [sum(kwargs["prompt"]) + k for k in range(kwargs["max_tokens"])]  # what the request alone decides
+        return SimpleNamespace(choices=[SimpleNamespace(model_extra={"token_ids": ids})])
 
 
 class _FakeGrpcClient:
@@ -153,7 +164,7 @@ class _FakeGrpcClient:
     async def generate(self, prompt, **options):
         _FakeGrpcClient.calls.append((prompt, options))
         await asyncio.sleep(0.001 * options["max_new_tokens"])
-        return SimpleNamespace(usage=SimpleNamespace(completion_tokens=options["max_new_tokens"]))
+        return SimpleNamespace(token_ids=[sum(prompt) + k for k in range(options["max_new_tokens"])])
 
 
 def test_each_front_sends_the_same_request_and_results_come_in_request_order(monkeypatch):
@@ -164,15 +175,16 @@ def test_each_front_sends_the_same_request_and_results_come_in_request_order(mon
     monkeypatch.setattr(specstream_client, "AsyncClient", _FakeGrpcClient)
     _FakeOpenAI.made, _FakeOpenAI.calls, _FakeGrpcClient.made, _FakeGrpcClient.calls = [], [], [], []
 
-    http, http_wall = asyncio.run(throughput._closed_loop("http", "127.0.0.1:8000", REQUESTS, 2))
-    grpc, grpc_wall = asyncio.run(throughput._closed_loop("grpc", "127.0.0.1:50051", REQUESTS, 2))
+    http, http_wall, http_ids = asyncio.run(throughput._closed_loop("http", "127.0.0.1:8000", REQUESTS, 2))
+    grpc, grpc_wall, grpc_ids = asyncio.run(throughput._closed_loop("grpc", "127.0.0.1:50051", REQUESTS, 2))
     assert [t for t, _ in http] == [t for t, _ in grpc] == [b for _, b in REQUESTS]  # request order
+    assert http_ids == grpc_ids == [[sum(p) + k for k in range(b)] for p, b in REQUESTS]
     assert all(latency > 0 for _, latency in http + grpc) and http_wall > 0 and grpc_wall > 0
     assert _FakeOpenAI.made == [{"base_url": "http://127.0.0.1:8000/v1", "api_key": "none", "max_retries": 0,
                                  "timeout": 600}]
     assert sorted(_FakeOpenAI.calls, key=lambda c: c["prompt"]) == [
         {"model": "the-model", "prompt": prompt, "max_tokens": budget, "temperature": 0,
-         "extra_body": {"ignore_eos": True}} for prompt, budget in REQUESTS]
+         "extra_body": {"ignore_eos": True, "return_token_ids": True}} for prompt, budget in REQUESTS]
     assert _FakeGrpcClient.made == [("127.0.0.1:50051", {"timeout": 600})]
     # the gRPC client's default temperature is 0, as the HTTP calls send
     assert sorted(_FakeGrpcClient.calls) == [(prompt, {"max_new_tokens": budget, "ignore_eos": True})

@@ -116,7 +116,8 @@ class Front:
 
 
 @asynccontextmanager
-async def served(max_in_flight: int = 8, max_body_bytes: int = 1 << 20) -> AsyncIterator[Front]:
+async def served(max_in_flight: int = 8, max_body_bytes: int = 1 << 20,
+                 ready=None) -> AsyncIterator[Front]:
     target = StreamingTarget()
     target_server = grpc.aio.server()
     target_pb2_grpc.add_TargetServicer_to_server(target, target_server)
@@ -127,8 +128,8 @@ async def served(max_in_flight: int = 8, max_body_bytes: int = 1 << 20) -> Async
     metrics = GatewayMetrics()
     gateway = Gateway(GatewayConfig(replica.url, MODEL, max_in_flight=max_in_flight), Router([replica], max_queue=8),
                       replica.info, TT, metrics)
-    http = HttpServer(build_app(gateway, metrics.registry, max_body_bytes=max_body_bytes), "127.0.0.1", 0,
-                      grace_s=1.0)
+    http = HttpServer(build_app(gateway, metrics.registry, ready=ready, max_body_bytes=max_body_bytes), "127.0.0.1",
+                      0, grace_s=1.0)
     await http.start()
     for _ in range(500):
         if replica.routable:
@@ -226,7 +227,11 @@ def test_chat_streams_role_then_content_and_renders_the_template() -> None:
     content = unary.choices[0].logprobs.content
     assert [c.token for c in content] == [TT.token_text(t) for t in TOKENS[:6]]
     assert all(c.logprob == -0.5 and len(c.top_logprobs) == 2 for c in content)
-    assert chunks[0].choices[0].delta.role == "assistant"
+    # As OpenAI streams: the role with empty content, the content, then an empty delta that finishes.
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    assert all(c.choices[0].delta.role is None and c.choices[0].delta.content for c in chunks[1:-1])
+    assert chunks[-1].choices[0].delta.content is None and chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == REPLY  # no max_tokens: all that fits
     # developer -> system; text parts joined; the chat template rendered the prompt.
     assert TT.decode(requests[0].prompt_token_ids) == \
@@ -292,6 +297,9 @@ BAD = [  # (endpoint, body changes, the param the 400 must name)
     ("completions", {"max_gamma": 99}, "max_gamma"),
     ("completions", {"stop_token_ids": [10**6]}, "stop_token_ids"),
     ("completions", {"stream_options": {"include_usage": "yes please"}}, "stream_options.include_usage"),
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ("completions", {"speculation": True}, "speculation"),  # not γ = 1
+    ("completions", {"speculation": "3"}, "speculation"),
     ("chat", {"messages": []}, "messages"),
     ("chat", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
     ("chat", {"messages": [{"content": "hi"}]}, "messages[0].role"),
@@ -368,7 +376,8 @@ def test_malformed_bodies_and_unknown_routes_get_openai_errors() -> None:
 
     (json_bad, not_object, no_model, route, method, models, card, other, health, metrics) = run(main())
     assert json_bad[0] == 400 and json.loads(json_bad[2])["error"]["code"] == "invalid_json"
-    assert not_object[0] == 400 and json.loads(not_object[2])["error"]["type"] == "invalid_request_error"
+    error = json.loads(not_object[2])["error"]
+    assert not_object[0] == 400 and error["code"] == "invalid_body" and "JSON object" in error["message"], error
     assert no_model[0] == 400 and json.loads(no_model[2])["error"]["param"] == "model"
     assert route[0] == 404 and "error" in json.loads(route[2])
     assert method[0] == 405 and "error" in json.loads(method[2])
@@ -451,6 +460,9 @@ def test_the_http_server_takes_a_free_port_and_refuses_a_taken_one() -> None:
             taken.listen()
             with pytest.raises(OSError):
                 HttpServer(build_app(None), "127.0.0.1", taken.getsockname()[1], grace_s=0.1)  # type: ignore[arg-type]
+            free = HttpServer(build_app(None), "127.0.0.1", 0, grace_s=0.1)  # type: ignore[arg-type]
+            free.sock.close()
+            assert free.port > 0 and free.port != taken.getsockname()[1]
 
     run(main())
 
@@ -502,3 +514,94 @@ def test_a_body_over_the_limit_is_413_declared_or_chunked() -> None:
         assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
         assert b'"request_too_large"' in reply
     assert small.usage.completion_tokens == 2 and len(requests) == 1  # refused ones never reached the target
+
+
+def test_stop_strings_cut_the_text_and_finish_with_stop() -> None:
+    async def main():
+        async with served() as front:
+            unary = await front.client.completions.create(model=MODEL, prompt="hi", max_tokens=20, stop=",")
+            stream = await front.client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=20, stop=["city", "light"],
+                stream=True)
+            return unary, [chunk async for chunk in stream]
+
+    unary, chunks = run(main())
+    assert unary.choices[0].text == " Paris" and unary.choices[0].finish_reason == "stop"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == " Paris, the "
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_completion_logprobs_have_openais_shape() -> None:
+    async def main():
+        async with served() as front:
+            unary = await front.client.completions.create(model=MODEL, prompt="hi", max_tokens=5, logprobs=1)
+            stream = await front.client.completions.create(model=MODEL, prompt="hi", max_tokens=5, logprobs=1,
+                                                           stream=True)
+            return unary, [chunk async for chunk in stream]
+
+    unary, chunks = run(main())
+    logprobs = unary.choices[0].logprobs
+    assert logprobs.tokens == [TT.token_text(t) for t in TOKENS[:5]]
+    assert logprobs.token_logprobs == [-0.5] * 5
+    assert logprobs.top_logprobs == [{TT.token_text(t): -0.5} for t in TOKENS[:5]]
+    assert logprobs.text_offset == [len(TT.decode(TOKENS[:i])) for i in range(5)]
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert sum((lp.tokens for lp in streamed), []) == logprobs.tokens
+    assert sum((lp.text_offset for lp in streamed), []) == logprobs.text_offset
+
+
+def test_explicit_nulls_are_the_defaults_and_max_completion_tokens_wins() -> None:
+    async def main():
+        async with served() as front:
+            nulls = {"stream": None, "stream_options": None, "echo": None, "logprobs": None, "ignore_eos": None,
+                     "return_token_ids": None, "seed": None, "stop": None, "temperature": None, "top_p": None,
+                     "speculation": None, "n": None, "user": None}
+            completion = await _raw(front.url, "/v1/completions",
+                                    json.dumps(_body("completions", nulls | {"max_tokens": 3})).encode())
+            chat = await _raw(front.url, "/v1/chat/completions", json.dumps(_body("chat", nulls | {
+                "max_tokens": 9, "max_completion_tokens": 2, "top_logprobs": None})).encode())
+            return completion, chat, front.target.requests
+
+    completion, chat, requests = run(main())
+    assert completion[0] == 200 and json.loads(completion[2])["usage"]["completion_tokens"] == 3, completion
+    assert chat[0] == 200 and json.loads(chat[2])["choices"][0]["logprobs"] is None, chat
+    assert requests[1].max_new_tokens == 2  # OpenAI's newer name takes precedence over max_tokens
+    assert requests[0].sampling.temperature == 1.0 and requests[0].eos_token_ids  # nulls: OpenAI's defaults
+
+
+def test_a_burst_never_passes_the_in_flight_bound() -> None:
+    """Requests arriving together are admitted before any of them reaches the target: each holds
+    its place from admission, so at most max_in_flight pass and the rest get 429 at once."""
+
+    async def main():
+        async with served(max_in_flight=2) as front:
+            async def one():
+                try:
+                    return await front.client.completions.create(model=MODEL, prompt="SLOW", max_tokens=2)
+                except openai.RateLimitError as exc:
+                    return exc
+
+            results = await asyncio.gather(*(one() for _ in range(8)))
+            return results, front.target.requests, front.gateway.in_flight
+
+    results, requests, in_flight = run(main())
+    served_ = [r for r in results if not isinstance(r, openai.RateLimitError)]
+    assert len(served_) == 2 and len(requests) == 2, (len(served_), len(requests))
+    assert all(r.usage.completion_tokens == 2 for r in served_) and in_flight == 0
+
+
+def test_while_shutting_down_health_and_new_requests_get_503() -> None:
+    stopping = asyncio.Event()
+
+    async def main():
+        async with served(ready=lambda: not stopping.is_set()) as front:
+            before = await front.client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+            stopping.set()
+            body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+            return before, await _raw(front.url, "/health", None, method="GET"), \
+                await _raw(front.url, "/v1/completions", body), front.target.requests
+
+    before, health, refused, requests = run(main())
+    assert before.usage.completion_tokens == 2 and health[0] == 503
+    assert refused[0] == 503 and refused[1]["retry-after"] == "1" and len(requests) == 1
+    assert "shutting down" in json.loads(refused[2])["error"]["message"]

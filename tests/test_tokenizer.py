@@ -335,3 +335,15 @@ def test_llama2_style_byte_fallback() -> None:
         out = detokenize(decode, prompt, gen, sizes)
         assert "".join(out) == expected
         assert not any("\ufffd" in piece for piece in out)
+
+
+def test_token_bytes_are_the_raw_bytes_even_inside_a_character() -> None:
+    text = "caf\u00e9 \u4f60\u597d \U0001f600 <s>"
+    ids = TT.encode(text)[1:]
+    split = [i for i in ids if TT.token_text(i) == "\ufffd"]
+    assert split, "the sample must hold tokens that are part of a character"
+    assert all(TT.token_bytes(i) != "\ufffd".encode() for i in split)
+    assert b"".join(TT.token_bytes(i) for i in ids).decode("utf-8") == text  # the special <s> as its text
+    sp = TextTokenizer(_llama2_style_tokenizer())
+    (byte,) = [i for i in sp.encode("\u4f60") if sp.tokenizer.id_to_token(i) == "<0xE4>"]
+    assert sp.token_bytes(byte) == b"\xe4"

@@ -33,6 +33,7 @@ from gateway.http.errors import ApiError, from_exception, from_validation, model
 from gateway.http.schema import ChatCompletionRequest, CompletionRequest
 from gateway.service import Gateway
 from specstream import telemetry
+from specstream.errors import UnavailableError
 from specstream_pb import generation_pb2
 
 T = TypeVar("T")
@@ -192,15 +193,17 @@ def build_app(gateway: Gateway, registry: CollectorRegistry | None = None,
         span = tracer.start_span(f"POST {request.url.path}", context=telemetry.context_from(
             request.headers.get("traceparent", "")), kind=telemetry.SpanKind.SERVER,
             attributes={"http.request.method": "POST", "url.path": request.url.path, "http.route": request.url.path,
-                        "gen_ai.request.model": body.model, "specstream.stream": body.stream})
+                        "gen_ai.request.model": body.model, "specstream.stream": bool(body.stream)})
         caller = request.headers.get("traceparent", "") if telemetry.context_from(
             request.headers.get("traceparent", "")) else ""
-        status, streaming = 200, False
+        status, streaming, valid = 200, False, None
 
         def param_of(field: str) -> str:
             return translate.param_name(field, body)
 
         try:
+            if not is_ready():  # shutting down: a kept-alive connection gets no new work
+                raise UnavailableError("the gateway is shutting down")
             if body.model != gateway.model_name:
                 raise model_not_found(body.model, gateway.model_name)
             pb = translate.to_generate_request(body, telemetry.traceparent_of(span) or caller)
@@ -212,7 +215,12 @@ def build_app(gateway: Gateway, registry: CollectorRegistry | None = None,
             chunks = gateway.stream(valid)
             first = await _unless_gone(request, chunks.__anext__())
             streaming = True
-            return EventStream(_events(encoder, first, chunks, param_of), on_close=span.end)
+
+            def closed(admitted=valid) -> None:
+                gateway.release(admitted)  # also when the response never started its body
+                span.end()
+
+            return EventStream(_events(encoder, first, chunks, param_of), on_close=closed)
         except ClientGone:
             status = 499
             return Response(status_code=499)
@@ -227,6 +235,8 @@ def build_app(gateway: Gateway, registry: CollectorRegistry | None = None,
             elif status >= 400:
                 span.set_attribute("error.type", str(status))
             if not streaming:
+                if valid is not None:  # admitted, then refused, gone or answered whole
+                    gateway.release(valid)
                 span.end()
 
     @app.post("/v1/completions")

@@ -95,6 +95,9 @@ def from_validation(errors: list[dict[str, Any]]) -> ApiError:
         return bad_request(f"{param or 'the body'}: a required field is missing", param, "missing_required_parameter")
     value = first.get("input")
     shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    if param is None:  # the body itself: JSON but not an object, or not sent as JSON
+        return bad_request(f"the request body must be a JSON object (Content-Type: application/json), got {shown}",
+                           None, "invalid_body")
     return bad_request(f"{param}={shown}: {first.get('msg', 'invalid')}", param)
 
 

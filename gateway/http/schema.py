@@ -2,7 +2,8 @@
 reference has them, plus the extensions clients send through `extra_body` (vLLM's `top_k`,
 `ignore_eos`, `stop_token_ids`; our `speculation` and `max_gamma`).
 
-Only the JSON types are checked here (a string where a number belongs is a 400 naming the field);
+Only the JSON types are checked here (a string where a number belongs is a 400 naming the field;
+an explicit `null` is the same as leaving an optional field out, as OpenAI treats it);
 ranges and limits are checked once, for both fronts, by gateway/validation.py. Unknown fields are
 ignored, as OpenAI ignores them. Fields that OpenAI defines but this server cannot honour exactly
 (penalties, logit_bias, tools, n > 1, ...) are declared so that translate.py can refuse them by name
@@ -13,13 +14,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    include_usage: bool = False  # one more chunk before [DONE], with usage (and no choices)
+    include_usage: bool | None = None  # true: one more chunk before [DONE], with usage (and no choices)
 
 
 class Extensions(BaseModel):
@@ -28,12 +29,13 @@ class Extensions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     top_k: int | None = None  # vLLM's: sample among the k most likely tokens (0, -1 or None: off)
-    ignore_eos: bool = False  # vLLM's: keep generating past the end-of-sequence token
+    ignore_eos: bool | None = None  # vLLM's: keep generating past the end-of-sequence token
     stop_token_ids: list[int] | None = None  # vLLM's: stop at any of these token ids
     # Ours: "auto" (the server's γ controller; the default), "off" (plain decoding) or a fixed γ (0 = off).
-    speculation: str | int | None = None
+    # Strict: JSON true is not γ = 1, nor "3" a number.
+    speculation: StrictStr | StrictInt | None = None
     max_gamma: int | None = None  # with speculation "auto": this request's cap on γ
-    return_token_ids: bool = False  # vLLM's: each choice (and stream chunk) also carries its `token_ids`
+    return_token_ids: bool | None = None  # vLLM's: each choice (and stream chunk) also carries its `token_ids`
 
 
 class _Common(Extensions):
@@ -41,7 +43,7 @@ class _Common(Extensions):
     temperature: float | None = None  # None: 1.0, as OpenAI
     top_p: float | None = None
     n: int | None = None  # only 1
-    stream: bool = False
+    stream: bool | None = None  # None: false
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -57,7 +59,7 @@ class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None  # log-probabilities of the chosen tokens plus this many alternatives
-    echo: bool = False  # the prompt's text before the completion
+    echo: bool | None = None  # true: the prompt's text before the completion
     best_of: int | None = None  # only 1
     suffix: str | None = None  # not supported
 
@@ -83,7 +85,7 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None  # None (both): as many as fit the context and the limit
-    logprobs: bool = False
+    logprobs: bool | None = None  # None: false
     top_logprobs: int | None = None
     tools: list[Any] | None = None  # not supported
     tool_choice: Any = None  # only "none"

@@ -46,7 +46,7 @@ def to_generate_request(body: Body, traceparent: str = "") -> generation_pb2.Gen
         chosen = _max_tokens_param(body)
         value = getattr(body, chosen)
         req.max_new_tokens = _int(chosen, value, 1, INT32) if value is not None else 0
-        req.logprobs = body.logprobs
+        req.logprobs = bool(body.logprobs)
         if body.top_logprobs is not None:
             req.top_logprobs = _int("top_logprobs", body.top_logprobs, 0, INT32)
     if isinstance(body.stop, str):
@@ -54,7 +54,7 @@ def to_generate_request(body: Body, traceparent: str = "") -> generation_pb2.Gen
     elif body.stop:
         req.stop.extend(body.stop)
     req.stop_token_ids.extend(_int("stop_token_ids", t, 0, UINT32) for t in body.stop_token_ids or ())
-    req.ignore_eos = body.ignore_eos
+    req.ignore_eos = bool(body.ignore_eos)
     req.temperature = 1.0 if body.temperature is None else body.temperature
     if body.top_p is not None:
         req.top_p = body.top_p
@@ -100,6 +100,8 @@ def _refuse_unsupported(body: Body) -> None:
         ("frequency_penalty", body.frequency_penalty, not body.frequency_penalty,
          "penalties are not supported (0 only)"),
         ("logit_bias", body.logit_bias, not body.logit_bias, "logit_bias is not supported"),
+        ("stream_options", "<set>", body.stream_options is None or bool(body.stream),
+         "stream_options is only allowed when stream is true"),
     ]
     if isinstance(body, CompletionRequest):
         checks += [
@@ -235,21 +237,21 @@ class _Encoder:
 
     def chunks(self, pb: generation_pb2.GenerateStreamResponse) -> list[dict[str, Any]]:
         """The stream chunks for one core chunk (with include_usage, a last one with usage)."""
-        choice = self._delta(pb)
-        if choice is None:
-            return []
-        out = self._head(self.chunk_object_name)
-        out["choices"] = [self._with_ids(choice, pb)]
-        if self.include_usage:
-            out["usage"] = None
+        outs = []
+        for choice in self._deltas(pb):
+            out = self._head(self.chunk_object_name)
+            out["choices"] = [choice]
+            if self.include_usage:
+                out["usage"] = None
+            outs.append(out)
         if not pb.finish_reason:
-            return [out]
-        self._finish(out, pb)
+            return outs
+        self._finish(outs[-1], pb)
         if not self.include_usage:
-            return [out]
+            return outs
         tail = {**self._head(self.chunk_object_name), "choices": [], "usage": usage(pb.usage)}
         self._finish(tail, pb)
-        return [out, tail]
+        return [*outs, tail]
 
     def response(self, pb: generation_pb2.GenerateResponse) -> dict[str, Any]:
         out = self._head(self.object_name)
@@ -258,7 +260,8 @@ class _Encoder:
         self._finish(out, pb)
         return out
 
-    def _delta(self, pb: generation_pb2.GenerateStreamResponse) -> dict[str, Any] | None:
+    def _deltas(self, pb: generation_pb2.GenerateStreamResponse) -> list[dict[str, Any]]:
+        """The choices of the stream chunks for one core chunk (the last one is the core's)."""
         raise NotImplementedError
 
     def _choice(self, pb: generation_pb2.GenerateResponse) -> dict[str, Any]:
@@ -287,12 +290,12 @@ class CompletionEncoder(_Encoder):
                 "top_logprobs": [{self._token(alt.token_id): alt.logprob for alt in lp.top} for lp in logprobs],
                 "text_offset": offsets}
 
-    def _delta(self, pb):
+    def _deltas(self, pb):
         if not pb.text and not pb.token_ids and not pb.finish_reason and not self.echo:
-            return None
+            return []
         text, self.echo = self.echo + pb.text, ""
-        return {"index": 0, "text": text, "logprobs": self._logprobs(pb.token_ids, pb.logprobs),
-                "finish_reason": FINISH_REASONS.get(pb.finish_reason)}
+        return [self._with_ids({"index": 0, "text": text, "logprobs": self._logprobs(pb.token_ids, pb.logprobs),
+                                "finish_reason": FINISH_REASONS.get(pb.finish_reason)}, pb)]
 
     def _choice(self, pb):
         return {"index": 0, "text": self.echo + pb.text, "logprobs": self._logprobs(pb.token_ids, pb.logprobs),
@@ -310,7 +313,7 @@ class ChatEncoder(_Encoder):
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         token = self._token(token_id)
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+        return {"token": token, "logprob": logprob, "bytes": list(self.tokenizer.token_bytes(token_id))}
 
     def _logprobs(self, logprobs) -> dict[str, Any] | None:
         if not self.body.logprobs:
@@ -319,16 +322,21 @@ class ChatEncoder(_Encoder):
                              "top_logprobs": [self._entry(alt.token_id, alt.logprob) for alt in lp.top]}
                             for lp in logprobs]}
 
-    def _delta(self, pb):
-        delta: dict[str, Any] = {}
+    def _deltas(self, pb):
+        """As OpenAI streams a chat: a first chunk with the role and empty content, then content
+        chunks, then an empty delta with the finish_reason."""
+        out = []
         if not self.role_sent:
-            delta, self.role_sent = {"role": "assistant", "content": ""}, True
-        if pb.text:
-            delta["content"] = pb.text
-        if not delta and not pb.token_ids and not pb.finish_reason:
-            return None
-        return {"index": 0, "delta": delta, "logprobs": self._logprobs(pb.logprobs),
-                "finish_reason": FINISH_REASONS.get(pb.finish_reason)}
+            self.role_sent = True
+            out.append({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None})
+        if pb.text or pb.token_ids:
+            out.append(self._with_ids({"index": 0, "delta": {"content": pb.text},
+                                       "logprobs": self._logprobs(pb.logprobs), "finish_reason": None}, pb))
+        if pb.finish_reason:
+            out.append({"index": 0, "delta": {}, "logprobs": None,
+                        "finish_reason": FINISH_REASONS.get(pb.finish_reason)})
+        return out
 
     def _choice(self, pb):
         return {"index": 0, "message": {"role": "assistant", "content": pb.text},

@@ -16,7 +16,7 @@ gRPC calls use, `max_tokens` = the budget), in the same stack, in rounds of A B 
 http, grpc; `repeats` rounds), so that a machine getting steadily faster or slower weighs on both
 fronts alike. Each front's figures pool its passes: tokens/s is its tokens over its wall time,
 p50/p99 over all its requests. Both fronts must return the same completion tokens for every
-request (BenchmarkError otherwise). The HTTP front's overhead: http tok/s ÷ grpc tok/s, the
+request, token for token (BenchmarkError otherwise). The HTTP front's overhead: http tok/s ÷ grpc tok/s, the
 difference in request latency (p50, p99), and per token, the difference in latency ÷ completion
 tokens per request (p50, p99).
 """
@@ -94,6 +94,7 @@ class Pass:
     results: list[tuple[int, float]]  # (completion tokens, latency seconds), in request order
     seconds: float  # wall time from the first request sent to the last answered
     counters: dict = field(default_factory=dict)  # the target's batch counters over the pass (_delta)
+    outputs: list[list[int]] = field(default_factory=list)  # the completion token ids, in request order
 
 
 def schedule(fronts: tuple[str, ...], repeats: int = 1) -> list[str]:
@@ -105,20 +106,21 @@ def schedule(fronts: tuple[str, ...], repeats: int = 1) -> list[str]:
 
 
 async def _closed_loop(front: str, address: str, requests: list[tuple[list[int], int]],
-                       clients: int) -> tuple[list[tuple[int, float]], float]:
+                       clients: int) -> tuple[list[tuple[int, float]], float, list[list[int]]]:
     """`clients` callers, each sending the next request as soon as its last one finished, through
-    `front`; returns (completion tokens, latency seconds) per request, in request order, and the
-    wall time from the first request to the last answer."""
+    `front`; returns (completion tokens, latency seconds) per request, in request order, the wall
+    time from the first request to the last answer, and each request's completion token ids."""
     pending = list(reversed(list(enumerate(requests))))
     results: list[tuple[int, float]] = [(0, 0.0)] * len(requests)
+    outputs: list[list[int]] = [[] for _ in requests]
 
     async def loop(call) -> float:
         async def caller() -> None:
             while pending:
                 i, (prompt, budget) = pending.pop()
                 start = time.monotonic()
-                tokens = await call(prompt, budget)
-                results[i] = (tokens, time.monotonic() - start)
+                outputs[i] = await call(prompt, budget)
+                results[i] = (len(outputs[i]), time.monotonic() - start)
 
         start = time.monotonic()
         await asyncio.gather(*(caller() for _ in range(clients)))
@@ -128,9 +130,9 @@ async def _closed_loop(front: str, address: str, requests: list[tuple[list[int],
         from specstream_client import AsyncClient
 
         async with AsyncClient(address, timeout=600) as client:
-            async def call(prompt: list[int], budget: int) -> int:
+            async def call(prompt: list[int], budget: int) -> list[int]:
                 result = await client.generate(prompt, max_new_tokens=budget, ignore_eos=True)
-                return result.usage.completion_tokens
+                return list(result.token_ids)
 
             wall = await loop(call)
     elif front == "http":
@@ -140,16 +142,17 @@ async def _closed_loop(front: str, address: str, requests: list[tuple[list[int],
                                       timeout=600) as client:
             model = (await client.models.list()).data[0].id
 
-            async def call(prompt: list[int], budget: int) -> int:
+            async def call(prompt: list[int], budget: int) -> list[int]:
                 # temperature 0 and ignore_eos, as the gRPC calls (whose default temperature is 0)
                 completion = await client.completions.create(model=model, prompt=prompt, max_tokens=budget,
-                                                             temperature=0, extra_body={"ignore_eos": True})
-                return completion.usage.completion_tokens
+                                                             temperature=0, extra_body={"ignore_eos": True,
+                                                                                        "return_token_ids": True})
+                return list(completion.choices[0].model_extra["token_ids"])
 
             wall = await loop(call)
     else:
         raise ValueError(f"front {front!r}: expected one of {', '.join(FRONTS)}")
-    return results, wall
+    return results, wall, outputs
 
 
 def _batch_counters(address: str):
@@ -205,7 +208,8 @@ def summarize(setting: Setting, clients: int, passes: list[Pass]) -> dict:
 
 def check_fronts_agree(name: str, requests: list[tuple[list[int], int]], passes: list[Pass]) -> None:
     """Every pass (every front, every repeat) returned the same completion tokens for each request
-    as the first; BenchmarkError naming the first requests that differ otherwise."""
+    as the first (greedy: token for token; a pass without `outputs`: the same counts);
+    BenchmarkError naming the first requests that differ otherwise."""
     if not passes:
         return
     reference = [tokens for tokens, _ in passes[0].results]
@@ -219,6 +223,11 @@ def check_fronts_agree(name: str, requests: list[tuple[list[int], int]], passes:
                             f"{p.front} (pass {k}) and {passes[0].front} (pass 0): " + ", ".join(
                                 f"request {i} (max_new_tokens {requests[i][1]}): {counts[i]} against {reference[i]}"
                                 for i in differ[:5]))
+        if p.outputs and passes[0].outputs:
+            differ = [i for i, (a, b) in enumerate(zip(passes[0].outputs, p.outputs)) if a != b]
+            require(not differ, f"{name}: {len(differ)} requests got other completion tokens through {p.front} "
+                                f"(pass {k}) than through {passes[0].front} (pass 0), greedy: requests " +
+                                ", ".join(str(i) for i in differ[:10]))
 
 
 def front_overhead(grpc: dict, http: dict, grpc_passes: list[float] | None = None,
@@ -276,8 +285,9 @@ def measure(models: BenchModels, setting: Setting, requests: list[tuple[list[int
         passes = []
         for front in schedule(fronts, repeats):
             before = _batch_counters(stack.addresses["target"])
-            results, wall = asyncio.run(_closed_loop(front, addresses[front], requests, clients))
-            passes.append(Pass(front, results, wall, _delta(before, _batch_counters(stack.addresses["target"]))))
+            results, wall, outputs = asyncio.run(_closed_loop(front, addresses[front], requests, clients))
+            passes.append(Pass(front, results, wall, _delta(before, _batch_counters(stack.addresses["target"])),
+                               outputs))
     check_fronts_agree(setting.name, requests, passes)
     out = {front: summarize(setting, clients, [p for p in passes if p.front == front]) for front in fronts}
     if len(fronts) > 1:

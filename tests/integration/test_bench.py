@@ -258,3 +258,22 @@ def test_bench_gamma_compares_policies_and_proposers(model_zoo, tmp_path):
     assert (tmp_path / "gamma_vs_best_fixed.png").stat().st_size > 1000
     assert "ours ÷ best fixed" in gamma.tables(data, markdown=True)
 
+
+
+def test_bench_throughput_through_both_fronts_on_real_processes(model_zoo, tmp_path):
+    """The same requests through the gRPC SDK and the `openai` client against one stack; the run
+    itself checks both fronts return the same greedy tokens (BenchmarkError otherwise)."""
+    from specstream.bench import throughput
+    from specstream.bench.models import BenchModels
+    from specstream.bench.throughput import Setting
+
+    models = BenchModels("zoo", model_zoo["target"], model_zoo["partial"], "float32")
+    setting = Setting(2, "topup", 1.0, "all", 2)
+    data = throughput.run(models, tmp_path, ["short"], [setting], count=8, fronts=("grpc", "http"))
+    runs = {r["front"]: r for r in data["runs"]}
+    budgets = sum(budget for _, budget in throughput.workload(models, "short", 8))
+    assert set(runs) == {"grpc", "http"}
+    assert all(r["passes"] == 2 and r["tokens"] == 2 * budgets for r in runs.values())
+    (overhead,) = data["front_overhead"]
+    assert overhead["tokens_per_s_ratio"] == same(runs["http"]["tokens_per_s"] / runs["grpc"]["tokens_per_s"])
+    assert (tmp_path / "throughput_fronts.png").stat().st_size > 1000

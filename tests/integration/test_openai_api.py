@@ -127,6 +127,10 @@ def test_greedy_through_http_equals_greedy_through_grpc_and_plain_decoding(stack
             plain = grpc_client.generate(prompt, max_new_tokens=48, speculation="off")
             assert http.choices[0].model_extra["token_ids"] == grpc_auto.token_ids == plain.token_ids
             assert http.choices[0].text == plain.text
+            assert (http.usage.prompt_tokens, http.usage.completion_tokens) == \
+                (plain.usage.prompt_tokens, plain.usage.completion_tokens)
+            spec = http.model_extra["metrics"]["speculative_decoding"]
+            assert spec["target_passes"] >= 1 and spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
         for question in QUESTIONS[1:]:
             messages = [{"role": "user", "content": question}]
             http = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=64,
@@ -135,6 +139,7 @@ def test_greedy_through_http_equals_greedy_through_grpc_and_plain_decoding(stack
             plain = grpc_client.chat(messages, max_new_tokens=64, speculation="off")
             assert http.choices[0].model_extra["token_ids"] == plain.token_ids
             assert http.choices[0].message.content == plain.text
+            assert http.usage.prompt_tokens == plain.usage.prompt_tokens  # the same chat template
 
 
 def test_bad_input_gets_openai_errors_and_the_server_carries_on(stack, client) -> None:
@@ -189,7 +194,7 @@ def test_overload_is_429_and_disconnected_clients_are_cancelled_on_the_target(st
     assert limited.status_code == 429 and limited.response.headers["retry-after"] == "1"
     assert limited.body["code"] == "rate_limit_exceeded"
     assert busy.running_sequences == MAX_IN_FLIGHT and busy.gateway_in_flight == MAX_IN_FLIGHT
-    # 400 tokens each would take most of a minute: freed within seconds means cancelled, not finished.
+    # 400 tokens each would take most of a minute here: freed within seconds means cancelled, not finished.
     assert idle.running_sequences == 0 and idle.gateway_in_flight == 0, idle
     assert after.usage.completion_tokens == 2
 
@@ -204,7 +209,9 @@ def test_the_callers_traceparent_roots_one_trace_across_the_three_services(stack
     while time.monotonic() < deadline:
         spans = [json.loads(line) for line in stack.trace_file.read_text().splitlines()]
         trace = [s for s in spans if s["trace_id"] == TRACE]
-        if {s["service"] for s in trace} >= {"specstream-gateway", "specstream-target", "specstream-draft"}:
+        others = [s for s in spans if s["name"] == "POST /v1/completions" and s["trace_id"] != TRACE]
+        if {s["service"] for s in trace} >= {"specstream-gateway", "specstream-target", "specstream-draft"} \
+                and others:
             break
         time.sleep(0.5)
     trace = [s for s in spans if s["trace_id"] == TRACE]
