@@ -200,8 +200,10 @@ def test_overload_is_429_and_disconnected_clients_are_cancelled_on_the_target(st
 
 
 def test_the_callers_traceparent_roots_one_trace_across_the_three_services(stack, client) -> None:
+    # A fixed γ: the draft is asked on every step (under automatic γ a loaded machine may not ask it).
     client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0,
-                              extra_headers={"traceparent": f"00-{TRACE}-{PARENT}-01"})
+                              extra_headers={"traceparent": f"00-{TRACE}-{PARENT}-01"},
+                              extra_body={"speculation": 4})
     client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0,
                               extra_headers={"traceparent": "not-a-traceparent"})  # ignored, not refused
     spans: list[dict] = []
