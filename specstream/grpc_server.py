@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
@@ -27,8 +27,35 @@ from specstream.metrics import MetricsServer, start_metrics_server
 log = logging.getLogger(__name__)
 
 
+class Undecodable:
+    """What a request's bytes became when they are not the method's message: the handler answers
+    INVALID_ARGUMENT instead of grpc's UNKNOWN (and its logged traceback) for a caller's bytes."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def abort(self, context: grpc.aio.ServicerContext, method: str) -> Awaitable[None]:
+        return context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"request: the bytes are not a valid {method.rsplit('/', 1)[-1]} request message "
+                             f"({self.reason})")
+
+
+def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as exc:  # noqa: BLE001 - a caller's bytes: answered as INVALID_ARGUMENT
+            return Undecodable(str(exc).split(":")[-1].strip() or type(exc).__name__)
+
+    return parse
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps SpecstreamError to its status code; anything else unexpected to INTERNAL (logged)."""
+    """Maps SpecstreamError to its status code, undecodable request bytes to INVALID_ARGUMENT;
+    anything else unexpected to INTERNAL (logged)."""
 
     async def intercept_service(self, continuation, handler_call_details):  # type: ignore[override]
         handler = await continuation(handler_call_details)
@@ -42,8 +69,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         }
         attr, make, wrap = kinds[(handler.request_streaming, handler.response_streaming)]
         return make(
-            wrap(getattr(handler, attr), handler_call_details.method),
-            request_deserializer=handler.request_deserializer,
+            wrap(getattr(handler, attr), handler_call_details.method, handler.request_streaming),
+            request_deserializer=_tolerant(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
 
@@ -55,10 +82,24 @@ async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext, meth
     await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
-def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str):
+async def _checked(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext, method: str):
+    async for request in requests:
+        if isinstance(request, Undecodable):
+            await request.abort(context, method)
+        yield request
+
+
+def _decoded(request: Any, context: grpc.aio.ServicerContext, method: str, streaming: bool) -> Any:
+    """The request (a checked iterator for a client stream); aborts when the bytes did not parse."""
+    return _checked(request, context, method) if streaming else request
+
+
+def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str, streaming: bool):
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await behavior(request, context)
+            if isinstance(request, Undecodable):
+                await request.abort(context, method)
+            return await behavior(_decoded(request, context, method, streaming), context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:  # noqa: BLE001 - converted to a status, never swallowed
@@ -67,10 +108,12 @@ def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str):
     return wrapped
 
 
-def _wrap_stream(behavior: Callable[..., Any], method: str):
+def _wrap_stream(behavior: Callable[..., Any], method: str, streaming: bool):
     async def wrapped(request: Any, context: grpc.aio.ServicerContext):
         try:
-            async for item in behavior(request, context):
+            if isinstance(request, Undecodable):
+                await request.abort(context, method)
+            async for item in behavior(_decoded(request, context, method, streaming), context):
                 yield item
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
