@@ -18,7 +18,7 @@ from gateway.http.server import HttpServer
 from gateway.router import Router
 from gateway.service import Gateway
 from gateway.target_client import TargetClient
-from specstream.config import GatewayConfig
+from specstream.config import INTERNAL_MESSAGE_BYTES, GatewayConfig
 from specstream.grpc_server import ServiceServer
 from specstream.metrics import GatewayMetrics
 from specstream.model_registry import resolve_model
@@ -36,10 +36,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.gateway = gateway
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):  # noqa: N802
-        return await self.gateway.generate(self.gateway.admit(request))
+        return await self.gateway.generate(await self.gateway.admit(request))
 
     async def GenerateStream(self, request, context: grpc.aio.ServicerContext):  # noqa: N802
-        async for chunk in self.gateway.stream(self.gateway.admit(request)):
+        async for chunk in self.gateway.stream(await self.gateway.admit(request)):
             yield chunk
 
     async def GetModelInfo(self, request, context):  # noqa: N802
@@ -98,7 +98,8 @@ async def _wait_routable(replicas: list[TargetClient], timeout_s: float) -> None
 async def serve(config: GatewayConfig) -> None:
     tokenizer = TextTokenizer.from_dir(resolve_model(config.tokenizer_path))
     addresses = resolve_targets(config.target_addresses)
-    replicas = [TargetClient(a, options=config.server.grpc_options(), retry_s=config.retry_s) for a in addresses]
+    replicas = [TargetClient(a, options=config.server.grpc_options(INTERNAL_MESSAGE_BYTES), retry_s=config.retry_s)
+                for a in addresses]
     await asyncio.gather(*(r.start(timeout_s=config.connect_timeout_s) for r in replicas))
     info = common_info(replicas)
     router = Router(replicas, max_queue=config.max_queue, backlog=config.replica_backlog)

@@ -5,11 +5,18 @@ through the `Router`, and what the served model is.
 Both fronts hand it a public `GenerateRequest` and get back `GenerateStreamResponse` chunks (or
 one `GenerateResponse`), so they share one path and differ only in encoding. Knows nothing about
 either front's wire format or status codes: errors are `specstream.errors` exceptions.
+
+Validation and tokenization run on `tokenize_threads` worker threads, not on the event loop: a
+prompt of the largest size allowed takes a few hundred milliseconds to tokenize, and on the loop
+that would stall every other request's stream as long (the tokenizer releases the GIL).
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from gateway import request as pipeline
 from gateway.router import Router
@@ -34,10 +41,12 @@ class Gateway:
         # Admitted requests, by id(): each holds one of `max_in_flight` places from `admit` until
         # `release` (the reference keeps its id unique while it is held).
         self._held: dict[int, ValidRequest] = {}
+        self._validating = 0  # requests past the in-flight check, being validated (they hold a place too)
+        self._workers = ThreadPoolExecutor(config.tokenize_threads, thread_name_prefix="tokenize")
 
     @property
     def in_flight(self) -> int:
-        return len(self._held)
+        return len(self._held) + self._validating
 
     @property
     def model_name(self) -> str:
@@ -48,19 +57,24 @@ class Gateway:
         """At least one replica can take requests."""
         return self.router.serving
 
-    def admit(self, request: generation_pb2.GenerateRequest, fill_max_new_tokens: bool = False) -> ValidRequest:
+    async def admit(self, request: generation_pb2.GenerateRequest, fill_max_new_tokens: bool = False) -> ValidRequest:
         """Refuses the request when `max_in_flight` are being served (OverloadedError), else
-        validates and tokenizes it (InvalidArgumentError naming the field) and holds a place for it
-        at once, so that requests admitted together cannot pass the bound between admission and
-        their first await. `stream`/`generate` release the place when they end; a caller that
+        validates and tokenizes it on a worker thread (InvalidArgumentError naming the field). It
+        holds a place from the check on, so requests arriving together cannot all pass the bound
+        before any counts. `stream`/`generate` release the place when they end; a caller that
         admits and never calls them must `release` it. `fill_max_new_tokens`: max_new_tokens 0
         means as many as fit (OpenAI's unset max_tokens)."""
         if self.in_flight >= self.config.max_in_flight:
             raise OverloadedError(f"{self.in_flight} requests in flight (max_in_flight={self.config.max_in_flight}); "
                                   "retry later")
-        valid = validate(request, self.limits, self.tokenizer, fill_max_new_tokens=fill_max_new_tokens)
+        self._validating += 1
+        try:
+            valid = await asyncio.get_running_loop().run_in_executor(self._workers, functools.partial(
+                validate, request, self.limits, self.tokenizer, fill_max_new_tokens=fill_max_new_tokens))
+        finally:
+            self._validating -= 1
         valid.model = self.model_name
-        self._held[id(valid)] = valid
+        self._held[id(valid)] = valid  # no await since the check above: the place passes on to it
         return valid
 
     def release(self, valid: ValidRequest) -> None:

@@ -41,6 +41,9 @@ class Limits:
     max_request_id_chars: int
     max_top_logprobs: int
     max_messages: int
+    # A text prompt (or a chat's contents) longer than this is refused before tokenizing; 0: the
+    # context length × the tokenizer's longest token (`prompt_chars`).
+    max_prompt_chars: int
 
     @classmethod
     def build(cls, config: GatewayConfig, info) -> Limits:
@@ -50,7 +53,10 @@ class Limits:
                    max_stop_string_chars=config.max_stop_string_chars,
                    max_request_id_chars=config.max_request_id_chars,
                    max_top_logprobs=min(config.max_top_logprobs, info.vocab_size),
-                   max_messages=config.max_messages)
+                   max_messages=config.max_messages, max_prompt_chars=config.max_prompt_chars)
+
+    def prompt_chars(self, tokenizer: TextTokenizer) -> int:
+        return self.max_prompt_chars or self.max_context_length * tokenizer.max_token_chars
 
 
 @dataclass
@@ -147,6 +153,7 @@ def _chat_ids(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: Te
         _reject_unknown_fields(m, f"messages[{i}]")
         if m.role not in CHAT_ROLES:
             raise InvalidArgumentError(f"messages[{i}].role", m.role, f"must be one of {list(CHAT_ROLES)}")
+    _check_prompt_chars("messages", sum(len(m.content) for m in messages), limits.prompt_chars(tokenizer), limits)
     try:
         return tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in messages])
     except ChatError as exc:
@@ -164,6 +171,7 @@ def _prompt_ids(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: 
     elif kind == "prompt":
         if not req.prompt:
             raise InvalidArgumentError("prompt", req.prompt, "must not be empty")
+        _check_prompt_chars("prompt", len(req.prompt), limits.prompt_chars(tokenizer), limits)
         ids = tokenizer.encode(req.prompt)
         if not ids:
             raise InvalidArgumentError("prompt", req.prompt, "encodes to no tokens")
@@ -181,6 +189,14 @@ def _prompt_ids(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: 
                                    f"prompt is longer than the context length {limits.max_context_length} "
                                    "(leave room for at least one new token)")
     return ids
+
+
+def _check_prompt_chars(field: str, chars: int, most: int, limits: Limits) -> None:
+    """Before tokenizing: a text this long cannot fit the context, so it costs nothing to refuse."""
+    if chars > most:
+        raise InvalidArgumentError(field, f"<{chars} characters>",
+                                   f"longer than {most} characters (more than the context of "
+                                   f"{limits.max_context_length} tokens can hold)")
 
 
 def _check_max_new_tokens(value: int, prompt_len: int, limits: Limits) -> None:

@@ -17,10 +17,11 @@ import time
 from pathlib import Path
 
 
-def _server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
+def _server_flags(p: argparse.ArgumentParser, default_port: int, max_message_bytes: int = 64 * 1024 * 1024) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
     p.add_argument("--port", type=int, default=default_port)
-    p.add_argument("--max-message-bytes", type=int, default=64 * 1024 * 1024)
+    p.add_argument("--max-message-bytes", type=int, default=max_message_bytes,
+                   help=f"largest message received or sent (default {max_message_bytes >> 20} MiB)")
     p.add_argument("--keepalive-time", type=float, default=30.0, help="seconds between keepalive pings")
     p.add_argument("--keepalive-timeout", type=float, default=10.0)
     p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight RPCs get on shutdown")
@@ -223,6 +224,7 @@ def _gateway_config(args: argparse.Namespace):
                          server=_server_config(args), max_new_tokens_limit=args.max_new_tokens_limit,
                          max_in_flight=args.max_in_flight, max_queue=args.max_queue,
                          replica_backlog=args.replica_backlog, max_messages=args.max_messages,
+                         max_prompt_chars=args.max_prompt_chars, tokenize_threads=args.tokenize_threads,
                          http_port=args.http_port)
 
 
@@ -670,7 +672,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_draft)
 
     p = sub.add_parser("gateway", help="run the public gateway")
-    _server_flags(p, 50051)
+    # Public: 4 MiB holds the longest prompt an 8k-token context can take in any script (and the
+    # HTTP front's bodies); the internal services' messages batch many requests and keep 64 MiB.
+    _server_flags(p, 50051, max_message_bytes=4 * 1024 * 1024)
     p.add_argument("--target-url", required=True, action="append",
                    help="host:port or dns:///host:port of a target replica; repeatable or comma-separated. "
                         "A name resolving to several addresses is one replica per address (resolved at startup)")
@@ -681,6 +685,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests waiting for a replica with room; more get RESOURCE_EXHAUSTED at once")
     p.add_argument("--max-messages", type=int, default=256, help="chat turns a request may carry")
+    p.add_argument("--max-prompt-chars", type=int, default=0,
+                   help="characters a text prompt (or a chat's contents) may have, checked before tokenizing "
+                        "(default 0: the context length x the longest token's characters: nothing that could fit)")
+    p.add_argument("--tokenize-threads", type=int, default=2,
+                   help="threads that validate and tokenize requests off the event loop")
     p.add_argument("--replica-backlog", type=int, default=None,
                    help="requests a replica may hold waiting beyond its slots (default: its max_slots)")
     _http_port_flag(p)

@@ -20,6 +20,11 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 where nati
 WEIGHT_FORMATS = ("auto", "dense", "int4", "int4-rtn")
 
 
+# Messages between our own services batch many requests' token ids (a Submit of 256 prompts of 8k
+# tokens is ~10 MB); public limits are set per server.
+INTERNAL_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
 def _check(ok: bool, name: str, value: object, want: str) -> None:
     if not ok:
         raise ValueError(f"{name}={value!r}: must be {want}")
@@ -31,7 +36,7 @@ class ServerConfig:
 
     host: str = "127.0.0.1"  # address to bind; 0.0.0.0 in containers
     port: int = 0  # 0 picks a free port
-    max_message_bytes: int = 64 * 1024 * 1024  # send and receive limit
+    max_message_bytes: int = INTERNAL_MESSAGE_BYTES  # send and receive limit (the gateway's CLI: 4 MiB)
     keepalive_time_s: float = 30.0  # ping an idle connection after this long
     keepalive_timeout_s: float = 10.0  # drop the connection if a ping is unanswered this long
     grace_s: float = 5.0  # on shutdown, in-flight RPCs get this long to finish
@@ -50,10 +55,13 @@ class ServerConfig:
         _check(self.keepalive_timeout_s > 0, "keepalive_timeout_s", self.keepalive_timeout_s, "> 0")
         _check(self.grace_s >= 0, "grace_s", self.grace_s, ">= 0")
 
-    def grpc_options(self) -> list[tuple[str, int]]:
+    def grpc_options(self, max_message_bytes: int | None = None) -> list[tuple[str, int]]:
+        """Server and channel options; `max_message_bytes` overrides the size limit (a public
+        server's channels to internal services carry batches of requests, not one)."""
+        size = max_message_bytes or self.max_message_bytes
         return [
-            ("grpc.max_send_message_length", self.max_message_bytes),
-            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", size),
+            ("grpc.max_receive_message_length", size),
             ("grpc.keepalive_time_ms", int(self.keepalive_time_s * 1000)),
             ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
             ("grpc.keepalive_permit_without_calls", 1),
@@ -199,6 +207,13 @@ class GatewayConfig:
     max_request_id_chars: int = 128
     max_top_logprobs: int = 20  # largest top_logprobs (alternatives per token) a request may ask for
     max_messages: int = 256  # chat turns per request
+    # Characters a text prompt (or a chat's contents together) may have, checked before tokenizing.
+    # 0: the target's context length × the most characters one token can stand for, so no prompt
+    # refused here could have fit (a longer one cannot encode to few enough tokens).
+    max_prompt_chars: int = 0
+    # Threads that validate and tokenize requests, off the event loop: a long prompt delays only
+    # requests waiting for these threads, never other requests' streams.
+    tokenize_threads: int = 2
     connect_timeout_s: float = 60.0  # how long to wait for the targets at startup
     retry_s: float = 1.0  # wait this long before reconnecting to a lost target replica
     # The OpenAI-compatible HTTP API (gateway/http/) on `server.host` at this port; also /health,
@@ -222,6 +237,8 @@ class GatewayConfig:
         _check(self.max_stop_string_chars >= 1, "max_stop_string_chars", self.max_stop_string_chars, ">= 1")
         _check(self.max_top_logprobs >= 0, "max_top_logprobs", self.max_top_logprobs, ">= 0")
         _check(self.max_messages >= 1, "max_messages", self.max_messages, ">= 1")
+        _check(self.max_prompt_chars >= 0, "max_prompt_chars", self.max_prompt_chars, ">= 0 (0: from the model)")
+        _check(self.tokenize_threads >= 1, "tokenize_threads", self.tokenize_threads, ">= 1")
         _check(self.connect_timeout_s > 0, "connect_timeout_s", self.connect_timeout_s, "> 0")
         _check(self.retry_s >= 0, "retry_s", self.retry_s, ">= 0")
         _check(self.http_port is None or 0 <= self.http_port <= 65535, "http_port", self.http_port,

@@ -188,6 +188,7 @@ class TextTokenizer:
         tokenizer.no_truncation()
         tokenizer.no_padding()
         self._tok = tokenizer
+        self._max_token_chars: int | None = None
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
         self.bos_token_id: int | None = bos_token_id
@@ -243,14 +244,21 @@ class TextTokenizer:
         if self.chat_template is None:
             raise ChatError("this model has no chat template")
         text = self.chat_template.render(messages, add_generation_prompt=True)
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        return self._encode(text, add_special_tokens=False)
 
     @property
     def tokenizer(self) -> tokenizers.Tokenizer:
         return self._tok
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text).ids)
+        return self._encode(text, add_special_tokens=True)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # The batch call without offsets releases the GIL while it works; `Tokenizer.encode` holds
+        # it throughout (seconds for a long prompt), which would stall every thread, the event
+        # loop's included, even when it runs on a worker thread.
+        (encoding,) = self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)
+        return list(encoding.ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
@@ -258,6 +266,17 @@ class TextTokenizer:
     def token_text(self, token_id: int) -> str:
         """One token's own text, special tokens included (log-probability listings)."""
         return self._tok.decode([token_id], skip_special_tokens=False)
+
+    @property
+    def max_token_chars(self) -> int:
+        """At least the most characters of text one token can stand for: its longest piece's length
+        (a byte-level piece has one character per byte of text, and a character is at least one
+        byte; other pieces spell their text), so a text of more than n × this characters cannot
+        encode to n tokens."""
+        if self._max_token_chars is None:
+            pieces = self._tok.get_vocab(with_added_tokens=True)
+            self._max_token_chars = max((len(p) for p in pieces), default=1)
+        return self._max_token_chars
 
     def token_bytes(self, token_id: int) -> bytes:
         """One token's own bytes: part of a UTF-8 character where the token holds one (which

@@ -17,7 +17,7 @@ import json
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import openai
@@ -28,82 +28,10 @@ from gateway.http.server import HttpServer
 from gateway.router import Router
 from gateway.service import Gateway
 from gateway.target_client import TargetClient
-from specstream.chat import ChatTemplate
+from scripted_target import MODEL, REPLY, TOKENS, TT, StreamingTarget
 from specstream.config import GatewayConfig
-from specstream.errors import InvalidArgumentError
 from specstream.metrics import GatewayMetrics
-from specstream.tokenizer import TextTokenizer, build_byte_level_tokenizer
-from specstream_pb import target_pb2, target_pb2_grpc
-from target_service.batch_stats import BatchStats
-from target_service.messages import EngineMessage, Load, SequenceEvent, SequenceStats, TokenLogprob
-from target_service.wire import message_to_pb, request_from_pb
-
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-TT = TextTokenizer(build_byte_level_tokenizer(), eos_token_ids=[1], bos_token_id=0, chat_template=ChatTemplate(CHATML))
-MODEL = "scripted"
-LOAD = Load(max_slots=8, free_slots=8, running=0, queued=0, draft_sequences=0, draft_connected=False,
-            batch=BatchStats("static", 8))
-REPLY = " Paris, the city of light."
-TOKENS = TT.encode(REPLY)[1:]  # without BOS
-STATS = SequenceStats(draft_tokens=12, accepted_tokens=7, target_passes=6, mean_accepted_length=2.0, rejections=3,
-                      gamma_histogram=[1, 0, 1, 0, 3], accepted_per_position=[4, 2, 1])
-
-
-@dataclass
-class StreamingTarget(target_pb2_grpc.TargetServicer):
-    """Answers every request with REPLY's tokens (up to max_new_tokens), one per `delay` seconds.
-    A prompt containing "FAIL" fails after two tokens; "SLOW" streams 100x slower."""
-
-    delay: float = 0.005
-    requests: list = field(default_factory=list)
-    cancelled: list[str] = field(default_factory=list)
-
-    async def GetInfo(self, request, context):  # noqa: N802
-        return target_pb2.TargetInfo(model_name=MODEL, vocab_size=TT.vocab_size, max_context_length=256, max_gamma=8,
-                                     default_gamma=4, eos_token_ids=[1], load=message_to_pb(EngineMessage(LOAD)).load)
-
-    async def Connect(self, request_iterator, context):  # noqa: N802
-        out: asyncio.Queue = asyncio.Queue()
-        running: dict[str, asyncio.Task] = {}
-        out.put_nowait(EngineMessage(LOAD))
-
-        async def produce(req) -> None:
-            text = TT.decode(req.prompt_token_ids)
-            delay = self.delay * (100 if "SLOW" in text else 1)
-            tokens = TOKENS[:req.max_new_tokens]
-            for i, token in enumerate(tokens):
-                await asyncio.sleep(delay)
-                last = i == len(tokens) - 1
-                if "FAIL" in text and i == 2:
-                    out.put_nowait(EngineMessage(LOAD, 0, [SequenceEvent(
-                        req.id, finish_reason="error", error=InvalidArgumentError("prompt", "FAIL", "scripted"))]))
-                    return
-                logprobs = [TokenLogprob(token, -0.5, [(token, -0.5), (2, -1.5)][:req.logprobs])] \
-                    if req.logprobs is not None else []
-                out.put_nowait(EngineMessage(LOAD, 0, [SequenceEvent(
-                    req.id, token_ids=[token], logprobs=logprobs, finish_reason="length" if last else None,
-                    stats=STATS, queue_seconds=0.125 if i == 0 else None)]))
-
-        async def read() -> None:
-            async for message in request_iterator:
-                for pb in message.submit.requests:
-                    req = request_from_pb(pb)
-                    self.requests.append(req)
-                    running[req.id] = asyncio.ensure_future(produce(req))
-                for rid in message.cancel.ids:
-                    self.cancelled.append(rid)
-                    if rid in running:
-                        running[rid].cancel()
-
-        reader = asyncio.ensure_future(read())
-        try:
-            while True:
-                yield message_to_pb(await out.get())
-        finally:
-            reader.cancel()
-            for task in running.values():
-                task.cancel()
+from specstream_pb import target_pb2_grpc
 
 
 @dataclass

@@ -1,0 +1,90 @@
+"""What one maximal prompt costs everyone else: `prompt_gaps` runs a few greedy streams through the
+gateway, sends the largest prompt the gateway accepts for tokenizing while they run, and measures
+the gaps between the running streams' chunks (the issue's target: the worst gap < 100 ms).
+
+The big prompt is words of random letters, the costly case for a BPE tokenizer (few merges), and
+as long as the gateway's character limit allows, so it is tokenized in full (and then refused if
+it is more tokens than the context holds: the work is the same either way).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import string
+import time
+from dataclasses import asdict, dataclass, field
+
+
+def random_words(chars: int, seed: int = 0) -> str:
+    """`chars` characters of space-separated lowercase words of 2-9 letters."""
+    rng = random.Random(seed)
+    words, size = [], 0
+    while size < chars:
+        word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 9)))
+        words.append(word)
+        size += len(word) + 1
+    return " ".join(words)[:chars]
+
+
+@dataclass
+class PromptGaps:
+    prompt_chars: int  # the big prompt's length
+    streams: int  # greedy streams running meanwhile
+    big_seconds: float  # the big request: sent -> answered (or refused)
+    big_outcome: str  # "served" or the error code it got
+    worst_gap_ms: float  # the longest wait between two chunks of a running stream while the big prompt was in
+    baseline_worst_gap_ms: float  # the same before it was sent
+    gaps_during: int  # chunk gaps measured while the big prompt was in
+    gap_ms: list[float] = field(default_factory=list)  # every gap while it was in
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+async def prompt_gaps(address: str, prompt_chars: int, streams: int = 4, max_new_tokens: int = 64,
+                      prompt: str = "Once upon a time", warmup_chunks: int = 3, timeout: float = 300.0) -> PromptGaps:
+    """Starts `streams` greedy streams of `prompt` (ignore_eos, `max_new_tokens` each); once each
+    has sent `warmup_chunks` chunks, sends one request with a `prompt_chars`-character prompt and
+    records, for every running stream, the gaps between its chunks before and while it is in."""
+    from specstream_client import AsyncClient
+    from specstream_client.errors import SpecstreamError
+
+    text = random_words(prompt_chars)  # before the clock starts: making it is not the server's cost
+    arrivals: list[list[float]] = [[] for _ in range(streams)]
+    started = asyncio.Event()
+    window: list[float] = []  # [sent, answered]
+
+    async with AsyncClient(address, timeout=timeout) as client:
+        async def stream(i: int) -> None:
+            async for _ in client.generate_stream(prompt, max_new_tokens=max_new_tokens, ignore_eos=True,
+                                                  speculation="off"):
+                arrivals[i].append(time.monotonic())
+                if all(len(a) >= warmup_chunks for a in arrivals):
+                    started.set()
+
+        async def big() -> str:
+            await started.wait()
+            window.append(time.monotonic())
+            try:
+                await client.generate(text, max_new_tokens=1, speculation="off")
+                outcome = "served"
+            except SpecstreamError as exc:
+                outcome = exc.code.name
+            window.append(time.monotonic())
+            return outcome
+
+        *_, outcome = await asyncio.gather(*(stream(i) for i in range(streams)), big())
+    sent, answered = window
+    during, before = [], []
+    for times in arrivals:
+        for a, b in zip(times, times[1:]):
+            if b > sent and a < answered:
+                during.append(b - a)
+            elif b <= sent:
+                before.append(b - a)
+    if not during:
+        raise RuntimeError("no stream sent a chunk while the big prompt was in: raise max_new_tokens")
+    return PromptGaps(prompt_chars=prompt_chars, streams=streams, big_seconds=answered - sent, big_outcome=outcome,
+                      worst_gap_ms=1000 * max(during), baseline_worst_gap_ms=1000 * max(before, default=0.0),
+                      gaps_during=len(during), gap_ms=[round(1000 * g, 3) for g in during])
