@@ -478,6 +478,40 @@ def bench_models(args: argparse.Namespace):
                                  weights=args.weights, proposer=proposer, ngram_max=args.ngram_max, ngram_min=ngram_min)
 
 
+def _reliability_flags(p: argparse.ArgumentParser, out: str) -> None:
+    _models_flag(p)
+    p.add_argument("--target", help="target model: name, .gguf file or directory (default: --models)")
+    p.add_argument("--draft", help="draft model directory (default: the --models pair's draft)")
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    _weights_flag(p)
+    _proposer_flags(p, model_flag="--draft or the --models pair's", pair=True)
+    p.add_argument("--gateway", help="a running gateway's gRPC host:port (default: start a stack on --models)")
+    p.add_argument("--http", help="with --gateway: its OpenAI-compatible API's host:port")
+    p.add_argument("--out", default=out, help="directory for the JSON results")
+
+
+def cmd_fuzz(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from specstream.bench.report import table, write_json
+    from specstream.reliability.fuzz import fuzz
+    from specstream.reliability.runner import gateway_of
+
+    # A stack of its own answers at most 4 tokens, so random bytes that parse stay cheap.
+    with gateway_of(None if args.gateway else bench_models(args), args.gateway, args.http,
+                    max_new_tokens_limit=4) as where:
+        report = asyncio.run(fuzz(where.grpc, where.http, cases=args.cases, seed=args.seed,
+                                  concurrency=args.concurrency))
+    rows = [[kind_got.split()[0], kind_got.split()[1], n] for kind_got, n in sorted(report.outcomes.items())]
+    print(table(["kind", "answer", "cases"], rows))
+    print(f"{report.cases} cases in {report.seconds:.1f} s (seed {report.seed}): {report.crashes} crashes, "
+          f"{report.wrong} wrong codes; serving afterwards: {report.serving_after}")
+    for example in report.examples:
+        print("  ", example)
+    write_json(Path(args.out) / "fuzz.json", report.to_dict())
+    return 0 if report.crashes == report.wrong == 0 and report.serving_after else 1
+
+
 def cmd_experiment(args: argparse.Namespace) -> int:
     from specstream import experiment
 
@@ -791,6 +825,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-slots", type=int, default=8)
     p.add_argument("--out", default="experiment-results", help="directory for experiment_<workload>.json and .png")
     p.set_defaults(func=cmd_experiment)
+
+    p = sub.add_parser("fuzz", help="seeded fuzzing of the public API (gRPC and HTTP): crashes and wrong codes")
+    _reliability_flags(p, "fuzz-results")
+    p.add_argument("--cases", type=int, default=10_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.set_defaults(func=cmd_fuzz)
 
     p = sub.add_parser("demo", help="start the stack on the default models and ask it a few questions")
     _models_flag(p)
