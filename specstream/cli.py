@@ -512,6 +512,30 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     return 0 if report.crashes == report.wrong == 0 and report.serving_after else 1
 
 
+def cmd_soak(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from specstream.bench.report import table, write_json
+    from specstream.reliability import soak
+    from specstream.reliability.runner import gateway_of
+
+    watched = dict(item.split("=", 1) for item in args.pid)
+    with gateway_of(None if args.gateway else bench_models(args), args.gateway, args.http) as where:
+        pids = {name: int(pid) for name, pid in watched.items()} if where.stack is None else \
+            {name: proc.pid for name, proc in where.stack.procs.items()}
+        report = asyncio.run(soak.soak(where.grpc, pids, args.duration, args.concurrency, args.seed,
+                                       max_new_tokens=args.max_new_tokens))
+    print(table(["process", "RSS start MB", "RSS end MB", "slope MB/min (after warm-up)"],
+                [[p.name, p.start_mb, p.end_mb, p.slope_mb_per_min] for p in report.processes]))
+    print(f"{report.requests} requests, {report.tokens} tokens in {report.seconds:.0f} s at {report.concurrency} "
+          f"callers; errors: {report.errors or 0}; latency per token, first third {report.latency_first_ms_per_token:.1f}"
+          f" ms, last third {report.latency_last_ms_per_token:.1f} ms ({report.latency_drift:.2f}x)")
+    out = Path(args.out)
+    write_json(out / "soak.json", report.to_dict())
+    soak.plot(out / "soak.png", report)
+    return 0 if not report.errors else 1
+
+
 def cmd_experiment(args: argparse.Namespace) -> int:
     from specstream import experiment
 
@@ -832,6 +856,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--concurrency", type=int, default=8)
     p.set_defaults(func=cmd_fuzz)
+
+    p = sub.add_parser("soak", help="a bounded load for a set time: memory slope per process, errors, latency drift")
+    _reliability_flags(p, "soak-results")
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
+    p.add_argument("--concurrency", type=int, default=8, help="callers at once")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=96, help="the most tokens a request asks for")
+    p.add_argument("--pid", action="append", default=[],
+                   help="with --gateway: NAME=PID of a process to watch (repeatable; default: the stack's own)")
+    p.set_defaults(func=cmd_soak)
 
     p = sub.add_parser("demo", help="start the stack on the default models and ask it a few questions")
     _models_flag(p)
