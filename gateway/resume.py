@@ -10,7 +10,10 @@ speculation, logprobs, beam, traceparent) unchanged. The engine treats it as any
 - seeded sampling keys its randomness by (seed, absolute position in prompt + generated)
   (specstream/sampling.py), and the continuation's prompt holds the tokens generated so far, so
   the first new token has the same absolute position (original prompt length + tokens so far) as
-  it would have had: no extra field is needed on the wire;
+  it would have had: no extra field is needed on the wire. Without speculation the rest is then
+  the uninterrupted run's, token for token (tests/test_resume_contract.py). With speculation it
+  is an exact sample from the same distribution but in general other tokens: what a speculative
+  step commits depends on where step boundaries fall, not only on (seed, position);
 - a beam request reports its tokens only when its search ends, so when it is lost nothing has
   been received and its continuation is the original request: the search starts over.
 
