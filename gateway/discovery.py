@@ -1,11 +1,11 @@
 """Target addresses: from the configured entries to one `ip:port` per target replica.
 
 An entry is `host:port` or `dns:///host:port`. An IP literal is one replica. A name is resolved
-once, at gateway startup, with `socket.getaddrinfo`, and every address it resolves to becomes a
-replica (a Kubernetes headless Service lists one address per ready pod). Only one address family
-is used per name — IPv4 when the name has any IPv4 address, else IPv6 — because a dual-stack name
-(`localhost`, or a dual-stack pod) lists the same server once per family. Names are not
-re-resolved later: replicas added after startup need a gateway restart.
+with `socket.getaddrinfo`, and every address it resolves to becomes a replica (a Kubernetes
+headless Service lists one address per ready pod). Only one address family is used per name —
+IPv4 when the name has any IPv4 address, else IPv6 — because a dual-stack name (`localhost`, or a
+dual-stack pod) lists the same server once per family. The gateway resolves at startup and again
+every `target_resolve_interval_s` (gateway/membership.py acts on the changes).
 
 Knows nothing about gRPC or about what a replica serves.
 """

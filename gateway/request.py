@@ -10,6 +10,11 @@ string), never computed here.
 construction. Leaving early (client cancel, deadline, a stop string) cancels the sequence on the
 target, which frees its slot and the draft's state, or takes it out of the gateway's queue.
 
+A request whose replica is lost after it started continues on another one (gateway/resume.py):
+its events keep coming on the same ticket, so the detokenizer and stop-string state here simply
+carry on, and `completion_tokens` counts every token received. Each move is a `resumed` event on
+the request's span and counts in `specstream:requests_resumed_total`.
+
 `timings.queue_seconds` is the whole wait before prefill: time in the gateway's queue (admission ->
 sent to the replica that served it) plus the target's own (arrival -> prefill start). Each chunk's
 tokens and the final chunk go to a `RequestObserver` (specstream/metrics.py), which turns them into
@@ -27,7 +32,7 @@ from gateway.router import Router
 from gateway.validation import ValidRequest
 from specstream import telemetry
 from specstream.errors import RemoteError, status_code
-from specstream.metrics import GatewayMetrics
+from specstream.metrics import GatewayMetrics, RequestObserver
 from specstream.stop_strings import StopStringMatcher
 from specstream.tokenizer import IncrementalDetokenizer, TextTokenizer
 from specstream_pb import common_pb2, generation_pb2
@@ -45,6 +50,7 @@ async def stream_chunks(req: ValidRequest, router: Router, tokenizer: TextTokeni
         span.end()
         raise
     observer = metrics.request()
+    ticket.on_resume = lambda why: _resumed(span, observer, len(ticket.generated), why)
     detok = tokenizer.detokenizer(req.prompt_ids)
     stop = StopStringMatcher(req.stop) if req.stop else None
     timings = common_pb2.Timings()
@@ -93,7 +99,7 @@ async def stream_chunks(req: ValidRequest, router: Router, tokenizer: TextTokeni
                 chunk.seed = req.seed
                 chunk.sequences.extend(_beam_sequences(tokenizer, req.prompt_ids, event.sequences))
                 observer.finished(chunk)
-                _finish_span(span, chunk)
+                _finish_span(span, chunk, ticket.resumes)
                 yield chunk
                 return
             if chunk.token_ids:
@@ -118,8 +124,15 @@ def _request_span(req: ValidRequest):
                     "specstream.request_id": req.request_id, "gen_ai.usage.input_tokens": len(req.prompt_ids)})
 
 
-def _finish_span(span, chunk: generation_pb2.GenerateStreamResponse) -> None:
+def _resumed(span, observer: RequestObserver, tokens: int, why: str) -> None:
+    """The request's replica was lost after `tokens` tokens; it continues on another one."""
+    observer.resumed()
+    span.add_event("resumed", {"specstream.reason": why, "specstream.tokens_before": tokens})
+
+
+def _finish_span(span, chunk: generation_pb2.GenerateStreamResponse, resumes: int) -> None:
     span.set_attributes({
+        "specstream.resumes": resumes,
         "gen_ai.usage.output_tokens": chunk.usage.completion_tokens,
         "gen_ai.response.finish_reasons": [common_pb2.FinishReason.Name(chunk.finish_reason)],
         "specstream.time_to_first_chunk_s": chunk.timings.time_to_first_token_seconds,

@@ -19,10 +19,16 @@ adds what was sent after that report, so a burst between two reports cannot over
 **Choice.** Of the routable replicas (stream up, SERVING) with room, the one with the smallest
 `in_use / capacity`; ties go to the one sent the fewest requests, so a trickle alternates.
 
-**Moves.** A replica that loses its stream or stops serving hands back its requests that had not
-started (no event yet); they go to the front of the queue, oldest first, ahead of newer arrivals
-and regardless of `max_queue`, and move to another replica as soon as one has room. When no
-replica is routable any more, everything queued fails with UNAVAILABLE.
+**Moves.** A replica that loses its stream or is declared hung hands back every request it held:
+those that had not started (no event yet) as they were, those that had as their continuations
+(gateway/resume.py), so the caller's stream carries on where it was. One that stops serving or
+is draining hands back only its unstarted requests and finishes the others. Handed-back requests
+go to the front of the queue, oldest first, ahead of newer arrivals and regardless of
+`max_queue`, and move to another replica as soon as one has room. When no replica is routable any
+more, everything queued fails with UNAVAILABLE: a request is lost only when no replica remains.
+
+**Membership.** Replicas may be added and removed while the gateway runs (gateway/membership.py
+re-resolves DNS); a removed replica must have nothing outstanding.
 
 Knows nothing about tokens, text or gRPC streams.
 """
@@ -50,7 +56,7 @@ class Replica(Protocol):
     sent_since_load: int
     routed: int
     on_capacity: Callable[[], None]
-    on_handback: Callable[[list[Ticket]], None]
+    on_handback: Callable[[list[Ticket], str], None]
 
     @property
     def routable(self) -> bool: ...
@@ -74,8 +80,24 @@ class Router:
         self._waiting: deque[Ticket] = deque()
         self._numbers = itertools.count()
         for replica in self.replicas:
-            replica.on_capacity = self.pump
-            replica.on_handback = self.take_back
+            self._hook(replica)
+
+    def _hook(self, replica: Replica) -> None:
+        replica.on_capacity = self.pump
+        replica.on_handback = self.take_back
+
+    def add(self, replica: Replica) -> None:
+        """A new replica; it takes requests once it is routable."""
+        self._hook(replica)
+        self.replicas.append(replica)
+        self.pump()
+
+    def remove(self, replica: Replica) -> None:
+        """Forgets a replica that holds none of our requests (drained, or lost)."""
+        assert replica.outstanding == 0, f"{replica.url} still holds {replica.outstanding} requests"
+        self.replicas.remove(replica)
+        if not self.serving:
+            self._fail_waiting("no target replica is serving")
 
     @property
     def serving(self) -> bool:
@@ -131,12 +153,13 @@ class Router:
                 return
             self._send(self._waiting.popleft(), replica)
 
-    def take_back(self, tickets: list[Ticket]) -> None:
-        """Requests a replica could not start: to the front of the queue, oldest first."""
+    def take_back(self, tickets: list[Ticket], why: str) -> None:
+        """Requests a replica handed back (`why`: what happened to it): to the front of the queue,
+        oldest first."""
         back = sorted((t for t in tickets if not t.done), key=lambda t: t.number)
         self._waiting.extendleft(reversed(back))
         if not self.serving:
-            self._fail_waiting("no target replica is serving")
+            self._fail_waiting(f"no target replica is serving ({why})")
         else:
             self.pump()
 
@@ -158,6 +181,6 @@ class Router:
         replica.submit(ticket)
 
     def _fail_waiting(self, why: str) -> None:
-        message = f"{why} ({', '.join(r.url for r in self.replicas)})"
+        message = f"{why}; replicas: {', '.join(r.url for r in self.replicas) or 'none'}"
         while self._waiting:
             self._waiting.popleft().fail(grpc.StatusCode.UNAVAILABLE, message)

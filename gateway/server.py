@@ -2,23 +2,27 @@
 (gateway/http/) when `http_port` is set, both over one `Gateway` core (gateway/service.py).
 
 Thin: admission, validation and the request pipeline are the core's. Health is SERVING while at
-least one target replica is connected and serving.
+least one target replica is routable (connected, serving, not declared hung, not draining).
+Replicas come from the target entries, re-resolved every `target_resolve_interval_s`
+(gateway/membership.py); one added later must serve what the first ones serve (`check_joins`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 import grpc
 
 from gateway.discovery import resolve_targets
 from gateway.http.app import build_app
 from gateway.http.server import HttpServer
+from gateway.membership import Membership
 from gateway.router import Router
 from gateway.service import Gateway
 from gateway.target_client import TargetClient
-from specstream.config import INTERNAL_MESSAGE_BYTES, GatewayConfig
+from specstream.config import GatewayConfig
 from specstream.grpc_server import ServiceServer
 from specstream.metrics import GatewayMetrics
 from specstream.model_registry import resolve_model
@@ -64,7 +68,8 @@ def _replica_pb(replica: TargetClient) -> generation_pb2.ReplicaInfo:
     return generation_pb2.ReplicaInfo(
         address=replica.url, connected=replica.connected, serving=replica.serving, running=load.running,
         queued=load.queued, free_slots=load.free_slots, max_slots=load.max_slots, routed=replica.routed,
-        requeued=replica.requeued, batch=load.batch)
+        requeued=replica.requeued, batch=load.batch, resumed=replica.resumed, stalls=replica.stalls,
+        draining=replica.draining)
 
 
 def common_info(replicas: list[TargetClient]) -> target_pb2.TargetInfo:
@@ -85,6 +90,18 @@ def common_info(replicas: list[TargetClient]) -> target_pb2.TargetInfo:
     return merged
 
 
+def check_joins(info: target_pb2.TargetInfo, replica: TargetClient) -> None:
+    """A replica added while the gateway runs must serve the same model and vocabulary, and take
+    every request the gateway already accepts (its limits were fixed from the first replicas)."""
+    new = replica.info
+    for name in ("model_name", "vocab_size", "eos_token_ids"):
+        if getattr(new, name) != getattr(info, name):
+            raise ValueError(f"it has {name} {getattr(new, name)!r}, the gateway serves {getattr(info, name)!r}")
+    for name in ("max_context_length", "max_gamma"):
+        if getattr(new, name) < getattr(info, name):
+            raise ValueError(f"its {name} {getattr(new, name)} is below the gateway's {getattr(info, name)}")
+
+
 async def _wait_routable(replicas: list[TargetClient], timeout_s: float) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
@@ -95,11 +112,37 @@ async def _wait_routable(replicas: list[TargetClient], timeout_s: float) -> None
         await asyncio.sleep(0.02)
 
 
+def _target_client(config: GatewayConfig, address: str) -> TargetClient:
+    return TargetClient(address, options=config.target_channel_options(), retry_s=config.retry_s,
+                        stall=config.stall)
+
+
+def _follow_dns(config: GatewayConfig, router: Router, info: target_pb2.TargetInfo,
+                on_state: Callable[[], Awaitable[None]]) -> asyncio.Task[None] | None:
+    """Re-resolves the target entries every `target_resolve_interval_s` (None: never)."""
+    if config.target_resolve_interval_s == 0:
+        return None
+
+    async def join(address: str) -> TargetClient:
+        replica = _target_client(config, address)
+        replica.on_state = on_state
+        try:
+            await replica.start(timeout_s=config.connect_timeout_s)
+            check_joins(info, replica)
+        except BaseException:
+            await replica.close()
+            raise
+        return replica
+
+    membership = Membership(config.target_addresses, router, join, on_state,
+                            interval_s=config.target_resolve_interval_s)
+    return asyncio.create_task(membership.run(), name="target-membership")
+
+
 async def serve(config: GatewayConfig) -> None:
     tokenizer = TextTokenizer.from_dir(resolve_model(config.tokenizer_path))
     addresses = resolve_targets(config.target_addresses)
-    replicas = [TargetClient(a, options=config.server.grpc_options(INTERNAL_MESSAGE_BYTES), retry_s=config.retry_s)
-                for a in addresses]
+    replicas = [_target_client(config, a) for a in addresses]
     await asyncio.gather(*(r.start(timeout_s=config.connect_timeout_s) for r in replicas))
     info = common_info(replicas)
     router = Router(replicas, max_queue=config.max_queue, backlog=config.replica_backlog)
@@ -127,11 +170,14 @@ async def serve(config: GatewayConfig) -> None:
     for replica in replicas:
         replica.on_state = follow_replicas
     await follow_replicas()
+    resolving = _follow_dns(config, router, info, follow_replicas)
     log.info("gateway serving on %s%s -> %d target replica(s) %s (%s)", server.address,
              f" (HTTP on {http.address})" if http else "", len(replicas), ", ".join(addresses), info.model_name)
 
     async def close() -> None:
-        await asyncio.gather(*(r.close() for r in replicas))
+        if resolving is not None:
+            resolving.cancel()
+        await asyncio.gather(*(r.close() for r in router.replicas))
 
     async def stop_http() -> None:
         stopping.set()  # /health reads 503 from now on

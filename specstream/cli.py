@@ -24,6 +24,9 @@ def _server_flags(p: argparse.ArgumentParser, default_port: int, max_message_byt
                    help=f"largest message received or sent (default {max_message_bytes >> 20} MiB)")
     p.add_argument("--keepalive-time", type=float, default=30.0, help="seconds between keepalive pings")
     p.add_argument("--keepalive-timeout", type=float, default=10.0)
+    p.add_argument("--min-ping-interval", type=float, default=0.5,
+                   help="seconds: the shortest interval between a peer's keepalive pings this server accepts "
+                        "(shorter: GOAWAY too_many_pings); the gateway pings its targets every second")
     p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight RPCs get on shutdown")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics over HTTP on --host at this port (0: a free one; default: off)")
@@ -57,7 +60,7 @@ def _server_config(args: argparse.Namespace):
 
     return ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
                         keepalive_time_s=args.keepalive_time, keepalive_timeout_s=args.keepalive_timeout,
-                        grace_s=args.grace, metrics_port=args.metrics_port)
+                        min_ping_interval_s=args.min_ping_interval, grace_s=args.grace, metrics_port=args.metrics_port)
 
 
 def _run_service(args: argparse.Namespace, coro_factory) -> int:
@@ -216,7 +219,7 @@ def _chosen_proposer(args: argparse.Namespace) -> tuple[str, int]:
 
 
 def _gateway_config(args: argparse.Namespace):
-    from specstream.config import GatewayConfig
+    from specstream.config import GatewayConfig, StallConfig
 
     # --target-url is repeatable and each may be a comma-separated list.
     urls = [url.strip() for flag in args.target_url for url in flag.split(",") if url.strip()]
@@ -225,7 +228,10 @@ def _gateway_config(args: argparse.Namespace):
                          max_in_flight=args.max_in_flight, max_queue=args.max_queue,
                          replica_backlog=args.replica_backlog, max_messages=args.max_messages,
                          max_prompt_chars=args.max_prompt_chars, tokenize_threads=args.tokenize_threads,
-                         http_port=args.http_port)
+                         http_port=args.http_port, target_keepalive_time_s=args.target_keepalive_time,
+                         target_keepalive_timeout_s=args.target_keepalive_timeout,
+                         stall=StallConfig(floor_s=args.target_stall_floor, ceiling_s=args.target_stall_timeout),
+                         target_resolve_interval_s=args.target_resolve_interval)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -735,7 +741,8 @@ def build_parser() -> argparse.ArgumentParser:
     _server_flags(p, 50051, max_message_bytes=4 * 1024 * 1024)
     p.add_argument("--target-url", required=True, action="append",
                    help="host:port or dns:///host:port of a target replica; repeatable or comma-separated. "
-                        "A name resolving to several addresses is one replica per address (resolved at startup)")
+                        "A name resolving to several addresses is one replica per address (re-resolved every "
+                        "--target-resolve-interval)")
     p.add_argument("--tokenizer", required=True,
                    help="the target's model (name, .gguf file or directory with tokenizer.json)")
     p.add_argument("--max-new-tokens-limit", type=int, default=1024)
@@ -750,6 +757,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="threads that validate and tokenize requests off the event loop")
     p.add_argument("--replica-backlog", type=int, default=None,
                    help="requests a replica may hold waiting beyond its slots (default: its max_slots)")
+    p.add_argument("--target-resolve-interval", type=float, default=10.0,
+                   help="seconds between DNS resolutions of the target entries: new addresses become replicas, "
+                        "replicas whose address is gone are drained (0: resolve once, at startup)")
+    p.add_argument("--target-stall-timeout", type=float, default=2.0,
+                   help="seconds: a target replica holding requests that sends nothing (no engine step) for this "
+                        "long is declared hung and its requests move to another replica (sooner when its steps are "
+                        "fast: 20x its p99 step interval, at least --target-stall-floor)")
+    p.add_argument("--target-stall-floor", type=float, default=1.0,
+                   help="seconds: a replica is never declared hung after less silence than this")
+    p.add_argument("--target-keepalive-time", type=float, default=1.0,
+                   help="seconds between keepalive pings on the connections to the targets")
+    p.add_argument("--target-keepalive-timeout", type=float, default=1.0,
+                   help="seconds: a target connection whose ping is unanswered this long is dropped")
     _http_port_flag(p)
     p.set_defaults(func=cmd_gateway)
 

@@ -39,6 +39,9 @@ class ServerConfig:
     max_message_bytes: int = INTERNAL_MESSAGE_BYTES  # send and receive limit (the gateway's CLI: 4 MiB)
     keepalive_time_s: float = 30.0  # ping an idle connection after this long
     keepalive_timeout_s: float = 10.0  # drop the connection if a ping is unanswered this long
+    # Peers may ping this often (gRPC's default allows one ping per 5 min without data and answers
+    # more with GOAWAY too_many_pings): the gateway's target channels ping every second.
+    min_ping_interval_s: float = 0.5
     grace_s: float = 5.0  # on shutdown, in-flight RPCs get this long to finish
     # Prometheus /metrics over HTTP on `host` at this port (specstream/metrics.py). None: no
     # endpoint; 0: a free port (logged).
@@ -53,20 +56,35 @@ class ServerConfig:
         _check(self.max_message_bytes >= 1024, "max_message_bytes", self.max_message_bytes, ">= 1024")
         _check(self.keepalive_time_s > 0, "keepalive_time_s", self.keepalive_time_s, "> 0")
         _check(self.keepalive_timeout_s > 0, "keepalive_timeout_s", self.keepalive_timeout_s, "> 0")
+        _check(self.min_ping_interval_s > 0, "min_ping_interval_s", self.min_ping_interval_s, "> 0")
         _check(self.grace_s >= 0, "grace_s", self.grace_s, ">= 0")
 
-    def grpc_options(self, max_message_bytes: int | None = None) -> list[tuple[str, int]]:
-        """Server and channel options; `max_message_bytes` overrides the size limit (a public
-        server's channels to internal services carry batches of requests, not one)."""
+    def message_options(self, max_message_bytes: int | None = None) -> list[tuple[str, int]]:
+        """The size limits; `max_message_bytes` overrides them (a public server's channels to the
+        internal services carry batches of requests, not one)."""
         size = max_message_bytes or self.max_message_bytes
+        return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
+
+    def grpc_options(self) -> list[tuple[str, int]]:
         return [
-            ("grpc.max_send_message_length", size),
-            ("grpc.max_receive_message_length", size),
-            ("grpc.keepalive_time_ms", int(self.keepalive_time_s * 1000)),
-            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.max_pings_without_data", 0),
+            *self.message_options(),
+            *keepalive_options(self.keepalive_time_s, self.keepalive_timeout_s),
+            ("grpc.http2.min_ping_interval_without_data_ms", int(self.min_ping_interval_s * 1000)),
         ]
+
+
+def keepalive_options(time_s: float, timeout_s: float) -> list[tuple[str, int]]:
+    """gRPC channel arguments for keepalive pings every `time_s` that drop the connection when one
+    is unanswered for `timeout_s`. gRPC core (1.85) drops a connection whose ping goes unanswered
+    only after `grpc.http2.ping_timeout_ms` (default 1 min), whatever `keepalive_timeout_ms` says,
+    so both are set."""
+    return [
+        ("grpc.keepalive_time_ms", int(time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+        ("grpc.http2.ping_timeout_ms", int(timeout_s * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
 
 
 @dataclass
@@ -186,6 +204,26 @@ class DraftConfig:
 
 
 @dataclass
+class StallConfig:
+    """When the gateway declares a target replica hung (gateway/watchdog.py): it has requests of
+    this gateway outstanding and has sent nothing for longer than
+
+        deadline = min(ceiling_s, max(floor_s, step_multiple * p99 of its measured silences))
+
+    A target reports its Load on every engine step, so while it has work its silences are its
+    step times (plus the network)."""
+
+    floor_s: float = 1.0  # never declared hung after less silence than this
+    ceiling_s: float = 2.0  # always declared hung after this much (also the deadline before any step is measured)
+    step_multiple: float = 20.0  # the deadline in multiples of the replica's p99 step interval
+
+    def __post_init__(self) -> None:
+        _check(self.floor_s > 0, "stall floor_s", self.floor_s, "> 0")
+        _check(self.ceiling_s >= self.floor_s, "stall ceiling_s", self.ceiling_s, f">= floor_s ({self.floor_s})")
+        _check(self.step_multiple >= 1, "stall step_multiple", self.step_multiple, ">= 1")
+
+
+@dataclass
 class GatewayConfig:
     # host:port, or dns:///host:port, of a target. A name that resolves to several addresses is
     # one replica per address (gateway/discovery.py). "" when target_urls name them all.
@@ -216,6 +254,15 @@ class GatewayConfig:
     tokenize_threads: int = 2
     connect_timeout_s: float = 60.0  # how long to wait for the targets at startup
     retry_s: float = 1.0  # wait this long before reconnecting to a lost target replica
+    # Keepalive on the gateway's channels to the targets: a ping every target_keepalive_time_s; a
+    # connection whose ping goes unanswered for target_keepalive_timeout_s is dropped (and its
+    # replica's requests move). The targets must allow pings this often (ServerConfig.min_ping_interval_s).
+    target_keepalive_time_s: float = 1.0
+    target_keepalive_timeout_s: float = 1.0
+    stall: StallConfig = field(default_factory=StallConfig)  # the step-progress watchdog on each replica
+    # Re-resolve dns:/// and host-name target entries this often, adding replicas for new addresses
+    # and draining those whose address is gone (gateway/membership.py). 0: resolve once, at startup.
+    target_resolve_interval_s: float = 10.0
     # The OpenAI-compatible HTTP API (gateway/http/) on `server.host` at this port; also /health,
     # and /metrics when metrics are on. None: off; 0: a free port (logged).
     http_port: int | None = None
@@ -241,11 +288,26 @@ class GatewayConfig:
         _check(self.tokenize_threads >= 1, "tokenize_threads", self.tokenize_threads, ">= 1")
         _check(self.connect_timeout_s > 0, "connect_timeout_s", self.connect_timeout_s, "> 0")
         _check(self.retry_s >= 0, "retry_s", self.retry_s, ">= 0")
+        _check(self.target_keepalive_time_s > 0, "target_keepalive_time_s", self.target_keepalive_time_s, "> 0")
+        _check(self.target_keepalive_timeout_s > 0, "target_keepalive_timeout_s", self.target_keepalive_timeout_s,
+               "> 0")
+        _check(self.target_resolve_interval_s >= 0, "target_resolve_interval_s", self.target_resolve_interval_s,
+               ">= 0 (0: resolve once)")
         _check(self.http_port is None or 0 <= self.http_port <= 65535, "http_port", self.http_port,
                "None or in 0..65535")
         _check(self.http_port in (None, 0) or self.http_port not in (self.server.port, self.server.metrics_port),
                "http_port", self.http_port, f"different from port ({self.server.port}) and metrics_port "
                f"({self.server.metrics_port})")
+
+    def target_channel_options(self) -> list[tuple[str, int]]:
+        """The gateway's channels to its targets: the internal message limits, its own keepalive,
+        and reconnection attempts at least every 2 * retry_s (gRPC's default backoff grows to 2 min,
+        which would keep a target that was stopped for a while out of use long after it is back)."""
+        backoff_ms = int(max(self.retry_s, 0.1) * 1000)
+        return [*self.server.message_options(INTERNAL_MESSAGE_BYTES),
+                *keepalive_options(self.target_keepalive_time_s, self.target_keepalive_timeout_s),
+                ("grpc.initial_reconnect_backoff_ms", backoff_ms), ("grpc.min_reconnect_backoff_ms", backoff_ms),
+                ("grpc.max_reconnect_backoff_ms", 2 * backoff_ms)]
 
     @property
     def target_addresses(self) -> list[str]:

@@ -77,6 +77,9 @@ class GatewayMetrics:
         self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.success = Counter(f"{PREFIX}request_success", "Finished requests by finish reason.",
                                ["finish_reason"], registry=r)
+        self.resumed = Counter(f"{PREFIX}requests_resumed",
+                               "Requests moved to another target replica after they had started there (the replica's "
+                               "stream broke or it stopped stepping); each move counts.", registry=r)
         for reason in FINISH_REASONS:
             self.success.labels(finish_reason=reason)
 
@@ -110,6 +113,10 @@ class RequestObserver:
             for _ in range(count):
                 m.itl.observe(gap)
         self._last = now
+
+    def resumed(self) -> None:
+        """The request continues on another replica after its own was lost."""
+        self._metrics.resumed.inc()
 
     def finished(self, chunk: generation_pb2.GenerateStreamResponse) -> None:
         """The final chunk (with finish_reason, usage and timings) is about to go to the caller."""

@@ -63,6 +63,8 @@ def test_unresolvable_and_malformed_entries_name_themselves():
     (lambda: GatewayConfig("a:1", "m", target_urls=["a:1"]), "without duplicates"),
     (lambda: GatewayConfig("a:1", "m", max_queue=-1), "max_queue=-1"),
     (lambda: GatewayConfig("a:1", "m", replica_backlog=-1), "replica_backlog=-1"),
+    (lambda: GatewayConfig("a:1", "m", target_resolve_interval_s=-1), "target_resolve_interval_s=-1"),
+    (lambda: GatewayConfig("a:1", "m", target_keepalive_time_s=0), "target_keepalive_time_s=0"),
 ])
 def test_bad_gateway_settings_are_rejected_with_the_value(make, match):
     with pytest.raises(ValueError, match=match):
@@ -81,6 +83,20 @@ def test_gateway_flags_take_several_targets_repeated_or_comma_separated():
     config = _gateway_config(args)
     assert config.target_addresses == ["a:1", "b:2", "c:3"]
     assert config.max_queue == 4 and config.replica_backlog is None
+    assert (config.target_resolve_interval_s, config.stall.floor_s, config.stall.ceiling_s) == (10.0, 1.0, 2.0)
+    assert (config.target_keepalive_time_s, config.target_keepalive_timeout_s) == (1.0, 1.0)
+    args = build_parser().parse_args(["gateway", "--tokenizer", "m", "--target-url", "dns:///t:1",
+                                      "--target-resolve-interval", "0", "--target-stall-timeout", "5",
+                                      "--target-stall-floor", "0.5", "--target-keepalive-time", "2",
+                                      "--target-keepalive-timeout", "3", "--min-ping-interval", "0.25"])
+    config = _gateway_config(args)
+    assert (config.target_resolve_interval_s, config.stall.floor_s, config.stall.ceiling_s) == (0.0, 0.5, 5.0)
+    assert config.server.min_ping_interval_s == 0.25
+    options = dict(config.target_channel_options())
+    # gRPC enforces a ping's timeout through ping_timeout_ms, so it is set with keepalive_timeout_ms.
+    assert options["grpc.keepalive_time_ms"] == 2000 and options["grpc.keepalive_timeout_ms"] == 3000
+    assert options["grpc.http2.ping_timeout_ms"] == 3000
+    assert dict(config.server.grpc_options())["grpc.http2.min_ping_interval_without_data_ms"] == 250
     args = build_parser().parse_args(["serve", "--replicas", "3"])
     assert args.replicas == 3
     with pytest.raises(SystemExit):

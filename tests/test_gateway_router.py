@@ -4,7 +4,8 @@ messages a target would send (Load reports, events) and reading what the clients
 
 Checks the capacity rule (slots + backlog, the Load term, sends since the last Load), refusal of a
 full queue, FIFO order, cancelling a queued request, least-loaded choice, and what happens to
-started and unstarted requests when a replica's stream breaks or it stops serving."""
+started and unstarted requests when a replica's stream breaks, its watchdog declares it hung, or
+it stops serving: started ones continue elsewhere from the tokens already received."""
 
 from __future__ import annotations
 
@@ -44,11 +45,23 @@ class Clock:
         return self.now
 
 
-def replica(name: str, max_slots: int) -> TargetClient:
+class FakeCall:
+    """Stands in for the Connect call: records that it was torn down."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+def replica(name: str, max_slots: int, clock: Clock | None = None) -> TargetClient:
     """A client whose stream is up and whose target reports SERVING and an empty engine."""
-    client = TargetClient(f"{name}:1")
+    client = TargetClient(f"{name}:1", **({"clock": clock} if clock else {}))
     client.connected = client.serving = True
     client.load = target_pb2.Load(max_slots=max_slots, free_slots=max_slots)
+    client._call = FakeCall()
     return client
 
 
@@ -193,27 +206,33 @@ async def test_replicas_with_different_slots_fill_in_proportion():
 
 
 @run_async
-async def test_a_lost_stream_fails_started_requests_and_moves_unstarted_ones_first_in_line():
+async def test_a_lost_stream_resumes_started_requests_and_moves_unstarted_ones_first_in_line():
     clock = Clock()
     a, b = replica("a", max_slots=1), replica("b", max_slots=1)
     router = Router([a, b], max_queue=10, clock=clock)
     tickets = submit(router, 6)
     assert prompts(t for t in tickets if t.replica is a) == [1, 3]  # 3 waits in a's own queue
     assert prompts(t for t in tickets if t.replica is b) == [2, 4]
-    report(a, running=1, queued=1, events=[token(tickets[0], 9)])  # 1 has started on a
+    report(a, running=1, queued=1, events=[token(tickets[0], 9, 8)])  # 1 has started on a
     clock.now = 2.0
     a._lose("target a:1 connection lost (UNAVAILABLE: kill -9)")
-    assert error_code(tickets[0]) == grpc.StatusCode.UNAVAILABLE  # started: part of it reached the caller
+    assert error_code(tickets[0]) is None and not tickets[0].done  # started: it will continue ...
+    # ... as its continuation: the prompt plus what the caller already has, the rest of the budget.
+    assert list(tickets[0].request.prompt_token_ids) == [1, 9, 8] and tickets[0].request.max_new_tokens == 2
     assert tickets[2].replica is None and not tickets[2].done  # unstarted: back in the gateway's queue ...
-    assert router.queued == 3 and a.requeued == 1
+    assert list(tickets[2].request.prompt_token_ids) == [3]  # ... as it was
+    assert router.queued == 4 and a.requeued == 1 and a.resumed == 1
     report(b, running=1, queued=0, events=[finished(tickets[1])])  # 4 got b's slot
-    assert tickets[2].replica is b  # ... ahead of the requests that arrived after it
+    assert tickets[0].replica is b  # oldest first, ahead of the requests that arrived after it
+    report(b, running=1, queued=0, events=[token(tickets[0], 7), finished(tickets[3])])
+    assert tickets[2].replica is b
     assert tickets[4].replica is None and tickets[5].replica is None
     assert tickets[2].gateway_queue_seconds == 2.0  # its time on a counts as waiting
     assert a.outstanding == 0 and not a.routable
+    # The reader sees one sequence: a's tokens, then b's, nothing repeated, nothing lost.
+    assert [list(e.token_ids) for e in tickets[0].events._queue] == [[9, 8], [7]]
+    assert tickets[0].generated == [9, 8, 7]
     assert list(tickets[2].events._queue) == []  # nothing reached its reader: the move is invisible
-    report(b, running=1, queued=0, events=[token(tickets[2], 4, 2), finished(tickets[3])])
-    assert [e.token_ids for e in tickets[2].events._queue] == [[4, 2]]
 
 
 @run_async
@@ -221,9 +240,11 @@ async def test_losing_the_last_replica_fails_the_queue_and_refuses_new_requests(
     a = replica("a", max_slots=1)
     router = Router([a], max_queue=10, backlog=0)
     running, queued = submit(router, 2)
+    report(a, running=1, queued=0, events=[token(running, 5)])
     a._lose("target a:1 connection lost")
     assert error_code(queued) == grpc.StatusCode.UNAVAILABLE  # nowhere left to go: no hang
-    assert error_code(running) == grpc.StatusCode.UNAVAILABLE  # unstarted, but no replica to take it
+    assert error_code(running) == grpc.StatusCode.UNAVAILABLE  # started, but no replica to resume it on
+    assert "target a:1 connection lost" in list(running.events._queue)[-1].error.message
     assert router.queued == 0
     with pytest.raises(UnavailableError, match="no target replica is serving"):
         submit(router, 1)
@@ -259,7 +280,7 @@ async def test_a_request_that_finished_or_was_cancelled_is_not_moved():
     router.cancel(cancelled)
     a._lose("gone")
     b._lose("gone")
-    assert router.queued == 0 and a.requeued == 0 and b.requeued == 0
+    assert router.queued == 0 and a.requeued == 0 and b.requeued == 0 and a.resumed == b.resumed == 0
     assert error_code(done) is None and error_code(cancelled) is None
 
 

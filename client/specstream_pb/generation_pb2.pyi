@@ -157,7 +157,7 @@ class ModelInfo(_message.Message):
     def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_gamma: _Optional[int] = ..., default_gamma: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., running_sequences: _Optional[int] = ..., queued_sequences: _Optional[int] = ..., free_slots: _Optional[int] = ..., draft_sequences: _Optional[int] = ..., draft_connected: _Optional[bool] = ..., gateway_in_flight: _Optional[int] = ..., gateway_queued: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("address", "connected", "serving", "running", "queued", "free_slots", "max_slots", "routed", "requeued", "batch")
+    __slots__ = ("address", "connected", "serving", "running", "queued", "free_slots", "max_slots", "routed", "requeued", "batch", "resumed", "stalls", "draining")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,9 @@ class ReplicaInfo(_message.Message):
     ROUTED_FIELD_NUMBER: _ClassVar[int]
     REQUEUED_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
+    STALLS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     address: str
     connected: bool
     serving: bool
@@ -178,4 +181,7 @@ class ReplicaInfo(_message.Message):
     routed: int
     requeued: int
     batch: _common_pb2.BatchStats
-    def __init__(self, address: _Optional[str] = ..., connected: _Optional[bool] = ..., serving: _Optional[bool] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., free_slots: _Optional[int] = ..., max_slots: _Optional[int] = ..., routed: _Optional[int] = ..., requeued: _Optional[int] = ..., batch: _Optional[_Union[_common_pb2.BatchStats, _Mapping]] = ...) -> None: ...
+    resumed: int
+    stalls: int
+    draining: bool
+    def __init__(self, address: _Optional[str] = ..., connected: _Optional[bool] = ..., serving: _Optional[bool] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., free_slots: _Optional[int] = ..., max_slots: _Optional[int] = ..., routed: _Optional[int] = ..., requeued: _Optional[int] = ..., batch: _Optional[_Union[_common_pb2.BatchStats, _Mapping]] = ..., resumed: _Optional[int] = ..., stalls: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...

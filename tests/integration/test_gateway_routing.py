@@ -1,6 +1,6 @@
 """The gateway's bounded queue and its routing across target replicas, over the real processes:
 overload is refused at once and what is admitted is exact; two replicas share the traffic; killing
-one mid-run loses no request that had not started there."""
+one mid-run loses no request (tests/integration/test_failover.py goes further)."""
 
 from __future__ import annotations
 
@@ -103,18 +103,16 @@ def test_two_replicas_share_the_traffic_exactly(replica_pair):
     assert [r.token_ids for r in results] == reference
 
 
-def test_killing_a_replica_loses_no_request_that_had_not_started_there(replica_pair):
+def test_killing_a_replica_loses_no_request(replica_pair):
     stack = replica_pair
     prompts = [f"class C{i}:" for i in range(12)]
     max_new = 64
     reference = asyncio.run(_reference(stack.gateway_address, prompts, max_new, at_once=4))
-    chunks_seen = [0] * len(prompts)
 
     async def one(client: AsyncClient, i: int):
         tokens = []
         try:
             async for chunk in client.generate_stream(prompts[i], max_new_tokens=max_new, ignore_eos=True):
-                chunks_seen[i] += 1
                 tokens += chunk.token_ids
         except Unavailable as exc:
             return exc
@@ -139,15 +137,12 @@ def test_killing_a_replica_loses_no_request_that_had_not_started_there(replica_p
     results, at_kill = asyncio.run(main())
     stack.procs["target-1"].wait(10)
     failed = [i for i, r in enumerate(results) if isinstance(r, Unavailable)]
-    assert len(failed) <= 1, f"only the one running on target-1 may fail: {failed}"
-    for i in failed:
-        assert chunks_seen[i] > 0, f"request {i} failed before it had started"
-        assert "connection lost" in results[i].details
+    assert not failed, f"the one running on target-1 continues on target: {[results[i] for i in failed]}"
     for i, result in enumerate(results):
-        if i not in failed:
-            assert result == reference[i], f"request {i}"
+        assert result == reference[i], f"request {i}"
     after = asyncio.run(_model_info(stack.gateway_address))
     assert after.replicas[1].requeued >= 1, "target-1's unstarted request was not moved"
+    assert after.replicas[1].resumed >= 1, "target-1's started request was not resumed"
     assert not after.replicas[1].connected and after.replicas[0].connected
     assert at_kill.gateway_queued >= 2
 
