@@ -2,7 +2,8 @@
 (gateway/http/) when `http_port` is set, both over one `Gateway` core (gateway/service.py).
 
 Thin: admission, validation and the request pipeline are the core's. Health is SERVING while at
-least one target replica is connected and serving.
+least one target replica is connected and serving. Both fronts share the gRPC server's certificates
+and tokens (`ServiceServer.certificates`, `.tokens`), so one SIGHUP reloads them for both.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ async def _wait_routable(replicas: list[TargetClient], timeout_s: float) -> None
 async def serve(config: GatewayConfig) -> None:
     tokenizer = TextTokenizer.from_dir(resolve_model(config.tokenizer_path))
     addresses = resolve_targets(config.target_addresses)
-    replicas = [TargetClient(a, options=config.server.grpc_options(), retry_s=config.retry_s) for a in addresses]
+    replicas = [TargetClient(a, options=config.server.grpc_options(), retry_s=config.retry_s,
+                             security=config.target_security) for a in addresses]
     await asyncio.gather(*(r.start(timeout_s=config.connect_timeout_s) for r in replicas))
     info = common_info(replicas)
     router = Router(replicas, max_queue=config.max_queue, backlog=config.replica_backlog)
@@ -111,8 +113,9 @@ async def serve(config: GatewayConfig) -> None:
     http = None
     if config.http_port is not None:
         app = build_app(gateway, metrics.registry if config.server.metrics_port is not None else None,
-                        ready=lambda: not stopping.is_set(), max_body_bytes=config.server.max_message_bytes)
-        http = HttpServer(app, config.server.host, config.http_port, config.server.grace_s)
+                        ready=lambda: not stopping.is_set(), max_body_bytes=config.server.max_message_bytes,
+                        tokens=server.tokens)
+        http = HttpServer(app, config.server.host, config.http_port, config.server.grace_s, server.certificates)
     await server.start()
     if http is not None:
         await http.start()
