@@ -17,6 +17,15 @@ import time
 from pathlib import Path
 
 
+# The services' security variables (flag defaults, below). `serve` passes security to its
+# children as flags only, so the launcher drops these from their environment: a variable left in
+# the caller's shell must not half-secure a stack (launcher._child_env).
+SERVICE_SECURITY_ENV = ("SPECSTREAM_TLS_CERT", "SPECSTREAM_TLS_KEY", "SPECSTREAM_TLS_CLIENT_CA",
+                        "SPECSTREAM_ALLOWED_PEERS", "SPECSTREAM_TOKEN_FILE",
+                        *(f"SPECSTREAM_{upstream}_{name}" for upstream in ("TARGET", "DRAFT")
+                          for name in ("TLS_CA", "TLS_CERT", "TLS_KEY", "SERVER_NAME", "TOKEN_FILE")))
+
+
 def _env(name: str) -> str | None:
     """An environment variable's value as a flag default; unset or empty: None."""
     return os.environ.get(name) or None

@@ -299,6 +299,26 @@ def test_services_read_their_security_settings_from_the_environment(pki, monkeyp
         _target_config(build_parser().parse_args(["target", "--model", "m"]))
 
 
+def test_serve_children_take_security_from_their_flags_only(monkeypatch) -> None:
+    # Every variable the services' security flags read is one the launcher keeps from its children.
+    from specstream.cli import SERVICE_SECURITY_ENV
+    from specstream.launcher import _child_env
+
+    subcommands = build_parser()._subparsers._group_actions[0].choices
+    read = set()
+    for command in ("gateway", "target", "draft"):
+        for group in subcommands[command]._action_groups:
+            if group.title.startswith("security"):
+                read |= {m for action in group._group_actions for m in re.findall(r"env (SPECSTREAM_\w+)",
+                                                                                    action.help or "")}
+    assert read == set(SERVICE_SECURITY_ENV)
+    for name in SERVICE_SECURITY_ENV:
+        monkeypatch.setenv(name, "/from/the/shell")
+    monkeypatch.setenv("SPECSTREAM_LOG_LEVEL", "DEBUG")
+    env = _child_env()
+    assert not set(SERVICE_SECURITY_ENV) & set(env) and env["SPECSTREAM_LOG_LEVEL"] == "DEBUG"
+
+
 def test_a_service_refuses_incomplete_security_settings_before_loading_anything(pki, capsys) -> None:
     assert main(["draft", "--proposer", "ngram", "--tls-cert", pki.path("draft.crt")]) == 2
     assert "key_file=None: must be given together" in capsys.readouterr().err
