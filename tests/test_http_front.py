@@ -143,8 +143,9 @@ async def served(max_in_flight: int = 8, max_body_bytes: int = 1 << 20,
             break
         await asyncio.sleep(0.01)
     scheme = "https" if certificates else "http"
+    tls = {"http_client": openai.DefaultAsyncHttpxClient(verify=client_context)} if client_context else {}
     client = openai.AsyncOpenAI(base_url=f"{scheme}://{http.address}/v1", api_key="none", max_retries=0, timeout=30,
-                                **({"http_client": openai.DefaultAsyncHttpxClient(verify=client_context)} if client_context else {}))
+                                **tls)
     try:
         yield Front(target, gateway, f"{scheme}://{http.address}", client, target_server)
     finally:
@@ -650,7 +651,8 @@ def test_tokens_guard_every_v1_route_with_openai_errors_and_leave_health_open(tm
             assert (status, json.loads(data)) == (200, {"status": "ok"})  # probes send no token
             status, _, _ = await _raw(front.url, "/metrics", None, "GET")
             assert status == 200  # as on the metrics port: counters only
-            status, _, data = await _raw(front.url, "/v1/completions", body, "POST", {"Authorization": "Bearer sk-second"})
+            status, _, data = await _raw(front.url, "/v1/completions", body, "POST",
+                                         {"Authorization": "Bearer sk-second"})
             assert status == 200 and json.loads(data)["choices"][0]["text"] == REPLY[:len(TT.decode(TOKENS[:2]))]
             # The openai client sends its api_key as the bearer token (always: 401 is for raw callers).
             with pytest.raises(openai.PermissionDeniedError):
@@ -712,8 +714,8 @@ def test_https_serves_the_gateways_certificate_and_follows_reloads(pki, tmp_path
 def test_https_with_a_client_ca_requires_a_client_certificate_from_it(pki, tmp_path) -> None:
     client_ca = tmp_path / "client-ca.crt"
     client_ca.write_bytes(open(pki.path("ca.crt"), "rb").read())
-    certificates = ServerCertificates(ServerSecurity(cert_file=pki.path("gateway.crt"), key_file=pki.path("gateway.key"),
-                                                     client_ca_file=str(client_ca)))
+    certificates = ServerCertificates(ServerSecurity(cert_file=pki.path("gateway.crt"),
+                                                     key_file=pki.path("gateway.key"), client_ca_file=str(client_ca)))
 
     async def status(front: Front, context: ssl.SSLContext) -> int | str:
         try:
