@@ -299,7 +299,7 @@ class GatewayConfig:
     # and /metrics when metrics are on. None: off; 0: a free port (logged).
     http_port: int | None = None
     # TLS, client certificate and internal token towards the targets. The HTTP front serves HTTPS
-    # with server.security's certificate, and asks for server.security's tokens on /v1/*.
+    # with server.security's certificate and asks for its tokens (on all but /health and /metrics).
     target_security: ChannelSecurity = field(default_factory=lambda: ChannelSecurity("target_security"))
 
     def __post_init__(self) -> None:

@@ -628,12 +628,13 @@ def _token_file(tmp_path, *tokens: str) -> TokenSet:
     return TokenSet(str(path))
 
 
-def test_tokens_guard_every_v1_route_with_openai_errors_and_leave_health_open(tmp_path) -> None:
+def test_tokens_guard_every_route_but_health_and_metrics_with_openai_errors(tmp_path) -> None:
     async def go():
         async with served(tokens=_token_file(tmp_path, "sk-right", "sk-second")) as front:
             body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2}).encode()
             for method, path, payload in (("GET", "/v1/models", None), ("POST", "/v1/completions", body),
-                                          ("GET", "/v1", None)):
+                                          ("GET", "/v1", None), ("GET", "/openapi.json", None),
+                                          ("GET", "/docs", None), ("GET", "/nowhere", None)):
                 status, headers, data = await _raw(front.url, path, payload, method)
                 assert status == 401, (path, data)
                 assert headers["www-authenticate"] == "Bearer"

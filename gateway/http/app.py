@@ -8,10 +8,11 @@ overload, no replica, a target's refusal) still gets its HTTP status; after that
 as a `data: {"error": ...}` event. A client that goes away cancels its request on the target at
 once, streamed or not.
 
-With tokens (the gateway's --token-file), every `/v1/*` request must send `Authorization: Bearer
-<token>` (the `api_key` of OpenAI's clients): none is 401, a wrong one 403, checked before the body
-is read. `/health` stays open for probes; `/metrics` too, as on the services' own metrics ports
-(operational counters, no request content): keep it from the public, or leave metrics off.
+With tokens (the gateway's --token-file), every request must send `Authorization: Bearer <token>`
+(the `api_key` of OpenAI's clients): none is 401, a wrong one 403, checked before the body is read.
+Only `/health` stays open, for probes, and `/metrics`, as on the services' own metrics ports
+(operational counters, no request content): keep it from the public, or leave metrics off. Denying
+by default also covers FastAPI's own `/docs` and `/openapi.json`.
 
 Every request is a server span (`POST /v1/chat/completions`), a child of the caller's W3C
 `traceparent` header when it has a valid one; the gateway's `gen_ai.generate` span and the
@@ -140,18 +141,18 @@ class BodyLimit:
 
 
 class BearerAuth:
-    """ASGI middleware: requests under `/v1/` need a bearer token `tokens` accepts; refusals are
-    OpenAI errors (401 without one, 403 with a wrong one; statuses from errors.py)."""
+    """ASGI middleware: every request but those for OPEN paths needs a bearer token `tokens`
+    accepts; refusals are OpenAI errors (401 without one, 403 with a wrong one; statuses from
+    errors.py)."""
 
-    PROTECTED = "/v1"
+    OPEN = frozenset({"/health", "/metrics"})
 
     def __init__(self, app, tokens: TokenSet) -> None:
         self.app = app
         self.tokens = tokens
 
     async def __call__(self, scope, receive, send) -> None:
-        path = scope.get("path", "")
-        if scope["type"] == "http" and (path == self.PROTECTED or path.startswith(self.PROTECTED + "/")):
+        if scope["type"] == "http" and scope.get("path", "") not in self.OPEN:
             header = dict(scope.get("headers") or []).get(b"authorization")
             try:
                 self.tokens.check(header.decode("latin-1") if header is not None else None)
@@ -171,7 +172,7 @@ def build_app(gateway: Gateway, registry: CollectorRegistry | None = None,
               tokens: TokenSet | None = None) -> FastAPI:
     """The app. `registry`: served on /metrics when given. `ready`: False while the gateway is
     shutting down (health then reads 503 whatever the replicas say). `max_body_bytes`: larger
-    request bodies get 413. `tokens`: /v1/* needs one of them (BearerAuth)."""
+    request bodies get 413. `tokens`: every path but /health and /metrics needs one (BearerAuth)."""
     # FastAPI releases with their own OpenTelemetry spans would trace each request twice: ours
     # (below) is the one that joins the gateway's and the target's spans, in every release.
     native = {"telemetry": {"tracing": False, "metrics": False, "logs": False}} \
