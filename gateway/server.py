@@ -5,6 +5,8 @@ Thin: admission, validation and the request pipeline are the core's. Health is S
 least one target replica is routable (connected, serving, not declared hung, not draining).
 Replicas come from the target entries, re-resolved every `target_resolve_interval_s`
 (gateway/membership.py); one added later must serve what the first ones serve (`check_joins`).
+Both fronts share the gRPC server's certificates and tokens (`ServiceServer.certificates`,
+`.tokens`), so one SIGHUP reloads them for both.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ async def _wait_routable(replicas: list[TargetClient], timeout_s: float) -> None
 
 def _target_client(config: GatewayConfig, address: str) -> TargetClient:
     return TargetClient(address, options=config.target_channel_options(), retry_s=config.retry_s,
-                        stall=config.stall)
+                        stall=config.stall, security=config.target_security)
 
 
 def _follow_dns(config: GatewayConfig, router: Router, info: target_pb2.TargetInfo,
@@ -155,8 +157,9 @@ async def serve(config: GatewayConfig) -> None:
     http = None
     if config.http_port is not None:
         app = build_app(gateway, metrics.registry if config.server.metrics_port is not None else None,
-                        ready=lambda: not stopping.is_set(), max_body_bytes=config.server.max_message_bytes)
-        http = HttpServer(app, config.server.host, config.http_port, config.server.grace_s)
+                        ready=lambda: not stopping.is_set(), max_body_bytes=config.server.max_message_bytes,
+                        tokens=server.tokens)
+        http = HttpServer(app, config.server.host, config.http_port, config.server.grace_s, server.certificates)
     await server.start()
     if http is not None:
         await http.start()

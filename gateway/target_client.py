@@ -38,6 +38,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.ticket import Ticket
 from gateway.watchdog import StepWatchdog
 from specstream.config import StallConfig
+from specstream.channels import open_channel
+from specstream.config import ChannelSecurity
 from specstream_pb import common_pb2, target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -47,10 +49,11 @@ MAX_STALL_BACKOFF = 32  # the reconnect delay after stalls in a row is at most t
 
 class TargetClient:
     def __init__(self, url: str, options: list | None = None, retry_s: float = 1.0,
-                 stall: StallConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 stall: StallConfig | None = None, clock: Callable[[], float] = time.monotonic,
+                 security: ChannelSecurity | None = None) -> None:
         self.url = url
         self.retry_s = retry_s
-        self._channel = grpc.aio.insecure_channel(url, options=options or [])
+        self._channel = open_channel(url, options, security)
         self._stub = target_pb2_grpc.TargetStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._outgoing: asyncio.Queue[target_pb2.GatewayMessage] = asyncio.Queue()

@@ -17,7 +17,22 @@ import time
 from pathlib import Path
 
 
-def _server_flags(p: argparse.ArgumentParser, default_port: int, max_message_bytes: int = 64 * 1024 * 1024) -> None:
+# The services' security variables (flag defaults, below). `serve` passes security to its
+# children as flags only, so the launcher drops these from their environment: a variable left in
+# the caller's shell must not half-secure a stack (launcher._child_env).
+SERVICE_SECURITY_ENV = ("SPECSTREAM_TLS_CERT", "SPECSTREAM_TLS_KEY", "SPECSTREAM_TLS_CLIENT_CA",
+                        "SPECSTREAM_ALLOWED_PEERS", "SPECSTREAM_TOKEN_FILE",
+                        *(f"SPECSTREAM_{upstream}_{name}" for upstream in ("TARGET", "DRAFT")
+                          for name in ("TLS_CA", "TLS_CERT", "TLS_KEY", "SERVER_NAME", "TOKEN_FILE")))
+
+
+def _env(name: str) -> str | None:
+    """An environment variable's value as a flag default; unset or empty: None."""
+    return os.environ.get(name) or None
+
+
+def _server_flags(p: argparse.ArgumentParser, default_port: int, reflection: bool = False,
+                  max_message_bytes: int = 64 * 1024 * 1024) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
     p.add_argument("--port", type=int, default=default_port)
     p.add_argument("--max-message-bytes", type=int, default=max_message_bytes,
@@ -33,6 +48,52 @@ def _server_flags(p: argparse.ArgumentParser, default_port: int, max_message_byt
     p.add_argument("--log-level", default=os.environ.get("SPECSTREAM_LOG_LEVEL", "INFO"))
     p.add_argument("--trace-file", help="append one JSON span per line to this file (OTLP export: the OTEL_* "
                                         "environment variables)")
+    sec = p.add_argument_group("security (all off by default; SIGHUP reads the files again for new connections "
+                               "and calls; grpc.health.v1 stays open for probes)")
+    sec.add_argument("--tls-cert", default=_env("SPECSTREAM_TLS_CERT"), metavar="FILE",
+                     help="PEM certificate chain to serve TLS with, with --tls-key (env SPECSTREAM_TLS_CERT); the "
+                          "gateway's HTTP API then serves HTTPS with it")
+    sec.add_argument("--tls-key", default=_env("SPECSTREAM_TLS_KEY"), metavar="FILE",
+                     help="its PEM private key, unencrypted (env SPECSTREAM_TLS_KEY)")
+    sec.add_argument("--tls-client-ca", default=_env("SPECSTREAM_TLS_CLIENT_CA"), metavar="FILE",
+                     help="mTLS: every caller must present a certificate signed by this PEM CA bundle "
+                          "(env SPECSTREAM_TLS_CLIENT_CA)")
+    sec.add_argument("--allowed-peers", default=_env("SPECSTREAM_ALLOWED_PEERS"), metavar="NAMES",
+                     help="with --tls-client-ca: comma-separated names, one of which a caller's certificate must "
+                          "carry as a subject alternative name or common name (env SPECSTREAM_ALLOWED_PEERS)")
+    sec.add_argument("--token-file", default=_env("SPECSTREAM_TOKEN_FILE"), metavar="FILE",
+                     help="callers must send `authorization: Bearer <token>` with a token of this file (one per "
+                          "line, # comments) (env SPECSTREAM_TOKEN_FILE)")
+    sec.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=reflection,
+                     help=f"serve grpc.reflection (default: {'on' if reflection else 'off'})")
+
+
+def _upstream_flags(p: argparse.ArgumentParser, upstream: str) -> None:
+    """How this service calls the `upstream` service (gateway -> target, target -> draft)."""
+    env = f"SPECSTREAM_{upstream.upper()}_"
+    sec = p.add_argument_group(f"security towards the {upstream} (off by default; read at start)")
+    sec.add_argument(f"--{upstream}-tls-ca", default=_env(env + "TLS_CA"), metavar="FILE",
+                     help=f"TLS to the {upstream}: its certificate must chain to this PEM CA bundle "
+                          f"(env {env}TLS_CA)")
+    sec.add_argument(f"--{upstream}-tls-cert", default=_env(env + "TLS_CERT"), metavar="FILE",
+                     help=f"mTLS: the PEM certificate to present to the {upstream} (env {env}TLS_CERT)")
+    sec.add_argument(f"--{upstream}-tls-key", default=_env(env + "TLS_KEY"), metavar="FILE",
+                     help=f"its PEM private key (env {env}TLS_KEY)")
+    sec.add_argument(f"--{upstream}-server-name", default=_env(env + "SERVER_NAME"), metavar="NAME",
+                     help=f"the name the {upstream}'s certificate must carry, where its address is one no "
+                          f"certificate names, e.g. a pod IP (env {env}SERVER_NAME)")
+    sec.add_argument(f"--{upstream}-token-file", default=_env(env + "TOKEN_FILE"), metavar="FILE",
+                     help=f"send the first token of this file to the {upstream} (env {env}TOKEN_FILE)")
+
+
+def _channel_security(args: argparse.Namespace, upstream: str):
+    from specstream.config import ChannelSecurity
+
+    def get(name: str) -> str | None:
+        return getattr(args, f"{upstream}_{name}")
+
+    return ChannelSecurity(label=f"{upstream}_security", ca_file=get("tls_ca"), cert_file=get("tls_cert"),
+                           key_file=get("tls_key"), server_name=get("server_name"), token_file=get("token_file"))
 
 
 def _weights_flag(p: argparse.ArgumentParser) -> None:
@@ -56,11 +117,15 @@ def _model_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 
 def _server_config(args: argparse.Namespace):
-    from specstream.config import ServerConfig
+    from specstream.config import ServerConfig, ServerSecurity
 
+    peers = tuple(name.strip() for name in (args.allowed_peers or "").split(",") if name.strip())
+    security = ServerSecurity(cert_file=args.tls_cert, key_file=args.tls_key, client_ca_file=args.tls_client_ca,
+                              allowed_peers=peers, token_file=args.token_file)
     return ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
                         keepalive_time_s=args.keepalive_time, keepalive_timeout_s=args.keepalive_timeout,
-                        min_ping_interval_s=args.min_ping_interval, grace_s=args.grace, metrics_port=args.metrics_port)
+                        min_ping_interval_s=args.min_ping_interval, grace_s=args.grace,
+                        metrics_port=args.metrics_port, security=security, reflection=args.reflection)
 
 
 def _run_service(args: argparse.Namespace, coro_factory) -> int:
@@ -104,7 +169,7 @@ def _target_config(args: argparse.Namespace):
                         default_gamma=args.gamma, max_gamma=args.max_gamma, gamma_policy=args.gamma_policy,
                         calibrate=not args.no_calibrate, draft_url=args.draft_url,
                         draft_timeout_s=args.draft_timeout, torch_threads=args.threads,
-                        colocated_draft=_colocated_draft(args),
+                        colocated_draft=_colocated_draft(args), draft_security=_channel_security(args, "draft"),
                         **_batching_config(args))
 
 
@@ -231,13 +296,18 @@ def _gateway_config(args: argparse.Namespace):
                          http_port=args.http_port, target_keepalive_time_s=args.target_keepalive_time,
                          target_keepalive_timeout_s=args.target_keepalive_timeout,
                          stall=StallConfig(floor_s=args.target_stall_floor, ceiling_s=args.target_stall_timeout),
-                         target_resolve_interval_s=args.target_resolve_interval)
+                         target_resolve_interval_s=args.target_resolve_interval,
+                         target_security=_channel_security(args, "target"))
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     from gateway.server import serve
 
-    config = _gateway_config(args)
+    try:
+        config = _gateway_config(args)
+    except ValueError as exc:
+        print(f"specstream gateway: error: {exc}", file=sys.stderr)
+        return 2
     return _run_service(args, lambda: serve(config))
 
 
@@ -295,15 +365,42 @@ def _stack_spec(args: argparse.Namespace):
                      weights=args.weights, colocate_draft=args.colocate_draft, log_dir=args.log_dir,
                      draft_threads=args.draft_threads, target_threads=args.target_threads,
                      target_replicas=args.replicas, extra_target_args=_batching_args(args), metrics=args.metrics,
-                     trace_file=os.path.abspath(args.trace_file) if args.trace_file else None)
+                     trace_file=os.path.abspath(args.trace_file) if args.trace_file else None,
+                     security=_serve_security(args))
+
+
+def _serve_security(args: argparse.Namespace):
+    """The StackSecurity of --tls-dir (None without it); ValueError for --client-certs alone."""
+    from specstream.launcher import StackSecurity
+
+    if args.tls_dir is None:
+        if args.client_certs:
+            raise ValueError("--client-certs needs --tls-dir (where the client certificate is)")
+        return None
+    return StackSecurity(args.tls_dir, client_certs=args.client_certs)
+
+
+def _ensure_tls_dir(directory: str) -> bool:
+    """Writes a CA, certificates and tokens into `directory` when it holds none of the stack's
+    files; whether it did. A directory with some of them is left for StackSecurity to report."""
+    from specstream.launcher import StackSecurity
+
+    if any((Path(directory) / name).exists() for name in StackSecurity.FILES):
+        return False
+    from specstream.certs import write_stack_files
+
+    write_stack_files(directory)
+    return True
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from specstream.launcher import Stack
 
     try:
+        if args.tls_dir and _ensure_tls_dir(args.tls_dir):
+            print(f"wrote a new CA, certificates and tokens into {args.tls_dir}", flush=True)
         spec = _stack_spec(args)
-    except ValueError as exc:
+    except (ValueError, RuntimeError) as exc:
         print(f"specstream serve: error: {exc}", file=sys.stderr)
         return 2
     stack = Stack(spec)
@@ -314,6 +411,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    if spec.security is not None:  # the services reload their files on SIGHUP; pass it on
+        signal.signal(signal.SIGHUP, lambda signum, frame: stack.reload())
     try:
         stack.start(should_stop=lambda: stop["signal"] is not None)
     except InterruptedError:
@@ -321,12 +420,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     print(f"specstream gateway listening on {stack.gateway_address}", flush=True)
     if stack.http_address:
-        print(f"  OpenAI-compatible API: http://{stack.http_address}/v1", flush=True)
+        print(f"  OpenAI-compatible API: {stack.http_base_url}", flush=True)
     targets = "  ".join(f"{name} {stack.addresses[name]}" for name in stack.target_names)
     print(f"  {targets}  draft {stack.addresses.get('draft', '-')}  (Ctrl-C stops them all)", flush=True)
     if stack.metrics_addresses:
         print("  metrics: " + "  ".join(f"{name} http://{address}/metrics"
                                         for name, address in stack.metrics_addresses.items()), flush=True)
+    if spec.security is not None:
+        tls = spec.security
+        cert = f" --tls-cert {tls.path('client.crt')} --tls-key {tls.path('client.key')}" if tls.client_certs else ""
+        print(f"  TLS on every hop; call with: SPECSTREAM_TOKEN=$(cat {tls.path('api-tokens')}) specstream generate "
+              f"--url {stack.gateway_address} --tls-ca {tls.path('ca.crt')}{cert} PROMPT", flush=True)
     while stop["signal"] is None and stack.alive():
         time.sleep(0.2)
     codes = stack.stop()
@@ -393,7 +497,12 @@ def _call(args: argparse.Namespace, messages: list[dict[str, str]] | None) -> in
                   max_candidates_per_parent=args.max_candidates_per_parent)
     sampled = args.temperature > 0
     try:
-        with Client(args.url) as client:
+        client = Client(args.url, **_client_credentials(args))
+    except (ValueError, TypeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with client:
             if args.stream:
                 last = None
                 stream = client.generate_stream(args.prompt, **kwargs) if messages is None \
@@ -632,9 +741,57 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _client_security_flags(p: argparse.ArgumentParser, token: bool) -> None:
+    """How a client command reaches a secured server: TLS, a client certificate, a token."""
+    sec = p.add_argument_group("security")
+    sec.add_argument("--tls-ca", default=_env("SPECSTREAM_TLS_CA"), metavar="FILE",
+                     help="TLS: the server's certificate must chain to this PEM CA bundle (env SPECSTREAM_TLS_CA)")
+    sec.add_argument("--tls-cert", default=_env("SPECSTREAM_CLIENT_CERT"), metavar="FILE",
+                     help="mTLS: the PEM client certificate to present (env SPECSTREAM_CLIENT_CERT)")
+    sec.add_argument("--tls-key", default=_env("SPECSTREAM_CLIENT_KEY"), metavar="FILE",
+                     help="its PEM private key (env SPECSTREAM_CLIENT_KEY)")
+    sec.add_argument("--server-name", default=None, metavar="NAME",
+                     help="the name the server's certificate must carry, when not the host in --url")
+    if token:
+        sec.add_argument("--token", default=_env("SPECSTREAM_TOKEN"),
+                         help="bearer token for the API (env SPECSTREAM_TOKEN; prefer it: flags show in `ps`)")
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from specstream.channels import open_blocking_channel
+    from specstream.config import ChannelSecurity
+
+    try:
+        security = ChannelSecurity(label="health", ca_file=args.tls_ca, cert_file=args.tls_cert,
+                                   key_file=args.tls_key, server_name=args.server_name)
+        with open_blocking_channel(args.url, security=security) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=args.service),
+                                                              timeout=args.timeout)
+    except ValueError as exc:
+        print(f"specstream health: error: {exc}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as exc:
+        print(f"{args.url}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.url}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def _client_credentials(args: argparse.Namespace) -> dict:
+    """The SDK's security keywords from the client flags (checked by the SDK)."""
+    return dict(tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key, server_name=args.server_name,
+                token=args.token)
+
+
 def _call_flags(p: argparse.ArgumentParser, default_max_new_tokens: int) -> None:
     """Flags shared by `generate` and `chat`."""
-    p.add_argument("--url", default=os.environ.get("SPECSTREAM_URL", "127.0.0.1:50051"))
+    p.add_argument("--url", default=os.environ.get("SPECSTREAM_URL", "127.0.0.1:50051"),
+                   help="host:port, grpc://host:port or grpcs://host:port (TLS with the system's CAs)")
+    _client_security_flags(p, token=True)
     p.add_argument("--max-new-tokens", type=int, default=default_max_new_tokens)
     p.add_argument("--gamma", type=_speculation, default="auto",
                    help="auto (the server picks γ each step), off, or N proposals per step (0 = off)")
@@ -708,12 +865,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", action="store_true", help="each service serves Prometheus /metrics on a free port")
     _batching_flags(p)
     p.add_argument("--trace-file", help="all three services append one JSON span per line to this file")
+    sec = p.add_argument_group("security (off by default)")
+    sec.add_argument("--tls-dir", metavar="DIR",
+                     help="TLS on every hop with DIR's files: mTLS and an internal token between the services "
+                          "(each accepts only its caller's certificate), TLS and an API token on the public API "
+                          "(gRPC and HTTPS). An empty or missing DIR gets a new CA, certificates and tokens "
+                          "(needs the cryptography package); SIGHUP reloads the files in every service")
+    sec.add_argument("--client-certs", action="store_true",
+                     help="with --tls-dir: the public API also requires a client certificate (DIR/client.crt)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("target", help="run the target-model service")
     _model_flags(p)
     _server_flags(p, 50052)
     p.add_argument("--draft-url", help="host:port of the draft service (omit: plain decoding, or --draft-model)")
+    _upstream_flags(p, "draft")
     p.add_argument("--draft-timeout", type=float, default=10.0)
     p.add_argument("--draft-model", help="run the draft in this process instead of a draft service (no gRPC hop "
                                          "between the two models): a model reference; exclusive with --draft-url")
@@ -738,7 +904,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gateway", help="run the public gateway")
     # Public: 4 MiB holds the longest prompt an 8k-token context can take in any script (and the
     # HTTP front's bodies); the internal services' messages batch many requests and keep 64 MiB.
-    _server_flags(p, 50051, max_message_bytes=4 * 1024 * 1024)
+    # The gateway's API is public (the SDK ships its protos), so reflection shows nothing new; with
+    # --token-file it needs a token like every other method.
+    _server_flags(p, 50051, reflection=True, max_message_bytes=4 * 1024 * 1024)
+    _upstream_flags(p, "target")
     p.add_argument("--target-url", required=True, action="append",
                    help="host:port or dns:///host:port of a target replica; repeatable or comma-separated. "
                         "A name resolving to several addresses is one replica per address (re-resolved every "
@@ -783,6 +952,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", help="a system message before it (default: the template's own)")
     _call_flags(p, default_max_new_tokens=256)
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("health", help="ask a service's grpc.health.v1 status: exit 0 when SERVING (probes, "
+                                      "scripts)")
+    p.add_argument("--url", default=os.environ.get("SPECSTREAM_URL", "127.0.0.1:50051"), help="host:port")
+    p.add_argument("--service", default="", help="a service's name (default: the server's overall status)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds")
+    _client_security_flags(p, token=False)
+    p.set_defaults(func=cmd_health)
 
 
     p = sub.add_parser("train-demo", help="reproduce the shipped demo pair from the Python standard library")

@@ -7,6 +7,7 @@ here reads the environment.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -30,6 +31,93 @@ def _check(ok: bool, name: str, value: object, want: str) -> None:
         raise ValueError(f"{name}={value!r}: must be {want}")
 
 
+def _check_file(name: str, path: str | None) -> None:
+    """None, or a file this process can read (caught here, before a model loads for minutes)."""
+    _check(path is None or (bool(path) and os.path.isfile(path) and os.access(path, os.R_OK)), name, path,
+           "None or a readable file")
+
+
+@dataclass
+class ServerSecurity:
+    """Who may call a server (design §10b). All off by default. The files are read at start and
+    again on SIGHUP (specstream/tls.py, specstream/auth.py); grpc.health.v1 stays open to every
+    caller that completes the TLS handshake, so that probes work."""
+
+    cert_file: str | None = None  # PEM certificate chain the server presents; with key_file, TLS is on
+    key_file: str | None = None  # PEM private key of cert_file
+    # PEM CA bundle: every caller must present a certificate it signed (mTLS). Needs TLS.
+    client_ca_file: str | None = None
+    # With mTLS: a caller's certificate must also carry one of these names, as a subject
+    # alternative name (DNS, URI, IP or e-mail) or as its common name. Empty: any certificate
+    # client_ca_file signed.
+    allowed_peers: tuple[str, ...] = ()
+    # Bearer tokens a caller must send (`authorization: Bearer <token>`), one per line; lines
+    # starting with # and blank lines are ignored. None: no token asked for.
+    token_file: str | None = None
+
+    def __post_init__(self) -> None:
+        self.allowed_peers = tuple(self.allowed_peers)
+        _check((self.cert_file is None) == (self.key_file is None), "key_file" if self.cert_file else "cert_file",
+               self.key_file if self.cert_file else self.cert_file, "given together with the other (both or neither)")
+        _check(self.client_ca_file is None or self.tls, "client_ca_file", self.client_ca_file,
+               "given with cert_file and key_file: client certificates are checked in the TLS handshake")
+        _check(not self.allowed_peers or self.mtls, "allowed_peers", self.allowed_peers,
+               "given with client_ca_file: the names come from verified client certificates")
+        for peer in self.allowed_peers:
+            _check(bool(peer) and not any(c.isspace() or c == "," for c in peer), "allowed_peers", self.allowed_peers,
+                   "names without spaces or commas")
+        for name in ("cert_file", "key_file", "client_ca_file", "token_file"):
+            _check_file(name, getattr(self, name))
+
+    @property
+    def tls(self) -> bool:
+        return self.cert_file is not None
+
+    @property
+    def mtls(self) -> bool:
+        return self.client_ca_file is not None
+
+    @property
+    def enabled(self) -> bool:
+        """Anything to check or to reload on SIGHUP."""
+        return self.tls or self.token_file is not None
+
+
+@dataclass
+class ChannelSecurity:
+    """How a service calls another of ours (gateway -> target, target -> draft): TLS, its own
+    certificate for mTLS, a shared internal token. All off by default. Read once, when the
+    channel opens (specstream/channels.py)."""
+
+    # For messages: the config field that holds this ("target_security", "draft_security").
+    label: str = "channel"
+    # PEM CA bundle the server's certificate must chain to. Set: TLS on.
+    ca_file: str | None = None
+    cert_file: str | None = None  # PEM certificate this side presents (mTLS); needs key_file and ca_file
+    key_file: str | None = None  # PEM private key of cert_file
+    # The name the server's certificate must carry, instead of the host in its address: needed
+    # where that is an address no certificate names (a Kubernetes pod IP from a headless Service).
+    server_name: str | None = None
+    # Sends this file's first token (ServerSecurity.token_file's format) as `authorization: Bearer`.
+    token_file: str | None = None
+
+    def __post_init__(self) -> None:
+        label = self.label
+        _check((self.cert_file is None) == (self.key_file is None),
+               f"{label}.key_file" if self.cert_file else f"{label}.cert_file",
+               self.key_file if self.cert_file else self.cert_file, "given together with the other (both or neither)")
+        _check(self.cert_file is None or self.tls, f"{label}.cert_file", self.cert_file,
+               "given with ca_file: a client certificate is presented over TLS only")
+        _check(self.server_name is None or (self.tls and bool(self.server_name.strip())), f"{label}.server_name",
+               self.server_name, "a non-empty name, given with ca_file")
+        for name in ("ca_file", "cert_file", "key_file", "token_file"):
+            _check_file(f"{label}.{name}", getattr(self, name))
+
+    @property
+    def tls(self) -> bool:
+        return self.ca_file is not None
+
+
 @dataclass
 class ServerConfig:
     """gRPC server settings shared by all three services."""
@@ -46,6 +134,10 @@ class ServerConfig:
     # Prometheus /metrics over HTTP on `host` at this port (specstream/metrics.py). None: no
     # endpoint; 0: a free port (logged).
     metrics_port: int | None = None
+    security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, mTLS, tokens (all off)
+    # Serve grpc.reflection (lists and describes the services, for grpcurl and the like). The CLI
+    # turns it on for the gateway, whose API is public anyway; target and draft keep it off.
+    reflection: bool = False
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "port", self.port, "in 0..65535")
@@ -120,6 +212,8 @@ class TargetConfig:
     colocated_draft: DraftConfig | None = None
     draft_timeout_s: float = 10.0  # a propose round trip longer than this counts as draft failure
     draft_retry_s: float = 1.0  # wait this long before reconnecting to a failed draft
+    # TLS, client certificate and internal token towards the draft service (draft_url).
+    draft_security: ChannelSecurity = field(default_factory=lambda: ChannelSecurity("draft_security"))
     torch_threads: int = 0  # CPU threads for the model (0: torch's default, one per core)
     # Batching (design §4; target_service/scheduler.py).
     policy: str = "topup"  # "static": fill, run until all finish; "topup": refill as rows finish
@@ -266,6 +360,9 @@ class GatewayConfig:
     # The OpenAI-compatible HTTP API (gateway/http/) on `server.host` at this port; also /health,
     # and /metrics when metrics are on. None: off; 0: a free port (logged).
     http_port: int | None = None
+    # TLS, client certificate and internal token towards the targets. The HTTP front serves HTTPS
+    # with server.security's certificate and asks for its tokens (on all but /health and /metrics).
+    target_security: ChannelSecurity = field(default_factory=lambda: ChannelSecurity("target_security"))
 
     def __post_init__(self) -> None:
         urls = self.target_addresses
@@ -298,6 +395,9 @@ class GatewayConfig:
         _check(self.http_port in (None, 0) or self.http_port not in (self.server.port, self.server.metrics_port),
                "http_port", self.http_port, f"different from port ({self.server.port}) and metrics_port "
                f"({self.server.metrics_port})")
+        _check(self.http_port is None or not self.server.security.allowed_peers, "allowed_peers",
+               self.server.security.allowed_peers, "empty with http_port: the HTTP front cannot see a client "
+               "certificate's names (it still requires one signed by client_ca_file)")
 
     def target_channel_options(self) -> list[tuple[str, int]]:
         """The gateway's channels to its targets: the internal message limits, its own keepalive,

@@ -52,6 +52,18 @@ class UnavailableError(SpecstreamError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class UnauthenticatedError(SpecstreamError):
+    """No credentials the server can read: no token, or not a bearer token."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDeniedError(SpecstreamError):
+    """Credentials were presented and refused: a wrong token, or a peer not on the allow-list."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 def _short(value: Any, limit: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

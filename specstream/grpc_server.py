@@ -1,10 +1,12 @@
 """Builds the grpc.aio servers of all three services the same way.
 
 Each server gets: the configured message-size and keepalive options, `grpc.health.v1` (NOT_SERVING
-until the service says it is ready), server reflection, `ErrorInterceptor`, the one place where
-exceptions become gRPC status codes, and, when `metrics_port` is set, the service's Prometheus
-registry on HTTP `/metrics` (from `start()` until the end of `serve_forever`). Knows nothing about
-models or requests.
+until the service says it is ready), server reflection when `reflection` is on, `ErrorInterceptor`,
+the one place where exceptions become gRPC status codes, and, when `metrics_port` is set, the
+service's Prometheus registry on HTTP `/metrics` (from `start()` until the end of `serve_forever`).
+With `security` (design §10b): TLS or mTLS on its port (specstream/tls.py), `AuthInterceptor` in
+front of every method but health (specstream/auth.py), and SIGHUP reloading the certificate, key,
+client CA and token files for new handshakes and calls. Knows nothing about models or requests.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from specstream.auth import AuthInterceptor, TokenSet
 from specstream.config import ServerConfig
 from specstream.errors import SpecstreamError
 from specstream.metrics import MetricsServer, start_metrics_server
+from specstream.rpc_handlers import rewrap
+from specstream.tls import ServerCertificates
 
 log = logging.getLogger(__name__)
 
@@ -61,18 +66,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith("/grpc."):
             return handler
-        kinds = {
-            (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler, _wrap_unary),
-            (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler, _wrap_stream),
-            (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler, _wrap_unary),
-            (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler, _wrap_stream),
-        }
-        attr, make, wrap = kinds[(handler.request_streaming, handler.response_streaming)]
-        return make(
-            wrap(getattr(handler, attr), handler_call_details.method, handler.request_streaming),
-            request_deserializer=_tolerant(handler.request_deserializer),
-            response_serializer=handler.response_serializer,
-        )
+        method, streaming = handler_call_details.method, handler.request_streaming
+        return rewrap(handler, lambda behavior: _wrap_unary(behavior, method, streaming),
+                      lambda behavior: _wrap_stream(behavior, method, streaming),
+                      request_deserializer=_tolerant(handler.request_deserializer))
 
 
 async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
@@ -124,22 +121,41 @@ def _wrap_stream(behavior: Callable[..., Any], method: str, streaming: bool):
 
 
 class ServiceServer:
-    """A grpc.aio server with health + reflection and a /metrics endpoint for `registry`;
-    `serve_forever` stops cleanly on SIGTERM/SIGINT."""
+    """A grpc.aio server with health (+ reflection) and a /metrics endpoint for `registry`, secured
+    as `config.security` says; `serve_forever` stops cleanly on SIGTERM/SIGINT. `certificates` and
+    `tokens` (None when off) are for the gateway's HTTP front to share, so one SIGHUP reloads both."""
 
     def __init__(self, config: ServerConfig, service_names: Iterable[str], registry: CollectorRegistry) -> None:
         self.config = config
         self.registry = registry
         self.metrics: MetricsServer | None = None
-        self.server = grpc.aio.server(options=config.grpc_options(), interceptors=[ErrorInterceptor()])
+        security = config.security
+        self.certificates = ServerCertificates(security) if security.tls else None
+        self.tokens = TokenSet(security.token_file) if security.token_file else None
+        interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor()]
+        if self.tokens is not None or security.allowed_peers:
+            interceptors.insert(0, AuthInterceptor(self.tokens, security.allowed_peers))  # refusals go first
+        self.server = grpc.aio.server(options=config.grpc_options(), interceptors=interceptors)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
-        reflection.enable_server_reflection([*self.service_names, reflection.SERVICE_NAME,
-                                             health.SERVICE_NAME], self.server)
-        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        if config.reflection:
+            reflection.enable_server_reflection([*self.service_names, reflection.SERVICE_NAME,
+                                                 health.SERVICE_NAME], self.server)
+        address = f"{config.host}:{config.port}"
+        self.port = self.server.add_secure_port(address, self.certificates.grpc_credentials()) \
+            if self.certificates is not None else self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"could not bind {config.host}:{config.port}")
+
+    def reload(self) -> None:
+        """SIGHUP: the certificate, key, client CA and token files again, for new handshakes and
+        calls; a file that cannot be used is logged and the previous one kept."""
+        log.info("SIGHUP: reloading security files")
+        if self.certificates is not None:
+            self.certificates.reload()
+        if self.tokens is not None:
+            self.tokens.reload()
 
     @property
     def address(self) -> str:
@@ -152,6 +168,8 @@ class ServiceServer:
 
     async def start(self) -> None:
         await self.set_serving(False)
+        if self.config.security.enabled:  # otherwise SIGHUP keeps its default (ends the process)
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload)
         await self.server.start()
         if self.config.metrics_port is not None:
             self.metrics = start_metrics_server(self.registry, self.config.host, self.config.metrics_port)

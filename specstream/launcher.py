@@ -9,8 +9,11 @@ oracle, or `proposer = "ngram"` (prompt lookup, no model) — unless `colocate_d
 target runs the draft in its own process (`specstream target --draft-model`) and none starts.
 Waits until each process answers `grpc.health.v1` with SERVING; stopping sends SIGTERM (graceful)
 and escalates to SIGKILL only after a grace period. With `metrics`, each process also serves
-Prometheus `/metrics` on a free port of its own (`Stack.metrics_addresses`). Knows nothing about
-what the services do.
+Prometheus `/metrics` on a free port of its own (`Stack.metrics_addresses`). With `security`
+(StackSecurity) every hop runs TLS: mTLS plus the internal token between the services, each
+accepting only the certificate of the service that calls it, and TLS plus the API token on the
+public API; the launcher's own health polling and `Stack.channel` present the certificate of each
+process's usual caller. Knows nothing about what the services do.
 """
 
 from __future__ import annotations
@@ -24,11 +27,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specstream.config import GAMMA_POLICIES, DraftConfig, TargetConfig
+from specstream.certs import ROLES, peer_name
+from specstream.channels import open_blocking_channel
+from specstream.config import GAMMA_POLICIES, ChannelSecurity, DraftConfig, TargetConfig
 from specstream.model_registry import resolve_model
 
 
@@ -39,11 +45,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None,
-                 should_stop: Callable[[], bool] = lambda: False) -> None:
-    """Polls grpc.health.v1 until SERVING; raises if the process dies, `should_stop()` turns
-    true (InterruptedError) or time runs out."""
+                 should_stop: Callable[[], bool] = lambda: False, security: ChannelSecurity | None = None) -> None:
+    """Polls grpc.health.v1 until SERVING (over TLS as `security` says); raises if the process
+    dies, `should_stop()` turns true (InterruptedError) or time runs out."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with open_blocking_channel(address, security=security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if proc is not None and proc.poll() is not None:
@@ -59,6 +65,65 @@ def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None =
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{address} not healthy after {timeout_s:.0f}s")
             time.sleep(0.1)
+
+
+# Who calls each service: the role whose certificate (and token) a call to it presents.
+CALLER = {"gateway": "client", "target": "gateway", "draft": "target"}
+
+
+def role_of(name: str) -> str:
+    """A process name's role: `target-1` is a target."""
+    return "target" if name.startswith("target") else name
+
+
+@dataclass
+class StackSecurity:
+    """TLS and tokens on every hop of a stack, from the files of one directory (specstream/certs.py
+    `write_stack_files` writes them): `ca.crt` signed every certificate; `<role>.crt`/`.key` for
+    gateway, target, draft and client (each naming `specstream-<role>`); `api-tokens` (the public
+    API's tokens, the first one is the client's) and `internal-token`."""
+
+    FILES: ClassVar[tuple[str, ...]] = ("ca.crt", *(f"{role}.{ext}" for role in ROLES for ext in ("crt", "key")),
+                                        "api-tokens", "internal-token")
+
+    directory: str
+    # The public API (gRPC and HTTPS) also requires a client certificate signed by ca.crt.
+    client_certs: bool = False
+
+    def __post_init__(self) -> None:
+        missing = [name for name in self.FILES if not (Path(self.directory) / name).is_file()]
+        if missing:
+            raise ValueError(f"tls_dir={self.directory!r}: must hold {', '.join(missing)} (specstream serve --tls-dir "
+                             "writes them into an empty directory)")
+        self.directory = os.path.abspath(self.directory)
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+    def server_args(self, role: str) -> list[str]:
+        """The flags that secure the server of a process of `role`, and its calls to its upstream."""
+        internal = role != "gateway"
+        args = ["--tls-cert", self.path(f"{role}.crt"), "--tls-key", self.path(f"{role}.key"),
+                "--token-file", self.path("internal-token" if internal else "api-tokens")]
+        if internal or self.client_certs:
+            args += ["--tls-client-ca", self.path("ca.crt")]
+        if internal:
+            args += ["--allowed-peers", peer_name(CALLER[role])]
+        upstream = {"gateway": "target", "target": "draft"}.get(role)
+        if upstream:
+            args += [f"--{upstream}-tls-ca", self.path("ca.crt"), f"--{upstream}-tls-cert", self.path(f"{role}.crt"),
+                     f"--{upstream}-tls-key", self.path(f"{role}.key"), f"--{upstream}-server-name",
+                     peer_name(upstream), f"--{upstream}-token-file", self.path("internal-token")]
+        return args
+
+    def calling(self, role: str) -> ChannelSecurity:
+        """How to call a process of `role` as its usual caller does: that caller's certificate and
+        token, the role's name expected in the server's certificate."""
+        caller = CALLER[role]
+        return ChannelSecurity(label=f"{role} channel", ca_file=self.path("ca.crt"),
+                               cert_file=self.path(f"{caller}.crt"), key_file=self.path(f"{caller}.key"),
+                               server_name=peer_name(role),
+                               token_file=self.path("api-tokens" if role == "gateway" else "internal-token"))
 
 
 @dataclass
@@ -92,6 +157,7 @@ class StackSpec:
     metrics: bool = False  # each process serves Prometheus /metrics on a free port (Stack.metrics_addresses)
     # Each target runs the draft (draft_model / proposer) in its own process: no draft service.
     colocate_draft: bool = False
+    security: StackSecurity | None = None  # TLS and tokens on every hop; None: plaintext, no tokens
 
     def __post_init__(self) -> None:
         # The services check their own values again; these are the ones that decide which
@@ -144,25 +210,28 @@ def command_lines(spec: StackSpec, target_model: str, addresses: dict[str, str],
     def draft_model(flag: str) -> list[str]:
         return [flag, spec.draft_model] if spec.draft_model else []
 
+    def security(role: str) -> list[str]:
+        return spec.security.server_args(role) if spec.security else []
+
     if spec.has_draft:
         if spec.synthetic:
             source = ["--synthetic-oracle", spec.synthetic[0], "--synthetic-alpha", str(spec.synthetic[1])]
         else:
             source = [*proposer, *draft_model("--model")]
         lines["draft"] = ["draft", *source, "--port", port["draft"], *common, "--threads", str(spec.draft_threads),
-                          *metrics_flag("draft")]
+                          *metrics_flag("draft"), *security("draft")]
     for name in names:
         lines[name] = ["target", "--model", target_model, "--port", port[name], *common, "--weights", spec.weights,
                        "--gamma", str(spec.gamma), "--max-gamma", str(spec.max_gamma), "--gamma-policy",
                        spec.gamma_policy, *([] if spec.calibrate else ["--no-calibrate"]),
                        "--max-slots", str(spec.max_slots), "--threads", str(spec.target_threads),
-                       *metrics_flag(name), *spec.extra_target_args,
+                       *metrics_flag(name), *security("target"), *spec.extra_target_args,
                        *(["--draft-url", addresses["draft"]] if spec.has_draft else []),
                        *([*proposer, *draft_model("--draft-model")] if spec.colocate_draft and spec.drafts else [])]
     http = ["--http-port", port["http"]] if spec.http_port is not None else []
     lines["gateway"] = ["gateway", "--target-url", ",".join(addresses[name] for name in names), "--tokenizer",
                         target_model, "--host", spec.host, "--port", port["gateway"], *http, *metrics_flag("gateway"),
-                        *tracing, *spec.extra_gateway_args]
+                        *tracing, *security("gateway"), *spec.extra_gateway_args]
     return lines
 
 
@@ -170,8 +239,11 @@ def _child_env() -> dict[str, str]:
     """The services' environment. On CPU the three processes share the cores and take turns
     (draft, then target): OpenMP threads that keep spinning after a forward steal the core the
     other process needs next. A short spin (libgomp's GOMP_SPINCOUNT) measured 10-15% faster
-    speculative steps on 2 cores with no loss for plain decoding; a value set by the user wins."""
-    env = os.environ.copy()
+    speculative steps on 2 cores with no loss for plain decoding; a value set by the user wins.
+    The services' security variables are dropped: a stack is secured by `StackSpec.security` alone."""
+    from specstream.cli import SERVICE_SECURITY_ENV
+
+    env = {name: value for name, value in os.environ.items() if name not in SERVICE_SECURITY_ENV}
     env.setdefault("GOMP_SPINCOUNT", "10000")
     return env
 
@@ -197,6 +269,26 @@ class Stack:
         """host:port of the gateway's OpenAI-compatible HTTP API (None without `http_port`)."""
         return self.addresses.get("http")
 
+    @property
+    def http_base_url(self) -> str | None:
+        """The HTTP API's base URL for OpenAI clients (https with `security`)."""
+        address = self.http_address
+        return f"{'https' if self.spec.security else 'http'}://{address}/v1" if address else None
+
+    def calling(self, name: str) -> ChannelSecurity | None:
+        """How to call process `name` as its usual caller does (None without `security`)."""
+        return self.spec.security.calling(role_of(name)) if self.spec.security else None
+
+    def channel(self, name: str) -> grpc.Channel:
+        """A blocking channel to process `name`, presenting its usual caller's credentials."""
+        return open_blocking_channel(self.addresses[name], security=self.calling(name))
+
+    def reload(self) -> None:
+        """SIGHUP to every running process: they read their certificate and token files again."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGHUP)
+
     def start(self, timeout_s: float = 120.0, should_stop: Callable[[], bool] = lambda: False) -> Stack:
         spec = self.spec
         if spec.target_replicas < 1:
@@ -215,7 +307,7 @@ class Stack:
             for name, args in command_lines(spec, target_model, self.addresses, metrics_ports).items():
                 self._spawn(name, args)
             for name, proc in self.procs.items():
-                wait_healthy(self.addresses[name], timeout_s, proc, should_stop)
+                wait_healthy(self.addresses[name], timeout_s, proc, should_stop, self.calling(name))
         except BaseException:
             self.stop()
             raise
@@ -238,7 +330,7 @@ class Stack:
         if name not in self.args:
             raise KeyError(f"no service named {name!r}; have {sorted(self.args)}")
         self._spawn(name, self.args[name])
-        wait_healthy(self.addresses[name], timeout_s, self.procs[name])
+        wait_healthy(self.addresses[name], timeout_s, self.procs[name], security=self.calling(name))
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs.values())

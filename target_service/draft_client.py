@@ -16,17 +16,20 @@ import time
 import grpc
 
 from draft_service.proposer import Proposal, ProposeItem
+from specstream.channels import open_channel
+from specstream.config import ChannelSecurity
 from specstream_pb import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 
 class DraftClient:
-    def __init__(self, url: str, timeout_s: float, retry_s: float, options: list | None = None) -> None:
+    def __init__(self, url: str, timeout_s: float, retry_s: float, options: list | None = None,
+                 security: ChannelSecurity | None = None) -> None:
         self.url = url
         self.timeout_s = timeout_s
         self.retry_s = retry_s
-        self._channel = grpc.aio.insecure_channel(url, options=options or [])
+        self._channel = open_channel(url, options, security)
         self._stub = draft_pb2_grpc.DraftStub(self._channel)
         self._call: grpc.aio.StreamStreamCall | None = None
         self._lock = asyncio.Lock()

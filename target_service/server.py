@@ -92,7 +92,7 @@ async def serve(config: TargetConfig, ready_file: str | None = None) -> None:
     draft: DraftClient | LocalDraft | None = None
     if config.draft_url:
         draft = DraftClient(config.draft_url, config.draft_timeout_s, config.draft_retry_s,
-                            options=config.server.grpc_options())
+                            options=config.server.grpc_options(), security=config.draft_security)
     elif config.colocated_draft is not None:
         proposer = await asyncio.get_running_loop().run_in_executor(compute, build_proposer, config.colocated_draft)
         draft = LocalDraft(proposer, compute)

@@ -85,3 +85,13 @@ def sampling_pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (root / "draft_subset" / "config.json").write_text(json.dumps(
         {**target_config, "num_hidden_layers": 1, "specstream": {"output_vocab": len(subset)}}))
     return {"target": root / "target", "draft": root / "draft", "draft_subset": root / "draft_subset"}
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory):
+    """Throwaway certificates (specstream/certs.py): `pki.dir` holds a stack's files from one CA
+    (ca.crt, {gateway,target,draft,client}.crt/.key, api-tokens, internal-token); `pki.other` the
+    same from another CA, whose certificates every server here must refuse."""
+    from pki import Pki
+
+    return Pki.make(tmp_path_factory.mktemp("pki"))

@@ -208,6 +208,127 @@ def test_synthetic_draft_keeps_its_own_flags() -> None:
         ("oracle.json", 0.5, None, "model")
 
 
+# --- security: serve -> every process; env -> the services' configs ---------------------------------------
+
+
+def test_serve_without_tls_secures_nothing_and_reflects_the_gateway_only() -> None:
+    lines = _serve("--target", "t", "--draft", "d")
+    assert not any(flag.startswith(("--tls", "--token-file", "--allowed", "--target-tls", "--draft-tls"))
+                   for args in lines.values() for flag in args)
+    (target,) = _target_configs(lines)
+    gateway = _gateway_config(build_parser().parse_args(lines["gateway"]))
+    draft = _draft(lines)
+    for server in (target.server, gateway.server, draft.server):
+        assert not server.security.enabled and not server.security.mtls
+    assert (gateway.server.reflection, target.server.reflection, draft.server.reflection) == (True, False, False)
+    assert not target.draft_security.tls and target.draft_security.token_file is None
+    assert not gateway.target_security.tls
+    reflecting = _target_config(build_parser().parse_args(["target", "--model", "m", "--reflection"]))
+    assert reflecting.server.reflection
+    quiet = _gateway_config(build_parser().parse_args(["gateway", "--target-url", "h:1", "--tokenizer", "t",
+                                                       "--no-reflection"]))
+    assert not quiet.server.reflection
+
+
+def test_serve_tls_dir_secures_every_hop(pki) -> None:
+    lines = _serve("--target", "t", "--draft", "d", "--replicas", "2", "--tls-dir", str(pki.dir))
+    path = pki.path
+    draft = _draft(lines).server.security
+    assert (draft.cert_file, draft.key_file, draft.client_ca_file, draft.allowed_peers, draft.token_file) == \
+        (path("draft.crt"), path("draft.key"), path("ca.crt"), ("specstream-target",), path("internal-token"))
+    for target in _target_configs(lines):
+        server = target.server.security
+        assert (server.cert_file, server.client_ca_file, server.allowed_peers, server.token_file) == \
+            (path("target.crt"), path("ca.crt"), ("specstream-gateway",), path("internal-token"))
+        upstream = target.draft_security
+        assert (upstream.ca_file, upstream.cert_file, upstream.key_file, upstream.server_name, upstream.token_file) \
+            == (path("ca.crt"), path("target.crt"), path("target.key"), "specstream-draft", path("internal-token"))
+    gateway = _gateway_config(build_parser().parse_args(lines["gateway"]))
+    server = gateway.server.security
+    assert (server.cert_file, server.client_ca_file, server.allowed_peers, server.token_file) == \
+        (path("gateway.crt"), None, (), path("api-tokens"))  # the public API: TLS and tokens
+    upstream = gateway.target_security
+    assert (upstream.ca_file, upstream.cert_file, upstream.server_name, upstream.token_file) == \
+        (path("ca.crt"), path("gateway.crt"), "specstream-target", path("internal-token"))
+    lines = _serve("--target", "t", "--no-draft", "--tls-dir", str(pki.dir), "--client-certs")
+    assert _gateway_config(build_parser().parse_args(lines["gateway"])).server.security.client_ca_file == path("ca.crt")
+
+
+def test_serve_tls_dir_is_made_when_empty_and_refused_when_incomplete(tmp_path, capsys) -> None:
+    with pytest.raises(ValueError, match="--client-certs needs --tls-dir"):
+        _stack_spec(build_parser().parse_args(["serve", "--client-certs"]))
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "ca.crt").write_text("-----BEGIN CERTIFICATE-----\n")
+    assert main(["serve", "--port", "0", "--tls-dir", str(partial)]) == 2  # before any process starts
+    err = capsys.readouterr().err
+    assert "tls_dir=" in err and "must hold gateway.crt" in err and "internal-token" in err
+    assert not (partial / "gateway.crt").exists()  # a directory with files of its own is never written to
+    from specstream.cli import _ensure_tls_dir
+    from specstream.launcher import StackSecurity
+
+    made = tmp_path / "new"
+    assert _ensure_tls_dir(str(made)) and not _ensure_tls_dir(str(made))
+    security = StackSecurity(str(made))
+    assert all((made / name).is_file() for name in StackSecurity.FILES)
+    assert (made / "client.key").stat().st_mode & 0o077 == 0  # keys and tokens are private
+    assert (made / "api-tokens").stat().st_mode & 0o077 == 0
+    assert security.calling("draft").server_name == "specstream-draft"
+
+
+def test_services_read_their_security_settings_from_the_environment(pki, monkeypatch) -> None:
+    env = {"SPECSTREAM_TLS_CERT": pki.path("target.crt"), "SPECSTREAM_TLS_KEY": pki.path("target.key"),
+           "SPECSTREAM_TLS_CLIENT_CA": pki.path("ca.crt"), "SPECSTREAM_ALLOWED_PEERS": "specstream-gateway, admin",
+           "SPECSTREAM_TOKEN_FILE": pki.path("internal-token"), "SPECSTREAM_DRAFT_TLS_CA": pki.path("ca.crt"),
+           "SPECSTREAM_DRAFT_TLS_CERT": pki.path("target.crt"), "SPECSTREAM_DRAFT_TLS_KEY": pki.path("target.key"),
+           "SPECSTREAM_DRAFT_SERVER_NAME": "specstream-draft",
+           "SPECSTREAM_DRAFT_TOKEN_FILE": pki.path("internal-token")}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = _target_config(build_parser().parse_args(["target", "--model", "m", "--draft-url", "d:1"]))
+    security = config.server.security
+    assert (security.cert_file, security.key_file, security.client_ca_file, security.allowed_peers,
+            security.token_file) == (pki.path("target.crt"), pki.path("target.key"), pki.path("ca.crt"),
+                                     ("specstream-gateway", "admin"), pki.path("internal-token"))
+    assert config.draft_security.server_name == "specstream-draft" and config.draft_security.tls
+    # A flag wins over the environment.
+    config = _target_config(build_parser().parse_args(["target", "--model", "m", "--allowed-peers", "x"]))
+    assert config.server.security.allowed_peers == ("x",)
+    monkeypatch.setenv("SPECSTREAM_TLS_KEY", "")  # empty is unset: the certificate alone is refused
+    with pytest.raises(ValueError, match="key_file=None"):
+        _target_config(build_parser().parse_args(["target", "--model", "m"]))
+
+
+def test_serve_children_take_security_from_their_flags_only(monkeypatch) -> None:
+    # Every variable the services' security flags read is one the launcher keeps from its children.
+    from specstream.cli import SERVICE_SECURITY_ENV
+    from specstream.launcher import _child_env
+
+    subcommands = build_parser()._subparsers._group_actions[0].choices
+    read = set()
+    for command in ("gateway", "target", "draft"):
+        for group in subcommands[command]._action_groups:
+            if group.title.startswith("security"):
+                read |= {m for action in group._group_actions for m in re.findall(r"env (SPECSTREAM_\w+)",
+                                                                                    action.help or "")}
+    assert read == set(SERVICE_SECURITY_ENV)
+    for name in SERVICE_SECURITY_ENV:
+        monkeypatch.setenv(name, "/from/the/shell")
+    monkeypatch.setenv("SPECSTREAM_LOG_LEVEL", "DEBUG")
+    env = _child_env()
+    assert not set(SERVICE_SECURITY_ENV) & set(env) and env["SPECSTREAM_LOG_LEVEL"] == "DEBUG"
+
+
+def test_a_service_refuses_incomplete_security_settings_before_loading_anything(pki, capsys) -> None:
+    assert main(["draft", "--proposer", "ngram", "--tls-cert", pki.path("draft.crt")]) == 2
+    assert "key_file=None: must be given together" in capsys.readouterr().err
+    assert main(["gateway", "--target-url", "h:1", "--tokenizer", "t", "--target-tls-cert",
+                 pki.path("gateway.crt"), "--target-tls-key", pki.path("gateway.key")]) == 2
+    assert "target_security.cert_file=" in capsys.readouterr().err
+    assert main(["target", "--model", "m", "--token-file", "/no/such/tokens"]) == 2
+    assert "token_file='/no/such/tokens': must be None or a readable file" in capsys.readouterr().err
+
+
 # --- generate / chat --max-gamma -> the request -----------------------------------------------------------
 
 

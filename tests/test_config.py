@@ -26,3 +26,35 @@ def test_defaults_are_valid():
     TargetConfig(ModelSpec("m"))
     DraftConfig(ModelSpec("m"))
     GatewayConfig("t:1", "m")
+
+
+def test_security_settings_are_checked_naming_the_field(tmp_path):
+    from specstream.config import ChannelSecurity, ServerSecurity
+
+    pem = tmp_path / "x.pem"
+    pem.write_text("-----BEGIN CERTIFICATE-----\n")
+    f = str(pem)
+    cases = [
+        (lambda: ServerSecurity(cert_file=f), r"key_file=None: must be given together"),
+        (lambda: ServerSecurity(key_file=f), r"cert_file=None: must be given together"),
+        (lambda: ServerSecurity(client_ca_file=f), r"client_ca_file=.*x.pem': must be given with cert_file"),
+        (lambda: ServerSecurity(cert_file=f, key_file=f, allowed_peers=("a",)), r"allowed_peers=\('a',\)"),
+        (lambda: ServerSecurity(cert_file=f, key_file=f, client_ca_file=f, allowed_peers=("a b",)),
+         r"allowed_peers=\('a b',\): must be names without spaces"),
+        (lambda: ServerSecurity(token_file=str(tmp_path / "nope")), r"token_file=.*nope': must be None or a readable"),
+        (lambda: ChannelSecurity("draft_security", cert_file=f, key_file=f),
+         r"draft_security.cert_file=.*: must be given with ca_file"),
+        (lambda: ChannelSecurity("target_security", ca_file=f, key_file=f), r"target_security.cert_file=None"),
+        (lambda: ChannelSecurity("target_security", server_name="t"), r"target_security.server_name='t'"),
+        (lambda: ChannelSecurity("draft_security", ca_file=str(tmp_path)), r"draft_security.ca_file=.*must be None"),
+        (lambda: GatewayConfig("t:1", "m", http_port=8080, server=ServerConfig(security=ServerSecurity(
+            cert_file=f, key_file=f, client_ca_file=f, allowed_peers=("p",)))), r"allowed_peers=\('p',\): must be "
+         "empty with http_port"),
+    ]
+    for make, match in cases:
+        with pytest.raises(ValueError, match=match):
+            make()
+    # All off by default; complete settings pass.
+    assert not ServerSecurity().enabled and not ChannelSecurity().tls
+    assert ServerSecurity(cert_file=f, key_file=f, client_ca_file=f, allowed_peers=("p",), token_file=f).mtls
+    assert ChannelSecurity(ca_file=f, cert_file=f, key_file=f, server_name="n", token_file=f).tls

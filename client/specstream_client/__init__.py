@@ -2,7 +2,9 @@
 
 Contract: ``Client`` (blocking) and ``AsyncClient`` (asyncio) talk to the gateway's
 ``specstream.v1.Generation`` gRPC service and return plain dataclasses (``GenerateResult``,
-``StreamChunk``, ``ModelInfo``); failed RPCs raise ``SpecstreamError`` subclasses. Every
+``StreamChunk``, ``ModelInfo``); failed RPCs raise ``SpecstreamError`` subclasses. TLS, client
+certificates and bearer tokens are keywords of both clients (``tls_ca``, ``tls_cert``, ``tls_key``,
+``server_name``, ``token``). Every
 generate/chat call takes the options that ``GenerateOptions`` defines, as keywords or as one
 object. Depends on grpcio and protobuf only -- importing it never imports torch or the server
 packages.
@@ -20,7 +22,9 @@ from .errors import (
     DeadlineExceeded,
     InvalidArgument,
     Overloaded,
+    PermissionDenied,
     SpecstreamError,
+    Unauthenticated,
     Unavailable,
 )
 from .options import GenerateOptions, GenerateOptionsDict
@@ -50,12 +54,14 @@ __all__ = [
     "Logprob",
     "ModelInfo",
     "Overloaded",
+    "PermissionDenied",
     "ResponseStream",
     "SpecstreamError",
     "SpeculationStats",
     "StreamChunk",
     "Timings",
     "TokenLogprob",
+    "Unauthenticated",
     "Unavailable",
     "Usage",
 ]

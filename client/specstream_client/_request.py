@@ -27,23 +27,22 @@ if TYPE_CHECKING:
 __all__ = ["build_chat_request", "build_generate_request", "parse_target", "resolve_timeout"]
 
 
-def parse_target(url: str) -> tuple[str, bool]:
-    """``"host:port"``, ``"grpc://host:port"`` or ``"grpcs://host:port"`` -> (target, use_tls)."""
+def parse_target(url: str) -> tuple[str, str]:
+    """``"host:port"``, ``"grpc://host:port"`` or ``"grpcs://host:port"`` -> (target, scheme), the
+    scheme being ``""`` for a bare ``host:port``."""
     if not isinstance(url, str) or not url.strip():
         raise ValueError(f"url must be 'host:port' or 'grpc://host:port', got {url!r}")
     url = url.strip()
-    tls = False
+    scheme = ""
     if "://" in url:
         scheme, _, rest = url.partition("://")
         scheme = scheme.lower()
-        if scheme == "grpcs":
-            tls = True
-        elif scheme != "grpc":
+        if scheme not in ("grpc", "grpcs"):
             raise ValueError(f"url scheme must be grpc:// or grpcs://, got {url!r}")
         url = rest.rstrip("/")
     if not url or "/" in url:
         raise ValueError(f"url must be 'host:port' or 'grpc://host:port', got {url!r}")
-    return url, tls
+    return url, scheme
 
 
 def resolve_timeout(timeout: float | None, default: float | None) -> float | None:

@@ -20,6 +20,7 @@ import grpc.aio
 
 from specstream_pb import generation_pb2, generation_pb2_grpc
 
+from ._credentials import Credentials, PemSource
 from ._request import build_chat_request, build_generate_request, parse_target, resolve_timeout
 from .errors import from_rpc_error
 from .options import GenerateOptions
@@ -61,7 +62,7 @@ class AsyncResponseStream(AsyncIterator[StreamChunk]):
         try:
             if self._iter is None:
                 stub = self._client._get_stub()
-                self._call = stub.GenerateStream(self._request, timeout=self._timeout)
+                self._call = stub.GenerateStream(self._request, timeout=self._timeout, metadata=self._client._metadata)
                 self._iter = self._call.__aiter__()
             msg = await self._iter.__anext__()
         except StopAsyncIteration:
@@ -99,7 +100,7 @@ class AsyncResponseStream(AsyncIterator[StreamChunk]):
 
 
 class AsyncClient:
-    """asyncio counterpart of ``Client``; same arguments."""
+    """asyncio counterpart of ``Client``; same arguments (security ones included, checked here)."""
 
     def __init__(
         self,
@@ -107,12 +108,19 @@ class AsyncClient:
         *,
         timeout: float | None = None,
         options: Sequence[tuple[str, Any]] = (),
+        tls_ca: PemSource | None = None,
+        tls_cert: PemSource | None = None,
+        tls_key: PemSource | None = None,
+        server_name: str | None = None,
+        token: str | None = None,
     ) -> None:
-        target, tls = parse_target(url)
+        target, scheme = parse_target(url)
         self.timeout: float | None = resolve_timeout(None, timeout)
         self.target: str = target
-        self._tls = tls
-        self._options = list(options)
+        self._credentials = Credentials.from_options(scheme, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+                                                     server_name=server_name, token=token)
+        self._metadata = self._credentials.metadata
+        self._options = [*options, *self._credentials.channel_options()]
         self._channel: grpc.aio.Channel | None = None
         self._stub: generation_pb2_grpc.GenerationStub | None = None
         self._closed = False
@@ -122,10 +130,9 @@ class AsyncClient:
             raise RuntimeError("AsyncClient is closed")
         if self._stub is None:
             # Created lazily: grpc.aio binds a channel to the event loop running at creation.
-            if self._tls:
-                self._channel = grpc.aio.secure_channel(
-                    self.target, grpc.ssl_channel_credentials(), options=self._options
-                )
+            channel_credentials = self._credentials.channel_credentials()
+            if channel_credentials is not None:
+                self._channel = grpc.aio.secure_channel(self.target, channel_credentials, options=self._options)
             else:
                 self._channel = grpc.aio.insecure_channel(self.target, options=self._options)
             self._stub = generation_pb2_grpc.GenerationStub(self._channel)
@@ -143,7 +150,7 @@ class AsyncClient:
         request = build_generate_request(prompt, options, **overrides)
         deadline = resolve_timeout(timeout, self.timeout)
         try:
-            response = await self._get_stub().Generate(request, timeout=deadline)
+            response = await self._get_stub().Generate(request, timeout=deadline, metadata=self._metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from err
         return GenerateResult.from_pb(response)
@@ -172,7 +179,7 @@ class AsyncClient:
         request = build_chat_request(messages, options, **overrides)
         deadline = resolve_timeout(timeout, self.timeout)
         try:
-            response = await self._get_stub().Generate(request, timeout=deadline)
+            response = await self._get_stub().Generate(request, timeout=deadline, metadata=self._metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from err
         return GenerateResult.from_pb(response)
@@ -193,7 +200,7 @@ class AsyncClient:
         deadline = resolve_timeout(timeout, self.timeout)
         try:
             response = await self._get_stub().GetModelInfo(
-                generation_pb2.GetModelInfoRequest(), timeout=deadline
+                generation_pb2.GetModelInfoRequest(), timeout=deadline, metadata=self._metadata
             )
         except grpc.RpcError as err:
             raise from_rpc_error(err) from err

@@ -19,6 +19,7 @@ import grpc
 
 from specstream_pb import generation_pb2, generation_pb2_grpc
 
+from ._credentials import Credentials, PemSource
 from ._request import build_chat_request, build_generate_request, parse_target, resolve_timeout
 from .errors import from_rpc_error
 from .options import GenerateOptions
@@ -41,10 +42,12 @@ class ResponseStream(Iterator[StreamChunk]):
         stub: generation_pb2_grpc.GenerationStub,
         request: generation_pb2.GenerateRequest,
         timeout: float | None,
+        metadata: tuple[tuple[str, str], ...] | None = None,
     ) -> None:
         self._stub = stub
         self._request = request
         self._timeout = timeout
+        self._metadata = metadata
         self._call: Any = None  # grpc's stream call object: iterator + grpc.Call
         self._done = False
 
@@ -55,7 +58,7 @@ class ResponseStream(Iterator[StreamChunk]):
         if self._done:
             raise StopIteration
         if self._call is None:
-            self._call = self._stub.GenerateStream(self._request, timeout=self._timeout)
+            self._call = self._stub.GenerateStream(self._request, timeout=self._timeout, metadata=self._metadata)
         try:
             msg = next(self._call)
         except StopIteration:
@@ -95,8 +98,15 @@ class ResponseStream(Iterator[StreamChunk]):
 
 class Client:
     """Blocking client. ``url`` is ``"host:port"`` or ``"grpc://host:port"`` (``"grpcs://"`` uses
-    TLS with the system roots). ``timeout`` is the default per-call deadline in seconds (None: no
-    deadline); ``options`` are passed to the gRPC channel."""
+    TLS). ``timeout`` is the default per-call deadline in seconds (None: no deadline); ``options``
+    are passed to the gRPC channel.
+
+    Security (all off by default; checked, and files read, here -- see ``_credentials.py``):
+    ``tls_ca`` (the CA bundle the server's certificate must chain to; TLS on, else the system's
+    CAs with ``grpcs://``), ``tls_cert`` + ``tls_key`` (a client certificate, for servers that
+    require one), ``server_name`` (the name to expect in the server's certificate, when not the
+    url's host) -- each a file path or PEM bytes -- and ``token`` (sent with every call as
+    ``authorization: Bearer <token>``)."""
 
     def __init__(
         self,
@@ -104,13 +114,22 @@ class Client:
         *,
         timeout: float | None = None,
         options: Sequence[tuple[str, Any]] = (),
+        tls_ca: PemSource | None = None,
+        tls_cert: PemSource | None = None,
+        tls_key: PemSource | None = None,
+        server_name: str | None = None,
+        token: str | None = None,
     ) -> None:
-        target, tls = parse_target(url)
+        target, scheme = parse_target(url)
         self.timeout: float | None = resolve_timeout(None, timeout)
         self.target: str = target
-        opts = list(options)
-        if tls:
-            self._channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(), options=opts)
+        credentials = Credentials.from_options(scheme, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+                                               server_name=server_name, token=token)
+        self._metadata = credentials.metadata
+        opts = [*options, *credentials.channel_options()]
+        channel_credentials = credentials.channel_credentials()
+        if channel_credentials is not None:
+            self._channel = grpc.secure_channel(target, channel_credentials, options=opts)
         else:
             self._channel = grpc.insecure_channel(target, options=opts)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
@@ -133,7 +152,8 @@ class Client:
         """
         request = build_generate_request(prompt, options, **overrides)
         try:
-            response = self._stub.Generate(request, timeout=resolve_timeout(timeout, self.timeout))
+            response = self._stub.Generate(request, timeout=resolve_timeout(timeout, self.timeout),
+                                           metadata=self._metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from err
         return GenerateResult.from_pb(response)
@@ -150,7 +170,7 @@ class Client:
         tokens, when asked for); the last one carries finish_reason, usage, stats, timings and
         seed. Arguments are checked now; the RPC starts on first iteration."""
         request = build_generate_request(prompt, options, **overrides)
-        return ResponseStream(self._stub, request, resolve_timeout(timeout, self.timeout))
+        return ResponseStream(self._stub, request, resolve_timeout(timeout, self.timeout), self._metadata)
 
     def chat(
         self,
@@ -166,7 +186,8 @@ class Client:
         ``timeout`` as in ``generate``. A model without a chat template answers InvalidArgument."""
         request = build_chat_request(messages, options, **overrides)
         try:
-            response = self._stub.Generate(request, timeout=resolve_timeout(timeout, self.timeout))
+            response = self._stub.Generate(request, timeout=resolve_timeout(timeout, self.timeout),
+                                           metadata=self._metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from err
         return GenerateResult.from_pb(response)
@@ -181,12 +202,13 @@ class Client:
     ) -> ResponseStream:
         """``chat`` as a stream of ``StreamChunk`` deltas (see ``generate_stream``)."""
         request = build_chat_request(messages, options, **overrides)
-        return ResponseStream(self._stub, request, resolve_timeout(timeout, self.timeout))
+        return ResponseStream(self._stub, request, resolve_timeout(timeout, self.timeout), self._metadata)
 
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         try:
             response = self._stub.GetModelInfo(
-                generation_pb2.GetModelInfoRequest(), timeout=resolve_timeout(timeout, self.timeout)
+                generation_pb2.GetModelInfoRequest(), timeout=resolve_timeout(timeout, self.timeout),
+                metadata=self._metadata,
             )
         except grpc.RpcError as err:
             raise from_rpc_error(err) from err

@@ -18,7 +18,9 @@ __all__ = [
     "DeadlineExceeded",
     "InvalidArgument",
     "Overloaded",
+    "PermissionDenied",
     "SpecstreamError",
+    "Unauthenticated",
     "Unavailable",
     "from_rpc_error",
 ]
@@ -59,12 +61,22 @@ class Cancelled(SpecstreamError):
     """CANCELLED: the call was cancelled (by this client or by the server)."""
 
 
+class Unauthenticated(SpecstreamError):
+    """UNAUTHENTICATED: the server wants a bearer token (``Client(token=...)``) and got none."""
+
+
+class PermissionDenied(SpecstreamError):
+    """PERMISSION_DENIED: the server refused the token (or the client certificate's name)."""
+
+
 _BY_CODE: dict[grpc.StatusCode, type[SpecstreamError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.CANCELLED: Cancelled,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 

@@ -8,6 +8,12 @@ overload, no replica, a target's refusal) still gets its HTTP status; after that
 as a `data: {"error": ...}` event. A client that goes away cancels its request on the target at
 once, streamed or not.
 
+With tokens (the gateway's --token-file), every request must send `Authorization: Bearer <token>`
+(the `api_key` of OpenAI's clients): none is 401, a wrong one 403, checked before the body is read.
+Only `/health` stays open, for probes, and `/metrics`, as on the services' own metrics ports
+(operational counters, no request content): keep it from the public, or leave metrics off. Denying
+by default also covers FastAPI's own `/docs` and `/openapi.json`.
+
 Every request is a server span (`POST /v1/chat/completions`), a child of the caller's W3C
 `traceparent` header when it has a valid one; the gateway's `gen_ai.generate` span and the
 target's spans hang under it, as they do under a gRPC caller's traceparent.
@@ -33,7 +39,8 @@ from gateway.http.errors import ApiError, from_exception, from_validation, model
 from gateway.http.schema import ChatCompletionRequest, CompletionRequest
 from gateway.service import Gateway
 from specstream import telemetry
-from specstream.errors import UnavailableError
+from specstream.auth import TokenSet
+from specstream.errors import PermissionDeniedError, UnauthenticatedError, UnavailableError
 from specstream_pb import generation_pb2
 
 T = TypeVar("T")
@@ -133,15 +140,39 @@ class BodyLimit:
         await JSONResponse(error.body(), status_code=413, headers={"Connection": "close"})(scope, receive, send)
 
 
+class BearerAuth:
+    """ASGI middleware: every request but those for OPEN paths needs a bearer token `tokens`
+    accepts; refusals are OpenAI errors (401 without one, 403 with a wrong one; statuses from
+    errors.py)."""
+
+    OPEN = frozenset({"/health", "/metrics"})
+
+    def __init__(self, app, tokens: TokenSet) -> None:
+        self.app = app
+        self.tokens = tokens
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope.get("path", "") not in self.OPEN:
+            header = dict(scope.get("headers") or []).get(b"authorization")
+            try:
+                self.tokens.check(header.decode("latin-1") if header is not None else None)
+            except (UnauthenticatedError, PermissionDeniedError) as exc:
+                error = from_exception(exc)
+                return await JSONResponse(error.body(), status_code=error.status, headers=error.headers)(
+                    scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 def _json_event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 def build_app(gateway: Gateway, registry: CollectorRegistry | None = None,
-              ready: Callable[[], bool] | None = None, max_body_bytes: int = 64 * 1024 * 1024) -> FastAPI:
+              ready: Callable[[], bool] | None = None, max_body_bytes: int = 64 * 1024 * 1024,
+              tokens: TokenSet | None = None) -> FastAPI:
     """The app. `registry`: served on /metrics when given. `ready`: False while the gateway is
     shutting down (health then reads 503 whatever the replicas say). `max_body_bytes`: larger
-    request bodies get 413."""
+    request bodies get 413. `tokens`: every path but /health and /metrics needs one (BearerAuth)."""
     # FastAPI releases with their own OpenTelemetry spans would trace each request twice: ours
     # (below) is the one that joins the gateway's and the target's spans, in every release.
     native = {"telemetry": {"tracing": False, "metrics": False, "logs": False}} \
@@ -149,6 +180,8 @@ def build_app(gateway: Gateway, registry: CollectorRegistry | None = None,
     app = FastAPI(title="specstream", summary="OpenAI-compatible API of a speculative-decoding server",
                   version="0.1.0", **native)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
+    if tokens is not None:
+        app.add_middleware(BearerAuth, tokens=tokens)  # added last, so it runs first: before the body is read
     tracer = telemetry.tracer("specstream.gateway.http")
     is_ready = ready or (lambda: True)
 

@@ -3,8 +3,9 @@ status OpenAI uses, chosen here and only here for every route and for errors ins
 
 The status follows the gRPC code the same exception travels as on the gRPC front
 (specstream/errors.py), so both fronts classify a failure alike: INVALID_ARGUMENT -> 400 (with
-`param` the OpenAI parameter), NOT_FOUND -> 404, RESOURCE_EXHAUSTED -> 429 and UNAVAILABLE -> 503
-(both with `Retry-After`), anything unexpected -> 500.
+`param` the OpenAI parameter), UNAUTHENTICATED -> 401 (with `WWW-Authenticate: Bearer`, RFC 6750),
+PERMISSION_DENIED -> 403, NOT_FOUND -> 404, RESOURCE_EXHAUSTED -> 429 and UNAVAILABLE -> 503 (both
+with `Retry-After`), anything unexpected -> 500.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def from_exception(exc: BaseException, param_of=lambda field: field) -> ApiError
         return bad_request(f"{param}={shown}: {exc.reason}", param)
     if isinstance(exc, SpecstreamError):
         status, kind, code = _BY_CODE.get(exc.code, _INTERNAL)
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else {}
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else \
+            {"WWW-Authenticate": "Bearer"} if status == 401 else {}
         return ApiError(status, str(exc), kind, None, code, headers)
     log.exception("unexpected error in the HTTP front", exc_info=exc)
     status, kind, code = _INTERNAL

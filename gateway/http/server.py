@@ -1,4 +1,6 @@
-"""uvicorn, embedded in the gateway's running event loop (uvloop), serving the HTTP app.
+"""uvicorn, embedded in the gateway's running event loop (uvloop), serving the HTTP app; over
+HTTPS when given the gateway's `ServerCertificates` (the same certificate, client CA and SIGHUP
+reloads as its gRPC port: specstream/tls.py).
 
 The socket is bound here, before uvicorn starts, so port 0 gets a free port that `port` reports
 at once. uvicorn's own signal handling is turned off: the gateway's `serve_forever` owns SIGTERM
@@ -16,6 +18,8 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from specstream.tls import ServerCertificates
+
 log = logging.getLogger(__name__)
 
 
@@ -26,14 +30,17 @@ class _Embedded(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app, host: str, port: int, grace_s: float) -> None:
+    def __init__(self, app, host: str, port: int, grace_s: float,
+                 certificates: ServerCertificates | None = None) -> None:
         self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                          reuse_port=False)
         self.sock.setblocking(False)
         self.host = host
         self.port: int = self.sock.getsockname()[1]
+        tls = {"ssl_context_factory": lambda config, default: certificates.ssl_context()} if certificates else {}
         config = uvicorn.Config(app, loop="none", lifespan="off", log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=grace_s, timeout_keep_alive=30)
+                                timeout_graceful_shutdown=grace_s, timeout_keep_alive=30, **tls)
+        self.scheme = "https" if certificates else "http"
         self.server = _Embedded(config)
         self.task: asyncio.Task | None = None
 
@@ -48,7 +55,7 @@ class HttpServer:
                 self.task.result()  # raises why it could not start
                 raise RuntimeError(f"HTTP server on {self.address} stopped during startup")
             await asyncio.sleep(0.01)
-        log.info("OpenAI-compatible HTTP API on http://%s/v1", self.address)
+        log.info("OpenAI-compatible HTTP API on %s://%s/v1", self.scheme, self.address)
 
     async def stop(self) -> None:
         if self.task is None:

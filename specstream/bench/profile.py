@@ -79,8 +79,6 @@ def local_propose_ms(models: BenchModels, gamma: int = 4, rounds: int = 40) -> f
 def rpc_round_trip(models: BenchModels, in_process: float, gamma: int = 4, rounds: int = 40) -> dict[str, float]:
     """ms of a propose round trip to a real draft process (one sequence, γ proposals), beside
     ``in_process``, the ms of the same proposals computed in this process."""
-    import grpc
-
     from specstream.launcher import Stack, StackSpec
     from specstream_pb import draft_pb2, draft_pb2_grpc
 
@@ -88,7 +86,7 @@ def rpc_round_trip(models: BenchModels, in_process: float, gamma: int = 4, round
     with tempfile.TemporaryDirectory() as logs, \
             Stack(StackSpec(str(models.target), str(models.require_draft()), dtype=models.dtype,
                             weights=models.weights, log_dir=logs)) as stack:
-        with grpc.insecure_channel(stack.addresses["draft"]) as channel:
+        with stack.channel("draft") as channel:
             stub = draft_pb2_grpc.DraftStub(channel)
             q: queue.Queue = queue.Queue()
             responses = stub.Speculate(iter(q.get, None))

@@ -155,12 +155,11 @@ async def _closed_loop(front: str, address: str, requests: list[tuple[list[int],
     return results, wall, outputs
 
 
-def _batch_counters(address: str):
-    import grpc
-
+def _batch_counters(stack):
+    """The target's batch counters (its `Load.batch`), asked as the gateway would (the stack's credentials)."""
     from specstream_pb import target_pb2, target_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with stack.channel("target") as channel:
         return target_pb2_grpc.TargetStub(channel).GetInfo(target_pb2.TargetInfoRequest(), timeout=30).load.batch
 
 
@@ -284,9 +283,9 @@ def measure(models: BenchModels, setting: Setting, requests: list[tuple[list[int
             asyncio.run(_closed_loop(front, addresses[front], requests[:clients], clients))
         passes = []
         for front in schedule(fronts, repeats):
-            before = _batch_counters(stack.addresses["target"])
+            before = _batch_counters(stack)
             results, wall, outputs = asyncio.run(_closed_loop(front, addresses[front], requests, clients))
-            passes.append(Pass(front, results, wall, _delta(before, _batch_counters(stack.addresses["target"])),
+            passes.append(Pass(front, results, wall, _delta(before, _batch_counters(stack)),
                                outputs))
     check_fronts_agree(setting.name, requests, passes)
     out = {front: summarize(setting, clients, [p for p in passes if p.front == front]) for front in fronts}

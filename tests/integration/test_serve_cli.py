@@ -1,4 +1,5 @@
-"""`specstream serve` as a user runs it: three processes, health, reflection, Ctrl-C stops all."""
+"""`specstream serve` as a user runs it: three processes, health, reflection (the gateway's only),
+Ctrl-C stops all."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import subprocess
 import sys
 
 import grpc
+import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specstream_client import Client
@@ -24,7 +26,7 @@ def _services(address: str) -> set[str]:
 
 def test_serve_with_default_models_then_sigint(tmp_path):
     """No model flags: SmolLM2 with its shipped draft (converted into a fresh model cache); health,
-    reflection, lossless output, clean Ctrl-C."""
+    reflection on the gateway and off on target and draft, lossless output, clean Ctrl-C."""
     env = {**os.environ, "SPECSTREAM_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "specstream.cli", "serve", "--port", "0", "--max-seq-len", "512",
                              "--log-dir", str(tmp_path / "logs")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -42,9 +44,11 @@ def test_serve_with_default_models_then_sigint(tmp_path):
         address = match.group(1)
         addresses = dict(re.findall(r"(target|draft) (\d+\.\d+\.\d+\.\d+:\d+)", proc.stdout.readline()))
         assert "specstream.v1.Generation" in _services(address)
-        assert "specstream.v1.Target" in _services(addresses["target"])
-        assert "specstream.v1.Draft" in _services(addresses["draft"])
         assert "grpc.health.v1.Health" in _services(address)
+        for name in ("target", "draft"):  # internal services: reflection only with --reflection
+            with pytest.raises(grpc.RpcError) as off:
+                _services(addresses[name])
+            assert off.value.code() == grpc.StatusCode.UNIMPLEMENTED
         with Client(address, timeout=60) as client:
             info = client.model_info()
             # The pair's default proposer: prompt lookup in front of its draft.
