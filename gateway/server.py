@@ -61,14 +61,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             draft_sequences=sum(load.draft_sequences for load in live),
             draft_connected=bool(live) and all(load.draft_connected for load in live),
             gateway_in_flight=gateway.in_flight, gateway_queued=gateway.router.queued,
-            replicas=[_replica_pb(r) for r in replicas],
+            replicas=[_replica_pb(i, r, gateway.config.expose_replica_addresses) for i, r in enumerate(replicas)],
             has_chat_template=gateway.tokenizer.chat_template is not None)
 
 
-def _replica_pb(replica: TargetClient) -> generation_pb2.ReplicaInfo:
+def _replica_pb(index: int, replica: TargetClient, expose: bool) -> generation_pb2.ReplicaInfo:
+    """One replica's state for the public GetModelInfo; its internal address only when `expose`
+    (an operator's choice), else its position: callers need no map of the internal network."""
     load = replica.load
     return generation_pb2.ReplicaInfo(
-        address=replica.url, connected=replica.connected, serving=replica.serving, running=load.running,
+        address=replica.url if expose else f"replica-{index}", connected=replica.connected, serving=replica.serving, running=load.running,
         queued=load.queued, free_slots=load.free_slots, max_slots=load.max_slots, routed=replica.routed,
         requeued=replica.requeued, batch=load.batch, resumed=replica.resumed, stalls=replica.stalls,
         draining=replica.draining)

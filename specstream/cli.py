@@ -293,6 +293,7 @@ def _gateway_config(args: argparse.Namespace):
                          max_in_flight=args.max_in_flight, max_queue=args.max_queue,
                          replica_backlog=args.replica_backlog, max_messages=args.max_messages,
                          max_prompt_chars=args.max_prompt_chars, tokenize_threads=args.tokenize_threads,
+                         expose_replica_addresses=args.expose_replica_addresses,
                          http_port=args.http_port, target_keepalive_time_s=args.target_keepalive_time,
                          target_keepalive_timeout_s=args.target_keepalive_timeout,
                          stall=StallConfig(floor_s=args.target_stall_floor, ceiling_s=args.target_stall_timeout),
@@ -922,6 +923,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-chars", type=int, default=0,
                    help="characters a text prompt (or a chat's contents) may have, checked before tokenizing "
                         "(default 0: the context length x the longest token's characters: nothing that could fit)")
+    p.add_argument("--expose-replica-addresses", action="store_true",
+                   help="GetModelInfo lists each target replica's ip:port (default: replica-<n>; the API is public)")
     p.add_argument("--tokenize-threads", type=int, default=2,
                    help="threads that validate and tokenize requests off the event loop")
     p.add_argument("--replica-backlog", type=int, default=None,

@@ -343,6 +343,8 @@ class GatewayConfig:
     # 0: the target's context length × the most characters one token can stand for, so no prompt
     # refused here could have fit (a longer one cannot encode to few enough tokens).
     max_prompt_chars: int = 0
+    # GetModelInfo (public) lists each replica's ip:port; False: "replica-<n>" (its position).
+    expose_replica_addresses: bool = False
     # Threads that validate and tokenize requests, off the event loop: a long prompt delays only
     # requests waiting for these threads, never other requests' streams.
     tokenize_threads: int = 2

@@ -81,7 +81,7 @@ def replica_pair(stack_factory, model_zoo):
     """Two targets of one slot each (a backlog of one more), one shared draft, one gateway; a target
     stopped with SIGTERM gets 2 s for its running requests."""
     return stack_factory(model_zoo["target"], model_zoo["partial"], max_slots=1, target_replicas=2,
-                         extra_target_args=["--grace", "2"])
+                         extra_target_args=["--grace", "2"], extra_gateway_args=["--expose-replica-addresses"])
 
 
 def test_two_replicas_share_the_traffic_exactly(replica_pair):

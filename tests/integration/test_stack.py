@@ -157,6 +157,10 @@ def test_cancel_mid_stream_frees_target_slot_and_draft_state(partial_stack):
     with Client(partial_stack.gateway_address, timeout=60) as client:
         idle = _wait_idle(client)
         assert idle.running_sequences == 0 and idle.draft_sequences == 0
+        # the public API names replicas by position, not by their internal address
+        with grpc.insecure_channel(partial_stack.gateway_address) as channel:
+            info = generation_pb2_grpc.GenerationStub(channel).GetModelInfo(generation_pb2.GetModelInfoRequest())
+        assert [r.address for r in info.replicas] == ["replica-0"] and info.replicas[0].connected
         stream = client.generate_stream("def main():", max_new_tokens=400, speculation=4, ignore_eos=True)
         next(iter(stream))
         next(iter(stream))
