@@ -624,3 +624,81 @@ def test_only_the_cuda_image_installs_triton() -> None:
 
     assert '".[kernels]"' in installs("Dockerfile.cuda")
     assert "kernels" not in installs("Dockerfile.cpu") and "triton" not in installs("Dockerfile.cpu")
+
+
+def _pod_labels(docs: list[dict], component: str) -> dict[str, str] | None:
+    found = [d["spec"]["template"]["metadata"]["labels"] for d in _by_kind(docs, "Deployment").values()
+             if d["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component") == component]
+    return found[0] if found else None
+
+
+def _ports_of(pod: dict) -> dict[int, str]:
+    """Container port number -> its name, over the pod's running containers."""
+    return {p["containerPort"]: p.get("name", "") for c in _running_containers(pod) for p in c.get("ports", [])}
+
+
+def _admits(docs: list[dict], namespace: str, source: tuple[str, dict[str, str]], component: str, port: int) -> bool:
+    """Whether the rendered NetworkPolicies let a pod (`source`: its namespace and labels) open a
+    connection to `port` of the `component` pods: NetworkPolicy semantics, for the selector forms
+    these manifests use (matchLabels pod selectors, an empty namespace selector, named ports)."""
+    labels = _pod_labels(docs, component)
+    port_name = _ports_of(_pod_spec(docs, component))[port]
+    selecting = [p for p in _by_kind(docs, "NetworkPolicy").values()
+                 if all(labels.get(k) == v for k, v in p["spec"]["podSelector"].get("matchLabels", {}).items())
+                 and "Ingress" in p["spec"]["policyTypes"]]
+    if not selecting:
+        return True
+    source_namespace, source_labels = source
+
+    def peer_matches(peer: dict) -> bool:
+        if "namespaceSelector" in peer:
+            assert peer["namespaceSelector"] == {}, "only the any-namespace selector is modelled here"
+            return True
+        wanted = peer["podSelector"].get("matchLabels", {})
+        return source_namespace == namespace and all(source_labels.get(k) == v for k, v in wanted.items())
+
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress", []):
+            ports = rule.get("ports")
+            if ports is not None and not any(p["port"] in (port, port_name) for p in ports):
+                continue
+            if "from" not in rule or any(peer_matches(peer) for peer in rule["from"]):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_network_policies_let_only_the_gateway_reach_targets_and_only_targets_reach_drafts(
+        layout: str, objects: dict[str, list[dict]]) -> None:
+    docs = objects[layout]
+    namespace = _namespace(docs)
+    policies = _by_kind(docs, "NetworkPolicy")
+    deny = policies["specstream-default-deny-ingress"]["spec"]
+    assert deny["podSelector"] == {} and deny["policyTypes"] == ["Ingress"] and not deny.get("ingress")
+    pods = {c: (namespace, _pod_labels(docs, c)) for c in ("gateway", "target", "draft", "otel-collector")
+            if _pod_labels(docs, c) is not None}
+    outsider = ("elsewhere", {"app": "curious"})
+    same_namespace_stranger = (namespace, {"app": "curious"})
+    gateway_port = _parsed_args(_find_container(docs, "gateway"), docs, namespace).port
+    target_port = _parsed_args(_find_container(docs, "target"), docs, namespace).port
+    for source in (outsider, same_namespace_stranger, pods["target"]):
+        assert _admits(docs, namespace, source, "gateway", gateway_port), source  # the public API
+    assert _admits(docs, namespace, pods["gateway"], "target", target_port)
+    for source in (outsider, same_namespace_stranger, *(pods[c] for c in pods if c not in ("gateway",))):
+        assert not _admits(docs, namespace, source, "target", target_port), source
+    placement = DRAFT_PLACEMENT[layout]
+    if placement == "deployment":
+        draft_port = _parsed_args(_find_container(docs, "draft"), docs, namespace).port
+        assert _admits(docs, namespace, pods["target"], "draft", draft_port)
+        for source in (outsider, same_namespace_stranger, pods["gateway"]):
+            assert not _admits(docs, namespace, source, "draft", draft_port), source
+    elif placement == "sidecar":  # reached over the pod's loopback only: its port is open to no one
+        [draft] = [c for c in _pod_spec(docs, "target")["initContainers"] if c["name"] == "draft"]
+        draft_port = _parsed_args(draft, docs, namespace).port
+        for source in (outsider, same_namespace_stranger, pods["gateway"], pods["target"]):
+            assert not _admits(docs, namespace, source, "target", draft_port), source
+    collector = _ports_of(_pod_spec(docs, "otel-collector"))
+    for port in collector:
+        allowed = _admits(docs, namespace, pods["target"], "otel-collector", port)
+        assert allowed == (collector[port] in ("otlp-grpc", "otlp-http")), (port, collector[port])
+        assert not _admits(docs, namespace, outsider, "otel-collector", port)
