@@ -932,11 +932,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-resolve-interval", type=float, default=10.0,
                    help="seconds between DNS resolutions of the target entries: new addresses become replicas, "
                         "replicas whose address is gone are drained (0: resolve once, at startup)")
-    p.add_argument("--target-stall-timeout", type=float, default=2.0,
+    p.add_argument("--target-stall-timeout", type=float, default=30.0,
                    help="seconds: a target replica holding requests that sends nothing (no engine step) for this "
                         "long is declared hung and its requests move to another replica (sooner when its steps are "
                         "fast: 20x its p99 step interval, at least --target-stall-floor)")
-    p.add_argument("--target-stall-floor", type=float, default=1.0,
+    p.add_argument("--target-stall-floor", type=float, default=5.0,
                    help="seconds: a replica is never declared hung after less silence than this")
     p.add_argument("--target-keepalive-time", type=float, default=1.0,
                    help="seconds between keepalive pings on the connections to the targets")

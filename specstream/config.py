@@ -307,8 +307,8 @@ class StallConfig:
     A target reports its Load on every engine step, so while it has work its silences are its
     step times (plus the network)."""
 
-    floor_s: float = 1.0  # never declared hung after less silence than this
-    ceiling_s: float = 2.0  # always declared hung after this much (also the deadline before any step is measured)
+    floor_s: float = 5.0  # never declared hung after less silence than this
+    ceiling_s: float = 30.0  # always declared hung after this much (also the deadline before any step is measured)
     step_multiple: float = 20.0  # the deadline in multiples of the replica's p99 step interval
 
     def __post_init__(self) -> None:

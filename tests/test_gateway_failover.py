@@ -170,6 +170,8 @@ async def test_a_started_request_with_no_replica_left_fails_unavailable_to_the_c
 
 # ----- the watchdog ---------------------------------------------------------------------------------
 
+FAST = StallConfig(floor_s=1.0, ceiling_s=2.0)  # tight bounds, so that the tests' clocks stay short
+
 def test_the_deadline_follows_the_measured_steps_between_floor_and_ceiling():
     dog = StepWatchdog(StallConfig(floor_s=1.0, ceiling_s=2.0, step_multiple=20.0))
     assert dog.deadline() == 2.0  # nothing measured yet: the ceiling
@@ -203,7 +205,7 @@ def test_silence_counts_from_when_work_arrived_not_from_an_idle_replicas_last_me
 @run_async
 async def test_a_silent_replica_with_work_is_declared_hung_and_its_requests_move():
     clock = Clock()
-    a, b = replica("a", max_slots=1, clock=clock), replica("b", max_slots=1, clock=clock)
+    a, b = replica("a", max_slots=1, clock=clock, stall=FAST), replica("b", max_slots=1, clock=clock, stall=FAST)
     router = Router([a, b], max_queue=10, clock=clock)
     tickets = submit(router, 3)  # a: 1 (running) and 3 (in its queue); b: 2
     for i in range(20):  # a steps every 50 ms while it has work: 20 x 50 ms = the floor, 1 s
@@ -228,7 +230,7 @@ async def test_a_silent_replica_with_work_is_declared_hung_and_its_requests_move
 @run_async
 async def test_no_replica_left_after_a_stall_fails_the_started_request_and_refuses_new_ones():
     clock = Clock()
-    a = replica("a", max_slots=1, clock=clock)
+    a = replica("a", max_slots=1, clock=clock, stall=FAST)
     router = Router([a], max_queue=10, backlog=0, clock=clock)
     running, queued = submit(router, 2)
     report(a, running=1, queued=0, events=[token(running, 4)])

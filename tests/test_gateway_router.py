@@ -20,7 +20,7 @@ from gateway.router import Router
 from gateway.target_client import TargetClient
 from gateway.ticket import Ticket
 from gateway.validation import Limits, validate
-from specstream.config import GatewayConfig
+from specstream.config import GatewayConfig, StallConfig
 from specstream.errors import OverloadedError, UnavailableError
 from specstream.metrics import GatewayMetrics
 from specstream.tokenizer import TextTokenizer, build_byte_level_tokenizer
@@ -56,9 +56,9 @@ class FakeCall:
         return True
 
 
-def replica(name: str, max_slots: int, clock: Clock | None = None) -> TargetClient:
+def replica(name: str, max_slots: int, clock: Clock | None = None, stall: StallConfig | None = None) -> TargetClient:
     """A client whose stream is up and whose target reports SERVING and an empty engine."""
-    client = TargetClient(f"{name}:1", **({"clock": clock} if clock else {}))
+    client = TargetClient(f"{name}:1", stall=stall, **({"clock": clock} if clock else {}))
     client.connected = client.serving = True
     client.load = target_pb2.Load(max_slots=max_slots, free_slots=max_slots)
     client._call = FakeCall()
