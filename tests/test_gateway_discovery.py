@@ -83,7 +83,7 @@ def test_gateway_flags_take_several_targets_repeated_or_comma_separated():
     config = _gateway_config(args)
     assert config.target_addresses == ["a:1", "b:2", "c:3"]
     assert config.max_queue == 4 and config.replica_backlog is None
-    assert (config.target_resolve_interval_s, config.stall.floor_s, config.stall.ceiling_s) == (10.0, 1.0, 2.0)
+    assert (config.target_resolve_interval_s, config.stall.floor_s, config.stall.ceiling_s) == (10.0, 5.0, 30.0)
     assert (config.target_keepalive_time_s, config.target_keepalive_timeout_s) == (1.0, 1.0)
     args = build_parser().parse_args(["gateway", "--tokenizer", "m", "--target-url", "dns:///t:1",
                                       "--target-resolve-interval", "0", "--target-stall-timeout", "5",
