@@ -99,7 +99,9 @@ def _target_config(args: argparse.Namespace):
                         max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len,
                         default_gamma=args.gamma, max_gamma=args.max_gamma, gamma_policy=args.gamma_policy,
                         calibrate=not args.no_calibrate, draft_url=args.draft_url,
-                        draft_timeout_s=args.draft_timeout, torch_threads=args.threads,
+                        draft_timeout_s=args.draft_timeout, draft_deadline_floor_s=args.draft_deadline_floor,
+                        draft_deadline_factor=args.draft_deadline_factor, draft_retry_s=args.draft_retry,
+                        torch_threads=args.threads,
                         colocated_draft=_colocated_draft(args),
                         **_batching_config(args))
 
@@ -648,7 +650,16 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(p)
     _server_flags(p, 50052)
     p.add_argument("--draft-url", help="host:port of the draft service (omit: plain decoding, or --draft-model)")
-    p.add_argument("--draft-timeout", type=float, default=10.0)
+    p.add_argument("--draft-timeout", type=float, default=10.0,
+                   help="the longest a propose round trip may take (seconds); the deadline of each round trip "
+                        "is derived from the measured ones and never exceeds this")
+    p.add_argument("--draft-deadline-floor", type=float, default=0.25,
+                   help="the shortest propose deadline (seconds): a reply later than its deadline means the "
+                        "step decodes without the draft and the stream is reopened")
+    p.add_argument("--draft-deadline-factor", type=float, default=2.0,
+                   help="a propose deadline is this many times the round trip predicted for its shape")
+    p.add_argument("--draft-retry", type=float, default=1.0,
+                   help="seconds between attempts to reach a draft that failed")
     p.add_argument("--draft-model", help="run the draft in this process instead of a draft service (no gRPC hop "
                                          "between the two models): a model reference; exclusive with --draft-url")
     _proposer_flags(p, model_flag="--draft-model, in this process; with --proposer ngram no draft model is needed")

@@ -92,7 +92,12 @@ class TargetConfig:
     # The draft in this process instead (no gRPC hop; it runs on the engine's torch thread between
     # forwards). Exclusive with draft_url. Its server settings are unused.
     colocated_draft: DraftConfig | None = None
-    draft_timeout_s: float = 10.0  # a propose round trip longer than this counts as draft failure
+    # Every propose round trip has a deadline derived from the measured round trips of its shape
+    # (target_service/draft_deadline.py): clamp(factor × predicted × spread, floor, draft_timeout_s).
+    # Past it the step decodes with γ = 0 and the stream is dropped; this is the longest it can be.
+    draft_timeout_s: float = 10.0
+    draft_deadline_floor_s: float = 0.25  # the shortest deadline (scheduling noise on a busy host)
+    draft_deadline_factor: float = 2.0  # the deadline over the round trip predicted for the shape
     draft_retry_s: float = 1.0  # wait this long before reconnecting to a failed draft
     torch_threads: int = 0  # CPU threads for the model (0: torch's default, one per core)
     # Batching (design §4; target_service/scheduler.py).
@@ -126,6 +131,9 @@ class TargetConfig:
         _check(not (self.draft_url and self.colocated_draft), "colocated_draft", "set",
                f"unset when draft_url is set ({self.draft_url!r}): the draft runs in one place")
         _check(self.draft_timeout_s > 0, "draft_timeout_s", self.draft_timeout_s, "> 0")
+        _check(0 < self.draft_deadline_floor_s <= self.draft_timeout_s, "draft_deadline_floor_s",
+               self.draft_deadline_floor_s, f"in (0, draft_timeout_s={self.draft_timeout_s}]")
+        _check(self.draft_deadline_factor >= 1.0, "draft_deadline_factor", self.draft_deadline_factor, ">= 1")
         _check(self.draft_retry_s >= 0, "draft_retry_s", self.draft_retry_s, ">= 0")
         _check(self.torch_threads >= 0, "torch_threads", self.torch_threads, ">= 0")
 

@@ -86,6 +86,8 @@ class Engine:
         self.metrics = metrics or TargetMetrics(config.max_gamma, config.batch_rows)
         self.metrics.watch_sequences(running=lambda: len(self.running), waiting=lambda: len(self.waiting))
         self._background: set[asyncio.Task] = set()
+        if draft is not None:  # the gateway learns of a draft (re)connecting without waiting for a step
+            draft.watch(self._report_load)
 
     # ----- limits and load -------------------------------------------------------------------
     @property
@@ -99,6 +101,11 @@ class Engine:
                     draft_connected=self.drafting.connected, batch=self.stats.snapshot())
 
     # ----- requests from connections (called on the event loop) -------------------------------
+    def _report_load(self) -> None:
+        load = self.load()
+        for conn in self.connections:
+            conn.send(EngineMessage(load))
+
     def attach(self, conn: Connection) -> None:
         self.connections.add(conn)
         conn.send(EngineMessage(self.load()))
