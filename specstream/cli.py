@@ -272,7 +272,7 @@ def _serve_draft(args: argparse.Namespace, draft: str | None, proposer: str) -> 
 
 
 def _stack_spec(args: argparse.Namespace):
-    from specstream.config import DraftConfig
+    from specstream.config import DraftConfig, RestartPolicy
     from specstream.launcher import StackSpec
 
     # The draft's own check of the n-gram range, here so that it fails before any process starts.
@@ -289,7 +289,8 @@ def _stack_spec(args: argparse.Namespace):
                      weights=args.weights, colocate_draft=args.colocate_draft, log_dir=args.log_dir,
                      draft_threads=args.draft_threads, target_threads=args.target_threads,
                      target_replicas=args.replicas, extra_target_args=_batching_args(args), metrics=args.metrics,
-                     trace_file=os.path.abspath(args.trace_file) if args.trace_file else None)
+                     trace_file=os.path.abspath(args.trace_file) if args.trace_file else None,
+                     supervise=None if args.no_supervise else RestartPolicy(max_delay_s=args.restart_max_delay))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -300,7 +301,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"specstream serve: error: {exc}", file=sys.stderr)
         return 2
-    stack = Stack(spec)
+    stack = Stack(spec, report=lambda message: print(f"specstream serve: {message}", flush=True))
     stop = {"signal": None}
 
     def on_signal(signum, frame) -> None:  # noqa: ARG001
@@ -321,11 +322,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if stack.metrics_addresses:
         print("  metrics: " + "  ".join(f"{name} http://{address}/metrics"
                                         for name, address in stack.metrics_addresses.items()), flush=True)
-    while stop["signal"] is None and stack.alive():
+    while stop["signal"] is None and stack.serving():
         time.sleep(0.2)
+    gateway_exit = stack.supervisor.final_exit if stack.supervisor is not None else None
     codes = stack.stop()
     print(f"stopped: {codes}", flush=True)
-    return 0 if stop["signal"] is not None else 1
+    if stop["signal"] is not None:
+        return 0
+    if gateway_exit is not None:  # supervised: only the gateway's exit ends serve, with its code
+        return gateway_exit if gateway_exit >= 0 else 128 - gateway_exit  # killed by signal N: 128 + N
+    return 1
 
 
 def _speculation(value: str) -> str | int:
@@ -644,6 +650,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", action="store_true", help="each service serves Prometheus /metrics on a free port")
     _batching_flags(p)
     p.add_argument("--trace-file", help="all three services append one JSON span per line to this file")
+    p.add_argument("--no-supervise", action="store_true",
+                   help="do not restart a draft or target that exits (then any service's exit stops them all)")
+    p.add_argument("--restart-max-delay", type=float, default=10.0,
+                   help="a crashed draft or target is restarted after 0.5 s, doubling per further crash up to "
+                        "this many seconds (reset once it stays up 30 s)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("target", help="run the target-model service")

@@ -186,6 +186,21 @@ class DraftConfig:
 
 
 @dataclass
+class RestartPolicy:
+    """How `specstream serve` restarts a draft or target process that exited (specstream/supervisor.py)."""
+
+    initial_delay_s: float = 0.5  # wait this long before the first restart after a crash
+    max_delay_s: float = 10.0  # each further crash doubles the wait, up to this
+    stable_s: float = 30.0  # a process that stays up this long is forgiven: the next crash waits initial_delay_s
+
+    def __post_init__(self) -> None:
+        _check(self.initial_delay_s >= 0, "initial_delay_s", self.initial_delay_s, ">= 0")
+        _check(self.max_delay_s >= self.initial_delay_s, "max_delay_s", self.max_delay_s,
+               f">= initial_delay_s ({self.initial_delay_s})")
+        _check(self.stable_s > 0, "stable_s", self.stable_s, "> 0")
+
+
+@dataclass
 class GatewayConfig:
     # host:port, or dns:///host:port, of a target. A name that resolves to several addresses is
     # one replica per address (gateway/discovery.py). "" when target_urls name them all.

@@ -9,8 +9,11 @@ oracle, or `proposer = "ngram"` (prompt lookup, no model) — unless `colocate_d
 target runs the draft in its own process (`specstream target --draft-model`) and none starts.
 Waits until each process answers `grpc.health.v1` with SERVING; stopping sends SIGTERM (graceful)
 and escalates to SIGKILL only after a grace period. With `metrics`, each process also serves
-Prometheus `/metrics` on a free port of its own (`Stack.metrics_addresses`). Knows nothing about
-what the services do.
+Prometheus `/metrics` on a free port of its own (`Stack.metrics_addresses`). With `supervise` (what
+`specstream serve` runs with) a draft or target that exits is started again on its old address
+after a growing delay (specstream/supervisor.py) and only the gateway's exit ends the stack; without
+it (the default, for tests that kill processes on purpose) a process that exits stays down until
+`restart`. Knows nothing about what the services do.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specstream.config import GAMMA_POLICIES, DraftConfig, TargetConfig
+from specstream.config import GAMMA_POLICIES, DraftConfig, RestartPolicy, TargetConfig
 from specstream.model_registry import resolve_model
+from specstream.supervisor import Supervisor
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -92,6 +96,9 @@ class StackSpec:
     metrics: bool = False  # each process serves Prometheus /metrics on a free port (Stack.metrics_addresses)
     # Each target runs the draft (draft_model / proposer) in its own process: no draft service.
     colocate_draft: bool = False
+    # Restart a draft or target process that exits, by this policy (`serve` sets it); None: a process
+    # that exits stays down (what tests that kill processes on purpose expect).
+    supervise: RestartPolicy | None = None
 
     def __post_init__(self) -> None:
         # The services check their own values again; these are the ones that decide which
@@ -177,12 +184,14 @@ def _child_env() -> dict[str, str]:
 
 
 class Stack:
-    def __init__(self, spec: StackSpec) -> None:
+    def __init__(self, spec: StackSpec, report: Callable[[str], None] | None = None) -> None:
         self.spec = spec
         self.procs: dict[str, subprocess.Popen] = {}
         self.args: dict[str, list[str]] = {}
         self.addresses: dict[str, str] = {}
         self.metrics_addresses: dict[str, str] = {}  # name -> host:port of its /metrics, with spec.metrics
+        self.report = report  # the supervisor's exits and restarts go here (None: the logger)
+        self.supervisor: Supervisor | None = None
 
     @property
     def gateway_address(self) -> str:
@@ -219,6 +228,10 @@ class Stack:
         except BaseException:
             self.stop()
             raise
+        if spec.supervise is not None:
+            self.supervisor = Supervisor(self.procs, lambda name: self._spawn(name, self.args[name]), spec.supervise,
+                                         **({"report": self.report} if self.report else {}))
+            self.supervisor.start()
         return self
 
     def _spawn(self, name: str, args: list[str]) -> None:
@@ -237,15 +250,29 @@ class Stack:
         address, with its old arguments (for failure tests)."""
         if name not in self.args:
             raise KeyError(f"no service named {name!r}; have {sorted(self.args)}")
-        self._spawn(name, self.args[name])
+        if self.supervisor is not None:
+            with self.supervisor.lock:
+                self._spawn(name, self.args[name])
+        else:
+            self._spawn(name, self.args[name])
         wait_healthy(self.addresses[name], timeout_s, self.procs[name])
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs.values())
 
+    def serving(self) -> bool:
+        """Whether the stack still serves: with supervision, while the gateway runs (the others
+        are restarted); without, while every process runs."""
+        if self.supervisor is not None:
+            return self.supervisor.final_exit is None and self.supervisor.running
+        return self.alive()
+
     def stop(self, grace_s: float = 15.0) -> dict[str, int | None]:
         """SIGTERM in reverse start order, each after the one before has exited (the gateway
-        finishes its requests before the target goes); SIGKILL after `grace_s`. Returns exit codes."""
+        finishes its requests before the target goes); SIGKILL after `grace_s`. Returns exit codes.
+        Supervision ends first, so nothing is restarted while the stack stops."""
+        if self.supervisor is not None:
+            self.supervisor.stop()
         for proc in reversed(list(self.procs.values())):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
