@@ -42,6 +42,10 @@ class DraftClient:
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self.deadline = deadline or DraftDeadline(timeout_s)
+        # gRPC backs reconnection off up to 2 minutes; a restarted draft must be found within about retry_s.
+        backoff_ms = max(200, int(retry_s * 1000))
+        options = [*(options or []), ("grpc.initial_reconnect_backoff_ms", 200),
+                   ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", backoff_ms)]
         self._channel = grpc.aio.insecure_channel(url, options=options or [])
         self._stub = draft_pb2_grpc.DraftStub(self._channel)
         self._call: grpc.aio.StreamStreamCall | None = None
@@ -72,11 +76,16 @@ class DraftClient:
         if self._keeper is None or self._keeper.done():
             self._keeper = asyncio.create_task(self._keep_connected(), name=f"draft-keeper {self.url}")
 
-    async def fetch_info(self, timeout_s: float = 2.0) -> bool:
+    async def fetch_info(self, timeout_s: float = 2.0, wait_for_ready: bool = False) -> bool:
+        """The draft's GetInfo (model, vocabulary, context). With `wait_for_ready` the call waits
+        for the channel to (re)connect instead of failing at once, so a draft that comes back is
+        found as soon as gRPC reconnects to it."""
         try:
-            info = await self._stub.GetInfo(draft_pb2.DraftInfoRequest(), timeout=timeout_s)
+            info = await self._stub.GetInfo(draft_pb2.DraftInfoRequest(), timeout=timeout_s,
+                                            wait_for_ready=wait_for_ready)
         except grpc.aio.AioRpcError as exc:
-            log.warning("draft %s unavailable: %s", self.url, exc.code().name)
+            log.log(logging.DEBUG if wait_for_ready else logging.WARNING, "draft %s unavailable: %s", self.url,
+                    exc.code().name)
             return False
         self.model_name, self.vocab_size = info.model_name, info.vocab_size
         self.max_context_length = info.max_context_length
@@ -135,8 +144,9 @@ class DraftClient:
         return await call.read()
 
     async def _keep_connected(self) -> None:
-        """While no stream is open: every retry interval, GetInfo, then a new stream that must
-        answer an empty batch within the deadline before the engine may use it."""
+        """While no stream is open: GetInfo (waiting for the channel to connect), then a new stream
+        that must answer an empty batch before the engine may use it; attempts start at least
+        `retry_s` apart (more after streams that failed, see `_fail`)."""
         while True:
             if self._call is not None:
                 await self._lost.wait()
@@ -144,9 +154,11 @@ class DraftClient:
             pause = self._next_try - time.monotonic()
             if pause > 0:
                 await asyncio.sleep(pause)
-            if await self.fetch_info() and await self._open():
+            started = time.monotonic()
+            if await self.fetch_info(timeout_s=max(2.0 * self.retry_s, 1.0), wait_for_ready=True) \
+                    and await self._open():
                 continue
-            self._next_try = time.monotonic() + self.retry_s  # the draft is down: keep looking
+            self._next_try = started + self.retry_s  # the draft is down (or stopped): keep looking
 
     async def _open(self) -> bool:
         call = self._stub.Speculate()
