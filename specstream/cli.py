@@ -98,6 +98,7 @@ def _target_config(args: argparse.Namespace):
     return TargetConfig(model=ModelSpec(args.model, args.dtype, args.device, args.weights), server=_server_config(args),
                         max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len,
                         default_gamma=args.gamma, max_gamma=args.max_gamma, gamma_policy=args.gamma_policy,
+                        speculative_sampling=args.speculative_sampling,
                         calibrate=not args.no_calibrate, draft_url=args.draft_url,
                         draft_timeout_s=args.draft_timeout, draft_deadline_floor_s=args.draft_deadline_floor,
                         draft_deadline_factor=args.draft_deadline_factor, draft_retry_s=args.draft_retry,
@@ -118,8 +119,9 @@ def cmd_target(args: argparse.Namespace) -> int:
 
 
 def _gamma_flags(p: argparse.ArgumentParser) -> None:
-    """The target's γ settings (target_service/gamma.py); `serve` passes them on to its targets."""
-    from specstream.config import GAMMA_POLICIES, TargetConfig
+    """The target's speculation settings (γ: target_service/gamma.py; verification of sampled
+    proposals: target_service/settle.py); `serve` passes them on to its targets."""
+    from specstream.config import GAMMA_POLICIES, SPECULATIVE_SAMPLING, TargetConfig
 
     p.add_argument("--gamma-policy", choices=GAMMA_POLICIES, default=TargetConfig.gamma_policy,
                    help="how γ is chosen for requests with speculation=auto: goodput: per sequence and step, the "
@@ -136,6 +138,11 @@ def _gamma_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-calibrate", action="store_true",
                    help="do not time verify forwards of each step shape at start-up (the controller then learns "
                         "its verify costs from the first requests)")
+    p.add_argument("--speculative-sampling", choices=SPECULATIVE_SAMPLING, default=TargetConfig.speculative_sampling,
+                   help="how sampled proposals are verified: leviathan: accept with min(1, p/q), else sample the "
+                        "residual (most tokens per pass); coupled: accept a proposal iff it is the target's own "
+                        "sample, so a seed gives exactly the text of plain sampling whatever gamma, the draft or "
+                        "a resubmission of the request (fewer accepted proposals)")
 
 
 def _batching_flags(p: argparse.ArgumentParser) -> None:
@@ -288,7 +295,8 @@ def _stack_spec(args: argparse.Namespace):
                      max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len, dtype=dtype,
                      weights=args.weights, colocate_draft=args.colocate_draft, log_dir=args.log_dir,
                      draft_threads=args.draft_threads, target_threads=args.target_threads,
-                     target_replicas=args.replicas, extra_target_args=_batching_args(args), metrics=args.metrics,
+                     target_replicas=args.replicas, metrics=args.metrics,
+                     extra_target_args=[*_batching_args(args), "--speculative-sampling", args.speculative_sampling],
                      trace_file=os.path.abspath(args.trace_file) if args.trace_file else None,
                      supervise=None if args.no_supervise else RestartPolicy(max_delay_s=args.restart_max_delay))
 

@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 GAMMA_POLICIES = ("goodput", "fixed", "hf", "leviathan")  # target_service/gamma.py
+# How sampled proposals are verified (target_service/settle.py): Leviathan's accept/reject with the
+# residual (the most tokens per pass), or coupled: accept a proposal iff it is the target's own
+# sample, so sampled output is exactly plain sampling's whatever γ, the draft or a resubmission.
+SPECULATIVE_SAMPLING = ("leviathan", "coupled")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 where native (model_registry.resolve_dtype)
 # How weight matrices are served (specstream/models/loader.py): dense in the dtype; "int4": the
 # checkpoint's own 4-bit blocks (a converted Q4_0/Q4_1 GGUF file); "int4-rtn": a dense checkpoint
@@ -85,6 +89,7 @@ class TargetConfig:
     default_gamma: int = 4  # speculation=auto's γ under gamma_policy "fixed" (and before any step is measured)
     max_gamma: int = 16  # largest gamma a request may ask for, and the controller may pick
     gamma_policy: str = "goodput"  # speculation=auto: "goodput", "fixed", "hf" or "leviathan" (target_service/gamma.py)
+    speculative_sampling: str = "leviathan"  # one of SPECULATIVE_SAMPLING: how sampled proposals are verified
     # Time verify forwards of each step shape at start-up for the γ controller's cost model
     # (target_service/calibration.py; a few seconds at most).
     calibrate: bool = True
@@ -128,6 +133,8 @@ class TargetConfig:
         _check(self.max_gamma + 2 < self.max_seq_len, "max_gamma", self.max_gamma, "well below max_seq_len")
         _check(self.gamma_policy in GAMMA_POLICIES, "gamma_policy", self.gamma_policy,
                f"one of {', '.join(GAMMA_POLICIES)}")
+        _check(self.speculative_sampling in SPECULATIVE_SAMPLING, "speculative_sampling", self.speculative_sampling,
+               f"one of {', '.join(SPECULATIVE_SAMPLING)}")
         _check(not (self.draft_url and self.colocated_draft), "colocated_draft", "set",
                f"unset when draft_url is set ({self.draft_url!r}): the draft runs in one place")
         _check(self.draft_timeout_s > 0, "draft_timeout_s", self.draft_timeout_s, "> 0")

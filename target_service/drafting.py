@@ -152,7 +152,7 @@ class Drafting:
         tokens = list(reply.tokens[:gamma])
         cut = next((j for j, t in enumerate(tokens) if t >= vocab), len(tokens))
         row = Row(seq.sampling, len(seq.tokens), tokens[:cut], logprobs=seq.logprobs,
-                  source=reply.source)
+                  source=reply.source, drafted=len(tokens))
         width = reply.q_width
         if seq.sampling.greedy or not width or not row.proposals:
             return row

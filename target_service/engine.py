@@ -353,7 +353,8 @@ class Engine:
                                        torch.tensor(slots, dtype=torch.int64),
                                        torch.tensor(start, dtype=torch.int64))  # [B, G+1, H]
             # The output layer runs inside settlement: fused with it on the Triton backend.
-            verdicts = settle(Hidden(hidden[: len(rows)].flatten(0, 1), self.model.output_head), checks) if rows else []
+            verdicts = settle(Hidden(hidden[: len(rows)].flatten(0, 1), self.model.output_head), checks,
+                              coupled=self.config.speculative_sampling == "coupled") if rows else []
             candidates, at = [], len(rows)
             for seq in beams:
                 candidates.append(self._beam_candidates(hidden[at : at + seq.width, 0], seq))
