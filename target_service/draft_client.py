@@ -7,7 +7,8 @@ trips for requests of that shape (target_service/draft_deadline.py, capped by `t
 hung draft stalls one step by that deadline, once: a timeout, a broken stream or a malformed reply
 cancels the stream, and a late reply dies with it. No step ever waits for a (re)connection: a
 background task keeps the stream up. While there is none, it asks the draft for its `GetInfo`
-every `retry_s`, and when the draft answers it opens a stream and checks it with an empty
+(waiting for the channel to reconnect, whose backoff is capped near `retry_s`; attempts at least
+`retry_s` apart), and when the draft answers it opens a stream and checks it with an empty
 `ProposeBatch` (which exercises the draft's compute thread, not only its event loop) before the
 engine may use it. After a stream failed, the first attempt waits `retry_s`; streams that fail
 again before any reply succeeded wait twice as long each time (up to `MAX_RETRY_S`), so a draft
@@ -155,9 +156,12 @@ class DraftClient:
             if pause > 0:
                 await asyncio.sleep(pause)
             started = time.monotonic()
-            if await self.fetch_info(timeout_s=max(2.0 * self.retry_s, 1.0), wait_for_ready=True) \
-                    and await self._open():
-                continue
+            try:
+                if await self.fetch_info(timeout_s=max(2.0 * self.retry_s, 1.0), wait_for_ready=True) \
+                        and await self._open():
+                    continue
+            except Exception:  # noqa: BLE001 - a bug here must not end reconnection for good
+                log.exception("draft %s: reconnecting failed", self.url)
             self._next_try = started + self.retry_s  # the draft is down (or stopped): keep looking
 
     async def _open(self) -> bool:

@@ -100,10 +100,13 @@ def settle(target: torch.Tensor | Hidden, rows: list[Row], coupled: bool = False
         num_accepted, tokens = kernels.greedy_verify(draft, num_draft, target)  # [B], [B, G+1]
         sampled = [b for b, r in enumerate(rows) if not r.params.greedy]
         if sampled and coupled:
-            p = process_logits(target[sampled], [rows[b].params for b in sampled])  # [S, G+1, V]
-            keys = _keys([rows[b] for b in sampled], positions, coupled, device)  # [S, G+1]
-            samples = race(p.flatten(0, 1), keys.flatten()).view(len(sampled), positions)  # [S, G+1]
-            num_accepted[sampled], tokens[sampled] = _match(draft[sampled], num_draft[sampled], samples)
+            chosen = [rows[b] for b in sampled]
+            p = process_logits(target[sampled], [r.params for r in chosen])  # [S, G+1, V]
+            live = _live(chosen, positions, device)  # [L] flat (row, position) indices a token can come from
+            samples = torch.full((len(sampled) * positions,), -1, dtype=torch.int64, device=device)
+            samples[live] = race(p.flatten(0, 1)[live], _keys(chosen, positions, coupled, device).flatten()[live])
+            num_accepted[sampled], tokens[sampled] = _match(draft[sampled], num_draft[sampled],
+                                                            samples.view(len(sampled), positions))
         elif sampled:
             k, emitted = _verify_sampled(target[sampled], [rows[b] for b in sampled], draft[sampled],
                                          num_draft[sampled])
@@ -137,6 +140,13 @@ def _keys(rows: list[Row], positions: int, coupled: bool, device: torch.device |
     residual = torch.stack([row_keys(seeds, at[j], RESIDUAL, device) for j in range(positions)], dim=1)
     drafted = torch.tensor([r.drafted for r in rows], device=device)[:, None]  # [S, 1]
     return torch.where(torch.arange(positions, device=device) < drafted, residual, sample)
+
+
+def _live(rows: list[Row], positions: int, device: torch.device | str) -> torch.Tensor:
+    """Flat indices b * positions + j of the positions a row can emit from (j <= its proposals):
+    a coupled pass samples only those."""
+    return torch.tensor([b * positions + j for b, r in enumerate(rows) for j in range(len(r.proposals) + 1)],
+                        dtype=torch.int64, device=device)
 
 
 def _match(draft: torch.Tensor, num_draft: torch.Tensor, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,9 +187,13 @@ def _settle_fused(target: Hidden, rows: list[Row], draft: torch.Tensor, num_draf
         keys = _keys(chosen, positions, coupled, device)  # [S, G+1]
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
         if coupled:  # the target's own sample at every position, one fused read per row
-            samples = kernels.sample(part, temperature.repeat_interleave(positions), keys.flatten(),
-                                     threshold.flatten()).view(len(sampled), positions)  # [S, G+1]
-            num_accepted[sampled], tokens[sampled] = _match(draft[sampled], num_draft[sampled], samples)
+            live = _live(chosen, positions, device)  # [L]
+            samples = torch.full((len(sampled) * positions,), -1, dtype=torch.int64, device=device)
+            samples[live] = kernels.sample(Hidden(part.states[live], part.head),
+                                           temperature.repeat_interleave(positions)[live], keys.flatten()[live],
+                                           threshold.flatten()[live])
+            num_accepted[sampled], tokens[sampled] = _match(draft[sampled], num_draft[sampled],
+                                                            samples.view(len(sampled), positions))
             return num_accepted, tokens
         u_accept = uniforms([p.seed for p in params], [r.position for r in chosen], gamma, ACCEPT, device)  # [S, G]
         q_ids, q_probs = _sparse_q(chosen, gamma)

@@ -454,6 +454,21 @@ def test_the_engine_samples_the_same_distribution_through_triton_and_torch(sampl
     assert two_sample_p_value(through_triton, through_torch) > THRESHOLD
 
 
+def test_coupled_speculative_sampling_through_the_kernels_is_plain_sampling(sampling_pair):
+    """Coupled verification on the Triton backend (the fused sampler at every position of the
+    window, the draft's q from the fused n-best pass): the plain sampled tokens, token for token."""
+    from engine_harness import run_engine
+
+    prompt = [5, 9, 17, 3, 22]
+    params = [SamplingParams(temperature=1.0, top_k=8 if i % 2 else 0, seed=70 + i) for i in range(6)]
+    with use("triton"):
+        plain, _ = run_engine(sampling_pair["target"], None, [prompt] * 6, 0, 8, sampling=params)
+        spec, finals = run_engine(sampling_pair["target"], sampling_pair["draft"], [prompt] * 6, 3, 8, sampling=params,
+                                  config={"speculative_sampling": "coupled"})
+    assert spec == plain
+    assert sum(f.stats.accepted_tokens for f in finals) > 0
+
+
 def test_the_drafts_truncated_q_from_the_kernels_is_the_torch_one():
     """A draft's sampling rows on the Triton backend: q = the K most likely tokens after the cuts,
     renormalised, from the fused n-best pass; the same table the torch path sends."""
