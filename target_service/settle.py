@@ -15,9 +15,10 @@ Sampling rows with proposals are settled one of two ways (`TargetConfig.speculat
   proposal is accepted iff it equals that sample (the draft guesses with the same noise, so it
   often does). Every emitted token is then exactly the token plain sampling emits, whatever γ,
   the draft, the batch or an interruption: a sampled request is reproducible like a greedy one.
-  The price is acceptance: P(guess = sample) under shared noise is at least (1 − TV)/(1 + TV)
-  against Leviathan's 1 − TV (TV the total variation between p and q); for a proposal without q
-  (a point mass) both accept with p(x).
+  The price is acceptance: P(guess = sample) under shared Gumbel noise is at least
+  (1 − TV)/(1 + TV) (Daliri, Musco & Suresh 2024, "Coupling without communication") against
+  Leviathan's 1 − TV (TV the total variation between p and q); for a proposal without q (a point
+  mass) both accept with p(x).
 
 Keys depend on nothing else in the batch, so neither does a row's result. Rows that asked for
 log-probabilities get them under the distribution their token came from (the processed p; the
