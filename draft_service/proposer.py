@@ -6,8 +6,11 @@ the cache as they are made, so the next call only rolls back what the target rej
 
 Greedy items (temperature 0) guess the argmax. Sampling items process the logits exactly as the
 target does (specstream.sampling), cut q to its `q_support` most likely tokens, renormalise, and
-draw x ~ q with the sequence's own counter-based uniforms; the cut q is returned with each guess,
-so the target verifies against exactly the distribution that was sampled (design §5).
+draw x ~ q by an exponential race with the noise the target's own plain sample at that position
+uses (key (seed, absolute position, SAMPLE), kernels/random.py): x is an exact sample from q, and
+where q is close to p it is the very token the target would sample (what coupled verification
+accepts). The cut q is returned with each guess, so the target verifies against exactly the
+distribution that was sampled (design §5).
 A draft that predicts over a subset of the vocabulary (``model.output_token_ids``) has its
 columns mapped back to token ids before anything leaves here.
 Knows nothing about gRPC or about the target: keys are opaque.
@@ -29,7 +32,8 @@ import kernels
 from kernels.lm_head import Hidden
 from kernels.nbest import MAX_K, top_scores
 from specstream.models import CausalLM
-from specstream.sampling import DRAFT_SAMPLE, GREEDY, SamplingParams, process_logits, sample_rows, truncate, uniforms
+from kernels.random import race, row_keys
+from specstream.sampling import GREEDY, SAMPLE, SamplingParams, process_logits, truncate
 
 
 @dataclass
@@ -220,10 +224,7 @@ class _Picker:
         if not self.sampling:
             return
         # Guess j of a row lands at position rollback_to + len(append) + j of its sequence.
-        starts = [items[b].rollback_to + len(items[b].append) for b in self.sampling]
-        seeds = [self.params[b].seed for b in self.sampling]
-        self.u = torch.zeros(len(items), steps, dtype=torch.float64, device=device)  # [B, G]
-        self.u[self.sampling] = uniforms(seeds, starts, steps, DRAFT_SAMPLE, device)
+        self.starts = [items[b].rollback_to + len(items[b].append) for b in range(len(items))]
         self.q_ids = torch.zeros(len(items), steps, support, dtype=torch.int64, device=device)  # [B, G, K]
         self.q_probs = torch.zeros(len(items), steps, support, dtype=torch.float32, device=device)  # [B, G, K]
 
@@ -254,7 +255,8 @@ class _Picker:
             ids, q = truncate(process_logits(picked, params), self.support)  # [s, K]: exactly what is sampled from and sent
         if self.output_ids is not None:
             ids = self.output_ids[ids]  # [s, K] token ids
-        tokens[local] = ids.gather(1, sample_rows(q, self.u[rows, step])[:, None]).squeeze(1)
+        keys = row_keys([p.seed for p in params], [self.starts[b] + step for b in rows], SAMPLE, ids.device)  # [s]
+        tokens[local] = ids.gather(1, race(q, keys, ids)[:, None]).squeeze(1)
         width = ids.shape[1]
         self.q_ids[rows, step, :width] = ids
         self.q_probs[rows, step, :width] = q

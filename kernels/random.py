@@ -6,7 +6,16 @@ token id then gets its uniform from two rounds of murmur3's 32-bit finaliser ove
 Triton helper ``_uniform`` and the torch twin ``uniform_table`` compute the same bits, so a kernel
 and its reference draw the same numbers and can be compared token for token.
 
-Uniforms are (h + 0.5) / 2^24 for a 24-bit h: never 0 or 1, so -log(u) is finite and positive.
+Uniforms are (h + 0.5) / 2^23 for the hash's top 23 bits h: never 0 or 1, so -log(u) is finite
+and positive. (With 24 bits, h + 0.5 is not a float32 for h >= 2^23 and the largest h rounded up to
+2^24, i.e. u = 1: once per 2^24 draws a token won the race with key +inf whatever its probability,
+on a 49,152-token vocabulary one row in 340.)
+
+``gumbel`` is the noise itself, -log(-log(u)), and ``race`` samples from a probability table with it:
+argmax over tokens of log(prob) + noise is a sample from the (normalised) table, and which noise a
+token gets depends only on (row key, token id), so two tables raced with the same key pick the same
+token as often as they can without knowing each other (Gumbel coupling; the draft uses it to guess
+the target's own sample, target_service/settle.py).
 """
 
 from __future__ import annotations
@@ -57,7 +66,7 @@ def _uniform(key, ids):
     hi = (key >> 32).to(tl.uint32)
     h = _fmix32(ids.to(tl.uint32) * 0x9E3779B1 + 0x7F4A7C15 ^ lo)
     h = _fmix32(h ^ hi)
-    return ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
 
 
 def _fmix32_torch(h: torch.Tensor) -> torch.Tensor:
@@ -72,9 +81,58 @@ def _fmix32_torch(h: torch.Tensor) -> torch.Tensor:
 def uniform_table(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """keys [N] int64, ids [N, C] (or [C]) token ids -> [N, C] float32 uniforms, bit for bit what
     the kernels draw for those rows and ids."""
+    if keys.device.type == "cpu" and ids.device.type == "cpu":
+        return torch.from_numpy(_uniform_table_numpy(keys.numpy(), ids.numpy()))
     keys = keys.long()
     lo, hi = (keys & _MASK32)[:, None], (keys >> 32)[:, None]  # [N, 1]
     ids = ids.long().expand(keys.shape[0], -1) if ids.dim() == 1 else ids.long()
     h = _fmix32_torch((((ids & _MASK32) * _ID_MIX + _ID_OFFSET) & _MASK32) ^ lo)
     h = _fmix32_torch(h ^ hi)
-    return ((h >> 8).float() + 0.5) * (1.0 / 16777216.0)
+    return ((h >> 9).float() + 0.5) * (1.0 / 8388608.0)
+
+
+def _uniform_table_numpy(keys: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The same bits in wrapping uint32 arithmetic: ~10x less memory traffic than int64 tensors
+    with masks, which is what makes a race over a 49,152-token row cheap on a CPU (~0.3 ms)."""
+    u32 = np.uint32
+    keys = keys.astype(np.int64)
+    lo = (keys & _MASK32).astype(u32)[:, None]  # [N, 1]
+    hi = ((keys >> 32) & _MASK32).astype(u32)[:, None]  # [N, 1]
+    with np.errstate(over="ignore"):
+        h = ids.astype(np.int64).astype(u32) * u32(_ID_MIX) + u32(_ID_OFFSET)  # [C] or [N, C]
+        h = np.broadcast_to(h, (keys.shape[0], h.shape[-1])) ^ lo  # [N, C], a new array
+        _fmix32_numpy(h)
+        h ^= hi
+        _fmix32_numpy(h)
+    h >>= u32(9)
+    u = h.astype(np.float32)
+    u += np.float32(0.5)
+    u *= np.float32(1.0 / 8388608.0)
+    return u
+
+
+def _fmix32_numpy(h: np.ndarray) -> None:
+    """murmur3 fmix32 in place on uint32 (products wrap modulo 2^32)."""
+    h ^= h >> np.uint32(16)
+    h *= np.uint32(_M1)
+    h ^= h >> np.uint32(13)
+    h *= np.uint32(_M2)
+    h ^= h >> np.uint32(16)
+
+
+def gumbel(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """keys [N], ids [N, C] or [C] -> [N, C] float32 Gumbel noise -log(-log(u)): the kernels' race
+    adds exactly these to the scaled scores (``_row_pass``)."""
+    return -torch.log(-torch.log(uniform_table(keys, ids)))
+
+
+def race(probs: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """One sample per row from a probability table (need not be normalised; zeros are never
+    picked) by the exponential race: probs [N, C], keys [N] row keys, ids [N, C] the token id of
+    each column (None: column c is token c) -> the winning column [N]. Ties go to the first column.
+    A row without mass returns column 0. No host sync."""
+    ids = torch.arange(probs.shape[-1], device=probs.device) if ids is None else ids
+    noise = gumbel(keys.to(probs.device), ids.to(probs.device))  # [N, C]
+    # float64: a float32 log would drop tokens below 1e-45 from the support
+    score = torch.where(probs > 0, torch.log(probs.double()) + noise, float("-inf"))  # [N, C]
+    return score.argmax(dim=-1)

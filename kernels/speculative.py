@@ -12,14 +12,18 @@ A proposal its own q gives no mass cannot have been drawn from q (a draft bug); 
 verified as a point mass δ_x instead — accept with p(x), else sample p without x — which is
 exact for a proposal drawn any way at all, independently of the target's draws.
 
-Randomness comes in as uniforms (one per proposal for acceptance, one per position for the final
-sample), so a row's result depends only on its own counter-based stream (specstream.sampling).
-Uniforms must be float64 in [0, 1): in float32 a draw just below 1 rounds to 1.0, which would
-reject a proposal with p == q that must always be accepted.
+Randomness comes in as one uniform per proposal for acceptance and one race key per position for
+the emitted token (kernels/random.py: the token is the winner of an exponential race over its
+distribution, with noise keyed by (key, token id)), so a row's result depends only on its own
+counter-based stream (specstream.sampling); the caller picks each position's key (a residual must
+not reuse noise the draft drew with, target_service/settle.py). Acceptance uniforms must be
+float64 in [0, 1): in float32 a draw just below 1 rounds to 1.0, which would reject a proposal with
+p == q that must always be accepted.
 
 Two implementations of the same rule:
-- ``speculative_verify`` takes the processed probabilities p [B, G+1, V] and samples by inverse
-  CDF (the torch path, what the engine runs on CPU);
+- ``speculative_verify`` takes the processed probabilities p [B, G+1, V] and races over the one
+  distribution each row emits from (the torch path, what the engine runs on CPU);
+  ``speculative_accept`` is its first half, the accepted count and that distribution;
 - ``speculative_verify_fused`` reads the target's scores (logits, or hidden states with the LM head)
   once per row in a Triton kernel (``_speculative_kernel``): per row the log-sum-exp of the
   processed scores and an exponential race over the tokens outside q's support; the accept/reject
@@ -36,10 +40,9 @@ import torch
 
 from kernels.dispatch import backend
 from kernels.lm_head import Hidden, Scores, kernel_args, rows_and_vocab, scores_at, scores_reference
-from kernels.random import uniform_table
+from kernels.random import race, uniform_table
 from kernels.row_pass import _row_pass, launch_rows, row_pass_reference, tile
 from kernels.triton_shim import tl, triton
-from specstream.sampling import sample, sample_rows
 
 # A residual with less mass than this is rounding noise around p == q: rejecting there had
 # ~zero probability, and p itself is the right distribution to fall back on.
@@ -47,18 +50,28 @@ _EMPTY_RESIDUAL = 1e-12
 
 
 def speculative_verify(p: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor, draft: torch.Tensor,
-                       num_draft: torch.Tensor, u_accept: torch.Tensor, u_sample: torch.Tensor
+                       num_draft: torch.Tensor, u_accept: torch.Tensor, keys: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """p [B, G+1, V] target probabilities; q_ids, q_probs [B, G, K] sparse draft distributions
-    (unused slots: prob 0); draft [B, G] proposals; num_draft [B]; u_accept [B, G] and u_sample
-    [B, G+1] float64 (u_sample[b, j] is used if the emitted token lands at position j).
+    (unused slots: prob 0); draft [B, G] proposals; num_draft [B]; u_accept [B, G] float64; keys
+    [B, G+1] int64 race keys (keys[b, j] draws the emitted token if it lands at position j).
     Returns (num_accepted [B], emitted [B]) int64 on p's device; no host sync."""
-    assert u_accept.dtype == torch.float64 and u_sample.dtype == torch.float64, "uniforms must be float64"
+    num_accepted, dist = speculative_accept(p, q_ids, q_probs, draft, num_draft, u_accept)
+    rows = torch.arange(p.shape[0], device=p.device)
+    return num_accepted, race(dist, keys.to(p.device)[rows, num_accepted])
+
+
+def speculative_accept(p: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor, draft: torch.Tensor,
+                       num_draft: torch.Tensor, u_accept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The acceptance half of ``speculative_verify``: (num_accepted [B], dist [B, V] float64), dist
+    the distribution the emitted token is drawn from (the residual after a rejection, else p at
+    the emitted position; not normalised)."""
+    assert u_accept.dtype == torch.float64, "uniforms must be float64"
     batch, positions, _ = p.shape
     gamma = positions - 1
     rows = torch.arange(batch, device=p.device)
     if gamma == 0:
-        return torch.zeros(batch, dtype=torch.int64, device=p.device), sample_rows(p[:, 0], u_sample[:, 0])
+        return torch.zeros(batch, dtype=torch.int64, device=p.device), p[:, 0].double()
     q_probs = _normalise(q_probs)  # [B, G, K]
     ids = q_ids.long()
     # q(x_i): the mass the draft gave its own proposal (0 if it is not in q's support).
@@ -78,8 +91,7 @@ def speculative_verify(p: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tens
     rejected = num_accepted < num_draft  # [B]
     use_residual = rejected & (residual.sum(dim=-1) > _EMPTY_RESIDUAL)
     # Rejected: norm(max(0, p - q)) at the rejected position; all accepted: the bonus from p_{γ+1}.
-    dist = torch.where(use_residual[:, None], residual, p_k)  # [B, V]
-    return num_accepted, sample_rows(dist, u_sample[rows, num_accepted])
+    return num_accepted, torch.where(use_residual[:, None], residual, p_k)  # [B], [B, V]
 
 
 def _normalise(q_probs: torch.Tensor) -> torch.Tensor:
@@ -89,10 +101,10 @@ def _normalise(q_probs: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, q / total.clamp(min=1e-300), q)
 
 
-def speculative_verify_reference(p, q_ids, q_probs, draft, num_draft, u_accept, u_sample):
+def speculative_verify_reference(p, q_ids, q_probs, draft, num_draft, u_accept, keys):
     """Algorithm 1 written out row by row and token by token; `speculative_verify` must match it
-    token for token given the same uniforms."""
-    assert u_accept.dtype == torch.float64 and u_sample.dtype == torch.float64, "uniforms must be float64"
+    token for token given the same uniforms and keys."""
+    assert u_accept.dtype == torch.float64, "uniforms must be float64"
     batch, positions, vocab = p.shape
     q = torch.zeros(batch, max(positions - 1, 0), vocab, dtype=torch.float64, device=p.device)  # [B, G, V]
     if positions > 1:
@@ -118,7 +130,7 @@ def speculative_verify_reference(p, q_ids, q_probs, draft, num_draft, u_accept, 
         else:
             dist = p[b, n]  # every proposal accepted: the bonus token from p_{γ+1}
         accepted.append(k)
-        emitted.append(sample(dist, float(u_sample[b, k])))
+        emitted.append(int(race(dist[None], keys[b, k : k + 1])[0]))
     return torch.tensor(accepted, dtype=torch.int64), torch.tensor(emitted, dtype=torch.int64)
 
 

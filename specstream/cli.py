@@ -167,8 +167,11 @@ def _target_config(args: argparse.Namespace):
     return TargetConfig(model=ModelSpec(args.model, args.dtype, args.device, args.weights), server=_server_config(args),
                         max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len,
                         default_gamma=args.gamma, max_gamma=args.max_gamma, gamma_policy=args.gamma_policy,
+                        speculative_sampling=args.speculative_sampling,
                         calibrate=not args.no_calibrate, draft_url=args.draft_url,
-                        draft_timeout_s=args.draft_timeout, torch_threads=args.threads,
+                        draft_timeout_s=args.draft_timeout, draft_deadline_floor_s=args.draft_deadline_floor,
+                        draft_deadline_factor=args.draft_deadline_factor, draft_retry_s=args.draft_retry,
+                        torch_threads=args.threads,
                         colocated_draft=_colocated_draft(args), draft_security=_channel_security(args, "draft"),
                         **_batching_config(args))
 
@@ -185,8 +188,9 @@ def cmd_target(args: argparse.Namespace) -> int:
 
 
 def _gamma_flags(p: argparse.ArgumentParser) -> None:
-    """The target's γ settings (target_service/gamma.py); `serve` passes them on to its targets."""
-    from specstream.config import GAMMA_POLICIES, TargetConfig
+    """The target's speculation settings (γ: target_service/gamma.py; verification of sampled
+    proposals: target_service/settle.py); `serve` passes them on to its targets."""
+    from specstream.config import GAMMA_POLICIES, SPECULATIVE_SAMPLING, TargetConfig
 
     p.add_argument("--gamma-policy", choices=GAMMA_POLICIES, default=TargetConfig.gamma_policy,
                    help="how γ is chosen for requests with speculation=auto: goodput: per sequence and step, the "
@@ -203,6 +207,11 @@ def _gamma_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-calibrate", action="store_true",
                    help="do not time verify forwards of each step shape at start-up (the controller then learns "
                         "its verify costs from the first requests)")
+    p.add_argument("--speculative-sampling", choices=SPECULATIVE_SAMPLING, default=TargetConfig.speculative_sampling,
+                   help="how sampled proposals are verified: leviathan: accept with min(1, p/q), else sample the "
+                        "residual (most tokens per pass); coupled: accept a proposal iff it is the target's own "
+                        "sample, so a seed gives exactly the text of plain sampling whatever gamma, the draft or "
+                        "a resubmission of the request (fewer accepted proposals)")
 
 
 def _batching_flags(p: argparse.ArgumentParser) -> None:
@@ -349,7 +358,7 @@ def _serve_draft(args: argparse.Namespace, draft: str | None, proposer: str) -> 
 
 
 def _stack_spec(args: argparse.Namespace):
-    from specstream.config import DraftConfig
+    from specstream.config import DraftConfig, RestartPolicy
     from specstream.launcher import StackSpec
 
     # The draft's own check of the n-gram range, here so that it fails before any process starts.
@@ -365,9 +374,11 @@ def _stack_spec(args: argparse.Namespace):
                      max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len, dtype=dtype,
                      weights=args.weights, colocate_draft=args.colocate_draft, log_dir=args.log_dir,
                      draft_threads=args.draft_threads, target_threads=args.target_threads,
-                     target_replicas=args.replicas, extra_target_args=_batching_args(args), metrics=args.metrics,
+                     target_replicas=args.replicas, metrics=args.metrics,
+                     extra_target_args=[*_batching_args(args), "--speculative-sampling", args.speculative_sampling],
                      trace_file=os.path.abspath(args.trace_file) if args.trace_file else None,
-                     security=_serve_security(args))
+                     security=_serve_security(args),
+                     supervise=None if args.no_supervise else RestartPolicy(max_delay_s=args.restart_max_delay))
 
 
 def _serve_security(args: argparse.Namespace):
@@ -404,7 +415,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as exc:
         print(f"specstream serve: error: {exc}", file=sys.stderr)
         return 2
-    stack = Stack(spec)
+    stack = Stack(spec, report=lambda message: print(f"specstream serve: {message}", flush=True))
     stop = {"signal": None}
 
     def on_signal(signum, frame) -> None:  # noqa: ARG001
@@ -432,11 +443,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cert = f" --tls-cert {tls.path('client.crt')} --tls-key {tls.path('client.key')}" if tls.client_certs else ""
         print(f"  TLS on every hop; call with: SPECSTREAM_TOKEN=$(cat {tls.path('api-tokens')}) specstream generate "
               f"--url {stack.gateway_address} --tls-ca {tls.path('ca.crt')}{cert} PROMPT", flush=True)
-    while stop["signal"] is None and stack.alive():
+    while stop["signal"] is None and stack.serving():
         time.sleep(0.2)
+    gateway_exit = stack.supervisor.final_exit if stack.supervisor is not None else None
     codes = stack.stop()
     print(f"stopped: {codes}", flush=True)
-    return 0 if stop["signal"] is not None else 1
+    if stop["signal"] is not None:
+        return 0
+    if gateway_exit is not None:  # supervised: only the gateway's exit ends serve, with its code
+        return gateway_exit if gateway_exit >= 0 else 128 - gateway_exit  # killed by signal N: 128 + N
+    return 1
 
 
 def _speculation(value: str) -> str | int:
@@ -866,6 +882,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", action="store_true", help="each service serves Prometheus /metrics on a free port")
     _batching_flags(p)
     p.add_argument("--trace-file", help="all three services append one JSON span per line to this file")
+    p.add_argument("--no-supervise", action="store_true",
+                   help="do not restart a draft or target that exits (then any service's exit stops them all)")
+    p.add_argument("--restart-max-delay", type=float, default=10.0,
+                   help="a crashed draft or target is restarted after 0.5 s, doubling per further crash up to "
+                        "this many seconds (reset once it stays up 30 s)")
     sec = p.add_argument_group("security (off by default)")
     sec.add_argument("--tls-dir", metavar="DIR",
                      help="TLS on every hop with DIR's files: mTLS and an internal token between the services "
@@ -881,7 +902,16 @@ def build_parser() -> argparse.ArgumentParser:
     _server_flags(p, 50052)
     p.add_argument("--draft-url", help="host:port of the draft service (omit: plain decoding, or --draft-model)")
     _upstream_flags(p, "draft")
-    p.add_argument("--draft-timeout", type=float, default=10.0)
+    p.add_argument("--draft-timeout", type=float, default=10.0,
+                   help="the longest a propose round trip may take (seconds); the deadline of each round trip "
+                        "is derived from the measured ones and never exceeds this")
+    p.add_argument("--draft-deadline-floor", type=float, default=0.25,
+                   help="the shortest propose deadline (seconds): a reply later than its deadline means the "
+                        "step decodes without the draft and the stream is reopened")
+    p.add_argument("--draft-deadline-factor", type=float, default=2.0,
+                   help="a propose deadline is this many times the round trip predicted for its shape")
+    p.add_argument("--draft-retry", type=float, default=1.0,
+                   help="seconds between attempts to reach a draft that failed")
     p.add_argument("--draft-model", help="run the draft in this process instead of a draft service (no gRPC hop "
                                          "between the two models): a model reference; exclusive with --draft-url")
     _proposer_flags(p, model_flag="--draft-model, in this process; with --proposer ngram no draft model is needed")

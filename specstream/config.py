@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 GAMMA_POLICIES = ("goodput", "fixed", "hf", "leviathan")  # target_service/gamma.py
+# How sampled proposals are verified (target_service/settle.py): Leviathan's accept/reject with the
+# residual (the most tokens per pass), or coupled: accept a proposal iff it is the target's own
+# sample, so sampled output is exactly plain sampling's whatever γ, the draft or a resubmission.
+SPECULATIVE_SAMPLING = ("leviathan", "coupled")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 where native (model_registry.resolve_dtype)
 # How weight matrices are served (specstream/models/loader.py): dense in the dtype; "int4": the
 # checkpoint's own 4-bit blocks (a converted Q4_0/Q4_1 GGUF file); "int4-rtn": a dense checkpoint
@@ -203,6 +207,7 @@ class TargetConfig:
     default_gamma: int = 4  # speculation=auto's γ under gamma_policy "fixed" (and before any step is measured)
     max_gamma: int = 16  # largest gamma a request may ask for, and the controller may pick
     gamma_policy: str = "goodput"  # speculation=auto: "goodput", "fixed", "hf" or "leviathan" (target_service/gamma.py)
+    speculative_sampling: str = "leviathan"  # one of SPECULATIVE_SAMPLING: how sampled proposals are verified
     # Time verify forwards of each step shape at start-up for the γ controller's cost model
     # (target_service/calibration.py; a few seconds at most).
     calibrate: bool = True
@@ -210,7 +215,12 @@ class TargetConfig:
     # The draft in this process instead (no gRPC hop; it runs on the engine's torch thread between
     # forwards). Exclusive with draft_url. Its server settings are unused.
     colocated_draft: DraftConfig | None = None
-    draft_timeout_s: float = 10.0  # a propose round trip longer than this counts as draft failure
+    # Every propose round trip has a deadline derived from the measured round trips of its shape
+    # (target_service/draft_deadline.py): clamp(factor × predicted × spread, floor, draft_timeout_s).
+    # Past it the step decodes with γ = 0 and the stream is dropped; this is the longest it can be.
+    draft_timeout_s: float = 10.0
+    draft_deadline_floor_s: float = 0.25  # the shortest deadline (scheduling noise on a busy host)
+    draft_deadline_factor: float = 2.0  # the deadline over the round trip predicted for the shape
     draft_retry_s: float = 1.0  # wait this long before reconnecting to a failed draft
     # TLS, client certificate and internal token towards the draft service (draft_url).
     draft_security: ChannelSecurity = field(default_factory=lambda: ChannelSecurity("draft_security"))
@@ -243,9 +253,14 @@ class TargetConfig:
         _check(self.max_gamma + 2 < self.max_seq_len, "max_gamma", self.max_gamma, "well below max_seq_len")
         _check(self.gamma_policy in GAMMA_POLICIES, "gamma_policy", self.gamma_policy,
                f"one of {', '.join(GAMMA_POLICIES)}")
+        _check(self.speculative_sampling in SPECULATIVE_SAMPLING, "speculative_sampling", self.speculative_sampling,
+               f"one of {', '.join(SPECULATIVE_SAMPLING)}")
         _check(not (self.draft_url and self.colocated_draft), "colocated_draft", "set",
                f"unset when draft_url is set ({self.draft_url!r}): the draft runs in one place")
         _check(self.draft_timeout_s > 0, "draft_timeout_s", self.draft_timeout_s, "> 0")
+        _check(0 < self.draft_deadline_floor_s <= self.draft_timeout_s, "draft_deadline_floor_s",
+               self.draft_deadline_floor_s, f"in (0, draft_timeout_s={self.draft_timeout_s}]")
+        _check(self.draft_deadline_factor >= 1.0, "draft_deadline_factor", self.draft_deadline_factor, ">= 1")
         _check(self.draft_retry_s >= 0, "draft_retry_s", self.draft_retry_s, ">= 0")
         _check(self.torch_threads >= 0, "torch_threads", self.torch_threads, ">= 0")
 
@@ -315,6 +330,21 @@ class StallConfig:
         _check(self.floor_s > 0, "stall floor_s", self.floor_s, "> 0")
         _check(self.ceiling_s >= self.floor_s, "stall ceiling_s", self.ceiling_s, f">= floor_s ({self.floor_s})")
         _check(self.step_multiple >= 1, "stall step_multiple", self.step_multiple, ">= 1")
+
+
+@dataclass
+class RestartPolicy:
+    """How `specstream serve` restarts a draft or target process that exited (specstream/supervisor.py)."""
+
+    initial_delay_s: float = 0.5  # wait this long before the first restart after a crash
+    max_delay_s: float = 10.0  # each further crash doubles the wait, up to this
+    stable_s: float = 30.0  # a process that stays up this long is forgiven: the next crash waits initial_delay_s
+
+    def __post_init__(self) -> None:
+        _check(self.initial_delay_s >= 0, "initial_delay_s", self.initial_delay_s, ">= 0")
+        _check(self.max_delay_s >= self.initial_delay_s, "max_delay_s", self.max_delay_s,
+               f">= initial_delay_s ({self.initial_delay_s})")
+        _check(self.stable_s > 0, "stable_s", self.stable_s, "> 0")
 
 
 @dataclass

@@ -13,7 +13,10 @@ Prometheus `/metrics` on a free port of its own (`Stack.metrics_addresses`). Wit
 (StackSecurity) every hop runs TLS: mTLS plus the internal token between the services, each
 accepting only the certificate of the service that calls it, and TLS plus the API token on the
 public API; the launcher's own health polling and `Stack.channel` present the certificate of each
-process's usual caller. Knows nothing about what the services do.
+process's usual caller. With `supervise` (what `specstream serve` runs with) a draft or target that
+exits is started again on its old address after a growing delay (specstream/supervisor.py) and only
+the gateway's exit ends the stack; without it (the default, for tests that kill processes on
+purpose) a process that exits stays down until `restart`. Knows nothing about what the services do.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specstream.certs import ROLES, peer_name
 from specstream.channels import open_blocking_channel
-from specstream.config import GAMMA_POLICIES, ChannelSecurity, DraftConfig, TargetConfig
+from specstream.config import GAMMA_POLICIES, ChannelSecurity, DraftConfig, RestartPolicy, TargetConfig
 from specstream.model_registry import resolve_model
+from specstream.supervisor import Supervisor
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -158,6 +162,9 @@ class StackSpec:
     # Each target runs the draft (draft_model / proposer) in its own process: no draft service.
     colocate_draft: bool = False
     security: StackSecurity | None = None  # TLS and tokens on every hop; None: plaintext, no tokens
+    # Restart a draft or target process that exits, by this policy (`serve` sets it); None: a process
+    # that exits stays down (what tests that kill processes on purpose expect).
+    supervise: RestartPolicy | None = None
 
     def __post_init__(self) -> None:
         # The services check their own values again; these are the ones that decide which
@@ -249,12 +256,14 @@ def _child_env() -> dict[str, str]:
 
 
 class Stack:
-    def __init__(self, spec: StackSpec) -> None:
+    def __init__(self, spec: StackSpec, report: Callable[[str], None] | None = None) -> None:
         self.spec = spec
         self.procs: dict[str, subprocess.Popen] = {}
         self.args: dict[str, list[str]] = {}
         self.addresses: dict[str, str] = {}
         self.metrics_addresses: dict[str, str] = {}  # name -> host:port of its /metrics, with spec.metrics
+        self.report = report  # the supervisor's exits and restarts go here (None: the logger)
+        self.supervisor: Supervisor | None = None
 
     @property
     def gateway_address(self) -> str:
@@ -311,6 +320,10 @@ class Stack:
         except BaseException:
             self.stop()
             raise
+        if spec.supervise is not None:
+            self.supervisor = Supervisor(self.procs, lambda name: self._spawn(name, self.args[name]), spec.supervise,
+                                         **({"report": self.report} if self.report else {}))
+            self.supervisor.start()
         return self
 
     def _spawn(self, name: str, args: list[str]) -> None:
@@ -329,15 +342,29 @@ class Stack:
         address, with its old arguments (for failure tests)."""
         if name not in self.args:
             raise KeyError(f"no service named {name!r}; have {sorted(self.args)}")
-        self._spawn(name, self.args[name])
+        if self.supervisor is not None:
+            with self.supervisor.lock:
+                self._spawn(name, self.args[name])
+        else:
+            self._spawn(name, self.args[name])
         wait_healthy(self.addresses[name], timeout_s, self.procs[name], security=self.calling(name))
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs.values())
 
+    def serving(self) -> bool:
+        """Whether the stack still serves: with supervision, while the gateway runs (the others
+        are restarted); without, while every process runs."""
+        if self.supervisor is not None:
+            return self.supervisor.final_exit is None and self.supervisor.running
+        return self.alive()
+
     def stop(self, grace_s: float = 15.0) -> dict[str, int | None]:
         """SIGTERM in reverse start order, each after the one before has exited (the gateway
-        finishes its requests before the target goes); SIGKILL after `grace_s`. Returns exit codes."""
+        finishes its requests before the target goes); SIGKILL after `grace_s`. Returns exit codes.
+        Supervision ends first, so nothing is restarted while the stack stops."""
+        if self.supervisor is not None:
+            self.supervisor.stop()
         for proc in reversed(list(self.procs.values())):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

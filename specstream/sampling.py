@@ -2,10 +2,12 @@
 
 Speculative sampling is exact only if the target's p and the draft's q come from the SAME
 processing of their logits (design §5), so both services call `process_logits` with the request's
-`SamplingParams`. Random numbers come from a counter-based generator keyed by (seed, position,
-purpose): a request's draws depend on nothing else in the batch, so the same seed reproduces the
-same text whatever shares the step. Knows nothing about models or engines; `from_pb` reads the
-`specstream.v1.Sampling` message at the edge.
+`SamplingParams`. Random numbers come from a counter-based generator keyed by (seed, absolute
+position in the sequence, purpose), never by how many draws a stream has made: a request's draws
+depend on nothing else in the batch, so the same seed reproduces the same text whatever shares the
+step, and a request resubmitted as its prompt plus the tokens generated so far draws at the same
+positions with the same keys as the run it continues. Knows nothing about models or engines;
+`from_pb` reads the `specstream.v1.Sampling` message at the edge.
 """
 
 from __future__ import annotations
@@ -134,8 +136,16 @@ def truncate(probs: torch.Tensor, support: int) -> tuple[torch.Tensor, torch.Ten
     return ids, top / top.sum(dim=-1, keepdim=True)
 
 
-# Purposes of random draws, so that e.g. accepting position 7 and sampling position 7 differ.
-DRAFT_SAMPLE, ACCEPT, TARGET_SAMPLE = 1, 2, 3
+# What a draw is for, so that e.g. accepting position 7 and sampling position 7 use unrelated numbers:
+# - SAMPLE: the token at a position as plain sampling draws it (the per-token race noise of
+#   kernels/random.py): a request's first token, a γ = 0 step, the bonus token after a fully
+#   accepted run, and under coupled verification every position. The draft guesses a position
+#   with the same noise, so where q is close to p its guess is the target's own sample.
+# - ACCEPT: Leviathan's acceptance test of the proposal at a position (one uniform).
+# - RESIDUAL: a target draw at a position the draft drew for (the residual after a rejection):
+#   the draft's noise there is spent, and reusing it would bias the draw.
+# (1 was the draft's own inverse-CDF uniform before the draft shared SAMPLE's noise.)
+ACCEPT, SAMPLE, RESIDUAL = 2, 3, 4
 
 
 _GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -169,21 +179,3 @@ def uniforms(seeds: Sequence[int], starts: Sequence[int], count: int, purpose: i
         x ^= x >> u64(31)
     values = (x >> u64(11)).astype(np.float64) / float(1 << 53)  # exact: 53-bit integers
     return torch.from_numpy(values).to(device)
-
-
-def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling, one token per row: probs [N, V] (need not be normalised), u [N]
-    float64 in [0, 1) -> ids [N] int64, the first token whose cumulative mass exceeds u * total.
-    Zero-probability tokens are never returned. No host sync."""
-    cdf = probs.double().cumsum(dim=-1)  # [N, V]
-    threshold = (u.double() * cdf[:, -1])[:, None]  # [N, 1]
-    index = torch.searchsorted(cdf, threshold, right=True).squeeze(-1)  # [N]
-    # u * total can round up to the total; then the last token with mass is the answer, never a
-    # trailing zero (a strict "cdf > threshold" search skips every zero-mass token otherwise).
-    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).to(torch.int64).argmax(dim=-1)  # [N]
-    return torch.minimum(index, last)
-
-
-def sample(probs: torch.Tensor, u: float) -> int:
-    """One token from probs [V] with the uniform u (see sample_rows)."""
-    return int(sample_rows(probs[None], torch.tensor([u], dtype=torch.float64, device=probs.device))[0])

@@ -17,6 +17,7 @@ stays agreed (`settle`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -45,6 +46,7 @@ class DraftSource(Protocol):
     - ``epoch`` changes whenever the source's state was lost (a new stream): then it holds nothing.
     - ``release(keys)`` forgets sequences; unknown keys are ignored.
     - ``ready()`` is True when a propose can be attempted now; it must not block on a dead source.
+    - ``watch(callback)``: ``callback()`` is called whenever ``connected`` changes.
     - ``vocab_size`` / ``max_context_length``: the ids and the sequence length it can take.
     """
 
@@ -63,6 +65,8 @@ class DraftSource(Protocol):
     def held_sequences(self) -> int: ...
 
     async def ready(self) -> bool: ...
+
+    def watch(self, callback: Callable[[], None]) -> None: ...
 
     async def propose(self, step: int, items: list[ProposeItem], traceparent: str = "",
                       item_traceparents: list[str] | None = None) -> list[Proposal] | None: ...
@@ -148,7 +152,7 @@ class Drafting:
         tokens = list(reply.tokens[:gamma])
         cut = next((j for j, t in enumerate(tokens) if t >= vocab), len(tokens))
         row = Row(seq.sampling, len(seq.tokens), tokens[:cut], logprobs=seq.logprobs,
-                  source=reply.source)
+                  source=reply.source, drafted=len(tokens))
         width = reply.q_width
         if seq.sampling.greedy or not width or not row.proposals:
             return row

@@ -86,6 +86,8 @@ class Engine:
         self.metrics = metrics or TargetMetrics(config.max_gamma, config.batch_rows)
         self.metrics.watch_sequences(running=lambda: len(self.running), waiting=lambda: len(self.waiting))
         self._background: set[asyncio.Task] = set()
+        if draft is not None:  # the gateway learns of a draft (re)connecting without waiting for a step
+            draft.watch(self._report_load)
 
     # ----- limits and load -------------------------------------------------------------------
     @property
@@ -99,6 +101,11 @@ class Engine:
                     draft_connected=self.drafting.connected, batch=self.stats.snapshot())
 
     # ----- requests from connections (called on the event loop) -------------------------------
+    def _report_load(self) -> None:
+        load = self.load()
+        for conn in self.connections:
+            conn.send(EngineMessage(load))
+
     def attach(self, conn: Connection) -> None:
         self.connections.add(conn)
         conn.send(EngineMessage(self.load()))
@@ -346,7 +353,8 @@ class Engine:
                                        torch.tensor(slots, dtype=torch.int64),
                                        torch.tensor(start, dtype=torch.int64))  # [B, G+1, H]
             # The output layer runs inside settlement: fused with it on the Triton backend.
-            verdicts = settle(Hidden(hidden[: len(rows)].flatten(0, 1), self.model.output_head), checks) if rows else []
+            verdicts = settle(Hidden(hidden[: len(rows)].flatten(0, 1), self.model.output_head), checks,
+                              coupled=self.config.speculative_sampling == "coupled") if rows else []
             candidates, at = [], len(rows)
             for seq in beams:
                 candidates.append(self._beam_candidates(hidden[at : at + seq.width, 0], seq))

@@ -30,7 +30,7 @@ import numpy as np
 
 from specstream.config import GAMMA_POLICIES as POLICIES
 
-__all__ = ["AUTO_GAMMA", "POLICIES", "CostModel", "GammaController", "RowView", "expected_tokens",
+__all__ = ["AUTO_GAMMA", "POLICIES", "CostModel", "GammaController", "LinearFit", "RowView", "expected_tokens",
            "leviathan_gamma"]
 
 AUTO_GAMMA = -1  # a row's requested γ under speculation=auto
@@ -56,7 +56,7 @@ def leviathan_gamma(alpha: float, c: float, cap: int) -> int:
     return max(range(cap + 1), key=lambda g: (expected_tokens(alpha, g) / (g * c + 1.0), -g))
 
 
-class _LinearFit:
+class LinearFit:
     """Recursive least squares with exponential forgetting: y ≈ θ·x, refit on every sample.
 
     The prior is θ0 with covariance diag(prior_var): a small variance on a slope keeps it near its
@@ -126,10 +126,10 @@ class CostModel:
     DRAFT_PRIOR = 0.1
 
     def __init__(self) -> None:
-        self.verify = _LinearFit([0.0, 0.0], [1e6, 1.0])  # [v0, v1]
+        self.verify = LinearFit([0.0, 0.0], [1e6, 1.0])  # [v0, v1]
         # positions -> (seconds the line misses there, self.verify.samples when last measured)
         self.residual: dict[int, tuple[float, int]] = {}
-        self.draft = _LinearFit([0.0, 0.0, 0.0, 0.0], [1.0, 1e6, 1e6, 1e6])  # [d0, d1, d2, d3]
+        self.draft = LinearFit([0.0, 0.0, 0.0, 0.0], [1.0, 1e6, 1e6, 1e6])  # [d0, d1, d2, d3]
         self.other_s = 0.0
         self._steps = 0
 

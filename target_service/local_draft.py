@@ -35,6 +35,9 @@ class LocalDraft:
     async def ready(self) -> bool:
         return True
 
+    def watch(self, callback) -> None:
+        pass  # always connected
+
     async def propose(self, step: int, items: list[ProposeItem], traceparent: str = "",
                       item_traceparents: list[str] | None = None) -> list[Proposal]:
         return await asyncio.get_running_loop().run_in_executor(self._compute, self.proposer.propose, items)

@@ -23,6 +23,7 @@ from specstream.models import ModelLoadError, load_model
 from specstream_pb import target_pb2, target_pb2_grpc
 from target_service.connection import Connection
 from target_service.draft_client import DraftClient
+from target_service.draft_deadline import DraftDeadline
 from target_service.engine import Engine
 from target_service.local_draft import LocalDraft
 from target_service.wire import load_to_pb, message_to_pb, request_from_pb
@@ -92,7 +93,9 @@ async def serve(config: TargetConfig, ready_file: str | None = None) -> None:
     draft: DraftClient | LocalDraft | None = None
     if config.draft_url:
         draft = DraftClient(config.draft_url, config.draft_timeout_s, config.draft_retry_s,
-                            options=config.server.grpc_options(), security=config.draft_security)
+                            options=config.server.grpc_options(), security=config.draft_security,
+                            deadline=DraftDeadline(config.draft_timeout_s, config.draft_deadline_floor_s,
+                                                   config.draft_deadline_factor))
     elif config.colocated_draft is not None:
         proposer = await asyncio.get_running_loop().run_in_executor(compute, build_proposer, config.colocated_draft)
         draft = LocalDraft(proposer, compute)
@@ -101,7 +104,7 @@ async def serve(config: TargetConfig, ready_file: str | None = None) -> None:
     server = ServiceServer(config.server, [SERVICE_NAME], metrics.registry)
     target_pb2_grpc.add_TargetServicer_to_server(TargetServicer(engine), server.server)
     await server.start()
-    if isinstance(draft, DraftClient):
+    if isinstance(draft, DraftClient):  # the stream is up before SERVING: Load.draft_connected is true at once
         await draft.wait_connected(timeout_s=config.draft_timeout_s)
     engine_task = asyncio.create_task(engine.run(), name="engine")
     await server.set_serving(True)

@@ -1,21 +1,38 @@
 """Settling one target pass: which proposals stand and which token follows, per row (design §5).
 
-Greedy rows keep the longest prefix matching the target's argmax. Sampling rows are verified by
-Leviathan's rule against their sparse q (a proposal that came without q, from a model-free
-proposer, is a point mass), with uniforms keyed by (seed, position) so a row's result depends on
-nothing else in the batch. A pass without proposals (prefill, γ = 0) is plain decoding: argmax, or
-a sample from p. Rows that asked for log-probabilities get them under the distribution their token
-came from (the processed p; the plain softmax for greedy rows).
+Greedy rows keep the longest prefix matching the target's argmax. A pass without proposals
+(prefill, γ = 0) is plain decoding: the argmax, or the plain sample from p: the winner of an
+exponential race over p with the noise keyed by (seed, absolute position, SAMPLE) (kernels/random.py).
+Sampling rows with proposals are settled one of two ways (`TargetConfig.speculative_sampling`):
+
+- ``leviathan`` (default): Leviathan's rule against the draft's sparse q (a proposal that came
+  without q, from a model-free proposer, is a point mass): accept with min(1, p/q) (an ACCEPT
+  uniform per position), at the first rejection a sample from norm(max(0, p − q)), after a fully
+  accepted run the bonus token from p. Where the emitted token lands on a position the draft drew
+  a guess for, it is raced with RESIDUAL noise (the draft's noise there is spent); elsewhere (the
+  bonus) with SAMPLE noise, the plain sample's.
+- ``coupled``: at every position the target takes its own plain sample (SAMPLE noise) and a
+  proposal is accepted iff it equals that sample (the draft guesses with the same noise, so it
+  often does). Every emitted token is then exactly the token plain sampling emits, whatever γ,
+  the draft, the batch or an interruption: a sampled request is reproducible like a greedy one.
+  The price is acceptance: P(guess = sample) under shared Gumbel noise is at least
+  (1 − TV)/(1 + TV) (Daliri, Musco & Suresh 2024, "Coupling without communication") against
+  Leviathan's 1 − TV (TV the total variation between p and q); for a proposal without q (a point
+  mass) both accept with p(x).
+
+Keys depend on nothing else in the batch, so neither does a row's result. Rows that asked for
+log-probabilities get them under the distribution their token came from (the processed p; the
+plain softmax for greedy rows).
 
 The target's scores come as logits [B, G+1, V] or as hidden states with the LM head (``Hidden``).
 On the torch backend (CPU) the logits are built and settled here with the torch ops; on the Triton
 backend (CUDA) greedy rows go through the fused 1-best verification kernel and sampling rows
 through the fused speculative kernel (temperature, cuts, accept/reject and the residual sample in
-one read of each row, an exponential race instead of an inverse CDF), so [rows, vocab] logits are
-built only for a row whose top-k/top-p cut reaches past its 64 largest scores (cuts and
-log-probabilities come from a fused n-best pass). Both draw with the same
-(seed, position) keys, so a row's result never depends on its batch; the two backends' samples
-are equally distributed, not equal.
+one read of each row), coupled rows through the fused sampling kernel at every position, so
+[rows, vocab] logits are built only for a row whose top-k/top-p cut reaches past its 64 largest
+scores (cuts and log-probabilities come from a fused n-best pass). Both backends race with the same
+noise for the same keys, so their samples agree except where the two computations of p round a
+near-tie in the race differently.
 
 Runs on the compute thread; all results reach the host in ONE transfer.
 """
@@ -29,9 +46,9 @@ import torch
 
 import kernels
 from kernels.lm_head import Hidden
-from kernels.random import row_keys
+from kernels.random import race, row_keys
 from kernels.sample import cut_thresholds
-from specstream.sampling import ACCEPT, TARGET_SAMPLE, SamplingParams, process_logits, uniforms
+from specstream.sampling import ACCEPT, RESIDUAL, SAMPLE, SamplingParams, process_logits, uniforms
 
 @dataclass
 class Row:
@@ -45,6 +62,10 @@ class Row:
     q_probs: Sequence[float] = ()
     logprobs: int | None = None  # None: not requested; n: with the n most likely alternatives
     source: str = "model"  # the proposer that made the proposals (the γ controller's statistics are per proposer)
+    # Positions (from `position` on) the draft drew a guess for: at least len(proposals), more when
+    # guesses were cut (an id past the vocabulary, a malformed q table). The target never races
+    # with SAMPLE noise there under Leviathan's rule: the draft's guess depended on it.
+    drafted: int = 0
 
 
 @dataclass
@@ -55,10 +76,11 @@ class Verdict:
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
-def settle(target: torch.Tensor | Hidden, rows: list[Row]) -> list[Verdict]:
+def settle(target: torch.Tensor | Hidden, rows: list[Row], coupled: bool = False) -> list[Verdict]:
     """target: logits [B, G+1, V], or Hidden over the B*(G+1) rows (sequence-major): position j
-    scores the token after proposal j (0: after the row's last committed token). Returns one
-    Verdict per row."""
+    scores the token after proposal j (0: after the row's last committed token). `coupled`: settle
+    sampling rows by coupled verification instead of Leviathan's rule (module docstring). Returns
+    one Verdict per row."""
     batch = len(rows)
     if isinstance(target, Hidden):
         positions = target.states.shape[0] // batch
@@ -74,11 +96,19 @@ def settle(target: torch.Tensor | Hidden, rows: list[Row]) -> list[Verdict]:
     wanted = [b for b, r in enumerate(rows) if r.logprobs is not None]
     top_n = max((rows[b].logprobs for b in wanted), default=0)
     if isinstance(target, Hidden):
-        num_accepted, tokens = _settle_fused(target, rows, draft, num_draft, positions)
+        num_accepted, tokens = _settle_fused(target, rows, draft, num_draft, positions, coupled)
     else:
         num_accepted, tokens = kernels.greedy_verify(draft, num_draft, target)  # [B], [B, G+1]
         sampled = [b for b, r in enumerate(rows) if not r.params.greedy]
-        if sampled:
+        if sampled and coupled:
+            chosen = [rows[b] for b in sampled]
+            p = process_logits(target[sampled], [r.params for r in chosen])  # [S, G+1, V]
+            live = _live(chosen, positions, device)  # [L] flat (row, position) indices a token can come from
+            samples = torch.full((len(sampled) * positions,), -1, dtype=torch.int64, device=device)
+            samples[live] = race(p.flatten(0, 1)[live], _keys(chosen, positions, coupled, device).flatten()[live])
+            num_accepted[sampled], tokens[sampled] = _match(draft[sampled], num_draft[sampled],
+                                                            samples.view(len(sampled), positions))
+        elif sampled:
             k, emitted = _verify_sampled(target[sampled], [rows[b] for b in sampled], draft[sampled],
                                          num_draft[sampled])
             num_accepted[sampled] = k
@@ -100,6 +130,35 @@ def settle(target: torch.Tensor | Hidden, rows: list[Row]) -> list[Verdict]:
     return _unpack(flat, rows, wanted, positions, top_n)
 
 
+def _keys(rows: list[Row], positions: int, coupled: bool, device: torch.device | str) -> torch.Tensor:
+    """[S, G+1] int64 race keys: row b's draw at position `rows[b].position + j`, with SAMPLE noise,
+    or (Leviathan) RESIDUAL noise where the draft drew a guess (j < drafted)."""
+    seeds = [r.params.seed for r in rows]
+    at = [[r.position + j for r in rows] for j in range(positions)]
+    sample = torch.stack([row_keys(seeds, at[j], SAMPLE, device) for j in range(positions)], dim=1)  # [S, G+1]
+    if coupled:
+        return sample
+    residual = torch.stack([row_keys(seeds, at[j], RESIDUAL, device) for j in range(positions)], dim=1)
+    drafted = torch.tensor([r.drafted for r in rows], device=device)[:, None]  # [S, 1]
+    return torch.where(torch.arange(positions, device=device) < drafted, residual, sample)
+
+
+def _live(rows: list[Row], positions: int, device: torch.device | str) -> torch.Tensor:
+    """Flat indices b * positions + j of the positions a row can emit from (j <= its proposals):
+    a coupled pass samples only those."""
+    return torch.tensor([b * positions + j for b, r in enumerate(rows) for j in range(len(r.proposals) + 1)],
+                        dtype=torch.int64, device=device)
+
+
+def _match(draft: torch.Tensor, num_draft: torch.Tensor, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Coupled verification: (num_accepted [S], tokens [S, G+1]): the longest prefix of the proposals
+    equal to the target's own samples; the samples are what the row emits."""
+    gamma = draft.shape[1]
+    proposed = torch.arange(gamma, device=draft.device) < num_draft[:, None]  # [S, G]
+    same = proposed & (draft == samples[:, :gamma])  # [S, G]
+    return same.to(torch.int64).cumprod(dim=1).sum(dim=1), samples
+
+
 def _emitted_tokens(draft: torch.Tensor, k: torch.Tensor, emitted: torch.Tensor) -> torch.Tensor:
     """[S, G+1]: the proposals, with the emitted token at position k (what a row commits is the
     first k + 1)."""
@@ -107,8 +166,8 @@ def _emitted_tokens(draft: torch.Tensor, k: torch.Tensor, emitted: torch.Tensor)
     return row_tokens.scatter(1, k[:, None], emitted[:, None])
 
 
-def _settle_fused(target: Hidden, rows: list[Row], draft: torch.Tensor, num_draft: torch.Tensor, positions: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def _settle_fused(target: Hidden, rows: list[Row], draft: torch.Tensor, num_draft: torch.Tensor, positions: int,
+                  coupled: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(num_accepted [B], tokens [B, G+1]) through the fused kernels (kernels/verify.py, speculative.py)."""
     batch, gamma = draft.shape
     device = draft.device
@@ -126,13 +185,19 @@ def _settle_fused(target: Hidden, rows: list[Row], draft: torch.Tensor, num_draf
         part = Hidden(states[sampled].reshape(-1, states.shape[-1]), target.head)  # [S*(G+1), H]
         # Top-k/top-p cuts: one threshold per row, from a fused n-best pass over the rows with cuts.
         threshold = cut_thresholds(part, [p for p in params for _ in range(positions)]).view(len(sampled), positions)
-        seeds = [p.seed for p in params]
-        starts = [r.position for r in chosen]
-        keys = torch.stack([row_keys(seeds, [s + j for s in starts], TARGET_SAMPLE, device)
-                            for j in range(positions)], dim=1)  # [S, G+1]
-        u_accept = uniforms(seeds, starts, gamma, ACCEPT, device)  # [S, G]
-        q_ids, q_probs = _sparse_q(chosen, gamma)
+        keys = _keys(chosen, positions, coupled, device)  # [S, G+1]
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        if coupled:  # the target's own sample at every position, one fused read per row
+            live = _live(chosen, positions, device)  # [L]
+            samples = torch.full((len(sampled) * positions,), -1, dtype=torch.int64, device=device)
+            samples[live] = kernels.sample(Hidden(part.states[live], part.head),
+                                           temperature.repeat_interleave(positions)[live], keys.flatten()[live],
+                                           threshold.flatten()[live])
+            num_accepted[sampled], tokens[sampled] = _match(draft[sampled], num_draft[sampled],
+                                                            samples.view(len(sampled), positions))
+            return num_accepted, tokens
+        u_accept = uniforms([p.seed for p in params], [r.position for r in chosen], gamma, ACCEPT, device)  # [S, G]
+        q_ids, q_probs = _sparse_q(chosen, gamma)
         k, emitted = kernels.speculative_verify_fused(part, q_ids.to(device), q_probs.to(device), draft[sampled],
                                                       num_draft[sampled], temperature, threshold, keys, u_accept)
         num_accepted[sampled] = k
@@ -146,11 +211,9 @@ def _verify_sampled(logits: torch.Tensor, rows: list[Row], draft: torch.Tensor, 
     device, gamma = logits.device, logits.shape[1] - 1
     p = process_logits(logits, [r.params for r in rows])  # [S, G+1, V]
     q_ids, q_probs = _sparse_q(rows, gamma)
-    seeds = [r.params.seed for r in rows]
-    starts = [r.position for r in rows]
-    u_accept = uniforms(seeds, starts, gamma, ACCEPT, device)  # [S, G]
-    u_sample = uniforms(seeds, starts, gamma + 1, TARGET_SAMPLE, device)  # [S, G+1]
-    return kernels.speculative_verify(p, q_ids.to(device), q_probs.to(device), draft, num_draft, u_accept, u_sample)
+    u_accept = uniforms([r.params.seed for r in rows], [r.position for r in rows], gamma, ACCEPT, device)  # [S, G]
+    keys = _keys(rows, gamma + 1, False, device)  # [S, G+1]
+    return kernels.speculative_verify(p, q_ids.to(device), q_probs.to(device), draft, num_draft, u_accept, keys)
 
 
 def _sparse_q(rows: list[Row], gamma: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -93,6 +93,32 @@ def test_gamma_policy_defaults_to_the_configs_and_rejects_unknown_names() -> Non
         StackSpec("t", "d", gamma_policy="greedy")
 
 
+@pytest.mark.parametrize("mode", ["leviathan", "coupled"])
+def test_serve_passes_the_verification_of_sampled_proposals_to_every_target(mode: str) -> None:
+    lines = _serve("--target", "t", "--draft", "d", "--replicas", "2", "--speculative-sampling", mode)
+    assert [c.speculative_sampling for c in _target_configs(lines)] == [mode, mode]
+    (default,) = _target_configs(_serve("--target", "t", "--draft", "d"))
+    assert default.speculative_sampling == "leviathan"
+
+
+def test_the_targets_draft_deadline_flags_reach_its_config() -> None:
+    config = _target_config(build_parser().parse_args(
+        ["target", "--model", "m", "--draft-url", "h:1", "--draft-timeout", "4", "--draft-deadline-floor", "0.1",
+         "--draft-deadline-factor", "3", "--draft-retry", "0.5"]))
+    assert (config.draft_timeout_s, config.draft_deadline_floor_s, config.draft_deadline_factor,
+            config.draft_retry_s) == (4.0, 0.1, 3.0, 0.5)
+    default = _target_config(build_parser().parse_args(["target", "--model", "m"]))
+    assert (default.draft_deadline_floor_s, default.draft_deadline_factor) == (
+        TargetConfig.draft_deadline_floor_s, TargetConfig.draft_deadline_factor)
+
+
+def test_serve_supervises_unless_told_not_to() -> None:
+    spec = _stack_spec(build_parser().parse_args(["serve", "--restart-max-delay", "4"]))
+    assert spec.supervise is not None and spec.supervise.max_delay_s == 4.0
+    assert _stack_spec(build_parser().parse_args(["serve", "--no-supervise"])).supervise is None
+    assert StackSpec("t", "d").supervise is None  # Stack itself: off (tests kill processes on purpose)
+
+
 # --- proposer: serve -> draft -----------------------------------------------------------------------------
 
 

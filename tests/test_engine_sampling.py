@@ -12,7 +12,8 @@ from engine_harness import naive_greedy, run_engine
 
 from draft_service.proposer import DraftProposer, ProposeItem
 from specstream.models import load_model
-from specstream.sampling import SamplingParams, process_logits
+from kernels.random import race, row_keys
+from specstream.sampling import RESIDUAL, SAMPLE, SamplingParams, process_logits
 
 PROMPTS = [[5, 9, 17, 3, 22], [1, 2], [7, 7, 7, 7, 7, 7, 7, 7, 7], [30, 4, 11]]
 CHOSEN = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
@@ -141,9 +142,16 @@ def test_a_malformed_draft_table_is_ignored_not_trusted(sampling_pair):
                     p.q_ids[0] = 1000  # outside the vocabulary
             return proposals
 
-    params = [SamplingParams(temperature=1.0, seed=5)]
+    params = SamplingParams(temperature=1.0, seed=5)
     corrupt = Corrupting(load_model(sampling_pair["draft"]), max_slots=16, max_seq_len=512)
-    tokens, finals = run_engine(sampling_pair["target"], None, [PROMPTS[0]], 3, 10, sampling=params, proposer=corrupt)
-    plain, _ = run_engine(sampling_pair["target"], None, [PROMPTS[0]], 0, 10, sampling=params)
-    assert finals[0].stats.accepted_tokens == 0
-    assert len(tokens[0]) == 10 and tokens == plain  # proposals dropped: plain sampling, same draws
+    tokens, finals = run_engine(sampling_pair["target"], None, [PROMPTS[0]], 3, 10, sampling=[params], proposer=corrupt)
+    assert finals[0].stats.accepted_tokens == 0 and finals[0].stats.draft_tokens == 0
+    # Proposals dropped: every token is a plain draw from p, the first (from the prefill) with the
+    # plain sample's noise, the later ones with RESIDUAL noise, since the draft drew at their
+    # positions (its guesses, and whether the table came out malformed, may depend on that noise).
+    p = _reference_logprobs(sampling_pair["target"], PROMPTS[0], tokens[0], params)
+    expected = []
+    for i, logp in enumerate(p):
+        key = row_keys([params.seed], [len(PROMPTS[0]) + i], SAMPLE if i == 0 else RESIDUAL)
+        expected.append(int(race(logp.exp()[None], key)[0]))
+    assert tokens[0] == expected

@@ -1,9 +1,14 @@
-"""Sampling math: logits processing, counter-based uniforms, and speculative-sampling verification.
+"""Sampling math: logits processing, counter-based uniforms, the race sampler, and speculative-
+sampling verification.
 
 The central property (design §5, Leviathan et al. Thm 3.5): one speculative step emits a token
 distributed exactly as p, whatever q is: min(p, q) + (1 - sum min(p, q)) * norm(max(0, p - q)) = p.
-Checked on the implementation itself, for hypothesis-generated p and q including disjoint supports
-and q with zeros where p is large. No test here is statistical: distributions are enumerated.
+Checked on the implementation itself (the acceptance half, `speculative_accept`, which returns the
+distribution the emitted token is drawn from), for hypothesis-generated p and q including disjoint
+supports and q with zeros where p is large: the acceptance probability is probed at its boundary
+and the emitted distribution enumerated exactly. The race that draws from that distribution is
+checked statistically (chi-square, p > 1e-3: a false alarm once in a thousand seed choices; the
+seeds are fixed, so CI never flakes).
 """
 
 from __future__ import annotations
@@ -15,11 +20,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.speculative import speculative_verify, speculative_verify_reference
-from specstream.sampling import (ACCEPT, DRAFT_SAMPLE, SamplingParams, process_logits, sample, sample_rows, truncate,
-                                 uniform, uniforms)
+from collections import Counter
 
-GRID = 1024  # uniforms on a midpoint grid: a sampled distribution is exact to 1/GRID
+from chi_square import goodness_of_fit_p_value
+from kernels.random import gumbel, race, row_keys, uniform_table
+from kernels.speculative import speculative_accept, speculative_verify, speculative_verify_reference
+from specstream.sampling import ACCEPT, RESIDUAL, SAMPLE, SamplingParams, process_logits, truncate, uniform, uniforms
+
+THRESHOLD = 1e-3
 
 
 def _dist(values: list[float]) -> torch.Tensor:
@@ -27,20 +35,21 @@ def _dist(values: list[float]) -> torch.Tensor:
     return t / t.sum()
 
 
-def _verify_one(p_step: torch.Tensor, p_next: torch.Tensor, q: torch.Tensor, x: int, u_accept: float,
-                u_sample: float) -> tuple[int, int]:
+def _accept_one(p_step: torch.Tensor, p_next: torch.Tensor, q: torch.Tensor, x: int, u_accept: float
+                ) -> tuple[int, torch.Tensor]:
+    """One γ = 1 step through `speculative_accept`: (accepted, the distribution the emitted token
+    is drawn from, normalised)."""
     vocab = p_step.shape[0]
     p = torch.stack([p_step, p_next])[None]  # [1, 2, V]
     ids = torch.arange(vocab)[None, None]  # [1, 1, V]: q travels as (all ids, probs)
-    accepted, emitted = speculative_verify(p, ids, q[None, None], torch.tensor([[x]]), torch.tensor([1]),
-                                           torch.tensor([[u_accept]], dtype=torch.float64),
-                                           torch.tensor([[u_sample, u_sample]], dtype=torch.float64))
-    return int(accepted[0]), int(emitted[0])
+    accepted, dist = speculative_accept(p, ids, q[None, None], torch.tensor([[x]]), torch.tensor([1]),
+                                        torch.tensor([[u_accept]], dtype=torch.float64))
+    return int(accepted[0]), dist[0] / dist[0].sum()
 
 
 def _emitted_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """P(first emitted token = y) of one gamma=1 step, enumerating x ~ q, the acceptance draw (via
-    the implementation's own threshold) and the residual draw (a uniform grid)."""
+    """P(first emitted token = y) of one γ = 1 step, enumerating x ~ q, the acceptance draw (probed
+    at the implementation's own threshold) and the distribution it then emits from."""
     vocab = p.shape[0]
     out = torch.zeros(vocab, dtype=torch.float64)
     for x in range(vocab):
@@ -51,16 +60,13 @@ def _emitted_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
             a = 1.0  # p(x) = q(x) up to rounding: no uniform below 1 can probe the boundary
         # The implementation must accept exactly when u < min(1, p/q).
         if a > 0:
-            assert _verify_one(p, p, q, x, a * (1 - 1e-9), 0.5)[0] == 1
+            assert _accept_one(p, p, q, x, a * (1 - 1e-9))[0] == 1
         if a < 1:
-            assert _verify_one(p, p, q, x, min(a * (1 + 1e-9) + 1e-12, 1 - 1e-12), 0.5)[0] == 0
+            assert _accept_one(p, p, q, x, min(a * (1 + 1e-9) + 1e-12, 1 - 1e-12))[0] == 0
         out[x] += q[x] * a
         if a < 1:
-            residual = torch.zeros(vocab, dtype=torch.float64)
-            for i in range(GRID):
-                accepted, token = _verify_one(p, p, q, x, 1 - 1e-12, (i + 0.5) / GRID)
-                assert accepted == 0
-                residual[token] += 1.0 / GRID
+            accepted, residual = _accept_one(p, p, q, x, 1 - 1e-12)
+            assert accepted == 0
             out += q[x] * (1 - a) * residual
     return out
 
@@ -85,55 +91,75 @@ def test_one_step_emits_exactly_p(p_raw, q_raw, data):
             q_raw[min(range(vocab), key=lambda i: p_raw[i])] = 1.0
     p, q = _dist(p_raw), _dist(q_raw)
     got = _emitted_distribution(p, q)
-    assert torch.allclose(got, p, atol=2.0 / GRID), (got.tolist(), p.tolist())
+    assert torch.allclose(got, p, atol=1e-9), (got.tolist(), p.tolist())
 
 
 def test_disjoint_supports_always_reject_and_emit_p():
     p, q = _dist([0.5, 0.5, 0, 0]), _dist([0, 0, 0.3, 0.7])
-    assert torch.allclose(_emitted_distribution(p, q), p, atol=2.0 / GRID)
-    assert _verify_one(p, p, q, 2, 0.0, 0.5)[0] == 0  # even u = 0 cannot accept a token p rules out
+    assert torch.allclose(_emitted_distribution(p, q), p, atol=1e-9)
+    assert _accept_one(p, p, q, 2, 0.0)[0] == 0  # even u = 0 cannot accept a token p rules out
 
 
 def test_identical_distributions_always_accept():
     p = _dist([0.1, 0.2, 0.7])
     for x in range(3):
-        assert _verify_one(p, p, p, x, 1 - 1e-12, 0.3)[0] == 1
+        assert _accept_one(p, p, p, x, 1 - 1e-12)[0] == 1
 
 
 def test_a_proposal_its_q_rules_out_is_verified_as_a_point_mass():
     """A draft bug (x with q(x) = 0) must not bias the output: x is accepted with p(x), and a
     rejection samples p without x, which is exact however x was chosen."""
     p, q = _dist([0.2, 0.5, 0.3]), _dist([1.0, 0.0, 0.0])
-    assert _verify_one(p, p, q, 1, 0.49, 0.5)[0] == 1
-    grid = [(i + 0.5) / GRID for i in range(GRID)]
-    accepted = sum(_verify_one(p, p, q, 1, u, 0.5)[0] for u in grid) / GRID  # P(accept) over u_accept
-    residual = torch.zeros(3, dtype=torch.float64)
-    for u in grid:  # after a rejection, the sample over u_sample
-        residual[_verify_one(p, p, q, 1, 1 - 1e-12, u)[1]] += 1.0 / GRID
-    emitted = (1 - accepted) * residual
-    emitted[1] += accepted
-    assert torch.allclose(emitted, p, atol=2.0 / GRID), emitted.tolist()
+    assert _accept_one(p, p, q, 1, 0.49)[0] == 1 and _accept_one(p, p, q, 1, 0.51)[0] == 0  # P(accept) = p(x)
+    _, residual = _accept_one(p, p, q, 1, 1 - 1e-12)
+    emitted = 0.5 * residual
+    emitted[1] += 0.5
+    assert torch.allclose(emitted, p, atol=1e-9), emitted.tolist()
 
 
 def test_bonus_token_comes_from_the_last_distribution():
     p_step, p_next = _dist([0.0, 1.0, 0.0]), _dist([0.0, 0.0, 1.0])
-    accepted, token = _verify_one(p_step, p_next, p_step, 1, 0.5, 0.5)
-    assert (accepted, token) == (1, 2)
+    accepted, dist = _accept_one(p_step, p_next, p_step, 1, 0.5)
+    assert accepted == 1 and dist.tolist() == [0.0, 0.0, 1.0]
+    emitted = speculative_verify(torch.stack([p_step, p_next])[None], torch.arange(3)[None, None], p_step[None, None],
+                                 torch.tensor([[1]]), torch.tensor([1]), torch.tensor([[0.5]], dtype=torch.float64),
+                                 row_keys([1, 1], [4, 5], SAMPLE)[None])[1]
+    assert emitted.tolist() == [2]
 
 
-def test_sample_never_returns_a_zero_probability_token():
-    probs = _dist([0.0, 0.5, 0.0, 0.5, 0.0])
-    assert sample(probs, 0.0) == 1
-    assert sample(probs, 0.5) == 3
-    assert sample(probs, 1 - 1e-16) == 3
-    assert {sample(probs, (i + 0.5) / 100) for i in range(100)} == {1, 3}
+def test_the_race_samples_the_table_and_never_a_zero():
+    """`race` (the torch path's sampler) against exact probabilities: 20,000 rows with their own
+    keys; chi-square p > 1e-3. Tokens with no mass are never drawn."""
+    probs = _dist([0.0, 0.05, 0.3, 0.0, 0.15, 0.5, 0.0])
+    keys = row_keys([11] * 20_000, range(20_000), SAMPLE)
+    drawn = race(probs.expand(20_000, -1), keys)
+    assert goodness_of_fit_p_value(Counter(drawn.tolist()), probs.tolist()) > THRESHOLD
+    assert race(probs.expand(3, -1) * 7.0, keys[:3]).tolist() == drawn[:3].tolist()  # scale does not matter
+    # Columns may stand for any token ids: the noise follows the id, not the column.
+    ids = torch.tensor([[5, 2, 4]])
+    table = torch.tensor([[0.5, 0.3, 0.15]])
+    assert int(ids[0, race(table, keys[:1], ids)[0]]) == int(race(probs[None], keys[:1])[0])
+
+
+def test_a_uniform_is_never_1_so_the_race_never_picks_a_token_without_mass():
+    """Regression: with 24-bit uniforms (h + 0.5) / 2^24 rounded to 1.0 in float32 for the largest
+    h, whose token then won any race with key +inf; (seed 9, position 42, SAMPLE) gave token 36253
+    such a u. Now u <= 1 - 2^-24 and its noise is finite."""
+    keys = row_keys([9], [42], SAMPLE)
+    assert uniform_table(keys, torch.tensor([36253])).item() < 1.0
+    assert torch.isfinite(gumbel(keys, torch.arange(49152))).all()
+    probs = torch.full((1, 49152), 1e-12)
+    probs[0, 7] = 1.0
+    assert race(probs, keys).item() == 7
+    every = uniform_table(row_keys(range(64), range(64), SAMPLE), torch.arange(49152))
+    assert 0.0 < every.min().item() and every.max().item() < 1.0
 
 
 def test_uniform_is_deterministic_in_range_and_keyed():
     draws = [uniform(7, pos, ACCEPT) for pos in range(20000)]
     assert draws == [uniform(7, pos, ACCEPT) for pos in range(20000)]
     assert all(0.0 <= u < 1.0 for u in draws)
-    assert uniform(7, 3, ACCEPT) != uniform(7, 3, DRAFT_SAMPLE) != uniform(8, 3, DRAFT_SAMPLE)
+    assert uniform(7, 3, ACCEPT) != uniform(7, 3, SAMPLE) != uniform(8, 3, SAMPLE) != uniform(8, 3, RESIDUAL)
     # Kolmogorov-Smirnov against U(0, 1): the 1e-3 critical value is 1.95 / sqrt(n).
     draws.sort()
     ks = max(max((i + 1) / len(draws) - u, u - i / len(draws)) for i, u in enumerate(draws))
@@ -206,14 +232,11 @@ def test_truncate_keeps_the_top_k_renormalised():
     assert ids.shape == (1, 5) and top[0, -1] == 0
 
 
-def test_sample_rows_matches_sample_and_uniforms_are_per_position():
-    torch.manual_seed(1)
-    probs = torch.softmax(torch.randn(64, 9), -1) * (torch.rand(64, 9) > 0.3)
-    probs[:, 0] += 1e-3  # every row keeps some mass
-    u = uniforms(range(64), [5] * 64, 1, ACCEPT)[:, 0]
-    assert sample_rows(probs, u).tolist() == [sample(probs[i], float(u[i])) for i in range(64)]
+def test_uniforms_and_race_keys_are_per_position():
     table = uniforms([3, 4], [10, 20], 3, ACCEPT)  # [2, 3]
     assert table[1, 2] == uniform(4, 22, ACCEPT) and table.dtype == torch.float64
+    # A row's race key at a position is the 53 bits its uniform at that position is made of.
+    assert row_keys([4], [22], ACCEPT).item() == uniform(4, 22, ACCEPT) * 2 ** 53
 
 
 def _random_verify_inputs(seed: int, batch: int = 16, gamma: int = 4, vocab: int = 12, support: int = 5):
@@ -229,8 +252,8 @@ def _random_verify_inputs(seed: int, batch: int = 16, gamma: int = 4, vocab: int
     draft[::5, 1] = (draft[::5, 1] + 1) % vocab  # some proposals the draft gave no (or other) mass
     num_draft = torch.randint(0, gamma + 1, (batch,), generator=gen)
     u_accept = torch.rand(batch, gamma, generator=gen, dtype=torch.float64)
-    u_sample = torch.rand(batch, gamma + 1, generator=gen, dtype=torch.float64)
-    return p, q_ids, q_probs.float(), draft, num_draft, u_accept, u_sample
+    keys = torch.stack([row_keys(range(batch), [seed * 100 + j] * batch, RESIDUAL) for j in range(gamma + 1)], dim=1)
+    return p, q_ids, q_probs.float(), draft, num_draft, u_accept, keys
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -244,12 +267,13 @@ def test_vectorised_verify_matches_the_reference_token_for_token(seed):
 
 def test_verify_without_proposals_is_plain_sampling():
     p = torch.softmax(torch.randn(3, 1, 7), -1)  # [B, 1, V]
-    u = torch.tensor([[0.1], [0.5], [0.9]], dtype=torch.float64)
+    keys = row_keys([1, 2, 3], [5, 5, 5], SAMPLE)[:, None]  # [B, 1]
     empty = torch.zeros(3, 0, 1)
     accepted, emitted = speculative_verify(p, empty.long(), empty, torch.zeros(3, 0, dtype=torch.int64),
-                                           torch.zeros(3, dtype=torch.int64), torch.zeros(3, 0, dtype=torch.float64), u)
+                                           torch.zeros(3, dtype=torch.int64), torch.zeros(3, 0, dtype=torch.float64),
+                                           keys)
     assert accepted.tolist() == [0, 0, 0]
-    assert emitted.tolist() == [sample(p[b, 0], float(u[b, 0])) for b in range(3)]
+    assert emitted.tolist() == race(p[:, 0], keys[:, 0]).tolist()
 
 
 def test_top_p_search_window_gives_the_full_sort_answer():

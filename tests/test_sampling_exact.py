@@ -4,9 +4,7 @@ Each configuration generates SAMPLES sequences from one prompt, each with its ow
 real engine and the real draft proposer (in one process; the proposals are the same messages the
 gRPC draft sends), and compares joint distributions of generated tokens with target-only sampling
 (γ = 0, other seeds):
-  - the first two tokens (t1 comes from the prefill pass, t2 from the first speculative step;
-    both are settled by position 1's and 2's own draws, so for the same seeds they come out the
-    same whatever γ is, and this comparison is the same for the three γ of a setting);
+  - the first two tokens (t1 comes from the prefill pass, t2 from the first speculative step);
   - the last two, t_{γ+1} and t_{γ+2} of a γ+2 token generation: they come from the deepest
     proposals and the bonus token when a whole run is accepted, or from later steps after a
     rejection, so acceptance, residual and bonus at every depth and across steps are covered.
@@ -98,13 +96,13 @@ class _PointMassProposer:
         return proposals
 
 
-def _verify_with_wrong_residual(p, q_ids, q_probs, draft, num_draft, u_accept, u_sample):
+def _verify_with_wrong_residual(p, q_ids, q_probs, draft, num_draft, u_accept, keys):
     """A classic bug: after a rejection, sample from p instead of norm(max(0, p - q))."""
+    from kernels.random import race
     from kernels.speculative import speculative_verify_reference
-    from specstream.sampling import sample_rows
-    accepted, _ = speculative_verify_reference(p, q_ids, q_probs, draft, num_draft, u_accept, u_sample)
+    accepted, _ = speculative_verify_reference(p, q_ids, q_probs, draft, num_draft, u_accept, keys)
     rows = torch.arange(p.shape[0])
-    return accepted, sample_rows(p.double()[rows, accepted], u_sample[rows, accepted])
+    return accepted, race(p.double()[rows, accepted], keys[rows, accepted])
 
 
 def _jobs(pair: dict[str, Path]) -> dict[tuple, dict]:

@@ -27,7 +27,7 @@ from kernels.random import row_keys, uniform_table
 from kernels.sample import cut_thresholds, cut_thresholds_reference, sample, sample_reference
 from kernels.speculative import speculative_verify_fused, speculative_verify_fused_reference
 from kernels.verify import greedy_verify, greedy_verify_reference
-from specstream.sampling import ACCEPT, TARGET_SAMPLE, SamplingParams, process_logits, truncate, uniforms
+from specstream.sampling import ACCEPT, SAMPLE, SamplingParams, process_logits, truncate, uniforms
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCABS = (5, 123, 4097, 32000, 49152)
@@ -116,7 +116,7 @@ def test_ops_read_hidden_states_as_they_read_logits(vocab):
     head = OutputHead((torch.randn(vocab, 48, generator=gen) * 0.3).to(DEVICE))
     states = torch.randn(12, 48, generator=gen).to(DEVICE)
     hidden, logits = Hidden(states, head), head.logits(states)
-    keys = row_keys(range(12), [3] * 12, TARGET_SAMPLE, DEVICE)
+    keys = row_keys(range(12), [3] * 12, SAMPLE, DEVICE)
     temperature = torch.full((12,), 0.9, device=DEVICE)
     draft = logits.view(4, 3, vocab).argmax(-1)[:, :2].clone()
     draft[1, 0] = (draft[1, 0] + 1) % vocab
@@ -211,7 +211,7 @@ def test_sample_matches_its_reference(vocab, rows, dtype):
     logits = _logits(rows, vocab, dtype, seed=3)
     params = _sampling_rows(rows)
     temperature = torch.tensor([p.temperature for p in params], device=DEVICE)
-    keys = row_keys([p.seed for p in params], [11] * rows, TARGET_SAMPLE, DEVICE)
+    keys = row_keys([p.seed for p in params], [11] * rows, SAMPLE, DEVICE)
     threshold = cut_thresholds(logits.float(), params)
     with use("triton"):
         ids = sample(logits, temperature, keys, threshold)
@@ -268,7 +268,7 @@ def _race_counts(logits: torch.Tensor, params: SamplingParams, draws: int, sampl
     sampler = sampler or sample
     rows = logits[None].expand(draws, -1).contiguous()
     threshold = cut_thresholds(logits[None], [params]).expand(draws)
-    keys = row_keys([params.seed] * draws, range(draws), TARGET_SAMPLE, DEVICE)
+    keys = row_keys([params.seed] * draws, range(draws), SAMPLE, DEVICE)
     with use("triton"):
         ids = sampler(rows, torch.full((draws,), params.temperature, device=DEVICE), keys, threshold)
     return Counter(ids.tolist())
@@ -295,7 +295,7 @@ def test_the_race_test_catches_a_biased_sampler():
 
 
 def test_uniforms_are_the_same_bits_in_kernels_and_torch_and_look_uniform():
-    keys = row_keys(range(4), [0, 1, 2, 3], TARGET_SAMPLE)
+    keys = row_keys(range(4), [0, 1, 2, 3], SAMPLE)
     u = uniform_table(keys, torch.arange(50_000))  # [4, 50000]
     assert 0.0 < u.min().item() and u.max().item() < 1.0
     counts = Counter((u.flatten() * 20).long().tolist())
@@ -353,7 +353,7 @@ def _speculative_case(batch: int, gamma: int, vocab: int, width: int, seed: int,
 def _verify_inputs(logits, params, gamma, seeds, position=0):
     batch = logits.shape[0]
     threshold = cut_thresholds(logits.reshape(-1, logits.shape[-1]), [params] * (batch * (gamma + 1)))
-    keys = torch.stack([row_keys(seeds, [position + j] * batch, TARGET_SAMPLE) for j in range(gamma + 1)], dim=1)
+    keys = torch.stack([row_keys(seeds, [position + j] * batch, SAMPLE) for j in range(gamma + 1)], dim=1)
     u_accept = uniforms(seeds, [position] * batch, gamma, ACCEPT)
     return torch.full((batch,), params.temperature), threshold.view(batch, gamma + 1), keys, u_accept
 
@@ -452,6 +452,21 @@ def test_the_engine_samples_the_same_distribution_through_triton_and_torch(sampl
     with use("torch"):
         through_torch = pairs(1 << 40)
     assert two_sample_p_value(through_triton, through_torch) > THRESHOLD
+
+
+def test_coupled_speculative_sampling_through_the_kernels_is_plain_sampling(sampling_pair):
+    """Coupled verification on the Triton backend (the fused sampler at every position of the
+    window, the draft's q from the fused n-best pass): the plain sampled tokens, token for token."""
+    from engine_harness import run_engine
+
+    prompt = [5, 9, 17, 3, 22]
+    params = [SamplingParams(temperature=1.0, top_k=8 if i % 2 else 0, seed=70 + i) for i in range(6)]
+    with use("triton"):
+        plain, _ = run_engine(sampling_pair["target"], None, [prompt] * 6, 0, 8, sampling=params)
+        spec, finals = run_engine(sampling_pair["target"], sampling_pair["draft"], [prompt] * 6, 3, 8, sampling=params,
+                                  config={"speculative_sampling": "coupled"})
+    assert spec == plain
+    assert sum(f.stats.accepted_tokens for f in finals) > 0
 
 
 def test_the_drafts_truncated_q_from_the_kernels_is_the_torch_one():

@@ -1,0 +1,184 @@
+"""The target's gRPC draft client against a real draft servicer in this process whose proposer can
+be made to hang (as a SIGSTOPped draft: the request is taken and never answered) and released (as
+SIGCONT): a step waits at most its deadline, then every row decodes with γ = 0; the late reply is
+dropped with its stream; the draft's copy of each sequence is rebuilt on the next stream; greedy
+output stays the target's plain greedy output; speculation resumes once the draft answers again;
+the stream (and `draft_connected`) is up before the first request."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+from engine_harness import run_engine, speculation
+
+from draft_service.proposer import DraftProposer
+from draft_service.server import DraftServicer
+from specstream.config import ModelSpec, TargetConfig
+from specstream.metrics import DraftMetrics
+from specstream.models import load_model
+from specstream_pb import draft_pb2_grpc
+from target_service.connection import Connection
+from target_service.draft_client import DraftClient
+from target_service.draft_deadline import DraftDeadline
+from target_service.engine import Engine
+from target_service.messages import SequenceRequest
+
+PROMPTS = [[0, 5, 6], [1, 2, 3, 4], [7, 8], [9, 10, 11, 12, 13]]
+MAX_NEW = 160
+STEP_S = 0.01  # every verify pass is made to take at least this long, so a run outlasts a hang
+
+
+class GatedProposer(DraftProposer):
+    """The real proposer behind a gate: while it is closed every call (propose, release) blocks on
+    the draft's compute thread. Records what each call asked of it: (key, rollback_to, len(append))."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.calls: list[list[tuple[object, int, int]]] = []
+
+    def propose(self, items):
+        self.gate.wait()
+        self.calls.append([(it.key, it.rollback_to, len(it.append)) for it in items])
+        return super().propose(items)
+
+    def release(self, keys):
+        self.gate.wait()
+        super().release(keys)
+
+
+async def _draft_server(proposer) -> tuple[grpc.aio.Server, str, ThreadPoolExecutor]:
+    compute = ThreadPoolExecutor(1, thread_name_prefix="test-draft")
+    server = grpc.aio.server()
+    draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(proposer, compute, DraftMetrics()), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}", compute
+
+
+def _slow_engine(model_zoo, client: DraftClient) -> Engine:
+    model = load_model(model_zoo["target"])
+    config = TargetConfig(model=ModelSpec(str(model_zoo["target"])), max_slots=4, max_seq_len=256, max_gamma=8,
+                          calibrate=False)
+    engine = Engine(model, config, client)
+    verify = engine._verify_compute
+
+    def slow_verify(*args):
+        time.sleep(STEP_S)
+        return verify(*args)
+
+    engine._verify_compute = slow_verify
+    return engine
+
+
+def test_a_hung_draft_costs_one_deadline_then_plain_decoding_and_speculation_comes_back(model_zoo):
+    proposer = GatedProposer(load_model(model_zoo["partial"]), max_slots=16, max_seq_len=256)
+    report = {}
+
+    async def main():
+        server, address, compute = await _draft_server(proposer)
+        client = DraftClient(address, timeout_s=5.0, retry_s=0.1, deadline=DraftDeadline(5.0, floor_s=0.1))
+        engine = _slow_engine(model_zoo, client)
+        loop_task = asyncio.create_task(engine.run())
+        try:
+            assert await client.wait_connected(5.0)
+            assert engine.load().draft_connected  # before any request
+            conn = Connection()
+            engine.attach(conn)
+            engine.submit(conn, [SequenceRequest(str(i), p, MAX_NEW, speculation=speculation(4))
+                                 for i, p in enumerate(PROMPTS)])
+            tokens = {str(i): [] for i in range(len(PROMPTS))}
+            stamps = {str(i): [] for i in range(len(PROMPTS))}
+            finals, hung_at, released_at, reconnected_at, first_after_hang = {}, None, None, None, None
+            epoch_before = client.epoch
+            while len(finals) < len(PROMPTS):
+                message = await asyncio.wait_for(conn.outbox.get(), 30)
+                now = time.monotonic()
+                for event in message.events:
+                    if event.token_ids:
+                        tokens[event.id] += event.token_ids
+                        stamps[event.id].append(now)
+                    if event.finish_reason is not None:
+                        finals[event.id] = event
+                generated = min(len(t) for t in tokens.values())
+                if hung_at is None and generated >= 30:
+                    proposer.gate.clear()  # the draft stops answering from its next request on
+                    hung_at, at_hang = now, generated
+                elif hung_at is not None and first_after_hang is None and message.events:
+                    first_after_hang = now
+                    report["deadline_s"] = client.last_deadline_s  # of the round trip that got no reply
+                elif released_at is None and hung_at is not None and generated >= at_hang + 20:
+                    assert not client.connected  # fell back: decoding plainly, not waiting
+                    proposer.gate.set()  # the draft answers again (and its late reply goes nowhere)
+                    released_at = now
+                if released_at is not None and reconnected_at is None and client.connected:
+                    reconnected_at = now
+            report.update(fallback_s=first_after_hang - hung_at,
+                          resume_s=(reconnected_at - released_at) if reconnected_at else None,
+                          worst_gap_s=max(b - a for s in stamps.values() for a, b in zip(s, s[1:])),
+                          fallbacks=client.fallbacks, epochs=(epoch_before, client.epoch))
+            return tokens, finals
+        finally:
+            proposer.gate.set()
+            loop_task.cancel()
+            await client.close()
+            await server.stop(0)
+            compute.shutdown(wait=False)
+
+    tokens, finals = asyncio.run(main())
+    plain, _ = run_engine(model_zoo["target"], None, PROMPTS, 0, MAX_NEW, max_slots=4, max_seq_len=256)
+    assert [tokens[str(i)] for i in range(len(PROMPTS))] == plain  # exact: the target's greedy tokens
+    print(f"hung draft: deadline {report['deadline_s'] * 1e3:.0f} ms, first plain step after "
+          f"{report['fallback_s'] * 1e3:.0f} ms, worst gap {report['worst_gap_s'] * 1e3:.0f} ms, "
+          f"stream back {report['resume_s']} s after release")
+    assert report["deadline_s"] < 1.0  # derived from the measured round trips, far below the 5 s cap
+    assert report["fallback_s"] < report["deadline_s"] + 0.5
+    assert report["worst_gap_s"] < 1.0
+    assert report["fallbacks"] == 1  # one round trip timed out; no step waited on the dead stream again
+    assert report["resume_s"] is not None and report["resume_s"] < 3.0
+    assert report["epochs"][1] == report["epochs"][0] + 1
+    # Speculation came back for the sequences still running, and accepted tokens after it did.
+    streams = sorted({key[0] for call in proposer.calls for key, _, _ in call})
+    assert len(streams) >= 2, "nothing was proposed on a new stream"
+    new_stream = [call for call in proposer.calls if call and call[0][0][0] == streams[-1]]
+    # Resynchronised: each sequence's first item on the new stream starts from nothing and sends
+    # its whole context (prompt + everything generated so far); later items append 1-2 tokens.
+    first_seen: dict[int, tuple[int, int]] = {}
+    for call in new_stream:
+        for (stream, seq_id), rollback_to, appended in call:
+            if seq_id not in first_seen:
+                first_seen[seq_id] = (rollback_to, appended)
+            else:
+                assert 1 <= appended <= 2
+    assert all(rollback == 0 and appended > 30 for rollback, appended in first_seen.values()), first_seen
+    assert sum(f.stats.accepted_tokens for f in finals.values()) > 0
+
+
+def test_the_stream_is_up_before_the_first_request_and_a_dead_draft_is_noticed_while_idle(model_zoo):
+    proposer = GatedProposer(load_model(model_zoo["partial"]), max_slots=4, max_seq_len=64)
+
+    async def main():
+        server, address, compute = await _draft_server(proposer)
+        client = DraftClient(address, timeout_s=5.0, retry_s=0.1)
+        changes = []
+        client.watch(lambda: changes.append(client.connected))
+        try:
+            assert await client.wait_connected(5.0) and client.connected and changes == [True]
+            await server.stop(0)  # the draft goes away while nothing is being proposed
+            deadline = time.monotonic() + 5.0
+            while client.connected and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert not client.connected and changes == [True, False]
+            assert await client.propose(1, []) is None  # no stream: nothing is attempted, nothing raises
+        finally:
+            await client.close()
+            compute.shutdown(wait=False)
+
+    asyncio.run(main())
