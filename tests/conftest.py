@@ -15,6 +15,11 @@ if not torch.cuda.is_available():
     # anything imports Triton. With a GPU they run on it.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# tests/container/ runs the built image as three containers: it needs a Docker daemon and the
+# image, which neither `make test` nor CI builds. `make container-test` names the folder, which
+# pytest then collects; a plain `pytest` run never does.
+collect_ignore = ["container"]
+
 
 @pytest.fixture(autouse=True)
 def _seed_everything() -> None:

@@ -604,8 +604,42 @@ def test_cpu_image_installs_the_pinned_cpu_torch() -> None:
     steps = _instructions(_dockerfile("Dockerfile.cpu"))
     assert ("ARG", "PYTHON_IMAGE=python:3.11-slim") in steps
     assert [args for i, args in steps if i == "FROM"][0].startswith("${PYTHON_IMAGE}")
-    installs = [args for i, args in steps if i == "RUN" and "torch==" in args]
-    assert installs == [f"pip install {_makefile_torch_pin()} --index-url https://download.pytorch.org/whl/cpu"]
+    # By default the Makefile's pin from PyTorch's CPU index; build arguments may name another
+    # source (a wheel, an index), which the install must then use.
+    assert ("ARG", f"TORCH_SPEC={_makefile_torch_pin()}") in steps
+    assert ("ARG", "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu") in steps
+    [install] = [args for i, args in steps if i == "RUN" and "TORCH_SPEC" in args]
+    assert install.endswith('pip-install.sh ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"')
+    assert not any("torch==" in args for i, args in steps if i == "RUN")
+    [check] = [args for i, args in steps if i == "RUN" and "./client ." in args]
+    assert "assert not torch.version.cuda" in check  # the package's install kept the CPU build
+
+
+def _pip_runs(name: str) -> list[str]:
+    return [args for i, args in _instructions(_dockerfile(name)) if i == "RUN" and re.search(r"pip[ -]install", args)]
+
+
+def test_cpu_image_builds_without_a_registry_or_the_public_indexes() -> None:
+    """Every pip install trusts the optional `ca` build secret and sees deploy/docker/wheels; the
+    index is pip's own build argument; python3, not `python`, so that a Debian base works; no
+    `# syntax=` line, whose frontend image would come from a registry."""
+    text = _dockerfile("Dockerfile.cpu")
+    steps = _instructions(text)
+    assert not re.search(r"^#\s*syntax=", text, flags=re.M)
+    runs = _pip_runs("Dockerfile.cpu")
+    assert len(runs) == 3
+    for args in runs:
+        assert "--mount=type=secret,id=ca" in args and "--mount=type=bind,source=deploy/docker,target=/build" in args
+        assert re.search(r"^--mount\S+ --mount\S+ +sh /build/pip-install\.sh ", args), args
+    helper = (DEPLOY / "docker" / "pip-install.sh").read_text()
+    assert "/run/secrets/ca" in helper and "PIP_CERT=" in helper and '--find-links "$(dirname "$0")/wheels"' in helper
+    assert (DEPLOY / "docker" / "wheels").is_dir()
+    ignore = (DEPLOY / "docker" / "Dockerfile.cpu.dockerignore").read_text().splitlines()
+    assert {"!deploy/docker/pip-install.sh", "!deploy/docker/wheels/"} <= set(ignore)
+    stages = [args for i, args in steps if i == "FROM"]
+    for arg in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"):  # declared in both stages that run pip
+        assert steps.count(("ARG", arg)) == len(stages) == 2
+    assert "RUN python3 -m venv /opt/venv" in text
 
 
 def test_cuda_image_installs_the_default_cuda_torch() -> None:
@@ -620,8 +654,9 @@ def test_only_the_cuda_image_installs_triton() -> None:
     """The fused kernels run on CUDA; the CPU image serves with the torch references and stays
     ~1 GB smaller."""
     def installs(name: str) -> str:
-        return " ".join(args for i, args in _instructions(_dockerfile(name)) if i == "RUN" and "pip install" in args)
+        return " ".join(_pip_runs(name))
 
+    assert "./client ." in installs("Dockerfile.cpu")
     assert '".[kernels]"' in installs("Dockerfile.cuda")
     assert "kernels" not in installs("Dockerfile.cpu") and "triton" not in installs("Dockerfile.cpu")
 

@@ -220,6 +220,19 @@ def test_conversion_is_cached_by_content_hash(tmp_path, hf_llama, tok, cache) ->
     assert not list(cache.glob("gguf/*.tmp-*"))
 
 
+def test_the_converted_copy_is_readable_as_the_umask_allows(tmp_path, hf_llama, tok, cache) -> None:
+    # An image converts as root at build time and serves as another user: safetensors' own 0600
+    # would leave that user a cache it cannot read.
+    previous = os.umask(0o022)
+    try:
+        out = convert_gguf(write_gguf(tmp_path / "m.gguf", hf_llama, tok, qtype="Q4_0"), cache)
+    finally:
+        os.umask(previous)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
+    assert {"model.safetensors", "weights.q4.safetensors", "config.json"} <= set(modes)
+    assert set(modes.values()) == {0o644}, modes
+
+
 # ----- bad files: each error names what is wrong ------------------------------------------------
 
 

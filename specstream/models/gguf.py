@@ -361,6 +361,12 @@ def _write_checkpoint(gguf: GGUFFile, out: Path, sha256: str) -> None:
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
     tok.tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tok.tokenizer_config(), indent=2) + "\n", encoding="utf-8")
+    # safetensors creates its files 0600 whatever the umask; the weights get the mode the other
+    # files got, so that a cache written by one user (an image build's root) serves another (the
+    # image's non-root user).
+    mode = (out / "config.json").stat().st_mode & 0o777
+    for weights_file in out.glob("*.safetensors"):
+        weights_file.chmod(mode)
 
 
 def convert_gguf(path: str | Path, cache_root: str | Path) -> Path:
