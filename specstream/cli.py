@@ -668,6 +668,33 @@ def cmd_soak(args: argparse.Namespace) -> int:
     return 0 if not report.errors else 1
 
 
+def cmd_faults(args: argparse.Namespace) -> int:
+    from specstream.bench.report import write_json
+    from specstream.reliability.faults import RUNNERS, FaultCheckError
+
+    if args.gateway:
+        print("specstream faults: error: it kills and stops processes of its own stacks; --gateway is not "
+              "supported", file=sys.stderr)
+        return 2
+    chosen = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    unknown = [s for s in chosen if s not in RUNNERS]
+    if unknown or not chosen:
+        print(f"specstream faults: error: --scenarios={args.scenarios!r}: of {','.join(RUNNERS)}", file=sys.stderr)
+        return 2
+    models, results, failed = bench_models(args), [], False
+    for name in chosen:
+        print(f"{name} ...", flush=True)
+        try:
+            result = RUNNERS[name](models)
+        except FaultCheckError as exc:
+            result, failed = {"scenario": name, "failed": str(exc)}, True
+        results.append(result)
+        print("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()
+                               if k != "scenario"), flush=True)
+    write_json(Path(args.out) / "faults.json", {"models": models.label, "scenarios": results})
+    return 1 if failed else 0
+
+
 def cmd_experiment(args: argparse.Namespace) -> int:
     from specstream import experiment
 
@@ -853,6 +880,8 @@ def _http_port_flag(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from specstream.reliability import FAULT_SCENARIOS
+
     parser = argparse.ArgumentParser(prog="specstream", description="Speculative-decoding LLM inference service")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -1096,6 +1125,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pid", action="append", default=[],
                    help="with --gateway: NAME=PID of a process to watch (repeatable; default: the stack's own)")
     p.set_defaults(func=cmd_soak)
+
+    p = sub.add_parser("faults", help="stage failures on a real stack (hung or killed draft and targets, a maximal "
+                                      "prompt) under 8 streams and measure how the service rides them out")
+    _reliability_flags(p, "faults-results")
+    p.add_argument("--scenarios", default=",".join(FAULT_SCENARIOS),
+                   help=f"comma-separated, of {','.join(FAULT_SCENARIOS)} (default all)")
+    p.set_defaults(func=cmd_faults)
 
     p = sub.add_parser("demo", help="start the stack on the default models and ask it a few questions")
     _models_flag(p)

@@ -69,7 +69,11 @@ def test_coupled_speculative_sampling_is_plain_sampling_token_for_token(sampling
 def test_coupled_speculative_sampling_resubmitted_continues_with_the_same_tokens(sampling_pair, gamma, params):
     target, draft = sampling_pair["target"], sampling_pair["draft"]
     (full,), finals = run_engine(target, draft, [PROMPT], gamma, N, sampling=[params], config=COUPLED)
-    assert finals[0].stats.accepted_tokens > 0
+    # Proposals were made and judged (under automatic γ the controller may guess rarely on a loaded
+    # machine, and then none may be accepted; the fixed γ guarantees acceptances are exercised).
+    assert finals[0].stats.draft_tokens > 0
+    if gamma is not None:
+        assert finals[0].stats.accepted_tokens > 0
     for k, rest in zip(CUTS, _resumed(target, draft, full, gamma, params, COUPLED)):
         assert rest == full[k:], f"resubmitted after {k} tokens"
     # ... and it is the text plain sampling gives for that seed.
