@@ -133,11 +133,13 @@ def _split_pauses(streams: list[Stream], failed_at: float, moved: int) -> tuple[
 
 
 def _wait_back(address: str, index: int, timeout_s: float = 60) -> float:
-    """Seconds until replica `index` is connected and serving again in the gateway's view."""
+    """Seconds until replica `index` is connected and serving again in the gateway's view, and
+    reports none of the sequences it held when it failed (a target that resumes drops them when it
+    sees its old stream gone; until its Load says so the router counts them against its room)."""
     start = time.monotonic()
     while True:
         replica = asyncio.run(_model_info(address)).replicas[index]
-        if replica.connected and replica.serving:
+        if replica.connected and replica.serving and replica.running == 0:
             return time.monotonic() - start
         assert time.monotonic() - start < timeout_s, f"replica {index} not back after {timeout_s}s: {replica}"
         time.sleep(0.1)
