@@ -689,8 +689,12 @@ def cmd_faults(args: argparse.Namespace) -> int:
         except FaultCheckError as exc:
             result, failed = {"scenario": name, "failed": str(exc)}, True
         results.append(result)
-        print("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()
-                               if k != "scenario"), flush=True)
+        shown = lambda items: ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"  # noqa: E731
+                                        for k, v in items if k != "scenario" and not isinstance(v, dict))
+        print("  " + shown(result.items()), flush=True)
+        for key, value in result.items():
+            if isinstance(value, dict):
+                print(f"  {key}: {shown(value.items())}", flush=True)
     write_json(Path(args.out) / "faults.json", {"models": models.label, "scenarios": results})
     return 1 if failed else 0
 

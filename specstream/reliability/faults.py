@@ -33,6 +33,9 @@ PROMPTS = ["def main():", "The weather today", "x = 1", "import os", "Hello, wor
            "She said", "class A:"]
 
 
+PROMPTS_AT_ONCE = 4  # max-prompt: streams running beside the big prompts
+
+
 class FaultCheckError(RuntimeError):
     """A scenario broke a promise (tokens differ, a request was lost), not merely slow."""
 
@@ -206,21 +209,43 @@ def _longest_pause(times: list[float], t: float) -> float:
     return max((b - a for a, b in zip(points, points[1:])), default=0.0)
 
 
-def max_prompt(models) -> dict:
-    from specstream.reliability.input_cost import prompt_gaps
+def max_prompt(models, big_prompts: int = 5) -> dict:
+    """The longest prompt the gateway would tokenize for this model (the target serves the model's
+    whole context: a sequence length past it is capped there), `big_prompts` times while 4 streams
+    run, twice: with all three processes sharing every core, and with the gateway on a core of its
+    own (target and draft on the others, one torch thread each), as where it runs in a pod of its
+    own. On a machine this small the first mostly measures the cores' contention: the engine's
+    threads wait for each other, so any process that takes a core for a third of a second (even
+    at the lowest priority) stretches the steps meanwhile."""
     from specstream.tokenizer import TextTokenizer
 
     tokenizer = TextTokenizer.from_dir(models.target)
-    with tempfile.TemporaryDirectory() as logs, Stack(_spec(models, log_dir=logs)) as stack:
-        from specstream_client import Client
+    result: dict = {"scenario": "max-prompt", "big_prompts": big_prompts}
+    cores = sorted(os.sched_getaffinity(0))
+    for layout in ("shared cores", "gateway on its own core"):
+        pinned = layout != "shared cores"
+        if pinned and len(cores) < 2:
+            continue
+        threads = {"target_threads": 1, "draft_threads": 1} if pinned else {}
+        with tempfile.TemporaryDirectory() as logs, Stack(_spec(models, log_dir=logs, max_seq_len=1 << 20,
+                                                                **threads)) as stack:
+            if pinned:
+                for name, proc in stack.procs.items():
+                    os.sched_setaffinity(proc.pid, cores[-1:] if name == "gateway" else cores[:-1])
+            gaps = _prompt_gaps(stack, tokenizer, big_prompts)
+        result[layout] = {k: v for k, v in gaps.items() if k != "gap_ms"}
+    return result
 
-        with Client(stack.gateway_address, timeout=60) as client:
-            context = client.model_info().max_context_length
-        gaps = asyncio.run(prompt_gaps(stack.gateway_address, context * tokenizer.max_token_chars, streams=4,
-                                       max_new_tokens=200))
-    result = gaps.to_dict()
-    result.pop("gap_ms")
-    return {"scenario": "max-prompt", **result}
+
+def _prompt_gaps(stack: Stack, tokenizer, big_prompts: int) -> dict:
+    from specstream.reliability.input_cost import prompt_gaps
+    from specstream_client import Client
+
+    with Client(stack.gateway_address, timeout=60) as client:
+        context = client.model_info().max_context_length
+    gaps = asyncio.run(prompt_gaps(stack.gateway_address, context * tokenizer.max_token_chars, streams=PROMPTS_AT_ONCE,
+                                   max_new_tokens=400, big_prompts=big_prompts))
+    return {"context_tokens": context, **gaps.to_dict()}
 
 
 RUNNERS = {"hung-draft": hung_draft, "hung-target": hung_target, "kill-target": kill_target,
