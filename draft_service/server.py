@@ -23,6 +23,7 @@ from specstream.compute import compute_executor
 from specstream.config import DraftConfig
 from specstream.grpc_server import ServiceServer
 from specstream.metrics import DraftMetrics
+from specstream.native_memory import HeapTrimmer, bound_kernel_caches
 from specstream_pb import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
 
 
 async def serve(config: DraftConfig) -> None:
+    bound_kernel_caches(config.memory.kernel_cache_capacity)  # before the first matmul
     # Load and run on one thread (see specstream.compute).
     compute = compute_executor("draft-compute", config.torch_threads)
 
@@ -82,4 +84,9 @@ async def serve(config: DraftConfig) -> None:
     await server.start()
     await server.set_serving(True)
     log.info("draft %s serving on %s", proposer.name, server.address)
-    await server.serve_forever()
+    trimmer = asyncio.create_task(HeapTrimmer(config.memory.heap_trim_interval_s).run(compute), name="heap-trim")
+
+    async def on_stop() -> None:
+        trimmer.cancel()
+
+    await server.serve_forever(on_stop)

@@ -116,6 +116,22 @@ def _model_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--threads", type=int, default=0, help="CPU threads for the model (0: one per core)")
 
 
+def _memory_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kernel-cache-capacity", type=int, default=16,
+                   help="entries kept by oneDNN's and ideep's shape-keyed kernel caches (their default, 1024, "
+                        "grows a long-running CPU service's memory for minutes)")
+    p.add_argument("--heap-trim-interval", type=float, default=10.0,
+                   help="seconds between handing the heap's free pages back to the system (glibc "
+                        "malloc_trim, on the torch thread); 0: never")
+
+
+def _memory_config(args: argparse.Namespace):
+    from specstream.config import MemoryConfig
+
+    return MemoryConfig(kernel_cache_capacity=args.kernel_cache_capacity,
+                        heap_trim_interval_s=args.heap_trim_interval)
+
+
 def _server_config(args: argparse.Namespace):
     from specstream.config import ServerConfig, ServerSecurity
 
@@ -171,7 +187,7 @@ def _target_config(args: argparse.Namespace):
                         calibrate=not args.no_calibrate, draft_url=args.draft_url,
                         draft_timeout_s=args.draft_timeout, draft_deadline_floor_s=args.draft_deadline_floor,
                         draft_deadline_factor=args.draft_deadline_factor, draft_retry_s=args.draft_retry,
-                        torch_threads=args.threads,
+                        torch_threads=args.threads, memory=_memory_config(args),
                         colocated_draft=_colocated_draft(args), draft_security=_channel_security(args, "draft"),
                         **_batching_config(args))
 
@@ -248,6 +264,7 @@ def _draft_config(args: argparse.Namespace):
     model = ModelSpec(args.model, args.dtype, args.device, args.weights) if args.model else None
     return DraftConfig(model=model, server=_server_config(args), max_slots=args.max_slots,
                        max_seq_len=args.max_seq_len, torch_threads=args.threads, q_support=args.q_support,
+                       memory=_memory_config(args),
                        synthetic_oracle=args.synthetic_oracle, synthetic_alpha=args.synthetic_alpha,
                        proposer=args.proposer, ngram_max=args.ngram_max, ngram_min=args.ngram_min)
 
@@ -951,6 +968,7 @@ def build_parser() -> argparse.ArgumentParser:
     _gamma_flags(p)
     p.add_argument("--max-slots", type=int, default=8)
     _batching_flags(p)
+    _memory_flags(p)
     p.set_defaults(func=cmd_target)
 
     p = sub.add_parser("draft", help="run the draft-model service")
@@ -963,6 +981,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-slots", type=int, default=64)
     p.add_argument("--q-support", type=int, default=256,
                    help="sampling: q is cut to this many most likely tokens before it is sampled and sent")
+    _memory_flags(p)
     p.set_defaults(func=cmd_draft)
 
     p = sub.add_parser("gateway", help="run the public gateway")

@@ -199,6 +199,20 @@ class ModelSpec:
 
 
 @dataclass
+class MemoryConfig:
+    """Keeping a model service's native memory flat while it serves (specstream/native_memory.py)."""
+
+    # Entries kept by oneDNN's and ideep's shape-keyed kernel caches (default 1,024 each, which
+    # grew a target by 14 MB/min for minutes: decode shapes change every step).
+    kernel_cache_capacity: int = 16
+    heap_trim_interval_s: float = 10.0  # glibc malloc_trim on the torch thread this often; 0: never
+
+    def __post_init__(self) -> None:
+        _check(self.kernel_cache_capacity >= 0, "kernel_cache_capacity", self.kernel_cache_capacity, ">= 0")
+        _check(self.heap_trim_interval_s >= 0, "heap_trim_interval_s", self.heap_trim_interval_s, ">= 0")
+
+
+@dataclass
 class TargetConfig:
     model: ModelSpec
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -225,6 +239,7 @@ class TargetConfig:
     # TLS, client certificate and internal token towards the draft service (draft_url).
     draft_security: ChannelSecurity = field(default_factory=lambda: ChannelSecurity("draft_security"))
     torch_threads: int = 0  # CPU threads for the model (0: torch's default, one per core)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     # Batching (design §4; target_service/scheduler.py).
     policy: str = "topup"  # "static": fill, run until all finish; "topup": refill as rows finish
     refill_threshold: float = 1.0  # topup's ε: refill once running <= ε * max_batch (1: every step)
@@ -286,6 +301,7 @@ class DraftConfig:
     max_slots: int = 64  # sequences whose KV state the draft holds at once
     max_seq_len: int = 2048  # per slot; capped by the model
     torch_threads: int = 0  # CPU threads for the model (0: torch's default, one per core)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     # Sampling: q is cut to this many most likely tokens (and renormalised) before it is sampled
     # and sent, so a proposal's size on the wire never grows with the vocabulary. Wider keeps more
     # of q, hence more acceptance (demo pair, T=1: alpha 0.64 at 64, 0.73 at 256, 0.80 uncut).

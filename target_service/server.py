@@ -20,6 +20,7 @@ from specstream.grpc_server import ServiceServer
 from specstream.metrics import TargetMetrics
 from specstream.model_registry import resolve_dtype, resolve_model
 from specstream.models import ModelLoadError, load_model
+from specstream.native_memory import HeapTrimmer, bound_kernel_caches
 from specstream_pb import target_pb2, target_pb2_grpc
 from target_service.connection import Connection
 from target_service.draft_client import DraftClient
@@ -82,6 +83,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
 
 
 async def serve(config: TargetConfig, ready_file: str | None = None) -> None:
+    bound_kernel_caches(config.memory.kernel_cache_capacity)  # before the first matmul
     compute = compute_executor("engine-compute", config.torch_threads)  # all torch work
     spec = config.model
     model = await asyncio.get_running_loop().run_in_executor(
@@ -107,11 +109,13 @@ async def serve(config: TargetConfig, ready_file: str | None = None) -> None:
     if isinstance(draft, DraftClient):  # the stream is up before SERVING: Load.draft_connected is true at once
         await draft.wait_connected(timeout_s=config.draft_timeout_s)
     engine_task = asyncio.create_task(engine.run(), name="engine")
+    trimmer = asyncio.create_task(HeapTrimmer(config.memory.heap_trim_interval_s).run(compute), name="heap-trim")
     await server.set_serving(True)
     log.info("target %s serving %s (%s, %s weights) on %s (draft: %s)", model.config.name,
              model.config.architecture, model.dtype, model.weights, server.address, draft.url if draft else "none")
 
     async def on_stop() -> None:
+        trimmer.cancel()
         engine_task.cancel()
         engine.shutdown()
         if draft is not None:
