@@ -117,10 +117,12 @@ def _model_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 
 def _memory_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kernel-cache-capacity", type=int, default=16,
+    from specstream.config import MemoryConfig
+
+    p.add_argument("--kernel-cache-capacity", type=int, default=MemoryConfig.kernel_cache_capacity,
                    help="entries kept by oneDNN's and ideep's shape-keyed kernel caches (their default, 1024, "
                         "grows a long-running CPU service's memory for minutes)")
-    p.add_argument("--heap-trim-interval", type=float, default=10.0,
+    p.add_argument("--heap-trim-interval", type=float, default=MemoryConfig.heap_trim_interval_s,
                    help="seconds between handing the heap's free pages back to the system (glibc "
                         "malloc_trim, on the torch thread); 0: never")
 

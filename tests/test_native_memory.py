@@ -63,8 +63,8 @@ def test_the_kernel_cache_cap_stops_memory_growing_with_new_shapes():
 
 
 def test_bound_kernel_caches_sets_both_libraries_variables(monkeypatch):
-    for name in KERNEL_CACHE_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
+    for name in KERNEL_CACHE_VARIABLES:  # recorded, so the test leaves the environment as it was
+        monkeypatch.setenv(name, "1024")
     bound_kernel_caches(32)
     import os
     assert {name: os.environ[name] for name in KERNEL_CACHE_VARIABLES} == {
