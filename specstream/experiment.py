@@ -126,10 +126,9 @@ def _report(rows: list[dict], out_dir: Path, workload: str, about: dict) -> dict
 
 
 def _plot(path: Path, rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = report.pyplot(path)
+    if plt is None:
+        return
 
     fig, (bars, waterfall) = plt.subplots(1, 2, figsize=(11, 4.2))
     means = [1000 * sum(r[c] for r in rows) / len(rows) for c in COMPONENTS]

@@ -150,6 +150,7 @@ class StackSpec:
     target_replicas: int = 1  # target processes behind the gateway
     max_seq_len: int = 2048
     dtype: str = "float32"  # or "auto" (bfloat16 where native)
+    device: str = "cpu"  # the target's and a draft model's torch device ("cuda", "cuda:1", ...)
     weights: str = "auto"  # the targets' weight format (specstream/config.py); a draft always uses "auto"
     draft_threads: int = 1  # CPU threads of the draft's model (0: one per core); a small draft runs best on one
     target_threads: int = 0  # CPU threads of the target's model (0: one per core)
@@ -210,7 +211,8 @@ def command_lines(spec: StackSpec, target_model: str, addresses: dict[str, str],
         return ["--metrics-port", str(metrics_ports[name])] if name in metrics_ports else []
 
     tracing = ["--trace-file", spec.trace_file] if spec.trace_file else []
-    common = ["--host", spec.host, "--dtype", spec.dtype, "--max-seq-len", str(spec.max_seq_len), *tracing]
+    common = ["--host", spec.host, "--dtype", spec.dtype, "--device", spec.device, "--max-seq-len",
+              str(spec.max_seq_len), *tracing]
     lines: dict[str, list[str]] = {}
     proposer = ["--proposer", spec.proposer, "--ngram-max", str(spec.ngram_max), "--ngram-min", str(spec.ngram_min)]
 

@@ -18,6 +18,7 @@ the unfused output layer's time per row count otherwise). The device is named in
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from pathlib import Path
@@ -61,16 +62,25 @@ def _median_ms(fn, device: torch.device, budget_s: float = 2.0) -> float:
     return statistics.median(times) * 1000
 
 
+@functools.lru_cache(maxsize=1)
+def _head(vocab: int, hidden: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random output layer, drawn on the device (a 152k x 4096 one takes seconds to draw on a CPU)
+    and kept for the next row count of the same size."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    weight = (torch.randn(vocab, hidden, generator=gen, device=device) * hidden ** -0.5).to(torch.bfloat16)  # [V, H]
+    bias = torch.randn(vocab, generator=gen, device=device).to(torch.bfloat16)  # [V]
+    return weight, bias
+
+
 @torch.inference_mode()
 def output_layer(vocab: int, rows: int, hidden: int, device: torch.device, fused: bool) -> dict[str, float]:
     """ms per output-layer call at one size: unfused torch, and the fused ops when ``fused``."""
     import kernels
     from kernels.random import row_keys
 
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    weight = (torch.randn(vocab, hidden, generator=gen) * hidden ** -0.5).to(device, torch.bfloat16)  # [V, H]
-    bias = torch.randn(vocab, generator=gen).to(device, torch.bfloat16)  # [V]
-    states = torch.randn(rows, hidden, generator=gen).to(device, torch.bfloat16)  # [R, H]
+    weight, bias = _head(vocab, hidden, device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    states = torch.randn(rows, hidden, generator=gen, device=device).to(torch.bfloat16)  # [R, H]
     temperature = torch.full((rows,), 0.8, device=device)
     keys = row_keys(range(rows), [0] * rows, 3, device)
 

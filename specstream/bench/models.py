@@ -53,6 +53,9 @@ class BenchModels:
     proposer: str = DraftConfig.proposer
     ngram_max: int = DraftConfig.ngram_max
     ngram_min: int = DraftConfig.ngram_min
+    device: str = "cpu"  # where the target (and a draft model) run: "cpu", "cuda", ...
+    # Benchmarks of system overhead: (oracle file, alpha) of the synthetic proposer, in place of a draft.
+    synthetic: tuple[str, float] | None = None
     _hf_draft: Path | None = field(default=None, repr=False)
 
     @classmethod
@@ -67,6 +70,17 @@ class BenchModels:
     def proposing(self) -> dict:
         """StackSpec's proposer fields for our speculative runs."""
         return {"proposer": self.proposer, "ngram_max": self.ngram_max, "ngram_min": self.ngram_min}
+
+    def stack_fields(self, speculative: bool = True) -> dict:
+        """StackSpec's fields for a stack serving these models: plain decoding, or with
+        `speculative` what proposes (the synthetic oracle, or the draft as the pair serves it)."""
+        fields = {"target_model": str(self.target), "draft_model": None, "dtype": self.dtype, "weights": self.weights,
+                  "device": self.device}
+        if speculative and self.synthetic:
+            return fields | {"synthetic": self.synthetic}
+        if speculative:
+            return fields | {"draft_model": str(self.require_draft()), **self.proposing}
+        return fields
 
     @property
     def proposer_label(self) -> str:

@@ -30,13 +30,26 @@ def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, default=str))
 
 
-def plot_lines(path: Path, title: str, xlabel: str, ylabel: str, series: dict[str, tuple[list, list]],
-               hline: float | None = None) -> None:
-    import matplotlib
-
+def pyplot(path: Path):
+    """matplotlib.pyplot on the Agg backend; None, saying which plot is not drawn, where matplotlib is
+    not installed (a GPU machine that carries only the wheels the services need: the JSON beside
+    the plot holds its figures, to be drawn elsewhere)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: {path.name} not drawn (its figures are in the JSON)", flush=True)
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_lines(path: Path, title: str, xlabel: str, ylabel: str, series: dict[str, tuple[list, list]],
+               hline: float | None = None) -> None:
+    plt = pyplot(path)
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for label, (xs, ys) in series.items():
         ax.plot(xs, ys, marker="o", label=label, linestyle="--" if "theory" in label else "-")
@@ -51,11 +64,9 @@ def plot_lines(path: Path, title: str, xlabel: str, ylabel: str, series: dict[st
 
 
 def plot_bars(path: Path, title: str, ylabel: str, bars: dict[str, float]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot(path)
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     ax.bar(list(bars), list(bars.values()), color=["#4878d0" if "specstream" in k else "#ee854a" for k in bars])
     for i, v in enumerate(bars.values()):
@@ -69,11 +80,9 @@ def plot_bars(path: Path, title: str, ylabel: str, bars: dict[str, float]) -> No
 
 def plot_stacked(path: Path, title: str, ylabel: str, columns: list[str], parts: dict[str, list[float]]) -> None:
     """One stacked bar per column; ``parts`` maps a component to its value in each column."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot(path)
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     bottom = [0.0] * len(columns)
     for label, values in parts.items():

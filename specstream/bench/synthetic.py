@@ -28,8 +28,10 @@ TARGET_SHAPE = {"hidden_size": 768, "intermediate_size": 2560, "num_hidden_layer
                 "num_key_value_heads": 4, "max_position_embeddings": 2048, "tie_word_embeddings": True}
 
 
-def build_target(path: Path, tokenizer_dir: Path | None, seed: int = 0, shape: dict | None = None) -> Path:
-    """A ~100M-parameter random-init Llama sharing a tokenizer (vocab) with the demo pair."""
+def build_target(path: Path, tokenizer_dir: Path | None, seed: int = 0, shape: dict | None = None,
+                 dtype: str = "float32") -> Path:
+    """A random-init Llama (by default ~100M parameters) sharing a tokenizer (vocab) with the demo
+    pair; its weights are stored in `dtype`."""
     from specstream.models import write_random_checkpoint
     from specstream.tokenizer import BOS_TOKEN, EOS_TOKEN, TextTokenizer, build_byte_level_tokenizer, save_tokenizer_files
 
@@ -38,7 +40,7 @@ def build_target(path: Path, tokenizer_dir: Path | None, seed: int = 0, shape: d
     else:
         raw = build_byte_level_tokenizer(vocab_size=512)
     write_random_checkpoint(path, {**(shape or TARGET_SHAPE), "vocab_size": raw.get_vocab_size(), "bos_token_id": 0,
-                                   "eos_token_id": 1}, seed=seed)
+                                   "eos_token_id": 1}, seed=seed, dtype=dtype)
     save_tokenizer_files(raw, path, bos=BOS_TOKEN, eos=EOS_TOKEN)
     return path
 

@@ -272,10 +272,8 @@ def measure(models: BenchModels, setting: Setting, requests: list[tuple[list[int
     """Each front's figures (`summarize`) for one setting, all in one stack."""
     clients = 2 * setting.n
     with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(
-            str(models.target), str(models.require_draft()) if setting.gamma else None, gamma=setting.gamma or 4,
-            max_slots=setting.n, dtype=models.dtype, weights=models.weights,
-            http_port=0 if "http" in fronts else None,
-            **(models.proposing if setting.gamma else {}), extra_target_args=setting.target_args(),
+            **models.stack_fields(speculative=bool(setting.gamma)), gamma=setting.gamma or 4,
+            max_slots=setting.n, http_port=0 if "http" in fronts else None, extra_target_args=setting.target_args(),
             extra_gateway_args=["--max-in-flight", str(4 * clients)],
             log_dir=logs)) as stack:
         addresses = {"grpc": stack.gateway_address, "http": stack.http_address}
@@ -347,10 +345,9 @@ def run(models: BenchModels, out_dir: Path, kinds: list[str], settings: list[Set
 
 def _plot_occupancy(path: Path, results: dict, kind: str, front: str = "grpc") -> None:
     """Steps by number of rows expanded, static against topup at the largest n (Marian Fig. 2/8)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = report.pyplot(path)
+    if plt is None:
+        return
 
     chosen = [(s, r) for (k, s, f), r in results.items() if k == kind and f == front and s.selection == "all"]
     chosen = chosen or [(s, r) for (k, s, f), r in results.items() if k == kind and f == front]
@@ -371,10 +368,9 @@ def _plot_occupancy(path: Path, results: dict, kind: str, front: str = "grpc") -
 
 def _plot_fronts(path: Path, results: dict, kind: str) -> None:
     """Request latency and latency per completion token, CDFs per setting: gRPC solid, HTTP dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = report.pyplot(path)
+    if plt is None:
+        return
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -390,7 +386,9 @@ def _plot_fronts(path: Path, results: dict, kind: str) -> None:
                         color=colors[i % len(colors)], label=f"{setting.name} {front} ({r['tokens_per_s']:.0f} tok/s)")
     axes[0].set(title=f"Request latency ({kind} workload)", xlabel="seconds", ylabel="share of requests")
     axes[1].set(title="Latency per completion token", xlabel="ms / token", xscale="log")
-    axes[1].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    from matplotlib.ticker import NullFormatter
+
+    axes[1].xaxis.set_minor_formatter(NullFormatter())
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
