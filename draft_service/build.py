@@ -3,7 +3,7 @@ the synthetic benchmark proposer. The draft service builds its proposer here, an
 that runs its draft in its own process (``TargetConfig.colocated_draft``).
 
 What it does not know: gRPC, which process it is in. It loads on the calling thread: call it on
-the thread that will run the proposer (``specstream.compute``).
+the thread that will run the proposer (``specstream.serving.compute``).
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from collections.abc import Callable
 
 from draft_service.combined import NgramPlusModelProposer
 from draft_service.ngram import NgramProposer
-from draft_service.proposer import DraftProposer, Proposer
+from draft_service.proposer import DraftProposer
+from specstream.data.propose import Proposer
 from draft_service.synthetic import SyntheticProposer
-from specstream.config import DraftConfig
-from specstream.model_registry import resolve_dtype, resolve_model
-from specstream.models import load_model
+from specstream.data.config import DraftConfig
+from specstream.models.registry import resolve_dtype, resolve_model
+from specstream.models.loader import load_model
 
 __all__ = ["PROPOSERS", "build_proposer"]
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from draft_service.proposer import Proposal, ProposeItem
+from specstream.data.propose import Proposal, ProposeItem
 
 SOURCE = "ngram"  # Proposal.source of this proposer's guesses
 # Reported as the vocabulary size: ids are copied back whatever they are, so the target need not

@@ -5,7 +5,7 @@ the tokens the target committed since, then guess `gamma` tokens. The guesses ar
 the cache as they are made, so the next call only rolls back what the target rejected.
 
 Greedy items (temperature 0) guess the argmax. Sampling items process the logits exactly as the
-target does (specstream.sampling), cut q to its `q_support` most likely tokens, renormalise, and
+target does (kernels/processing.py), cut q to its `q_support` most likely tokens, renormalise, and
 draw x ~ q by an exponential race with the noise the target's own plain sample at that position
 uses (key (seed, absolute position, SAMPLE), kernels/random.py): x is an exact sample from q, and
 where q is close to p it is the very token the target would sample (what coupled verification
@@ -15,83 +15,26 @@ A draft that predicts over a subset of the vocabulary (``model.output_token_ids`
 columns mapped back to token ids before anything leaves here.
 Knows nothing about gRPC or about the target: keys are opaque.
 
-Also defines what every proposer speaks (`ProposeItem` in, `Proposal` out, the `Proposer`
-protocol): the model-free ones (draft_service/ngram.py, combined.py, synthetic.py) share it.
+What every proposer speaks (`ProposeItem` in, `Proposal` out, the `Proposer` protocol) is plain
+data of its own, specstream/data/propose.py, which the target speaks too.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Hashable
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 import kernels
 from kernels.lm_head import Hidden
 from kernels.nbest import MAX_K, top_scores
-from specstream.models import CausalLM
+from specstream.models.base import CausalLM
 from kernels.random import race, row_keys
-from specstream.sampling import GREEDY, SAMPLE, SamplingParams, process_logits, truncate
-
-
-@dataclass
-class ProposeItem:
-    key: Hashable
-    rollback_to: int
-    append: list[int]
-    gamma: int
-    sampling: SamplingParams = GREEDY
-
-
-SOURCE = "model"  # Proposal.source of this proposer's guesses
-
-
-@dataclass
-class Proposal:
-    tokens: list[int]
-    length: int  # tokens the cache now holds for the sequence (0: state lost or refused)
-    # Sampling items: the sparse q each token was drawn from, as a [len(tokens), q_width] table
-    # flattened row-major (padding has probability 0). q_width 0: deterministic guesses (greedy,
-    # or model-free), which the target verifies as point masses.
-    q_width: int = 0
-    q_ids: list[int] = field(default_factory=list)
-    q_probs: list[float] = field(default_factory=list)
-    # Which proposer made `tokens` ("model", "ngram", "synthetic"), so the target can keep its
-    # acceptance statistics per proposer when one draft service combines several.
-    source: str = SOURCE
-
-
-class Proposer(Protocol):
-    """What the draft servicer and an in-process draft need of a proposer.
-
-    `propose` answers each item with one Proposal, in order: the sequence `item.key` is cut to its
-    first `rollback_to` tokens, `append` is added, then up to `gamma` tokens are guessed (fewer,
-    even none, is allowed). `Proposal.length` is how many leading tokens of the sequence the
-    proposer now holds; the target sends everything after it next time. A key it holds nothing
-    for, or a `rollback_to` beyond what it holds, gets length 0 and its state dropped.
-    `release` forgets sequences (unknown keys are ignored).
-    """
-
-    @property
-    def name(self) -> str: ...  # what GetInfo reports as the draft's model
-
-    @property
-    def vocab_size(self) -> int: ...  # the target speculates only on sequences whose ids are all below it
-
-    @property
-    def max_len(self) -> int: ...  # tokens it can hold per sequence
-
-    @property
-    def held(self) -> int: ...  # sequences it holds state for
-
-    @property
-    def free_slots(self) -> int: ...  # further sequences it can take
-
-    def propose(self, items: list[ProposeItem]) -> list[Proposal]: ...
-
-    def release(self, keys: list[Hashable]) -> None: ...
+from specstream.data.propose import SOURCE, Proposal, ProposeItem
+from specstream.data.sampling import GREEDY, SamplingParams
+from kernels.random import SAMPLE
+from kernels.processing import process_logits, truncate
 
 
 class DraftProposer:

@@ -17,13 +17,13 @@ import grpc
 
 from draft_service import tracing
 from draft_service.build import build_proposer
-from draft_service.proposer import Proposer
+from specstream.data.propose import Proposer
 from draft_service.wire import item_from_pb, proposal_to_pb
-from specstream.compute import compute_executor
-from specstream.config import DraftConfig
-from specstream.grpc_server import ServiceServer
-from specstream.metrics import DraftMetrics
-from specstream.native_memory import HeapTrimmer, bound_kernel_caches
+from specstream.serving.compute import compute_executor
+from specstream.data.config import DraftConfig
+from specstream.serving.grpc_server import ServiceServer
+from specstream.serving.metrics import DraftMetrics
+from specstream.serving.native_memory import HeapTrimmer, bound_kernel_caches
 from specstream_pb import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
 
 async def serve(config: DraftConfig) -> None:
     bound_kernel_caches(config.memory.kernel_cache_capacity)  # before the first matmul
-    # Load and run on one thread (see specstream.compute).
+    # Load and run on one thread (see specstream.serving.compute).
     compute = compute_executor("draft-compute", config.torch_threads)
 
     proposer = await asyncio.get_running_loop().run_in_executor(compute, build_proposer, config)

@@ -15,7 +15,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 
-from draft_service.proposer import Proposal, ProposeItem
+from specstream.data.propose import Proposal, ProposeItem
 
 SOURCE = "synthetic"  # Proposal.source of this proposer's guesses
 

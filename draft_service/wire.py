@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from draft_service.proposer import Proposal, ProposeItem
-from specstream.sampling import SamplingParams
+from specstream.data.propose import Proposal, ProposeItem
+from specstream.data.sampling import SamplingParams
 from specstream_pb import draft_pb2
 
 

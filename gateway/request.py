@@ -17,7 +17,7 @@ the request's span and counts in `specstream:requests_resumed_total`.
 
 `timings.queue_seconds` is the whole wait before prefill: time in the gateway's queue (admission ->
 sent to the replica that served it) plus the target's own (arrival -> prefill start). Each chunk's
-tokens and the final chunk go to a `RequestObserver` (specstream/metrics.py), which turns them into
+tokens and the final chunk go to a `RequestObserver` (specstream/serving/metrics.py), which turns them into
 the gateway's Prometheus metrics.
 """
 
@@ -30,11 +30,11 @@ import grpc
 
 from gateway.router import Router
 from gateway.validation import ValidRequest
-from specstream import telemetry
-from specstream.errors import RemoteError, status_code
-from specstream.metrics import GatewayMetrics, RequestObserver
-from specstream.stop_strings import StopStringMatcher
-from specstream.tokenizer import IncrementalDetokenizer, TextTokenizer
+from specstream.serving import telemetry
+from specstream.data.errors import RemoteError, status_code
+from specstream.serving.metrics import GatewayMetrics, RequestObserver
+from specstream.text.stop_strings import StopStringMatcher
+from specstream.text.tokenizer import IncrementalDetokenizer, TextTokenizer
 from specstream_pb import common_pb2, generation_pb2
 
 

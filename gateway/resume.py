@@ -8,7 +8,7 @@ speculation, logprobs, beam, traceparent) unchanged. The engine treats it as any
 - greedy decoding continues exactly as an uninterrupted run would (the next token is the argmax
   after the same prefix);
 - seeded sampling keys its randomness by (seed, absolute position in prompt + generated)
-  (specstream/sampling.py), and the continuation's prompt holds the tokens generated so far, so
+  (kernels/random.py), and the continuation's prompt holds the tokens generated so far, so
   the first new token has the same absolute position (original prompt length + tokens so far) as
   it would have had: no extra field is needed on the wire. Without speculation the rest is then
   the uninterrupted run's, token for token (tests/test_resume_contract.py). With speculation it

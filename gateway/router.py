@@ -44,7 +44,7 @@ from typing import Protocol
 import grpc
 
 from gateway.ticket import Ticket
-from specstream.errors import OverloadedError, UnavailableError
+from specstream.data.errors import OverloadedError, UnavailableError
 from specstream_pb import target_pb2
 
 

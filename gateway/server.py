@@ -24,11 +24,11 @@ from gateway.membership import Membership
 from gateway.router import Router
 from gateway.service import Gateway
 from gateway.target_client import TargetClient
-from specstream.config import GatewayConfig
-from specstream.grpc_server import ServiceServer
-from specstream.metrics import GatewayMetrics
-from specstream.model_registry import resolve_model
-from specstream.tokenizer import TextTokenizer
+from specstream.data.config import GatewayConfig
+from specstream.serving.grpc_server import ServiceServer
+from specstream.serving.metrics import GatewayMetrics
+from specstream.models.registry import resolve_model
+from specstream.text.tokenizer import TextTokenizer
 from specstream_pb import generation_pb2, generation_pb2_grpc, target_pb2
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ through the `Router`, and what the served model is.
 
 Both fronts hand it a public `GenerateRequest` and get back `GenerateStreamResponse` chunks (or
 one `GenerateResponse`), so they share one path and differ only in encoding. Knows nothing about
-either front's wire format or status codes: errors are `specstream.errors` exceptions.
+either front's wire format or status codes: errors are `specstream.data.errors` exceptions.
 
 Validation and tokenization run on `tokenize_threads` worker threads, not on the event loop: a
 prompt of the largest size allowed takes a few hundred milliseconds to tokenize, and on the loop
@@ -26,10 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 from gateway import request as pipeline
 from gateway.router import Router
 from gateway.validation import Limits, ValidRequest, validate
-from specstream.config import GatewayConfig
-from specstream.errors import OverloadedError
-from specstream.metrics import GatewayMetrics
-from specstream.tokenizer import TextTokenizer
+from specstream.data.config import GatewayConfig
+from specstream.data.errors import OverloadedError
+from specstream.serving.metrics import GatewayMetrics
+from specstream.text.tokenizer import TextTokenizer
 from specstream_pb import generation_pb2, target_pb2
 
 log = logging.getLogger(__name__)

@@ -37,9 +37,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.ticket import Ticket
 from gateway.watchdog import StepWatchdog
-from specstream.config import StallConfig
-from specstream.channels import open_channel
-from specstream.config import ChannelSecurity
+from specstream.data.config import StallConfig
+from specstream.serving.channels import open_channel
+from specstream.data.config import ChannelSecurity
 from specstream_pb import common_pb2, target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -12,15 +12,19 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
 from gateway.resume import continuation, merge_stats
 from specstream_pb import common_pb2, target_pb2
 
-if TYPE_CHECKING:
-    from gateway.target_client import TargetClient
+
+class Replica(Protocol):
+    """Where a ticket was sent (gateway/target_client.py's TargetClient): the router cancels it there."""
+
+    def cancel(self, ticket: Ticket) -> bool:
+        """Cancels the ticket's sequence if the replica still holds it; whether it did."""
 
 
 @dataclass(eq=False)
@@ -31,7 +35,7 @@ class Ticket:
     number: int  # arrival order at the gateway
     enqueued_at: float  # time.monotonic() when the gateway admitted it
     events: asyncio.Queue[target_pb2.SequenceEvent] = field(default_factory=asyncio.Queue)
-    replica: TargetClient | None = None  # where it was sent last; None while it waits in the gateway
+    replica: Replica | None = None  # where it was sent last; None while it waits in the gateway
     dispatched_at: float | None = None  # when it was sent to `replica`
     started: bool = False  # `replica` has sent an event for it: moving it now means resuming it
     done: bool = False  # its last event is out (finished, failed or cancelled)

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from specstream.beam_options import BeamOptions, check_combination
-from specstream.chat import ChatError
-from specstream.config import GatewayConfig
-from specstream.errors import InvalidArgumentError
-from specstream.tokenizer import TextTokenizer
+from specstream.data.beam import BeamOptions, check_combination
+from specstream.text.chat import ChatError
+from specstream.data.config import GatewayConfig
+from specstream.data.errors import InvalidArgumentError
+from specstream.text.tokenizer import TextTokenizer
 from specstream_pb import common_pb2, generation_pb2, target_pb2
 
 TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
@@ -79,7 +79,7 @@ class ValidRequest:
     model: str = ""  # the served model's name (set by the servicer; for traces)
     chat: bool = False  # the prompt came as `messages`, rendered with the chat template
     end_of_turn: int | None = None  # chat requests: the template's end-of-turn token ends generation
-    beam: common_pb2.BeamSearch | None = None  # beam search (validated: specstream/beam_options.py)
+    beam: common_pb2.BeamSearch | None = None  # beam search (validated: specstream/data/beam.py)
 
     def to_sequence_pb(self, eos_ids: tuple[int, ...]) -> target_pb2.SequenceRequest:
         ends = (*eos_ids, self.end_of_turn) if self.end_of_turn is not None else eos_ids

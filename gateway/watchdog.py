@@ -9,7 +9,7 @@ declares the replica stalled when the current silence exceeds
 
     deadline = min(ceiling_s, max(floor_s, step_multiple * p99 of the last `window` silences))
 
-(`specstream.config.StallConfig`). Before any silence is measured the deadline is `ceiling_s`.
+(`specstream.data.config.StallConfig`). Before any silence is measured the deadline is `ceiling_s`.
 
 Plain bookkeeping on timestamps handed in by the caller: knows nothing about gRPC, requests or
 what is done with a stalled replica (gateway/target_client.py acts on it).
@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from specstream.config import StallConfig
+from specstream.data.config import StallConfig
 
 
 class StepWatchdog:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.linear import linear
 from kernels.triton_shim import tl, triton
 
 BLOCK_H = 64  # hidden units per step of the fused head's GEMM
@@ -42,8 +43,6 @@ class OutputHead:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] float32, rounded as the model's dtype rounds them."""
-        from specstream.models.base import linear
-
         return linear(hidden, self.weight, self.bias).float()
 
 

@@ -18,7 +18,6 @@ from kernels.dispatch import backend
 from kernels.lm_head import Hidden, Scores, _score_tile, kernel_args, rows_and_vocab, scores_at, scores_reference
 from kernels.row_pass import launch_rows, tile
 from kernels.triton_shim import tl, triton
-from specstream.sampling import SamplingParams, process_logits
 
 MAX_K = 64  # the widest n-best the kernel keeps per tile
 
@@ -117,44 +116,3 @@ def _finish(best: torch.Tensor, lse: torch.Tensor, running: torch.Tensor | None)
     return out if running is None else out + running.to(out.device, out.dtype)[:, None]
 
 
-def token_logprobs(scores: Scores, tokens: torch.Tensor, params: Sequence[SamplingParams], top_n: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Log-probabilities under each row's processed distribution (the plain softmax for greedy
-    rows): of ``tokens`` [N], and the ``top_n`` most likely (ids, values) [N, n], -inf for tokens
-    the cuts remove. On the Triton backend from one n-best pass (the 64 largest scores and the
-    normaliser) and the scores at ``tokens``; a row whose cut the window does not settle, or a
-    ``top_n`` wider than it, builds the logits for the reference."""
-    states = scores.states if isinstance(scores, Hidden) else scores
-    n, vocab = rows_and_vocab(scores)
-    if backend(states) == "torch" or top_n > min(vocab, MAX_K):  # more alternatives than the window holds
-        return token_logprobs_reference(scores_reference(scores), tokens, params, top_n)
-    from kernels.sample import cut_thresholds  # sample.py builds on this file
-
-    device = states.device
-    inv_t = torch.tensor([1.0 if p.greedy else 1.0 / p.temperature for p in params], dtype=torch.float32, device=device)
-    threshold = cut_thresholds(scores, params)  # [N], -inf without cuts
-    values, ids, lse = top_scores(scores, min(vocab, MAX_K), inv_t)  # [N, W] raw, best first; [N] at T
-    kept = values >= threshold[:, None]  # [N, W]
-    cut = torch.isfinite(threshold)
-    # With a cut, the normaliser is over the kept tokens, which the window holds when its last
-    # score is already cut (or it covers the vocabulary).
-    settled = ~cut | ~kept[:, -1] | (values.shape[1] == vocab)
-    kept_lse = torch.where(cut, torch.logsumexp(torch.where(kept, values * inv_t[:, None], float("-inf")), dim=1), lse)
-    at = scores_at(scores, tokens.clamp(min=0)[:, None])[:, 0]  # [N] raw score of each token
-    chosen = torch.where(at >= threshold, at * inv_t - kept_lse, float("-inf"))
-    top = torch.where(kept[:, :top_n], values[:, :top_n] * inv_t[:, None] - kept_lse[:, None], float("-inf"))
-    top_ids = ids[:, :top_n]
-    rest = (~settled).nonzero().flatten().tolist()
-    if rest:
-        part = Hidden(scores.states[rest], scores.head) if isinstance(scores, Hidden) else scores[rest]
-        c, i, v = token_logprobs_reference(scores_reference(part), tokens[rest], [params[b] for b in rest], top_n)
-        chosen[rest], top_ids[rest], top[rest] = c, i, v
-    return chosen, top_ids, top
-
-
-def token_logprobs_reference(logits: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams],
-                             top_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    logp = process_logits(logits, list(params)).log()  # [N, V]
-    chosen = logp.gather(1, tokens.clamp(min=0)[:, None]).squeeze(1)
-    top = torch.topk(logp, top_n, dim=-1)
-    return chosen, top.indices, top.values

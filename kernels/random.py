@@ -1,7 +1,7 @@
 """Counter-based random numbers for the sampling kernels: one uniform per (row key, token id).
 
 A row's 64-bit key comes from (seed, position, purpose) by the same splitmix64 finaliser as
-``specstream.sampling.uniform`` (so a request's draws depend on nothing else in the batch); each
+``uniform`` (below) (so a request's draws depend on nothing else in the batch); each
 token id then gets its uniform from two rounds of murmur3's 32-bit finaliser over (key, id). The
 Triton helper ``_uniform`` and the torch twin ``uniform_table`` compute the same bits, so a kernel
 and its reference draw the same numbers and can be compared token for token.
@@ -26,7 +26,52 @@ import numpy as np
 import torch
 
 from kernels.triton_shim import tl, triton
-from specstream.sampling import _GOLDEN, _MIX1, _MIX2
+
+# What a draw is for, so that e.g. accepting position 7 and sampling position 7 use unrelated numbers:
+# - SAMPLE: the token at a position as plain sampling draws it (the per-token race noise of
+#   kernels/random.py): a request's first token, a γ = 0 step, the bonus token after a fully
+#   accepted run, and under coupled verification every position. The draft guesses a position
+#   with the same noise, so where q is close to p its guess is the target's own sample.
+# - ACCEPT: Leviathan's acceptance test of the proposal at a position (one uniform).
+# - RESIDUAL: a target draw at a position the draft drew for (the residual after a rejection):
+#   the draft's noise there is spent, and reusing it would bias the draw.
+# (1 was the draft's own inverse-CDF uniform before the draft shared SAMPLE's noise.)
+ACCEPT, SAMPLE, RESIDUAL = 2, 3, 4
+
+
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64
+_MASK64 = (1 << 64) - 1
+
+
+def uniform(seed: int, position: int, purpose: int) -> float:
+    """A float in [0, 1) that depends only on (seed, position, purpose): splitmix64 finalizer over
+    a counter, 53 bits of mantissa. Counter-based, so no generator state is shared or carried.
+
+    Each position's draws are used at most once in what a sequence commits: the acceptance and
+    final draws of position i only in the step that settles token i, and a draft draw that was
+    thrown away (its proposal came after a rejection) never influenced anything committed."""
+    x = (seed * _GOLDEN + position * _MIX1 + purpose * _MIX2) & _MASK64
+    x = ((x ^ (x >> 30)) * _MIX1) & _MASK64
+    x = ((x ^ (x >> 27)) * _MIX2) & _MASK64
+    x ^= x >> 31
+    return (x >> 11) / float(1 << 53)
+
+
+def uniforms(seeds: Sequence[int], starts: Sequence[int], count: int, purpose: int,
+             device: torch.device | str = "cpu") -> torch.Tensor:
+    """[len(seeds), count] float64: row b holds uniform(seeds[b], starts[b] + j, purpose) for
+    j < count, computed in wrapping uint64 arithmetic for the whole table at once."""
+    u64 = np.uint64
+    seed = np.asarray(seeds, dtype=u64).reshape(-1, 1)  # [N, 1]
+    position = np.asarray(starts, dtype=u64).reshape(-1, 1) + np.arange(count, dtype=u64)  # [N, count]
+    with np.errstate(over="ignore"):  # uint64 products wrap modulo 2^64, as intended
+        x = seed * u64(_GOLDEN) + position * u64(_MIX1) + u64(purpose) * u64(_MIX2)
+        x = (x ^ (x >> u64(30))) * u64(_MIX1)
+        x = (x ^ (x >> u64(27))) * u64(_MIX2)
+        x ^= x >> u64(31)
+    values = (x >> u64(11)).astype(np.float64) / float(1 << 53)  # exact: 53-bit integers
+    return torch.from_numpy(values).to(device)
+
 
 _ID_MIX = 0x9E3779B1  # odd 32-bit constant: spreads consecutive ids over the hash's input
 _ID_OFFSET = 0x7F4A7C15  # so that key 0 and id 0 do not hash to 0
@@ -37,7 +82,7 @@ _MASK32 = 0xFFFFFFFF
 def row_keys(seeds: Sequence[int], starts: Sequence[int], purpose: int, device: torch.device | str = "cpu"
              ) -> torch.Tensor:
     """[N] int64 in [0, 2^53): the key of row b's draw at position starts[b] for `purpose`
-    (splitmix64 over the counter, as ``specstream.sampling.uniforms``)."""
+    (splitmix64 over the counter, as ``uniforms``)."""
     u64 = np.uint64
     seed = np.asarray(seeds, dtype=u64)
     position = np.asarray(starts, dtype=u64)

@@ -15,7 +15,7 @@ exact for a proposal drawn any way at all, independently of the target's draws.
 Randomness comes in as one uniform per proposal for acceptance and one race key per position for
 the emitted token (kernels/random.py: the token is the winner of an exponential race over its
 distribution, with noise keyed by (key, token id)), so a row's result depends only on its own
-counter-based stream (specstream.sampling); the caller picks each position's key (a residual must
+counter-based stream (kernels/random.py); the caller picks each position's key (a residual must
 not reuse noise the draft drew with, target_service/settle.py). Acceptance uniforms must be
 float64 in [0, 1): in float32 a draw just below 1 rounds to 1.0, which would reject a proposal with
 p == q that must always be accepted.

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from target_service.messages import BeamHypothesis, BeamOptions
+from specstream.data.engine import BeamHypothesis, BeamOptions
 
 __all__ = ["BeamSearch", "Continuation"]
 

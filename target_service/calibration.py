@@ -24,7 +24,7 @@ import torch
 
 import kernels
 from kernels.lm_head import Hidden
-from specstream.models import CausalLM
+from specstream.models.base import CausalLM
 from specstream.models.kv_cache import KVCache
 
 __all__ = ["shapes", "verify_costs"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-from target_service.messages import EngineMessage
+from specstream.data.engine import EngineMessage
 
 _ids = itertools.count(1)
 

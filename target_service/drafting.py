@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from draft_service.proposer import Proposal, ProposeItem
+from specstream.data.propose import Proposal, ProposeItem
 from target_service import tracing
 from target_service.gamma import GammaController, RowView
 from target_service.sequence import Sequence

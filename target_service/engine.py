@@ -9,7 +9,7 @@ the same loop decodes plainly (γ = 0). A beam request (target_service/beam.py) 
 running hypothesis in the same forward; its hypotheses share their common prefix in the KV cache
 (KVCache.fork: forking a hypothesis copies a table of slot numbers, never K/V).
 
-The engine works on token ids only and speaks plain dataclasses (target_service/messages.py): it
+The engine works on token ids only and speaks plain dataclasses (specstream/data/engine.py): it
 knows nothing about text, protobuf or the gateway. Drafts are target_service/drafting.py's business,
 the γ per row the controller's (target_service/gamma.py), verification target_service/settle.py's,
 batching target_service/scheduler.py's. Model forwards run on one worker thread so the event loop
@@ -29,19 +29,19 @@ import torch
 
 from kernels.lm_head import Hidden
 from kernels.nbest import MAX_K, topk_logprobs, topk_logprobs_reference
-from specstream import telemetry
-from specstream.beam_options import check_combination
-from specstream.compute import torch_thread
-from specstream.config import TargetConfig
-from specstream.errors import AlreadyExistsError, InternalError, InvalidArgumentError, SpecstreamError, UnavailableError
-from specstream.metrics import TargetMetrics
-from specstream.models import CausalLM
-from target_service.batch_stats import BatchStats
+from specstream.serving import telemetry
+from specstream.data.beam import check_combination
+from specstream.serving.compute import torch_thread
+from specstream.data.config import TargetConfig
+from specstream.data.errors import AlreadyExistsError, InternalError, InvalidArgumentError, SpecstreamError, UnavailableError
+from specstream.serving.metrics import TargetMetrics
+from specstream.models.base import CausalLM
+from specstream.data.batch_stats import BatchStats
 from target_service.calibration import verify_costs
 from target_service.connection import Connection
 from target_service.drafting import DraftSource, Drafting
 from target_service.gamma import AUTO_GAMMA, GammaController
-from target_service.messages import EngineMessage, Load, SequenceEvent, SequenceRequest
+from specstream.data.engine import EngineMessage, Load, SequenceEvent, SequenceRequest
 from target_service.scheduler import Scheduler
 from target_service import tracing
 from target_service.sequence import Sequence
@@ -60,7 +60,7 @@ class Engine:
         self.controller = controller or GammaController(config.gamma_policy, config.default_gamma, config.max_gamma)
         self.drafting = Drafting(draft, self.controller, model.config.vocab_size)
         self.max_len = min(config.max_seq_len, model.config.max_position_embeddings)
-        # All torch work belongs on this one thread (see specstream.compute).
+        # All torch work belongs on this one thread (see specstream.serving.compute).
         self._compute = compute or torch_thread()
         self.cache = self._compute.submit(model.new_cache, config.max_slots, self.max_len).result()
         if config.calibrate and draft is not None:
@@ -82,7 +82,7 @@ class Engine:
         self.step_count = 0
         self.scheduler = Scheduler(config)
         self.stats = BatchStats(config.policy, config.batch_rows)
-        # Prometheus counters (specstream/metrics.py); the gauges read the queues when scraped.
+        # Prometheus counters (specstream/serving/metrics.py); the gauges read the queues when scraped.
         self.metrics = metrics or TargetMetrics(config.max_gamma, config.batch_rows)
         self.metrics.watch_sequences(running=lambda: len(self.running), waiting=lambda: len(self.waiting))
         self._background: set[asyncio.Task] = set()
@@ -173,7 +173,7 @@ class Engine:
         raise InvalidArgumentError("speculation.mode", spec.mode, "unknown speculation mode")
 
     def _validate_beam(self, req: SequenceRequest) -> None:
-        """The options validated themselves (specstream/beam_options.py); here: what this engine
+        """The options validated themselves (specstream/data/beam.py); here: what this engine
         can hold, and greedy only."""
         widest = min(self.config.max_slots, self.config.batch_rows)
         if req.beam.num_beams > widest:

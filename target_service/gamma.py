@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specstream.config import GAMMA_POLICIES as POLICIES
+from specstream.data.config import GAMMA_POLICIES as POLICIES
 
 __all__ = ["AUTO_GAMMA", "POLICIES", "CostModel", "GammaController", "LinearFit", "RowView", "expected_tokens",
            "leviathan_gamma"]

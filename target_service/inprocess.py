@@ -4,7 +4,7 @@ For training pipelines and benchmarks that want the real engine (batching, specu
 verification) without gRPC. ``run_requests(engine, requests)`` starts the engine loop, submits the
 requests on one in-process connection, collects every sequence's tokens and log-probabilities from
 the per-step events, and stops the loop when all have finished. It speaks the engine's own
-dataclasses (target_service/messages.py); it knows nothing about text or protobuf. Tests, the demo-pair trainer and the draft
+dataclasses (specstream/data/engine.py); it knows nothing about text or protobuf. Tests, the demo-pair trainer and the draft
 distillation all drive engines through it.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from target_service.connection import Connection
 from target_service.engine import Engine
-from target_service.messages import FinishReason, SequenceEvent, SequenceRequest, TokenLogprob
+from specstream.data.engine import FinishReason, SequenceEvent, SequenceRequest, TokenLogprob
 
 __all__ = ["Finished", "generate", "run_requests"]
 

@@ -3,7 +3,7 @@
 For colocated deployments that want no gRPC hop to the draft, and for driving the engine in one
 process (tests, benchmarks, training). Takes any proposer with the draft service's interface: a
 draft model (``DraftProposer``), the n-gram ones, the synthetic one. Proposals run on ``compute``,
-by default the process's torch thread (``specstream.compute``), which is where an in-process
+by default the process's torch thread (``specstream.serving.compute``), which is where an in-process
 engine's forwards run too: torch work from a second thread would slow both down.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from draft_service.proposer import Proposal, ProposeItem
-from specstream.compute import torch_thread
+from specstream.data.propose import Proposal, ProposeItem
+from specstream.serving.compute import torch_thread
 
 
 class LocalDraft:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from specstream.config import TargetConfig
+from specstream.data.config import TargetConfig
 
 
 class Row(Protocol):

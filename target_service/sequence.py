@@ -5,7 +5,7 @@ A beam request is one ``Sequence`` too (the request group): its hypotheses live 
 end (``beam_slots``); ``tokens`` stays the prompt until the search ends with the best hypothesis.
 
 Knows nothing about the model, the draft or gRPC: it is built from a ``SequenceRequest`` and
-reports ``SequenceEvent``s (target_service/messages.py).
+reports ``SequenceEvent``s (specstream/data/engine.py).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 
 from opentelemetry.trace import INVALID_SPAN
 
-from specstream.sampling import GREEDY, SamplingParams
+from specstream.data.sampling import GREEDY, SamplingParams
 from target_service.beam import BeamSearch
-from target_service.messages import (BeamHypothesis, FinishReason, SequenceEvent, SequenceRequest, SequenceStats,
+from specstream.data.engine import (BeamHypothesis, FinishReason, SequenceEvent, SequenceRequest, SequenceStats,
                                      TokenLogprob)
 
 

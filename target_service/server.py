@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import grpc
 
-from draft_service.build import build_proposer
-from specstream.compute import compute_executor
-from specstream.config import TargetConfig
-from specstream.errors import SpecstreamError
-from specstream.grpc_server import ServiceServer
-from specstream.metrics import TargetMetrics
-from specstream.model_registry import resolve_dtype, resolve_model
-from specstream.models import ModelLoadError, load_model
-from specstream.native_memory import HeapTrimmer, bound_kernel_caches
+from specstream.serving.compute import compute_executor
+from specstream.data.config import DraftConfig, TargetConfig
+from specstream.data.propose import Proposer
+from specstream.data.errors import SpecstreamError
+from specstream.serving.grpc_server import ServiceServer
+from specstream.serving.metrics import TargetMetrics
+from specstream.models.registry import resolve_dtype, resolve_model
+from specstream.models.config import ModelLoadError
+from specstream.models.loader import load_model
+from specstream.serving.native_memory import HeapTrimmer, bound_kernel_caches
 from specstream_pb import target_pb2, target_pb2_grpc
 from target_service.connection import Connection
 from target_service.draft_client import DraftClient
@@ -82,7 +84,10 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         )
 
 
-async def serve(config: TargetConfig, ready_file: str | None = None) -> None:
+async def serve(config: TargetConfig, build_proposer: Callable[[DraftConfig], Proposer] | None = None) -> None:
+    """Serves until stopped. `build_proposer` builds a colocated draft (`config.colocated_draft`) on
+    the torch thread: the caller supplies it (draft_service.build.build_proposer), since services
+    do not import each other."""
     bound_kernel_caches(config.memory.kernel_cache_capacity)  # before the first matmul
     compute = compute_executor("engine-compute", config.torch_threads)  # all torch work
     spec = config.model
@@ -99,6 +104,8 @@ async def serve(config: TargetConfig, ready_file: str | None = None) -> None:
                             deadline=DraftDeadline(config.draft_timeout_s, config.draft_deadline_floor_s,
                                                    config.draft_deadline_factor))
     elif config.colocated_draft is not None:
+        if build_proposer is None:
+            raise ValueError("colocated_draft: serve() needs build_proposer to build it")
         proposer = await asyncio.get_running_loop().run_in_executor(compute, build_proposer, config.colocated_draft)
         draft = LocalDraft(proposer, compute)
     metrics = TargetMetrics(config.max_gamma, config.batch_rows)

@@ -47,8 +47,10 @@ import torch
 import kernels
 from kernels.lm_head import Hidden
 from kernels.random import race, row_keys
-from kernels.sample import cut_thresholds
-from specstream.sampling import ACCEPT, RESIDUAL, SAMPLE, SamplingParams, process_logits, uniforms
+from kernels.cuts import cut_thresholds
+from kernels.random import ACCEPT, RESIDUAL, SAMPLE, uniforms
+from specstream.data.sampling import SamplingParams
+from kernels.processing import process_logits
 
 @dataclass
 class Row:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from opentelemetry.trace import Link, Span
 
-from specstream import telemetry
+from specstream.serving import telemetry
 
 _tracer = telemetry.tracer("specstream.target")
 

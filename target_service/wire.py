@@ -1,18 +1,18 @@
 """The target service's protobuf edge: ``SequenceRequest`` messages in, ``TargetMessage`` out.
 
-The engine speaks ``target_service/messages.py``; only the servicer (and tools that read the wire
+The engine speaks ``specstream/data/engine.py``; only the servicer (and tools that read the wire
 format) call these. A request that cannot be converted (e.g. sampling settings out of range) raises
 InvalidArgumentError naming the field, prefixed as the request spells it (``sampling.top_p``).
 """
 
 from __future__ import annotations
 
-from specstream.beam_options import BeamOptions
-from specstream.errors import InvalidArgumentError, SpecstreamError
-from specstream.sampling import SamplingParams
+from specstream.data.beam import BeamOptions
+from specstream.data.errors import InvalidArgumentError, SpecstreamError
+from specstream.data.sampling import SamplingParams
 from specstream_pb import common_pb2, target_pb2
-from target_service.batch_stats import BatchStats
-from target_service.messages import EngineMessage, Load, SequenceEvent, SequenceRequest, SequenceStats, Speculation
+from specstream.data.batch_stats import BatchStats
+from specstream.data.engine import EngineMessage, Load, SequenceEvent, SequenceRequest, SequenceStats, Speculation
 
 __all__ = ["batch_stats_to_pb", "load_to_pb", "message_to_pb", "request_from_pb"]
 

@@ -33,9 +33,9 @@ def model_zoo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny target with three drafts sharing its tokenizer:
     `same` (identical weights: everything accepted), `unrelated` (other random weights: almost
     nothing accepted) and `partial` (the target's first layer: often but not always accepted)."""
-    from specstream.default_models import build_random_pair
-    from specstream.models import write_random_checkpoint
-    from specstream.tokenizer import BOS_TOKEN, EOS_TOKEN, build_byte_level_tokenizer, save_tokenizer_files
+    from specstream.models.defaults import build_random_pair
+    from specstream.models.random_init import write_random_checkpoint
+    from specstream.text.tokenizer import BOS_TOKEN, EOS_TOKEN, build_byte_level_tokenizer, save_tokenizer_files
     import json
     import shutil
 
@@ -62,7 +62,7 @@ def sampling_pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     from safetensors.torch import load_file, save_file
 
-    from specstream.models import write_random_checkpoint
+    from specstream.models.random_init import write_random_checkpoint
 
     root = tmp_path_factory.mktemp("sampling_pair")
     config = {"vocab_size": 32, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -94,7 +94,7 @@ def sampling_pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def pki(tmp_path_factory: pytest.TempPathFactory):
-    """Throwaway certificates (specstream/certs.py): `pki.dir` holds a stack's files from one CA
+    """Throwaway certificates (specstream/tools/certs.py): `pki.dir` holds a stack's files from one CA
     (ca.crt, {gateway,target,draft,client}.crt/.key, api-tokens, internal-token); `pki.other` the
     same from another CA, whose certificates every server here must refuse."""
     from pki import Pki

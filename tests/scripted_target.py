@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from specstream.chat import ChatTemplate
-from specstream.errors import InvalidArgumentError
-from specstream.tokenizer import TextTokenizer, build_byte_level_tokenizer
+from specstream.text.chat import ChatTemplate
+from specstream.data.errors import InvalidArgumentError
+from specstream.text.tokenizer import TextTokenizer, build_byte_level_tokenizer
 from specstream_pb import target_pb2, target_pb2_grpc
-from target_service.batch_stats import BatchStats
-from target_service.messages import EngineMessage, Load, SequenceEvent, SequenceStats, TokenLogprob
+from specstream.data.batch_stats import BatchStats
+from specstream.data.engine import EngineMessage, Load, SequenceEvent, SequenceStats, TokenLogprob
 from target_service.wire import message_to_pb, request_from_pb
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

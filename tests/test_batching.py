@@ -10,7 +10,7 @@ import random
 import pytest
 from engine_harness import naive_greedy, run_engine
 
-from specstream.sampling import SamplingParams
+from specstream.data.sampling import SamplingParams
 
 N_REQUESTS = 32
 

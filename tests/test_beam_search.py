@@ -23,15 +23,15 @@ import torch
 
 from checkpoints import load_hf_model, make_hf_checkpoint
 from draft_service.proposer import DraftProposer
-from specstream.config import ModelSpec, TargetConfig
-from specstream.errors import InvalidArgumentError
-from specstream.models import load_model
-from specstream.sampling import SamplingParams
+from specstream.data.config import ModelSpec, TargetConfig
+from specstream.data.errors import InvalidArgumentError
+from specstream.models.loader import load_model
+from specstream.data.sampling import SamplingParams
 from target_service.connection import Connection
 from target_service.engine import Engine
 from target_service.inprocess import run_requests
 from target_service.local_draft import LocalDraft
-from target_service.messages import BeamOptions, SequenceRequest, Speculation
+from specstream.data.engine import BeamOptions, SequenceRequest, Speculation
 
 PROMPTS = [[1, 5, 9, 33, 7], [1, 44, 3, 60], [1, 100, 101, 102, 103, 104, 9], [1, 17], [1, 70, 71, 72, 73, 74, 75, 76]]
 HF_EARLY_STOPPING = {"heuristic": False, "first_k": True, "never": "never"}

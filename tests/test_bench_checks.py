@@ -1,4 +1,4 @@
-"""The benchmarks' checks on their own results (specstream.bench.checks): each passes on matching
+"""The benchmarks' checks on their own results (specstream.tools.bench.checks): each passes on matching
 data, fails on mismatching data naming what differed, and still fails under `python -O`; and the
 benchmarks that compare token ids (latency, sampling, synthetic) stop on a mismatch. No models:
 the stack and the sweeps are replaced by fakes."""
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from specstream.bench.checks import BenchmarkError, check_runs_match, check_same_tokens, require, token_difference
+from specstream.tools.bench.checks import BenchmarkError, check_runs_match, check_same_tokens, require, token_difference
 
 
 def test_require():
@@ -89,7 +89,7 @@ def test_checks_still_fail_under_python_O():
     script = textwrap.dedent("""
         import sys
         assert False, "not stripped"  # stripped under -O: reaching the next line proves -O is on
-        from specstream.bench.checks import BenchmarkError, check_runs_match, check_same_tokens, require
+        from specstream.tools.bench.checks import BenchmarkError, check_runs_match, check_same_tokens, require
         caught = []
         for check in (lambda: require(False, "counts"),
                       lambda: check_same_tokens("gamma 2", [[1, 2, 3]], [[1, 9, 3]]),
@@ -108,7 +108,7 @@ def test_checks_still_fail_under_python_O():
         result.stdout + result.stderr
     assert result.returncode == 1
     assert result.stderr.rstrip().splitlines()[-1] == (
-        "specstream.bench.checks.BenchmarkError: gamma 2: prompt 0: first difference at generated position 1: "
+        "specstream.tools.bench.checks.BenchmarkError: gamma 2: prompt 0: first difference at generated position 1: "
         "token 9, expected 2 (3 tokens, expected 3)")
 
 
@@ -157,7 +157,7 @@ def _patch_stack(monkeypatch, module) -> None:
 
 
 def test_latency_stops_when_a_gamma_changes_the_output(monkeypatch, tmp_path):
-    from specstream.bench import latency
+    from specstream.tools.bench import latency
 
     _patch_stack(monkeypatch, latency)
     monkeypatch.setattr(latency, "sweep", _fake_sweep({0: PLAIN, 2: PLAIN, 4: CHANGED}))
@@ -170,7 +170,7 @@ def test_latency_stops_when_a_gamma_changes_the_output(monkeypatch, tmp_path):
 
 
 def test_latency_checks_the_gamma_controller_too(monkeypatch, tmp_path):
-    from specstream.bench import latency
+    from specstream.tools.bench import latency
 
     _patch_stack(monkeypatch, latency)
     monkeypatch.setattr(latency, "sweep", _fake_sweep({0: PLAIN, 2: PLAIN, "auto": CHANGED}))
@@ -180,7 +180,7 @@ def test_latency_checks_the_gamma_controller_too(monkeypatch, tmp_path):
 
 
 def test_sampling_stops_when_a_greedy_gamma_changes_the_output(monkeypatch, tmp_path):
-    from specstream.bench import sampling
+    from specstream.tools.bench import sampling
 
     _patch_stack(monkeypatch, sampling)
     outputs = {0.0: {0: PLAIN, 2: CHANGED}, 1.0: {0: PLAIN, 2: CHANGED}}
@@ -193,7 +193,7 @@ def test_sampling_stops_when_a_greedy_gamma_changes_the_output(monkeypatch, tmp_
 
 
 def test_latency_reports_when_every_gamma_matches(monkeypatch, tmp_path):
-    from specstream.bench import latency
+    from specstream.tools.bench import latency
 
     _patch_stack(monkeypatch, latency)
     monkeypatch.setattr(latency, "sweep", _fake_sweep({0: PLAIN, 2: [list(r) for r in PLAIN]}))
@@ -205,7 +205,7 @@ def test_latency_reports_when_every_gamma_matches(monkeypatch, tmp_path):
 def test_sampling_does_not_compare_sampled_tokens(monkeypatch, tmp_path):
     """At T > 0 speculative sampling keeps the distribution, not a seed's tokens: different
     tokens there are no error, while T = 0 still has to match."""
-    from specstream.bench import sampling
+    from specstream.tools.bench import sampling
 
     _patch_stack(monkeypatch, sampling)
     outputs = {0.0: {0: PLAIN, 2: PLAIN}, 1.0: {0: PLAIN, 2: CHANGED}}
@@ -217,13 +217,12 @@ def test_sampling_does_not_compare_sampled_tokens(monkeypatch, tmp_path):
 
 
 def test_synthetic_stops_when_an_alpha_changes_the_output(monkeypatch, tmp_path):
-    from specstream.bench import synthetic
-    import specstream.models
+    from specstream.tools.bench import synthetic
 
     _patch_stack(monkeypatch, synthetic)
     monkeypatch.setattr(synthetic, "build_target", lambda path, *a, **k: path)
     monkeypatch.setattr(synthetic, "_params", lambda path: 1_000_000)
-    monkeypatch.setattr(specstream.models, "read_config", lambda path: SimpleNamespace(vocab_size=300))
+    monkeypatch.setattr(synthetic, "read_config", lambda path: SimpleNamespace(vocab_size=300))
     monkeypatch.setattr(synthetic, "sweep", _fake_sweep({0: PLAIN, 2: CHANGED}))
     with pytest.raises(BenchmarkError, match=r"^synthetic alpha 0.5, gamma 2 against plain decoding: prompt 1: "
                                              r"first difference at generated position 1: token 77, expected 21"):
@@ -241,7 +240,7 @@ def test_the_benchmarks_stop_under_python_O():
 def test_bench_gamma_keeps_the_rows_it_does_not_measure_of_the_same_configuration(tmp_path):
     import json
 
-    from specstream.bench.gamma import _other_rows
+    from specstream.tools.bench.gamma import _other_rows
 
     data = {"model": "m", "dtype": "bfloat16", "max_new_tokens": 48, "settings": ["γ=0", "ours"]}
     path = tmp_path / "gamma.json"

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from specstream.bench import throughput
-from specstream.bench.checks import BenchmarkError
-from specstream.bench.throughput import Pass, Setting
-from specstream.cli import build_parser
+from specstream.tools.bench import throughput
+from specstream.tools.bench.checks import BenchmarkError
+from specstream.tools.bench.throughput import Pass, Setting
+from specstream.tools.cli import build_parser
 
 SETTING = Setting(4, "topup", 1.0, "all", 0)
 REQUESTS = [([1, 2, 3], 4), ([4, 5], 2), ([6], 1), ([7, 8, 9, 10], 3)]
@@ -209,7 +209,7 @@ def test_fronts_flag():
 
 
 def test_bench_command_passes_fronts_and_repeats_on(monkeypatch, tmp_path):
-    import specstream.cli as cli
+    import specstream.tools.cli as cli
 
     seen = {}
     monkeypatch.setattr(cli, "bench_models", lambda args: "models")

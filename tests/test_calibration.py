@@ -4,8 +4,8 @@ controller prices its first choices with measured costs."""
 from __future__ import annotations
 
 from draft_service.proposer import DraftProposer
-from specstream.config import ModelSpec, TargetConfig
-from specstream.models import load_model
+from specstream.data.config import ModelSpec, TargetConfig
+from specstream.models.loader import load_model
 from target_service.calibration import shapes, verify_costs
 from target_service.engine import Engine
 from target_service.local_draft import LocalDraft

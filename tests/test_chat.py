@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from gateway.validation import Limits, validate
-from specstream.chat import ChatError, ChatTemplate
-from specstream.config import GatewayConfig
-from specstream.errors import InvalidArgumentError
-from specstream.tokenizer import TextTokenizer
+from specstream.text.chat import ChatError, ChatTemplate
+from specstream.data.config import GatewayConfig
+from specstream.data.errors import InvalidArgumentError
+from specstream.text.tokenizer import TextTokenizer
 from specstream_client._request import build_chat_request
 from specstream_pb import generation_pb2, target_pb2
 from tests.gguf_files import CHATML, chatml_tokenizer

@@ -18,9 +18,9 @@ import grpc
 import pytest
 from fake_gateway import serve_generation
 
-from specstream.cli import _draft_config, _gateway_config, _stack_spec, _target_config, build_parser, main
-from specstream.config import GAMMA_POLICIES, DraftConfig, ModelSpec, TargetConfig
-from specstream.launcher import StackSpec, command_lines
+from specstream.tools.cli import _draft_config, _gateway_config, _stack_spec, _target_config, build_parser, main
+from specstream.data.config import GAMMA_POLICIES, DraftConfig, ModelSpec, TargetConfig
+from specstream.tools.launcher import StackSpec, command_lines
 from specstream_pb import common_pb2, generation_pb2, generation_pb2_grpc
 
 ADDRESSES = {"draft": "127.0.0.1:7001", "target": "127.0.0.1:7002", "target-1": "127.0.0.1:7003",
@@ -136,7 +136,7 @@ def test_serve_ngram_starts_a_draft_without_a_model() -> None:
 def test_serve_passes_the_proposer_with_its_draft_model() -> None:
     draft = _draft(_serve("--target", "t", "--draft", "d", "--proposer", "ngram+model", "--ngram-min", "3"))
     assert (draft.proposer, draft.model.path, draft.ngram_max, draft.ngram_min) == ("ngram+model", "d", 4, 3)
-    from specstream.model_registry import pair_refs
+    from specstream.models.registry import pair_refs
 
     pair_draft = pair_refs("smollm2")[1]
     draft = _draft(_serve("--proposer", "model"))
@@ -144,7 +144,7 @@ def test_serve_passes_the_proposer_with_its_draft_model() -> None:
 
 
 def test_serve_takes_the_pairs_proposer_unless_told_otherwise() -> None:
-    from specstream.model_registry import PAIRS
+    from specstream.models.registry import PAIRS
 
     pair = PAIRS["smollm2"]
     assert pair.proposing == {"proposer": "ngram+model", "ngram_min": 2}
@@ -290,8 +290,8 @@ def test_serve_tls_dir_is_made_when_empty_and_refused_when_incomplete(tmp_path, 
     err = capsys.readouterr().err
     assert "tls_dir=" in err and "must hold gateway.crt" in err and "internal-token" in err
     assert not (partial / "gateway.crt").exists()  # a directory with files of its own is never written to
-    from specstream.cli import _ensure_tls_dir
-    from specstream.launcher import StackSecurity
+    from specstream.tools.cli import _ensure_tls_dir
+    from specstream.tools.launcher import StackSecurity
 
     made = tmp_path / "new"
     assert _ensure_tls_dir(str(made)) and not _ensure_tls_dir(str(made))
@@ -327,8 +327,8 @@ def test_services_read_their_security_settings_from_the_environment(pki, monkeyp
 
 def test_serve_children_take_security_from_their_flags_only(monkeypatch) -> None:
     # Every variable the services' security flags read is one the launcher keeps from its children.
-    from specstream.cli import SERVICE_SECURITY_ENV
-    from specstream.launcher import _child_env
+    from specstream.tools.cli import SERVICE_SECURITY_ENV
+    from specstream.tools.launcher import _child_env
 
     subcommands = build_parser()._subparsers._group_actions[0].choices
     read = set()

@@ -1,4 +1,4 @@
-"""One torch thread per process (specstream/compute.py): in-process engines, LocalDraft and model
+"""One torch thread per process (specstream/serving/compute.py): in-process engines, LocalDraft and model
 loading all run their torch work on it."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from draft_service.proposer import Proposal, ProposeItem
-from specstream.compute import on_torch_thread, torch_thread
+from specstream.data.propose import Proposal, ProposeItem
+from specstream.serving.compute import on_torch_thread, torch_thread
 from target_service.local_draft import LocalDraft
 
 

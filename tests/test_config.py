@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specstream.config import DraftConfig, GatewayConfig, ModelSpec, RestartPolicy, ServerConfig, TargetConfig
+from specstream.data.config import DraftConfig, GatewayConfig, ModelSpec, RestartPolicy, ServerConfig, TargetConfig
 
 
 @pytest.mark.parametrize("make,match", [
@@ -37,7 +37,7 @@ def test_defaults_are_valid():
 
 
 def test_security_settings_are_checked_naming_the_field(tmp_path):
-    from specstream.config import ChannelSecurity, ServerSecurity
+    from specstream.data.config import ChannelSecurity, ServerSecurity
 
     pem = tmp_path / "x.pem"
     pem.write_text("-----BEGIN CERTIFICATE-----\n")

@@ -9,9 +9,9 @@ import pytest
 import torch
 from engine_harness import run_engine
 
-from specstream.default_models import SHIPPED, default_model_dirs
-from specstream.models import load_model
-from specstream.tokenizer import TextTokenizer
+from specstream.models.defaults import SHIPPED, default_model_dirs
+from specstream.models.loader import load_model
+from specstream.text.tokenizer import TextTokenizer
 
 TARGET, DRAFT = SHIPPED / "target", SHIPPED / "draft"
 
@@ -68,7 +68,7 @@ def test_speculative_equals_plain_on_the_pair(gamma):
 
 def test_random_fallback_when_the_pair_is_missing(tmp_path, monkeypatch):
     """A stripped install without the shipped files still serves, on a random pair it says is random."""
-    import specstream.default_models as defaults
+    import specstream.models.defaults as defaults
 
     monkeypatch.setattr(defaults, "SHIPPED", tmp_path / "missing")
     monkeypatch.setenv("SPECSTREAM_HOME", str(tmp_path / "home"))

@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from gateway.discovery import split_host_port
-from specstream.cli import build_parser
+from specstream.tools.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -587,7 +587,7 @@ def test_dockerfile_builds_the_package_with_its_demo_models(name: str, objects: 
     assert int(user.split(":")[0]) != 0
     # The models the manifests name are the ones the image holds: the target by a name the registry
     # knows (converted at build time), the draft at the path the image links to the package's drafts.
-    from specstream.model_registry import MODELS
+    from specstream.models.registry import MODELS
 
     config = _by_kind(objects["base"], "ConfigMap")
     [env] = [c["data"] for n, c in config.items() if n.startswith("specstream-config")]

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from specstream.distill.data import TOP_K, Record, load_records, save_records
-from specstream.distill.prompts import build_prompts
+from specstream.tools.distill.data import TOP_K, Record, load_records, save_records
+from specstream.tools.distill.prompts import build_prompts
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_records_round_trip_through_one_safetensors_file(tmp_path) -> None:
 
 
 def test_output_vocabulary_keeps_the_most_frequent_first_choices_and_the_end_tokens() -> None:
-    from specstream.distill.train import choose_output_vocab
+    from specstream.tools.distill.train import choose_output_vocab
 
     records = [_record(0, [50, 50, 50, 60]), _record(1, [50, 70])]
     vocab = choose_output_vocab(records, 3, always=[2], vocab_size=200)
@@ -58,7 +58,7 @@ def test_output_vocabulary_keeps_the_most_frequent_first_choices_and_the_end_tok
 
 
 def test_the_teacher_is_restricted_to_the_draft_vocabulary_and_renormalised() -> None:
-    from specstream.distill.train import _examples
+    from specstream.tools.distill.train import _examples
 
     vocab = torch.tensor([3, 5, 7])
     index = torch.full((100,), -1, dtype=torch.int64)

@@ -11,10 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draft_service.proposer import DraftProposer, ProposeItem
-from specstream.models import ModelLoadError, load_model
+from draft_service.proposer import DraftProposer
+from specstream.data.propose import ProposeItem
+from specstream.models.config import ModelLoadError
+from specstream.models.loader import load_model
 from specstream.models.loader import embedding_sha256
-from specstream.sampling import SamplingParams
+from specstream.data.sampling import SamplingParams
 from tests.engine_harness import run_engine
 
 SUBSET = [0, 1, 2, *range(3, 300, 3)]  # 102 of the 300 tokens, EOS (1) among them
@@ -120,7 +122,7 @@ def test_the_target_service_refuses_a_vocabulary_subset_model(sampling_pair, tmp
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "specstream.cli", "target", "--model", str(sampling_pair["draft_subset"]),
+    result = subprocess.run([sys.executable, "-m", "specstream.tools.cli", "target", "--model", str(sampling_pair["draft_subset"]),
                              "--port", "0", "--dtype", "float32"], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "can only serve as a draft" in result.stderr

@@ -7,12 +7,12 @@ import asyncio
 from engine_harness import speculation
 
 from draft_service.proposer import DraftProposer
-from specstream.config import ModelSpec, TargetConfig
-from specstream.models import load_model
+from specstream.data.config import ModelSpec, TargetConfig
+from specstream.models.loader import load_model
 from target_service.connection import Connection
 from target_service.engine import Engine
 from target_service.local_draft import LocalDraft
-from target_service.messages import SequenceEvent, SequenceRequest, Speculation
+from specstream.data.engine import SequenceEvent, SequenceRequest, Speculation
 
 
 class RecordingProposer(DraftProposer):
@@ -180,7 +180,7 @@ def test_draft_with_a_smaller_vocabulary_is_skipped_not_crashed(model_zoo, tmp_p
     decoding for that sequence, with the same output."""
     import json
 
-    from specstream.models import write_random_checkpoint
+    from specstream.models.random_init import write_random_checkpoint
 
     config = json.loads((model_zoo["target"] / "config.json").read_text())
     small = write_random_checkpoint(tmp_path / "small", {**config, "vocab_size": 200}, seed=3)

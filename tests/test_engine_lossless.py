@@ -8,7 +8,7 @@ import random
 import pytest
 from engine_harness import naive_greedy, run_engine
 
-from specstream.tokenizer import TextTokenizer
+from specstream.text.tokenizer import TextTokenizer
 
 MAX_NEW = 24
 

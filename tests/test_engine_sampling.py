@@ -10,10 +10,13 @@ import pytest
 import torch
 from engine_harness import naive_greedy, run_engine
 
-from draft_service.proposer import DraftProposer, ProposeItem
-from specstream.models import load_model
+from draft_service.proposer import DraftProposer
+from specstream.data.propose import ProposeItem
+from specstream.models.loader import load_model
 from kernels.random import race, row_keys
-from specstream.sampling import RESIDUAL, SAMPLE, SamplingParams, process_logits
+from kernels.random import RESIDUAL, SAMPLE
+from specstream.data.sampling import SamplingParams
+from kernels.processing import process_logits
 
 PROMPTS = [[5, 9, 17, 3, 22], [1, 2], [7, 7, 7, 7, 7, 7, 7, 7, 7], [30, 4, 11]]
 CHOSEN = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
@@ -95,7 +98,7 @@ def test_sampling_settings_are_validated_at_the_target(sampling_pair):
     from target_service.connection import Connection
     from target_service.engine import Engine
     from target_service.server import TargetServicer
-    from specstream.config import ModelSpec, TargetConfig
+    from specstream.data.config import ModelSpec, TargetConfig
 
     engine = Engine(load_model(sampling_pair["target"]), TargetConfig(model=ModelSpec("t"), max_slots=2, max_seq_len=64), None)
     conn = Connection()

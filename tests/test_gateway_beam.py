@@ -3,7 +3,7 @@
 The gateway is the real one: `GenerationServicer` in a `ServiceServer` (so the `ErrorInterceptor`
 chooses the status), a `Router` and a `TargetClient` with its `Connect` stream open to a target on
 a loopback port. The target answers every request as the engine's contract for beams says
-(`target_service/messages.py`): one step with no tokens, then the last event with the best
+(`specstream/data/engine.py`): one step with no tokens, then the last event with the best
 hypothesis' tokens in `token_ids` and the n best in `sequences`; it reads requests and writes
 events with the target's own `wire` edge. Checked: `beam` reaches the target as sent, every
 hypothesis comes back detokenized like the main text, `GenerateStream` sends exactly one chunk that
@@ -27,14 +27,14 @@ from gateway.router import Router
 from gateway.server import SERVICE_NAME, GenerationServicer
 from gateway.service import Gateway
 from gateway.target_client import TargetClient
-from specstream.config import GatewayConfig, ServerConfig
-from specstream.grpc_server import ServiceServer
-from specstream.metrics import GatewayMetrics
-from specstream.tokenizer import TextTokenizer, build_byte_level_tokenizer
+from specstream.data.config import GatewayConfig, ServerConfig
+from specstream.serving.grpc_server import ServiceServer
+from specstream.serving.metrics import GatewayMetrics
+from specstream.text.tokenizer import TextTokenizer, build_byte_level_tokenizer
 from specstream_client import AsyncClient, BeamSequence
 from specstream_pb import common_pb2, generation_pb2, generation_pb2_grpc, target_pb2, target_pb2_grpc
-from target_service.batch_stats import BatchStats
-from target_service.messages import (
+from specstream.data.batch_stats import BatchStats
+from specstream.data.engine import (
     BeamHypothesis,
     EngineMessage,
     Load,

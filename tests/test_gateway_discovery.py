@@ -8,8 +8,8 @@ import socket
 import pytest
 
 from gateway.discovery import resolve_targets, split_host_port
-from specstream.cli import _gateway_config, build_parser
-from specstream.config import GatewayConfig
+from specstream.tools.cli import _gateway_config, build_parser
+from specstream.data.config import GatewayConfig
 
 
 def fake_dns(table: dict[str, list[tuple[int, str]]]):

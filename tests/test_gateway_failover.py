@@ -22,9 +22,9 @@ from gateway.router import Router
 from gateway.ticket import Ticket
 from gateway.validation import validate
 from gateway.watchdog import StepWatchdog
-from specstream.config import StallConfig
-from specstream.errors import RemoteError
-from specstream.metrics import GatewayMetrics
+from specstream.data.config import StallConfig
+from specstream.data.errors import RemoteError
+from specstream.serving.metrics import GatewayMetrics
 from specstream_pb import common_pb2, generation_pb2, target_pb2
 
 

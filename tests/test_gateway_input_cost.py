@@ -20,11 +20,11 @@ from gateway.service import Gateway
 from gateway.target_client import TargetClient
 from gateway.validation import Limits, validate
 from scripted_target import MODEL, TT, StreamingTarget
-from specstream.config import GatewayConfig, ServerConfig
-from specstream.errors import InvalidArgumentError
-from specstream.grpc_server import ServiceServer
-from specstream.metrics import GatewayMetrics
-from specstream.reliability.input_cost import prompt_gaps, random_words
+from specstream.data.config import GatewayConfig, ServerConfig
+from specstream.data.errors import InvalidArgumentError
+from specstream.serving.grpc_server import ServiceServer
+from specstream.serving.metrics import GatewayMetrics
+from specstream.tools.reliability.input_cost import prompt_gaps, random_words
 from specstream_pb import generation_pb2, generation_pb2_grpc, target_pb2, target_pb2_grpc
 
 CONTEXT = 200_000  # tokens the scripted target reports: a maximal prompt takes ~1 s to tokenize here

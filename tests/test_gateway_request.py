@@ -12,10 +12,10 @@ import pytest
 from gateway.request import generate, stream_chunks
 from gateway.ticket import Ticket
 from gateway.validation import Limits, ValidRequest, validate
-from specstream.config import GatewayConfig
-from specstream.errors import RemoteError
-from specstream.metrics import GatewayMetrics
-from specstream.tokenizer import TextTokenizer, build_byte_level_tokenizer
+from specstream.data.config import GatewayConfig
+from specstream.data.errors import RemoteError
+from specstream.serving.metrics import GatewayMetrics
+from specstream.text.tokenizer import TextTokenizer, build_byte_level_tokenizer
 from specstream_pb import common_pb2, generation_pb2, target_pb2
 
 TT = TextTokenizer(build_byte_level_tokenizer(), eos_token_ids=[1], bos_token_id=0)

@@ -20,10 +20,10 @@ from gateway.router import Router
 from gateway.target_client import TargetClient
 from gateway.ticket import Ticket
 from gateway.validation import Limits, validate
-from specstream.config import GatewayConfig, StallConfig
-from specstream.errors import OverloadedError, UnavailableError
-from specstream.metrics import GatewayMetrics
-from specstream.tokenizer import TextTokenizer, build_byte_level_tokenizer
+from specstream.data.config import GatewayConfig, StallConfig
+from specstream.data.errors import OverloadedError, UnavailableError
+from specstream.serving.metrics import GatewayMetrics
+from specstream.text.tokenizer import TextTokenizer, build_byte_level_tokenizer
 from specstream_pb import common_pb2, generation_pb2, target_pb2
 
 

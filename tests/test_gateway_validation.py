@@ -9,9 +9,9 @@ import grpc
 import pytest
 
 from gateway.validation import Limits, validate
-from specstream.config import GatewayConfig
-from specstream.errors import InvalidArgumentError
-from specstream.tokenizer import TextTokenizer, build_byte_level_tokenizer
+from specstream.data.config import GatewayConfig
+from specstream.data.errors import InvalidArgumentError
+from specstream.text.tokenizer import TextTokenizer, build_byte_level_tokenizer
 from specstream_pb import common_pb2, generation_pb2, target_pb2
 
 TT = TextTokenizer(build_byte_level_tokenizer(), eos_token_ids=[1], bos_token_id=0)

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from specstream.models import ModelLoadError, load_model
+from specstream.models.config import ModelLoadError
+from specstream.models.loader import load_model
 from specstream.models.gguf import GGUFFile, convert_gguf
 from specstream.models.gguf_dequant import DEQUANTIZERS, dequantize
-from specstream.tokenizer import TextTokenizer
+from specstream.text.tokenizer import TextTokenizer
 from tests.checkpoints import load_hf_model, make_hf_checkpoint
 from tests.gguf_files import CHATML, chatml_tokenizer, permute, write_gguf
 
@@ -305,7 +306,7 @@ def test_a_missing_layer_tensor_is_named(tmp_path, hf_llama, tok, cache) -> None
 
 
 def test_a_converter_killed_midway_leaves_nothing_that_is_used(tmp_path, hf_llama, tok, cache) -> None:
-    from specstream.model_registry import file_sha256, gguf_cache_dir
+    from specstream.models.cache import file_sha256, gguf_cache_dir
 
     path = write_gguf(tmp_path / "m.gguf", hf_llama, tok)
     out = gguf_cache_dir(file_sha256(path), cache)
@@ -325,7 +326,7 @@ def test_resolving_a_converted_model_needs_no_torch(tmp_path, hf_llama, tok) -> 
     convert_gguf(path, tmp_path / "home")
     code = ("import sys; sys.modules['torch'] = None\n"
             "import gateway.server\n"
-            "from specstream.model_registry import resolve_model\n"
+            "from specstream.models.registry import resolve_model\n"
             f"print(resolve_model({str(path)!r}))\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                             env={**os.environ, "SPECSTREAM_HOME": str(tmp_path / "home")})

@@ -10,8 +10,8 @@ import logging
 import grpc
 from prometheus_client import CollectorRegistry
 
-from specstream.config import ServerConfig
-from specstream.grpc_server import ServiceServer
+from specstream.data.config import ServerConfig
+from specstream.serving.grpc_server import ServiceServer
 from specstream_pb import generation_pb2, generation_pb2_grpc, target_pb2, target_pb2_grpc
 
 GARBAGE = [b"\xff\xff\xff\xff", b"\x0a\x05ab", b"\x12\xff\xff\xff\xff\x0f"]  # bad tag, short length, huge length

@@ -30,11 +30,11 @@ from gateway.router import Router
 from gateway.service import Gateway
 from gateway.target_client import TargetClient
 from scripted_target import MODEL, REPLY, TOKENS, TT, StreamingTarget
-from specstream.auth import TokenSet
-from specstream.certs import serial_of
-from specstream.config import GatewayConfig, ServerSecurity
-from specstream.metrics import GatewayMetrics
-from specstream.tls import ServerCertificates
+from specstream.serving.auth import TokenSet
+from specstream.tools.certs import serial_of
+from specstream.data.config import GatewayConfig, ServerSecurity
+from specstream.serving.metrics import GatewayMetrics
+from specstream.serving.tls import ServerCertificates
 from specstream_pb import target_pb2_grpc
 
 

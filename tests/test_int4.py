@@ -1,4 +1,4 @@
-"""4-bit weights served as stored (specstream/models/int4.py): the kernel against its torch reference,
+"""4-bit weights served as stored (kernels/int4.py): the kernel against its torch reference,
 its rows' independence (exact greedy speculation needs it), the GGUF parts, and load_model's choice."""
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ import pytest
 import torch
 from test_models import assert_verify_equals_steps
 
-from specstream.config import ModelSpec
-from specstream.models import ModelLoadError, load_model
+from specstream.data.config import ModelSpec
+from specstream.models.config import ModelLoadError
+from specstream.models.loader import load_model
 from specstream.models.base import rms_norm
 from specstream.models.gguf import convert_gguf
 from specstream.models.gguf_dequant import dequantize, q4_parts
-from specstream.models.int4 import (GROUP, Q4_FILE, Q4Weight, pack_codes, q4_dense, q4_linear,
+from kernels.int4 import (GROUP, Q4_FILE, Q4Weight, pack_codes, q4_dense, q4_linear,
                                     q4_linear_reference, rtn_parts, unpack_codes)
 from tests.checkpoints import make_hf_checkpoint
 from tests.gguf_files import chatml_tokenizer, write_gguf
@@ -224,7 +225,7 @@ def test_round_to_nearest_parts_are_within_half_a_step() -> None:
 
 
 def test_a_draft_is_rounded_to_4_bits_by_auto_and_a_target_refuses_it(tmp_path) -> None:
-    from specstream.config import TargetConfig
+    from specstream.data.config import TargetConfig
 
     path = make_hf_checkpoint(tmp_path, "llama", vocab_size=320, tie_word_embeddings=False)
     draft = load_model(path, "bfloat16", weights="auto", draft=True)

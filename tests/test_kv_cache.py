@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specstream.models import KVCache
+from specstream.models.kv_cache import KVCache
 
 LAYERS, SLOTS, HEADS, MAX_LEN, DIM = 3, 4, 2, 10, 8
 
@@ -184,7 +184,7 @@ def test_attention_through_a_forked_slot_equals_a_copied_one() -> None:
     """A forward on a slot that reads its prefix from another gives the logits of one whose
     prefix was copied; writing inside the shared prefix is refused."""
     from checkpoints import make_hf_checkpoint
-    from specstream.models import load_model
+    from specstream.models.loader import load_model
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -16,14 +16,11 @@ import torch
 from checkpoints import load_hf_model, make_hf_checkpoint
 from safetensors.torch import load_file, save_file
 
-from specstream.models import (
-    CausalLM,
-    KVCache,
-    ModelLoadError,
-    load_model,
-    read_config,
-    write_random_checkpoint,
-)
+from specstream.models.base import CausalLM
+from specstream.models.config import ModelLoadError
+from specstream.models.kv_cache import KVCache
+from specstream.models.loader import load_model, read_config
+from specstream.models.random_init import write_random_checkpoint
 
 VOCAB = 128
 TOL = 1e-4

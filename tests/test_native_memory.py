@@ -1,5 +1,5 @@
 """Native memory of a long-running model service: the kernel-cache cap and heap trimming
-(specstream/native_memory.py)."""
+(specstream/serving/native_memory.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
-from specstream.cli import _draft_config, _target_config, build_parser
-from specstream.config import MemoryConfig
-from specstream.native_memory import KERNEL_CACHE_VARIABLES, HeapTrimmer, bound_kernel_caches
+from specstream.tools.cli import _draft_config, _target_config, build_parser
+from specstream.data.config import MemoryConfig
+from specstream.serving.native_memory import KERNEL_CACHE_VARIABLES, HeapTrimmer, bound_kernel_caches
 
 GLIBC = HeapTrimmer(1.0).available
 
@@ -25,7 +25,7 @@ GLIBC = HeapTrimmer(1.0).available
 # keys grow by one each step) and prints how much more malloc'd memory it holds afterwards.
 SHAPES = textwrap.dedent("""
     import ctypes, sys, torch
-    from specstream.native_memory import bound_kernel_caches
+    from specstream.serving.native_memory import bound_kernel_caches
     if sys.argv[1] != "default":
         bound_kernel_caches(int(sys.argv[1]))
     libc = ctypes.CDLL("libc.so.6")

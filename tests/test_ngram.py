@@ -18,13 +18,14 @@ from hypothesis import strategies as st
 
 from draft_service.combined import NgramPlusModelProposer
 from draft_service.ngram import ANY_ID, NgramIndex, NgramProposer
-from draft_service.proposer import DraftProposer, ProposeItem
+from draft_service.proposer import DraftProposer
+from specstream.data.propose import ProposeItem
 from draft_service.build import PROPOSERS
 from draft_service.wire import proposal_to_pb
-from specstream.cli import build_parser
-from specstream.config import DraftConfig, ModelSpec
-from specstream.models import load_model
-from specstream.sampling import GREEDY, SamplingParams
+from specstream.tools.cli import build_parser
+from specstream.data.config import DraftConfig, ModelSpec
+from specstream.models.loader import load_model
+from specstream.data.sampling import GREEDY, SamplingParams
 
 A, B, C, D, E, F = 11, 12, 13, 14, 15, 16
 
@@ -356,7 +357,7 @@ def test_get_info_names_the_proposers(model_zoo):
     import asyncio
 
     from draft_service.server import DraftServicer
-    from specstream.metrics import DraftMetrics
+    from specstream.serving.metrics import DraftMetrics
 
     def info(proposer):
         return asyncio.run(DraftServicer(proposer, None, DraftMetrics()).GetInfo(None, None))

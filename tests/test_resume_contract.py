@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from engine_harness import run_engine
 
-from specstream.sampling import SamplingParams
+from specstream.data.sampling import SamplingParams
 
 PROMPTS = [[5, 9, 3, 17], [2, 8]]
 NEW = 24

@@ -25,7 +25,9 @@ from collections import Counter
 from chi_square import goodness_of_fit_p_value
 from kernels.random import gumbel, race, row_keys, uniform_table
 from kernels.speculative import speculative_accept, speculative_verify, speculative_verify_reference
-from specstream.sampling import ACCEPT, RESIDUAL, SAMPLE, SamplingParams, process_logits, truncate, uniform, uniforms
+from kernels.random import ACCEPT, RESIDUAL, SAMPLE, uniform, uniforms
+from specstream.data.sampling import SamplingParams
+from kernels.processing import process_logits, truncate
 
 THRESHOLD = 1e-3
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from engine_harness import run_engine
 
-from specstream.sampling import SamplingParams
+from specstream.data.sampling import SamplingParams
 
 PROMPT = [5, 9, 17, 3, 22]
 N = 24
@@ -84,7 +84,7 @@ def test_coupled_speculative_sampling_resubmitted_continues_with_the_same_tokens
 def test_coupled_verification_of_a_model_free_proposer_is_plain_sampling_too(sampling_pair):
     """Point-mass proposals (q withheld, as from prompt lookup) under coupled verification."""
     from draft_service.proposer import DraftProposer
-    from specstream.models import load_model
+    from specstream.models.loader import load_model
 
     class PointMasses(DraftProposer):
         def propose(self, items):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from specstream.config import ModelSpec, TargetConfig
+from specstream.data.config import ModelSpec, TargetConfig
 from target_service.scheduler import Scheduler
 
 

@@ -1,9 +1,9 @@
 """The security matrix of one gRPC server, every refusal driven: TLS, mTLS, the peer allow-list,
 bearer tokens, reflection, and reloading the files (reload() and SIGHUP).
 
-The server is the real `ServiceServer` (specstream/grpc_server.py) on a loopback port, serving a
+The server is the real `ServiceServer` (specstream/serving/grpc_server.py) on a loopback port, serving a
 scripted `Generation` service (one unary and one streaming method); clients open their channels
-with the product's own helper (specstream/channels.py) or plain grpc where a client would not use
+with the product's own helper (specstream/serving/channels.py) or plain grpc where a client would not use
 it. Certificates come from the `pki` fixture (two throwaway CAs). The three real processes with
 every hop secured: tests/integration/test_secure_stack.py.
 """
@@ -26,12 +26,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from specstream.auth import TokenSet, read_tokens
-from specstream.certs import serial_of
-from specstream.channels import open_blocking_channel, open_channel
-from specstream.config import ChannelSecurity, ServerConfig, ServerSecurity
-from specstream.errors import PermissionDeniedError, UnauthenticatedError
-from specstream.grpc_server import ServiceServer
+from specstream.serving.auth import TokenSet, read_tokens
+from specstream.tools.certs import serial_of
+from specstream.serving.channels import open_blocking_channel, open_channel
+from specstream.data.config import ChannelSecurity, ServerConfig, ServerSecurity
+from specstream.data.errors import PermissionDeniedError, UnauthenticatedError
+from specstream.serving.grpc_server import ServiceServer
 from specstream_pb import generation_pb2, generation_pb2_grpc
 
 SERVICE = "specstream.v1.Generation"
@@ -238,7 +238,7 @@ def test_tokens_no_token_wrong_token_right_token(pki, tmp_path: Path) -> None:
 
 def test_a_channel_with_a_token_file_sends_its_first_token_on_every_kind_of_call(tmp_path: Path) -> None:
     # The internal token without TLS (mTLS off): the gateway -> target and target -> draft hops
-    # open their channels with specstream.channels, whose interceptors add the token to unary
+    # open their channels with specstream.serving.channels, whose interceptors add the token to unary
     # and streaming calls, read/write style (the draft client's) and iterator style alike.
     tokens = tmp_path / "tokens"
     tokens.write_text("internal-1\n")

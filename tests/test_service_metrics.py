@@ -1,4 +1,4 @@
-"""specstream/metrics.py: the hooks count what they are told, the engine's counters agree with its
+"""specstream/serving/metrics.py: the hooks count what they are told, the engine's counters agree with its
 sequences' own stats, every exported metric is documented (and nothing documented is missing), and
 the HTTP endpoint serves a service's registry."""
 
@@ -15,12 +15,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from draft_service.proposer import DraftProposer
 from engine_harness import speculation
-from specstream.config import ModelSpec, ServerConfig, TargetConfig
-from specstream.metrics import (DraftMetrics, GatewayMetrics, TargetMetrics, finish_reason_label, occupancy_buckets,
+from specstream.data.config import ModelSpec, ServerConfig, TargetConfig
+from specstream.serving.metrics import (DraftMetrics, GatewayMetrics, TargetMetrics, finish_reason_label, occupancy_buckets,
                                 start_metrics_server)
-from specstream.models import load_model
+from specstream.models.loader import load_model
 from specstream_pb import common_pb2, generation_pb2
-from target_service.messages import SequenceEvent, SequenceRequest
+from specstream.data.engine import SequenceEvent, SequenceRequest
 from target_service.connection import Connection
 from target_service.engine import Engine
 from target_service.local_draft import LocalDraft

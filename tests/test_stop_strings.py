@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specstream.stop_strings import StopStringMatcher
+from specstream.text.stop_strings import StopStringMatcher
 
 
 def reference(text: str, stops: list[str]) -> tuple[str, bool]:

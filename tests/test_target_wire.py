@@ -15,12 +15,12 @@ import grpc
 import pytest
 
 from gateway.validation import Limits, validate
-from specstream.config import GatewayConfig
-from specstream.errors import InvalidArgumentError
-from specstream.tokenizer import TextTokenizer, build_byte_level_tokenizer
+from specstream.data.config import GatewayConfig
+from specstream.data.errors import InvalidArgumentError
+from specstream.text.tokenizer import TextTokenizer, build_byte_level_tokenizer
 from specstream_pb import common_pb2, generation_pb2, target_pb2
-from target_service.batch_stats import BatchStats
-from target_service.messages import (
+from specstream.data.batch_stats import BatchStats
+from specstream.data.engine import (
     BeamHypothesis,
     BeamOptions,
     EngineMessage,

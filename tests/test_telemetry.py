@@ -6,11 +6,11 @@ import json
 import subprocess
 import sys
 
-from specstream import telemetry
+from specstream.serving import telemetry
 
 SCRIPT = """
 import sys
-from specstream import telemetry
+from specstream.serving import telemetry
 telemetry.configure("svc", sys.argv[1])
 tracer = telemetry.tracer("t")
 with tracer.start_as_current_span("parent", attributes={"a": 1}) as parent:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tokenizers import decoders, models, normalizers, trainers
 from tokenizers.implementations import SentencePieceBPETokenizer
 
-from specstream.tokenizer import (
+from specstream.text.tokenizer import (
     BOS_TOKEN,
     EOS_TOKEN,
     IncrementalDetokenizer,

@@ -22,12 +22,16 @@ from chi_square import goodness_of_fit_p_value
 from kernels.argmax import best_token, best_token_reference
 from kernels.dispatch import use
 from kernels.lm_head import Hidden, OutputHead, lm_head, scores_reference
-from kernels.nbest import token_logprobs, token_logprobs_reference, topk_logprobs, topk_logprobs_reference
+from kernels.logprobs import token_logprobs, token_logprobs_reference
+from kernels.nbest import topk_logprobs, topk_logprobs_reference
 from kernels.random import row_keys, uniform_table
-from kernels.sample import cut_thresholds, cut_thresholds_reference, sample, sample_reference
+from kernels.cuts import cut_thresholds, cut_thresholds_reference
+from kernels.sample import sample, sample_reference
 from kernels.speculative import speculative_verify_fused, speculative_verify_fused_reference
 from kernels.verify import greedy_verify, greedy_verify_reference
-from specstream.sampling import ACCEPT, SAMPLE, SamplingParams, process_logits, truncate, uniforms
+from kernels.random import ACCEPT, SAMPLE, uniforms
+from specstream.data.sampling import SamplingParams
+from kernels.processing import process_logits, truncate
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCABS = (5, 123, 4097, 32000, 49152)
@@ -240,7 +244,7 @@ def test_fused_cut_thresholds_equal_the_reference(vocab, monkeypatch):
     rows the 64 largest scores do not settle (a flat nucleus, an all-masked row) take the fallback."""
     import sys
 
-    module = sys.modules["kernels.sample"]
+    module = sys.modules["kernels.cuts"]
     fallback_rows: list[int] = []
 
     def counted(logits, params):

@@ -10,7 +10,7 @@ a hang costs that step only, and the rest still run), within `BUDGET_S` of wall 
    2048 and 4096, rows 1-64, and the fused verification's time against its bandwidth bound;
 4. the three services on `--device cuda` in bfloat16, a ~1B random-init target built there and the
    synthetic-α draft: speculative greedy = plain greedy on 8 prompts, a γ sweep with `auto`, and
-   throughput at 32 slots, static against top-up (specstream/bench/device_check.py);
+   throughput at 32 slots, static against top-up (specstream/tools/bench/device_check.py);
 5. the real SmolLM2 pair, where its GGUF file is installed on that machine (it is ~98 MB: more than
    the tree leaves of the 64 MiB that travel to it, so it is usually skipped, and the summary says so).
 
@@ -53,7 +53,7 @@ WHEELS_MEASURED = 13.6e6  # bytes of the carried wheels when last downloaded (ma
 # carried copy would shadow the image's own build (torch's CUDA build above all).
 IMAGE = ("torch", "triton", "transformers", "accelerate", "numpy", "safetensors", "tokenizers", "uvloop",
          "prometheus-client", "pytest", "hypothesis")
-# Imported only where OTLP export is configured (specstream/telemetry.py), which the check never does:
+# Imported only where OTLP export is configured (specstream/serving/telemetry.py), which the check never does:
 # not carried, which leaves the tree room to grow within CARRY_LIMIT.
 NOT_CARRIED = ("opentelemetry-exporter-otlp-proto-grpc", "opentelemetry-exporter-otlp-proto-http")
 KERNEL_TESTS = ("tests/test_triton_kernels.py", "tests/test_kernels.py")
@@ -75,13 +75,13 @@ STEPS = (
          ("pytest", "kernels", "kernels.argmax", "kernels.lm_head", "kernels.nbest", "kernels.sample",
           "kernels.speculative", "kernels.verify", "kernels.random", "kernels.dispatch")),
     Step("bench-kernels", "fused vs unfused output layer (vocab 32k-152k, hidden 2048/4096, rows 1-64) and the "
-         "fused verification against its bandwidth bound", 150, 45, ("specstream.bench.kernels",)),
+         "fused verification against its bandwidth bound", 150, 45, ("specstream.tools.bench.kernels",)),
     Step("stack", "the three services on CUDA in bfloat16 (~1B random target, synthetic draft): speculative = "
          "plain greedy, γ sweep and auto, static vs top-up at n=32", 260, 90,
-         ("specstream.bench.device_check", "specstream.cli", "target_service.server", "draft_service.server",
+         ("specstream.tools.bench.device_check", "specstream.tools.cli", "target_service.server", "draft_service.server",
           "gateway.server", "specstream_client")),
     Step("smollm2", "the real SmolLM2 pair on CUDA: speculative = plain greedy, γ sweep", 90, 20,
-         ("specstream.bench.device_check", "specstream.model_registry")),
+         ("specstream.tools.bench.device_check", "specstream.models.registry")),
 )
 
 
@@ -160,7 +160,7 @@ def _junit_counts(path: Path) -> dict:
 
 
 def step_bench_kernels(out: Path) -> dict:
-    from specstream.bench import kernels
+    from specstream.tools.bench import kernels
 
     data = kernels.run(out, "cuda", vocabs=(32_000, 128_256, 151_936), rows=(1, 2, 4, 8, 16, 32, 64),
                        hiddens=(2048, 4096), models=None)
@@ -175,21 +175,21 @@ def step_bench_kernels(out: Path) -> dict:
 
 
 def step_stack(out: Path) -> dict:
-    from specstream.bench import device_check
+    from specstream.tools.bench import device_check
 
     return device_check.run(out, "cuda")
 
 
 def step_smollm2(out: Path) -> dict:
-    from specstream.model_registry import MODELS, PAIRS
+    from specstream.models.registry import MODELS, PAIRS
 
     try:
         MODELS["smollm2"].path()
     except Exception as exc:
         return {"skipped": f"the SmolLM2 GGUF file is not installed here ({exc}); at ~98 MB it does not fit in "
                            "the 64 MiB that travel with the tree"}
-    from specstream.bench import device_check
-    from specstream.bench.models import BenchModels
+    from specstream.tools.bench import device_check
+    from specstream.tools.bench.models import BenchModels
 
     pair = PAIRS["smollm2"]
     models = BenchModels.from_refs(pair.target, pair.draft, "bfloat16", "smollm2", weights="dense",

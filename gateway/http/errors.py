@@ -2,7 +2,7 @@
 status OpenAI uses, chosen here and only here for every route and for errors inside a stream.
 
 The status follows the gRPC code the same exception travels as on the gRPC front
-(specstream/errors.py), so both fronts classify a failure alike: INVALID_ARGUMENT -> 400 (with
+(specstream/data/errors.py), so both fronts classify a failure alike: INVALID_ARGUMENT -> 400 (with
 `param` the OpenAI parameter), UNAUTHENTICATED -> 401 (with `WWW-Authenticate: Bearer`, RFC 6750),
 PERMISSION_DENIED -> 403, NOT_FOUND -> 404, RESOURCE_EXHAUSTED -> 429 and UNAVAILABLE -> 503 (both
 with `Retry-After`), anything unexpected -> 500.
@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from specstream.errors import InvalidArgumentError, SpecstreamError
+from specstream.data.errors import InvalidArgumentError, SpecstreamError
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """uvicorn, embedded in the gateway's running event loop (uvloop), serving the HTTP app; over
 HTTPS when given the gateway's `ServerCertificates` (the same certificate, client CA and SIGHUP
-reloads as its gRPC port: specstream/tls.py).
+reloads as its gRPC port: specstream/serving/tls.py).
 
 The socket is bound here, before uvicorn starts, so port 0 gets a free port that `port` reports
 at once. uvicorn's own signal handling is turned off: the gateway's `serve_forever` owns SIGTERM
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from specstream.tls import ServerCertificates
+from specstream.serving.tls import ServerCertificates
 
 log = logging.getLogger(__name__)
 

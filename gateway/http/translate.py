@@ -17,8 +17,8 @@ import time
 from typing import Any
 
 from gateway.http.schema import ChatCompletionRequest, CompletionRequest
-from specstream.errors import InvalidArgumentError
-from specstream.tokenizer import TextTokenizer
+from specstream.data.errors import InvalidArgumentError
+from specstream.text.tokenizer import TextTokenizer
 from specstream_pb import common_pb2, generation_pb2
 
 UINT32, INT32, UINT64 = 2**32 - 1, 2**31 - 1, 2**64 - 1

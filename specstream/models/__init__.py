@@ -1,24 +1,13 @@
-"""Model layer of specstream: checkpoint loading, the slot KV cache and the decoder implementations.
+"""Models: checkpoint loading, the slot KV cache, the decoder implementations, GGUF files and the
+registry of model references (above kernels/, below the services).
 
-Contract: ``load_model(dir)`` turns a Hugging Face checkpoint directory (safetensors only) into a
-``CausalLM`` whose ``forward(input_ids, cache, slots, start_pos)`` reads/writes a ``KVCache`` made by
-``model.new_cache``; ``write_random_checkpoint`` makes a small random Llama checkpoint for demos and tests.
+``loader.load_model(dir)`` turns a Hugging Face checkpoint directory (safetensors) into a
+``base.CausalLM`` whose ``forward(input_ids, cache, slots, start_pos)`` reads and writes a
+``kv_cache.KVCache`` made by ``model.new_cache``; ``random_init.write_random_checkpoint`` makes a
+small random Llama checkpoint for demos and tests; ``registry.resolve_model`` turns a model name,
+a GGUF file or a directory into a checkpoint directory (``gguf`` converts; ``cache`` says where).
 
-What it does not know: tokenizers, sampling, speculative verification, scheduling, or transport.
+Importing this package imports nothing: the gateway resolves its tokenizer through ``registry``
+without loading torch. What it does not know: tokenizers' use, sampling, verification,
+scheduling or transport.
 """
-
-from specstream.models.config import ModelConfig, ModelLoadError
-from specstream.models.base import CausalLM
-from specstream.models.kv_cache import KVCache
-from specstream.models.loader import load_model, read_config
-from specstream.models.random_init import write_random_checkpoint
-
-__all__ = [
-    "load_model",
-    "read_config",
-    "ModelLoadError",
-    "CausalLM",
-    "ModelConfig",
-    "KVCache",
-    "write_random_checkpoint",
-]

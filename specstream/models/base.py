@@ -16,10 +16,9 @@ import torch.nn.functional as F
 from kernels.lm_head import OutputHead
 from specstream.models.attention import CacheBatch
 from specstream.models.config import SUPPORTED_ACTIVATIONS, ModelConfig
-from specstream.models.int4 import Q4Weight, q4_linear
 from specstream.models.kv_cache import KVCache
 
-__all__ = ["CausalLM", "TensorSource", "Q4Parts", "ACTIVATIONS", "linear", "rms_norm"]
+__all__ = ["CausalLM", "TensorSource", "Q4Parts", "ACTIVATIONS", "rms_norm"]
 
 # config.json activation name -> function; the same names transformers' ACT2FN uses.
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -35,24 +34,6 @@ assert set(ACTIVATIONS) == SUPPORTED_ACTIVATIONS, "config.py validates against t
 # What a 4-bit checkpoint part is handed to a model as: (codes [N, K] uint8, scale, min [N, K/32] float32),
 # or None when the checkpoint has no 4-bit data for that name.
 Q4Parts = Callable[[str], "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None"]
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor | Q4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear whose every row is the same however many rows the call has (half precision on CPU).
-
-    A ``Q4Weight`` (4-bit blocks, ``int4.py``) goes to its own kernel, whose rows are independent.
-
-    oneDNN computes a 1-row bfloat16/float16 product with a matrix-vector kernel that rounds
-    differently from its matrix kernel, used for 2 rows or more; the matrix kernel's rows do not
-    depend on the row count. A plain decode step (one row) and a verify forward (γ+1 rows) must give
-    the same logits, or greedy speculation would not reproduce plain decoding, so a lone row is
-    computed as two. x [..., K] -> [..., N]."""
-    if isinstance(weight, Q4Weight):
-        return q4_linear(x, weight, bias)
-    if x.device.type == "cpu" and x.dtype != torch.float32 and x.numel() == x.shape[-1]:
-        pair = x.reshape(1, -1).expand(2, -1).contiguous()  # [2, K]
-        return F.linear(pair, weight, bias)[:1].reshape(*x.shape[:-1], weight.shape[0])  # [..., N]
-    return F.linear(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

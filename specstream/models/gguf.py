@@ -37,10 +37,10 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from specstream.model_registry import GGUF_CONVERTER_VERSION, file_sha256, gguf_cache_dir
+from specstream.models.cache import GGUF_CONVERTER_VERSION, file_sha256, gguf_cache_dir
 from specstream.models.config import ModelLoadError
 from specstream.models.gguf_dequant import FORMATS, Q4_TYPES, dequantize, nbytes, q4_parts
-from specstream.models.int4 import Q4_FILE, pack_codes
+from kernels.int4 import Q4_FILE, pack_codes
 
 __all__ = ["ARCHITECTURES", "GGUFFile", "convert_gguf", "hf_config", "hf_tensors"]
 
@@ -338,7 +338,7 @@ def hf_q4_tensors(gguf: GGUFFile, config: dict[str, Any]) -> Iterator[tuple[str,
 
 
 def _write_checkpoint(gguf: GGUFFile, out: Path, sha256: str) -> None:
-    from specstream.gguf_tokenizer import build_gguf_tokenizer
+    from specstream.models.gguf_tokenizer import build_gguf_tokenizer
 
     config = hf_config(gguf)
     tok = build_gguf_tokenizer(gguf.metadata)  # before the weights: a bad tokenizer fails fast

@@ -20,7 +20,8 @@ from torch import nn
 from kernels.lm_head import OutputHead
 from specstream.models.config import ModelConfig
 from specstream.models.attention import CacheBatch
-from specstream.models.base import ACTIVATIONS, CausalLM, TensorSource, linear
+from kernels.linear import linear
+from specstream.models.base import ACTIVATIONS, CausalLM, TensorSource
 from specstream.models.kv_cache import KVCache
 
 __all__ = ["GPT2LMHeadModel"]

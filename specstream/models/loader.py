@@ -28,10 +28,10 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from specstream.config import WEIGHT_FORMATS
+from specstream.data.config import WEIGHT_FORMATS
 from specstream.models.config import CONFIG_PARSERS, ModelConfig, ModelLoadError, parse_config
 from specstream.models.gpt2 import GPT2LMHeadModel
-from specstream.models.int4 import Q4_FILE, unpack_codes
+from kernels.int4 import Q4_FILE, unpack_codes
 from specstream.models.base import CausalLM
 from specstream.models.llama import LlamaForCausalLM
 
@@ -55,7 +55,7 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
 }
 
-WEIGHTS = WEIGHT_FORMATS  # "auto", "dense", "int4", "int4-rtn": see specstream/config.py
+WEIGHTS = WEIGHT_FORMATS  # "auto", "dense", "int4", "int4-rtn": see specstream/data/config.py
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

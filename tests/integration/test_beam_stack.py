@@ -10,13 +10,13 @@ import sys
 
 import pytest
 
-from specstream.config import ModelSpec, TargetConfig
-from specstream.models import load_model
-from specstream.tokenizer import TextTokenizer
+from specstream.data.config import ModelSpec, TargetConfig
+from specstream.models.loader import load_model
+from specstream.text.tokenizer import TextTokenizer
 from specstream_client import AsyncClient, Client, InvalidArgument
 from target_service.engine import Engine
 from target_service.inprocess import run_requests
-from target_service.messages import BeamOptions, SequenceRequest, Speculation
+from specstream.data.engine import BeamOptions, SequenceRequest, Speculation
 
 PROMPTS = ["def main():", "The weather", "import os"]
 
@@ -87,7 +87,7 @@ def test_bad_beam_requests_name_the_field(stack, field, kwargs):
 
 def test_cli_prints_the_n_best(stack, in_process):
     tokenizer, want = in_process
-    out = subprocess.run([sys.executable, "-m", "specstream.cli", "generate", "--url", stack.gateway_address,
+    out = subprocess.run([sys.executable, "-m", "specstream.tools.cli", "generate", "--url", stack.gateway_address,
                           "--max-new-tokens", "12", "--ignore-eos", "--num-beams", "4", "--num-return", "3",
                           PROMPTS[0]], capture_output=True, text=True, timeout=120, check=True)
     ranks = [line for line in out.stdout.splitlines() if line.startswith("#")]

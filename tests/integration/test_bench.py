@@ -4,7 +4,7 @@ What they measure (tokens/s, α, speedups) depends on the machine, so these test
 hold whatever the timings: the counts the services report agree with each other (every request
 used its whole budget; a target pass yields its accepted proposals plus one token), each derived
 number is the one computed from the numbers it is reported next to, and each "best" is the fastest
-of three or more candidates. The benchmarks' own exactness checks (specstream.bench.checks) stop a
+of three or more candidates. The benchmarks' own exactness checks (specstream.tools.bench.checks) stop a
 run whose speculative tokens differ from plain decoding; tests/test_bench_checks.py shows they do.
 """
 
@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from specstream.bench.theory import expected_speedup, expected_tokens_per_pass
+from specstream.tools.bench.theory import expected_speedup, expected_tokens_per_pass
 
 PROMPTS, BUDGET = 2, 12
 
@@ -67,7 +67,7 @@ def fastest(by_gamma: dict[str, dict]) -> int:
 
 def test_bench_latency_writes_json_and_plots(model_zoo, tmp_path):
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "specstream.cli", "bench", "latency", "--target",
+    result = subprocess.run([sys.executable, "-m", "specstream.tools.cli", "bench", "latency", "--target",
                              str(model_zoo["target"]), "--draft", str(model_zoo["partial"]), "--prompts", str(PROMPTS),
                              "--max-new-tokens", str(BUDGET), "--gammas", "0,1,2", "--dtype", "float32",
                              "--proposer", "ngram+model", "--ngram-min", "2", "--out", str(out)],
@@ -111,7 +111,7 @@ def test_bench_latency_writes_json_and_plots(model_zoo, tmp_path):
 
 def test_bench_sampling_writes_json_and_plot(model_zoo, tmp_path):
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "specstream.cli", "bench", "sampling", "--target",
+    result = subprocess.run([sys.executable, "-m", "specstream.tools.cli", "bench", "sampling", "--target",
                              str(model_zoo["target"]), "--draft", str(model_zoo["partial"]), "--prompts", str(PROMPTS),
                              "--max-new-tokens", str(BUDGET), "--gammas", "0,1,2", "--temperatures", "0,1.0",
                              "--dtype", "float32", "--out", str(out)],
@@ -138,7 +138,7 @@ def test_bench_sampling_writes_json_and_plot(model_zoo, tmp_path):
 
 
 def test_bench_synthetic_on_a_small_target(tmp_path):
-    from specstream.bench import synthetic
+    from specstream.tools.bench import synthetic
 
     shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "max_position_embeddings": 512, "tie_word_embeddings": True}
@@ -157,9 +157,9 @@ def test_bench_synthetic_on_a_small_target(tmp_path):
 
 
 def test_bench_throughput_reports_occupancy_and_ratios(model_zoo, tmp_path):
-    from specstream.bench import throughput
-    from specstream.bench.models import BenchModels
-    from specstream.bench.throughput import Setting
+    from specstream.tools.bench import throughput
+    from specstream.tools.bench.models import BenchModels
+    from specstream.tools.bench.throughput import Setting
 
     n = 2
     settings = [Setting(n, "static", 1.0, "all", 0), Setting(n, "topup", 1.0, "all", 0),
@@ -183,8 +183,8 @@ def test_bench_throughput_reports_occupancy_and_ratios(model_zoo, tmp_path):
 
 
 def test_bench_profile_splits_a_step_into_its_parts(model_zoo, tmp_path):
-    from specstream.bench import profile
-    from specstream.bench.models import BenchModels
+    from specstream.tools.bench import profile
+    from specstream.tools.bench.models import BenchModels
 
     vocab = json.loads((model_zoo["target"] / "config.json").read_text())["vocab_size"]
     data = profile.run(BenchModels("zoo", model_zoo["target"], model_zoo["partial"], "float32"), tmp_path)
@@ -203,8 +203,8 @@ def test_bench_profile_splits_a_step_into_its_parts(model_zoo, tmp_path):
 
 
 def test_bench_kernels_times_the_output_layer_and_a_steps_share(model_zoo, tmp_path):
-    from specstream.bench import kernels as kernel_bench
-    from specstream.bench.models import BenchModels
+    from specstream.tools.bench import kernels as kernel_bench
+    from specstream.tools.bench.models import BenchModels
 
     models = BenchModels("zoo", model_zoo["target"], model_zoo["partial"], "float32")
     data = kernel_bench.run(tmp_path, "cpu", vocabs=(123, 300), rows=(1, 8), hiddens=(32,), models=models)
@@ -220,7 +220,7 @@ def test_bench_kernels_times_the_output_layer_and_a_steps_share(model_zoo, tmp_p
 def test_bench_kernels_fused_columns_run_through_the_dispatcher(tmp_path):
     """What a CUDA run adds (fused ops, the verification against its bandwidth bound), run here by
     Triton's interpreter at tiny sizes: the code path works; the timings mean nothing on a CPU."""
-    from specstream.bench import kernels as kernel_bench
+    from specstream.tools.bench import kernels as kernel_bench
 
     data = kernel_bench.run(tmp_path, "cpu", vocabs=(123,), rows=(1,), hiddens=(32,), fused=True, verify_shape=(2, 2))
     [size] = data["sizes"]
@@ -231,8 +231,8 @@ def test_bench_kernels_fused_columns_run_through_the_dispatcher(tmp_path):
 
 
 def test_bench_gamma_compares_policies_and_proposers(model_zoo, tmp_path):
-    from specstream.bench import gamma
-    from specstream.bench.models import BenchModels
+    from specstream.tools.bench import gamma
+    from specstream.tools.bench.models import BenchModels
 
     models = BenchModels("zoo", model_zoo["target"], model_zoo["partial"], "float32")
     data = gamma.run(models, tmp_path, [1, 2], n_prompts=2, max_new_tokens=8, names=["code", "repetitive", "mix"],
@@ -263,9 +263,9 @@ def test_bench_gamma_compares_policies_and_proposers(model_zoo, tmp_path):
 def test_bench_throughput_through_both_fronts_on_real_processes(model_zoo, tmp_path):
     """The same requests through the gRPC SDK and the `openai` client against one stack; the run
     itself checks both fronts return the same greedy tokens (BenchmarkError otherwise)."""
-    from specstream.bench import throughput
-    from specstream.bench.models import BenchModels
-    from specstream.bench.throughput import Setting
+    from specstream.tools.bench import throughput
+    from specstream.tools.bench.models import BenchModels
+    from specstream.tools.bench.throughput import Setting
 
     models = BenchModels("zoo", model_zoo["target"], model_zoo["partial"], "float32")
     setting = Setting(2, "topup", 1.0, "all", 2)

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from specstream.reliability.fuzz import INVALID, OK, Case, Outcome, fuzz
+from specstream.tools.reliability.fuzz import INVALID, OK, Case, Outcome, fuzz
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import urllib.request
 import openai
 import pytest
 
-from specstream.model_registry import PAIRS
+from specstream.models.registry import PAIRS
 from specstream_client import Client
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"

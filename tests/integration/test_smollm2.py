@@ -16,9 +16,9 @@ import sys
 import pytest
 import torch
 
-from specstream.model_registry import MODELS, PAIRS, pair_refs, resolve_model
-from specstream.models import load_model
-from specstream.tokenizer import TextTokenizer
+from specstream.models.registry import MODELS, PAIRS, pair_refs, resolve_model
+from specstream.models.loader import load_model
+from specstream.text.tokenizer import TextTokenizer
 from specstream_pb import common_pb2, target_pb2
 
 LOGIT_TOLERANCE = 1e-3
@@ -108,10 +108,10 @@ def test_4_bit_serving_is_as_close_to_the_file_as_dequantized_bfloat16(real) -> 
 
 
 def test_greedy_output_matches_transformers_8_prompts_x_64_tokens(real) -> None:
-    from specstream.config import ModelSpec, TargetConfig
+    from specstream.data.config import ModelSpec, TargetConfig
     from target_service.engine import Engine
     from target_service.inprocess import run_requests
-    from target_service.messages import SequenceRequest, Speculation
+    from specstream.data.engine import SequenceRequest, Speculation
 
     directory, tok, hf_model, _ = real
     prompts = _prompts(tok)
@@ -210,7 +210,7 @@ def test_bad_messages_get_invalid_argument_naming_the_field(smollm2_stack) -> No
 
 
 def test_specstream_chat_cli(smollm2_stack) -> None:
-    result = subprocess.run([sys.executable, "-m", "specstream.cli", "chat", "--url", smollm2_stack.gateway_address,
+    result = subprocess.run([sys.executable, "-m", "specstream.tools.cli", "chat", "--url", smollm2_stack.gateway_address,
                              "--system", "You are terse.", "--max-new-tokens", "32", "--gamma", "4",
                              "What is 2 + 2?"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -234,7 +234,7 @@ def test_a_prompt_prefilled_in_chunks_gets_the_cache_of_one_prefill() -> None:
     the same K/V and last hidden state, bit for bit, as prefilling it at once: attention over a row
     whose trailing keys are masked must not round differently. A held-out chat prompt whose
     14 + 22 split once differed at layer 8 (a float32 softmax summed in a length-dependent order)."""
-    from specstream.bench.models import BenchModels
+    from specstream.tools.bench.models import BenchModels
 
     target, draft, dtype = pair_refs("smollm2")
     models = BenchModels.from_refs(target, draft, dtype, "smollm2")

@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 
-from specstream.tokenizer import TextTokenizer
+from specstream.text.tokenizer import TextTokenizer
 from specstream_client import AsyncClient, Client, InvalidArgument, DeadlineExceeded
 from specstream_pb import generation_pb2, generation_pb2_grpc
 
@@ -185,7 +185,7 @@ def test_deadline_frees_the_sequence(partial_stack):
 
 def test_cli_generate_gamma_0_and_4_identical(partial_stack):
     def run(*flags):
-        out = subprocess.run([sys.executable, "-m", "specstream.cli", "generate", "--url", partial_stack.gateway_address,
+        out = subprocess.run([sys.executable, "-m", "specstream.tools.cli", "generate", "--url", partial_stack.gateway_address,
                               "--json", "--max-new-tokens", "32", *flags, "def main():"],
                              capture_output=True, text=True, timeout=120, check=True)
         return json.loads(out.stdout)
@@ -242,7 +242,7 @@ def test_gateway_reports_target_loss(stack_factory, model_zoo):
 
 def test_cli_sampling_is_reproducible_and_speculates(partial_stack):
     def run(*flags):
-        out = subprocess.run([sys.executable, "-m", "specstream.cli", "generate", "--url", partial_stack.gateway_address,
+        out = subprocess.run([sys.executable, "-m", "specstream.tools.cli", "generate", "--url", partial_stack.gateway_address,
                               "--json", "--max-new-tokens", "32", "--ignore-eos", "--gamma", "4", *flags, "def main():"],
                              capture_output=True, text=True, timeout=120, check=True)
         return json.loads(out.stdout)

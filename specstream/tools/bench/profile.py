@@ -1,0 +1,147 @@
+"""`specstream bench profile`: where one decode step's time goes, on this machine.
+
+For the served target (batch 1, a 200-token context) it times, each as the median of repeated
+runs: the embedding lookup, the 30 attention blocks, the 30 MLP blocks and the output layer over
+the whole vocabulary, as the model's own methods run them, and the whole forward; what the
+forward costs beyond the sum of its parts is Python and dispatch between them. It does so for a
+1-token step and for a 5-token verify (γ = 4). Then one draft step, and a propose round trip to a
+real draft service over gRPC on loopback (γ = 4, one sequence), whose excess over the draft's own
+compute is the RPC and its serialisation. Prints a table, writes ``profile.json`` and a PNG.
+
+What it does not know: the engine (``bench latency`` and ``experiment`` measure whole requests).
+"""
+
+from __future__ import annotations
+
+import queue
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from specstream.tools.bench import report
+from specstream.tools.bench.models import BenchModels
+from specstream.serving.compute import on_torch_thread
+
+CONTEXT = 200
+
+
+def _median_ms(fn, repeats: int = 40) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
+@torch.inference_mode()
+def components(model, tokens: int) -> dict[str, float]:
+    """ms per part of one forward over `tokens` new positions after CONTEXT cached ones."""
+    cache = model.new_cache(1, CONTEXT + tokens + 1)
+    slot, start = torch.tensor([cache.alloc()]), torch.tensor([CONTEXT])
+    model(torch.zeros(1, CONTEXT, dtype=torch.int64), cache, slot, torch.tensor([0]))  # fill the context
+    ids = torch.full((1, tokens), 100, dtype=torch.int64)  # [1, T]
+    batch = model._cache_batch(ids, cache, slot, start)
+    x, cos, sin = model.embed_positions(ids, batch)
+    layers = list(model.layers)
+    out = {
+        "embedding + RoPE rows": _median_ms(lambda: model.embed_positions(ids, model._cache_batch(ids, cache, slot, start))),
+        f"attention x{len(layers)}": _median_ms(lambda: [layer.attention(x, batch, cos, sin) for layer in layers]),
+        f"MLP x{len(layers)}": _median_ms(lambda: [layer.mlp(x) for layer in layers]),
+        f"output layer ({model.config.output_vocab or model.config.vocab_size} rows)": _median_ms(lambda: model.output_head.logits(x)),
+    }
+    whole = _median_ms(lambda: model(ids, cache, slot, start))
+    out["Python and dispatch between them"] = max(whole - sum(out.values()), 0.0)
+    out["whole forward"] = whole
+    return out
+
+
+def local_propose_ms(models: BenchModels, gamma: int = 4, rounds: int = 40) -> float:
+    """ms of γ proposals for one sequence computed in this process (call on the torch thread)."""
+    from draft_service.proposer import DraftProposer
+    from specstream.data.propose import ProposeItem
+
+    prompt = models.prompts(1)[0]
+    local = DraftProposer(models.load("draft"), 4, 1024)
+
+    def local_round(i: int) -> None:
+        local.propose([ProposeItem("s", 0 if i == 0 else len(prompt) + i - 1,
+                                   prompt if i == 0 else [100], gamma)])
+
+    local_round(0)
+    return _median_ms(lambda: local_round(1), rounds)
+
+
+def rpc_round_trip(models: BenchModels, in_process: float, gamma: int = 4, rounds: int = 40) -> dict[str, float]:
+    """ms of a propose round trip to a real draft process (one sequence, γ proposals), beside
+    ``in_process``, the ms of the same proposals computed in this process."""
+    from specstream.tools.launcher import Stack, StackSpec
+    from specstream_pb import draft_pb2, draft_pb2_grpc
+
+    prompt = models.prompts(1)[0]
+    with tempfile.TemporaryDirectory() as logs, \
+            Stack(StackSpec(str(models.target), str(models.require_draft()), dtype=models.dtype,
+                            weights=models.weights, log_dir=logs)) as stack:
+        with stack.channel("draft") as channel:
+            stub = draft_pb2_grpc.DraftStub(channel)
+            q: queue.Queue = queue.Queue()
+            responses = stub.Speculate(iter(q.get, None))
+
+            def round_trip(first: bool) -> None:
+                item = draft_pb2.ProposeItem(seq_id=1, rollback_to=0 if first else len(prompt),
+                                             append_token_ids=prompt if first else [100], gamma=gamma)
+                q.put(draft_pb2.ProposeRequest(propose=draft_pb2.ProposeBatch(step=1, items=[item])))
+                next(responses)
+
+            round_trip(True)
+            remote = _median_ms(lambda: round_trip(False), rounds)
+            q.put(None)
+    return {"draft compute, in process": in_process, "gRPC round trip": remote,
+            "RPC + serialisation": max(remote - in_process, 0.0)}
+
+
+def _time_models(models: BenchModels) -> dict:
+    """The in-process timings (run on the torch thread: specstream.serving.compute)."""
+    target = models.load("target")
+    result: dict = {"models": models.label, "dtype": models.dtype, "threads": torch.get_num_threads(),
+                    "context": CONTEXT, "weights": target.weights}
+    print(f"{models.label} ({models.dtype}, {target.weights} weights, {torch.get_num_threads()} threads): "
+          "timing a 1-token step ...", flush=True)
+    result["target_step"] = components(target, 1)
+    print("... a 5-token verify ...", flush=True)
+    result["target_verify5"] = components(target, 5)
+    if models.draft is not None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as the draft service runs it
+        draft = models.load("draft")
+        result["draft_weights"] = draft.weights
+        result["draft_step"] = components(draft, 1)
+        result["draft_propose_ms"] = local_propose_ms(models)
+        torch.set_num_threads(threads)
+    return result
+
+
+def run(models: BenchModels, out_dir: Path) -> dict:
+    result = on_torch_thread(_time_models, models)
+    rows = [[name, result["target_step"][name], result["target_verify5"][name]] for name in result["target_step"]]
+    if models.draft is not None:
+        rows.append([f"draft step (1 token, 1 thread, {result['draft_weights']} weights)",
+                     result["draft_step"]["whole forward"], "-"])
+        print("... a propose round trip over gRPC ...", flush=True)
+        result["rpc"] = rpc_round_trip(models, result["draft_propose_ms"])
+        rows += [[f"draft propose γ=4: {k}", v, "-"] for k, v in result["rpc"].items()]
+    headers = ["component", "1-token step ms", "5-token verify ms"]
+    print("\n" + report.table(headers, rows), flush=True)
+    result["table_markdown"] = report.markdown_table(headers, rows)
+    parts = [k for k in result["target_step"] if k != "whole forward"]
+    report.plot_stacked(out_dir / "profile.png", f"One target forward, {models.label} ({models.dtype}), batch 1",
+                        "ms", ["1-token step", "5-token verify"],
+                        {k: [result["target_step"][k], result["target_verify5"][k]] for k in parts})
+    report.write_json(out_dir / "profile.json", result)
+    print(f"\nwrote {out_dir / 'profile.json'}, {out_dir / 'profile.png'}", flush=True)
+    return result

@@ -1,0 +1,120 @@
+"""`specstream bench sampling`: batch-1 speculative sampling over the real three-process stack.
+
+One stack, then for each temperature T a γ sweep (latency's `sweep`): the same held-out prompts,
+one request at a time, seed = the prompt's index, full distribution (no top-k/top-p). Per (T, γ):
+tokens/s, α, accepted fraction, mean accepted length, speedup over γ = 0 at the same T, and
+Leviathan's theoretical speedup for that α and the measured cost ratio c. Then, at each T > 0,
+Hugging Face `generate(do_sample=True, top_k=0)` plain and assisted on the same checkpoints and
+prompts.
+
+Speculative sampling preserves the target's distribution, not the token sequence a seed gives at
+γ = 0, so only T = 0 checks that every γ's token ids equal γ = 0's. Nothing here checks the
+distribution: the sampling tests do that.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from specstream.tools.bench import report
+from specstream.tools.bench.checks import check_runs_match
+from specstream.tools.bench.costs import measure_costs
+from specstream.tools.bench.latency import display, public, score, sweep
+from specstream.tools.bench.models import BenchModels
+from specstream.tools.launcher import Stack, StackSpec
+
+DEFAULT_TEMPERATURES = [0.0, 0.7, 1.0]
+DEFAULT_GAMMAS = [0, 2, 4, 6]
+HEADERS = ["T", "gamma", "tok/s", "alpha", "accepted frac", "mean acc len", "theory x", "theory x (verify cost)",
+           "measured x", "of theory"]
+
+
+def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: int = 128,
+        temperatures: list[float] | None = None, gammas: list[int] | None = None, with_hf: bool = True) -> dict:
+    temperatures = DEFAULT_TEMPERATURES if temperatures is None else temperatures
+    gammas = DEFAULT_GAMMAS if gammas is None else gammas
+    _check(temperatures, gammas)
+    draft = models.require_draft()
+    prompts = models.prompts(n_prompts)
+    context = sum(len(p) for p in prompts) // len(prompts) + max_new_tokens // 2
+    print(f"{models.label} ({models.dtype}): measuring the cost ratio c at context {context} ...", flush=True)
+    costs = measure_costs(models, context, [g for g in gammas if g])
+    ours: dict[float, dict[int, dict]] = {}
+    with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(str(models.target), str(draft), max_gamma=16,
+                                                                 weights=models.weights, **models.proposing,
+                                                                 dtype=models.dtype, log_dir=logs)) as stack:
+        for t in temperatures:
+            print(f"T={t}: sweeping gamma {gammas} over {len(prompts)} prompts x {max_new_tokens} tokens ...",
+                  flush=True)
+            ours[t] = sweep(stack.gateway_address, prompts, gammas, max_new_tokens, temperature=t)
+    if 0.0 in ours:
+        check_runs_match("greedy (T=0) speculative output", "plain decoding (gamma 0)", ours[0.0][0]["token_ids"],
+                         {f"gamma {g}": ours[0.0][g]["token_ids"] for g in gammas if g})
+    rows = []
+    for t in temperatures:
+        for gamma in gammas:
+            rows.append(_score(ours[t], gamma, costs, t))
+    result = {"models": models.label, "target": display(models.target), "draft": display(models.draft),
+              "dtype": models.dtype, "chat_prompts": models.chat, "prompts": len(prompts),
+              "proposer": models.proposing,
+              "max_new_tokens": max_new_tokens, "seeds": "prompt index", "costs": costs,
+              "temperatures": {t: {"gammas": {g: public(ours[t][g]) for g in gammas},
+                                   "best_gamma": _best(ours[t])} for t in temperatures}}
+    print("\n" + report.table(HEADERS, rows), flush=True)
+    if with_hf:
+        _compare_with_hf(result, ours, models, prompts, max_new_tokens)
+    result["table_markdown"] = report.markdown_table(HEADERS, rows)
+    report.plot_lines(out_dir / "sampling_speedup.png", "Speculative sampling: speedup over γ=0 at each T", "γ",
+                      "speedup (x)", {f"T={t}": (gammas, [ours[t][g]["speedup"] for g in gammas])
+                                      for t in temperatures}, hline=1.0)
+    report.write_json(out_dir / "sampling.json", result)
+    print(f"\nwrote {out_dir / 'sampling.json'}, {out_dir / 'sampling_speedup.png'}", flush=True)
+    return result
+
+
+def _check(temperatures: list[float], gammas: list[int]) -> None:
+    if not temperatures or any(t < 0 for t in temperatures):
+        raise ValueError(f"temperatures={temperatures}: need at least one, all >= 0")
+    if 0 not in gammas or not any(g > 0 for g in gammas) or any(g < 0 for g in gammas):
+        raise ValueError(f"gammas={gammas}: need 0 (the baseline) and at least one gamma > 0, none negative")
+
+
+def _score(by_gamma: dict[int, dict], gamma: int, costs: dict, t: float) -> list:
+    """Scores one sweep entry (latency.score) and returns its table row."""
+    r = score(by_gamma, gamma, costs)
+    return [f"{t:g}", gamma, r["tokens_per_s"], r["alpha"] if gamma else "-", r["accepted_fraction"] if gamma else "-",
+            r["mean_accepted_length"] or 1.0, r["theory"], r["theory_with_verify_cost"], r["speedup"],
+            r["of_theory"]]
+
+
+def _best(by_gamma: dict[int, dict]) -> int:
+    return max((g for g in by_gamma if g), key=lambda g: by_gamma[g]["tokens_per_s"])
+
+
+def _compare_with_hf(result: dict, ours: dict[float, dict[int, dict]], models: BenchModels,
+                     prompts: list[list[int]], max_new_tokens: int) -> None:
+    """Hugging Face plain and assisted sampling at each T > 0 (the stack is down by now)."""
+    from specstream.tools.bench.hf import hf_generate
+
+    sampled = [t for t in ours if t > 0]
+    if not sampled:
+        return
+    print("\nHugging Face transformers, do_sample=True, top_k=0, same checkpoints, prompts and seeds ...",
+          flush=True)
+    rows = []
+    modes = ("plain", "assisted", "assisted_heuristic", "prompt_lookup")
+    for t in sampled:
+        hf = hf_generate(models, prompts, max_new_tokens, temperature=t, modes=modes)
+        best = _best(ours[t])
+        best_hf = max((m for m in hf if m != "plain"), key=lambda m: hf[m]["tokens_per_s"])
+        entry = result["temperatures"][t]
+        entry["hf"] = {mode: {k: v for k, v in hf[mode].items() if k != "token_ids"} for mode in hf}
+        entry["best_hf_assisted"] = best_hf
+        entry["ours_over_best_hf_assisted"] = ours[t][best]["tokens_per_s"] / hf[best_hf]["tokens_per_s"]
+        rows.append([f"{t:g}", ours[t][0]["tokens_per_s"], f"{ours[t][best]['tokens_per_s']:.1f} (gamma={best})",
+                     *(hf[m]["tokens_per_s"] if m in hf else "-" for m in modes), entry["ours_over_best_hf_assisted"]])
+    headers = ["T", "ours gamma=0", "ours best", "HF generate()", "HF assisted (defaults)",
+               "HF assisted (heuristic, start 5)", "HF prompt lookup", "ours best / best HF assisted"]
+    print(report.table(headers, rows), flush=True)
+    result["hf_table_markdown"] = report.markdown_table(headers, rows)
