@@ -25,7 +25,7 @@ from specstream.data.propose import Proposal, ProposeItem
 from target_service import tracing
 from target_service.gamma import GammaController, RowView
 from target_service.sequence import Sequence
-from target_service.settle import Row
+from target_service.settle import VerifyRow
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +110,11 @@ class Drafting:
         return [0 if seq.max_token >= source.vocab_size else max(0, min(seq.remaining - 1, room - len(seq.tokens)))
                 for seq in rows]
 
-    async def propose(self, rows: list[Sequence], step: int, traceparent: str = "") -> list[Row]:
+    async def propose(self, rows: list[Sequence], step: int, traceparent: str = "") -> list[VerifyRow]:
         """What each row will verify this step: the controller's γ per row, the draft's guesses
         (checked), and each row's q when it samples. Rows get no proposals when γ is 0 for them or
         the draft is unavailable."""
-        checks = [Row(s.sampling, len(s.tokens), logprobs=s.logprobs) for s in rows]
+        checks = [VerifyRow(s.sampling, len(s.tokens), logprobs=s.logprobs) for s in rows]
         self.fed = 0
         source = self.source
         if source is None:
@@ -144,14 +144,14 @@ class Drafting:
             seq.draft_tokens += len(checks[i].proposals)
         return checks
 
-    def _check(self, seq: Sequence, reply: Proposal, gamma: int) -> Row:
-        """The usable part of a reply, as a Row to verify: tokens the target can score, with the q
+    def _check(self, seq: Sequence, reply: Proposal, gamma: int) -> VerifyRow:
+        """The usable part of a reply, as a VerifyRow to verify: tokens the target can score, with the q
         table when the row samples (none from a model-free proposer: point masses). A malformed
         table is a draft bug; its proposals are dropped rather than trusted."""
         vocab = self.vocab_size
         tokens = list(reply.tokens[:gamma])
         cut = next((j for j, t in enumerate(tokens) if t >= vocab), len(tokens))
-        row = Row(seq.sampling, len(seq.tokens), tokens[:cut], logprobs=seq.logprobs,
+        row = VerifyRow(seq.sampling, len(seq.tokens), tokens[:cut], logprobs=seq.logprobs,
                   source=reply.source, drafted=len(tokens))
         width = reply.q_width
         if seq.sampling.greedy or not width or not row.proposals:
@@ -166,7 +166,7 @@ class Drafting:
         row.q_width, row.q_ids, row.q_probs = width, ids, probs
         return row
 
-    def settle(self, seq: Sequence, check: Row, accepted: int) -> None:
+    def settle(self, seq: Sequence, check: VerifyRow, accepted: int) -> None:
         """After verification: the draft fed context + proposals[:-1]; only the first `accepted`
         proposals agree with the target."""
         held = self._held.get(seq.seq_id)

@@ -45,7 +45,7 @@ from specstream.data.engine import EngineMessage, Load, SequenceEvent, SequenceR
 from target_service.scheduler import Scheduler
 from target_service import tracing
 from target_service.sequence import Sequence
-from target_service.settle import Row, Verdict, settle
+from target_service.settle import VerifyRow, Verdict, settle
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +287,7 @@ class Engine:
                 verdicts[i] = self._beam_candidates(hidden[i, :1], group[i][0])
             done = [i for i in done if group[i][0].beam is None]
             if done:
-                rows = [Row(group[i][0].sampling, group[i][0].prompt_len, logprobs=group[i][0].logprobs) for i in done]
+                rows = [VerifyRow(group[i][0].sampling, group[i][0].prompt_len, logprobs=group[i][0].logprobs) for i in done]
                 for i, verdict in zip(done, settle(Hidden(hidden[done, 0], self.model.output_head), rows)):
                     verdicts[i] = verdict
         return verdicts
@@ -333,7 +333,7 @@ class Engine:
         tracing.end_step(span, checks, verdicts, verified - drafted, self.controller.predicted_s, step_s,
                          [s.width for s in beams])
 
-    def _verify_compute(self, rows: list[Sequence], checks: list[Row], beams: list[Sequence]
+    def _verify_compute(self, rows: list[Sequence], checks: list[VerifyRow], beams: list[Sequence]
                         ) -> tuple[list[Verdict], list[tuple[torch.Tensor, torch.Tensor]]]:
         """ONE forward over every row's [last token, proposals...] (design §3) and every running
         beam hypothesis' last token, then verification, and each beam's best candidates."""
@@ -392,7 +392,7 @@ class Engine:
             seq.end_search()
             self.metrics.observe_beam_end(seq.beam.expansions)
 
-    def _accept(self, seq: Sequence, check: Row, verdict: Verdict) -> None:
+    def _accept(self, seq: Sequence, check: VerifyRow, verdict: Verdict) -> None:
         ctx_len, k = check.position, verdict.accepted
         seq.target_passes += 1
         seq.append(verdict.tokens, verdict.logprobs)  # k accepted proposals, then the correction or bonus token

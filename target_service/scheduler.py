@@ -28,7 +28,9 @@ from typing import Protocol
 from specstream.data.config import TargetConfig
 
 
-class Row(Protocol):
+class Schedulable(Protocol):
+    """What the scheduler selects: a running sequence, or a beam request's group of hypotheses."""
+
     last_expanded: int  # the step the row was last expanded (or admitted)
 
     @property
@@ -64,7 +66,7 @@ class Scheduler:
             count += 1
         return count
 
-    def select(self, rows: list[Row], step: int) -> list[Row]:
+    def select(self, rows: list[Schedulable], step: int) -> list[Schedulable]:
         """The groups to expand this step (n rows at most, unless one group alone is wider), from
         `rows` in admission order."""
         if sum(r.width for r in rows) <= self.batch and self.config.row_selection == "all":
@@ -79,7 +81,7 @@ class Scheduler:
             order = sorted(rows, key=lambda r: -r.length)  # stable: oldest first among equals
         else:
             order = rows
-        chosen: dict[Row, None] = {}
+        chosen: dict[Schedulable, None] = {}
         used = 0
         for row in [*starving, *order]:
             if row in chosen:

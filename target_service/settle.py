@@ -52,8 +52,11 @@ from kernels.random import ACCEPT, RESIDUAL, SAMPLE, uniforms
 from specstream.data.sampling import SamplingParams
 from kernels.processing import process_logits
 
+
 @dataclass
-class Row:
+class VerifyRow:
+    """One sequence's row of a verify pass: what it proposed (and the q it drew from), to settle."""
+
     params: SamplingParams
     position: int  # position in the sequence of the first token this pass can emit
     proposals: list[int] = field(default_factory=list)
@@ -78,7 +81,7 @@ class Verdict:
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
-def settle(target: torch.Tensor | Hidden, rows: list[Row], coupled: bool = False) -> list[Verdict]:
+def settle(target: torch.Tensor | Hidden, rows: list[VerifyRow], coupled: bool = False) -> list[Verdict]:
     """target: logits [B, G+1, V], or Hidden over the B*(G+1) rows (sequence-major): position j
     scores the token after proposal j (0: after the row's last committed token). `coupled`: settle
     sampling rows by coupled verification instead of Leviathan's rule (module docstring). Returns
@@ -132,7 +135,7 @@ def settle(target: torch.Tensor | Hidden, rows: list[Row], coupled: bool = False
     return _unpack(flat, rows, wanted, positions, top_n)
 
 
-def _keys(rows: list[Row], positions: int, coupled: bool, device: torch.device | str) -> torch.Tensor:
+def _keys(rows: list[VerifyRow], positions: int, coupled: bool, device: torch.device | str) -> torch.Tensor:
     """[S, G+1] int64 race keys: row b's draw at position `rows[b].position + j`, with SAMPLE noise,
     or (Leviathan) RESIDUAL noise where the draft drew a guess (j < drafted)."""
     seeds = [r.params.seed for r in rows]
@@ -145,7 +148,7 @@ def _keys(rows: list[Row], positions: int, coupled: bool, device: torch.device |
     return torch.where(torch.arange(positions, device=device) < drafted, residual, sample)
 
 
-def _live(rows: list[Row], positions: int, device: torch.device | str) -> torch.Tensor:
+def _live(rows: list[VerifyRow], positions: int, device: torch.device | str) -> torch.Tensor:
     """Flat indices b * positions + j of the positions a row can emit from (j <= its proposals):
     a coupled pass samples only those."""
     return torch.tensor([b * positions + j for b, r in enumerate(rows) for j in range(len(r.proposals) + 1)],
@@ -168,7 +171,7 @@ def _emitted_tokens(draft: torch.Tensor, k: torch.Tensor, emitted: torch.Tensor)
     return row_tokens.scatter(1, k[:, None], emitted[:, None])
 
 
-def _settle_fused(target: Hidden, rows: list[Row], draft: torch.Tensor, num_draft: torch.Tensor, positions: int,
+def _settle_fused(target: Hidden, rows: list[VerifyRow], draft: torch.Tensor, num_draft: torch.Tensor, positions: int,
                   coupled: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(num_accepted [B], tokens [B, G+1]) through the fused kernels (kernels/verify.py, speculative.py)."""
     batch, gamma = draft.shape
@@ -207,7 +210,7 @@ def _settle_fused(target: Hidden, rows: list[Row], draft: torch.Tensor, num_draf
     return num_accepted, tokens
 
 
-def _verify_sampled(logits: torch.Tensor, rows: list[Row], draft: torch.Tensor, num_draft: torch.Tensor
+def _verify_sampled(logits: torch.Tensor, rows: list[VerifyRow], draft: torch.Tensor, num_draft: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Leviathan verification of the sampling rows: logits [S, G+1, V] -> (accepted [S], emitted [S])."""
     device, gamma = logits.device, logits.shape[1] - 1
@@ -218,7 +221,7 @@ def _verify_sampled(logits: torch.Tensor, rows: list[Row], draft: torch.Tensor, 
     return kernels.speculative_verify(p, q_ids.to(device), q_probs.to(device), draft, num_draft, u_accept, keys)
 
 
-def _sparse_q(rows: list[Row], gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _sparse_q(rows: list[VerifyRow], gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows' q as (ids, probs) [S, G, K], K the widest table; a proposal without q is a point
     mass on itself (what a deterministic proposer samples from). Built from flat lists, one
     tensor each: thousands of rows must not mean thousands of small tensors."""
@@ -248,7 +251,7 @@ def _sparse_q(rows: list[Row], gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q_ids, q_probs
 
 
-def _unpack(flat: list[float], rows: list[Row], wanted: list[int], positions: int, top_n: int) -> list[Verdict]:
+def _unpack(flat: list[float], rows: list[VerifyRow], wanted: list[int], positions: int, top_n: int) -> list[Verdict]:
     batch = len(rows)
     at = 0
 

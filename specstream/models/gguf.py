@@ -39,6 +39,7 @@ from safetensors.torch import save_file
 
 from specstream.models.cache import GGUF_CONVERTER_VERSION, file_sha256, gguf_cache_dir
 from specstream.models.config import ModelLoadError
+from specstream.models.gguf_tokenizer import build_gguf_tokenizer
 from specstream.models.gguf_dequant import FORMATS, Q4_TYPES, dequantize, nbytes, q4_parts
 from kernels.int4 import Q4_FILE, pack_codes
 
@@ -338,8 +339,6 @@ def hf_q4_tensors(gguf: GGUFFile, config: dict[str, Any]) -> Iterator[tuple[str,
 
 
 def _write_checkpoint(gguf: GGUFFile, out: Path, sha256: str) -> None:
-    from specstream.models.gguf_tokenizer import build_gguf_tokenizer
-
     config = hf_config(gguf)
     tok = build_gguf_tokenizer(gguf.metadata)  # before the weights: a bad tokenizer fails fast
     weights = dict(hf_tensors(gguf, config))

@@ -92,7 +92,7 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> str:
     float32 elsewhere; any other value is returned as it is."""
     if dtype != "auto":
         return dtype
-    import torch
+    import torch  # lazily: the gateway resolves references without torch
 
     if device.startswith("cuda"):
         return "bfloat16"
