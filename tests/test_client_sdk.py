@@ -1,11 +1,13 @@
 """The client SDK against an in-process fake Generation service: request building, result
 conversion (beam search's n-best `sequences` included), error mapping (unary and streaming, also
-mid-stream), deadlines, AsyncClient, the `specstream generate` flags that reach the request (the
-beam flags and the n-best list it prints too), and importing without torch."""
+mid-stream), deadlines, AsyncClient (the same calls, results and errors as Client), the
+`specstream generate` flags that reach the request (the beam flags and the n-best list it prints
+too), and importing without torch."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import socket
 import subprocess
@@ -25,6 +27,7 @@ from specstream_client import (
     Cancelled,
     Client,
     DeadlineExceeded,
+    GenerateOptions,
     GenerateResult,
     InvalidArgument,
     Logprob,
@@ -106,6 +109,12 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
         self.abort_after = 0  # stream chunks sent before aborting
         self.delay = 0.0  # seconds before responding / between chunks
         self.finished = threading.Event()  # the RPC ended (completed, failed or cancelled)
+        # Every call, model info's too: (method, its authorization metadata, seconds left to its deadline).
+        self.calls: list[tuple[str, str | None, float | None]] = []
+
+    def _record(self, method: str, context: grpc.ServicerContext) -> None:
+        sent = dict(context.invocation_metadata())
+        self.calls.append((method, sent.get("authorization"), context.time_remaining()))
 
     def _sleep(self, context: grpc.ServicerContext) -> None:
         # Poll so a handler outliving its client's deadline ends promptly.
@@ -114,6 +123,7 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
             time.sleep(0.01)
 
     def Generate(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._record("Generate", context)
         self.requests.append(request)
         context.add_callback(self.finished.set)
         self._sleep(context)
@@ -122,6 +132,7 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
         return self.response
 
     def GenerateStream(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        self._record("GenerateStream", context)
         self.requests.append(request)
         context.add_callback(self.finished.set)
         for i, chunk in enumerate(self.chunks):
@@ -135,6 +146,7 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
             context.abort(*self.abort)
 
     def GetModelInfo(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._record("GetModelInfo", context)
         if self.abort is not None:
             context.abort(*self.abort)
         return _MODEL_INFO
@@ -880,6 +892,154 @@ def test_cli_chat_builds_a_conversation(url: str, fake: FakeGeneration, capsys: 
     assert capsys.readouterr().out.startswith("Hello world")
     assert main(["chat", "--url", url, "--stream", "Hi"]) == 0
     assert [(m.role, m.content) for m in fake.requests[-1].messages.messages] == [("user", "Hi")]
+
+
+# --- Client and AsyncClient: one implementation, two kinds of I/O ----------------------------------------
+
+
+def test_sync_and_async_take_the_same_arguments() -> None:
+    assert inspect.signature(AsyncClient) == inspect.signature(Client)
+    assert list(inspect.signature(Client).parameters) == ["url", "timeout", "options", "tls_ca", "tls_cert", "tls_key",
+                                                         "server_name", "token"]
+    for name in ("generate", "generate_stream", "chat", "chat_stream", "model_info"):
+        sync, aio = getattr(Client, name), getattr(AsyncClient, name)
+        assert inspect.signature(sync).parameters == inspect.signature(aio).parameters, name
+        assert not inspect.iscoroutinefunction(sync)
+        # The streams are made at once (arguments checked then) and iterated with `async for`.
+        assert inspect.iscoroutinefunction(aio) is not name.endswith("_stream"), name
+
+
+SAME_CALLS = [
+    ("generate", ("Once upon",), dict(max_new_tokens=7, temperature=0.5, seed=3, stop=["\n"], logprobs=True,
+                                      top_logprobs=2)),
+    ("generate", ([5, 6, 7],), dict(options=GenerateOptions(num_beams=2, early_stopping="never"), request_id="b")),
+    ("generate_stream", ("hi",), dict(speculation=2, top_k=4, top_p=0.5, stop_token_ids=[2])),
+    ("chat", (MESSAGES,), dict(max_gamma=3, traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")),
+    ("chat_stream", (MESSAGES,), dict(options=GenerateOptions(max_new_tokens=5), ignore_eos=True)),
+    ("model_info", (), {}),
+]
+RPC_OF = {"generate": "Generate", "chat": "Generate", "generate_stream": "GenerateStream",
+          "chat_stream": "GenerateStream", "model_info": "GetModelInfo"}
+
+
+def run_sync(url: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """``Client.<method>`` to its end: (the result, or the chunks a stream yielded; the SDK error raised
+    or None)."""
+    chunks: list[StreamChunk] = []
+    with Client(url, timeout=30, token="s3cret") as c:
+        try:
+            if not method.endswith("_stream"):
+                return getattr(c, method)(*args, **kwargs), None
+            for chunk in getattr(c, method)(*args, **kwargs):
+                chunks.append(chunk)
+        except SpecstreamError as err:
+            return chunks, err
+    return chunks, None
+
+
+def run_async(url: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """``run_sync`` with an ``AsyncClient``."""
+    chunks: list[StreamChunk] = []
+
+    async def main() -> tuple[Any, Any]:
+        async with AsyncClient(url, timeout=30, token="s3cret") as c:
+            try:
+                if not method.endswith("_stream"):
+                    return await getattr(c, method)(*args, **kwargs), None
+                async for chunk in getattr(c, method)(*args, **kwargs):
+                    chunks.append(chunk)
+            except SpecstreamError as err:
+                return chunks, err
+        return chunks, None
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize(("method", "args", "kwargs"), SAME_CALLS,
+                         ids=[f"{call[0]}-{i}" for i, call in enumerate(SAME_CALLS)])
+def test_sync_and_async_send_the_same_call_and_parse_the_same_result(
+    url: str, fake: FakeGeneration, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    sync_result, sync_error = run_sync(url, method, args, kwargs)
+    sync_requests, sync_calls = list(fake.requests), list(fake.calls)
+    fake.reset()
+    async_result, async_error = run_async(url, method, args, kwargs)
+    assert sync_error is None and async_error is None
+    assert len(sync_requests) == (0 if method == "model_info" else 1)
+    assert fake.requests == sync_requests  # the same GenerateRequest, field for field
+    # The same results: a GenerateResult or ModelInfo, or the same list of StreamChunks.
+    assert type(async_result) is type(sync_result)
+    assert async_result == sync_result
+    if method.endswith("_stream"):
+        assert [c.text for c in sync_result] == ["Hel", "lo", " world"] and sync_result[-1].is_final
+    # The same call: the method, the client's token and its default deadline.
+    for calls in (sync_calls, fake.calls):
+        assert [(name, auth) for name, auth, _ in calls] == [(RPC_OF[method], "Bearer s3cret")]
+        assert calls[0][2] == pytest.approx(30, abs=5)  # time_remaining() as the server reads it
+
+
+FAILURES = [  # (method, its input, stream chunks sent before the failure)
+    ("generate", ("hi",), 0),
+    ("chat", (MESSAGES,), 0),
+    ("generate_stream", ("hi",), 0),
+    ("chat_stream", (MESSAGES,), 2),
+    ("model_info", (), 0),
+]
+
+
+@pytest.mark.parametrize(("code", "cls"), ERROR_CASES)
+def test_sync_and_async_raise_the_same_errors(url: str, fake: FakeGeneration, code: grpc.StatusCode,
+                                              cls: type[SpecstreamError]) -> None:
+    for method, args, abort_after in FAILURES:
+        outcomes = []
+        for run in (run_sync, run_async):
+            fake.reset()
+            fake.abort, fake.abort_after = (code, f"{method} failed"), abort_after
+            got, err = run(url, method, args, {})
+            assert isinstance(err, SpecstreamError), (method, run.__name__)
+            assert isinstance(err.__cause__, grpc.RpcError)
+            outcomes.append((type(err), err.code, err.details, [chunk.text for chunk in got]))
+        assert outcomes[0] == outcomes[1], method
+        assert outcomes[0] == (cls, code, f"{method} failed", ["Hel", "lo"][:abort_after]), method
+
+
+def test_the_default_deadline_is_read_at_each_call(url: str, fake: FakeGeneration) -> None:
+    # `timeout` is a public attribute of both clients; a call without a deadline of its own reads it.
+    fake.delay = 2.0
+    with Client(url) as c:
+        c.timeout = 0.2
+        with pytest.raises(DeadlineExceeded):
+            c.generate("hi")
+
+    async def main() -> None:
+        async with AsyncClient(url) as c:
+            c.timeout = 0.2
+            with pytest.raises(DeadlineExceeded):
+                await c.chat(MESSAGES)
+            c.timeout = -1
+            with pytest.raises(ValueError, match="timeout must be > 0 seconds, got -1"):
+                await c.model_info()
+
+    t0 = time.monotonic()
+    asyncio.run(main())
+    assert time.monotonic() - t0 < 1.8
+
+
+def test_cancelling_the_awaiting_task_cancels_the_rpc(url: str, fake: FakeGeneration) -> None:
+    # asyncio.CancelledError passes through the SDK's error mapping unchanged (it is not an RpcError).
+    fake.delay = 5.0
+
+    async def main() -> None:
+        async with AsyncClient(url) as c:
+            task = asyncio.create_task(c.generate("hi"))
+            while not fake.calls:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert await asyncio.to_thread(fake.finished.wait, 1.5)
+
+    asyncio.run(main())
 
 
 # --- packaging -------------------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
+import grpc.aio
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -199,3 +201,42 @@ def test_tls_options_need_a_tls_url_and_the_token_is_never_shown(pki) -> None:
     credentials = Credentials.from_options("", token="s3cret", tls_ca=pki.path("ca.crt"))
     assert credentials.metadata == (("authorization", "Bearer s3cret"),)
     assert "s3cret" not in repr(credentials) and "token=set" in repr(credentials)
+
+
+class RecordingApi:
+    """Stands in for ``grpc``/``grpc.aio`` (the two make channels with the same arguments): records
+    which channel ``Credentials.open_channel`` asks for."""
+
+    def __init__(self) -> None:
+        self.opened: list[tuple] = []
+
+    def insecure_channel(self, target: str, options=None) -> str:
+        self.opened.append(("insecure", target, None, options))
+        return "plaintext channel"
+
+    def secure_channel(self, target: str, credentials, options=None) -> str:
+        self.opened.append(("secure", target, credentials, options))
+        return "tls channel"
+
+
+def test_one_channel_setup_serves_both_clients(pki) -> None:
+    api = RecordingApi()
+    option = ("grpc.max_send_message_length", 9)
+    plaintext = Credentials.from_options("", token="s3cret")  # a token alone: no TLS
+    assert plaintext.open_channel(api, "h:1", [option]) == "plaintext channel"
+    tls = Credentials.from_options("grpcs", tls_ca=pki.path("ca.crt"), server_name="specstream-gateway")
+    assert tls.open_channel(api, "h:2", [option]) == "tls channel"
+    assert api.opened[0] == ("insecure", "h:1", None, [option])
+    kind, target, credentials, options = api.opened[1]
+    assert (kind, target) == ("secure", "h:2") and isinstance(credentials, grpc.ChannelCredentials)
+    assert options == [option, ("grpc.ssl_target_name_override", "specstream-gateway")]  # the caller's first
+    # The real modules: a blocking channel for Client, an asyncio one (made in a loop) for AsyncClient.
+    with tls.open_channel(grpc, "127.0.0.1:1") as channel:
+        assert isinstance(channel, grpc.Channel)
+
+    async def open_aio() -> None:
+        channel = tls.open_channel(grpc.aio, "127.0.0.1:1")
+        assert isinstance(channel, grpc.aio.Channel)
+        await channel.close()
+
+    asyncio.run(open_aio())

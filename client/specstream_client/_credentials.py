@@ -9,6 +9,8 @@ right kind, a certificate without its key, TLS options on a ``grpc://`` (plainte
 token that cannot travel in a header. TLS is on with ``grpcs://`` or any ``tls_*`` option; without
 ``tls_ca`` the system's CAs check the server. The token goes as ``authorization: Bearer <token>``
 metadata, over plaintext too when TLS is off (where anyone on the path can read it).
+``open_channel`` makes the channel with them, blocking or asyncio (``grpc`` or ``grpc.aio``: the two
+take the same arguments).
 
 What it does not know: the server's names, and reloading (files are read once; make a new client
 to pick up new ones).
@@ -17,14 +19,25 @@ to pick up new ones).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Protocol, Union
 
 import grpc
 
-__all__ = ["Credentials", "PemSource"]
+__all__ = ["ChannelApi", "Credentials", "PemSource"]
 
 PemSource = Union[str, os.PathLike, bytes]  # a file's path, or the PEM text itself as bytes
+
+
+class ChannelApi(Protocol):
+    """The module that makes a client's channel: ``grpc`` (blocking) or ``grpc.aio`` (asyncio)."""
+
+    def insecure_channel(self, target: str, options: Sequence[tuple[str, Any]] | None = None) -> Any: ...
+
+    def secure_channel(self, target: str, credentials: grpc.ChannelCredentials,
+                       options: Sequence[tuple[str, Any]] | None = None) -> Any: ...
+
 
 _CERTIFICATE = b"CERTIFICATE-----"
 _PRIVATE_KEY = b"PRIVATE KEY-----"
@@ -104,6 +117,16 @@ class Credentials:
 
     def channel_options(self) -> list[tuple[str, Any]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+    def open_channel(self, api: ChannelApi, target: str, options: Sequence[tuple[str, Any]] = ()) -> Any:
+        """A channel to ``target`` with this security and the caller's channel ``options``: a
+        ``grpc.Channel`` with ``api=grpc``, a ``grpc.aio.Channel`` with ``api=grpc.aio`` (bound to the
+        event loop running now)."""
+        options = [*options, *self.channel_options()]
+        credentials = self.channel_credentials()
+        if credentials is None:
+            return api.insecure_channel(target, options=options)
+        return api.secure_channel(target, credentials, options=options)
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...] | None:

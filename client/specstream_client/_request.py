@@ -1,12 +1,13 @@
-"""Building ``GenerateRequest`` messages and resolving targets/timeouts; shared by ``Client`` and
-``AsyncClient``.
+"""Building ``GenerateRequest`` messages: the one implementation behind ``Client`` and
+``AsyncClient``'s ``generate``, ``generate_stream``, ``chat`` and ``chat_stream``.
 
 Contract: a request is its input (a prompt, or chat messages) plus a ``GenerateOptions``
 (see ``options.py``, which defines the options, their checks and their fields on the wire). Local
 checks are limited to what the wire format needs; the input is checked here, the options there.
 Errors are raised before any RPC, as ``ValueError`` (bad value) or ``TypeError`` (wrong type).
 
-What it does not know: the server's limits and its tokenizer.
+What it does not know: the server's limits and its tokenizer, and the call (deadline, metadata:
+``_call.py``).
 """
 
 from __future__ import annotations
@@ -20,40 +21,13 @@ from ._wire import check_token_ids
 from .options import GenerateOptions, resolve_options
 
 if TYPE_CHECKING:
+    # For type checkers only: typing_extensions is not a runtime dependency of the SDK (grpcio and
+    # protobuf are), and `from __future__ import annotations` leaves the annotations unevaluated.
     from typing_extensions import Unpack
 
     from .options import GenerateOptionsDict
 
-__all__ = ["build_chat_request", "build_generate_request", "parse_target", "resolve_timeout"]
-
-
-def parse_target(url: str) -> tuple[str, str]:
-    """``"host:port"``, ``"grpc://host:port"`` or ``"grpcs://host:port"`` -> (target, scheme), the
-    scheme being ``""`` for a bare ``host:port``."""
-    if not isinstance(url, str) or not url.strip():
-        raise ValueError(f"url must be 'host:port' or 'grpc://host:port', got {url!r}")
-    url = url.strip()
-    scheme = ""
-    if "://" in url:
-        scheme, _, rest = url.partition("://")
-        scheme = scheme.lower()
-        if scheme not in ("grpc", "grpcs"):
-            raise ValueError(f"url scheme must be grpc:// or grpcs://, got {url!r}")
-        url = rest.rstrip("/")
-    if not url or "/" in url:
-        raise ValueError(f"url must be 'host:port' or 'grpc://host:port', got {url!r}")
-    return url, scheme
-
-
-def resolve_timeout(timeout: float | None, default: float | None) -> float | None:
-    value = default if timeout is None else timeout
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"timeout must be a number of seconds or None, got {value!r}")
-    if value <= 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {value!r}")
-    return float(value)
+__all__ = ["build_chat_request", "build_generate_request"]
 
 
 def build_generate_request(

@@ -6,6 +6,9 @@ so an ``AsyncClient`` may be constructed outside any loop; it must then be used 
 loop only. Cancelling the awaiting task cancels the RPC (asyncio.CancelledError propagates
 unchanged; the SDK's ``Cancelled`` means the *RPC* ended with status CANCELLED).
 
+This module is the asyncio I/O only: everything else is the code ``Client`` runs too
+(``ClientBase``, ``StreamBase``, ``_request.py``, ``types.py``, ``errors.py``).
+
 What it does not know: retries (none are made), load balancing, and server limits.
 """
 
@@ -15,18 +18,22 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import grpc
 import grpc.aio
+from google.protobuf.message import Message
 
 from specstream_pb import generation_pb2, generation_pb2_grpc
 
-from ._credentials import Credentials, PemSource
-from ._request import build_chat_request, build_generate_request, parse_target, resolve_timeout
-from .errors import from_rpc_error
+from ._base import ClientBase
+from ._call import GENERATE, GET_MODEL_INFO, R, Rpc
+from ._request import build_chat_request, build_generate_request
+from ._stream import StreamBase
+from .errors import map_rpc_errors
 from .options import GenerateOptions
 from .types import GenerateResult, ModelInfo, StreamChunk
 
 if TYPE_CHECKING:
+    # For type checkers only: typing_extensions is not a runtime dependency of the SDK (grpcio and
+    # protobuf are), and `from __future__ import annotations` leaves the annotations unevaluated.
     from typing_extensions import Unpack
 
     from .options import GenerateOptionsDict
@@ -34,7 +41,7 @@ if TYPE_CHECKING:
 __all__ = ["AsyncClient", "AsyncResponseStream"]
 
 
-class AsyncResponseStream(AsyncIterator[StreamChunk]):
+class AsyncResponseStream(StreamBase, AsyncIterator[StreamChunk]):
     """Async iterator over one ``GenerateStream`` call. The RPC starts on the first
     ``__anext__``; ``aclose()``/``cancel()`` (or leaving ``async with``) cancels it if still
     running. Use ``async with`` when you may stop early: an abandoned async iterator is otherwise
@@ -46,12 +53,9 @@ class AsyncResponseStream(AsyncIterator[StreamChunk]):
         request: generation_pb2.GenerateRequest,
         timeout: float | None,
     ) -> None:
+        super().__init__(request, timeout, client._metadata)
         self._client = client
-        self._request = request
-        self._timeout = timeout
-        self._call: Any = None  # grpc.aio.UnaryStreamCall
-        self._iter: AsyncIterator[Any] | None = None
-        self._done = False
+        self._messages: AsyncIterator[Any] | None = None  # the started call's
 
     def __aiter__(self) -> AsyncResponseStream:
         return self
@@ -59,24 +63,12 @@ class AsyncResponseStream(AsyncIterator[StreamChunk]):
     async def __anext__(self) -> StreamChunk:
         if self._done:
             raise StopAsyncIteration
-        try:
-            if self._iter is None:
-                stub = self._client._get_stub()
-                self._call = stub.GenerateStream(self._request, timeout=self._timeout, metadata=self._client._metadata)
-                self._iter = self._call.__aiter__()
-            msg = await self._iter.__anext__()
-        except StopAsyncIteration:
-            self._done = True
-            raise
-        except grpc.RpcError as err:
-            self._done = True
-            raise from_rpc_error(err) from err
-        return StreamChunk.from_pb(msg)
-
-    def cancel(self) -> None:
-        if self._call is not None and not self._done:
-            self._call.cancel()
-        self._done = True
+        with self._receiving():
+            if self._messages is None:
+                self._running = self._call.start(self._client._get_stub())
+                self._messages = self._running.__aiter__()
+            message = await self._messages.__anext__()
+        return self._call.parse(message)
 
     async def aclose(self) -> None:
         self.cancel()
@@ -92,35 +84,13 @@ class AsyncResponseStream(AsyncIterator[StreamChunk]):
     ) -> None:
         self.cancel()
 
-    def __del__(self) -> None:
-        try:
-            self.cancel()
-        except Exception:
-            pass
 
-
-class AsyncClient:
+class AsyncClient(ClientBase):
     """asyncio counterpart of ``Client``; same arguments (security ones included, checked here)."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        timeout: float | None = None,
-        options: Sequence[tuple[str, Any]] = (),
-        tls_ca: PemSource | None = None,
-        tls_cert: PemSource | None = None,
-        tls_key: PemSource | None = None,
-        server_name: str | None = None,
-        token: str | None = None,
-    ) -> None:
-        target, scheme = parse_target(url)
-        self.timeout: float | None = resolve_timeout(None, timeout)
-        self.target: str = target
-        self._credentials = Credentials.from_options(scheme, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-                                                     server_name=server_name, token=token)
-        self._metadata = self._credentials.metadata
-        self._options = [*options, *self._credentials.channel_options()]
+    def _open(self) -> None:
+        # Deferred to first use (_get_stub): grpc.aio binds a channel to the event loop running when
+        # it is made, and the client may be made outside any.
         self._channel: grpc.aio.Channel | None = None
         self._stub: generation_pb2_grpc.GenerationStub | None = None
         self._closed = False
@@ -129,12 +99,7 @@ class AsyncClient:
         if self._closed:
             raise RuntimeError("AsyncClient is closed")
         if self._stub is None:
-            # Created lazily: grpc.aio binds a channel to the event loop running at creation.
-            channel_credentials = self._credentials.channel_credentials()
-            if channel_credentials is not None:
-                self._channel = grpc.aio.secure_channel(self.target, channel_credentials, options=self._options)
-            else:
-                self._channel = grpc.aio.insecure_channel(self.target, options=self._options)
+            self._channel = self._open_channel(grpc.aio)
             self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         return self._stub
 
@@ -147,13 +112,7 @@ class AsyncClient:
         **overrides: Unpack[GenerateOptionsDict],
     ) -> GenerateResult:
         """See ``Client.generate``."""
-        request = build_generate_request(prompt, options, **overrides)
-        deadline = resolve_timeout(timeout, self.timeout)
-        try:
-            response = await self._get_stub().Generate(request, timeout=deadline, metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from err
-        return GenerateResult.from_pb(response)
+        return await self._unary(GENERATE, build_generate_request(prompt, options, **overrides), timeout)
 
     def generate_stream(
         self,
@@ -164,8 +123,7 @@ class AsyncClient:
         **overrides: Unpack[GenerateOptionsDict],
     ) -> AsyncResponseStream:
         """See ``Client.generate_stream``; use with ``async for``. Arguments are checked now."""
-        request = build_generate_request(prompt, options, **overrides)
-        return AsyncResponseStream(self, request, resolve_timeout(timeout, self.timeout))
+        return self._stream(build_generate_request(prompt, options, **overrides), timeout)
 
     async def chat(
         self,
@@ -176,13 +134,7 @@ class AsyncClient:
         **overrides: Unpack[GenerateOptionsDict],
     ) -> GenerateResult:
         """See ``Client.chat``."""
-        request = build_chat_request(messages, options, **overrides)
-        deadline = resolve_timeout(timeout, self.timeout)
-        try:
-            response = await self._get_stub().Generate(request, timeout=deadline, metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from err
-        return GenerateResult.from_pb(response)
+        return await self._unary(GENERATE, build_chat_request(messages, options, **overrides), timeout)
 
     def chat_stream(
         self,
@@ -193,18 +145,19 @@ class AsyncClient:
         **overrides: Unpack[GenerateOptionsDict],
     ) -> AsyncResponseStream:
         """See ``Client.chat_stream``; use with ``async for``. Arguments are checked now."""
-        request = build_chat_request(messages, options, **overrides)
-        return AsyncResponseStream(self, request, resolve_timeout(timeout, self.timeout))
+        return self._stream(build_chat_request(messages, options, **overrides), timeout)
 
     async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
-        deadline = resolve_timeout(timeout, self.timeout)
-        try:
-            response = await self._get_stub().GetModelInfo(
-                generation_pb2.GetModelInfoRequest(), timeout=deadline, metadata=self._metadata
-            )
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from err
-        return ModelInfo.from_pb(response)
+        return await self._unary(GET_MODEL_INFO, generation_pb2.GetModelInfoRequest(), timeout)
+
+    async def _unary(self, rpc: Rpc[R], request: Message, timeout: float | None) -> R:
+        call = self._call(rpc, request, timeout)
+        with map_rpc_errors():
+            response = await call.start(self._get_stub())
+        return call.parse(response)
+
+    def _stream(self, request: generation_pb2.GenerateRequest, timeout: float | None) -> AsyncResponseStream:
+        return AsyncResponseStream(self, request, self._deadline(timeout))
 
     async def close(self) -> None:
         self._closed = True

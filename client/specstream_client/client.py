@@ -5,6 +5,11 @@ failed RPC -- including one that fails after a stream has yielded chunks -- rais
 ``SpecstreamError`` subclass chosen by status code. A stream that is closed, garbage-collected or
 abandoned by ``break`` cancels its RPC, which lets the server free the sequence.
 
+This module is the blocking I/O only: the constructor and the calls each method makes are
+``ClientBase``'s (``_base.py``), a stream's state is ``StreamBase``'s (``_stream.py``), requests
+are built by ``_request.py``, responses parsed by ``types.py`` and errors mapped by ``errors.py``
+-- the same code as ``AsyncClient``'s.
+
 What it does not know: retries (none are made: a failed ``Generate`` may have run on the server),
 load balancing across gateways, and server limits (see ``model_info()``).
 """
@@ -13,19 +18,24 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
+from google.protobuf.message import Message
 
 from specstream_pb import generation_pb2, generation_pb2_grpc
 
-from ._credentials import Credentials, PemSource
-from ._request import build_chat_request, build_generate_request, parse_target, resolve_timeout
-from .errors import from_rpc_error
+from ._base import ClientBase
+from ._call import GENERATE, GET_MODEL_INFO, R, Rpc
+from ._request import build_chat_request, build_generate_request
+from ._stream import StreamBase
+from .errors import map_rpc_errors
 from .options import GenerateOptions
 from .types import GenerateResult, ModelInfo, StreamChunk
 
 if TYPE_CHECKING:
+    # For type checkers only: typing_extensions is not a runtime dependency of the SDK (grpcio and
+    # protobuf are), and `from __future__ import annotations` leaves the annotations unevaluated.
     from typing_extensions import Unpack
 
     from .options import GenerateOptionsDict
@@ -33,7 +43,7 @@ if TYPE_CHECKING:
 __all__ = ["Client", "ResponseStream"]
 
 
-class ResponseStream(Iterator[StreamChunk]):
+class ResponseStream(StreamBase, Iterator[StreamChunk]):
     """Iterator over one ``GenerateStream`` call. The RPC starts on the first ``next()``;
     ``close()``/``cancel()`` (or leaving a ``with`` block) cancels it if still running."""
 
@@ -44,12 +54,8 @@ class ResponseStream(Iterator[StreamChunk]):
         timeout: float | None,
         metadata: tuple[tuple[str, str], ...] | None = None,
     ) -> None:
+        super().__init__(request, timeout, metadata)
         self._stub = stub
-        self._request = request
-        self._timeout = timeout
-        self._metadata = metadata
-        self._call: Any = None  # grpc's stream call object: iterator + grpc.Call
-        self._done = False
 
     def __iter__(self) -> ResponseStream:
         return self
@@ -57,24 +63,13 @@ class ResponseStream(Iterator[StreamChunk]):
     def __next__(self) -> StreamChunk:
         if self._done:
             raise StopIteration
-        if self._call is None:
-            self._call = self._stub.GenerateStream(self._request, timeout=self._timeout, metadata=self._metadata)
-        try:
-            msg = next(self._call)
-        except StopIteration:
-            self._done = True
-            raise
-        except grpc.RpcError as err:
-            self._done = True
-            raise from_rpc_error(err) from err
-        return StreamChunk.from_pb(msg)
+        if self._running is None:
+            self._running = self._call.start(self._stub)
+        with self._receiving():
+            message = next(self._running)
+        return self._call.parse(message)
 
-    def cancel(self) -> None:
-        if self._call is not None and not self._done:
-            self._call.cancel()
-        self._done = True
-
-    close = cancel
+    close = StreamBase.cancel
 
     def __enter__(self) -> ResponseStream:
         return self
@@ -87,16 +82,8 @@ class ResponseStream(Iterator[StreamChunk]):
     ) -> None:
         self.cancel()
 
-    def __del__(self) -> None:
-        # Abandoned mid-stream (e.g. `break` out of a for loop): free the server's sequence now
-        # rather than at the deadline.
-        try:
-            self.cancel()
-        except Exception:
-            pass
 
-
-class Client:
+class Client(ClientBase):
     """Blocking client. ``url`` is ``"host:port"`` or ``"grpc://host:port"`` (``"grpcs://"`` uses
     TLS). ``timeout`` is the default per-call deadline in seconds (None: no deadline); ``options``
     are passed to the gRPC channel.
@@ -108,30 +95,8 @@ class Client:
     url's host) -- each a file path or PEM bytes -- and ``token`` (sent with every call as
     ``authorization: Bearer <token>``)."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        timeout: float | None = None,
-        options: Sequence[tuple[str, Any]] = (),
-        tls_ca: PemSource | None = None,
-        tls_cert: PemSource | None = None,
-        tls_key: PemSource | None = None,
-        server_name: str | None = None,
-        token: str | None = None,
-    ) -> None:
-        target, scheme = parse_target(url)
-        self.timeout: float | None = resolve_timeout(None, timeout)
-        self.target: str = target
-        credentials = Credentials.from_options(scheme, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-                                               server_name=server_name, token=token)
-        self._metadata = credentials.metadata
-        opts = [*options, *credentials.channel_options()]
-        channel_credentials = credentials.channel_credentials()
-        if channel_credentials is not None:
-            self._channel = grpc.secure_channel(target, channel_credentials, options=opts)
-        else:
-            self._channel = grpc.insecure_channel(target, options=opts)
+    def _open(self) -> None:
+        self._channel: grpc.Channel = self._open_channel(grpc)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     def generate(
@@ -150,13 +115,7 @@ class Client:
         documents each one. ``timeout`` overrides the client's default deadline for this call.
         Options are checked before anything is sent (``ValueError``/``TypeError``).
         """
-        request = build_generate_request(prompt, options, **overrides)
-        try:
-            response = self._stub.Generate(request, timeout=resolve_timeout(timeout, self.timeout),
-                                           metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from err
-        return GenerateResult.from_pb(response)
+        return self._unary(GENERATE, build_generate_request(prompt, options, **overrides), timeout)
 
     def generate_stream(
         self,
@@ -169,8 +128,7 @@ class Client:
         """Like ``generate`` but yields ``StreamChunk`` deltas (each with the logprobs of its own
         tokens, when asked for); the last one carries finish_reason, usage, stats, timings and
         seed. Arguments are checked now; the RPC starts on first iteration."""
-        request = build_generate_request(prompt, options, **overrides)
-        return ResponseStream(self._stub, request, resolve_timeout(timeout, self.timeout), self._metadata)
+        return self._stream(build_generate_request(prompt, options, **overrides), timeout)
 
     def chat(
         self,
@@ -184,13 +142,7 @@ class Client:
         mappings (roles "system", "user", "assistant"), rendered by the server with the model's
         chat template; generation stops at the template's end-of-turn token. Options and
         ``timeout`` as in ``generate``. A model without a chat template answers InvalidArgument."""
-        request = build_chat_request(messages, options, **overrides)
-        try:
-            response = self._stub.Generate(request, timeout=resolve_timeout(timeout, self.timeout),
-                                           metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from err
-        return GenerateResult.from_pb(response)
+        return self._unary(GENERATE, build_chat_request(messages, options, **overrides), timeout)
 
     def chat_stream(
         self,
@@ -201,18 +153,19 @@ class Client:
         **overrides: Unpack[GenerateOptionsDict],
     ) -> ResponseStream:
         """``chat`` as a stream of ``StreamChunk`` deltas (see ``generate_stream``)."""
-        request = build_chat_request(messages, options, **overrides)
-        return ResponseStream(self._stub, request, resolve_timeout(timeout, self.timeout), self._metadata)
+        return self._stream(build_chat_request(messages, options, **overrides), timeout)
 
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:
-        try:
-            response = self._stub.GetModelInfo(
-                generation_pb2.GetModelInfoRequest(), timeout=resolve_timeout(timeout, self.timeout),
-                metadata=self._metadata,
-            )
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from err
-        return ModelInfo.from_pb(response)
+        return self._unary(GET_MODEL_INFO, generation_pb2.GetModelInfoRequest(), timeout)
+
+    def _unary(self, rpc: Rpc[R], request: Message, timeout: float | None) -> R:
+        call = self._call(rpc, request, timeout)
+        with map_rpc_errors():
+            response = call.start(self._stub)
+        return call.parse(response)
+
+    def _stream(self, request: generation_pb2.GenerateRequest, timeout: float | None) -> ResponseStream:
+        return ResponseStream(self._stub, request, self._deadline(timeout), self._metadata)
 
     def close(self) -> None:
         self._channel.close()

@@ -2,7 +2,9 @@
 
 Contract: every failed RPC surfaces as a ``SpecstreamError`` (or a subclass picked by the gRPC status
 code), with ``.code`` (``grpc.StatusCode``) and ``.details`` (the server's message); ``str()`` shows
-both. The original ``grpc.RpcError`` is kept as ``__cause__``.
+both. The original ``grpc.RpcError`` is kept as ``__cause__``. The class is chosen in one place,
+``from_rpc_error``; ``map_rpc_errors`` applies it around any call, blocking or awaited, unary or a
+stream's next message, so both clients raise the same exception for the same failure.
 
 What it does not know: whether a failed call is safe to retry (a ``Generate`` that failed with
 UNAVAILABLE may or may not have run on the server), and local argument errors -- those are plain
@@ -10,6 +12,8 @@ UNAVAILABLE may or may not have run on the server), and local argument errors --
 """
 
 from __future__ import annotations
+
+from types import TracebackType
 
 import grpc
 
@@ -23,6 +27,7 @@ __all__ = [
     "Unauthenticated",
     "Unavailable",
     "from_rpc_error",
+    "map_rpc_errors",
 ]
 
 
@@ -91,3 +96,18 @@ def from_rpc_error(err: grpc.RpcError) -> SpecstreamError:
         code = grpc.StatusCode.UNKNOWN
     cls = _BY_CODE.get(code, SpecstreamError)
     return cls(details or "", code)
+
+
+class map_rpc_errors:  # noqa: N801 -- a context manager, named like contextlib.suppress
+    """``with map_rpc_errors(): ...`` raises ``from_rpc_error(err)`` for a ``grpc.RpcError`` raised
+    in the block (``err`` as its ``__cause__``) and lets anything else through unchanged --
+    ``asyncio.CancelledError`` included. A plain (not async) context manager, so ``await`` works
+    inside it too."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if isinstance(exc, grpc.RpcError):
+            raise from_rpc_error(exc) from exc
