@@ -4,7 +4,8 @@ and finish with usage, stats, timings and the seed used (and, for a beam request
 hypotheses, each detokenized; the engine reports a beam only when its search ends, so
 `GenerateStream` sends it as one chunk). Log-probabilities come from the target,
 one per token; they are passed through in step with the token ids (and cut with them at a stop
-string), never computed here.
+string), never computed here. The engine's plain events (specstream/data/engine.py) come in; the
+public response messages both fronts serve (`GenerateStreamResponse`) go out.
 
 `Generate` and `GenerateStream` both consume `stream_chunks`, so their results agree by
 construction. Leaving early (client cancel, deadline, a stop string) cancels the sequence on the
@@ -26,12 +27,12 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Iterable
 
-import grpc
-
 from gateway.router import Router
 from gateway.validation import ValidRequest
+from specstream.data.engine import BeamHypothesis
+from specstream.data.engine_wire import finish_reason_to_pb, hypothesis_to_pb, logprob_to_pb, stats_to_pb
+from specstream.data.errors import InternalError
 from specstream.serving import telemetry
-from specstream.data.errors import RemoteError, status_code
 from specstream.serving.metrics import GatewayMetrics, RequestObserver
 from specstream.text.stop_strings import StopStringMatcher
 from specstream.text.tokenizer import IncrementalDetokenizer, TextTokenizer
@@ -41,8 +42,8 @@ from specstream_pb import common_pb2, generation_pb2
 async def stream_chunks(req: ValidRequest, router: Router, tokenizer: TextTokenizer, eos_ids: tuple[int, ...],
                         metrics: GatewayMetrics) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
     span = _request_span(req)
-    sequence = req.to_sequence_pb(eos_ids)
-    sequence.traceparent = telemetry.traceparent_of(span) or req.traceparent  # the target's spans join this trace
+    # The target's spans join this trace.
+    sequence = req.to_sequence(eos_ids, traceparent=telemetry.traceparent_of(span) or req.traceparent)
     try:
         ticket = router.submit(sequence)  # OverloadedError / UnavailableError: not admitted
     except Exception as exc:
@@ -58,20 +59,19 @@ async def stream_chunks(req: ValidRequest, router: Router, tokenizer: TextTokeni
     try:
         while True:
             event = await ticket.events.get()
-            if event.finish_reason == common_pb2.FINISH_REASON_ERROR:
-                raise RemoteError(status_code(event.error.code), event.error.message)
+            if event.finish_reason == "error":  # the error's class is the status the target sent
+                raise event.error or InternalError(f"sequence {event.id!r} ended with an error and no status")
             if first:  # the target reports its queue time on a sequence's first event
-                timings.queue_seconds = ticket.gateway_queue_seconds + event.queue_seconds
+                timings.queue_seconds = ticket.gateway_queue_seconds + (event.queue_seconds or 0.0)
                 first = False
             if event.logprobs and len(event.logprobs) != len(event.token_ids):
-                raise RemoteError(grpc.StatusCode.INTERNAL,
-                                  f"target sent {len(event.logprobs)} logprobs for {len(event.token_ids)} tokens")
+                raise InternalError(f"target sent {len(event.logprobs)} logprobs for {len(event.token_ids)} tokens")
             chunk = generation_pb2.GenerateStreamResponse(request_id=req.request_id)
             finish, matched = event.finish_reason, False
             for i, token in enumerate(event.token_ids):  # token by token, so nothing after a stop string leaks
                 chunk.token_ids.append(token)
                 if event.logprobs:
-                    chunk.logprobs.append(event.logprobs[i])
+                    chunk.logprobs.append(logprob_to_pb(event.logprobs[i]))
                 text = detok.push([token])
                 if stop is not None:
                     text, matched = stop.push(text)
@@ -84,17 +84,17 @@ async def stream_chunks(req: ValidRequest, router: Router, tokenizer: TextTokeni
             if chunk.token_ids and not timings.time_to_first_token_seconds:
                 timings.time_to_first_token_seconds = now - req.received
                 span.add_event("first_chunk")
-            if not matched and finish != common_pb2.FINISH_REASON_UNSPECIFIED:
+            if not matched and finish is not None:
                 text, matched = _flush(detok, stop)
                 chunk.text += text
             if matched:
-                finish = common_pb2.FINISH_REASON_STOP
+                finish = "stop"
                 router.cancel(ticket)
-            if finish != common_pb2.FINISH_REASON_UNSPECIFIED:
+            if finish is not None:
                 timings.total_seconds = now - req.received
-                chunk.finish_reason = finish
+                chunk.finish_reason = finish_reason_to_pb(finish)
                 chunk.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=completion))
-                chunk.stats.CopyFrom(event.stats)
+                chunk.stats.CopyFrom(stats_to_pb(event.stats))
                 chunk.timings.CopyFrom(timings)
                 chunk.seed = req.seed
                 chunk.sequences.extend(_beam_sequences(tokenizer, req.prompt_ids, event.sequences))
@@ -141,15 +141,15 @@ def _finish_span(span, chunk: generation_pb2.GenerateStreamResponse, resumes: in
 
 
 def _beam_sequences(tokenizer: TextTokenizer, prompt_ids: list[int],
-                    sequences: Iterable[common_pb2.BeamSequence]) -> list[common_pb2.BeamSequence]:
+                    hypotheses: Iterable[BeamHypothesis]) -> list[common_pb2.BeamSequence]:
     """The target's hypotheses with their text, detokenized as the main text is (after the prompt,
     special tokens skipped alike), so the best one's text equals the response's."""
     out = []
-    for seq in sequences:
+    for hypothesis in hypotheses:
         detok = tokenizer.detokenizer(prompt_ids)
-        text = detok.push(list(seq.token_ids)) + detok.flush()
-        out.append(common_pb2.BeamSequence(text=text, token_ids=seq.token_ids, score=seq.score, logprob=seq.logprob,
-                                           finish_reason=seq.finish_reason))
+        sequence = hypothesis_to_pb(hypothesis)
+        sequence.text = detok.push(list(hypothesis.token_ids)) + detok.flush()
+        out.append(sequence)
     return out
 
 

@@ -20,33 +20,33 @@ speculation, logprobs, beam, traceparent) unchanged. The engine treats it as any
 The speculation stats a replica reports are cumulative for the sequence it ran; `merge_stats`
 adds those of the lost attempts to the current one's, so the caller's stats count all the work.
 
-Knows nothing about routing, streams or the caller's text (the gateway's detokenizer and stop
-string state live in the request pipeline and simply carry on).
+Plain data (specstream/data/engine.py). Knows nothing about routing, streams, protobuf or the
+caller's text (the gateway's detokenizer and stop string state live in the request pipeline and
+simply carry on).
 """
 
 from __future__ import annotations
 
-from specstream_pb import common_pb2, target_pb2
+import dataclasses
+
+from specstream.data.engine import SequenceRequest, SequenceStats
 
 
-def continuation(original: target_pb2.SequenceRequest, generated: list[int]) -> target_pb2.SequenceRequest:
+def continuation(original: SequenceRequest, generated: list[int]) -> SequenceRequest:
     """`original` continued after `generated` (the token ids already received for it)."""
     assert len(generated) < original.max_new_tokens, (len(generated), original.max_new_tokens)
-    request = target_pb2.SequenceRequest()
-    request.CopyFrom(original)
-    request.prompt_token_ids.extend(generated)
-    request.max_new_tokens = original.max_new_tokens - len(generated)
-    return request
+    return dataclasses.replace(original, prompt_token_ids=[*original.prompt_token_ids, *generated],
+                               max_new_tokens=original.max_new_tokens - len(generated))
 
 
-def merge_stats(before: common_pb2.SpeculationStats, now: common_pb2.SpeculationStats) -> common_pb2.SpeculationStats:
+def merge_stats(before: SequenceStats, now: SequenceStats) -> SequenceStats:
     """The stats of a request that ran as `before` (lost attempts, cumulative) and then `now`:
     counters and histograms add; tokens per decode pass is re-weighted by decode passes (the
     histogram's total); the γ controller's α estimate is the latest attempt's."""
     passes_before, passes_now = sum(before.gamma_histogram), sum(now.gamma_histogram)
     passes = passes_before + passes_now
     emitted = before.mean_accepted_length * passes_before + now.mean_accepted_length * passes_now
-    return common_pb2.SpeculationStats(
+    return SequenceStats(
         draft_tokens=before.draft_tokens + now.draft_tokens,
         accepted_tokens=before.accepted_tokens + now.accepted_tokens,
         target_passes=before.target_passes + now.target_passes,
@@ -58,7 +58,7 @@ def merge_stats(before: common_pb2.SpeculationStats, now: common_pb2.Speculation
         accepted_per_position=_add(before.accepted_per_position, now.accepted_per_position))
 
 
-def _add(a, b) -> list[int]:
+def _add(a: list[int], b: list[int]) -> list[int]:
     longer, shorter = (list(a), b) if len(a) >= len(b) else (list(b), a)
     for i, value in enumerate(shorter):
         longer[i] += value

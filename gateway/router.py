@@ -30,7 +30,7 @@ more, everything queued fails with UNAVAILABLE: a request is lost only when no r
 **Membership.** Replicas may be added and removed while the gateway runs (gateway/membership.py
 re-resolves DNS); a removed replica must have nothing outstanding.
 
-Knows nothing about tokens, text or gRPC streams.
+Knows nothing about tokens, text, gRPC streams or protobuf.
 """
 
 from __future__ import annotations
@@ -41,18 +41,16 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-import grpc
-
 from gateway.ticket import Ticket
+from specstream.data.engine import Load, SequenceRequest
 from specstream.data.errors import OverloadedError, UnavailableError
-from specstream_pb import target_pb2
 
 
 class Replica(Protocol):
     """What the router reads and calls on a replica (`gateway.target_client.TargetClient`)."""
 
     url: str
-    load: target_pb2.Load
+    load: Load
     sent_since_load: int
     routed: int
     on_capacity: Callable[[], None]
@@ -117,7 +115,7 @@ class Router:
         load = replica.load
         return max(replica.outstanding, load.running + load.queued + replica.sent_since_load)
 
-    def submit(self, request: target_pb2.SequenceRequest) -> Ticket:
+    def submit(self, request: SequenceRequest) -> Ticket:
         """Admits a request: sent to a replica now, or queued. Raises UnavailableError when no
         replica is serving and OverloadedError when the queue is full."""
         if not self.serving:
@@ -183,4 +181,4 @@ class Router:
     def _fail_waiting(self, why: str) -> None:
         message = f"{why}; replicas: {', '.join(r.url for r in self.replicas) or 'none'}"
         while self._waiting:
-            self._waiting.popleft().fail(grpc.StatusCode.UNAVAILABLE, message)
+            self._waiting.popleft().fail(UnavailableError(message))

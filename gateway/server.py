@@ -12,6 +12,7 @@ Both fronts share the gRPC server's certificates and tokens (`ServiceServer.cert
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -25,11 +26,13 @@ from gateway.router import Router
 from gateway.service import Gateway
 from gateway.target_client import TargetClient
 from specstream.data.config import GatewayConfig
+from specstream.data.engine import TargetInfo
+from specstream.data.engine_wire import batch_stats_to_pb
 from specstream.serving.grpc_server import ServiceServer
 from specstream.serving.metrics import GatewayMetrics
 from specstream.models.registry import resolve_model
 from specstream.text.tokenizer import TextTokenizer
-from specstream_pb import generation_pb2, generation_pb2_grpc, target_pb2
+from specstream_pb import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -70,13 +73,13 @@ def _replica_pb(index: int, replica: TargetClient, expose: bool) -> generation_p
     (an operator's choice), else its position: callers need no map of the internal network."""
     load = replica.load
     return generation_pb2.ReplicaInfo(
-        address=replica.url if expose else f"replica-{index}", connected=replica.connected, serving=replica.serving, running=load.running,
-        queued=load.queued, free_slots=load.free_slots, max_slots=load.max_slots, routed=replica.routed,
-        requeued=replica.requeued, batch=load.batch, resumed=replica.resumed, stalls=replica.stalls,
-        draining=replica.draining)
+        address=replica.url if expose else f"replica-{index}", connected=replica.connected, serving=replica.serving,
+        running=load.running, queued=load.queued, free_slots=load.free_slots, max_slots=load.max_slots,
+        routed=replica.routed, requeued=replica.requeued, batch=batch_stats_to_pb(load.batch), resumed=replica.resumed,
+        stalls=replica.stalls, draining=replica.draining)
 
 
-def common_info(replicas: list[TargetClient]) -> target_pb2.TargetInfo:
+def common_info(replicas: list[TargetClient]) -> TargetInfo:
     """What every replica serves: they must run the same model and vocabulary; a request must fit
     the smallest context and γ limit among them, since it may be moved to any of them."""
     first = replicas[0].info
@@ -86,15 +89,12 @@ def common_info(replicas: list[TargetClient]) -> target_pb2.TargetInfo:
             if getattr(info, name) != getattr(first, name):
                 raise ValueError(f"target replicas disagree on {name}: {replicas[0].url} has "
                                  f"{getattr(first, name)!r}, {replica.url} has {getattr(info, name)!r}")
-    merged = target_pb2.TargetInfo()
-    merged.CopyFrom(first)
-    merged.max_context_length = min(r.info.max_context_length for r in replicas)
-    merged.max_gamma = min(r.info.max_gamma for r in replicas)
-    merged.default_gamma = min(merged.default_gamma, merged.max_gamma)
-    return merged
+    max_gamma = min(r.info.max_gamma for r in replicas)
+    return dataclasses.replace(first, max_context_length=min(r.info.max_context_length for r in replicas),
+                               max_gamma=max_gamma, default_gamma=min(first.default_gamma, max_gamma))
 
 
-def check_joins(info: target_pb2.TargetInfo, replica: TargetClient) -> None:
+def check_joins(info: TargetInfo, replica: TargetClient) -> None:
     """A replica added while the gateway runs must serve the same model and vocabulary, and take
     every request the gateway already accepts (its limits were fixed from the first replicas)."""
     new = replica.info
@@ -121,7 +121,7 @@ def _target_client(config: GatewayConfig, address: str) -> TargetClient:
                         stall=config.stall, security=config.target_security)
 
 
-def _follow_dns(config: GatewayConfig, router: Router, info: target_pb2.TargetInfo,
+def _follow_dns(config: GatewayConfig, router: Router, info: TargetInfo,
                 on_state: Callable[[], Awaitable[None]]) -> asyncio.Task[None] | None:
     """Re-resolves the target entries every `target_resolve_interval_s` (None: never)."""
     if config.target_resolve_interval_s == 0:

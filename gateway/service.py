@@ -27,10 +27,11 @@ from gateway import request as pipeline
 from gateway.router import Router
 from gateway.validation import Limits, ValidRequest, validate
 from specstream.data.config import GatewayConfig
+from specstream.data.engine import TargetInfo
 from specstream.data.errors import OverloadedError
 from specstream.serving.metrics import GatewayMetrics
 from specstream.text.tokenizer import TextTokenizer
-from specstream_pb import generation_pb2, target_pb2
+from specstream_pb import generation_pb2
 
 log = logging.getLogger(__name__)
 TOKENIZE_NICE = 10  # the tokenize workers' niceness above the process's (Linux: per thread)
@@ -47,7 +48,7 @@ def _lower_priority() -> None:
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig, router: Router, info: target_pb2.TargetInfo,
+    def __init__(self, config: GatewayConfig, router: Router, info: TargetInfo,
                  tokenizer: TextTokenizer, metrics: GatewayMetrics) -> None:
         self.config = config
         self.router = router

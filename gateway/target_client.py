@@ -5,6 +5,11 @@ in one message); the target's per-step events go onto each request's `Ticket`. T
 what the router needs to judge the replica's room: its latest `Load`, the gateway's requests on it
 (`outstanding`) and how many were sent since that Load arrived (`sent_since_load`).
 
+**The protobuf edge.** This is where the gateway's requests become `target_pb2` messages and the
+target's events, `Load`s and info become plain data again (specstream/data/engine_wire.py): the
+router, tickets and the request pipeline speak the engine's own messages (specstream/data/engine.py),
+as the target's engine does, and an error event's status comes back as its error class.
+
 **Losing the replica.** The stream breaks (the target died, or keepalive found its connection
 dead), or the step-progress watchdog (gateway/watchdog.py) finds that the replica has sent nothing
 for too long while it holds our requests — then the client declares it hung and tears the stream
@@ -37,10 +42,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.ticket import Ticket
 from gateway.watchdog import StepWatchdog
-from specstream.data.config import StallConfig
+from specstream.data.batch_stats import BatchStats
+from specstream.data.config import ChannelSecurity, StallConfig
+from specstream.data.engine import Load, SequenceEvent, TargetInfo
+from specstream.data.engine_wire import event_from_pb, info_from_pb, load_from_pb, request_to_pb
 from specstream.serving.channels import open_channel
-from specstream.data.config import ChannelSecurity
-from specstream_pb import common_pb2, target_pb2, target_pb2_grpc
+from specstream_pb import target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +70,8 @@ class TargetClient:
         self._clock = clock
         self.watchdog = StepWatchdog(stall or StallConfig())
         self._stalls_in_a_row = 0  # stalls with no progress in between: the reconnect delay doubles with each
-        self.info = target_pb2.TargetInfo()
-        self.load = target_pb2.Load()
+        self.info = TargetInfo()
+        self.load = _unknown_load()
         self.sent_since_load = 0  # requests submitted after `load` arrived, which it cannot count yet
         self.routed = 0  # requests ever sent here
         self.requeued = 0  # requests handed back before they started
@@ -93,8 +100,9 @@ class TargetClient:
     async def start(self, timeout_s: float) -> None:
         """Waits for the target to answer GetInfo, then keeps a Connect stream and a health watch
         open, and the watchdog on the stream."""
-        self.info = await self._stub.GetInfo(target_pb2.TargetInfoRequest(), timeout=timeout_s, wait_for_ready=True)
-        self.load = self.info.load
+        self.info = info_from_pb(await self._stub.GetInfo(target_pb2.TargetInfoRequest(), timeout=timeout_s,
+                                                          wait_for_ready=True))
+        self.load = self.info.load or _unknown_load()
         self._tasks = [asyncio.create_task(self._run(), name=f"target-stream {self.url}"),
                        asyncio.create_task(self._watch_health(), name=f"target-health {self.url}"),
                        asyncio.create_task(self._watch_progress(), name=f"target-watchdog {self.url}")]
@@ -103,12 +111,12 @@ class TargetClient:
         """Sends the ticket's request under a fresh stream id."""
         assert self.connected, f"submit to {self.url} while its stream is down"
         stream_id = str(next(self._ids))
-        ticket.request.id = stream_id
+        request = request_to_pb(ticket.send_as(stream_id))
         ticket.replica = self
         self._track(stream_id, ticket)
         self.sent_since_load += 1
         self.routed += 1
-        self._outgoing.put_nowait(target_pb2.GatewayMessage(submit=target_pb2.Submit(requests=[ticket.request])))
+        self._outgoing.put_nowait(target_pb2.GatewayMessage(submit=target_pb2.Submit(requests=[request])))
 
     def cancel(self, ticket: Ticket) -> bool:
         """Cancels the ticket's sequence if it is still here; whether it was."""
@@ -204,16 +212,17 @@ class TargetClient:
             self._stalls_in_a_row = 0  # it stepped while it had our work: not wedged
         self.watchdog.heard(self._clock())
         if message.HasField("load"):
-            self.load = message.load
+            self.load = load_from_pb(message.load)
             self.sent_since_load = 0
-        for event in message.events.events:
-            ticket = self._tickets.get(event.id)
+        for pb in message.events.events:
+            ticket = self._tickets.get(pb.id)
             if ticket is None:
                 continue  # cancelled or handed back by us; the target's last word on it
-            if event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            event = event_from_pb(pb)
+            if event.finish_reason is not None:
                 self._untrack(event.id)
             if _gave_up(event):  # the target is going away: another replica carries on
-                self._move([ticket], f"target {self.url}: {event.error.message}")
+                self._move([ticket], f"target {self.url}: {event.error}")
                 continue
             ticket.deliver(event)
         self.on_capacity()
@@ -222,7 +231,7 @@ class TargetClient:
         """The stream is gone (the target cancels everything it had from it): every request goes
         back to the router, the started ones as their continuations."""
         self.connected = False
-        self.load = target_pb2.Load(max_slots=self.load.max_slots)
+        self.load = _unknown_load(self.load.max_slots)
         self.sent_since_load = 0
         _drain(self._outgoing)  # meant for the dead stream
         tickets = list(self._tickets.values())
@@ -315,11 +324,20 @@ class TargetClient:
         await self._channel.close()
 
 
-def _gave_up(event: target_pb2.SequenceEvent) -> bool:
+def _unknown_load(max_slots: int = 0) -> Load:
+    """A replica's load while it reports none (before its first report, or once its stream is
+    gone): its slots if known, nothing running and no room."""
+    batch = BatchStats(policy="", max_batch=0)
+    batch.occupancy = []  # nothing reported
+    return Load(max_slots=max_slots, free_slots=0, running=0, queued=0, draft_sequences=0, draft_connected=False,
+                batch=batch)
+
+
+def _gave_up(event: SequenceEvent) -> bool:
     """The target ended the sequence with UNAVAILABLE (its engine is shutting down, e.g. at the
     end of its grace period): not the request's fault, so it moves instead of failing."""
-    return (event.finish_reason == common_pb2.FINISH_REASON_ERROR
-            and event.error.code == grpc.StatusCode.UNAVAILABLE.value[0])
+    return (event.finish_reason == "error" and event.error is not None
+            and event.error.code == grpc.StatusCode.UNAVAILABLE)
 
 
 def _drain(queue: asyncio.Queue) -> list:

@@ -4,20 +4,21 @@ The request pipeline reads the ticket's `events`; the router and the replica it 
 them. The queue stays the same when the router moves the request to another replica — before it
 started there, or after (its *continuation*, gateway/resume.py, picks up after the tokens already
 received) — so a move is invisible to the reader: the events read as one sequence's, with stats
-counting every attempt. Knows nothing about routing policy or about gRPC streams.
+counting every attempt. Requests and events are the engine's plain messages
+(specstream/data/engine.py). Knows nothing about routing policy, gRPC streams or protobuf.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import grpc
-
 from gateway.resume import continuation, merge_stats
-from specstream_pb import common_pb2, target_pb2
+from specstream.data.engine import SequenceEvent, SequenceRequest, SequenceStats
+from specstream.data.errors import SpecstreamError
 
 
 class Replica(Protocol):
@@ -29,12 +30,12 @@ class Replica(Protocol):
 
 @dataclass(eq=False)
 class Ticket:
-    # What is sent to a replica: the admitted request, or its continuation after a move. `id` is
-    # rewritten per replica (the stream id).
-    request: target_pb2.SequenceRequest
+    # What is sent to a replica: the admitted request, or its continuation after a move; replaced,
+    # never changed in place (a replica gives it its stream id as `id`).
+    request: SequenceRequest
     number: int  # arrival order at the gateway
     enqueued_at: float  # time.monotonic() when the gateway admitted it
-    events: asyncio.Queue[target_pb2.SequenceEvent] = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[SequenceEvent] = field(default_factory=asyncio.Queue)
     replica: Replica | None = None  # where it was sent last; None while it waits in the gateway
     dispatched_at: float | None = None  # when it was sent to `replica`
     started: bool = False  # `replica` has sent an event for it: moving it now means resuming it
@@ -43,15 +44,14 @@ class Ticket:
     resumes: int = 0  # times it was moved after it had started
     # Called with the reason each time it is resumed (the request pipeline's trace and metrics).
     on_resume: Callable[[str], None] = lambda why: None
-    # The admitted request (a copy: `request` is rewritten).
-    original: target_pb2.SequenceRequest = field(init=False)
+    # The admitted request (`request` as it was admitted).
+    original: SequenceRequest = field(init=False)
     # Speculation stats (cumulative) of the attempts on replicas that were lost, and of the current one.
-    _carried: common_pb2.SpeculationStats = field(init=False, default_factory=common_pb2.SpeculationStats)
-    _attempt: common_pb2.SpeculationStats = field(init=False, default_factory=common_pb2.SpeculationStats)
+    _carried: SequenceStats = field(init=False, default_factory=SequenceStats)
+    _attempt: SequenceStats = field(init=False, default_factory=SequenceStats)
 
     def __post_init__(self) -> None:
-        self.original = target_pb2.SequenceRequest()
-        self.original.CopyFrom(self.request)
+        self.original = self.request
 
     @property
     def gateway_queue_seconds(self) -> float:
@@ -59,44 +59,43 @@ class Ticket:
         from counts: it was waiting all along)."""
         return 0.0 if self.dispatched_at is None else self.dispatched_at - self.enqueued_at
 
-    def deliver(self, event: target_pb2.SequenceEvent) -> None:
-        """An event from the replica running it, on to the reader (stats made cumulative over
-        every attempt)."""
+    def send_as(self, stream_id: str) -> SequenceRequest:
+        """The request to send to a replica under `stream_id` (it becomes `request`)."""
+        self.request = dataclasses.replace(self.request, id=stream_id)
+        return self.request
+
+    def deliver(self, event: SequenceEvent) -> None:
+        """An event from the replica running it, on to the reader; the event is handed over, and
+        after a move its stats are replaced by the cumulative ones over every attempt."""
         self.started = True
         self.generated.extend(event.token_ids)
+        self._attempt = event.stats
         if self.resumes:
-            self._attempt = common_pb2.SpeculationStats()
-            self._attempt.CopyFrom(event.stats)
-            event.stats.CopyFrom(merge_stats(self._carried, self._attempt))
-        else:
-            self._attempt = event.stats  # not changed after this
-        if event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            event.stats = merge_stats(self._carried, self._attempt)
+        if event.finish_reason is not None:
             self.done = True
         self.events.put_nowait(event)
 
     def resume(self, why: str) -> bool:
         """Its replica is gone after it started: from now on it asks for its continuation (not
         started anywhere yet); True. If every token it asked for had arrived (only its final
-        event was lost) it finishes here instead, with finish reason LENGTH; False."""
+        event was lost) it finishes here instead, with finish reason "length"; False."""
         assert self.started and not self.done
         self._carried = merge_stats(self._carried, self._attempt)
-        self._attempt = common_pb2.SpeculationStats()
+        self._attempt = SequenceStats()
         self.started = False
         if len(self.generated) >= self.original.max_new_tokens:
             self.done = True
-            self.events.put_nowait(target_pb2.SequenceEvent(
-                id=self.request.id, finish_reason=common_pb2.FINISH_REASON_LENGTH, stats=self._carried))
+            self.events.put_nowait(SequenceEvent(id=self.request.id, finish_reason="length", stats=self._carried))
             return False
         self.request = continuation(self.original, self.generated)
         self.resumes += 1
         self.on_resume(why)
         return True
 
-    def fail(self, code: grpc.StatusCode, message: str) -> None:
-        """Ends the ticket with an error event carrying `code`."""
+    def fail(self, error: SpecstreamError) -> None:
+        """Ends the ticket with an error event carrying `error` (its class gives the status)."""
         if self.done:
             return
         self.done = True
-        error = common_pb2.SequenceError(code=code.value[0], message=message)
-        self.events.put_nowait(target_pb2.SequenceEvent(
-            id=self.request.id, finish_reason=common_pb2.FINISH_REASON_ERROR, error=error))
+        self.events.put_nowait(SequenceEvent(id=self.request.id, finish_reason="error", error=error))

@@ -3,7 +3,8 @@
 Every rule raises InvalidArgumentError naming the field and the value, before anything reaches
 the target. Tokenization happens here too, since the prompt's token count is what is checked.
 Sampling settings are only range-checked here (and an unset seed is picked here, so it can be
-returned); what they mean is the target engine's business.
+returned); what they mean is the target engine's business. The public request is read here, once:
+a `ValidRequest` holds plain values, and becomes the engine's `SequenceRequest` (`to_sequence`).
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from specstream.data.beam import BeamOptions, check_combination
-from specstream.text.chat import ChatError
 from specstream.data.config import GatewayConfig
+from specstream.data.engine import SequenceRequest, Speculation, TargetInfo
+from specstream.data.engine_wire import speculation_from_pb
 from specstream.data.errors import InvalidArgumentError
+from specstream.data.sampling import SamplingParams
+from specstream.text.chat import ChatError
 from specstream.text.tokenizer import TextTokenizer
-from specstream_pb import common_pb2, generation_pb2, target_pb2
+from specstream_pb import common_pb2, generation_pb2
 
 TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 
@@ -46,7 +50,7 @@ class Limits:
     max_prompt_chars: int
 
     @classmethod
-    def build(cls, config: GatewayConfig, info) -> Limits:
+    def build(cls, config: GatewayConfig, info: TargetInfo) -> Limits:
         return cls(vocab_size=info.vocab_size, max_context_length=info.max_context_length,
                    max_new_tokens=min(config.max_new_tokens_limit, info.max_context_length - 1),
                    max_gamma=info.max_gamma, max_stop_strings=config.max_stop_strings,
@@ -67,7 +71,7 @@ class ValidRequest:
     stop: list[str]
     stop_token_ids: list[int]
     ignore_eos: bool
-    speculation: common_pb2.Speculation
+    speculation: Speculation
     temperature: float  # 0: greedy (top_k, top_p then have no effect)
     top_k: int  # 0: off
     top_p: float  # in (0, 1]; 1: off
@@ -79,18 +83,19 @@ class ValidRequest:
     model: str = ""  # the served model's name (set by the servicer; for traces)
     chat: bool = False  # the prompt came as `messages`, rendered with the chat template
     end_of_turn: int | None = None  # chat requests: the template's end-of-turn token ends generation
-    beam: common_pb2.BeamSearch | None = None  # beam search (validated: specstream/data/beam.py)
+    beam: BeamOptions | None = None  # beam search
 
-    def to_sequence_pb(self, eos_ids: tuple[int, ...]) -> target_pb2.SequenceRequest:
+    def to_sequence(self, eos_ids: tuple[int, ...], traceparent: str | None = None) -> SequenceRequest:
+        """What the target engine is asked for: `eos_ids` (and a chat's end of turn) end it unless
+        ignore_eos; `traceparent`: the span its spans join (None: the caller's)."""
         ends = (*eos_ids, self.end_of_turn) if self.end_of_turn is not None else eos_ids
-        eos = [] if self.ignore_eos else sorted(set(ends))
-        return target_pb2.SequenceRequest(
+        eos = frozenset() if self.ignore_eos else frozenset(ends)
+        return SequenceRequest(
             id=self.request_id, prompt_token_ids=self.prompt_ids, max_new_tokens=self.max_new_tokens,
-            stop_token_ids=sorted(set(self.stop_token_ids) | set(eos)), eos_token_ids=eos,
-            speculation=self.speculation,
-            sampling=common_pb2.Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                                         seed=self.seed),
-            logprobs=self.logprobs, top_logprobs=self.top_logprobs, traceparent=self.traceparent, beam=self.beam)
+            stop_token_ids=frozenset(self.stop_token_ids) | eos, eos_token_ids=eos, speculation=self.speculation,
+            sampling=SamplingParams.from_settings(self.temperature, self.top_k, self.top_p, self.seed),
+            logprobs=self.top_logprobs if self.logprobs else None,
+            traceparent=self.traceparent if traceparent is None else traceparent, beam=self.beam)
 
 
 def validate(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: TextTokenizer,
@@ -110,20 +115,20 @@ def validate(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: Tex
     _check_speculation(req.speculation, limits)
     _check_sampling(req)
     _check_logprobs(req, limits)
-    _check_beam(req)
+    beam = _check_beam(req)
     if req.traceparent and not TRACEPARENT.match(req.traceparent):
         raise InvalidArgumentError("traceparent", req.traceparent, "not a W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>)")
     return ValidRequest(
         request_id=req.request_id or uuid.uuid4().hex, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
         stop=list(req.stop), stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
-        speculation=req.speculation, temperature=req.temperature, top_k=req.top_k,
+        speculation=speculation_from_pb(req.speculation), temperature=req.temperature, top_k=req.top_k,
         top_p=req.top_p if req.HasField("top_p") else 1.0,
         seed=req.seed if req.HasField("seed") else secrets.randbits(64),
         logprobs=req.logprobs, top_logprobs=req.top_logprobs, traceparent=req.traceparent, received=received,
         chat=req.WhichOneof("input") == "messages",
         # A template whose end of turn is not one token (rare) ends on EOS only.
         end_of_turn=tokenizer.end_of_turn_id if req.WhichOneof("input") == "messages" else None,
-        beam=req.beam if req.HasField("beam") else None)
+        beam=beam)
 
 
 def _reject_unknown_fields(message: Message, path: str) -> None:
@@ -259,13 +264,14 @@ def _check_logprobs(req: generation_pb2.GenerateRequest, limits: Limits) -> None
         raise InvalidArgumentError("top_logprobs", req.top_logprobs, "requires logprobs=true")
 
 
-def _check_beam(req: generation_pb2.GenerateRequest) -> None:
+def _check_beam(req: generation_pb2.GenerateRequest) -> BeamOptions | None:
     """Beam options and what may go with them (greedy only); the target checks num_beams against
     its slots."""
     if not req.HasField("beam"):
-        return
-    BeamOptions.from_pb(req.beam)
+        return None
+    beam = BeamOptions.from_pb(req.beam)
     check_combination(temperature=req.temperature, top_k=req.top_k,
                       top_p=req.top_p if req.HasField("top_p") else 1.0,
                       fixed_speculation=req.speculation.mode == common_pb2.SPECULATION_MODE_FIXED,
                       logprobs=req.logprobs, stop_strings=len(req.stop))
+    return beam

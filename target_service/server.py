@@ -1,8 +1,8 @@
 """The target service process: the `Target` gRPC servicer around the engine.
 
 The servicer is thin: it turns each `Connect` stream into a `Connection`, forwards Submit/Cancel
-to the engine (converted by target_service/wire.py) and drains the connection's outbox into the
-stream as protobuf.
+to the engine (converted by specstream/data/engine_wire.py) and drains the connection's outbox
+into the stream as protobuf.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import grpc
 from specstream.serving.compute import compute_executor
 from specstream.data.config import DraftConfig, TargetConfig
 from specstream.data.propose import Proposer
+from specstream.data.engine_wire import load_to_pb, message_to_pb, request_from_pb
 from specstream.data.errors import SpecstreamError
 from specstream.serving.grpc_server import ServiceServer
 from specstream.serving.metrics import TargetMetrics
@@ -29,7 +30,6 @@ from target_service.draft_client import DraftClient
 from target_service.draft_deadline import DraftDeadline
 from target_service.engine import Engine
 from target_service.local_draft import LocalDraft
-from target_service.wire import load_to_pb, message_to_pb, request_from_pb
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from specstream.text.chat import ChatTemplate
 from specstream.data.errors import InvalidArgumentError
 from specstream.text.tokenizer import TextTokenizer, build_byte_level_tokenizer
-from specstream_pb import target_pb2, target_pb2_grpc
+from specstream_pb import target_pb2_grpc
 from specstream.data.batch_stats import BatchStats
-from specstream.data.engine import EngineMessage, Load, SequenceEvent, SequenceStats, TokenLogprob
-from target_service.wire import message_to_pb, request_from_pb
+from specstream.data.engine import EngineMessage, Load, SequenceEvent, SequenceStats, TargetInfo, TokenLogprob
+from specstream.data.engine_wire import info_to_pb, message_to_pb, request_from_pb
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -39,9 +39,9 @@ class StreamingTarget(target_pb2_grpc.TargetServicer):
     cancelled: list[str] = field(default_factory=list)
 
     async def GetInfo(self, request, context):  # noqa: N802
-        return target_pb2.TargetInfo(model_name=MODEL, vocab_size=TT.vocab_size,
-                                     max_context_length=self.max_context_length, max_gamma=8,
-                                     default_gamma=4, eos_token_ids=[1], load=message_to_pb(EngineMessage(LOAD)).load)
+        return info_to_pb(TargetInfo(model_name=MODEL, vocab_size=TT.vocab_size,
+                                     max_context_length=self.max_context_length, max_gamma=8, default_gamma=4,
+                                     eos_token_ids=[1], load=LOAD))
 
     async def Connect(self, request_iterator, context):  # noqa: N802
         out: asyncio.Queue = asyncio.Queue()

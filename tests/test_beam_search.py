@@ -274,7 +274,7 @@ def test_the_engine_refuses_what_it_cannot_run_and_serves_the_rest(model, field,
 def test_beam_options_cross_the_target_edge(model):
     """SequenceRequest.beam and the final event's sequences survive the protobuf edge."""
     from specstream_pb import common_pb2, target_pb2
-    from target_service.wire import event_to_pb, request_from_pb
+    from specstream.data.engine_wire import event_to_pb, request_from_pb
 
     pb = target_pb2.SequenceRequest(id="x", prompt_token_ids=PROMPTS[0], max_new_tokens=6, beam=common_pb2.BeamSearch(
         num_beams=3, num_return_sequences=2, length_penalty=0.5, early_stopping=common_pb2.EARLY_STOPPING_NEVER,

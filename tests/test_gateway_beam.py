@@ -5,11 +5,11 @@ chooses the status), a `Router` and a `TargetClient` with its `Connect` stream o
 a loopback port. The target answers every request as the engine's contract for beams says
 (`specstream/data/engine.py`): one step with no tokens, then the last event with the best
 hypothesis' tokens in `token_ids` and the n best in `sequences`; it reads requests and writes
-events with the target's own `wire` edge. Checked: `beam` reaches the target as sent, every
-hypothesis comes back detokenized like the main text, `GenerateStream` sends exactly one chunk that
-equals the unary response, and every bad beam option or combination is INVALID_ARGUMENT naming the
-field before anything reaches the target. The engine's own beams through the three real processes:
-tests/integration/test_beam_stack.py.
+events with the target's own protobuf edge (specstream/data/engine_wire.py). Checked: `beam`
+reaches the target as sent, every hypothesis comes back detokenized like the main text,
+`GenerateStream` sends exactly one chunk that equals the unary response, and every bad beam option
+or combination is INVALID_ARGUMENT naming the field before anything reaches the target. The
+engine's own beams through the three real processes: tests/integration/test_beam_stack.py.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from specstream.serving.grpc_server import ServiceServer
 from specstream.serving.metrics import GatewayMetrics
 from specstream.text.tokenizer import TextTokenizer, build_byte_level_tokenizer
 from specstream_client import AsyncClient, BeamSequence
-from specstream_pb import common_pb2, generation_pb2, generation_pb2_grpc, target_pb2, target_pb2_grpc
+from specstream_pb import common_pb2, generation_pb2, generation_pb2_grpc, target_pb2_grpc
 from specstream.data.batch_stats import BatchStats
 from specstream.data.engine import (
     BeamHypothesis,
@@ -41,8 +41,9 @@ from specstream.data.engine import (
     SequenceEvent,
     SequenceRequest,
     SequenceStats,
+    TargetInfo,
 )
-from target_service.wire import message_to_pb, request_from_pb
+from specstream.data.engine_wire import info_to_pb, message_to_pb, request_from_pb
 
 TT = TextTokenizer(build_byte_level_tokenizer(), eos_token_ids=[1], bos_token_id=0)
 EOS = 1
@@ -67,9 +68,8 @@ class ScriptedTarget(target_pb2_grpc.TargetServicer):
         self.requests: list[SequenceRequest] = []
 
     async def GetInfo(self, request, context):  # noqa: N802
-        return target_pb2.TargetInfo(model_name="scripted", vocab_size=TT.vocab_size, max_context_length=256,
-                                     max_gamma=8, default_gamma=4, eos_token_ids=[EOS],
-                                     load=message_to_pb(EngineMessage(LOAD)).load)
+        return info_to_pb(TargetInfo(model_name="scripted", vocab_size=TT.vocab_size, max_context_length=256,
+                                     max_gamma=8, default_gamma=4, eos_token_ids=[EOS], load=LOAD))
 
     async def Connect(self, request_iterator, context):  # noqa: N802
         yield message_to_pb(EngineMessage(LOAD))  # a new connection gets a load message at once

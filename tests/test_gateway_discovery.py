@@ -8,7 +8,8 @@ import socket
 import pytest
 
 from gateway.discovery import resolve_targets, split_host_port
-from specstream.tools.cli import _gateway_config, build_parser
+from specstream.tools.cli import build_parser
+from specstream.tools.cli.services import _gateway_config
 from specstream.data.config import GatewayConfig
 
 

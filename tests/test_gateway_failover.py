@@ -22,19 +22,22 @@ from gateway.router import Router
 from gateway.ticket import Ticket
 from gateway.validation import validate
 from gateway.watchdog import StepWatchdog
+from specstream.data.beam import BeamOptions
 from specstream.data.config import StallConfig
-from specstream.data.errors import RemoteError
+from specstream.data.engine import SequenceEvent, SequenceRequest, SequenceStats, Speculation
+from specstream.data.errors import InvalidArgumentError, UnavailableError
+from specstream.data.sampling import SamplingParams
 from specstream.serving.metrics import GatewayMetrics
 from specstream_pb import common_pb2, generation_pb2, target_pb2
 
 
-def _full_request() -> target_pb2.SequenceRequest:
+def _full_request() -> SequenceRequest:
     """Every option a caller can set, so a dropped one shows."""
-    return target_pb2.SequenceRequest(
-        id="caller-7", prompt_token_ids=[11, 12, 13], max_new_tokens=10, stop_token_ids=[1, 42], eos_token_ids=[1],
-        speculation=common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_FIXED, gamma=3),
-        sampling=common_pb2.Sampling(temperature=0.7, top_k=20, top_p=0.9, seed=12345),
-        logprobs=True, top_logprobs=2, traceparent="00-" + "ab" * 16 + "-" + "cd" * 8 + "-01")
+    return SequenceRequest(
+        id="caller-7", prompt_token_ids=[11, 12, 13], max_new_tokens=10, stop_token_ids=frozenset({1, 42}),
+        eos_token_ids=frozenset({1}), speculation=Speculation("fixed", gamma=3),
+        sampling=SamplingParams(temperature=0.75, top_k=20, top_p=0.875, seed=12345),
+        logprobs=2, traceparent="00-" + "ab" * 16 + "-" + "cd" * 8 + "-01")
 
 
 def test_the_continuation_appends_the_tokens_received_and_keeps_every_other_option():
@@ -45,27 +48,30 @@ def test_the_continuation_appends_the_tokens_received_and_keeps_every_other_opti
     # The first new token sits at absolute position 3 + 4 = 7 either way, which is what seeded
     # sampling keys its randomness by.
     assert len(resumed.prompt_token_ids) == len(original.prompt_token_ids) + 4
-    for name in ("id", "stop_token_ids", "eos_token_ids", "speculation", "sampling", "logprobs", "top_logprobs",
-                 "traceparent"):
+    for name in ("id", "stop_token_ids", "eos_token_ids", "speculation", "sampling", "logprobs", "traceparent",
+                 "beam"):
         assert getattr(resumed, name) == getattr(original, name), name
     assert list(original.prompt_token_ids) == [11, 12, 13] and original.max_new_tokens == 10  # untouched
-    beam = target_pb2.SequenceRequest(prompt_token_ids=[5], max_new_tokens=8, beam=common_pb2.BeamSearch(num_beams=3))
+    beam = SequenceRequest(id="b", prompt_token_ids=[5], max_new_tokens=8, beam=BeamOptions(num_beams=3))
     assert continuation(beam, []) == beam  # a beam sends its tokens only at the end: it starts over
 
 
 def test_stats_add_over_attempts_and_tokens_per_pass_is_reweighted():
-    lost = common_pb2.SpeculationStats(draft_tokens=12, accepted_tokens=8, target_passes=5, mean_accepted_length=3.0,
-                                       rejections=2, gamma_histogram=[0, 0, 0, 4], alpha_estimate=0.5,
-                                       accepted_per_position=[4, 3, 1])
-    now = common_pb2.SpeculationStats(draft_tokens=4, accepted_tokens=1, target_passes=3, mean_accepted_length=1.0,
-                                      rejections=2, gamma_histogram=[0, 0, 2], alpha_estimate=0.25,
-                                      accepted_per_position=[1])
+    lost = SequenceStats(draft_tokens=12, accepted_tokens=8, target_passes=5, mean_accepted_length=3.0,
+                         rejections=2, gamma_histogram=[0, 0, 0, 4], alpha_estimate=0.5, beam_expansions=0,
+                         accepted_per_position=[4, 3, 1])
+    now = SequenceStats(draft_tokens=4, accepted_tokens=1, target_passes=3, mean_accepted_length=1.0,
+                        rejections=2, gamma_histogram=[0, 0, 2], alpha_estimate=0.25, accepted_per_position=[1])
     merged = merge_stats(lost, now)
     assert (merged.draft_tokens, merged.accepted_tokens, merged.target_passes, merged.rejections) == (16, 9, 8, 4)
-    assert list(merged.gamma_histogram) == [0, 0, 2, 4] and list(merged.accepted_per_position) == [5, 3, 1]
+    assert merged.gamma_histogram == [0, 0, 2, 4] and merged.accepted_per_position == [5, 3, 1]
     assert merged.mean_accepted_length == pytest.approx((3.0 * 4 + 1.0 * 2) / 6)  # 14 tokens over 6 passes
     assert merged.alpha_estimate == 0.25
-    assert merge_stats(common_pb2.SpeculationStats(), now) == now
+    assert merge_stats(SequenceStats(), now) == now
+    assert lost.gamma_histogram == [0, 0, 0, 4] and now.gamma_histogram == [0, 0, 2]  # neither changed
+    beams = merge_stats(SequenceStats(target_passes=2, beam_expansions=7), SequenceStats(target_passes=1,
+                                                                                       beam_expansions=4))
+    assert (beams.beam_expansions, beams.target_passes, beams.mean_accepted_length) == (11, 3, 0.0)
 
 
 @run_async
@@ -82,14 +88,19 @@ async def test_a_resumed_request_goes_out_with_every_option_and_its_stats_count_
     first._lose("target gone")
     (sent,) = [r for r in _submitted(other)]
     assert list(sent.prompt_token_ids) == [11, 12, 13, 21, 22, 23, 24] and sent.max_new_tokens == 6
-    assert (sent.sampling.seed, sent.sampling.temperature, sent.top_logprobs) == (12345, pytest.approx(0.7), 2)
-    assert list(sent.stop_token_ids) == [1, 42] and sent.speculation.gamma == 3 and sent.id != ticket.original.id
+    assert (sent.sampling.seed, sent.sampling.temperature, sent.sampling.top_k, sent.sampling.top_p) == \
+        (12345, 0.75, 20, 0.875)
+    assert sent.logprobs and sent.top_logprobs == 2 and sent.traceparent == ticket.original.traceparent
+    assert list(sent.stop_token_ids) == [1, 42] and list(sent.eos_token_ids) == [1]
+    assert sent.speculation == common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_FIXED, gamma=3)
+    assert sent.id != ticket.original.id and not sent.HasField("beam")
     last = common_pb2.SpeculationStats(target_passes=1, gamma_histogram=[1], mean_accepted_length=1.0)
     report(other, running=0, queued=0, events=[target_pb2.SequenceEvent(
         id=sent.id, token_ids=[25], stats=last, finish_reason=common_pb2.FINISH_REASON_LENGTH)])
     events = list(ticket.events._queue)
     assert [t for e in events for t in e.token_ids] == [21, 22, 23, 24, 25]
-    assert events[-1].stats.target_passes == 3 and list(events[-1].stats.gamma_histogram) == [1, 0, 0, 1]
+    assert events[-1].stats.target_passes == 3 and events[-1].stats.gamma_histogram == [1, 0, 0, 1]
+    assert events[-1].stats.mean_accepted_length == pytest.approx((3.0 + 1.0) / 2)  # one decode pass each
     assert ticket.done and ticket.resumes == 1 and first.resumed == 1
 
 
@@ -162,7 +173,7 @@ async def test_a_started_request_with_no_replica_left_fails_unavailable_to_the_c
     first_chunk = await asyncio.wait_for(reader, 5)
     assert list(first_chunk.token_ids) == [70, 71]
     a._lose("target a:1 connection lost (UNAVAILABLE: kill -9)")
-    with pytest.raises(RemoteError) as info:
+    with pytest.raises(UnavailableError) as info:
         await asyncio.wait_for(anext(stream), 5)
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
     assert "no target replica is serving (target a:1 connection lost" in str(info.value)
@@ -237,7 +248,7 @@ async def test_no_replica_left_after_a_stall_fails_the_started_request_and_refus
     clock.now += 2.5  # nothing measured but the first reply: the ceiling (2 s) applies
     assert a.check_progress(clock.now)
     assert error_code(running) == grpc.StatusCode.UNAVAILABLE and error_code(queued) == grpc.StatusCode.UNAVAILABLE
-    assert "hung" in list(running.events._queue)[-1].error.message
+    assert "hung" in str(list(running.events._queue)[-1].error)
     assert not router.serving
 
 
@@ -266,8 +277,8 @@ def test_stall_settings_are_validated():
 
 
 def test_a_ticket_never_resumes_once_done():
-    ticket = Ticket(target_pb2.SequenceRequest(prompt_token_ids=[1], max_new_tokens=2), number=0, enqueued_at=0.0)
-    ticket.deliver(target_pb2.SequenceEvent(token_ids=[5, 6], finish_reason=common_pb2.FINISH_REASON_LENGTH))
+    ticket = Ticket(SequenceRequest(id="1", prompt_token_ids=[1], max_new_tokens=2), number=0, enqueued_at=0.0)
+    ticket.deliver(SequenceEvent(id="1", token_ids=[5, 6], finish_reason="length"))
     with pytest.raises(AssertionError):
         ticket.resume("late")
 
@@ -293,12 +304,13 @@ async def test_a_request_the_target_ends_with_unavailable_moves_but_other_errors
         id=bad.request.id, finish_reason=common_pb2.FINISH_REASON_ERROR,
         error=common_pb2.SequenceError(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="bad"))])
     assert error_code(bad) == grpc.StatusCode.INVALID_ARGUMENT
+    error = list(bad.events._queue)[-1].error  # rebuilt as the class the target's code belongs to
+    assert isinstance(error, InvalidArgumentError) and str(error) == "bad" and error.field is None
 
 
 def test_a_request_lost_after_its_last_token_but_before_its_final_event_finishes_here():
-    ticket = Ticket(target_pb2.SequenceRequest(prompt_token_ids=[1], max_new_tokens=3), number=0, enqueued_at=0.0)
-    stats = common_pb2.SpeculationStats(target_passes=2)
-    ticket.deliver(target_pb2.SequenceEvent(token_ids=[5, 6, 7], stats=stats))
+    ticket = Ticket(SequenceRequest(id="1", prompt_token_ids=[1], max_new_tokens=3), number=0, enqueued_at=0.0)
+    ticket.deliver(SequenceEvent(id="1", token_ids=[5, 6, 7], stats=SequenceStats(target_passes=2)))
     assert not ticket.resume("lost") and ticket.done and ticket.resumes == 0
     last = list(ticket.events._queue)[-1]
-    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH and last.stats.target_passes == 2
+    assert last.finish_reason == "length" and last.stats.target_passes == 2

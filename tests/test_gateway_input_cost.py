@@ -21,11 +21,12 @@ from gateway.target_client import TargetClient
 from gateway.validation import Limits, validate
 from scripted_target import MODEL, TT, StreamingTarget
 from specstream.data.config import GatewayConfig, ServerConfig
+from specstream.data.engine import TargetInfo
 from specstream.data.errors import InvalidArgumentError
 from specstream.serving.grpc_server import ServiceServer
 from specstream.serving.metrics import GatewayMetrics
 from specstream.tools.reliability.input_cost import prompt_gaps, random_words
-from specstream_pb import generation_pb2, generation_pb2_grpc, target_pb2, target_pb2_grpc
+from specstream_pb import generation_pb2, generation_pb2_grpc, target_pb2_grpc
 
 CONTEXT = 200_000  # tokens the scripted target reports: a maximal prompt takes ~1 s to tokenize here
 
@@ -55,7 +56,7 @@ class CountingTokenizer:
 
 
 def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing() -> None:
-    info = target_pb2.TargetInfo(vocab_size=TT.vocab_size, max_context_length=100, max_gamma=4)
+    info = TargetInfo(vocab_size=TT.vocab_size, max_context_length=100, max_gamma=4)
     limits = Limits.build(GatewayConfig("t:1", "m"), info)
     most = 100 * TT.max_token_chars
     tokenizer = CountingTokenizer()

@@ -8,6 +8,7 @@ replica joins only if it serves what the gateway serves."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from test_gateway_discovery import V4, fake_dns
@@ -15,8 +16,8 @@ from test_gateway_router import error_code, finished, replica, report, run_async
 
 from gateway.membership import Membership
 from gateway.router import Router
-from gateway.server import check_joins
-from specstream_pb import target_pb2
+from gateway.server import check_joins, common_info
+from specstream.data.engine import TargetInfo
 
 
 class Scenario:
@@ -144,16 +145,29 @@ async def test_the_last_replica_draining_away_leaves_the_gateway_not_serving():
 
 @run_async  # a client's channel needs a running loop
 async def test_a_replica_joins_only_if_it_serves_what_the_gateway_serves():
-    info = target_pb2.TargetInfo(model_name="m", vocab_size=300, eos_token_ids=[2], max_context_length=500,
-                                 max_gamma=8)
+    info = TargetInfo(model_name="m", vocab_size=300, eos_token_ids=[2], max_context_length=500, max_gamma=8)
     joining = replica("10.0.0.5", max_slots=1)
-    joining.info.CopyFrom(info)
-    joining.info.max_context_length = 1000  # more room than the gateway's limits need: fine
+    joining.info = dataclasses.replace(info, max_context_length=1000)  # more room than the gateway needs: fine
     check_joins(info, joining)
     for name, value, match in [("model_name", "other", "model_name 'other'"), ("vocab_size", 301, "vocab_size 301"),
+                               ("eos_token_ids", [2, 3], r"eos_token_ids \[2, 3\]"),
                                ("max_context_length", 499, "max_context_length 499 is below"),
                                ("max_gamma", 4, "max_gamma 4 is below")]:
-        joining.info.CopyFrom(info)
-        setattr(joining.info, name, value)
+        joining.info = dataclasses.replace(info, **{name: value})
         with pytest.raises(ValueError, match=match):
             check_joins(info, joining)
+
+
+@run_async  # a client's channel needs a running loop
+async def test_the_gateway_serves_what_every_replica_can_take():
+    a, b = replica("10.0.0.1", max_slots=1), replica("10.0.0.2", max_slots=1)
+    a.info = TargetInfo(model_name="m", vocab_size=300, max_context_length=500, max_gamma=8, default_gamma=6,
+                        eos_token_ids=[2])
+    b.info = dataclasses.replace(a.info, max_context_length=400, max_gamma=4)
+    merged = common_info([a, b])
+    assert (merged.max_context_length, merged.max_gamma, merged.default_gamma) == (400, 4, 4)
+    assert (merged.model_name, merged.vocab_size, merged.eos_token_ids) == ("m", 300, [2])
+    assert a.info.max_gamma == 8  # the replica's own info is left as it reported it
+    b.info = dataclasses.replace(a.info, vocab_size=301)
+    with pytest.raises(ValueError, match="disagree on vocab_size"):
+        common_info([a, b])

@@ -20,7 +20,9 @@ from gateway.router import Router
 from gateway.target_client import TargetClient
 from gateway.ticket import Ticket
 from gateway.validation import Limits, validate
+from specstream.data.batch_stats import BatchStats
 from specstream.data.config import GatewayConfig, StallConfig
+from specstream.data.engine import Load, SequenceRequest, TargetInfo
 from specstream.data.errors import OverloadedError, UnavailableError
 from specstream.serving.metrics import GatewayMetrics
 from specstream.text.tokenizer import TextTokenizer, build_byte_level_tokenizer
@@ -60,7 +62,8 @@ def replica(name: str, max_slots: int, clock: Clock | None = None, stall: StallC
     """A client whose stream is up and whose target reports SERVING and an empty engine."""
     client = TargetClient(f"{name}:1", stall=stall, **({"clock": clock} if clock else {}))
     client.connected = client.serving = True
-    client.load = target_pb2.Load(max_slots=max_slots, free_slots=max_slots)
+    client.load = Load(max_slots=max_slots, free_slots=max_slots, running=0, queued=0, draft_sequences=0,
+                       draft_connected=False, batch=BatchStats("static", max_slots))
     client._call = FakeCall()
     return client
 
@@ -76,7 +79,7 @@ def written(client: TargetClient) -> tuple[list[str], list[str]]:
 
 
 def report(client: TargetClient, running: int, queued: int, events: list[target_pb2.SequenceEvent] = ()) -> None:
-    """The target's per-step message: events plus its Load."""
+    """The target's per-step message, as it arrives on the wire: events plus its Load."""
     load = target_pb2.Load(max_slots=client.load.max_slots, free_slots=client.load.max_slots - running,
                            running=running, queued=queued)
     client._on_message(target_pb2.TargetMessage(events=target_pb2.Events(events=list(events)), load=load))
@@ -91,7 +94,7 @@ def finished(ticket: Ticket) -> target_pb2.SequenceEvent:
 
 
 def submit(router: Router, n: int, prompt: int = 1) -> list[Ticket]:
-    return [router.submit(target_pb2.SequenceRequest(prompt_token_ids=[prompt + i], max_new_tokens=4))
+    return [router.submit(SequenceRequest(id=f"caller-{prompt + i}", prompt_token_ids=[prompt + i], max_new_tokens=4))
             for i in range(n)]
 
 
@@ -102,8 +105,8 @@ def prompts(tickets) -> list[int]:
 def error_code(ticket: Ticket) -> grpc.StatusCode | None:
     """The status of the ticket's error event, if its last queued event is one."""
     events = list(ticket.events._queue)
-    if events and events[-1].finish_reason == common_pb2.FINISH_REASON_ERROR:
-        return next(c for c in grpc.StatusCode if c.value[0] == events[-1].error.code)
+    if events and events[-1].finish_reason == "error":
+        return events[-1].error.code
     return None
 
 
@@ -244,7 +247,7 @@ async def test_losing_the_last_replica_fails_the_queue_and_refuses_new_requests(
     a._lose("target a:1 connection lost")
     assert error_code(queued) == grpc.StatusCode.UNAVAILABLE  # nowhere left to go: no hang
     assert error_code(running) == grpc.StatusCode.UNAVAILABLE  # started, but no replica to resume it on
-    assert "target a:1 connection lost" in list(running.events._queue)[-1].error.message
+    assert "target a:1 connection lost" in str(list(running.events._queue)[-1].error)
     assert router.queued == 0
     with pytest.raises(UnavailableError, match="no target replica is serving"):
         submit(router, 1)
@@ -286,7 +289,7 @@ async def test_a_request_that_finished_or_was_cancelled_is_not_moved():
 
 TT = TextTokenizer(build_byte_level_tokenizer(), eos_token_ids=[1], bos_token_id=0)
 LIMITS = Limits.build(GatewayConfig("t:1", "m"),
-                      target_pb2.TargetInfo(vocab_size=TT.vocab_size, max_context_length=256, max_gamma=8))
+                      TargetInfo(vocab_size=TT.vocab_size, max_context_length=256, max_gamma=8))
 
 
 @pytest.mark.parametrize("leave", ["cancel", "deadline"])

@@ -346,6 +346,8 @@ def test_an_error_after_the_first_chunk_is_an_error_event_then_done() -> None:
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert "scripted" in error["message"] and error["type"] == "invalid_request_error"
+    # The target's error, known by its status and text only: its text as sent, no parameter named.
+    assert (error["message"], error["param"], error["code"]) == ("prompt='FAIL': scripted", None, "invalid_value")
     assert [json.loads(e)["choices"][0]["text"] for e in events[:-2]] == [TT.decode(TOKENS[:1]), TT.decode(TOKENS[1:2])]
     assert "".join(texts) == TT.decode(TOKENS[:2]) and "scripted" in str(failed)
 

@@ -1,4 +1,4 @@
-"""The target's protobuf edge (`target_service/wire.py`) for beam search, without an engine.
+"""The target's protobuf edge (`specstream/data/engine_wire.py`) for beam search, without an engine.
 
 In: a `SequenceRequest`'s `beam` becomes `messages.BeamOptions` with the wire's defaults filled in
 (unset length_penalty = 1, unset beam_threshold = infinity, num_return_sequences 0 = 1, each
@@ -27,8 +27,9 @@ from specstream.data.engine import (
     Load,
     SequenceEvent,
     SequenceStats,
+    TargetInfo,
 )
-from target_service.wire import message_to_pb, request_from_pb
+from specstream.data.engine_wire import message_to_pb, request_from_pb, request_to_pb
 
 TT = TextTokenizer(build_byte_level_tokenizer(), eos_token_ids=[1], bos_token_id=0)
 LOAD = Load(max_slots=8, free_slots=8, running=0, queued=0, draft_sequences=0, draft_connected=False,
@@ -110,13 +111,13 @@ def test_bad_beam_options_are_invalid_argument_naming_the_field(field: str, fiel
 
 
 def test_what_the_gateway_sends_for_a_beam_request_is_what_the_engine_gets() -> None:
-    limits = Limits.build(GatewayConfig("t:1", "m"), target_pb2.TargetInfo(vocab_size=TT.vocab_size,
-                                                                           max_context_length=256, max_gamma=8))
+    limits = Limits.build(GatewayConfig("t:1", "m"), TargetInfo(vocab_size=TT.vocab_size, max_context_length=256,
+                                                                max_gamma=8))
     beam = common_pb2.BeamSearch(num_beams=4, num_return_sequences=2, length_penalty=0.0,
                                  early_stopping=common_pb2.EARLY_STOPPING_FIRST_K, max_candidates_per_parent=2)
     public = generation_pb2.GenerateRequest(prompt="x = ", max_new_tokens=6, beam=beam, stop_token_ids=[7],
                                             speculation=common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_AUTO))
-    sent = validate(public, limits, TT).to_sequence_pb((1,))
+    sent = request_to_pb(validate(public, limits, TT).to_sequence((1,)))
     req = request_from_pb(_through_bytes(sent))
     assert req.beam == BeamOptions(num_beams=4, num_return_sequences=2, length_penalty=0.0, early_stopping="first_k",
                                    beam_threshold=math.inf, max_candidates_per_parent=2)

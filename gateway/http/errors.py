@@ -69,7 +69,8 @@ def from_exception(exc: BaseException, param_of=lambda field: field) -> ApiError
     parameter name; a bad parameter's message names that parameter and its value."""
     if isinstance(exc, ApiError):
         return exc
-    if isinstance(exc, InvalidArgumentError):
+    # A target's InvalidArgumentError arrives as its text only (field None): reported as the status below.
+    if isinstance(exc, InvalidArgumentError) and exc.field is not None:
         param = param_of(exc.field)
         shown = exc.value if isinstance(exc.value, str) and exc.value.startswith("<") else repr(exc.value)
         if len(shown) > 80:

@@ -1,6 +1,6 @@
 """Per-run batching counters of the target engine (design §4's report): steps, row expansions,
 tokens processed, padding, batch occupancy (mean and histogram, overall and while requests were
-waiting) and queue time. Cumulative since the service started; target_service/wire.py writes them as protobuf."""
+waiting) and queue time. Cumulative since the service started; specstream/data/engine_wire.py writes them as protobuf."""
 
 from __future__ import annotations
 

@@ -1,10 +1,12 @@
-"""What the target engine takes and gives back, as plain dataclasses (the protobuf forms live in
-``target_service/wire.py``, used only at the servicer's edge).
+"""What the target engine takes and gives back, as plain dataclasses: both ends of the
+``Target.Connect`` stream speak these (the protobuf forms, both ways, live in
+``specstream/data/engine_wire.py``, used only where a message crosses the wire).
 
 In: a ``SequenceRequest`` per generation (token ids, budget, stop ids, speculation and sampling
 settings). Out: one ``EngineMessage`` per connection per step, carrying a ``SequenceEvent`` for
 every sequence that produced something (new tokens, log-probabilities, cumulative counters, and
-finally the finish reason or an error), plus the engine's ``Load``.
+finally the finish reason or an error), plus the engine's ``Load``. A target describes itself
+(model, limits, load) as a ``TargetInfo``.
 
 Knows nothing about gRPC; errors are ``specstream.data.errors`` exceptions, whose class is their status.
 """
@@ -20,7 +22,7 @@ from specstream.data.sampling import GREEDY, SamplingParams
 from specstream.data.batch_stats import BatchStats
 
 __all__ = ["BeamHypothesis", "BeamOptions", "EarlyStopping", "EngineMessage", "FinishReason", "Load",
-           "SequenceEvent", "SequenceRequest", "SequenceStats", "Speculation", "TokenLogprob"]
+           "SequenceEvent", "SequenceRequest", "SequenceStats", "Speculation", "TargetInfo", "TokenLogprob"]
 
 SpeculationMode = Literal["auto", "off", "fixed"]
 FinishReason = Literal["length", "stop", "eos", "cancelled", "error"]
@@ -114,3 +116,18 @@ class EngineMessage:
     load: Load
     step: int = 0
     events: list[SequenceEvent] = field(default_factory=list)
+
+
+@dataclass
+class TargetInfo:
+    """What a target serves, as it reports itself (`Target.GetInfo`): the model, the limits a
+    request must fit, and its load at the time. Unset fields read as zero, as on the wire."""
+
+    model_name: str = ""
+    vocab_size: int = 0
+    max_context_length: int = 0  # prompt + generated tokens of one sequence, at most
+    max_gamma: int = 0  # proposals per step, at most
+    default_gamma: int = 0
+    eos_token_ids: list[int] = field(default_factory=list)
+    draft_model_name: str = ""  # "": no draft
+    load: Load | None = None  # None: not reported

@@ -2,6 +2,8 @@
 
 Core code raises these; one server interceptor (`specstream.serving.grpc_server.ErrorInterceptor`) turns
 them into statuses, so handlers never pick codes themselves. Messages name the field and value.
+An error that arrives as a status (another service's, e.g. on a target's sequence event) is rebuilt
+as its class by `from_status`.
 """
 
 from __future__ import annotations
@@ -79,3 +81,34 @@ class RemoteError(SpecstreamError):
 
 def status_code(number: int) -> grpc.StatusCode:
     return next((c for c in grpc.StatusCode if c.value[0] == number), grpc.StatusCode.UNKNOWN)
+
+
+# The class each status code is raised as: every class above but the base and RemoteError.
+_CLASS_OF: dict[grpc.StatusCode, type[SpecstreamError]] = {
+    cls.code: cls for cls in (InvalidArgumentError, AlreadyExistsError, InternalError, OverloadedError,
+                              UnavailableError, UnauthenticatedError, PermissionDeniedError)}
+
+
+def error_class(code: grpc.StatusCode) -> type[SpecstreamError]:
+    """The class of the errors reported as `code`; RemoteError for a code no class here is tied to."""
+    return _CLASS_OF.get(code, RemoteError)
+
+
+def from_status(code: grpc.StatusCode, message: str) -> SpecstreamError:
+    """An error another service reported as a status (`code`, `message`), rebuilt as an instance of
+    `error_class(code)`, so that it is reported on with the same code and caught as that class;
+    its text is `message` as sent.
+
+    Only the code and the text cross the wire, not the values that made the text: a rebuilt
+    InvalidArgumentError or AlreadyExistsError has `field` and `value` None (its message still
+    names them) and, for the former, the whole message as `reason`."""
+    cls = _CLASS_OF.get(code)
+    if cls is None:
+        return RemoteError(code, message)
+    error = cls.__new__(cls)  # not cls(...): those two classes build their message from the values
+    Exception.__init__(error, message)
+    if isinstance(error, InvalidArgumentError | AlreadyExistsError):
+        error.field = error.value = None
+    if isinstance(error, InvalidArgumentError):
+        error.reason = message
+    return error
