@@ -30,7 +30,17 @@ STREAMING = ("VAR-STREAM ε=1/3", "VAR-STR-FIFO ε=1/3")
 def result(tmp_path_factory: pytest.TempPathFactory):
     from specstream.tools.bench import beam
     from specstream.tools.bench.models import BenchModels
+    from specstream.tools.progress import Progress
     from specstream.text.tokenizer import BOS_TOKEN, EOS_TOKEN, build_byte_level_tokenizer, save_tokenizer_files
+
+    shown: list[Progress] = []
+
+    class Recorded(Progress):
+        """The run's progress, kept to look at afterwards."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            shown.append(self)
 
     root = tmp_path_factory.mktemp("bench-beam")
     target = make_hf_checkpoint(root / "target", "llama", vocab_size=300, seed=3, initializer_range=0.3,
@@ -38,15 +48,17 @@ def result(tmp_path_factory: pytest.TempPathFactory):
     save_tokenizer_files(build_byte_level_tokenizer(vocab_size=300), target, bos=BOS_TOKEN, eos=EOS_TOKEN)
     models = BenchModels("tiny", Path(target), None, "float32")
     out = root / "out"
-    returned = beam.run(models, out, ks=(K,), n_requests=REQUESTS, min_new=4, max_new=16, threshold=1.0,
-                        epsilons=(1 / 3,), rows_per_beam=2)
-    return out, returned, json.loads((out / "beam.json").read_text())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(beam, "Progress", Recorded)
+        returned = beam.run(models, out, ks=(K,), n_requests=REQUESTS, min_new=4, max_new=16, threshold=1.0,
+                            epsilons=(1 / 3,), rows_per_beam=2)
+    return out, returned, json.loads((out / "beam.json").read_text()), shown
 
 
 def test_writes_the_table_json_and_plots(result):
     from specstream.tools.bench import beam
 
-    out, returned, data = result
+    out, returned, data, _ = result
     assert data["device"] and data["requests"] == REQUESTS
     assert list(data["runs"]) == [str(K)]
     assert list(data["runs"][str(K)]["methods"]) == ["FIXED", "VAR-BATCH", *STREAMING]
@@ -56,7 +68,7 @@ def test_writes_the_table_json_and_plots(result):
 
 
 def test_every_request_ran_within_its_own_budget(result):
-    _, _, data = result
+    _, _, data, _ = result
     budgets, stops = data["max_new_tokens"], set(data["stop_ids"])
     assert len(budgets) == REQUESTS and len(set(budgets)) > 1  # the stream's requests vary in length
     ended_early = 0
@@ -71,7 +83,7 @@ def test_every_request_ran_within_its_own_budget(result):
 
 
 def test_variable_width_prunes_and_streaming_changes_only_the_schedule(result):
-    _, _, data = result
+    _, _, data, _ = result
     runs = data["runs"][str(K)]["methods"]
     fixed, batch = runs["FIXED"], runs["VAR-BATCH"]
     assert batch["expansions"] < fixed["expansions"]  # δ and M pruned hypotheses
@@ -85,7 +97,7 @@ def test_variable_width_prunes_and_streaming_changes_only_the_schedule(result):
 
 
 def test_agreement_is_measured_on_the_outputs(result):
-    _, _, data = result
+    _, _, data, _ = result
     row = data["runs"][str(K)]
     fixed = row["methods"]["FIXED"]["best"]
     others = [(name, r) for name, r in row["methods"].items() if name != "FIXED"]
@@ -97,6 +109,17 @@ def test_agreement_is_measured_on_the_outputs(result):
 
 def test_transformers_beams_equal_our_fixed_width_beams(result):
     """float32 on both sides, dense weights: the same arithmetic, so the same best hypotheses."""
-    _, _, data = result
+    _, _, data, _ = result
     row = data["runs"][str(K)]
     assert row["transformers"]["best"] == row["methods"]["FIXED"]["best"]
+
+
+def test_progress_counts_every_request_it_plans(result):
+    """Each method's requests as the engine finishes them, the warm-up's and transformers' too, and
+    the threshold sweep's: the total planned up front is the work done."""
+    _, _, data, shown = result
+    [progress] = shown
+    methods = len(data["runs"][str(K)]["methods"])
+    deltas = len(data["threshold_sweep"]["rows"])
+    assert progress.total == 2 + (methods + 1) * REQUESTS + deltas * REQUESTS  # warm-up 2, transformers 1 pass
+    assert progress.done == progress.total and progress.unit == "requests"

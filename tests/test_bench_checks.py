@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from specstream.tools.bench.checks import BenchmarkError, check_runs_match, check_same_tokens, require, token_difference
+from specstream.tools.bench.hf import MODES, runnable_modes
 
 
 def test_require():
@@ -129,7 +130,7 @@ class _FakeStack:
 
 def _fake_models(tmp_path: Path) -> SimpleNamespace:
     return SimpleNamespace(label="fake", target=tmp_path / "target", draft=tmp_path / "draft", dtype="float32",
-                           weights="auto", chat=False, require_draft=lambda: tmp_path / "draft",
+                           gguf=None, weights="auto", chat=False, require_draft=lambda: tmp_path / "draft",
                            prompts=lambda n: [[1, 2, 3]] * n, proposer="model", proposer_label="our draft",
                            proposing={"proposer": "model", "ngram_max": 4, "ngram_min": 1})
 
@@ -139,7 +140,9 @@ CHANGED = [[10, 11, 12], [20, 77, 22]]  # prompt 1, position 1
 
 
 def _fake_sweep(outputs: dict[int, list[list[int]]]):
-    def sweep(address, prompts, gammas, max_new_tokens, temperature=0.0):
+    def sweep(address, prompts, gammas, max_new_tokens, temperature=0.0, progress=None):
+        if progress is not None:
+            progress.update(len(gammas) * len(prompts))  # one generation per (γ, prompt), as the real sweep
         # "auto" (the γ controller) answers as plain decoding does unless told otherwise.
         return {g: {"token_ids": outputs.get(g, outputs[0]), "tokens_per_s": 10.0 + (g if g != "auto" else 1),
                     "seconds": 1.0, "passes": 6, "alpha": 0.5 if g else None, "accepted_fraction": 0.5 if g else None,
@@ -184,8 +187,8 @@ def test_sampling_stops_when_a_greedy_gamma_changes_the_output(monkeypatch, tmp_
 
     _patch_stack(monkeypatch, sampling)
     outputs = {0.0: {0: PLAIN, 2: CHANGED}, 1.0: {0: PLAIN, 2: CHANGED}}
-    monkeypatch.setattr(sampling, "sweep", lambda address, prompts, gammas, max_new_tokens, temperature:
-                        _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens))
+    monkeypatch.setattr(sampling, "sweep", lambda address, prompts, gammas, max_new_tokens, temperature, progress:
+                        _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens, progress=progress))
     with pytest.raises(BenchmarkError, match=r"greedy \(T=0\) .*\n  gamma 2: prompt 1: first difference at "
                                              r"generated position 1: token 77, expected 21"):
         sampling.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, temperatures=[0.0, 1.0],
@@ -209,8 +212,8 @@ def test_sampling_does_not_compare_sampled_tokens(monkeypatch, tmp_path):
 
     _patch_stack(monkeypatch, sampling)
     outputs = {0.0: {0: PLAIN, 2: PLAIN}, 1.0: {0: PLAIN, 2: CHANGED}}
-    monkeypatch.setattr(sampling, "sweep", lambda address, prompts, gammas, max_new_tokens, temperature:
-                        _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens))
+    monkeypatch.setattr(sampling, "sweep", lambda address, prompts, gammas, max_new_tokens, temperature, progress:
+                        _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens, progress=progress))
     data = sampling.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, temperatures=[0.0, 1.0],
                         gammas=[0, 2], with_hf=False)
     assert set(data["temperatures"]) == {0.0, 1.0} and (tmp_path / "sampling.json").exists()
@@ -227,6 +230,64 @@ def test_synthetic_stops_when_an_alpha_changes_the_output(monkeypatch, tmp_path)
     with pytest.raises(BenchmarkError, match=r"^synthetic alpha 0.5, gamma 2 against plain decoding: prompt 1: "
                                              r"first difference at generated position 1: token 77, expected 21"):
         synthetic.run(tmp_path, alphas=[0.5], gammas=[2], n_prompts=2, max_new_tokens=3)
+
+
+# Their progress (specstream.tools.progress): the total each plans is the work it then does. The fakes
+# count one generation per (γ, prompt) as the real sweep does; off a terminal the last line on stderr
+# says how far the run got.
+
+def _fake_hf(models, prompts, max_new_tokens, threads=0, temperature=0.0, dtype=None, modes=MODES, progress=None):
+    out = {}
+    for mode in runnable_modes(models, modes):
+        for _ in prompts:
+            progress.update()
+        out[mode] = {"tokens_per_s": 5.0, "tokens": 3 * len(prompts), "seconds": 1.0, "token_ids": PLAIN,
+                     "dtype": dtype or models.dtype, "assistant": "our draft" if mode != "plain" else None}
+    return out
+
+
+def _last_progress(err: str, unit: str = "generations") -> tuple[int, int]:
+    """(done, total) of the last progress line on stderr."""
+    done, total = re.findall(rf"(\d+)/(\d+) {unit} \(", err)[-1]
+    return int(done), int(total)
+
+
+def test_latency_progress_counts_every_generation_it_plans(monkeypatch, tmp_path, capsys):
+    from specstream.tools.bench import latency
+
+    _patch_stack(monkeypatch, latency)
+    monkeypatch.setattr(latency, "measure_costs", lambda *a, **k: COSTS | {"weights": "int4"})
+    monkeypatch.setattr(latency, "sweep", _fake_sweep({0: PLAIN}))
+    monkeypatch.setattr(latency, "hf_generate", _fake_hf)
+    models = _fake_models(tmp_path)
+    models.proposer, models.dtype = "ngram+model", "bfloat16"
+    latency.run(models, tmp_path, n_prompts=2, max_new_tokens=3, gammas=[0, 2, 4])
+    out, err = capsys.readouterr()
+    # 2 prompts x (3 γ through the draft service, auto, 3 γ colocated, the draft model alone, dense
+    # weights at γ 0 and the best, HF's 4 modes and its plain float32): 2 x 15
+    assert _last_progress(err) == (30, 30)
+    assert "latency: Hugging Face transformers" in err and "latency: dense weights" in err  # the phases
+    assert "generations" not in out  # the tables' stdout carries no progress
+    assert "Hugging Face transformers on the same checkpoints" in out and (tmp_path / "latency.json").exists()
+
+
+def test_sampling_and_synthetic_progress_reach_their_totals(monkeypatch, tmp_path, capsys):
+    from specstream.tools.bench import sampling, synthetic
+
+    _patch_stack(monkeypatch, sampling)
+    monkeypatch.setattr(sampling, "sweep", _fake_sweep({0: PLAIN}))
+    monkeypatch.setattr(sampling, "hf_generate", _fake_hf)
+    sampling.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, temperatures=[0.0, 0.7, 1.0],
+                 gammas=[0, 2], quiet=True)
+    assert _last_progress(capsys.readouterr().err) == (28, 28)  # 2 x (3 T x 2 γ + 2 T > 0 x 4 HF modes)
+
+    _patch_stack(monkeypatch, synthetic)
+    monkeypatch.setattr(synthetic, "build_target", lambda path, *a, **k: path)
+    monkeypatch.setattr(synthetic, "_params", lambda path: 1_000_000)
+    monkeypatch.setattr(synthetic, "read_config", lambda path: SimpleNamespace(vocab_size=300))
+    monkeypatch.setattr(synthetic, "sweep", _fake_sweep({0: PLAIN}))
+    synthetic.run(tmp_path, alphas=[0.5, 0.9], gammas=[2, 4], n_prompts=2, max_new_tokens=3)
+    assert _last_progress(capsys.readouterr().err) == (10, 10)  # 2 x (plain + 2 α x 2 γ)
 
 
 def test_the_benchmarks_stop_under_python_O():

@@ -210,9 +210,10 @@ def test_fronts_flag():
 
 def test_bench_command_passes_fronts_and_repeats_on(monkeypatch, tmp_path):
     import specstream.tools.cli as cli
+    import specstream.tools.cli.bench as bench_cli
 
     seen = {}
-    monkeypatch.setattr(cli, "bench_models", lambda args: "models")
+    monkeypatch.setattr(bench_cli, "bench_models", lambda args: "models")
     monkeypatch.setattr(throughput, "run", lambda models, out, **kw: seen.update(kw, models=models, out=out))
     assert cli.main(["bench", "throughput", "--out", str(tmp_path), "--batch-sizes", "32", "--policies",
                      "topup ε=1 all", "--gammas", "4", "--fronts", "grpc,http", "--repeats", "3"]) == 0
@@ -223,7 +224,8 @@ def test_bench_command_passes_fronts_and_repeats_on(monkeypatch, tmp_path):
 def test_run_writes_the_fronts_table_json_and_plots(monkeypatch, tmp_path, capsys):
     settings = [Setting(4, "static", 1.0, "all", 0), SETTING]
 
-    def measure(models, setting, requests, fronts, repeats):
+    def measure(models, setting, requests, fronts, repeats, progress):
+        progress.update(throughput.requests_sent(setting, len(requests), fronts, repeats))
         order = throughput.schedule(fronts, repeats)
         passes = [_pass(f, [0.1 + (0.05 if f == "http" else 0.0)] * 4,
                         1.0 + (0.02 if f == "http" else 0.0) + (0.5 if setting.policy == "static" else 0.0))
@@ -267,8 +269,8 @@ def test_run_writes_the_fronts_table_json_and_plots(monkeypatch, tmp_path, capsy
 
 
 def test_run_with_grpc_alone_writes_what_it_always_did(monkeypatch, tmp_path):
-    def measure(models, setting, requests, fronts, repeats):
-        assert fronts == ("grpc",) and repeats == 1
+    def measure(models, setting, requests, fronts, repeats, progress):
+        assert fronts == ("grpc",) and repeats == 1 and progress is not None
         return {"grpc": throughput.summarize(setting, 8, [_pass("grpc", [0.1, 0.2, 0.3, 0.4], 1.0)])}
 
     monkeypatch.setattr(throughput, "measure", measure)

@@ -1,6 +1,6 @@
 """Flags that must reach another process: `specstream serve`'s γ controller and proposer flags on
 the target and draft command lines the launcher builds, and the client commands' --max-gamma in
-the request they send.
+the request they send; `--quiet` of the long-running commands on the tool each one runs.
 
 The launcher's command lines are parsed back by the real CLI into the services' configs, so a flag
 that `serve` accepts but does not pass on, or passes in a form the service reads differently,
@@ -9,16 +9,21 @@ fails here. Nothing is started but a fake gateway on a loopback port.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import re
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
 import pytest
 from fake_gateway import serve_generation
 
-from specstream.tools.cli import _draft_config, _gateway_config, _stack_spec, _target_config, build_parser, main
+from specstream.tools.cli import build_parser, main
+from specstream.tools.cli.serve import _stack_spec
+from specstream.tools.cli.services import _draft_config, _gateway_config, _target_config
 from specstream.data.config import GAMMA_POLICIES, DraftConfig, ModelSpec, TargetConfig
 from specstream.tools.launcher import StackSpec, command_lines
 from specstream_pb import common_pb2, generation_pb2, generation_pb2_grpc
@@ -290,7 +295,7 @@ def test_serve_tls_dir_is_made_when_empty_and_refused_when_incomplete(tmp_path, 
     err = capsys.readouterr().err
     assert "tls_dir=" in err and "must hold gateway.crt" in err and "internal-token" in err
     assert not (partial / "gateway.crt").exists()  # a directory with files of its own is never written to
-    from specstream.tools.cli import _ensure_tls_dir
+    from specstream.tools.cli.serve import _ensure_tls_dir
     from specstream.tools.launcher import StackSecurity
 
     made = tmp_path / "new"
@@ -327,8 +332,7 @@ def test_services_read_their_security_settings_from_the_environment(pki, monkeyp
 
 def test_serve_children_take_security_from_their_flags_only(monkeypatch) -> None:
     # Every variable the services' security flags read is one the launcher keeps from its children.
-    from specstream.tools.cli import SERVICE_SECURITY_ENV
-    from specstream.tools.launcher import _child_env
+    from specstream.tools.launcher import SERVICE_SECURITY_ENV, _child_env
 
     subcommands = build_parser()._subparsers._group_actions[0].choices
     read = set()
@@ -414,3 +418,73 @@ def test_client_max_gamma_needs_automatic_speculation(gateway: tuple[RecordingGa
         with pytest.raises(SystemExit):
             main(["chat", "--url", url, "--max-gamma", bad, "hi"])
         assert "--max-gamma" in capsys.readouterr().err
+
+
+# --- --quiet -> the long-running tools --------------------------------------------------------------------
+
+
+class _Reached(Exception):
+    """Raised by a stand-in for a tool's entry point once it has recorded its keywords."""
+
+
+def _stand_in(seen: dict[str, Any]):
+    def run(*args: Any, **kwargs: Any) -> None:
+        seen.update(kwargs)
+        raise _Reached
+
+    return run
+
+
+@contextlib.contextmanager
+def _no_stack(*args: Any, **kwargs: Any) -> Iterator[SimpleNamespace]:
+    yield SimpleNamespace(grpc="127.0.0.1:1", http=None, stack=None)
+
+
+# (argv, the module and attribute of the entry point the command calls)
+QUIET_ENTRY_POINTS = [
+    *[(["bench", kind], f"specstream.tools.bench.{kind}", "run")
+      for kind in ("latency", "sampling", "synthetic", "throughput", "profile", "gamma", "kernels", "beam")],
+    (["experiment"], "specstream.tools.experiment", "run"),
+    (["train-draft"], "specstream.tools.distill.pipeline", "main"),
+    (["fuzz"], "specstream.tools.reliability.fuzz", "fuzz"),
+    (["soak"], "specstream.tools.reliability.soak", "soak"),
+]
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+@pytest.mark.parametrize(("argv", "module", "entry"), QUIET_ENTRY_POINTS, ids=lambda v: " ".join(v) if
+                         isinstance(v, list) else None)
+def test_quiet_reaches_the_long_running_tools(argv: list[str], module: str, entry: str, quiet: bool, tmp_path,
+                                              monkeypatch) -> None:
+    import specstream.tools.cli.bench as bench_cli
+    import specstream.tools.cli.reliability as reliability_cli
+    import specstream.tools.cli.train as train_cli
+    from specstream.tools.reliability import runner
+
+    # No models loaded, no stack started: the entry point stops the command once it is called.
+    for namespace in (bench_cli, reliability_cli):
+        monkeypatch.setattr(namespace, "bench_models", lambda args: SimpleNamespace(label="stand-in"))
+    monkeypatch.setattr(train_cli, "resolve_model", lambda ref: tmp_path / "target")
+    monkeypatch.setattr(runner, "gateway_of", _no_stack)
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(importlib.import_module(module), entry, _stand_in(seen))
+    flags = ["--work-dir" if argv == ["train-draft"] else "--out", str(tmp_path)] + (["--quiet"] if quiet else [])
+    with pytest.raises(_Reached):
+        main([*argv, *flags])
+    assert seen["quiet"] is quiet
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_quiet_reaches_every_fault_scenario(quiet: bool, tmp_path, monkeypatch) -> None:
+    import specstream.tools.cli.reliability as reliability_cli
+    from specstream.tools.reliability import FAULT_SCENARIOS
+    from specstream.tools.reliability.faults import RUNNERS
+
+    monkeypatch.setattr(reliability_cli, "bench_models", lambda args: SimpleNamespace(label="stand-in"))
+    seen: list[tuple[str, bool]] = []
+    for name in FAULT_SCENARIOS:
+        monkeypatch.setitem(RUNNERS, name, lambda models, name=name, **kw: seen.append((name, kw["quiet"])) or
+                            {"scenario": name})
+    assert main(["faults", "--out", str(tmp_path)] + (["--quiet"] if quiet else [])) == 0
+    assert seen == [(name, quiet) for name in FAULT_SCENARIOS]
+    assert json.loads((tmp_path / "faults.json").read_text())["scenarios"] == [{"scenario": n} for n in FAULT_SCENARIOS]

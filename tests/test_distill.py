@@ -1,9 +1,12 @@
 """The draft distillation pipeline's pieces, on small inputs: the prompt set, the records file, the
-reduced output vocabulary and the loss (the full pipeline is `specstream train-draft`, hours long)."""
+reduced output vocabulary, the loss, and the progress of generating and training on a tiny target (the
+full pipeline is `specstream train-draft`, hours long)."""
 
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,3 +74,49 @@ def test_the_teacher_is_restricted_to_the_draft_vocabulary_and_renormalised() ->
     # Mass outside the draft's vocabulary (token 9, the tail) is dropped and the rest renormalised.
     assert probs[0, 0].item() == pytest.approx(0.5 / 0.6) and probs[0, 2].item() == pytest.approx(0.1 / 0.6)
     assert probs[0, 1].item() == 0 and math.isclose(probs.sum().item(), 1.0, rel_tol=1e-6)
+
+
+CHAT = ("{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 2-layer Llama with a byte-level tokenizer and a chat template: a target to distil from."""
+    from checkpoints import make_hf_checkpoint
+
+    from specstream.text.tokenizer import BOS_TOKEN, EOS_TOKEN, build_byte_level_tokenizer, save_tokenizer_files
+
+    target = make_hf_checkpoint(tmp_path_factory.mktemp("distill") / "target", "llama", vocab_size=300, seed=5,
+                                max_position_embeddings=512)
+    save_tokenizer_files(build_byte_level_tokenizer(vocab_size=300), target, bos=BOS_TOKEN, eos=EOS_TOKEN)
+    (target / "chat_template.jinja").write_text(CHAT)
+    return target
+
+
+def _progress_lines(err: str, unit: str) -> list[tuple[int, int]]:
+    """(done, total) of every progress line on stderr counted in ``unit``."""
+    return [(int(a), int(b)) for a, b in re.findall(rf"(\d+)/(\d+) {unit} \(", err)]
+
+
+def test_generate_and_train_show_their_progress_to_the_end(tiny_target, tmp_path, capsys) -> None:
+    """train-draft's stages count what they do: each prompt answered, each optimiser step; off a
+    terminal as plain lines on stderr, while their own lines stay on stdout."""
+    from specstream.tools.distill.data import generate_responses
+    from specstream.tools.distill.train import train_draft
+
+    prompts = [{"id": i, "split": "held_out" if i % 4 == 0 else "train",
+                "messages": [{"role": "user", "content": f"question {i}: what is {i} + {i}?"}]} for i in range(12)]
+    records = generate_responses(tiny_target, prompts, dtype="float32", max_new_tokens=8, max_slots=4, log_every=5,
+                                 quiet=True)
+    out, err = capsys.readouterr()
+    assert len(records) == 12 and all(0 < len(r.response) <= 8 for r in records)
+    assert _progress_lines(err, "prompts")[-1] == (12, 12)
+    assert "[generate] 10/12 prompts" in out and "prompts (" not in out  # its own lines, not progress
+
+    trained = train_draft(tiny_target, tmp_path / "draft", records, target_ref=str(tiny_target), quiet=True)
+    out, err = capsys.readouterr()
+    steps = _progress_lines(err, "steps")
+    assert steps[0] == (0, trained["train_steps"]) and steps[-1] == (trained["train_steps"],) * 2
+    assert "epoch 6/6" in err and f"step {trained['train_steps']}/{trained['train_steps']}" in out
+    assert (tmp_path / "draft" / "model.safetensors").is_file()

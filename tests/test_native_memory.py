@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
-from specstream.tools.cli import _draft_config, _target_config, build_parser
+from specstream.tools.cli import build_parser
+from specstream.tools.cli.services import _draft_config, _target_config
 from specstream.data.config import MemoryConfig
 from specstream.serving.native_memory import KERNEL_CACHE_VARIABLES, HeapTrimmer, bound_kernel_caches
 

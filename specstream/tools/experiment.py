@@ -25,6 +25,9 @@ from pathlib import Path
 
 from specstream.tools.bench import report
 from specstream.tools.bench.models import BenchModels
+from specstream.tools.bench.throughput import workload as lengths
+from specstream.tools.launcher import Stack, StackSpec
+from specstream.tools.progress import Progress
 
 COMPONENTS = ["queue", "prefill", "draft", "verify", "engine other", "gateway + network"]
 WORKLOADS = {  # name: (requests, concurrent callers, speculation, throughput workload for lengths)
@@ -33,25 +36,27 @@ WORKLOADS = {  # name: (requests, concurrent callers, speculation, throughput wo
 }
 
 
-def run(models: BenchModels, out_dir: Path, workload: str = "single", max_slots: int = 8) -> dict:
-    from specstream.tools.bench.throughput import workload as lengths
-    from specstream.tools.launcher import Stack, StackSpec
-
+def run(models: BenchModels, out_dir: Path, workload: str = "single", max_slots: int = 8, quiet: bool = False) -> dict:
+    """Drives ``workload`` through a traced stack and reports where each request's time went (the
+    table on stdout, JSON and a plot in ``out_dir``). Progress on stderr (specstream.tools.progress;
+    ``quiet``: plain lines, never a bar), counted in requests."""
     count, clients, gamma, kind = WORKLOADS[workload]
     requests = lengths(models, kind, count)
     with tempfile.TemporaryDirectory() as tmp:
         trace_file = Path(tmp) / "spans.jsonl"
-        with Stack(StackSpec(str(models.target), str(models.require_draft()), gamma=gamma, max_slots=max_slots, log_dir=tmp,
-                             dtype=models.dtype, weights=models.weights, **models.proposing,
-                             trace_file=str(trace_file))) as stack:
-            asyncio.run(_drive(stack.gateway_address, requests, clients))
+        with Progress(len(requests), "requests", f"experiment: {workload}", quiet=quiet) as progress, \
+                Stack(StackSpec(str(models.target), str(models.require_draft()), gamma=gamma, max_slots=max_slots,
+                                log_dir=tmp, dtype=models.dtype, weights=models.weights, **models.proposing,
+                                trace_file=str(trace_file))) as stack:
+            asyncio.run(_drive(stack.gateway_address, requests, clients, progress))
         spans = [json.loads(line) for line in trace_file.read_text().splitlines()]  # flushed at shutdown
     breakdown = breakdown_from_spans(spans)
     return _report(breakdown, out_dir, workload, {"models": models.label, "dtype": models.dtype,
                                                   "proposer": models.proposing})
 
 
-async def _drive(address: str, requests: list[tuple[list[int], int]], clients: int) -> None:
+async def _drive(address: str, requests: list[tuple[list[int], int]], clients: int, progress: Progress) -> None:
+    """``clients`` callers sending the requests back to back; ``progress`` counts each answered one."""
     from specstream_client import AsyncClient
 
     pending = list(reversed(requests))
@@ -60,6 +65,7 @@ async def _drive(address: str, requests: list[tuple[list[int], int]], clients: i
             while pending:
                 prompt, budget = pending.pop()
                 await client.generate(prompt, max_new_tokens=budget, ignore_eos=True)
+                progress.update()
 
         await asyncio.gather(*(caller() for _ in range(clients)))
 

@@ -11,6 +11,7 @@ run whose speculative tokens differ from plain decoding; tests/test_bench_checks
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -65,6 +66,13 @@ def fastest(by_gamma: dict[str, dict]) -> int:
     return max((int(g) for g in by_gamma if g != "0"), key=lambda g: by_gamma[str(g)]["tokens_per_s"])
 
 
+def progress_end(err: str, unit: str) -> tuple[int, int]:
+    """(done, total) of the last progress line on stderr (specstream.tools.progress: off a terminal,
+    plain lines), counted in ``unit``."""
+    done, total = re.findall(rf"(\d+)/(\d+) {unit} \(", err)[-1]
+    return int(done), int(total)
+
+
 def test_bench_latency_writes_json_and_plots(model_zoo, tmp_path):
     out = tmp_path / "out"
     result = subprocess.run([sys.executable, "-m", "specstream.tools.cli", "bench", "latency", "--target",
@@ -107,6 +115,9 @@ def test_bench_latency_writes_json_and_plots(model_zoo, tmp_path):
     for png in ("latency_speedup.png", "latency_vs_hf.png"):
         assert (out / png).stat().st_size > 1000
     assert "theory x" in result.stdout and "HF assisted" in result.stdout
+    # Every generation counted: 2 prompts x (3 γ, auto, 3 γ colocated, the draft alone, HF's 4 modes).
+    assert progress_end(result.stderr, "generations") == (24, 24)
+    assert "generations (" not in result.stdout  # the progress goes to stderr only
 
 
 def test_bench_sampling_writes_json_and_plot(model_zoo, tmp_path):
@@ -135,6 +146,7 @@ def test_bench_sampling_writes_json_and_plot(model_zoo, tmp_path):
     assert sampled["ours_over_best_hf_assisted"] == same(best["tokens_per_s"] / assisted[sampled["best_hf_assisted"]])
     assert (out / "sampling_speedup.png").stat().st_size > 1000
     assert "theory x" in result.stdout and "HF assisted" in result.stdout
+    assert progress_end(result.stderr, "generations") == (20, 20)  # 2 prompts x (2 T x 3 γ + 4 HF modes at T=1)
 
 
 def test_bench_synthetic_on_a_small_target(tmp_path):
@@ -156,7 +168,7 @@ def test_bench_synthetic_on_a_small_target(tmp_path):
     assert (tmp_path / "synthetic_speedup.png").stat().st_size > 1000
 
 
-def test_bench_throughput_reports_occupancy_and_ratios(model_zoo, tmp_path):
+def test_bench_throughput_reports_occupancy_and_ratios(model_zoo, tmp_path, capsys):
     from specstream.tools.bench import throughput
     from specstream.tools.bench.models import BenchModels
     from specstream.tools.bench.throughput import Setting
@@ -180,9 +192,11 @@ def test_bench_throughput_reports_occupancy_and_ratios(model_zoo, tmp_path):
     assert topup["over_static"] == same(topup["tokens_per_s"] / static["tokens_per_s"])
     assert runs["n=2 topup ε=1 min_length γ=2"]["over_static"] is None  # no static run with that selection and γ
     assert (tmp_path / "throughput_occupancy.png").stat().st_size > 1000
+    # 3 settings x (a warm-up of 2n = 4 requests + the 12 measured)
+    assert progress_end(capsys.readouterr().err, "requests") == (48, 48)
 
 
-def test_bench_profile_splits_a_step_into_its_parts(model_zoo, tmp_path):
+def test_bench_profile_splits_a_step_into_its_parts(model_zoo, tmp_path, capsys):
     from specstream.tools.bench import profile
     from specstream.tools.bench.models import BenchModels
 
@@ -200,9 +214,12 @@ def test_bench_profile_splits_a_step_into_its_parts(model_zoo, tmp_path):
     rpc = data["rpc"]
     assert rpc["RPC + serialisation"] == same(max(rpc["gRPC round trip"] - rpc["draft compute, in process"], 0.0))
     assert "output layer" in data["table_markdown"] and (tmp_path / "profile.png").stat().st_size > 1000
+    # 5 per forward (4 parts and the whole) for the target's step and verify and the draft's step,
+    # the draft's proposals in process and over gRPC
+    assert progress_end(capsys.readouterr().err, "timings") == (17, 17)
 
 
-def test_bench_kernels_times_the_output_layer_and_a_steps_share(model_zoo, tmp_path):
+def test_bench_kernels_times_the_output_layer_and_a_steps_share(model_zoo, tmp_path, capsys):
     from specstream.tools.bench import kernels as kernel_bench
     from specstream.tools.bench.models import BenchModels
 
@@ -215,6 +232,7 @@ def test_bench_kernels_times_the_output_layer_and_a_steps_share(model_zoo, tmp_p
     assert set(data["steps"]) == {"1", "8"} and all(t["layers"] > 0 for t in data["steps"].values())
     assert json.loads((tmp_path / "kernels.json").read_text())["sizes"] == data["sizes"]
     assert "share" in kernel_bench.tables(data) and (tmp_path / "kernels.png").stat().st_size > 1000
+    assert progress_end(capsys.readouterr().err, "measurements") == (6, 6)  # 4 sizes, 2 decode steps
 
 
 def test_bench_kernels_fused_columns_run_through_the_dispatcher(tmp_path):
@@ -230,7 +248,7 @@ def test_bench_kernels_fused_columns_run_through_the_dispatcher(tmp_path):
     assert "unfused ÷ fused" in kernel_bench.tables(data) and "÷ bound" in kernel_bench.tables(data)
 
 
-def test_bench_gamma_compares_policies_and_proposers(model_zoo, tmp_path):
+def test_bench_gamma_compares_policies_and_proposers(model_zoo, tmp_path, capsys):
     from specstream.tools.bench import gamma
     from specstream.tools.bench.models import BenchModels
 
@@ -257,6 +275,8 @@ def test_bench_gamma_compares_policies_and_proposers(model_zoo, tmp_path):
     assert data["runs"]["1/repetitive"]["settings"]["ours ngram"]["accepted"] > 0
     assert (tmp_path / "gamma_vs_best_fixed.png").stat().st_size > 1000
     assert "ours ÷ best fixed" in gamma.tables(data, markdown=True)
+    # 6 settings x (batch 1: 2 + 2 + 8 requests, batch 2: 4 per workload)
+    assert progress_end(capsys.readouterr().err, "requests") == (144, 144)
 
 
 

@@ -18,8 +18,8 @@ def stack(stack_factory, model_zoo):
                          extra_gateway_args=["--max-new-tokens-limit", "4"])
 
 
-def test_thousands_of_fuzzed_requests_get_the_right_codes_and_crash_nothing(stack) -> None:
-    report = asyncio.run(fuzz(stack.gateway_address, stack.http_address, cases=3000, seed=7))
+def test_thousands_of_fuzzed_requests_get_the_right_codes_and_crash_nothing(stack, capsys) -> None:
+    report = asyncio.run(fuzz(stack.gateway_address, stack.http_address, cases=3000, seed=7, quiet=True))
     assert report.cases == 3000 and report.crashes == 0 and report.wrong == 0, report.examples
     assert report.serving_after
     # every kind ran, and the invalid ones were refused, not served
@@ -28,6 +28,9 @@ def test_thousands_of_fuzzed_requests_get_the_right_codes_and_crash_nothing(stac
     assert report.outcomes.get("grpc-invalid OK", 0) == report.outcomes.get("http-invalid 200", 0) == 0
     assert report.outcomes["grpc-valid OK"] == report.by_kind["grpc-valid"]
     assert stack.alive()  # no process died
+    # its progress: plain lines on stderr, the last one at every case
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fuzz: ")]
+    assert progress[0].startswith("fuzz: 0/3000 cases (0%)") and progress[-1].startswith("fuzz: 3000/3000 cases (100%)")
 
 
 def test_the_oracle_flags_wrong_codes_wrong_fields_and_crashes() -> None:

@@ -16,7 +16,7 @@ def test_slope_is_least_squares_per_minute() -> None:
     assert slope_per_minute([(1.0, 7.0)]) == 0.0
 
 
-def test_a_short_soak_reports_memory_errors_and_latency(stack_factory, model_zoo) -> None:
+def test_a_short_soak_reports_memory_errors_and_latency(stack_factory, model_zoo, capsys) -> None:
     stack = stack_factory(model_zoo["target"], model_zoo["partial"])
     pids = {name: proc.pid for name, proc in stack.procs.items()}
     report = asyncio.run(soak(stack.gateway_address, pids, seconds=8, concurrency=4, sample_s=0.5,
@@ -29,3 +29,8 @@ def test_a_short_soak_reports_memory_errors_and_latency(stack_factory, model_zoo
             slope_per_minute([s for s in proc.samples if s[0] >= report.warmup_s]), abs=1e-6)
     assert report.latency_first_ms_per_token > 0 and report.latency_last_ms_per_token > 0
     assert len(report.timeline) == report.requests
+    # its progress, in seconds of the soak: off a terminal, plain lines on stderr (the first, the
+    # last, and at most one per 10 s between), ending at its whole duration
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("soak: ")]
+    assert progress[0].startswith("soak: 0/8 seconds (0%)") and progress[-1].startswith("soak: 8/8 seconds (100%)")
+    assert len(progress) == 2

@@ -28,7 +28,6 @@ from __future__ import annotations
 import os
 import platform
 import random
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ import torch
 from specstream.tools.bench import prefix_cost, report
 from specstream.tools.bench.checks import require
 from specstream.tools.bench.models import BenchModels
+from specstream.tools.progress import Progress
 from specstream.serving.compute import on_torch_thread
 
 TARGETS = {"stream_over_batch": 1.2, "stream_over_fixed": 2.0, "agreement": 0.95}  # at k = 10
@@ -79,7 +79,9 @@ def stop_ids(models: BenchModels) -> list[int]:
 
 
 def run_method(model, method: Method, k: int, work: list[tuple[list[int], int]], stops: list[int], rows: int,
-               threshold: float, limit: int) -> dict:
+               threshold: float, limit: int, progress: Progress | None = None) -> dict:
+    """``work`` through an in-process engine under ``method`` at width k; ``progress`` counts each
+    request as its search ends."""
     from specstream.data.config import ModelSpec, TargetConfig
     from target_service.engine import Engine
     from target_service.inprocess import run_requests
@@ -98,7 +100,8 @@ def run_method(model, method: Method, k: int, work: list[tuple[list[int], int]],
     requests = [SequenceRequest(str(i), prompt, budget, frozenset(stops), frozenset(stops), Speculation("off"),
                                 beam=beam) for i, (prompt, budget) in enumerate(work)]
     started = time.perf_counter()
-    results = run_requests(engine, requests, timeout_s=1800)
+    results = run_requests(engine, requests, timeout_s=1800,
+                           on_finished=None if progress is None else lambda finished: progress.update())
     seconds = time.perf_counter() - started
     failed = [(r.request_id, r.finish_reason) for r in results if not r.final.sequences]
     require(not failed, f"{method.name} k={k}: requests ended without hypotheses: {failed[:4]}")
@@ -116,11 +119,15 @@ def run_method(model, method: Method, k: int, work: list[tuple[list[int], int]],
             "tokens": sum(len(b.token_ids) for b in best), "best": [b.token_ids for b in best]}
 
 
-def hf_beams(models: BenchModels, work: list[tuple[list[int], int]], stops: list[int], k: int) -> dict:
-    return on_torch_thread(_hf_beams, models, work, stops, k)
+def hf_beams(models: BenchModels, work: list[tuple[list[int], int]], stops: list[int], k: int,
+             progress: Progress | None = None) -> dict:
+    """transformers' `generate(num_beams=k)` on each request, one at a time (on the torch thread);
+    ``progress`` counts each."""
+    return on_torch_thread(_hf_beams, models, work, stops, k, progress)
 
 
-def _hf_beams(models: BenchModels, work: list[tuple[list[int], int]], stops: list[int], k: int) -> dict:
+def _hf_beams(models: BenchModels, work: list[tuple[list[int], int]], stops: list[int], k: int,
+              progress: Progress | None) -> dict:
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(models.target, dtype=getattr(torch, models.dtype)).eval()
@@ -138,6 +145,8 @@ def _hf_beams(models: BenchModels, work: list[tuple[list[int], int]], stops: lis
             tokens = out[0, len(prompt):].tolist()
             ends = [i for i, t in enumerate(tokens) if t in stops]
             best.append(tokens[: ends[0] + 1] if ends else tokens)
+            if progress is not None:
+                progress.update()
     return {"seconds": seconds, "best": best, "dtype": models.dtype, "weights": "dense"}
 
 
@@ -172,12 +181,13 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
 def run(models: BenchModels, out_dir: Path, ks: tuple[int, ...] = (5, 10), n_requests: int = 24, min_new: int = 8,
         max_new: int = 48, threshold: float = 1.5, limits: dict[int, int] | None = None,
         epsilons: tuple[float, ...] = (1 / 6, 1 / 3, 1 / 2), rows_per_beam: int = 4, peer: bool = True,
-        seed: int = 0, repeats: int = 1, sweep: tuple[float, ...] = (3.0, 5.0, 8.0)) -> dict:
+        seed: int = 0, repeats: int = 1, sweep: tuple[float, ...] = (3.0, 5.0, 8.0), quiet: bool = False) -> dict:
     """The table, `beam.json` and plots in `out_dir`. `limits`: M per k (default 3 at k = 5,
     5 at k = 10: the paper's §A.3 values, below k). ``repeats`` > 1 runs every method that many
     times, interleaved (all methods once, then all again), and reports each one's median wall time:
     on a shared machine whose speed drifts over minutes, interleaving keeps the drift from favouring
-    whichever method ran in a fast spell (as bench gamma does)."""
+    whichever method ran in a fast spell (as bench gamma does). Progress on stderr
+    (specstream.tools.progress; ``quiet``: plain lines, never a bar), counted in requests."""
     limits = limits or {k: max(1, min(k - 1, 3 if k <= 5 else 5)) for k in ks}
     out_dir.mkdir(parents=True, exist_ok=True)
     model = models.load("target")
@@ -189,57 +199,88 @@ def run(models: BenchModels, out_dir: Path, ks: tuple[int, ...] = (5, 10), n_req
                   "max_new_tokens": [n for _, n in work], "prompt_tokens": [len(p) for p, _ in work],
                   "stop_ids": stops, "beam_threshold": threshold, "max_candidates_per_parent": limits,
                   "targets": TARGETS, "runs": {}}
-    for k in ks:
-        rows = rows_per_beam * k
-        # Untimed: the first forwards at this k's shapes pay one-time costs that would otherwise
-        # land on whichever method runs first (FIXED).
-        run_method(model, chosen[0], k, [(p, min(4, n)) for p, n in work[:2]], stops, rows, threshold, limits[k])
-        repeated: dict[str, list[dict]] = {m.name: [] for m in chosen}
-        for _ in range(repeats):
-            for method in chosen:
-                r = run_method(model, method, k, work, stops, rows, threshold, limits[k])
-                repeated[method.name].append(r)
-                print(f"k={k:2d} {method.name:18s} {r['seconds']:7.1f} s  {r['steps']:5d} steps  "
-                      f"{r['expansions']:6d} expansions  {r['expansions_per_step']:5.1f}/step", flush=True)
-        runs = {name: _median_run(results) for name, results in repeated.items()}
-        fixed, batch = runs["FIXED"], runs["VAR-BATCH"]
-        for name, r in runs.items():
-            r["speedup_vs_fixed"] = fixed["seconds"] / r["seconds"]
-            r["speedup_vs_var_batch"] = batch["seconds"] / r["seconds"]
-            r["top1_agreement_with_fixed"] = _agreement(r["best"], fixed["best"])
-            r["steps_vs_fixed"] = fixed["steps"] / r["steps"]
-            r["steps_vs_var_batch"] = batch["steps"] / r["steps"]
-            r["same_as_var_batch"] = r["best"] == batch["best"] if name.startswith("VAR-STR") else None
-        row: dict = {"rows_per_step": rows, "max_slots": 2 * rows, "methods": runs}
-        if peer:
-            hf = hf_beams(models, work, stops, k)
-            hf["top1_agreement_with_fixed"] = _agreement(hf["best"], fixed["best"])
-            hf["fixed_speedup_over_hf"] = hf["seconds"] / fixed["seconds"]
-            row["transformers"] = hf
-            print(f"k={k:2d} {'transformers':18s} {hf['seconds']:7.1f} s  top-1 = our FIXED on "
-                  f"{hf['top1_agreement_with_fixed']:.0%}", flush=True)
-        data["runs"][str(k)] = row
-        report.write_json(out_dir / "beam.json", data)
-    if sweep:  # the paper's Table 5: δ trades expansions for agreement with FIXED (VAR-BATCH, largest k)
-        k = max(ks)
-        fixed = data["runs"][str(k)]["methods"]["FIXED"]
-        data["threshold_sweep"] = {"k": k, "max_candidates_per_parent": limits[k], "rows": []}
-        for delta in (threshold, *sweep):
-            r = run_method(model, chosen[1], k, work, stops, rows_per_beam * k, delta, limits[k])
-            entry = {"beam_threshold": delta, "seconds": r["seconds"], "expansions": r["expansions"],
-                     "expansions_vs_fixed": r["expansions"] / fixed["expansions"],
-                     "top1_agreement_with_fixed": _agreement(r["best"], fixed["best"]),
-                     "mean_best_logprob": r["mean_best_logprob"]}
-            data["threshold_sweep"]["rows"].append(entry)
-            print(f"k={k} VAR-BATCH δ={delta:g}: {r['expansions']} expansions "
-                  f"({entry['expansions_vs_fixed']:.0%} of FIXED's), top-1 = FIXED on "
-                  f"{entry['top1_agreement_with_fixed']:.0%}", flush=True)
-        report.write_json(out_dir / "beam.json", data)
-    data["prefix_sharing"] = prefix_cost.measure(model, ks=tuple(ks))
+    total = planned_requests(len(work), ks, len(chosen), repeats, peer, sweep)
+    with Progress(total, "requests", "beam", quiet=quiet) as progress:
+        for k in ks:
+            rows = rows_per_beam * k
+            data["runs"][str(k)] = _run_k(model, models, chosen, k, work, stops, rows, threshold, limits[k], repeats,
+                                          peer, progress)
+            report.write_json(out_dir / "beam.json", data)
+        if sweep:  # the paper's Table 5: δ trades expansions for agreement with FIXED (VAR-BATCH, largest k)
+            k = max(ks)
+            data["threshold_sweep"] = _threshold_sweep(model, chosen[1], data["runs"][str(k)]["methods"]["FIXED"], k,
+                                                       work, stops, rows_per_beam * k, (threshold, *sweep),
+                                                       limits[k], progress)
+            report.write_json(out_dir / "beam.json", data)
+        progress.phase("beam: prefix sharing against copying")
+        data["prefix_sharing"] = prefix_cost.measure(model, ks=tuple(ks))
     report.write_json(out_dir / "beam.json", data)
     print(tables(data))
     _plot(data, out_dir)
     return data
+
+
+def planned_requests(n_requests: int, ks: tuple[int, ...], n_methods: int, repeats: int, peer: bool,
+                     sweep: tuple[float, ...]) -> int:
+    """The requests `run` decodes (its progress total): per k an untimed warm-up of up to 2, every
+    method ``repeats`` times and transformers once; then the threshold sweep's runs."""
+    per_k = min(2, n_requests) + (repeats * n_methods + peer) * n_requests
+    return len(ks) * per_k + ((1 + len(sweep)) * n_requests if sweep else 0)
+
+
+def _run_k(model, models: BenchModels, chosen: list[Method], k: int, work: list[tuple[list[int], int]],
+           stops: list[int], rows: int, threshold: float, limit: int, repeats: int, peer: bool,
+           progress: Progress) -> dict:
+    """Every method at beam width k (``rows`` expanded per step), and transformers beside it with
+    ``peer``: the JSON's row for k."""
+    progress.phase(f"beam: k={k}")
+    # Untimed: the first forwards at this k's shapes pay one-time costs that would otherwise
+    # land on whichever method runs first (FIXED).
+    run_method(model, chosen[0], k, [(p, min(4, n)) for p, n in work[:2]], stops, rows, threshold, limit, progress)
+    repeated: dict[str, list[dict]] = {m.name: [] for m in chosen}
+    for _ in range(repeats):
+        for method in chosen:
+            r = run_method(model, method, k, work, stops, rows, threshold, limit, progress)
+            repeated[method.name].append(r)
+            progress.print(f"k={k:2d} {method.name:18s} {r['seconds']:7.1f} s  {r['steps']:5d} steps  "
+                           f"{r['expansions']:6d} expansions  {r['expansions_per_step']:5.1f}/step")
+    runs = {name: _median_run(results) for name, results in repeated.items()}
+    fixed, batch = runs["FIXED"], runs["VAR-BATCH"]
+    for name, r in runs.items():
+        r["speedup_vs_fixed"] = fixed["seconds"] / r["seconds"]
+        r["speedup_vs_var_batch"] = batch["seconds"] / r["seconds"]
+        r["top1_agreement_with_fixed"] = _agreement(r["best"], fixed["best"])
+        r["steps_vs_fixed"] = fixed["steps"] / r["steps"]
+        r["steps_vs_var_batch"] = batch["steps"] / r["steps"]
+        r["same_as_var_batch"] = r["best"] == batch["best"] if name.startswith("VAR-STR") else None
+    row: dict = {"rows_per_step": rows, "max_slots": 2 * rows, "methods": runs}
+    if peer:
+        progress.phase(f"beam: k={k}, transformers")
+        hf = hf_beams(models, work, stops, k, progress)
+        hf["top1_agreement_with_fixed"] = _agreement(hf["best"], fixed["best"])
+        hf["fixed_speedup_over_hf"] = hf["seconds"] / fixed["seconds"]
+        row["transformers"] = hf
+        progress.print(f"k={k:2d} {'transformers':18s} {hf['seconds']:7.1f} s  top-1 = our FIXED on "
+                       f"{hf['top1_agreement_with_fixed']:.0%}")
+    return row
+
+
+def _threshold_sweep(model, method: Method, fixed: dict, k: int, work: list[tuple[list[int], int]], stops: list[int],
+                     rows: int, deltas: tuple[float, ...], limit: int, progress: Progress) -> dict:
+    """``method`` (VAR-BATCH) at each threshold δ of ``deltas``, against FIXED's run ``fixed``."""
+    progress.phase(f"beam: k={k}, threshold sweep")
+    out = {"k": k, "max_candidates_per_parent": limit, "rows": []}
+    for delta in deltas:
+        r = run_method(model, method, k, work, stops, rows, delta, limit, progress)
+        entry = {"beam_threshold": delta, "seconds": r["seconds"], "expansions": r["expansions"],
+                 "expansions_vs_fixed": r["expansions"] / fixed["expansions"],
+                 "top1_agreement_with_fixed": _agreement(r["best"], fixed["best"]),
+                 "mean_best_logprob": r["mean_best_logprob"]}
+        out["rows"].append(entry)
+        progress.print(f"k={k} VAR-BATCH δ={delta:g}: {r['expansions']} expansions "
+                       f"({entry['expansions_vs_fixed']:.0%} of FIXED's), top-1 = FIXED on "
+                       f"{entry['top1_agreement_with_fixed']:.0%}")
+    return out
 
 
 def verdicts(data: dict) -> list[str]:

@@ -26,6 +26,7 @@ from pathlib import Path
 from specstream.tools.bench import report
 from specstream.tools.bench.checks import check_runs_match
 from specstream.tools.bench.models import BenchModels
+from specstream.tools.progress import Progress
 from specstream.serving.compute import on_torch_thread
 from specstream.data.sampling import GREEDY, SamplingParams
 
@@ -96,7 +97,9 @@ class _Models:
         return model if kind == "model" else NgramPlusModelProposer(model, slots)
 
 
-def run_setting(loaded: _Models, setting: Setting, jobs: list[Job], batch: int, max_new_tokens: int) -> dict:
+def run_setting(loaded: _Models, setting: Setting, jobs: list[Job], batch: int, max_new_tokens: int,
+                progress: Progress | None = None) -> dict:
+    """``jobs`` on a fresh engine under ``setting``; ``progress`` counts each request as it finishes."""
     from specstream.data.config import ModelSpec, TargetConfig
     from target_service.engine import Engine
     from target_service.inprocess import run_requests
@@ -112,7 +115,8 @@ def run_setting(loaded: _Models, setting: Setting, jobs: list[Job], batch: int, 
     requests = [SequenceRequest(str(i), job.prompt, max_new_tokens, speculation=spec, sampling=job.sampling)
                 for i, job in enumerate(jobs)]
     started = time.perf_counter()
-    results = run_requests(engine, requests, timeout_s=1200)
+    results = run_requests(engine, requests, timeout_s=1200,
+                           on_finished=None if progress is None else lambda finished: progress.update())
     seconds = time.perf_counter() - started
     stats = [r.final.stats for r in results]
     tokens = sum(len(r.token_ids) for r in results)
@@ -136,38 +140,61 @@ def run_setting(loaded: _Models, setting: Setting, jobs: list[Job], batch: int, 
 
 def run(models: BenchModels, out_dir: Path, batches: list[int], n_prompts: int = 4, max_new_tokens: int = 48,
         names: list[str] | None = None, fixed: tuple[int, ...] = FIXED_GAMMAS,
-        proposers: tuple[str, ...] = PROPOSERS, repeats: int = 1) -> dict:
+        proposers: tuple[str, ...] = PROPOSERS, repeats: int = 1, quiet: bool = False) -> dict:
     """``repeats`` > 1 runs every setting that many times, interleaved (all settings once, then all
     again, ...), and reports each setting's median tokens/s: on a shared machine whose speed drifts
-    over minutes, interleaving keeps the drift from favouring whichever setting ran in a fast spell."""
+    over minutes, interleaving keeps the drift from favouring whichever setting ran in a fast spell.
+    Progress on stderr (specstream.tools.progress; ``quiet``: plain lines, never a bar), counted in
+    requests."""
     models.require_draft()
     loaded = _Models(models)
     chosen = settings(fixed, proposers)
     data: dict = {"model": models.label, "dtype": models.dtype, "max_new_tokens": max_new_tokens,
                   "repeats": repeats, "settings": [s.name for s in chosen], "runs": {}}
     data["runs"] = _other_rows(out_dir / "gamma.json", data, {f"{b}/{n}" for b in batches for n in names or WORKLOADS})
-    for batch in batches:
-        per_workload = n_prompts if batch == 1 else max(n_prompts, 2 * batch // 4)
-        all_jobs = workloads(models, per_workload)
-        for name in names or WORKLOADS:
-            jobs = all_jobs[name]
-            if batch > 1:  # 2n requests: the batch refills once
-                jobs = (jobs * (2 * batch // len(jobs) + 1))[: 2 * batch]
-            repeated: dict[str, list[dict]] = {s.name: [] for s in chosen}
-            for _ in range(repeats):
-                for setting in chosen:
-                    result = run_setting(loaded, setting, jobs, batch, max_new_tokens)
-                    repeated[setting.name].append(result)
-                    print(f"batch {batch} {name:10s} {setting.name:18s} {result['tokens_per_s']:7.1f} tok/s "
-                          f"mean γ {result['mean_gamma']:.2f}", flush=True)
-            for results in repeated.values():
-                _check_greedy({f"run {i}": r for i, r in enumerate(results)}, batch, name)
-            runs = {n: _median(results) for n, results in repeated.items()}
-            _check_greedy(runs, batch, name)
-            data["runs"][f"{batch}/{name}"] = _summary(runs) | {"target_weights": loaded.target.weights}
-            report.write_json(out_dir / "gamma.json", data)  # after every workload: a long run keeps what it measured
+    plan = {batch: batch_jobs(models, batch, n_prompts, names or WORKLOADS) for batch in batches}
+    total = repeats * len(chosen) * sum(len(jobs) for by_name in plan.values() for jobs in by_name.values())
+    with Progress(total, "requests", "gamma", quiet=quiet) as progress:
+        for batch, by_name in plan.items():
+            for name, jobs in by_name.items():
+                progress.phase(f"gamma: batch {batch}, {name}")
+                runs = _measure_workload(loaded, chosen, jobs, batch, name, max_new_tokens, repeats, progress)
+                data["runs"][f"{batch}/{name}"] = _summary(runs) | {"target_weights": loaded.target.weights}
+                # after every workload: a long run keeps what it measured
+                report.write_json(out_dir / "gamma.json", data)
     _print_and_plot(data, out_dir)
     return data
+
+
+def batch_jobs(models: BenchModels, batch: int, n_prompts: int,
+               names: list[str] | tuple[str, ...]) -> dict[str, list[Job]]:
+    """Each named workload's requests at batch size ``batch``: ``n_prompts`` of them at batch 1
+    (``mix``: every workload's), 2n beyond (the batch refills once)."""
+    per_workload = n_prompts if batch == 1 else max(n_prompts, 2 * batch // 4)
+    all_jobs = workloads(models, per_workload)
+    out = {}
+    for name in names:
+        jobs = all_jobs[name]
+        out[name] = (jobs * (2 * batch // len(jobs) + 1))[: 2 * batch] if batch > 1 else jobs
+    return out
+
+
+def _measure_workload(loaded: _Models, chosen: list[Setting], jobs: list[Job], batch: int, name: str,
+                      max_new_tokens: int, repeats: int, progress: Progress) -> dict[str, dict]:
+    """Every setting on one workload, ``repeats`` times interleaved; each setting's median run,
+    its greedy tokens checked against the other runs' and settings'."""
+    repeated: dict[str, list[dict]] = {s.name: [] for s in chosen}
+    for _ in range(repeats):
+        for setting in chosen:
+            result = run_setting(loaded, setting, jobs, batch, max_new_tokens, progress)
+            repeated[setting.name].append(result)
+            progress.print(f"batch {batch} {name:10s} {setting.name:18s} {result['tokens_per_s']:7.1f} tok/s "
+                           f"mean γ {result['mean_gamma']:.2f}")
+    for results in repeated.values():
+        _check_greedy({f"run {i}": r for i, r in enumerate(results)}, batch, name)
+    runs = {n: _median(results) for n, results in repeated.items()}
+    _check_greedy(runs, batch, name)
+    return runs
 
 
 def _other_rows(path: Path, data: dict, measured: set[str]) -> dict:

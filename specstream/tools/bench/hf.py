@@ -15,24 +15,34 @@ import time
 import torch
 
 from specstream.tools.bench.models import BenchModels
+from specstream.tools.progress import Progress
 from specstream.serving.compute import on_torch_thread
 
 MODES = ("plain", "assisted", "assisted_heuristic", "prompt_lookup")
+ASSISTED = ("assisted", "assisted_heuristic")  # with our draft's layers as the assistant model: need a draft
+
+
+def runnable_modes(models: BenchModels, modes: tuple[str, ...] = MODES) -> tuple[str, ...]:
+    """The ones of ``modes`` that hf_generate runs for ``models``, in order."""
+    return tuple(m for m in modes if m in MODES and (m not in ASSISTED or models.draft is not None))
 
 
 def hf_generate(models: BenchModels, prompts: list[list[int]], max_new_tokens: int, threads: int = 0,
-                temperature: float = 0.0, dtype: str | None = None, modes: tuple[str, ...] = MODES) -> dict:
+                temperature: float = 0.0, dtype: str | None = None, modes: tuple[str, ...] = MODES,
+                progress: Progress | None = None) -> dict:
     """Tokens/s of plain generate() and of assisted generation (our draft's layers as the assistant
     model, see BenchModels.hf_draft; and transformers' model-free prompt lookup), plus the token
     ids (greedy: to check they equal ours). temperature 0 is greedy; > 0 samples. ``dtype``:
     default the pair's serving dtype, so both sides do the same arithmetic. Runs on the process's
     torch thread, like every torch call of a benchmark (specstream.serving.compute: a second thread's
-    OpenMP team would slow transformers down)."""
-    return on_torch_thread(_hf_generate, models, prompts, max_new_tokens, threads, temperature, dtype, modes)
+    OpenMP team would slow transformers down). ``progress`` counts each timed generation (the
+    modes run: runnable_modes)."""
+    return on_torch_thread(_hf_generate, models, prompts, max_new_tokens, threads, temperature, dtype, modes,
+                           progress)
 
 
 def _hf_generate(models: BenchModels, prompts: list[list[int]], max_new_tokens: int, threads: int,
-                 temperature: float, dtype: str | None, modes: tuple[str, ...]) -> dict:
+                 temperature: float, dtype: str | None, modes: tuple[str, ...], progress: Progress | None) -> dict:
     from transformers import AutoModelForCausalLM
 
     if threads:
@@ -54,7 +64,7 @@ def _hf_generate(models: BenchModels, prompts: list[list[int]], max_new_tokens: 
                 ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")} \
         if draft is not None else {}
     results = {}
-    for name in (m for m in modes if m in available):
+    for name in runnable_modes(models, modes):
         extra, assistant_config = available[name]
         if draft is not None:
             for key, value in {**defaults, **(assistant_config or {})}.items():
@@ -81,6 +91,8 @@ def _hf_generate(models: BenchModels, prompts: list[list[int]], max_new_tokens: 
                 new = out[0, len(prompt):].tolist()
                 tokens += len(new)
                 outputs.append(new)
+                if progress is not None:
+                    progress.update()
         results[name] = {"tokens_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds, "token_ids": outputs,
                          "dtype": str(torch_dtype).removeprefix("torch."),
                          "assistant": ("our draft's layers, full-vocabulary head" if "assistant_model" in extra

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from specstream.tools.bench import report
+from specstream.tools.progress import Progress
 from specstream.serving.compute import on_torch_thread  # the thread the engine runs torch on (its settings)
 
 VOCABS = (32_000, 49_152, 128_256, 151_936)
@@ -154,10 +155,12 @@ def step_share(model, rows: int, device: torch.device, fused: bool) -> dict[str,
 
 
 def run(out_dir: Path, device: str | None = None, vocabs=VOCABS, rows=None, hiddens=None, models=None,
-        fused: bool | None = None, verify_shape: tuple[int, int] = (64, 8)) -> dict:
+        fused: bool | None = None, verify_shape: tuple[int, int] = (64, 8), quiet: bool = False) -> dict:
     """``fused`` (default: on CUDA with Triton) also times the Triton ops; forced on a CPU it runs
     them interpreted (to exercise this code in tests: the timings then mean nothing).
-    ``verify_shape``: (sequences, γ) of the verification timing."""
+    ``verify_shape``: (sequences, γ) of the verification timing. Progress on stderr
+    (specstream.tools.progress; ``quiet``: plain lines, never a bar), counted in measurements: one
+    per size, per verification, per decode step."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     from kernels.dispatch import triton_available
 
@@ -167,30 +170,43 @@ def run(out_dir: Path, device: str | None = None, vocabs=VOCABS, rows=None, hidd
     data: dict = {"device": device_name(dev), "dtype": "bfloat16", "fused_measured": fused, "sizes": [], "steps": {},
                   "verification": []}
     print(f"device: {data['device']}" + ("" if fused else "  (fused kernels: not timed here, see the docstring)"))
+    steps = [n for n in rows if n <= 64] if models is not None else []
+    total = len(hiddens) * len(vocabs) * len(rows) + (len(vocabs) if fused else 0) + len(steps)
+    with Progress(total, "measurements", "kernels: output layer", quiet=quiet) as progress:
+        _output_layers(data, out_dir, dev, vocabs, rows, hiddens, fused, progress)
+        if fused:
+            progress.phase("kernels: fused verification")
+            sequences, gamma = verify_shape
+            for vocab in vocabs:
+                timing = on_torch_thread(verification, vocab, sequences, gamma, dev)
+                data["verification"].append({"vocab": vocab, "sequences": sequences, "gamma": gamma, **timing})
+                progress.update()
+        if models is not None:
+            progress.phase("kernels: a decode step's share")
+            model = models.load("target")
+            data["weights"] = model.weights
+            for n in steps:
+                data["steps"][str(n)] = on_torch_thread(step_share, model, n, dev, fused)
+                progress.update()
+            data["model"] = models.label
+    report.write_json(out_dir / "kernels.json", data)
+    print(tables(data))
+    _plot(data, out_dir)
+    return data
+
+
+def _output_layers(data: dict, out_dir: Path, dev: torch.device, vocabs, rows, hiddens, fused: bool,
+                   progress: Progress) -> None:
+    """Times the output layer at every size (`output_layer`), printing each and saving ``kernels.json`` as it goes."""
     for hidden in hiddens:
         for vocab in vocabs:
             for n in rows:
                 times = on_torch_thread(output_layer, vocab, n, hidden, dev, fused)
                 data["sizes"].append({"vocab": vocab, "rows": n, "hidden": hidden, "ms": times})
-                print(f"V={vocab:>6} rows={n:>3} H={hidden:>4}  " + "  ".join(f"{k} {v:8.3f} ms" for k, v in times.items()),
-                      flush=True)
+                progress.update()
+                progress.print(f"V={vocab:>6} rows={n:>3} H={hidden:>4}  "
+                               + "  ".join(f"{k} {v:8.3f} ms" for k, v in times.items()))
                 report.write_json(out_dir / "kernels.json", data)
-    if fused:
-        sequences, gamma = verify_shape
-        for vocab in vocabs:
-            timing = on_torch_thread(verification, vocab, sequences, gamma, dev)
-            data["verification"].append({"vocab": vocab, "sequences": sequences, "gamma": gamma, **timing})
-    if models is not None:
-        model = models.load("target")
-        data["weights"] = model.weights
-        for n in rows:
-            if n <= 64:
-                data["steps"][str(n)] = on_torch_thread(step_share, model, n, dev, fused)
-        data["model"] = models.label
-    report.write_json(out_dir / "kernels.json", data)
-    print(tables(data))
-    _plot(data, out_dir)
-    return data
 
 
 def tables(data: dict, markdown: bool = False) -> str:

@@ -12,25 +12,31 @@ legitimately differ.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import tempfile
+import time
 from pathlib import Path
 
 from specstream.tools.bench import report
 from specstream.tools.bench.checks import check_runs_match
 from specstream.tools.bench.costs import measure_costs
+from specstream.tools.bench.hf import hf_generate, runnable_modes
 from specstream.tools.bench.models import BenchModels
 from specstream.tools.bench.theory import expected_speedup, expected_tokens_per_pass
 from specstream.tools.launcher import Stack, StackSpec
+from specstream.tools.progress import Progress
 
 DEFAULT_GAMMAS = [0, 1, 2, 3, 4, 6, 8]
 
 
 def sweep(address: str, prompts: list[list[int]], gammas: list[int | str], max_new_tokens: int,
-          temperature: float = 0.0) -> dict[int | str, dict]:
+          temperature: float = 0.0, progress: Progress | None = None) -> dict[int | str, dict]:
     """Generates every prompt at every γ (or "auto": the γ controller), one request at a time
     (batch 1). Greedy by default; at
     temperature > 0 it samples from the full distribution (no top-k/top-p) with seed = the
-    prompt's index, so every γ sees the same seeds."""
+    prompt's index, so every γ sees the same seeds. ``progress`` counts each generation as it
+    finishes (the warm-up is not one)."""
     from specstream_client import Client
 
     def seed(i: int) -> int | None:
@@ -41,76 +47,157 @@ def sweep(address: str, prompts: list[list[int]], gammas: list[int | str], max_n
         # warm-up
         client.generate(prompts[0], max_new_tokens=16, ignore_eos=True, temperature=temperature, seed=seed(0))
         for gamma in gammas:
-            runs = [client.generate(p, max_new_tokens=max_new_tokens, speculation=gamma or "off", ignore_eos=True,
-                                    temperature=temperature, seed=seed(i))
-                    for i, p in enumerate(prompts)]
-            tokens = sum(r.usage.completion_tokens for r in runs)
-            seconds = sum(r.timings.total_seconds for r in runs)
-            proposed = sum(r.stats.draft_tokens for r in runs)
-            accepted = sum(r.stats.accepted_tokens for r in runs)
-            rejections = sum(r.stats.rejections for r in runs)
-            decode_passes = sum(r.stats.target_passes - 1 for r in runs)
-            results[gamma] = {
-                "tokens_per_s": tokens / seconds,
-                # Leviathan's per-token alpha (i.i.d. estimate), and the plain fraction accepted.
-                "alpha": accepted / (accepted + rejections) if proposed else None,
-                "accepted_fraction": accepted / proposed if proposed else None,
-                "mean_accepted_length": (tokens - len(runs)) / decode_passes if decode_passes else None,
-                "ttft_ms": 1000 * sum(r.timings.time_to_first_token_seconds for r in runs) / len(runs),
-                "tokens": tokens, "seconds": seconds, "proposed": proposed, "accepted": accepted,
-                "rejections": rejections, "passes": decode_passes + len(runs),
-                "token_ids": [r.token_ids for r in runs],
-            }
+            runs = []
+            for i, p in enumerate(prompts):
+                runs.append(client.generate(p, max_new_tokens=max_new_tokens, speculation=gamma or "off",
+                                            ignore_eos=True, temperature=temperature, seed=seed(i)))
+                if progress is not None:
+                    progress.update()
+            results[gamma] = _summary(runs)
     return results
 
 
+def _summary(runs: list) -> dict:
+    """One γ's figures over its generations (the SDK's results)."""
+    tokens = sum(r.usage.completion_tokens for r in runs)
+    seconds = sum(r.timings.total_seconds for r in runs)
+    proposed = sum(r.stats.draft_tokens for r in runs)
+    accepted = sum(r.stats.accepted_tokens for r in runs)
+    rejections = sum(r.stats.rejections for r in runs)
+    decode_passes = sum(r.stats.target_passes - 1 for r in runs)
+    return {
+        "tokens_per_s": tokens / seconds,
+        # Leviathan's per-token alpha (i.i.d. estimate), and the plain fraction accepted.
+        "alpha": accepted / (accepted + rejections) if proposed else None,
+        "accepted_fraction": accepted / proposed if proposed else None,
+        "mean_accepted_length": (tokens - len(runs)) / decode_passes if decode_passes else None,
+        "ttft_ms": 1000 * sum(r.timings.time_to_first_token_seconds for r in runs) / len(runs),
+        "tokens": tokens, "seconds": seconds, "proposed": proposed, "accepted": accepted,
+        "rejections": rejections, "passes": decode_passes + len(runs),
+        "token_ids": [r.token_ids for r in runs],
+    }
+
+
+HEADERS = ["gamma", "tok/s", "alpha", "mean acc len", "c", "theory x", "theory x (verify cost)", "measured x",
+           "of theory", "ms/pass", "overhead ms/pass"]
+COLOCATED_HEADERS = ["gamma", "tok/s", "alpha", "mean acc len", "measured x", "ms/pass"]
+
+
 def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: int = 128,
-        gammas: list[int] | None = None, with_hf: bool = True) -> dict:
+        gammas: list[int] | None = None, with_hf: bool = True, quiet: bool = False) -> dict:
+    """The γ sweep through the draft service and with the draft colocated, speculation=auto, the
+    draft model alone (behind prompt lookup), dense weights and the peers; tables on stdout,
+    ``latency.json`` and plots in ``out_dir``. Progress on stderr (specstream.tools.progress;
+    ``quiet``: plain lines, never a bar), counted in generations."""
     gammas = gammas or DEFAULT_GAMMAS
     draft = models.require_draft()
     prompts = models.prompts(n_prompts)
+    costs = _measure_costs(models, prompts, max_new_tokens, gammas)
+    total = planned_generations(models, len(prompts), gammas, with_hf, costs["weights"])
+    with Progress(total, "generations", "latency", quiet=quiet) as progress:
+        ours, auto, colocated = _sweeps(models, draft, prompts, gammas, max_new_tokens, progress)
+        check_runs_match("speculative output", "plain decoding (gamma 0)", ours[0]["token_ids"],
+                         {**{f"gamma {g}": ours[g]["token_ids"] for g in gammas if g}, "auto": auto["token_ids"],
+                          **{f"gamma {g}, draft colocated": colocated[g]["token_ids"] for g in gammas}})
+        rows = [_row(ours, gamma, costs) for gamma in gammas]
+        result = _result(models, prompts, max_new_tokens, costs, ours, auto, gammas)
+        _report_sweeps(result, rows, colocated, gammas, progress)
+        best = max((g for g in gammas if g), key=lambda g: ours[g]["tokens_per_s"])
+        result["best_gamma"] = best
+        result["proposer"] = models.proposing
+        if models.proposer == "ngram+model":
+            _model_alone(result, models, draft, prompts, ours, best, max_new_tokens, progress)
+        if with_hf:
+            if costs["weights"] != "dense":
+                _dense(result, models, draft, prompts, best, max_new_tokens, progress)
+            _compare_with_peers(result, ours, best, colocated, result["best_colocated_gamma"], models, prompts,
+                                max_new_tokens, out_dir, progress)
+    result["table_markdown"] = report.markdown_table(HEADERS, rows)
+    _write(result, ours, gammas, out_dir, with_hf)
+    return result
+
+
+def planned_generations(models: BenchModels, n_prompts: int, gammas: list[int], with_hf: bool, weights: str) -> int:
+    """The generations `run` makes, warm-ups aside (its progress total); ``weights``: the target's
+    as served (measure_costs)."""
+    sweeps = 2 * len(gammas) + 1  # through the draft service, speculation=auto, the draft colocated
+    sweeps += models.proposer == "ngram+model"  # the draft model alone at the best γ
+    if with_hf:
+        sweeps += 2 * (weights != "dense")  # our dense weights at γ = 0 and the best γ
+        sweeps += len(runnable_modes(models)) + (models.dtype != "float32")  # HF, and HF plain in float32
+        sweeps += 2 * llama_cpp_available(models)  # llama.cpp plain and with prompt lookup
+    return sweeps * n_prompts
+
+
+def _measure_costs(models: BenchModels, prompts: list[list[int]], max_new_tokens: int, gammas: list[int]) -> dict:
+    """The cost ratio c and the verify costs at the sweep's mean context (specstream.tools.bench.costs)."""
     context = sum(len(p) for p in prompts) // len(prompts) + max_new_tokens // 2
     print(f"{models.label} ({models.dtype}): measuring the cost ratio c at context {context} ...", flush=True)
-    costs = measure_costs(models, context, [g for g in gammas if g])
-    with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(str(models.target), str(draft), max_gamma=16,
-                                                                 weights=models.weights, **models.proposing,
-                                                                 dtype=models.dtype, log_dir=logs)) as stack:
-        print(f"stack up at {stack.gateway_address}; proposing with {models.proposer_label}; sweeping gamma "
-              f"{gammas} and auto over {len(prompts)} prompts x {max_new_tokens} tokens ...", flush=True)
-        ours = sweep(stack.gateway_address, prompts, gammas, max_new_tokens)
-        auto = sweep(stack.gateway_address, prompts, ["auto"], max_new_tokens)["auto"]
-    with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(str(models.target), str(draft), max_gamma=16,
-                                                                 weights=models.weights, colocate_draft=True,
-                                                                 **models.proposing,
-                                                                 dtype=models.dtype, log_dir=logs)) as stack:
-        print(f"the same with the draft colocated in the target process (no draft service) ...", flush=True)
-        colocated = sweep(stack.gateway_address, prompts, gammas, max_new_tokens)
-    check_runs_match("speculative output", "plain decoding (gamma 0)", ours[0]["token_ids"],
-                     {**{f"gamma {g}": ours[g]["token_ids"] for g in gammas if g}, "auto": auto["token_ids"],
-                      **{f"gamma {g}, draft colocated": colocated[g]["token_ids"] for g in gammas}})
-    rows = []
-    for gamma in gammas:
-        r = score(ours, gamma, costs)
-        # Where a target pass's time goes: the models' own compute vs everything else (the gRPC
-        # hops, the engine's and the gateway's Python, processes sharing the cores).
-        r["ms_per_pass"] = 1000 * r["seconds"] / r["passes"]
-        r["compute_ms_per_pass"] = (gamma * costs["draft_step_ms"] + costs["target_verify_ms"][gamma] if gamma
-                                    else costs["target_step_ms"])
-        r["overhead_ms_per_pass"] = r["ms_per_pass"] - r["compute_ms_per_pass"]
-        rows.append([gamma, r["tokens_per_s"], r["alpha"] if gamma else "-", r["mean_accepted_length"] or 1.0,
-                     costs["c"] if gamma else "-", r["theory"], r["theory_with_verify_cost"], r["speedup"],
-                     r["of_theory"], r["ms_per_pass"], r["overhead_ms_per_pass"]])
-    headers = ["gamma", "tok/s", "alpha", "mean acc len", "c", "theory x", "theory x (verify cost)", "measured x",
-               "of theory", "ms/pass", "overhead ms/pass"]
+    return measure_costs(models, context, [g for g in gammas if g])
+
+
+def _spec(models: BenchModels, draft: Path, logs: str, **fields) -> StackSpec:
+    """The stack the sweeps run on: our draft as the pair proposes with it, up to γ = 16."""
+    return StackSpec(str(models.target), str(draft), max_gamma=16, dtype=models.dtype, log_dir=logs,
+                     **({"weights": models.weights, **models.proposing} | fields))
+
+
+def _sweeps(models: BenchModels, draft: Path, prompts: list[list[int]], gammas: list[int], max_new_tokens: int,
+            progress: Progress) -> tuple[dict, dict, dict]:
+    """Every γ and speculation=auto through the draft service, then every γ with the draft
+    colocated in the target process: (ours, auto, colocated)."""
+    with tempfile.TemporaryDirectory() as logs, Stack(_spec(models, draft, logs)) as stack:
+        progress.print(f"stack up at {stack.gateway_address}; proposing with {models.proposer_label}; sweeping gamma "
+                       f"{gammas} and auto over {len(prompts)} prompts x {max_new_tokens} tokens ...")
+        progress.phase(f"latency: gamma {_listed(gammas)}, draft service")
+        ours = sweep(stack.gateway_address, prompts, gammas, max_new_tokens, progress=progress)
+        progress.phase("latency: speculation=auto")
+        auto = sweep(stack.gateway_address, prompts, ["auto"], max_new_tokens, progress=progress)["auto"]
+    with tempfile.TemporaryDirectory() as logs, Stack(_spec(models, draft, logs, colocate_draft=True)) as stack:
+        progress.print("the same with the draft colocated in the target process (no draft service) ...")
+        progress.phase(f"latency: gamma {_listed(gammas)}, draft colocated")
+        colocated = sweep(stack.gateway_address, prompts, gammas, max_new_tokens, progress=progress)
+    return ours, auto, colocated
+
+
+def _listed(gammas: list) -> str:
+    return ",".join(str(g) for g in gammas)
+
+
+def _row(ours: dict[int, dict], gamma: int, costs: dict) -> list:
+    """Scores one γ (score) and returns its row of the main table (HEADERS)."""
+    r = score(ours, gamma, costs)
+    # Where a target pass's time goes: the models' own compute vs everything else (the gRPC
+    # hops, the engine's and the gateway's Python, processes sharing the cores).
+    r["ms_per_pass"] = 1000 * r["seconds"] / r["passes"]
+    r["compute_ms_per_pass"] = (gamma * costs["draft_step_ms"] + costs["target_verify_ms"][gamma] if gamma
+                                else costs["target_step_ms"])
+    r["overhead_ms_per_pass"] = r["ms_per_pass"] - r["compute_ms_per_pass"]
+    return [gamma, r["tokens_per_s"], r["alpha"] if gamma else "-", r["mean_accepted_length"] or 1.0,
+            costs["c"] if gamma else "-", r["theory"], r["theory_with_verify_cost"], r["speedup"],
+            r["of_theory"], r["ms_per_pass"], r["overhead_ms_per_pass"]]
+
+
+def _result(models: BenchModels, prompts: list[list[int]], max_new_tokens: int, costs: dict, ours: dict[int, dict],
+            auto: dict, gammas: list[int]) -> dict:
+    """The JSON's first fields: the pair, the run, the costs, every γ's figures and auto's."""
     result = {"models": models.label, "target": display(models.target), "draft": display(models.draft),
               "dtype": models.dtype, "chat_prompts": models.chat, "prompts": len(prompts),
               "max_new_tokens": max_new_tokens, "costs": costs, "gammas": {g: public(ours[g]) for g in gammas}}
     auto["speedup"] = auto["tokens_per_s"] / ours[0]["tokens_per_s"]
     result["auto"] = public(auto)
-    print("\n" + report.table(headers, rows), flush=True)
-    print(f"speculation=auto (the default, γ chosen per step): {auto['tokens_per_s']:.1f} tok/s, "
-          f"{auto['speedup']:.2f}x gamma 0, alpha {auto['alpha'] or 0.0:.3f}, mean accepted length "
-          f"{auto['mean_accepted_length']:.2f}", flush=True)
+    return result
+
+
+def _report_sweeps(result: dict, rows: list[list], colocated: dict[int, dict], gammas: list[int],
+                   progress: Progress) -> None:
+    """Prints the main table, auto's figures and the colocated table; adds the colocated sweep's
+    figures and its best γ to ``result``."""
+    auto = result["auto"]
+    progress.print("\n" + report.table(HEADERS, rows))
+    progress.print(f"speculation=auto (the default, γ chosen per step): {auto['tokens_per_s']:.1f} tok/s, "
+                   f"{auto['speedup']:.2f}x gamma 0, alpha {auto['alpha'] or 0.0:.3f}, mean accepted length "
+                   f"{auto['mean_accepted_length']:.2f}")
     colocated_rows = []
     for gamma in gammas:
         r = colocated[gamma]
@@ -118,42 +205,44 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
         r["ms_per_pass"] = 1000 * r["seconds"] / r["passes"]
         colocated_rows.append([gamma, r["tokens_per_s"], r["alpha"] if gamma else "-",
                                r["mean_accepted_length"] or 1.0, r["speedup"], r["ms_per_pass"]])
-    colocated_headers = ["gamma", "tok/s", "alpha", "mean acc len", "measured x", "ms/pass"]
-    print("\ndraft colocated in the target process:\n" + report.table(colocated_headers, colocated_rows), flush=True)
+    progress.print("\ndraft colocated in the target process:\n" + report.table(COLOCATED_HEADERS, colocated_rows))
     result["colocated"] = {g: public(colocated[g]) for g in gammas}
-    result["colocated_table_markdown"] = report.markdown_table(colocated_headers, colocated_rows)
-    best_colocated = max((g for g in gammas if g), key=lambda g: colocated[g]["tokens_per_s"])
-    result["best_colocated_gamma"] = best_colocated
-    best = max((g for g in gammas if g), key=lambda g: ours[g]["tokens_per_s"])
-    result["best_gamma"] = best
-    result["proposer"] = models.proposing
-    if models.proposer == "ngram+model":
-        # What the prompt lookup adds: the draft model alone at the same γ, same layout.
-        with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(
-                str(models.target), str(draft), max_gamma=16, weights=models.weights, dtype=models.dtype,
-                log_dir=logs)) as stack:
-            print(f"\nthe same with the draft model alone (no prompt lookup): gamma {best} ...", flush=True)
-            alone = sweep(stack.gateway_address, prompts, [best], max_new_tokens)[best]
-        check_runs_match("speculative output (draft model alone)", "plain decoding (gamma 0)", ours[0]["token_ids"],
-                         {f"gamma {best}": alone["token_ids"]})
-        result["model_alone"] = {"gamma": best, **public(alone)}
-        print(f"gamma {best}: {alone['tokens_per_s']:.1f} tok/s, alpha {alone['alpha']:.3f}, mean accepted length "
-              f"{alone['mean_accepted_length']:.2f} with the model alone; {ours[best]['tokens_per_s']:.1f} tok/s, "
-              f"alpha {ours[best]['alpha']:.3f}, {ours[best]['mean_accepted_length']:.2f} with "
-              f"{models.proposer_label}", flush=True)
-    if with_hf:
-        if costs["weights"] != "dense":
-            # Our 4-bit serving beside our dense serving: the peers below dequantize, as dense does.
-            with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(
-                    str(models.target), str(draft), max_gamma=16, weights="dense", dtype=models.dtype,
-                    **models.proposing, log_dir=logs)) as stack:
-                print(f"\nthe same with dense weights: gamma 0 and {best} ...", flush=True)
-                dense = sweep(stack.gateway_address, prompts, [0, best], max_new_tokens)
-            check_runs_match("speculative output (dense weights)", "plain decoding (dense weights)",
-                             dense[0]["token_ids"], {f"gamma {best}": dense[best]["token_ids"]})
-            result["dense"] = {g: public(r) for g, r in dense.items()}
-        _compare_with_peers(result, ours, best, colocated, best_colocated, models, prompts, max_new_tokens, out_dir)
-    result["table_markdown"] = report.markdown_table(headers, rows)
+    result["colocated_table_markdown"] = report.markdown_table(COLOCATED_HEADERS, colocated_rows)
+    result["best_colocated_gamma"] = max((g for g in gammas if g), key=lambda g: colocated[g]["tokens_per_s"])
+
+
+def _model_alone(result: dict, models: BenchModels, draft: Path, prompts: list[list[int]], ours: dict[int, dict],
+                 best: int, max_new_tokens: int, progress: Progress) -> None:
+    """What the prompt lookup adds: the draft model alone at the best γ, same layout."""
+    with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(
+            str(models.target), str(draft), max_gamma=16, weights=models.weights, dtype=models.dtype,
+            log_dir=logs)) as stack:
+        progress.print(f"\nthe same with the draft model alone (no prompt lookup): gamma {best} ...")
+        progress.phase(f"latency: draft model alone, gamma {best}")
+        alone = sweep(stack.gateway_address, prompts, [best], max_new_tokens, progress=progress)[best]
+    check_runs_match("speculative output (draft model alone)", "plain decoding (gamma 0)", ours[0]["token_ids"],
+                     {f"gamma {best}": alone["token_ids"]})
+    result["model_alone"] = {"gamma": best, **public(alone)}
+    progress.print(f"gamma {best}: {alone['tokens_per_s']:.1f} tok/s, alpha {alone['alpha']:.3f}, mean accepted "
+                   f"length {alone['mean_accepted_length']:.2f} with the model alone; "
+                   f"{ours[best]['tokens_per_s']:.1f} tok/s, alpha {ours[best]['alpha']:.3f}, "
+                   f"{ours[best]['mean_accepted_length']:.2f} with {models.proposer_label}")
+
+
+def _dense(result: dict, models: BenchModels, draft: Path, prompts: list[list[int]], best: int, max_new_tokens: int,
+           progress: Progress) -> None:
+    """Our 4-bit serving beside our dense serving: the peers dequantize, as dense does."""
+    with tempfile.TemporaryDirectory() as logs, Stack(_spec(models, draft, logs, weights="dense")) as stack:
+        progress.print(f"\nthe same with dense weights: gamma 0 and {best} ...")
+        progress.phase(f"latency: dense weights, gamma 0,{best}")
+        dense = sweep(stack.gateway_address, prompts, [0, best], max_new_tokens, progress=progress)
+    check_runs_match("speculative output (dense weights)", "plain decoding (dense weights)",
+                     dense[0]["token_ids"], {f"gamma {best}": dense[best]["token_ids"]})
+    result["dense"] = {g: public(r) for g, r in dense.items()}
+
+
+def _write(result: dict, ours: dict[int, dict], gammas: list[int], out_dir: Path, with_hf: bool) -> None:
+    """The speedup plot and ``latency.json`` (the peers' plot is drawn beside their table)."""
     report.plot_lines(out_dir / "latency_speedup.png", "Speedup over γ=0: measured vs theory", "γ",
                       "speedup (x)", {"measured": (gammas, [ours[g]["speedup"] for g in gammas]),
                                       "theory (measured α, c)": (gammas, [ours[g]["theory"] for g in gammas])},
@@ -161,23 +250,22 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
     report.write_json(out_dir / "latency.json", result)
     print(f"\nwrote {out_dir / 'latency.json'}, {out_dir / 'latency_speedup.png'}"
           + (f", {out_dir / 'latency_vs_hf.png'}" if with_hf else ""), flush=True)
-    return result
 
 
 def _compare_with_peers(result: dict, ours: dict[int, dict], best: int, colocated: dict[int, dict],
                         best_colocated: int, models: BenchModels, prompts: list[list[int]], max_new_tokens: int,
-                        out_dir: Path) -> None:
+                        out_dir: Path, progress: Progress) -> None:
     """transformers (plain in the serving dtype and in float32, assisted with our draft's layers,
     prompt lookup) and, when installed, llama.cpp on the same GGUF file; the stack is down by now."""
-    from specstream.tools.bench.hf import hf_generate
-
-    print("\nHugging Face transformers on the same checkpoints and prompts ...", flush=True)
+    progress.print("\nHugging Face transformers on the same checkpoints and prompts ...")
+    progress.phase("latency: Hugging Face transformers")
     baseline = ours[0]["token_ids"]
-    hf = hf_generate(models, prompts, max_new_tokens)
+    hf = hf_generate(models, prompts, max_new_tokens, progress=progress)
     if models.dtype != "float32":
-        hf["plain_float32"] = hf_generate(models, prompts, max_new_tokens, dtype="float32", modes=("plain",))["plain"]
+        hf["plain_float32"] = hf_generate(models, prompts, max_new_tokens, dtype="float32", modes=("plain",),
+                                          progress=progress)["plain"]
     peers = {f"HF {mode}": hf[mode] for mode in hf}
-    llama = llama_cpp_generate(models, prompts, max_new_tokens)
+    llama = llama_cpp_generate(models, prompts, max_new_tokens, progress)
     if llama is not None:
         peers.update({f"llama.cpp {mode}": r for mode, r in llama.items()})
     result["peers"] = {name: {k: v for k, v in r.items() if k != "token_ids"}
@@ -201,7 +289,7 @@ def _compare_with_peers(result: dict, ours: dict[int, dict], best: int, colocate
               r["tokens_per_s"] / plain, label if g else "-"] for g, r in dense.items()]
     rows += [[name, r.get("dtype", "-"), r["tokens_per_s"], r["tokens_per_s"] / plain, r.get("assistant") or "-"]
              for name, r in peers.items()]
-    print(report.table(["system", "dtype", "tok/s", "x specstream gamma=0", "draft"], rows))
+    progress.print(report.table(["system", "dtype", "tok/s", "x specstream gamma=0", "draft"], rows))
     assisted = {n: r["tokens_per_s"] for n, r in peers.items() if n.startswith("HF ") and r.get("assistant")}
     best_hf = max(assisted, key=assisted.get) if assisted else None
     ours_best = max(ours[best]["tokens_per_s"], colocated[best_colocated]["tokens_per_s"],
@@ -213,9 +301,10 @@ def _compare_with_peers(result: dict, ours: dict[int, dict], best: int, colocate
     result["ours_plain_over_hf_plain"] = plain / hf["plain"]["tokens_per_s"]
     if dense:
         result["ours_dense_plain_over_hf_plain"] = dense[0]["tokens_per_s"] / hf["plain"]["tokens_per_s"]
-    print(f"ours plain / HF plain ({models.dtype}): {result['ours_plain_over_hf_plain']:.2f}x; ours best speculative / "
-          f"best HF assisted ({best_hf}): {result.get('ours_over_best_hf_assisted', float('nan')):.2f}x; "
-          f"identical outputs: { {n: v['same_tokens_as_ours'] for n, v in result['peers'].items()} }", flush=True)
+    progress.print(f"ours plain / HF plain ({models.dtype}): {result['ours_plain_over_hf_plain']:.2f}x; ours best "
+                   f"speculative / best HF assisted ({best_hf}): "
+                   f"{result.get('ours_over_best_hf_assisted', float('nan')):.2f}x; identical outputs: "
+                   f"{ {n: v['same_tokens_as_ours'] for n, v in result['peers'].items()} }")
     result["peers_table_markdown"] = report.markdown_table(["system", "dtype", "tok/s", "x specstream gamma=0", "draft"],
                                                            rows)
     report.plot_bars(out_dir / "latency_vs_hf.png", f"Batch-1 greedy tokens/s, {models.label}, same prompts",
@@ -227,22 +316,30 @@ def _compare_with_peers(result: dict, ours: dict[int, dict], best: int, colocate
                                   **{name: r["tokens_per_s"] for name, r in peers.items()}})
 
 
-def llama_cpp_generate(models: BenchModels, prompts: list[list[int]], max_new_tokens: int) -> dict | None:
+def llama_cpp_available(models: BenchModels) -> bool:
+    """Whether llama_cpp_generate runs: llama-cpp-python installed, and a GGUF file to run."""
+    return models.gguf is not None and importlib.util.find_spec("llama_cpp") is not None
+
+
+def llama_cpp_generate(models: BenchModels, prompts: list[list[int]], max_new_tokens: int,
+                       progress: Progress | None = None) -> dict | None:
     """llama.cpp (llama-cpp-python) greedy on the target's original GGUF file, plain and with its
-    prompt-lookup draft; None (and a note) when the package or the file is not there."""
+    prompt-lookup draft; None (and a note) when the package or the file is not there. ``progress``
+    counts each generation."""
+    say = progress.print if progress is not None else lambda text: print(text, flush=True)
     try:
+        # Optional, and only needed here.
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
     except ImportError:
-        print("llama.cpp: not installed (pip install llama-cpp-python to include it)", flush=True)
+        say("llama.cpp: not installed (pip install llama-cpp-python to include it)")
         return None
     gguf = models.gguf
     if gguf is None:
-        print("llama.cpp: the target has no GGUF file to run", flush=True)
+        say("llama.cpp: the target has no GGUF file to run")
         return None
-    import os
-    import time
-
+    if progress is not None:
+        progress.phase("latency: llama.cpp")
     results = {}
     for mode, draft in (("plain", None), ("prompt_lookup", LlamaPromptLookupDecoding(num_pred_tokens=10))):
         llm = Llama(model_path=str(gguf), n_ctx=2048, n_threads=os.cpu_count(), draft_model=draft, verbose=False)
@@ -258,6 +355,8 @@ def llama_cpp_generate(models: BenchModels, prompts: list[list[int]], max_new_to
             seconds += time.perf_counter() - start
             tokens += len(out)
             outputs.append(out)
+            if progress is not None:
+                progress.update()
         results[mode] = {"tokens_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds, "token_ids": outputs,
                          "dtype": "GGUF as stored", "assistant": "prompt lookup, 10 tokens" if draft else None}
     return results

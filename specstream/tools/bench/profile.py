@@ -23,12 +23,15 @@ import torch
 
 from specstream.tools.bench import report
 from specstream.tools.bench.models import BenchModels
+from specstream.tools.progress import Progress
 from specstream.serving.compute import on_torch_thread
 
 CONTEXT = 200
+COMPONENT_TIMINGS = 5  # what `components` times: embedding, attention, MLP, output layer, the whole forward
 
 
-def _median_ms(fn, repeats: int = 40) -> float:
+def _median_ms(fn, repeats: int = 40, progress: Progress | None = None) -> float:
+    """The median of ``repeats`` timed calls after 5 untimed ones; ``progress`` counts it as one timing."""
     for _ in range(5):
         fn()
     times = []
@@ -36,12 +39,21 @@ def _median_ms(fn, repeats: int = 40) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
+    if progress is not None:
+        progress.update()
     return statistics.median(times) * 1000
 
 
+def planned_timings(models: BenchModels) -> int:
+    """The timings `run` takes (its progress total): a 1-token step's and a 5-token verify's
+    components, and with a draft its step's, its proposals in process and over gRPC."""
+    return 2 * COMPONENT_TIMINGS + (COMPONENT_TIMINGS + 2 if models.draft is not None else 0)
+
+
 @torch.inference_mode()
-def components(model, tokens: int) -> dict[str, float]:
-    """ms per part of one forward over `tokens` new positions after CONTEXT cached ones."""
+def components(model, tokens: int, progress: Progress | None = None) -> dict[str, float]:
+    """ms per part of one forward over `tokens` new positions after CONTEXT cached ones
+    (COMPONENT_TIMINGS timings, each counted by ``progress``)."""
     cache = model.new_cache(1, CONTEXT + tokens + 1)
     slot, start = torch.tensor([cache.alloc()]), torch.tensor([CONTEXT])
     model(torch.zeros(1, CONTEXT, dtype=torch.int64), cache, slot, torch.tensor([0]))  # fill the context
@@ -49,20 +61,23 @@ def components(model, tokens: int) -> dict[str, float]:
     batch = model._cache_batch(ids, cache, slot, start)
     x, cos, sin = model.embed_positions(ids, batch)
     layers = list(model.layers)
-    out = {
-        "embedding + RoPE rows": _median_ms(lambda: model.embed_positions(ids, model._cache_batch(ids, cache, slot, start))),
-        f"attention x{len(layers)}": _median_ms(lambda: [layer.attention(x, batch, cos, sin) for layer in layers]),
-        f"MLP x{len(layers)}": _median_ms(lambda: [layer.mlp(x) for layer in layers]),
-        f"output layer ({model.config.output_vocab or model.config.vocab_size} rows)": _median_ms(lambda: model.output_head.logits(x)),
+    parts = {
+        "embedding + RoPE rows": lambda: model.embed_positions(ids, model._cache_batch(ids, cache, slot, start)),
+        f"attention x{len(layers)}": lambda: [layer.attention(x, batch, cos, sin) for layer in layers],
+        f"MLP x{len(layers)}": lambda: [layer.mlp(x) for layer in layers],
+        f"output layer ({model.config.output_vocab or model.config.vocab_size} rows)":
+            lambda: model.output_head.logits(x),
     }
-    whole = _median_ms(lambda: model(ids, cache, slot, start))
+    out = {name: _median_ms(part, progress=progress) for name, part in parts.items()}
+    whole = _median_ms(lambda: model(ids, cache, slot, start), progress=progress)
     out["Python and dispatch between them"] = max(whole - sum(out.values()), 0.0)
     out["whole forward"] = whole
     return out
 
 
-def local_propose_ms(models: BenchModels, gamma: int = 4, rounds: int = 40) -> float:
-    """ms of γ proposals for one sequence computed in this process (call on the torch thread)."""
+def local_propose_ms(models: BenchModels, gamma: int = 4, rounds: int = 40, progress: Progress | None = None) -> float:
+    """ms of γ proposals for one sequence computed in this process (call on the torch thread);
+    one timing for ``progress``."""
     from draft_service.proposer import DraftProposer
     from specstream.data.propose import ProposeItem
 
@@ -74,12 +89,13 @@ def local_propose_ms(models: BenchModels, gamma: int = 4, rounds: int = 40) -> f
                                    prompt if i == 0 else [100], gamma)])
 
     local_round(0)
-    return _median_ms(lambda: local_round(1), rounds)
+    return _median_ms(lambda: local_round(1), rounds, progress)
 
 
-def rpc_round_trip(models: BenchModels, in_process: float, gamma: int = 4, rounds: int = 40) -> dict[str, float]:
+def rpc_round_trip(models: BenchModels, in_process: float, gamma: int = 4, rounds: int = 40,
+                   progress: Progress | None = None) -> dict[str, float]:
     """ms of a propose round trip to a real draft process (one sequence, γ proposals), beside
-    ``in_process``, the ms of the same proposals computed in this process."""
+    ``in_process``, the ms of the same proposals computed in this process; one timing for ``progress``."""
     from specstream.tools.launcher import Stack, StackSpec
     from specstream_pb import draft_pb2, draft_pb2_grpc
 
@@ -99,42 +115,49 @@ def rpc_round_trip(models: BenchModels, in_process: float, gamma: int = 4, round
                 next(responses)
 
             round_trip(True)
-            remote = _median_ms(lambda: round_trip(False), rounds)
+            remote = _median_ms(lambda: round_trip(False), rounds, progress)
             q.put(None)
     return {"draft compute, in process": in_process, "gRPC round trip": remote,
             "RPC + serialisation": max(remote - in_process, 0.0)}
 
 
-def _time_models(models: BenchModels) -> dict:
+def _time_models(models: BenchModels, progress: Progress) -> dict:
     """The in-process timings (run on the torch thread: specstream.serving.compute)."""
     target = models.load("target")
     result: dict = {"models": models.label, "dtype": models.dtype, "threads": torch.get_num_threads(),
                     "context": CONTEXT, "weights": target.weights}
-    print(f"{models.label} ({models.dtype}, {target.weights} weights, {torch.get_num_threads()} threads): "
-          "timing a 1-token step ...", flush=True)
-    result["target_step"] = components(target, 1)
-    print("... a 5-token verify ...", flush=True)
-    result["target_verify5"] = components(target, 5)
+    progress.print(f"{models.label} ({models.dtype}, {target.weights} weights, {torch.get_num_threads()} threads): "
+                   "timing a 1-token step ...")
+    progress.phase("profile: target, 1-token step")
+    result["target_step"] = components(target, 1, progress)
+    progress.print("... a 5-token verify ...")
+    progress.phase("profile: target, 5-token verify")
+    result["target_verify5"] = components(target, 5, progress)
     if models.draft is not None:
+        progress.phase("profile: draft step and proposals")
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # as the draft service runs it
         draft = models.load("draft")
         result["draft_weights"] = draft.weights
-        result["draft_step"] = components(draft, 1)
-        result["draft_propose_ms"] = local_propose_ms(models)
+        result["draft_step"] = components(draft, 1, progress)
+        result["draft_propose_ms"] = local_propose_ms(models, progress=progress)
         torch.set_num_threads(threads)
     return result
 
 
-def run(models: BenchModels, out_dir: Path) -> dict:
-    result = on_torch_thread(_time_models, models)
-    rows = [[name, result["target_step"][name], result["target_verify5"][name]] for name in result["target_step"]]
-    if models.draft is not None:
-        rows.append([f"draft step (1 token, 1 thread, {result['draft_weights']} weights)",
-                     result["draft_step"]["whole forward"], "-"])
-        print("... a propose round trip over gRPC ...", flush=True)
-        result["rpc"] = rpc_round_trip(models, result["draft_propose_ms"])
-        rows += [[f"draft propose γ=4: {k}", v, "-"] for k, v in result["rpc"].items()]
+def run(models: BenchModels, out_dir: Path, quiet: bool = False) -> dict:
+    """The table on stdout, ``profile.json`` and a plot in ``out_dir``. Progress on stderr
+    (specstream.tools.progress; ``quiet``: plain lines, never a bar), counted in timings."""
+    with Progress(planned_timings(models), "timings", "profile", quiet=quiet) as progress:
+        result = on_torch_thread(_time_models, models, progress)
+        rows = [[name, result["target_step"][name], result["target_verify5"][name]] for name in result["target_step"]]
+        if models.draft is not None:
+            rows.append([f"draft step (1 token, 1 thread, {result['draft_weights']} weights)",
+                         result["draft_step"]["whole forward"], "-"])
+            progress.print("... a propose round trip over gRPC ...")
+            progress.phase("profile: a propose round trip over gRPC")
+            result["rpc"] = rpc_round_trip(models, result["draft_propose_ms"], progress=progress)
+            rows += [[f"draft propose γ=4: {k}", v, "-"] for k, v in result["rpc"].items()]
     headers = ["component", "1-token step ms", "5-token verify ms"]
     print("\n" + report.table(headers, rows), flush=True)
     result["table_markdown"] = report.markdown_table(headers, rows)

@@ -20,9 +20,11 @@ from pathlib import Path
 from specstream.tools.bench import report
 from specstream.tools.bench.checks import check_runs_match
 from specstream.tools.bench.costs import measure_costs
+from specstream.tools.bench.hf import MODES as HF_MODES, hf_generate, runnable_modes
 from specstream.tools.bench.latency import display, public, score, sweep
 from specstream.tools.bench.models import BenchModels
 from specstream.tools.launcher import Stack, StackSpec
+from specstream.tools.progress import Progress
 
 DEFAULT_TEMPERATURES = [0.0, 0.7, 1.0]
 DEFAULT_GAMMAS = [0, 2, 4, 6]
@@ -31,7 +33,11 @@ HEADERS = ["T", "gamma", "tok/s", "alpha", "accepted frac", "mean acc len", "the
 
 
 def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: int = 128,
-        temperatures: list[float] | None = None, gammas: list[int] | None = None, with_hf: bool = True) -> dict:
+        temperatures: list[float] | None = None, gammas: list[int] | None = None, with_hf: bool = True,
+        quiet: bool = False) -> dict:
+    """A γ sweep at each temperature, then the peers at each T > 0; the table on stdout,
+    ``sampling.json`` and a plot in ``out_dir``. Progress on stderr (specstream.tools.progress;
+    ``quiet``: plain lines, never a bar), counted in generations."""
     temperatures = DEFAULT_TEMPERATURES if temperatures is None else temperatures
     gammas = DEFAULT_GAMMAS if gammas is None else gammas
     _check(temperatures, gammas)
@@ -40,30 +46,22 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
     context = sum(len(p) for p in prompts) // len(prompts) + max_new_tokens // 2
     print(f"{models.label} ({models.dtype}): measuring the cost ratio c at context {context} ...", flush=True)
     costs = measure_costs(models, context, [g for g in gammas if g])
-    ours: dict[float, dict[int, dict]] = {}
-    with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(str(models.target), str(draft), max_gamma=16,
-                                                                 weights=models.weights, **models.proposing,
-                                                                 dtype=models.dtype, log_dir=logs)) as stack:
-        for t in temperatures:
-            print(f"T={t}: sweeping gamma {gammas} over {len(prompts)} prompts x {max_new_tokens} tokens ...",
-                  flush=True)
-            ours[t] = sweep(stack.gateway_address, prompts, gammas, max_new_tokens, temperature=t)
-    if 0.0 in ours:
-        check_runs_match("greedy (T=0) speculative output", "plain decoding (gamma 0)", ours[0.0][0]["token_ids"],
-                         {f"gamma {g}": ours[0.0][g]["token_ids"] for g in gammas if g})
-    rows = []
-    for t in temperatures:
-        for gamma in gammas:
-            rows.append(_score(ours[t], gamma, costs, t))
-    result = {"models": models.label, "target": display(models.target), "draft": display(models.draft),
-              "dtype": models.dtype, "chat_prompts": models.chat, "prompts": len(prompts),
-              "proposer": models.proposing,
-              "max_new_tokens": max_new_tokens, "seeds": "prompt index", "costs": costs,
-              "temperatures": {t: {"gammas": {g: public(ours[t][g]) for g in gammas},
-                                   "best_gamma": _best(ours[t])} for t in temperatures}}
-    print("\n" + report.table(HEADERS, rows), flush=True)
-    if with_hf:
-        _compare_with_hf(result, ours, models, prompts, max_new_tokens)
+    total = planned_generations(models, len(prompts), temperatures, gammas, with_hf)
+    with Progress(total, "generations", "sampling", quiet=quiet) as progress:
+        ours = _sweeps(models, draft, prompts, temperatures, gammas, max_new_tokens, progress)
+        if 0.0 in ours:
+            check_runs_match("greedy (T=0) speculative output", "plain decoding (gamma 0)", ours[0.0][0]["token_ids"],
+                             {f"gamma {g}": ours[0.0][g]["token_ids"] for g in gammas if g})
+        rows = [_score(ours[t], gamma, costs, t) for t in temperatures for gamma in gammas]
+        result = {"models": models.label, "target": display(models.target), "draft": display(models.draft),
+                  "dtype": models.dtype, "chat_prompts": models.chat, "prompts": len(prompts),
+                  "proposer": models.proposing,
+                  "max_new_tokens": max_new_tokens, "seeds": "prompt index", "costs": costs,
+                  "temperatures": {t: {"gammas": {g: public(ours[t][g]) for g in gammas},
+                                       "best_gamma": _best(ours[t])} for t in temperatures}}
+        progress.print("\n" + report.table(HEADERS, rows))
+        if with_hf:
+            _compare_with_hf(result, ours, models, prompts, max_new_tokens, progress)
     result["table_markdown"] = report.markdown_table(HEADERS, rows)
     report.plot_lines(out_dir / "sampling_speedup.png", "Speculative sampling: speedup over γ=0 at each T", "γ",
                       "speedup (x)", {f"T={t}": (gammas, [ours[t][g]["speedup"] for g in gammas])
@@ -71,6 +69,29 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
     report.write_json(out_dir / "sampling.json", result)
     print(f"\nwrote {out_dir / 'sampling.json'}, {out_dir / 'sampling_speedup.png'}", flush=True)
     return result
+
+
+def planned_generations(models: BenchModels, n_prompts: int, temperatures: list[float], gammas: list[int],
+                        with_hf: bool) -> int:
+    """The generations `run` makes, warm-ups aside: its progress total."""
+    sweeps = len(temperatures) * len(gammas)
+    if with_hf:
+        sweeps += len(runnable_modes(models, HF_MODES)) * sum(t > 0 for t in temperatures)
+    return sweeps * n_prompts
+
+
+def _sweeps(models: BenchModels, draft: Path, prompts: list[list[int]], temperatures: list[float], gammas: list[int],
+            max_new_tokens: int, progress: Progress) -> dict[float, dict[int, dict]]:
+    """Every temperature's γ sweep, in one stack."""
+    ours: dict[float, dict[int, dict]] = {}
+    with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(str(models.target), str(draft), max_gamma=16,
+                                                                 weights=models.weights, **models.proposing,
+                                                                 dtype=models.dtype, log_dir=logs)) as stack:
+        for t in temperatures:
+            progress.print(f"T={t}: sweeping gamma {gammas} over {len(prompts)} prompts x {max_new_tokens} tokens ...")
+            progress.phase(f"sampling: T={t:g}, gamma {','.join(str(g) for g in gammas)}")
+            ours[t] = sweep(stack.gateway_address, prompts, gammas, max_new_tokens, temperature=t, progress=progress)
+    return ours
 
 
 def _check(temperatures: list[float], gammas: list[int]) -> None:
@@ -93,19 +114,16 @@ def _best(by_gamma: dict[int, dict]) -> int:
 
 
 def _compare_with_hf(result: dict, ours: dict[float, dict[int, dict]], models: BenchModels,
-                     prompts: list[list[int]], max_new_tokens: int) -> None:
+                     prompts: list[list[int]], max_new_tokens: int, progress: Progress) -> None:
     """Hugging Face plain and assisted sampling at each T > 0 (the stack is down by now)."""
-    from specstream.tools.bench.hf import hf_generate
-
     sampled = [t for t in ours if t > 0]
     if not sampled:
         return
-    print("\nHugging Face transformers, do_sample=True, top_k=0, same checkpoints, prompts and seeds ...",
-          flush=True)
+    progress.print("\nHugging Face transformers, do_sample=True, top_k=0, same checkpoints, prompts and seeds ...")
     rows = []
-    modes = ("plain", "assisted", "assisted_heuristic", "prompt_lookup")
     for t in sampled:
-        hf = hf_generate(models, prompts, max_new_tokens, temperature=t, modes=modes)
+        progress.phase(f"sampling: Hugging Face transformers, T={t:g}")
+        hf = hf_generate(models, prompts, max_new_tokens, temperature=t, modes=HF_MODES, progress=progress)
         best = _best(ours[t])
         best_hf = max((m for m in hf if m != "plain"), key=lambda m: hf[m]["tokens_per_s"])
         entry = result["temperatures"][t]
@@ -113,8 +131,9 @@ def _compare_with_hf(result: dict, ours: dict[float, dict[int, dict]], models: B
         entry["best_hf_assisted"] = best_hf
         entry["ours_over_best_hf_assisted"] = ours[t][best]["tokens_per_s"] / hf[best_hf]["tokens_per_s"]
         rows.append([f"{t:g}", ours[t][0]["tokens_per_s"], f"{ours[t][best]['tokens_per_s']:.1f} (gamma={best})",
-                     *(hf[m]["tokens_per_s"] if m in hf else "-" for m in modes), entry["ours_over_best_hf_assisted"]])
+                     *(hf[m]["tokens_per_s"] if m in hf else "-" for m in HF_MODES),
+                     entry["ours_over_best_hf_assisted"]])
     headers = ["T", "ours gamma=0", "ours best", "HF generate()", "HF assisted (defaults)",
                "HF assisted (heuristic, start 5)", "HF prompt lookup", "ours best / best HF assisted"]
-    print(report.table(headers, rows), flush=True)
+    progress.print(report.table(headers, rows))
     result["hf_table_markdown"] = report.markdown_table(headers, rows)

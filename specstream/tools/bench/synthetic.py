@@ -26,6 +26,7 @@ from specstream.tools.bench.models import BenchModels
 from specstream.tools.bench.latency import sweep
 from specstream.tools.bench.theory import expected_speedup
 from specstream.tools.launcher import Stack, StackSpec
+from specstream.tools.progress import Progress
 
 TARGET_SHAPE = {"hidden_size": 768, "intermediate_size": 2560, "num_hidden_layers": 14, "num_attention_heads": 12,
                 "num_key_value_heads": 4, "max_position_embeddings": 2048, "tie_word_embeddings": True}
@@ -46,8 +47,16 @@ def build_target(path: Path, tokenizer_dir: Path | None, seed: int = 0, shape: d
     return path
 
 
+HEADERS = ["alpha set", "gamma", "alpha measured", "tok/s", "measured x", "theory x (c=0)", "of theory",
+           "verify cost (g+1 vs 1)", "theory x (verify cost)", "of that"]
+
+
 def run(out_dir: Path, alphas: list[float] | None = None, gammas: list[int] | None = None, n_prompts: int = 4,
-        max_new_tokens: int = 128, tokenizer_dir: Path | None = None, shape: dict | None = None) -> dict:
+        max_new_tokens: int = 128, tokenizer_dir: Path | None = None, shape: dict | None = None,
+        quiet: bool = False) -> dict:
+    """Plain decoding, then every γ at every α; the table on stdout, ``synthetic.json`` and a plot
+    in ``out_dir``. Progress on stderr (specstream.tools.progress; ``quiet``: plain lines, never a
+    bar), counted in generations."""
     alphas = alphas or [0.5, 0.7, 0.9]
     gammas = gammas or [2, 4, 8]
     with tempfile.TemporaryDirectory() as tmp:
@@ -60,39 +69,27 @@ def run(out_dir: Path, alphas: list[float] | None = None, gammas: list[int] | No
         params = _params(target)
         print(f"random Llama target, {params / 1e6:.0f}M parameters; one-token step {costs['target_step_ms']:.1f} ms",
               flush=True)
-        with Stack(StackSpec(str(target), None, log_dir=tmp + "/logs-plain")) as stack:
-            plain = sweep(stack.gateway_address, prompts, [0], max_new_tokens)[0]
-        oracle = Path(tmp) / "oracle.json"
-        oracle.write_text(json.dumps({"vocab_size": vocab,
-                                      "sequences": [p + t for p, t in zip(prompts, plain["token_ids"])]}))
-        rows, result = [], {"target_parameters": params, "costs": costs, "plain_tokens_per_s": plain["tokens_per_s"],
-                            "prompts": n_prompts, "max_new_tokens": max_new_tokens, "alphas": {}}
-        for alpha in alphas:
-            spec = StackSpec(str(target), None, synthetic=(str(oracle), alpha), max_gamma=16,
-                             log_dir=f"{tmp}/logs-{alpha}")
-            with Stack(spec) as stack:
-                runs = sweep(stack.gateway_address, prompts, gammas, max_new_tokens)
-            result["alphas"][alpha] = {}
-            for gamma in gammas:
-                r = runs[gamma]
-                check_same_tokens(f"synthetic alpha {alpha}, gamma {gamma} against plain decoding",
-                                  plain["token_ids"], r["token_ids"])
-                speedup = r["tokens_per_s"] / plain["tokens_per_s"]
-                theory = expected_speedup(r["alpha"], gamma, 0.0)
-                verify = costs["target_verify_ms"][gamma] / costs["target_step_ms"]
-                # The same theory with the verify forward priced as measured: what is left between
-                # this and the measurement is the serving system's own overhead.
-                priced = theory / verify
-                result["alphas"][alpha][gamma] = {"tokens_per_s": r["tokens_per_s"], "alpha_measured": r["alpha"],
-                                                  "speedup": speedup, "theory": theory, "of_theory": speedup / theory,
-                                                  "verify_cost_ratio": verify, "theory_with_verify_cost": priced,
-                                                  "of_theory_with_verify_cost": speedup / priced}
-                rows.append([alpha, gamma, r["alpha"], r["tokens_per_s"], speedup, theory, speedup / theory, verify,
-                             priced, speedup / priced])
-    headers = ["alpha set", "gamma", "alpha measured", "tok/s", "measured x", "theory x (c=0)", "of theory",
-               "verify cost (g+1 vs 1)", "theory x (verify cost)", "of that"]
-    print(f"\nplain decoding: {plain['tokens_per_s']:.1f} tok/s\n" + report.table(headers, rows), flush=True)
-    result["table_markdown"] = report.markdown_table(headers, rows)
+        with Progress((1 + len(alphas) * len(gammas)) * n_prompts, "generations", "synthetic: plain decoding",
+                      quiet=quiet) as progress:
+            with Stack(StackSpec(str(target), None, log_dir=tmp + "/logs-plain")) as stack:
+                plain = sweep(stack.gateway_address, prompts, [0], max_new_tokens, progress=progress)[0]
+            oracle = Path(tmp) / "oracle.json"
+            oracle.write_text(json.dumps({"vocab_size": vocab,
+                                          "sequences": [p + t for p, t in zip(prompts, plain["token_ids"])]}))
+            result = {"target_parameters": params, "costs": costs, "plain_tokens_per_s": plain["tokens_per_s"],
+                      "prompts": n_prompts, "max_new_tokens": max_new_tokens, "alphas": {}}
+            rows = []
+            for alpha in alphas:
+                progress.phase(f"synthetic: alpha {alpha}")
+                spec = StackSpec(str(target), None, synthetic=(str(oracle), alpha), max_gamma=16,
+                                 log_dir=f"{tmp}/logs-{alpha}")
+                with Stack(spec) as stack:
+                    runs = sweep(stack.gateway_address, prompts, gammas, max_new_tokens, progress=progress)
+                result["alphas"][alpha] = {}
+                for gamma in gammas:
+                    rows.append(_score(result["alphas"][alpha], alpha, gamma, runs[gamma], plain, costs))
+    print(f"\nplain decoding: {plain['tokens_per_s']:.1f} tok/s\n" + report.table(HEADERS, rows), flush=True)
+    result["table_markdown"] = report.markdown_table(HEADERS, rows)
     report.plot_lines(out_dir / "synthetic_speedup.png", "Synthetic α: measured vs theory (c = 0)", "γ",
                       "speedup over plain (x)",
                       {**{f"measured α={a}": (gammas, [result["alphas"][a][g]["speedup"] for g in gammas]) for a in alphas},
@@ -101,6 +98,25 @@ def run(out_dir: Path, alphas: list[float] | None = None, gammas: list[int] | No
     report.write_json(out_dir / "synthetic.json", result)
     print(f"wrote {out_dir / 'synthetic.json'}, {out_dir / 'synthetic_speedup.png'}", flush=True)
     return result
+
+
+def _score(by_gamma: dict, alpha: float, gamma: int, r: dict, plain: dict, costs: dict) -> list:
+    """Checks one (α, γ) run's tokens against plain decoding, adds its figures to ``by_gamma`` and
+    returns its table row (HEADERS)."""
+    check_same_tokens(f"synthetic alpha {alpha}, gamma {gamma} against plain decoding",
+                      plain["token_ids"], r["token_ids"])
+    speedup = r["tokens_per_s"] / plain["tokens_per_s"]
+    theory = expected_speedup(r["alpha"], gamma, 0.0)
+    verify = costs["target_verify_ms"][gamma] / costs["target_step_ms"]
+    # The same theory with the verify forward priced as measured: what is left between
+    # this and the measurement is the serving system's own overhead.
+    priced = theory / verify
+    by_gamma[gamma] = {"tokens_per_s": r["tokens_per_s"], "alpha_measured": r["alpha"],
+                       "speedup": speedup, "theory": theory, "of_theory": speedup / theory,
+                       "verify_cost_ratio": verify, "theory_with_verify_cost": priced,
+                       "of_theory_with_verify_cost": speedup / priced}
+    return [alpha, gamma, r["alpha"], r["tokens_per_s"], speedup, theory, speedup / theory, verify, priced,
+            speedup / priced]
 
 
 def _params(path: Path) -> int:

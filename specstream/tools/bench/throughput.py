@@ -36,6 +36,7 @@ from specstream.tools.bench.checks import require
 from specstream.tools.bench.latency import display
 from specstream.tools.bench.models import BenchModels
 from specstream.tools.launcher import Stack, StackSpec
+from specstream.tools.progress import Progress
 
 WORKLOADS = {"short": (12.0, 1.0, 256), "long": (96.0, 0.6, 512)}  # lognormal median, sigma, cap
 FRONTS = ("grpc", "http")  # the gateway's gRPC API; its OpenAI-compatible HTTP API
@@ -105,11 +106,12 @@ def schedule(fronts: tuple[str, ...], repeats: int = 1) -> list[str]:
     return (list(fronts) + list(reversed(fronts))) * max(1, repeats)
 
 
-async def _closed_loop(front: str, address: str, requests: list[tuple[list[int], int]],
-                       clients: int) -> tuple[list[tuple[int, float]], float, list[list[int]]]:
+async def _closed_loop(front: str, address: str, requests: list[tuple[list[int], int]], clients: int,
+                       progress: Progress | None = None) -> tuple[list[tuple[int, float]], float, list[list[int]]]:
     """`clients` callers, each sending the next request as soon as its last one finished, through
     `front`; returns (completion tokens, latency seconds) per request, in request order, the wall
-    time from the first request to the last answer, and each request's completion token ids."""
+    time from the first request to the last answer, and each request's completion token ids.
+    `progress` counts each request as it is answered."""
     pending = list(reversed(list(enumerate(requests))))
     results: list[tuple[int, float]] = [(0, 0.0)] * len(requests)
     outputs: list[list[int]] = [[] for _ in requests]
@@ -121,6 +123,8 @@ async def _closed_loop(front: str, address: str, requests: list[tuple[list[int],
                 start = time.monotonic()
                 outputs[i] = await call(prompt, budget)
                 results[i] = (len(outputs[i]), time.monotonic() - start)
+                if progress is not None:
+                    progress.update(1)
 
         start = time.monotonic()
         await asyncio.gather(*(caller() for _ in range(clients)))
@@ -268,8 +272,10 @@ def row_name(setting: Setting, front: str, fronts: tuple[str, ...]) -> str:
 
 
 def measure(models: BenchModels, setting: Setting, requests: list[tuple[list[int], int]],
-            fronts: tuple[str, ...] = ("grpc",), repeats: int = 1) -> dict[str, dict]:
-    """Each front's figures (`summarize`) for one setting, all in one stack."""
+            fronts: tuple[str, ...] = ("grpc",), repeats: int = 1, progress: Progress | None = None
+            ) -> dict[str, dict]:
+    """Each front's figures (`summarize`) for one setting, all in one stack; `progress` counts
+    every request sent (`requests_sent` of them), warm-ups included."""
     clients = 2 * setting.n
     with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(
             **models.stack_fields(speculative=bool(setting.gamma)), gamma=setting.gamma or 4,
@@ -278,11 +284,11 @@ def measure(models: BenchModels, setting: Setting, requests: list[tuple[list[int
             log_dir=logs)) as stack:
         addresses = {"grpc": stack.gateway_address, "http": stack.http_address}
         for front in fronts:  # warm-up
-            asyncio.run(_closed_loop(front, addresses[front], requests[:clients], clients))
+            asyncio.run(_closed_loop(front, addresses[front], requests[:clients], clients, progress))
         passes = []
         for front in schedule(fronts, repeats):
             before = _batch_counters(stack)
-            results, wall, outputs = asyncio.run(_closed_loop(front, addresses[front], requests, clients))
+            results, wall, outputs = asyncio.run(_closed_loop(front, addresses[front], requests, clients, progress))
             passes.append(Pass(front, results, wall, _delta(before, _batch_counters(stack)),
                                outputs))
     check_fronts_agree(setting.name, requests, passes)
@@ -294,19 +300,24 @@ def measure(models: BenchModels, setting: Setting, requests: list[tuple[list[int
     return out
 
 
+def requests_sent(setting: Setting, count: int, fronts: tuple[str, ...] = ("grpc",), repeats: int = 1) -> int:
+    """The requests `measure` sends for one setting: each front's warm-up, then every pass."""
+    return len(fronts) * min(2 * setting.n, count) + len(schedule(fronts, repeats)) * count
+
+
 def run(models: BenchModels, out_dir: Path, kinds: list[str], settings: list[Setting], count: int = 200,
-        fronts: tuple[str, ...] = ("grpc",), repeats: int = 1) -> dict:
+        fronts: tuple[str, ...] = ("grpc",), repeats: int = 1, quiet: bool = False) -> dict:
+    """Every setting on every workload through every front; tables on stdout, ``throughput.json``
+    and plots in ``out_dir``. Progress on stderr (specstream.tools.progress; ``quiet``: plain lines,
+    never a bar), counted in requests as they are answered."""
     headers = ["workload", "setting", "tok/s", "x static", "p50 s", "p99 s", "occupancy", "occupancy (queue>0)",
                "steps", "rows/step", "padding"]
     rows, results, comparisons, front_rows = [], {}, [], []
+    total = len(kinds) * sum(requests_sent(s, count, fronts, repeats) for s in settings)
+    with Progress(total, "requests", "throughput", quiet=quiet) as progress:
+        for kind in kinds:
+            _measure_workload(models, kind, settings, count, fronts, repeats, results, progress)
     for kind in kinds:
-        requests = workload(models, kind, count)
-        print(f"{kind}: {count} requests, max_new_tokens median {sorted(b for _, b in requests)[count // 2]}, "
-              f"max {max(b for _, b in requests)}", flush=True)
-        for setting in settings:
-            print(f"  {setting.name} ...", flush=True)
-            for front, r in measure(models, setting, requests, fronts, repeats).items():
-                results[(kind, setting, front)] = r
         for setting in settings:
             for front in fronts:
                 r = results[(kind, setting, front)]
@@ -341,6 +352,19 @@ def run(models: BenchModels, out_dir: Path, kinds: list[str], settings: list[Set
     report.write_json(written[0], data)
     print(f"\nwrote {', '.join(str(p) for p in written)}", flush=True)
     return data
+
+
+def _measure_workload(models: BenchModels, kind: str, settings: list[Setting], count: int, fronts: tuple[str, ...],
+                      repeats: int, results: dict, progress: Progress) -> None:
+    """Every setting on one workload (`measure`), into ``results`` by (workload, setting, front)."""
+    requests = workload(models, kind, count)
+    progress.print(f"{kind}: {count} requests, max_new_tokens median {sorted(b for _, b in requests)[count // 2]}, "
+                   f"max {max(b for _, b in requests)}")
+    for setting in settings:
+        progress.print(f"  {setting.name} ...")
+        progress.phase(f"throughput: {kind}, {setting.name}")
+        for front, r in measure(models, setting, requests, fronts, repeats, progress).items():
+            results[(kind, setting, front)] = r
 
 
 def _plot_occupancy(path: Path, results: dict, kind: str, front: str = "grpc") -> None:

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specstream.serving.compute import on_torch_thread
+from specstream.tools.progress import Progress
 from specstream.data.config import ModelSpec, TargetConfig
 from specstream.models.loader import load_model
 from specstream.text.tokenizer import TextTokenizer
@@ -48,7 +49,9 @@ class Record:
 
 
 def generate_responses(target_dir: Path, prompts: list[dict], *, dtype: str, max_new_tokens: int,
-                       max_slots: int = 48, log_every: int = 200) -> list[Record]:
+                       max_slots: int = 48, log_every: int = 200, quiet: bool = False) -> list[Record]:
+    """One record per prompt that fits the context (see the module docstring). Progress on stderr
+    (specstream.tools.progress; ``quiet``: plain lines, never a bar), counted in prompts answered."""
     tok = TextTokenizer.from_dir(target_dir)
     model = on_torch_thread(load_model, target_dir, dtype=dtype)  # where the engine runs (specstream.serving.compute)
     config = TargetConfig(model=ModelSpec(str(target_dir), dtype), max_slots=max_slots, max_seq_len=1024,
@@ -66,15 +69,17 @@ def generate_responses(target_dir: Path, prompts: list[dict], *, dtype: str, max
                                         Speculation("off"), sampling, logprobs=TOP_K))
         meta.append((p, ids, sampled))
     done_count = [0, 0]
+    with Progress(len(requests), "prompts", "train-draft: generate", quiet=quiet) as progress:
+        def finished(result) -> None:
+            done_count[0] += 1
+            done_count[1] += len(result.token_ids)
+            progress.update()
+            if done_count[0] % log_every == 0 or done_count[0] == len(requests):
+                progress.print(f"[generate] {done_count[0]}/{len(requests)} prompts, {done_count[1]} response tokens")
 
-    def progress(result) -> None:
-        done_count[0] += 1
-        done_count[1] += len(result.token_ids)
-        if done_count[0] % log_every == 0 or done_count[0] == len(requests):
-            print(f"[generate] {done_count[0]}/{len(requests)} prompts, {done_count[1]} response tokens", flush=True)
-
+        answered = run_requests(engine, requests, timeout_s=600, on_finished=finished)
     records = []
-    for (p, ids, sampled), done in zip(meta, run_requests(engine, requests, timeout_s=600, on_finished=progress)):
+    for (p, ids, sampled), done in zip(meta, answered):
         if done.final is None or done.finish_reason == "error":
             raise RuntimeError(f"prompt {p['id']}: generation failed: {done.final}")
         top_ids = torch.tensor([[t for t, _ in lp.top] for lp in done.logprobs], dtype=torch.int32)

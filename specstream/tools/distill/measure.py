@@ -25,15 +25,18 @@ from target_service.engine import Engine
 from target_service.inprocess import run_requests
 from specstream.data.engine import SequenceRequest, Speculation
 from target_service.local_draft import LocalDraft
+from specstream.tools.progress import Progress
 
 __all__ = ["measure_acceptance", "measure_costs"]
 
 
 def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[dict], *, temperature: float,
                        top_p: float = 1.0, gamma: int = 4, max_new_tokens: int = 96,
-                       dtype: str = "bfloat16", proposer: str = "model", ngram_min: int = 1) -> dict:
+                       dtype: str = "bfloat16", proposer: str = "model", ngram_min: int = 1,
+                       progress: Progress | None = None) -> dict:
     """α and tokens per pass with the draft as the service runs it (its weights "auto"), proposing
-    with ``proposer`` (DraftConfig.PROPOSERS; "ngram+model" tries n-grams down to ``ngram_min``)."""
+    with ``proposer`` (DraftConfig.PROPOSERS; "ngram+model" tries n-grams down to ``ngram_min``).
+    ``progress`` counts each prompt's request as it finishes."""
     tok = TextTokenizer.from_dir(target_dir)
     # On the torch thread the engine runs on (specstream.serving.compute).
     target = on_torch_thread(load_model, target_dir, dtype=dtype, weights="auto")  # as served
@@ -46,7 +49,8 @@ def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[dict], *
                                 frozenset(stop), Speculation("fixed", gamma),
                                 SamplingParams.from_settings(temperature, top_p=top_p, seed=p["id"]))
                 for p in prompts]
-    results = run_requests(engine, requests)
+    results = run_requests(engine, requests,
+                           on_finished=None if progress is None else lambda finished: progress.update())
     stats = [r.final.stats for r in results]
     accepted = sum(s.accepted_tokens for s in stats)
     rejections = sum(s.rejections for s in stats)

@@ -23,6 +23,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
+from specstream.tools.distill import train
 from specstream.tools.distill.data import generate_responses, load_records, save_records
 from specstream.tools.distill.prompts import build_prompts
 
@@ -54,9 +57,11 @@ def read_prompts(path: Path) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
-def main(target_dir: Path, draft_dir: Path, work_dir: Path, cfg: DistillConfig, stages: tuple[str, ...]) -> int:
-    import torch
-
+def main(target_dir: Path, draft_dir: Path, work_dir: Path, cfg: DistillConfig, stages: tuple[str, ...],
+         quiet: bool = False) -> int:
+    """Runs ``stages`` (STAGES, or "all") in order. Progress on stderr (specstream.tools.progress;
+    ``quiet``: plain lines, never a bar): per stage, its prompts answered, training steps or
+    requests measured."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     stages = STAGES if "all" in stages else stages
@@ -72,28 +77,34 @@ def main(target_dir: Path, draft_dir: Path, work_dir: Path, cfg: DistillConfig, 
     prompts = read_prompts(prompts_path)
     records_path = work_dir / "records.safetensors"
     if "generate" in stages:
-        start = time.monotonic()
-        # Resumable: prompts already answered (an earlier run, an earlier round) are kept.
-        records = load_records(records_path) if records_path.exists() else []
-        done = {r.prompt_id for r in records}
-        todo = [p for p in prompts if p["id"] not in done]
-        print(f"[generate] {len(done)} prompts answered already, {len(todo)} to go", flush=True)
-        if todo:
-            records += generate_responses(target_dir, todo, dtype=cfg.dtype, max_new_tokens=cfg.max_new_tokens)
-            save_records(records, records_path)
-        log["generate_minutes"] = log.get("generate_minutes", 0.0) + (time.monotonic() - start) / 60
-        log["response_tokens"] = sum(len(r.response) for r in records)
-        print(f"[generate] {len(records)} records, {log['response_tokens']} tokens in "
-              f"{log['generate_minutes']:.1f} min -> {records_path}", flush=True)
+        _generate(target_dir, prompts, records_path, cfg, log, quiet)
     log_path.write_text(json.dumps(log, indent=2))
     if "train" in stages or "card" in stages:
-        from specstream.tools.distill import train
-
         records = load_records(records_path)
         if "train" in stages:
-            log.update(train.train_draft(target_dir, draft_dir, records, cfg.seed))
+            log.update(train.train_draft(target_dir, draft_dir, records, cfg.seed, quiet=quiet))
             log_path.write_text(json.dumps(log, indent=2))
         if "card" in stages:
-            log.update(train.write_card(target_dir, draft_dir, records, prompts, log))
+            log.update(train.write_card(target_dir, draft_dir, records, prompts, log, quiet=quiet))
             log_path.write_text(json.dumps(log, indent=2))
     return 0
+
+
+def _generate(target_dir: Path, prompts: list[dict], records_path: Path, cfg: DistillConfig, log: dict,
+              quiet: bool) -> None:
+    """The ``generate`` stage: the target answers the prompts not answered yet, into ``records_path``;
+    its minutes and response tokens go into ``log``."""
+    start = time.monotonic()
+    # Resumable: prompts already answered (an earlier run, an earlier round) are kept.
+    records = load_records(records_path) if records_path.exists() else []
+    done = {r.prompt_id for r in records}
+    todo = [p for p in prompts if p["id"] not in done]
+    print(f"[generate] {len(done)} prompts answered already, {len(todo)} to go", flush=True)
+    if todo:
+        records += generate_responses(target_dir, todo, dtype=cfg.dtype, max_new_tokens=cfg.max_new_tokens,
+                                      quiet=quiet)
+        save_records(records, records_path)
+    log["generate_minutes"] = log.get("generate_minutes", 0.0) + (time.monotonic() - start) / 60
+    log["response_tokens"] = sum(len(r.response) for r in records)
+    print(f"[generate] {len(records)} records, {log['response_tokens']} tokens in "
+          f"{log['generate_minutes']:.1f} min -> {records_path}", flush=True)

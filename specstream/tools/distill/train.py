@@ -33,7 +33,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from specstream.models.loader import embedding_sha256
+from specstream.models.registry import PAIRS
+from specstream.text.tokenizer import TextTokenizer
 from specstream.tools.distill.data import Record
+from specstream.tools.distill.measure import measure_acceptance, measure_costs
+from specstream.tools.progress import Progress
 
 __all__ = ["DRAFT_LAYERS", "OUTPUT_VOCAB", "train_draft", "write_card"]
 
@@ -174,12 +179,10 @@ def _evaluate(model: _Draft, examples: list) -> dict:
 
 
 def train_draft(target_dir: Path, draft_dir: Path, records: list[Record], seed: int = 0,
-                target_ref: str = "smollm2") -> dict:
+                target_ref: str = "smollm2", quiet: bool = False) -> dict:
     """Trains and saves the draft; ``target_ref`` is how the draft names the model whose embedding
-    it reads at load time (a model name or path that ``resolve_model`` understands)."""
-    from specstream.models.loader import embedding_sha256
-    from specstream.text.tokenizer import TextTokenizer
-
+    it reads at load time (a model name or path that ``resolve_model`` understands). Progress on
+    stderr (specstream.tools.progress; ``quiet``: plain lines, never a bar), counted in optimiser steps."""
     torch.manual_seed(seed)
     tok = TextTokenizer.from_dir(target_dir)
     always = sorted({t for t in (tok.end_of_turn_id, *tok.eos_token_ids) if t is not None})
@@ -199,8 +202,27 @@ def train_draft(target_dir: Path, draft_dir: Path, records: list[Record], seed: 
     total = sum(len(e) for e in epochs)
     print(f"[train] {len(train_ex)} examples, {total} steps, output vocab {len(vocab_ids)} "
           f"(held-out teacher mass kept {coverage:.3f}); before: {_evaluate(model, held_ex)}", flush=True)
+    start = time.monotonic()
+    with Progress(total, "steps", "train-draft: train", quiet=quiet) as progress:
+        _optimise(model, opt, params, train_ex, held_ex, epochs, progress)
+    minutes = (time.monotonic() - start) / 60
+    held_out = _evaluate(model, held_ex)
+    embed_sha = embedding_sha256(model.body.embed_tokens.weight)
+    _save(model, draft_dir, vocab_ids, json.loads((target_dir / "config.json").read_text()), target_ref, embed_sha)
+    return {"train_minutes": minutes, "train_steps": total, "train_examples": len(train_ex),
+            "held_out_examples": len(held_ex), "output_vocab": len(vocab_ids), "held_out_teacher_mass": coverage,
+            "held_out_distill": held_out,
+            "draft_parameters_trained": sum(p.numel() for p in params)}
+
+
+def _optimise(model: _Draft, opt: torch.optim.Optimizer, params: list[torch.Tensor], train_ex: list, held_ex: list,
+              epochs: list[list[list[int]]], progress: Progress) -> None:
+    """Every epoch's batches, one optimiser step each (warm-up, then the cosine schedule); the
+    held-out loss after each epoch. ``progress`` counts the steps."""
+    total = sum(len(e) for e in epochs)
     start, step = time.monotonic(), 0
     for epoch, batches in enumerate(epochs):
+        progress.phase(f"train-draft: train, epoch {epoch + 1}/{len(epochs)}")
         for idx in batches:
             lr = LR * min(1.0, (step + 1) / WARMUP) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / total)))
             for group in opt.param_groups:
@@ -211,18 +233,11 @@ def train_draft(target_dir: Path, draft_dir: Path, records: list[Record], seed: 
             opt.step()
             opt.zero_grad(set_to_none=True)
             step += 1
+            progress.update()
             if step % 25 == 0 or step == total:
-                print(f"[train] epoch {epoch + 1} step {step}/{total} loss {loss.item():.3f} top-1 agreement "
-                      f"{agree.item():.3f} ({(time.monotonic() - start) / 60:.1f} min)", flush=True)
-        print(f"[train] epoch {epoch + 1} held out: {_evaluate(model, held_ex)}", flush=True)
-    minutes = (time.monotonic() - start) / 60
-    held_out = _evaluate(model, held_ex)
-    embed_sha = embedding_sha256(model.body.embed_tokens.weight)
-    _save(model, draft_dir, vocab_ids, json.loads((target_dir / "config.json").read_text()), target_ref, embed_sha)
-    return {"train_minutes": minutes, "train_steps": total, "train_examples": len(train_ex),
-            "held_out_examples": len(held_ex), "output_vocab": len(vocab_ids), "held_out_teacher_mass": coverage,
-            "held_out_distill": held_out,
-            "draft_parameters_trained": sum(p.numel() for p in params)}
+                progress.print(f"[train] epoch {epoch + 1} step {step}/{total} loss {loss.item():.3f} top-1 agreement "
+                               f"{agree.item():.3f} ({(time.monotonic() - start) / 60:.1f} min)")
+        progress.print(f"[train] epoch {epoch + 1} held out: {_evaluate(model, held_ex)}")
 
 
 def _coverage(records: list[Record], vocab_index: torch.Tensor) -> float:
@@ -246,17 +261,24 @@ def _save(model: _Draft, draft_dir: Path, vocab_ids: torch.Tensor, target_config
     (draft_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def write_card(target_dir: Path, draft_dir: Path, records: list[Record], prompts: list[dict], log: dict) -> dict:
-    from specstream.tools.distill.measure import measure_acceptance, measure_costs
-    from specstream.models.registry import PAIRS
-
+def write_card(target_dir: Path, draft_dir: Path, records: list[Record], prompts: list[dict], log: dict,
+               quiet: bool = False) -> dict:
+    """Measures the draft (acceptance greedy and sampled, alone and as served; its cost per step)
+    and writes the model card and ``train_log.json``. Progress on stderr (specstream.tools.progress;
+    ``quiet``: plain lines, never a bar), counted in held-out requests measured."""
     held_prompts = [p for p in prompts if p["split"] == "held_out"]
-    greedy = measure_acceptance(target_dir, draft_dir, held_prompts, temperature=0.0)
-    sampled = measure_acceptance(target_dir, draft_dir, held_prompts, temperature=0.8, top_p=0.95)
     # As `specstream serve` runs the pair: prompt lookup first, the draft where it finds nothing.
     served = PAIRS["smollm2"].proposing
-    served_greedy = measure_acceptance(target_dir, draft_dir, held_prompts, temperature=0.0, **served)
-    served_sampled = measure_acceptance(target_dir, draft_dir, held_prompts, temperature=0.8, top_p=0.95, **served)
+    runs = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 0.8, "top_p": 0.95},
+            "served_greedy": {"temperature": 0.0, **served},
+            "served_sampled": {"temperature": 0.8, "top_p": 0.95, **served}}
+    acceptance = {}
+    with Progress(len(runs) * len(held_prompts), "requests", "train-draft: card", quiet=quiet) as progress:
+        for name, settings in runs.items():
+            progress.phase(f"train-draft: card, {name.replace('_', ' ')} acceptance")
+            acceptance[name] = measure_acceptance(target_dir, draft_dir, held_prompts, progress=progress, **settings)
+    greedy, sampled = acceptance["greedy"], acceptance["sampled"]
+    served_greedy, served_sampled = acceptance["served_greedy"], acceptance["served_sampled"]
     costs = measure_costs(target_dir, draft_dir)
     facts = {"greedy": greedy, "sampled": sampled, "served_greedy": served_greedy, "served_sampled": served_sampled,
              "costs": costs, "python": platform.python_version(), "cpus": os.cpu_count()}

@@ -27,13 +27,18 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from specstream.tools.launcher import Stack, StackSpec
+from specstream.text.tokenizer import TextTokenizer
+from specstream.tools.launcher import Stack, StackSpec, wait_healthy
+from specstream.tools.progress import Progress
 from specstream.tools.reliability import FAULT_SCENARIOS
+from specstream.tools.reliability.input_cost import prompt_gaps
+
 PROMPTS = ["def main():", "The weather today", "x = 1", "import os", "Hello, world", "for i in range(3):",
            "She said", "class A:"]
 
 
 PROMPTS_AT_ONCE = 4  # max-prompt: streams running beside the big prompts
+MAX_PROMPT_TOKENS = 400  # max-prompt: each stream's budget
 
 
 class FaultCheckError(RuntimeError):
@@ -56,8 +61,10 @@ class Streams:
 
 
 async def run_streams(address: str, max_new_tokens: int, speculation="auto", fault=None,
-                      after_tokens: int = 16) -> Streams:
-    """The 8 prompts as concurrent greedy streams; `fault()` runs once each has `after_tokens`."""
+                      after_tokens: int = 16, progress: Progress | None = None) -> Streams:
+    """The 8 prompts as concurrent greedy streams; `fault()` runs once each has `after_tokens`.
+    ``progress`` counts each stream's tokens as they arrive, and what is left of its budget when it
+    ends short (an error)."""
     from specstream_client import AsyncClient
     from specstream_client.errors import SpecstreamError
 
@@ -70,16 +77,26 @@ async def run_streams(address: str, max_new_tokens: int, speculation="auto", fau
                 if chunk.token_ids:
                     out.tokens[i] += chunk.token_ids
                     out.stamps[i].append(time.monotonic())
+                    if progress is not None:
+                        progress.update(len(chunk.token_ids))
                 if fault is not None and not out.fault_at and all(len(t) >= after_tokens for t in out.tokens):
                     out.fault_at = time.monotonic()
                     fault()
         except SpecstreamError as exc:
             out.errors[i] = exc.code.name
         out.ended[i] = time.monotonic()
+        if progress is not None:
+            progress.update(max(max_new_tokens - len(out.tokens[i]), 0))
 
     async with AsyncClient(address, timeout=600) as client:
         await asyncio.gather(*(one(client, i) for i in range(len(PROMPTS))))
     return out
+
+
+def _progress(scenario: str, runs: int, max_new_tokens: int, quiet: bool) -> Progress:
+    """A scenario's progress on stderr (specstream.tools.progress), counted in the tokens of its
+    `runs` runs of the streams."""
+    return Progress(runs * len(PROMPTS) * max_new_tokens, "tokens", f"faults: {scenario}", quiet=quiet)
 
 
 def _spec(models, **kwargs) -> StackSpec:
@@ -110,12 +127,17 @@ def _speculates(address: str) -> bool:
         return client.generate("import os", max_new_tokens=8, speculation=4, ignore_eos=True).stats.draft_tokens > 0
 
 
-def hung_draft(models, max_new_tokens: int = 200, stopped_s: float = 5.0) -> dict:
-    with tempfile.TemporaryDirectory() as logs, Stack(_spec(models, log_dir=logs)) as stack:
-        reference = asyncio.run(run_streams(stack.gateway_address, max_new_tokens, speculation="off"))
+def hung_draft(models, max_new_tokens: int = 200, stopped_s: float = 5.0, quiet: bool = False) -> dict:
+    """SIGSTOP of the draft under 8 streams (the module docstring). ``quiet``: progress as plain
+    lines, never a bar."""
+    with _progress("hung-draft", 2, max_new_tokens, quiet) as progress, \
+            tempfile.TemporaryDirectory() as logs, Stack(_spec(models, log_dir=logs)) as stack:
+        reference = asyncio.run(run_streams(stack.gateway_address, max_new_tokens, speculation="off",
+                                            progress=progress))
         draft = stack.procs["draft"]
+        progress.phase("faults: hung-draft, draft stopped")
         streams = asyncio.run(run_streams(stack.gateway_address, max_new_tokens, speculation=4,
-                                          fault=lambda: os.kill(draft.pid, signal.SIGSTOP)))
+                                          fault=lambda: os.kill(draft.pid, signal.SIGSTOP), progress=progress))
         try:
             _same(streams, reference, "hung draft")
             time.sleep(max(0.0, stopped_s - (time.monotonic() - streams.fault_at)))
@@ -130,15 +152,17 @@ def hung_draft(models, max_new_tokens: int = 200, stopped_s: float = 5.0) -> dic
             "speculating_again_s": back}
 
 
-def hung_target(models, max_new_tokens: int = 400) -> dict:
-    from specstream.tools.launcher import wait_healthy
+def hung_target(models, max_new_tokens: int = 400, quiet: bool = False) -> dict:
+    """SIGSTOP of the only target under 8 streams (the module docstring). ``quiet``: progress as
+    plain lines, never a bar."""
     from specstream_client import Client
     from specstream_client.errors import SpecstreamError
 
-    with tempfile.TemporaryDirectory() as logs, Stack(_spec(models, log_dir=logs)) as stack:
+    with _progress("hung-target", 1, max_new_tokens, quiet) as progress, \
+            tempfile.TemporaryDirectory() as logs, Stack(_spec(models, log_dir=logs)) as stack:
         target = stack.procs["target"]
         streams = asyncio.run(run_streams(stack.gateway_address, max_new_tokens,
-                                          fault=lambda: os.kill(target.pid, signal.SIGSTOP)))
+                                          fault=lambda: os.kill(target.pid, signal.SIGSTOP), progress=progress))
         try:
             failed = [end - streams.fault_at for end in streams.ended]
             if any(error != "UNAVAILABLE" for error in streams.errors):
@@ -175,12 +199,16 @@ def _serves(address: str) -> bool:
         return False
 
 
-def kill_target(models, max_new_tokens: int = 300) -> dict:
-    with tempfile.TemporaryDirectory() as logs, Stack(_spec(models, log_dir=logs, target_replicas=2)) as stack:
-        reference = asyncio.run(run_streams(stack.gateway_address, max_new_tokens))
+def kill_target(models, max_new_tokens: int = 300, quiet: bool = False) -> dict:
+    """kill -9 of one of two targets under 8 streams (the module docstring). ``quiet``: progress as
+    plain lines, never a bar."""
+    with _progress("kill-target", 2, max_new_tokens, quiet) as progress, tempfile.TemporaryDirectory() as logs, \
+            Stack(_spec(models, log_dir=logs, target_replicas=2)) as stack:
+        reference = asyncio.run(run_streams(stack.gateway_address, max_new_tokens, progress=progress))
         before = _resumed(stack.gateway_address)
         victim = stack.procs["target-1"]
-        streams = asyncio.run(run_streams(stack.gateway_address, max_new_tokens, fault=victim.kill))
+        progress.phase("faults: kill-target, a target killed")
+        streams = asyncio.run(run_streams(stack.gateway_address, max_new_tokens, fault=victim.kill, progress=progress))
         victim.wait(10)
         moved = _resumed(stack.gateway_address) - before
     lost = sum(error is not None for error in streams.errors)
@@ -209,42 +237,43 @@ def _longest_pause(times: list[float], t: float) -> float:
     return max((b - a for a, b in zip(points, points[1:])), default=0.0)
 
 
-def max_prompt(models, big_prompts: int = 5) -> dict:
+def max_prompt(models, big_prompts: int = 5, quiet: bool = False) -> dict:
     """The longest prompt the gateway would tokenize for this model (the target serves the model's
     whole context: a sequence length past it is capped there), `big_prompts` times while 4 streams
     run, twice: with all three processes sharing every core, and with the gateway on a core of its
     own (target and draft on the others, one torch thread each), as where it runs in a pod of its
     own. On a machine this small the first mostly measures the cores' contention: the engine's
     threads wait for each other, so any process that takes a core for a third of a second (even
-    at the lowest priority) stretches the steps meanwhile."""
-    from specstream.text.tokenizer import TextTokenizer
-
+    at the lowest priority) stretches the steps meanwhile. ``quiet``: progress as plain lines,
+    never a bar (counted in the streams' tokens)."""
     tokenizer = TextTokenizer.from_dir(models.target)
     result: dict = {"scenario": "max-prompt", "big_prompts": big_prompts}
     cores = sorted(os.sched_getaffinity(0))
-    for layout in ("shared cores", "gateway on its own core"):
-        pinned = layout != "shared cores"
-        if pinned and len(cores) < 2:
-            continue
-        threads = {"target_threads": 1, "draft_threads": 1} if pinned else {}
-        with tempfile.TemporaryDirectory() as logs, Stack(_spec(models, log_dir=logs, max_seq_len=1 << 20,
-                                                                **threads)) as stack:
-            if pinned:
-                for name, proc in stack.procs.items():
-                    os.sched_setaffinity(proc.pid, cores[-1:] if name == "gateway" else cores[:-1])
-            gaps = _prompt_gaps(stack, tokenizer, big_prompts)
-        result[layout] = {k: v for k, v in gaps.items() if k != "gap_ms"}
+    layouts = [layout for layout in ("shared cores", "gateway on its own core")
+               if layout == "shared cores" or len(cores) >= 2]
+    with Progress(len(layouts) * PROMPTS_AT_ONCE * MAX_PROMPT_TOKENS, "tokens", "faults: max-prompt",
+                  quiet=quiet) as progress:
+        for layout in layouts:
+            pinned = layout != "shared cores"
+            progress.phase(f"faults: max-prompt, {layout}")
+            threads = {"target_threads": 1, "draft_threads": 1} if pinned else {}
+            with tempfile.TemporaryDirectory() as logs, Stack(_spec(models, log_dir=logs, max_seq_len=1 << 20,
+                                                                    **threads)) as stack:
+                if pinned:
+                    for name, proc in stack.procs.items():
+                        os.sched_setaffinity(proc.pid, cores[-1:] if name == "gateway" else cores[:-1])
+                gaps = _prompt_gaps(stack, tokenizer, big_prompts, progress)
+            result[layout] = {k: v for k, v in gaps.items() if k != "gap_ms"}
     return result
 
 
-def _prompt_gaps(stack: Stack, tokenizer, big_prompts: int) -> dict:
-    from specstream.tools.reliability.input_cost import prompt_gaps
+def _prompt_gaps(stack: Stack, tokenizer, big_prompts: int, progress: Progress) -> dict:
     from specstream_client import Client
 
     with Client(stack.gateway_address, timeout=60) as client:
         context = client.model_info().max_context_length
     gaps = asyncio.run(prompt_gaps(stack.gateway_address, context * tokenizer.max_token_chars, streams=PROMPTS_AT_ONCE,
-                                   max_new_tokens=400, big_prompts=big_prompts))
+                                   max_new_tokens=MAX_PROMPT_TOKENS, big_prompts=big_prompts, progress=progress))
     return {"context_tokens": context, **gaps.to_dict()}
 
 

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
+from specstream.tools.progress import Progress
 from specstream_pb import common_pb2, generation_pb2
 
 OK = "OK"
@@ -413,7 +414,8 @@ async def _http_call(host: str, port: int, case: Case) -> tuple[str, str | None]
 
 
 async def run_cases(cases: list[Case], grpc_address: str, http_address: str | None = None,
-                    concurrency: int = 8) -> list[Outcome]:
+                    concurrency: int = 8, progress: Progress | None = None) -> list[Outcome]:
+    """Each case's outcome, in case order, ``concurrency`` at a time; ``progress`` counts each answered case."""
     outcomes: list[Outcome | None] = [None] * len(cases)
     gate = asyncio.Semaphore(concurrency)
     host, _, port = (http_address or ":0").rpartition(":")
@@ -426,6 +428,8 @@ async def run_cases(cases: list[Case], grpc_address: str, http_address: str | No
                 else:
                     got, named = await _http_call(host, int(port), case)
                 outcomes[i] = Outcome(case, got, named, time.monotonic() - start)
+                if progress is not None:
+                    progress.update()
 
         await asyncio.gather(*(one(i, c) for i, c in enumerate(cases)))
     return [o for o in outcomes if o is not None]
@@ -453,13 +457,15 @@ async def serving(grpc_address: str) -> bool:
 
 
 async def fuzz(grpc_address: str, http_address: str | None = None, cases: int = 1000, seed: int = 0,
-               concurrency: int = 8) -> Report:
+               concurrency: int = 8, quiet: bool = False) -> Report:
     """Runs `cases` fuzzed requests against a running gateway; the report counts crashes and
-    wrong codes and keeps the first few of each."""
+    wrong codes and keeps the first few of each. Progress on stderr (specstream.tools.progress;
+    ``quiet``: plain lines, never a bar), counted in cases."""
     lim = await limits_of(grpc_address)
     made = make_cases(seed, cases, lim, http=http_address is not None)
     start = time.monotonic()
-    outcomes = await run_cases(made, grpc_address, http_address, concurrency)
+    with Progress(len(made), "cases", "fuzz", quiet=quiet) as progress:
+        outcomes = await run_cases(made, grpc_address, http_address, concurrency, progress)
     seconds = time.monotonic() - start
     bad = [o for o in outcomes if o.crash or o.wrong]
     return Report(

@@ -15,6 +15,8 @@ import string
 import time
 from dataclasses import asdict, dataclass, field
 
+from specstream.tools.progress import Progress
+
 
 def random_words(chars: int, seed: int = 0) -> str:
     """`chars` characters of space-separated lowercase words of 2-9 letters."""
@@ -44,11 +46,11 @@ class PromptGaps:
 
 async def prompt_gaps(address: str, prompt_chars: int, streams: int = 4, max_new_tokens: int = 64,
                       prompt: str = "Once upon a time", warmup_chunks: int = 3, timeout: float = 300.0,
-                      big_prompts: int = 1) -> PromptGaps:
+                      big_prompts: int = 1, progress: Progress | None = None) -> PromptGaps:
     """Starts `streams` greedy streams of `prompt` (ignore_eos, `max_new_tokens` each); once each
     has sent `warmup_chunks` chunks, sends `big_prompts` requests with a `prompt_chars`-character
     prompt, one after the other, and records, for every running stream, the gaps between its
-    chunks before and while one is in."""
+    chunks before and while one is in. ``progress`` counts the streams' tokens as they arrive."""
     from specstream_client import AsyncClient
     from specstream_client.errors import SpecstreamError
 
@@ -59,9 +61,11 @@ async def prompt_gaps(address: str, prompt_chars: int, streams: int = 4, max_new
 
     async with AsyncClient(address, timeout=timeout) as client:
         async def stream(i: int) -> None:
-            async for _ in client.generate_stream(prompt, max_new_tokens=max_new_tokens, ignore_eos=True,
-                                                  speculation="off"):
+            async for chunk in client.generate_stream(prompt, max_new_tokens=max_new_tokens, ignore_eos=True,
+                                                      speculation="off"):
                 arrivals[i].append(time.monotonic())
+                if progress is not None:
+                    progress.update(len(chunk.token_ids))
                 if all(len(a) >= warmup_chunks for a in arrivals):
                     started.set()
 

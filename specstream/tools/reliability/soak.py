@@ -15,6 +15,8 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from specstream.tools.progress import Progress
+
 PROMPTS = [
     "Explain how a hash table handles collisions.", "Write a Python function that merges two sorted lists.",
     "What causes the seasons on Earth?", "Summarize the plot of a detective story in three sentences.",
@@ -70,8 +72,11 @@ def _median(values: list[float]) -> float:
 
 
 async def soak(address: str, pids: dict[str, int], seconds: float, concurrency: int = 8, seed: int = 0,
-               sample_s: float = 1.0, warmup_s: float | None = None, max_new_tokens: int = 96) -> SoakReport:
-    """Load the gateway at `address` for `seconds`; sample the RSS of `pids` every `sample_s`."""
+               sample_s: float = 1.0, warmup_s: float | None = None, max_new_tokens: int = 96,
+               quiet: bool = False) -> SoakReport:
+    """Load the gateway at `address` for `seconds`; sample the RSS of `pids` every `sample_s`.
+    Progress on stderr (specstream.tools.progress; ``quiet``: plain lines, never a bar), counted in
+    whole seconds of the soak, at each sample."""
     import psutil
 
     from specstream_client import AsyncClient
@@ -86,7 +91,7 @@ async def soak(address: str, pids: dict[str, int], seconds: float, concurrency: 
     start = time.monotonic()
     stop_at = start + seconds
 
-    async def sampler() -> None:
+    async def sampler(progress: Progress) -> None:
         while time.monotonic() < stop_at:
             now = time.monotonic() - start
             for name, proc in procs.items():
@@ -94,40 +99,49 @@ async def soak(address: str, pids: dict[str, int], seconds: float, concurrency: 
                     memory[name].append((now, proc.memory_info().rss / 2**20))
                 except psutil.Error:
                     errors[f"{name} process gone"] += 1
+            progress.advance_to(min(int(now), seconds))
             await asyncio.sleep(sample_s)
+        progress.advance_to(seconds)
 
-    async with AsyncClient(address, timeout=300) as client:
-        chat = (await client.model_info()).has_chat_template  # else text prompts only
+    async def caller(client: AsyncClient, chat: bool, k: int) -> None:
+        rng = random.Random(seed * 1000 + k)
+        while time.monotonic() < stop_at:
+            prompt = rng.choice(PROMPTS)
+            options = {"max_new_tokens": rng.randint(8, max_new_tokens)}
+            if rng.random() < 0.3:
+                options |= {"temperature": 0.8, "top_p": 0.95, "seed": rng.getrandbits(32)}
+            began = time.monotonic()
+            try:
+                if rng.random() < 0.5:
+                    tokens = 0
+                    stream = (client.chat_stream([{"role": "user", "content": prompt}], **options)
+                              if chat and rng.random() < 0.5 else client.generate_stream(prompt, **options))
+                    async for chunk in stream:
+                        tokens += len(chunk.token_ids)
+                else:
+                    result = (await client.chat([{"role": "user", "content": prompt}], **options)
+                              if chat and rng.random() < 0.5 else await client.generate(prompt, **options))
+                    tokens = result.usage.completion_tokens
+            except SpecstreamError as exc:
+                errors[exc.code.name] += 1
+                continue
+            done = time.monotonic()
+            counts["requests"] += 1
+            counts["tokens"] += tokens
+            finished.append((done - start, 1000 * (done - began) / max(tokens, 1)))
 
-        async def caller(k: int) -> None:
-            rng = random.Random(seed * 1000 + k)
-            while time.monotonic() < stop_at:
-                prompt = rng.choice(PROMPTS)
-                options = {"max_new_tokens": rng.randint(8, max_new_tokens)}
-                if rng.random() < 0.3:
-                    options |= {"temperature": 0.8, "top_p": 0.95, "seed": rng.getrandbits(32)}
-                began = time.monotonic()
-                try:
-                    if rng.random() < 0.5:
-                        tokens = 0
-                        stream = (client.chat_stream([{"role": "user", "content": prompt}], **options)
-                                  if chat and rng.random() < 0.5 else client.generate_stream(prompt, **options))
-                        async for chunk in stream:
-                            tokens += len(chunk.token_ids)
-                    else:
-                        result = (await client.chat([{"role": "user", "content": prompt}], **options)
-                                  if chat and rng.random() < 0.5 else await client.generate(prompt, **options))
-                        tokens = result.usage.completion_tokens
-                except SpecstreamError as exc:
-                    errors[exc.code.name] += 1
-                    continue
-                done = time.monotonic()
-                counts["requests"] += 1
-                counts["tokens"] += tokens
-                finished.append((done - start, 1000 * (done - began) / max(tokens, 1)))
+    with Progress(seconds, "seconds", "soak", quiet=quiet) as progress:
+        async with AsyncClient(address, timeout=300) as client:
+            chat = (await client.model_info()).has_chat_template  # else text prompts only
+            await asyncio.gather(sampler(progress), *(caller(client, chat, k) for k in range(concurrency)))
+    return _report(time.monotonic() - start, concurrency, warmup, pids, memory, errors, finished, counts)
 
-        await asyncio.gather(sampler(), *(caller(k) for k in range(concurrency)))
-    elapsed = time.monotonic() - start
+
+def _report(elapsed: float, concurrency: int, warmup: float, pids: dict[str, int],
+            memory: dict[str, list[tuple[float, float]]], errors: Counter[str], finished: list[tuple[float, float]],
+            counts: dict[str, int]) -> SoakReport:
+    """The soak's figures from what it recorded: each process's RSS slope after ``warmup``, and
+    per-token latency in the first third of the run against the last."""
     processes = []
     for name, raw in memory.items():
         samples = [(round(t, 2), round(v, 3)) for t, v in raw]

@@ -1,0 +1,106 @@
+"""Flag helpers that several subcommand groups share: each adds a set of arguments to a parser
+(or builds an argparse type). They know nothing about what a command does with the values.
+
+Argparse reports a `type=` function by its `__name__` in its errors, and the flag snapshot
+(tests/data/cli_flags.json) records it: `int_in`'s parser stays named `parse`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from specstream.data.config import GAMMA_POLICIES, SPECULATIVE_SAMPLING, WEIGHT_FORMATS, DraftConfig, TargetConfig
+
+DTYPES = ["auto", "float32", "bfloat16", "float16"]
+
+
+def env(name: str) -> str | None:
+    """An environment variable's value as a flag default; unset or empty: None."""
+    return os.environ.get(name) or None
+
+
+def int_in(flag: str, lo: int, hi: int):
+    """An argparse type: an integer in lo..hi, or a usage error naming the flag."""
+
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag}={value!r}: must be an integer") from None
+        if not lo <= number <= hi:
+            raise argparse.ArgumentTypeError(f"{flag}={value!r}: must be in {lo}..{hi}")
+        return number
+
+    return parse
+
+
+def weights_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS,
+                   help="int4: serve a GGUF file's Q4_0/Q4_1 matrices as 4-bit blocks (CPU); dense: dequantize "
+                        "them to --dtype; int4-rtn: round a dense model to 4 bits at load (drafts only); auto: on a "
+                        "CPU in bfloat16, int4 where the model has 4-bit blocks, int4-rtn for a draft, else dense")
+
+
+def http_port_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--http-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                        "/v1/models, /health) on the gateway's host at this port (0: a free one; default: off)")
+
+
+def quiet_flag(p: argparse.ArgumentParser) -> None:
+    """For the long-running commands, which show a progress bar with an ETA by default."""
+    p.add_argument("--quiet", action="store_true", help="no progress bar: plain progress lines only")
+
+
+def proposer_flags(p: argparse.ArgumentParser, model_flag: str, pair: bool = False) -> None:
+    """What the draft service proposes with; `serve` passes them on to its draft. With ``pair``
+    (commands that take --models) --proposer and --ngram-min default to the pair's:
+    pair.chosen_proposer."""
+    p.add_argument("--proposer", default=None if pair else DraftConfig.proposer, choices=DraftConfig.PROPOSERS,
+                   help=f"model: the draft model ({model_flag}); ngram: prompt lookup, copying what followed the "
+                        "latest earlier occurrence of the last n tokens (no model); ngram+model: n-grams where "
+                        "they match, the model elsewhere" + (" (default: the --models pair's)" if pair else ""))
+    p.add_argument("--ngram-max", type=int, default=DraftConfig.ngram_max, help="prompt lookup tries n from this ...")
+    p.add_argument("--ngram-min", type=int, default=None if pair else DraftConfig.ngram_min,
+                   help="... down to this" + (f" (default: the --models pair's with its proposer, else "
+                                              f"{DraftConfig.ngram_min})" if pair else ""))
+
+
+def gamma_flags(p: argparse.ArgumentParser) -> None:
+    """The target's speculation settings (γ: target_service/gamma.py; verification of sampled
+    proposals: target_service/settle.py); `serve` passes them on to its targets."""
+    p.add_argument("--gamma-policy", choices=GAMMA_POLICIES, default=TargetConfig.gamma_policy,
+                   help="how γ is chosen for requests with speculation=auto: goodput: per sequence and step, the "
+                        "γ that maximises the batch's expected tokens per second from measured acceptance and "
+                        "costs; fixed: always --gamma; hf: Hugging Face's heuristic (start at 5, +2 after a fully "
+                        "accepted step, -1 otherwise); leviathan: per sequence, the batch-1 optimum of Leviathan "
+                        "et al.")
+    p.add_argument("--gamma", type=int, default=TargetConfig.default_gamma,
+                   help="speculation=auto's γ under --gamma-policy fixed, and under goodput and leviathan until "
+                        "the first step is measured")
+    p.add_argument("--max-gamma", type=int, default=TargetConfig.max_gamma,
+                   help="the largest γ a request may ask for (a fixed γ, or generate/chat --max-gamma), and "
+                        "the controller may pick")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="do not time verify forwards of each step shape at start-up (the controller then learns "
+                        "its verify costs from the first requests)")
+    p.add_argument("--speculative-sampling", choices=SPECULATIVE_SAMPLING, default=TargetConfig.speculative_sampling,
+                   help="how sampled proposals are verified: leviathan: accept with min(1, p/q), else sample the "
+                        "residual (most tokens per pass); coupled: accept a proposal iff it is the target's own "
+                        "sample, so a seed gives exactly the text of plain sampling whatever gamma, the draft or "
+                        "a resubmission of the request (fewer accepted proposals)")
+
+
+def batching_flags(p: argparse.ArgumentParser) -> None:
+    """Batching policy of the target engine (design §4; target_service/scheduler.py)."""
+    p.add_argument("--policy", choices=["static", "topup"], default="topup",
+                   help="static: fill a batch and run it to completion; topup: refill freed slots")
+    p.add_argument("--refill-threshold", type=float, default=1.0,
+                   help="topup's epsilon: refill once running <= epsilon * max-batch (1: every step)")
+    p.add_argument("--max-batch", type=int, default=0,
+                   help="rows expanded per step (0: --max-slots); a larger value raises --max-slots to match")
+    p.add_argument("--row-selection", choices=["all", "min_length", "fifo"], default="all")
+    p.add_argument("--min-length-slack", type=int, default=0)
+    p.add_argument("--max-wait-steps", type=int, default=8, help="starvation bound for row selection")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens prefilled per step")

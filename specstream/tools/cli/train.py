@@ -1,0 +1,55 @@
+"""`specstream train-demo` (the shipped demo pair, from the Python standard library) and
+`specstream train-draft` (the shipped SmolLM2 draft, distilled). Flags to the training
+pipelines' configs; the training itself is specstream/tools/train_demo.py and distill/.
+
+The pipelines are imported inside the cmd_* functions: they load torch, which `specstream
+--help` and the services' start must not pay for.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from specstream.models.cache import models_home
+from specstream.models.registry import DRAFTS, resolve_model
+from specstream.tools.cli.flags import quiet_flag
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train-demo", help="reproduce the shipped demo pair from the Python standard library")
+    p.add_argument("--out", help="output directory (default: the package's demo_models/)")
+    p.add_argument("--stage", action="append", default=None,
+                   choices=["all", "tokenizer", "target", "draft", "card"], help="run only these stages (repeatable)")
+    p.add_argument("--target-steps", type=int, default=1100)
+    p.add_argument("--draft-steps", type=int, default=1100)
+    p.add_argument("--threads", type=int, default=0)
+    p.set_defaults(func=cmd_train_demo, stage=None)
+
+    p = sub.add_parser("train-draft", help="reproduce the shipped SmolLM2 draft: distillation on the target's "
+                                           "own chat responses (hours on 2 CPU cores)")
+    p.add_argument("--out", help="draft directory (default: the package's drafts/smollm2-135m-draft/)")
+    p.add_argument("--work-dir", help="intermediate files (default: <model cache>/distill/smollm2-135m-draft)")
+    p.add_argument("--stage", action="append", default=None, choices=["all", "prompts", "generate", "train", "card"],
+                   help="run only these stages (repeatable)")
+    p.add_argument("--rebuild-prompts", action="store_true",
+                   help="build the prompt set anew from this machine's documentation instead of the shipped list")
+    p.add_argument("--threads", type=int, default=0)
+    quiet_flag(p)
+    p.set_defaults(func=cmd_train_draft)
+
+
+def cmd_train_demo(args: argparse.Namespace) -> int:
+    from specstream.tools.train_demo import DEMO_DIR, TrainConfig, main
+
+    cfg = TrainConfig(target_steps=args.target_steps, draft_steps=args.draft_steps, threads=args.threads)
+    return main(Path(args.out) if args.out else DEMO_DIR, cfg, tuple(args.stage or ["all"]))
+
+
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    from specstream.tools.distill.pipeline import DistillConfig, main
+
+    cfg = DistillConfig(threads=args.threads, rebuild_prompts=args.rebuild_prompts)
+    work = Path(args.work_dir) if args.work_dir else models_home() / "distill" / "smollm2-135m-draft"
+    out = Path(args.out) if args.out else DRAFTS / "smollm2-135m-draft"
+    return main(resolve_model("smollm2"), out, work, cfg, tuple(args.stage or ["all"]), quiet=args.quiet)
