@@ -13,11 +13,11 @@ from collections.abc import Callable
 from draft_service.combined import NgramPlusModelProposer
 from draft_service.ngram import NgramProposer
 from draft_service.proposer import DraftProposer
-from specstream.data.propose import Proposer
 from draft_service.synthetic import SyntheticProposer
 from specstream.data.config import DraftConfig
-from specstream.models.registry import resolve_dtype, resolve_model
+from specstream.data.propose import Proposer
 from specstream.models.loader import load_model
+from specstream.models.registry import resolve_dtype, resolve_model
 
 __all__ = ["PROPOSERS", "build_proposer"]
 

@@ -21,8 +21,8 @@ from collections.abc import Hashable
 
 from draft_service.ngram import SOURCE as NGRAM
 from draft_service.ngram import NgramIndex, NgramProposer
-from specstream.data.propose import SOURCE as MODEL
 from draft_service.proposer import DraftProposer
+from specstream.data.propose import SOURCE as MODEL
 from specstream.data.propose import Proposal, ProposeItem
 
 

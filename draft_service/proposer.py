@@ -29,12 +29,11 @@ import torch
 import kernels
 from kernels.lm_head import Hidden
 from kernels.nbest import MAX_K, top_scores
-from specstream.models.base import CausalLM
-from kernels.random import race, row_keys
-from specstream.data.propose import SOURCE, Proposal, ProposeItem
-from specstream.data.sampling import GREEDY, SamplingParams
-from kernels.random import SAMPLE
 from kernels.processing import process_logits, truncate
+from kernels.random import SAMPLE, race, row_keys
+from specstream.data.propose import Proposal, ProposeItem
+from specstream.data.sampling import SamplingParams
+from specstream.models.base import CausalLM
 
 
 class DraftProposer:

@@ -17,10 +17,10 @@ import grpc
 
 from draft_service import tracing
 from draft_service.build import build_proposer
-from specstream.data.propose import Proposer
 from draft_service.wire import item_from_pb, proposal_to_pb
-from specstream.serving.compute import compute_executor
 from specstream.data.config import DraftConfig
+from specstream.data.propose import Proposer
+from specstream.serving.compute import compute_executor
 from specstream.serving.grpc_server import ServiceServer
 from specstream.serving.metrics import DraftMetrics
 from specstream.serving.native_memory import HeapTrimmer, bound_kernel_caches

@@ -28,9 +28,9 @@ from gateway.target_client import TargetClient
 from specstream.data.config import GatewayConfig
 from specstream.data.engine import TargetInfo
 from specstream.data.engine_wire import batch_stats_to_pb
+from specstream.models.registry import resolve_model
 from specstream.serving.grpc_server import ServiceServer
 from specstream.serving.metrics import GatewayMetrics
-from specstream.models.registry import resolve_model
 from specstream.text.tokenizer import TextTokenizer
 from specstream_pb import generation_pb2, generation_pb2_grpc
 

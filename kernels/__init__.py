@@ -7,11 +7,11 @@ the Triton kernels multiply tile by tile instead of building [rows, vocab] logit
 """
 
 from kernels.argmax import argmax, best_token
+from kernels.cuts import cut_thresholds
 from kernels.dispatch import backend, use
 from kernels.lm_head import Hidden, OutputHead
 from kernels.logprobs import token_logprobs
 from kernels.nbest import topk_logprobs
-from kernels.cuts import cut_thresholds
 from kernels.sample import sample
 from kernels.speculative import speculative_verify, speculative_verify_fused
 from kernels.verify import greedy_verify

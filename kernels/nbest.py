@@ -10,12 +10,11 @@ first. A row with fewer than k finite scores gets -inf for the rest, with unspec
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 
 import torch
 
 from kernels.dispatch import backend
-from kernels.lm_head import Hidden, Scores, _score_tile, kernel_args, rows_and_vocab, scores_at, scores_reference
+from kernels.lm_head import Hidden, Scores, _score_tile, kernel_args, rows_and_vocab, scores_reference
 from kernels.row_pass import launch_rows, tile
 from kernels.triton_shim import tl, triton
 

@@ -16,16 +16,13 @@ never sorted.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 
 import torch
 
 from kernels.dispatch import backend
 from kernels.lm_head import Hidden, Scores, kernel_args, rows_and_vocab, scores_reference
-from kernels.cuts import cut_thresholds
 from kernels.row_pass import _row_pass, launch_rows, row_pass_reference, tile
 from kernels.triton_shim import tl, triton
-from specstream.data.sampling import SamplingParams
 
 
 @triton.jit

@@ -26,9 +26,9 @@ from collections.abc import Callable
 
 import grpc
 
+from specstream.data.config import ChannelSecurity
 from specstream.data.propose import Proposal, ProposeItem
 from specstream.serving.channels import open_channel
-from specstream.data.config import ChannelSecurity
 from specstream_pb import common_pb2, draft_pb2, draft_pb2_grpc
 from target_service.draft_deadline import DraftDeadline, Shape
 

@@ -29,23 +29,29 @@ import torch
 
 from kernels.lm_head import Hidden
 from kernels.nbest import MAX_K, topk_logprobs, topk_logprobs_reference
-from specstream.serving import telemetry
-from specstream.data.beam import check_combination
-from specstream.serving.compute import torch_thread
-from specstream.data.config import TargetConfig
-from specstream.data.errors import AlreadyExistsError, InternalError, InvalidArgumentError, SpecstreamError, UnavailableError
-from specstream.serving.metrics import TargetMetrics
-from specstream.models.base import CausalLM
 from specstream.data.batch_stats import BatchStats
+from specstream.data.beam import check_combination
+from specstream.data.config import TargetConfig
+from specstream.data.engine import EngineMessage, Load, SequenceEvent, SequenceRequest
+from specstream.data.errors import (
+    AlreadyExistsError,
+    InternalError,
+    InvalidArgumentError,
+    SpecstreamError,
+    UnavailableError,
+)
+from specstream.models.base import CausalLM
+from specstream.serving import telemetry
+from specstream.serving.compute import torch_thread
+from specstream.serving.metrics import TargetMetrics
+from target_service import tracing
 from target_service.calibration import verify_costs
 from target_service.connection import Connection
-from target_service.drafting import DraftSource, Drafting
+from target_service.drafting import Drafting, DraftSource
 from target_service.gamma import AUTO_GAMMA, GammaController
-from specstream.data.engine import EngineMessage, Load, SequenceEvent, SequenceRequest
 from target_service.scheduler import Scheduler
-from target_service import tracing
 from target_service.sequence import Sequence
-from target_service.settle import VerifyRow, Verdict, settle
+from target_service.settle import Verdict, VerifyRow, settle
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from specstream.data.engine import FinishReason, SequenceEvent, SequenceRequest, TokenLogprob
 from target_service.connection import Connection
 from target_service.engine import Engine
-from specstream.data.engine import FinishReason, SequenceEvent, SequenceRequest, TokenLogprob
 
 __all__ = ["Finished", "generate", "run_requests"]
 

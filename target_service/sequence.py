@@ -16,10 +16,16 @@ from typing import Any
 
 from opentelemetry.trace import INVALID_SPAN
 
+from specstream.data.engine import (
+    BeamHypothesis,
+    FinishReason,
+    SequenceEvent,
+    SequenceRequest,
+    SequenceStats,
+    TokenLogprob,
+)
 from specstream.data.sampling import GREEDY, SamplingParams
 from target_service.beam import BeamSearch
-from specstream.data.engine import (BeamHypothesis, FinishReason, SequenceEvent, SequenceRequest, SequenceStats,
-                                     TokenLogprob)
 
 
 @dataclass(eq=False)  # identity semantics: sequences are hashed by object

@@ -13,16 +13,16 @@ from collections.abc import Callable
 
 import grpc
 
-from specstream.serving.compute import compute_executor
 from specstream.data.config import DraftConfig, TargetConfig
-from specstream.data.propose import Proposer
 from specstream.data.engine_wire import load_to_pb, message_to_pb, request_from_pb
 from specstream.data.errors import SpecstreamError
-from specstream.serving.grpc_server import ServiceServer
-from specstream.serving.metrics import TargetMetrics
-from specstream.models.registry import resolve_dtype, resolve_model
+from specstream.data.propose import Proposer
 from specstream.models.config import ModelLoadError
 from specstream.models.loader import load_model
+from specstream.models.registry import resolve_dtype, resolve_model
+from specstream.serving.compute import compute_executor
+from specstream.serving.grpc_server import ServiceServer
+from specstream.serving.metrics import TargetMetrics
 from specstream.serving.native_memory import HeapTrimmer, bound_kernel_caches
 from specstream_pb import target_pb2, target_pb2_grpc
 from target_service.connection import Connection

@@ -45,12 +45,11 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
-from kernels.lm_head import Hidden
-from kernels.random import race, row_keys
 from kernels.cuts import cut_thresholds
-from kernels.random import ACCEPT, RESIDUAL, SAMPLE, uniforms
-from specstream.data.sampling import SamplingParams
+from kernels.lm_head import Hidden
 from kernels.processing import process_logits
+from kernels.random import ACCEPT, RESIDUAL, SAMPLE, race, row_keys, uniforms
+from specstream.data.sampling import SamplingParams
 
 
 @dataclass

@@ -33,11 +33,12 @@ def model_zoo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny target with three drafts sharing its tokenizer:
     `same` (identical weights: everything accepted), `unrelated` (other random weights: almost
     nothing accepted) and `partial` (the target's first layer: often but not always accepted)."""
+    import json
+    import shutil
+
     from specstream.models.defaults import build_random_pair
     from specstream.models.random_init import write_random_checkpoint
     from specstream.text.tokenizer import BOS_TOKEN, EOS_TOKEN, build_byte_level_tokenizer, save_tokenizer_files
-    import json
-    import shutil
 
     root = tmp_path_factory.mktemp("zoo")
     build_random_pair(root / "target", root / "partial", seed=1, hidden_size=64, layers=3, vocab_size=300,

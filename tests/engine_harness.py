@@ -9,12 +9,12 @@ import torch
 
 from draft_service.proposer import DraftProposer
 from specstream.data.config import ModelSpec, TargetConfig
-from specstream.models.loader import load_model
+from specstream.data.engine import SequenceEvent, SequenceRequest, Speculation
 from specstream.data.sampling import SamplingParams
+from specstream.models.loader import load_model
 from target_service.engine import Engine
 from target_service.inprocess import run_requests
 from target_service.local_draft import LocalDraft
-from specstream.data.engine import SequenceEvent, SequenceRequest, Speculation
 
 
 def speculation(gamma: int | None) -> Speculation:

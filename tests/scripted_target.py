@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from specstream.text.chat import ChatTemplate
-from specstream.data.errors import InvalidArgumentError
-from specstream.text.tokenizer import TextTokenizer, build_byte_level_tokenizer
-from specstream_pb import target_pb2_grpc
 from specstream.data.batch_stats import BatchStats
 from specstream.data.engine import EngineMessage, Load, SequenceEvent, SequenceStats, TargetInfo, TokenLogprob
 from specstream.data.engine_wire import info_to_pb, message_to_pb, request_from_pb
+from specstream.data.errors import InvalidArgumentError
+from specstream.text.chat import ChatTemplate
+from specstream.text.tokenizer import TextTokenizer, build_byte_level_tokenizer
+from specstream_pb import target_pb2_grpc
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

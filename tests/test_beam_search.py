@@ -20,18 +20,18 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from checkpoints import load_hf_model, make_hf_checkpoint
+
 from draft_service.proposer import DraftProposer
 from specstream.data.config import ModelSpec, TargetConfig
+from specstream.data.engine import BeamOptions, SequenceRequest, Speculation
 from specstream.data.errors import InvalidArgumentError
-from specstream.models.loader import load_model
 from specstream.data.sampling import SamplingParams
+from specstream.models.loader import load_model
 from target_service.connection import Connection
 from target_service.engine import Engine
 from target_service.inprocess import run_requests
 from target_service.local_draft import LocalDraft
-from specstream.data.engine import BeamOptions, SequenceRequest, Speculation
 
 PROMPTS = [[1, 5, 9, 33, 7], [1, 44, 3, 60], [1, 100, 101, 102, 103, 104, 9], [1, 17], [1, 70, 71, 72, 73, 74, 75, 76]]
 HF_EARLY_STOPPING = {"heuristic": False, "first_k": True, "never": "never"}
@@ -273,8 +273,8 @@ def test_the_engine_refuses_what_it_cannot_run_and_serves_the_rest(model, field,
 
 def test_beam_options_cross_the_target_edge(model):
     """SequenceRequest.beam and the final event's sequences survive the protobuf edge."""
-    from specstream_pb import common_pb2, target_pb2
     from specstream.data.engine_wire import event_to_pb, request_from_pb
+    from specstream_pb import common_pb2, target_pb2
 
     pb = target_pb2.SequenceRequest(id="x", prompt_token_ids=PROMPTS[0], max_new_tokens=6, beam=common_pb2.BeamSearch(
         num_beams=3, num_return_sequences=2, length_penalty=0.5, early_stopping=common_pb2.EARLY_STOPPING_NEVER,

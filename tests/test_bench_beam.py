@@ -19,7 +19,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from checkpoints import make_hf_checkpoint
 
 K, REQUESTS = 3, 8
@@ -28,10 +27,10 @@ STREAMING = ("VAR-STREAM ε=1/3", "VAR-STR-FIFO ε=1/3")
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory):
+    from specstream.text.tokenizer import BOS_TOKEN, EOS_TOKEN, build_byte_level_tokenizer, save_tokenizer_files
     from specstream.tools.bench import beam
     from specstream.tools.bench.models import BenchModels
     from specstream.tools.progress import Progress
-    from specstream.text.tokenizer import BOS_TOKEN, EOS_TOKEN, build_byte_level_tokenizer, save_tokenizer_files
 
     shown: list[Progress] = []
 

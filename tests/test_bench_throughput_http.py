@@ -169,6 +169,7 @@ class _FakeGrpcClient:
 
 def test_each_front_sends_the_same_request_and_results_come_in_request_order(monkeypatch):
     import openai
+
     import specstream_client
 
     monkeypatch.setattr(openai, "AsyncOpenAI", _FakeOpenAI)

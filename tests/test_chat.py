@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from gateway.validation import Limits, validate
-from specstream.text.chat import ChatError, ChatTemplate
 from specstream.data.config import GatewayConfig
 from specstream.data.errors import InvalidArgumentError
+from specstream.text.chat import ChatError, ChatTemplate
 from specstream.text.tokenizer import TextTokenizer
 from specstream_client._request import build_chat_request
 from specstream_pb import generation_pb2, target_pb2

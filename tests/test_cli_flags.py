@@ -21,10 +21,10 @@ import grpc
 import pytest
 from fake_gateway import serve_generation
 
+from specstream.data.config import GAMMA_POLICIES, DraftConfig, ModelSpec, TargetConfig
 from specstream.tools.cli import build_parser, main
 from specstream.tools.cli.serve import _stack_spec
 from specstream.tools.cli.services import _draft_config, _gateway_config, _target_config
-from specstream.data.config import GAMMA_POLICIES, DraftConfig, ModelSpec, TargetConfig
 from specstream.tools.launcher import StackSpec, command_lines
 from specstream_pb import common_pb2, generation_pb2, generation_pb2_grpc
 

@@ -20,14 +20,14 @@ from engine_harness import run_engine, speculation
 from draft_service.proposer import DraftProposer
 from draft_service.server import DraftServicer
 from specstream.data.config import ModelSpec, TargetConfig
-from specstream.serving.metrics import DraftMetrics
+from specstream.data.engine import SequenceRequest
 from specstream.models.loader import load_model
+from specstream.serving.metrics import DraftMetrics
 from specstream_pb import draft_pb2_grpc
 from target_service.connection import Connection
 from target_service.draft_client import DraftClient
 from target_service.draft_deadline import DraftDeadline
 from target_service.engine import Engine
-from specstream.data.engine import SequenceRequest
 
 PROMPTS = [[0, 5, 6], [1, 2, 3, 4], [7, 8], [9, 10, 11, 12, 13]]
 MAX_NEW = 160

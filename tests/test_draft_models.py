@@ -13,10 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from draft_service.proposer import DraftProposer
 from specstream.data.propose import ProposeItem
-from specstream.models.config import ModelLoadError
-from specstream.models.loader import load_model
-from specstream.models.loader import embedding_sha256
 from specstream.data.sampling import SamplingParams
+from specstream.models.config import ModelLoadError
+from specstream.models.loader import embedding_sha256, load_model
 from tests.engine_harness import run_engine
 
 SUBSET = [0, 1, 2, *range(3, 300, 3)]  # 102 of the 300 tokens, EOS (1) among them

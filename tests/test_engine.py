@@ -8,11 +8,11 @@ from engine_harness import speculation
 
 from draft_service.proposer import DraftProposer
 from specstream.data.config import ModelSpec, TargetConfig
+from specstream.data.engine import SequenceEvent, SequenceRequest, Speculation
 from specstream.models.loader import load_model
 from target_service.connection import Connection
 from target_service.engine import Engine
 from target_service.local_draft import LocalDraft
-from specstream.data.engine import SequenceEvent, SequenceRequest, Speculation
 
 
 class RecordingProposer(DraftProposer):

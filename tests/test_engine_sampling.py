@@ -11,12 +11,11 @@ import torch
 from engine_harness import naive_greedy, run_engine
 
 from draft_service.proposer import DraftProposer
-from specstream.data.propose import ProposeItem
-from specstream.models.loader import load_model
-from kernels.random import race, row_keys
-from kernels.random import RESIDUAL, SAMPLE
-from specstream.data.sampling import SamplingParams
 from kernels.processing import process_logits
+from kernels.random import RESIDUAL, SAMPLE, race, row_keys
+from specstream.data.propose import ProposeItem
+from specstream.data.sampling import SamplingParams
+from specstream.models.loader import load_model
 
 PROMPTS = [[5, 9, 17, 3, 22], [1, 2], [7, 7, 7, 7, 7, 7, 7, 7, 7], [30, 4, 11]]
 CHOSEN = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
@@ -94,11 +93,11 @@ def test_a_stop_id_inside_an_accepted_run_ends_the_sequence(sampling_pair):
 def test_sampling_settings_are_validated_at_the_target(sampling_pair):
     """Through the servicer's edge (protobuf -> the engine's dataclasses): every bad request gets
     its own error event naming the field and value; the good one in the same Submit runs."""
+    from specstream.data.config import ModelSpec, TargetConfig
     from specstream_pb import common_pb2, target_pb2
     from target_service.connection import Connection
     from target_service.engine import Engine
     from target_service.server import TargetServicer
-    from specstream.data.config import ModelSpec, TargetConfig
 
     engine = Engine(load_model(sampling_pair["target"]), TargetConfig(model=ModelSpec("t"), max_slots=2, max_seq_len=64), None)
     conn = Connection()

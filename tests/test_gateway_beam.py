@@ -27,13 +27,8 @@ from gateway.router import Router
 from gateway.server import SERVICE_NAME, GenerationServicer
 from gateway.service import Gateway
 from gateway.target_client import TargetClient
-from specstream.data.config import GatewayConfig, ServerConfig
-from specstream.serving.grpc_server import ServiceServer
-from specstream.serving.metrics import GatewayMetrics
-from specstream.text.tokenizer import TextTokenizer, build_byte_level_tokenizer
-from specstream_client import AsyncClient, BeamSequence
-from specstream_pb import common_pb2, generation_pb2, generation_pb2_grpc, target_pb2_grpc
 from specstream.data.batch_stats import BatchStats
+from specstream.data.config import GatewayConfig, ServerConfig
 from specstream.data.engine import (
     BeamHypothesis,
     EngineMessage,
@@ -44,6 +39,11 @@ from specstream.data.engine import (
     TargetInfo,
 )
 from specstream.data.engine_wire import info_to_pb, message_to_pb, request_from_pb
+from specstream.serving.grpc_server import ServiceServer
+from specstream.serving.metrics import GatewayMetrics
+from specstream.text.tokenizer import TextTokenizer, build_byte_level_tokenizer
+from specstream_client import AsyncClient, BeamSequence
+from specstream_pb import common_pb2, generation_pb2, generation_pb2_grpc, target_pb2_grpc
 
 TT = TextTokenizer(build_byte_level_tokenizer(), eos_token_ids=[1], bos_token_id=0)
 EOS = 1

@@ -13,8 +13,19 @@ import asyncio
 
 import grpc
 import pytest
-from test_gateway_router import (LIMITS, TT, Clock, error_code, finished, replica, report, run_async, submit,
-                                 token, written)
+from test_gateway_router import (
+    LIMITS,
+    TT,
+    Clock,
+    error_code,
+    finished,
+    replica,
+    report,
+    run_async,
+    submit,
+    token,
+    written,
+)
 
 from gateway.request import stream_chunks
 from gateway.resume import continuation, merge_stats

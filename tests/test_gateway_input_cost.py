@@ -13,13 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
+from scripted_target import MODEL, TT, StreamingTarget
 
 from gateway.router import Router
 from gateway.server import SERVICE_NAME, GenerationServicer
 from gateway.service import Gateway
 from gateway.target_client import TargetClient
 from gateway.validation import Limits, validate
-from scripted_target import MODEL, TT, StreamingTarget
 from specstream.data.config import GatewayConfig, ServerConfig
 from specstream.data.engine import TargetInfo
 from specstream.data.errors import InvalidArgumentError

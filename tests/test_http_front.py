@@ -23,18 +23,18 @@ from dataclasses import dataclass
 import grpc
 import openai
 import pytest
+from scripted_target import MODEL, REPLY, TOKENS, TT, StreamingTarget
 
 from gateway.http.app import build_app
 from gateway.http.server import HttpServer
 from gateway.router import Router
 from gateway.service import Gateway
 from gateway.target_client import TargetClient
-from scripted_target import MODEL, REPLY, TOKENS, TT, StreamingTarget
-from specstream.serving.auth import TokenSet
-from specstream.tools.certs import serial_of
 from specstream.data.config import GatewayConfig, ServerSecurity
+from specstream.serving.auth import TokenSet
 from specstream.serving.metrics import GatewayMetrics
 from specstream.serving.tls import ServerCertificates
+from specstream.tools.certs import serial_of
 from specstream_pb import target_pb2_grpc
 
 

@@ -10,14 +10,23 @@ import pytest
 import torch
 from test_models import assert_verify_equals_steps
 
+from kernels.int4 import (
+    GROUP,
+    Q4_FILE,
+    Q4Weight,
+    pack_codes,
+    q4_dense,
+    q4_linear,
+    q4_linear_reference,
+    rtn_parts,
+    unpack_codes,
+)
 from specstream.data.config import ModelSpec
-from specstream.models.config import ModelLoadError
-from specstream.models.loader import load_model
 from specstream.models.base import rms_norm
+from specstream.models.config import ModelLoadError
 from specstream.models.gguf import convert_gguf
 from specstream.models.gguf_dequant import dequantize, q4_parts
-from kernels.int4 import (GROUP, Q4_FILE, Q4Weight, pack_codes, q4_dense, q4_linear,
-                                    q4_linear_reference, rtn_parts, unpack_codes)
+from specstream.models.loader import load_model
 from tests.checkpoints import make_hf_checkpoint
 from tests.gguf_files import chatml_tokenizer, write_gguf
 

@@ -183,9 +183,11 @@ def test_copy_prefix_refuses_a_slot_that_reads_others(cache: KVCache) -> None:
 def test_attention_through_a_forked_slot_equals_a_copied_one() -> None:
     """A forward on a slot that reads its prefix from another gives the logits of one whose
     prefix was copied; writing inside the shared prefix is refused."""
-    from checkpoints import make_hf_checkpoint
-    from specstream.models.loader import load_model
     import tempfile
+
+    from checkpoints import make_hf_checkpoint
+
+    from specstream.models.loader import load_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = load_model(make_hf_checkpoint(tmp, "llama3_gqa", vocab_size=64, seed=5))

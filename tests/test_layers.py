@@ -9,10 +9,10 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("specstream", "kernels", "gateway", "target_service", "draft_service", "client/specstream_client",

@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
-from specstream.tools.cli import build_parser
-from specstream.tools.cli.services import _draft_config, _target_config
 from specstream.data.config import MemoryConfig
 from specstream.serving.native_memory import KERNEL_CACHE_VARIABLES, HeapTrimmer, bound_kernel_caches
+from specstream.tools.cli import build_parser
+from specstream.tools.cli.services import _draft_config, _target_config
 
 GLIBC = HeapTrimmer(1.0).available
 

@@ -16,16 +16,16 @@ from engine_harness import run_engine
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from draft_service.build import PROPOSERS
 from draft_service.combined import NgramPlusModelProposer
 from draft_service.ngram import ANY_ID, NgramIndex, NgramProposer
 from draft_service.proposer import DraftProposer
-from specstream.data.propose import ProposeItem
-from draft_service.build import PROPOSERS
 from draft_service.wire import proposal_to_pb
-from specstream.tools.cli import build_parser
 from specstream.data.config import DraftConfig, ModelSpec
-from specstream.models.loader import load_model
+from specstream.data.propose import ProposeItem
 from specstream.data.sampling import GREEDY, SamplingParams
+from specstream.models.loader import load_model
+from specstream.tools.cli import build_parser
 
 A, B, C, D, E, F = 11, 12, 13, 14, 15, 16
 

@@ -14,20 +14,18 @@ seeds are fixed, so CI never flakes).
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 import torch
+from chi_square import goodness_of_fit_p_value
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collections import Counter
-
-from chi_square import goodness_of_fit_p_value
-from kernels.random import gumbel, race, row_keys, uniform_table
-from kernels.speculative import speculative_accept, speculative_verify, speculative_verify_reference
-from kernels.random import ACCEPT, RESIDUAL, SAMPLE, uniform, uniforms
-from specstream.data.sampling import SamplingParams
 from kernels.processing import process_logits, truncate
+from kernels.random import ACCEPT, RESIDUAL, SAMPLE, gumbel, race, row_keys, uniform, uniform_table, uniforms
+from kernels.speculative import speculative_accept, speculative_verify, speculative_verify_reference
+from specstream.data.sampling import SamplingParams
 
 THRESHOLD = 1e-3
 

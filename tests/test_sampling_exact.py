@@ -29,7 +29,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from chi_square import _chi2_sf, goodness_of_fit_p_value, two_sample_p_value
 
 SAMPLES = 20_000
@@ -51,8 +50,9 @@ def _init_worker(tests_dir: str) -> None:
 def _generate(job: dict) -> list[list[int]]:
     """Runs SAMPLES sequences of one configuration through the engine; returns their tokens."""
     from engine_harness import run_engine
-    from specstream.models.loader import load_model
+
     from specstream.data.sampling import SamplingParams
+    from specstream.models.loader import load_model
 
     proposer = None
     if job["gamma"] and job.get("variant") == "point_mass":
@@ -209,9 +209,9 @@ def test_the_test_catches_a_wrong_residual(samples):
 @pytest.mark.parametrize("temperature", TEMPERATURES)
 def test_target_sampling_matches_the_processed_distribution(samples, sampling_pair, temperature, filter_name):
     """The reference itself: the first token of target-only sampling against p computed directly."""
-    from specstream.models.loader import load_model
-    from specstream.data.sampling import SamplingParams
     from kernels.processing import process_logits
+    from specstream.data.sampling import SamplingParams
+    from specstream.models.loader import load_model
 
     model = load_model(sampling_pair["target"])
     with torch.inference_mode():

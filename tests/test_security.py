@@ -26,12 +26,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from specstream.serving.auth import TokenSet, read_tokens
-from specstream.tools.certs import serial_of
-from specstream.serving.channels import open_blocking_channel, open_channel
 from specstream.data.config import ChannelSecurity, ServerConfig, ServerSecurity
 from specstream.data.errors import PermissionDeniedError, UnauthenticatedError
+from specstream.serving.auth import TokenSet, read_tokens
+from specstream.serving.channels import open_blocking_channel, open_channel
 from specstream.serving.grpc_server import ServiceServer
+from specstream.tools.certs import serial_of
 from specstream_pb import generation_pb2, generation_pb2_grpc
 
 SERVICE = "specstream.v1.Generation"

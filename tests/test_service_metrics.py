@@ -10,17 +10,23 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from engine_harness import speculation
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from draft_service.proposer import DraftProposer
-from engine_harness import speculation
 from specstream.data.config import ModelSpec, ServerConfig, TargetConfig
-from specstream.serving.metrics import (DraftMetrics, GatewayMetrics, TargetMetrics, finish_reason_label, occupancy_buckets,
-                                start_metrics_server)
-from specstream.models.loader import load_model
-from specstream_pb import common_pb2, generation_pb2
 from specstream.data.engine import SequenceEvent, SequenceRequest
+from specstream.models.loader import load_model
+from specstream.serving.metrics import (
+    DraftMetrics,
+    GatewayMetrics,
+    TargetMetrics,
+    finish_reason_label,
+    occupancy_buckets,
+    start_metrics_server,
+)
+from specstream_pb import common_pb2, generation_pb2
 from target_service.connection import Connection
 from target_service.engine import Engine
 from target_service.local_draft import LocalDraft

@@ -10,8 +10,8 @@ from engine_harness import run_engine, speculation
 
 from draft_service.synthetic import SyntheticProposer
 from specstream.data.config import ModelSpec, TargetConfig
-from specstream.models.loader import load_model
 from specstream.data.engine import SequenceRequest
+from specstream.models.loader import load_model
 from target_service.connection import Connection
 from target_service.engine import Engine
 from target_service.local_draft import LocalDraft

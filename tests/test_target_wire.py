@@ -15,11 +15,8 @@ import grpc
 import pytest
 
 from gateway.validation import Limits, validate
-from specstream.data.config import GatewayConfig
-from specstream.data.errors import InvalidArgumentError
-from specstream.text.tokenizer import TextTokenizer, build_byte_level_tokenizer
-from specstream_pb import common_pb2, generation_pb2, target_pb2
 from specstream.data.batch_stats import BatchStats
+from specstream.data.config import GatewayConfig
 from specstream.data.engine import (
     BeamHypothesis,
     BeamOptions,
@@ -30,6 +27,9 @@ from specstream.data.engine import (
     TargetInfo,
 )
 from specstream.data.engine_wire import message_to_pb, request_from_pb, request_to_pb
+from specstream.data.errors import InvalidArgumentError
+from specstream.text.tokenizer import TextTokenizer, build_byte_level_tokenizer
+from specstream_pb import common_pb2, generation_pb2, target_pb2
 
 TT = TextTokenizer(build_byte_level_tokenizer(), eos_token_ids=[1], bos_token_id=0)
 LOAD = Load(max_slots=8, free_slots=8, running=0, queued=0, draft_sequences=0, draft_connected=False,

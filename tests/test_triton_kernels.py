@@ -17,21 +17,20 @@ from collections import Counter
 
 import pytest
 import torch
-
 from chi_square import goodness_of_fit_p_value
+
 from kernels.argmax import best_token, best_token_reference
+from kernels.cuts import cut_thresholds, cut_thresholds_reference
 from kernels.dispatch import use
 from kernels.lm_head import Hidden, OutputHead, lm_head, scores_reference
 from kernels.logprobs import token_logprobs, token_logprobs_reference
 from kernels.nbest import topk_logprobs, topk_logprobs_reference
-from kernels.random import row_keys, uniform_table
-from kernels.cuts import cut_thresholds, cut_thresholds_reference
+from kernels.processing import process_logits, truncate
+from kernels.random import ACCEPT, SAMPLE, row_keys, uniform_table, uniforms
 from kernels.sample import sample, sample_reference
 from kernels.speculative import speculative_verify_fused, speculative_verify_fused_reference
 from kernels.verify import greedy_verify, greedy_verify_reference
-from kernels.random import ACCEPT, SAMPLE, uniforms
 from specstream.data.sampling import SamplingParams
-from kernels.processing import process_logits, truncate
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCABS = (5, 123, 4097, 32000, 49152)

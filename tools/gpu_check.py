@@ -40,9 +40,10 @@ import sys
 import tarfile
 import tempfile
 import time
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ROOT / ".whl"

@@ -33,8 +33,17 @@ from typing import Any, TypedDict
 
 from specstream_pb import common_pb2, generation_pb2
 
-from ._wire import INT32_MAX, INT32_MIN, UINT32_MAX, UINT64_MAX, check_bool, check_float, check_int, check_str, \
-    check_token_ids
+from ._wire import (
+    INT32_MAX,
+    INT32_MIN,
+    UINT32_MAX,
+    UINT64_MAX,
+    check_bool,
+    check_float,
+    check_int,
+    check_str,
+    check_token_ids,
+)
 
 __all__ = ["GenerateOptions", "GenerateOptionsDict", "resolve_options"]
 

@@ -38,9 +38,9 @@ from gateway.http import translate
 from gateway.http.errors import ApiError, from_exception, from_validation, model_not_found
 from gateway.http.schema import ChatCompletionRequest, CompletionRequest
 from gateway.service import Gateway
+from specstream.data.errors import PermissionDeniedError, UnauthenticatedError, UnavailableError
 from specstream.serving import telemetry
 from specstream.serving.auth import TokenSet
-from specstream.data.errors import PermissionDeniedError, UnauthenticatedError, UnavailableError
 from specstream_pb import generation_pb2
 
 T = TypeVar("T")

@@ -16,10 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from specstream.data.batch_stats import BatchStats
 from specstream.data.beam import BeamOptions, EarlyStopping
 from specstream.data.errors import SpecstreamError
 from specstream.data.sampling import GREEDY, SamplingParams
-from specstream.data.batch_stats import BatchStats
 
 __all__ = ["BeamHypothesis", "BeamOptions", "EarlyStopping", "EngineMessage", "FinishReason", "Load",
            "SequenceEvent", "SequenceRequest", "SequenceStats", "Speculation", "TargetInfo", "TokenLogprob"]

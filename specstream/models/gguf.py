@@ -37,11 +37,11 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from kernels.int4 import Q4_FILE, pack_codes
 from specstream.models.cache import GGUF_CONVERTER_VERSION, file_sha256, gguf_cache_dir
 from specstream.models.config import ModelLoadError
-from specstream.models.gguf_tokenizer import build_gguf_tokenizer
 from specstream.models.gguf_dequant import FORMATS, Q4_TYPES, dequantize, nbytes, q4_parts
-from kernels.int4 import Q4_FILE, pack_codes
+from specstream.models.gguf_tokenizer import build_gguf_tokenizer
 
 __all__ = ["ARCHITECTURES", "GGUFFile", "convert_gguf", "hf_config", "hf_tensors"]
 

@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.lm_head import OutputHead
-from specstream.models.config import ModelConfig
-from specstream.models.attention import CacheBatch
 from kernels.linear import linear
+from kernels.lm_head import OutputHead
+from specstream.models.attention import CacheBatch
 from specstream.models.base import ACTIVATIONS, CausalLM, TensorSource
+from specstream.models.config import ModelConfig
 from specstream.models.kv_cache import KVCache
 
 __all__ = ["GPT2LMHeadModel"]

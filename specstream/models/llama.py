@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specstream.models.config import ModelConfig, ModelLoadError, RopeConfig
-from specstream.models.attention import CacheBatch
-from kernels.lm_head import OutputHead
-from kernels.linear import linear
-from specstream.models.base import ACTIVATIONS, CausalLM, Q4Parts, TensorSource, rms_norm
 from kernels.int4 import Q4Weight, rtn_parts
+from kernels.linear import linear
+from kernels.lm_head import OutputHead
+from specstream.models.attention import CacheBatch
+from specstream.models.base import ACTIVATIONS, CausalLM, Q4Parts, TensorSource, rms_norm
+from specstream.models.config import ModelConfig, ModelLoadError, RopeConfig
 from specstream.models.kv_cache import KVCache
 
 __all__ = ["LlamaForCausalLM", "rope_inv_freq"]

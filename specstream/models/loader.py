@@ -28,11 +28,11 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from kernels.int4 import Q4_FILE, unpack_codes
 from specstream.data.config import WEIGHT_FORMATS
+from specstream.models.base import CausalLM
 from specstream.models.config import CONFIG_PARSERS, ModelConfig, ModelLoadError, parse_config
 from specstream.models.gpt2 import GPT2LMHeadModel
-from kernels.int4 import Q4_FILE, unpack_codes
-from specstream.models.base import CausalLM
 from specstream.models.llama import LlamaForCausalLM
 
 __all__ = ["load_model", "read_config", "ModelLoadError", "MODEL_CLASSES", "DTYPES", "WEIGHTS", "SafetensorsSource"]

@@ -16,9 +16,9 @@ from typing import Any
 
 import grpc
 
+from specstream.data.config import ChannelSecurity
 from specstream.serving import tls
 from specstream.serving.auth import read_tokens
-from specstream.data.config import ChannelSecurity
 
 Options = list[tuple[str, Any]]
 

@@ -22,9 +22,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from specstream.serving.auth import AuthInterceptor, TokenSet
 from specstream.data.config import ServerConfig
 from specstream.data.errors import SpecstreamError
+from specstream.serving.auth import AuthInterceptor, TokenSet
 from specstream.serving.metrics import MetricsServer, start_metrics_server
 from specstream.serving.rpc_handlers import rewrap
 from specstream.serving.tls import ServerCertificates

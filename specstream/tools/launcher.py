@@ -35,12 +35,11 @@ from typing import ClassVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specstream.tools.certs import ROLES, peer_name
-from specstream.serving.channels import open_blocking_channel
 from specstream.data.config import GAMMA_POLICIES, ChannelSecurity, DraftConfig, RestartPolicy, TargetConfig
 from specstream.models.registry import resolve_model
+from specstream.serving.channels import open_blocking_channel
+from specstream.tools.certs import ROLES, peer_name
 from specstream.tools.supervisor import Supervisor
-
 
 # The services' security variables (the CLI's flag defaults). `serve` passes security to its
 # children as flags only, so the launcher drops these from their environment: a variable left in

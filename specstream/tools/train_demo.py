@@ -30,7 +30,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specstream.text.tokenizer import BOS_TOKEN, EOS_TOKEN, TextTokenizer, build_byte_level_tokenizer, save_tokenizer_files
+from specstream.text.tokenizer import (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    TextTokenizer,
+    build_byte_level_tokenizer,
+    save_tokenizer_files,
+)
 
 DEMO_DIR = Path(__file__).parent.parent / "demo_models"
 HELD_OUT_EVERY = 40  # a file is held out when crc32(path) % 40 == 0
@@ -178,13 +184,12 @@ def measure_alpha(target_dir: Path, draft_dir: Path, prompts: list[list[int]], g
     accepted), α being the i.i.d. estimate accepted / (accepted + passes with a rejection)."""
     from draft_service.proposer import DraftProposer
     from specstream.data.config import ModelSpec, TargetConfig
+    from specstream.data.engine import SequenceRequest, Speculation
     from specstream.models.loader import load_model
+    from specstream.serving.compute import on_torch_thread
     from target_service.engine import Engine
     from target_service.inprocess import run_requests
     from target_service.local_draft import LocalDraft
-    from specstream.data.engine import SequenceRequest, Speculation
-
-    from specstream.serving.compute import on_torch_thread
 
     # Loaded on the torch thread the engine runs on (specstream.serving.compute).
     engine = Engine(on_torch_thread(load_model, target_dir), TargetConfig(model=ModelSpec(str(target_dir)),

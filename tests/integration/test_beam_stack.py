@@ -11,12 +11,12 @@ import sys
 import pytest
 
 from specstream.data.config import ModelSpec, TargetConfig
+from specstream.data.engine import BeamOptions, SequenceRequest, Speculation
 from specstream.models.loader import load_model
 from specstream.text.tokenizer import TextTokenizer
 from specstream_client import AsyncClient, Client, InvalidArgument
 from target_service.engine import Engine
 from target_service.inprocess import run_requests
-from specstream.data.engine import BeamOptions, SequenceRequest, Speculation
 
 PROMPTS = ["def main():", "The weather", "import os"]
 

@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 
-from specstream.models.registry import MODELS, PAIRS, pair_refs, resolve_model
 from specstream.models.loader import load_model
+from specstream.models.registry import MODELS, PAIRS, pair_refs, resolve_model
 from specstream.text.tokenizer import TextTokenizer
 from specstream_pb import common_pb2, target_pb2
 
@@ -109,9 +109,9 @@ def test_4_bit_serving_is_as_close_to_the_file_as_dequantized_bfloat16(real) -> 
 
 def test_greedy_output_matches_transformers_8_prompts_x_64_tokens(real) -> None:
     from specstream.data.config import ModelSpec, TargetConfig
+    from specstream.data.engine import SequenceRequest, Speculation
     from target_service.engine import Engine
     from target_service.inprocess import run_requests
-    from specstream.data.engine import SequenceRequest, Speculation
 
     directory, tok, hf_model, _ = real
     prompts = _prompts(tok)

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from specstream.text.tokenizer import TextTokenizer
-from specstream_client import AsyncClient, Client, InvalidArgument, DeadlineExceeded
+from specstream_client import AsyncClient, Client, DeadlineExceeded, InvalidArgument
 from specstream_pb import generation_pb2, generation_pb2_grpc
 
 MAX_NEW = 24
@@ -213,6 +213,7 @@ def test_target_keeps_serving_when_the_draft_dies(stack_factory, model_zoo):
 
 def test_gateway_reports_target_loss(stack_factory, model_zoo):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     from specstream_client import Unavailable
 
     stack = stack_factory(model_zoo["target"], None, max_slots=2)

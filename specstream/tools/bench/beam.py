@@ -34,11 +34,11 @@ from pathlib import Path
 
 import torch
 
+from specstream.serving.compute import on_torch_thread
 from specstream.tools.bench import prefix_cost, report
 from specstream.tools.bench.checks import require
 from specstream.tools.bench.models import BenchModels
 from specstream.tools.progress import Progress
-from specstream.serving.compute import on_torch_thread
 
 TARGETS = {"stream_over_batch": 1.2, "stream_over_fixed": 2.0, "agreement": 0.95}  # at k = 10
 
@@ -83,9 +83,9 @@ def run_method(model, method: Method, k: int, work: list[tuple[list[int], int]],
     """``work`` through an in-process engine under ``method`` at width k; ``progress`` counts each
     request as its search ends."""
     from specstream.data.config import ModelSpec, TargetConfig
+    from specstream.data.engine import BeamOptions, SequenceRequest, Speculation
     from target_service.engine import Engine
     from target_service.inprocess import run_requests
-    from specstream.data.engine import BeamOptions, SequenceRequest, Speculation
 
     beam = BeamOptions(k, 1, beam_threshold=threshold, max_candidates_per_parent=limit) if method.variable \
         else BeamOptions(k, 1)

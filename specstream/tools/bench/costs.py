@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from specstream.tools.bench.models import BenchModels
-from specstream.serving.compute import on_torch_thread
 from specstream.models.base import CausalLM
+from specstream.serving.compute import on_torch_thread
+from specstream.tools.bench.models import BenchModels
 
 
 def step_ms(model: CausalLM, context: int, tokens: int, repeats: int = 30) -> float:

@@ -23,12 +23,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from specstream.data.sampling import GREEDY, SamplingParams
+from specstream.serving.compute import on_torch_thread
 from specstream.tools.bench import report
 from specstream.tools.bench.checks import check_runs_match
 from specstream.tools.bench.models import BenchModels
 from specstream.tools.progress import Progress
-from specstream.serving.compute import on_torch_thread
-from specstream.data.sampling import GREEDY, SamplingParams
 
 WORKLOADS = ("code", "chat", "repetitive", "sampled", "mix")
 FIXED_GAMMAS = (0, 1, 2, 4, 6, 8)
@@ -101,10 +101,10 @@ def run_setting(loaded: _Models, setting: Setting, jobs: list[Job], batch: int, 
                 progress: Progress | None = None) -> dict:
     """``jobs`` on a fresh engine under ``setting``; ``progress`` counts each request as it finishes."""
     from specstream.data.config import ModelSpec, TargetConfig
+    from specstream.data.engine import SequenceRequest, Speculation
     from target_service.engine import Engine
     from target_service.inprocess import run_requests
     from target_service.local_draft import LocalDraft
-    from specstream.data.engine import SequenceRequest, Speculation
 
     max_len = max(len(j.prompt) for j in jobs) + max_new_tokens + 32
     config = TargetConfig(model=ModelSpec(str(loaded.spec.target)), max_slots=batch, max_seq_len=max_len,

@@ -14,9 +14,9 @@ import time
 
 import torch
 
+from specstream.serving.compute import on_torch_thread
 from specstream.tools.bench.models import BenchModels
 from specstream.tools.progress import Progress
-from specstream.serving.compute import on_torch_thread
 
 MODES = ("plain", "assisted", "assisted_heuristic", "prompt_lookup")
 ASSISTED = ("assisted", "assisted_heuristic")  # with our draft's layers as the assistant model: need a draft

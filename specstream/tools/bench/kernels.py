@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
+from specstream.serving.compute import on_torch_thread  # the thread the engine runs torch on (its settings)
 from specstream.tools.bench import report
 from specstream.tools.progress import Progress
-from specstream.serving.compute import on_torch_thread  # the thread the engine runs torch on (its settings)
 
 VOCABS = (32_000, 49_152, 128_256, 151_936)
 ROWS = (1, 8, 64, 576)
@@ -110,8 +110,7 @@ def verification(vocab: int, sequences: int, gamma: int, device: torch.device) -
     once): ms, the bytes it must read, and the time a read-and-write copy of those bytes takes on
     this device (the memory-bandwidth bound, measured rather than taken from a data sheet)."""
     import kernels
-    from kernels.random import row_keys
-    from kernels.random import ACCEPT, uniforms
+    from kernels.random import ACCEPT, row_keys, uniforms
 
     gen = torch.Generator(device="cpu").manual_seed(1)
     logits = (torch.randn(sequences, gamma + 1, vocab, generator=gen) * 2).to(device, torch.bfloat16)

@@ -22,9 +22,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specstream.serving.compute import on_torch_thread
 from specstream.data.config import DraftConfig
 from specstream.models.registry import DRAFTS, MODELS, resolve_dtype, resolve_model
+from specstream.serving.compute import on_torch_thread
 from specstream.text.tokenizer import TextTokenizer
 
 __all__ = ["BenchModels", "chat_prompts"]

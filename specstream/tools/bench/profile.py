@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
+from specstream.serving.compute import on_torch_thread
 from specstream.tools.bench import report
 from specstream.tools.bench.models import BenchModels
 from specstream.tools.progress import Progress
-from specstream.serving.compute import on_torch_thread
 
 CONTEXT = 200
 COMPONENT_TIMINGS = 5  # what `components` times: embedding, attention, MLP, output layer, the whole forward

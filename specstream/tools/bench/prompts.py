@@ -6,7 +6,8 @@ from specstream.text.tokenizer import TextTokenizer
 
 
 def held_out_prompts(tok: TextTokenizer, n: int, length: int = 48) -> list[list[int]]:
-    from specstream.tools.train_demo import held_out_prompts as first_tokens, read_texts, stdlib_files
+    from specstream.tools.train_demo import held_out_prompts as first_tokens
+    from specstream.tools.train_demo import read_texts, stdlib_files
 
     _, held_out = stdlib_files()
     return first_tokens(tok, read_texts(held_out), n, length)

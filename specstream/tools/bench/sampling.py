@@ -20,7 +20,8 @@ from pathlib import Path
 from specstream.tools.bench import report
 from specstream.tools.bench.checks import check_runs_match
 from specstream.tools.bench.costs import measure_costs
-from specstream.tools.bench.hf import MODES as HF_MODES, hf_generate, runnable_modes
+from specstream.tools.bench.hf import MODES as HF_MODES
+from specstream.tools.bench.hf import hf_generate, runnable_modes
 from specstream.tools.bench.latency import display, public, score, sweep
 from specstream.tools.bench.models import BenchModels
 from specstream.tools.launcher import Stack, StackSpec

@@ -18,12 +18,18 @@ from pathlib import Path
 
 from specstream.models.loader import read_config
 from specstream.models.random_init import write_random_checkpoint
-from specstream.text.tokenizer import BOS_TOKEN, EOS_TOKEN, TextTokenizer, build_byte_level_tokenizer, save_tokenizer_files
+from specstream.text.tokenizer import (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    TextTokenizer,
+    build_byte_level_tokenizer,
+    save_tokenizer_files,
+)
 from specstream.tools.bench import report
 from specstream.tools.bench.checks import check_same_tokens
 from specstream.tools.bench.costs import measure_costs
-from specstream.tools.bench.models import BenchModels
 from specstream.tools.bench.latency import sweep
+from specstream.tools.bench.models import BenchModels
 from specstream.tools.bench.theory import expected_speedup
 from specstream.tools.launcher import Stack, StackSpec
 from specstream.tools.progress import Progress

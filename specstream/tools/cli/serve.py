@@ -18,8 +18,15 @@ from pathlib import Path
 
 from specstream.data.config import DraftConfig, RestartPolicy
 from specstream.tools.certs import write_stack_files
-from specstream.tools.cli.flags import (DTYPES, batching_flags, gamma_flags, http_port_flag, int_in, proposer_flags,
-                                        weights_flag)
+from specstream.tools.cli.flags import (
+    DTYPES,
+    batching_flags,
+    gamma_flags,
+    http_port_flag,
+    int_in,
+    proposer_flags,
+    weights_flag,
+)
 from specstream.tools.cli.pair import chosen_models, chosen_proposer, models_flag
 
 

@@ -15,10 +15,26 @@ import os
 import sys
 from collections.abc import Callable
 
-from specstream.data.config import (ChannelSecurity, DraftConfig, GatewayConfig, MemoryConfig, ModelSpec,
-                                    ServerConfig, ServerSecurity, StallConfig, TargetConfig)
-from specstream.tools.cli.flags import (DTYPES, batching_flags, env, gamma_flags, http_port_flag, proposer_flags,
-                                        weights_flag)
+from specstream.data.config import (
+    ChannelSecurity,
+    DraftConfig,
+    GatewayConfig,
+    MemoryConfig,
+    ModelSpec,
+    ServerConfig,
+    ServerSecurity,
+    StallConfig,
+    TargetConfig,
+)
+from specstream.tools.cli.flags import (
+    DTYPES,
+    batching_flags,
+    env,
+    gamma_flags,
+    http_port_flag,
+    proposer_flags,
+    weights_flag,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -22,15 +22,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from specstream.serving.compute import on_torch_thread
-from specstream.tools.progress import Progress
 from specstream.data.config import ModelSpec, TargetConfig
-from specstream.models.loader import load_model
-from specstream.text.tokenizer import TextTokenizer
+from specstream.data.engine import SequenceRequest, Speculation
 from specstream.data.sampling import GREEDY, SamplingParams
+from specstream.models.loader import load_model
+from specstream.serving.compute import on_torch_thread
+from specstream.text.tokenizer import TextTokenizer
+from specstream.tools.progress import Progress
 from target_service.engine import Engine
 from target_service.inprocess import run_requests
-from specstream.data.engine import SequenceRequest, Speculation
 
 __all__ = ["TOP_K", "Record", "generate_responses", "load_records", "save_records"]
 

@@ -16,16 +16,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from draft_service.build import build_proposer
-from specstream.serving.compute import on_torch_thread
 from specstream.data.config import DraftConfig, ModelSpec, TargetConfig
-from specstream.models.loader import load_model
-from specstream.text.tokenizer import TextTokenizer
+from specstream.data.engine import SequenceRequest, Speculation
 from specstream.data.sampling import SamplingParams
+from specstream.models.loader import load_model
+from specstream.serving.compute import on_torch_thread
+from specstream.text.tokenizer import TextTokenizer
+from specstream.tools.progress import Progress
 from target_service.engine import Engine
 from target_service.inprocess import run_requests
-from specstream.data.engine import SequenceRequest, Speculation
 from target_service.local_draft import LocalDraft
-from specstream.tools.progress import Progress
 
 __all__ = ["measure_acceptance", "measure_costs"]
 
