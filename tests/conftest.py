@@ -20,6 +20,15 @@ if not torch.cuda.is_available():
 # pytest then collects; a plain `pytest` run never does.
 collect_ignore = ["container"]
 
+# The longest files, first: `make test` runs two workers (pytest-xdist, a file at a time), and a
+# long file started last would leave one worker idle while it runs alone.
+LONGEST_FIRST = ("test_sampling_exact.py", "test_triton_kernels.py", "test_smollm2.py", "test_bench.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
 
 @pytest.fixture(autouse=True)
 def _seed_everything() -> None:
