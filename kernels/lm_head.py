@@ -28,7 +28,7 @@ class OutputHead:
     """logits = hidden @ weight.T (+ bias); column c scores token ``output_ids[c]`` (a draft over a
     vocabulary subset) or token c (``output_ids`` None)."""
 
-    weight: torch.Tensor  # [V, H] (or a 4-bit Q4Weight, which only the torch path computes)
+    weight: torch.Tensor  # [V, H] (or a 4-bit Q4Weight or 8-bit Q8Weight, which only the torch path computes)
     bias: torch.Tensor | None = None  # [V]
     output_ids: torch.Tensor | None = None  # [V] token id of each column
 

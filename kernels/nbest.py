@@ -10,7 +10,6 @@ first. A row with fewer than k finite scores gets -inf for the rest, with unspec
 
 from __future__ import annotations
 
-
 import torch
 
 from kernels.dispatch import backend

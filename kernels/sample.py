@@ -16,7 +16,6 @@ never sorted.
 
 from __future__ import annotations
 
-
 import torch
 
 from kernels.dispatch import backend

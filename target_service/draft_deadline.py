@@ -17,7 +17,9 @@ with depth = the largest γ asked (the draft's sequential forwards), proposals =
 tokens the draft must take in before guessing (a new sequence's prompt, everything since a row
 last drafted, every context again on a fresh stream). `cap` is the configured
 `draft_timeout_s`; until `min_samples` replies are measured nothing is known about the draft and
-the deadline is the cap. Each timeout doubles `backoff` and a reply resets it, as TCP backs off its
+the deadline is `UNMEASURED_S` (or the cap, if smaller): generous for a cold draft's first replies,
+and shorter than the gateway's 5 s floor for declaring a silent target hung, so a draft that hangs
+in its first exchanges stalls one step instead of making its target look dead. Each timeout doubles `backoff` and a reply resets it, as TCP backs off its
 retransmission timer: a deadline that was too tight for an honest draft (a load spike) is looser
 next time instead of failing the same way again.
 
@@ -48,6 +50,7 @@ class DraftDeadline:
     """Seconds to wait for the reply to a request of a given `Shape` (see the module docstring)."""
 
     MEAN_GAIN, DEV_GAIN = 1 / 8, 1 / 4  # Jacobson's gains for the mean and the mean deviation
+    UNMEASURED_S = 2.0  # the deadline before min_samples replies (see the module docstring)
 
     def __init__(self, cap_s: float, floor_s: float = 0.25, factor: float = 2.0, min_samples: int = 4) -> None:
         if not 0 < floor_s <= cap_s:
@@ -75,7 +78,7 @@ class DraftDeadline:
 
     def deadline(self, shape: Shape) -> float:
         if self.samples < self.min_samples:
-            return self.cap_s
+            return min(self.UNMEASURED_S, self.cap_s)
         spread = math.exp(self._mean + 4.0 * self._dev)
         wait = min(max(self.factor * self.predicted(shape) * spread, self.floor_s), self.cap_s)
         return min(wait * self.backoff, self.cap_s)

@@ -24,6 +24,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -56,6 +57,18 @@ from target_service.settle import Verdict, VerifyRow, settle
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class EngineTimings:
+    """Where the engine's time went, cumulative over the loop iterations that decoded and
+    prefilled nothing (steady decoding): the whole iteration (scheduling, drafting, the forward,
+    settling, committing, emitting) and, of it, the model's layers (``model.hidden``). What is
+    left is host work plus the output layer, which settling runs."""
+
+    decode_steps: int = 0
+    decode_s: float = 0.0
+    decode_forward_s: float = 0.0
+
+
 class Engine:
     def __init__(self, model: CausalLM, config: TargetConfig, draft: DraftSource | None,
                  compute: ThreadPoolExecutor | None = None, metrics: TargetMetrics | None = None,
@@ -86,6 +99,10 @@ class Engine:
         self._seq_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self.step_count = 0
+        self.timings = EngineTimings()
+        self._step_forward_s = 0.0  # this iteration's time in model.hidden (the compute thread adds it)
+        self._step_prefilled = False  # this iteration ran a prefill chunk
+        self._step_decoded = False  # this iteration ran a decode pass
         self.scheduler = Scheduler(config)
         self.stats = BatchStats(config.policy, config.batch_rows)
         # Prometheus counters (specstream/serving/metrics.py); the gauges read the queues when scraped.
@@ -194,16 +211,25 @@ class Engine:
             if not (self.waiting or self.running or self._cancels):
                 self._wake.clear()
                 await self._wake.wait()
+            started = time.perf_counter()
             try:
                 await self.step()
                 self._emit()
+                self._time_iteration(time.perf_counter() - started)
             except Exception:  # noqa: BLE001 - a bug must fail the batch, not kill the service
                 log.exception("engine step %d failed; failing its sequences", self.step_count)
                 self._fail_all(InternalError("internal error in the target engine step"))
             await asyncio.sleep(0)  # let the gRPC streams run between steps
 
+    def _time_iteration(self, seconds: float) -> None:
+        if self._step_decoded and not self._step_prefilled:
+            self.timings.decode_steps += 1
+            self.timings.decode_s += seconds
+            self.timings.decode_forward_s += self._step_forward_s
+
     async def step(self) -> None:
         self.step_count += 1
+        self._step_forward_s, self._step_prefilled, self._step_decoded = 0.0, False, False
         await self._apply_cancels()
         await self._admit()
         await self._prefill()
@@ -262,6 +288,7 @@ class Engine:
             budget -= length
             chunks.setdefault(length, []).append((seq, seq.prefilled))
         for length, group in chunks.items():
+            self._step_prefilled = True
             verdicts = await self._run_compute(self._prefill_compute, group, length)
             for (seq, start), verdict in zip(group, verdicts):
                 seq.prefilled = start + length
@@ -304,6 +331,7 @@ class Engine:
         if not chosen:
             return
         started = time.perf_counter()
+        self._step_decoded = True
         for seq in chosen:
             seq.last_expanded = self.step_count
         rows = [s for s in chosen if s.beam is None]
@@ -355,9 +383,11 @@ class Engine:
                 slots.append(slot)
                 start.append(position)
         with torch.inference_mode():
+            began = time.perf_counter()
             hidden = self.model.hidden(torch.tensor(input_ids, dtype=torch.int64), self.cache,
                                        torch.tensor(slots, dtype=torch.int64),
                                        torch.tensor(start, dtype=torch.int64))  # [B, G+1, H]
+            self._step_forward_s += time.perf_counter() - began
             # The output layer runs inside settlement: fused with it on the Triton backend.
             verdicts = settle(Hidden(hidden[: len(rows)].flatten(0, 1), self.model.output_head), checks,
                               coupled=self.config.speculative_sampling == "coupled") if rows else []

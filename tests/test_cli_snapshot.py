@@ -1,8 +1,8 @@
 """The `specstream` parser against tests/data/cli_flags.json, a snapshot of every subcommand's
 arguments taken before the CLI was split into one module per group of subcommands: the split
 changed no flag (name, destination, default, choices, nargs, action, type, help, metavar, order).
-The one addition since: `--quiet` on the long-running commands. And each subcommand still runs
-its own cmd_* function.
+The additions since: `--quiet` on the long-running commands, and `bench step` (the snapshot
+records the bench kinds with it). And each subcommand still runs its own cmd_* function.
 """
 
 from __future__ import annotations

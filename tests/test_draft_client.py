@@ -13,8 +13,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import pytest
-import torch
 from engine_harness import run_engine, speculation
 
 from draft_service.proposer import DraftProposer

@@ -23,14 +23,17 @@ def _measured(deadline: DraftDeadline, rounds: int = 60, noise: float = 0.0, see
     return deadline
 
 
-def test_the_cap_until_the_draft_has_been_measured():
+def test_a_fixed_deadline_under_the_gateways_stall_floor_until_the_draft_has_been_measured():
     deadline = DraftDeadline(cap_s=10.0, floor_s=0.05, min_samples=4)
-    assert deadline.deadline(STEP) == 10.0
+    # 2 s: a cold draft's slow first replies fit, and a hang stalls a step for less than the 5 s
+    # after which the gateway takes a silent target for hung.
+    assert deadline.deadline(STEP) == DraftDeadline.UNMEASURED_S == 2.0
     for _ in range(3):
         deadline.observe(STEP, 0.02)
-    assert deadline.deadline(STEP) == 10.0
+    assert deadline.deadline(STEP) == 2.0
     deadline.observe(STEP, 0.02)
     assert deadline.deadline(STEP) < 1.0
+    assert DraftDeadline(cap_s=0.5, floor_s=0.05).deadline(STEP) == 0.5  # a cap below it wins
 
 
 def test_a_multiple_of_the_predicted_round_trip_for_the_shape():

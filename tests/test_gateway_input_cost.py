@@ -115,7 +115,9 @@ def test_a_maximal_prompt_does_not_stall_the_other_streams() -> None:
 
     alone, gaps, most = asyncio.run(main())
     assert alone > 0.4, f"tokenizing {most} characters took {alone:.2f} s: too little to show a stall"
-    assert gaps.big_outcome in ("served", "INVALID_ARGUMENT") and gaps.big_seconds >= alone / 2, gaps.big_seconds
+    # The big request was really tokenized (a refusal before the work answers in milliseconds); not
+    # "at least alone / 2": `alone` is one cold measurement, which a second worker inflates at times.
+    assert gaps.big_outcome in ("served", "INVALID_ARGUMENT") and gaps.big_seconds >= 0.1, gaps.big_seconds
     # The target is 100 ms on an idle machine; the bound here leaves room for a loaded one
     # and still fails by far if the tokenization blocked the loop (~`alone` seconds).
     assert gaps.worst_gap_ms < min(250.0, 500 * alone), (gaps.worst_gap_ms, alone)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import native
 from specstream.models.kv_cache import KVCache
 
 __all__ = ["CacheBatch"]
@@ -83,6 +84,8 @@ class CacheBatch:
         positions_cpu = torch.tensor(start_list, dtype=torch.int64)[:, None] + arange_t  # [B, T]
         self._positions_cpu = positions_cpu  # [B, T]; masks are built host-side, then copied once
         self.positions = positions_cpu.to(device)  # [B, T]
+        self._slot_index_cpu = torch.tensor(slot_list, dtype=torch.int64)  # [B]
+        self._starts_cpu = torch.tensor(start_list, dtype=torch.int64)  # [B]
         self._slot_index = slots.to(device=device, dtype=torch.int64)  # [B]
         self._windows: dict[int | None, _WindowPlan] = {}
         # Rows that read positions from other slots (KVCache.fork): one source slot per key position.
@@ -95,6 +98,26 @@ class CacheBatch:
                                      f"(positions [0, {len(t)}) live in other slots)")
             self._sources = torch.tensor([(t or [])[: self.kv_len] + [s] * (self.kv_len - len(t or []))
                                           for s, t in zip(slot_list, tables)], dtype=torch.int64, device=device)
+
+    # -- the native path ------------------------------------------------------------------------------------
+    def native_attention(self, layer: int, qkv: torch.Tensor, num_heads: int, head_dim: int, scale: float,
+                         window: int | None, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """RoPE, the cache write and the attention of one layer in the native CPU op (kernels/csrc):
+        qkv [B, T, (Hq+2Hkv)*D] straight from the fused projection, rope the model's (cos, sin)
+        tables [n, D]. Returns [B, T, Hq*D]. Each position's output depends only on its own
+        query, keys and values (see the op), so it is the same in a prefill, a decode step, a verify
+        window or beside other rows."""
+        library = native.library()
+        assert library is not None, "callers check native_ready first"
+        return library.attention(qkv.contiguous(), self.cache.k[layer], self.cache.v[layer], rope[0], rope[1],
+                                 self._slot_index_cpu, self._starts_cpu, self._sources, num_heads,
+                                 self.cache.num_kv_heads, head_dim, scale, window or 0)
+
+    def native_ready(self, dtype: torch.dtype) -> bool:
+        """Whether this forward takes the native attention: a CPU cache of float32 or bfloat16 and
+        the library built (else the torch path below serves)."""
+        return (self.cache.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+                and self.cache.k[0].dtype == dtype and native.library() is not None)
 
     # -- writes ---------------------------------------------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.int4 import Q4Weight, rtn_parts
+from kernels.int8 import Q8Weight
 from kernels.linear import linear
 from kernels.lm_head import OutputHead
 from specstream.models.attention import CacheBatch
@@ -163,12 +164,18 @@ class _LlamaLayer(nn.Module):
         return sum(_serve_q4(self, attr, attr, *rtn_parts(getattr(self, attr).detach()), dtype)
                    for attr in self._fused("") if Q4Weight.fits(*getattr(self, attr).shape))
 
-    def attention(self, x: torch.Tensor, batch: CacheBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, T, H] -> x + attention block [B, T, H]; writes this layer's K/V into the cache."""
+    def attention(self, x: torch.Tensor, batch: CacheBatch, cos: torch.Tensor, sin: torch.Tensor,
+                  rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [B, T, H] -> x + attention block [B, T, H]; writes this layer's K/V into the cache.
+        With ``rope`` (the model's full cos/sin tables) the native CPU op does RoPE, the write and
+        the attention in one call (``CacheBatch.native_attention``); cos/sin are then unused."""
         B, T, _ = x.shape
         D = self.head_dim
         h = rms_norm(x, self.input_norm, self.eps)  # [B, T, H]
         qkv = linear(h, self.qkv_w, self.qkv_b)  # [B, T, (Hq+2Hkv)*D]
+        if rope is not None:
+            attn = batch.native_attention(self.layer, qkv, self.num_heads, D, self.scale, self.window, rope)
+            return x + linear(attn, self.o_w, self.o_b)  # [B, T, H]
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = _apply_rope(q.view(B, T, self.num_heads, D).transpose(1, 2), cos, sin)  # [B, Hq, T, D]
         k = _apply_rope(k.view(B, T, self.num_kv_heads, D).transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
@@ -183,8 +190,9 @@ class _LlamaLayer(nn.Module):
         gate, up = linear(h, self.gate_up_w, self.gate_up_b).chunk(2, dim=-1)  # 2 x [B, T, I]
         return x + linear(self.act(gate) * up, self.down_w, self.down_b)  # [B, T, H]
 
-    def forward(self, x: torch.Tensor, batch: CacheBatch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.attention(x, batch, cos, sin))  # [B, T, H]
+    def forward(self, x: torch.Tensor, batch: CacheBatch, cos: torch.Tensor, sin: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        return self.mlp(self.attention(x, batch, cos, sin, rope))  # [B, T, H]
 
 
 class LlamaForCausalLM(CausalLM):
@@ -209,6 +217,7 @@ class LlamaForCausalLM(CausalLM):
         self.register_buffer(
             "output_ids", torch.zeros(head_rows, dtype=torch.int64, device=device) if c.output_vocab else None,
             persistent=False)  # [N] token id of each logit column
+        self.head_q8: Q8Weight | None = None  # the output layer as 8-bit blocks (use_q8_head), else the dense one
         self.register_buffer("inv_freq", rope_inv_freq(c.rope, c.head_dim).to(device), persistent=False)  # [D/2]
         self._rope_len = 0
         self._build_rope(min(_INITIAL_ROPE_LEN, c.max_position_embeddings))
@@ -261,6 +270,24 @@ class LlamaForCausalLM(CausalLM):
             swapped += _serve_q4(self, "lm_head", "lm_head.weight", *head, self.dtype)
         return swapped
 
+    def head_name(self) -> str | None:
+        """The checkpoint tensor the full-vocabulary output layer reads (None: a draft's subset)."""
+        if self.config.output_vocab is not None:
+            return None
+        return "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+
+    def use_q8_head(self, dense: torch.Tensor) -> bool:
+        """Serve the output layer from 8-bit blocks when ``dense`` (its float32 checkpoint tensor) is
+        exactly a Q8_0 matrix (a GGUF file's Q8_0 embedding); whether it does. The embedding lookup
+        keeps reading the dense matrix (one row a token)."""
+        if self.lm_head is not None and not isinstance(self.lm_head, torch.Tensor):
+            return False  # already 4-bit
+        head = Q8Weight.from_exact(dense)
+        if head is None or head.shape != self.output_head.weight.shape:
+            return False
+        self.head_q8 = head
+        return True
+
     def quantize_int4(self) -> int:
         """The layers' fused projections and an own output layer (untied, or a draft's vocabulary
         subset); the embedding, which a tied head shares, stays dense."""
@@ -283,6 +310,8 @@ class LlamaForCausalLM(CausalLM):
     @property
     def output_head(self) -> OutputHead:
         """[V, H] (or [N, H] over a draft's vocabulary subset, columns named by output_ids)."""
+        if self.head_q8 is not None:
+            return OutputHead(self.head_q8)
         return OutputHead(self.embed if self.lm_head is None else self.lm_head, output_ids=self.output_ids)
 
     def hidden(
@@ -295,8 +324,11 @@ class LlamaForCausalLM(CausalLM):
     ) -> torch.Tensor:
         batch = self._cache_batch(input_ids, cache, slots, start_pos)
         x, cos, sin = self.embed_positions(input_ids, batch)  # [B, T, H]
+        # The native CPU attention, wherever it is built: the same op for every forward (prefill,
+        # decode, verify), so a position's K/V and output never depend on which kind computed it.
+        rope = (self.rope_cos, self.rope_sin) if batch.native_ready(self.dtype) else None
         for layer in self.layers:
-            x = layer(x, batch, cos, sin)  # [B, T, H]
+            x = layer(x, batch, cos, sin, rope)  # [B, T, H]
         if last_only:
             x = x[:, -1:]  # [B, 1, H]
         return rms_norm(x, self.norm, self.config.norm_eps)  # [B, T', H]

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from kernels import native
 from kernels.int4 import Q4_FILE, unpack_codes
 from specstream.data.config import WEIGHT_FORMATS
 from specstream.models.base import CausalLM
@@ -268,6 +269,19 @@ def _use_q4(model: CausalLM, file: Path) -> int:
     return swapped
 
 
+def _use_q8_head(model: CausalLM, root: Path) -> bool:
+    """Serve the output layer as 8-bit blocks (kernels/int8.py) when the checkpoint's float32 matrix
+    is exactly a Q8_0 one and the native CPU kernels load; whether it does."""
+    name = getattr(model, "head_name", lambda: None)()
+    if name is None or native.library() is None:
+        return False
+    with safe_open(str(root / "model.safetensors"), framework="pt", device="cpu") as f:
+        if name not in f.keys():
+            return False
+        dense = f.get_tensor(name)
+    return dense.dtype == torch.float32 and model.use_q8_head(dense)
+
+
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
                resolve: Callable[[str], Path] | None = None, weights: str = "dense", draft: bool = False) -> CausalLM:
     """A ready model (eval mode, no grad) from a checkpoint directory; see the module docstring.
@@ -292,6 +306,10 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
             raise ModelLoadError(f"{root}: weights='int4' needs {Q4_FILE}, which converting a GGUF file with "
                                  "Q4_0/Q4_1 tensors writes; this checkpoint has none")
     config = read_config(root)
+    if torch.device(device).type == "cpu":
+        # The native CPU ops load (or build) now, not in the first forward: a service's first reply
+        # must not pay for it (its peers time it).
+        native.library()
     with SafetensorsSource(root, torch_dtype, device) as own:
         source: SafetensorsSource | SharedEmbeddingSource = own
         if config.shared_embedding is not None:
@@ -320,6 +338,8 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
         raise ModelLoadError(f"{root}: weights={weights!r}, but none of its matrices fits the int4 kernel "
                              f"({config.architecture})")
     model.weights = f"{served} ({swapped} matrices)" if swapped else "dense"
+    if served == "int4" and _use_q8_head(model, root):
+        model.weights += ", 8-bit output layer"
     model.eval()
     model.requires_grad_(False)
     return model

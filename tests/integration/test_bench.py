@@ -294,3 +294,23 @@ def test_bench_throughput_through_both_fronts_on_real_processes(model_zoo, tmp_p
     (overhead,) = data["front_overhead"]
     assert overhead["tokens_per_s_ratio"] == same(runs["http"]["tokens_per_s"] / runs["grpc"]["tokens_per_s"])
     assert (tmp_path / "throughput_fronts.png").stat().st_size > 1000
+
+
+def test_bench_step_measures_the_bound_the_verify_curve_and_the_host_work(model_zoo, tmp_path, capsys):
+    from specstream.tools.bench import step
+    from specstream.tools.bench.models import BenchModels
+
+    data = step.run(BenchModels("zoo", model_zoo["target"], None, "float32"), tmp_path)
+    assert data["bytes"]["total"] == sum(v for k, v in data["bytes"].items() if k != "total") > 0
+    assert data["bound_ms"] == same(data["bytes"]["total"] / data["bandwidth_gbs"][data["threads"]] / 1e6)
+    assert set(data["ours"]) == set(step.POSITIONS) and all(ms > 0 for ms in data["ours"].values())
+    assert data["verify_over_step"][16] == same(data["ours"][16] / data["ours"][1])
+    for batch, host in data["host"].items():  # plain decoding on an in-process engine, from its own timings
+        assert host["steps"] > 0 and host["step_ms"] > host["forward_ms"] > 0, batch
+        assert host["host_ms"] == same(host["step_ms"] - host["forward_ms"] - data["output_layer_ms"][batch])
+    assert data["noisy_over_quiet"] == same(data["ours"][1] / data["ours_noisy"][1])
+    assert data["llama_cpp"] is None and "no GGUF file" in data["llama_cpp_note"]  # a safetensors target
+    goals = {g["goal"]: g for g in data["goals"]}
+    assert goals["verify over 16 ÷ step"]["met"] == (data["verify_over_step"][16] <= 1.6)
+    assert (tmp_path / "step.json").exists() and (tmp_path / "step.png").stat().st_size > 1000
+    assert "bandwidth" in capsys.readouterr().out

@@ -19,7 +19,6 @@ import torch
 from specstream.models.loader import load_model
 from specstream.models.registry import MODELS, PAIRS, pair_refs, resolve_model
 from specstream.text.tokenizer import TextTokenizer
-from specstream_pb import common_pb2, target_pb2
 
 LOGIT_TOLERANCE = 1e-3
 
@@ -82,13 +81,15 @@ def test_logits_match_transformers_on_the_real_file(real) -> None:
 
 
 def test_4_bit_serving_is_as_close_to_the_file_as_dequantized_bfloat16(real) -> None:
-    """The default on CPU (bfloat16, the file's Q4_1 matrices served as 4-bit blocks) against the
-    file's exact values (float32, dequantized): no further from them than dequantizing to bfloat16."""
+    """The default on CPU (bfloat16, the file's Q4_1 matrices served as 4-bit blocks and its Q8_0
+    embedding as the 8-bit output layer) against the file's exact values (float32, dequantized): no
+    further from them than dequantizing to bfloat16."""
     directory, tok, _, _ = real
     exact = load_model(directory, "float32", weights="dense")
     dense = load_model(directory, "bfloat16", weights="dense")
     q4 = load_model(directory, "bfloat16", weights="auto")
-    assert q4.weights == "int4 (210 matrices)"  # 30 layers x 7; the Q8_0 embedding stays dense
+    # 30 layers x 7 matrices; the Q8_0 embedding's output layer from its 8-bit blocks (its lookup stays dense)
+    assert q4.weights == "int4 (210 matrices), 8-bit output layer"
     err = {"dense": [], "int4": []}
     agree = {"dense": [], "int4": []}
     for ids in _prompts(tok):
@@ -100,8 +101,9 @@ def test_4_bit_serving_is_as_close_to_the_file_as_dequantized_bfloat16(real) -> 
             with torch.inference_mode():
                 got = model(torch.tensor([ids]), cache, torch.tensor([cache.alloc()]), torch.tensor([0]))[0]
             err[name].append((got - want).abs().mean().item())
-            agree[name].append((got.argmax(-1) == want.argmax(-1)).float().mean().item())
+            agree[name] += (got.argmax(-1) == want.argmax(-1)).tolist()
     mean = {k: sum(v) / len(v) for k, v in err.items()}
+    # Over all positions (a short prompt's one flip at a near-tie weighs what any other position does).
     top1 = {k: sum(v) / len(v) for k, v in agree.items()}
     assert mean["int4"] <= 1.2 * mean["dense"], mean
     assert min(top1.values()) >= 0.95, top1

@@ -122,10 +122,16 @@ def _beam(args: argparse.Namespace, out: Path) -> None:
              quiet=args.quiet)
 
 
+def _step(args: argparse.Namespace, out: Path) -> None:
+    from specstream.tools.bench import step
+
+    step.run(bench_models(args), out, quiet=args.quiet)
+
+
 # `specstream bench KIND`: KIND's entry, called with the flags and --out (made beforehand).
 BENCHES: dict[str, Callable[[argparse.Namespace, Path], None]] = {
     "latency": _latency, "sampling": _sampling, "synthetic": _synthetic, "throughput": _throughput,
-    "profile": _profile, "gamma": _gamma, "kernels": _kernels, "beam": _beam,
+    "profile": _profile, "gamma": _gamma, "kernels": _kernels, "beam": _beam, "step": _step,
 }
 
 
@@ -156,7 +162,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "synthetic: overhead vs theory at set acceptance rates on a ~100M random target; "
                         "throughput: batching policies under load; profile: where one decode step's time goes; "
                         "kernels: the output layer, fused kernels against unfused torch; "
-                        "beam: FIXED / VAR-BATCH / VAR-STREAM / VAR-STR-FIFO beam search and transformers' beams")
+                        "beam: FIXED / VAR-BATCH / VAR-STREAM / VAR-STR-FIFO beam search and transformers' beams; "
+                        "step: one decode step against the bandwidth bound, verify cost by positions, host work "
+                        "per engine step, a noisy neighbour, and (when installed) llama.cpp")
     pair_flags(p, dtype_help="default: the --models pair's")
     p.add_argument("--out", default="bench-results", help="directory for JSON and PNG output")
     p.add_argument("--prompts", type=int, default=None, help="prompts per workload (default 8; gamma 4)")

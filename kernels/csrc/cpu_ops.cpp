@@ -1,0 +1,352 @@
+// CPU ops that read each weight once for every row of a small batch (kernels/native.py builds this
+// file on first use; kernels/blocks.py and kernels/attention.py are their Python launchers, each beside
+// its torch reference).
+//
+// Batch invariance: every output element is computed by one fixed sequence of operations over its
+// own inputs, whatever the number of rows in the call and however the work is split between threads
+// (threads split the output features, never a reduction). So a row's result is the same bits alone,
+// as one of γ+1 verify positions, or beside other sequences' rows: greedy speculation reproduces
+// plain decoding only then.
+//
+// Weights stay in GGUF's blocks of 32: Q4_1 (a 4-bit code per weight, a float scale d and minimum m per
+// block: w = d * q + m) and Q8_0 (an int8 code per weight, a scale d per block: w = d * q). A block's
+// contribution to a dot product is d * Σ x_i q_i (+ m * Σ x_i): the codes are exact in float32, so
+// this is the dequantized matrix's dot product up to the order of float32 additions.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+#include <cmath>
+#include <cstdint>
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+
+// ---------------------------------------------------------------------------------------------------
+// Activations as float32 rows, and each row's sum per block (the Q4_1 minimum's term).
+
+at::Tensor as_float_rows(const at::Tensor& x) {
+  return x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
+}
+
+bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  return yes;
+}
+
+bool has_avx512_bf16() {
+  static const bool yes = has_avx512() && __builtin_cpu_supports("avx512bf16");
+  return yes;
+}
+
+constexpr int kTile = 8;  // rows per pass over a weight row (their accumulators stay in registers)
+
+// ---------------------------------------------------------------------------------------------------
+// Q8_0: codes [N, K] int8, d [N, K/32] float32.
+
+template <int R>
+__attribute__((target("avx512f,avx512bw")))
+void q8_rows_avx512(const int8_t* codes, const float* d, const float* x, int64_t blocks, int64_t K, float* out,
+                    int64_t N) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* c = codes + kBlock * b;
+    __m512 q_lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
+    __m512 q_hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16))));
+    __m512 scale = _mm512_set1_ps(d[b]);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * K + kBlock * b;
+      __m512 s = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), q_hi, _mm512_mul_ps(_mm512_loadu_ps(xb), q_lo));
+      acc[r] = _mm512_fmadd_ps(scale, s, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * N] = _mm512_reduce_add_ps(acc[r]);
+}
+
+// bfloat16 activations: each block's weights are formed once, w = d * q in float32 (exact: a half
+// scale times an 8-bit code) rounded to bfloat16 — the very values of the dense bfloat16 matrix
+// dequantized from the same blocks — then each row takes the block's 32 products in one dot-product
+// instruction. Two accumulators per row (even and odd blocks), in the same order for every row.
+__attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) inline
+__m512bh q8_block_bf16(const int8_t* codes, float d) {
+  __m512 scale = _mm512_set1_ps(d);
+  __m512 lo = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)))));
+  __m512 hi = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16)))));
+  return _mm512_cvtne2ps_pbh(hi, lo);  // weights 0..31 in order
+}
+
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+void q8_rows_bf16(const int8_t* codes, const float* d, const uint16_t* x, int64_t blocks, int64_t K, float* out,
+                  int64_t N) {
+  __m512 even[R], odd[R];
+  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    __m512bh w0 = q8_block_bf16(codes + kBlock * b, d[b]);
+    __m512bh w1 = q8_block_bf16(codes + kBlock * (b + 1), d[b + 1]);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const uint16_t* xr = x + r * K + kBlock * b;
+      even[r] = _mm512_dpbf16_ps(even[r], (__m512bh)_mm512_loadu_si512(xr), w0);
+      odd[r] = _mm512_dpbf16_ps(odd[r], (__m512bh)_mm512_loadu_si512(xr + kBlock), w1);
+    }
+  }
+  if (b < blocks) {
+    __m512bh w0 = q8_block_bf16(codes + kBlock * b, d[b]);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) even[r] = _mm512_dpbf16_ps(even[r], (__m512bh)_mm512_loadu_si512(x + r * K + kBlock * b), w0);
+  }
+  for (int r = 0; r < R; ++r) out[r * N] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+}
+
+using Q8Rows = void (*)(const int8_t*, const float*, const float*, int64_t, int64_t, float*, int64_t);
+using Q8RowsBf16 = void (*)(const int8_t*, const float*, const uint16_t*, int64_t, int64_t, float*, int64_t);
+constexpr Q8RowsBf16 kQ8RowsBf16[] = {q8_rows_bf16<1>, q8_rows_bf16<2>, q8_rows_bf16<3>, q8_rows_bf16<4>,
+                                      q8_rows_bf16<5>, q8_rows_bf16<6>, q8_rows_bf16<7>, q8_rows_bf16<8>};
+constexpr Q8Rows kQ8Rows[] = {q8_rows_avx512<1>, q8_rows_avx512<2>, q8_rows_avx512<3>, q8_rows_avx512<4>,
+                              q8_rows_avx512<5>, q8_rows_avx512<6>, q8_rows_avx512<7>, q8_rows_avx512<8>};
+
+float q8_dot_generic(const int8_t* codes, const float* d, const float* x, int64_t blocks) {
+  float lanes[16] = {0};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* c = codes + kBlock * b;
+    const float* xb = x + kBlock * b;
+    for (int i = 0; i < 16; ++i) {
+      float s = xb[i] * float(c[i]);
+      s = std::fma(xb[16 + i], float(c[16 + i]), s);
+      lanes[i] = std::fma(d[b], s, lanes[i]);
+    }
+  }
+  float total = 0.0f;
+  for (float v : lanes) total += v;
+  return total;
+}
+
+at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && codes.scalar_type() == at::kChar, "q8_matmul: x [M, K], codes [N, K] int8");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), blocks = K / kBlock;
+  TORCH_CHECK(codes.size(1) == K && K % kBlock == 0, "q8_matmul: codes [N, K] with K = ", K, " a multiple of 32");
+  TORCH_CHECK(d.sizes() == at::IntArrayRef({N, blocks}) && d.scalar_type() == at::kFloat, "q8_matmul: d [N, K/32] float32");
+  const bool bf16 = x.scalar_type() == at::kBFloat16 && has_avx512_bf16();
+  at::Tensor xin = bf16 ? x.contiguous() : as_float_rows(x);
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const float* dp = d.data_ptr<float>();
+  const float* xp = bf16 ? nullptr : xin.data_ptr<float>();
+  const uint16_t* xh = bf16 ? reinterpret_cast<const uint16_t*>(xin.data_ptr<at::BFloat16>()) : nullptr;
+  float* op = out.data_ptr<float>();
+  const bool wide = has_avx512();
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t r0 = 0; r0 < M; r0 += kTile) {
+        const int64_t rows = std::min<int64_t>(kTile, M - r0);
+        if (bf16) {
+          kQ8RowsBf16[rows - 1](cp + n * K, dp + n * blocks, xh + r0 * K, blocks, K, op + r0 * N + n, N);
+          continue;
+        }
+        if (wide) {
+          kQ8Rows[rows - 1](cp + n * K, dp + n * blocks, xp + r0 * K, blocks, K, op + r0 * N + n, N);
+          continue;
+        }
+        for (int64_t r = r0; r < r0 + rows; ++r) {
+          op[r * N + n] = q8_dot_generic(cp + n * K, dp + n * blocks, xp + r * K, blocks);
+        }
+      }
+    }
+  });
+  return out;  // float32 logits
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Attention over the slot KV cache, for every forward of a model (prefill, decode, verify).
+//
+// For each row b and its T new positions p = start[b] + t: RoPE on the query and key heads, the key
+// and value written into the cache at p (in the cache's dtype), then for every query head
+// softmax(q · k_j * scale) · v over exactly its keys j in [lo, p] (lo: the sliding window's start)
+// — never over masked ones — in index order, in float32, rounded to the activations' dtype once at
+// the end. A position's output therefore depends only on its query, its keys and values: not on T,
+// the other rows, or how many keys the batch's longest row has (which changed the last bits of a
+// float32 softmax over masked keys in the torch path).
+
+inline float load_value(const float* p) { return *p; }
+inline float load_value(const at::BFloat16* p) { return static_cast<float>(*p); }
+inline void store_value(float* p, float v) { *p = v; }
+inline void store_value(at::BFloat16* p, float v) { *p = static_cast<at::BFloat16>(v); }
+
+// Dot product over D values in a fixed order: 16 lanes over the vector, then the lanes summed.
+template <typename T>
+__attribute__((target("avx512f,avx512bw")))
+float dot_avx512(const float* q, const T* k, int64_t D) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D; i += 16) {
+    __m512 kv;
+    if constexpr (std::is_same_v<T, float>) {
+      kv = _mm512_loadu_ps(k + i);
+    } else {
+      __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + i));
+      kv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), kv, acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+template <typename T>
+float dot_generic(const float* q, const T* k, int64_t D) {
+  float lanes[16] = {0};
+  for (int64_t i = 0; i < D; ++i) lanes[i % 16] = std::fma(q[i], load_value(k + i), lanes[i % 16]);
+  float total = 0.0f;
+  for (float v : lanes) total += v;
+  return total;
+}
+
+// out[0..D) += w * v[0..D), in float32.
+template <typename T>
+__attribute__((target("avx512f,avx512bw")))
+void axpy_avx512(float w, const T* v, float* out, int64_t D) {
+  __m512 scale = _mm512_set1_ps(w);
+  for (int64_t i = 0; i < D; i += 16) {
+    __m512 vv;
+    if constexpr (std::is_same_v<T, float>) {
+      vv = _mm512_loadu_ps(v + i);
+    } else {
+      __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i));
+      vv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    _mm512_storeu_ps(out + i, _mm512_fmadd_ps(scale, vv, _mm512_loadu_ps(out + i)));
+  }
+}
+
+template <typename T>
+void axpy_generic(float w, const T* v, float* out, int64_t D) {
+  for (int64_t i = 0; i < D; ++i) out[i] = std::fma(w, load_value(v + i), out[i]);
+}
+
+// RoPE as transformers applies it: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1),
+// computed in float32 from the row's values and the tables' (in the model's dtype).
+template <typename T>
+void rope(const T* x, const T* cos, const T* sin, int64_t D, float* out) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < D; ++i) {
+    const float rotated = i < half ? -load_value(x + i + half) : load_value(x + i - half);
+    out[i] = load_value(x + i) * load_value(cos + i) + rotated * load_value(sin + i);
+  }
+}
+
+template <typename T>
+void attention_impl(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& cos_table,
+                    const at::Tensor& sin_table, const std::vector<int64_t>& slots, const std::vector<int64_t>& starts,
+                    const int64_t* sources, int64_t kv_len, int64_t Hq, int64_t Hkv, int64_t D, double scale,
+                    int64_t window, at::Tensor& out) {
+  const int64_t B = qkv.size(0), T_ = qkv.size(1), width = qkv.size(2), L = k_cache.size(2);
+  const T* x = qkv.data_ptr<T>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const T *ct = cos_table.data_ptr<T>(), *st = sin_table.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const bool wide = has_avx512() && D % 16 == 0;
+  auto cache_at = [&](T* cache, int64_t slot, int64_t head, int64_t pos) { return cache + ((slot * Hkv + head) * L + pos) * D; };
+  // 1. This forward's keys (with RoPE) and values into the cache.
+  at::parallel_for(0, B * T_, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> rotated(D);
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t b = bt / T_, pos = starts[b] + bt % T_;
+      const T* row = x + bt * width;
+      for (int64_t g = 0; g < Hkv; ++g) {
+        rope(row + (Hq + g) * D, ct + pos * D, st + pos * D, D, rotated.data());
+        T* k = cache_at(kc, slots[b], g, pos);
+        for (int64_t i = 0; i < D; ++i) store_value(k + i, rotated[i]);
+        const T* v = row + (Hq + Hkv + g) * D;
+        std::copy(v, v + D, cache_at(vc, slots[b], g, pos));
+      }
+    }
+  });
+  // 2. Every query head over its keys.
+  const int64_t group = Hq / Hkv;
+  at::parallel_for(0, B * T_ * Hq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(D), acc(D), weights;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item % Hq, bt = item / Hq, b = bt / T_, pos = starts[b] + bt % T_, g = h / group;
+      rope(x + bt * width + h * D, ct + pos * D, st + pos * D, D, q.data());
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+      weights.resize(pos + 1 - lo);
+      float top = -INFINITY;
+      for (int64_t j = lo; j <= pos; ++j) {
+        const int64_t slot = sources != nullptr ? sources[b * kv_len + j] : slots[b];
+        const T* k = cache_at(kc, slot, g, j);
+        const float s = (wide ? dot_avx512(q.data(), k, D) : dot_generic(q.data(), k, D)) * static_cast<float>(scale);
+        weights[j - lo] = s;
+        top = std::max(top, s);
+      }
+      float total = 0.0f;
+      for (float& w : weights) {
+        w = std::exp(w - top);
+        total += w;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = lo; j <= pos; ++j) {
+        const int64_t slot = sources != nullptr ? sources[b * kv_len + j] : slots[b];
+        const T* v = cache_at(vc, slot, g, j);
+        if (wide) axpy_avx512(weights[j - lo], v, acc.data(), D); else axpy_generic(weights[j - lo], v, acc.data(), D);
+      }
+      T* dst = o + bt * Hq * D + h * D;
+      for (int64_t i = 0; i < D; ++i) store_value(dst + i, acc[i] / total);
+    }
+  });
+}
+
+at::Tensor attention(const at::Tensor& qkv, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& cos_table,
+                     const at::Tensor& sin_table, const at::Tensor& slots, const at::Tensor& starts,
+                     const c10::optional<at::Tensor>& sources, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                     double scale, int64_t window) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous(), "attention: qkv [B, T, (Hq + 2 Hkv) * D], contiguous");
+  TORCH_CHECK(qkv.size(2) == (num_heads + 2 * num_kv_heads) * head_dim, "attention: qkv width ", qkv.size(2));
+  TORCH_CHECK(num_heads % num_kv_heads == 0 && head_dim % 2 == 0, "attention: heads and head_dim");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+              k_cache.size(1) == num_kv_heads && k_cache.size(3) == head_dim && v_cache.sizes() == k_cache.sizes(),
+              "attention: caches [slots, Hkv, max_len, D], contiguous");
+  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && cos_table.scalar_type() == qkv.scalar_type() &&
+              sin_table.scalar_type() == qkv.scalar_type() && cos_table.is_contiguous() && sin_table.is_contiguous(),
+              "attention: qkv, caches and RoPE tables share one dtype");
+  const int64_t B = qkv.size(0), T_ = qkv.size(1);
+  std::vector<int64_t> slot_list(slots.data_ptr<int64_t>(), slots.data_ptr<int64_t>() + B);
+  std::vector<int64_t> start_list(starts.data_ptr<int64_t>(), starts.data_ptr<int64_t>() + B);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(start_list[b] + T_ <= k_cache.size(2) && start_list[b] + T_ <= cos_table.size(0),
+                "attention: positions past the cache or the RoPE tables");
+  }
+  const int64_t* source_ptr = nullptr;
+  int64_t kv_len = 0;
+  at::Tensor source_rows;
+  if (sources.has_value()) {
+    source_rows = sources->contiguous();
+    kv_len = source_rows.size(1);
+    source_ptr = source_rows.data_ptr<int64_t>();
+  }
+  at::Tensor out = at::empty({B, T_, num_heads * head_dim}, qkv.options());
+  if (qkv.scalar_type() == at::kFloat) {
+    attention_impl<float>(qkv, k_cache, v_cache, cos_table, sin_table, slot_list, start_list, source_ptr, kv_len,
+                          num_heads, num_kv_heads, head_dim, scale, window, out);
+  } else {
+    TORCH_CHECK(qkv.scalar_type() == at::kBFloat16, "attention: float32 or bfloat16, got ", qkv.scalar_type());
+    attention_impl<at::BFloat16>(qkv, k_cache, v_cache, cos_table, sin_table, slot_list, start_list, source_ptr,
+                                 kv_len, num_heads, num_kv_heads, head_dim, scale, window, out);
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("q8_matmul", &q8_matmul, "x [M, K] @ Q8_0 codes [N, K] (d [N, K/32]) -> [M, N] float32");
+  module.def("attention", &attention, "RoPE, the cache write and attention over each row's own keys, for one layer");
+  module.def("has_avx512", &has_avx512, "whether the AVX-512 paths run on this CPU");
+  module.def("has_avx512_bf16", &has_avx512_bf16, "whether bfloat16 activations take the dot-product path");
+}

@@ -1,0 +1,140 @@
+"""The native CPU ops (kernels/csrc/cpu_ops.cpp, built by kernels/native.py) against their torch
+references, odd shapes and 1..16 rows, and their batch invariance: a row's result is the same bits
+alone, among the positions of a verify window, or beside other sequences' rows, for every path that
+serves (the whole model included)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kernels import native
+from kernels.int8 import Q8Weight, q8_linear, q8_linear_reference
+from specstream.models.random_init import write_random_checkpoint
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def test_the_library_builds_here() -> None:
+    # This machine has a C++ compiler: if the build fails, every native path below would silently
+    # be its torch reference. A failure here says why (the build's error is in the log).
+    assert native.library() is not None
+
+
+def _q8_matrix(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(float32 matrix that is exactly Q8_0, its codes [n, k] int8, its scales [n, k/32])."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    codes[:, ::32] = 127  # each block's largest magnitude is 127 * d, as llama.cpp quantizes
+    scale = (torch.rand(n, k // 32, generator=gen) * 0.01).half().float()  # half-precision scales
+    scale[0, 0] = 0.0  # an all-zero block
+    codes[0, :32] = 0
+    dense = (codes.float().view(n, k // 32, 32) * scale[..., None]).view(n, k)
+    return dense, codes, scale
+
+
+def test_q8_blocks_are_recovered_exactly_and_only_from_q8_matrices() -> None:
+    dense, codes, scale = _q8_matrix(40, 96, seed=1)
+    weight = Q8Weight.from_exact(dense)
+    assert weight is not None and torch.equal(weight.codes, codes) and torch.equal(weight.scale, scale)
+    assert Q8Weight.from_exact(dense + 1e-4) is None  # not d * q any more
+    assert Q8Weight.from_exact(torch.randn(40, 96)) is None
+    assert Q8Weight.from_exact(dense[:, :90].contiguous()) is None  # not whole blocks
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(5, 64), (123, 96), (1000, 576)])
+def test_q8_matmul_matches_its_reference_for_1_to_16_rows(shape, dtype) -> None:
+    n, k = shape
+    dense, _, _ = _q8_matrix(n, k, seed=2)
+    weight = Q8Weight.from_exact(dense)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(16, k, generator=gen).to(dtype)
+    got = q8_linear(x, weight)  # [16, n] float32
+    want = q8_linear_reference(x, weight)
+    tol = 1e-5 if dtype == torch.float32 else 1e-3
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < tol, f"max relative difference {err:.3g}"
+    for m in range(1, 17):  # every row count: each row the same bits as alone
+        assert torch.equal(q8_linear(x[:m], weight), got[:m]), m
+    assert torch.equal(torch.cat([q8_linear(x[i:i + 1], weight) for i in range(16)]), got)
+
+
+def _tiny_model(tmp_path, dtype: str, weights: str = "dense", **overrides):
+    from specstream.models.loader import load_model
+
+    config = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, **overrides}
+    return load_model(write_random_checkpoint(tmp_path / "m", config, seed=5), dtype=dtype, weights=weights)
+
+
+def _logits(model, rows: list[tuple[list[int], int]], slots: list[int], cache) -> torch.Tensor:
+    """One forward over rows of (tokens, start) of equal length, each in its slot -> [B, T, V]."""
+    ids = torch.tensor([tokens for tokens, _ in rows])
+    with torch.inference_mode():
+        return model(ids, cache, torch.tensor(slots), torch.tensor([start for _, start in rows]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_native_attention_matches_the_torch_path(tmp_path, dtype, window) -> None:
+    overrides = {"sliding_window": window, "use_sliding_window": True, "max_window_layers": 0} if window else {}
+    model = _tiny_model(tmp_path, dtype, **overrides)
+    gen = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, 96, (3, 20), generator=gen).tolist()
+
+    def run() -> torch.Tensor:
+        cache = model.new_cache(3, 64)
+        first = _logits(model, [(p[:12], 0) for p in prompt], [0, 1, 2], cache)
+        then = _logits(model, [(p[12:], 12) for p in prompt], [0, 1, 2], cache)  # a verify-like window
+        return torch.cat([first, then], dim=1).float()
+
+    native_out = run()
+    os.environ["SPECSTREAM_NATIVE"] = "0"
+    try:
+        torch_out = run()
+    finally:
+        os.environ.pop("SPECSTREAM_NATIVE")
+    tol = 2e-4 if dtype == "float32" else 0.1
+    assert (native_out - torch_out).abs().max().item() < tol * max(1.0, torch_out.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype, weights", [("float32", "dense"), ("bfloat16", "dense"), ("bfloat16", "int4-rtn")])
+def test_a_rows_logits_are_the_same_bits_alone_in_a_verify_window_and_in_a_batch(tmp_path, dtype, weights) -> None:
+    """The model with the ops it serves with (the native attention; float32 dense; bfloat16 dense
+    with the 8-bit output layer; bfloat16 4-bit): a position computed in a decode step, inside a
+    verify window of 2..16 positions, and beside 1..32 other sequences gives the same logits, bit
+    for bit."""
+    model = _tiny_model(tmp_path, dtype, weights)
+    assert model.weights.startswith(weights)
+    if dtype == "bfloat16" and weights == "dense":
+        head = model.output_head.weight
+        dense, _, _ = _q8_matrix(*head.shape, seed=11)
+        assert model.use_q8_head(dense)  # the tiny model's output layer made an exact Q8_0 matrix
+    gen = torch.Generator().manual_seed(9)
+    prompt = torch.randint(0, 96, (24,), generator=gen).tolist()
+    cache = model.new_cache(40, 64)
+    _logits(model, [(prompt[:8], 0)], [0], cache)  # slot 0: an 8-token prefix
+    alone = []
+    for i in range(8, 24):  # decode steps, one position each
+        alone.append(_logits(model, [([prompt[i]], i)], [0], cache)[0, 0])
+    alone = torch.stack(alone)  # [16, V]
+    for width in (2, 4, 8, 16):  # verify windows over the same positions, from slot 1's copy of the prefix
+        _logits(model, [(prompt[:8], 0)], [1], cache)
+        window = _logits(model, [(prompt[8:8 + width], 8)], [1], cache)[0]
+        assert torch.equal(window, alone[:width]), width
+    # Sequences of other lengths beside each other: each one's next position alone, then in
+    # batches of 1..32 (tails of 1-3 rows included), every row compared.
+    prefixes = [torch.randint(0, 96, (int(n),), generator=gen).tolist()
+                for n in torch.randint(4, 20, (32,), generator=gen)]
+    for slot, tokens in enumerate(prefixes, start=2):
+        _logits(model, [(tokens[:-1], 0)], [slot], cache)
+    single = [_logits(model, [([tokens[-1]], len(tokens) - 1)], [slot], cache)[0, 0]
+              for slot, tokens in enumerate(prefixes, start=2)]
+    for batch in (1, 2, 3, 5, 7, 9, 13, 32):
+        rows = [([tokens[-1]], len(tokens) - 1) for tokens in prefixes[:batch]]
+        together = _logits(model, rows, list(range(2, 2 + batch)), cache)[:, 0]  # [batch, V]
+        for i in range(batch):
+            assert torch.equal(together[i], single[i]), (batch, i)
