@@ -47,3 +47,37 @@ def test_local_draft_proposes_on_the_torch_thread_not_the_event_loop() -> None:
 
     assert asyncio.run(main())[0].tokens == [1, 1]
     assert proposer.threads == [on_torch_thread(threading.get_ident)] * 2
+
+
+def _cgroups(tmp_path, proc: str, files: dict[str, str]):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    (tmp_path / "self_cgroup").write_text(proc)
+    return tmp_path, tmp_path / "self_cgroup"
+
+
+def test_cpu_share_is_the_affinity_capped_by_the_tightest_cgroup_quota(tmp_path) -> None:
+    import os
+
+    from specstream.serving.compute import cpu_share
+
+    cores = len(os.sched_getaffinity(0))
+    # cgroup v2, a Kubernetes-style limit of 1.5 CPUs on the pod and 4 on the container: floor(1.5).
+    root, proc = _cgroups(tmp_path / "v2", "0::/kubepods/pod1/ctr\n",
+                          {"kubepods/pod1/cpu.max": "150000 100000\n", "kubepods/pod1/ctr/cpu.max": "400000 100000\n",
+                           "cpu.max": "max 100000\n"})
+    assert cpu_share(root, proc) == min(cores, 1)
+    # A quota under one CPU still gets one thread; no quota ("max") leaves the affinity.
+    (root / "kubepods/pod1/cpu.max").write_text("20000 100000\n")
+    assert cpu_share(root, proc) == 1
+    (root / "kubepods/pod1/cpu.max").write_text("max 100000\n")
+    assert cpu_share(root, proc) == min(cores, 4)
+    # cgroup v1: cpu.cfs_quota_us / cpu.cfs_period_us, -1 meaning none.
+    root, proc = _cgroups(tmp_path / "v1", "3:cpu,cpuacct:/\n",
+                          {"cpu,cpuacct/cpu.cfs_quota_us": "100000\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"})
+    assert cpu_share(root, proc) == 1
+    (root / "cpu,cpuacct/cpu.cfs_quota_us").write_text("-1\n")
+    assert cpu_share(root, proc) == cores
+    # Nothing readable: the affinity.
+    assert cpu_share(tmp_path / "none", tmp_path / "none" / "cgroup") == cores

@@ -15,8 +15,11 @@ there and wait for it.
 
 from __future__ import annotations
 
+import math
+import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -29,7 +32,8 @@ _shared_ident: int | None = None  # the shared thread's id, once it runs
 
 
 def compute_executor(name: str, torch_threads: int = 0) -> ThreadPoolExecutor:
-    """A single worker thread; `torch_threads` > 0 sets its intra-op thread count."""
+    """A single worker thread; `torch_threads` > 0 sets its intra-op thread count, 0 takes one per
+    core this process may use (``cpu_share``)."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=_set_threads,
                               initargs=(torch_threads,))
 
@@ -37,6 +41,58 @@ def compute_executor(name: str, torch_threads: int = 0) -> ThreadPoolExecutor:
 def _set_threads(n: int) -> None:
     if n > 0:
         torch.set_num_threads(n)
+    elif (share := cpu_share()) < torch.get_num_threads():
+        torch.set_num_threads(share)
+
+
+def cpu_share(cgroup_root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")) -> int:
+    """The cores this process may use: its CPU affinity, capped by its cgroup's CPU quota (a
+    Kubernetes CPU limit), rounded down, at least 1. A thread team larger than the quota is stopped
+    as a whole every period once the quota is spent, and every forward waits for its slowest thread."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = _cgroup_quota(cgroup_root, proc_cgroup)
+    return max(1, min(cores, math.floor(quota))) if quota is not None else max(1, cores)
+
+
+def _cgroup_quota(root: Path, proc_cgroup: Path) -> float | None:
+    """CPUs per period from cgroup v2's ``cpu.max`` or v1's ``cpu.cfs_quota_us``, the tightest
+    along the process's cgroup path; None when unlimited or unreadable."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one unified hierarchy
+            base, parts = root, Path(path).parts[1:]
+            for depth in range(len(parts) + 1):
+                quotas.append(_v2_quota(base.joinpath(*parts[:depth]) / "cpu.max"))
+        elif "cpu" in controllers.split(","):
+            for mount in (root / "cpu,cpuacct", root / "cpu"):
+                if mount.is_dir():
+                    own = mount / path.lstrip("/")
+                    quotas.append(_v1_quota(own if own.is_dir() else mount))
+                    break
+    limits = [q for q in quotas if q is not None]
+    return min(limits) if limits else None
+
+
+def _v2_quota(path: Path) -> float | None:
+    try:
+        quota, period = path.read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def _v1_quota(mount: Path) -> float | None:
+    try:
+        quota = int((mount / "cpu.cfs_quota_us").read_text())
+        period = int((mount / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota <= 0 else quota / period
 
 
 def torch_thread() -> ThreadPoolExecutor:

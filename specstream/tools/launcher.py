@@ -340,10 +340,13 @@ class Stack:
             Path(self.spec.log_dir).mkdir(parents=True, exist_ok=True)
             out = open(Path(self.spec.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         self.args[name] = args
-        # A session of its own: Ctrl-C in a terminal reaches only us, and we stop the children in order.
+        # A process group of its own: Ctrl-C in a terminal reaches only us, and we stop the children in
+        # order. Not a session of its own: Linux schedules each session as one group (autogroup), and
+        # CPU weights (nice) only rank processes inside a group, so a session of their own gave the
+        # services an equal share with a nice-19 busy loop started beside them.
         self.procs[name] = subprocess.Popen([sys.executable, "-m", "specstream.tools.cli", *args], stdout=out,
                                             stderr=subprocess.STDOUT if out else None, env=_child_env(),
-                                            start_new_session=True)
+                                            process_group=0)
 
     def restart(self, name: str, timeout_s: float = 120.0) -> None:
         """Starts a stopped service (`draft`, `target`, `target-1`, ..., `gateway`) again on its old

@@ -308,9 +308,13 @@ def test_bench_step_measures_the_bound_the_verify_curve_and_the_host_work(model_
     for batch, host in data["host"].items():  # plain decoding on an in-process engine, from its own timings
         assert host["steps"] > 0 and host["step_ms"] > host["forward_ms"] > 0, batch
         assert host["host_ms"] == same(host["step_ms"] - host["forward_ms"] - data["output_layer_ms"][batch])
-    assert data["noisy_over_quiet"] == same(data["ours"][1] / data["ours_noisy"][1])
+    assert data["step_noisy_over_quiet"] == same(data["ours"][1] / data["ours_noisy"][1])
+    served = data["served"]  # plain decoding through a launched stack, quiet, noisy, quiet again
+    assert min(served["quiet"], served["noisy"], served["quiet again"]) > 0
+    assert served["noisy_over_quiet"] == same(2 * served["noisy"] / (served["quiet"] + served["quiet again"]))
     assert data["llama_cpp"] is None and "no GGUF file" in data["llama_cpp_note"]  # a safetensors target
     goals = {g["goal"]: g for g in data["goals"]}
     assert goals["verify over 16 ÷ step"]["met"] == (data["verify_over_step"][16] <= 1.6)
+    assert goals["served decoding, noisy ÷ quiet"]["met"] == (served["noisy_over_quiet"] >= 0.9)
     assert (tmp_path / "step.json").exists() and (tmp_path / "step.png").stat().st_size > 1000
     assert "bandwidth" in capsys.readouterr().out

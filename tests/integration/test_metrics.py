@@ -198,3 +198,14 @@ def test_gauges_follow_a_request_in_flight(stack):
     assert busy["target"]("specstream:num_requests_waiting") == 0
     assert busy["draft"]("specstream:draft_sequences") == 1
     assert _idle(_wait_for(stack, _idle))
+
+
+def test_services_run_in_the_callers_session_in_a_process_group_of_their_own(stack):
+    """A process group of their own keeps a terminal's Ctrl-C for the launcher, which stops them in
+    order; the caller's session keeps them in its scheduling group (autogroup), where `nice` ranks a
+    low-priority neighbour below them (docs/benchmarks.md, "A noisy host")."""
+    import os
+
+    for name, proc in stack.procs.items():
+        assert os.getpgid(proc.pid) == proc.pid != os.getpgid(0), name
+        assert os.getsid(proc.pid) == os.getsid(0), name
