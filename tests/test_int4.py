@@ -14,10 +14,12 @@ from kernels.int4 import (
     GROUP,
     Q4_FILE,
     Q4Weight,
+    native_layout,
     pack_codes,
     q4_dense,
     q4_linear,
     q4_linear_reference,
+    q4_native,
     rtn_parts,
     unpack_codes,
 )
@@ -95,6 +97,51 @@ def test_every_row_is_the_same_bits_however_many_rows_the_call_has(dtype: torch.
     for rows, start in [(1, 0), (1, 13), (2, 5), (3, 1), (4, 8), (5, 0), (9, 30), (17, 3)]:
         part = q4_linear(x[start : start + rows].contiguous(), w)
         assert torch.equal(part, full[start : start + rows]), f"{rows} rows from {start}"
+
+
+needs_native = pytest.mark.skipif(not q4_native(torch.bfloat16),
+                                  reason="the native 4-bit kernel needs the native library and AVX-512 BF16")
+
+
+def test_native_layout_round_trips() -> None:
+    from kernels.int4 import _from_native_layout
+
+    codes, scale, minimum, _ = _parts("Q4_1", (48, 96), seed=4)
+    assert all(torch.equal(a, b) for a, b in zip(_from_native_layout(*native_layout(codes, scale, minimum)),
+                                                   (codes, scale, minimum)))
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("shape", [(16, 32), (48, 96), (80, 160), (3072, 576), (576, 1536)])
+def test_native_kernel_matches_the_dense_matrix_for_1_to_16_rows(kind: str, shape: tuple[int, int]) -> None:
+    """The weight-stationary kernel against float32 products with the exact dequantized matrix (the
+    file's values), for every row count it meets in a verify, odd shapes included; and every row the
+    same bits as the row alone."""
+    codes, scale, minimum, raw = _parts(kind, shape, seed=5)
+    w = Q4Weight.from_parts(codes, scale, minimum, torch.bfloat16)
+    assert w.native
+    dense = dequantize(raw, kind, shape, "w")  # [N, K] float32, ggml's values
+    x = torch.randn(16, shape[1]).to(torch.bfloat16)
+    alone = torch.cat([q4_linear(x[i : i + 1], w) for i in range(16)])  # [16, N]
+    for rows in range(1, 17):
+        got = q4_linear(x[:rows], w)
+        want = (x[:rows].float() @ dense.T)  # [rows, N]
+        assert got.dtype == torch.bfloat16 and torch.equal(got, alone[:rows]), rows
+        # bfloat16 output: within half a unit in the last place of the largest, plus float32 sums
+        assert (got.float() - want).abs().max() <= 2 ** -8 * want.abs().max() + 1e-6, rows
+
+
+@needs_native
+def test_both_kernels_serve_bfloat16_and_agree() -> None:
+    codes, scale, minimum, _ = _parts("Q4_1", (576, 1536), seed=6)
+    new, old = (Q4Weight.from_parts(codes, scale, minimum, torch.bfloat16, use_native=flag) for flag in (True, False))
+    assert new.native and not old.native
+    x = torch.randn(5, 1536).to(torch.bfloat16)
+    a, b = q4_linear(x, new).float(), q4_linear(x, old).float()
+    assert (a - b).abs().max() <= 2e-2 * b.abs().max()
+    for rows in (1, 3, 5):  # ATen's kernel keeps its own rows independent too
+        assert torch.equal(q4_linear(x[:rows], old), q4_linear(x, old)[:rows])
 
 
 def test_from_parts_rejects_shapes_the_kernel_cannot_take() -> None:

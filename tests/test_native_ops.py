@@ -138,3 +138,49 @@ def test_a_rows_logits_are_the_same_bits_alone_in_a_verify_window_and_in_a_batch
         together = _logits(model, rows, list(range(2, 2 + batch)), cache)[:, 0]  # [batch, V]
         for i in range(batch):
             assert torch.equal(together[i], single[i]), (batch, i)
+
+
+def test_native_rms_norm_matches_the_torch_formula_and_keeps_rows_apart() -> None:
+    library = native.library()
+    gen = torch.Generator().manual_seed(12)
+    x = (torch.randn(40, 576, generator=gen) * 3).to(torch.bfloat16)
+    weight = torch.randn(576, generator=gen).to(torch.bfloat16)
+    got = library.rms_norm(x, weight, 1e-5)
+    xf = x.float()
+    want = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    # the same formula; only the order of the float32 sum of squares differs: where that moves the
+    # normalised value by a bfloat16 unit, the product with the weight moves by two at most
+    assert ((got.float() - want.float()).abs() <= 2 ** -6 * want.float().abs() + 1e-6).all()
+    assert (got != want).float().mean() < 0.01
+    assert torch.equal(torch.cat([library.rms_norm(x[i:i + 1], weight, 1e-5) for i in range(40)]), got)
+
+
+def test_the_fused_layer_gives_the_bits_of_the_layer_op_by_op(tmp_path, monkeypatch) -> None:
+    """A bfloat16 model with 4-bit projections runs each layer as one native call; op by op
+    (``FUSED_LAYERS`` off) it must give the same logits bit for bit: in a prefill, decode steps,
+    verify windows of 2..16, rows of different lengths together, and after a rollback."""
+    from specstream.models import llama
+
+    model = _tiny_model(tmp_path, "bfloat16", "int4-rtn", num_hidden_layers=3)
+    assert all(layer.native_weights(torch.bfloat16) is not None for layer in model.layers)
+    gen = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (9, 14, 20)]
+
+    def run() -> list[torch.Tensor]:
+        cache = model.new_cache(4, 64)
+        slots = [cache.alloc() for _ in prompts]
+        out = [_logits(model, [(p[:8 + i], 0)], [s], cache) for i, (s, p) in enumerate(zip(slots, prompts))]
+        for width in (1, 2, 4, 8, 16):  # decode step and verify windows, three rows of different starts
+            rows = [(torch.randint(0, 96, (width,), generator=gen).tolist(), 8 + i) for i in range(3)]
+            out.append(_logits(model, rows, slots, cache))
+            for slot, (_, start) in zip(slots, rows):  # roll back: the window's positions are rejected
+                cache.set_length(slot, start)
+        return out
+
+    gen.manual_seed(14)
+    fused = run()
+    monkeypatch.setattr(llama, "FUSED_LAYERS", False)
+    assert model.layers[0].native_weights(torch.bfloat16) is None
+    gen.manual_seed(14)
+    op_by_op = run()
+    assert all(torch.equal(a, b) for a, b in zip(fused, op_by_op))

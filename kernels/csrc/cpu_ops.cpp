@@ -19,6 +19,7 @@
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <algorithm>
 #include <type_traits>
 #include <vector>
@@ -162,6 +163,115 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     }
   });
   return out;  // float32 logits
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Q4_1 with bfloat16 activations: a weight-stationary kernel whose lanes are 16 output features.
+//
+// Layout (kernels/int4.py ``native_layout``): per tile of 16 output features t and block of 32 inputs b,
+// 256 bytes: 8 chunks of 32 bytes, chunk c covering inputs k0 = 32 b + 4 c .. k0 + 3; byte 2 i + j of a
+// chunk holds feature i's code for input k0 + j in its low nibble and for k0 + 2 + j in its high one.
+// d and m [T, B, 16] float16 (the file's half-precision scale and minimum), widened to float32 exactly.
+//
+// A chunk's 32 bytes widen to 32 words; a table lookup (vpermw reads the low 5 bits of each word) turns
+// the low nibbles, then the high ones, into the codes as bfloat16 (exact: integers 0..15): 64 weights
+// formed with four instructions, once for every row of the call. Each row then takes them in two
+// dot-product instructions against its inputs (k0, k0 + 1) and (k0 + 2, k0 + 3) broadcast to every lane:
+// s += q x exactly per product, summed in float32. A block ends with y += d s, then y += m Σx (Σx: the
+// row's sum over the block, in float32, in index order). Everything a row's output sees is fixed by its
+// own inputs: the same bits whatever the number of rows.
+
+constexpr int64_t kQ4Tile = 16;                   // output features per tile: the lanes
+constexpr int64_t kQ4TileBytes = kQ4Tile * kBlock / 2;  // one tile's codes for one block
+
+// bfloat16 of the codes 0..15, twice (word j holds code j & 15): exact, small integers.
+alignas(64) constexpr uint16_t kCodeBf16[32] = {
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512bf16,f16c")))
+void q4_tile_bf16(const uint16_t* d, const uint16_t* m, const uint8_t* w, const uint16_t* x, const float* xsum,
+                  int64_t blocks, int64_t K, uint16_t* out, int64_t N) {
+  const __m512i lut = _mm512_load_si512(kCodeBf16);
+  __m512 y[R];
+  for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
+    const uint8_t* wb = w + kQ4TileBytes * b;
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c)));
+      const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(v, lut);
+      const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), lut);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const uint16_t* xr = x + r * K + kBlock * b + 4 * c;
+        int32_t pair0, pair1;
+        std::memcpy(&pair0, xr, 4);
+        std::memcpy(&pair1, xr + 2, 4);
+        s[r] = _mm512_dpbf16_ps(s[r], lo, (__m512bh)_mm512_set1_epi32(pair0));
+        s[r] = _mm512_dpbf16_ps(s[r], hi, (__m512bh)_mm512_set1_epi32(pair1));
+      }
+    }
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + kQ4Tile * b)));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + kQ4Tile * b)));
+    for (int r = 0; r < R; ++r) {
+      y[r] = _mm512_fmadd_ps(dv, s[r], y[r]);
+      y[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[r * blocks + b]), y[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * N), (__m256i)_mm512_cvtneps_pbh(y[r]));
+  }
+}
+
+using Q4Tile = void (*)(const uint16_t*, const uint16_t*, const uint8_t*, const uint16_t*, const float*, int64_t,
+                        int64_t, uint16_t*, int64_t);
+constexpr Q4Tile kQ4Tiles[] = {q4_tile_bf16<1>, q4_tile_bf16<2>, q4_tile_bf16<3>, q4_tile_bf16<4>,
+                               q4_tile_bf16<5>, q4_tile_bf16<6>, q4_tile_bf16<7>, q4_tile_bf16<8>};
+
+float bf16_to_float(uint16_t h) {
+  const uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m) {
+  TORCH_CHECK(has_avx512_bf16(), "q4_matmul: needs AVX-512 BF16 (kernels/int4.py checks q4_native first)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "q4_matmul: x [M, K] bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), blocks = K / kBlock, tiles = d.size(0), N = tiles * kQ4Tile;
+  TORCH_CHECK(K % kBlock == 0 && codes.scalar_type() == at::kByte && codes.numel() == N * K / 2,
+              "q4_matmul: codes of [N, K] in the native layout, K a multiple of 32");
+  TORCH_CHECK(d.sizes() == at::IntArrayRef({tiles, blocks, kQ4Tile}) && m.sizes() == d.sizes() &&
+              d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf, "q4_matmul: d, m [N/16, K/32, 16] float16");
+  const at::Tensor xin = x.contiguous();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xin.data_ptr<at::BFloat16>());
+  std::vector<float> xsum(M * blocks);
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      float total = 0.0f;
+      for (int64_t i = 0; i < kBlock; ++i) total += bf16_to_float(xp[r * K + kBlock * b + i]);
+      xsum[r * blocks + b] = total;
+    }
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t r0 = 0; r0 < M; r0 += kTile) {
+        const int64_t rows = std::min<int64_t>(kTile, M - r0);
+        kQ4Tiles[rows - 1](dp + t * blocks * kQ4Tile, mp + t * blocks * kQ4Tile, cp + t * blocks * kQ4TileBytes,
+                           xp + r0 * K, xsum.data() + r0 * blocks, blocks, K, op + r0 * N + t * kQ4Tile, N);
+      }
+    }
+  });
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -342,10 +452,86 @@ at::Tensor attention(const at::Tensor& qkv, at::Tensor k_cache, at::Tensor v_cac
   return out;
 }
 
+
+// ---------------------------------------------------------------------------------------------------
+// One Llama decoder layer in one call, for bfloat16 activations and 4-bit projections on the native
+// kernel (kernels/native_layer.py decides when): the ~20 small torch ops a layer dispatches one by one
+// from Python (two RMS norms, the residual adds, the split of the fused projections) cost more than
+// its matrix products on a small model. Each step keeps the eager layer's rounding (specstream/models/
+// llama.py): RMS norm normalised in float32 and rounded to bfloat16 before the weight's product; the
+// residual adds, the activation and its product with `up` rounded to bfloat16 as torch does; every
+// row computed on its own, so the layer stays batch-invariant.
+
+inline uint16_t to_bf16(float f) {  // round to nearest even, as torch converts
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((bits >> 16) | 0x40);  // NaN stays NaN
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return uint16_t(bits >> 16);
+}
+
+at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
+              weight.numel() == x.size(1), "rms_norm: x [M, H] and weight [H], bfloat16");
+  const at::Tensor xin = x.contiguous();
+  const int64_t M = xin.size(0), H = xin.size(1);
+  at::Tensor out = at::empty({M, H}, xin.options());
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xin.data_ptr<at::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {  // rows on their own: batch-invariant
+    for (int64_t r = begin; r < end; ++r) {
+      float total = 0.0f;
+      for (int64_t i = 0; i < H; ++i) {
+        const float v = bf16_to_float(xp[r * H + i]);
+        total += v * v;
+      }
+      const float inv = 1.0f / std::sqrt(total / float(H) + float(eps));
+      for (int64_t i = 0; i < H; ++i) {
+        const float normed = bf16_to_float(to_bf16(bf16_to_float(xp[r * H + i]) * inv));
+        op[r * H + i] = to_bf16(bf16_to_float(wp[i]) * normed);
+      }
+    }
+  });
+  return out;
+}
+
+void add_bf16(at::Tensor& x, const at::Tensor& y) {  // x += y, rounded to bfloat16 (in place)
+  uint16_t* xp = reinterpret_cast<uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint16_t* yp = reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>());
+  for (int64_t i = 0; i < x.numel(); ++i) xp[i] = to_bf16(bf16_to_float(xp[i]) + bf16_to_float(yp[i]));
+}
+
+// weights: qkv, o, gate_up, down, each as (codes, d, m) in the native layout: 12 tensors.
+at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
+                       const std::vector<at::Tensor>& weights, at::Tensor k_cache, at::Tensor v_cache,
+                       const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& slots,
+                       const at::Tensor& starts, const c10::optional<at::Tensor>& sources, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, double scale, int64_t window) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && weights.size() == 12,
+              "llama_layer: x [B, T, H] bfloat16 and 4 projections as (codes, d, m)");
+  const int64_t B = x.size(0), T_ = x.size(1), H = x.size(2), M = B * T_;
+  const at::Tensor rows = x.reshape({M, H}).contiguous();
+  at::Tensor qkv = q4_matmul(rms_norm_bf16(rows, input_norm, eps), weights[0], weights[1], weights[2]);
+  at::Tensor attn = attention(qkv.view({B, T_, qkv.size(1)}), k_cache, v_cache, cos_table, sin_table, slots, starts,
+                              sources, num_heads, num_kv_heads, head_dim, scale, window);
+  at::Tensor hidden = q4_matmul(attn.view({M, attn.size(2)}), weights[3], weights[4], weights[5]);  // o_proj
+  add_bf16(hidden, rows);  // o + x: the same bits as x + o
+  at::Tensor gate_up = q4_matmul(rms_norm_bf16(hidden, post_norm, eps), weights[6], weights[7], weights[8]);
+  const int64_t I = gate_up.size(1) / 2;
+  at::Tensor act = at::silu(gate_up.narrow(1, 0, I)).mul_(gate_up.narrow(1, I, I));  // as torch: silu(gate) * up
+  at::Tensor down = q4_matmul(act, weights[9], weights[10], weights[11]);
+  add_bf16(down, hidden);
+  return down.view({B, T_, H});
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("q4_matmul", &q4_matmul, "x [M, K] bfloat16 @ Q4_1 codes in the native layout -> [M, N] bfloat16");
   module.def("q8_matmul", &q8_matmul, "x [M, K] @ Q8_0 codes [N, K] (d [N, K/32]) -> [M, N] float32");
+  module.def("rms_norm", &rms_norm_bf16, "RMS norm of bfloat16 rows, normalised in float32 (each row on its own)");
+  module.def("llama_layer", &llama_layer, "one Llama decoder layer: bfloat16, 4-bit projections on the native kernel");
   module.def("attention", &attention, "RoPE, the cache write and attention over each row's own keys, for one layer");
   module.def("has_avx512", &has_avx512, "whether the AVX-512 paths run on this CPU");
   module.def("has_avx512_bf16", &has_avx512_bf16, "whether bfloat16 activations take the dot-product path");

@@ -113,6 +113,18 @@ class CacheBatch:
                                  self._slot_index_cpu, self._starts_cpu, self._sources, num_heads,
                                  self.cache.num_kv_heads, head_dim, scale, window or 0)
 
+    def native_layer(self, layer: int, x: torch.Tensor, input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float,
+                     weights: list[torch.Tensor], num_heads: int, head_dim: int, scale: float, window: int | None,
+                     rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """A whole Llama decoder layer in the native CPU op (``llama_layer``): x [B, T, H] bfloat16,
+        ``weights`` the four projections' native 4-bit operands; its attention is
+        ``native_attention``'s. Returns [B, T, H]."""
+        library = native.library()
+        assert library is not None, "callers check native_ready first"
+        return library.llama_layer(x, input_norm, post_norm, eps, weights, self.cache.k[layer], self.cache.v[layer],
+                                   rope[0], rope[1], self._slot_index_cpu, self._starts_cpu, self._sources, num_heads,
+                                   self.cache.num_kv_heads, head_dim, scale, window or 0)
+
     def native_ready(self, dtype: torch.dtype) -> bool:
         """Whether this forward takes the native attention: a CPU cache of float32 or bfloat16 and
         the library built (else the torch path below serves)."""

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kernels import native
 from kernels.lm_head import OutputHead
 from specstream.models.attention import CacheBatch
 from specstream.models.config import SUPPORTED_ACTIVATIONS, ModelConfig
@@ -37,9 +38,15 @@ Q4Parts = Callable[[str], "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | Non
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm with transformers' rounding: normalise in float32, round to x's dtype, then scale."""
+    """RMSNorm with transformers' rounding: normalise in float32, round to x's dtype, then scale.
+    bfloat16 on CPU takes the native op where it is built (kernels/csrc/cpu_ops.cpp): the very
+    arithmetic of the native decoder layer, so a model gives the same bits op by op and fused."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)  # one fused op on the fp32 path
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and weight.dtype == torch.bfloat16:
+        library = native.library()
+        if library is not None:
+            return library.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 

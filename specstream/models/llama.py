@@ -57,6 +57,11 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+# Whether layers that can run as one native call do (``_LlamaLayer.native_weights``); benchmarks turn
+# it off to measure the op-by-op path beside it.
+FUSED_LAYERS = True
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -192,7 +197,23 @@ class _LlamaLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: CacheBatch, cos: torch.Tensor, sin: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        weights = self.native_weights(x.dtype) if rope is not None else None
+        if weights is not None:  # the whole layer in one native call: same rounding, no per-op dispatch
+            return batch.native_layer(self.layer, x, self.input_norm, self.post_norm, self.eps, weights,
+                                      self.num_heads, self.head_dim, self.scale, self.window, rope)
         return self.mlp(self.attention(x, batch, cos, sin, rope))  # [B, T, H]
+
+    def native_weights(self, dtype: torch.dtype) -> list[torch.Tensor] | None:
+        """The four projections' operands for the native layer (kernels/csrc/cpu_ops.cpp,
+        ``llama_layer``) when this layer is what it computes: bfloat16, every projection 4-bit on
+        the native kernel, no biases, SiLU; else None (the layer runs op by op). ``FUSED_LAYERS``
+        False turns it off (the op-by-op path is the reference)."""
+        projections = (self.qkv_w, self.o_w, self.gate_up_w, self.down_w)
+        if not (FUSED_LAYERS and dtype == torch.bfloat16 and self.act is F.silu
+                and all(isinstance(w, Q4Weight) and w.native for w in projections)
+                and self.qkv_b is None and self.o_b is None and self.gate_up_b is None and self.down_b is None):
+            return None
+        return [t for w in projections for t in (w.packed, w.d, w.m)]
 
 
 class LlamaForCausalLM(CausalLM):

@@ -109,6 +109,40 @@ def test_4_bit_serving_is_as_close_to_the_file_as_dequantized_bfloat16(real) -> 
     assert min(top1.values()) >= 0.95, top1
 
 
+def test_the_fused_layers_give_the_bits_of_the_layers_op_by_op_on_the_real_file(real, monkeypatch) -> None:
+    """The default (bfloat16, 4-bit) runs each decoder layer as one native call; op by op it must
+    give the same logits bit for bit: prefills of the 8 prompts, then decode steps and verify windows
+    of 2, 4, 8 and 16 positions over rows of different lengths together, each window rolled back
+    before the next; so greedy tokens are the same too."""
+    from specstream.models import llama
+
+    directory, tok, _, _ = real
+    model = load_model(directory, "bfloat16", weights="auto")
+    assert all(layer.native_weights(torch.bfloat16) is not None for layer in model.layers)
+    prompts = _prompts(tok)
+
+    def run() -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(3)
+        cache = model.new_cache(len(prompts), 256)
+        slots = [cache.alloc() for _ in prompts]
+        out = []
+        with torch.inference_mode():
+            for slot, ids in zip(slots, prompts):
+                out.append(model(torch.tensor([ids]), cache, torch.tensor([slot]), torch.tensor([0]))[0])
+            starts = torch.tensor([len(p) for p in prompts])
+            for width in (1, 2, 4, 8, 16):
+                ids = torch.randint(0, model.config.vocab_size, (len(prompts), width), generator=gen)
+                out.append(model(ids, cache, torch.tensor(slots), starts))
+                for slot, start in zip(slots, starts.tolist()):
+                    cache.set_length(slot, start)
+        return out
+
+    fused = run()
+    monkeypatch.setattr(llama, "FUSED_LAYERS", False)
+    op_by_op = run()
+    assert all(torch.equal(a, b) for a, b in zip(fused, op_by_op))
+
+
 def test_greedy_output_matches_transformers_8_prompts_x_64_tokens(real) -> None:
     from specstream.data.config import ModelSpec, TargetConfig
     from specstream.data.engine import SequenceRequest, Speculation

@@ -60,10 +60,11 @@ def components(model, tokens: int, progress: Progress | None = None) -> dict[str
     ids = torch.full((1, tokens), 100, dtype=torch.int64)  # [1, T]
     batch = model._cache_batch(ids, cache, slot, start)
     x, cos, sin = model.embed_positions(ids, batch)
+    rope = (model.rope_cos, model.rope_sin) if batch.native_ready(model.dtype) else None  # as `hidden` runs them
     layers = list(model.layers)
     parts = {
         "embedding + RoPE rows": lambda: model.embed_positions(ids, model._cache_batch(ids, cache, slot, start)),
-        f"attention x{len(layers)}": lambda: [layer.attention(x, batch, cos, sin) for layer in layers],
+        f"attention x{len(layers)}": lambda: [layer.attention(x, batch, cos, sin, rope) for layer in layers],
         f"MLP x{len(layers)}": lambda: [layer.mlp(x) for layer in layers],
         f"output layer ({model.config.output_vocab or model.config.vocab_size} rows)":
             lambda: model.output_head.logits(x),

@@ -9,8 +9,9 @@ On a memory-bound device a decode step costs the bytes it reads over the memory 
 - the read bandwidth, by a probe (a sum over a buffer far larger than the last-level cache, with
   the model's thread count), and so the bound: bytes ÷ bandwidth;
 - the 1-token step and a verify over 2, 4, 8 and 16 positions, as multiples of the step (the
-  targets: 1.05, 1.10, 1.25, 1.6), for each way the target can run that this process can build
-  (`--compile`, the matmul backends);
+  targets: 1.05, 1.10, 1.25, 1.6); the same with each layer run op by op instead of as one native
+  call (models/llama.py, ``FUSED_LAYERS``), and with the 4-bit matrices on ATen's int4 kernel (the
+  matmul before the native one, kernels/int4.py);
 - the host work per engine step outside the model's layers and output layer, from the engine's own
   timings, at batch 1 and 32 (plain decoding in this process);
 - a noisy host (specstream.tools.bench.noisy): plain decoding through a served stack, client-timed,
@@ -38,6 +39,7 @@ from kernels.int4 import Q4Weight
 from kernels.int8 import Q8Weight
 from specstream.data.config import ModelSpec, TargetConfig
 from specstream.data.engine import SequenceRequest, Speculation
+from specstream.models import llama
 from specstream.serving.compute import on_torch_thread
 from specstream.tools.bench import report
 from specstream.tools.bench.models import BenchModels
@@ -58,7 +60,7 @@ NOISY_TARGET = 0.9  # noisy ÷ quiet decode speed, at least
 
 def _tensor_bytes(value) -> int:
     if isinstance(value, Q4Weight):
-        return _tensor_bytes(value.packed) + _tensor_bytes(value.scale_zero)
+        return sum(_tensor_bytes(t) for t in (value.packed, value.scale_zero, value.d, value.m) if t is not None)
     if isinstance(value, Q8Weight):
         return _tensor_bytes(value.codes) + _tensor_bytes(value.scale)
     return value.numel() * value.element_size()
@@ -103,22 +105,41 @@ def read_bandwidth_gbs(threads: int, size_bytes: int = 1 << 29, repeats: int = 7
 def forward_curve(model, context: int = CONTEXT, positions: tuple[int, ...] = POSITIONS,
                   repeats: int = 20) -> dict[int, float]:
     """Median ms of a forward (layers and output layer over every position) over each number of
-    new positions after ``context`` cached ones, batch 1."""
+    new positions after ``context`` cached ones, batch 1. The positions take turns, round after
+    round, so a slow spell of a shared machine falls on all of them alike."""
     cache = model.new_cache(1, context + max(positions) + 1)
-    slot = torch.tensor([0])
+    slot, start = torch.tensor([0]), torch.tensor([context])
     model(torch.zeros(1, context, dtype=torch.int64), cache, slot, torch.tensor([0]))
-    out = {}
-    for n in positions:
-        ids = torch.full((1, n), 100, dtype=torch.int64)  # [1, n]
-        start = torch.tensor([context])
-        times = []
-        for i in range(repeats + 3):
+    ids = {n: torch.full((1, n), 100, dtype=torch.int64) for n in positions}  # [1, n]
+    times: dict[int, list[float]] = {n: [] for n in positions}
+    for i in range(repeats + 3):
+        for n in positions:
             begin = time.perf_counter()
-            model(ids, cache, slot, start)
+            model(ids[n], cache, slot, start)
             if i >= 3:
-                times.append((time.perf_counter() - begin) * 1000)
-        out[n] = statistics.median(times)
-    return out
+                times[n].append((time.perf_counter() - begin) * 1000)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def op_by_op_curve(model) -> dict[int, float]:
+    """``forward_curve`` with every layer run op by op (no fused native layers)."""
+    llama.FUSED_LAYERS = False
+    try:
+        return forward_curve(model)
+    finally:
+        llama.FUSED_LAYERS = True
+
+
+def with_aten_int4(model) -> int:
+    """Moves every 4-bit matrix the native kernel serves to ATen's int4 kernel (the old matmul), in
+    place; returns how many moved."""
+    moved = 0
+    for layer in model.layers:
+        for attr, value in list(vars(layer).items()):
+            if isinstance(value, Q4Weight) and value.native:
+                setattr(layer, attr, Q4Weight.from_parts(*value.parts(), model.dtype, use_native=False))
+                moved += 1
+    return moved
 
 
 def output_layer_ms(model, rows: int, repeats: int = 20) -> float:
@@ -211,6 +232,13 @@ def _measure(models: BenchModels, progress: Progress) -> dict:
     progress.phase("step: served decoding, quiet and noisy")
     data["served"] = served_decoding(models)
     progress.update()
+    progress.phase("step: layers op by op")
+    data["ours_op_by_op"] = on_torch_thread(op_by_op_curve, model)
+    progress.update()
+    progress.phase("step: the old matmul (ATen's int4 kernel)")
+    if on_torch_thread(with_aten_int4, model):
+        data["ours_aten_int4"] = on_torch_thread(forward_curve, model)
+    progress.update()
     return data
 
 
@@ -230,7 +258,7 @@ def _measure_peer(models: BenchModels, data: dict, progress: Progress) -> None:
 
 
 def run(models: BenchModels, out_dir: Path, quiet: bool = False) -> dict:
-    with Progress(7, "measurements", "step", quiet=quiet) as progress:
+    with Progress(9, "measurements", "step", quiet=quiet) as progress:
         data = _measure(models, progress)
         _measure_peer(models, data, progress)
     _summarize(data)
@@ -276,9 +304,13 @@ def tables(data: dict, markdown: bool = False) -> str:
             f"KV {data['bytes']['kv cache'] / 1e6:.1f}); read bandwidth {data['bandwidth_gbs'][data['threads']]:.1f} "
             f"GB/s ({data['bandwidth_gbs'][1]:.1f} on one thread): bound {data['bound_ms']:.2f} ms")
     peer = data.get("llama_cpp") or {}
-    rows = [[n, data["ours"][n], data["verify_over_step"][n], TARGETS.get(n, "-"),
+    old = data.get("ours_aten_int4") or {}
+    ops = data["ours_op_by_op"]
+    rows = [[n, data["ours"][n], data["verify_over_step"][n], TARGETS.get(n, "-"), ops[n],
+             *([old[n], old[n] / old[1]] if old else []),
              *([peer[n], data["llama_cpp_verify_over_step"][n]] if peer else [])] for n in data["ours"]]
-    headers = ["positions", "ours ms", "÷ step", "target", *(["llama.cpp ms", "÷ step"] if peer else [])]
+    headers = ["positions", "ours ms", "÷ step", "target", "op by op ms",
+               *(["ATen int4 ms", "÷ step"] if old else []), *(["llama.cpp ms", "÷ step"] if peer else [])]
     goals = [[g["goal"], g["value"], g["target"], "met" if g["met"] else "MISSED"] for g in data["goals"]]
     served = data["served"]
     noisy = (f"served plain decoding, client-timed: {served['quiet']:.1f} tok/s quiet, {served['noisy']:.1f} beside "
@@ -294,6 +326,9 @@ def _plot(data: dict, path: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     series: dict[str, Callable[[], dict]] = {"ours": lambda: data["ours"]}
+    series["ours, layers op by op"] = lambda: data["ours_op_by_op"]
+    if data.get("ours_aten_int4"):
+        series["ours, ATen's int4 matmul, op by op"] = lambda: data["ours_aten_int4"]
     if data.get("llama_cpp"):
         series["llama.cpp"] = lambda: data["llama_cpp"]
     for label, get in series.items():
