@@ -350,6 +350,80 @@ void rope(const T* x, const T* cos, const T* sin, int64_t D, float* out) {
   }
 }
 
+// exp over 16 lanes: x = n ln2 + r (Cody-Waite, two parts of ln 2), e^r by its degree-7 Taylor
+// polynomial (|r| <= ln2 / 2: relative error under 2e-7), times 2^n. A fixed sequence of operations,
+// so the same inputs give the same bits wherever they are computed.
+__attribute__((target("avx512f"), always_inline)) inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));  // below: e^x underflows to 0 anyway
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+template <typename T>
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
+}
+
+// One query head at one position over its keys, D = 16 NV, a slot's keys and values contiguous (no
+// shared prefix): the AVX-512 path of step 2 below. The
+// query in registers; scores one key at a time (16 lanes over D, then the lanes summed), their
+// exponentials 16 at a time (exp512), the weighted values into NV accumulators held in registers.
+template <typename T, int NV>
+__attribute__((target("avx512f,avx512bw")))
+void attend_avx512(const float* q, const T* keys, const T* values, int64_t lo, int64_t pos, float scale,
+                   std::vector<float>& weights, T* dst) {
+  __m512 qv[NV];
+  for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(q + 16 * v);
+  const int64_t n = pos + 1 - lo;
+  weights.resize((n + 15) / 16 * 16);
+  float top = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) {
+    const T* k = keys + (lo + j) * 16 * NV;
+    __m512 acc = _mm512_mul_ps(qv[0], load16(k));
+    for (int v = 1; v < NV; ++v) acc = _mm512_fmadd_ps(qv[v], load16(k + 16 * v), acc);
+    const float s = _mm512_reduce_add_ps(acc) * scale;
+    weights[j] = s;
+    top = std::max(top, s);
+  }
+  const __m512 top_v = _mm512_set1_ps(top);
+  __m512 sums = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 live = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, weights.data() + j), top_v));
+    _mm512_mask_storeu_ps(weights.data() + j, live, e);
+    sums = _mm512_mask_add_ps(sums, live, sums, e);
+  }
+  const float total = _mm512_reduce_add_ps(sums);
+  __m512 out[NV];
+  for (int v = 0; v < NV; ++v) out[v] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const T* val = values + (lo + j) * 16 * NV;
+    const __m512 w = _mm512_set1_ps(weights[j]);
+    for (int v = 0; v < NV; ++v) out[v] = _mm512_fmadd_ps(w, load16(val + 16 * v), out[v]);
+  }
+  const __m512 inv = _mm512_set1_ps(total);
+  for (int v = 0; v < NV; ++v) {
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, _mm512_div_ps(out[v], inv));
+    for (int i = 0; i < 16; ++i) store_value(dst + 16 * v + i, lanes[i]);
+  }
+}
+
 template <typename T>
 void attention_impl(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& cos_table,
                     const at::Tensor& sin_table, const std::vector<int64_t>& slots, const std::vector<int64_t>& starts,
@@ -386,6 +460,17 @@ void attention_impl(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_ca
       const int64_t h = item % Hq, bt = item / Hq, b = bt / T_, pos = starts[b] + bt % T_, g = h / group;
       rope(x + bt * width + h * D, ct + pos * D, st + pos * D, D, q.data());
       const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+      T* dst = o + bt * Hq * D + h * D;
+      if (wide && sources == nullptr && (D == 64 || D == 128)) {
+        const T* keys = cache_at(kc, slots[b], g, 0);
+        const T* values = cache_at(vc, slots[b], g, 0);
+        if (D == 64) {
+          attend_avx512<T, 4>(q.data(), keys, values, lo, pos, static_cast<float>(scale), weights, dst);
+        } else {
+          attend_avx512<T, 8>(q.data(), keys, values, lo, pos, static_cast<float>(scale), weights, dst);
+        }
+        continue;
+      }
       weights.resize(pos + 1 - lo);
       float top = -INFINITY;
       for (int64_t j = lo; j <= pos; ++j) {
@@ -406,7 +491,6 @@ void attention_impl(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_ca
         const T* v = cache_at(vc, slot, g, j);
         if (wide) axpy_avx512(weights[j - lo], v, acc.data(), D); else axpy_generic(weights[j - lo], v, acc.data(), D);
       }
-      T* dst = o + bt * Hq * D + h * D;
       for (int64_t i = 0; i < D; ++i) store_value(dst + i, acc[i] / total);
     }
   });
