@@ -61,12 +61,15 @@ log = logging.getLogger(__name__)
 class EngineTimings:
     """Where the engine's time went, cumulative over the loop iterations that decoded and
     prefilled nothing (steady decoding): the whole iteration (scheduling, drafting, the forward,
-    settling, committing, emitting) and, of it, the model's layers (``model.hidden``). What is
-    left is host work plus the output layer, which settling runs."""
+    settling, committing, emitting); of it, the model's layers (``model.hidden``); and the whole
+    call on the compute thread (the layers, the output layer and verification). The iteration less
+    the compute call is host work: scheduling, building the rows, the hop to the compute thread and
+    back, committing, metrics, tracing, emitting."""
 
     decode_steps: int = 0
     decode_s: float = 0.0
     decode_forward_s: float = 0.0
+    decode_compute_s: float = 0.0
 
 
 class Engine:
@@ -101,6 +104,7 @@ class Engine:
         self.step_count = 0
         self.timings = EngineTimings()
         self._step_forward_s = 0.0  # this iteration's time in model.hidden (the compute thread adds it)
+        self._step_compute_s = 0.0  # and in the whole verify call on the compute thread
         self._step_prefilled = False  # this iteration ran a prefill chunk
         self._step_decoded = False  # this iteration ran a decode pass
         self.scheduler = Scheduler(config)
@@ -226,10 +230,11 @@ class Engine:
             self.timings.decode_steps += 1
             self.timings.decode_s += seconds
             self.timings.decode_forward_s += self._step_forward_s
+            self.timings.decode_compute_s += self._step_compute_s
 
     async def step(self) -> None:
         self.step_count += 1
-        self._step_forward_s, self._step_prefilled, self._step_decoded = 0.0, False, False
+        self._step_forward_s, self._step_compute_s, self._step_prefilled, self._step_decoded = 0.0, 0.0, False, False
         await self._apply_cancels()
         await self._admit()
         await self._prefill()
@@ -371,6 +376,14 @@ class Engine:
                         ) -> tuple[list[Verdict], list[tuple[torch.Tensor, torch.Tensor]]]:
         """ONE forward over every row's [last token, proposals...] (design §3) and every running
         beam hypothesis' last token, then verification, and each beam's best candidates."""
+        began_call = time.perf_counter()
+        try:
+            return self._verify_rows(rows, checks, beams)
+        finally:
+            self._step_compute_s += time.perf_counter() - began_call
+
+    def _verify_rows(self, rows: list[Sequence], checks: list[VerifyRow], beams: list[Sequence]
+                     ) -> tuple[list[Verdict], list[tuple[torch.Tensor, torch.Tensor]]]:
         gamma = max((len(c.proposals) for c in checks), default=0)
         # [B, G+1]: last committed token, proposals, zero padding (never read)
         input_ids = [[seq.tokens[-1], *c.proposals, *[0] * (gamma - len(c.proposals))] for seq, c in zip(rows, checks)]

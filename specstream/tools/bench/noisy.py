@@ -48,19 +48,22 @@ def noisy_neighbours(count: int | None = None) -> Iterator[None]:
             proc.wait()
 
 
-def served_decoding(models: BenchModels, prompts: int = PROMPTS, new_tokens: int = NEW_TOKENS) -> dict[str, float]:
-    """Tokens/s of plain greedy decoding through a served stack (batch 1, client-timed): quiet,
-    beside the busy loops, quiet again; and noisy ÷ the mean quiet speed."""
+def served_decoding(models: BenchModels, prompts: int = PROMPTS, new_tokens: int = NEW_TOKENS,
+                    rounds: int = 2) -> dict[str, float]:
+    """Tokens/s of plain greedy decoding through a served stack (batch 1, client-timed): quiet and
+    beside the busy loops in turns (quiet, noisy, quiet, ..., quiet: ``rounds`` noisy spells, so a
+    shared machine's drift falls on both), and the mean noisy speed ÷ the mean quiet speed."""
     chosen = models.prompts(prompts)
-    speeds: dict[str, float] = {}
+    quiet, noisy = [], []
     with tempfile.TemporaryDirectory() as logs, \
             Stack(StackSpec(**models.stack_fields(speculative=False), log_dir=logs)) as stack:
-        for label in ("quiet", "noisy", "quiet again"):
-            if label == "noisy":
+        sweep(stack.gateway_address, chosen[:1], [0], new_tokens)  # warm-up
+        for i in range(2 * rounds + 1):
+            if i % 2:
                 with noisy_neighbours():
-                    result = sweep(stack.gateway_address, chosen, [0], new_tokens)[0]
+                    noisy.append(sweep(stack.gateway_address, chosen, [0], new_tokens)[0]["tokens_per_s"])
             else:
-                result = sweep(stack.gateway_address, chosen, [0], new_tokens)[0]
-            speeds[label] = result["tokens_per_s"]
-    speeds["noisy_over_quiet"] = speeds["noisy"] / ((speeds["quiet"] + speeds["quiet again"]) / 2)
-    return speeds
+                quiet.append(sweep(stack.gateway_address, chosen, [0], new_tokens)[0]["tokens_per_s"])
+    mean_quiet, mean_noisy = sum(quiet) / len(quiet), sum(noisy) / len(noisy)
+    return {"quiet": mean_quiet, "noisy": mean_noisy, "quiet_runs": quiet, "noisy_runs": noisy,
+            "noisy_over_quiet": mean_noisy / mean_quiet}

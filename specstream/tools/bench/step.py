@@ -14,6 +14,8 @@ On a memory-bound device a decode step costs the bytes it reads over the memory 
   matmul before the native one, kernels/int4.py);
 - the host work per engine step outside the model's layers and output layer, from the engine's own
   timings, at batch 1 and 32 (plain decoding in this process);
+- plain decoding's tokens/s at batch 8 and 32 on an in-process engine, against the same model on
+  the torch paths (``SPECSTREAM_NATIVE=0``: how decoding ran before the native ops);
 - a noisy host (specstream.tools.bench.noisy): plain decoding through a served stack, client-timed,
   quiet and with a low-priority CPU-bound process per core beside it (`nice -n 19` busy loops), and
   the same for one step in this process;
@@ -27,10 +29,14 @@ drawn in). What it does not know: speculation's gain (`bench latency`).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -54,6 +60,8 @@ TARGETS = {2: 1.05, 4: 1.10, 8: 1.25, 16: 1.6}  # verify over n positions ÷ a 1
 BOUND_TARGET = 1.3  # a 1-token step ÷ the bandwidth bound, at most
 HOST_TARGETS_MS = {1: 0.5, 32: 2.0}  # host work per engine step, at most, by batch
 NOISY_TARGET = 0.9  # noisy ÷ quiet decode speed, at least
+BATCHES = (8, 32)  # plain decoding throughput, new ÷ the torch paths
+BATCH_TARGET = 1.3  # at least
 
 
 # ----- what a step reads, and how fast this machine reads ---------------------------------------
@@ -102,32 +110,50 @@ def read_bandwidth_gbs(threads: int, size_bytes: int = 1 << 29, repeats: int = 7
 # ----- our forward ------------------------------------------------------------------------------
 
 @torch.inference_mode()
-def forward_curve(model, context: int = CONTEXT, positions: tuple[int, ...] = POSITIONS,
-                  repeats: int = 20) -> dict[int, float]:
+def forward_curves(variants: dict[str, tuple[object, bool]], context: int = CONTEXT,
+                   positions: tuple[int, ...] = POSITIONS, repeats: int = 20) -> dict[str, dict[int, float]]:
     """Median ms of a forward (layers and output layer over every position) over each number of
-    new positions after ``context`` cached ones, batch 1. The positions take turns, round after
-    round, so a slow spell of a shared machine falls on all of them alike."""
-    cache = model.new_cache(1, context + max(positions) + 1)
+    new positions after ``context`` cached ones, batch 1, for each variant: name -> (model, whether
+    its layers run fused). Variants and positions take turns, round after round, so a slow spell
+    of a shared machine falls on all of them alike."""
+    runs = {}
+    for name, (model, fused) in variants.items():
+        cache = model.new_cache(1, context + max(positions) + 1)
+        model(torch.zeros(1, context, dtype=torch.int64), cache, torch.tensor([0]), torch.tensor([0]))
+        runs[name] = (model, fused, cache)
     slot, start = torch.tensor([0]), torch.tensor([context])
-    model(torch.zeros(1, context, dtype=torch.int64), cache, slot, torch.tensor([0]))
     ids = {n: torch.full((1, n), 100, dtype=torch.int64) for n in positions}  # [1, n]
-    times: dict[int, list[float]] = {n: [] for n in positions}
-    for i in range(repeats + 3):
-        for n in positions:
-            begin = time.perf_counter()
-            model(ids[n], cache, slot, start)
-            if i >= 3:
-                times[n].append((time.perf_counter() - begin) * 1000)
-    return {n: statistics.median(t) for n, t in times.items()}
-
-
-def op_by_op_curve(model) -> dict[int, float]:
-    """``forward_curve`` with every layer run op by op (no fused native layers)."""
-    llama.FUSED_LAYERS = False
+    times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in positions} for name in variants}
     try:
-        return forward_curve(model)
+        for i in range(repeats + 3):
+            for name, (model, fused, cache) in runs.items():
+                llama.FUSED_LAYERS = fused
+                for n in positions:
+                    begin = time.perf_counter()
+                    model(ids[n], cache, slot, start)
+                    if i >= 3:
+                        times[name][n].append((time.perf_counter() - begin) * 1000)
     finally:
         llama.FUSED_LAYERS = True
+    return {name: {n: statistics.median(t) for n, t in by_n.items()} for name, by_n in times.items()}
+
+
+def forward_curve(model, context: int = CONTEXT, positions: tuple[int, ...] = POSITIONS,
+                  repeats: int = 20) -> dict[int, float]:
+    """``forward_curves`` of one model as it serves."""
+    return forward_curves({"model": (model, True)}, context, positions, repeats)["model"]
+
+
+def quiet_and_noisy_step(model, repeats: int = 20) -> dict[str, float]:
+    """Median ms of a 1-token step quiet, beside the busy loops (``noisy_neighbours``), quiet again."""
+    out = {}
+    for label in ("quiet", "noisy", "quiet again"):
+        if label == "noisy":
+            with noisy_neighbours():
+                out[label] = forward_curve(model, positions=(1,), repeats=repeats)[1]
+        else:
+            out[label] = forward_curve(model, positions=(1,), repeats=repeats)[1]
+    return out
 
 
 def with_aten_int4(model) -> int:
@@ -142,36 +168,69 @@ def with_aten_int4(model) -> int:
     return moved
 
 
-def output_layer_ms(model, rows: int, repeats: int = 20) -> float:
-    """Median ms of the output layer's logits for ``rows`` hidden states."""
-    hidden = torch.randn(rows, model.config.hidden_size).to(model.dtype)  # [rows, H]
-    head = model.output_head
-    with torch.inference_mode():
-        head.logits(hidden)
-        times = []
-        for _ in range(repeats):
-            begin = time.perf_counter()
-            head.logits(hidden)
-            times.append((time.perf_counter() - begin) * 1000)
-    return statistics.median(times)
-
-
 def host_ms_per_step(model, batch: int, steps: int = 40, prompt: int = 32) -> dict[str, float]:
     """Plain decoding of ``batch`` sequences for ``steps`` steps on an in-process engine; from the
-    engine's own timings: ms per decode step, of it in the layers' forward, and the rest (host work
-    plus the output layer, which `output_layer_ms` prices)."""
+    engine's own timings (EngineTimings): ms per decode step, of it in the layers' forward, in the
+    whole compute call (layers, output layer, verification), and the rest: host work."""
     config = TargetConfig(model=ModelSpec("bench"), max_slots=batch, max_seq_len=prompt + steps + 8, max_gamma=4,
                           calibrate=False)
     engine = Engine(model, config, None)
     requests = [SequenceRequest(str(i), [1 + (i + j) % 50 for j in range(prompt)], steps,
                                 speculation=Speculation("off")) for i in range(batch)]
     run_requests(engine, requests, timeout_s=600)
-    timings = engine.timings
-    return {"steps": timings.decode_steps, "step_ms": 1000 * timings.decode_s / timings.decode_steps,
-            "forward_ms": 1000 * timings.decode_forward_s / timings.decode_steps}
+    t = engine.timings
+    per_step = {"step_ms": t.decode_s, "forward_ms": t.decode_forward_s, "compute_ms": t.decode_compute_s}
+    out = {name: 1000 * seconds / t.decode_steps for name, seconds in per_step.items()}
+    return {"steps": t.decode_steps, **out, "host_ms": out["step_ms"] - out["compute_ms"]}
+
+
+@contextmanager
+def torch_paths() -> Iterator[None]:
+    """The block runs with the native library off (``SPECSTREAM_NATIVE=0``): the torch paths,
+    ATen's int4 kernel and the dequantized output layer, as decoding ran before the native ops. A
+    model loaded inside keeps that layout."""
+    previous = os.environ.get("SPECSTREAM_NATIVE")
+    os.environ["SPECSTREAM_NATIVE"] = "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("SPECSTREAM_NATIVE")
+        else:
+            os.environ["SPECSTREAM_NATIVE"] = previous
+
+
+def batch_throughput(new, old, batches: tuple[int, ...] = BATCHES, rounds: int = 2) -> dict[int, dict[str, float]]:
+    """Tokens/s of plain decoding on an in-process engine at each batch size (the engine's decode
+    steps only), the model as it serves (``new``) and ``old`` under ``torch_paths``, taking turns."""
+    out: dict[int, dict[str, list[float]]] = {b: {"new": [], "old": []} for b in batches}
+    for _ in range(rounds):
+        for b in batches:
+            out[b]["new"].append(_tokens_per_s(new, b))
+            with torch_paths():
+                out[b]["old"].append(_tokens_per_s(old, b))
+    return {b: {k: statistics.median(v) for k, v in runs.items()} for b, runs in out.items()}
+
+
+def _tokens_per_s(model, batch: int) -> float:
+    timings = host_ms_per_step(model, batch, steps=24)
+    return batch * 1000 / timings["step_ms"]
 
 
 # ----- llama.cpp --------------------------------------------------------------------------------
+
+def llama_cpp_curve_apart(gguf: Path, positions: tuple[int, ...] = POSITIONS, repeats: int = 20
+                          ) -> dict[int, float] | None:
+    """``llama_cpp_curve`` in a process of its own, as a user runs llama.cpp: inside this one it
+    measured up to twice as slow (its thread pool beside torch's OpenMP team); None without
+    llama-cpp-python."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    code = ("import json, sys; from specstream.tools.bench.step import llama_cpp_curve; "
+            f"print(json.dumps(llama_cpp_curve(sys.argv[1], positions={tuple(positions)!r}, repeats={repeats})))")
+    done = subprocess.run([sys.executable, "-c", code, str(gguf)], capture_output=True, text=True, check=True)
+    return {int(n): ms for n, ms in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+
 
 def llama_cpp_curve(gguf: Path, context: int = CONTEXT, positions: tuple[int, ...] = POSITIONS,
                     repeats: int = 20) -> dict[int, float] | None:
@@ -216,28 +275,28 @@ def _measure(models: BenchModels, progress: Progress) -> dict:
                              threads: on_torch_thread(read_bandwidth_gbs, threads)}
     data["bound_ms"] = data["bytes"]["total"] / data["bandwidth_gbs"][threads] / 1e6
     progress.update()
-    progress.phase("step: our forward")
-    data["ours"] = on_torch_thread(forward_curve, model)
+    progress.phase("step: our forward, fused, op by op and on ATen's int4 kernel")
+    variants = {"ours": (model, True), "ours_op_by_op": (model, False)}
+    old = models.load("target")
+    if on_torch_thread(with_aten_int4, old):
+        variants["ours_aten_int4"] = (old, False)
+    data.update(on_torch_thread(forward_curves, variants))
+    del old, variants
     progress.update()
-    data["output_layer_ms"] = {b: on_torch_thread(output_layer_ms, model, b) for b in HOST_TARGETS_MS}
     progress.phase("step: host work per engine step")
     data["host"] = {b: host_ms_per_step(model, b) for b in HOST_TARGETS_MS}
-    for b, h in data["host"].items():
-        h["host_ms"] = h["step_ms"] - h["forward_ms"] - data["output_layer_ms"][b]
+    progress.update()
+    progress.phase("step: throughput at batch 8 and 32, against the torch paths")
+    with torch_paths():
+        old = models.load("target")
+    data["batch_throughput"] = batch_throughput(model, old)
+    del old
     progress.update()
     progress.phase("step: beside nice-19 busy loops")
-    with noisy_neighbours():
-        data["ours_noisy"] = on_torch_thread(forward_curve, model, CONTEXT, (1,), 10)
+    data["step_noisy"] = on_torch_thread(quiet_and_noisy_step, model)
     progress.update()
     progress.phase("step: served decoding, quiet and noisy")
     data["served"] = served_decoding(models)
-    progress.update()
-    progress.phase("step: layers op by op")
-    data["ours_op_by_op"] = on_torch_thread(op_by_op_curve, model)
-    progress.update()
-    progress.phase("step: the old matmul (ATen's int4 kernel)")
-    if on_torch_thread(with_aten_int4, model):
-        data["ours_aten_int4"] = on_torch_thread(forward_curve, model)
     progress.update()
     return data
 
@@ -248,17 +307,17 @@ def _measure_peer(models: BenchModels, data: dict, progress: Progress) -> None:
         data["llama_cpp"] = None
         data["llama_cpp_note"] = "the target has no GGUF file"
     else:
-        data["llama_cpp"] = llama_cpp_curve(models.gguf)
+        data["llama_cpp"] = llama_cpp_curve_apart(models.gguf)
         if data["llama_cpp"] is not None:
             with noisy_neighbours():
-                data["llama_cpp_noisy"] = llama_cpp_curve(models.gguf, positions=(1,), repeats=10)
+                data["llama_cpp_noisy"] = llama_cpp_curve_apart(models.gguf, positions=(1,), repeats=10)
         else:
             data["llama_cpp_note"] = "llama-cpp-python is not installed (make peer)"
     progress.update()
 
 
 def run(models: BenchModels, out_dir: Path, quiet: bool = False) -> dict:
-    with Progress(9, "measurements", "step", quiet=quiet) as progress:
+    with Progress(8, "measurements", "step", quiet=quiet) as progress:
         data = _measure(models, progress)
         _measure_peer(models, data, progress)
     _summarize(data)
@@ -274,7 +333,8 @@ def _summarize(data: dict) -> None:
     ours = data["ours"]
     data["verify_over_step"] = _ratios(ours)
     data["step_over_bound"] = ours[1] / data["bound_ms"]
-    data["step_noisy_over_quiet"] = ours[1] / data["ours_noisy"][1]  # speed ratio: quiet ms ÷ noisy ms
+    noisy = data["step_noisy"]
+    data["step_noisy_over_quiet"] = (noisy["quiet"] + noisy["quiet again"]) / 2 / noisy["noisy"]  # as speeds
     peer = data.get("llama_cpp")
     if peer:
         data["llama_cpp_verify_over_step"] = _ratios(peer)
@@ -286,6 +346,10 @@ def _summarize(data: dict) -> None:
               for n, t in TARGETS.items()]
     goals += [(f"host ms per step, batch {b}", data["host"][b]["host_ms"], f"≤ {t}", data["host"][b]["host_ms"] <= t)
               for b, t in HOST_TARGETS_MS.items()]
+    for b, tps in data["batch_throughput"].items():
+        tps["ratio"] = tps["new"] / tps["old"]
+        goals.append((f"batch {b} tokens/s ÷ the torch paths'", tps["ratio"], f"≥ {BATCH_TARGET}",
+                      tps["ratio"] >= BATCH_TARGET))
     served = data["served"]["noisy_over_quiet"]
     goals.append(("served decoding, noisy ÷ quiet", served, f"≥ {NOISY_TARGET}", served >= NOISY_TARGET))
     goals.append(("one step, noisy ÷ quiet", data["step_noisy_over_quiet"], f"≥ {NOISY_TARGET}",
@@ -314,9 +378,11 @@ def tables(data: dict, markdown: bool = False) -> str:
     goals = [[g["goal"], g["value"], g["target"], "met" if g["met"] else "MISSED"] for g in data["goals"]]
     served = data["served"]
     noisy = (f"served plain decoding, client-timed: {served['quiet']:.1f} tok/s quiet, {served['noisy']:.1f} beside "
-             f"nice-19 busy loops, {served['quiet again']:.1f} quiet again")
+             f"nice-19 busy loops (means of {len(served['quiet_runs'])} and {len(served['noisy_runs'])} spells in turn)")
     if peer:
         noisy += f"; llama.cpp's step noisy ÷ quiet: {data['llama_cpp_noisy_over_quiet']:.2f}"
+    noisy += "\nplain decoding, in-process engine, tokens/s: " + ", ".join(
+        f"batch {b} {t['new']:.1f} (torch paths {t['old']:.1f}, {t['ratio']:.2f}x)" for b, t in data["batch_throughput"].items())
     return "\n\n".join([head, fmt(headers, rows), noisy, fmt(["goal", "measured", "target", ""], goals)])
 
 
