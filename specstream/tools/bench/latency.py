@@ -13,7 +13,10 @@ legitimately differ.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -324,25 +327,35 @@ def llama_cpp_available(models: BenchModels) -> bool:
 def llama_cpp_generate(models: BenchModels, prompts: list[list[int]], max_new_tokens: int,
                        progress: Progress | None = None) -> dict | None:
     """llama.cpp (llama-cpp-python) greedy on the target's original GGUF file, plain and with its
-    prompt-lookup draft; None (and a note) when the package or the file is not there. ``progress``
-    counts each generation."""
+    prompt-lookup draft, in a process of its own as a user runs it (inside this one its thread
+    pool shared the cores with torch's and ran up to twice as slow); None (and a note) when the
+    package or the file is not there. ``progress`` counts each generation."""
     say = progress.print if progress is not None else lambda text: print(text, flush=True)
-    try:
-        # Optional, and only needed here.
-        from llama_cpp import Llama
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-    except ImportError:
-        say("llama.cpp: not installed (pip install llama-cpp-python to include it)")
-        return None
-    gguf = models.gguf
-    if gguf is None:
-        say("llama.cpp: the target has no GGUF file to run")
+    if not llama_cpp_available(models):
+        say("llama.cpp: not installed (make peer)" if models.gguf is not None
+            else "llama.cpp: the target has no GGUF file to run")
         return None
     if progress is not None:
         progress.phase("latency: llama.cpp")
+    code = ("import json, sys; from specstream.tools.bench.latency import llama_cpp_runs; "
+            "job = json.load(sys.stdin); print(json.dumps(llama_cpp_runs(**job)))")
+    job = json.dumps({"gguf": str(models.gguf), "prompts": prompts, "max_new_tokens": max_new_tokens})
+    done = subprocess.run([sys.executable, "-c", code], input=job, capture_output=True, text=True, check=True)
+    if progress is not None:
+        for _ in range(2 * len(prompts)):
+            progress.update()
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def llama_cpp_runs(gguf: str, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """What ``llama_cpp_generate`` runs in its own process: each prompt greedy, plain and with
+    llama.cpp's prompt lookup (10 tokens)."""
+    from llama_cpp import Llama  # optional: installed by `make peer`
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
     results = {}
     for mode, draft in (("plain", None), ("prompt_lookup", LlamaPromptLookupDecoding(num_pred_tokens=10))):
-        llm = Llama(model_path=str(gguf), n_ctx=2048, n_threads=os.cpu_count(), draft_model=draft, verbose=False)
+        llm = Llama(model_path=gguf, n_ctx=2048, n_threads=os.cpu_count(), draft_model=draft, verbose=False)
         tokens, seconds, outputs = 0, 0.0, []
         for prompt in prompts:
             llm.reset()
@@ -355,8 +368,6 @@ def llama_cpp_generate(models: BenchModels, prompts: list[list[int]], max_new_to
             seconds += time.perf_counter() - start
             tokens += len(out)
             outputs.append(out)
-            if progress is not None:
-                progress.update()
         results[mode] = {"tokens_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds, "token_ids": outputs,
                          "dtype": "GGUF as stored", "assistant": "prompt lookup, 10 tokens" if draft else None}
     return results
