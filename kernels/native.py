@@ -6,7 +6,7 @@ default ~/.cache/torch_extensions: a second start loads it in a fraction of a se
 build error: the reason is logged once), so callers fall back to their torch path. Building takes
 about 30 s on 2 cores; ``SPECSTREAM_NATIVE=0`` turns the library off (the torch paths serve).
 
-What it does not know: when an op should use it (kernels/blocks.py and kernels/attention.py decide).
+What it does not know: when an op should use it (kernels/int4.py, kernels/int8.py and the models decide).
 """
 
 from __future__ import annotations

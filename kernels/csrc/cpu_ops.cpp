@@ -1,6 +1,6 @@
-// CPU ops that read each weight once for every row of a small batch (kernels/native.py builds this
-// file on first use; kernels/blocks.py and kernels/attention.py are their Python launchers, each beside
-// its torch reference).
+// CPU ops that read each weight once for every row of a small batch, and a decoder layer in one call
+// (kernels/native.py builds this file; kernels/int4.py, kernels/int8.py, specstream/models/attention.py
+// and specstream/models/base.py call it, each beside its torch reference).
 //
 // Batch invariance: every output element is computed by one fixed sequence of operations over its
 // own inputs, whatever the number of rows in the call and however the work is split between threads

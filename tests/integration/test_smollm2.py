@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -170,8 +171,28 @@ def test_greedy_output_matches_transformers_8_prompts_x_64_tokens(real) -> None:
 @pytest.fixture(scope="module")
 def smollm2_stack(stack_factory):
     pair = PAIRS["smollm2"]  # served as `specstream serve` serves it: prompt lookup, then the draft
-    return stack_factory(pair.target, pair.draft, dtype="auto", gamma=4, proposer=pair.proposer,
-                         ngram_min=pair.ngram_min)
+    started = time.monotonic()
+    stack = stack_factory(pair.target, pair.draft, dtype="auto", gamma=4, proposer=pair.proposer,
+                          ngram_min=pair.ngram_min)
+    stack.first_answer_s = _first_answer_s(stack, started)
+    return stack
+
+
+# Fresh processes answer within this many seconds of their launch (converted model cache and native
+# library built, as `make` leaves them): loading, the native library, calibration, one request.
+FIRST_ANSWER_S = 90.0
+
+
+def _first_answer_s(stack, started: float) -> float:
+    from specstream_client import Client
+
+    with Client(stack.gateway_address, timeout=300) as client:
+        client.generate("Hi", max_new_tokens=4, ignore_eos=True)
+    return time.monotonic() - started
+
+
+def test_fresh_processes_answer_within_the_start_up_bound(smollm2_stack) -> None:
+    assert 0 < smollm2_stack.first_answer_s <= FIRST_ANSWER_S, smollm2_stack.first_answer_s
 
 
 def test_chat_through_the_three_processes_speculative_equals_plain(smollm2_stack) -> None:

@@ -1,9 +1,10 @@
 """`specstream bench profile`: where one decode step's time goes, on this machine.
 
 For the served target (batch 1, a 200-token context) it times, each as the median of repeated
-runs: the embedding lookup, the 30 attention blocks, the 30 MLP blocks and the output layer over
-the whole vocabulary, as the model's own methods run them, and the whole forward; what the
-forward costs beyond the sum of its parts is Python and dispatch between them. It does so for a
+runs: the embedding lookup, the 30 attention blocks and the 30 MLP blocks op by op, the 30 layers
+as the model serves them (one native call each where they fuse: models/llama.py), the output
+layer over the whole vocabulary, and the whole forward; what the forward costs beyond the
+embedding, the layers as served and the output layer is Python and dispatch between them. It does so for a
 1-token step and for a 5-token verify (γ = 4). Then one draft step, and a propose round trip to a
 real draft service over gRPC on loopback (γ = 4, one sequence), whose excess over the draft's own
 compute is the RPC and its serialisation. Prints a table, writes ``profile.json`` and a PNG.
@@ -27,7 +28,9 @@ from specstream.tools.bench.models import BenchModels
 from specstream.tools.progress import Progress
 
 CONTEXT = 200
-COMPONENT_TIMINGS = 5  # what `components` times: embedding, attention, MLP, output layer, the whole forward
+# what `components` times: embedding, attention, MLP, the layers as served, output layer, the whole forward
+COMPONENT_TIMINGS = 6
+LAYERS_AS_SERVED = "layers as served"  # the row's name starts so: one native call each where they fuse
 
 
 def _median_ms(fn, repeats: int = 40, progress: Progress | None = None) -> float:
@@ -66,14 +69,22 @@ def components(model, tokens: int, progress: Progress | None = None) -> dict[str
         "embedding + RoPE rows": lambda: model.embed_positions(ids, model._cache_batch(ids, cache, slot, start)),
         f"attention x{len(layers)}": lambda: [layer.attention(x, batch, cos, sin, rope) for layer in layers],
         f"MLP x{len(layers)}": lambda: [layer.mlp(x) for layer in layers],
+        f"{LAYERS_AS_SERVED} x{len(layers)} ({_layer_kind(layers[0], x.dtype)})":
+            lambda: [layer(x, batch, cos, sin, rope) for layer in layers],
         f"output layer ({model.config.output_vocab or model.config.vocab_size} rows)":
             lambda: model.output_head.logits(x),
     }
     out = {name: _median_ms(part, progress=progress) for name, part in parts.items()}
     whole = _median_ms(lambda: model(ids, cache, slot, start), progress=progress)
-    out["Python and dispatch between them"] = max(whole - sum(out.values()), 0.0)
+    served = sum(v for k, v in out.items() if not k.startswith(("attention", "MLP")))  # embedding, layers, output
+    out["Python and dispatch between them"] = max(whole - served, 0.0)
     out["whole forward"] = whole
     return out
+
+
+def _layer_kind(layer, dtype: torch.dtype) -> str:
+    native_weights = getattr(layer, "native_weights", None)
+    return "one native call each" if native_weights is not None and native_weights(dtype) is not None else "op by op"
 
 
 def local_propose_ms(models: BenchModels, gamma: int = 4, rounds: int = 40, progress: Progress | None = None) -> float:
