@@ -7,7 +7,9 @@ accepted run is the target's own argmax there (the correction, or the bonus toke
 proposal was accepted). Since accepted proposals equal the target's argmax, a row emits exactly
 `target_tokens[b, : num_accepted[b] + 1]`.
 
-The Triton kernel takes one sequence's γ+1 rows per program: the fused 1-best of each row
+On CPU float32 logits the native library does it in one call (kernels/csrc/cpu_ops.cpp,
+``greedy_verify``: the argmax by torch.argmax's rule, first largest, NaN above all), not the five
+torch ops of the reference. The Triton kernel takes one sequence's γ+1 rows per program: the fused 1-best of each row
 (kernels/argmax.py's pass) and the prefix match, in one launch; the scores are logits or the
 hidden states with the LM head (kernels/lm_head.py).
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import native
 from kernels.argmax import argmax
 from kernels.dispatch import backend
 from kernels.lm_head import Hidden, Scores, kernel_args, rows_and_vocab, scores_reference
@@ -51,6 +54,10 @@ def greedy_verify(draft_tokens: torch.Tensor, num_draft: torch.Tensor, target: S
     rows, sequence-major) -> (num_accepted [B], target_tokens [B, G+1]), int64 on the target's device."""
     states = target.states if isinstance(target, Hidden) else target
     if backend(states) == "torch":
+        library = native.library()
+        if library is not None and not isinstance(target, Hidden) and target.dtype == torch.float32:
+            accepted, tokens = library.greedy_verify(target, draft_tokens, num_draft)  # one call, the same answer
+            return accepted, tokens
         return greedy_verify_reference(draft_tokens, num_draft, target)
     batch, gamma = draft_tokens.shape
     scores = target if isinstance(target, Hidden) else target.reshape(batch * (gamma + 1), -1)

@@ -184,3 +184,29 @@ def test_the_fused_layer_gives_the_bits_of_the_layer_op_by_op(tmp_path, monkeypa
     gen.manual_seed(14)
     op_by_op = run()
     assert all(torch.equal(a, b) for a, b in zip(fused, op_by_op))
+
+
+def test_native_greedy_verify_is_the_reference_with_ties_nans_and_infinities() -> None:
+    """One native call for CPU float32 logits (kernels/verify.py): the argmax by torch.argmax's
+    rule (the first largest; a NaN above everything) and the accepted prefix, as the torch reference."""
+    from kernels.verify import greedy_verify, greedy_verify_reference
+
+    gen = torch.Generator().manual_seed(15)
+    for trial in range(120):
+        batch, gamma, vocab = [(1, 0, 49152), (3, 4, 1000), (32, 2, 300), (2, 1, 17)][trial % 4]
+        logits = torch.randn(batch, gamma + 1, vocab, generator=gen)
+        if trial % 3 == 0:  # a tie for the largest, far apart
+            logits[0, 0, 5] = logits[0, 0].max() + 1
+            logits[0, 0, vocab - 1] = logits[0, 0, 5]
+        if trial % 5 == 0:
+            logits[-1, 0, vocab // 2] = float("nan")
+        if trial % 7 == 0:
+            logits[0, -1] = float("-inf")
+        if trial % 11 == 0:
+            logits = logits.round()  # many ties
+        draft = torch.randint(0, vocab, (batch, gamma), generator=gen)
+        num_draft = torch.randint(0, gamma + 1, (batch,), generator=gen)
+        if gamma:
+            draft[:, 0] = logits[:, 0].argmax(-1)  # some proposals accepted
+        got, want = greedy_verify(draft, num_draft, logits), greedy_verify_reference(draft, num_draft, logits)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), trial
