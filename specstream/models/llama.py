@@ -25,7 +25,7 @@ from kernels.int4 import Q4Weight, rtn_parts
 from kernels.int8 import Q8Weight
 from kernels.linear import linear
 from kernels.lm_head import OutputHead
-from specstream.models.attention import CacheBatch
+from specstream.models.attention import CacheBatch, NativeLayer
 from specstream.models.base import ACTIVATIONS, CausalLM, Q4Parts, TensorSource, rms_norm
 from specstream.models.config import ModelConfig, ModelLoadError, RopeConfig
 from specstream.models.kv_cache import KVCache
@@ -197,11 +197,18 @@ class _LlamaLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: CacheBatch, cos: torch.Tensor, sin: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        weights = self.native_weights(x.dtype) if rope is not None else None
-        if weights is not None:  # the whole layer in one native call: same rounding, no per-op dispatch
-            return batch.native_layer(self.layer, x, self.input_norm, self.post_norm, self.eps, weights,
-                                      self.num_heads, self.head_dim, self.scale, self.window, rope)
+        plan = self.native_plan(x.dtype) if rope is not None else None
+        if plan is not None:  # the whole layer in one native call: same rounding, no per-op dispatch
+            return batch.native_layers(x, [plan], rope)
         return self.mlp(self.attention(x, batch, cos, sin, rope))  # [B, T, H]
+
+    def native_plan(self, dtype: torch.dtype) -> NativeLayer | None:
+        """This layer's operands for the native op, or None where it runs op by op (``native_weights``)."""
+        weights = self.native_weights(dtype)
+        if weights is None:
+            return None
+        return NativeLayer(self.layer, self.input_norm, self.post_norm, self.eps, weights, self.num_heads,
+                           self.head_dim, self.scale, self.window or 0)
 
     def native_weights(self, dtype: torch.dtype) -> list[torch.Tensor] | None:
         """The four projections' operands for the native layer (kernels/csrc/cpu_ops.cpp,
@@ -348,8 +355,12 @@ class LlamaForCausalLM(CausalLM):
         # The native CPU attention, wherever it is built: the same op for every forward (prefill,
         # decode, verify), so a position's K/V and output never depend on which kind computed it.
         rope = (self.rope_cos, self.rope_sin) if batch.native_ready(self.dtype) else None
-        for layer in self.layers:
-            x = layer(x, batch, cos, sin, rope)  # [B, T, H]
+        plan = [layer.native_plan(x.dtype) for layer in self.layers] if rope is not None else [None]
+        if all(p is not None for p in plan):  # every layer one native call, in one loop
+            x = batch.native_layers(x, plan, rope)  # [B, T, H]
+        else:
+            for layer in self.layers:
+                x = layer(x, batch, cos, sin, rope)  # [B, T, H]
         if last_only:
             x = x[:, -1:]  # [B, 1, H]
         return rms_norm(x, self.norm, self.config.norm_eps)  # [B, T', H]
