@@ -353,7 +353,7 @@ void rope(const T* x, const T* cos, const T* sin, int64_t D, float* out) {
 // exp over 16 lanes: x = n ln2 + r (Cody-Waite, two parts of ln 2), e^r by its degree-7 Taylor
 // polynomial (|r| <= ln2 / 2: relative error under 2e-7), times 2^n. A fixed sequence of operations,
 // so the same inputs give the same bits wherever they are computed.
-__attribute__((target("avx512f"), always_inline)) inline __m512 exp512(__m512 x) {
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m512 exp512(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));  // below: e^x underflows to 0 anyway
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -371,7 +371,7 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 exp512(__m512 x)
 }
 
 template <typename T>
-__attribute__((target("avx512f,avx512bw"), always_inline)) inline __m512 load16(const T* p) {
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m512 load16(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
     return _mm512_loadu_ps(p);
   } else {
@@ -384,22 +384,45 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) inline __m512 load16(
 // query in registers; scores one key at a time (16 lanes over D, then the lanes summed), their
 // exponentials 16 at a time (exp512), the weighted values into NV accumulators held in registers.
 template <typename T, int NV>
-__attribute__((target("avx512f,avx512bw")))
+__attribute__((target("avx512f,avx512bw,avx512vl")))
 void attend_avx512(const float* q, const T* keys, const T* values, int64_t lo, int64_t pos, float scale,
                    std::vector<float>& weights, T* dst) {
   __m512 qv[NV];
   for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(q + 16 * v);
   const int64_t n = pos + 1 - lo;
   weights.resize((n + 15) / 16 * 16);
-  float top = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) {
-    const T* k = keys + (lo + j) * 16 * NV;
-    __m512 acc = _mm512_mul_ps(qv[0], load16(k));
-    for (int v = 1; v < NV; ++v) acc = _mm512_fmadd_ps(qv[v], load16(k + 16 * v), acc);
-    const float s = _mm512_reduce_add_ps(acc) * scale;
-    weights[j] = s;
-    top = std::max(top, s);
+  // Scores four keys at a time: four dot products of 16 lanes, their lanes summed together by one
+  // shuffle-and-add tree (the last group padded with zero vectors), so every key's score takes the
+  // same operations wherever it falls.
+  __m128 top4 = _mm_set1_ps(-INFINITY);
+  const __m128 scale4 = _mm_set1_ps(scale);
+  for (int64_t j = 0; j < n; j += 4) {
+    __m512 a[4];
+    for (int r = 0; r < 4; ++r) {
+      if (j + r < n) {
+        const T* k = keys + (lo + j + r) * 16 * NV;
+        a[r] = _mm512_mul_ps(qv[0], load16(k));
+        for (int v = 1; v < NV; ++v) a[r] = _mm512_fmadd_ps(qv[v], load16(k + 16 * v), a[r]);
+      } else {
+        a[r] = _mm512_setzero_ps();
+      }
+    }
+    const __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+    const __m512 t23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+    const __m512d t01d = _mm512_castps_pd(t01), t23d = _mm512_castps_pd(t23);
+    const __m512 u = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(t01d, t23d)),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(t01d, t23d)));  // 4 keys per 128-bit lane
+    const __m512 v2 = _mm512_add_ps(u, _mm512_shuffle_f32x4(u, u, 0x4E));
+    const __m512 v4 = _mm512_add_ps(v2, _mm512_shuffle_f32x4(v2, v2, 0xB1));
+    const __m128 s4 = _mm_mul_ps(_mm512_castps512_ps128(v4), scale4);  // keys j..j+3
+    const int live = int(std::min<int64_t>(4, n - j));
+    const __mmask8 mask = __mmask8((1u << live) - 1);
+    _mm_mask_storeu_ps(weights.data() + j, mask, s4);
+    top4 = _mm_mask_max_ps(top4, mask, top4, s4);
   }
+  top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+  top4 = _mm_max_ps(top4, _mm_shuffle_ps(top4, top4, 0x55));
+  const float top = _mm_cvtss_f32(top4);
   const __m512 top_v = _mm512_set1_ps(top);
   __m512 sums = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 16) {
