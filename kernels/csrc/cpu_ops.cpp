@@ -290,21 +290,22 @@ inline float load_value(const at::BFloat16* p) { return static_cast<float>(*p); 
 inline void store_value(float* p, float v) { *p = v; }
 inline void store_value(at::BFloat16* p, float v) { *p = static_cast<at::BFloat16>(v); }
 
+// 16 values of a row as float32 (bfloat16 widened exactly).
+template <typename T>
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
+}
+
 // Dot product over D values in a fixed order: 16 lanes over the vector, then the lanes summed.
 template <typename T>
 __attribute__((target("avx512f,avx512bw")))
 float dot_avx512(const float* q, const T* k, int64_t D) {
   __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < D; i += 16) {
-    __m512 kv;
-    if constexpr (std::is_same_v<T, float>) {
-      kv = _mm512_loadu_ps(k + i);
-    } else {
-      __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + i));
-      kv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    }
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), kv, acc);
-  }
+  for (int64_t i = 0; i < D; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k + i), acc);
   return _mm512_reduce_add_ps(acc);
 }
 
@@ -321,17 +322,8 @@ float dot_generic(const float* q, const T* k, int64_t D) {
 template <typename T>
 __attribute__((target("avx512f,avx512bw")))
 void axpy_avx512(float w, const T* v, float* out, int64_t D) {
-  __m512 scale = _mm512_set1_ps(w);
-  for (int64_t i = 0; i < D; i += 16) {
-    __m512 vv;
-    if constexpr (std::is_same_v<T, float>) {
-      vv = _mm512_loadu_ps(v + i);
-    } else {
-      __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i));
-      vv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    }
-    _mm512_storeu_ps(out + i, _mm512_fmadd_ps(scale, vv, _mm512_loadu_ps(out + i)));
-  }
+  const __m512 scale = _mm512_set1_ps(w);
+  for (int64_t i = 0; i < D; i += 16) _mm512_storeu_ps(out + i, _mm512_fmadd_ps(scale, load16(v + i), _mm512_loadu_ps(out + i)));
 }
 
 template <typename T>
@@ -368,15 +360,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m51
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
-}
-
-template <typename T>
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m512 load16(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(p);
-  } else {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-  }
 }
 
 // One query head at one position over its keys, D = 16 NV, a slot's keys and values contiguous (no
