@@ -31,6 +31,8 @@ from target_service.draft_deadline import DraftDeadline
 from target_service.engine import Engine
 from target_service.local_draft import LocalDraft
 
+DRAFT_STARTUP_WAIT_S = 10.0  # at start-up, wait this long for a draft that is still loading its model
+
 log = logging.getLogger(__name__)
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["Target"].full_name
 
@@ -114,7 +116,7 @@ async def serve(config: TargetConfig, build_proposer: Callable[[DraftConfig], Pr
     target_pb2_grpc.add_TargetServicer_to_server(TargetServicer(engine), server.server)
     await server.start()
     if isinstance(draft, DraftClient):  # the stream is up before SERVING: Load.draft_connected is true at once
-        await draft.wait_connected(timeout_s=config.draft_timeout_s)
+        await draft.wait_connected(timeout_s=max(config.draft_timeout_s, DRAFT_STARTUP_WAIT_S))
     engine_task = asyncio.create_task(engine.run(), name="engine")
     trimmer = asyncio.create_task(HeapTrimmer(config.memory.heap_trim_interval_s).run(compute), name="heap-trim")
     await server.set_serving(True)

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from specstream.data.config import ModelSpec, StallConfig, TargetConfig
 from target_service.draft_deadline import DraftDeadline, Shape
 
 STEP = Shape(depth=4, proposals=16, fed=8)  # 4 rows drafting 4 tokens each, one or two tokens fed per row
@@ -56,6 +57,17 @@ def test_floor_and_cap_bound_it():
     for _ in range(10):
         slow.observe(STEP, 2.0)
     assert slow.deadline(STEP) == 0.5  # never past draft_timeout_s
+
+
+def test_by_default_a_hung_draft_cannot_make_its_target_look_hung():
+    """Timeouts in a row on a loaded host push the deadline to its cap; the target sends the
+    gateway nothing while it waits, so the default cap stays well inside the gateway's hang floor."""
+    config = TargetConfig(ModelSpec("m"), draft_url="h:1")
+    deadline = _measured(DraftDeadline(config.draft_timeout_s, config.draft_deadline_floor_s), noise=2.0)
+    for _ in range(8):
+        deadline.timed_out()
+    assert deadline.deadline(STEP) == config.draft_timeout_s
+    assert deadline.deadline(STEP) <= StallConfig().floor_s / 2
 
 
 def test_a_noisy_draft_gets_more_slack_than_a_steady_one():

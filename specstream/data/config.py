@@ -232,7 +232,9 @@ class TargetConfig:
     # Every propose round trip has a deadline derived from the measured round trips of its shape
     # (target_service/draft_deadline.py): clamp(factor × predicted × spread, floor, draft_timeout_s).
     # Past it the step decodes with γ = 0 and the stream is dropped; this is the longest it can be.
-    draft_timeout_s: float = 10.0
+    # Half the gateway's hang floor (StallConfig.floor_s, 5 s): while the target waits on its draft
+    # it sends the gateway nothing, so a hung draft must never make its target look hung.
+    draft_timeout_s: float = 2.5
     draft_deadline_floor_s: float = 0.25  # the shortest deadline (scheduling noise on a busy host)
     draft_deadline_factor: float = 2.0  # the deadline over the round trip predicted for the shape
     draft_retry_s: float = 1.0  # wait this long before reconnecting to a failed draft

@@ -133,9 +133,10 @@ def _add_target(sub: argparse._SubParsersAction) -> None:
     _server_flags(p, 50052)
     p.add_argument("--draft-url", help="host:port of the draft service (omit: plain decoding, or --draft-model)")
     _upstream_flags(p, "draft")
-    p.add_argument("--draft-timeout", type=float, default=10.0,
+    p.add_argument("--draft-timeout", type=float, default=TargetConfig.draft_timeout_s,
                    help="the longest a propose round trip may take (seconds); the deadline of each round trip "
-                        "is derived from the measured ones and never exceeds this")
+                        "is derived from the measured ones and never exceeds this. Keep it well below the "
+                        "gateway's --target-stall-floor: the target sends nothing while it waits")
     p.add_argument("--draft-deadline-floor", type=float, default=0.25,
                    help="the shortest propose deadline (seconds): a reply later than its deadline means the "
                         "step decodes without the draft and the stream is reopened")
