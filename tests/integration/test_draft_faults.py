@@ -8,6 +8,7 @@ Each test prints what it measured."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import re
 import signal
@@ -84,8 +85,8 @@ def test_a_stopped_draft_stalls_streams_by_one_deadline_and_speculation_resumes_
         # The stall: each stream's longest silence is the same one (they overlap in time): the target
         # waited on the stopped draft once, for one deadline (at least its 0.25 s floor), and then
         # decoded without it.
-        longest = [max(zip(s, s[1:]), key=lambda ab: ab[1] - ab[0]) for s in seen["stamps"]]
-        gaps = sorted(b - a for s in seen["stamps"] for a, b in zip(s, s[1:]))
+        longest = [max(itertools.pairwise(s), key=lambda ab: ab[1] - ab[0]) for s in seen["stamps"]]
+        gaps = sorted(b - a for s in seen["stamps"] for a, b in itertools.pairwise(s))
         step = gaps[len(gaps) // 2]  # a typical step
         worst = max(b - a for a, b in longest)
         assert _speculates(stack.gateway_address) is False  # still stopped: plain decoding, no waiting
