@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kernels import native
+from kernels.int4 import Q4Weight
 from kernels.int8 import Q8Weight, q8_linear, q8_linear_reference
 from specstream.models.random_init import write_random_checkpoint
 
@@ -178,12 +179,28 @@ def test_the_fused_layer_gives_the_bits_of_the_layer_op_by_op(tmp_path, monkeypa
         return out
 
     gen.manual_seed(14)
+    stack = model.native_stack(torch.bfloat16)
+    assert stack is not None and stack.layers == (0, 1, 2)  # all three layers in one call
     fused = run()
+    assert model.native_stack(torch.bfloat16) is stack  # built once, kept between forwards
     monkeypatch.setattr(llama, "FUSED_LAYERS", False)
-    assert model.layers[0].native_weights(torch.bfloat16) is None
+    assert model.layers[0].native_weights(torch.bfloat16) is None and model.native_stack(torch.bfloat16) is None
     gen.manual_seed(14)
     op_by_op = run()
     assert all(torch.equal(a, b) for a, b in zip(fused, op_by_op))
+    # One layer's matrix moved off the native kernel: no stack for the model; the other layers run
+    # as stacks of one and the middle one op by op, with the bits of the reference path (the
+    # moved matrix computes the same values on ATen's kernel only up to its sums' order, so the
+    # reference here is the model with that same matrix, op by op).
+    monkeypatch.setattr(llama, "FUSED_LAYERS", True)
+    middle = model.layers[1]
+    middle.o_w = Q4Weight.from_parts(*middle.o_w.parts(), torch.bfloat16, use_native=False)
+    assert model.native_stack(torch.bfloat16) is None and middle.native_weights(torch.bfloat16) is None
+    gen.manual_seed(14)
+    mixed = run()
+    monkeypatch.setattr(llama, "FUSED_LAYERS", False)
+    gen.manual_seed(14)
+    assert all(torch.equal(a, b) for a, b in zip(mixed, run()))
 
 
 def test_native_greedy_verify_is_the_reference_with_ties_nans_and_infinities() -> None:

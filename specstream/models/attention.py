@@ -36,9 +36,33 @@ class NativeLayer:
     eps: float
     weights: list[torch.Tensor]  # the four projections' native 4-bit operands: (codes, d, m) x 4
     num_heads: int
+    num_kv_heads: int
     head_dim: int
     scale: float
     window: int  # 0: none
+
+
+@dataclass(frozen=True)
+class NativeStack:
+    """Consecutive Llama layers as one native call (kernels/csrc/cpu_ops.cpp, ``LayerStack``): one
+    OpenMP parallel region per forward for all of them, where a call per layer cost a Python call
+    and ~5 forks and joins each (~0.9 ms of a 6 ms step on a 30-layer model)."""
+
+    layers: tuple[int, ...]  # the cache layers they read and write
+    op: object  # the library's LayerStack
+
+    @classmethod
+    def build(cls, plan: list[NativeLayer]) -> NativeStack | None:
+        """The stack of ``plan``'s layers, or None when they differ in what the op takes once for
+        all (norm epsilon, heads, head size, scale) or the library is off."""
+        library = native.library()
+        first = plan[0]
+        shared = (first.eps, first.num_heads, first.num_kv_heads, first.head_dim, first.scale)
+        if library is None or any((p.eps, p.num_heads, p.num_kv_heads, p.head_dim, p.scale) != shared for p in plan):
+            return None
+        op = library.LayerStack([[p.input_norm, p.post_norm, *p.weights] for p in plan], *shared,
+                                [p.window for p in plan])
+        return cls(tuple(p.layer for p in plan), op)
 
 
 class CacheBatch:
@@ -128,21 +152,13 @@ class CacheBatch:
                                  self._slot_index_cpu, self._starts_cpu, self._sources, num_heads,
                                  self.cache.num_kv_heads, head_dim, scale, window or 0)
 
-    def native_layers(self, x: torch.Tensor, plan: list[NativeLayer], rope: tuple[torch.Tensor, torch.Tensor]
+    def native_layers(self, x: torch.Tensor, stack: NativeStack, rope: tuple[torch.Tensor, torch.Tensor]
                       ) -> torch.Tensor:
-        """Llama decoder layers, each in one native CPU call (``llama_layer``): x [B, T, H]
-        bfloat16, ``plan`` each layer's operands (``NativeLayer``); their attention is
-        ``native_attention``'s. One loop here rather than a module call per layer: the Python
-        around 30 calls cost ~0.9 ms of a 6 ms step. Returns [B, T, H]."""
-        library = native.library()
-        assert library is not None, "callers check native_ready first"
-        k, v, kv_heads = self.cache.k, self.cache.v, self.cache.num_kv_heads
-        slots, starts, sources = self._slot_index_cpu, self._starts_cpu, self._sources
-        for p in plan:
-            x = library.llama_layer(x, p.input_norm, p.post_norm, p.eps, p.weights, k[p.layer], v[p.layer], rope[0],
-                                    rope[1], slots, starts, sources, p.num_heads, kv_heads, p.head_dim, p.scale,
-                                    p.window)
-        return x
+        """Llama decoder layers in one native CPU call (``NativeStack``): x [B, T, H] bfloat16;
+        their attention is ``native_attention``'s. Returns [B, T, H]."""
+        k, v = self.cache.k, self.cache.v
+        return stack.op.forward(x, [k[i] for i in stack.layers], [v[i] for i in stack.layers], rope[0], rope[1],
+                                self._slot_index_cpu, self._starts_cpu, self._sources)
 
     def native_ready(self, dtype: torch.dtype) -> bool:
         """Whether this forward takes the native attention: a CPU cache of float32 or bfloat16 and

@@ -25,7 +25,7 @@ from kernels.int4 import Q4Weight, rtn_parts
 from kernels.int8 import Q8Weight
 from kernels.linear import linear
 from kernels.lm_head import OutputHead
-from specstream.models.attention import CacheBatch, NativeLayer
+from specstream.models.attention import CacheBatch, NativeLayer, NativeStack
 from specstream.models.base import ACTIVATIONS, CausalLM, Q4Parts, TensorSource, rms_norm
 from specstream.models.config import ModelConfig, ModelLoadError, RopeConfig
 from specstream.models.kv_cache import KVCache
@@ -198,8 +198,9 @@ class _LlamaLayer(nn.Module):
     def forward(self, x: torch.Tensor, batch: CacheBatch, cos: torch.Tensor, sin: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         plan = self.native_plan(x.dtype) if rope is not None else None
-        if plan is not None:  # the whole layer in one native call: same rounding, no per-op dispatch
-            return batch.native_layers(x, [plan], rope)
+        stack = NativeStack.build([plan]) if plan is not None else None
+        if stack is not None:  # the whole layer in one native call: same rounding, no per-op dispatch
+            return batch.native_layers(x, stack, rope)
         return self.mlp(self.attention(x, batch, cos, sin, rope))  # [B, T, H]
 
     def native_plan(self, dtype: torch.dtype) -> NativeLayer | None:
@@ -208,7 +209,7 @@ class _LlamaLayer(nn.Module):
         if weights is None:
             return None
         return NativeLayer(self.layer, self.input_norm, self.post_norm, self.eps, weights, self.num_heads,
-                           self.head_dim, self.scale, self.window or 0)
+                           self.num_kv_heads, self.head_dim, self.scale, self.window or 0)
 
     def native_weights(self, dtype: torch.dtype) -> list[torch.Tensor] | None:
         """The four projections' operands for the native layer (kernels/csrc/cpu_ops.cpp,
@@ -248,6 +249,7 @@ class LlamaForCausalLM(CausalLM):
         self.head_q8: Q8Weight | None = None  # the output layer as 8-bit blocks (use_q8_head), else the dense one
         self.register_buffer("inv_freq", rope_inv_freq(c.rope, c.head_dim).to(device), persistent=False)  # [D/2]
         self._rope_len = 0
+        self._native_stack: tuple[tuple, NativeStack | None] | None = None  # (what it was built from, it)
         self._build_rope(min(_INITIAL_ROPE_LEN, c.max_position_embeddings))
 
     def _build_rope(self, n: int) -> None:
@@ -342,6 +344,20 @@ class LlamaForCausalLM(CausalLM):
             return OutputHead(self.head_q8)
         return OutputHead(self.embed if self.lm_head is None else self.lm_head, output_ids=self.output_ids)
 
+    def native_stack(self, dtype: torch.dtype) -> NativeStack | None:
+        """Every layer as one native call (``NativeStack``) when each can run natively
+        (``_LlamaLayer.native_plan``), else None. Built once and kept while the layers' weights,
+        ``dtype`` and ``FUSED_LAYERS`` are the same objects (a swapped matrix builds it anew)."""
+        key = (dtype, FUSED_LAYERS, *(t for layer in self.layers for t in (
+            layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w, layer.input_norm, layer.post_norm)))
+        kept = self._native_stack
+        if kept is not None and len(kept[0]) == len(key) and all(a is b for a, b in zip(kept[0], key)):
+            return kept[1]
+        plan = [layer.native_plan(dtype) for layer in self.layers]
+        stack = NativeStack.build(plan) if all(p is not None for p in plan) else None
+        self._native_stack = (key, stack)
+        return stack
+
     def hidden(
         self,
         input_ids: torch.Tensor,
@@ -355,9 +371,9 @@ class LlamaForCausalLM(CausalLM):
         # The native CPU attention, wherever it is built: the same op for every forward (prefill,
         # decode, verify), so a position's K/V and output never depend on which kind computed it.
         rope = (self.rope_cos, self.rope_sin) if batch.native_ready(self.dtype) else None
-        plan = [layer.native_plan(x.dtype) for layer in self.layers] if rope is not None else [None]
-        if all(p is not None for p in plan):  # every layer one native call, in one loop
-            x = batch.native_layers(x, plan, rope)  # [B, T, H]
+        stack = self.native_stack(x.dtype) if rope is not None else None
+        if stack is not None:  # every layer in one native call
+            x = batch.native_layers(x, stack, rope)  # [B, T, H]
         else:
             for layer in self.layers:
                 x = layer(x, batch, cos, sin, rope)  # [B, T, H]
