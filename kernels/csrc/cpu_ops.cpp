@@ -607,7 +607,7 @@ at::Tensor attention(const at::Tensor& qkv, at::Tensor k_cache, at::Tensor v_cac
 
 // ---------------------------------------------------------------------------------------------------
 // One Llama decoder layer in one call, for bfloat16 activations and 4-bit projections on the native
-// kernel (kernels/native_layer.py decides when): the ~20 small torch ops a layer dispatches one by one
+// kernel (specstream/models/llama.py, `_LlamaLayer.native_weights`, decides when): the ~20 small torch ops a layer dispatches one by one
 // from Python (two RMS norms, the residual adds, the split of the fused projections) cost more than
 // its matrix products on a small model. Each step keeps the eager layer's rounding (specstream/models/
 // llama.py): RMS norm normalised in float32 and rounded to bfloat16 before the weight's product; the
