@@ -179,23 +179,25 @@ def test_the_fused_layer_gives_the_bits_of_the_layer_op_by_op(tmp_path, monkeypa
         return out
 
     gen.manual_seed(14)
-    stack = model.native_stack(torch.bfloat16)
-    assert stack is not None and stack.layers == (0, 1, 2)  # all three layers in one call
+    runs = model.native_runs(torch.bfloat16)
+    assert len(runs) == 1 and runs[0][1].layers == (0, 1, 2)  # all three layers in one call
     fused = run()
-    assert model.native_stack(torch.bfloat16) is stack  # built once, kept between forwards
+    assert model.native_runs(torch.bfloat16) is runs  # built once, kept between forwards
     monkeypatch.setattr(llama, "FUSED_LAYERS", False)
-    assert model.layers[0].native_weights(torch.bfloat16) is None and model.native_stack(torch.bfloat16) is None
+    assert model.layers[0].native_weights(torch.bfloat16) is None
+    assert [stack for _, stack in model.native_runs(torch.bfloat16)] == [None]
     gen.manual_seed(14)
     op_by_op = run()
     assert all(torch.equal(a, b) for a, b in zip(fused, op_by_op))
-    # One layer's matrix moved off the native kernel: no stack for the model; the other layers run
-    # as stacks of one and the middle one op by op, with the bits of the reference path (the
+    # One layer's matrix moved off the native kernel: the other layers run as stacks of one and the
+    # middle one op by op, with the bits of the reference path (the
     # moved matrix computes the same values on ATen's kernel only up to its sums' order, so the
     # reference here is the model with that same matrix, op by op).
     monkeypatch.setattr(llama, "FUSED_LAYERS", True)
     middle = model.layers[1]
     middle.o_w = Q4Weight.from_parts(*middle.o_w.parts(), torch.bfloat16, use_native=False)
-    assert model.native_stack(torch.bfloat16) is None and middle.native_weights(torch.bfloat16) is None
+    assert [(list(layers), stack is None) for layers, stack in model.native_runs(torch.bfloat16)] == \
+        [([0], False), ([1], True), ([2], False)]
     gen.manual_seed(14)
     mixed = run()
     monkeypatch.setattr(llama, "FUSED_LAYERS", False)

@@ -535,7 +535,7 @@ struct Attention {
   }
 };
 
-// The checked operands of one layer's attention (`attention` and `llama_layer`); `out` is allocated.
+// The checked operands of one layer's attention (`attention` and `LayerStack`); `out` is allocated.
 struct AttentionCall {
   std::vector<int64_t> slots, starts;
   at::Tensor sources, out;
@@ -606,10 +606,10 @@ at::Tensor attention(const at::Tensor& qkv, at::Tensor k_cache, at::Tensor v_cac
 
 
 // ---------------------------------------------------------------------------------------------------
-// One Llama decoder layer in one call, for bfloat16 activations and 4-bit projections on the native
-// kernel (specstream/models/llama.py, `_LlamaLayer.native_weights`, decides when): the ~20 small torch ops a layer dispatches one by one
-// from Python (two RMS norms, the residual adds, the split of the fused projections) cost more than
-// its matrix products on a small model. Each step keeps the eager layer's rounding (specstream/models/
+// Llama decoder layers in one call, for bfloat16 activations and 4-bit projections on the native
+// kernel (specstream/models/llama.py, `_LlamaLayer.native_weights`, decides when): the ~20 small
+// torch ops a layer dispatches one by one from Python (two RMS norms, the residual adds, the split
+// of the fused projections) cost more than its matrix products on a small model. Each step keeps the eager layer's rounding (specstream/models/
 // llama.py): RMS norm normalised in float32 and rounded to bfloat16 before the weight's product; the
 // residual adds, the activation and its product with `up` rounded to bfloat16 as torch does; every
 // row computed on its own, so the layer stays batch-invariant.
@@ -688,10 +688,10 @@ class LayerStack {
                      const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& slots,
                      const at::Tensor& starts, const c10::optional<at::Tensor>& sources) const {
     const int64_t L = layers_.size();
-    TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16, "llama_layer: x [B, T, H] bfloat16");
-    TORCH_CHECK(int64_t(k.size()) == L && int64_t(v.size()) == L, "llama_layer: a cache per layer");
+    TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16, "LayerStack: x [B, T, H] bfloat16");
+    TORCH_CHECK(int64_t(k.size()) == L && int64_t(v.size()) == L, "LayerStack: a cache per layer");
     const int64_t B = x.size(0), T_ = x.size(1), H = x.size(2), M = B * T_;
-    TORCH_CHECK(layers_[0][0].numel() == H, "llama_layer: norm weights of ", H);
+    TORCH_CHECK(layers_[0][0].numel() == H, "LayerStack: norm weights of ", H);
     const auto opts = x.options();
     const at::Tensor rows = x.reshape({M, H}).contiguous();
     at::Tensor normed = at::empty({M, H}, opts), normed2 = at::empty({M, H}, opts);
@@ -715,19 +715,19 @@ class LayerStack {
       } else {
         TORCH_CHECK(k[l].sizes() == k[0].sizes() && v[l].sizes() == k[0].sizes() && k[l].is_contiguous() &&
                     v[l].is_contiguous() && k[l].scalar_type() == k[0].scalar_type() &&
-                    v[l].scalar_type() == k[0].scalar_type(), "llama_layer: every layer's cache like the first's");
+                    v[l].scalar_type() == k[0].scalar_type(), "LayerStack: every layer's cache like the first's");
       }
       at::Tensor kl = k[l], vl = v[l];
       layer.attn = attn_call.bind<at::BFloat16>(qkv3, kl, vl, cos_table, sin_table, num_heads_, num_kv_heads_,
                                                 head_dim_, scale_, windows_[l]);
       layer.o = q4_call(attn_call.out.view({M, attn_call.out.size(2)}), w[5], w[6], w[7], sums[1], hidden);
-      TORCH_CHECK(hidden.size(1) == H, "llama_layer: o_proj gives ", hidden.size(1), " features, not ", H);
+      TORCH_CHECK(hidden.size(1) == H, "LayerStack: o_proj gives ", hidden.size(1), " features, not ", H);
       layer.gate_up = q4_call(normed2, w[8], w[9], w[10], sums[2], gate_up);
       const int64_t I = gate_up.size(1) / 2;
       if (!act.defined()) act = at::empty({M, I}, opts);
-      TORCH_CHECK(act.size(1) == I, "llama_layer: every layer's intermediate size like the first's");
+      TORCH_CHECK(act.size(1) == I, "LayerStack: every layer's intermediate size like the first's");
       layer.down = q4_call(act, w[11], w[12], w[13], sums[3], down);
-      TORCH_CHECK(down.size(1) == H, "llama_layer: down_proj gives ", down.size(1), " features, not ", H);
+      TORCH_CHECK(down.size(1) == H, "LayerStack: down_proj gives ", down.size(1), " features, not ", H);
       work.push_back(layer);
     }
     Shared shared{M, H, B * T_, B * T_ * num_heads_, eps_, bf16_data(normed), bf16_data(normed2), bf16_data(hidden),
@@ -809,19 +809,6 @@ class LayerStack {
   std::vector<int64_t> windows_;
 };
 
-// One layer alone (the op-by-op reference's unit, and tests): a stack of one.
-at::Tensor llama_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
-                       const std::vector<at::Tensor>& weights, at::Tensor k_cache, at::Tensor v_cache,
-                       const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& slots,
-                       const at::Tensor& starts, const c10::optional<at::Tensor>& sources, int64_t num_heads,
-                       int64_t num_kv_heads, int64_t head_dim, double scale, int64_t window) {
-  TORCH_CHECK(weights.size() == 12, "llama_layer: 4 projections as (codes, d, m)");
-  std::vector<at::Tensor> layer = {input_norm.contiguous(), post_norm.contiguous()};
-  layer.insert(layer.end(), weights.begin(), weights.end());
-  const LayerStack stack({layer}, eps, num_heads, num_kv_heads, head_dim, scale, {window});
-  return stack.forward(x, {k_cache}, {v_cache}, cos_table, sin_table, slots, starts, sources);
-}
-
 // ---------------------------------------------------------------------------------------------------
 // Greedy verification on CPU logits in one call (kernels/verify.py): each row's argmax (the first
 // largest value, NaN above everything, as torch.argmax), then the accepted prefix of the proposals.
@@ -900,7 +887,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("q8_matmul", &q8_matmul, "x [M, K] @ Q8_0 codes [N, K] (d [N, K/32]) -> [M, N] float32");
   module.def("greedy_verify", &greedy_verify, "argmax of every row of CPU float32 logits and the accepted prefix");
   module.def("rms_norm", &rms_norm_bf16, "RMS norm of bfloat16 rows, normalised in float32 (each row on its own)");
-  module.def("llama_layer", &llama_layer, "one Llama decoder layer: bfloat16, 4-bit projections on the native kernel");
   pybind11::class_<LayerStack>(module, "LayerStack", "Llama decoder layers in one parallel region per forward")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, double, int64_t, int64_t, int64_t, double,
                           std::vector<int64_t>>())

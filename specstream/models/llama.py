@@ -197,10 +197,6 @@ class _LlamaLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: CacheBatch, cos: torch.Tensor, sin: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        plan = self.native_plan(x.dtype) if rope is not None else None
-        stack = NativeStack.build([plan]) if plan is not None else None
-        if stack is not None:  # the whole layer in one native call: same rounding, no per-op dispatch
-            return batch.native_layers(x, stack, rope)
         return self.mlp(self.attention(x, batch, cos, sin, rope))  # [B, T, H]
 
     def native_plan(self, dtype: torch.dtype) -> NativeLayer | None:
@@ -212,8 +208,8 @@ class _LlamaLayer(nn.Module):
                            self.num_kv_heads, self.head_dim, self.scale, self.window or 0)
 
     def native_weights(self, dtype: torch.dtype) -> list[torch.Tensor] | None:
-        """The four projections' operands for the native layer (kernels/csrc/cpu_ops.cpp,
-        ``llama_layer``) when this layer is what it computes: bfloat16, every projection 4-bit on
+        """The four projections' operands for the native layers (kernels/csrc/cpu_ops.cpp,
+        ``LayerStack``) when this layer is what they compute: bfloat16, every projection 4-bit on
         the native kernel, no biases, SiLU; else None (the layer runs op by op). ``FUSED_LAYERS``
         False turns it off (the op-by-op path is the reference)."""
         projections = (self.qkv_w, self.o_w, self.gate_up_w, self.down_w)
@@ -249,7 +245,7 @@ class LlamaForCausalLM(CausalLM):
         self.head_q8: Q8Weight | None = None  # the output layer as 8-bit blocks (use_q8_head), else the dense one
         self.register_buffer("inv_freq", rope_inv_freq(c.rope, c.head_dim).to(device), persistent=False)  # [D/2]
         self._rope_len = 0
-        self._native_stack: tuple[tuple, NativeStack | None] | None = None  # (what it was built from, it)
+        self._native_runs: tuple[tuple, list] | None = None  # (what native_runs were built from, them)
         self._build_rope(min(_INITIAL_ROPE_LEN, c.max_position_embeddings))
 
     def _build_rope(self, n: int) -> None:
@@ -344,19 +340,26 @@ class LlamaForCausalLM(CausalLM):
             return OutputHead(self.head_q8)
         return OutputHead(self.embed if self.lm_head is None else self.lm_head, output_ids=self.output_ids)
 
-    def native_stack(self, dtype: torch.dtype) -> NativeStack | None:
-        """Every layer as one native call (``NativeStack``) when each can run natively
-        (``_LlamaLayer.native_plan``), else None. Built once and kept while the layers' weights,
-        ``dtype`` and ``FUSED_LAYERS`` are the same objects (a swapped matrix builds it anew)."""
+    def native_runs(self, dtype: torch.dtype) -> list[tuple[range, NativeStack | None]]:
+        """The layers in runs: each run of consecutive layers that can run natively
+        (``_LlamaLayer.native_plan``) as one native call (``NativeStack``), the others one by one
+        (None). Built once and kept while the layers' weights, ``dtype`` and ``FUSED_LAYERS`` are the
+        same objects (a swapped matrix builds them anew)."""
         key = (dtype, FUSED_LAYERS, *(t for layer in self.layers for t in (
             layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w, layer.input_norm, layer.post_norm)))
-        kept = self._native_stack
+        kept = self._native_runs
         if kept is not None and len(kept[0]) == len(key) and all(a is b for a, b in zip(kept[0], key)):
             return kept[1]
-        plan = [layer.native_plan(dtype) for layer in self.layers]
-        stack = NativeStack.build(plan) if all(p is not None for p in plan) else None
-        self._native_stack = (key, stack)
-        return stack
+        plans = [layer.native_plan(dtype) for layer in self.layers]
+        runs: list[tuple[range, NativeStack | None]] = []
+        start = 0
+        for end in range(1, len(plans) + 1):  # a run ends where the next layer differs in being native
+            if end == len(plans) or (plans[end] is None) != (plans[start] is None):
+                stack = NativeStack.build(plans[start:end]) if plans[start] is not None else None
+                runs.append((range(start, end), stack))
+                start = end
+        self._native_runs = (key, runs)
+        return runs
 
     def hidden(
         self,
@@ -371,12 +374,13 @@ class LlamaForCausalLM(CausalLM):
         # The native CPU attention, wherever it is built: the same op for every forward (prefill,
         # decode, verify), so a position's K/V and output never depend on which kind computed it.
         rope = (self.rope_cos, self.rope_sin) if batch.native_ready(self.dtype) else None
-        stack = self.native_stack(x.dtype) if rope is not None else None
-        if stack is not None:  # every layer in one native call
-            x = batch.native_layers(x, stack, rope)  # [B, T, H]
-        else:
-            for layer in self.layers:
-                x = layer(x, batch, cos, sin, rope)  # [B, T, H]
+        runs = self.native_runs(x.dtype) if rope is not None else [(range(len(self.layers)), None)]
+        for layers, stack in runs:
+            if stack is not None:  # these layers in one native call
+                x = batch.native_layers(x, stack, rope)  # [B, T, H]
+            else:
+                for i in layers:
+                    x = self.layers[i](x, batch, cos, sin, rope)  # [B, T, H]
         if last_only:
             x = x[:, -1:]  # [B, 1, H]
         return rms_norm(x, self.norm, self.config.norm_eps)  # [B, T', H]
