@@ -361,6 +361,20 @@ class LlamaForCausalLM(CausalLM):
         self._native_runs = (key, runs)
         return runs
 
+    def run_layers(self, x: torch.Tensor, batch: CacheBatch, cos: torch.Tensor, sin: torch.Tensor,
+                   rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """x [B, T, H] through every decoder layer as the model serves them: runs of native layers
+        as one call each (``native_runs``, when ``rope`` says the native attention is built), the
+        rest op by op. Returns [B, T, H]."""
+        runs = self.native_runs(x.dtype) if rope is not None else [(range(len(self.layers)), None)]
+        for layers, stack in runs:
+            if stack is not None:
+                x = batch.native_layers(x, stack, rope)  # [B, T, H]
+            else:
+                for i in layers:
+                    x = self.layers[i](x, batch, cos, sin, rope)  # [B, T, H]
+        return x
+
     def hidden(
         self,
         input_ids: torch.Tensor,
@@ -374,13 +388,7 @@ class LlamaForCausalLM(CausalLM):
         # The native CPU attention, wherever it is built: the same op for every forward (prefill,
         # decode, verify), so a position's K/V and output never depend on which kind computed it.
         rope = (self.rope_cos, self.rope_sin) if batch.native_ready(self.dtype) else None
-        runs = self.native_runs(x.dtype) if rope is not None else [(range(len(self.layers)), None)]
-        for layers, stack in runs:
-            if stack is not None:  # these layers in one native call
-                x = batch.native_layers(x, stack, rope)  # [B, T, H]
-            else:
-                for i in layers:
-                    x = self.layers[i](x, batch, cos, sin, rope)  # [B, T, H]
+        x = self.run_layers(x, batch, cos, sin, rope)  # [B, T, H]
         if last_only:
             x = x[:, -1:]  # [B, 1, H]
         return rms_norm(x, self.norm, self.config.norm_eps)  # [B, T', H]

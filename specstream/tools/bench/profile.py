@@ -2,7 +2,7 @@
 
 For the served target (batch 1, a 200-token context) it times, each as the median of repeated
 runs: the embedding lookup, the 30 attention blocks and the 30 MLP blocks op by op, the 30 layers
-as the model serves them (one native call each where they fuse: models/llama.py), the output
+as the model serves them (one native call for all where they fuse: models/llama.py), the output
 layer over the whole vocabulary, and the whole forward; what the forward costs beyond the
 embedding, the layers as served and the output layer is Python and dispatch between them. It does so for a
 1-token step and for a 5-token verify (γ = 4). Then one draft step, and a propose round trip to a
@@ -30,7 +30,7 @@ from specstream.tools.progress import Progress
 CONTEXT = 200
 # what `components` times: embedding, attention, MLP, the layers as served, output layer, the whole forward
 COMPONENT_TIMINGS = 6
-LAYERS_AS_SERVED = "layers as served"  # the row's name starts so: one native call each where they fuse
+LAYERS_AS_SERVED = "layers as served"  # the row's name starts so: one native call where they fuse
 
 
 def _median_ms(fn, repeats: int = 40, progress: Progress | None = None) -> float:
@@ -69,8 +69,8 @@ def components(model, tokens: int, progress: Progress | None = None) -> dict[str
         "embedding + RoPE rows": lambda: model.embed_positions(ids, model._cache_batch(ids, cache, slot, start)),
         f"attention x{len(layers)}": lambda: [layer.attention(x, batch, cos, sin, rope) for layer in layers],
         f"MLP x{len(layers)}": lambda: [layer.mlp(x) for layer in layers],
-        f"{LAYERS_AS_SERVED} x{len(layers)} ({_layer_kind(layers[0], x.dtype)})":
-            lambda: [layer(x, batch, cos, sin, rope) for layer in layers],
+        f"{LAYERS_AS_SERVED} x{len(layers)} ({_layer_kind(model, x.dtype, rope)})":
+            lambda: _layers_as_served(model, layers, x, batch, cos, sin, rope),
         f"output layer ({model.config.output_vocab or model.config.vocab_size} rows)":
             lambda: model.output_head.logits(x),
     }
@@ -82,9 +82,16 @@ def components(model, tokens: int, progress: Progress | None = None) -> dict[str
     return out
 
 
-def _layer_kind(layer, dtype: torch.dtype) -> str:
-    native_weights = getattr(layer, "native_weights", None)
-    return "one native call each" if native_weights is not None and native_weights(dtype) is not None else "op by op"
+def _layer_kind(model, dtype: torch.dtype, rope) -> str:
+    runs = model.native_runs(dtype) if rope is not None and hasattr(model, "native_runs") else []
+    native = sum(len(layers) for layers, stack in runs if stack is not None)
+    return "op by op" if not native else f"{native} in {sum(s is not None for _, s in runs)} native call(s)"
+
+
+def _layers_as_served(model, layers, x, batch, cos, sin, rope):
+    if hasattr(model, "run_layers"):
+        return model.run_layers(x, batch, cos, sin, rope)
+    return [layer(x, batch, cos, sin, rope) for layer in layers]
 
 
 def local_propose_ms(models: BenchModels, gamma: int = 4, rounds: int = 40, progress: Progress | None = None) -> float:
