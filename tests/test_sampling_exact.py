@@ -14,12 +14,19 @@ lengths, rejections and residual draws all happen (acceptance ~0.65 per token).
 False-alarm rate: every comparison is a chi-square test that fails when p < 1e-3, so for an exact
 implementation each fails with probability 1e-3 over the choice of seeds; this file makes
 9 first-pair + 27 last-pair speculative comparisons + 6 with automatic γ + 2 point-mass + 2
-vocabulary-subset comparisons + 9 goodness-of-fit checks = 55 distinct tests, at most 5.5% together (union bound) for seeds drawn at random. The seeds are fixed, so the outcome
-is deterministic and CI never flakes. `test_the_test_catches_a_wrong_residual` shows the same
-test fails (p < 1e-3) on a classic bug: sampling from p instead of the residual after a rejection
-gives p ≈ 1e-25 with SAMPLES = 5,000 sequences per configuration (5e-54 with 10,000; 1e-134 with
-20,000), so 5,000 keeps a margin of twenty orders of magnitude at half the cost of 10,000 (this file
-was the suite's longest: ~3 minutes of sampling at 10,000).
+vocabulary-subset comparisons + 9 goodness-of-fit checks = 55 distinct tests, at most 5.5% together
+(union bound) for seeds drawn at random. The seeds are fixed, so the outcome of 49 of them is
+deterministic and CI never flakes on them. The 6 with automatic γ are not fixed by the seeds: the
+controller picks γ from the step times it measures, so the proposals a row sees, and so its tokens,
+change from run to run, and each run is a fresh draw. They fail at p < 1e-5 (AUTO_THRESHOLD): 6e-5
+per run for the six together. (With 1e-3, one run failed at p = 8.8e-4; three runs at 20,000
+sequences each then gave p = 0.28-0.64: no bias the test can see.)
+
+Power: `test_the_test_catches_a_wrong_residual` shows the same test fails on a classic bug: sampling
+from p instead of the residual after a rejection gives p ≈ 1e-25 with SAMPLES = 5,000 sequences per
+configuration (5e-54 with 10,000; 1e-134 with 20,000), twenty orders of magnitude under 1e-3 and
+under 1e-5 alike, at half the cost of 10,000 (this file was the suite's longest: ~3 minutes of
+sampling at 10,000).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ GAMMAS = (1, 3, 6)
 LONGEST = max(GAMMAS) + 2  # the reference runs long enough for every γ's last pair
 SPEC_SEED, REFERENCE_SEED = 0, 1 << 40  # disjoint seed ranges: the samples are independent
 THRESHOLD = 1e-3
+AUTO_THRESHOLD = 1e-5  # the automatic-γ comparisons: random per run (see the module docstring)
 
 
 # ----- sampling, in worker processes (two cores: two workers) ---------------------------------
@@ -180,7 +188,7 @@ def test_automatic_gamma_keeps_the_distribution(samples, temperature):
     reference = samples[("reference", temperature, "none")]
     first = two_sample_p_value(_pairs(spec, 1), _pairs(reference, 1))
     last = two_sample_p_value(_pairs(spec, LONGEST - 1), _pairs(reference, LONGEST - 1))
-    assert first > THRESHOLD and last > THRESHOLD, (first, last)
+    assert first > AUTO_THRESHOLD and last > AUTO_THRESHOLD, (first, last)
 
 
 def test_model_free_proposals_are_point_masses(samples):
