@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.processing import process_logits, truncate
+import kernels.random as random_ops
 from kernels.random import ACCEPT, RESIDUAL, SAMPLE, gumbel, race, row_keys, uniform, uniform_table, uniforms
 from kernels.speculative import speculative_accept, speculative_verify, speculative_verify_reference
 from specstream.data.sampling import SamplingParams
@@ -139,6 +140,45 @@ def test_the_race_samples_the_table_and_never_a_zero():
     ids = torch.tensor([[5, 2, 4]])
     table = torch.tensor([[0.5, 0.3, 0.15]])
     assert int(ids[0, race(table, keys[:1], ids)[0]]) == int(race(probs[None], keys[:1])[0])
+
+
+def test_a_tokens_noise_has_the_same_bits_wherever_it_is_computed():
+    """What the support-only race rests on: the Gumbel noise of (key, token) does not depend on the
+    length of the vector it is computed in or its place there (every length 1..300, and a whole
+    49,152-token row, at random places)."""
+    gen = torch.Generator().manual_seed(3)
+    keys = row_keys(range(8), range(8), SAMPLE)  # [8]
+    full = gumbel(keys, torch.arange(49152))  # [8, 49152]
+    for length in range(1, 301):
+        rows = torch.randint(0, 8, (length,), generator=gen)
+        tokens = torch.randint(0, 49152, (length,), generator=gen)
+        got = gumbel(keys[rows], tokens[:, None])[:, 0]  # [length]
+        assert torch.equal(got, full[rows, tokens]), length
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_the_race_over_the_support_picks_the_dense_races_winner(rows):
+    """A top-p or top-k table races over its support only: the same winner as racing every column,
+    for supports of 1 to 2,000 tokens (most rows take the support path, which is checked), ids
+    given or not, rows without mass included; a table with wide support takes the dense path."""
+    gen = torch.Generator().manual_seed(rows)
+    vocab = 49152
+    for trial in range(40):
+        probs = torch.zeros(rows, vocab)
+        for r in range(rows):
+            if trial % 10 == 9 and r == 0:
+                continue  # a row without mass: column 0, as the dense race gives it
+            width = int(torch.randint(1, 2000 // rows + 2, (1,), generator=gen))
+            cols = torch.randperm(vocab, generator=gen)[:width]
+            probs[r, cols] = torch.rand(width, generator=gen) ** 4 + 1e-30
+        keys = row_keys([trial] * rows, range(rows), SAMPLE)
+        ids = torch.randperm(vocab, generator=gen).expand(rows, -1) if trial % 2 else torch.arange(vocab)
+        sparse = random_ops._race_support(probs, keys, ids)
+        assert sparse is not None
+        assert torch.equal(sparse, random_ops._race_dense(probs, keys, ids)), trial
+        assert torch.equal(race(probs, keys, ids), sparse)
+    wide = torch.rand(rows, vocab, generator=gen)
+    assert random_ops._race_support(wide, row_keys([1] * rows, range(rows), SAMPLE), torch.arange(vocab)) is None
 
 
 def test_a_uniform_is_never_1_so_the_race_never_picks_a_token_without_mass():
