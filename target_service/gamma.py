@@ -64,6 +64,7 @@ class LinearFit:
 
     def __init__(self, theta0: Sequence[float], prior_var: Sequence[float], forget: float = 0.995) -> None:
         self.theta = np.array(theta0, dtype=np.float64)  # [F]
+        self.values: tuple[float, ...] = tuple(self.theta.tolist())  # θ as Python floats: read every step
         self.P0 = np.diag(np.array(prior_var, dtype=np.float64))  # [F, F]
         self.P = self.P0.copy()  # [F, F] covariance of θ over the noise variance
         self.forget = forget
@@ -74,6 +75,7 @@ class LinearFit:
         Px = self.P @ x  # [F]
         gain = Px / (self.forget + x @ Px)  # [F]
         self.theta = self.theta + gain * (y - x @ self.theta)
+        self.values = tuple(self.theta.tolist())
         self.P = (self.P - np.outer(gain, Px)) / self.forget
         # Forgetting inflates P along directions no sample excites (a constant size, say); never
         # beyond the prior, or a long steady run would make the next new size swing θ wildly.
@@ -155,7 +157,7 @@ class CostModel:
                                     self.verify.samples)
 
     def _line(self, positions: int) -> float:
-        v0, v1 = self.verify.theta
+        v0, v1 = self.verify.values
         return v0 + max(v1, 0.0) * positions
 
     def _residual(self, positions: int) -> float:
@@ -171,7 +173,7 @@ class CostModel:
             return 0.0
         if not self.draft.samples:
             return self.DRAFT_PRIOR * self.verify_s(1) * depth
-        d0, d1, d2, d3 = self.draft.theta
+        d0, d1, d2, d3 = self.draft.values
         return max(d0, 0.0) + max(d1, 0.0) * depth + max(d2, 0.0) * proposals + max(d3, 0.0) * drafting
 
     def step_s(self, rows: int, depth: int, proposals: int, drafting: int = 1) -> float:
@@ -389,19 +391,23 @@ class GammaController:
         alpha = np.array([alphas[i] for i in auto], dtype=np.float64)  # [A]
         limit = np.array([limits[i] for i in auto], dtype=np.int64)  # [A]
         log_alpha = np.log(np.clip(alpha, 1e-300, 1.0))  # [A], 0 where α = 1
+        # E_i(γ) = Σ_{k=0..γ} α_i^k for every γ up to the largest limit, once: [A, L + 1]
+        steps = np.arange(int(limit.max(initial=0)) + 1)  # [L + 1]
+        table = np.where(alpha[:, None] < 1.0,
+                         (1.0 - alpha[:, None] ** (steps + 1)) / np.maximum(1.0 - alpha[:, None], 1e-12),
+                         steps + 1.0)  # [A, L + 1]
+        row_index = np.arange(len(auto))[:, None]  # [A, 1]
+        seconds_at: dict[tuple[int, int, int], float] = {}  # (depth, proposals, drafting) -> a step's seconds
 
-        def evaluate(vector: np.ndarray) -> tuple[float, float]:  # vector [A] int
-            total = int(vector.sum())
-            depth = max(fixed_depth, int(vector.max(initial=0)))
-            seconds = costs.step_s(len(rows), depth, fixed_proposals + total,
-                                   fixed_drafting + int(np.count_nonzero(vector)))
-            # E(γ) = Σ_{k=0..γ} α^k, with α = 1 giving γ + 1
-            geometric = np.where(alpha < 1.0, (1.0 - alpha ** (vector + 1)) / np.maximum(1.0 - alpha, 1e-12),
-                                 vector + 1.0)
-            return (fixed_expected + float(geometric.sum())) / seconds, seconds
+        def seconds(depth: int, proposals: int, drafting: int) -> float:
+            key = (depth, proposals, drafting)
+            if key not in seconds_at:
+                seconds_at[key] = costs.step_s(len(rows), depth, proposals, drafting)
+            return seconds_at[key]
 
         best = np.zeros(len(auto), dtype=np.int64)
-        best_rate, best_s = evaluate(best)
+        best_s = seconds(fixed_depth, fixed_proposals, fixed_drafting)
+        best_rate = (fixed_expected + float(table[:, 0].sum())) / best_s
         tau = max(costs.draft_s(1, 2) - costs.draft_s(1, 1), 0.0)  # what one more guess adds
         for _ in range(3):
             price = best_rate * tau
@@ -414,12 +420,20 @@ class GammaController:
                     bound = np.where(log_alpha < 0.0, math.log(price) / np.minimum(log_alpha, -1e-300), np.inf)
                 wanted = np.where(np.isinf(bound), limit, np.maximum(np.ceil(bound) - 1, 0)).astype(np.int64)
             wanted = np.minimum(wanted, limit)  # [A]
+            deepest = int(wanted.max(initial=0))
+            if deepest == 0:
+                break
+            # The candidates: every row's wanted γ capped at a depth d = 1..deepest (deeper: the same vector)
+            grid = np.minimum(wanted[:, None], np.arange(1, deepest + 1))  # [A, D]
+            expected = fixed_expected + table[row_index, grid].sum(axis=0)  # [D]
+            proposals = grid.sum(axis=0)  # [D]
+            drafting = fixed_drafting + int(np.count_nonzero(wanted))
             found = False
-            for depth in range(1, int(wanted.max(initial=0)) + 1):  # deeper: the same vector again
-                vector = np.minimum(wanted, depth)
-                rate, seconds = evaluate(vector)
+            for d in range(deepest):
+                step_s = seconds(max(fixed_depth, d + 1), fixed_proposals + int(proposals[d]), drafting)
+                rate = float(expected[d]) / step_s
                 if rate > best_rate * (1.0 + 1e-9):
-                    best, best_rate, best_s, found = vector, rate, seconds, True
+                    best, best_rate, best_s, found = grid[:, d], rate, step_s, True
             if not found:
                 break
         for i, g in zip(auto, best.tolist()):
