@@ -17,11 +17,13 @@ stays agreed (`settle`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from specstream.data.propose import Proposal, ProposeItem
+from specstream.data.sampling import GREEDY
 from target_service import tracing
 from target_service.gamma import GammaController, RowView
 from target_service.sequence import Sequence
@@ -30,6 +32,8 @@ from target_service.settle import VerifyRow
 log = logging.getLogger(__name__)
 
 __all__ = ["DraftSource", "Drafting"]
+
+_TIMING_KEY = 0  # the start-up timing's sequence: the engine numbers requests' sequences from 1
 
 
 class DraftSource(Protocol):
@@ -143,6 +147,38 @@ class Drafting:
             self._held[seq.seq_id].length = reply.length
             seq.draft_tokens += len(checks[i].proposals)
         return checks
+
+    async def time_draft(self, max_depth: int, rounds: int = 2, prompt_len: int = 32) -> int:
+        """Times the draft before the first request, as the engine times its verify forward: a
+        throwaway sequence (key 0, which no request gets) is fed a prompt of `prompt_len` tokens,
+        then asked for 1..`max_depth` guesses `rounds` times, one new token fed each call, as a row
+        that drafts every step is; each call's seconds go to the controller's draft cost model
+        (``CostModel.observe_draft``), so a sequence's first passes are priced from what this
+        draft, over this link, costs instead of a prior. The sequence is released afterwards.
+        Returns the number of calls timed (0: no draft, or it did not answer)."""
+        source = self.source
+        if source is None or max_depth <= 0 or not await source.ready():
+            return 0
+        vocab = max(1, min(self.vocab_size, source.vocab_size or self.vocab_size))
+        room = source.max_context_length or prompt_len + (rounds + 1) * max_depth
+        prompt_len = min(prompt_len, room // 4)  # a small draft context still leaves room for the guesses
+        max_depth = min(max_depth, (room - prompt_len) // (rounds + 1))
+        if prompt_len <= 0 or max_depth <= 0:
+            return 0
+        tokens = [(7 * i + 3) % vocab for i in range(prompt_len + max_depth * rounds)]
+        held, timed = 0, 0
+        for call, depth in enumerate(d for _ in range(rounds) for d in range(1, max_depth + 1)):
+            upto = prompt_len + call  # the sequence so far; the draft holds `held` of it
+            item = ProposeItem(_TIMING_KEY, held, tokens[held:upto], depth, GREEDY)
+            started = time.perf_counter()
+            replies = await source.propose(0, [item])
+            seconds = time.perf_counter() - started
+            if not replies or replies[0].length == 0:
+                break
+            self.controller.costs.observe_draft(depth, depth, len(item.append), seconds)
+            held, timed = min(replies[0].length, upto), timed + 1
+        await source.release([_TIMING_KEY])
+        return timed
 
     def _check(self, seq: Sequence, reply: Proposal, gamma: int) -> VerifyRow:
         """The usable part of a reply, as a VerifyRow to verify: tokens the target can score, with the q

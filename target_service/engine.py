@@ -56,6 +56,8 @@ from target_service.settle import Verdict, VerifyRow, settle
 
 log = logging.getLogger(__name__)
 
+DRAFT_TIMING_DEPTH = 8  # the deepest guess the start-up draft timing asks for (time_draft)
+
 
 @dataclass
 class EngineTimings:
@@ -99,7 +101,7 @@ class Engine:
         self.connections: set[Connection] = set()
         self._cancels: list[tuple[Connection, str]] = []
         self._touched: list[Sequence] = []  # sequences with something to report this step
-        self._seq_ids = itertools.count(1)
+        self._seq_ids = itertools.count(1)  # from 1: sequence 0 is the draft's start-up timing (time_draft)
         self._wake = asyncio.Event()
         self.step_count = 0
         self.timings = EngineTimings()
@@ -208,6 +210,17 @@ class Engine:
                                        f"must be <= {widest} (this target's slots and rows per step)")
         check_combination(temperature=req.sampling.temperature, top_k=req.sampling.top_k, top_p=req.sampling.top_p,
                           fixed_speculation=req.speculation.mode == "fixed", logprobs=req.logprobs is not None)
+
+    async def time_draft(self) -> None:
+        """Times the draft for the γ controller before the first request, as the constructor timed
+        the verify forward (``Drafting.time_draft``); nothing with ``calibrate`` off or no draft."""
+        if not self.config.calibrate or self.draft is None:
+            return
+        started = time.perf_counter()
+        calls = await self.drafting.time_draft(min(self.config.max_gamma, DRAFT_TIMING_DEPTH))
+        if calls:
+            log.info("timed the draft over %d propose calls in %.2f s for the γ controller (a guess costs %.2f of a step)",
+                     calls, time.perf_counter() - started, self.controller.costs.draft_ratio())
 
     # ----- the loop ----------------------------------------------------------------------------
     async def run(self) -> None:

@@ -102,8 +102,10 @@ class CostModel:
     draft's sequential forwards; proposals = Σγ; fed = the tokens the draft had to take in first),
     0 when nothing is proposed; other = the rest of a step (an EMA). Slopes are clamped at 0 when
     predicting. The engine seeds the verify terms before its first request
-    (target_service/calibration.py: one forward per step shape); until the draft has proposed, a
-    draft forward is assumed to cost ``DRAFT_PRIOR`` of a one-position verify. ``ready`` is False
+    (target_service/calibration.py: one forward per step shape) and the draft terms once the draft is
+    connected (``Drafting.time_draft``: a few propose calls for a throwaway sequence, through the
+    same RPC or in-process call every step makes); until the draft has proposed, a draft forward
+    is assumed to cost ``DRAFT_PRIOR`` of a one-position verify. ``ready`` is False
     until a verify has been measured (then the policy's answer is the configured γ).
 
     The fed term keeps catch-up out of the price of a guess: a row's first proposal feeds the draft
@@ -142,10 +144,15 @@ class CostModel:
     def observe(self, positions: int, depth: int, proposals: int, verify_s: float, draft_s: float,
                 other_s: float, fed: int = 0) -> None:
         self.observe_verify(positions, verify_s)
-        if depth > 0:
-            self.draft.observe([1.0, depth, proposals, fed], draft_s)
+        self.observe_draft(depth, proposals, fed, draft_s)
         self._steps += 1
         self.other_s = other_s if self._steps == 1 else 0.9 * self.other_s + 0.1 * other_s
+
+    def observe_draft(self, depth: int, proposals: int, fed: int, draft_s: float) -> None:
+        """A propose call for `proposals` guesses, `depth` deep, after feeding `fed` tokens, took
+        `draft_s` seconds (nothing is learnt from a call that guessed nothing)."""
+        if depth > 0:
+            self.draft.observe([1.0, depth, proposals, fed], draft_s)
 
     def observe_verify(self, positions: int, verify_s: float) -> None:
         """A verify forward over `positions` took `verify_s` seconds."""

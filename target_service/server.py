@@ -117,6 +117,7 @@ async def serve(config: TargetConfig, build_proposer: Callable[[DraftConfig], Pr
     await server.start()
     if isinstance(draft, DraftClient):  # the stream is up before SERVING: Load.draft_connected is true at once
         await draft.wait_connected(timeout_s=max(config.draft_timeout_s, DRAFT_STARTUP_WAIT_S))
+    await engine.time_draft()  # before SERVING: the first request's passes are priced from it
     engine_task = asyncio.create_task(engine.run(), name="engine")
     trimmer = asyncio.create_task(HeapTrimmer(config.memory.heap_trim_interval_s).run(compute), name="heap-trim")
     await server.set_serving(True)

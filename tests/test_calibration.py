@@ -3,6 +3,8 @@ controller prices its first choices with measured costs."""
 
 from __future__ import annotations
 
+import asyncio
+
 from draft_service.proposer import DraftProposer
 from specstream.data.config import ModelSpec, TargetConfig
 from specstream.models.loader import load_model
@@ -50,3 +52,45 @@ def test_an_engine_with_a_draft_starts_with_measured_verify_costs(model_zoo):
     off = Engine(model, TargetConfig(model=config.model, max_slots=2, max_seq_len=128, max_gamma=4, calibrate=False),
                  draft)
     assert off.controller.costs.verify.samples == 0
+
+
+class _SlowDraft:
+    """A LocalDraft whose every propose call takes `delay_s` longer (a draft over a slow link)."""
+
+    def __init__(self, inner: LocalDraft, delay_s: float) -> None:
+        self.inner, self.delay_s, self.calls = inner, delay_s, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def propose(self, step, items, traceparent="", item_traceparents=None):
+        self.calls.append([(it.key, it.rollback_to, len(it.append), it.gamma) for it in items])
+        await asyncio.sleep(self.delay_s)
+        return await self.inner.propose(step, items, traceparent, item_traceparents)
+
+
+def test_the_engine_times_its_draft_before_the_first_request(model_zoo):
+    """`Engine.time_draft` (what the target service runs once its draft is connected): propose calls
+    for a throwaway sequence (key 0) at depths 1..4, twice, each feeding one new token after the
+    first; each call's time goes to the controller's draft cost model, which then prices a guess
+    at what this draft really costs (here: a 20 ms link, far above the prior); the sequence is
+    released; with `calibrate` off nothing is timed."""
+    model = load_model(model_zoo["target"])
+    proposer = DraftProposer(load_model(model_zoo["partial"]), 2, 128)
+    config = TargetConfig(model=ModelSpec(str(model_zoo["target"])), max_slots=2, max_seq_len=128, max_gamma=4)
+    draft = _SlowDraft(LocalDraft(proposer), 0.02)
+    engine = Engine(model, config, draft)
+    prior = engine.controller.costs.draft_s(1, 1)
+    asyncio.run(engine.time_draft())
+    assert [c[0][3] for c in draft.calls] == [1, 2, 3, 4, 1, 2, 3, 4]
+    assert {c[0][0] for c in draft.calls} == {0}
+    assert [c[0][2] for c in draft.calls] == [32] + [1] * 7  # the prompt, then one token a call
+    assert [c[0][1] for c in draft.calls[1:]] == list(range(32, 39))  # each call keeps what agrees
+    costs = engine.controller.costs
+    assert costs.draft.samples == 8
+    assert costs.draft_s(1, 1) >= 0.015 > prior  # the link's 20 ms, not the prior's guess
+    assert proposer.held == 0  # released
+    off = Engine(model, TargetConfig(model=config.model, max_slots=2, max_seq_len=128, max_gamma=4, calibrate=False),
+                 _SlowDraft(LocalDraft(proposer), 0.0))
+    asyncio.run(off.time_draft())
+    assert off.drafting.source.calls == [] and off.controller.costs.draft.samples == 0
