@@ -69,6 +69,23 @@ def test_batch_one_choice_is_within_one_of_the_analytic_optimum(alpha, c):
     assert abs(statistics.median(settled) - best) <= 1, (best, settled[-30:])
 
 
+def test_a_marginal_predicted_gain_is_not_taken():
+    """α = 0.6 and a guess costing 0.55 of a step: γ = 1 would gain 3.2% (the analytic optimum),
+    within what a shared machine's noise and the controller's own estimates can be off by. With
+    the default `min_gain` (5%) the controller decodes plainly (bar its one-token probes); with
+    `min_gain` 0 it takes the marginal gain."""
+    assert analytic_optimum(0.6, 0.55) == 1
+    chosen = {}
+    for min_gain in (0.05, 0.0):
+        sim = SimulatedEngine(GammaController(max_gamma=MAX_GAMMA, min_gain=min_gain), 1,
+                              verify=lambda positions: 1.0, draft=lambda depth, proposals: 0.55 * depth)
+        for _ in range(400):
+            sim.step(0.6)
+        chosen[min_gain] = [g[0] for g in sim.chosen[100:]]
+    assert statistics.median(chosen[0.05]) == 0 and sum(chosen[0.05]) <= 0.15 * len(chosen[0.05])
+    assert statistics.median(chosen[0.0]) >= 1
+
+
 def test_gamma_goes_to_zero_when_alpha_is_tiny():
     """Apart from rare one-token probes (every 16 idle steps at batch 1, so a sequence whose text
     turns predictable is noticed)."""

@@ -103,8 +103,7 @@ def _complete(client):
 def _compare(call, prompt: str, max_new_tokens: int, gamma: int, repeats: int, sampling: dict,
              show: bool = True) -> tuple[float, bool]:
     """(speedup of γ over off, whether the token ids are identical), after printing the answer."""
-    plain = _median_run(call, prompt, max_new_tokens, "off", repeats, sampling)
-    spec = _median_run(call, prompt, max_new_tokens, gamma, repeats, sampling)
+    plain, spec = _median_runs(call, prompt, max_new_tokens, ("off", gamma), repeats, sampling)
     same = spec.token_ids == plain.token_ids
     speedup = _tps(spec) / _tps(plain)
     if show:
@@ -128,12 +127,19 @@ def _settings() -> str:
     return ", ".join(f"{k}={v}" for k, v in SAMPLING.items())
 
 
-def _median_run(call, prompt: str, max_new_tokens: int, speculation, repeats: int, sampling: dict):
-    runs = [call(prompt, max_new_tokens, speculation, sampling) for _ in range(repeats)]
-    # Greedy output never varies; a seed's text varies only with the γ schedule (auto).
-    if any(r.token_ids != runs[0].token_ids for r in runs) and (not sampling or speculation != "auto"):
-        raise RuntimeError("a seeded or greedy output varied between runs")
-    return sorted(runs, key=_tps)[len(runs) // 2]
+def _median_runs(call, prompt: str, max_new_tokens: int, settings: tuple, repeats: int, sampling: dict) -> list:
+    """Each setting's median run (by tokens/s) of `repeats`, the settings taking turns (off, auto,
+    off, auto, ...): a shared machine's speed drifts over seconds, and runs of one setting back to
+    back would each see a different part of the drift."""
+    runs: list[list] = [[] for _ in settings]
+    for _ in range(repeats):
+        for i, speculation in enumerate(settings):
+            runs[i].append(call(prompt, max_new_tokens, speculation, sampling))
+    for speculation, each in zip(settings, runs):
+        # Greedy output never varies; a seed's text varies only with the γ schedule (auto).
+        if any(r.token_ids != each[0].token_ids for r in each) and (not sampling or speculation != "auto"):
+            raise RuntimeError("a seeded or greedy output varied between runs")
+    return [sorted(each, key=_tps)[len(each) // 2] for each in runs]
 
 
 def _tps(result) -> float:
