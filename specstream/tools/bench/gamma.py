@@ -18,6 +18,8 @@ What it does not know: how the engine or controller work; it only drives them.
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 import time
 from dataclasses import dataclass
@@ -111,6 +113,7 @@ def run_setting(loaded: _Models, setting: Setting, jobs: list[Job], batch: int, 
                           max_gamma=16, gamma_policy=setting.policy)
     draft = None if setting.mode == "off" else LocalDraft(loaded.proposer(setting.proposer, batch, max_len))
     engine = Engine(loaded.target, config, draft)
+    asyncio.run(engine.time_draft())  # as a new server does before it serves (not in the timed run)
     spec = Speculation(setting.mode, setting.gamma)
     requests = [SequenceRequest(str(i), job.prompt, max_new_tokens, speculation=spec, sampling=job.sampling)
                 for i, job in enumerate(jobs)]
