@@ -217,7 +217,11 @@ class Engine:
         if not self.config.calibrate or self.draft is None:
             return
         started = time.perf_counter()
-        calls = await self.drafting.time_draft(min(self.config.max_gamma, DRAFT_TIMING_DEPTH))
+        try:
+            calls = await self.drafting.time_draft(min(self.config.max_gamma, DRAFT_TIMING_DEPTH))
+        except Exception:  # noqa: BLE001 - a start-up measurement must not stop the service from serving
+            log.warning("timing the draft at start-up failed; the γ controller starts from its prior", exc_info=True)
+            return
         if calls:
             log.info("timed the draft over %d propose calls in %.2f s for the γ controller (a guess costs %.2f of a step)",
                      calls, time.perf_counter() - started, self.controller.costs.draft_ratio())

@@ -88,9 +88,27 @@ def test_the_engine_times_its_draft_before_the_first_request(model_zoo):
     assert [c[0][1] for c in draft.calls[1:]] == list(range(32, 39))  # each call keeps what agrees
     costs = engine.controller.costs
     assert costs.draft.samples == 8
-    assert costs.draft_s(1, 1) >= 0.015 > prior  # the link's 20 ms, not the prior's guess
+    # The link's 20 ms a call, not the prior's guess (the fit spreads a constant cost over its depth
+    # and proposal terms, so it is checked over the depths timed, not at one)
+    mean_s = sum(costs.draft_s(d, d) for d in range(1, 5)) / 4
+    assert 0.015 <= mean_s <= 0.05 and costs.draft_s(1, 1) > 10 * prior
     assert proposer.held == 0  # released
     off = Engine(model, TargetConfig(model=config.model, max_slots=2, max_seq_len=128, max_gamma=4, calibrate=False),
                  _SlowDraft(LocalDraft(proposer), 0.0))
     asyncio.run(off.time_draft())
     assert off.drafting.source.calls == [] and off.controller.costs.draft.samples == 0
+
+
+class _BrokenDraft(_SlowDraft):
+    async def propose(self, step, items, traceparent="", item_traceparents=None):
+        raise RuntimeError("a draft bug")
+
+
+def test_a_draft_that_fails_its_start_up_timing_does_not_stop_the_engine(model_zoo):
+    """The timing is a measurement: a draft that raises leaves the controller on its prior."""
+    model = load_model(model_zoo["target"])
+    proposer = DraftProposer(load_model(model_zoo["partial"]), 2, 128)
+    config = TargetConfig(model=ModelSpec(str(model_zoo["target"])), max_slots=2, max_seq_len=128, max_gamma=4)
+    engine = Engine(model, config, _BrokenDraft(LocalDraft(proposer), 0.0))
+    asyncio.run(engine.time_draft())
+    assert engine.controller.costs.draft.samples == 0
