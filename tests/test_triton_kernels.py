@@ -250,17 +250,18 @@ def test_fused_cut_thresholds_equal_the_reference(vocab, monkeypatch):
         fallback_rows.append(len(params))
         return cut_thresholds_reference(logits, params)
 
-    logits = _logits(64, vocab, torch.float32, seed=8)
-    params = _sampling_rows(64)
+    rows = 32  # every combination of temperature and cuts twice (_sampling_rows)
+    logits = _logits(rows, vocab, torch.float32, seed=8)
+    params = _sampling_rows(rows)
     want = cut_thresholds_reference(logits, params)
     monkeypatch.setattr(module, "cut_thresholds_reference", counted)
     with use("triton"):
         got = cut_thresholds(logits, params)
     _assert_same(got, want, "threshold")
-    assert 0 < sum(fallback_rows) < 64  # both ways were taken
+    assert 0 < sum(fallback_rows) < rows  # both ways were taken
     gen = torch.Generator().manual_seed(9)
     head = OutputHead((torch.randn(vocab, 40, generator=gen) * 0.5).to(DEVICE))
-    hidden = Hidden(torch.randn(64, 40, generator=gen).to(DEVICE), head)
+    hidden = Hidden(torch.randn(rows, 40, generator=gen).to(DEVICE), head)
     with use("triton"):
         got = cut_thresholds(hidden, params)
         tiles = lm_head(hidden)  # the logits as the fused head computes them (float32 sums in its order)
