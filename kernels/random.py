@@ -199,11 +199,11 @@ def _race_dense(probs: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor) -> t
 # The support-only race runs when its padded support is at most 1/_SPARSE_SHARE of the table.
 _SPARSE_SHARE = 4
 # Its elementwise ops (the hash, two logs, the sum) must give each token the bits the dense race
-# gives it. ATen's CPU loops take contiguous float data 2 vectors at a time (32 float32s with
-# AVX-512) and finish a shorter tail element by element, through a scalar log that may round
-# differently: so the support is padded to a multiple of _BLOCK (every element then goes through
-# the vector path, as in the dense race, whose rows of 49,152 columns are whole blocks) and kept
-# under ATen's grain size, below which a loop runs on one thread (no split point inside a block).
+# gives it. Whether a loop's tail (past its last whole pair of vectors) goes through the same vector
+# code depends on ATen's kernel for the op; padding the support to a multiple of _BLOCK, under
+# ATen's grain size (one thread, no split point inside a block), sends every element through whole
+# vectors, as in the dense race, whose rows of 49,152 columns are whole blocks. (On this build
+# lengths 1..300 give the same bits unpadded too: tests/test_sampling.py.)
 _BLOCK, _GRAIN = 64, 32768
 
 

@@ -385,25 +385,6 @@ class GammaController:
             gammas[i], self._rows[rows[i].seq_id].idle, self._since_probe = 1, 0, 0
         return gammas
 
-    def _goodput_one(self, gammas: list[int], i: int, limit: int, alpha: float) -> None:
-        """``_goodput`` at batch 1 (one row, choosing alone): every γ up to its limit priced in
-        turn, in plain Python floats — the exact optimum of the same objective, in ~20 µs where
-        the vectorised search takes ~80 (it runs every step, and at batch 1 a step is ~6 ms)."""
-        costs = self.costs
-        plain_s = costs.step_s(1, 0, 0, 0)
-        best, best_s, best_rate = 0, plain_s, 1.0 / plain_s
-        expected = term = 1.0
-        for g in range(1, limit + 1):
-            term *= alpha
-            expected += term  # E(g) = 1 + α + … + α^g
-            seconds = costs.step_s(1, g, g, 1)
-            if expected / seconds > best_rate * (1.0 + 1e-9):
-                best, best_s, best_rate = g, seconds, expected / seconds
-        if best and best_rate < (1.0 + self.min_gain) / plain_s:  # a marginal gain: none
-            best, best_s = 0, plain_s
-        gammas[i] = best
-        self.predicted_s = best_s
-
     def _goodput(self, gammas: list[int], auto: list[int], limits: dict[int, int], alphas: dict[int, float],
                  rows: list[RowView]) -> None:
         """Maximises Σ E_i(γ_i) / T(γ) over the auto rows' γ (fixed rows as given), in place.
@@ -417,9 +398,6 @@ class GammaController:
         G = 0 (nothing proposed) is always a candidate."""
         costs = self.costs
         others = [i for i in range(len(rows)) if i not in limits]
-        if len(auto) == 1 and not others:
-            self._goodput_one(gammas, auto[0], limits[auto[0]], alphas[auto[0]])
-            return
         fixed_expected = sum(expected_tokens(self.alpha(rows[i].seq_id, rows[i].greedy), gammas[i]) for i in others)
         fixed_depth = max((gammas[i] for i in others), default=0)
         fixed_proposals = sum(gammas[i] for i in others)
