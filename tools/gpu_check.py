@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -140,8 +141,11 @@ def _peak_bandwidth_gbs(device) -> float | None:
 def step_kernel_tests(out: Path) -> dict:
     junit = out / "kernel-tests.xml"
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
-                           *KERNEL_TESTS], cwd=ROOT, env=env)
+    # Compiling the kernels' variants is most of this step (a [64, 512] tile takes seconds of LLVM
+    # each): the machine's cores compile them side by side where pytest-xdist is installed.
+    workers = ["-n", "8"] if importlib.util.find_spec("xdist") else []
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers,
+                           f"--junitxml={junit}", *KERNEL_TESTS], cwd=ROOT, env=env)
     counts = _junit_counts(junit)
     print(json.dumps(counts))
     if proc.returncode != 0:
@@ -278,7 +282,7 @@ def summary(outcomes: list[Outcome], steps: tuple[Step, ...]) -> str:
                 lines.append(f"\nfused 1-best speed-up over unfused at vocab ≥ 128k: "
                              f"{json.dumps(o.data['fused_speedup_vocab_128k_plus'])}")
         elif o.step in ("stack", "smollm2") and "latency_table_markdown" in o.data:
-            lines += [o.data.get("title", ""), "", o.data["latency_table_markdown"], "",
+            lines += [o.data.get("title", ""), "", o.data.get("exactness", ""), "", o.data["latency_table_markdown"], "",
                       o.data.get("throughput_table_markdown", "")]
     return "\n".join(lines) + "\n"
 

@@ -9,8 +9,9 @@ draft. In order:
 
 1. plain decoding (no draft) of `n_prompts` random prompts: the reference and the baseline;
 2. the same prompts through gateway → target → synthetic draft at each fixed γ and at
-   `speculation=auto`: every run's tokens must equal plain decoding's (BenchmarkError otherwise), and
-   tokens/s, α and the speedup over plain are reported beside Leviathan's c = 0 theory;
+   `speculation=auto`: how many prompts' tokens equal plain decoding's in each run (recorded, not
+   raised: the check goes on measuring, and its summary says so first), and tokens/s, α and the
+   speedup over plain beside Leviathan's c = 0 theory;
 3. closed-loop throughput at `batch` slots, static against top-up batching (γ = 4), on requests that
    reuse those prompts (the oracle knows only their continuations) with lognormal budgets.
 
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 
 from specstream.tools.bench import report
-from specstream.tools.bench.checks import check_runs_match
+from specstream.tools.bench.checks import token_difference
 from specstream.tools.bench.latency import sweep
 from specstream.tools.bench.models import BenchModels
 from specstream.tools.bench.synthetic import build_target
@@ -109,13 +110,40 @@ def plain_runs(models: BenchModels, prompts: list[list[int]], max_new_tokens: in
 
 def speculative_runs(models: BenchModels, prompts: list[list[int]], max_new_tokens: int, gammas: tuple[int, ...],
                      plain: dict, tmp: Path) -> dict:
-    """Every fixed γ and `auto` through gateway → target → draft; BenchmarkError unless each run's
-    tokens equal plain decoding's. Returns the latency figures (`_latency`)."""
+    """Every fixed γ and `auto` through gateway → target → draft. Returns the latency figures
+    (`_latency`), each run's with its exactness against plain decoding (`exactness`): a check on a
+    device's ten minutes records a difference and goes on measuring, where a benchmark would stop."""
     with Stack(StackSpec(**models.stack_fields(), max_gamma=16, log_dir=f"{tmp}/logs-spec")) as stack:
         runs = sweep(stack.gateway_address, prompts, [*gammas, "auto"], max_new_tokens)
-    check_runs_match(f"speculative greedy on {device_name(models.device)}", "plain greedy", plain["token_ids"],
-                     {f"gamma {g}": r["token_ids"] for g, r in runs.items()})
-    return _latency(plain, runs)
+    latency = _latency(plain, runs)
+    for gamma, r in runs.items():
+        latency[str(gamma)]["exactness"] = exactness(plain["token_ids"], r["token_ids"])
+    return latency
+
+
+def exactness(expected: list[list[int]], actual: list[list[int]]) -> dict:
+    """How many prompts' outputs (one list per prompt) equal plain decoding's, and the first
+    difference in words (None when all do)."""
+    differing = [(i, token_difference([want], [got])) for i, (want, got) in enumerate(zip(expected, actual))]
+    differing = [(i, d) for i, d in differing if d is not None]
+    first = None if not differing else f"prompt {differing[0][0]}{differing[0][1].removeprefix('prompt 0')}"
+    return {"identical": len(expected) - len(differing), "prompts": len(expected), "first_difference": first}
+
+
+def all_exact(latency: dict) -> bool:
+    """Every speculative run's output equalled plain decoding's on every prompt."""
+    return all(r["exactness"]["first_difference"] is None for g, r in latency.items() if g != "plain")
+
+
+def exactness_line(latency: dict) -> str:
+    """One line for a summary: exact everywhere, or which runs differed and where first."""
+    runs = {g: r["exactness"] for g, r in latency.items() if g != "plain"}
+    if all_exact(latency):
+        return (f"speculative greedy = plain greedy: identical on every prompt ({next(iter(runs.values()))['prompts']}) "
+                f"in every run ({', '.join(runs)})")
+    return "speculative greedy = plain greedy: NOT identical: " + "; ".join(
+        f"{g}: {e['identical']}/{e['prompts']} identical, {e['first_difference']}" for g, e in runs.items()
+        if e["first_difference"] is not None)
 
 
 def real_pair(out_dir: Path, models: BenchModels, n_prompts: int = 4, max_new_tokens: int = 64,
@@ -128,9 +156,10 @@ def real_pair(out_dir: Path, models: BenchModels, n_prompts: int = 4, max_new_to
     headers, rows = _latency_table(latency)
     result = {"device": device_name(models.device), "models": models.label, "dtype": models.dtype,
               "prompts": n_prompts, "max_new_tokens": max_new_tokens, "latency": latency,
-              "title": f"{models.label}, {models.dtype}, {device_name(models.device)}: speculative greedy = plain "
-                       f"greedy on {n_prompts} prompts", "latency_table_markdown": report.markdown_table(headers, rows)}
-    print(f"\n{result['title']}\n" + report.table(headers, rows), flush=True)
+              "title": f"{models.label}, {models.dtype}, {device_name(models.device)}, {n_prompts} prompts",
+              "exact": all_exact(latency), "exactness": exactness_line(latency),
+              "latency_table_markdown": report.markdown_table(headers, rows)}
+    print(f"\n{result['title']}\n{result['exactness']}\n" + report.table(headers, rows), flush=True)
     report.write_json(out_dir / "real_pair.json", result)
     return result
 
@@ -172,8 +201,9 @@ def _report(result: dict, out_dir: Path) -> None:
                     for name, r in result["throughput"].items()]
     through_headers = ["setting", "tok/s", "x static", "p50 s", "p99 s", "occupancy"]
     title = (f"{result['parameters'] / 1e9:.2f}B random Llama, {result['dtype']}, {result['device']}, synthetic draft "
-             f"α={result['alpha_set']}; speculative greedy = plain greedy on {result['prompts']} prompts")
-    print(f"\n{title}\n" + report.table(latency_headers, rows) + "\n\n" + report.table(through_headers, through_rows),
+             f"α={result['alpha_set']}, {result['prompts']} prompts")
+    result["exact"], result["exactness"] = all_exact(result["latency"]), exactness_line(result["latency"])
+    print(f"\n{title}\n{result['exactness']}\n" + report.table(latency_headers, rows) + "\n\n" + report.table(through_headers, through_rows),
           flush=True)
     result["title"] = title
     result["latency_table_markdown"] = report.markdown_table(latency_headers, rows)
