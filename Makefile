@@ -119,7 +119,7 @@ peer: $(STAMP)
 # There (nvidia-smi present): the image's python3 runs the check with the wheels of .whl/, writing
 # into $$OUT. Here: a dry run in .venv (imports, the wheels it would carry, what travels).
 gpu-check:
-	@if command -v nvidia-smi >/dev/null 2>&1; then $(PYTHON) tools/gpu_check.py; \
+	@if command -v nvidia-smi >/dev/null 2>&1; then $(PYTHON) tools/gpu_check.py $(GPU_CHECK_ARGS); \
 	else $(MAKE) --no-print-directory $(KERNELS_STAMP) && $(BIN)/python tools/gpu_check.py; fi
 
 # The wheels the GPU machine lacks, for its CPython 3.12 on x86-64 Linux, into .whl/ (git-ignored).

@@ -20,7 +20,12 @@ import torch
 from kernels.linear import linear
 from kernels.triton_shim import tl, triton
 
-BLOCK_H = 64  # hidden units per step of the fused head's GEMM
+# Hidden units per step of the fused head's GEMM. A step's tiles go through shared memory (the
+# head's [BLOCK_H, 512] converted to float32, pipelined 3 deep on CUDA): 64 needed 264-288 KiB, more
+# than an H100 has (227 KiB: OutOfResources at the first launch), 32 needs 132-144 KiB (more than an
+# L4's or A10's 99 KiB), 16 needs 66-72 KiB, which every GPU since Volta has
+# (tools/kernel_resources.py compiles the kernels for sm_90 without a GPU and checks it).
+BLOCK_H = 16
 
 
 @dataclass(frozen=True)

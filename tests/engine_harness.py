@@ -30,17 +30,19 @@ def run_engine(target: Path, draft: Path | None, prompts: list[list[int]], gamma
                stop_ids: list[int] = (), eos_ids: list[int] = (), max_slots: int = 8,
                sampling: list[SamplingParams] | None = None, logprobs: int | None = None,
                max_seq_len: int = 512, proposer=None, config: dict | None = None,
-               steps: dict | None = None) -> tuple[list[list[int]], list[SequenceEvent]]:
+               steps: dict | None = None, device: str = "cpu") -> tuple[list[list[int]], list[SequenceEvent]]:
     """Returns each prompt's generated tokens and its final event (finish reason, stats, and the
     log-probabilities of all its tokens when `logprobs` is given). `sampling`: one per prompt
     (default greedy); `proposer` replaces the draft model's proposer (e.g. a wrapped one);
     `config` overrides TargetConfig fields (batching policy...); `steps`, when given, receives the
-    engine's BatchStats and, per request id, the steps whose events carried its tokens."""
-    model = load_model(target)
+    engine's BatchStats and, per request id, the steps whose events carried its tokens; `device`: where
+    both models run (float32)."""
+    model = load_model(target, device=device)
     if proposer is None and draft:
-        proposer = DraftProposer(load_model(draft), max_slots=max(16, max_slots), max_seq_len=max_seq_len)
+        proposer = DraftProposer(load_model(draft, device=device), max_slots=max(16, max_slots), max_seq_len=max_seq_len)
     local = LocalDraft(proposer) if proposer else None
-    engine = Engine(model, TargetConfig(model=ModelSpec(str(target)), max_slots=max_slots, max_seq_len=max_seq_len,
+    engine = Engine(model, TargetConfig(model=ModelSpec(str(target), device=device), max_slots=max_slots,
+                                        max_seq_len=max_seq_len,
                                         max_gamma=8, **(config or {})), local)
     sampling = sampling or [SamplingParams()] * len(prompts)
     budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
@@ -61,12 +63,13 @@ def run_engine(target: Path, draft: Path | None, prompts: list[list[int]], gamma
 
 
 @torch.inference_mode()
-def naive_greedy(target: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+def naive_greedy(target: Path, prompt: list[int], max_new_tokens: int, device: str = "cpu") -> list[int]:
     """Plain greedy decoding by full recomputation, independent of the engine and its cache logic."""
-    model = load_model(target)
+    model = load_model(target, device=device)
     tokens = list(prompt)
     for _ in range(max_new_tokens):
         cache = model.new_cache(1, len(tokens) + 1)
-        logits = model(torch.tensor([tokens]), cache, torch.tensor([0]), torch.tensor([0]))
+        logits = model(torch.tensor([tokens], device=device), cache, torch.tensor([0], device=device),
+                       torch.tensor([0], device=device))
         tokens.append(int(logits[0, -1].argmax()))
     return tokens[len(prompt):]

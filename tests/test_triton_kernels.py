@@ -265,7 +265,9 @@ def test_fused_cut_thresholds_equal_the_reference(vocab, monkeypatch):
     with use("triton"):
         got = cut_thresholds(hidden, params)
         tiles = lm_head(hidden)  # the logits as the fused head computes them (float32 sums in its order)
-    _assert_same(got, cut_thresholds_reference(tiles, params), "threshold from hidden states")
+    # Within a unit in the last place: in the interpreter a tile's dot products are a numpy matmul,
+    # whose float32 sums BLAS orders by the tile's shape, and the n-best pass's tiles are not lm_head's.
+    _assert_close(got, cut_thresholds_reference(tiles, params), "threshold from hidden states", atol=0, rtol=2e-7)
 
 
 def _race_counts(logits: torch.Tensor, params: SamplingParams, draws: int, sampler=None) -> Counter:
@@ -427,11 +429,11 @@ def test_the_engine_decodes_the_same_greedy_tokens_through_triton_and_torch(mode
 
     prompts = [[5, 9, 17, 3], [200, 1, 1, 1, 44, 7], [7] * 20]
     with use("torch"):
-        torch_tokens, _ = run_engine(model_zoo["target"], model_zoo["partial"], prompts, gamma, 12)
+        torch_tokens, _ = run_engine(model_zoo["target"], model_zoo["partial"], prompts, gamma, 12, device=DEVICE)
     with use("triton"):
-        triton_tokens, finals = run_engine(model_zoo["target"], model_zoo["partial"], prompts, gamma, 12)
+        triton_tokens, finals = run_engine(model_zoo["target"], model_zoo["partial"], prompts, gamma, 12, device=DEVICE)
     assert triton_tokens == torch_tokens
-    assert triton_tokens == [naive_greedy(model_zoo["target"], p, 12) for p in prompts]
+    assert triton_tokens == [naive_greedy(model_zoo["target"], p, 12, device=DEVICE) for p in prompts]
     if gamma:
         assert sum(f.stats.accepted_tokens for f in finals) > 0  # speculation ran and was verified by the kernel
 
@@ -448,7 +450,7 @@ def test_the_engine_samples_the_same_distribution_through_triton_and_torch(sampl
     def pairs(seed0: int) -> Counter:
         params = [SamplingParams(temperature=1.0, top_k=8 if i % 2 else 0, seed=seed0 + i) for i in range(draws)]
         tokens, _ = run_engine(sampling_pair["target"], sampling_pair["draft"], [prompt] * draws, 3, 3,
-                               max_slots=64, sampling=params)
+                               max_slots=64, sampling=params, device=DEVICE)
         return Counter((t[1], t[2]) for t in tokens)
 
     with use("triton"):
@@ -466,9 +468,9 @@ def test_coupled_speculative_sampling_through_the_kernels_is_plain_sampling(samp
     prompt = [5, 9, 17, 3, 22]
     params = [SamplingParams(temperature=1.0, top_k=8 if i % 2 else 0, seed=70 + i) for i in range(6)]
     with use("triton"):
-        plain, _ = run_engine(sampling_pair["target"], None, [prompt] * 6, 0, 8, sampling=params)
+        plain, _ = run_engine(sampling_pair["target"], None, [prompt] * 6, 0, 8, sampling=params, device=DEVICE)
         spec, finals = run_engine(sampling_pair["target"], sampling_pair["draft"], [prompt] * 6, 3, 8, sampling=params,
-                                  config={"speculative_sampling": "coupled"})
+                                  config={"speculative_sampling": "coupled"}, device=DEVICE)
     assert spec == plain
     assert sum(f.stats.accepted_tokens for f in finals) > 0
 
@@ -501,7 +503,7 @@ def test_the_engine_reports_the_same_logprobs_through_triton_and_torch(sampling_
     for name in ("torch", "triton"):
         with use(name):
             runs[name] = run_engine(sampling_pair["target"], sampling_pair["draft"], prompts, 3, 6,
-                                    sampling=sampling, logprobs=3)
+                                    sampling=sampling, logprobs=3, device=DEVICE)
     (torch_tokens, torch_finals), (triton_tokens, triton_finals) = runs["torch"], runs["triton"]
     assert triton_tokens[0] == torch_tokens[0]  # greedy: the same tokens (the sampled row may differ)
     for b in range(2):

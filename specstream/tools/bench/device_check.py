@@ -85,12 +85,12 @@ def run(out_dir: Path, device: str = "cuda", shape: dict | None = None, n_prompt
         rng = random.Random(0)
         prompts = [[0] + [rng.randrange(2, vocab) for _ in range(PROMPT_TOKENS - 1)] for _ in range(n_prompts)]
         models = BenchModels("random-llama", target, None, dtype, device=device)
-        plain = plain_runs(models, prompts, max_new_tokens, Path(tmp))
+        plain = plain_runs(models, prompts, max_new_tokens, out_dir)
         oracle = Path(tmp) / "oracle.json"
         oracle.write_text(json.dumps({"vocab_size": vocab,
                                       "sequences": [p + t for p, t in zip(prompts, plain["token_ids"])]}))
         models.synthetic = (str(oracle), alpha)
-        result["latency"] = speculative_runs(models, prompts, max_new_tokens, gammas, plain, Path(tmp))
+        result["latency"] = speculative_runs(models, prompts, max_new_tokens, gammas, plain, out_dir)
         work = requests_for(prompts, requests, max_new_tokens)
         result["throughput"] = {}
         for setting in (Setting(batch, "static", 1.0, "all", 4), Setting(batch, "topup", 1.0, "all", 4)):
@@ -102,18 +102,19 @@ def run(out_dir: Path, device: str = "cuda", shape: dict | None = None, n_prompt
     return result
 
 
-def plain_runs(models: BenchModels, prompts: list[list[int]], max_new_tokens: int, tmp: Path) -> dict:
-    """Plain greedy decoding of every prompt through the stack: the reference and the baseline."""
-    with Stack(StackSpec(**models.stack_fields(speculative=False), log_dir=f"{tmp}/logs-plain")) as stack:
+def plain_runs(models: BenchModels, prompts: list[list[int]], max_new_tokens: int, logs: Path) -> dict:
+    """Plain greedy decoding of every prompt through the stack: the reference and the baseline.
+    The services log into logs/logs-plain/."""
+    with Stack(StackSpec(**models.stack_fields(speculative=False), log_dir=f"{logs}/logs-plain")) as stack:
         return sweep(stack.gateway_address, prompts, [0], max_new_tokens)[0]
 
 
 def speculative_runs(models: BenchModels, prompts: list[list[int]], max_new_tokens: int, gammas: tuple[int, ...],
-                     plain: dict, tmp: Path) -> dict:
+                     plain: dict, logs: Path) -> dict:
     """Every fixed γ and `auto` through gateway → target → draft. Returns the latency figures
     (`_latency`), each run's with its exactness against plain decoding (`exactness`): a check on a
     device's ten minutes records a difference and goes on measuring, where a benchmark would stop."""
-    with Stack(StackSpec(**models.stack_fields(), max_gamma=16, log_dir=f"{tmp}/logs-spec")) as stack:
+    with Stack(StackSpec(**models.stack_fields(), max_gamma=16, log_dir=f"{logs}/logs-spec")) as stack:
         runs = sweep(stack.gateway_address, prompts, [*gammas, "auto"], max_new_tokens)
     latency = _latency(plain, runs)
     for gamma, r in runs.items():
@@ -150,9 +151,8 @@ def real_pair(out_dir: Path, models: BenchModels, n_prompts: int = 4, max_new_to
               gammas: tuple[int, ...] = (2, 4)) -> dict:
     """The same exactness check and γ sweep on a real pair (its own draft and prompts)."""
     prompts = models.prompts(n_prompts)
-    with tempfile.TemporaryDirectory() as tmp:
-        plain = plain_runs(models, prompts, max_new_tokens, Path(tmp))
-        latency = speculative_runs(models, prompts, max_new_tokens, gammas, plain, Path(tmp))
+    plain = plain_runs(models, prompts, max_new_tokens, out_dir)
+    latency = speculative_runs(models, prompts, max_new_tokens, gammas, plain, out_dir)
     headers, rows = _latency_table(latency)
     result = {"device": device_name(models.device), "models": models.label, "dtype": models.dtype,
               "prompts": n_prompts, "max_new_tokens": max_new_tokens, "latency": latency,
