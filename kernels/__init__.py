@@ -1,5 +1,6 @@
 """Output-layer and verification ops, one function each, behind one dispatcher (kernels/dispatch.py):
-the Triton kernels on CUDA, their torch references elsewhere (or as SPECSTREAM_KERNELS says).
+the torch references by default, the Triton kernels where SPECSTREAM_KERNELS=triton says (on CUDA
+they are slower than torch today: kernels/dispatch.py).
 
 Each op's file holds its Triton kernel, its launcher and the torch reference it must match. The
 ops read logits, or final hidden states with the LM head (``Hidden``, kernels/lm_head.py), which

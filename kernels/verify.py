@@ -55,7 +55,8 @@ def greedy_verify(draft_tokens: torch.Tensor, num_draft: torch.Tensor, target: S
     states = target.states if isinstance(target, Hidden) else target
     if backend(states) == "torch":
         library = native.library()
-        if library is not None and not isinstance(target, Hidden) and target.dtype == torch.float32:
+        if (library is not None and not isinstance(target, Hidden) and target.dtype == torch.float32
+                and target.device.type == "cpu"):  # a CPU op: on a CUDA tensor it would read device memory as host
             accepted, tokens = library.greedy_verify(target, draft_tokens, num_draft)  # one call, the same answer
             return accepted, tokens
         return greedy_verify_reference(draft_tokens, num_draft, target)

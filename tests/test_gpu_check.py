@@ -33,7 +33,7 @@ def test_the_dry_run_imports_every_step_and_lists_the_wheels(tmp_path: Path) -> 
     assert proc.stdout.startswith("no CUDA: dry run")
     report = json.loads((tmp_path / "dry-run.json").read_text())
     assert report["import_failures"] == []
-    assert report["steps"] == ["environment", "kernel-tests", "bench-kernels", "stack", "smollm2"]
+    assert report["steps"] == ["environment", "kernel-tests", "stack", "bench-kernels", "smollm2"]
     # The services' own dependencies travel; what the GPU image holds does not.
     assert {"grpcio", "protobuf", "fastapi", "uvicorn", "gguf"} <= set(report["wheels"])
     assert not {"torch", "triton", "numpy", "transformers"} & set(report["wheels"])
@@ -94,3 +94,17 @@ def test_later_steps_keep_their_reserve_of_the_budget(gpu_check, tmp_path: Path)
     outcomes = gpu_check.run_steps(steps, tmp_path, budget_s=12, env=None, command=command)
     assert outcomes[0].status == "skipped" and "budget" in outcomes[0].detail
     assert outcomes[1].status == "ok"
+
+
+def test_a_step_that_times_out_keeps_the_figures_it_wrote_as_it_went(gpu_check, tmp_path: Path) -> None:
+    # Like bench kernels: each size's figures into kernels.json as measured, then slow sizes past the limit.
+    script = ("import json, sys, time, pathlib; pathlib.Path(sys.argv[1], 'kernels.json').write_text(json.dumps("
+              "{'sizes': [{'vocab': 32000, 'rows': 1, 'hidden': 2048, 'ms': {'unfused': 0.1, 'fused': 33.0}}]})); "
+              "time.sleep(60)")
+    step = gpu_check.Step("bench-kernels", "stand-in", 2, 1, (), "kernels.json")
+    outcomes = gpu_check.run_steps((step,), tmp_path, budget_s=30, env=None,
+                                   command=lambda step, work: [sys.executable, "-c", script, str(work)])
+    assert outcomes[0].status == "timed out"
+    assert outcomes[0].data["sizes"][0]["ms"] == {"unfused": 0.1, "fused": 33.0}
+    summary = gpu_check.summary(outcomes, (step,))
+    assert "| 32000 | 1 | 2048 | 0.100 | 33.000 |" in summary and "(partial: kernels.json, as far as it got)" in summary

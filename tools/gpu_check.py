@@ -6,11 +6,11 @@ a hang costs that step only, and the rest still run), within `BUDGET_S` of wall 
 1. environment: `nvidia-smi -L`, torch and Triton versions, the device's peak memory bandwidth
    (from its memory clock and bus width) and a measured copy bandwidth;
 2. the kernel tests on CUDA (no interpreter): every Triton kernel against its torch reference;
-3. `bench kernels` on CUDA: fused against unfused output layer at vocab 32k, 128k and 152k, hidden
-   2048 and 4096, rows 1-64, and the fused verification's time against its bandwidth bound;
-4. the three services on `--device cuda` in bfloat16, a ~1B random-init target built there and the
+3. the three services on `--device cuda` in bfloat16, a ~1B random-init target built there and the
    synthetic-α draft: speculative greedy = plain greedy on 8 prompts, a γ sweep with `auto`, and
    throughput at 32 slots, static against top-up (specstream/tools/bench/device_check.py);
+4. `bench kernels` on CUDA: fused against unfused output layer at vocab 32k, 128k and 152k, hidden
+   2048 and 4096, rows 1-64, and the fused verification's time against its bandwidth bound;
 5. the real SmolLM2 pair, where its GGUF file is installed on that machine (it is ~98 MB: more than
    the tree leaves of the 64 MiB that travel to it, so it is usually skipped, and the summary says so).
 
@@ -68,6 +68,7 @@ class Step:
     limit_s: float  # its own time limit
     reserve_s: float  # the least time it needs: later steps keep this much of the budget
     modules: tuple[str, ...]  # what it imports (the dry run imports them)
+    partial: str = ""  # a JSON file the step writes as it goes: its figures so far, should it not finish
 
 
 STEPS = (
@@ -76,12 +77,12 @@ STEPS = (
     Step("kernel-tests", "every Triton kernel against its torch reference on CUDA", 200, 60,
          ("pytest", "kernels", "kernels.argmax", "kernels.lm_head", "kernels.nbest", "kernels.sample",
           "kernels.speculative", "kernels.verify", "kernels.random", "kernels.dispatch")),
-    Step("bench-kernels", "fused vs unfused output layer (vocab 32k-152k, hidden 2048/4096, rows 1, 4, 16, 64) and the "
-         "fused verification against its bandwidth bound", 200, 45, ("specstream.tools.bench.kernels",)),
     Step("stack", "the three services on CUDA in bfloat16 (~1B random target, synthetic draft): speculative = "
          "plain greedy, γ sweep and auto, static vs top-up at n=32", 260, 90,
          ("specstream.tools.bench.device_check", "specstream.tools.cli", "target_service.server", "draft_service.server",
-          "gateway.server", "specstream_client")),
+          "gateway.server", "specstream_client"), "device_check.json"),
+    Step("bench-kernels", "fused vs unfused output layer (vocab 32k-152k, hidden 2048/4096, rows 1, 4, 16, 64) and the "
+         "fused verification against its bandwidth bound", 200, 45, ("specstream.tools.bench.kernels",), "kernels.json"),
     Step("smollm2", "the real SmolLM2 pair on CUDA: speculative = plain greedy, γ sweep", 90, 20,
          ("specstream.tools.bench.device_check", "specstream.models.registry")),
 )
@@ -245,6 +246,8 @@ def run_steps(steps: tuple[Step, ...], work: Path, budget_s: float, env: dict[st
                 status, detail = "timed out", f"stopped after {limit:.0f} s"
         result = work / f"{step.name}.json"
         data = json.loads(result.read_text()) if result.exists() else {}
+        if not data and step.partial and (work / step.partial).exists():
+            data = json.loads((work / step.partial).read_text()) | {"partial": f"{step.partial}, as far as it got"}
         if status == "ok" and "skipped" in data:
             status, detail = "skipped", data["skipped"]
         outcomes.append(Outcome(step.name, status, time.monotonic() - started, detail, data))
@@ -277,14 +280,34 @@ def summary(outcomes: list[Outcome], steps: tuple[Step, ...]) -> str:
         elif o.step == "kernel-tests":
             lines.append(", ".join(f"{k} {v}" for k, v in o.data.items()))
         elif o.step == "bench-kernels":
-            lines.append(o.data.get("tables_markdown", ""))
+            lines.append(o.data.get("tables_markdown") or _sizes_table(o.data.get("sizes", [])))
             if "fused_speedup_vocab_128k_plus" in o.data:
                 lines.append(f"\nfused 1-best speed-up over unfused at vocab ≥ 128k: "
                              f"{json.dumps(o.data['fused_speedup_vocab_128k_plus'])}")
-        elif o.step in ("stack", "smollm2") and "latency_table_markdown" in o.data:
-            lines += [o.data.get("title", ""), "", o.data.get("exactness", ""), "", o.data["latency_table_markdown"], "",
+        elif o.step in ("stack", "smollm2"):
+            lines += [o.data.get("title", ""), "", o.data.get("exactness", ""), "",
+                      o.data.get("latency_table_markdown") or _latency_rows(o.data.get("latency", {})), "",
                       o.data.get("throughput_table_markdown", "")]
+        if "partial" in o.data:
+            lines += ["", f"(partial: {o.data['partial']})"]
     return "\n".join(lines) + "\n"
+
+
+def _sizes_table(sizes: list[dict]) -> str:
+    """bench kernels' output-layer sizes measured so far, ms per call (a step that did not finish)."""
+    if not sizes:
+        return ""
+    names = list(sizes[0]["ms"])
+    rows = [f"| {s['vocab']} | {s['rows']} | {s['hidden']} | " + " | ".join(f"{s['ms'].get(n, float('nan')):.3f}"
+                                                                           for n in names) + " |" for s in sizes]
+    return "\n".join([f"| vocab | rows | hidden | {' | '.join(n + ' ms' for n in names)} |",
+                      "|---" * (3 + len(names)) + "|", *rows])
+
+
+def _latency_rows(latency: dict) -> str:
+    """The stack's latency figures measured so far (a step that did not finish)."""
+    return "\n".join(f"- {name}: {r.get('tokens_per_s', 0):.1f} tok/s" + (
+        f", {r['speedup']:.2f}x plain, α {r['alpha']}" if "speedup" in r else "") for name, r in latency.items())
 
 
 def pack(work: Path, out: Path, outcomes: list[Outcome], steps: tuple[Step, ...]) -> list[Path]:

@@ -91,6 +91,8 @@ def run(out_dir: Path, device: str = "cuda", shape: dict | None = None, n_prompt
                                       "sequences": [p + t for p, t in zip(prompts, plain["token_ids"])]}))
         models.synthetic = (str(oracle), alpha)
         result["latency"] = speculative_runs(models, prompts, max_new_tokens, gammas, plain, out_dir)
+        result["exact"], result["exactness"] = all_exact(result["latency"]), exactness_line(result["latency"])
+        report.write_json(out_dir / "device_check.json", result)  # what is known, should batching not finish
         work = requests_for(prompts, requests, max_new_tokens)
         result["throughput"] = {}
         for setting in (Setting(batch, "static", 1.0, "all", 4), Setting(batch, "topup", 1.0, "all", 4)):
@@ -202,7 +204,6 @@ def _report(result: dict, out_dir: Path) -> None:
     through_headers = ["setting", "tok/s", "x static", "p50 s", "p99 s", "occupancy"]
     title = (f"{result['parameters'] / 1e9:.2f}B random Llama, {result['dtype']}, {result['device']}, synthetic draft "
              f"α={result['alpha_set']}, {result['prompts']} prompts")
-    result["exact"], result["exactness"] = all_exact(result["latency"]), exactness_line(result["latency"])
     print(f"\n{title}\n{result['exactness']}\n" + report.table(latency_headers, rows) + "\n\n" + report.table(through_headers, through_rows),
           flush=True)
     result["title"] = title
