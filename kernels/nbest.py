@@ -14,29 +14,34 @@ import torch
 
 from kernels.dispatch import backend
 from kernels.lm_head import Hidden, Scores, _score_tile, kernel_args, rows_and_vocab, scores_reference
-from kernels.row_pass import launch_rows, tile
+from kernels.row_pass import CHUNK_V, launch_rows, tile
 from kernels.triton_shim import tl, triton
 
 MAX_K = 64  # the widest n-best the kernel keeps per tile
 
 
 @triton.jit
-def _nbest_kernel(values_out, ids_out, lse_out, inv_temperature, N, V, logits, logits_stride, hidden, hidden_stride, weight,
-                  weight_stride, bias, H, K: tl.constexpr, FROM_HIDDEN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  ROUND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
-    """values_out, ids_out [N, tiles, K]: each tile's K best raw scores and ids; lse_out [N]: the
-    log-sum-exp of score * inv_temperature."""
+def _nbest_kernel(values_out, ids_out, lse_out, inv_temperature, N, V, CHUNK, logits, logits_stride, hidden,
+                  hidden_stride, weight, weight_stride, bias, H, K: tl.constexpr, FROM_HIDDEN: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+                  BLOCK_H: tl.constexpr):
+    """Program (i, c): rows i*BLOCK_R.. over the vocabulary chunk c (kernels/row_pass.py).
+    values_out, ids_out [N, tiles, K]: each tile's K best raw scores and ids; lse_out [N, chunks]:
+    the chunk's log-sum-exp of score * inv_temperature."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < N
+    c = tl.program_id(1).to(tl.int64)
+    lo = c * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
     inv_t = tl.load(inv_temperature + rows, mask=ok, other=1.0)
     tiles = tl.cdiv(V, BLOCK_V)
     neg_inf = float("-inf")
     m = tl.full([BLOCK_R], neg_inf, dtype=tl.float32)
     total = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for start in range(0, V, BLOCK_V):
+    for start in range(lo, hi, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V).to(tl.int64)
         t = _score_tile(logits, logits_stride, hidden, hidden_stride, weight, weight_stride, bias, H,
-                        rows, ok, cols, cols < V, FROM_HIDDEN, HAS_BIAS, ROUND, BLOCK_R, BLOCK_V, BLOCK_H)
+                        rows, ok, cols, cols < hi, FROM_HIDDEN, HAS_BIAS, ROUND, BLOCK_R, BLOCK_V, BLOCK_H)
         s = t * inv_t[:, None]
         new_m = tl.maximum(m, tl.max(s, axis=1))
         shift = tl.where(new_m == neg_inf, 0.0, new_m)
@@ -48,7 +53,8 @@ def _nbest_kernel(values_out, ids_out, lse_out, inv_temperature, N, V, logits, l
             tl.store(values_out + out + j, best, mask=ok)
             tl.store(ids_out + out + j, start + at.to(tl.int64), mask=ok)
             t = tl.where(tl.arange(0, BLOCK_V)[None, :] == at[:, None], neg_inf, t)
-    tl.store(lse_out + rows, tl.where(total > 0, m + tl.log(tl.where(total > 0, total, 1.0)), neg_inf), mask=ok)
+    tl.store(lse_out + rows * tl.num_programs(1) + c, tl.where(total > 0, m + tl.log(tl.where(total > 0, total, 1.0)),
+                                                                neg_inf), mask=ok)
 
 
 def topk_logprobs(scores: Scores, k: int, running: torch.Tensor | None = None
@@ -76,12 +82,14 @@ def top_scores(scores: Scores, k: int, inv_temperature: torch.Tensor | None = No
     tiles = triton.cdiv(vocab, block_v)
     values = torch.full((n, tiles, k), float("-inf"), dtype=torch.float32, device=device)
     ids = torch.zeros((n, tiles, k), dtype=torch.int64, device=device)
-    lse = torch.empty(n, dtype=torch.float32, device=device)
+    chunks = triton.cdiv(vocab, CHUNK_V)
+    lse = torch.full((n, chunks), float("-inf"), dtype=torch.float32, device=device)
     inv_t = (inv_temperature if inv_temperature is not None else torch.ones(n)).to(device, torch.float32).contiguous()
     if n:
         rows = launch_rows(n)
-        _nbest_kernel[(triton.cdiv(n, rows),)](values, ids, lse, inv_t, n, vocab, **kernel_args(scores), K=k,
-                                               BLOCK_R=rows, BLOCK_V=block_v)
+        _nbest_kernel[(triton.cdiv(n, rows), chunks)](values, ids, lse, inv_t, n, vocab, CHUNK_V, **kernel_args(scores),
+                                                      K=k, BLOCK_R=rows, BLOCK_V=block_v)
+    lse = torch.logsumexp(lse, dim=1)  # [N]: the chunks' normalisers combined
     # Candidates are in id order within equal values (tiles in order, each tile lowest id first),
     # so a stable sort keeps the lower id first among ties.
     order = torch.sort(values.view(n, -1), dim=1, descending=True, stable=True).indices[:, :k]  # [N, k]

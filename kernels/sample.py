@@ -19,24 +19,8 @@ from __future__ import annotations
 import torch
 
 from kernels.dispatch import backend
-from kernels.lm_head import Hidden, Scores, kernel_args, rows_and_vocab, scores_reference
-from kernels.row_pass import _row_pass, launch_rows, row_pass_reference, tile
-from kernels.triton_shim import tl, triton
-
-
-@triton.jit
-def _sample_kernel(ids_out, N, V, inv_temperature, threshold, keys, logits, logits_stride, hidden, hidden_stride,
-                   weight, weight_stride, bias, H, FROM_HIDDEN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   ROUND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ok = rows < N
-    inv_t = tl.load(inv_temperature + rows, mask=ok, other=1.0)
-    thr = tl.load(threshold + rows, mask=ok, other=float("-inf"))
-    key = tl.load(keys + rows, mask=ok, other=0)
-    _, _, _, race, _ = _row_pass(logits, logits_stride, hidden, hidden_stride, weight, weight_stride, bias,
-                                 H, V, rows, ok, inv_t, thr, key, keys, 0,
-                                 False, True, 0, FROM_HIDDEN, HAS_BIAS, ROUND, BLOCK_R, BLOCK_V, BLOCK_H)
-    tl.store(ids_out + rows, race, mask=ok)
+from kernels.lm_head import Hidden, Scores, scores_reference
+from kernels.row_pass import row_pass_reference, row_partials
 
 
 def sample(scores: Scores, temperature: torch.Tensor, keys: torch.Tensor,
@@ -46,16 +30,9 @@ def sample(scores: Scores, temperature: torch.Tensor, keys: torch.Tensor,
     states = scores.states if isinstance(scores, Hidden) else scores
     if backend(states) == "torch":
         return sample_reference(scores, temperature, keys, threshold)
-    n, vocab = rows_and_vocab(scores)
     device = states.device
-    ids = torch.empty(n, dtype=torch.int64, device=device)
-    if n:
-        inv_t = (1.0 / temperature.to(device, torch.float32)).contiguous()
-        thr = (threshold if threshold is not None else torch.full((n,), float("-inf"))).to(device, torch.float32)
-        rows = launch_rows(n)
-        _sample_kernel[(triton.cdiv(n, rows),)](ids, n, vocab, inv_t, thr.contiguous(), keys.to(device).contiguous(),
-                                                **kernel_args(scores), BLOCK_R=rows, BLOCK_V=tile(vocab))
-    return ids
+    inv_t = 1.0 / temperature.to(device, torch.float32)
+    return row_partials(scores, inv_t, threshold, keys, best=False, race=True)[3]
 
 
 def sample_reference(scores: Scores, temperature: torch.Tensor, keys: torch.Tensor,

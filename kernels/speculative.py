@@ -25,7 +25,7 @@ Two implementations of the same rule:
   distribution each row emits from (the torch path, what the engine runs on CPU);
   ``speculative_accept`` is its first half, the accepted count and that distribution;
 - ``speculative_verify_fused`` reads the target's scores (logits, or hidden states with the LM head)
-  once per row in a Triton kernel (``_speculative_kernel``): per row the log-sum-exp of the
+  once per row in the fused row pass (kernels/row_pass.py, ``row_partials``): per row the log-sum-exp of the
   processed scores and an exponential race over the tokens outside q's support; the accept/reject
   decisions and the residual max(0, p - q), which differs from p only on q's K support ids, are then
   settled over [B, G+1, K] numbers (``_settle``), so no [rows, vocab] probabilities are written.
@@ -39,10 +39,9 @@ from __future__ import annotations
 import torch
 
 from kernels.dispatch import backend
-from kernels.lm_head import Hidden, Scores, kernel_args, rows_and_vocab, scores_at, scores_reference
+from kernels.lm_head import Hidden, Scores, scores_at, scores_reference
 from kernels.random import race, uniform_table
-from kernels.row_pass import _row_pass, launch_rows, row_pass_reference, tile
-from kernels.triton_shim import tl, triton
+from kernels.row_pass import row_partials, row_pass_reference
 
 # A residual with less mass than this is rounding noise around p == q: rejecting there had
 # ~zero probability, and p itself is the right distribution to fall back on.
@@ -134,28 +133,6 @@ def speculative_verify_reference(p, q_ids, q_probs, draft, num_draft, u_accept, 
     return torch.tensor(accepted, dtype=torch.int64), torch.tensor(emitted, dtype=torch.int64)
 
 
-@triton.jit
-def _speculative_kernel(lse_out, race_out, race_key_out, inv_temperature, threshold, keys, exclude, K, G, V,
-                        logits, logits_stride, hidden, hidden_stride, weight, weight_stride, bias, H,
-                        FROM_HIDDEN: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND: tl.constexpr, N_EXCLUDE: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
-    """One sequence per program: its G+1 rows read once, tile by tile."""
-    b = tl.program_id(0).to(tl.int64)
-    j = tl.arange(0, BLOCK_R)
-    ok = j < G + 1
-    rows = b * (G + 1) + j
-    inv_t = tl.load(inv_temperature + b)
-    thr = tl.load(threshold + rows, mask=ok, other=float("-inf"))
-    key = tl.load(keys + rows, mask=ok, other=0)
-    _, _, lse, race, race_key = _row_pass(logits, logits_stride, hidden, hidden_stride, weight, weight_stride, bias,
-                                          H, V, rows, ok, tl.full([BLOCK_R], 1.0, tl.float32) * inv_t, thr, key,
-                                          exclude, K, True, True, N_EXCLUDE, FROM_HIDDEN, HAS_BIAS, ROUND,
-                                          BLOCK_R, BLOCK_V, BLOCK_H)
-    tl.store(lse_out + rows, lse, mask=ok)
-    tl.store(race_out + rows, race, mask=ok)
-    tl.store(race_key_out + rows, race_key, mask=ok)
-
-
 def speculative_verify_fused(target: Scores, q_ids: torch.Tensor, q_probs: torch.Tensor, draft: torch.Tensor,
                              num_draft: torch.Tensor, temperature: torch.Tensor, threshold: torch.Tensor,
                              keys: torch.Tensor, u_accept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,17 +147,14 @@ def speculative_verify_fused(target: Scores, q_ids: torch.Tensor, q_probs: torch
     batch, gamma = draft.shape
     device = states.device
     scores = target if isinstance(target, Hidden) else target.reshape(batch * (gamma + 1), -1)
-    _, vocab = rows_and_vocab(scores)
     q, exclude, point = _support(q_ids.to(device), q_probs.to(device), draft.to(device), num_draft.to(device))
     width = exclude.shape[-1]
-    lse = torch.empty(batch, gamma + 1, dtype=torch.float32, device=device)
-    race = torch.empty(batch, gamma + 1, dtype=torch.int64, device=device)
-    race_key = torch.empty(batch, gamma + 1, dtype=torch.float32, device=device)
-    if batch:
-        _speculative_kernel[(batch,)](lse, race, race_key, temperature.to(device, torch.float32).reciprocal(),
-                                      threshold.to(device, torch.float32).contiguous(), keys.to(device).contiguous(),
-                                      exclude.contiguous(), width, gamma, vocab, **kernel_args(scores),
-                                      N_EXCLUDE=width, BLOCK_R=launch_rows(gamma + 1), BLOCK_V=tile(vocab))
+    inv_t = temperature.to(device, torch.float32).reciprocal().repeat_interleave(gamma + 1)  # [B*(G+1)]
+    _, _, lse, race, race_key = row_partials(scores, inv_t, threshold.to(device).reshape(-1),
+                                             keys.to(device).reshape(-1), exclude.reshape(batch * (gamma + 1), width),
+                                             best=False, lse=True, race=True)
+    view = (batch, gamma + 1)
+    lse, race, race_key = lse.view(view), race.view(view), race_key.view(view)
     gathered = _scores_at(scores, exclude, draft.to(device), batch, gamma)
     return _settle(lse, race, race_key, gathered, q, exclude, point, draft.to(device), num_draft.to(device),
                    temperature.to(device), threshold.to(device), keys.to(device), u_accept.to(device))

@@ -54,9 +54,9 @@ def test_the_ops_serve_without_triton_installed():
         "from kernels.dispatch import triton_available\n"
         "assert not triton_available()\n"
         "print(kernels.argmax(torch.tensor([[0.0, 2.0, 1.0]])).tolist())\n"
-        "from kernels.argmax import _best_kernel\n"
+        "from kernels.row_pass import _chunk_kernel\n"
         "try:\n"
-        "    _best_kernel[(1,)]()\n"
+        "    _chunk_kernel[(1,)]()\n"
         "except RuntimeError as e:\n"
         "    print(e)\n"
         "with kernels.use('triton'):\n"
@@ -69,7 +69,7 @@ def test_the_ops_serve_without_triton_installed():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == "[1]"
-    assert "Triton is not installed" in lines[1] and "_best_kernel" in lines[1]
+    assert "Triton is not installed" in lines[1] and "_chunk_kernel" in lines[1]
     assert "Triton is not installed" in lines[2]
 
 

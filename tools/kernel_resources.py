@@ -9,7 +9,11 @@ hidden states, the fused head, bfloat16 and float32 heads) for a target GPU with
 compiler (`ptxas` ships in its wheel), through a stand-in driver that compiles and never launches,
 and prints each kernel's bytes against the limit. Exit status 1 if one does not fit.
 
-    TRITON_INTERPRET=0 python tools/kernel_resources.py [--arch 90] [--limit-kib K] [--dtypes bfloat16] [--json FILE]
+    TRITON_INTERPRET=0 python tools/kernel_resources.py [--arch 90] [--limit-kib K] [--dtypes bfloat16]
+        [--only "greedy,n-best"] [--json FILE]
+
+All of them take 3-6 minutes on a 2-core machine (the sampling and verification variants ~1 minute
+each); the test runs the two quickest, whose tiles are the others' (the same head GEMM step).
 
 It must run in a process of its own: the kernels' modules must be imported with the interpreter off.
 """
@@ -99,8 +103,10 @@ def launches(dtypes: tuple[str, ...]):
     return out
 
 
-def measure(arch: int, limit: int | None, dtypes: tuple[str, ...] = ("bfloat16", "float32")) -> list[dict]:
-    """Compiles every launch for sm_<arch>: [{variant, kernel, shared bytes, limit, fits}]."""
+def measure(arch: int, limit: int | None, dtypes: tuple[str, ...] = ("bfloat16", "float32"),
+            only: tuple[str, ...] = ()) -> list[dict]:
+    """Compiles every launch for sm_<arch> (those whose name starts with one of `only`, when given):
+    [{variant, kernel, shared bytes, limit, fits}]."""
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
@@ -121,6 +127,8 @@ def measure(arch: int, limit: int | None, dtypes: tuple[str, ...] = ("bfloat16",
     results = []
     try:
         for variant, call in launches(dtypes):
+            if only and not variant.startswith(only):
+                continue
             compiled.clear()
             try:
                 with use("triton"):
@@ -142,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100, H200)")
     parser.add_argument("--limit-kib", type=float, help="shared memory a block may use (default: the arch's)")
     parser.add_argument("--dtypes", default="bfloat16,float32", help="the heads' dtypes (default bfloat16,float32)")
+    parser.add_argument("--only", default="", help="comma-separated variant names' beginnings (default: all)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -149,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sys.path.insert(0, str(ROOT))
     limit = int(args.limit_kib * 1024) if args.limit_kib else SHARED_LIMIT.get(args.arch)
-    results = measure(args.arch, limit, tuple(args.dtypes.split(",")))
+    results = measure(args.arch, limit, tuple(args.dtypes.split(",")), tuple(filter(None, args.only.split(","))))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0 if all(r["fits"] for r in results) else 1
