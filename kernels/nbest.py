@@ -14,7 +14,7 @@ import torch
 
 from kernels.dispatch import backend
 from kernels.lm_head import Hidden, Scores, _score_tile, kernel_args, rows_and_vocab, scores_reference
-from kernels.row_pass import CHUNK_V, launch_rows, tile
+from kernels.row_pass import CHUNK_V, _block_and_chunk, launch_rows, tile
 from kernels.triton_shim import tl, triton
 
 MAX_K = 64  # the widest n-best the kernel keeps per tile
@@ -28,11 +28,7 @@ def _nbest_kernel(values_out, ids_out, lse_out, inv_temperature, N, V, CHUNK, lo
     """Program (i, c): rows i*BLOCK_R.. over the vocabulary chunk c (kernels/row_pass.py).
     values_out, ids_out [N, tiles, K]: each tile's K best raw scores and ids; lse_out [N, chunks]:
     the chunk's log-sum-exp of score * inv_temperature."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ok = rows < N
-    c = tl.program_id(1).to(tl.int64)
-    lo = c * CHUNK
-    hi = tl.minimum(lo + CHUNK, V)
+    rows, ok, c, lo, hi = _block_and_chunk(N, V, CHUNK, BLOCK_R)
     inv_t = tl.load(inv_temperature + rows, mask=ok, other=1.0)
     tiles = tl.cdiv(V, BLOCK_V)
     neg_inf = float("-inf")

@@ -80,6 +80,16 @@ def _row_pass(logits, logits_stride, hidden, hidden_stride, weight, weight_strid
 
 
 @triton.jit
+def _block_and_chunk(N, V, CHUNK, BLOCK_R: tl.constexpr):
+    """A program (i, c) of a grid of row blocks x vocabulary chunks: its rows [BLOCK_R] int64, which
+    of them exist, its chunk c and the chunk's ids lo..hi-1."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1).to(tl.int64)
+    lo = c * CHUNK
+    return rows, rows < N, c, lo, tl.minimum(lo + CHUNK, V)
+
+
+@triton.jit
 def _chunk_kernel(best_out, top_out, lse_out, race_out, race_key_out, N, V, CHUNK, inv_temperature, threshold, keys,
                   exclude, exclude_stride, logits, logits_stride, hidden, hidden_stride, weight, weight_stride, bias, H,
                   BEST: tl.constexpr, LSE: tl.constexpr, RACE: tl.constexpr, N_EXCLUDE: tl.constexpr,
@@ -88,11 +98,7 @@ def _chunk_kernel(best_out, top_out, lse_out, race_out, race_key_out, N, V, CHUN
     """Program (i, c): rows i*BLOCK_R.. over the vocabulary chunk c; each output [N, chunks] gets
     the chunk's partial result at [row, c] (only those asked for: what is not stored, the compiler
     does not compute)."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ok = rows < N
-    c = tl.program_id(1).to(tl.int64)
-    lo = c * CHUNK
-    hi = tl.minimum(lo + CHUNK, V)
+    rows, ok, c, lo, hi = _block_and_chunk(N, V, CHUNK, BLOCK_R)
     inv_t = tl.load(inv_temperature + rows, mask=ok, other=1.0)
     thr = tl.load(threshold + rows, mask=ok, other=float("-inf"))
     key = tl.load(keys + rows, mask=ok, other=0)

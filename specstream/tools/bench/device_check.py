@@ -127,10 +127,8 @@ def speculative_runs(models: BenchModels, prompts: list[list[int]], max_new_toke
 def exactness(expected: list[list[int]], actual: list[list[int]]) -> dict:
     """How many prompts' outputs (one list per prompt) equal plain decoding's, and the first
     difference in words (None when all do)."""
-    differing = [(i, token_difference([want], [got])) for i, (want, got) in enumerate(zip(expected, actual))]
-    differing = [(i, d) for i, d in differing if d is not None]
-    first = None if not differing else f"prompt {differing[0][0]}{differing[0][1].removeprefix('prompt 0')}"
-    return {"identical": len(expected) - len(differing), "prompts": len(expected), "first_difference": first}
+    identical = sum(list(want) == list(got) for want, got in zip(expected, actual))
+    return {"identical": identical, "prompts": len(expected), "first_difference": token_difference(expected, actual)}
 
 
 def all_exact(latency: dict) -> bool:
