@@ -47,6 +47,11 @@ bool has_avx512_bf16() {
   return yes;
 }
 
+bool has_avx512_vnni() {
+  static const bool yes = has_avx512() && __builtin_cpu_supports("avx512vnni");
+  return yes;
+}
+
 constexpr int kTile = 8;  // rows per pass over a weight row (their accumulators stay in registers)
 
 // ---------------------------------------------------------------------------------------------------
@@ -234,6 +239,60 @@ using Q4Tile = void (*)(const uint16_t*, const uint16_t*, const uint8_t*, const 
 constexpr Q4Tile kQ4Tiles[] = {q4_tile_bf16<1>, q4_tile_bf16<2>, q4_tile_bf16<3>, q4_tile_bf16<4>,
                                q4_tile_bf16<5>, q4_tile_bf16<6>, q4_tile_bf16<7>, q4_tile_bf16<8>};
 
+// ---------------------------------------------------------------------------------------------------
+// Q4_1 with 8-bit activations (opt-in: `activations="int8"`): the same native layout, integer dot
+// products four codes at a time (AVX-512 VNNI), as llama.cpp multiplies its 4-bit blocks.
+//
+// Each row's block of 32 inputs is quantised once per call, from its own values only: a scale
+// dx = max|x| / 127 and codes qx = nearest integer of x / dx (|qx| <= 127), stored in the order the
+// weight lanes want (below). A chunk's 32 bytes widen to 32 words; (v | v << 4) & 0x0F0F puts byte
+// 2 i + j's two codes into the two bytes of word 2 i + j, so lane i (words 2 i, 2 i + 1) holds
+// feature i's codes for inputs k0, k0 + 2, k0 + 1, k0 + 3: one instruction pair forms 64 weights as
+// bytes, and each row takes them in ONE dot-product instruction (64 products, summed exactly in
+// int32) against its four codes in that order. A block ends with y += (d dx) s, then y += m Σx (Σx in
+// float32 from the bfloat16 inputs, as the bfloat16 kernel). The weights' arithmetic is exact; the
+// activations are rounded to 8 bits per block of 32 (the error `bench step` and the tests measure).
+
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512bf16,avx512vnni,f16c")))
+void q4_tile_i8(const uint16_t* d, const uint16_t* m, const uint8_t* w, const int8_t* xq, const float* xd,
+                const float* xsum, int64_t blocks, int64_t K, uint16_t* out, int64_t N) {
+  const __m512i nibbles = _mm512_set1_epi16(0x0F0F);
+  __m512 y[R];
+  for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+    const uint8_t* wb = w + kQ4TileBytes * b;
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c)));
+      const __m512i q = _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(v, 4), nibbles, 0xA8);  // (v | v << 4) & 0x0F0F
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xq + r * K + kBlock * b + 4 * c, 4);
+        s[r] = _mm512_dpbusd_epi32(s[r], q, _mm512_set1_epi32(four));
+      }
+    }
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + kQ4Tile * b)));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + kQ4Tile * b)));
+    for (int r = 0; r < R; ++r) {
+      const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(xd[r * blocks + b]));
+      y[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(s[r]), y[r]);
+      y[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[r * blocks + b]), y[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * N), (__m256i)_mm512_cvtneps_pbh(y[r]));
+  }
+}
+
+using Q4TileI8 = void (*)(const uint16_t*, const uint16_t*, const uint8_t*, const int8_t*, const float*, const float*,
+                          int64_t, int64_t, uint16_t*, int64_t);
+constexpr Q4TileI8 kQ4TilesI8[] = {q4_tile_i8<1>, q4_tile_i8<2>, q4_tile_i8<3>, q4_tile_i8<4>,
+                                   q4_tile_i8<5>, q4_tile_i8<6>, q4_tile_i8<7>, q4_tile_i8<8>};
+
 float bf16_to_float(uint16_t h) {
   const uint32_t bits = uint32_t(h) << 16;
   float f;
@@ -241,10 +300,19 @@ float bf16_to_float(uint16_t h) {
   return f;
 }
 
-// One call's operands: x [M, K] bfloat16 rows, each row's sum per block, the weight in the native layout.
+// A call's per-row scratch: each row's sum per block, and for 8-bit activations its codes and scales.
+struct Q4Scratch {
+  std::vector<float> xsum, xd;  // [M, K/32]
+  std::vector<int8_t> xq;       // [M, K], each group of 4 in the order k0, k0 + 2, k0 + 1, k0 + 3
+};
+
+// One call's operands: x [M, K] bfloat16 rows, the scratch, the weight in the native layout.
 struct Q4Call {
   const uint16_t* x;
-  const float* xsum;  // [M, K/32]
+  float* xsum;  // [M, K/32]
+  float* xd;    // [M, K/32] (int8 only)
+  int8_t* xq;   // [M, K] (int8 only)
+  bool int8;
   const uint8_t* codes;
   const uint16_t* d;
   const uint16_t* m;
@@ -252,53 +320,93 @@ struct Q4Call {
   uint16_t* out;  // [M, N] bfloat16
 };
 
-Q4Call q4_call(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
-               std::vector<float>& xsum, at::Tensor& out) {
+Q4Call q4_call(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, bool int8,
+               Q4Scratch& scratch, at::Tensor& out) {
   TORCH_CHECK(has_avx512_bf16(), "q4_matmul: needs AVX-512 BF16 (kernels/int4.py checks q4_native first)");
+  TORCH_CHECK(!int8 || has_avx512_vnni(), "q4_matmul: 8-bit activations need AVX-512 VNNI");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "q4_matmul: x [M, K] bfloat16");
   const int64_t M = x.size(0), K = x.size(1), blocks = K / kBlock, tiles = d.size(0), N = tiles * kQ4Tile;
   TORCH_CHECK(K % kBlock == 0 && codes.scalar_type() == at::kByte && codes.numel() == N * K / 2,
               "q4_matmul: codes of [N, K] in the native layout, K a multiple of 32");
   TORCH_CHECK(d.sizes() == at::IntArrayRef({tiles, blocks, kQ4Tile}) && m.sizes() == d.sizes() &&
               d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf, "q4_matmul: d, m [N/16, K/32, 16] float16");
-  xsum.resize(M * blocks);
+  scratch.xsum.resize(M * blocks);
+  if (int8) {
+    scratch.xd.resize(M * blocks);
+    scratch.xq.resize(M * K);
+  }
   if (!out.defined()) out = at::empty({M, N}, x.options());
   TORCH_CHECK(out.sizes() == at::IntArrayRef({M, N}) && out.is_contiguous() && out.scalar_type() == at::kBFloat16,
               "q4_matmul: out [M, N] bfloat16");
-  return {reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), xsum.data(), codes.data_ptr<uint8_t>(),
+  return {reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), scratch.xsum.data(), scratch.xd.data(),
+          scratch.xq.data(), int8, codes.data_ptr<uint8_t>(),
           reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>()),
           M, K, blocks, tiles, N, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())};
 }
 
-// Each row's sum over each block of 32 inputs, in index order (the minimum's term): before any tile.
-void q4_sums(const Q4Call& c) {
-  float* xsum = const_cast<float*>(c.xsum);
-  for (int64_t r = 0; r < c.M; ++r) {
+// Rows [r0, r1)'s sum over each block of 32 inputs (the minimum's term), and for 8-bit activations
+// each block's scale and codes: before any tile. A block's 32 values as two vectors of 16 floats;
+// their sum and largest magnitude by fixed sequences of vector operations (the same bits wherever the
+// row is computed); codes x / dx rounded to the nearest integer (ties to even), then put in the order
+// k0, k0 + 2, k0 + 1, k0 + 3 of each group of four that the weight lanes hold.
+__attribute__((target("avx512f,avx512bw")))
+void q4_prepare(const Q4Call& c, int64_t r0, int64_t r1) {
+  // Bytes of a 16-byte group in the order 0, 2, 1, 3 of every four.
+  const __m256i order = _mm256_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15,
+                                         0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+  for (int64_t r = r0; r < r1; ++r) {
     for (int64_t b = 0; b < c.blocks; ++b) {
-      float total = 0.0f;
-      for (int64_t i = 0; i < kBlock; ++i) total += bf16_to_float(c.x[r * c.K + kBlock * b + i]);
-      xsum[r * c.blocks + b] = total;
+      const uint16_t* xb = c.x + r * c.K + kBlock * b;
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb))), 16));
+      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))), 16));
+      c.xsum[r * c.blocks + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+      if (!c.int8) continue;
+      const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const float dx = top / 127.0f;
+      c.xd[r * c.blocks + b] = dx;
+      __m256i codes = _mm256_setzero_si256();
+      if (dx != 0.0f) {
+        const __m512 div = _mm512_set1_ps(dx);
+        const __m128i qlo = _mm512_cvtepi32_epi8(_mm512_cvt_roundps_epi32(_mm512_div_ps(lo, div),
+                                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const __m128i qhi = _mm512_cvtepi32_epi8(_mm512_cvt_roundps_epi32(_mm512_div_ps(hi, div),
+                                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        codes = _mm256_shuffle_epi8(_mm256_inserti128_si256(_mm256_castsi128_si256(qlo), qhi, 1), order);
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c.xq + r * c.K + kBlock * b), codes);
     }
   }
 }
+
+void q4_prepare(const Q4Call& c) { q4_prepare(c, 0, c.M); }
 
 // Output tiles [begin, end) of 16 features for every row: a thread's share.
 void q4_tiles(const Q4Call& c, int64_t begin, int64_t end) {
   for (int64_t t = begin; t < end; ++t) {
     for (int64_t r0 = 0; r0 < c.M; r0 += kTile) {
       const int64_t rows = std::min<int64_t>(kTile, c.M - r0);
-      kQ4Tiles[rows - 1](c.d + t * c.blocks * kQ4Tile, c.m + t * c.blocks * kQ4Tile, c.codes + t * c.blocks * kQ4TileBytes,
-                         c.x + r0 * c.K, c.xsum + r0 * c.blocks, c.blocks, c.K, c.out + r0 * c.N + t * kQ4Tile, c.N);
+      const uint16_t *d = c.d + t * c.blocks * kQ4Tile, *m = c.m + t * c.blocks * kQ4Tile;
+      const uint8_t* w = c.codes + t * c.blocks * kQ4TileBytes;
+      uint16_t* out = c.out + r0 * c.N + t * kQ4Tile;
+      if (c.int8) {
+        kQ4TilesI8[rows - 1](d, m, w, c.xq + r0 * c.K, c.xd + r0 * c.blocks, c.xsum + r0 * c.blocks, c.blocks, c.K,
+                             out, c.N);
+      } else {
+        kQ4Tiles[rows - 1](d, m, w, c.x + r0 * c.K, c.xsum + r0 * c.blocks, c.blocks, c.K, out, c.N);
+      }
     }
   }
 }
 
-at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m) {
+at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
+                     bool int8) {
   const at::Tensor xin = x.contiguous();
-  std::vector<float> xsum;
+  Q4Scratch scratch;
   at::Tensor out;
-  const Q4Call call = q4_call(xin, codes, d, m, xsum, out);
-  q4_sums(call);
+  const Q4Call call = q4_call(xin, codes, d, m, int8, scratch, out);
+  q4_prepare(call);
   at::parallel_for(0, call.tiles, 1, [&](int64_t begin, int64_t end) { q4_tiles(call, begin, end); });
   return out;
 }
@@ -672,9 +780,9 @@ std::pair<int64_t, int64_t> share(int64_t n, int tid, int team) {
 class LayerStack {
  public:
   LayerStack(std::vector<std::vector<at::Tensor>> layers, double eps, int64_t num_heads, int64_t num_kv_heads,
-             int64_t head_dim, double scale, std::vector<int64_t> windows)
+             int64_t head_dim, double scale, std::vector<int64_t> windows, bool int8)
       : layers_(std::move(layers)), eps_(eps), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
-        head_dim_(head_dim), scale_(scale), windows_(std::move(windows)) {
+        head_dim_(head_dim), scale_(scale), windows_(std::move(windows)), int8_(int8) {
     TORCH_CHECK(!layers_.empty() && windows_.size() == layers_.size(), "LayerStack: one window per layer");
     for (const auto& l : layers_) {
       TORCH_CHECK(l.size() == 14, "LayerStack: 2 norms and 4 projections as (codes, d, m) per layer");
@@ -698,7 +806,7 @@ class LayerStack {
     at::Tensor outs[2] = {at::empty({M, H}, opts), at::empty({M, H}, opts)};
     AttentionCall attn_call;
     at::Tensor qkv, hidden, gate_up, act, down;
-    std::vector<float> sums[4];
+    Q4Scratch sums[4];
     std::vector<Layer> work;
     for (int64_t l = 0; l < L; ++l) {
       const auto& w = layers_[l];
@@ -707,7 +815,7 @@ class LayerStack {
       layer.out = bf16_data(outs[l % 2]);
       layer.in_w = bf16_data(w[0]);
       layer.post_w = bf16_data(w[1]);
-      layer.qkv = q4_call(normed, w[2], w[3], w[4], sums[0], qkv);
+      layer.qkv = q4_call(normed, w[2], w[3], w[4], int8_, sums[0], qkv);
       const at::Tensor qkv3 = qkv.view({B, T_, qkv.size(1)});
       if (l == 0) {
         attn_call = attention_call(qkv3, k[0], v[0], cos_table, sin_table, slots, starts, sources, num_heads_,
@@ -720,13 +828,13 @@ class LayerStack {
       at::Tensor kl = k[l], vl = v[l];
       layer.attn = attn_call.bind<at::BFloat16>(qkv3, kl, vl, cos_table, sin_table, num_heads_, num_kv_heads_,
                                                 head_dim_, scale_, windows_[l]);
-      layer.o = q4_call(attn_call.out.view({M, attn_call.out.size(2)}), w[5], w[6], w[7], sums[1], hidden);
+      layer.o = q4_call(attn_call.out.view({M, attn_call.out.size(2)}), w[5], w[6], w[7], int8_, sums[1], hidden);
       TORCH_CHECK(hidden.size(1) == H, "LayerStack: o_proj gives ", hidden.size(1), " features, not ", H);
-      layer.gate_up = q4_call(normed2, w[8], w[9], w[10], sums[2], gate_up);
+      layer.gate_up = q4_call(normed2, w[8], w[9], w[10], int8_, sums[2], gate_up);
       const int64_t I = gate_up.size(1) / 2;
       if (!act.defined()) act = at::empty({M, I}, opts);
       TORCH_CHECK(act.size(1) == I, "LayerStack: every layer's intermediate size like the first's");
-      layer.down = q4_call(act, w[11], w[12], w[13], sums[3], down);
+      layer.down = q4_call(act, w[11], w[12], w[13], int8_, sums[3], down);
       TORCH_CHECK(down.size(1) == H, "LayerStack: down_proj gives ", down.size(1), " features, not ", H);
       work.push_back(layer);
     }
@@ -761,7 +869,7 @@ class LayerStack {
 #pragma omp single
     {
       for (int64_t r = 0; r < M; ++r) rms_row(l.x + r * H, l.in_w, H, s.eps, s.normed + r * H);
-      q4_sums(l.qkv);
+      q4_prepare(l.qkv);
     }  // (a single ends at a barrier)
     auto [q0, q1] = share(l.qkv.tiles, tid, team);
     q4_tiles(l.qkv, q0, q1);
@@ -773,7 +881,7 @@ class LayerStack {
     l.attn.attend(a0, a1);
 #pragma omp barrier
 #pragma omp single
-    q4_sums(l.o);
+    q4_prepare(l.o);
     auto [o0, o1] = share(l.o.tiles, tid, team);
     q4_tiles(l.o, o0, o1);
 #pragma omp barrier
@@ -781,7 +889,7 @@ class LayerStack {
     {
       for (int64_t i = 0; i < M * H; ++i) s.hidden[i] = to_bf16(bf16_to_float(s.hidden[i]) + bf16_to_float(l.x[i]));  // o + x
       for (int64_t r = 0; r < M; ++r) rms_row(s.hidden + r * H, l.post_w, H, s.eps, s.normed2 + r * H);
-      q4_sums(l.gate_up);
+      q4_prepare(l.gate_up);
     }
     auto [g0, g1] = share(l.gate_up.tiles, tid, team);
     q4_tiles(l.gate_up, g0, g1);
@@ -792,7 +900,7 @@ class LayerStack {
       // caller's thread-local state (inference mode), which the team's other threads do not.
       at::Tensor act = s.act;
       at::mul_out(act, at::silu(s.gate_up.narrow(1, 0, I)), s.gate_up.narrow(1, I, I));
-      q4_sums(l.down);
+      q4_prepare(l.down);
     }
 #pragma omp barrier
     auto [d0, d1] = share(l.down.tiles, tid, team);
@@ -807,6 +915,7 @@ class LayerStack {
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scale_;
   std::vector<int64_t> windows_;
+  bool int8_;  // 8-bit activations in the projections (q4_tile_i8)
 };
 
 // ---------------------------------------------------------------------------------------------------
@@ -883,15 +992,18 @@ std::vector<at::Tensor> greedy_verify(const at::Tensor& logits, const at::Tensor
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("q4_matmul", &q4_matmul, "x [M, K] bfloat16 @ Q4_1 codes in the native layout -> [M, N] bfloat16");
+  module.def("q4_matmul", &q4_matmul, "x [M, K] bfloat16 @ Q4_1 codes in the native layout -> [M, N] bfloat16",
+             pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("d"), pybind11::arg("m"),
+             pybind11::arg("int8") = false);
   module.def("q8_matmul", &q8_matmul, "x [M, K] @ Q8_0 codes [N, K] (d [N, K/32]) -> [M, N] float32");
   module.def("greedy_verify", &greedy_verify, "argmax of every row of CPU float32 logits and the accepted prefix");
   module.def("rms_norm", &rms_norm_bf16, "RMS norm of bfloat16 rows, normalised in float32 (each row on its own)");
   pybind11::class_<LayerStack>(module, "LayerStack", "Llama decoder layers in one parallel region per forward")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, double, int64_t, int64_t, int64_t, double,
-                          std::vector<int64_t>>())
+                          std::vector<int64_t>, bool>())
       .def("forward", &LayerStack::forward);
   module.def("attention", &attention, "RoPE, the cache write and attention over each row's own keys, for one layer");
   module.def("has_avx512", &has_avx512, "whether the AVX-512 paths run on this CPU");
   module.def("has_avx512_bf16", &has_avx512_bf16, "whether bfloat16 activations take the dot-product path");
+  module.def("has_avx512_vnni", &has_avx512_vnni, "whether 8-bit activations can take the integer dot-product path");
 }

@@ -60,6 +60,11 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 # Whether layers that can run as one native call do (``_LlamaLayer.native_weights``); benchmarks turn
 # it off to measure the op-by-op path beside it.
 FUSED_LAYERS = True
+# Whether the native layers round their projections' inputs to 8 bits per block of 32 (integer dot
+# products, kernels/csrc/cpu_ops.cpp ``q4_tile_i8``): faster for verify windows, but ~4x the logit
+# error of the bfloat16 path on SmolLM2 (docs/benchmarks.md, "Decoding at the hardware's limit"). Off:
+# `bench step` measures it beside the served path; nothing serves it.
+INT8_ACTIVATIONS = False
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -343,12 +348,12 @@ class LlamaForCausalLM(CausalLM):
     def native_runs(self, dtype: torch.dtype) -> list[tuple[range, NativeStack | None]]:
         """The layers in runs: each run of consecutive layers that can run natively
         (``_LlamaLayer.native_plan``) as one native call (``NativeStack``), the others one by one
-        (None). Built once and kept while the layers' matrices, ``dtype`` and ``FUSED_LAYERS`` are the
-        same objects (a swapped matrix builds them anew). Checked every forward, so only what can be
+        (None). Built once and kept while the layers' matrices, ``dtype``, ``FUSED_LAYERS`` and
+        ``INT8_ACTIVATIONS`` are the same objects (a swapped matrix builds them anew). Checked every forward, so only what can be
         swapped is compared: the four matrices, plain attributes. The norms are parameters, only ever
         updated in place (which the stacks see: they hold the same tensors), and reading 60 of them
         through ``nn.Module.__getattr__`` cost ~70 µs a forward."""
-        key = (dtype, FUSED_LAYERS, *(t for layer in self.layers for t in (
+        key = (dtype, FUSED_LAYERS, INT8_ACTIVATIONS, *(t for layer in self.layers for t in (
             layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)))
         kept = self._native_runs
         if kept is not None and len(kept[0]) == len(key) and all(a is b for a, b in zip(kept[0], key)):
@@ -358,7 +363,7 @@ class LlamaForCausalLM(CausalLM):
         start = 0
         for end in range(1, len(plans) + 1):  # a run ends where the next layer differs in being native
             if end == len(plans) or (plans[end] is None) != (plans[start] is None):
-                stack = NativeStack.build(plans[start:end]) if plans[start] is not None else None
+                stack = NativeStack.build(plans[start:end], INT8_ACTIVATIONS) if plans[start] is not None else None
                 runs.append((range(start, end), stack))
                 start = end
         self._native_runs = (key, runs)

@@ -326,6 +326,10 @@ def test_bench_step_measures_the_bound_the_verify_curve_and_the_host_work(model_
     assert served["noisy_over_quiet"] == same(served["noisy"] / served["quiet"])
     assert served["noisy"] == same(sum(served["noisy_runs"]) / 2)
     assert data["llama_cpp"] is None and "no GGUF file" in data["llama_cpp_note"]  # a safetensors target
+    # logits against the file's values in float32: this float32 target serves them unchanged (no
+    # native layers, so no 8-bit activation variant)
+    assert set(data["accuracy"]) == {"dense", "ours"} and "ours_int8_activations" not in data
+    assert all(a["mean_abs"] == a["max_abs"] == 0 and a["top1_agree"] == 1 for a in data["accuracy"].values())
     goals = {g["goal"]: g for g in data["goals"]}
     assert goals["verify over 16 ÷ step"]["met"] == (data["verify_over_step"][16] <= 1.6)
     assert goals["served decoding, noisy ÷ quiet"]["met"] == (served["noisy_over_quiet"] >= 0.9)

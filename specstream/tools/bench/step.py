@@ -41,13 +41,17 @@ from pathlib import Path
 
 import torch
 
+from kernels import native
 from kernels.int4 import Q4Weight
 from kernels.int8 import Q8Weight
 from specstream.data.config import ModelSpec, TargetConfig
 from specstream.data.engine import SequenceRequest, Speculation
 from specstream.models import llama
+from specstream.models.loader import load_model
+from specstream.models.registry import resolve_model
 from specstream.serving.compute import on_torch_thread
 from specstream.tools.bench import report
+from specstream.tools.bench.compiled import compiled_curve
 from specstream.tools.bench.models import BenchModels
 from specstream.tools.bench.noisy import noisy_neighbours, served_decoding
 from specstream.tools.progress import Progress
@@ -62,6 +66,7 @@ HOST_TARGETS_MS = {1: 0.5, 32: 2.0}  # host work per engine step, at most, by ba
 NOISY_TARGET = 0.9  # noisy ÷ quiet decode speed, at least
 BATCHES = (8, 32)  # plain decoding throughput, new ÷ the torch paths
 BATCH_TARGET = 1.3  # at least
+ACCURACY_PROMPTS = 8  # prompts whose logits are compared with the file's exact values
 
 
 # ----- what a step reads, and how fast this machine reads ---------------------------------------
@@ -110,32 +115,40 @@ def read_bandwidth_gbs(threads: int, size_bytes: int = 1 << 29, repeats: int = 7
 # ----- our forward ------------------------------------------------------------------------------
 
 @torch.inference_mode()
-def forward_curves(variants: dict[str, tuple[object, bool]], context: int = CONTEXT,
+def forward_curves(variants: dict[str, tuple], context: int = CONTEXT,
                    positions: tuple[int, ...] = POSITIONS, repeats: int = 20) -> dict[str, dict[int, float]]:
     """Median ms of a forward (layers and output layer over every position) over each number of
     new positions after ``context`` cached ones, batch 1, for each variant: name -> (model, whether
-    its layers run fused). Variants and positions take turns, round after round, so a slow spell
-    of a shared machine falls on all of them alike."""
+    its layers run fused[, whether with 8-bit activations: ``llama.INT8_ACTIVATIONS``]); a model
+    keeps its native stacks for one setting, so give each setting a model of its own. Variants and
+    positions take turns, round after round, so a slow spell of a shared machine falls on all of
+    them alike."""
     runs = {}
-    for name, (model, fused) in variants.items():
-        cache = model.new_cache(1, context + max(positions) + 1)
-        model(torch.zeros(1, context, dtype=torch.int64), cache, torch.tensor([0]), torch.tensor([0]))
-        runs[name] = (model, fused, cache)
-    slot, start = torch.tensor([0]), torch.tensor([context])
-    ids = {n: torch.full((1, n), 100, dtype=torch.int64) for n in positions}  # [1, n]
-    times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in positions} for name in variants}
     try:
+        for name, (model, fused, *int8) in variants.items():
+            _set_variant(fused, *int8)
+            cache = model.new_cache(1, context + max(positions) + 1)
+            model(torch.zeros(1, context, dtype=torch.int64), cache, torch.tensor([0]), torch.tensor([0]))
+            runs[name] = (model, (fused, *int8), cache)
+        slot, start = torch.tensor([0]), torch.tensor([context])
+        ids = {n: torch.full((1, n), 100, dtype=torch.int64) for n in positions}  # [1, n]
+        times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in positions} for name in variants}
         for i in range(repeats + 3):
-            for name, (model, fused, cache) in runs.items():
-                llama.FUSED_LAYERS = fused
+            for name, (model, setting, cache) in runs.items():
+                _set_variant(*setting)
                 for n in positions:
                     begin = time.perf_counter()
                     model(ids[n], cache, slot, start)
                     if i >= 3:
                         times[name][n].append((time.perf_counter() - begin) * 1000)
     finally:
-        llama.FUSED_LAYERS = True
+        _set_variant(True)
     return {name: {n: statistics.median(t) for n, t in by_n.items()} for name, by_n in times.items()}
+
+
+def _set_variant(fused: bool, int8: bool = False) -> None:
+    llama.FUSED_LAYERS = fused
+    llama.INT8_ACTIVATIONS = int8
 
 
 def forward_curve(model, context: int = CONTEXT, positions: tuple[int, ...] = POSITIONS,
@@ -217,6 +230,97 @@ def _tokens_per_s(model, batch: int) -> float:
     return batch * 1000 / timings["step_ms"]
 
 
+# ----- what the fast paths cost in accuracy -----------------------------------------------------
+
+@torch.inference_mode()
+def logits_error(exact, variants: dict[str, tuple], prompts: list[list[int]]) -> dict[str, dict[str, float]]:
+    """Each variant's logits (name -> (model, fused, int8) as ``forward_curves`` takes them) against
+    ``exact``'s (the file's values in float32) over every position of ``prompts``: the mean and
+    largest |difference| and how often the top token is the same."""
+    want = [_prompt_logits(exact, ids) for ids in prompts]
+    out = {}
+    try:
+        for name, (model, *setting) in variants.items():
+            _set_variant(*setting)
+            out[name] = _error_summary([_prompt_logits(model, ids) for ids in prompts], want)
+    finally:
+        _set_variant(True)
+    return out
+
+
+def _prompt_logits(model, ids: list[int]) -> torch.Tensor:
+    cache = model.new_cache(1, len(ids))
+    return model(torch.tensor([ids]), cache, torch.tensor([cache.alloc()]), torch.tensor([0]))[0].float()  # [T, V]
+
+
+def _error_summary(got: list[torch.Tensor], want: list[torch.Tensor]) -> dict[str, float]:
+    diffs = torch.cat([(g - w).abs().flatten() for g, w in zip(got, want)])
+    same = torch.cat([g.argmax(-1) == w.argmax(-1) for g, w in zip(got, want)]).float()
+    return {"mean_abs": diffs.mean().item(), "max_abs": diffs.max().item(), "top1_agree": same.mean().item()}
+
+
+def llama_cpp_logits_apart(gguf: Path, prompts: list[list[int]]) -> list[list[list[float]]] | None:
+    """llama.cpp's logits at every position of each prompt (one ``llama_decode`` per prompt), in a
+    process of its own; None without llama-cpp-python."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    code = ("import json, sys; from specstream.tools.bench.step import llama_cpp_logits; "
+            "print(json.dumps(llama_cpp_logits(sys.argv[1], json.loads(sys.stdin.read()))))")
+    done = subprocess.run([sys.executable, "-c", code, str(gguf)], input=json.dumps(prompts), capture_output=True,
+                          text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def llama_cpp_logits(gguf: Path, prompts: list[list[int]]) -> list[list[list[float]]]:
+    from llama_cpp import Llama  # optional: installed by `make peer`
+
+    llm = Llama(model_path=str(gguf), n_ctx=max(len(p) for p in prompts) + 8, n_threads=os.cpu_count(),
+                n_batch=512, logits_all=True, verbose=False)
+    out = []
+    for ids in prompts:
+        llm.reset()
+        llm.eval(ids)
+        out.append([list(map(float, row)) for row in llm.scores[:len(ids)]])
+    return out
+
+
+def llama_cpp_invariance_apart(gguf: Path, positions: tuple[int, ...] = POSITIONS[1:]) -> dict[int, dict] | None:
+    """``llama_cpp_invariance`` in a process of its own; None without llama-cpp-python."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    code = ("import json, sys; from specstream.tools.bench.step import llama_cpp_invariance; "
+            f"print(json.dumps(llama_cpp_invariance(sys.argv[1], {tuple(positions)!r})))")
+    done = subprocess.run([sys.executable, "-c", code, str(gguf)], capture_output=True, text=True, check=True)
+    return {int(n): v for n, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+
+
+def llama_cpp_invariance(gguf: Path, positions: tuple[int, ...], context: int = CONTEXT) -> dict[int, dict]:
+    """Whether ggml computes a position's logits the same alone as in a verify-shaped batch: after
+    ``context`` cached tokens, the same new tokens decoded one per ``llama_decode`` and n at once;
+    per n, the largest |difference| and how many of the n rows differ at all (ours: none, by
+    construction and by test, tests/test_native_ops.py)."""
+    import numpy as np
+    from llama_cpp import Llama  # optional: installed by `make peer`
+
+    llm = Llama(model_path=str(gguf), n_ctx=context + max(positions) + 8, n_threads=os.cpu_count(), n_batch=512,
+                logits_all=True, verbose=False)
+    prefix = [1 + i % 50 for i in range(context)]
+    new = [100 + 7 * i for i in range(max(positions))]
+    llm.reset()
+    llm.eval(prefix)
+    for token in new:
+        llm.eval([token])
+    alone = np.array(llm.scores[context:context + len(new)])  # [n, V]
+    out = {}
+    for n in positions:
+        llm.reset()
+        llm.eval(prefix)
+        llm.eval(new[:n])
+        diff = np.abs(np.array(llm.scores[context:context + n]) - alone[:n])  # [n, V]
+        out[n] = {"max_abs": float(diff.max()), "rows_differing": int((diff.max(axis=1) > 0).sum())}
+    return out
+
+
 # ----- llama.cpp --------------------------------------------------------------------------------
 
 def llama_cpp_curve_apart(gguf: Path, positions: tuple[int, ...] = POSITIONS, repeats: int = 20
@@ -275,13 +379,31 @@ def _measure(models: BenchModels, progress: Progress) -> dict:
                              threads: on_torch_thread(read_bandwidth_gbs, threads)}
     data["bound_ms"] = data["bytes"]["total"] / data["bandwidth_gbs"][threads] / 1e6
     progress.update()
-    progress.phase("step: our forward, fused, op by op and on ATen's int4 kernel")
+    progress.phase("step: our forward, fused, op by op, with 8-bit activations and on ATen's int4 kernel")
     variants = {"ours": (model, True), "ours_op_by_op": (model, False)}
+    int8 = models.load("target")
+    if _int8_ready(int8):
+        variants["ours_int8_activations"] = (int8, True, True)
     old = models.load("target")
     if on_torch_thread(with_aten_int4, old):
         variants["ours_aten_int4"] = (old, False)
     data.update(on_torch_thread(forward_curves, variants))
-    del old, variants
+    del old
+    progress.update()
+    progress.phase("step: logits against the file's exact values")
+    exact = on_torch_thread(load_model, models.target, dtype="float32", resolve=resolve_model, weights="dense")
+    dense = on_torch_thread(load_model, models.target, dtype=models.dtype, resolve=resolve_model, weights="dense")
+    prompts = models.prompts(ACCURACY_PROMPTS)
+    checked = {"dense": (dense, True), "ours": (model, True),
+               **({"ours_int8_activations": variants["ours_int8_activations"]}
+                  if "ours_int8_activations" in variants else {})}
+    data["accuracy"] = on_torch_thread(logits_error, exact, checked, prompts)
+    if models.gguf is not None:
+        peer = llama_cpp_logits_apart(models.gguf, prompts)
+        if peer is not None:
+            want = [on_torch_thread(_prompt_logits, exact, ids) for ids in prompts]
+            data["accuracy"]["llama_cpp"] = _error_summary([torch.tensor(p) for p in peer], want)
+    del exact, dense, int8, variants
     progress.update()
     progress.phase("step: host work per engine step")
     data["host"] = {b: host_ms_per_step(model, b) for b in HOST_TARGETS_MS}
@@ -301,6 +423,13 @@ def _measure(models: BenchModels, progress: Progress) -> dict:
     return data
 
 
+def _int8_ready(model) -> bool:
+    """Whether ``model`` runs native layers that can take 8-bit activations (AVX-512 VNNI)."""
+    library = native.library()
+    return (library is not None and library.has_avx512_vnni()
+            and any(stack is not None for _, stack in model.native_runs(model.dtype)))
+
+
 def _measure_peer(models: BenchModels, data: dict, progress: Progress) -> None:
     progress.phase("step: llama.cpp")
     if models.gguf is None:
@@ -309,6 +438,7 @@ def _measure_peer(models: BenchModels, data: dict, progress: Progress) -> None:
     else:
         data["llama_cpp"] = llama_cpp_curve_apart(models.gguf)
         if data["llama_cpp"] is not None:
+            data["llama_cpp_invariance"] = llama_cpp_invariance_apart(models.gguf)
             with noisy_neighbours():
                 data["llama_cpp_noisy"] = llama_cpp_curve_apart(models.gguf, positions=(1,), repeats=10)
         else:
@@ -316,9 +446,15 @@ def _measure_peer(models: BenchModels, data: dict, progress: Progress) -> None:
     progress.update()
 
 
-def run(models: BenchModels, out_dir: Path, quiet: bool = False) -> dict:
-    with Progress(8, "measurements", "step", quiet=quiet) as progress:
+def run(models: BenchModels, out_dir: Path, quiet: bool = False, compiled: bool = False) -> dict:
+    with Progress(10 if compiled else 9, "measurements", "step", quiet=quiet) as progress:
         data = _measure(models, progress)
+        if compiled:
+            progress.phase("step: the forward compiled over a static cache (torch.compile, a shape per bucket)")
+            model = models.load("target")
+            data["compiled"] = on_torch_thread(compiled_curve, model, CONTEXT, POSITIONS)
+            del model
+            progress.update()
         _measure_peer(models, data, progress)
     _summarize(data)
     print(tables(data), flush=True)
@@ -369,12 +505,19 @@ def tables(data: dict, markdown: bool = False) -> str:
             f"GB/s ({data['bandwidth_gbs'][1]:.1f} on one thread): bound {data['bound_ms']:.2f} ms")
     peer = data.get("llama_cpp") or {}
     old = data.get("ours_aten_int4") or {}
+    int8 = data.get("ours_int8_activations") or {}
     ops = data["ours_op_by_op"]
     rows = [[n, data["ours"][n], data["verify_over_step"][n], TARGETS.get(n, "-"), ops[n],
+             *([int8[n], int8[n] / int8[1]] if int8 else []),
              *([old[n], old[n] / old[1]] if old else []),
              *([peer[n], data["llama_cpp_verify_over_step"][n]] if peer else [])] for n in data["ours"]]
     headers = ["positions", "ours ms", "÷ step", "target", "op by op ms",
+               *(["8-bit activations ms", "÷ step"] if int8 else []),
                *(["ATen int4 ms", "÷ step"] if old else []), *(["llama.cpp ms", "÷ step"] if peer else [])]
+    names = {"dense": f"dense {data['dtype']}", "ours": "ours, as served", "ours_int8_activations":
+             "ours, 8-bit activations", "llama_cpp": "llama.cpp"}
+    accuracy = [[names.get(k, k), a["mean_abs"], a["max_abs"], a["top1_agree"]]
+                for k, a in data.get("accuracy", {}).items()]
     goals = [[g["goal"], g["value"], g["target"], "met" if g["met"] else "MISSED"] for g in data["goals"]]
     served = data["served"]
     noisy = (f"served plain decoding, client-timed: {served['quiet']:.1f} tok/s quiet, {served['noisy']:.1f} beside "
@@ -383,7 +526,23 @@ def tables(data: dict, markdown: bool = False) -> str:
         noisy += f"; llama.cpp's step noisy ÷ quiet: {data['llama_cpp_noisy_over_quiet']:.2f}"
     noisy += "\nplain decoding, in-process engine, tokens/s: " + ", ".join(
         f"batch {b} {t['new']:.1f} (torch paths {t['old']:.1f}, {t['ratio']:.2f}x)" for b, t in data["batch_throughput"].items())
-    return "\n\n".join([head, fmt(headers, rows), noisy, fmt(["goal", "measured", "target", ""], goals)])
+    parts = [head, fmt(headers, rows), noisy]
+    if data.get("compiled"):
+        c = data["compiled"]
+        parts.append(f"the forward compiled over a static cache (torch.compile, our {c['matmul']} matmuls as extern "
+                     "kernels), against the same forward eager, and its logits against ours:\n" + fmt(
+                         ["positions", "compile s", "compiled ms", "÷ ours", "eager ms", "max |Δ| logits",
+                          "same greedy tokens"],
+                         [[n, c["compile_s"][n], c["compiled"][n], c["compiled"][n] / data["ours"][n], c["eager"][n],
+                           c["agreement"][n]["max_abs"], c["agreement"][n]["same_greedy"]] for n in c["compiled"]]))
+    if data.get("llama_cpp_invariance"):
+        parts.append("llama.cpp, a position's logits in a batch of n against the same position decoded alone: " +
+                     "; ".join(f"n={n}: {v['rows_differing']} of {n} rows differ, by up to {v['max_abs']:.3g}"
+                               for n, v in data["llama_cpp_invariance"].items()))
+    if accuracy:
+        parts.append("logits against the file's values in float32, every position of "
+                     f"{ACCURACY_PROMPTS} prompts:\n" + fmt(["path", "mean |Δ|", "max |Δ|", "same top token"], accuracy))
+    return "\n\n".join([*parts, fmt(["goal", "measured", "target", ""], goals)])
 
 
 def _plot(data: dict, path: Path) -> None:
@@ -393,6 +552,10 @@ def _plot(data: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     series: dict[str, Callable[[], dict]] = {"ours": lambda: data["ours"]}
     series["ours, layers op by op"] = lambda: data["ours_op_by_op"]
+    if data.get("compiled"):
+        series["torch.compile, static cache"] = lambda: {int(n): ms for n, ms in data["compiled"]["compiled"].items()}
+    if data.get("ours_int8_activations"):
+        series["ours, 8-bit activations"] = lambda: data["ours_int8_activations"]
     if data.get("ours_aten_int4"):
         series["ours, ATen's int4 matmul, op by op"] = lambda: data["ours_aten_int4"]
     if data.get("llama_cpp"):

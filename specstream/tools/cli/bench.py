@@ -125,7 +125,7 @@ def _beam(args: argparse.Namespace, out: Path) -> None:
 def _step(args: argparse.Namespace, out: Path) -> None:
     from specstream.tools.bench import step
 
-    step.run(bench_models(args), out, quiet=args.quiet)
+    step.run(bench_models(args), out, quiet=args.quiet, compiled=args.compiled)
 
 
 # `specstream bench KIND`: KIND's entry, called with the flags and --out (made beforehand).
@@ -209,3 +209,7 @@ def _kernels_flags(p: argparse.ArgumentParser) -> None:
                                           "576 on CPU)")
     p.add_argument("--device", default=None, help="kernels: cuda or cpu (default: cuda when there is one)")
     p.add_argument("--no-model", action="store_true", help="kernels: skip the decode-step share on the target")
+    p.add_argument("--compiled", action="store_true",
+                   help="step: also compile the forward with torch.compile over a static cache, one shape per "
+                        "number of positions (gpt-fast's recipe), and time it beside ours (about a minute of "
+                        "compiling per shape on 2 cores)")
