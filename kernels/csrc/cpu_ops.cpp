@@ -185,7 +185,7 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // formed with four instructions, once for every row of the call. Each row then takes them in two
 // dot-product instructions against its inputs (k0, k0 + 1) and (k0 + 2, k0 + 3) broadcast to every lane:
 // s += q x exactly per product, summed in float32. A block ends with y += d s, then y += m Σx (Σx: the
-// row's sum over the block, in float32, in index order). Everything a row's output sees is fixed by its
+// row's sum over the block in float32, by a fixed sequence of vector additions). Everything a row's output sees is fixed by its
 // own inputs: the same bits whatever the number of rows.
 
 constexpr int64_t kQ4Tile = 16;                   // output features per tile: the lanes
@@ -344,17 +344,17 @@ Q4Call q4_call(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d
           M, K, blocks, tiles, N, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())};
 }
 
-// Rows [r0, r1)'s sum over each block of 32 inputs (the minimum's term), and for 8-bit activations
-// each block's scale and codes: before any tile. A block's 32 values as two vectors of 16 floats;
+// Each row's sum over each block of 32 inputs (the minimum's term), and for 8-bit activations each
+// block's scale and codes: before any tile. A block's 32 values as two vectors of 16 floats;
 // their sum and largest magnitude by fixed sequences of vector operations (the same bits wherever the
 // row is computed); codes x / dx rounded to the nearest integer (ties to even), then put in the order
 // k0, k0 + 2, k0 + 1, k0 + 3 of each group of four that the weight lanes hold.
 __attribute__((target("avx512f,avx512bw")))
-void q4_prepare(const Q4Call& c, int64_t r0, int64_t r1) {
+void q4_prepare(const Q4Call& c) {
   // Bytes of a 16-byte group in the order 0, 2, 1, 3 of every four.
   const __m256i order = _mm256_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15,
                                          0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
-  for (int64_t r = r0; r < r1; ++r) {
+  for (int64_t r = 0; r < c.M; ++r) {
     for (int64_t b = 0; b < c.blocks; ++b) {
       const uint16_t* xb = c.x + r * c.K + kBlock * b;
       const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -379,8 +379,6 @@ void q4_prepare(const Q4Call& c, int64_t r0, int64_t r1) {
     }
   }
 }
-
-void q4_prepare(const Q4Call& c) { q4_prepare(c, 0, c.M); }
 
 // Output tiles [begin, end) of 16 features for every row: a thread's share.
 void q4_tiles(const Q4Call& c, int64_t begin, int64_t end) {

@@ -21,8 +21,12 @@ agreement with the served model); `bench step` reports it beside the native stac
 
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -186,3 +190,20 @@ def compiled_curve(model, context: int, positions: tuple[int, ...], repeats: int
     return {"matmul": matmul, "compile_s": compile_s,
             **{name: {n: statistics.median(t) for n, t in by_n.items()} for name, by_n in times.items()},
             "agreement": agreement}
+
+
+def compiled_curve_apart(target: Path, dtype: str, weights: str, context: int, positions: tuple[int, ...],
+                         matmul: str = "native") -> dict:
+    """``compiled_curve`` of the model at ``target`` in a process of its own, every torch op on its
+    main thread: inductor's compile threads and a second thread's OpenMP team slow a process's
+    torch ops by up to 3x afterwards on 2 cores (measured), which would fall on the figures beside it."""
+    code = ("import json, sys, torch; from specstream.models.loader import load_model; "
+            "from specstream.tools.bench.compiled import compiled_curve; "
+            "m = load_model(sys.argv[1], dtype=sys.argv[2], weights=sys.argv[3]); "
+            f"print(json.dumps(compiled_curve(m, {context}, {tuple(positions)!r}, matmul={matmul!r})))")
+    done = subprocess.run([sys.executable, "-c", code, str(target), dtype, weights], capture_output=True, text=True,
+                          check=True)
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for key in ("compile_s", "compiled", "eager", "agreement"):
+        out[key] = {int(n): v for n, v in out[key].items()}
+    return out

@@ -51,7 +51,7 @@ from specstream.models.loader import load_model
 from specstream.models.registry import resolve_model
 from specstream.serving.compute import on_torch_thread
 from specstream.tools.bench import report
-from specstream.tools.bench.compiled import compiled_curve
+from specstream.tools.bench.compiled import compiled_curve_apart
 from specstream.tools.bench.models import BenchModels
 from specstream.tools.bench.noisy import noisy_neighbours, served_decoding
 from specstream.tools.progress import Progress
@@ -259,6 +259,11 @@ def _error_summary(got: list[torch.Tensor], want: list[torch.Tensor]) -> dict[st
     return {"mean_abs": diffs.mean().item(), "max_abs": diffs.max().item(), "top1_agree": same.mean().item()}
 
 
+@torch.inference_mode()
+def _peer_error(exact, prompts: list[list[int]], peer: list[list[list[float]]]) -> dict[str, float]:
+    return _error_summary([torch.tensor(p) for p in peer], [_prompt_logits(exact, ids) for ids in prompts])
+
+
 def llama_cpp_logits_apart(gguf: Path, prompts: list[list[int]]) -> list[list[list[float]]] | None:
     """llama.cpp's logits at every position of each prompt (one ``llama_decode`` per prompt), in a
     process of its own; None without llama-cpp-python."""
@@ -400,9 +405,8 @@ def _measure(models: BenchModels, progress: Progress) -> dict:
     data["accuracy"] = on_torch_thread(logits_error, exact, checked, prompts)
     if models.gguf is not None:
         peer = llama_cpp_logits_apart(models.gguf, prompts)
-        if peer is not None:
-            want = [on_torch_thread(_prompt_logits, exact, ids) for ids in prompts]
-            data["accuracy"]["llama_cpp"] = _error_summary([torch.tensor(p) for p in peer], want)
+        if peer is not None:  # on the torch thread: a second thread's torch ops would slow it afterwards
+            data["accuracy"]["llama_cpp"] = on_torch_thread(_peer_error, exact, prompts, peer)
     del exact, dense, int8, variants
     progress.update()
     progress.phase("step: host work per engine step")
@@ -451,9 +455,10 @@ def run(models: BenchModels, out_dir: Path, quiet: bool = False, compiled: bool 
         data = _measure(models, progress)
         if compiled:
             progress.phase("step: the forward compiled over a static cache (torch.compile, a shape per bucket)")
-            model = models.load("target")
-            data["compiled"] = on_torch_thread(compiled_curve, model, CONTEXT, POSITIONS)
-            del model
+            # our kernels as extern calls, and ATen's int4 kernel (the weight-only quantised matmul
+            # inductor calls on a CPU without AMX)
+            data["compiled"] = {matmul: compiled_curve_apart(models.target, models.dtype, models.weights, CONTEXT,
+                                                             POSITIONS, matmul) for matmul in ("native", "int4")}
             progress.update()
         _measure_peer(models, data, progress)
     _summarize(data)
@@ -527,10 +532,10 @@ def tables(data: dict, markdown: bool = False) -> str:
     noisy += "\nplain decoding, in-process engine, tokens/s: " + ", ".join(
         f"batch {b} {t['new']:.1f} (torch paths {t['old']:.1f}, {t['ratio']:.2f}x)" for b, t in data["batch_throughput"].items())
     parts = [head, fmt(headers, rows), noisy]
-    if data.get("compiled"):
-        c = data["compiled"]
-        parts.append(f"the forward compiled over a static cache (torch.compile, our {c['matmul']} matmuls as extern "
-                     "kernels), against the same forward eager, and its logits against ours:\n" + fmt(
+    for matmul, c in (data.get("compiled") or {}).items():
+        what = "our kernels" if matmul == "native" else "ATen's int4 kernel" if matmul == "int4" else matmul
+        parts.append(f"the forward compiled over a static cache (torch.compile; matrices: {what}), against the same "
+                     "forward eager, and its logits against ours:\n" + fmt(
                          ["positions", "compile s", "compiled ms", "÷ ours", "eager ms", "max |Δ| logits",
                           "same greedy tokens"],
                          [[n, c["compile_s"][n], c["compiled"][n], c["compiled"][n] / data["ours"][n], c["eager"][n],
@@ -552,8 +557,8 @@ def _plot(data: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     series: dict[str, Callable[[], dict]] = {"ours": lambda: data["ours"]}
     series["ours, layers op by op"] = lambda: data["ours_op_by_op"]
-    if data.get("compiled"):
-        series["torch.compile, static cache"] = lambda: {int(n): ms for n, ms in data["compiled"]["compiled"].items()}
+    for matmul, c in (data.get("compiled") or {}).items():
+        series[f"torch.compile, static cache ({matmul})"] = lambda c=c: {int(n): ms for n, ms in c["compiled"].items()}
     if data.get("ours_int8_activations"):
         series["ours, 8-bit activations"] = lambda: data["ours_int8_activations"]
     if data.get("ours_aten_int4"):
