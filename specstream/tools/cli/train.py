@@ -30,8 +30,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                                            "own chat responses (hours on 2 CPU cores)")
     p.add_argument("--out", help="draft directory (default: the package's drafts/smollm2-135m-draft/)")
     p.add_argument("--work-dir", help="intermediate files (default: <model cache>/distill/smollm2-135m-draft)")
-    p.add_argument("--stage", action="append", default=None, choices=["all", "prompts", "generate", "train", "card"],
+    p.add_argument("--kind", choices=["token", "feature"], default="token",
+                   help="token: the shipped 2-layer draft that reads tokens; feature: an EAGLE-style head over the "
+                        "target's own features, on everyday chat (stages prompts, generate, features, train, measure; "
+                        "not served yet)")
+    p.add_argument("--stage", action="append", default=None,
+                   choices=["all", "prompts", "generate", "features", "train", "card", "measure"],
                    help="run only these stages (repeatable)")
+    p.add_argument("--epochs", type=int, default=None, help="feature: training epochs (default 4)")
     p.add_argument("--rebuild-prompts", action="store_true",
                    help="build the prompt set anew from this machine's documentation instead of the shipped list")
     p.add_argument("--threads", type=int, default=0)
@@ -47,9 +53,28 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
-    from specstream.tools.distill.pipeline import DistillConfig, main
+    if args.kind == "feature":
+        return _train_feature_draft(args)
+    from specstream.tools.distill.pipeline import STAGES, DistillConfig, main
 
+    if args.stage and set(args.stage) - {"all", *STAGES}:
+        raise SystemExit(f"train-draft --kind token: stages are {', '.join(STAGES)}")
     cfg = DistillConfig(threads=args.threads, rebuild_prompts=args.rebuild_prompts)
     work = Path(args.work_dir) if args.work_dir else models_home() / "distill" / "smollm2-135m-draft"
     out = Path(args.out) if args.out else DRAFTS / "smollm2-135m-draft"
     return main(resolve_model("smollm2"), out, work, cfg, tuple(args.stage or ["all"]), quiet=args.quiet)
+
+
+def _train_feature_draft(args: argparse.Namespace) -> int:
+    from specstream.tools.distill.feature import STAGES, FeatureConfig, main
+
+    if args.stage and set(args.stage) - {"all", *STAGES}:
+        raise SystemExit(f"train-draft --kind feature: stages are {', '.join(STAGES)}")
+    cfg = FeatureConfig(**({"epochs": args.epochs} if args.epochs else {}))
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    work = Path(args.work_dir) if args.work_dir else models_home() / "distill" / "smollm2-135m-feature"
+    main(resolve_model("smollm2"), work, cfg, tuple(args.stage or ["all"]))
+    return 0

@@ -49,11 +49,13 @@ class Record:
 
 
 def generate_responses(target_dir: Path, prompts: list[dict], *, dtype: str, max_new_tokens: int,
-                       max_slots: int = 48, log_every: int = 200, quiet: bool = False) -> list[Record]:
+                       max_slots: int = 48, log_every: int = 200, quiet: bool = False,
+                       weights: str = "dense") -> list[Record]:
     """One record per prompt that fits the context (see the module docstring). Progress on stderr
-    (specstream.tools.progress; ``quiet``: plain lines, never a bar), counted in prompts answered."""
+    (specstream.tools.progress; ``quiet``: plain lines, never a bar), counted in prompts answered.
+    ``weights``: the target's (load_model's), "auto" as it serves."""
     tok = TextTokenizer.from_dir(target_dir)
-    model = on_torch_thread(load_model, target_dir, dtype=dtype)  # where the engine runs (specstream.serving.compute)
+    model = on_torch_thread(load_model, target_dir, dtype=dtype, weights=weights)  # where the engine runs (specstream.serving.compute)
     config = TargetConfig(model=ModelSpec(str(target_dir), dtype), max_slots=max_slots, max_seq_len=1024,
                           default_gamma=0, max_gamma=8)
     engine = Engine(model, config, None)

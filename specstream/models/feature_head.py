@@ -1,0 +1,164 @@
+"""An EAGLE-style draft head: one decoder layer over the target's own features.
+
+Contract: ``FeatureHead(spec)`` maps, at each position i, [the target's feature f_i (its final,
+normed hidden state, which predicts token i+1); the embedding of token i+1] through a linear fusion
+(2H -> H) and one Llama decoder layer (causal attention over the head's own positions, RoPE at
+position i+1, SwiGLU MLP) to a predicted feature g_i ~ f_{i+1}; the target's output rows
+(``head_rows``: its tied embedding, or a subset of its vocabulary) turn g_i into logits over the
+token i+2. Drafting runs it on its own predicted features: g_i and the embedding of the token it
+chose give g_{i+1}, and so on (EAGLE-1/2); ``chain_logits`` computes that for every start position
+of a sequence at once (offline acceptance, the training-time test).
+
+Weights: ``fuse`` [H, 2H], the layer's norms, q/k/v, o, gate/up and down in transformers' Llama
+shapes, and ``output_ids`` (the vocabulary rows the head scores). The target's embedding is not
+stored: it is passed in (``embed``), as the draft service reads it from the target's checkpoint.
+
+What it does not know: the cache of a serving engine, tokenisation, training (specstream.tools.distill.feature).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["FeatureHead", "HeadSpec"]
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    hidden: int  # the target's hidden size H
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    rope_theta: float
+    norm_eps: float
+    vocab_out: int  # rows of the output layer the head scores
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _rope_tables(spec: HeadSpec, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, device=device).float() / spec.head_dim)
+    freqs = torch.arange(n, device=device).float()[:, None] * inv[None]  # [n, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]
+    return emb.cos(), emb.sin()
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (weight.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class FeatureHead(nn.Module):
+    def __init__(self, spec: HeadSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        H, D = spec.hidden, spec.head_dim
+        self.fuse = nn.Linear(2 * H, H, bias=False)  # [H, 2H]: (feature, embedding) -> H
+        self.input_norm = nn.Parameter(torch.ones(H))
+        self.q = nn.Linear(H, spec.heads * D, bias=False)
+        self.kv = nn.Linear(H, 2 * spec.kv_heads * D, bias=False)
+        self.o = nn.Linear(spec.heads * D, H, bias=False)
+        self.post_norm = nn.Parameter(torch.ones(H))
+        self.gate_up = nn.Linear(H, 2 * spec.intermediate, bias=False)
+        self.down = nn.Linear(spec.intermediate, H, bias=False)
+        self.register_buffer("output_ids", torch.arange(spec.vocab_out), persistent=True)  # [N] token ids scored
+
+    # -- the layer --------------------------------------------------------------------------------
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., T, H] fused inputs at token positions [..., T] -> q [..., heads, T, D], k, v [..., kv, T, D]."""
+        s = self.spec
+        h = _rms(x, self.input_norm, s.norm_eps)
+        cos, sin = _rope_tables(s, int(positions.max()) + 1, x.device)
+        cos, sin = cos[positions].to(x.dtype).unsqueeze(-3), sin[positions].to(x.dtype).unsqueeze(-3)  # [..., 1, T, D]
+        q = self.q(h).unflatten(-1, (s.heads, s.head_dim)).transpose(-2, -3)  # [..., heads, T, D]
+        k, v = self.kv(h).unflatten(-1, (2 * s.kv_heads, s.head_dim)).transpose(-2, -3).chunk(2, dim=-3)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    def _finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """x [..., T, H], attn [..., heads, T, D] -> the layer's output [..., T, H]."""
+        x = x + self.o(attn.transpose(-2, -3).flatten(-2))
+        gate, up = self.gate_up(_rms(x, self.post_norm, self.spec.norm_eps)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+    def fused(self, features: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
+        """[..., T, H] features and the next tokens' embeddings -> the layer's input [..., T, H]."""
+        return self.fuse(torch.cat((features, next_embeds), dim=-1))
+
+    def forward(self, features: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced over whole sequences: features [B, T, H] (f_0..f_{T-1}), next_embeds [B, T, H]
+        (tokens 1..T) -> predicted features [B, T, H] (g_i ~ f_{i+1}), causal over the head's positions."""
+        x = self.fused(features, next_embeds)
+        T = x.shape[-2]
+        q, k, v = self._qkv(x, torch.arange(1, T + 1, device=x.device))
+        group = self.spec.heads // self.spec.kv_heads
+        attn = F.scaled_dot_product_attention(q, k.repeat_interleave(group, -3), v.repeat_interleave(group, -3),
+                                              is_causal=True)
+        return self._finish(x, attn)
+
+    def logits(self, predicted: torch.Tensor, head_rows: torch.Tensor) -> torch.Tensor:
+        """predicted [..., H], head_rows [N, H] (the target's output rows for ``output_ids``) -> [..., N]."""
+        return predicted @ head_rows.t()
+
+    # -- drafting on its own features, every start at once -------------------------------------------
+    def chain_logits(self, features: torch.Tensor, tokens: torch.Tensor, embed: torch.Tensor,
+                     head_rows: torch.Tensor, steps: int, chosen: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For one sequence: features [T, H] (the target's f_0..f_{T-1}), tokens [T + 1] (x_0..x_T),
+        embed [V, H]. A draft round starting after position t knows f_0..f_t and x_{t+1}; step 1
+        predicts g_t and its token d_1, step k feeds (g of step k-1, the embedding of d_{k-1}) at
+        position t+k, attending to the true positions <= t and its own earlier steps. Returns the
+        logits [steps, T, N] of every step from every start t and the tokens chosen [steps, T]
+        (argmax, as ids of the full vocabulary; or ``chosen`` [steps, T] ids to feed instead)."""
+        s = self.spec
+        group = s.heads // s.kv_heads
+        T = features.shape[0]
+        x = self.fused(features, embed[tokens[1:T + 1]])  # [T, H]
+        starts = torch.arange(T, device=x.device)
+        q, k_true, v_true = self._qkv(x, starts + 1)  # [heads, T, D], [kv, T, D]
+        causal = starts[None, :] <= starts[:, None]  # [T(start), T(key)]
+        own_k, own_v = [], []  # step j's keys and values for every start: [kv, T, D]
+        all_logits, all_tokens = [], []
+        for step in range(steps):
+            if step > 0:
+                prev = all_tokens[-1] if chosen is None else chosen[step - 1]
+                x = self.fused(g, embed[prev])  # [T, H]
+                q, k_new, v_new = self._qkv(x, starts + 1 + step)
+            else:
+                k_new, v_new = k_true, v_true
+            own_k.append(k_new)
+            own_v.append(v_new)
+            qg = q.unflatten(0, (s.kv_heads, group))  # [kv, group, T, D]
+            scale = 1 / math.sqrt(s.head_dim)
+            if step == 0:
+                scores = torch.einsum("hgtd,hkd->hgtk", qg, k_true) * scale  # [kv, group, T, T]
+                scores = scores.masked_fill(~causal, float("-inf"))
+                weights = scores.softmax(-1)
+                attn = torch.einsum("hgtk,hkd->hgtd", weights, v_true)
+            else:
+                # true keys strictly before this start's own step-1 position: keys <= t are true, but
+                # position t's own entry is step 1's (already the true one); steps 2.. are the chain's
+                past = torch.einsum("hgtd,hkd->hgtk", qg, k_true) * scale  # [kv, group, T, T]
+                past = past.masked_fill(~causal, float("-inf"))
+                chain_k = torch.stack(own_k[1:], dim=-2)  # [kv, T, step, D]
+                chain_v = torch.stack(own_v[1:], dim=-2)
+                mine = torch.einsum("hgtd,htjd->hgtj", qg, chain_k) * scale  # [kv, group, T, step]
+                weights = torch.cat((past, mine), dim=-1).softmax(-1)
+                attn = (torch.einsum("hgtk,hkd->hgtd", weights[..., :T], v_true)
+                        + torch.einsum("hgtj,htjd->hgtd", weights[..., T:], chain_v))
+            g = self._finish(x, attn.flatten(0, 1))  # [T, H]
+            logits = self.logits(g, head_rows)  # [T, N]
+            all_logits.append(logits)
+            all_tokens.append(self.output_ids[logits.argmax(-1)])
+        return torch.stack(all_logits), torch.stack(all_tokens)

@@ -1,0 +1,287 @@
+"""`specstream train-draft --kind feature`: an EAGLE-style feature draft (specstream.models.feature_head)
+distilled from the target's own answers to everyday chat, stage by stage (each resumable, files in
+the work directory):
+
+1. ``prompts``: everyday prompts across domains, held out by subject (specstream.tools.distill.everyday).
+2. ``generate``: the target answers them, half greedily and half sampled at T=1, served as it serves
+   (4-bit weights where the file has them) -> ``records.safetensors`` (specstream.tools.distill.data).
+3. ``features``: one target forward over each prompt + answer, keeping its final hidden states
+   (bfloat16) -> ``features.safetensors``. No generation: the features of a fixed text.
+4. ``train``: the head on the training split: at every position and for ``STEPS`` drafting steps on
+   its own predicted features (the training-time test of EAGLE-3/HASS: step k sees the head's own
+   features of steps < k and the true tokens), KL to the target's distribution over the head's
+   vocabulary (EAGLE-3 drops EAGLE-1's feature regression; so does this).
+5. ``measure``: greedy acceptance on the held-out greedy answers, offline (every start position of
+   every answer; a round proposes γ tokens by argmax on the head's own features and keeps the
+   prefix equal to the target's greedy answer): α and tokens per target pass, per domain; and the
+   shipped token draft on the same held-out prompts through the real engine, for comparison.
+
+What it does not know: serving (the head is not yet served by the draft service).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from specstream.models.feature_head import FeatureHead, HeadSpec
+from specstream.models.loader import load_model
+from specstream.tools.distill.data import Record, generate_responses, load_records, save_records
+from specstream.tools.distill.everyday import everyday_prompts
+
+__all__ = ["FeatureConfig", "STAGES", "main"]
+
+STAGES = ("prompts", "generate", "features", "train", "measure")
+STEPS = 4  # drafting steps trained and measured (γ)
+
+
+@dataclass
+class FeatureConfig:
+    max_new_tokens: int = 192
+    per_subject: int = 8  # templates each everyday subject is asked in
+    dtype: str = "bfloat16"
+    seed: int = 0
+    vocab_out: int = 8192  # the head scores the target's most frequent answer tokens
+    epochs: int = 4
+    lr: float = 1e-3
+    batch_tokens: int = 4096  # positions per optimiser step
+    step_decay: float = 0.8  # loss weight of drafting step k: decay ** k
+    max_len: int = 512
+
+
+def _load_prompts(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def main(target_dir: Path, work_dir: Path, cfg: FeatureConfig, stages: tuple[str, ...]) -> dict:
+    stages = STAGES if "all" in stages else stages
+    work_dir.mkdir(parents=True, exist_ok=True)
+    log_path = work_dir / "log.json"
+    log = json.loads(log_path.read_text()) if log_path.exists() else {}
+    log["config"] = asdict(cfg)
+    prompts_path = work_dir / "prompts.jsonl"
+    if "prompts" in stages or not prompts_path.exists():
+        prompts = everyday_prompts(cfg.seed, cfg.per_subject)
+        prompts_path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+        print(f"[prompts] {len(prompts)} -> {prompts_path}", flush=True)
+    prompts = _load_prompts(prompts_path)
+    records_path, features_path = work_dir / "records.safetensors", work_dir / "features.safetensors"
+    if "generate" in stages:
+        start = time.monotonic()
+        records = generate_responses(target_dir, prompts, dtype=cfg.dtype, max_new_tokens=cfg.max_new_tokens,
+                                     weights="auto")
+        save_records(records, records_path)
+        log["generate_minutes"] = (time.monotonic() - start) / 60
+        log["response_tokens"] = sum(len(r.response) for r in records)
+        print(f"[generate] {len(records)} answers, {log['response_tokens']} tokens, "
+              f"{log['generate_minutes']:.1f} min", flush=True)
+    if "features" in stages:
+        start = time.monotonic()
+        save_file(target_features(target_dir, load_records(records_path), cfg.dtype), str(features_path))
+        log["features_minutes"] = (time.monotonic() - start) / 60
+        print(f"[features] {log['features_minutes']:.1f} min -> {features_path}", flush=True)
+    if "train" in stages:
+        log["train"] = train_head(target_dir, load_records(records_path), load_file(str(features_path)), cfg,
+                                  work_dir / "head.safetensors")
+    if "measure" in stages:
+        by_id = {p["id"]: p for p in prompts}
+        log["measure"] = measure_offline(target_dir, load_records(records_path), load_file(str(features_path)),
+                                         work_dir / "head.safetensors", by_id)
+        log["token_draft"] = token_draft_baseline(target_dir, [p for p in prompts if p["split"] == "held_out"])
+    log_path.write_text(json.dumps(log, indent=2))
+    return log
+
+
+# ----- features ---------------------------------------------------------------------------------
+
+@torch.inference_mode()
+def target_features(target_dir: Path, records: list[Record], dtype: str) -> dict[str, torch.Tensor]:
+    """The target's final hidden states at every position of every prompt + answer, concatenated
+    in record order: {"features": [sum of lengths, H] bfloat16}."""
+    model = load_model(target_dir, dtype=dtype, weights="auto")
+    out = []
+    for i, r in enumerate(records):
+        ids = torch.tensor([r.prompt + r.response])  # [1, L]
+        cache = model.new_cache(1, ids.shape[1])
+        out.append(model.hidden(ids, cache, torch.tensor([cache.alloc()]), torch.tensor([0]))[0].to(torch.bfloat16))
+        if (i + 1) % 200 == 0:
+            print(f"[features] {i + 1}/{len(records)}", flush=True)
+    return {"features": torch.cat(out)}
+
+
+def _sequences(records: list[Record], features: torch.Tensor) -> list[tuple[Record, torch.Tensor]]:
+    out, at = [], 0
+    for r in records:
+        n = len(r.prompt) + len(r.response)
+        out.append((r, features[at:at + n]))
+        at += n
+    assert at == features.shape[0], "features.safetensors does not match records.safetensors"
+    return out
+
+
+# ----- training ---------------------------------------------------------------------------------
+
+def _target_parts(target_dir: Path, dtype: str):
+    model = load_model(target_dir, dtype="float32", weights="dense")
+    head = model.lm_head if model.lm_head is not None else model.embed
+    return model.config, model.embed.detach(), head.detach()
+
+
+def _spec(config, vocab_out: int) -> HeadSpec:
+    return HeadSpec(hidden=config.hidden_size, heads=config.num_heads, kv_heads=config.num_kv_heads,
+                    head_dim=config.head_dim, intermediate=config.intermediate_size, rope_theta=config.rope.theta,
+                    norm_eps=config.norm_eps, vocab_out=vocab_out)
+
+
+def _output_ids(records: list[Record], vocab: int, n: int) -> torch.Tensor:
+    """The ``n`` tokens the target answers with most often (first choices at every answer position)."""
+    counts = Counter(int(t) for r in records if r.split == "train" for t in r.top_ids[:, 0].tolist())
+    ids = [t for t, _ in counts.most_common(n)]
+    if len(ids) < n:  # a small corpus: fill with the lowest ids not chosen
+        taken = set(ids)
+        ids += [t for t in range(vocab) if t not in taken][:n - len(ids)]
+    return torch.tensor(sorted(ids))
+
+
+def head_loss(head: FeatureHead, feats: torch.Tensor, tokens: torch.Tensor, embed: torch.Tensor,
+              rows: torch.Tensor, first: int, cfg: FeatureConfig) -> tuple[torch.Tensor, int]:
+    """One sequence: features [L, H] float32, tokens [L]; the loss summed over starts t >= first - 1
+    (the answer's positions) and STEPS drafting steps, and how many (start, step) terms it holds."""
+    L = tokens.shape[0]
+    T = L - 1
+    # Step k from start t stands at position j = t + 1 + k and feeds the true token x_j (TTT).
+    chosen = torch.stack([tokens[(torch.arange(T) + 1 + k).clamp(max=L - 1)] for k in range(1, STEPS)])
+    logits, _ = _chain_with_grad(head, feats[:T], tokens, embed, rows, chosen)  # [STEPS, T, N]
+    total, terms = feats.new_zeros(()), 0
+    teacher_all = F.log_softmax(feats @ rows.t(), dim=-1)  # [L, N]: the target over the head's vocabulary
+    for k in range(STEPS):
+        starts = torch.arange(max(first - 1, 0), T - k)  # targets j = t + 1 + k <= L - 1
+        if len(starts) == 0:
+            continue
+        j = starts + 1 + k
+        student = F.log_softmax(logits[k, starts], dim=-1)
+        teacher = teacher_all[j]
+        kl = (teacher.exp() * (teacher - student)).sum(-1)  # [n]
+        total = total + cfg.step_decay ** k * kl.sum()
+        terms += len(starts)
+    return total, terms
+
+
+def _chain_with_grad(head, feats, tokens, embed, rows, chosen):
+    return head.chain_logits(feats, tokens, embed, rows, STEPS, chosen=chosen)
+
+
+def train_head(target_dir: Path, records: list[Record], features: dict, cfg: FeatureConfig, out: Path) -> dict:
+    torch.manual_seed(cfg.seed)
+    config, embed, full_head = _target_parts(target_dir, cfg.dtype)
+    spec = _spec(config, cfg.vocab_out)
+    head = FeatureHead(spec)
+    head.output_ids.copy_(_output_ids(records, config.vocab_size, cfg.vocab_out))
+    rows = full_head[head.output_ids]  # [N, H]
+    seqs = [(r, f) for r, f in _sequences(records, features["features"]) if r.split == "train"]
+    held = [(r, f) for r, f in _sequences(records, features["features"]) if r.split == "held_out"]
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
+    positions = sum(len(r.response) for r, _ in seqs)
+    total_steps = max(1, cfg.epochs * STEPS * positions // cfg.batch_tokens)  # a position is a term per step
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50)
+                                              * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
+    history, step, begin = [], 0, time.monotonic()
+    gen = torch.Generator().manual_seed(cfg.seed)
+    for epoch in range(cfg.epochs):
+        order = torch.randperm(len(seqs), generator=gen).tolist()
+        acc_loss, acc_terms, running = None, 0, []
+        for idx in order:
+            r, f = seqs[idx]
+            tokens = torch.tensor(r.prompt + r.response)[:cfg.max_len]
+            feats = f[:cfg.max_len].float()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss, terms = head_loss(head, feats, tokens, embed, rows, len(r.prompt), cfg)
+            acc_loss = loss if acc_loss is None else acc_loss + loss
+            acc_terms += terms
+            if acc_terms >= cfg.batch_tokens:
+                (acc_loss / acc_terms).backward()
+                torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+                running.append(acc_loss.item() / acc_terms)
+                step += 1
+                if step % 20 == 0:
+                    print(f"[train] epoch {epoch} step {step}/{total_steps} loss {sum(running[-20:]) / 20:.3f} "
+                          f"{(time.monotonic() - begin) / 60:.1f} min", flush=True)
+                acc_loss, acc_terms = None, 0
+        measured = _greedy_acceptance(head, held, embed, rows, max_sequences=60)
+        history.append({"epoch": epoch, "train_loss": sum(running) / max(len(running), 1), **measured,
+                        "minutes": (time.monotonic() - begin) / 60})
+        print(f"[train] epoch {epoch}: {history[-1]}", flush=True)
+        save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(out),
+                  metadata={"spec": json.dumps(spec.to_json())})
+    return {"epochs": history, "steps": step, "minutes": (time.monotonic() - begin) / 60, "spec": spec.to_json(),
+            "train_answers": len(seqs), "train_positions": positions}
+
+
+# ----- acceptance, offline ----------------------------------------------------------------------
+
+@torch.no_grad()
+def _greedy_acceptance(head: FeatureHead, seqs, embed, rows, gamma: int = STEPS, max_sequences: int | None = None
+                       ) -> dict:
+    """Over the greedy answers of ``seqs``: from every start in the answer, γ tokens drafted by argmax
+    on the head's own features; accepted = the prefix equal to the target's answer."""
+    accepted = checked = passes = 0
+    greedy = [(r, f) for r, f in seqs if not r.sampled][:max_sequences]
+    for r, f in greedy:
+        tokens = torch.tensor(r.prompt + r.response)
+        feats = f.float()
+        L = tokens.shape[0]
+        _, drafted = head.chain_logits(feats[:L - 1], tokens, embed, rows, gamma)  # [γ, L-1]
+        for t in range(max(len(r.prompt) - 1, 0), L - 1 - gamma):
+            k = 0
+            while k < gamma and int(drafted[k, t]) == int(tokens[t + 1 + k + 1]):
+                k += 1
+            accepted += k
+            checked += k + (1 if k < gamma else 0)
+            passes += 1
+    return {"alpha": accepted / max(checked, 1), "tokens_per_pass": 1 + accepted / max(passes, 1),
+            "rounds": passes}
+
+
+def measure_offline(target_dir: Path, records: list[Record], features: dict, head_path: Path,
+                    prompts: dict[int, dict]) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(head_path), framework="pt") as fh:
+        spec = HeadSpec(**json.loads(fh.metadata()["spec"]))
+    head = FeatureHead(spec)
+    head.load_state_dict(load_file(str(head_path)))
+    _, embed, full_head = _target_parts(target_dir, "float32")
+    rows = full_head[head.output_ids]
+    held = [(r, f) for r, f in _sequences(records, features["features"]) if r.split == "held_out"]
+    out = {"all": _greedy_acceptance(head, held, embed, rows)}
+    for domain in sorted({prompts[r.prompt_id]["domain"] for r, _ in held}):
+        out[domain] = _greedy_acceptance(head, [(r, f) for r, f in held if prompts[r.prompt_id]["domain"] == domain],
+                                         embed, rows)
+    print(f"[measure] {json.dumps(out)}", flush=True)
+    return out
+
+
+def token_draft_baseline(target_dir: Path, held_out: list[dict], max_new_tokens: int = 96, every: int = 3) -> dict:
+    """The shipped token draft on every ``every``-th held-out everyday prompt (all domains), through
+    the real engine at γ = 4, greedy: alone and behind prompt lookup (as `specstream serve` runs it)."""
+    from specstream.models.registry import DRAFTS
+    from specstream.tools.distill.measure import measure_acceptance
+
+    draft = DRAFTS / "smollm2-135m-draft"
+    out = {}
+    for proposer in ("model", "ngram+model"):
+        out[proposer] = {"all": measure_acceptance(target_dir, draft, held_out[::every], temperature=0.0, gamma=STEPS,
+                                                   max_new_tokens=max_new_tokens, proposer=proposer, ngram_min=2)}
+        print(f"[measure] token draft ({proposer}): {out[proposer]['all']}", flush=True)
+    return out
