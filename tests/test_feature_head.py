@@ -105,3 +105,26 @@ def test_a_few_training_steps_on_a_tiny_target_lower_the_loss(tmp_path) -> None:
     with torch.no_grad():
         after = loss().item()
     assert after < 0.8 * before, (before, after)
+
+
+def test_serving_incrementally_drafts_what_the_chain_drafts() -> None:
+    """A sequence fed to the head's cache in rounds (``extend`` with the target's features, then
+    ``draft``, its guesses overwritten by the next round) proposes, from each start, what
+    ``chain_logits`` drafts from that start."""
+    from specstream.models.feature_head import HeadCache
+
+    head, embed, rows = _head(5)
+    gen = torch.Generator().manual_seed(6)
+    T = 14
+    feats = torch.randn(T, 32, generator=gen)
+    tokens = torch.randint(0, 30, (T + 1,), generator=gen)
+    cache = HeadCache(SPEC, slots=2, max_len=32)
+    with torch.no_grad():
+        _, drafted = head.chain_logits(feats, tokens, embed, rows, steps=3)
+        at = 0
+        for end in (5, 6, 9, 14):  # rounds committing 5, 1, 3 and 5 positions
+            out = head.extend(cache, 1, at, feats[at:end], embed[tokens[at + 1:end + 1]])
+            guesses = head.draft(cache, 1, out[-1], 3, embed, rows)
+            assert guesses == drafted[:, end - 1].tolist(), end
+            assert cache.length[1] == end
+            at = end

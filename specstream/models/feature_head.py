@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["FeatureHead", "HeadSpec"]
+__all__ = ["FeatureHead", "HeadCache", "HeadSpec"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,17 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     return (weight.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class HeadCache:
+    """The head's own keys and values per sequence slot: [slots, kv heads, max_len, D] each; slot
+    s holds head positions 0..length[s]-1 (position i: the input (f_i, x_{i+1}), RoPE at i+1)."""
+
+    def __init__(self, spec: HeadSpec, slots: int, max_len: int, dtype: torch.dtype = torch.float32) -> None:
+        self.k = torch.zeros(slots, spec.kv_heads, max_len, spec.head_dim, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.length = [0] * slots
+        self.max_len = max_len
 
 
 class FeatureHead(nn.Module):
@@ -162,3 +173,48 @@ class FeatureHead(nn.Module):
             all_logits.append(logits)
             all_tokens.append(self.output_ids[logits.argmax(-1)])
         return torch.stack(all_logits), torch.stack(all_tokens)
+
+    # -- incremental, as a draft serves -------------------------------------------------------------
+    def _attend_cached(self, x: torch.Tensor, cache: HeadCache, slot: int, start: int) -> torch.Tensor:
+        """x [n, H] fused inputs of head positions start..start+n-1: their keys and values written to
+        ``cache`` at those positions, each attending to positions <= its own -> outputs [n, H]."""
+        s = self.spec
+        n = x.shape[0]
+        if start + n > cache.max_len:
+            raise ValueError(f"HeadCache: positions up to {start + n} exceed its {cache.max_len}")
+        q, k, v = self._qkv(x, torch.arange(start + 1, start + n + 1))
+        cache.k[slot, :, start:start + n] = k.to(cache.k.dtype)
+        cache.v[slot, :, start:start + n] = v.to(cache.v.dtype)
+        cache.length[slot] = start + n
+        keys = cache.k[slot, :, :start + n].to(x.dtype)  # [kv, start + n, D]
+        values = cache.v[slot, :, :start + n].to(x.dtype)
+        group = s.heads // s.kv_heads
+        at = torch.arange(start, start + n)
+        mask = torch.arange(start + n)[None, :] <= at[:, None]  # [n, start + n]
+        attn = F.scaled_dot_product_attention(q, keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0),
+                                              attn_mask=mask)
+        return self._finish(x, attn)
+
+    def extend(self, cache: HeadCache, slot: int, start: int, features: torch.Tensor,
+               next_embeds: torch.Tensor) -> torch.Tensor:
+        """Head positions start.. from the target's features [n, H] and the next tokens' embeddings
+        [n, H] (what the target committed): -> the head's outputs [n, H]; the last predicts the
+        feature after them. Positions past ``start`` that the cache held (an earlier round's own
+        guesses) are overwritten: a rollback is a length."""
+        return self._attend_cached(self.fused(features, next_embeds), cache, slot, start)
+
+    def draft(self, cache: HeadCache, slot: int, last: torch.Tensor, steps: int, embed: torch.Tensor,
+              head_rows: torch.Tensor) -> list[int]:
+        """``steps`` greedy guesses from the head's output ``last`` [H] at the cache's last position
+        (``extend``'s last row: its input held the target's newest token): the first from ``last``,
+        each next one from (the head's own feature, the guess before) at the next position. The
+        guesses' positions are written past the cache's length and not counted: the next round's
+        ``extend`` overwrites them."""
+        start = cache.length[slot]
+        g = last
+        out = [int(self.output_ids[self.logits(g, head_rows).argmax()])]
+        for step in range(1, steps):
+            g = self._attend_cached(self.fused(g[None], embed[out[-1]][None]), cache, slot, start + step - 1)[0]
+            out.append(int(self.output_ids[self.logits(g, head_rows).argmax()]))
+        cache.length[slot] = start
+        return out
