@@ -134,40 +134,31 @@ class FeatureHead(nn.Module):
         (argmax, as ids of the full vocabulary; or ``chosen`` [steps, T] ids to feed instead)."""
         s = self.spec
         group = s.heads // s.kv_heads
+        scale = 1 / math.sqrt(s.head_dim)
         T = features.shape[0]
         x = self.fused(features, embed[tokens[1:T + 1]])  # [T, H]
         starts = torch.arange(T, device=x.device)
         q, k_true, v_true = self._qkv(x, starts + 1)  # [heads, T, D], [kv, T, D]
-        causal = starts[None, :] <= starts[:, None]  # [T(start), T(key)]
-        own_k, own_v = [], []  # step j's keys and values for every start: [kv, T, D]
+        causal = starts[None, :] <= starts[:, None]  # [T(start), T(key)]: the true positions <= t
+        chain_k, chain_v = [], []  # steps 2..: each start's own keys and values, [kv, T, D] a step
         all_logits, all_tokens = [], []
+        g = x  # replaced by each step's output before it is read
         for step in range(steps):
             if step > 0:
                 prev = all_tokens[-1] if chosen is None else chosen[step - 1]
                 x = self.fused(g, embed[prev])  # [T, H]
-                q, k_new, v_new = self._qkv(x, starts + 1 + step)
-            else:
-                k_new, v_new = k_true, v_true
-            own_k.append(k_new)
-            own_v.append(v_new)
+                q, k, v = self._qkv(x, starts + 1 + step)
+                chain_k.append(k)
+                chain_v.append(v)
             qg = q.unflatten(0, (s.kv_heads, group))  # [kv, group, T, D]
-            scale = 1 / math.sqrt(s.head_dim)
-            if step == 0:
-                scores = torch.einsum("hgtd,hkd->hgtk", qg, k_true) * scale  # [kv, group, T, T]
-                scores = scores.masked_fill(~causal, float("-inf"))
-                weights = scores.softmax(-1)
-                attn = torch.einsum("hgtk,hkd->hgtd", weights, v_true)
-            else:
-                # true keys strictly before this start's own step-1 position: keys <= t are true, but
-                # position t's own entry is step 1's (already the true one); steps 2.. are the chain's
-                past = torch.einsum("hgtd,hkd->hgtk", qg, k_true) * scale  # [kv, group, T, T]
-                past = past.masked_fill(~causal, float("-inf"))
-                chain_k = torch.stack(own_k[1:], dim=-2)  # [kv, T, step, D]
-                chain_v = torch.stack(own_v[1:], dim=-2)
-                mine = torch.einsum("hgtd,htjd->hgtj", qg, chain_k) * scale  # [kv, group, T, step]
-                weights = torch.cat((past, mine), dim=-1).softmax(-1)
-                attn = (torch.einsum("hgtk,hkd->hgtd", weights[..., :T], v_true)
-                        + torch.einsum("hgtj,htjd->hgtd", weights[..., T:], chain_v))
+            scores = (torch.einsum("hgtd,hkd->hgtk", qg, k_true) * scale).masked_fill(~causal, float("-inf"))
+            if chain_k:  # [kv, group, T, T + steps so far]
+                mine = torch.einsum("hgtd,htjd->hgtj", qg, torch.stack(chain_k, dim=-2)) * scale
+                scores = torch.cat((scores, mine), dim=-1)
+            weights = scores.softmax(-1)
+            attn = torch.einsum("hgtk,hkd->hgtd", weights[..., :T], v_true)  # [kv, group, T, D]
+            if chain_v:
+                attn = attn + torch.einsum("hgtj,htjd->hgtd", weights[..., T:], torch.stack(chain_v, dim=-2))
             g = self._finish(x, attn.flatten(0, 1))  # [T, H]
             logits = self.logits(g, head_rows)  # [T, N]
             all_logits.append(logits)

@@ -21,10 +21,7 @@ agreement with the served model); `bench step` reports it beside the native stac
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -35,6 +32,7 @@ from torch import nn
 from kernels import native
 from kernels.int4 import GROUP, Q4Weight, q4_dense
 from kernels.int8 import Q8Weight
+from specstream.tools.bench.apart import run_apart
 
 MATMULS = ("native", "int4", "dense")
 
@@ -194,16 +192,18 @@ def compiled_curve(model, context: int, positions: tuple[int, ...], repeats: int
 
 def compiled_curve_apart(target: Path, dtype: str, weights: str, context: int, positions: tuple[int, ...],
                          matmul: str = "native") -> dict:
-    """``compiled_curve`` of the model at ``target`` in a process of its own, every torch op on its
-    main thread: inductor's compile threads and a second thread's OpenMP team slow a process's
-    torch ops by up to 3x afterwards on 2 cores (measured), which would fall on the figures beside it."""
-    code = ("import json, sys, torch; from specstream.models.loader import load_model; "
-            "from specstream.tools.bench.compiled import compiled_curve; "
-            "m = load_model(sys.argv[1], dtype=sys.argv[2], weights=sys.argv[3]); "
-            f"print(json.dumps(compiled_curve(m, {context}, {tuple(positions)!r}, matmul={matmul!r})))")
-    done = subprocess.run([sys.executable, "-c", code, str(target), dtype, weights], capture_output=True, text=True,
-                          check=True)
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    """``compiled_curve`` of the model at ``target`` in a process of its own (specstream.tools.bench.apart):
+    inductor's compile threads would slow this process's torch thread afterwards."""
+    out = run_apart(_compiled_curve_of, target=str(target), dtype=dtype, weights=weights, context=context,
+                    positions=list(positions), matmul=matmul)
     for key in ("compile_s", "compiled", "eager", "agreement"):
         out[key] = {int(n): v for n, v in out[key].items()}
     return out
+
+
+def _compiled_curve_of(target: str, dtype: str, weights: str, context: int, positions: list[int],
+                       matmul: str) -> dict:
+    from specstream.models.loader import load_model
+
+    model = load_model(target, dtype=dtype, weights=weights)
+    return compiled_curve(model, context, tuple(positions), matmul=matmul)

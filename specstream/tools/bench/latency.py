@@ -13,15 +13,13 @@ legitimately differ.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from specstream.tools.bench import report
+from specstream.tools.bench.apart import run_apart
 from specstream.tools.bench.checks import check_runs_match
 from specstream.tools.bench.costs import measure_costs
 from specstream.tools.bench.hf import hf_generate, runnable_modes
@@ -337,14 +335,11 @@ def llama_cpp_generate(models: BenchModels, prompts: list[list[int]], max_new_to
         return None
     if progress is not None:
         progress.phase("latency: llama.cpp")
-    code = ("import json, sys; from specstream.tools.bench.latency import llama_cpp_runs; "
-            "job = json.load(sys.stdin); print(json.dumps(llama_cpp_runs(**job)))")
-    job = json.dumps({"gguf": str(models.gguf), "prompts": prompts, "max_new_tokens": max_new_tokens})
-    done = subprocess.run([sys.executable, "-c", code], input=job, capture_output=True, text=True, check=True)
+    out = run_apart(llama_cpp_runs, gguf=str(models.gguf), prompts=prompts, max_new_tokens=max_new_tokens)
     if progress is not None:
         for _ in range(2 * len(prompts)):
             progress.update()
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return out
 
 
 def llama_cpp_runs(gguf: str, prompts: list[list[int]], max_new_tokens: int) -> dict:

@@ -29,11 +29,8 @@ drawn in). What it does not know: speculation's gain (`bench latency`).
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -51,6 +48,7 @@ from specstream.models.loader import load_model
 from specstream.models.registry import resolve_model
 from specstream.serving.compute import on_torch_thread
 from specstream.tools.bench import report
+from specstream.tools.bench.apart import run_apart
 from specstream.tools.bench.compiled import compiled_curve_apart
 from specstream.tools.bench.models import BenchModels
 from specstream.tools.bench.noisy import noisy_neighbours, served_decoding
@@ -269,18 +267,11 @@ def llama_cpp_logits_apart(gguf: Path, prompts: list[list[int]]) -> list[list[li
     process of its own; None without llama-cpp-python."""
     if importlib.util.find_spec("llama_cpp") is None:
         return None
-    code = ("import json, sys; from specstream.tools.bench.step import llama_cpp_logits; "
-            "print(json.dumps(llama_cpp_logits(sys.argv[1], json.loads(sys.stdin.read()))))")
-    done = subprocess.run([sys.executable, "-c", code, str(gguf)], input=json.dumps(prompts), capture_output=True,
-                          text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_apart(llama_cpp_logits, gguf=str(gguf), prompts=prompts)
 
 
 def llama_cpp_logits(gguf: Path, prompts: list[list[int]]) -> list[list[list[float]]]:
-    from llama_cpp import Llama  # optional: installed by `make peer`
-
-    llm = Llama(model_path=str(gguf), n_ctx=max(len(p) for p in prompts) + 8, n_threads=os.cpu_count(),
-                n_batch=512, logits_all=True, verbose=False)
+    llm = _llama(gguf, max(len(p) for p in prompts) + 8)
     out = []
     for ids in prompts:
         llm.reset()
@@ -293,10 +284,8 @@ def llama_cpp_invariance_apart(gguf: Path, positions: tuple[int, ...] = POSITION
     """``llama_cpp_invariance`` in a process of its own; None without llama-cpp-python."""
     if importlib.util.find_spec("llama_cpp") is None:
         return None
-    code = ("import json, sys; from specstream.tools.bench.step import llama_cpp_invariance; "
-            f"print(json.dumps(llama_cpp_invariance(sys.argv[1], {tuple(positions)!r})))")
-    done = subprocess.run([sys.executable, "-c", code, str(gguf)], capture_output=True, text=True, check=True)
-    return {int(n): v for n, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+    out = run_apart(llama_cpp_invariance, gguf=str(gguf), positions=list(positions))
+    return {int(n): v for n, v in out.items()}
 
 
 def llama_cpp_invariance(gguf: Path, positions: tuple[int, ...], context: int = CONTEXT) -> dict[int, dict]:
@@ -305,10 +294,7 @@ def llama_cpp_invariance(gguf: Path, positions: tuple[int, ...], context: int = 
     per n, the largest |difference| and how many of the n rows differ at all (ours: none, by
     construction and by test, tests/test_native_ops.py)."""
     import numpy as np
-    from llama_cpp import Llama  # optional: installed by `make peer`
-
-    llm = Llama(model_path=str(gguf), n_ctx=context + max(positions) + 8, n_threads=os.cpu_count(), n_batch=512,
-                logits_all=True, verbose=False)
+    llm = _llama(gguf, context + max(positions) + 8)
     prefix = [1 + i % 50 for i in range(context)]
     new = [100 + 7 * i for i in range(max(positions))]
     llm.reset()
@@ -328,6 +314,14 @@ def llama_cpp_invariance(gguf: Path, positions: tuple[int, ...], context: int = 
 
 # ----- llama.cpp --------------------------------------------------------------------------------
 
+def _llama(gguf, n_ctx: int):
+    """llama.cpp on ``gguf`` with every position's logits kept, one thread per core."""
+    from llama_cpp import Llama  # optional: installed by `make peer`
+
+    return Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=os.cpu_count(), n_batch=512, logits_all=True,
+                 verbose=False)
+
+
 def llama_cpp_curve_apart(gguf: Path, positions: tuple[int, ...] = POSITIONS, repeats: int = 20
                           ) -> dict[int, float] | None:
     """``llama_cpp_curve`` in a process of its own, as a user runs llama.cpp: inside this one it
@@ -335,10 +329,8 @@ def llama_cpp_curve_apart(gguf: Path, positions: tuple[int, ...] = POSITIONS, re
     llama-cpp-python."""
     if importlib.util.find_spec("llama_cpp") is None:
         return None
-    code = ("import json, sys; from specstream.tools.bench.step import llama_cpp_curve; "
-            f"print(json.dumps(llama_cpp_curve(sys.argv[1], positions={tuple(positions)!r}, repeats={repeats})))")
-    done = subprocess.run([sys.executable, "-c", code, str(gguf)], capture_output=True, text=True, check=True)
-    return {int(n): ms for n, ms in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+    out = run_apart(llama_cpp_curve, gguf=str(gguf), positions=list(positions), repeats=repeats)
+    return {int(n): ms for n, ms in out.items()}
 
 
 def llama_cpp_curve(gguf: Path, context: int = CONTEXT, positions: tuple[int, ...] = POSITIONS,
@@ -347,10 +339,7 @@ def llama_cpp_curve(gguf: Path, context: int = CONTEXT, positions: tuple[int, ..
     ``context`` cached ones, every position's logits computed; None without llama-cpp-python."""
     if importlib.util.find_spec("llama_cpp") is None:
         return None
-    from llama_cpp import Llama  # optional: installed by `make peer`
-
-    llm = Llama(model_path=str(gguf), n_ctx=context + 2 * max(positions) + 8, n_threads=os.cpu_count(),
-                n_batch=512, logits_all=True, verbose=False)
+    llm = _llama(gguf, context + 2 * max(positions) + 8)
     prefix = [1 + i % 50 for i in range(context)]
     out = {}
     for n in positions:

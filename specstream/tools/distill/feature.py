@@ -36,6 +36,7 @@ from specstream.models.feature_head import FeatureHead, HeadSpec
 from specstream.models.loader import load_model
 from specstream.tools.distill.data import Record, generate_responses, load_records, save_records
 from specstream.tools.distill.everyday import everyday_prompts
+from specstream.tools.distill.pipeline import read_prompts, write_prompts
 
 __all__ = ["FeatureConfig", "STAGES", "main"]
 
@@ -57,22 +58,18 @@ class FeatureConfig:
     max_len: int = 512
 
 
-def _load_prompts(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def main(target_dir: Path, work_dir: Path, cfg: FeatureConfig, stages: tuple[str, ...]) -> dict:
     stages = STAGES if "all" in stages else stages
     work_dir.mkdir(parents=True, exist_ok=True)
     log_path = work_dir / "log.json"
     log = json.loads(log_path.read_text()) if log_path.exists() else {}
     log["config"] = asdict(cfg)
-    prompts_path = work_dir / "prompts.jsonl"
+    prompts_path = work_dir / "prompts.jsonl.gz"
     if "prompts" in stages or not prompts_path.exists():
         prompts = everyday_prompts(cfg.seed, cfg.per_subject)
-        prompts_path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+        write_prompts(prompts_path, prompts)
         print(f"[prompts] {len(prompts)} -> {prompts_path}", flush=True)
-    prompts = _load_prompts(prompts_path)
+    prompts = read_prompts(prompts_path)
     records_path, features_path = work_dir / "records.safetensors", work_dir / "features.safetensors"
     if "generate" in stages:
         start = time.monotonic()
@@ -129,7 +126,8 @@ def _sequences(records: list[Record], features: torch.Tensor) -> list[tuple[Reco
 
 # ----- training ---------------------------------------------------------------------------------
 
-def _target_parts(target_dir: Path, dtype: str):
+def _target_parts(target_dir: Path):
+    """The target's config, input embedding [V, H] and output rows [V, H], float32 (the file's values)."""
     model = load_model(target_dir, dtype="float32", weights="dense")
     head = model.lm_head if model.lm_head is not None else model.embed
     return model.config, model.embed.detach(), head.detach()
@@ -159,7 +157,7 @@ def head_loss(head: FeatureHead, feats: torch.Tensor, tokens: torch.Tensor, embe
     T = L - 1
     # Step k from start t stands at position j = t + 1 + k and feeds the true token x_j (TTT).
     chosen = torch.stack([tokens[(torch.arange(T) + 1 + k).clamp(max=L - 1)] for k in range(1, STEPS)])
-    logits, _ = _chain_with_grad(head, feats[:T], tokens, embed, rows, chosen)  # [STEPS, T, N]
+    logits, _ = head.chain_logits(feats[:T], tokens, embed, rows, STEPS, chosen=chosen)  # [STEPS, T, N]
     total, terms = feats.new_zeros(()), 0
     teacher_all = F.log_softmax(feats @ rows.t(), dim=-1)  # [L, N]: the target over the head's vocabulary
     for k in range(STEPS):
@@ -175,19 +173,16 @@ def head_loss(head: FeatureHead, feats: torch.Tensor, tokens: torch.Tensor, embe
     return total, terms
 
 
-def _chain_with_grad(head, feats, tokens, embed, rows, chosen):
-    return head.chain_logits(feats, tokens, embed, rows, STEPS, chosen=chosen)
-
-
 def train_head(target_dir: Path, records: list[Record], features: dict, cfg: FeatureConfig, out: Path) -> dict:
     torch.manual_seed(cfg.seed)
-    config, embed, full_head = _target_parts(target_dir, cfg.dtype)
+    config, embed, full_head = _target_parts(target_dir)
     spec = _spec(config, cfg.vocab_out)
     head = FeatureHead(spec)
     head.output_ids.copy_(_output_ids(records, config.vocab_size, cfg.vocab_out))
     rows = full_head[head.output_ids]  # [N, H]
-    seqs = [(r, f) for r, f in _sequences(records, features["features"]) if r.split == "train"]
-    held = [(r, f) for r, f in _sequences(records, features["features"]) if r.split == "held_out"]
+    sequences = _sequences(records, features["features"])
+    seqs = [(r, f) for r, f in sequences if r.split == "train"]
+    held = [(r, f) for r, f in sequences if r.split == "held_out"]
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
     positions = sum(len(r.response) for r, _ in seqs)
     total_steps = max(1, cfg.epochs * STEPS * positions // cfg.batch_tokens)  # a position is a term per step
@@ -261,7 +256,7 @@ def measure_offline(target_dir: Path, records: list[Record], features: dict, hea
         spec = HeadSpec(**json.loads(fh.metadata()["spec"]))
     head = FeatureHead(spec)
     head.load_state_dict(load_file(str(head_path)))
-    _, embed, full_head = _target_parts(target_dir, "float32")
+    _, embed, full_head = _target_parts(target_dir)
     rows = full_head[head.output_ids]
     held = [(r, f) for r, f in _sequences(records, features["features"]) if r.split == "held_out"]
     out = {"all": _greedy_acceptance(head, held, embed, rows)}

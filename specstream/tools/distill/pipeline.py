@@ -45,7 +45,7 @@ class DistillConfig:
     rebuild_prompts: bool = False
 
 
-def _write_prompts(path: Path, prompts: list[dict]) -> None:
+def write_prompts(path: Path, prompts: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(path, "wt", encoding="utf-8") as fh:
         for p in prompts:
@@ -72,7 +72,7 @@ def main(target_dir: Path, draft_dir: Path, work_dir: Path, cfg: DistillConfig, 
     prompts_path = draft_dir / "prompts.jsonl.gz"
     if "prompts" in stages and (cfg.rebuild_prompts or not prompts_path.exists()):
         prompts = build_prompts(cfg.num_prompts, cfg.seed, cfg.rounds)
-        _write_prompts(prompts_path, prompts)
+        write_prompts(prompts_path, prompts)
         print(f"[prompts] {len(prompts)} prompts -> {prompts_path}", flush=True)
     prompts = read_prompts(prompts_path)
     records_path = work_dir / "records.safetensors"
