@@ -1,5 +1,5 @@
-"""Building the proposer a ``DraftConfig`` names: the draft model, prompt-lookup n-grams, both, or
-the synthetic benchmark proposer. The draft service builds its proposer here, and so does a target
+"""Building the proposer a ``DraftConfig`` names: the draft model (a token draft, or a feature draft
+that reads the target's features), prompt-lookup n-grams, both, or the synthetic benchmark proposer. The draft service builds its proposer here, and so does a target
 that runs its draft in its own process (``TargetConfig.colocated_draft``).
 
 What it does not know: gRPC, which process it is in. It loads on the calling thread: call it on
@@ -11,11 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from draft_service.combined import NgramPlusModelProposer
+from draft_service.feature import FeatureProposer
 from draft_service.ngram import NgramProposer
 from draft_service.proposer import DraftProposer
 from draft_service.synthetic import SyntheticProposer
 from specstream.data.config import DraftConfig
 from specstream.data.propose import Proposer
+from specstream.models.feature_draft import is_feature_draft, load_feature_draft
 from specstream.models.loader import load_model
 from specstream.models.registry import resolve_dtype, resolve_model
 
@@ -29,8 +31,13 @@ def build_proposer(config: DraftConfig) -> Proposer:
     return PROPOSERS[config.proposer](config)
 
 
-def _draft_model(config: DraftConfig) -> DraftProposer:
+def _draft_model(config: DraftConfig) -> DraftProposer | FeatureProposer:
+    """The draft model: a token draft (a causal LM checkpoint) or a feature draft (a head over the
+    target's features, specstream/models/feature_draft.py), whichever ``config.model`` holds."""
     spec = config.model
+    if is_feature_draft(resolve_model(spec.path)):
+        return FeatureProposer(load_feature_draft(resolve_model(spec.path), resolve_model), config.max_slots,
+                               config.max_seq_len, config.q_support)
     model = load_model(resolve_model(spec.path), dtype=resolve_dtype(spec.dtype, spec.device), device=spec.device,
                        resolve=resolve_model, weights=spec.weights, draft=True)
     return DraftProposer(model, config.max_slots, config.max_seq_len, config.q_support)

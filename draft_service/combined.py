@@ -13,6 +13,11 @@ nothing at all if the sequence ends first. When the model answers, it holds the 
 guesses but the last (as DraftProposer always does); the n-gram history takes those guesses too,
 so both sides hold the same tokens and the reported `length` (the history's) is true of both:
 the target then re-sends only what the model rejected, exactly as with the model alone.
+
+A feature draft (draft_service/feature.py) keeps no guesses, and it reads the target's features of
+every position it catches up on: the target sends each position's feature once, with its token,
+so this proposer keeps them (``features``, the bytes of positions 0..len(history)-2) and hands the
+model the slice its catch-up needs. Items whose features the model cannot read are refused whole.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from draft_service.ngram import SOURCE as NGRAM
 from draft_service.ngram import NgramIndex, NgramProposer
 from draft_service.proposer import DraftProposer
 from specstream.data.propose import SOURCE as MODEL
-from specstream.data.propose import Proposal, ProposeItem
+from specstream.data.propose import Proposal, ProposeItem, features_expected
 
 
 class NgramPlusModelProposer:
@@ -31,6 +36,9 @@ class NgramPlusModelProposer:
         self.model = model
         self.ngram = NgramProposer(max_slots, model.max_len, min_n, max_n)
         self.model_len: dict[Hashable, int] = {}  # leading tokens of the history the model's cache holds
+        self.feature_width = getattr(model, "feature_width", 0)
+        self.feature_layers = getattr(model, "feature_layers", ())
+        self.features: dict[Hashable, bytearray] = {}  # a feature draft's: the target's features held
 
     @property
     def name(self) -> str:
@@ -57,23 +65,32 @@ class NgramPlusModelProposer:
         self.model.release(keys)
         for key in keys:
             self.model_len.pop(key, None)
+            self.features.pop(key, None)
 
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         out = [Proposal([], 0, source=NGRAM) for _ in items]
         asked: list[tuple[int, NgramIndex]] = []
         model_items: list[ProposeItem] = []
         for i, item in enumerate(items):
+            if self.feature_width and (error := self.model.read_features(item)[1]):
+                self.release([item.key])
+                out[i].error = error
+                continue
             sequence = self.ngram.sync(item)
             if sequence is None:
                 self.release([item.key])  # refused or out of sync: the model's copy is stale too
                 continue
             held = self.model_len[item.key] = min(self.model_len.get(item.key, 0), item.rollback_to)
+            if self.feature_width:
+                self._keep_features(item)
             gamma = min(item.gamma, self.max_len - len(sequence))
             out[i].tokens, out[i].length = sequence.lookup(gamma), len(sequence)
             if out[i].tokens or gamma <= 0:
                 continue
             # held <= rollback_to < len(sequence): the catch-up is never empty.
-            model_items.append(ProposeItem(item.key, held, sequence.tokens[held:], gamma, item.sampling))
+            model_items.append(ProposeItem(item.key, held, sequence.tokens[held:], gamma, item.sampling,
+                                           **(self._catch_up(item.key, held, len(sequence)) if self.feature_width
+                                              else {})))
             asked.append((i, sequence))
         if model_items:
             for (i, sequence), reply in zip(asked, self.model.propose(model_items)):
@@ -81,10 +98,25 @@ class NgramPlusModelProposer:
                 out[i] = reply
         return out
 
+    def _keep_features(self, item: ProposeItem) -> None:
+        """Keeps the item's features: positions max(rollback_to - 1, 0).. replace what was held."""
+        row = self.feature_width * 2
+        held = self.features.setdefault(item.key, bytearray())
+        del held[max(item.rollback_to - 1, 0) * row:]
+        held += item.features
+
+    def _catch_up(self, key: Hashable, held: int, length: int) -> dict:
+        """The features of a model item from ``held`` tokens to ``length``."""
+        row = self.feature_width * 2
+        start = max(held - 1, 0)
+        features = bytes(self.features[key][start * row:(start + features_expected(held, length - held)) * row])
+        return {"features": features, "feature_width": self.feature_width}
+
     def _take(self, key: Hashable, sequence: NgramIndex, reply: Proposal) -> None:
         """Records what the model now holds; `reply` then reports what both sides hold."""
-        if reply.tokens:
-            sequence.extend(reply.tokens[:-1])  # the model fed all its guesses but the last
+        fed = reply.length - len(sequence)  # guesses the model holds: all but the last (a token
+        if reply.tokens and fed > 0:        # draft), none (a feature draft)
+            sequence.extend(reply.tokens[:fed])
             assert reply.length == len(sequence), (reply.length, len(sequence))
         # With no guesses the model holds at most the history (0: it dropped the sequence).
         self.model_len[key] = reply.length

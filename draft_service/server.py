@@ -68,7 +68,9 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         proposer = self.proposer
         return draft_pb2.DraftInfo(model_name=proposer.name, vocab_size=proposer.vocab_size,
                                    max_context_length=proposer.max_len, held_sequences=proposer.held,
-                                   free_slots=proposer.free_slots)
+                                   free_slots=proposer.free_slots,
+                                   feature_layers=list(getattr(proposer, "feature_layers", ())),
+                                   feature_width=getattr(proposer, "feature_width", 0))
 
 
 async def serve(config: DraftConfig) -> None:

@@ -30,6 +30,7 @@ from specstream.data.config import ChannelSecurity
 from specstream.data.propose import Proposal, ProposeItem
 from specstream.serving.channels import open_channel
 from specstream_pb import common_pb2, draft_pb2, draft_pb2_grpc
+from target_service.drafting import feature_refusal
 from target_service.draft_deadline import DraftDeadline, Shape
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,8 @@ _RPC_ERRORS = (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateEr
 
 class DraftClient:
     def __init__(self, url: str, timeout_s: float, retry_s: float, options: list | None = None,
-                 security: ChannelSecurity | None = None, deadline: DraftDeadline | None = None) -> None:
+                 security: ChannelSecurity | None = None, deadline: DraftDeadline | None = None,
+                 target_layers: int = 0, target_width: int = 0) -> None:
         self.url = url
         self.timeout_s = timeout_s
         self.retry_s = retry_s
@@ -65,6 +67,11 @@ class DraftClient:
         self.model_name = ""
         self.vocab_size = 0
         self.max_context_length = 0  # tokens the draft can hold per sequence (from GetInfo)
+        # A draft that reads features: what this target can send (its layer count and hidden size),
+        # what the draft reads (from GetInfo), and why a draft was refused at connect ("" if not).
+        self.target_layers, self.target_width = target_layers, target_width
+        self.feature_width = 0
+        self.refused = ""
 
     @property
     def connected(self) -> bool:
@@ -90,8 +97,16 @@ class DraftClient:
             log.log(logging.DEBUG if wait_for_ready else logging.WARNING, "draft %s unavailable: %s", self.url,
                     exc.code().name)
             return False
+        refused = feature_refusal(list(info.feature_layers), info.feature_width, self.target_layers, self.target_width)
+        if refused:  # never connected: the engine decodes plainly; said once per reason
+            if refused != self.refused:
+                log.error("draft %s (%s) refused: %s", self.url, info.model_name, refused)
+            self.refused = refused
+            return False
+        self.refused = ""
         self.model_name, self.vocab_size = info.model_name, info.vocab_size
         self.max_context_length = info.max_context_length
+        self.feature_width = info.feature_width
         return True
 
     async def ready(self) -> bool:
@@ -236,10 +251,12 @@ class DraftClient:
 def _item_to_pb(item: ProposeItem, traceparent: str) -> draft_pb2.ProposeItem:
     p = item.sampling
     sampling = common_pb2.Sampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
+    features = {"features": item.features, "feature_width": item.feature_width,
+                "feature_dtype": item.feature_dtype} if item.feature_width else {}
     return draft_pb2.ProposeItem(seq_id=item.key, rollback_to=item.rollback_to, append_token_ids=item.append,
-                                 gamma=item.gamma, sampling=sampling, traceparent=traceparent)
+                                 gamma=item.gamma, sampling=sampling, traceparent=traceparent, **features)
 
 
 def _proposal_from_pb(pb: draft_pb2.Proposal) -> Proposal:
     return Proposal(list(pb.token_ids), pb.length, pb.q_width, list(pb.q_ids), list(pb.q_probs),
-                    **({"source": pb.proposer} if pb.proposer else {}))
+                    **({"source": pb.proposer} if pb.proposer else {}), error=pb.error)

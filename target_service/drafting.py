@@ -12,17 +12,25 @@ Sync: for every sequence the draft holds a prefix of the sequence's tokens (`hel
 draft stream (`epoch`; a new stream holds nothing). Each item asks the draft to roll back to what
 still agrees, append the rest, and guess. After verification only the part the target accepted
 stays agreed (`settle`).
+
+A feature draft (one whose ``feature_width`` is set) also gets, with each item, the target's
+features of the positions it has not seen (specstream/data/propose.py ``ProposeItem.features``),
+from what the engine keeps per sequence (``Sequence.features``); a resync resends them all. A
+sequence whose features were not kept from its start decodes plainly with such a draft. A draft
+that refuses an item says why (``Proposal.error``): logged once per field, counted in
+``refusals``, and the row decodes plainly that step.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from specstream.data.propose import Proposal, ProposeItem
+from specstream.data.propose import Proposal, ProposeItem, features_expected
 from specstream.data.sampling import GREEDY
 from target_service import tracing
 from target_service.gamma import GammaController, RowView
@@ -31,7 +39,7 @@ from target_service.settle import VerifyRow
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DraftSource", "Drafting"]
+__all__ = ["DraftSource", "Drafting", "feature_refusal"]
 
 _TIMING_KEY = 0  # the start-up timing's sequence: the engine numbers requests' sequences from 1
 
@@ -52,6 +60,8 @@ class DraftSource(Protocol):
     - ``ready()`` is True when a propose can be attempted now; it must not block on a dead source.
     - ``watch(callback)``: ``callback()`` is called whenever ``connected`` changes.
     - ``vocab_size`` / ``max_context_length``: the ids and the sequence length it can take.
+    - ``feature_width`` (optional, default 0): numbers per feature of a draft that reads the
+      target's features (its final, normed hidden states); 0 for a token draft.
     """
 
     model_name: str
@@ -80,6 +90,24 @@ class DraftSource(Protocol):
     async def close(self) -> None: ...
 
 
+def feature_refusal(layers: list[int] | tuple[int, ...], width: int, target_layers: int, target_width: int) -> str:
+    """Why a draft asking for the features of ``layers`` at ``width`` numbers cannot be served by a
+    target of ``target_layers`` layers and hidden size ``target_width`` ("" when it can). A target
+    sends its final, normed hidden state only: layer ``target_layers``."""
+    layers = list(layers)
+    if not layers and not width:
+        return ""
+    if not layers or not width:
+        return (f"DraftInfo.feature_layers={layers} with DraftInfo.feature_width={width}: a draft that reads "
+                "features names both")
+    if any(layer != target_layers for layer in layers):
+        return (f"DraftInfo.feature_layers={layers}: this target sends only layer {target_layers} (its final, "
+                f"normed hidden state; layers count 1..{target_layers})")
+    if width != target_width:
+        return f"DraftInfo.feature_width={width}: this target's features have {target_width} numbers"
+    return ""
+
+
 @dataclass
 class _Held:
     length: int = 0  # leading tokens the draft holds that agree with the sequence
@@ -92,7 +120,13 @@ class Drafting:
     controller: GammaController
     vocab_size: int  # the target's: proposals at or past it are cut
     fed: int = 0  # tokens the last propose call fed the draft before it guessed (for the cost model)
+    refusals: Counter = field(default_factory=Counter)  # items the draft refused, by field
     _held: dict[int, _Held] = field(default_factory=dict)
+
+    @property
+    def feature_width(self) -> int:
+        """Numbers per feature the draft reads (0: a token draft, or none)."""
+        return getattr(self.source, "feature_width", 0) if self.source is not None else 0
 
     @property
     def connected(self) -> bool:
@@ -109,10 +143,12 @@ class Drafting:
         if source is None:
             return [0] * len(rows)
         room = source.max_context_length
+        features = self.feature_width > 0
         # Past the draft's context a sequence decodes plainly rather than resending its whole
-        # context every step; a draft with a smaller vocabulary cannot read ids past its own.
-        return [0 if seq.max_token >= source.vocab_size else max(0, min(seq.remaining - 1, room - len(seq.tokens)))
-                for seq in rows]
+        # context every step; a draft with a smaller vocabulary cannot read ids past its own; a
+        # feature draft cannot guess for a sequence whose features were not kept.
+        return [0 if seq.max_token >= source.vocab_size or (features and seq.features is None)
+                else max(0, min(seq.remaining - 1, room - len(seq.tokens))) for seq in rows]
 
     async def propose(self, rows: list[Sequence], step: int, traceparent: str = "") -> list[VerifyRow]:
         """What each row will verify this step: the controller's γ per row, the draft's guesses
@@ -134,7 +170,8 @@ class Drafting:
             held = self._held.setdefault(seq.seq_id, _Held())
             if held.epoch != source.epoch:  # a fresh stream holds nothing
                 held.length, held.epoch = 0, source.epoch
-            items.append(ProposeItem(seq.seq_id, held.length, seq.tokens[held.length:], gammas[i], seq.sampling))
+            items.append(ProposeItem(seq.seq_id, held.length, seq.tokens[held.length:], gammas[i], seq.sampling,
+                                     **self._features(seq, held.length)))
             self.fed += len(items[-1].append)
         replies = await source.propose(step, items, traceparent,
                                        [tracing.sequence_traceparent(rows[i]) for i in asked])
@@ -147,6 +184,17 @@ class Drafting:
             self._held[seq.seq_id].length = reply.length
             seq.draft_tokens += len(checks[i].proposals)
         return checks
+
+    def _features(self, seq: Sequence, held: int) -> dict:
+        """A feature draft's part of an item: the features of positions max(held - 1, 0)..len(tokens)-2."""
+        width = self.feature_width
+        if not width:
+            return {}
+        row = 2 * width  # bfloat16
+        start = max(held - 1, 0)
+        count = features_expected(held, len(seq.tokens) - held)
+        assert len(seq.features) == (len(seq.tokens) - 1) * row, "Sequence.features out of step with its tokens"
+        return {"features": bytes(seq.features[start * row:(start + count) * row]), "feature_width": width}
 
     async def time_draft(self, max_depth: int, rounds: int = 2, prompt_len: int = 32) -> int:
         """Times the draft before the first request, as the engine times its verify forward: a
@@ -170,6 +218,9 @@ class Drafting:
         for call, depth in enumerate(d for _ in range(rounds) for d in range(1, max_depth + 1)):
             upto = prompt_len + call  # the sequence so far; the draft holds `held` of it
             item = ProposeItem(_TIMING_KEY, held, tokens[held:upto], depth, GREEDY)
+            if self.feature_width:  # zeros: a feature draft's compute does not depend on the values
+                item.features = bytes(2 * self.feature_width * features_expected(held, upto - held))
+                item.feature_width = self.feature_width
             started = time.perf_counter()
             replies = await source.propose(0, [item])
             seconds = time.perf_counter() - started
@@ -185,6 +236,11 @@ class Drafting:
         table when the row samples (none from a model-free proposer: point masses). A malformed
         table is a draft bug; its proposals are dropped rather than trusted."""
         vocab = self.vocab_size
+        if reply.error:
+            field_name = reply.error.split("=")[0].split(":")[0]
+            if not self.refusals[field_name]:
+                log.warning("draft refused sequence %d (logged once per field): %s", seq.seq_id, reply.error)
+            self.refusals[field_name] += 1
         tokens = list(reply.tokens[:gamma])
         cut = next((j for j, t in enumerate(tokens) if t >= vocab), len(tokens))
         row = VerifyRow(seq.sampling, len(seq.tokens), tokens[:cut], logprobs=seq.logprobs,

@@ -48,7 +48,7 @@ from specstream.serving.metrics import TargetMetrics
 from target_service import tracing
 from target_service.calibration import verify_costs
 from target_service.connection import Connection
-from target_service.drafting import Drafting, DraftSource
+from target_service.drafting import Drafting, DraftSource, feature_refusal
 from target_service.gamma import AUTO_GAMMA, GammaController
 from target_service.scheduler import Scheduler
 from target_service.sequence import Sequence
@@ -74,10 +74,19 @@ class EngineTimings:
     decode_compute_s: float = 0.0
 
 
+def feature_bytes(hidden: torch.Tensor) -> bytes:
+    """hidden [n, H] -> the bytes of its n features in bfloat16, as a feature draft reads them."""
+    return hidden.to(torch.bfloat16).cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+
 class Engine:
     def __init__(self, model: CausalLM, config: TargetConfig, draft: DraftSource | None,
                  compute: ThreadPoolExecutor | None = None, metrics: TargetMetrics | None = None,
                  controller: GammaController | None = None) -> None:
+        refused = feature_refusal(getattr(draft, "feature_layers", ()), getattr(draft, "feature_width", 0),
+                                  model.config.num_layers, model.config.hidden_size)
+        if refused:  # a draft in this process; one behind gRPC is checked when it connects (DraftClient)
+            raise ValueError(f"draft {draft.model_name}: {refused}")
         self.model = model
         self.config = config
         self.draft = draft
@@ -304,6 +313,8 @@ class Engine:
             todo = seq.prompt_len - seq.prefilled
             if todo <= 0 or seq.finish_reason is not None:
                 continue
+            if seq.prefilled == 0 and seq.beam is None and self.drafting.feature_width:
+                seq.features = bytearray()  # a feature draft reads every position's feature
             if budget == 0:
                 break
             length = min(todo, budget)
@@ -334,8 +345,12 @@ class Engine:
         slots = torch.tensor([seq.slot for seq, _ in group], dtype=torch.int64)  # [b]
         starts = torch.tensor([start for _, start in group], dtype=torch.int64)  # [b]
         verdicts: list[Verdict | None] = [None] * len(group)
+        keep = [i for i, (seq, _) in enumerate(group) if seq.features is not None]
         with torch.inference_mode():
-            hidden = self.model.hidden(ids, self.cache, slots, starts, last_only=True)  # [b, 1, H]
+            hidden = self.model.hidden(ids, self.cache, slots, starts, last_only=not keep)  # [b, L or 1, H]
+            for i in keep:
+                group[i][0].features += feature_bytes(hidden[i])
+            hidden = hidden[:, -1:]  # [b, 1, H]
             done = [i for i, (seq, start) in enumerate(group) if start + length == seq.prompt_len]
             beams = [i for i in done if group[i][0].beam is not None]
             for i in beams:
@@ -421,6 +436,9 @@ class Engine:
             # The output layer runs inside settlement: fused with it on the Triton backend.
             verdicts = settle(Hidden(hidden[: len(rows)].flatten(0, 1), self.model.output_head), checks,
                               coupled=self.config.speculative_sampling == "coupled") if rows else []
+            for i, (seq, verdict) in enumerate(zip(rows, verdicts)):
+                if seq.features is not None:  # the committed positions: the last token and the accepted
+                    seq.features += feature_bytes(hidden[i, : verdict.accepted + 1])
             candidates, at = [], len(rows)
             for seq in beams:
                 candidates.append(self._beam_candidates(hidden[at : at + seq.width, 0], seq))

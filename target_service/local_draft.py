@@ -27,6 +27,9 @@ class LocalDraft:
         self.model_name = proposer.name
         self.max_context_length = proposer.max_len
         self.vocab_size = proposer.vocab_size
+        # A feature draft's: the engine checks them against its model when it is built.
+        self.feature_layers = tuple(getattr(proposer, "feature_layers", ()))
+        self.feature_width = getattr(proposer, "feature_width", 0)
 
     @property
     def held_sequences(self) -> int:

@@ -104,7 +104,8 @@ async def serve(config: TargetConfig, build_proposer: Callable[[DraftConfig], Pr
         draft = DraftClient(config.draft_url, config.draft_timeout_s, config.draft_retry_s,
                             options=config.server.grpc_options(), security=config.draft_security,
                             deadline=DraftDeadline(config.draft_timeout_s, config.draft_deadline_floor_s,
-                                                   config.draft_deadline_factor))
+                                                   config.draft_deadline_factor),
+                            target_layers=model.config.num_layers, target_width=model.config.hidden_size)
     elif config.colocated_draft is not None:
         if build_proposer is None:
             raise ValueError("colocated_draft: serve() needs build_proposer to build it")

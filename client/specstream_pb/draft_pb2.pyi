@@ -27,20 +27,26 @@ class ProposeBatch(_message.Message):
     def __init__(self, step: _Optional[int] = ..., items: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ...) -> None: ...
 
 class ProposeItem(_message.Message):
-    __slots__ = ("seq_id", "rollback_to", "append_token_ids", "gamma", "sampling", "traceparent")
+    __slots__ = ("seq_id", "rollback_to", "append_token_ids", "gamma", "sampling", "features", "feature_dtype", "feature_width", "traceparent")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_TO_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     rollback_to: int
     append_token_ids: _containers.RepeatedScalarFieldContainer[int]
     gamma: int
     sampling: _common_pb2.Sampling
+    features: bytes
+    feature_dtype: str
+    feature_width: int
     traceparent: str
-    def __init__(self, seq_id: _Optional[int] = ..., rollback_to: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., rollback_to: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., features: _Optional[bytes] = ..., feature_dtype: _Optional[str] = ..., feature_width: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class Release(_message.Message):
     __slots__ = ("seq_ids",)
@@ -59,7 +65,7 @@ class ProposeResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., held_sequences: _Optional[int] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "length", "q_width", "q_ids", "q_probs", "proposer")
+    __slots__ = ("seq_id", "token_ids", "length", "q_width", "q_ids", "q_probs", "proposer", "error")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +73,7 @@ class Proposal(_message.Message):
     Q_IDS_FIELD_NUMBER: _ClassVar[int]
     Q_PROBS_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     length: int
@@ -74,22 +81,27 @@ class Proposal(_message.Message):
     q_ids: _containers.RepeatedScalarFieldContainer[int]
     q_probs: _containers.RepeatedScalarFieldContainer[float]
     proposer: str
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ..., q_width: _Optional[int] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., proposer: _Optional[str] = ...) -> None: ...
+    error: str
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ..., q_width: _Optional[int] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., proposer: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class DraftInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class DraftInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_context_length", "held_sequences", "free_slots")
+    __slots__ = ("model_name", "vocab_size", "max_context_length", "held_sequences", "free_slots", "feature_layers", "feature_width")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     HELD_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_context_length: int
     held_sequences: int
     free_slots: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., held_sequences: _Optional[int] = ..., free_slots: _Optional[int] = ...) -> None: ...
+    feature_layers: _containers.RepeatedScalarFieldContainer[int]
+    feature_width: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., held_sequences: _Optional[int] = ..., free_slots: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., feature_width: _Optional[int] = ...) -> None: ...

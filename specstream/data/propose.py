@@ -17,7 +17,9 @@ from typing import Protocol
 
 from specstream.data.sampling import GREEDY, SamplingParams
 
-__all__ = ["SOURCE", "Proposal", "ProposeItem", "Proposer"]
+__all__ = ["FEATURE_DTYPE", "SOURCE", "Proposal", "ProposeItem", "Proposer", "features_expected"]
+
+FEATURE_DTYPE = "bfloat16"  # how features travel: 2 bytes a number (the only encoding)
 
 
 @dataclass
@@ -27,6 +29,18 @@ class ProposeItem:
     append: list[int]
     gamma: int
     sampling: SamplingParams = GREEDY
+    # For a draft that reads the target's features (Proposer.feature_width > 0): those of positions
+    # rollback_to - 1 .. rollback_to + len(append) - 2 (from 0 when rollback_to is 0), raw bytes of
+    # feature_width numbers each in feature_dtype (see features_expected). Empty for token drafts.
+    features: bytes = b""
+    feature_width: int = 0
+    feature_dtype: str = FEATURE_DTYPE
+
+
+def features_expected(rollback_to: int, appended: int) -> int:
+    """How many features an item carries: one per appended token, whose predecessor's feature the
+    draft had not seen, less one from position 0 (the newest token's feature does not exist yet)."""
+    return max(appended - (rollback_to == 0), 0)
 
 
 SOURCE = "model"  # Proposal.source of a draft model's guesses (draft_service/proposer.py)
@@ -45,6 +59,9 @@ class Proposal:
     # Which proposer made `tokens` ("model", "ngram", "synthetic"), so the target can keep its
     # acceptance statistics per proposer when one draft service combines several.
     source: str = SOURCE
+    # Non-empty when the proposer refused the item (its features of the wrong dtype, width or
+    # count): names the field and the value; then tokens is empty and length 0.
+    error: str = ""
 
 
 class Proposer(Protocol):
@@ -72,6 +89,10 @@ class Proposer(Protocol):
 
     @property
     def free_slots(self) -> int: ...  # further sequences it can take
+
+    # A proposer that reads the target's features sets ``feature_layers`` (target layers, counted
+    # from 1; num_hidden_layers is the final, normed state) and ``feature_width`` (numbers per
+    # feature); a token proposer has neither (read with getattr, default () and 0).
 
     def propose(self, items: list[ProposeItem]) -> list[Proposal]: ...
 

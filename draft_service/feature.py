@@ -1,0 +1,161 @@
+"""Proposals from a feature draft: an EAGLE-style head that reads the target's own features.
+
+Each item carries, with the tokens the target committed, the target's features of the positions
+the draft has not seen (``ProposeItem.features``: see specstream/data/propose.py). The head's cache
+position t holds its input (f_t, the embedding of x_{t+1}), so a sequence the draft holds to m
+tokens has positions 0..m-2; an item that rolls back to r and appends x_r..x_{n-1} brings features
+f_{r-1}..f_{n-2} (f_0.. from 0) and the head extends positions r-1..n-2 (``FeatureHead.extend``).
+Its last output predicts f_{n-1}, whose scores give the first guess; further guesses feed the head
+its own predicted features (``FeatureHead.draft``). Guesses are never kept: their positions used
+predicted features, and the next item brings the true ones, so ``Proposal.length`` is
+rollback_to + len(append) and the target resends the tokens it accepts with their features.
+
+Greedy items guess the argmax; sampling items draw x ~ q with q the head's distribution processed
+and cut exactly as the token draft's is (draft_service/proposer.py ``_Picker``), q sent back.
+
+Features are input from another process: a wrong dtype, width or count, or numbers that are not
+finite, are refused for that item with an error naming the field (``Proposal.error``), the
+sequence's state is dropped (length 0: the next item resends it whole, features included), and
+other items are unaffected. Nothing is padded or cut to fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+
+from draft_service.proposer import _Picker
+from kernels.lm_head import Hidden, OutputHead
+from specstream.data.propose import FEATURE_DTYPE, Proposal, ProposeItem, features_expected
+from specstream.models.feature_draft import FeatureDraft
+from specstream.models.feature_head import HeadCache
+
+SOURCE = "model"  # statistics are per draft service: one model answers, whatever its kind
+
+
+class FeatureProposer:
+    def __init__(self, draft: FeatureDraft, max_slots: int, max_seq_len: int, q_support: int = 256) -> None:
+        if q_support < 1:
+            raise ValueError(f"q_support={q_support!r}: must be >= 1")
+        self.draft = draft
+        self.q_support = q_support
+        self.max_len = max_seq_len
+        self.width = draft.head.spec.hidden
+        self.cache = HeadCache(draft.head.spec, max_slots, max_seq_len)
+        self._free = list(range(max_slots - 1, -1, -1))
+        self.slots: dict[Hashable, int] = {}
+        self.lengths: dict[Hashable, int] = {}  # tokens held per sequence (head positions: one fewer)
+        self.output = OutputHead(draft.rows)
+
+    # ----- what GetInfo reports ----------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.draft.name
+
+    @property
+    def vocab_size(self) -> int:
+        return self.draft.vocab_size
+
+    @property
+    def held(self) -> int:
+        return len(self.slots)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.draft.target_layers
+
+    @property
+    def feature_width(self) -> int:
+        return self.width
+
+    def release(self, keys: list[Hashable]) -> None:
+        for key in keys:
+            slot = self.slots.pop(key, None)
+            self.lengths.pop(key, None)
+            if slot is not None:
+                self._free.append(slot)
+
+    # ----- proposing -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, items: list[ProposeItem]) -> list[Proposal]:
+        out = [Proposal([], 0, source=SOURCE) for _ in items]
+        picker = _Picker(items, max((item.gamma for item in items), default=0), self.q_support,
+                         self.draft.rows.device, self.draft.head.output_ids)
+        guessed = []
+        for b, item in enumerate(items):
+            features, error = self.read_features(item)
+            if error:
+                self.release([item.key])
+                out[b].error = error
+                continue
+            slot = self._sync(item)
+            if slot is None:
+                continue
+            n = item.rollback_to + len(item.append)
+            self.lengths[item.key] = out[b].length = n
+            last = self._extend(item, slot, features)
+            gamma = min(item.gamma, self.max_len - n)
+            if last is None or gamma <= 0:
+                continue
+
+            def choose(g: torch.Tensor, step: int, b: int = b) -> int:
+                return int(picker.pick(Hidden(g[None], self.output), [b], step)[0])
+
+            out[b].tokens = self.draft.head.draft(self.cache, slot, last, gamma, self.draft.embed,
+                                                  self.draft.rows, choose)
+            guessed.append((b, gamma))
+        width, q_ids, q_probs = picker.tables()
+        for b, gamma in guessed:
+            if q_ids[b]:
+                out[b].q_width, out[b].q_ids, out[b].q_probs = width, q_ids[b][: gamma * width], q_probs[b][: gamma * width]
+        return out
+
+    def read_features(self, item: ProposeItem) -> tuple[torch.Tensor | None, str]:
+        """The item's features [count, H] bfloat16, or why they cannot be read: the field and its value."""
+        if item.feature_dtype != FEATURE_DTYPE:
+            return None, f"ProposeItem.feature_dtype={item.feature_dtype!r}: this draft reads {FEATURE_DTYPE!r} features"
+        if item.feature_width != self.width:
+            return None, (f"ProposeItem.feature_width={item.feature_width}: this draft reads features of {self.width} "
+                          "numbers (the target's hidden size)")
+        count = features_expected(item.rollback_to, len(item.append))
+        if len(item.features) != count * self.width * 2:
+            return None, (f"ProposeItem.features: {len(item.features)} bytes for sequence {item.key} (rollback_to="
+                          f"{item.rollback_to}, {len(item.append)} tokens appended); expected {count} features of "
+                          f"{self.width} bfloat16 numbers = {count * self.width * 2} bytes")
+        features = torch.frombuffer(bytearray(item.features), dtype=torch.bfloat16).view(count, self.width) \
+            if count else torch.empty(0, self.width, dtype=torch.bfloat16)
+        if not bool(torch.isfinite(features).all()):
+            return None, f"ProposeItem.features: sequence {item.key} has numbers that are not finite (NaN or inf)"
+        return features, ""
+
+    def _sync(self, item: ProposeItem) -> int | None:
+        """The sequence's slot, rolled back to ``rollback_to``; None when its state is gone, the item
+        cannot be held, or no slot is free (the target then resends it whole)."""
+        slot = self.slots.get(item.key)
+        held = self.lengths.get(item.key, 0)
+        if slot is None:
+            if item.rollback_to != 0 or not self._free:
+                return None
+            slot = self.slots[item.key] = self._free.pop()
+        if item.rollback_to > held or not item.append or item.rollback_to + len(item.append) > self.max_len \
+                or max(item.append) >= self.vocab_size:
+            self.release([item.key])
+            return None
+        self.cache.length[slot] = max(item.rollback_to - 1, 0)
+        return slot
+
+    def _extend(self, item: ProposeItem, slot: int, features: torch.Tensor) -> torch.Tensor | None:
+        """The head's positions for the item's features [count, H]; its last output [H] (None: no
+        feature yet, a one-token sequence)."""
+        count = features.shape[0]
+        if count == 0:
+            return None
+        tokens = torch.tensor(item.append[-count:], dtype=torch.int64)  # x_{t+1} for each feature f_t
+        start = max(item.rollback_to - 1, 0)
+        out = self.draft.head.extend(self.cache, slot, start, features.float(), self.draft.embed[tokens].float())
+        return out[-1]

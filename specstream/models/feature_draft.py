@@ -1,0 +1,126 @@
+"""A feature draft on disk: an EAGLE-style head (specstream/models/feature_head.py) packaged to serve.
+
+A directory holds ``config.json`` and ``model.safetensors`` (the head's weights in bfloat16 and its
+``output_ids``). ``config.json``'s ``specstream`` object says what it is and what it reads::
+
+    {"specstream": {"name": "smollm2-135m-feature", "kind": "feature_head",
+                    "head": {HeadSpec fields},
+                    "target": {"model": "smollm2", "sha256": "<embedding digest>", "layers": [30]}}}
+
+The head reads the target's input embedding and output rows, which are not stored: they are read
+from the target's checkpoint (``target.model``, resolved by the caller), and the embedding's digest
+must be the one recorded at training time (as a token draft's shared embedding is checked).
+``target.layers`` are the target layers whose features the head reads (num_hidden_layers: the final,
+normed hidden state), which the draft service reports in GetInfo.
+
+What it does not know: serving (draft_service/feature.py), training (specstream.tools.distill.feature).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specstream.models.config import ModelLoadError
+from specstream.models.feature_head import FeatureHead, HeadSpec
+from specstream.models.loader import SafetensorsSource, embedding_sha256, read_config
+
+__all__ = ["KIND", "FeatureDraft", "is_feature_draft", "load_feature_draft", "save_feature_draft", "target_parts"]
+
+KIND = "feature_head"
+WEIGHTS = "model.safetensors"
+EMBED = "model.embed_tokens.weight"
+LM_HEAD = "lm_head.weight"
+
+
+@dataclass
+class FeatureDraft:
+    name: str
+    head: FeatureHead  # float32, eval mode
+    embed: torch.Tensor  # [V, H] the target's input embedding (bfloat16)
+    rows: torch.Tensor  # [N, H] float32: the target's output rows of head.output_ids
+    target_layers: tuple[int, ...]  # the target layers whose features it reads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embed.shape[0]
+
+
+def _ours(path: Path) -> dict | None:
+    config = path / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        raw = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    ours = raw.get("specstream") if isinstance(raw, dict) else None
+    return ours if isinstance(ours, dict) and ours.get("kind") == KIND else None
+
+
+def is_feature_draft(path: str | Path) -> bool:
+    """Whether ``path`` is a feature draft's directory (else: a model checkpoint, or nothing)."""
+    return _ours(Path(path)) is not None
+
+
+def target_parts(target_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding [V, H] and output layer [V, H] (its tied embedding when it has
+    none of its own), float32, as its checkpoint holds them."""
+    config = read_config(target_dir)
+    shape = (config.vocab_size, config.hidden_size)
+    with SafetensorsSource(target_dir, torch.float32, "cpu") as source:
+        embed = source.take(EMBED, shape)
+        head = source.take(LM_HEAD, shape) if source.has(LM_HEAD) else embed
+    return embed, head
+
+
+def load_feature_draft(path: str | Path, resolve: Callable[[str], Path]) -> FeatureDraft:
+    """The head at ``path`` with the parts of the target it reads; ``resolve`` turns the recorded
+    target reference into its checkpoint directory. Errors name the file and the field."""
+    root = Path(path)
+    ours = _ours(root)
+    where = root / "config.json"
+    if ours is None:
+        raise ModelLoadError(f"{where}: not a feature draft (specstream.kind must be {KIND!r})")
+    try:
+        spec = HeadSpec(**ours["head"])
+        target = ours["target"]
+        ref, digest, layers = str(target["model"]), str(target["sha256"]), tuple(int(x) for x in target["layers"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"{where}: specstream.head / specstream.target malformed ({e!r}); expected the "
+                             "HeadSpec fields and target.model, target.sha256, target.layers") from e
+    if not layers:
+        raise ModelLoadError(f"{where}: specstream.target.layers is empty: a feature draft reads at least one layer")
+    head = FeatureHead(spec)
+    try:
+        head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in load_file(str(root / WEIGHTS)).items()})
+    except (OSError, RuntimeError) as e:
+        raise ModelLoadError(f"{root / WEIGHTS}: not the weights of the head config.json describes ({e})") from e
+    head.eval().requires_grad_(False)
+    embed, out = target_parts(resolve(ref))
+    if embed.shape[1] != spec.hidden:
+        raise ModelLoadError(f"{where}: specstream.head.hidden={spec.hidden}, but target {ref!r} has hidden size "
+                             f"{embed.shape[1]}")
+    if embedding_sha256(embed) != digest:
+        raise ModelLoadError(f"{where}: target {ref!r} has an embedding with a different sha256 than the head was "
+                             f"trained with (specstream.target.sha256 {digest[:16]}...): a different target model")
+    return FeatureDraft(str(ours.get("name") or root.name), head, embed.to(torch.bfloat16),
+                        out[head.output_ids].contiguous(), layers)
+
+
+def save_feature_draft(out_dir: Path, name: str, head: FeatureHead, target_ref: str, target_dir: Path,
+                       layers: tuple[int, ...]) -> None:
+    """Writes ``head`` (its weights in bfloat16) as a feature draft of the target ``target_ref``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    embed, _ = target_parts(target_dir)
+    tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
+               for k, v in head.state_dict().items()}
+    save_file(tensors, str(out_dir / WEIGHTS))
+    config = {"specstream": {"name": name, "kind": KIND, "head": head.spec.to_json(),
+                             "target": {"model": target_ref, "sha256": embedding_sha256(embed), "layers": list(layers)}}}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")

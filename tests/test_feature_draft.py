@@ -1,0 +1,221 @@
+"""A feature draft served (draft_service/feature.py, the target's side in target_service/drafting.py
+and engine.py): the target's features cross the wire bit for bit; features of the wrong dtype,
+width or count are refused naming the field, and a draft asking for layers the target does not
+have is refused at connect; greedy output with the feature draft, alone or behind prompt lookup,
+is the target's plain greedy output, and coupled sampling its plain sampled output; a draft that
+loses its state gets every feature again and drafts on.
+
+The pair: the model zoo's tiny target and a feature head for it, trained for a few steps on the
+target's own greedy answers to the tests' prompts (so that guesses are accepted, often but not
+always: the tests check they were)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from engine_harness import naive_greedy, run_engine
+
+from draft_service.combined import NgramPlusModelProposer
+from draft_service.feature import FeatureProposer
+from draft_service.proposer import DraftProposer
+from draft_service.wire import item_from_pb
+from specstream.data.propose import ProposeItem
+from specstream.data.sampling import SamplingParams
+from specstream.models.feature_draft import load_feature_draft, save_feature_draft
+from specstream.models.feature_head import FeatureHead
+from specstream.models.loader import load_model
+from specstream_pb import draft_pb2
+from target_service.draft_client import DraftClient, _item_to_pb
+from target_service.drafting import feature_refusal
+from target_service.engine import feature_bytes
+from target_service.local_draft import LocalDraft
+
+PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 9], [40, 41], [9, 10, 11, 12, 13, 14]]
+
+
+@pytest.fixture(scope="module")
+def feature_pair(model_zoo, tmp_path_factory) -> dict[str, Path]:
+    from specstream.tools.distill.feature import FeatureConfig, _spec, head_loss
+
+    target_dir = model_zoo["target"]
+    target = load_model(target_dir)
+    sequences = []
+    with torch.no_grad():
+        for prompt in PROMPTS:  # the tests' own prompts: a random target's text has nothing to generalise
+            tokens = torch.tensor(prompt + naive_greedy(target_dir, prompt, 44))
+            cache = target.new_cache(1, len(tokens))
+            feats = target.hidden(tokens[None], cache, torch.tensor([cache.alloc()]), torch.tensor([0]))[0]
+            sequences.append((tokens, feats, len(prompt)))
+    torch.manual_seed(0)
+    head = FeatureHead(_spec(target.config, target.config.vocab_size))
+    head.output_ids.copy_(torch.arange(target.config.vocab_size))
+    embed, rows = target.embed.detach(), target.lm_head.detach()
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    for _ in range(100):
+        opt.zero_grad()
+        total, terms = zip(*(head_loss(head, f, t, embed, rows, n, FeatureConfig()) for t, f, n in sequences))
+        (sum(total) / sum(terms)).backward()
+        opt.step()
+    out = tmp_path_factory.mktemp("feature") / "draft"
+    save_feature_draft(out, "tiny-feature", head, str(target_dir), target_dir, (target.config.num_layers,))
+    return {"target": target_dir, "draft": out}
+
+
+def _proposer(feature_pair, slots: int = 16) -> FeatureProposer:
+    return FeatureProposer(load_feature_draft(feature_pair["draft"], Path), slots, 512)
+
+
+def _features(n: int, width: int, seed: int = 0) -> bytes:
+    return feature_bytes(torch.randn(n, width, generator=torch.Generator().manual_seed(seed)))
+
+
+# ----- transport ----------------------------------------------------------------------------------
+
+def test_features_cross_the_wire_bit_for_bit() -> None:
+    """The engine's bytes of bfloat16 features (every kind of value: signed zeros, subnormals,
+    infinities, NaN payloads) -> the target's ProposeItem message -> bytes on the wire -> the
+    draft's ProposeItem -> the tensor the draft reads: the same bits."""
+    width = 64
+    bits = torch.randint(-2**15, 2**15, (7, width), dtype=torch.int16, generator=torch.Generator().manual_seed(3))
+    bits[0, :4] = torch.tensor([0, -2**15, 1, 0x7F80], dtype=torch.int16)  # +0, -0, a subnormal, +inf
+    hidden = bits.view(torch.bfloat16)
+    item = ProposeItem(42, 3, [1, 2, 3, 4, 5, 6, 7], 4, features=feature_bytes(hidden), feature_width=width)
+    wire = _item_to_pb(item, "").SerializeToString()
+    got = item_from_pb(("stream", 42), draft_pb2.ProposeItem.FromString(wire))
+    assert (got.feature_width, got.feature_dtype) == (width, "bfloat16")
+    decoded = torch.frombuffer(bytearray(got.features), dtype=torch.bfloat16).view(7, width)
+    assert torch.equal(decoded.view(torch.int16), bits)
+
+
+# ----- bad input ----------------------------------------------------------------------------------
+
+def test_features_of_the_wrong_dtype_width_or_count_are_refused_naming_the_field(feature_pair) -> None:
+    proposer = _proposer(feature_pair)
+    H = proposer.feature_width
+    good = ProposeItem("good", 0, [5, 6, 7], 3, features=_features(2, H), feature_width=H)
+    nan = bytearray(_features(2, H))
+    nan[10:12] = torch.tensor([float("nan")], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    bad = {
+        "ProposeItem.feature_dtype='float16'": ProposeItem("a", 0, [5, 6, 7], 3, features=_features(2, H),
+                                                           feature_width=H, feature_dtype="float16"),
+        f"ProposeItem.feature_width={H - 1}": ProposeItem("b", 0, [5, 6, 7], 3, features=_features(2, H - 1),
+                                                          feature_width=H - 1),
+        "ProposeItem.features: 0 bytes": ProposeItem("c", 0, [5, 6, 7], 3, feature_width=H),
+        f"ProposeItem.features: {3 * H * 2} bytes": ProposeItem("d", 0, [5, 6, 7], 3, features=_features(3, H),
+                                                                feature_width=H),
+        "ProposeItem.features: sequence e has numbers that are not finite": ProposeItem(
+            "e", 0, [5, 6, 7], 3, features=bytes(nan), feature_width=H),
+    }
+    for combined in (False, True):
+        p = NgramPlusModelProposer(_proposer(feature_pair), 16) if combined else proposer
+        replies = p.propose([good, *bad.values()])
+        assert len(replies[0].tokens) == 3 and replies[0].length == 3 and not replies[0].error
+        for (expected, item), reply in zip(bad.items(), replies[1:]):
+            assert reply.error.startswith(expected), (expected, reply.error)
+            assert (reply.tokens, reply.length) == ([], 0)
+            assert item.key not in getattr(p, "model", p).slots  # nothing held: the next item resends it whole
+        # The good sequence goes on from where it was.
+        more = p.propose([ProposeItem("good", 3, [8], 2, features=_features(1, H, 1), feature_width=H)])[0]
+        assert more.length == 4 and len(more.tokens) == 2 and not more.error
+
+
+def test_a_target_refuses_a_draft_asking_for_features_it_does_not_send(feature_pair, model_zoo) -> None:
+    assert feature_refusal([], 0, 3, 64) == ""
+    assert feature_refusal([3], 64, 3, 64) == ""
+    assert feature_refusal([2], 64, 3, 64).startswith("DraftInfo.feature_layers=[2]: this target sends only layer 3")
+    assert feature_refusal([3], 32, 3, 64).startswith("DraftInfo.feature_width=32")
+    assert feature_refusal([3], 0, 3, 64).startswith("DraftInfo.feature_layers=[3] with DraftInfo.feature_width=0")
+    # In the target's process: the engine refuses it when it is built.
+    from specstream.data.config import ModelSpec, TargetConfig
+    from target_service.engine import Engine
+
+    shallower = load_model(model_zoo["partial"])  # the same width, fewer layers
+    layers = shallower.config.num_layers
+    assert layers != 3
+    with pytest.raises(ValueError, match=rf"DraftInfo.feature_layers=\[3\]: this target sends only layer {layers}"):
+        Engine(shallower, TargetConfig(model=ModelSpec(str(model_zoo["partial"])), calibrate=False),
+               LocalDraft(_proposer(feature_pair)))
+
+    async def connect(layers: int) -> tuple[bool, str, int]:
+        from test_draft_client import _draft_server
+
+        server, url, compute = await _draft_server(_proposer(feature_pair))
+        client = DraftClient(url, 2.0, 0.2, target_layers=layers, target_width=64)
+        try:
+            return await client.fetch_info(), client.refused, client.feature_width
+        finally:
+            await client.close()
+            await server.stop(None)
+            compute.shutdown()
+
+    ok, refused, width = asyncio.run(connect(3))
+    assert (ok, refused, width) == (True, "", 64)
+    ok, refused, width = asyncio.run(connect(5))
+    assert not ok and refused.startswith("DraftInfo.feature_layers=[3]: this target sends only layer 5"), refused
+
+
+# ----- exactness ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("combined", [False, True], ids=["feature", "ngram+feature"])
+@pytest.mark.parametrize("gamma", [3, None], ids=["fixed3", "auto"])
+def test_greedy_with_the_feature_draft_is_plain_greedy(feature_pair, combined, gamma) -> None:
+    target = feature_pair["target"]
+    proposer = _proposer(feature_pair)
+    if combined:
+        proposer = NgramPlusModelProposer(proposer, 16, min_n=2)
+    got, finals = run_engine(target, None, PROMPTS, gamma=gamma, max_new_tokens=[30, 41, 25, 36],
+                             proposer=proposer)
+    for prompt, tokens, budget in zip(PROMPTS, got, [30, 41, 25, 36]):
+        assert tokens == naive_greedy(target, prompt, budget)
+    # Guesses were accepted, and rejected too (rollbacks exercised).
+    assert sum(f.stats.accepted_tokens for f in finals) > 0.2 * sum(f.stats.draft_tokens for f in finals) > 0
+    assert sum(f.stats.rejections for f in finals) > 0
+
+
+def test_coupled_sampling_with_the_feature_draft_is_plain_sampling(feature_pair) -> None:
+    """Sampled items get q from the head (processed and cut as the token draft's); with coupled
+    verification the output is plain sampling's, token for token (design §5)."""
+    target = feature_pair["target"]
+    sampling = [SamplingParams.from_settings(0.8, top_p=0.95, seed=s) for s in range(len(PROMPTS))]
+    config = {"speculative_sampling": "coupled"}
+    plain, _ = run_engine(target, None, PROMPTS, gamma=0, max_new_tokens=32, sampling=sampling, config=config)
+    spec, finals = run_engine(target, None, PROMPTS, gamma=3, max_new_tokens=32, sampling=sampling, config=config,
+                              proposer=_proposer(feature_pair))
+    assert spec == plain
+    assert sum(f.stats.accepted_tokens for f in finals) > 0
+
+
+class _Forgetful(LocalDraft):
+    """A local feature draft that loses every sequence's state (a new stream: epoch + 1) after
+    ``after`` propose calls, and records each call's items."""
+
+    def __init__(self, proposer, after: int) -> None:
+        super().__init__(proposer)
+        self.after, self.calls, self.epoch = after, [], 1
+
+    async def propose(self, step, items, traceparent="", item_traceparents=None):
+        self.calls.append([(it.key, it.rollback_to, len(it.append), len(it.features)) for it in items])
+        if len(self.calls) == self.after:
+            self.proposer.release(list(self.proposer.slots))
+            self.epoch += 1
+            return None  # this step decodes plainly, as after a broken stream
+        return await super().propose(step, items, traceparent, item_traceparents)
+
+
+def test_a_draft_that_lost_its_state_gets_every_feature_again_and_drafts_on(feature_pair, monkeypatch) -> None:
+    import engine_harness
+
+    target = feature_pair["target"]
+    draft = _Forgetful(_proposer(feature_pair), after=6)
+    monkeypatch.setattr(engine_harness, "LocalDraft", lambda proposer: draft)
+    got, finals = run_engine(target, None, PROMPTS[:2], gamma=3, max_new_tokens=40, proposer=object())
+    assert got == [naive_greedy(target, p, 40) for p in PROMPTS[:2]]
+    resent = [c for call in draft.calls[6:7] for c in call]
+    # The call after the loss sends each sequence whole: from 0, every feature (one per token but the first).
+    assert resent and all(rollback == 0 and size == (n - 1) * 64 * 2 for _, rollback, n, size in resent), resent
+    # Then it holds them again: later items go on from what it holds, and guesses are accepted.
+    assert any(rollback > 0 for call in draft.calls[7:] for _, rollback, _, _ in call)
+    assert sum(f.stats.accepted_tokens for f in finals) > 0
