@@ -30,8 +30,8 @@ from specstream.data.config import ChannelSecurity
 from specstream.data.propose import Proposal, ProposeItem
 from specstream.serving.channels import open_channel
 from specstream_pb import common_pb2, draft_pb2, draft_pb2_grpc
-from target_service.drafting import feature_refusal
 from target_service.draft_deadline import DraftDeadline, Shape
+from target_service.drafting import feature_refusal
 
 log = logging.getLogger(__name__)
 

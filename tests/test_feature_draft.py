@@ -20,7 +20,6 @@ from engine_harness import naive_greedy, run_engine
 
 from draft_service.combined import NgramPlusModelProposer
 from draft_service.feature import FeatureProposer
-from draft_service.proposer import DraftProposer
 from draft_service.wire import item_from_pb
 from specstream.data.propose import ProposeItem
 from specstream.data.sampling import SamplingParams
