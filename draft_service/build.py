@@ -36,8 +36,9 @@ def _draft_model(config: DraftConfig) -> DraftProposer | FeatureProposer:
     target's features, specstream/models/feature_draft.py), whichever ``config.model`` holds."""
     spec = config.model
     if is_feature_draft(resolve_model(spec.path)):
-        return FeatureProposer(load_feature_draft(resolve_model(spec.path), resolve_model), config.max_slots,
-                               config.max_seq_len, config.q_support)
+        draft = load_feature_draft(resolve_model(spec.path), resolve_model, resolve_dtype(spec.dtype, spec.device),
+                                   spec.weights)
+        return FeatureProposer(draft, config.max_slots, config.max_seq_len, config.q_support)
     model = load_model(resolve_model(spec.path), dtype=resolve_dtype(spec.dtype, spec.device), device=spec.device,
                        resolve=resolve_model, weights=spec.weights, draft=True)
     return DraftProposer(model, config.max_slots, config.max_seq_len, config.q_support)

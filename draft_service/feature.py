@@ -26,7 +26,7 @@ from collections.abc import Hashable
 import torch
 
 from draft_service.proposer import _Picker
-from kernels.lm_head import Hidden, OutputHead
+from kernels.lm_head import Hidden
 from specstream.data.propose import FEATURE_DTYPE, Proposal, ProposeItem, features_expected
 from specstream.models.feature_draft import FeatureDraft
 from specstream.models.feature_head import HeadCache
@@ -42,11 +42,11 @@ class FeatureProposer:
         self.q_support = q_support
         self.max_len = max_seq_len
         self.width = draft.head.spec.hidden
-        self.cache = HeadCache(draft.head.spec, max_slots, max_seq_len)
+        self.cache = HeadCache(draft.head.spec, max_slots, max_seq_len, dtype=draft.dtype)
         self._free = list(range(max_slots - 1, -1, -1))
         self.slots: dict[Hashable, int] = {}
         self.lengths: dict[Hashable, int] = {}  # tokens held per sequence (head positions: one fewer)
-        self.output = OutputHead(draft.rows)
+        self.output = draft.output
 
     # ----- what GetInfo reports ----------------------------------------------------------------
     @property
@@ -157,5 +157,6 @@ class FeatureProposer:
             return None
         tokens = torch.tensor(item.append[-count:], dtype=torch.int64)  # x_{t+1} for each feature f_t
         start = max(item.rollback_to - 1, 0)
-        out = self.draft.head.extend(self.cache, slot, start, features.float(), self.draft.embed[tokens].float())
+        dtype = self.draft.dtype
+        out = self.draft.head.extend(self.cache, slot, start, features.to(dtype), self.draft.embed[tokens].to(dtype))
         return out[-1]

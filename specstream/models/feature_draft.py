@@ -26,9 +26,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from kernels.int4 import Q4Weight, q4_native, rtn_parts
+from kernels.lm_head import OutputHead
 from specstream.models.config import ModelLoadError
 from specstream.models.feature_head import FeatureHead, HeadSpec
-from specstream.models.loader import SafetensorsSource, embedding_sha256, read_config
+from specstream.models.loader import DTYPES, SafetensorsSource, embedding_sha256, read_config
 
 __all__ = ["KIND", "FeatureDraft", "is_feature_draft", "load_feature_draft", "save_feature_draft", "target_parts"]
 
@@ -41,10 +43,13 @@ LM_HEAD = "lm_head.weight"
 @dataclass
 class FeatureDraft:
     name: str
-    head: FeatureHead  # float32, eval mode
+    head: FeatureHead  # float32 parameters, eval mode; served in ``dtype`` (FeatureHead.serve)
     embed: torch.Tensor  # [V, H] the target's input embedding (bfloat16)
     rows: torch.Tensor  # [N, H] float32: the target's output rows of head.output_ids
     target_layers: tuple[int, ...]  # the target layers whose features it reads
+    output: OutputHead  # the rows as served: dense in ``dtype``, or 4-bit
+    dtype: torch.dtype = torch.float32  # the activations' when serving
+    weights: str = "dense"  # what was served: "dense" or "int4 (N matrices)"
 
     @property
     def vocab_size(self) -> int:
@@ -79,9 +84,13 @@ def target_parts(target_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     return embed, head
 
 
-def load_feature_draft(path: str | Path, resolve: Callable[[str], Path]) -> FeatureDraft:
+def load_feature_draft(path: str | Path, resolve: Callable[[str], Path], dtype: str = "float32",
+                       weights: str = "dense") -> FeatureDraft:
     """The head at ``path`` with the parts of the target it reads; ``resolve`` turns the recorded
-    target reference into its checkpoint directory. Errors name the file and the field."""
+    target reference into its checkpoint directory. Served with ``dtype`` activations; ``weights``
+    "auto" rounds its matrices and output rows to 4 bits where the int4 kernel serves bfloat16 (as
+    a token draft is served), "int4" / "int4-rtn" always, "dense" never. Errors name the file and
+    the field."""
     root = Path(path)
     ours = _ours(root)
     where = root / "config.json"
@@ -109,8 +118,15 @@ def load_feature_draft(path: str | Path, resolve: Callable[[str], Path]) -> Feat
     if embedding_sha256(embed) != digest:
         raise ModelLoadError(f"{where}: target {ref!r} has an embedding with a different sha256 than the head was "
                              f"trained with (specstream.target.sha256 {digest[:16]}...): a different target model")
-    return FeatureDraft(str(ours.get("name") or root.name), head, embed.to(torch.bfloat16),
-                        out[head.output_ids].contiguous(), layers)
+    rows = out[head.output_ids].contiguous()  # [N, H]
+    torch_dtype = DTYPES[dtype]
+    int4 = weights in ("int4", "int4-rtn") or (weights == "auto" and q4_native(torch_dtype))
+    swapped = head.serve(torch_dtype, int4)
+    served_rows = Q4Weight.from_parts(*rtn_parts(rows), torch_dtype) if int4 and Q4Weight.fits(*rows.shape) \
+        else rows.to(torch_dtype)
+    swapped += isinstance(served_rows, Q4Weight)
+    return FeatureDraft(str(ours.get("name") or root.name), head, embed.to(torch.bfloat16), rows, layers,
+                        OutputHead(served_rows), torch_dtype, f"int4 ({swapped} matrices)" if swapped else "dense")
 
 
 def save_feature_draft(out_dir: Path, name: str, head: FeatureHead, target_ref: str, target_dir: Path,

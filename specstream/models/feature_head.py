@@ -26,6 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.int4 import Q4Weight, rtn_parts
+from kernels.linear import linear
+
 __all__ = ["FeatureHead", "HeadCache", "HeadSpec"]
 
 
@@ -86,27 +89,57 @@ class FeatureHead(nn.Module):
         self.gate_up = nn.Linear(H, 2 * spec.intermediate, bias=False)
         self.down = nn.Linear(spec.intermediate, H, bias=False)
         self.register_buffer("output_ids", torch.arange(spec.vocab_out), persistent=True)  # [N] token ids scored
+        self._served: dict[str, torch.Tensor | Q4Weight] | None = None  # serve(): the matrices as served
+
+    _MATRICES = ("fuse", "q", "kv", "o", "gate_up", "down")
+
+    def serve(self, dtype: torch.dtype, int4: bool) -> int:
+        """Serve the layer's matrices (not training them any more) in ``dtype`` activations, each
+        rounded to 4 bits (``rtn_parts``, as a token draft is served) where the int4 kernel takes its
+        shape when ``int4``; returns how many are 4-bit. The norms stay float32."""
+        self._served, swapped = {}, 0
+        for name in self._MATRICES:
+            w = getattr(self, name).weight.detach()
+            if int4 and Q4Weight.fits(*w.shape):
+                self._served[name] = Q4Weight.from_parts(*rtn_parts(w), dtype)
+                swapped += 1
+            else:
+                self._served[name] = w.to(dtype)
+        return swapped
+
+    def _rope(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables [>= n, D] (kept: serving asks for one more position at a time)."""
+        tables = getattr(self, "_rope_cache", None)
+        if tables is None or tables[0].shape[0] < n or tables[0].device != device:
+            tables = self._rope_cache = _rope_tables(self.spec, max(n, 2 * (tables[0].shape[0] if tables else 256)),
+                                                     device)
+        return tables
+
+    def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        if self._served is None:
+            return getattr(self, name)(x)
+        return linear(x, self._served[name])
 
     # -- the layer --------------------------------------------------------------------------------
     def _qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [..., T, H] fused inputs at token positions [..., T] -> q [..., heads, T, D], k, v [..., kv, T, D]."""
         s = self.spec
         h = _rms(x, self.input_norm, s.norm_eps)
-        cos, sin = _rope_tables(s, int(positions.max()) + 1, x.device)
+        cos, sin = self._rope(int(positions.max()) + 1, x.device)
         cos, sin = cos[positions].to(x.dtype).unsqueeze(-3), sin[positions].to(x.dtype).unsqueeze(-3)  # [..., 1, T, D]
-        q = self.q(h).unflatten(-1, (s.heads, s.head_dim)).transpose(-2, -3)  # [..., heads, T, D]
-        k, v = self.kv(h).unflatten(-1, (2 * s.kv_heads, s.head_dim)).transpose(-2, -3).chunk(2, dim=-3)
+        q = self._linear("q", h).unflatten(-1, (s.heads, s.head_dim)).transpose(-2, -3)  # [..., heads, T, D]
+        k, v = self._linear("kv", h).unflatten(-1, (2 * s.kv_heads, s.head_dim)).transpose(-2, -3).chunk(2, dim=-3)
         return _rope(q, cos, sin), _rope(k, cos, sin), v
 
     def _finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x [..., T, H], attn [..., heads, T, D] -> the layer's output [..., T, H]."""
-        x = x + self.o(attn.transpose(-2, -3).flatten(-2))
-        gate, up = self.gate_up(_rms(x, self.post_norm, self.spec.norm_eps)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        x = x + self._linear("o", attn.transpose(-2, -3).flatten(-2))
+        gate, up = self._linear("gate_up", _rms(x, self.post_norm, self.spec.norm_eps)).chunk(2, dim=-1)
+        return x + self._linear("down", F.silu(gate) * up)
 
     def fused(self, features: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
         """[..., T, H] features and the next tokens' embeddings -> the layer's input [..., T, H]."""
-        return self.fuse(torch.cat((features, next_embeds), dim=-1))
+        return self._linear("fuse", torch.cat((features, next_embeds), dim=-1))
 
     def forward(self, features: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
         """Teacher-forced over whole sequences: features [B, T, H] (f_0..f_{T-1}), next_embeds [B, T, H]
@@ -180,11 +213,14 @@ class FeatureHead(nn.Module):
         cache.length[slot] = start + n
         keys = cache.k[slot, :, :start + n].to(x.dtype)  # [kv, start + n, D]
         values = cache.v[slot, :, :start + n].to(x.dtype)
-        group = s.heads // s.kv_heads
-        at = torch.arange(start, start + n)
-        mask = torch.arange(start + n)[None, :] <= at[:, None]  # [n, start + n]
-        attn = F.scaled_dot_product_attention(q, keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0),
-                                              attn_mask=mask)
+        if n == 1:  # one query sees every key: no mask, and a kv head's query heads attend as one block
+            group = s.heads // s.kv_heads
+            attn = F.scaled_dot_product_attention(q.view(s.kv_heads, group, s.head_dim), keys, values)
+            attn = attn.view(s.heads, 1, s.head_dim)
+        else:
+            at = torch.arange(start, start + n)
+            mask = torch.arange(start + n)[None, :] <= at[:, None]  # [n, start + n]
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self._finish(x, attn)
 
     def extend(self, cache: HeadCache, slot: int, start: int, features: torch.Tensor,
