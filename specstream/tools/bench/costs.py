@@ -3,7 +3,9 @@
 c = (one draft decode step) / (one target decode step), both batch 1, T = 1, at the context length
 the benchmark runs at, timed in this process with the models' own forward (no serving overhead):
 the theory's idealised cost. Also the target's verify cost for γ + 1 positions relative to one,
-since on a CPU a wider verify is not free (the theory assumes it is).
+since on a CPU a wider verify is not free (the theory assumes it is). A feature draft has no forward
+of its own to time that way: ``measure_feature_costs`` times it as it serves, a propose call with
+one new token and its feature.
 """
 
 from __future__ import annotations
@@ -50,3 +52,45 @@ def _measure_costs(models: BenchModels, context: int, gammas: list[int], draft_t
         torch.set_num_threads(threads)
         result["c"] = result["draft_step_ms"] / result["target_step_ms"]
     return result
+
+
+def measure_feature_costs(target_dir: Path, draft_dir: Path, dtype: str = "bfloat16", context: int = 200,
+                          gamma: int = 4, repeats: int = 30) -> dict:
+    """A feature draft's cost as it serves: one propose call that appends one token with its
+    feature and guesses 1 or ``gamma`` tokens (the head's forwards, its scoring and the Python
+    around them), after ``context`` positions, one thread (as the draft service runs it); and the
+    target's step with the benchmarks' own measurement. c = (the ``gamma`` call ÷ ``gamma``) ÷ step."""
+    return on_torch_thread(_feature_costs, target_dir, draft_dir, dtype, context, gamma, repeats)
+
+
+def _feature_costs(target_dir: Path, draft_dir: Path, dtype: str, context: int, gamma: int, repeats: int) -> dict:
+    from draft_service.build import build_proposer
+    from specstream.data.config import DraftConfig, ModelSpec
+    from specstream.data.propose import ProposeItem
+    from specstream.models.loader import load_model
+
+    target = load_model(target_dir, dtype=dtype, weights="auto")
+    target_ms = step_ms(target, context, 1)
+    proposer = build_proposer(DraftConfig(ModelSpec(str(draft_dir), dtype), max_slots=2,
+                                          max_seq_len=context + 4 * (repeats + 3) * (gamma + 1)))
+    width = proposer.feature_width
+    row = bytes(2 * width)  # zeros: the head's compute does not depend on the values
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        proposer.propose([ProposeItem(0, 0, [1] * context, 1, features=row * (context - 1), feature_width=width)])
+        held, calls = context, {}
+        for depth in (1, gamma):
+            times = []
+            for _ in range(repeats + 3):
+                item = ProposeItem(0, held, [1], depth, features=row, feature_width=width)
+                begin = time.perf_counter()
+                held = proposer.propose([item])[0].length
+                times.append((time.perf_counter() - begin) * 1000)
+            calls[depth] = statistics.median(times[3:])
+    finally:
+        torch.set_num_threads(threads)
+    per_guess = calls[gamma] / gamma
+    return {"target_ms": target_ms, "draft_call_ms": calls, "draft_ms_per_guess": per_guess,
+            "c": per_guess / target_ms, "c_one_guess": calls[1] / target_ms, "context": context, "dtype": dtype,
+            "threads": 1}

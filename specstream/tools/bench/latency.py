@@ -21,7 +21,7 @@ from pathlib import Path
 from specstream.tools.bench import report
 from specstream.tools.bench.apart import run_apart
 from specstream.tools.bench.checks import check_runs_match
-from specstream.tools.bench.costs import measure_costs
+from specstream.tools.bench.costs import measure_costs, measure_feature_costs
 from specstream.tools.bench.hf import hf_generate, runnable_modes
 from specstream.tools.bench.models import BenchModels
 from specstream.tools.bench.theory import expected_speedup, expected_tokens_per_pass
@@ -85,16 +85,19 @@ COLOCATED_HEADERS = ["gamma", "tok/s", "alpha", "mean acc len", "measured x", "m
 
 
 def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: int = 128,
-        gammas: list[int] | None = None, with_hf: bool = True, quiet: bool = False) -> dict:
+        gammas: list[int] | None = None, with_hf: bool = True, quiet: bool = False,
+        compare_draft: Path | None = None) -> dict:
     """The γ sweep through the draft service and with the draft colocated, speculation=auto, the
-    draft model alone (behind prompt lookup), dense weights and the peers; tables on stdout,
-    ``latency.json`` and plots in ``out_dir``. Progress on stderr (specstream.tools.progress;
-    ``quiet``: plain lines, never a bar), counted in generations."""
+    draft model alone (behind prompt lookup), dense weights and the peers; with ``compare_draft``
+    (another draft of the same target: a feature draft), the same sweeps with it, side by side;
+    tables on stdout, ``latency.json`` and plots in ``out_dir``. Progress on stderr
+    (specstream.tools.progress; ``quiet``: plain lines, never a bar), counted in generations."""
     gammas = gammas or DEFAULT_GAMMAS
     draft = models.require_draft()
     prompts = models.prompts(n_prompts)
     costs = _measure_costs(models, prompts, max_new_tokens, gammas)
     total = planned_generations(models, len(prompts), gammas, with_hf, costs["weights"])
+    total += (2 * len(gammas) + 2) * len(prompts) if compare_draft is not None else 0
     with Progress(total, "generations", "latency", quiet=quiet) as progress:
         ours, auto, colocated = _sweeps(models, draft, prompts, gammas, max_new_tokens, progress)
         check_runs_match("speculative output", "plain decoding (gamma 0)", ours[0]["token_ids"],
@@ -108,6 +111,9 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
         result["proposer"] = models.proposing
         if models.proposer == "ngram+model":
             _model_alone(result, models, draft, prompts, ours, best, max_new_tokens, progress)
+        if compare_draft is not None:
+            _compare_draft(result, models, compare_draft, prompts, gammas, max_new_tokens, ours, colocated, auto,
+                           progress)
         if with_hf:
             if costs["weights"] != "dense":
                 _dense(result, models, draft, prompts, best, max_new_tokens, progress)
@@ -228,6 +234,91 @@ def _model_alone(result: dict, models: BenchModels, draft: Path, prompts: list[l
                    f"length {alone['mean_accepted_length']:.2f} with the model alone; "
                    f"{ours[best]['tokens_per_s']:.1f} tok/s, alpha {ours[best]['alpha']:.3f}, "
                    f"{ours[best]['mean_accepted_length']:.2f} with {models.proposer_label}")
+
+
+COMPARE_HEADERS = ["draft", "layout", "gamma", "tok/s", "x plain", "alpha", "mean acc len", "ms/pass",
+                   "feature KB/pass"]
+
+
+def _compare_draft(result: dict, models: BenchModels, other: Path, prompts: list[list[int]], gammas: list[int],
+                   max_new_tokens: int, ours: dict, colocated: dict, auto: dict, progress: Progress) -> None:
+    """The same sweeps (draft service, auto, colocated, and alone at its best γ) with another
+    draft of the target, each row beside the pair's draft's, as ratios to the same plain decoding
+    (γ = 0 through the draft service). A feature draft's rows say how many kilobytes of features
+    crossed to the draft per target pass (every committed position's feature once, bfloat16) and
+    what encoding, the wire and decoding them cost (``feature_transport_us``)."""
+    from specstream.models.feature_draft import is_feature_draft
+    from specstream.models.loader import read_config
+
+    with tempfile.TemporaryDirectory() as logs, Stack(_spec(models, other, logs)) as stack:
+        progress.print(f"\nthe same with {display(other)}: gamma {gammas} and auto, draft service ...")
+        progress.phase(f"latency: {Path(other).name}, draft service")
+        theirs = sweep(stack.gateway_address, prompts, gammas, max_new_tokens, progress=progress)
+        theirs["auto"] = sweep(stack.gateway_address, prompts, ["auto"], max_new_tokens, progress=progress)["auto"]
+    with tempfile.TemporaryDirectory() as logs, Stack(_spec(models, other, logs, colocate_draft=True)) as stack:
+        progress.phase(f"latency: {Path(other).name}, draft colocated")
+        theirs_colocated = sweep(stack.gateway_address, prompts, gammas, max_new_tokens, progress=progress)
+    best = max((g for g in gammas if g), key=lambda g: theirs[g]["tokens_per_s"])
+    with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(
+            str(models.target), str(other), max_gamma=16, weights=models.weights, dtype=models.dtype,
+            log_dir=logs)) as stack:
+        progress.phase(f"latency: {Path(other).name} alone, gamma {best}")
+        alone = sweep(stack.gateway_address, prompts, [best], max_new_tokens, progress=progress)[best]
+    plain_ids = ours[0]["token_ids"]
+    check_runs_match(f"speculative output ({Path(other).name})", "plain decoding (gamma 0)", plain_ids,
+                     {**{f"gamma {g}": theirs[g]["token_ids"] for g in gammas if g}, "auto": theirs["auto"]["token_ids"],
+                      **{f"gamma {g}, colocated": theirs_colocated[g]["token_ids"] for g in gammas if g},
+                      f"gamma {best}, alone": alone["token_ids"]})
+    width = read_config(models.target).hidden_size if is_feature_draft(other) else 0
+    feature_tokens = sum(len(p) - 1 + max_new_tokens for p in prompts)  # every committed position, once
+    plain = ours[0]["tokens_per_s"]
+    rows, entries = [], {}
+    pair, named = Path(models.require_draft()).name, Path(other).name
+    for label, runs, layout, keys in ((pair, ours, "service", gammas), (named, theirs, "service", gammas),
+                                      (pair, {"auto": auto}, "service", ["auto"]),
+                                      (named, theirs, "service", ["auto"]),
+                                      (pair, colocated, "colocated", gammas),
+                                      (named, theirs_colocated, "colocated", gammas),
+                                      (f"{named} alone", {best: alone}, "service", [best])):
+        for g in keys:
+            if g == 0 and label != pair or g == 0 and layout == "colocated":
+                continue
+            r = runs[g]
+            kb = (width * 2 * feature_tokens / r["passes"] / 1024) if label.startswith(named) and width else 0.0
+            rows.append([label, layout, g, r["tokens_per_s"], r["tokens_per_s"] / plain, r["alpha"] if g else "-",
+                         r["mean_accepted_length"] or 1.0, 1000 * r["seconds"] / r["passes"], kb if kb else "-"])
+            entries[f"{label}, {layout}, gamma {g}"] = {**public(r), "speedup": r["tokens_per_s"] / plain,
+                                                        "feature_kb_per_pass": kb}
+    progress.print(f"\n{pair} beside {named} (x plain: gamma 0 through the draft service):\n"
+                   + report.table(COMPARE_HEADERS, rows))
+    compare = {"draft": display(other), "rows": entries, "best_gamma": best,
+               "table_markdown": report.markdown_table(COMPARE_HEADERS, rows)}
+    if width:
+        per_pass = max(1, round(feature_tokens / theirs[best]["passes"]))  # features a pass sends, at the best γ
+        compare["feature_transport_us"] = feature_transport_us(width, per_pass)
+        compare["costs"] = measure_feature_costs(models.target, other, models.dtype,
+                                                 result["costs"]["context"])
+        progress.print(f"feature draft: c = {compare['costs']['c']:.3f} per guess "
+                       f"({compare['costs']['draft_ms_per_guess']:.2f} ms, one thread); features: encoding, the "
+                       f"wire format and decoding one pass's take {compare['feature_transport_us']:.0f} us")
+    result["compare"] = compare
+
+
+def feature_transport_us(width: int, count: int, repeats: int = 200) -> float:
+    """Microseconds to turn ``count`` features of ``width`` (a pass's) from the target's tensor into
+    the propose item's bytes, through the protobuf wire format, and back into the draft's tensor."""
+    import torch
+
+    from specstream_pb import draft_pb2
+
+    hidden = torch.randn(count, width).to(torch.bfloat16)
+    begin = time.perf_counter()
+    for _ in range(repeats):
+        data = hidden.contiguous().view(torch.uint8).numpy().tobytes()
+        wire = draft_pb2.ProposeItem(seq_id=1, features=data, feature_width=width).SerializeToString()
+        got = draft_pb2.ProposeItem.FromString(wire).features
+        torch.frombuffer(bytearray(got), dtype=torch.bfloat16).view(count, width)
+    return (time.perf_counter() - begin) / repeats * 1e6
 
 
 def _dense(result: dict, models: BenchModels, draft: Path, prompts: list[list[int]], best: int, max_new_tokens: int,

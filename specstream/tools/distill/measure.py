@@ -7,8 +7,6 @@ accepted / (accepted + rejections) (Leviathan et al.'s i.i.d. α) and the mean t
 pass. ``measure_costs`` times one forward of each model on this machine with the benchmarks' own
 measurement: the draft proposing one token (one thread, as the draft service runs), the target
 scoring one token and verifying γ+1 = 5 tokens, all at batch 1 after a 200-token context.
-``measure_feature_costs`` times a feature draft (which has no forward of its own kind to compare)
-as it serves: a propose call with one new token and its feature.
 
 What it does not know: training, gRPC.
 """
@@ -29,7 +27,7 @@ from target_service.engine import Engine
 from target_service.inprocess import run_requests
 from target_service.local_draft import LocalDraft
 
-__all__ = ["measure_acceptance", "measure_costs", "measure_feature_costs"]
+__all__ = ["measure_acceptance", "measure_costs"]
 
 
 def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[dict], *, temperature: float,
@@ -76,47 +74,3 @@ def measure_costs(target_dir: Path, draft_dir: Path, dtype: str = "bfloat16", co
     return {"draft_ms": c["draft_step_ms"], "target_ms": c["target_step_ms"], "verify5_ms": c["target_verify_ms"][4],
             "ratio": c["c"], "dtype": dtype, "context": context}
 
-
-def measure_feature_costs(target_dir: Path, draft_dir: Path, dtype: str = "bfloat16", context: int = 200,
-                          gamma: int = 4, repeats: int = 30) -> dict:
-    """A feature draft's cost as it serves: one propose call that appends one token with its
-    feature and guesses 1 or ``gamma`` tokens (the head's forwards, its scoring and the Python
-    around them), after ``context`` positions, one thread (as the draft service runs it); and the
-    target's step with the benchmarks' own measurement. c = (the ``gamma`` call ÷ ``gamma``) ÷ step."""
-    return on_torch_thread(_feature_costs, target_dir, draft_dir, dtype, context, gamma, repeats)
-
-
-def _feature_costs(target_dir: Path, draft_dir: Path, dtype: str, context: int, gamma: int, repeats: int) -> dict:
-    import statistics
-    import time
-
-    import torch
-
-    from specstream.data.propose import ProposeItem
-    from specstream.tools.bench.costs import step_ms
-
-    target = load_model(target_dir, dtype=dtype, weights="auto")
-    target_ms = step_ms(target, context, 1)
-    proposer = build_proposer(DraftConfig(ModelSpec(str(draft_dir), dtype), max_slots=2,
-                                          max_seq_len=context + 4 * (repeats + 3) * (gamma + 1)))
-    width = proposer.feature_width
-    row = bytes(2 * width)  # zeros: the head's compute does not depend on the values
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        proposer.propose([ProposeItem(0, 0, [1] * context, 1, features=row * (context - 1), feature_width=width)])
-        held, calls = context, {}
-        for depth in (1, gamma):
-            times = []
-            for _ in range(repeats + 3):
-                item = ProposeItem(0, held, [1], depth, features=row, feature_width=width)
-                begin = time.perf_counter()
-                held = proposer.propose([item])[0].length
-                times.append((time.perf_counter() - begin) * 1000)
-            calls[depth] = statistics.median(times[3:])
-    finally:
-        torch.set_num_threads(threads)
-    per_guess = calls[gamma] / gamma
-    return {"target_ms": target_ms, "draft_call_ms": calls, "draft_ms_per_guess": per_guess,
-            "c": per_guess / target_ms, "c_one_guess": calls[1] / target_ms, "context": context, "dtype": dtype,
-            "threads": 1}
