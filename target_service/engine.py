@@ -13,7 +13,9 @@ The engine works on token ids only and speaks plain dataclasses (specstream/data
 knows nothing about text, protobuf or the gateway. Drafts are target_service/drafting.py's business,
 the γ per row the controller's (target_service/gamma.py), verification target_service/settle.py's,
 batching target_service/scheduler.py's. Model forwards run on one worker thread so the event loop
-keeps serving the gRPC streams.
+keeps serving the gRPC streams. For a draft that reads the target's features, the engine keeps each
+sequence's committed features (the hidden states of its prompt and of the positions each verify
+committed, as bfloat16 bytes: ``Sequence.features``), which Drafting sends with the items.
 """
 
 from __future__ import annotations
