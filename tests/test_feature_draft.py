@@ -218,3 +218,37 @@ def test_a_draft_that_lost_its_state_gets_every_feature_again_and_drafts_on(feat
     # Then it holds them again: later items go on from what it holds, and guesses are accepted.
     assert any(rollback > 0 for call in draft.calls[7:] for _, rollback, _, _ in call)
     assert sum(f.stats.accepted_tokens for f in finals) > 0
+
+
+def test_the_pipeline_writes_a_loadable_draft_and_its_card(feature_pair, tmp_path) -> None:
+    """train-draft --kind feature's last stages: the trained head (as the train stage saves it)
+    exported as a feature draft that loads and drafts what the head drafts, and a model card that
+    states the log's figures."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from specstream.tools.distill.feature import export_head, write_card
+
+    source = load_feature_draft(feature_pair["draft"], Path)
+    head_path = tmp_path / "head.safetensors"
+    save_file({k: v.contiguous() for k, v in source.head.state_dict().items()}, str(head_path),
+              metadata={"spec": json.dumps(source.head.spec.to_json())})
+    out = tmp_path / "tiny-feature"
+    export_head(head_path, out, str(feature_pair["target"]), feature_pair["target"])
+    again = load_feature_draft(out, Path)
+    item = ProposeItem("k", 0, PROMPTS[1], 3, features=_features(len(PROMPTS[1]) - 1, 64), feature_width=64)
+    assert FeatureProposer(again, 2, 64).propose([item])[0].tokens == FeatureProposer(source, 2, 64).propose([item])[0].tokens
+    log = {"response_tokens": 1234, "generate_minutes": 1.0, "features_minutes": 0.5,
+           "train": {"spec": source.head.spec.to_json(), "epochs": [{"alpha": 0.312}, {"alpha": 0.401}], "steps": 7,
+                     "minutes": 2.0, "train_answers": 3, "train_positions": 99},
+           "measure": {"all": {"alpha": 0.456, "tokens_per_pass": 1.79}, "code": {"alpha": 0.5, "tokens_per_pass": 2.0}},
+           "served": {"feature (model)": {"alpha": 0.321, "mean_accepted_length": 1.5, "prompts": 9,
+                                          "max_new_tokens": 96, "gamma": 4}},
+           "costs": {"context": 200, "draft_call_ms": {"1": 0.5, "4": 2.0}, "target_ms": 6.0, "c": 0.083}}
+    write_card(out, log)
+    card = (out / "README.md").read_text()
+    for figure in ("0.312 / 0.401", "**0.456**, 1.79", "code 0.50", "feature (model) | **0.321**, 1.50",
+                   "c = **0.083**", "1,234 answer tokens"):
+        assert figure in card, figure
+    assert json.loads((out / "train_log.json").read_text())["costs"]["c"] == 0.083

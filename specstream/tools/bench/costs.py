@@ -87,10 +87,10 @@ def _feature_costs(target_dir: Path, draft_dir: Path, dtype: str, context: int, 
                 begin = time.perf_counter()
                 held = proposer.propose([item])[0].length
                 times.append((time.perf_counter() - begin) * 1000)
-            calls[depth] = statistics.median(times[3:])
+            calls[str(depth)] = statistics.median(times[3:])  # str keys: the same after a JSON round trip
     finally:
         torch.set_num_threads(threads)
-    per_guess = calls[gamma] / gamma
+    per_guess = calls[str(gamma)] / gamma
     return {"target_ms": target_ms, "draft_call_ms": calls, "draft_ms_per_guess": per_guess,
-            "c": per_guess / target_ms, "c_one_guess": calls[1] / target_ms, "context": context, "dtype": dtype,
+            "c": per_guess / target_ms, "c_one_guess": calls["1"] / target_ms, "context": context, "dtype": dtype,
             "threads": 1}

@@ -366,9 +366,9 @@ def write_card(out_dir: Path, log: dict) -> None:
         lines.append(f"| α as served: {key} | **{r['alpha']:.3f}**, {r['mean_accepted_length']:.2f} tokens per target "
                      f"pass ({r['prompts']} held-out prompts x {r['max_new_tokens']} tokens, γ={r['gamma']}) |")
     if costs:
+        calls = costs["draft_call_ms"]
         lines.append(f"| cost, bfloat16, batch 1, one thread, after {costs['context']} tokens | a propose call with one "
-                     f"new token: {costs['draft_call_ms']['1']:.2f} ms for 1 guess, {costs['draft_call_ms']['4']:.2f} ms "
-                     f"for 4; target step {costs['target_ms']:.2f} ms: c = **{costs['c']:.3f}** per guess |")
+                     f"new token: {calls['1']:.2f} ms for 1 guess, {calls[str(STEPS)]:.2f} ms for {STEPS}; target step {costs['target_ms']:.2f} ms: c = **{costs['c']:.3f}** per guess |")
     lines += ["", "Reproduce: `specstream train-draft --kind feature` (stages prompts, generate, features, train, token, "
               "measure, card; about 2 h on 2 CPU cores; see `specstream train-draft --help`).", ""]
     out_dir.mkdir(parents=True, exist_ok=True)
