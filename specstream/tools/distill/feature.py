@@ -368,7 +368,8 @@ def write_card(out_dir: Path, log: dict) -> None:
     if costs:
         calls = costs["draft_call_ms"]
         lines.append(f"| cost, bfloat16, batch 1, one thread, after {costs['context']} tokens | a propose call with one "
-                     f"new token: {calls['1']:.2f} ms for 1 guess, {calls[str(STEPS)]:.2f} ms for {STEPS}; target step {costs['target_ms']:.2f} ms: c = **{costs['c']:.3f}** per guess |")
+                     f"new token: {calls['1']:.2f} ms for 1 guess, {calls[str(STEPS)]:.2f} ms for {STEPS}; target step "
+                     f"{costs['target_ms']:.2f} ms: c = **{costs['c']:.3f}** per guess |")
     lines += ["", "Reproduce: `specstream train-draft --kind feature` (stages prompts, generate, features, train, token, "
               "measure, card; about 2 h on 2 CPU cores; see `specstream train-draft --help`).", ""]
     out_dir.mkdir(parents=True, exist_ok=True)
