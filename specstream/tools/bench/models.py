@@ -2,9 +2,10 @@
 
 ``BenchModels.from_refs(target, draft, dtype, label)`` resolves model references (names, GGUF
 files, directories: ``specstream.models.registry``) once. ``prompts(n)`` gives chat prompts for a
-model with a chat template (the held-out split of the shipped distillation prompt set, rendered
-with the model's template: subjects the draft never saw) and the openings of held-out
-standard-library files otherwise. ``hf_draft()`` is a copy of the draft that transformers can load
+model with a chat template (the held-out split of a shipped draft's prompt set, rendered with the
+model's template: subjects the drafts never saw; ``prompt_set`` "draft": the token draft's
+questions about documentation, "everyday": the feature draft's everyday chat, one domain after
+another) and the openings of held-out standard-library files otherwise. ``hf_draft()`` is a copy of the draft that transformers can load
 as an assistant model (a draft that shares the target's embedding and predicts over a vocabulary
 subset gets the embedding written in and a full-vocabulary tied head), so Hugging Face assisted
 generation runs with the same draft layers as ours.
@@ -30,14 +31,23 @@ from specstream.text.tokenizer import TextTokenizer
 __all__ = ["BenchModels", "chat_prompts"]
 
 CHAT_PROMPTS = DRAFTS / "smollm2-135m-draft" / "prompts.jsonl.gz"
+PROMPT_SETS = {"draft": CHAT_PROMPTS, "everyday": DRAFTS / "smollm2-135m-feature" / "prompts.jsonl.gz"}
 
 
-def chat_prompts(tok: TextTokenizer, n: int) -> list[list[int]]:
-    """The first ``n`` held-out prompts of the distillation prompt set, as chat prompt ids."""
-    with gzip.open(CHAT_PROMPTS, "rt", encoding="utf-8") as fh:
+def chat_prompts(tok: TextTokenizer, n: int, prompt_set: str = "draft") -> list[list[int]]:
+    """The first ``n`` held-out prompts of a prompt set (PROMPT_SETS), as chat prompt ids; a set
+    whose prompts name their domain gives them one domain after another (the first of each, then
+    the second of each, ...)."""
+    path = PROMPT_SETS[prompt_set]
+    with gzip.open(path, "rt", encoding="utf-8") as fh:
         held = [p for p in map(json.loads, fh) if p["split"] == "held_out"]
     if len(held) < n:
-        raise ValueError(f"only {len(held)} held-out chat prompts in {CHAT_PROMPTS.name}, asked for {n}")
+        raise ValueError(f"only {len(held)} held-out chat prompts in {path}, asked for {n}")
+    if all("domain" in p for p in held):
+        by_domain: dict[str, list[dict]] = {}
+        for p in held:
+            by_domain.setdefault(p["domain"], []).append(p)
+        held = [p for rank in zip(*by_domain.values()) for p in rank]
     return [tok.encode_chat(p["messages"]) for p in held[:n]]
 
 
@@ -56,15 +66,16 @@ class BenchModels:
     device: str = "cpu"  # where the target (and a draft model) run: "cpu", "cuda", ...
     # Benchmarks of system overhead: (oracle file, alpha) of the synthetic proposer, in place of a draft.
     synthetic: tuple[str, float] | None = None
+    prompt_set: str = "draft"  # which held-out chat prompts (PROMPT_SETS)
     _hf_draft: Path | None = field(default=None, repr=False)
 
     @classmethod
     def from_refs(cls, target: str, draft: str | None, dtype: str, label: str, weights: str = "auto",
                   proposer: str = DraftConfig.proposer, ngram_max: int = DraftConfig.ngram_max,
-                  ngram_min: int = DraftConfig.ngram_min) -> BenchModels:
+                  ngram_min: int = DraftConfig.ngram_min, prompt_set: str = "draft") -> BenchModels:
         gguf = MODELS[target].path() if target in MODELS else Path(target) if target.endswith(".gguf") else None
         return cls(label, resolve_model(target), resolve_model(draft) if draft else None, resolve_dtype(dtype), gguf,
-                   weights, proposer, ngram_max, ngram_min)
+                   weights, proposer, ngram_max, ngram_min, prompt_set=prompt_set)
 
     @property
     def proposing(self) -> dict:
@@ -106,7 +117,7 @@ class BenchModels:
     def prompts(self, n: int, length: int = 48) -> list[list[int]]:
         tok = self.tokenizer()
         if tok.chat_template is not None:
-            return chat_prompts(tok, n)
+            return chat_prompts(tok, n, self.prompt_set)
         from specstream.tools.bench.prompts import held_out_prompts
 
         return held_out_prompts(tok, n, length)

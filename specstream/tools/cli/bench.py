@@ -184,6 +184,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "pooled")
     _throughput_flags(p)
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison (latency, sampling, beam)")
+    p.add_argument("--prompt-set", choices=["draft", "everyday"], default="draft",
+                   help="the held-out chat prompts a chat model gets: the token draft's questions about documentation "
+                        "(draft) or everyday chat across nine domains (everyday)")
     p.add_argument("--compare-draft", help="latency: also sweep with this draft of the same target (a feature draft, "
                                            "e.g. the package's drafts/smollm2-135m-feature), side by side")
     _kernels_flags(p)

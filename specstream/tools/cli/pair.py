@@ -65,4 +65,5 @@ def bench_models(args: argparse.Namespace):
     target, draft, dtype = chosen_models(args)
     proposer, ngram_min = chosen_proposer(args)
     return BenchModels.from_refs(target, draft, dtype, args.models if args.target is None else Path(target).name,
-                                 weights=args.weights, proposer=proposer, ngram_max=args.ngram_max, ngram_min=ngram_min)
+                                 weights=args.weights, proposer=proposer, ngram_max=args.ngram_max, ngram_min=ngram_min,
+                                 prompt_set=getattr(args, "prompt_set", "draft"))

@@ -29,6 +29,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -121,7 +122,7 @@ def main(target_dir: Path, work_dir: Path, cfg: FeatureConfig, stages: tuple[str
         log["costs"] = measure_feature_costs(target_dir, out_dir)
         print(f"[measure] costs {json.dumps(log['costs'])}", flush=True)
     if "card" in stages:
-        write_card(out_dir, log)
+        write_card(out_dir, log, prompts_path)
     log_path.write_text(json.dumps(log, indent=2))
     return log
 
@@ -324,9 +325,10 @@ def export_head(head_path: Path, out_dir: Path, target_ref: str, target_dir: Pat
 
 # ----- the model card ---------------------------------------------------------------------------
 
-def write_card(out_dir: Path, log: dict) -> None:
+def write_card(out_dir: Path, log: dict, prompts: Path | None = None) -> None:
     """``<out>/README.md`` from the log (what it is, its data, its training, α offline per epoch
-    and per domain, α as served beside the token drafts, c) and ``<out>/train_log.json``."""
+    and per domain, α as served beside the token drafts, c), ``<out>/train_log.json`` and a copy
+    of the ``prompts`` file."""
     spec, train = log["train"]["spec"], log["train"]
     served, costs, offline = log.get("served", {}), log.get("costs", {}), log.get("measure", {})
     epochs = train["epochs"]
@@ -374,5 +376,7 @@ def write_card(out_dir: Path, log: dict) -> None:
               "measure, card; about 2 h on 2 CPU cores; see `specstream train-draft --help`).", ""]
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "README.md").write_text("\n".join(lines))
+    if prompts is not None:  # the prompt set, split and domains: what `bench --prompt-set everyday` sends
+        shutil.copyfile(prompts, out_dir / "prompts.jsonl.gz")
     (out_dir / "train_log.json").write_text(json.dumps({**log, "python": platform.python_version(),
                                                         "cpus": os.cpu_count()}, indent=2) + "\n")
