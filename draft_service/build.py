@@ -36,6 +36,8 @@ def _draft_model(config: DraftConfig) -> DraftProposer | FeatureProposer:
     target's features, specstream/models/feature_draft.py), whichever ``config.model`` holds."""
     spec = config.model
     if is_feature_draft(resolve_model(spec.path)):
+        if spec.device != "cpu":
+            raise ValueError(f"model.device={spec.device!r}: a feature draft ({spec.path}) runs on the CPU only")
         draft = load_feature_draft(resolve_model(spec.path), resolve_model, resolve_dtype(spec.dtype, spec.device),
                                    spec.weights)
         return FeatureProposer(draft, config.max_slots, config.max_seq_len, config.q_support)

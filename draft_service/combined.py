@@ -114,8 +114,9 @@ class NgramPlusModelProposer:
 
     def _take(self, key: Hashable, sequence: NgramIndex, reply: Proposal) -> None:
         """Records what the model now holds; `reply` then reports what both sides hold."""
-        fed = reply.length - len(sequence)  # guesses the model holds: all but the last (a token
-        if reply.tokens and fed > 0:        # draft), none (a feature draft)
+        # The guesses the model holds: all but the last (a token draft), none (a feature draft).
+        fed = reply.length - len(sequence)
+        if reply.tokens and fed > 0:
             sequence.extend(reply.tokens[:fed])
             assert reply.length == len(sequence), (reply.length, len(sequence))
         # With no guesses the model holds at most the history (0: it dropped the sequence).

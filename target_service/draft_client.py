@@ -101,7 +101,7 @@ class DraftClient:
         if refused:  # never connected: the engine decodes plainly; said once per reason
             if refused != self.refused:
                 log.error("draft %s (%s) refused: %s", self.url, info.model_name, refused)
-            self.refused = refused
+            self.refused, self.feature_width = refused, 0
             return False
         self.refused = ""
         self.model_name, self.vocab_size = info.model_name, info.vocab_size

@@ -16,9 +16,10 @@ stays agreed (`settle`).
 A feature draft (one whose ``feature_width`` is set) also gets, with each item, the target's
 features of the positions it has not seen (specstream/data/propose.py ``ProposeItem.features``),
 from what the engine keeps per sequence (``Sequence.features``); a resync resends them all. A
-sequence whose features were not kept from its start decodes plainly with such a draft. A draft
-that refuses an item says why (``Proposal.error``): logged once per field, counted in
-``refusals``, and the row decodes plainly that step.
+sequence whose features were not kept from its start decodes plainly with such a draft; a (re)sync
+too large for one call (``FEATURE_BYTES_PER_CALL``) goes in parts over a few steps. A draft that
+refuses an item says why (``Proposal.error``): logged once per field, counted in ``refusals``,
+and that sequence decodes without the draft from then on (its features are dropped).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ log = logging.getLogger(__name__)
 __all__ = ["DraftSource", "Drafting", "feature_refusal"]
 
 _TIMING_KEY = 0  # the start-up timing's sequence: the engine numbers requests' sequences from 1
+# A feature draft's features per propose call, at most: far below the gRPC message limit (64 MiB),
+# 3,640 positions of SmolLM2 (1,152 bytes each). A longer (re)sync takes several steps.
+FEATURE_BYTES_PER_CALL = 4 << 20
 
 
 class DraftSource(Protocol):
@@ -164,20 +168,26 @@ class Drafting:
         asked = [i for i, g in enumerate(gammas) if g > 0]
         if not asked or not await source.ready():
             return checks
-        items = []
+        items, sent, budget = [], [], FEATURE_BYTES_PER_CALL
         for i in asked:
             seq = rows[i]
             held = self._held.setdefault(seq.seq_id, _Held())
             if held.epoch != source.epoch:  # a fresh stream holds nothing
                 held.length, held.epoch = 0, source.epoch
-            items.append(ProposeItem(seq.seq_id, held.length, seq.tokens[held.length:], gammas[i], seq.sampling,
-                                     **self._features(seq, held.length)))
-            self.fed += len(items[-1].append)
+            append, gamma, features = self._with_features(seq, held.length, gammas[i], budget)
+            if not append:
+                continue  # a feature draft's (re)sync that does not fit this call: the next ones
+            budget -= len(features.get("features", b""))
+            items.append(ProposeItem(seq.seq_id, held.length, append, gamma, seq.sampling, **features))
+            sent.append(i)
+            self.fed += len(append)
+        if not items:
+            return checks
         replies = await source.propose(step, items, traceparent,
-                                       [tracing.sequence_traceparent(rows[i]) for i in asked])
+                                       [tracing.sequence_traceparent(rows[i]) for i in sent])
         if replies is None:
             return checks
-        for i, reply in zip(asked, replies):
+        for i, reply in zip(sent, replies):
             seq = rows[i]
             checks[i] = self._check(seq, reply, gammas[i])
             # Beyond the context the draft holds its own guesses; `settle` keeps the part the target agreed with.
@@ -185,16 +195,31 @@ class Drafting:
             seq.draft_tokens += len(checks[i].proposals)
         return checks
 
-    def _features(self, seq: Sequence, held: int) -> dict:
-        """A feature draft's part of an item: the features of positions max(held - 1, 0)..len(tokens)-2."""
+    def _with_features(self, seq: Sequence, held: int, gamma: int, budget: int) -> tuple[list[int], int, dict]:
+        """(append, γ, the item's feature fields) for a row whose draft holds ``held`` tokens. A
+        feature draft gets the features of positions max(held - 1, 0)..len(tokens)-2; when they do
+        not fit the call's remaining ``budget`` of bytes (a long prompt, a resync after a new
+        stream), the row sends the part that fits and guesses nothing this step (γ 0), so no call
+        outgrows the message limit and the sync completes over a few steps; nothing fits: no item."""
+        append = seq.tokens[held:]
         width = self.feature_width
         if not width:
-            return {}
+            return append, gamma, {}
         row = 2 * width  # bfloat16
+        if seq.features is None or len(seq.features) != (len(seq.tokens) - 1) * row:
+            log.error("sequence %d: its kept features do not match its tokens; it decodes without the draft",
+                      seq.seq_id)
+            seq.features = None
+            return [], 0, {}
+        count, room = features_expected(held, len(append)), budget // row
+        if count > room:
+            if room == 0:
+                return [], 0, {}
+            count, gamma = room, 0
+            append = append[:count + (held == 0)]
         start = max(held - 1, 0)
-        count = features_expected(held, len(seq.tokens) - held)
-        assert len(seq.features) == (len(seq.tokens) - 1) * row, "Sequence.features out of step with its tokens"
-        return {"features": bytes(seq.features[start * row:(start + count) * row]), "feature_width": width}
+        return append, gamma, {"features": bytes(seq.features[start * row:(start + count) * row]),
+                               "feature_width": width}
 
     async def time_draft(self, max_depth: int, rounds: int = 2, prompt_len: int = 32) -> int:
         """Times the draft before the first request, as the engine times its verify forward: a
@@ -236,11 +261,12 @@ class Drafting:
         table when the row samples (none from a model-free proposer: point masses). A malformed
         table is a draft bug; its proposals are dropped rather than trusted."""
         vocab = self.vocab_size
-        if reply.error:
+        if reply.error:  # the draft could not read what it was sent: this sequence decodes without it
             field_name = reply.error.split("=")[0].split(":")[0]
             if not self.refusals[field_name]:
                 log.warning("draft refused sequence %d (logged once per field): %s", seq.seq_id, reply.error)
             self.refusals[field_name] += 1
+            seq.features = None
         tokens = list(reply.tokens[:gamma])
         cut = next((j for j, t in enumerate(tokens) if t >= vocab), len(tokens))
         row = VerifyRow(seq.sampling, len(seq.tokens), tokens[:cut], logprobs=seq.logprobs,

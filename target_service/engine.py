@@ -315,7 +315,7 @@ class Engine:
             todo = seq.prompt_len - seq.prefilled
             if todo <= 0 or seq.finish_reason is not None:
                 continue
-            if seq.prefilled == 0 and seq.beam is None and self.drafting.feature_width:
+            if seq.prefilled == 0 and seq.beam is None and seq.gamma != 0 and self.drafting.feature_width:
                 seq.features = bytearray()  # a feature draft reads every position's feature
             if budget == 0:
                 break
@@ -350,8 +350,10 @@ class Engine:
         keep = [i for i, (seq, _) in enumerate(group) if seq.features is not None]
         with torch.inference_mode():
             hidden = self.model.hidden(ids, self.cache, slots, starts, last_only=not keep)  # [b, L or 1, H]
-            for i in keep:
-                group[i][0].features += feature_bytes(hidden[i])
+            if keep:
+                kept = hidden[keep].to(torch.bfloat16).cpu()  # [k, L, H]: one copy off the device
+                for j, i in enumerate(keep):
+                    group[i][0].features += feature_bytes(kept[j])
             hidden = hidden[:, -1:]  # [b, 1, H]
             done = [i for i, (seq, start) in enumerate(group) if start + length == seq.prompt_len]
             beams = [i for i in done if group[i][0].beam is not None]
@@ -438,9 +440,13 @@ class Engine:
             # The output layer runs inside settlement: fused with it on the Triton backend.
             verdicts = settle(Hidden(hidden[: len(rows)].flatten(0, 1), self.model.output_head), checks,
                               coupled=self.config.speculative_sampling == "coupled") if rows else []
-            for i, (seq, verdict) in enumerate(zip(rows, verdicts)):
-                if seq.features is not None:  # the committed positions: the last token and the accepted
-                    seq.features += feature_bytes(hidden[i, : verdict.accepted + 1])
+            if any(seq.features is not None for seq in rows):
+                # The committed positions: the last token and the accepted ones (a stop token or the
+                # budget may end the sequence inside them: then nothing reads them again).
+                kept = hidden[: len(rows)].to(torch.bfloat16).cpu()  # [B, G+1, H]: one copy off the device
+                for i, (seq, verdict) in enumerate(zip(rows, verdicts)):
+                    if seq.features is not None:
+                        seq.features += feature_bytes(kept[i, : verdict.accepted + 1])  # [k+1, H]
             candidates, at = [], len(rows)
             for seq in beams:
                 candidates.append(self._beam_candidates(hidden[at : at + seq.width, 0], seq))

@@ -52,8 +52,10 @@ class Sequence:
     last_expanded: int = 0  # the engine step that last advanced this sequence (starvation bound)
     span: Any = INVALID_SPAN  # its tracing span (target_service/tracing.py); non-recording unless tracing
     # For a draft that reads the target's features: the bytes (bfloat16) of the target's features of
-    # positions 0..len(tokens)-2, appended as they are committed; None when not kept (no such draft
-    # was attached when the sequence was prefilled: it then decodes without that draft).
+    # positions 0..len(tokens)-2 while the sequence runs, appended on the compute thread as they are
+    # committed (the verify appends them before the event loop appends the tokens; nothing reads
+    # them in between); None when not kept (speculation off, no such draft attached when it was
+    # prefilled, or the draft refused them: it then decodes without that draft).
     features: bytearray | None = None
     # Speculation counters (cumulative).
     draft_tokens: int = 0

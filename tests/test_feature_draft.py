@@ -252,3 +252,58 @@ def test_the_pipeline_writes_a_loadable_draft_and_its_card(feature_pair, tmp_pat
                    "c = **0.083**", "1,234 answer tokens"):
         assert figure in card, figure
     assert json.loads((out / "train_log.json").read_text())["costs"]["c"] == 0.083
+
+
+class _Recording(LocalDraft):
+    """A local draft that records every call's items: (rollback_to, len(append), γ, feature bytes)."""
+
+    def __init__(self, proposer) -> None:
+        super().__init__(proposer)
+        self.calls, self.item_keys = [], []
+
+    async def propose(self, step, items, traceparent="", item_traceparents=None):
+        self.calls.append([(it.rollback_to, len(it.append), it.gamma, len(it.features)) for it in items])
+        self.item_keys.append([(it.key,) for it in items])
+        return await super().propose(step, items, traceparent, item_traceparents)
+
+
+def test_a_sync_larger_than_a_call_goes_in_parts(feature_pair, monkeypatch) -> None:
+    """With room for 4 features a call, a prompt's features go over several steps (those rows guess
+    nothing until their draft holds everything), no call carries more, and the output is plain."""
+    import engine_harness
+    import target_service.drafting as drafting
+
+    monkeypatch.setattr(drafting, "FEATURE_BYTES_PER_CALL", 4 * 64 * 2)
+    draft = _Recording(_proposer(feature_pair))
+    monkeypatch.setattr(engine_harness, "LocalDraft", lambda proposer: draft)
+    target = feature_pair["target"]
+    got, finals = run_engine(target, None, PROMPTS, gamma=3, max_new_tokens=30, proposer=object())
+    assert got == [naive_greedy(target, p, 30) for p in PROMPTS]
+    assert all(sum(size for *_, size in call) <= 4 * 64 * 2 for call in draft.calls)
+    parts = [item for call in draft.calls for item in call if item[2] == 0]
+    assert parts and all(size == (n - (rollback == 0)) * 64 * 2 for rollback, n, _, size in parts), parts
+    assert sum(f.stats.accepted_tokens for f in finals) > 0
+
+
+def test_a_refused_sequence_decodes_without_the_draft_and_is_not_resent(feature_pair, monkeypatch) -> None:
+    """A draft that refuses a sequence's features once: that sequence goes on plainly (no more items
+    for it), the others keep drafting, and every output is plain greedy."""
+    import engine_harness
+
+    class Refusing(_Recording):
+        async def propose(self, step, items, traceparent="", item_traceparents=None):
+            replies = await super().propose(step, items, traceparent, item_traceparents)
+            for item, reply in zip(items, replies):
+                if item.key == first_key and len(self.calls) == 3:
+                    reply.tokens, reply.length, reply.error = [], 0, "ProposeItem.features: refused by the test"
+            return replies
+
+    first_key = 1  # the engine's first request's sequence
+    draft = Refusing(_proposer(feature_pair))
+    monkeypatch.setattr(engine_harness, "LocalDraft", lambda proposer: draft)
+    target = feature_pair["target"]
+    got, finals = run_engine(target, None, PROMPTS[:2], gamma=3, max_new_tokens=30, proposer=object())
+    assert got == [naive_greedy(target, p, 30) for p in PROMPTS[:2]]
+    keys = [[key for key, *_ in call] for call in draft.item_keys]
+    assert any(first_key in k for k in keys[:3]) and not any(first_key in k for k in keys[3:])
+    assert any(k for k in keys[3:])  # the other sequence still drafts
