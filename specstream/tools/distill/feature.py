@@ -68,6 +68,7 @@ class FeatureConfig:
     batch_tokens: int = 4096  # positions per optimiser step
     step_decay: float = 0.8  # loss weight of drafting step k: decay ** k
     max_len: int = 512
+    served_every: int = 6  # measure: every n-th held-out prompt through the engine (55 of 325), per draft
 
 
 def main(target_dir: Path, work_dir: Path, cfg: FeatureConfig, stages: tuple[str, ...], out_dir: Path,
@@ -118,7 +119,7 @@ def main(target_dir: Path, work_dir: Path, cfg: FeatureConfig, stages: tuple[str
         drafts = {"feature": out_dir, "token": DRAFTS / "smollm2-135m-draft"}
         if (work_dir / TOKEN_DRAFT / "config.json").exists():
             drafts["token-everyday"] = work_dir / TOKEN_DRAFT
-        log["served"] = served_acceptance(target_dir, drafts, held_out)
+        log["served"] = served_acceptance(target_dir, drafts, held_out, every=cfg.served_every)
         log["costs"] = measure_feature_costs(target_dir, out_dir)
         print(f"[measure] costs {json.dumps(log['costs'])}", flush=True)
     if "card" in stages:
