@@ -248,8 +248,8 @@ def test_the_pipeline_writes_a_loadable_draft_and_its_card(feature_pair, tmp_pat
            "costs": {"context": 200, "draft_call_ms": {"1": 0.5, "4": 2.0}, "target_ms": 6.0, "c": 0.083}}
     write_card(out, log)
     card = (out / "README.md").read_text()
-    for figure in ("0.312 / 0.401", "**0.456**, 1.79", "code 0.50", "feature (model) | **0.321**, 1.50",
-                   "c = **0.083**", "1,234 answer tokens"):
+    for figure in ("0.312 / 0.401", "**0.456**, 1.79", "code 0.50", "this draft, alone | **0.321**, 1.50",
+                   "c = **0.083**", "of 1,234 in all"):
         assert figure in card, figure
     assert json.loads((out / "train_log.json").read_text())["costs"]["c"] == 0.083
 
@@ -307,3 +307,11 @@ def test_a_refused_sequence_decodes_without_the_draft_and_is_not_resent(feature_
     keys = [[key for key, *_ in call] for call in draft.item_keys]
     assert any(first_key in k for k in keys[:3]) and not any(first_key in k for k in keys[3:])
     assert any(k for k in keys[3:])  # the other sequence still drafts
+
+
+def test_a_shipped_draft_is_named_by_its_directory_name() -> None:
+    from specstream.models.registry import DRAFTS, resolve_model
+
+    assert resolve_model("smollm2-135m-feature") == DRAFTS / "smollm2-135m-feature"
+    with pytest.raises(Exception, match=r"a shipped draft \(\['smollm2-135m-draft', 'smollm2-135m-feature'\]\)"):
+        resolve_model("smollm2-135m-nothing")

@@ -2,7 +2,8 @@
 
 Parity with an implementation nobody here wrote: transformers loading the same GGUF file (its own
 dequantizer, tokenizer converter and Llama code). Then chat through the three real processes
-with the shipped draft: speculative output equals plain output token for token.
+with the shipped draft, and with the shipped feature draft in both layouts: speculative output
+equals plain output token for token.
 
 Tolerance: both sides dequantize to the same float32 values and run float32, so logits agree to
 float rounding; we allow 1e-3 absolute on logits of magnitude ~30 (measured: 0 on this machine).
@@ -230,6 +231,35 @@ def test_a_draft_colocated_in_the_target_is_exact_too(stack_factory) -> None:
     assert "draft" not in stack.procs
     with Client(stack.gateway_address, timeout=300) as client:
         assert client.model_info().draft_model == "smollm2-135m-draft"
+        proposed = accepted = 0
+        for question in CHAT[:2]:
+            messages = [{"role": "user", "content": question}]
+            plain = client.chat(messages, max_new_tokens=64, speculation="off")
+            spec = client.chat(messages, max_new_tokens=64, speculation=3)
+            assert spec.token_ids == plain.token_ids
+            proposed += spec.stats.draft_tokens
+            accepted += spec.stats.accepted_tokens
+        assert proposed > 0 and accepted > 0.1 * proposed, (accepted, proposed)
+
+
+FEATURE_DRAFT = "smollm2-135m-feature"
+
+
+@pytest.mark.parametrize("colocate", [False, True], ids=["draft-service", "colocated"])
+def test_the_feature_draft_is_exact_in_both_layouts(stack_factory, colocate) -> None:
+    """The shipped feature draft (an EAGLE-style head over the target's own features): the target
+    sends it each committed position's feature, through the draft service or in its own process;
+    greedy chat equals plain decoding token for token, and the head's guesses are accepted."""
+    from specstream_client import Client
+
+    from specstream.models.registry import DRAFTS
+
+    pair = PAIRS["smollm2"]
+    stack = stack_factory(pair.target, str(DRAFTS / FEATURE_DRAFT), dtype="auto", gamma=3, proposer="ngram+model",
+                          ngram_min=2, colocate_draft=colocate)
+    assert ("draft" in stack.procs) != colocate
+    with Client(stack.gateway_address, timeout=300) as client:
+        assert client.model_info().draft_model.endswith(FEATURE_DRAFT)
         proposed = accepted = 0
         for question in CHAT[:2]:
             messages = [{"role": "user", "content": question}]
