@@ -124,7 +124,7 @@ gpu-check:
 
 # The wheels the GPU machine lacks, for its CPython 3.12 on x86-64 Linux, into .whl/ (git-ignored).
 gpu-wheels: $(STAMP)
-	mkdir -p .whl
+	rm -rf .whl && mkdir -p .whl  # only what the check carries now: every wheel here travels
 	$(BIN)/python tools/gpu_check.py --wheels > .whl/requirements.txt
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

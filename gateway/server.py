@@ -19,8 +19,6 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from gateway.discovery import resolve_targets
-from gateway.http.app import build_app
-from gateway.http.server import HttpServer
 from gateway.membership import Membership
 from gateway.router import Router
 from gateway.service import Gateway
@@ -158,6 +156,11 @@ async def serve(config: GatewayConfig) -> None:
     stopping = asyncio.Event()
     http = None
     if config.http_port is not None:
+        # Imported only for an HTTP front: a gRPC-only gateway never loads the web stack (FastAPI,
+        # pydantic, uvicorn), which the GPU check therefore does not carry (tools/gpu_check.py).
+        from gateway.http.app import build_app
+        from gateway.http.server import HttpServer
+
         app = build_app(gateway, metrics.registry if config.server.metrics_port is not None else None,
                         ready=lambda: not stopping.is_set(), max_body_bytes=config.server.max_message_bytes,
                         tokens=server.tokens)

@@ -1,7 +1,10 @@
 """A feature draft on disk: an EAGLE-style head (specstream/models/feature_head.py) packaged to serve.
 
-A directory holds ``config.json`` and ``model.safetensors`` (the head's weights in bfloat16 and its
-``output_ids``). ``config.json``'s ``specstream`` object says what it is and what it reads::
+A directory holds ``config.json`` and ``model.safetensors``: the head's norms in bfloat16, its
+``output_ids``, and each matrix either in bfloat16 (``<name>.weight``) or, as the shipped draft is
+stored, in the 4 bits it is served with on a CPU (``<name>.q4_codes`` packed two to a byte,
+``.q4_scale`` and ``.q4_min`` per block of 32, float16: round to nearest, ``kernels.int4.rtn_parts``);
+dense serving dequantizes those. ``config.json``'s ``specstream`` object says what it is and what it reads::
 
     {"specstream": {"name": "smollm2-135m-feature", "kind": "feature_head",
                     "head": {HeadSpec fields},
@@ -26,7 +29,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels.int4 import Q4Weight, q4_native, rtn_parts
+from kernels.int4 import Q4Weight, pack_codes, q4_dense, q4_native, rtn_parts, unpack_codes
 from kernels.lm_head import OutputHead
 from specstream.models.config import ModelLoadError
 from specstream.models.feature_head import FeatureHead, HeadSpec
@@ -107,8 +110,9 @@ def load_feature_draft(path: str | Path, resolve: Callable[[str], Path], dtype: 
         raise ModelLoadError(f"{where}: specstream.target.layers is empty: a feature draft reads at least one layer")
     head = FeatureHead(spec)
     try:
-        head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in load_file(str(root / WEIGHTS)).items()})
-    except (OSError, RuntimeError) as e:
+        state, parts = _dense_state(load_file(str(root / WEIGHTS)))
+        head.load_state_dict(state)
+    except (OSError, RuntimeError, KeyError, ValueError) as e:
         raise ModelLoadError(f"{root / WEIGHTS}: not the weights of the head config.json describes ({e})") from e
     head.eval().requires_grad_(False)
     embed, out = target_parts(resolve(ref))
@@ -121,7 +125,7 @@ def load_feature_draft(path: str | Path, resolve: Callable[[str], Path], dtype: 
     rows = out[head.output_ids].contiguous()  # [N, H]
     torch_dtype = DTYPES[dtype]
     int4 = weights in ("int4", "int4-rtn") or (weights == "auto" and q4_native(torch_dtype))
-    swapped = head.serve(torch_dtype, int4)
+    swapped = head.serve(torch_dtype, int4, parts)
     served_rows = Q4Weight.from_parts(*rtn_parts(rows), torch_dtype) if int4 and Q4Weight.fits(*rows.shape) \
         else rows.to(torch_dtype)
     swapped += isinstance(served_rows, Q4Weight)
@@ -129,13 +133,36 @@ def load_feature_draft(path: str | Path, resolve: Callable[[str], Path], dtype: 
                         OutputHead(served_rows), torch_dtype, f"int4 ({swapped} matrices)" if swapped else "dense")
 
 
+def _dense_state(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+    """The file's tensors -> (a float32 state dict for FeatureHead, {matrix: its 4-bit parts})."""
+    state, parts = {}, {}
+    for key, value in tensors.items():
+        if key.endswith(".q4_codes"):
+            name = key[: -len(".q4_codes")]
+            codes = unpack_codes(value)  # [N, K]
+            scale, minimum = tensors[f"{name}.q4_scale"].float(), tensors[f"{name}.q4_min"].float()
+            parts[name] = (codes, scale, minimum)
+            state[f"{name}.weight"] = q4_dense(codes, scale, minimum, torch.float32)
+        elif not key.endswith((".q4_scale", ".q4_min")):
+            state[key] = value.float() if value.is_floating_point() else value
+    return state, parts
+
+
 def save_feature_draft(out_dir: Path, name: str, head: FeatureHead, target_ref: str, target_dir: Path,
-                       layers: tuple[int, ...]) -> None:
-    """Writes ``head`` (its weights in bfloat16) as a feature draft of the target ``target_ref``."""
+                       layers: tuple[int, ...], int4: bool = False) -> None:
+    """Writes ``head`` as a feature draft of the target ``target_ref``: its weights in bfloat16, or
+    with ``int4`` each matrix the int4 kernel takes in the 4 bits it is served with on a CPU."""
     out_dir.mkdir(parents=True, exist_ok=True)
     embed, _ = target_parts(target_dir)
     tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
                for k, v in head.state_dict().items()}
+    for matrix in FeatureHead._MATRICES if int4 else ():
+        w = tensors[f"{matrix}.weight"].float()  # [N, K]: the bfloat16 values, as a bfloat16 file serves them
+        if Q4Weight.fits(*w.shape):
+            codes, scale, minimum = rtn_parts(w)
+            del tensors[f"{matrix}.weight"]
+            tensors |= {f"{matrix}.q4_codes": pack_codes(codes).contiguous(),
+                        f"{matrix}.q4_scale": scale.to(torch.float16), f"{matrix}.q4_min": minimum.to(torch.float16)}
     save_file(tensors, str(out_dir / WEIGHTS))
     config = {"specstream": {"name": name, "kind": KIND, "head": head.spec.to_json(),
                              "target": {"model": target_ref, "sha256": embedding_sha256(embed), "layers": list(layers)}}}

@@ -93,15 +93,18 @@ class FeatureHead(nn.Module):
 
     _MATRICES = ("fuse", "q", "kv", "o", "gate_up", "down")
 
-    def serve(self, dtype: torch.dtype, int4: bool) -> int:
+    def serve(self, dtype: torch.dtype, int4: bool, parts: dict | None = None) -> int:
         """Serve the layer's matrices (not training them any more) in ``dtype`` activations, each
         rounded to 4 bits (``rtn_parts``, as a token draft is served) where the int4 kernel takes its
-        shape when ``int4``; returns how many are 4-bit. The norms stay float32."""
+        shape when ``int4``, or taken as they are from ``parts`` ({name: (codes [N, K] uint8, scale,
+        min [N, K/32] float32)}: a checkpoint stored in 4 bits); returns how many are 4-bit. The
+        norms stay float32."""
         self._served, swapped = {}, 0
         for name in self._MATRICES:
             w = getattr(self, name).weight.detach()
             if int4 and Q4Weight.fits(*w.shape):
-                self._served[name] = Q4Weight.from_parts(*rtn_parts(w), dtype)
+                self._served[name] = Q4Weight.from_parts(*(parts[name] if parts and name in parts else rtn_parts(w)),
+                                                         dtype)
                 swapped += 1
             else:
                 self._served[name] = w.to(dtype)
