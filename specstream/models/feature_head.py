@@ -90,6 +90,7 @@ class FeatureHead(nn.Module):
         self.down = nn.Linear(spec.intermediate, H, bias=False)
         self.register_buffer("output_ids", torch.arange(spec.vocab_out), persistent=True)  # [N] token ids scored
         self._served: dict[str, torch.Tensor | Q4Weight] | None = None  # serve(): the matrices as served
+        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # _rope(): (cos, sin) [n, D]
 
     _MATRICES = ("fuse", "q", "kv", "o", "gate_up", "down")
 
@@ -112,7 +113,7 @@ class FeatureHead(nn.Module):
 
     def _rope(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables [>= n, D] (kept: serving asks for one more position at a time)."""
-        tables = getattr(self, "_rope_cache", None)
+        tables = self._rope_cache
         if tables is None or tables[0].shape[0] < n or tables[0].device != device:
             tables = self._rope_cache = _rope_tables(self.spec, max(n, 2 * (tables[0].shape[0] if tables else 256)),
                                                      device)

@@ -39,13 +39,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from specstream.models.feature_draft import save_feature_draft
+from specstream.models.feature_draft import save_feature_draft, target_parts
 from specstream.models.feature_head import FeatureHead, HeadSpec
 from specstream.models.loader import load_model, read_config
 from specstream.models.registry import DRAFTS
+from specstream.tools.bench.costs import measure_feature_costs
 from specstream.tools.distill.data import Record, generate_responses, load_records, save_records
 from specstream.tools.distill.everyday import everyday_prompts
-from specstream.tools.bench.costs import measure_feature_costs
 from specstream.tools.distill.measure import measure_acceptance
 from specstream.tools.distill.pipeline import read_prompts, write_prompts
 
@@ -158,13 +158,6 @@ def _sequences(records: list[Record], features: torch.Tensor) -> list[tuple[Reco
 
 # ----- training ---------------------------------------------------------------------------------
 
-def _target_parts(target_dir: Path):
-    """The target's config, input embedding [V, H] and output rows [V, H], float32 (the file's values)."""
-    model = load_model(target_dir, dtype="float32", weights="dense")
-    head = model.lm_head if model.lm_head is not None else model.embed
-    return model.config, model.embed.detach(), head.detach()
-
-
 def _spec(config, vocab_out: int) -> HeadSpec:
     return HeadSpec(hidden=config.hidden_size, heads=config.num_heads, kv_heads=config.num_kv_heads,
                     head_dim=config.head_dim, intermediate=config.intermediate_size, rope_theta=config.rope.theta,
@@ -207,7 +200,7 @@ def head_loss(head: FeatureHead, feats: torch.Tensor, tokens: torch.Tensor, embe
 
 def train_head(target_dir: Path, records: list[Record], features: dict, cfg: FeatureConfig, out: Path) -> dict:
     torch.manual_seed(cfg.seed)
-    config, embed, full_head = _target_parts(target_dir)
+    config, (embed, full_head) = read_config(target_dir), target_parts(target_dir)
     spec = _spec(config, cfg.vocab_out)
     head = FeatureHead(spec)
     head.output_ids.copy_(_output_ids(records, config.vocab_size, cfg.vocab_out))
@@ -288,7 +281,7 @@ def measure_offline(target_dir: Path, records: list[Record], features: dict, hea
         spec = HeadSpec(**json.loads(fh.metadata()["spec"]))
     head = FeatureHead(spec)
     head.load_state_dict(load_file(str(head_path)))
-    _, embed, full_head = _target_parts(target_dir)
+    embed, full_head = target_parts(target_dir)
     rows = full_head[head.output_ids]
     held = [(r, f) for r, f in _sequences(records, features["features"]) if r.split == "held_out"]
     out = {"all": _greedy_acceptance(head, held, embed, rows)}
