@@ -24,7 +24,7 @@ from gateway.router import Router
 from gateway.service import Gateway
 from gateway.target_client import TargetClient
 from specstream.data.config import GatewayConfig
-from specstream.data.engine import TargetInfo
+from specstream.data.engine import Load, TargetInfo
 from specstream.data.engine_wire import batch_stats_to_pb
 from specstream.models.registry import resolve_model
 from specstream.serving.grpc_server import ServiceServer
@@ -54,7 +54,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         info, replicas = gateway.info, gateway.router.replicas
         live = [r.load for r in replicas if r.connected]
         return generation_pb2.ModelInfo(
-            target_model=info.model_name, draft_model=info.draft_model_name, vocab_size=info.vocab_size,
+            target_model=info.model_name, draft_model=live_draft_model(info, live), vocab_size=info.vocab_size,
             max_context_length=info.max_context_length, max_new_tokens_limit=gateway.limits.max_new_tokens,
             max_gamma=info.max_gamma, default_gamma=info.default_gamma, eos_token_ids=list(gateway.eos_ids),
             running_sequences=sum(load.running for load in live), queued_sequences=sum(load.queued for load in live),
@@ -64,6 +64,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             gateway_in_flight=gateway.in_flight, gateway_queued=gateway.router.queued,
             replicas=[_replica_pb(i, r, gateway.config.expose_replica_addresses) for i, r in enumerate(replicas)],
             has_chat_template=gateway.tokenizer.chat_template is not None)
+
+
+def live_draft_model(info: TargetInfo, live: list[Load]) -> str:
+    """The draft the live replicas use now: a draft may connect (or be replaced) after the gateway
+    read the targets' GetInfo. Replicas with different drafts are all named, comma-separated."""
+    names = sorted({load.draft_model for load in live if load.draft_model})
+    return ",".join(names) if names else info.draft_model_name
 
 
 def _replica_pb(index: int, replica: TargetClient, expose: bool) -> generation_pb2.ReplicaInfo:

@@ -137,6 +137,11 @@ class Drafting:
         return bool(self.source and self.source.connected)
 
     @property
+    def model_name(self) -> str:
+        """The connected draft's model ("" while none is connected)."""
+        return self.source.model_name if self.connected else ""
+
+    @property
     def held_sequences(self) -> int:
         return self.source.held_sequences if self.source else 0
 

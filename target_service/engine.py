@@ -138,7 +138,8 @@ class Engine:
     def load(self) -> Load:
         return Load(max_slots=self.config.max_slots, free_slots=self.cache.num_free, running=len(self.running),
                     queued=len(self.waiting), draft_sequences=self.drafting.held_sequences,
-                    draft_connected=self.drafting.connected, batch=self.stats.snapshot())
+                    draft_connected=self.drafting.connected, batch=self.stats.snapshot(),
+                    draft_model=self.drafting.model_name)
 
     # ----- requests from connections (called on the event loop) -------------------------------
     def _report_load(self) -> None:

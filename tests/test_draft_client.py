@@ -88,6 +88,7 @@ def test_a_hung_draft_costs_one_deadline_then_plain_decoding_and_speculation_com
         try:
             assert await client.wait_connected(5.0)
             assert engine.load().draft_connected  # before any request
+            assert engine.load().draft_model == client.model_name != ""
             conn = Connection()
             engine.attach(conn)
             engine.submit(conn, [SequenceRequest(str(i), p, MAX_NEW, speculation=speculation(4))

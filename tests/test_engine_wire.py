@@ -68,7 +68,8 @@ def _batch() -> BatchStats:
     return stats
 
 
-LOAD = Load(max_slots=6, free_slots=2, running=4, queued=3, draft_sequences=5, draft_connected=True, batch=_batch())
+LOAD = Load(max_slots=6, free_slots=2, running=4, queued=3, draft_sequences=5, draft_connected=True, batch=_batch(),
+            draft_model="d")
 STATS = SequenceStats(draft_tokens=12, accepted_tokens=7, target_passes=6, mean_accepted_length=2.0, rejections=3,
                       gamma_histogram=[1, 0, 1, 0, 3], alpha_estimate=0.625, beam_expansions=0,
                       accepted_per_position=[4, 2, 1])

@@ -16,8 +16,9 @@ from test_gateway_router import error_code, finished, replica, report, run_async
 
 from gateway.membership import Membership
 from gateway.router import Router
-from gateway.server import check_joins, common_info
-from specstream.data.engine import TargetInfo
+from gateway.server import check_joins, common_info, live_draft_model
+from specstream.data.batch_stats import BatchStats
+from specstream.data.engine import Load, TargetInfo
 
 
 class Scenario:
@@ -171,3 +172,19 @@ async def test_the_gateway_serves_what_every_replica_can_take():
     b.info = dataclasses.replace(a.info, vocab_size=301)
     with pytest.raises(ValueError, match="disagree on vocab_size"):
         common_info([a, b])
+
+
+def test_model_info_names_the_draft_the_replicas_use_now():
+    """A draft that connects after the gateway read GetInfo (one still loading its model) is named
+    from the replicas' load; replicas with different drafts are all named."""
+    info = TargetInfo(model_name="m", vocab_size=300, max_context_length=500, max_gamma=8, default_gamma=6,
+                      eos_token_ids=[2])  # read while no draft was connected: no draft name
+    no_draft = Load(max_slots=1, free_slots=1, running=0, queued=0, draft_sequences=0, draft_connected=False,
+                    batch=BatchStats("static", 1))
+    with_draft = dataclasses.replace(no_draft, draft_connected=True, draft_model="feature-head")
+    assert live_draft_model(info, [no_draft]) == ""
+    assert live_draft_model(info, [no_draft, with_draft]) == "feature-head"
+    other = dataclasses.replace(with_draft, draft_model="token-draft")
+    assert live_draft_model(info, [other, with_draft, with_draft]) == "feature-head,token-draft"
+    configured = dataclasses.replace(info, draft_model_name="token-draft")  # known at GetInfo, now disconnected
+    assert live_draft_model(configured, [no_draft]) == "token-draft"

@@ -91,7 +91,7 @@ class SequenceEvent(_message.Message):
     def __init__(self, id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stats: _Optional[_Union[_common_pb2.SpeculationStats, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.SequenceError, _Mapping]] = ..., queue_seconds: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., sequences: _Optional[_Iterable[_Union[_common_pb2.BeamSequence, _Mapping]]] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("max_slots", "free_slots", "running", "queued", "draft_sequences", "draft_connected", "batch")
+    __slots__ = ("max_slots", "free_slots", "running", "queued", "draft_sequences", "draft_connected", "batch", "draft_model")
     MAX_SLOTS_FIELD_NUMBER: _ClassVar[int]
     FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class Load(_message.Message):
     DRAFT_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CONNECTED_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     max_slots: int
     free_slots: int
     running: int
@@ -106,7 +107,8 @@ class Load(_message.Message):
     draft_sequences: int
     draft_connected: bool
     batch: _common_pb2.BatchStats
-    def __init__(self, max_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., draft_sequences: _Optional[int] = ..., draft_connected: _Optional[bool] = ..., batch: _Optional[_Union[_common_pb2.BatchStats, _Mapping]] = ...) -> None: ...
+    draft_model: str
+    def __init__(self, max_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., draft_sequences: _Optional[int] = ..., draft_connected: _Optional[bool] = ..., batch: _Optional[_Union[_common_pb2.BatchStats, _Mapping]] = ..., draft_model: _Optional[str] = ...) -> None: ...
 
 class TargetInfoRequest(_message.Message):
     __slots__ = ()

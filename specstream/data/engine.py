@@ -107,6 +107,7 @@ class Load:
     draft_sequences: int  # as last reported by the draft
     draft_connected: bool
     batch: BatchStats  # a snapshot of the cumulative batching counters
+    draft_model: str = ""  # the draft connected now ("": none); it may connect after GetInfo
 
 
 @dataclass

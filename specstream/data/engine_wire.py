@@ -231,13 +231,14 @@ def batch_stats_from_pb(pb: common_pb2.BatchStats) -> BatchStats:
 def load_to_pb(load: Load) -> target_pb2.Load:
     return target_pb2.Load(max_slots=load.max_slots, free_slots=load.free_slots, running=load.running,
                            queued=load.queued, draft_sequences=load.draft_sequences,
-                           draft_connected=load.draft_connected, batch=batch_stats_to_pb(load.batch))
+                           draft_connected=load.draft_connected, batch=batch_stats_to_pb(load.batch),
+                           draft_model=load.draft_model)
 
 
 def load_from_pb(pb: target_pb2.Load) -> Load:
     return Load(max_slots=pb.max_slots, free_slots=pb.free_slots, running=pb.running, queued=pb.queued,
                 draft_sequences=pb.draft_sequences, draft_connected=pb.draft_connected,
-                batch=batch_stats_from_pb(pb.batch))
+                batch=batch_stats_from_pb(pb.batch), draft_model=pb.draft_model)
 
 
 def message_to_pb(message: EngineMessage) -> target_pb2.TargetMessage:
