@@ -41,7 +41,7 @@ class FeatureProposer:
         self.draft = draft
         self.q_support = q_support
         self.max_len = max_seq_len
-        self.width = draft.head.spec.hidden
+        self.width = draft.head.spec.input_width  # H per target layer it reads
         self.cache = HeadCache(draft.head.spec, max_slots, max_seq_len, dtype=draft.dtype)
         self._free = list(range(max_slots - 1, -1, -1))
         self.slots: dict[Hashable, int] = {}
@@ -116,12 +116,12 @@ class FeatureProposer:
         return out
 
     def read_features(self, item: ProposeItem) -> tuple[torch.Tensor | None, str]:
-        """The item's features [count, H] bfloat16, or why they cannot be read: the field and its value."""
+        """The item's features [count, input_width] bfloat16, or why they cannot be read: the field and its value."""
         if item.feature_dtype != FEATURE_DTYPE:
             return None, f"ProposeItem.feature_dtype={item.feature_dtype!r}: this draft reads {FEATURE_DTYPE!r} features"
         if item.feature_width != self.width:
             return None, (f"ProposeItem.feature_width={item.feature_width}: this draft reads features of {self.width} "
-                          "numbers (the target's hidden size)")
+                          "numbers (the target's hidden size per layer it reads)")
         count = features_expected(item.rollback_to, len(item.append))
         if len(item.features) != count * self.width * 2:
             return None, (f"ProposeItem.features: {len(item.features)} bytes for sequence {item.key} (rollback_to="

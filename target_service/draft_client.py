@@ -70,6 +70,7 @@ class DraftClient:
         # A draft that reads features: what this target can send (its layer count and hidden size),
         # what the draft reads (from GetInfo), and why a draft was refused at connect ("" if not).
         self.target_layers, self.target_width = target_layers, target_width
+        self.feature_layers: tuple[int, ...] = ()
         self.feature_width = 0
         self.refused = ""
 
@@ -101,12 +102,12 @@ class DraftClient:
         if refused:  # never connected: the engine decodes plainly; said once per reason
             if refused != self.refused:
                 log.error("draft %s (%s) refused: %s", self.url, info.model_name, refused)
-            self.refused, self.feature_width = refused, 0
+            self.refused, self.feature_layers, self.feature_width = refused, (), 0
             return False
         self.refused = ""
         self.model_name, self.vocab_size = info.model_name, info.vocab_size
         self.max_context_length = info.max_context_length
-        self.feature_width = info.feature_width
+        self.feature_layers, self.feature_width = tuple(info.feature_layers), info.feature_width
         return True
 
     async def ready(self) -> bool:

@@ -64,8 +64,9 @@ class DraftSource(Protocol):
     - ``ready()`` is True when a propose can be attempted now; it must not block on a dead source.
     - ``watch(callback)``: ``callback()`` is called whenever ``connected`` changes.
     - ``vocab_size`` / ``max_context_length``: the ids and the sequence length it can take.
-    - ``feature_width`` (optional, default 0): numbers per feature of a draft that reads the
-      target's features (its final, normed hidden states); 0 for a token draft.
+    - ``feature_layers`` / ``feature_width`` (optional, default () and 0): the target layers a
+      draft that reads the target's features reads (the last: the final, normed hidden state) and
+      its numbers per position (the hidden size per layer); () and 0 for a token draft.
     """
 
     model_name: str
@@ -95,20 +96,23 @@ class DraftSource(Protocol):
 
 
 def feature_refusal(layers: list[int] | tuple[int, ...], width: int, target_layers: int, target_width: int) -> str:
-    """Why a draft asking for the features of ``layers`` at ``width`` numbers cannot be served by a
-    target of ``target_layers`` layers and hidden size ``target_width`` ("" when it can). A target
-    sends its final, normed hidden state only: layer ``target_layers``."""
+    """Why a draft asking for the features of ``layers`` at ``width`` numbers per position cannot
+    be served by a target of ``target_layers`` layers and hidden size ``target_width`` ("" when it
+    can). A target sends its final, normed hidden state (layer ``target_layers``), after the
+    outputs of any earlier layers the draft names (each RMS-normalized; EAGLE-3's fusion), in
+    ascending order: ``target_width`` numbers per layer."""
     layers = list(layers)
     if not layers and not width:
         return ""
     if not layers or not width:
         return (f"DraftInfo.feature_layers={layers} with DraftInfo.feature_width={width}: a draft that reads "
                 "features names both")
-    if any(layer != target_layers for layer in layers):
-        return (f"DraftInfo.feature_layers={layers}: this target sends only layer {target_layers} (its final, "
-                f"normed hidden state; layers count 1..{target_layers})")
-    if width != target_width:
-        return f"DraftInfo.feature_width={width}: this target's features have {target_width} numbers"
+    if layers[-1] != target_layers or layers != sorted(set(layers)) or layers[0] < 1:
+        return (f"DraftInfo.feature_layers={layers}: this target sends its final, normed hidden state (layer "
+                f"{target_layers}), after any of its layers 1..{target_layers - 1} in ascending order")
+    if width != target_width * len(layers):
+        return (f"DraftInfo.feature_width={width}: this target's features of {len(layers)} layers have "
+                f"{target_width * len(layers)} numbers ({target_width} a layer)")
     return ""
 
 
@@ -129,8 +133,13 @@ class Drafting:
 
     @property
     def feature_width(self) -> int:
-        """Numbers per feature the draft reads (0: a token draft, or none)."""
+        """Numbers per position the draft reads (0: a token draft, or none)."""
         return getattr(self.source, "feature_width", 0) if self.source is not None else 0
+
+    @property
+    def keep_layers(self) -> tuple[int, ...]:
+        """The target layers before the last whose outputs the draft reads (``CausalLM.hidden``'s keep)."""
+        return tuple(getattr(self.source, "feature_layers", ())[:-1]) if self.feature_width else ()
 
     @property
     def connected(self) -> bool:

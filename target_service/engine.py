@@ -77,7 +77,7 @@ class EngineTimings:
 
 
 def feature_bytes(hidden: torch.Tensor) -> bytes:
-    """hidden [n, H] -> the bytes of its n features in bfloat16, as a feature draft reads them."""
+    """hidden [n, feature width] -> the bytes of its n features in bfloat16, as a feature draft reads them."""
     return hidden.to(torch.bfloat16).cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
 
@@ -350,12 +350,14 @@ class Engine:
         verdicts: list[Verdict | None] = [None] * len(group)
         keep = [i for i, (seq, _) in enumerate(group) if seq.features is not None]
         with torch.inference_mode():
-            hidden = self.model.hidden(ids, self.cache, slots, starts, last_only=not keep)  # [b, L or 1, H]
+            layers = self.drafting.keep_layers if keep else ()
+            hidden = self.model.hidden(ids, self.cache, slots, starts, last_only=not keep,
+                                       keep=layers)  # [b, L or 1, (len(layers) + 1) H]
             if keep:
-                kept = hidden[keep].to(torch.bfloat16).cpu()  # [k, L, H]: one copy off the device
+                kept = hidden[keep].to(torch.bfloat16).cpu()  # [k, L, feature width]: one copy off the device
                 for j, i in enumerate(keep):
                     group[i][0].features += feature_bytes(kept[j])
-            hidden = hidden[:, -1:]  # [b, 1, H]
+            hidden = hidden[:, -1:, hidden.shape[-1] - self.model.config.hidden_size:]  # [b, 1, H]: the final state
             done = [i for i, (seq, start) in enumerate(group) if start + length == seq.prompt_len]
             beams = [i for i in done if group[i][0].beam is not None]
             for i in beams:
@@ -434,17 +436,21 @@ class Engine:
                 start.append(position)
         with torch.inference_mode():
             began = time.perf_counter()
-            hidden = self.model.hidden(torch.tensor(input_ids, dtype=torch.int64), self.cache,
-                                       torch.tensor(slots, dtype=torch.int64),
-                                       torch.tensor(start, dtype=torch.int64))  # [B, G+1, H]
+            features = any(seq.features is not None for seq in rows)
+            full = self.model.hidden(torch.tensor(input_ids, dtype=torch.int64), self.cache,
+                                     torch.tensor(slots, dtype=torch.int64), torch.tensor(start, dtype=torch.int64),
+                                     keep=self.drafting.keep_layers if features else ())  # [B, G+1, feature width]
+            # [B, G+1, H]: the final state (a draft reading several layers gets them before it)
+            hidden = full if full.shape[-1] == self.model.config.hidden_size else \
+                full[..., -self.model.config.hidden_size:].contiguous()
             self._step_forward_s += time.perf_counter() - began
             # The output layer runs inside settlement: fused with it on the Triton backend.
             verdicts = settle(Hidden(hidden[: len(rows)].flatten(0, 1), self.model.output_head), checks,
                               coupled=self.config.speculative_sampling == "coupled") if rows else []
-            if any(seq.features is not None for seq in rows):
+            if features:
                 # The committed positions: the last token and the accepted ones (a stop token or the
                 # budget may end the sequence inside them: then nothing reads them again).
-                kept = hidden[: len(rows)].to(torch.bfloat16).cpu()  # [B, G+1, H]: one copy off the device
+                kept = full[: len(rows)].to(torch.bfloat16).cpu()  # [B, G+1, feature width]: one copy off the device
                 for i, (seq, verdict) in enumerate(zip(rows, verdicts)):
                     if seq.features is not None:
                         seq.features += feature_bytes(kept[i, : verdict.accepted + 1])  # [k+1, H]

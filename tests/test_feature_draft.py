@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_harness import naive_greedy, run_engine
+from engine_harness import naive_greedy, run_engine, speculation
 
 from draft_service.combined import NgramPlusModelProposer
 from draft_service.feature import FeatureProposer
@@ -35,32 +35,47 @@ from target_service.local_draft import LocalDraft
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 9], [40, 41], [9, 10, 11, 12, 13, 14]]
 
 
-@pytest.fixture(scope="module")
-def feature_pair(model_zoo, tmp_path_factory) -> dict[str, Path]:
+def _train_pair(model_zoo, out: Path, extra_layers: tuple[int, ...] = ()) -> dict[str, Path]:
+    """A tiny feature draft of the zoo's target, trained on its greedy answers to the tests'
+    prompts; with ``extra_layers`` it reads those layers too (EAGLE-3's fusion)."""
     from specstream.tools.distill.feature import FeatureConfig, _spec, head_loss
 
     target_dir = model_zoo["target"]
     target = load_model(target_dir)
+    H = target.config.hidden_size
     sequences = []
     with torch.no_grad():
         for prompt in PROMPTS:  # the tests' own prompts: a random target's text has nothing to generalise
             tokens = torch.tensor(prompt + naive_greedy(target_dir, prompt, 44))
             cache = target.new_cache(1, len(tokens))
-            feats = target.hidden(tokens[None], cache, torch.tensor([cache.alloc()]), torch.tensor([0]))[0]
+            feats = target.hidden(tokens[None], cache, torch.tensor([cache.alloc()]), torch.tensor([0]),
+                                  keep=extra_layers)[0]  # [L, (k + 1) H]
             sequences.append((tokens, feats, len(prompt)))
     torch.manual_seed(0)
-    head = FeatureHead(_spec(target.config, target.config.vocab_size))
+    head = FeatureHead(_spec(target.config, target.config.vocab_size, extra_layers))
     head.output_ids.copy_(torch.arange(target.config.vocab_size))
     embed, rows = target.embed.detach(), target.lm_head.detach()
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
     for _ in range(100):
         opt.zero_grad()
-        total, terms = zip(*(head_loss(head, f, t, embed, rows, n, FeatureConfig()) for t, f, n in sequences))
+        total, terms = zip(*(head_loss(head, x, x[:, -H:], t, embed, rows, n, FeatureConfig())
+                             for t, x, n in sequences))
         (sum(total) / sum(terms)).backward()
         opt.step()
-    out = tmp_path_factory.mktemp("feature") / "draft"
-    save_feature_draft(out, "tiny-feature", head, str(target_dir), target_dir, (target.config.num_layers,))
+    save_feature_draft(out, "tiny-feature", head, str(target_dir), target_dir,
+                       (*extra_layers, target.config.num_layers))
     return {"target": target_dir, "draft": out}
+
+
+@pytest.fixture(scope="module")
+def feature_pair(model_zoo, tmp_path_factory) -> dict[str, Path]:
+    return _train_pair(model_zoo, tmp_path_factory.mktemp("feature") / "draft")
+
+
+@pytest.fixture(scope="module")
+def fused_pair(model_zoo, tmp_path_factory) -> dict[str, Path]:
+    """A draft reading the target's layer 1 and its final state (of 3 layers)."""
+    return _train_pair(model_zoo, tmp_path_factory.mktemp("fused") / "draft", extra_layers=(1,))
 
 
 def _proposer(feature_pair, slots: int = 16) -> FeatureProposer:
@@ -124,8 +139,13 @@ def test_features_of_the_wrong_dtype_width_or_count_are_refused_naming_the_field
 def test_a_target_refuses_a_draft_asking_for_features_it_does_not_send(feature_pair, model_zoo) -> None:
     assert feature_refusal([], 0, 3, 64) == ""
     assert feature_refusal([3], 64, 3, 64) == ""
-    assert feature_refusal([2], 64, 3, 64).startswith("DraftInfo.feature_layers=[2]: this target sends only layer 3")
+    assert feature_refusal([1, 3], 128, 3, 64) == ""  # EAGLE-3's fusion: an earlier layer, then the final
+    for layers in ([2], [1, 2], [3, 1], [1, 1, 3], [0, 3], [1, 4]):
+        assert feature_refusal(layers, 64 * len(layers), 3, 64).startswith(
+            f"DraftInfo.feature_layers={layers}: this target sends its final, normed hidden state (layer 3)"), layers
     assert feature_refusal([3], 32, 3, 64).startswith("DraftInfo.feature_width=32")
+    assert feature_refusal([1, 3], 64, 3, 64).startswith("DraftInfo.feature_width=64: this target's features of 2 "
+                                                         "layers have 128 numbers")
     assert feature_refusal([3], 0, 3, 64).startswith("DraftInfo.feature_layers=[3] with DraftInfo.feature_width=0")
     # In the target's process: the engine refuses it when it is built.
     from specstream.data.config import ModelSpec, TargetConfig
@@ -134,7 +154,7 @@ def test_a_target_refuses_a_draft_asking_for_features_it_does_not_send(feature_p
     shallower = load_model(model_zoo["partial"])  # the same width, fewer layers
     layers = shallower.config.num_layers
     assert layers != 3
-    with pytest.raises(ValueError, match=rf"DraftInfo.feature_layers=\[3\]: this target sends only layer {layers}"):
+    with pytest.raises(ValueError, match=rf"DraftInfo.feature_layers=\[3\]: this target sends .* \(layer {layers}\)"):
         Engine(shallower, TargetConfig(model=ModelSpec(str(model_zoo["partial"])), calibrate=False),
                LocalDraft(_proposer(feature_pair)))
 
@@ -153,7 +173,8 @@ def test_a_target_refuses_a_draft_asking_for_features_it_does_not_send(feature_p
     ok, refused, width = asyncio.run(connect(3))
     assert (ok, refused, width) == (True, "", 64)
     ok, refused, width = asyncio.run(connect(5))
-    assert not ok and refused.startswith("DraftInfo.feature_layers=[3]: this target sends only layer 5"), refused
+    assert not ok and refused.startswith("DraftInfo.feature_layers=[3]: this target sends its final, normed hidden "
+                                         "state (layer 5)"), refused
 
 
 # ----- exactness ----------------------------------------------------------------------------------
@@ -172,6 +193,52 @@ def test_greedy_with_the_feature_draft_is_plain_greedy(feature_pair, combined, g
     # Guesses were accepted, and rejected too (rollbacks exercised).
     assert sum(f.stats.accepted_tokens for f in finals) > 0.2 * sum(f.stats.draft_tokens for f in finals) > 0
     assert sum(f.stats.rejections for f in finals) > 0
+
+
+@pytest.mark.parametrize("layout", ["colocated", "draft-service"])
+def test_a_draft_reading_several_layers_is_exact_in_both_layouts(fused_pair, layout) -> None:
+    """EAGLE-3's fusion: the draft reads the target's layer 1 (RMS-normalized) and its final state;
+    the target sends both per position, in its own process or over gRPC, and greedy output is plain
+    greedy's with guesses accepted."""
+    from specstream.data.config import ModelSpec, TargetConfig
+    from specstream.data.engine import SequenceRequest
+    from target_service.engine import Engine
+    from target_service.inprocess import generate
+
+    target = fused_pair["target"]
+    proposer = _proposer(fused_pair)
+    assert (proposer.feature_layers, proposer.feature_width) == ((1, 3), 128)
+    budgets = [30, 41, 25, 36]
+    requests = [SequenceRequest(str(i), list(p), n, speculation=speculation(3))
+                for i, (p, n) in enumerate(zip(PROMPTS, budgets))]
+
+    async def main():
+        from test_draft_client import _draft_server
+
+        server = compute = None
+        if layout == "colocated":
+            source = LocalDraft(proposer)
+        else:
+            server, url, compute = await _draft_server(proposer)
+            source = DraftClient(url, 5.0, 0.2, target_layers=3, target_width=64)
+            assert await source.wait_connected(5.0) and source.feature_width == 128
+        engine = Engine(load_model(target), TargetConfig(model=ModelSpec(str(target)), max_slots=8, max_seq_len=512,
+                                                         max_gamma=8, calibrate=False), source)
+        loop_task = asyncio.create_task(engine.run())
+        try:
+            return await generate(engine, requests, 60)
+        finally:
+            loop_task.cancel()
+            await source.close()
+            if server is not None:
+                await server.stop(None)
+                compute.shutdown()
+
+    results = asyncio.run(main())
+    for prompt, result, budget in zip(PROMPTS, results, budgets):
+        assert result.token_ids == naive_greedy(target, prompt, budget)
+    finals = [r.final for r in results]
+    assert sum(f.stats.accepted_tokens for f in finals) > 0.2 * sum(f.stats.draft_tokens for f in finals) > 0
 
 
 def test_coupled_sampling_with_the_feature_draft_is_plain_sampling(feature_pair) -> None:
@@ -242,7 +309,7 @@ def test_the_pipeline_writes_a_loadable_draft_and_its_card(feature_pair, tmp_pat
     from kernels.int4 import Q4Weight, q4_dense, rtn_parts
 
     rounded = 0
-    for name in FeatureHead._MATRICES:
+    for name in source.head.matrices:
         w = getattr(source.head, name).weight.detach().to(torch.bfloat16).float()
         if Q4Weight.fits(*w.shape):
             w, rounded = q4_dense(*rtn_parts(w), torch.float32), rounded + 1

@@ -4,8 +4,10 @@ step, and serving incrementally drafts the same; a few training steps on a tiny 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import pytest
 import torch
 
 from specstream.models.feature_head import FeatureHead, HeadSpec
@@ -14,9 +16,9 @@ SPEC = HeadSpec(hidden=32, heads=4, kv_heads=2, head_dim=8, intermediate=48, rop
                 vocab_out=20)
 
 
-def _head(seed: int = 0) -> tuple[FeatureHead, torch.Tensor, torch.Tensor]:
+def _head(seed: int = 0, spec: HeadSpec = SPEC) -> tuple[FeatureHead, torch.Tensor, torch.Tensor]:
     torch.manual_seed(seed)
-    head = FeatureHead(SPEC)
+    head = FeatureHead(spec)
     for p in head.parameters():
         torch.nn.init.normal_(p, std=0.3)
     head.output_ids.copy_(torch.arange(5, 25))  # scores ids 5..24 of a 30-token vocabulary
@@ -96,7 +98,7 @@ def test_a_few_training_steps_on_a_tiny_target_lower_the_loss(tmp_path) -> None:
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
 
     def loss() -> torch.Tensor:
-        total, terms = zip(*(head_loss(head, f, t, embed, rows, 4, cfg) for t, f in sequences))
+        total, terms = zip(*(head_loss(head, f, f, t, embed, rows, 4, cfg) for t, f in sequences))
         return sum(total) / sum(terms)
 
     with torch.no_grad():
@@ -135,7 +137,8 @@ def test_serving_incrementally_drafts_what_the_chain_drafts() -> None:
 
 def _reference_forward(head: FeatureHead, feats: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
     """The head's layer written out position by position in float64, from its weights alone: the
-    fusion, RMS norm, RoPE (rotate-half, at position i + 1), grouped causal attention, SwiGLU."""
+    target layers' fusion (EAGLE-3, with extra layers), the fusion with the embedding, RMS norm,
+    RoPE (rotate-half, at position i + 1), grouped causal attention, SwiGLU."""
     s = head.spec
     W = {k: v.detach().double() for k, v in head.state_dict().items() if v.is_floating_point()}
     T, D, kvh = feats.shape[0], s.head_dim, s.kv_heads
@@ -155,7 +158,8 @@ def _reference_forward(head: FeatureHead, feats: torch.Tensor, embeds: torch.Ten
 
     xs, qs, ks, vs = [], [], [], []
     for i in range(T):
-        x = W["fuse.weight"] @ torch.cat((feats[i], embeds[i])).double()
+        f = W["reduce.weight"] @ feats[i].double() if "reduce.weight" in W else feats[i].double()
+        x = W["fuse.weight"] @ torch.cat((f, embeds[i].double()))
         h = rms(x, W["input_norm"])
         q = (W["q.weight"] @ h).view(s.heads, D)
         kv = (W["kv.weight"] @ h).view(2 * kvh, D)
@@ -177,13 +181,75 @@ def _reference_forward(head: FeatureHead, feats: torch.Tensor, embeds: torch.Ten
     return torch.stack(out)
 
 
-def test_the_head_forward_matches_a_direct_reference_on_random_weights() -> None:
-    head, embed, _ = _head(7)
+@pytest.mark.parametrize("extra_layers", [(), (1, 3)])
+def test_the_head_forward_matches_a_direct_reference_on_random_weights(extra_layers) -> None:
+    spec = dataclasses.replace(SPEC, extra_layers=extra_layers)
+    head, embed, _ = _head(7, spec)
+    assert (head.reduce is not None) == bool(extra_layers)
     gen = torch.Generator().manual_seed(8)
-    feats = torch.randn(9, 32, generator=gen)
+    feats = torch.randn(9, spec.input_width, generator=gen)
     tokens = torch.randint(0, 30, (9,), generator=gen)
     with torch.no_grad():
         got = head(feats[None], embed[tokens][None])[0].double()  # [T, H]
     want = _reference_forward(head, feats, embed[tokens])
     assert want.abs().max() > 1.0  # not a degenerate layer
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_target_keeps_the_layers_a_feature_draft_reads_without_changing_its_output(tmp_path) -> None:
+    """``hidden(keep=...)``: each kept layer's output RMS-normalized, then the final state, which is
+    bit for bit what the target computes without keeping; kept outputs equal the layers run one by one."""
+    from specstream.models.base import rms_norm
+    from specstream.models.loader import load_model
+    from specstream.models.random_init import write_random_checkpoint
+
+    config = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}
+    target = load_model(write_random_checkpoint(tmp_path / "t", config, seed=5), dtype="float32")
+    tokens = torch.randint(0, 64, (1, 11), generator=torch.Generator().manual_seed(1))
+
+    def run(**kw):
+        cache = target.new_cache(1, 16)
+        return target.hidden(tokens, cache, torch.tensor([cache.alloc()]), torch.tensor([0]), **kw)
+
+    with torch.no_grad():
+        plain, kept = run(), run(keep=(1, 3))
+        assert kept.shape == (1, 11, 3 * 32)
+        assert torch.equal(kept[..., 64:], plain)
+        cache = target.new_cache(1, 16)
+        batch = target._cache_batch(tokens, cache, torch.tensor([cache.alloc()]), torch.tensor([0]))
+        x, cos, sin = target.embed_positions(tokens, batch)
+        outs = []
+        for layer in target.layers[:3]:
+            x = layer(x, batch, cos, sin, None)
+            outs.append(rms_norm(x, torch.ones(32), target.config.norm_eps))
+        torch.testing.assert_close(kept[..., :32], outs[0])
+        torch.testing.assert_close(kept[..., 32:64], outs[2])
+        assert torch.equal(run(last_only=True, keep=(2,))[..., 32:], run(last_only=True))
+    for bad in ((4,), (0,), (3, 1)):
+        with pytest.raises(ValueError, match="keep="):
+            run(keep=bad)
+
+
+def test_aligned_training_counts_a_step_only_where_the_earlier_steps_chose_the_answer() -> None:
+    """GRIFFIN's token alignment (FeatureConfig.aligned): from a start whose first guess is not the
+    answer's token, the deeper steps add nothing to the loss; step 1 always counts."""
+    from specstream.tools.distill.feature import STEPS, FeatureConfig, head_loss
+
+    head, embed, rows = _head(9)
+    gen = torch.Generator().manual_seed(10)
+    feats = torch.randn(10, 32, generator=gen)
+    # from x_2 on, tokens the head never proposes (it scores ids 5..24): every first guess misses
+    tokens = torch.cat((torch.randint(5, 25, (2,), generator=gen), torch.randint(0, 5, (8,), generator=gen)))
+    with torch.no_grad():
+        every, _ = head_loss(head, feats, feats, tokens, embed, rows, 1, FeatureConfig())
+        aligned, _ = head_loss(head, feats, feats, tokens, embed, rows, 1, FeatureConfig(aligned=True))
+        first_only, _ = head_loss(head, feats, feats, tokens, embed, rows, 1, FeatureConfig(step_decay=0.0))
+        # with the answer's own tokens where the head can propose them, deeper steps count somewhere
+        _, drafted = head.chain_logits(feats[:9], tokens, embed, rows, STEPS)
+        own = torch.cat((tokens[:2], drafted[0, :8]))  # x_{t+2} := step 1's choice from t
+        reached, _ = head_loss(head, feats, feats, own, embed, rows, 1, FeatureConfig(aligned=True))
+        own_first, _ = head_loss(head, feats, feats, own, embed, rows, 1, FeatureConfig(step_decay=0.0))
+    assert reached > own_first
+    torch.testing.assert_close(aligned, first_only)  # step_decay 0: 0 ** 0 = 1, step 1 alone
+    assert every > 1.2 * aligned

@@ -91,8 +91,9 @@ class Proposer(Protocol):
     def free_slots(self) -> int: ...  # further sequences it can take
 
     # A proposer that reads the target's features sets ``feature_layers`` (target layers, counted
-    # from 1; num_hidden_layers is the final, normed state) and ``feature_width`` (numbers per
-    # feature); a token proposer has neither (read with getattr, default () and 0).
+    # from 1, ascending; num_hidden_layers, the final normed state, comes last; earlier ones are
+    # each RMS-normalized) and ``feature_width`` (numbers per position: the hidden size per layer);
+    # a token proposer has neither (read with getattr, default () and 0).
 
     def propose(self, items: list[ProposeItem]) -> list[Proposal]: ...
 

@@ -37,6 +37,21 @@ assert set(ACTIVATIONS) == SUPPORTED_ACTIVATIONS, "config.py validates against t
 Q4Parts = Callable[[str], "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None"]
 
 
+def check_keep(keep: tuple[int, ...], num_layers: int) -> None:
+    """``CausalLM.hidden``'s ``keep``: ascending layers 1..num_layers - 1 (the last is the final state)."""
+    if any(not 1 <= layer < num_layers for layer in keep) or list(keep) != sorted(set(keep)):
+        raise ValueError(f"keep={keep}: layers to keep are ascending, 1..{num_layers - 1}")
+
+
+def with_kept_layers(final: torch.Tensor, kept: list[torch.Tensor], eps: float) -> torch.Tensor:
+    """final [B, T, H] and the kept layers' outputs [B, T, H] each -> [B, T, (len(kept) + 1) H]:
+    each kept output RMS-normalized without a weight (their scales differ by layer), then the final."""
+    if not kept:
+        return final
+    ones = torch.ones(final.shape[-1], dtype=final.dtype, device=final.device)
+    return torch.cat([*(rms_norm(k, ones, eps) for k in kept), final], dim=-1)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm with transformers' rounding: normalise in float32, round to x's dtype, then scale.
     bfloat16 on CPU takes the native op where it is built (kernels/csrc/cpu_ops.cpp): the very
@@ -152,9 +167,12 @@ class CausalLM(torch.nn.Module):
         slots: torch.Tensor,
         start_pos: torch.Tensor,
         last_only: bool = False,
+        keep: tuple[int, ...] = (),
     ) -> torch.Tensor:
         """The forward up to the output layer: final (normed) hidden states [B, T, H] ([B, 1, H] when
-        last_only), in the model's dtype; cache writes and arguments as ``forward``."""
+        last_only), in the model's dtype; cache writes and arguments as ``forward``. With ``keep``
+        (1-based layers below the last, ascending): [B, T', (len(keep) + 1) H], the kept layers'
+        outputs first (``with_kept_layers``): what a feature draft reading several layers gets."""
         raise NotImplementedError
 
     def forward(

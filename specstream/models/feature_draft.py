@@ -108,6 +108,9 @@ def load_feature_draft(path: str | Path, resolve: Callable[[str], Path], dtype: 
                              "HeadSpec fields and target.model, target.sha256, target.layers") from e
     if not layers:
         raise ModelLoadError(f"{where}: specstream.target.layers is empty: a feature draft reads at least one layer")
+    if layers[:-1] != spec.extra_layers:
+        raise ModelLoadError(f"{where}: specstream.target.layers={list(layers)}, but the head reads "
+                             f"{list(spec.extra_layers)} before the final layer (specstream.head.extra_layers)")
     head = FeatureHead(spec)
     try:
         state, parts = _dense_state(load_file(str(root / WEIGHTS)))
@@ -156,7 +159,7 @@ def save_feature_draft(out_dir: Path, name: str, head: FeatureHead, target_ref: 
     embed, _ = target_parts(target_dir)
     tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
                for k, v in head.state_dict().items()}
-    for matrix in FeatureHead._MATRICES if int4 else ():
+    for matrix in head.matrices if int4 else ():
         w = tensors[f"{matrix}.weight"].float()  # [N, K]: the bfloat16 values, as a bfloat16 file serves them
         if Q4Weight.fits(*w.shape):
             codes, scale, minimum = rtn_parts(w)

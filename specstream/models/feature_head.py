@@ -42,6 +42,18 @@ class HeadSpec:
     rope_theta: float
     norm_eps: float
     vocab_out: int  # rows of the output layer the head scores
+    # EAGLE-3's fusion: target layers (1-based) whose outputs, each RMS-normalized without a weight,
+    # come before the final feature in the head's input: [layer a; layer b; ...; final] -> ``reduce``
+    # (k H -> H). () reads the final feature only.
+    extra_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "extra_layers", tuple(int(layer) for layer in self.extra_layers))
+
+    @property
+    def input_width(self) -> int:
+        """Numbers per position the head reads from the target: H per layer it reads."""
+        return self.hidden * (1 + len(self.extra_layers))
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -81,6 +93,8 @@ class FeatureHead(nn.Module):
         self.spec = spec
         H, D = spec.hidden, spec.head_dim
         self.fuse = nn.Linear(2 * H, H, bias=False)  # [H, 2H]: (feature, embedding) -> H
+        # [H, kH]: the target's k layers -> one feature (EAGLE-3's fusion; only with extra_layers)
+        self.reduce = nn.Linear(spec.input_width, H, bias=False) if spec.extra_layers else None
         self.input_norm = nn.Parameter(torch.ones(H))
         self.q = nn.Linear(H, spec.heads * D, bias=False)
         self.kv = nn.Linear(H, 2 * spec.kv_heads * D, bias=False)
@@ -92,7 +106,10 @@ class FeatureHead(nn.Module):
         self._served: dict[str, torch.Tensor | Q4Weight] | None = None  # serve(): the matrices as served
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # _rope(): (cos, sin) [n, D]
 
-    _MATRICES = ("fuse", "q", "kv", "o", "gate_up", "down")
+    @property
+    def matrices(self) -> tuple[str, ...]:
+        """The linear layers' names (``reduce`` only when it reads several layers)."""
+        return ("reduce",) * (self.reduce is not None) + ("fuse", "q", "kv", "o", "gate_up", "down")
 
     def serve(self, dtype: torch.dtype, int4: bool, parts: dict | None = None) -> int:
         """Serve the layer's matrices (not training them any more) in ``dtype`` activations, each
@@ -101,7 +118,7 @@ class FeatureHead(nn.Module):
         min [N, K/32] float32)}: a checkpoint stored in 4 bits); returns how many are 4-bit. The
         norms stay float32."""
         self._served, swapped = {}, 0
-        for name in self._MATRICES:
+        for name in self.matrices:
             w = getattr(self, name).weight.detach()
             if int4 and Q4Weight.fits(*w.shape):
                 self._served[name] = Q4Weight.from_parts(*(parts[name] if parts and name in parts else rtn_parts(w)),
@@ -141,14 +158,20 @@ class FeatureHead(nn.Module):
         gate, up = self._linear("gate_up", _rms(x, self.post_norm, self.spec.norm_eps)).chunk(2, dim=-1)
         return x + self._linear("down", F.silu(gate) * up)
 
+    def target_input(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features [..., T, input_width] -> [..., T, H]: the fusion of its layers
+        (``reduce``) when the head reads several, else the final feature as it is. The head's own
+        predicted features replace this when it drafts on."""
+        return features if self.reduce is None else self._linear("reduce", features)
+
     def fused(self, features: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
         """[..., T, H] features and the next tokens' embeddings -> the layer's input [..., T, H]."""
         return self._linear("fuse", torch.cat((features, next_embeds), dim=-1))
 
     def forward(self, features: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced over whole sequences: features [B, T, H] (f_0..f_{T-1}), next_embeds [B, T, H]
-        (tokens 1..T) -> predicted features [B, T, H] (g_i ~ f_{i+1}), causal over the head's positions."""
-        x = self.fused(features, next_embeds)
+        """Teacher-forced over whole sequences: features [B, T, input_width] (f_0..f_{T-1}), next_embeds
+        [B, T, H] (tokens 1..T) -> predicted features [B, T, H] (g_i ~ f_{i+1}), causal over the head's positions."""
+        x = self.fused(self.target_input(features), next_embeds)
         T = x.shape[-2]
         q, k, v = self._qkv(x, torch.arange(1, T + 1, device=x.device))
         group = self.spec.heads // self.spec.kv_heads
@@ -164,7 +187,7 @@ class FeatureHead(nn.Module):
     def chain_logits(self, features: torch.Tensor, tokens: torch.Tensor, embed: torch.Tensor,
                      head_rows: torch.Tensor, steps: int, chosen: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """For one sequence: features [T, H] (the target's f_0..f_{T-1}), tokens [T + 1] (x_0..x_T),
+        """For one sequence: features [T, input_width] (the target's f_0..f_{T-1}), tokens [T + 1] (x_0..x_T),
         embed [V, H]. A draft round starting after position t knows f_0..f_t and x_{t+1}; step 1
         predicts g_t and its token d_1, step k feeds (g of step k-1, the embedding of d_{k-1}) at
         position t+k, attending to the true positions <= t and its own earlier steps. Returns the
@@ -174,7 +197,7 @@ class FeatureHead(nn.Module):
         group = s.heads // s.kv_heads
         scale = 1 / math.sqrt(s.head_dim)
         T = features.shape[0]
-        x = self.fused(features, embed[tokens[1:T + 1]])  # [T, H]
+        x = self.fused(self.target_input(features), embed[tokens[1:T + 1]])  # [T, H]
         starts = torch.arange(T, device=x.device)
         q, k_true, v_true = self._qkv(x, starts + 1)  # [heads, T, D], [kv, T, D]
         causal = starts[None, :] <= starts[:, None]  # [T(start), T(key)]: the true positions <= t
@@ -229,11 +252,11 @@ class FeatureHead(nn.Module):
 
     def extend(self, cache: HeadCache, slot: int, start: int, features: torch.Tensor,
                next_embeds: torch.Tensor) -> torch.Tensor:
-        """Head positions start.. from the target's features [n, H] and the next tokens' embeddings
+        """Head positions start.. from the target's features [n, input_width] and the next tokens' embeddings
         [n, H] (what the target committed): -> the head's outputs [n, H]; the last predicts the
         feature after them. Positions past ``start`` that the cache held (an earlier round's own
         guesses) are overwritten: a rollback is a length."""
-        return self._attend_cached(self.fused(features, next_embeds), cache, slot, start)
+        return self._attend_cached(self.fused(self.target_input(features), next_embeds), cache, slot, start)
 
     def draft(self, cache: HeadCache, slot: int, last: torch.Tensor, steps: int, embed: torch.Tensor,
               head_rows: torch.Tensor, choose: Callable[[torch.Tensor, int], int] | None = None) -> list[int]:

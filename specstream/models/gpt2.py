@@ -20,7 +20,7 @@ from torch import nn
 from kernels.linear import linear
 from kernels.lm_head import OutputHead
 from specstream.models.attention import CacheBatch
-from specstream.models.base import ACTIVATIONS, CausalLM, TensorSource
+from specstream.models.base import ACTIVATIONS, CausalLM, TensorSource, check_keep, with_kept_layers
 from specstream.models.config import ModelConfig
 from specstream.models.kv_cache import KVCache
 
@@ -125,13 +125,19 @@ class GPT2LMHeadModel(CausalLM):
         slots: torch.Tensor,
         start_pos: torch.Tensor,
         last_only: bool = False,
+        keep: tuple[int, ...] = (),
     ) -> torch.Tensor:
+        check_keep(keep, len(self.blocks))
         batch = self._cache_batch(input_ids, cache, slots, start_pos)
         ids = input_ids.to(self.wte.device)
         x = F.embedding(ids, self.wte) + F.embedding(batch.positions, self.wpe)  # [B, T, H]
-        for block in self.blocks:
+        kept = []
+        for i, block in enumerate(self.blocks):
             x = block(x, batch)  # [B, T, H]
+            if i + 1 in keep:
+                kept.append(x)
         if last_only:
-            x = x[:, -1:]  # [B, 1, H]
+            x, kept = x[:, -1:], [k[:, -1:] for k in kept]  # [B, 1, H]
         H = self.config.hidden_size
-        return F.layer_norm(x, (H,), self.lnf_w, self.lnf_b, self.config.norm_eps)  # [B, T', H]
+        final = F.layer_norm(x, (H,), self.lnf_w, self.lnf_b, self.config.norm_eps)  # [B, T', H]
+        return with_kept_layers(final, kept, self.config.norm_eps)

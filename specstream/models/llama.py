@@ -26,7 +26,7 @@ from kernels.int8 import Q8Weight
 from kernels.linear import linear
 from kernels.lm_head import OutputHead
 from specstream.models.attention import CacheBatch, NativeLayer, NativeStack
-from specstream.models.base import ACTIVATIONS, CausalLM, Q4Parts, TensorSource, rms_norm
+from specstream.models.base import ACTIVATIONS, CausalLM, Q4Parts, TensorSource, check_keep, rms_norm, with_kept_layers
 from specstream.models.config import ModelConfig, ModelLoadError, RopeConfig
 from specstream.models.kv_cache import KVCache
 
@@ -250,7 +250,7 @@ class LlamaForCausalLM(CausalLM):
         self.head_q8: Q8Weight | None = None  # the output layer as 8-bit blocks (use_q8_head), else the dense one
         self.register_buffer("inv_freq", rope_inv_freq(c.rope, c.head_dim).to(device), persistent=False)  # [D/2]
         self._rope_len = 0
-        self._native_runs: tuple[tuple, list] | None = None  # (what native_runs were built from, them)
+        self._native_runs: dict[tuple, tuple[tuple, list]] = {}  # by cuts: (what native_runs were built from, them)
         self._build_rope(min(_INITIAL_ROPE_LEN, c.max_position_embeddings))
 
     def _build_rope(self, n: int) -> None:
@@ -345,42 +345,50 @@ class LlamaForCausalLM(CausalLM):
             return OutputHead(self.head_q8)
         return OutputHead(self.embed if self.lm_head is None else self.lm_head, output_ids=self.output_ids)
 
-    def native_runs(self, dtype: torch.dtype) -> list[tuple[range, NativeStack | None]]:
+    def native_runs(self, dtype: torch.dtype, cuts: tuple[int, ...] = ()) -> list[tuple[range, NativeStack | None]]:
         """The layers in runs: each run of consecutive layers that can run natively
         (``_LlamaLayer.native_plan``) as one native call (``NativeStack``), the others one by one
-        (None). Built once and kept while the layers' matrices, ``dtype``, ``FUSED_LAYERS`` and
-        ``INT8_ACTIVATIONS`` are the same objects (a swapped matrix builds them anew). Checked every forward, so only what can be
-        swapped is compared: the four matrices, plain attributes. The norms are parameters, only ever
-        updated in place (which the stacks see: they hold the same tensors), and reading 60 of them
-        through ``nn.Module.__getattr__`` cost ~70 µs a forward."""
+        (None); a run also ends after each layer in ``cuts`` (1-based: its output is kept). Built
+        once and kept while the layers' matrices, ``dtype``, ``FUSED_LAYERS`` and
+        ``INT8_ACTIVATIONS`` are the same objects (a swapped matrix builds them anew). Checked every
+        forward, so only what can be swapped is compared: the four matrices, plain attributes. The
+        norms are parameters, only ever updated in place (which the stacks see: they hold the same
+        tensors), and reading 60 of them through ``nn.Module.__getattr__`` cost ~70 µs a forward.
+        """
         key = (dtype, FUSED_LAYERS, INT8_ACTIVATIONS, *(t for layer in self.layers for t in (
             layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)))
-        kept = self._native_runs
+        kept = self._native_runs.get(cuts)
         if kept is not None and len(kept[0]) == len(key) and all(a is b for a, b in zip(kept[0], key)):
             return kept[1]
         plans = [layer.native_plan(dtype) for layer in self.layers]
         runs: list[tuple[range, NativeStack | None]] = []
         start = 0
         for end in range(1, len(plans) + 1):  # a run ends where the next layer differs in being native
-            if end == len(plans) or (plans[end] is None) != (plans[start] is None):
+            if end == len(plans) or (plans[end] is None) != (plans[start] is None) or end in cuts:
                 stack = NativeStack.build(plans[start:end], INT8_ACTIVATIONS) if plans[start] is not None else None
                 runs.append((range(start, end), stack))
                 start = end
-        self._native_runs = (key, runs)
+        self._native_runs[cuts] = (key, runs)
         return runs
 
     def run_layers(self, x: torch.Tensor, batch: CacheBatch, cos: torch.Tensor, sin: torch.Tensor,
-                   rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                   rope: tuple[torch.Tensor, torch.Tensor] | None, keep: tuple[int, ...] = (),
+                   kept: list[torch.Tensor] | None = None) -> torch.Tensor:
         """x [B, T, H] through every decoder layer as the model serves them: runs of native layers
         as one call each (``native_runs``, when ``rope`` says the native attention is built), the
-        rest op by op. Returns [B, T, H]."""
-        runs = self.native_runs(x.dtype) if rope is not None else [(range(len(self.layers)), None)]
+        rest op by op. Returns [B, T, H]; the outputs of the layers in ``keep`` (1-based, ascending)
+        are appended to ``kept``."""
+        runs = self.native_runs(x.dtype, keep) if rope is not None else [(range(len(self.layers)), None)]
         for layers, stack in runs:
             if stack is not None:
                 x = batch.native_layers(x, stack, rope)  # [B, T, H]
+                if layers.stop in keep:
+                    kept.append(x)
             else:
                 for i in layers:
                     x = self.layers[i](x, batch, cos, sin, rope)  # [B, T, H]
+                    if i + 1 in keep:
+                        kept.append(x)
         return x
 
     def hidden(
@@ -390,13 +398,18 @@ class LlamaForCausalLM(CausalLM):
         slots: torch.Tensor,
         start_pos: torch.Tensor,
         last_only: bool = False,
+        keep: tuple[int, ...] = (),
     ) -> torch.Tensor:
+        """See ``CausalLM.hidden``: the final, normed hidden states [B, T', H], after the outputs
+        of the layers in ``keep`` (EAGLE-3's fusion, specstream.models.feature_head)."""
+        check_keep(keep, len(self.layers))
         batch = self._cache_batch(input_ids, cache, slots, start_pos)
         x, cos, sin = self.embed_positions(input_ids, batch)  # [B, T, H]
         # The native CPU attention, wherever it is built: the same op for every forward (prefill,
         # decode, verify), so a position's K/V and output never depend on which kind computed it.
         rope = (self.rope_cos, self.rope_sin) if batch.native_ready(self.dtype) else None
-        x = self.run_layers(x, batch, cos, sin, rope)  # [B, T, H]
+        kept: list[torch.Tensor] = []
+        x = self.run_layers(x, batch, cos, sin, rope, keep, kept)  # [B, T, H]
         if last_only:
-            x = x[:, -1:]  # [B, 1, H]
-        return rms_norm(x, self.norm, self.config.norm_eps)  # [B, T', H]
+            x, kept = x[:, -1:], [k[:, -1:] for k in kept]  # [B, 1, H]
+        return with_kept_layers(rms_norm(x, self.norm, self.config.norm_eps), kept, self.config.norm_eps)

@@ -39,11 +39,27 @@ def register(sub: argparse._SubParsersAction) -> None:
                    choices=["all", "prompts", "generate", "features", "train", "token", "card", "measure"],
                    help="run only these stages (repeatable)")
     p.add_argument("--epochs", type=int, default=None, help="feature: training epochs (default 4)")
+    p.add_argument("--extra-layers", type=_layers, default=(), metavar="A,B",
+                   help="feature: target layers (1-based, below the last) the head reads besides the final feature, "
+                        "fused as EAGLE-3 does (default: the final feature only)")
+    p.add_argument("--aligned", action="store_true",
+                   help="feature: a drafting step's loss counts only where the head's earlier steps chose the answer's "
+                        "tokens (GRIFFIN's token alignment)")
     p.add_argument("--rebuild-prompts", action="store_true",
                    help="build the prompt set anew from this machine's documentation instead of the shipped list")
     p.add_argument("--threads", type=int, default=0)
     quiet_flag(p)
     p.set_defaults(func=cmd_train_draft)
+
+
+def _layers(text: str) -> tuple[int, ...]:
+    try:
+        layers = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--extra-layers={text!r}: comma-separated layer numbers") from None
+    if any(layer < 1 for layer in layers) or list(layers) != sorted(set(layers)):
+        raise argparse.ArgumentTypeError(f"--extra-layers={text!r}: ascending layer numbers from 1")
+    return layers
 
 
 def cmd_train_demo(args: argparse.Namespace) -> int:
@@ -71,7 +87,8 @@ def _train_feature_draft(args: argparse.Namespace) -> int:
 
     if args.stage and set(args.stage) - {"all", *STAGES}:
         raise SystemExit(f"train-draft --kind feature: stages are {', '.join(STAGES)}")
-    cfg = FeatureConfig(**({"epochs": args.epochs} if args.epochs else {}))
+    cfg = FeatureConfig(**({"epochs": args.epochs} if args.epochs else {}), extra_layers=args.extra_layers,
+                        aligned=args.aligned)
     if args.threads:
         import torch
 

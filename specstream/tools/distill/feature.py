@@ -67,8 +67,14 @@ class FeatureConfig:
     lr: float = 1e-3
     batch_tokens: int = 4096  # positions per optimiser step
     step_decay: float = 0.8  # loss weight of drafting step k: decay ** k
+    # GRIFFIN's token alignment: step k's loss counts only where the head's own choices of steps < k
+    # were the answer's tokens (where a served round can reach step k); False: every start.
+    aligned: bool = False
     max_len: int = 512
     served_every: int = 6  # measure: every n-th held-out prompt through the engine (55 of 325), per draft
+    # EAGLE-3's fusion: target layers (1-based, below the last) the head reads besides the final
+    # feature, each RMS-normalized (HeadSpec.extra_layers); () reads the final feature only.
+    extra_layers: tuple[int, ...] = ()
 
 
 def main(target_dir: Path, work_dir: Path, cfg: FeatureConfig, stages: tuple[str, ...], out_dir: Path,
@@ -98,7 +104,8 @@ def main(target_dir: Path, work_dir: Path, cfg: FeatureConfig, stages: tuple[str
               f"{log['generate_minutes']:.1f} min", flush=True)
     if "features" in stages:
         start = time.monotonic()
-        save_file(target_features(target_dir, load_records(records_path), cfg.dtype), str(features_path))
+        save_file(target_features(target_dir, load_records(records_path), cfg.dtype, cfg.extra_layers),
+                  str(features_path))
         log["features_minutes"] = (time.monotonic() - start) / 60
         print(f"[features] {log['features_minutes']:.1f} min -> {features_path}", flush=True)
     if "train" in stages:
@@ -132,36 +139,46 @@ def main(target_dir: Path, work_dir: Path, cfg: FeatureConfig, stages: tuple[str
 # ----- features ---------------------------------------------------------------------------------
 
 @torch.inference_mode()
-def target_features(target_dir: Path, records: list[Record], dtype: str) -> dict[str, torch.Tensor]:
+def target_features(target_dir: Path, records: list[Record], dtype: str, extra_layers: tuple[int, ...] = ()
+                    ) -> dict[str, torch.Tensor]:
     """The target's final hidden states at every position of every prompt + answer, concatenated
-    in record order: {"features": [sum of lengths, H] bfloat16}."""
+    in record order: {"features": [sum of lengths, H] bfloat16}; with ``extra_layers`` also
+    {"layers": [sum of lengths, k H]}: those layers' outputs, RMS-normalized, as the target serves them."""
     model = load_model(target_dir, dtype=dtype, weights="auto")
-    out = []
+    H = model.config.hidden_size
+    finals, layers = [], []
     for i, r in enumerate(records):
         ids = torch.tensor([r.prompt + r.response])  # [1, L]
         cache = model.new_cache(1, ids.shape[1])
-        out.append(model.hidden(ids, cache, torch.tensor([cache.alloc()]), torch.tensor([0]))[0].to(torch.bfloat16))
+        out = model.hidden(ids, cache, torch.tensor([cache.alloc()]), torch.tensor([0]), keep=extra_layers)[0]
+        finals.append(out[:, -H:].to(torch.bfloat16))  # [L, H]
+        layers.append(out[:, :-H].to(torch.bfloat16))  # [L, k H]
         if (i + 1) % 200 == 0:
             print(f"[features] {i + 1}/{len(records)}", flush=True)
-    return {"features": torch.cat(out)}
+    return {"features": torch.cat(finals), **({"layers": torch.cat(layers)} if extra_layers else {})}
 
 
-def _sequences(records: list[Record], features: torch.Tensor) -> list[tuple[Record, torch.Tensor]]:
+def _sequences(records: list[Record], features: dict[str, torch.Tensor]
+               ) -> list[tuple[Record, torch.Tensor, torch.Tensor]]:
+    """Per record: (it, the head's input [L, input_width]: the extra layers then the final
+    feature, the final feature [L, H]: the teacher's)."""
+    final, extra = features["features"], features.get("layers")
     out, at = [], 0
     for r in records:
         n = len(r.prompt) + len(r.response)
-        out.append((r, features[at:at + n]))
+        f = final[at:at + n]
+        out.append((r, f if extra is None else torch.cat((extra[at:at + n], f), dim=-1), f))
         at += n
-    assert at == features.shape[0], "features.safetensors does not match records.safetensors"
+    assert at == final.shape[0], "features.safetensors does not match records.safetensors"
     return out
 
 
 # ----- training ---------------------------------------------------------------------------------
 
-def _spec(config, vocab_out: int) -> HeadSpec:
+def _spec(config, vocab_out: int, extra_layers: tuple[int, ...] = ()) -> HeadSpec:
     return HeadSpec(hidden=config.hidden_size, heads=config.num_heads, kv_heads=config.num_kv_heads,
                     head_dim=config.head_dim, intermediate=config.intermediate_size, rope_theta=config.rope.theta,
-                    norm_eps=config.norm_eps, vocab_out=vocab_out)
+                    norm_eps=config.norm_eps, vocab_out=vocab_out, extra_layers=extra_layers)
 
 
 def _output_ids(records: list[Record], vocab: int, n: int) -> torch.Tensor:
@@ -174,15 +191,19 @@ def _output_ids(records: list[Record], vocab: int, n: int) -> torch.Tensor:
     return torch.tensor(sorted(ids))
 
 
-def head_loss(head: FeatureHead, feats: torch.Tensor, tokens: torch.Tensor, embed: torch.Tensor,
-              rows: torch.Tensor, first: int, cfg: FeatureConfig) -> tuple[torch.Tensor, int]:
-    """One sequence: features [L, H] float32, tokens [L]; the loss summed over starts t >= first - 1
-    (the answer's positions) and STEPS drafting steps, and how many (start, step) terms it holds."""
+def head_loss(head: FeatureHead, inputs: torch.Tensor, feats: torch.Tensor, tokens: torch.Tensor,
+              embed: torch.Tensor, rows: torch.Tensor, first: int, cfg: FeatureConfig) -> tuple[torch.Tensor, int]:
+    """One sequence: the head's input [L, input_width] and the final features [L, H] float32,
+    tokens [L]; the loss summed over starts t >= first - 1 (the answer's positions) and STEPS
+    drafting steps, and how many (start, step) terms it holds."""
     L = tokens.shape[0]
     T = L - 1
     # Step k from start t stands at position j = t + 1 + k and feeds the true token x_j (TTT).
     chosen = torch.stack([tokens[(torch.arange(T) + 1 + k).clamp(max=L - 1)] for k in range(1, STEPS)])
-    logits, _ = head.chain_logits(feats[:T], tokens, embed, rows, STEPS, chosen=chosen)  # [STEPS, T, N]
+    logits, drafted = head.chain_logits(inputs[:T], tokens, embed, rows, STEPS, chosen=chosen)  # [STEPS, T, N]
+    # reached[k, t]: the head's choices of steps < k from start t were the answer's tokens x_{t+2+k'}
+    hits = drafted == torch.stack([tokens[(torch.arange(T) + 2 + k).clamp(max=L - 1)] for k in range(STEPS)])
+    reached = torch.cat((torch.ones_like(hits[:1]), hits[:-1].cumprod(0)), 0).to(logits.dtype)  # [STEPS, T]
     total, terms = feats.new_zeros(()), 0
     teacher_all = F.log_softmax(feats @ rows.t(), dim=-1)  # [L, N]: the target over the head's vocabulary
     for k in range(STEPS):
@@ -193,7 +214,8 @@ def head_loss(head: FeatureHead, feats: torch.Tensor, tokens: torch.Tensor, embe
         student = F.log_softmax(logits[k, starts], dim=-1)
         teacher = teacher_all[j]
         kl = (teacher.exp() * (teacher - student)).sum(-1)  # [n]
-        total = total + cfg.step_decay ** k * kl.sum()
+        weight = reached[k, starts] if cfg.aligned else 1.0
+        total = total + cfg.step_decay ** k * (kl * weight).sum()
         terms += len(starts)
     return total, terms
 
@@ -201,15 +223,18 @@ def head_loss(head: FeatureHead, feats: torch.Tensor, tokens: torch.Tensor, embe
 def train_head(target_dir: Path, records: list[Record], features: dict, cfg: FeatureConfig, out: Path) -> dict:
     torch.manual_seed(cfg.seed)
     config, (embed, full_head) = read_config(target_dir), target_parts(target_dir)
-    spec = _spec(config, cfg.vocab_out)
+    spec = _spec(config, cfg.vocab_out, cfg.extra_layers)
     head = FeatureHead(spec)
     head.output_ids.copy_(_output_ids(records, config.vocab_size, cfg.vocab_out))
     rows = full_head[head.output_ids]  # [N, H]
-    sequences = _sequences(records, features["features"])
-    seqs = [(r, f) for r, f in sequences if r.split == "train"]
-    held = [(r, f) for r, f in sequences if r.split == "held_out"]
+    if bool(cfg.extra_layers) != ("layers" in features):
+        raise ValueError(f"extra_layers={cfg.extra_layers}: features.safetensors was made "
+                         f"{'with' if 'layers' in features else 'without'} extra layers (run stage features again)")
+    sequences = _sequences(records, features)
+    seqs = [s for s in sequences if s[0].split == "train"]
+    held = [s for s in sequences if s[0].split == "held_out"]
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
-    positions = sum(len(r.response) for r, _ in seqs)
+    positions = sum(len(r.response) for r, _, _ in seqs)
     total_steps = max(1, cfg.epochs * STEPS * positions // cfg.batch_tokens)  # a position is a term per step
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50)
                                               * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
@@ -219,11 +244,11 @@ def train_head(target_dir: Path, records: list[Record], features: dict, cfg: Fea
         order = torch.randperm(len(seqs), generator=gen).tolist()
         acc_loss, acc_terms, running = None, 0, []
         for idx in order:
-            r, f = seqs[idx]
+            r, x, f = seqs[idx]
             tokens = torch.tensor(r.prompt + r.response)[:cfg.max_len]
-            feats = f[:cfg.max_len].float()
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss, terms = head_loss(head, feats, tokens, embed, rows, len(r.prompt), cfg)
+                loss, terms = head_loss(head, x[:cfg.max_len].float(), f[:cfg.max_len].float(), tokens, embed, rows,
+                                        len(r.prompt), cfg)
             acc_loss = loss if acc_loss is None else acc_loss + loss
             acc_terms += terms
             if acc_terms >= cfg.batch_tokens:
@@ -256,10 +281,10 @@ def _greedy_acceptance(head: FeatureHead, seqs, embed, rows, gamma: int = STEPS,
     """Over the greedy answers of ``seqs``: from every start in the answer, γ tokens drafted by argmax
     on the head's own features; accepted = the prefix equal to the target's answer."""
     accepted = checked = passes = 0
-    greedy = [(r, f) for r, f in seqs if not r.sampled][:max_sequences]
-    for r, f in greedy:
+    greedy = [(r, x) for r, x, _ in seqs if not r.sampled][:max_sequences]
+    for r, x in greedy:
         tokens = torch.tensor(r.prompt + r.response)
-        feats = f.float()
+        feats = x.float()
         L = tokens.shape[0]
         _, drafted = head.chain_logits(feats[:L - 1], tokens, embed, rows, gamma)  # [γ, L-1]
         for t in range(max(len(r.prompt) - 1, 0), L - 1 - gamma):
@@ -283,10 +308,10 @@ def measure_offline(target_dir: Path, records: list[Record], features: dict, hea
     head.load_state_dict(load_file(str(head_path)))
     embed, full_head = target_parts(target_dir)
     rows = full_head[head.output_ids]
-    held = [(r, f) for r, f in _sequences(records, features["features"]) if r.split == "held_out"]
+    held = [s for s in _sequences(records, features) if s[0].split == "held_out"]
     out = {"all": _greedy_acceptance(head, held, embed, rows)}
-    for domain in sorted({prompts[r.prompt_id]["domain"] for r, _ in held}):
-        out[domain] = _greedy_acceptance(head, [(r, f) for r, f in held if prompts[r.prompt_id]["domain"] == domain],
+    for domain in sorted({prompts[s[0].prompt_id]["domain"] for s in held}):
+        out[domain] = _greedy_acceptance(head, [s for s in held if prompts[s[0].prompt_id]["domain"] == domain],
                                          embed, rows)
     print(f"[measure] {json.dumps(out)}", flush=True)
     return out
@@ -316,8 +341,8 @@ def export_head(head_path: Path, out_dir: Path, target_ref: str, target_dir: Pat
     head = FeatureHead(spec)
     head.load_state_dict(load_file(str(head_path)))
     # In the 4 bits a CPU serves it with: a quarter of the bytes in the checkout, the same drafts.
-    save_feature_draft(out_dir, out_dir.name, head, target_ref, target_dir, (read_config(target_dir).num_layers,),
-                       int4=True)
+    save_feature_draft(out_dir, out_dir.name, head, target_ref, target_dir,
+                       (*spec.extra_layers, read_config(target_dir).num_layers), int4=True)
 
 
 # ----- the model card ---------------------------------------------------------------------------
