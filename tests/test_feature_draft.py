@@ -393,3 +393,35 @@ def test_a_shipped_draft_is_named_by_its_directory_name() -> None:
     assert resolve_model("smollm2-135m-feature") == DRAFTS / "smollm2-135m-feature"
     with pytest.raises(Exception, match=r"a shipped draft \(\['smollm2-135m-draft', 'smollm2-135m-feature'\]\)"):
         resolve_model("smollm2-135m-nothing")
+
+
+def test_the_pipeline_trains_and_measures_a_fused_aligned_variant_on_part_of_the_data(model_zoo, tmp_path) -> None:
+    """`train-draft --kind feature --extra-layers 1 --aligned --train-fraction 0.5 --stage features
+    --stage train --stage offline` on a tiny target's answers: the features hold the extra layer
+    beside the final state, the head trains on half the training answers, and the offline stage
+    measures it per domain."""
+    from safetensors.torch import load_file
+
+    from specstream.tools.distill.data import Record, save_records
+    from specstream.tools.distill.feature import FeatureConfig, main
+    from specstream.tools.distill.pipeline import write_prompts
+
+    target, work = model_zoo["target"], tmp_path / "work"
+    prompts, records = [], []
+    for i, prompt in enumerate(PROMPTS * 3):
+        split = "held_out" if i % 4 == 3 else "train"
+        response = naive_greedy(target, prompt, 20)
+        prompts.append({"id": i, "domain": ("code", "math")[i // 4 % 2], "split": split, "messages": []})
+        top = torch.tensor([[t] * 32 for t in response], dtype=torch.int32)  # [len, 32]: its first choices
+        records.append(Record(i, split, False, list(prompt), response, top, torch.zeros(len(response), 32)))
+    write_prompts(work / "prompts.jsonl.gz", prompts)
+    save_records(records, work / "records.safetensors")
+    cfg = FeatureConfig(epochs=1, vocab_out=64, batch_tokens=32, dtype="float32", extra_layers=(1,), aligned=True,
+                        train_fraction=0.5)
+    log = main(target, work, cfg, ("features", "train", "offline"), tmp_path / "out", target_ref=str(target))
+    features = load_file(str(work / "features.safetensors"))
+    positions = sum(len(r.prompt) + len(r.response) for r in records)
+    assert features["features"].shape == (positions, 64) and features["layers"].shape == (positions, 64)
+    assert log["train"]["train_answers"] == round(0.5 * sum(r.split == "train" for r in records))
+    assert list(log["train"]["spec"]["extra_layers"]) == [1] and log["train"]["steps"] > 0
+    assert set(log["measure"]) == {"all", "code", "math"} and log["measure"]["all"]["rounds"] > 0

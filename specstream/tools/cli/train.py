@@ -33,10 +33,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--work-dir", help="intermediate files (default: <model cache>/distill/smollm2-135m-draft)")
     p.add_argument("--kind", choices=["token", "feature"], default="token",
                    help="token: the shipped 2-layer draft that reads tokens; feature: an EAGLE-style head over the "
-                        "target's own features, on everyday chat (stages prompts, generate, features, train, token, "
+                        "target's own features, on everyday chat (stages prompts, generate, features, train, offline, token, "
                         "measure, card)")
     p.add_argument("--stage", action="append", default=None,
-                   choices=["all", "prompts", "generate", "features", "train", "token", "card", "measure"],
+                   choices=["all", "prompts", "generate", "features", "train", "offline", "token", "card", "measure"],
                    help="run only these stages (repeatable)")
     p.add_argument("--epochs", type=int, default=None, help="feature: training epochs (default 4)")
     p.add_argument("--extra-layers", type=_layers, default=(), metavar="A,B",
@@ -45,6 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--aligned", action="store_true",
                    help="feature: a drafting step's loss counts only where the head's earlier steps chose the answer's "
                         "tokens (GRIFFIN's token alignment)")
+    p.add_argument("--train-fraction", type=float, default=1.0,
+                   help="feature: train on this share of the training answers, drawn at random (data scaling)")
     p.add_argument("--rebuild-prompts", action="store_true",
                    help="build the prompt set anew from this machine's documentation instead of the shipped list")
     p.add_argument("--threads", type=int, default=0)
@@ -88,7 +90,7 @@ def _train_feature_draft(args: argparse.Namespace) -> int:
     if args.stage and set(args.stage) - {"all", *STAGES}:
         raise SystemExit(f"train-draft --kind feature: stages are {', '.join(STAGES)}")
     cfg = FeatureConfig(**({"epochs": args.epochs} if args.epochs else {}), extra_layers=args.extra_layers,
-                        aligned=args.aligned)
+                        aligned=args.aligned, train_fraction=args.train_fraction)
     if args.threads:
         import torch
 

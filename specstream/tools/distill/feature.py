@@ -11,6 +11,7 @@ the work directory):
    its own predicted features (the training-time test of EAGLE-3/HASS: step k sees the head's own
    features of steps < k and the true tokens), KL to the target's distribution over the head's
    vocabulary (EAGLE-3 drops EAGLE-1's feature regression; so does this).
+   ``offline``: only the offline acceptance of ``measure`` (to compare a variant without serving it).
 5. ``token``: the token draft (specstream.tools.distill.train, as shipped: 2 layers from the
    target's, its own output vocabulary) trained on the same answers -> ``<work>/smollm2-135m-draft-everyday``,
    so that the two kinds of draft compare on equal data.
@@ -51,7 +52,7 @@ from specstream.tools.distill.pipeline import read_prompts, write_prompts
 
 __all__ = ["FeatureConfig", "STAGES", "main"]
 
-STAGES = ("prompts", "generate", "features", "train", "token", "measure", "card")
+STAGES = ("prompts", "generate", "features", "train", "offline", "token", "measure", "card")
 TOKEN_DRAFT = "smollm2-135m-draft-everyday"  # stage token's output, in the work directory
 STEPS = 4  # drafting steps trained and measured (γ)
 
@@ -70,6 +71,7 @@ class FeatureConfig:
     # GRIFFIN's token alignment: step k's loss counts only where the head's own choices of steps < k
     # were the answer's tokens (where a served round can reach step k); False: every start.
     aligned: bool = False
+    train_fraction: float = 1.0  # train on this share of the training answers (a data-scaling measurement)
     max_len: int = 512
     served_every: int = 6  # measure: every n-th held-out prompt through the engine (55 of 325), per draft
     # EAGLE-3's fusion: target layers (1-based, below the last) the head reads besides the final
@@ -111,6 +113,9 @@ def main(target_dir: Path, work_dir: Path, cfg: FeatureConfig, stages: tuple[str
     if "train" in stages:
         log["train"] = train_head(target_dir, load_records(records_path), load_file(str(features_path)), cfg,
                                   work_dir / "head.safetensors")
+    if "offline" in stages and "measure" not in stages:  # measure runs it too
+        log["measure"] = measure_offline(target_dir, load_records(records_path), load_file(str(features_path)),
+                                         work_dir / "head.safetensors", {p["id"]: p for p in prompts})
     if "token" in stages:
         from specstream.tools.distill import train as token_train
 
@@ -232,6 +237,10 @@ def train_head(target_dir: Path, records: list[Record], features: dict, cfg: Fea
                          f"{'with' if 'layers' in features else 'without'} extra layers (run stage features again)")
     sequences = _sequences(records, features)
     seqs = [s for s in sequences if s[0].split == "train"]
+    if not 0 < cfg.train_fraction <= 1:
+        raise ValueError(f"train_fraction={cfg.train_fraction}: must be in (0, 1]")
+    keep = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(cfg.seed + 1))
+    seqs = [seqs[i] for i in sorted(keep[:max(1, round(cfg.train_fraction * len(seqs)))].tolist())]
     held = [s for s in sequences if s[0].split == "held_out"]
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
     positions = sum(len(r.response) for r, _, _ in seqs)
