@@ -295,14 +295,14 @@ def test_the_pipeline_writes_a_loadable_draft_and_its_card(feature_pair, tmp_pat
 
     from safetensors.torch import save_file
 
-    from specstream.tools.distill.feature import export_head, write_card
+    from specstream.tools.distill.feature import export_head, read_head, write_card
 
     source = load_feature_draft(feature_pair["draft"], Path)
     head_path = tmp_path / "head.safetensors"
     save_file({k: v.contiguous() for k, v in source.head.state_dict().items()}, str(head_path),
               metadata={"spec": json.dumps(source.head.spec.to_json())})
     out = tmp_path / "tiny-feature"
-    export_head(head_path, out, str(feature_pair["target"]), feature_pair["target"])
+    export_head(read_head(head_path, []), out, str(feature_pair["target"]), feature_pair["target"])
     again = load_feature_draft(out, Path)
     # Stored in the 4 bits a CPU serves it with: each matrix the int4 kernel takes is the round-to-
     # nearest of its bfloat16 values, the others are those values.
@@ -425,3 +425,15 @@ def test_the_pipeline_trains_and_measures_a_fused_aligned_variant_on_part_of_the
     assert log["train"]["train_answers"] == round(0.5 * sum(r.split == "train" for r in records))
     assert list(log["train"]["spec"]["extra_layers"]) == [1] and log["train"]["steps"] > 0
     assert set(log["measure"]) == {"all", "code", "math"} and log["measure"]["all"]["rounds"] > 0
+    # --head-vocab: the same weights scoring the tokens the training answers start with most often
+    from collections import Counter
+
+    from specstream.tools.distill.feature import read_head
+
+    full, narrow = read_head(work / "head.safetensors", records), read_head(work / "head.safetensors", records, 5)
+    counts = Counter(t for r in records if r.split == "train" for t in r.response)
+    top = sorted(set(full.output_ids.tolist()), key=lambda t: (-counts.get(t, 0), t))[:5]
+    assert narrow.output_ids.tolist() == sorted(top) and narrow.spec.vocab_out == 5
+    assert torch.equal(narrow.q.weight, full.q.weight)
+    with pytest.raises(ValueError, match="head_vocab=65"):
+        read_head(work / "head.safetensors", records, 65)

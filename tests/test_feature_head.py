@@ -253,3 +253,57 @@ def test_aligned_training_counts_a_step_only_where_the_earlier_steps_chose_the_a
     assert reached > own_first
     torch.testing.assert_close(aligned, first_only)  # step_decay 0: 0 ** 0 = 1, step 1 alone
     assert every > 1.2 * aligned
+
+
+def test_a_served_bfloat16_head_attends_in_the_native_op_as_torch_does(monkeypatch) -> None:
+    """Served in bfloat16, the head's attention runs in the native op the target's layers use (RoPE
+    at head position + 1, the cache write, attention over positions <= each one's): its outputs over
+    rounds of extend and draft are torch's attention's within bfloat16 rounding, and it drafts the
+    same tokens."""
+    from kernels import native
+    from specstream.models.feature_head import HeadCache
+
+    assert native.library() is not None  # built by `make test` (tests/test_native_ops.py)
+    spec = HeadSpec(hidden=64, heads=4, kv_heads=2, head_dim=64, intermediate=96, rope_theta=10000.0, norm_eps=1e-5,
+                    vocab_out=20)  # head_dim 64: the op's AVX-512 path where the CPU has it
+    head, _, _ = _head(11, spec)
+    for p in head.parameters():
+        p.data.mul_(0.5)
+    embed = torch.randn(30, 64, generator=torch.Generator().manual_seed(13))  # [V, H]
+    rows = embed[head.output_ids]
+    head.serve(torch.bfloat16, int4=False)
+    gen = torch.Generator().manual_seed(12)
+    feats = torch.randn(40, 64, generator=gen).to(torch.bfloat16)
+    tokens = torch.randint(0, 30, (41,), generator=gen)
+    embed16 = embed.to(torch.bfloat16)
+
+    real, calls = native.library(), []
+
+    class Spy:  # the library, counting the head's attention calls
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def attention(self, *args):
+            calls.append(args[1].shape)
+            return real.attention(*args)
+
+    def rounds(native_op: bool):
+        monkeypatch.setattr(native, "library", (lambda: Spy()) if native_op else (lambda: None))
+        cache = HeadCache(spec, slots=3, max_len=64, dtype=torch.bfloat16)
+        outs, drafted, at = [], [], 0
+        with torch.no_grad():
+            for end in (17, 18, 23, 40):
+                out = head.extend(cache, 2, at, feats[at:end], embed16[tokens[at + 1:end + 1]])
+                outs.append(out.float())
+                drafted.append(head.draft(cache, 2, out[-1], 3, embed16, rows.to(torch.bfloat16)))
+                at = end
+        monkeypatch.undo()
+        return torch.cat(outs), drafted
+
+    native_out, native_drafts = rounds(True)
+    assert len(calls) == 4 + 4 * 2  # an extend and two drafting steps a round, each one call
+    torch_out, torch_drafts = rounds(False)
+    assert len(calls) == 12
+    assert native_out.abs().max() > 0.5
+    torch.testing.assert_close(native_out, torch_out, rtol=0.03, atol=0.03)
+    assert native_drafts == torch_drafts

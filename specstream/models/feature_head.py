@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import native
 from kernels.int4 import Q4Weight, rtn_parts
 from kernels.linear import linear
 
@@ -105,6 +106,8 @@ class FeatureHead(nn.Module):
         self.register_buffer("output_ids", torch.arange(spec.vocab_out), persistent=True)  # [N] token ids scored
         self._served: dict[str, torch.Tensor | Q4Weight] | None = None  # serve(): the matrices as served
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # _rope(): (cos, sin) [n, D]
+        # _native_tables(): (cos, sin) [n, D] bfloat16 shifted by one row, and the float table they came from
+        self._native_rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def matrices(self) -> tuple[str, ...]:
@@ -227,6 +230,36 @@ class FeatureHead(nn.Module):
         return torch.stack(all_logits), torch.stack(all_tokens)
 
     # -- incremental, as a draft serves -------------------------------------------------------------
+    def _native_tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE tables [>= n, D] in bfloat16 shifted by one row (row i: position i + 1), as the
+        native attention op reads them for head positions."""
+        cos, sin = self._rope(n + 1, torch.device("cpu"))
+        kept = self._native_rope
+        if kept is None or kept[0].shape[0] < n or kept[2] is not cos:
+            kept = self._native_rope = (cos[1:].to(torch.bfloat16).contiguous(),
+                                        sin[1:].to(torch.bfloat16).contiguous(), cos)
+        return kept[0], kept[1]
+
+    def _attend_native(self, x: torch.Tensor, cache: HeadCache, slot: int, start: int) -> torch.Tensor | None:
+        """``_attend_cached`` in the native CPU op the target's layers use (RoPE, the cache write and
+        attention over each position's keys, kernels/csrc/cpu_ops.cpp), for bfloat16 served heads:
+        torch's attention for one query cost ~0.2-0.4 ms a layer. None where it does not apply."""
+        s = self.spec
+        if self._served is None or x.dtype != torch.bfloat16 or cache.k.dtype != torch.bfloat16 or x.device.type != "cpu":
+            return None
+        library = native.library()
+        if library is None:
+            return None
+        n = x.shape[0]
+        h = _rms(x, self.input_norm, s.norm_eps)
+        qkv = torch.cat((self._linear("q", h), self._linear("kv", h)), dim=-1)  # [n, (Hq + 2 Hkv) D]: q, k, v
+        cos, sin = self._native_tables(start + n)
+        out = library.attention(qkv[None].contiguous(), cache.k, cache.v, cos, sin, torch.tensor([slot]),
+                                torch.tensor([start]), None, s.heads, s.kv_heads, s.head_dim,
+                                1 / math.sqrt(s.head_dim), 0)  # [1, n, Hq D]
+        cache.length[slot] = start + n
+        return self._finish(x, out[0].view(n, s.heads, s.head_dim).transpose(0, 1))
+
     def _attend_cached(self, x: torch.Tensor, cache: HeadCache, slot: int, start: int) -> torch.Tensor:
         """x [n, H] fused inputs of head positions start..start+n-1: their keys and values written to
         ``cache`` at those positions, each attending to positions <= its own -> outputs [n, H]."""
@@ -234,6 +267,9 @@ class FeatureHead(nn.Module):
         n = x.shape[0]
         if start + n > cache.max_len:
             raise ValueError(f"HeadCache: positions up to {start + n} exceed its {cache.max_len}")
+        native_out = self._attend_native(x, cache, slot, start)
+        if native_out is not None:
+            return native_out
         q, k, v = self._qkv(x, torch.arange(start + 1, start + n + 1))
         cache.k[slot, :, start:start + n] = k.to(cache.k.dtype)
         cache.v[slot, :, start:start + n] = v.to(cache.v.dtype)

@@ -47,6 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "tokens (GRIFFIN's token alignment)")
     p.add_argument("--train-fraction", type=float, default=1.0,
                    help="feature: train on this share of the training answers, drawn at random (data scaling)")
+    p.add_argument("--head-vocab", type=int, default=0,
+                   help="feature, stage measure: the draft scores only this many tokens, those the target answers with "
+                        "most often (a cheaper output layer; default: all the head was trained on)")
     p.add_argument("--rebuild-prompts", action="store_true",
                    help="build the prompt set anew from this machine's documentation instead of the shipped list")
     p.add_argument("--threads", type=int, default=0)
@@ -90,7 +93,8 @@ def _train_feature_draft(args: argparse.Namespace) -> int:
     if args.stage and set(args.stage) - {"all", *STAGES}:
         raise SystemExit(f"train-draft --kind feature: stages are {', '.join(STAGES)}")
     cfg = FeatureConfig(**({"epochs": args.epochs} if args.epochs else {}), extra_layers=args.extra_layers,
-                        aligned=args.aligned, train_fraction=args.train_fraction)
+                        aligned=args.aligned, train_fraction=args.train_fraction,
+                        head_vocab=args.head_vocab)
     if args.threads:
         import torch
 

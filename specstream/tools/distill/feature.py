@@ -26,6 +26,7 @@ the work directory):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -72,6 +73,9 @@ class FeatureConfig:
     # were the answer's tokens (where a served round can reach step k); False: every start.
     aligned: bool = False
     train_fraction: float = 1.0  # train on this share of the training answers (a data-scaling measurement)
+    # measure: the draft scores only the head_vocab tokens the target answers with most often, of its
+    # vocab_out (a cheaper output layer; 0: all of them)
+    head_vocab: int = 0
     max_len: int = 512
     served_every: int = 6  # measure: every n-th held-out prompt through the engine (55 of 325), per draft
     # EAGLE-3's fusion: target layers (1-based, below the last) the head reads besides the final
@@ -114,8 +118,10 @@ def main(target_dir: Path, work_dir: Path, cfg: FeatureConfig, stages: tuple[str
         log["train"] = train_head(target_dir, load_records(records_path), load_file(str(features_path)), cfg,
                                   work_dir / "head.safetensors")
     if "offline" in stages and "measure" not in stages:  # measure runs it too
-        log["measure"] = measure_offline(target_dir, load_records(records_path), load_file(str(features_path)),
-                                         work_dir / "head.safetensors", {p["id"]: p for p in prompts})
+        records = load_records(records_path)
+        log["measure"] = measure_offline(target_dir, records, load_file(str(features_path)),
+                                         read_head(work_dir / "head.safetensors", records, cfg.head_vocab),
+                                         {p["id"]: p for p in prompts})
     if "token" in stages:
         from specstream.tools.distill import train as token_train
 
@@ -123,17 +129,17 @@ def main(target_dir: Path, work_dir: Path, cfg: FeatureConfig, stages: tuple[str
                                                      cfg.seed, quiet=True)
         log_path.write_text(json.dumps(log, indent=2))
     if "measure" in stages:
-        export_head(work_dir / "head.safetensors", out_dir, target_ref, target_dir)
-        by_id = {p["id"]: p for p in prompts}
-        log["measure"] = measure_offline(target_dir, load_records(records_path), load_file(str(features_path)),
-                                         work_dir / "head.safetensors", by_id)
+        records = load_records(records_path)
+        head = read_head(work_dir / "head.safetensors", records, cfg.head_vocab)
+        export_head(head, out_dir, target_ref, target_dir)
+        log["costs"] = costs_in_a_fresh_process(target_dir, out_dir)
+        print(f"[measure] costs {json.dumps(log['costs'])}", flush=True)
+        log["measure"] = measure_offline(target_dir, records, load_file(str(features_path)), head,
+                                         {p["id"]: p for p in prompts})
         held_out = [p for p in prompts if p["split"] == "held_out"]
         drafts = {"feature": out_dir, "token": DRAFTS / "smollm2-135m-draft"}
         if (work_dir / TOKEN_DRAFT / "config.json").exists():
             drafts["token-everyday"] = work_dir / TOKEN_DRAFT
-        # The costs first, in a fresh process's state (after many engines ran here, a step timed 2x slower).
-        log["costs"] = measure_feature_costs(target_dir, out_dir)
-        print(f"[measure] costs {json.dumps(log['costs'])}", flush=True)
         log["served"] = served_acceptance(target_dir, drafts, held_out, every=cfg.served_every)
     if "card" in stages:
         write_card(out_dir, log, prompts_path)
@@ -307,14 +313,8 @@ def _greedy_acceptance(head: FeatureHead, seqs, embed, rows, gamma: int = STEPS,
             "rounds": passes}
 
 
-def measure_offline(target_dir: Path, records: list[Record], features: dict, head_path: Path,
+def measure_offline(target_dir: Path, records: list[Record], features: dict, head: FeatureHead,
                     prompts: dict[int, dict]) -> dict:
-    from safetensors import safe_open
-
-    with safe_open(str(head_path), framework="pt") as fh:
-        spec = HeadSpec(**json.loads(fh.metadata()["spec"]))
-    head = FeatureHead(spec)
-    head.load_state_dict(load_file(str(head_path)))
     embed, full_head = target_parts(target_dir)
     rows = full_head[head.output_ids]
     held = [s for s in _sequences(records, features) if s[0].split == "held_out"]
@@ -324,6 +324,17 @@ def measure_offline(target_dir: Path, records: list[Record], features: dict, hea
                                          embed, rows)
     print(f"[measure] {json.dumps(out)}", flush=True)
     return out
+
+
+def costs_in_a_fresh_process(target_dir: Path, draft_dir: Path) -> dict:
+    """``measure_feature_costs`` in a new interpreter: in this one, after the records, the target's
+    parts and the head were loaded (or engines ran), a target step timed 2-2.5x as slow as alone,
+    which would understate c as much."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(measure_feature_costs, target_dir, draft_dir).result()
 
 
 def served_acceptance(target_dir: Path, drafts: dict[str, Path], held_out: list[dict], max_new_tokens: int = 96,
@@ -341,17 +352,32 @@ def served_acceptance(target_dir: Path, drafts: dict[str, Path], held_out: list[
     return out
 
 
-def export_head(head_path: Path, out_dir: Path, target_ref: str, target_dir: Path) -> None:
-    """The trained head (``head.safetensors``) written as a feature draft of the target."""
+def read_head(head_path: Path, records: list[Record], head_vocab: int = 0) -> FeatureHead:
+    """The trained head (``head.safetensors``); with ``head_vocab`` scoring only that many of its
+    tokens, those the target answers with most often in the training answers (the same weights: a
+    smaller output layer)."""
     from safetensors import safe_open
 
     with safe_open(str(head_path), framework="pt") as fh:
         spec = HeadSpec(**json.loads(fh.metadata()["spec"]))
+    state = load_file(str(head_path))
+    if head_vocab:
+        if not 0 < head_vocab <= spec.vocab_out:
+            raise ValueError(f"head_vocab={head_vocab}: must be in 1..{spec.vocab_out} (the head's vocabulary)")
+        counts = Counter(int(t) for r in records if r.split == "train" for t in r.top_ids[:, 0].tolist())
+        ranked = sorted(state["output_ids"].tolist(), key=lambda t: (-counts.get(t, 0), t))
+        state["output_ids"] = torch.tensor(sorted(ranked[:head_vocab]))
+        spec = dataclasses.replace(spec, vocab_out=head_vocab)
     head = FeatureHead(spec)
-    head.load_state_dict(load_file(str(head_path)))
+    head.load_state_dict(state)
+    return head
+
+
+def export_head(head: FeatureHead, out_dir: Path, target_ref: str, target_dir: Path) -> None:
+    """The trained head written as a feature draft of the target."""
     # In the 4 bits a CPU serves it with: a quarter of the bytes in the checkout, the same drafts.
     save_feature_draft(out_dir, out_dir.name, head, target_ref, target_dir,
-                       (*spec.extra_layers, read_config(target_dir).num_layers), int4=True)
+                       (*head.spec.extra_layers, read_config(target_dir).num_layers), int4=True)
 
 
 # ----- the model card ---------------------------------------------------------------------------
@@ -363,6 +389,9 @@ def write_card(out_dir: Path, log: dict, prompts: Path | None = None) -> None:
     spec, train = log["train"]["spec"], log["train"]
     served, costs, offline = log.get("served", {}), log.get("costs", {}), log.get("measure", {})
     epochs = train["epochs"]
+    head_vocab = log.get("config", {}).get("head_vocab") or 0
+    served_vocab = head_vocab or spec["vocab_out"]
+    trained_on = f" (of the {spec['vocab_out']} it was trained over: `--head-vocab`)" if head_vocab else ""
     lines = [
         f"# {out_dir.name}",
         "",
@@ -375,8 +404,8 @@ def write_card(out_dir: Path, log: dict, prompts: Path | None = None) -> None:
         "|---|---|",
         f"| architecture | one Llama decoder layer over [the target's feature at position i; the embedding of token "
         f"i+1] (fused {2 * spec['hidden']} -> {spec['hidden']}), {spec['heads']} heads ({spec['kv_heads']} KV), MLP "
-        f"{spec['intermediate']}; scored by the target's output rows for its {spec['vocab_out']} most frequent answer "
-        "tokens; drafts on its own predicted features |",
+        f"{spec['intermediate']}; scored by the target's output rows for its {served_vocab} most frequent answer "
+        f"tokens{trained_on}; drafts on its own predicted features |",
         "| shipped | its matrices in the 4 bits a CPU serves them with (round to nearest per block of 32, as the token "
         "draft is served; `weights dense` dequantizes them), its norms in bfloat16; the target's embedding and "
         "output rows are read from the target at load time (sha256 checked) |",
