@@ -145,14 +145,19 @@ class FeatureHead(nn.Module):
         return linear(x, self._served[name])
 
     # -- the layer --------------------------------------------------------------------------------
+    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., T, H] fused inputs -> (q [..., T, heads D], k and v [..., T, 2 kv D]) before RoPE."""
+        h = _rms(x, self.input_norm, self.spec.norm_eps)
+        return self._linear("q", h), self._linear("kv", h)
+
     def _qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [..., T, H] fused inputs at token positions [..., T] -> q [..., heads, T, D], k, v [..., kv, T, D]."""
         s = self.spec
-        h = _rms(x, self.input_norm, s.norm_eps)
         cos, sin = self._rope(int(positions.max()) + 1, x.device)
         cos, sin = cos[positions].to(x.dtype).unsqueeze(-3), sin[positions].to(x.dtype).unsqueeze(-3)  # [..., 1, T, D]
-        q = self._linear("q", h).unflatten(-1, (s.heads, s.head_dim)).transpose(-2, -3)  # [..., heads, T, D]
-        k, v = self._linear("kv", h).unflatten(-1, (2 * s.kv_heads, s.head_dim)).transpose(-2, -3).chunk(2, dim=-3)
+        q, kv = self._projections(x)
+        q = q.unflatten(-1, (s.heads, s.head_dim)).transpose(-2, -3)  # [..., heads, T, D]
+        k, v = kv.unflatten(-1, (2 * s.kv_heads, s.head_dim)).transpose(-2, -3).chunk(2, dim=-3)
         return _rope(q, cos, sin), _rope(k, cos, sin), v
 
     def _finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -251,8 +256,7 @@ class FeatureHead(nn.Module):
         if library is None:
             return None
         n = x.shape[0]
-        h = _rms(x, self.input_norm, s.norm_eps)
-        qkv = torch.cat((self._linear("q", h), self._linear("kv", h)), dim=-1)  # [n, (Hq + 2 Hkv) D]: q, k, v
+        qkv = torch.cat(self._projections(x), dim=-1)  # [n, (Hq + 2 Hkv) D]: q, k, v
         cos, sin = self._native_tables(start + n)
         out = library.attention(qkv[None].contiguous(), cache.k, cache.v, cos, sin, torch.tensor([slot]),
                                 torch.tensor([start]), None, s.heads, s.kv_heads, s.head_dim,

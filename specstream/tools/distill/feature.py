@@ -192,10 +192,14 @@ def _spec(config, vocab_out: int, extra_layers: tuple[int, ...] = ()) -> HeadSpe
                     norm_eps=config.norm_eps, vocab_out=vocab_out, extra_layers=extra_layers)
 
 
+def _answer_counts(records: list[Record]) -> Counter:
+    """How often the target chose each token first at the training answers' positions."""
+    return Counter(int(t) for r in records if r.split == "train" for t in r.top_ids[:, 0].tolist())
+
+
 def _output_ids(records: list[Record], vocab: int, n: int) -> torch.Tensor:
     """The ``n`` tokens the target answers with most often (first choices at every answer position)."""
-    counts = Counter(int(t) for r in records if r.split == "train" for t in r.top_ids[:, 0].tolist())
-    ids = [t for t, _ in counts.most_common(n)]
+    ids = [t for t, _ in _answer_counts(records).most_common(n)]
     if len(ids) < n:  # a small corpus: fill with the lowest ids not chosen
         taken = set(ids)
         ids += [t for t in range(vocab) if t not in taken][:n - len(ids)]
@@ -364,7 +368,7 @@ def read_head(head_path: Path, records: list[Record], head_vocab: int = 0) -> Fe
     if head_vocab:
         if not 0 < head_vocab <= spec.vocab_out:
             raise ValueError(f"head_vocab={head_vocab}: must be in 1..{spec.vocab_out} (the head's vocabulary)")
-        counts = Counter(int(t) for r in records if r.split == "train" for t in r.top_ids[:, 0].tolist())
+        counts = _answer_counts(records)
         ranked = sorted(state["output_ids"].tolist(), key=lambda t: (-counts.get(t, 0), t))
         state["output_ids"] = torch.tensor(sorted(ranked[:head_vocab]))
         spec = dataclasses.replace(spec, vocab_out=head_vocab)
