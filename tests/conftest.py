@@ -99,7 +99,25 @@ def sampling_pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
               metadata={"format": "pt"})
     (root / "draft_subset" / "config.json").write_text(json.dumps(
         {**target_config, "num_hidden_layers": 1, "specstream": {"output_vocab": len(subset)}}))
-    return {"target": root / "target", "draft": root / "draft", "draft_subset": root / "draft_subset"}
+    return {"target": root / "target", "draft": root / "draft", "draft_subset": root / "draft_subset",
+            "feature_draft": _random_feature_draft(root / "target", root / "feature_draft")}
+
+
+def _random_feature_draft(target_dir: Path, out: Path) -> Path:
+    """A feature draft of ``target_dir`` (an EAGLE-style head over its final features,
+    specstream/models/feature_draft.py) with random weights, scoring 24 of its 32 tokens (q is 0
+    on the other 8): its guesses agree with the target sometimes, as a draft's should here."""
+    from specstream.models.feature_draft import save_feature_draft
+    from specstream.models.feature_head import FeatureHead
+    from specstream.models.loader import read_config
+    from specstream.tools.distill.feature import _spec
+
+    config = read_config(target_dir)
+    torch.manual_seed(4)
+    head = FeatureHead(_spec(config, 24))
+    head.output_ids.copy_(torch.tensor([*range(16), *range(16, 32, 2)]))  # 24 ids
+    save_feature_draft(out, "random-feature", head, str(target_dir), target_dir, (config.num_layers,))
+    return out
 
 
 @pytest.fixture(scope="session")

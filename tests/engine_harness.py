@@ -7,10 +7,12 @@ from pathlib import Path
 
 import torch
 
+from draft_service.feature import FeatureProposer
 from draft_service.proposer import DraftProposer
 from specstream.data.config import ModelSpec, TargetConfig
 from specstream.data.engine import SequenceEvent, SequenceRequest, Speculation
 from specstream.data.sampling import SamplingParams
+from specstream.models.feature_draft import is_feature_draft, load_feature_draft
 from specstream.models.loader import load_model
 from target_service.engine import Engine
 from target_service.inprocess import run_requests
@@ -34,11 +36,13 @@ def run_engine(target: Path, draft: Path | None, prompts: list[list[int]], gamma
     """Returns each prompt's generated tokens and its final event (finish reason, stats, and the
     log-probabilities of all its tokens when `logprobs` is given). `sampling`: one per prompt
     (default greedy); `proposer` replaces the draft model's proposer (e.g. a wrapped one);
-    `config` overrides TargetConfig fields (batching policy...); `steps`, when given, receives the
+    `draft` may be a feature draft; `config` overrides TargetConfig fields (batching policy...); `steps`, when given, receives the
     engine's BatchStats and, per request id, the steps whose events carried its tokens; `device`: where
     both models run (float32)."""
     model = load_model(target, device=device)
-    if proposer is None and draft:
+    if proposer is None and draft and is_feature_draft(draft):
+        proposer = FeatureProposer(load_feature_draft(draft, Path), max(16, max_slots), max_seq_len)
+    elif proposer is None and draft:
         proposer = DraftProposer(load_model(draft, device=device), max_slots=max(16, max_slots), max_seq_len=max_seq_len)
     local = LocalDraft(proposer) if proposer else None
     engine = Engine(model, TargetConfig(model=ModelSpec(str(target), device=device), max_slots=max_slots,

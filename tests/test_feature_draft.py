@@ -437,3 +437,27 @@ def test_the_pipeline_trains_and_measures_a_fused_aligned_variant_on_part_of_the
     assert torch.equal(narrow.q.weight, full.q.weight)
     with pytest.raises(ValueError, match="head_vocab=65"):
         read_head(work / "head.safetensors", records, 65)
+
+
+def test_the_benchmarks_run_a_feature_draft_and_give_transformers_the_token_draft(feature_pair, model_zoo) -> None:
+    """A benchmarked pair whose draft reads features (the default pair's kind): transformers, which
+    cannot feed it features, gets the pair's token draft as its assistant model (without one, no
+    assisted rows); the draft's cost is a guess as it serves, and the γ benchmark's proposers run it."""
+    import dataclasses
+
+    from specstream.tools.bench.costs import measure_costs
+    from specstream.tools.bench.gamma import _Models
+    from specstream.tools.bench.hf import runnable_modes
+    from specstream.tools.bench.models import BenchModels
+
+    models = BenchModels("tiny", feature_pair["target"], feature_pair["draft"], "float32")
+    assert models.feature_draft and models.assistant is None
+    assert runnable_modes(models) == ("plain", "prompt_lookup")
+    paired = dataclasses.replace(models, token_draft=model_zoo["partial"])
+    assert paired.assistant == model_zoo["partial"] and runnable_modes(paired)[:3] == ("plain", "assisted",
+                                                                                      "assisted_heuristic")
+    assert not dataclasses.replace(models, draft=model_zoo["partial"]).feature_draft
+    costs = measure_costs(models, 16, [2])
+    assert costs["draft_step_ms"] > 0 and costs["c"] > 0
+    proposer = _Models(models).proposer("ngram+model", 2, 64)
+    assert isinstance(proposer, NgramPlusModelProposer) and isinstance(proposer.model, FeatureProposer)

@@ -14,9 +14,9 @@ lengths, rejections and residual draws all happen (acceptance ~0.65 per token).
 False-alarm rate: every comparison is a chi-square test that fails when p < 1e-3, so for an exact
 implementation each fails with probability 1e-3 over the choice of seeds; this file makes
 9 first-pair + 27 last-pair speculative comparisons + 6 with automatic γ + 2 point-mass + 2
-vocabulary-subset comparisons + 9 goodness-of-fit checks = 55 distinct tests, at most 5.5% together
-(union bound) for seeds drawn at random. The seeds are fixed, so the outcome of 49 of them is
-deterministic and CI never flakes on them. The 6 with automatic γ are not fixed by the seeds: the
+vocabulary-subset + 2 feature-draft comparisons + 9 goodness-of-fit checks = 57 distinct tests, at
+most 5.7% together (union bound) for seeds drawn at random. The seeds are fixed, so the outcome of
+51 of them is deterministic and CI never flakes on them. The 6 with automatic γ are not fixed by the seeds: the
 controller picks γ from the step times it measures, so the proposals a row sees, and so its tokens,
 change from run to run, and each run is a fresh draw. They fail at p < 1e-5 (AUTO_THRESHOLD): 6e-5
 per run for the six together. (With 1e-3, one run failed at p = 8.8e-4; three runs at 20,000
@@ -135,6 +135,8 @@ def _jobs(pair: dict[str, Path]) -> dict[tuple, dict]:
                                                       max_new_tokens=LONGEST, seed=SPEC_SEED, variant="auto")
     jobs[("vocab_subset", 1.0, "none", 3)] = dict(base, draft=str(pair["draft_subset"]), temperature=1.0, filter={},
                                                   gamma=3, max_new_tokens=5, seed=SPEC_SEED)
+    jobs[("feature", 1.0, "none", 3)] = dict(base, draft=str(pair["feature_draft"]), temperature=1.0, filter={},
+                                             gamma=3, max_new_tokens=5, seed=SPEC_SEED)
     return jobs
 
 
@@ -203,6 +205,16 @@ def test_model_free_proposals_are_point_masses(samples):
 def test_a_draft_over_a_vocabulary_subset_keeps_the_distribution(samples):
     """A draft whose q covers 18 of the 32 tokens (and none of the others) is verified exactly too."""
     spec = samples[("vocab_subset", 1.0, "none", 3)]
+    reference = samples[("reference", 1.0, "none")]
+    first = two_sample_p_value(_pairs(spec, 1), _pairs(reference, 1))
+    last = two_sample_p_value(_pairs(spec, 4), _pairs(reference, 4))
+    assert first > THRESHOLD and last > THRESHOLD, (first, last)
+
+
+def test_a_feature_draft_keeps_the_distribution(samples):
+    """A feature draft (a head over the target's features, the default pair's kind) guessing over 24
+    of the 32 tokens: its q, drawn in the draft with the target's features, is verified exactly too."""
+    spec = samples[("feature", 1.0, "none", 3)]
     reference = samples[("reference", 1.0, "none")]
     first = two_sample_p_value(_pairs(spec, 1), _pairs(reference, 1))
     last = two_sample_p_value(_pairs(spec, 4), _pairs(reference, 4))

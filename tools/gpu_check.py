@@ -199,9 +199,9 @@ def step_smollm2(out: Path) -> dict:
     from specstream.tools.bench import device_check
     from specstream.tools.bench.models import BenchModels
 
-    pair = PAIRS["smollm2"]
-    models = BenchModels.from_refs(pair.target, pair.draft, "bfloat16", "smollm2", weights="dense",
-                                   proposer=pair.proposer, ngram_min=pair.ngram_min)
+    pair = PAIRS["smollm2"]  # its token draft: a feature draft runs on the CPU only
+    models = BenchModels.from_refs(pair.target, pair.token_draft or pair.draft, "bfloat16", "smollm2",
+                                   weights="dense", proposer=pair.proposer, ngram_min=pair.ngram_min)
     models.device = "cuda"
     return device_check.real_pair(out, models)
 

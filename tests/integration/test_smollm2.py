@@ -2,8 +2,8 @@
 
 Parity with an implementation nobody here wrote: transformers loading the same GGUF file (its own
 dequantizer, tokenizer converter and Llama code). Then chat through the three real processes
-with the shipped draft, and with the shipped feature draft in both layouts: speculative output
-equals plain output token for token.
+with the pair's default draft (the shipped feature draft) through the draft service and colocated,
+and with its token draft in both layouts: speculative output equals plain output token for token.
 
 Tolerance: both sides dequantize to the same float32 values and run float32, so logits agree to
 float rounding; we allow 1e-3 absolute on logits of magnitude ~30 (measured: 0 on this machine).
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from specstream.models.loader import load_model
-from specstream.models.registry import DRAFTS, MODELS, PAIRS, pair_refs, resolve_model
+from specstream.models.registry import MODELS, PAIRS, pair_refs, resolve_model
 from specstream.text.tokenizer import TextTokenizer
 
 LOGIT_TOLERANCE = 1e-3
@@ -202,7 +202,7 @@ def test_chat_through_the_three_processes_speculative_equals_plain(smollm2_stack
     with Client(smollm2_stack.gateway_address, timeout=300) as client:
         info = client.model_info()
         assert info.has_chat_template and info.vocab_size == 49152 and info.max_context_length > 256
-        assert info.target_model == "SmolLM2-135M-Instruct.Q4_1" and info.draft_model == "ngram+smollm2-135m-draft"
+        assert info.target_model == "SmolLM2-135M-Instruct.Q4_1" and info.draft_model == "ngram+smollm2-135m-feature"
         proposed = accepted = 0
         for question in CHAT[:3]:
             messages = [{"role": "user", "content": question}]
@@ -223,14 +223,15 @@ def test_chat_through_the_three_processes_speculative_equals_plain(smollm2_stack
 
 
 def test_a_draft_colocated_in_the_target_is_exact_too(stack_factory) -> None:
-    """serve --colocate-draft: no draft process; the target runs the (4-bit rounded) draft itself."""
+    """serve --colocate-draft: no draft process; the target runs the pair's feature draft itself,
+    reading the features where its own forward leaves them."""
     from specstream_client import Client
 
     pair = PAIRS["smollm2"]
     stack = stack_factory(pair.target, pair.draft, dtype="auto", gamma=3, colocate_draft=True)
     assert "draft" not in stack.procs
     with Client(stack.gateway_address, timeout=300) as client:
-        assert client.model_info().draft_model == "smollm2-135m-draft"
+        assert client.model_info().draft_model == "smollm2-135m-feature"
         _speculative_chat_is_plain_and_accepted(client, gamma=3)
 
 
@@ -248,22 +249,19 @@ def _speculative_chat_is_plain_and_accepted(client, gamma: int) -> None:
     assert proposed > 0 and accepted > 0.1 * proposed, (accepted, proposed)
 
 
-FEATURE_DRAFT = "smollm2-135m-feature"
-
-
 @pytest.mark.parametrize("colocate", [False, True], ids=["draft-service", "colocated"])
-def test_the_feature_draft_is_exact_in_both_layouts(stack_factory, colocate) -> None:
-    """The shipped feature draft (an EAGLE-style head over the target's own features): the target
-    sends it each committed position's feature, through the draft service or in its own process;
-    greedy chat equals plain decoding token for token, and the head's guesses are accepted."""
+def test_the_token_draft_is_exact_in_both_layouts(stack_factory, colocate) -> None:
+    """The pair's token draft (a 2-layer model that reads tokens only, 4-bit rounded; what the pair
+    runs where a feature draft cannot, and what `--draft smollm2-135m-draft` serves), behind prompt
+    lookup: greedy chat equals plain decoding token for token, and its guesses are accepted."""
     from specstream_client import Client
 
     pair = PAIRS["smollm2"]
-    stack = stack_factory(pair.target, str(DRAFTS / FEATURE_DRAFT), dtype="auto", gamma=3, proposer="ngram+model",
+    stack = stack_factory(pair.target, pair.token_draft, dtype="auto", gamma=3, proposer="ngram+model",
                           ngram_min=2, colocate_draft=colocate)
     assert ("draft" in stack.procs) != colocate
     with Client(stack.gateway_address, timeout=300) as client:
-        assert client.model_info().draft_model.endswith(FEATURE_DRAFT)
+        assert client.model_info().draft_model.endswith("smollm2-135m-draft")
         _speculative_chat_is_plain_and_accepted(client, gamma=3)
 
 

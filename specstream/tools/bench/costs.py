@@ -5,13 +5,14 @@ the benchmark runs at, timed in this process with the models' own forward (no se
 the theory's idealised cost. Also the target's verify cost for γ + 1 positions relative to one,
 since on a CPU a wider verify is not free (the theory assumes it is). A feature draft has no forward
 of its own to time that way: ``measure_feature_costs`` times it as it serves, a propose call with
-one new token and its feature.
+one new token and its feature (``measure_costs`` gives a feature draft's guess that way too).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -45,7 +46,11 @@ def _measure_costs(models: BenchModels, context: int, gammas: list[int], draft_t
     result = {"context": context, "dtype": models.dtype, "weights": target.weights,
               "target_step_ms": step_ms(target, context, 1),
               "target_verify_ms": {g: step_ms(target, context, g + 1) for g in gammas}}
-    if models.draft is not None:
+    if models.feature_draft:  # a guess as it serves (its call ÷ γ), with one thread as the draft service runs it
+        guess = measure_feature_costs(models.target, models.draft, models.dtype, context, max(gammas, default=4))
+        result["draft_step_ms"] = guess["draft_ms_per_guess"]
+        result["c"] = result["draft_step_ms"] / result["target_step_ms"]
+    elif models.draft is not None:
         threads = torch.get_num_threads()
         torch.set_num_threads(draft_threads)  # as the draft service runs it
         result["draft_step_ms"] = step_ms(models.load("draft"), context, 1)

@@ -19,7 +19,6 @@ What it does not know: how the engine or controller work; it only drives them.
 from __future__ import annotations
 
 import asyncio
-
 import json
 import time
 from dataclasses import dataclass
@@ -90,12 +89,14 @@ class _Models:
 
     def proposer(self, kind: str, slots: int, max_len: int):
         from draft_service.combined import NgramPlusModelProposer
+        from draft_service.feature import FeatureProposer
         from draft_service.ngram import NgramProposer
         from draft_service.proposer import DraftProposer
 
         if kind == "ngram":
             return NgramProposer(slots, max_len)
-        model = on_torch_thread(DraftProposer, self.draft, slots, max_len)  # its cache: torch work
+        kind_of_draft = FeatureProposer if self.spec.feature_draft else DraftProposer
+        model = on_torch_thread(kind_of_draft, self.draft, slots, max_len)  # its cache: torch work
         return model if kind == "model" else NgramPlusModelProposer(model, slots)
 
 

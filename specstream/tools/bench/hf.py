@@ -1,5 +1,6 @@
 """Hugging Face transformers on the same checkpoints and prompts: `generate()` plain, with
-`assistant_model=` (assisted generation with our draft's layers) and with prompt lookup, batch 1,
+`assistant_model=` (assisted generation with our draft's layers: our token draft's where ours reads
+features, which transformers cannot feed it) and with prompt lookup, batch 1,
 greedy or sampled. A benchmark/test dependency only.
 
 Sampled runs use the full distribution at the given temperature (top_k=0: transformers' default
@@ -24,7 +25,7 @@ ASSISTED = ("assisted", "assisted_heuristic")  # with our draft's layers as the 
 
 def runnable_modes(models: BenchModels, modes: tuple[str, ...] = MODES) -> tuple[str, ...]:
     """The ones of ``modes`` that hf_generate runs for ``models``, in order."""
-    return tuple(m for m in modes if m in MODES and (m not in ASSISTED or models.draft is not None))
+    return tuple(m for m in modes if m in MODES and (m not in ASSISTED or models.assistant is not None))
 
 
 def hf_generate(models: BenchModels, prompts: list[list[int]], max_new_tokens: int, threads: int = 0,
@@ -95,7 +96,8 @@ def _hf_generate(models: BenchModels, prompts: list[list[int]], max_new_tokens: 
                     progress.update()
         results[name] = {"tokens_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds, "token_ids": outputs,
                          "dtype": str(torch_dtype).removeprefix("torch."),
-                         "assistant": ("our draft's layers, full-vocabulary head" if "assistant_model" in extra
+                         "assistant": (f"{'our token' if models.feature_draft else 'our'} draft's layers, "
+                                       "full-vocabulary head" if "assistant_model" in extra
                                        else "prompt lookup, 10 tokens" if name == "prompt_lookup" else None),
                          "assistant_config": {**defaults, **(assistant_config or {})} if assistant_config is not None
                          else None}

@@ -8,7 +8,8 @@ questions about documentation, "everyday": the feature draft's everyday chat, on
 another) and the openings of held-out standard-library files otherwise. ``hf_draft()`` is a copy of the draft that transformers can load
 as an assistant model (a draft that shares the target's embedding and predicts over a vocabulary
 subset gets the embedding written in and a full-vocabulary tied head), so Hugging Face assisted
-generation runs with the same draft layers as ours.
+generation runs with the same draft layers as ours; transformers cannot run a feature draft (it
+reads the target's hidden states), so for one it is the pair's token draft (``token_draft``), or none.
 
 What it does not know: how the benchmarks measure.
 """
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specstream.data.config import DraftConfig
+from specstream.models.feature_draft import is_feature_draft
 from specstream.models.registry import DRAFTS, MODELS, resolve_dtype, resolve_model
 from specstream.serving.compute import on_torch_thread
 from specstream.text.tokenizer import TextTokenizer
@@ -67,15 +69,18 @@ class BenchModels:
     # Benchmarks of system overhead: (oracle file, alpha) of the synthetic proposer, in place of a draft.
     synthetic: tuple[str, float] | None = None
     prompt_set: str = "draft"  # which held-out chat prompts (PROMPT_SETS)
+    token_draft: Path | None = None  # the pair's token draft, where ``draft`` is a feature draft (ModelPair)
     _hf_draft: Path | None = field(default=None, repr=False)
 
     @classmethod
     def from_refs(cls, target: str, draft: str | None, dtype: str, label: str, weights: str = "auto",
                   proposer: str = DraftConfig.proposer, ngram_max: int = DraftConfig.ngram_max,
-                  ngram_min: int = DraftConfig.ngram_min, prompt_set: str = "draft") -> BenchModels:
+                  ngram_min: int = DraftConfig.ngram_min, prompt_set: str = "draft",
+                  token_draft: str | None = None) -> BenchModels:
         gguf = MODELS[target].path() if target in MODELS else Path(target) if target.endswith(".gguf") else None
         return cls(label, resolve_model(target), resolve_model(draft) if draft else None, resolve_dtype(dtype), gguf,
-                   weights, proposer, ngram_max, ngram_min, prompt_set=prompt_set)
+                   weights, proposer, ngram_max, ngram_min, prompt_set=prompt_set,
+                   token_draft=resolve_model(token_draft) if token_draft else None)
 
     @property
     def proposing(self) -> dict:
@@ -122,23 +127,38 @@ class BenchModels:
 
         return held_out_prompts(tok, n, length)
 
+    @property
+    def feature_draft(self) -> bool:
+        """Whether the draft is a feature draft (specstream/models/feature_draft.py)."""
+        return self.draft is not None and is_feature_draft(self.draft)
+
     def load(self, which: str):
+        """The target (a CausalLM) or the draft: a CausalLM, or a FeatureDraft for a feature draft."""
+        from specstream.models.feature_draft import load_feature_draft
         from specstream.models.loader import load_model
 
         path = self.target if which == "target" else self.require_draft()
         # On the process's torch thread, where in-process engines run it (specstream.serving.compute).
+        if which == "draft" and self.feature_draft:
+            return on_torch_thread(load_feature_draft, path, resolve_model, self.dtype, self.weights)
         return on_torch_thread(load_model, path, dtype=self.dtype, resolve=resolve_model, weights=self.weights,
                                draft=which == "draft")
 
+    @property
+    def assistant(self) -> Path | None:
+        """The draft transformers runs as the assistant model: ours, or for a feature draft the
+        pair's token draft (None without one)."""
+        return self.token_draft if self.feature_draft else self.draft
+
     def hf_draft(self) -> Path | None:
-        """The draft as a plain transformers checkpoint (see the module docstring); cached per run."""
-        if self.draft is None:
+        """The assistant as a plain transformers checkpoint (see the module docstring); cached per run."""
+        if self.assistant is None:
             return None
-        config = json.loads((self.draft / "config.json").read_text())
+        config = json.loads((self.assistant / "config.json").read_text())
         if "specstream" not in config:
-            return self.draft
+            return self.assistant
         if self._hf_draft is None:
-            self._hf_draft = _export_for_transformers(self.draft, config)
+            self._hf_draft = _export_for_transformers(self.assistant, config)
         return self._hf_draft
 
 

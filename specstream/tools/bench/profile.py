@@ -5,9 +5,10 @@ runs: the embedding lookup, the 30 attention blocks and the 30 MLP blocks op by 
 as the model serves them (one native call for all where they fuse: models/llama.py), the output
 layer over the whole vocabulary, and the whole forward; what the forward costs beyond the
 embedding, the layers as served and the output layer is Python and dispatch between them. It does so for a
-1-token step and for a 5-token verify (γ = 4). Then one draft step, and a propose round trip to a
-real draft service over gRPC on loopback (γ = 4, one sequence), whose excess over the draft's own
-compute is the RPC and its serialisation. Prints a table, writes ``profile.json`` and a PNG.
+1-token step and for a 5-token verify (γ = 4). Then one draft step (a feature draft's: one propose
+call with one guess, as it serves), and a propose round trip to a real draft service over gRPC on
+loopback (γ = 4, one sequence; a feature draft gets one feature a call), whose excess over the
+draft's own compute is the RPC and its serialisation. Prints a table, writes ``profile.json`` and a PNG.
 
 What it does not know: the engine (``bench latency`` and ``experiment`` measure whole requests).
 """
@@ -24,6 +25,7 @@ import torch
 
 from specstream.serving.compute import on_torch_thread
 from specstream.tools.bench import report
+from specstream.tools.bench.costs import measure_feature_costs
 from specstream.tools.bench.models import BenchModels
 from specstream.tools.progress import Progress
 
@@ -94,27 +96,39 @@ def _layers_as_served(model, layers, x, batch, cos, sin, rope):
     return [layer(x, batch, cos, sin, rope) for layer in layers]
 
 
-def local_propose_ms(models: BenchModels, gamma: int = 4, rounds: int = 40, progress: Progress | None = None) -> float:
-    """ms of γ proposals for one sequence computed in this process (call on the torch thread);
-    one timing for ``progress``."""
+def local_propose_ms(models: BenchModels, gamma: int = 4, rounds: int = 40,
+                     progress: Progress | None = None) -> tuple[float, int]:
+    """ms of γ proposals for one sequence computed in this process (call on the torch thread),
+    each call appending one token (with a feature draft, its feature: zeros, as the compute does not
+    depend on the values), and the width of the features the draft reads (0: a token draft); one
+    timing for ``progress``."""
+    from draft_service.feature import FeatureProposer
     from draft_service.proposer import DraftProposer
     from specstream.data.propose import ProposeItem
 
     prompt = models.prompts(1)[0]
-    local = DraftProposer(models.load("draft"), 4, 1024)
+    local = (FeatureProposer if models.feature_draft else DraftProposer)(models.load("draft"), 4, 1024)
+    width = getattr(local, "feature_width", 0)
 
     def local_round(i: int) -> None:
-        local.propose([ProposeItem("s", 0 if i == 0 else len(prompt) + i - 1,
-                                   prompt if i == 0 else [100], gamma)])
+        appended = prompt if i == 0 else [100]
+        local.propose([ProposeItem("s", 0 if i == 0 else len(prompt) + i - 1, appended, gamma,
+                                   **_zero_features(width, len(appended) - (i == 0)))])
 
     local_round(0)
-    return _median_ms(lambda: local_round(1), rounds, progress)
+    return _median_ms(lambda: local_round(1), rounds, progress), width
+
+
+def _zero_features(width: int, count: int) -> dict:
+    """A ProposeItem's feature fields for ``count`` features of ``width`` zeros (bfloat16); none for width 0."""
+    return {"features": bytes(2 * width * count), "feature_width": width} if width else {}
 
 
 def rpc_round_trip(models: BenchModels, in_process: float, gamma: int = 4, rounds: int = 40,
-                   progress: Progress | None = None) -> dict[str, float]:
-    """ms of a propose round trip to a real draft process (one sequence, γ proposals), beside
-    ``in_process``, the ms of the same proposals computed in this process; one timing for ``progress``."""
+                   progress: Progress | None = None, feature_width: int = 0) -> dict[str, float]:
+    """ms of a propose round trip to a real draft process (one sequence, γ proposals; a feature
+    draft's with ``feature_width`` features), beside ``in_process``, the ms of the same proposals
+    computed in this process; one timing for ``progress``."""
     from specstream.tools.launcher import Stack, StackSpec
     from specstream_pb import draft_pb2, draft_pb2_grpc
 
@@ -128,10 +142,17 @@ def rpc_round_trip(models: BenchModels, in_process: float, gamma: int = 4, round
             responses = stub.Speculate(iter(q.get, None))
 
             def round_trip(first: bool) -> None:
+                appended = prompt if first else [100]
+                features = _zero_features(feature_width, len(appended) - first)
                 item = draft_pb2.ProposeItem(seq_id=1, rollback_to=0 if first else len(prompt),
-                                             append_token_ids=prompt if first else [100], gamma=gamma)
+                                             append_token_ids=appended, gamma=gamma,
+                                             features=features.get("features", b""),
+                                             feature_dtype="bfloat16" if features else "",
+                                             feature_width=feature_width)
                 q.put(draft_pb2.ProposeRequest(propose=draft_pb2.ProposeBatch(step=1, items=[item])))
-                next(responses)
+                (proposal,) = next(responses).proposals
+                if proposal.error or len(proposal.token_ids) != gamma:  # a refusal would time nothing
+                    raise RuntimeError(f"the draft did not propose {gamma} tokens: {proposal}")
 
             round_trip(True)
             remote = _median_ms(lambda: round_trip(False), rounds, progress)
@@ -158,8 +179,14 @@ def _time_models(models: BenchModels, progress: Progress) -> dict:
         torch.set_num_threads(1)  # as the draft service runs it
         draft = models.load("draft")
         result["draft_weights"] = draft.weights
-        result["draft_step"] = components(draft, 1, progress)
-        result["draft_propose_ms"] = local_propose_ms(models, progress=progress)
+        if models.feature_draft:  # no forward of its own: its guess is timed as it serves (bench/costs.py)
+            guess = measure_feature_costs(models.target, models.draft, models.dtype, CONTEXT, 1)
+            result["draft_step"] = {"whole forward": guess["draft_call_ms"]["1"]}
+            for _ in range(COMPONENT_TIMINGS):
+                progress.update()
+        else:
+            result["draft_step"] = components(draft, 1, progress)
+        result["draft_propose_ms"], result["draft_feature_width"] = local_propose_ms(models, progress=progress)
         torch.set_num_threads(threads)
     return result
 
@@ -171,11 +198,13 @@ def run(models: BenchModels, out_dir: Path, quiet: bool = False) -> dict:
         result = on_torch_thread(_time_models, models, progress)
         rows = [[name, result["target_step"][name], result["target_verify5"][name]] for name in result["target_step"]]
         if models.draft is not None:
-            rows.append([f"draft step (1 token, 1 thread, {result['draft_weights']} weights)",
+            kind = "a feature draft's propose call, 1 guess" if models.feature_draft else "draft step"
+            rows.append([f"{kind} (1 token, 1 thread, {result['draft_weights']} weights)",
                          result["draft_step"]["whole forward"], "-"])
             progress.print("... a propose round trip over gRPC ...")
             progress.phase("profile: a propose round trip over gRPC")
-            result["rpc"] = rpc_round_trip(models, result["draft_propose_ms"], progress=progress)
+            result["rpc"] = rpc_round_trip(models, result["draft_propose_ms"], progress=progress,
+                                           feature_width=result["draft_feature_width"])
             rows += [[f"draft propose γ=4: {k}", v, "-"] for k, v in result["rpc"].items()]
     headers = ["component", "1-token step ms", "5-token verify ms"]
     print("\n" + report.table(headers, rows), flush=True)

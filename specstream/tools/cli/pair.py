@@ -64,6 +64,8 @@ def bench_models(args: argparse.Namespace):
 
     target, draft, dtype = chosen_models(args)
     proposer, ngram_min = chosen_proposer(args)
+    pair = PAIRS[args.models] if args.target is None else None
     return BenchModels.from_refs(target, draft, dtype, args.models if args.target is None else Path(target).name,
                                  weights=args.weights, proposer=proposer, ngram_max=args.ngram_max, ngram_min=ngram_min,
-                                 prompt_set=getattr(args, "prompt_set", "draft"))
+                                 prompt_set=getattr(args, "prompt_set", "draft"),
+                                 token_draft=pair.token_draft if pair else None)
