@@ -65,15 +65,22 @@ DRAFT_TIMING_DEPTH = 8  # the deepest guess the start-up draft timing asks for (
 class EngineTimings:
     """Where the engine's time went, cumulative over the loop iterations that decoded and
     prefilled nothing (steady decoding): the whole iteration (scheduling, drafting, the forward,
-    settling, committing, emitting); of it, the model's layers (``model.hidden``); and the whole
-    call on the compute thread (the layers, the output layer and verification). The iteration less
-    the compute call is host work: scheduling, building the rows, the hop to the compute thread and
-    back, committing, metrics, tracing, emitting."""
+    settling, committing, emitting); of it, the model's layers (``model.hidden``); the whole
+    call on the compute thread (the layers, the output layer and verification); and the wait for the
+    draft's proposals. The iteration less the compute call and the draft is host work: scheduling,
+    building the rows, the hop to the compute thread and back, committing, metrics, tracing,
+    emitting. Each steady iteration also goes to the metrics (TargetMetrics.observe_pass)."""
 
     decode_steps: int = 0
     decode_s: float = 0.0
     decode_forward_s: float = 0.0
     decode_compute_s: float = 0.0
+    decode_draft_s: float = 0.0  # waiting for the proposals: building the items, the draft's round trip
+
+    @property
+    def host_s(self) -> float:
+        """The iterations less the compute call and the wait for the draft."""
+        return max(0.0, self.decode_s - self.decode_compute_s - self.decode_draft_s)
 
 
 def feature_bytes(hidden: torch.Tensor) -> bytes:
@@ -118,6 +125,7 @@ class Engine:
         self.timings = EngineTimings()
         self._step_forward_s = 0.0  # this iteration's time in model.hidden (the compute thread adds it)
         self._step_compute_s = 0.0  # and in the whole verify call on the compute thread
+        self._step_draft_s = 0.0  # and waiting for the draft's proposals
         self._step_prefilled = False  # this iteration ran a prefill chunk
         self._step_decoded = False  # this iteration ran a decode pass
         self.scheduler = Scheduler(config)
@@ -260,10 +268,14 @@ class Engine:
             self.timings.decode_s += seconds
             self.timings.decode_forward_s += self._step_forward_s
             self.timings.decode_compute_s += self._step_compute_s
+            self.timings.decode_draft_s += self._step_draft_s
+            host = max(0.0, seconds - self._step_compute_s - self._step_draft_s)
+            self.metrics.observe_pass({"target": self._step_compute_s, "draft": self._step_draft_s, "host": host})
 
     async def step(self) -> None:
         self.step_count += 1
         self._step_forward_s, self._step_compute_s, self._step_prefilled, self._step_decoded = 0.0, 0.0, False, False
+        self._step_draft_s = 0.0
         await self._apply_cancels()
         await self._admit()
         await self._prefill()
@@ -384,6 +396,7 @@ class Engine:
         checks = await self.drafting.propose(rows, self.step_count,
                                              telemetry.traceparent_of(span) if span.is_recording() else "") if rows else []
         drafted = time.perf_counter()
+        self._step_draft_s = drafted - started
         width = 1 + max((len(c.proposals) for c in checks), default=0)
         hypotheses = sum(s.width for s in beams)
         tokens = sum(1 + len(c.proposals) for c in checks) + hypotheses

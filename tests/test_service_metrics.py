@@ -174,6 +174,13 @@ def test_engine_counters_agree_with_its_sequences(model_zoo):
     assert _value(r, "specstream:batch_occupancy_sum") == sum(s.target_passes - 1 for s in stats)
     assert _value(r, "specstream:engine_steps_total") == engine.stats.steps
     assert _value(r, "specstream:batch_occupancy_count") == engine.stats.steps
+    # The per-pass breakdown: the engine's steady passes, whose parts add up to their time.
+    timings = engine.timings
+    assert _value(r, "specstream:decode_passes_total") == timings.decode_steps > 0
+    parts = {part: _value(r, "specstream:decode_pass_seconds_total", part=part) for part in ("target", "draft", "host")}
+    assert parts["target"] == pytest.approx(timings.decode_compute_s) and parts["target"] > 0
+    assert parts["draft"] == pytest.approx(timings.decode_draft_s) and parts["draft"] > 0
+    assert sum(parts.values()) == pytest.approx(timings.decode_s)
     assert _value(r, "specstream:num_requests_running") == 0
     assert _value(r, "specstream:num_requests_waiting") == 0
 

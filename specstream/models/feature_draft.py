@@ -35,7 +35,8 @@ from specstream.models.config import ModelLoadError
 from specstream.models.feature_head import FeatureHead, HeadSpec
 from specstream.models.loader import DTYPES, SafetensorsSource, embedding_sha256, read_config
 
-__all__ = ["KIND", "FeatureDraft", "is_feature_draft", "load_feature_draft", "save_feature_draft", "target_parts"]
+__all__ = ["KIND", "FeatureDraft", "feature_draft_layers", "is_feature_draft", "load_feature_draft",
+           "save_feature_draft", "target_parts"]
 
 KIND = "feature_head"
 WEIGHTS = "model.safetensors"
@@ -74,6 +75,14 @@ def _ours(path: Path) -> dict | None:
 def is_feature_draft(path: str | Path) -> bool:
     """Whether ``path`` is a feature draft's directory (else: a model checkpoint, or nothing)."""
     return _ours(Path(path)) is not None
+
+
+def feature_draft_layers(path: str | Path) -> tuple[int, ...]:
+    """The target layers the feature draft at ``path`` reads (the last: the final state), as its config records them."""
+    ours = _ours(Path(path))
+    if ours is None:
+        raise ValueError(f"{path}: not a feature draft (no specstream.kind={KIND!r} in its config.json)")
+    return tuple(ours["target"]["layers"])
 
 
 def target_parts(target_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:

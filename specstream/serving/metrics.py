@@ -35,6 +35,9 @@ REQUEST_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5
 PROPOSE_BUCKETS = (0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # Finish reasons exported from the start (at 0), so a rate() over them has a series from the first scrape.
 FINISH_REASONS = ("length", "stop", "eos")
+# The parts of a decode pass (TargetMetrics.pass_seconds): the target's compute call, waiting for
+# the draft, and the engine's host work around them.
+PASS_PARTS = ("target", "draft", "host")
 
 
 def finish_reason_label(value: int) -> str:
@@ -161,6 +164,17 @@ class TargetMetrics:
                                     "Predicted time of the last decode step the controller planned.", registry=r)
         self.measured_step = Gauge(f"{PREFIX}gamma_controller_measured_step_seconds",
                                    "Measured time of that step.", registry=r)
+        # Where a decode pass's time goes, by the engine's own clock (target_service/engine.py,
+        # EngineTimings): passes that prefilled nothing, whose parts add up to the pass.
+        self.pass_seconds = Counter(f"{PREFIX}decode_pass_seconds",
+                                    "Time of decode passes that prefilled nothing, by part: target (the compute "
+                                    "call: the layers, the output layer, verification), draft (waiting for the "
+                                    "proposals: building the items, the draft's round trip or in-process work), "
+                                    "host (the rest: scheduling, committing, emitting, hops between threads).",
+                                    ["part"], registry=r)
+        self._pass_parts = {part: self.pass_seconds.labels(part=part) for part in PASS_PARTS}
+        self.passes = Counter(f"{PREFIX}decode_passes", "Decode passes that prefilled nothing (the passes "
+                              "decode_pass_seconds times).", registry=r)
         # Beam search (target_service/beam.py).
         self.beam_width = Histogram(f"{PREFIX}beam_width", "Running hypotheses of a beam request at each step it is "
                                     "expanded (variable width prunes below num_beams).",
@@ -193,6 +207,12 @@ class TargetMetrics:
     def watch_sequences(self, running: Callable[[], int], waiting: Callable[[], int]) -> None:
         self.running.set_function(running)
         self.waiting.set_function(waiting)
+
+    def observe_pass(self, seconds: dict[str, float]) -> None:
+        """A decode pass that prefilled nothing took ``seconds`` per part (PASS_PARTS)."""
+        self.passes.inc()
+        for part, value in seconds.items():
+            self._pass_parts[part].inc(value)
 
     def observe_step(self, rows: int) -> None:
         """A decode step expanded `rows` rows."""

@@ -114,7 +114,16 @@ def test_bench_latency_writes_json_and_plots(model_zoo, tmp_path):
                                                     / peers["HF plain"]["tokens_per_s"])
     for png in ("latency_speedup.png", "latency_vs_hf.png"):
         assert (out / png).stat().st_size > 1000
-    assert "theory x" in result.stdout and "HF assisted" in result.stdout
+    assert "theory x" in result.stdout and "HF assisted" in result.stdout and "draft ms" in result.stdout
+    # The engine's own per-pass breakdown, from the target's /metrics, in both layouts: every decode
+    # pass of these requests but each one's first, which shares its loop iteration with the prefill
+    # (batch 1: one request at a time).
+    for layout, runs in (("service", {**data["gammas"], "auto": auto}), ("colocated", colocated)):
+        for gamma, run in runs.items():
+            parts = run["pass_ms"]
+            assert parts["passes"] == run["passes"] - 2 * PROMPTS, (layout, gamma)
+            assert parts["target"] > 0 and parts["host"] >= 0, (layout, gamma, parts)
+            assert gamma == "0" or parts["draft"] > 0, (layout, gamma, parts)
     # Every generation counted: 2 prompts x (3 γ, auto, 3 γ colocated, the draft alone, HF's 4 modes).
     assert progress_end(result.stderr, "generations") == (24, 24)
     assert "generations (" not in result.stdout  # the progress goes to stderr only

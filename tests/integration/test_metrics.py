@@ -34,6 +34,8 @@ EXPECTED = {
         "specstream:spec_decode_num_accepted_tokens_per_pos_total": "counter",
         "specstream:batch_occupancy": "histogram",
         "specstream:engine_steps_total": "counter",
+        "specstream:decode_pass_seconds_total": "counter",
+        "specstream:decode_passes_total": "counter",
         "specstream:spec_decode_gamma": "histogram",
         "specstream:gamma_controller_alpha": "gauge",
         "specstream:gamma_controller_cost_seconds": "gauge",

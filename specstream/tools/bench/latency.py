@@ -24,6 +24,7 @@ from specstream.tools.bench.checks import check_runs_match
 from specstream.tools.bench.costs import measure_costs, measure_feature_costs
 from specstream.tools.bench.hf import hf_generate, runnable_modes
 from specstream.tools.bench.models import BenchModels
+from specstream.tools.bench.passes import per_pass_ms, read_counters
 from specstream.tools.bench.theory import expected_speedup, expected_tokens_per_pass
 from specstream.tools.launcher import Stack, StackSpec
 from specstream.tools.progress import Progress
@@ -32,12 +33,14 @@ DEFAULT_GAMMAS = [0, 1, 2, 3, 4, 6, 8]
 
 
 def sweep(address: str, prompts: list[list[int]], gammas: list[int | str], max_new_tokens: int,
-          temperature: float = 0.0, progress: Progress | None = None) -> dict[int | str, dict]:
+          temperature: float = 0.0, progress: Progress | None = None,
+          metrics: str | None = None) -> dict[int | str, dict]:
     """Generates every prompt at every γ (or "auto": the γ controller), one request at a time
     (batch 1). Greedy by default; at
     temperature > 0 it samples from the full distribution (no top-k/top-p) with seed = the
     prompt's index, so every γ sees the same seeds. ``progress`` counts each generation as it
-    finishes (the warm-up is not one)."""
+    finishes (the warm-up is not one). With ``metrics`` (the target's /metrics address) each γ's
+    figures get the engine's own per-pass breakdown, ``pass_ms`` (specstream/tools/bench/passes.py)."""
     from specstream_client import Client
 
     def seed(i: int) -> int | None:
@@ -49,12 +52,15 @@ def sweep(address: str, prompts: list[list[int]], gammas: list[int | str], max_n
         client.generate(prompts[0], max_new_tokens=16, ignore_eos=True, temperature=temperature, seed=seed(0))
         for gamma in gammas:
             runs = []
+            before = read_counters(metrics) if metrics else None
             for i, p in enumerate(prompts):
                 runs.append(client.generate(p, max_new_tokens=max_new_tokens, speculation=gamma or "off",
                                             ignore_eos=True, temperature=temperature, seed=seed(i)))
                 if progress is not None:
                     progress.update()
             results[gamma] = _summary(runs)
+            if before is not None:
+                results[gamma]["pass_ms"] = per_pass_ms(before, read_counters(metrics))
     return results
 
 
@@ -79,9 +85,13 @@ def _summary(runs: list) -> dict:
     }
 
 
+# A pass's ms as the client sees it, then by the engine's own clock (pass_ms): its compute call
+# (target), waiting for the draft, and its host work; what the client sees beyond them is the
+# gateway, the client and the hops between the processes.
+PASS_HEADERS = ["ms/pass", "target ms", "draft ms", "host ms"]
 HEADERS = ["gamma", "tok/s", "alpha", "mean acc len", "c", "theory x", "theory x (verify cost)", "measured x",
-           "of theory", "ms/pass", "overhead ms/pass"]
-COLOCATED_HEADERS = ["gamma", "tok/s", "alpha", "mean acc len", "measured x", "ms/pass"]
+           "of theory", *PASS_HEADERS, "overhead ms/pass"]
+COLOCATED_HEADERS = ["gamma", "tok/s", "alpha", "mean acc len", "measured x", *PASS_HEADERS]
 
 
 def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: int = 128,
@@ -145,7 +155,7 @@ def _measure_costs(models: BenchModels, prompts: list[list[int]], max_new_tokens
 
 def _spec(models: BenchModels, draft: Path, logs: str, **fields) -> StackSpec:
     """The stack the sweeps run on: our draft as the pair proposes with it, up to γ = 16."""
-    return StackSpec(str(models.target), str(draft), max_gamma=16, dtype=models.dtype, log_dir=logs,
+    return StackSpec(str(models.target), str(draft), max_gamma=16, dtype=models.dtype, log_dir=logs, metrics=True,
                      **({"weights": models.weights, **models.proposing} | fields))
 
 
@@ -157,13 +167,16 @@ def _sweeps(models: BenchModels, draft: Path, prompts: list[list[int]], gammas: 
         progress.print(f"stack up at {stack.gateway_address}; proposing with {models.proposer_label}; sweeping gamma "
                        f"{gammas} and auto over {len(prompts)} prompts x {max_new_tokens} tokens ...")
         progress.phase(f"latency: gamma {_listed(gammas)}, draft service")
-        ours = sweep(stack.gateway_address, prompts, gammas, max_new_tokens, progress=progress)
+        engine = stack.metrics_addresses["target"]
+        ours = sweep(stack.gateway_address, prompts, gammas, max_new_tokens, progress=progress, metrics=engine)
         progress.phase("latency: speculation=auto")
-        auto = sweep(stack.gateway_address, prompts, ["auto"], max_new_tokens, progress=progress)["auto"]
+        auto = sweep(stack.gateway_address, prompts, ["auto"], max_new_tokens, progress=progress,
+                     metrics=engine)["auto"]
     with tempfile.TemporaryDirectory() as logs, Stack(_spec(models, draft, logs, colocate_draft=True)) as stack:
         progress.print("the same with the draft colocated in the target process (no draft service) ...")
         progress.phase(f"latency: gamma {_listed(gammas)}, draft colocated")
-        colocated = sweep(stack.gateway_address, prompts, gammas, max_new_tokens, progress=progress)
+        colocated = sweep(stack.gateway_address, prompts, gammas, max_new_tokens, progress=progress,
+                          metrics=stack.metrics_addresses["target"])
     return ours, auto, colocated
 
 
@@ -182,7 +195,14 @@ def _row(ours: dict[int, dict], gamma: int, costs: dict) -> list:
     r["overhead_ms_per_pass"] = r["ms_per_pass"] - r["compute_ms_per_pass"]
     return [gamma, r["tokens_per_s"], r["alpha"] if gamma else "-", r["mean_accepted_length"] or 1.0,
             costs["c"] if gamma else "-", r["theory"], r["theory_with_verify_cost"], r["speedup"],
-            r["of_theory"], r["ms_per_pass"], r["overhead_ms_per_pass"]]
+            r["of_theory"], *_pass_columns(r), r["overhead_ms_per_pass"]]
+
+
+def _pass_columns(r: dict) -> list:
+    """PASS_HEADERS' columns of a sweep result: ms per pass as the client saw it, then the engine's parts."""
+    parts = r.get("pass_ms")
+    return [1000 * r["seconds"] / r["passes"],
+            *([parts["target"], parts["draft"], parts["host"]] if parts else ["-", "-", "-"])]
 
 
 def _result(models: BenchModels, prompts: list[list[int]], max_new_tokens: int, costs: dict, ours: dict[int, dict],
@@ -211,7 +231,7 @@ def _report_sweeps(result: dict, rows: list[list], colocated: dict[int, dict], g
         r["speedup"] = r["tokens_per_s"] / colocated[0]["tokens_per_s"]
         r["ms_per_pass"] = 1000 * r["seconds"] / r["passes"]
         colocated_rows.append([gamma, r["tokens_per_s"], r["alpha"] if gamma else "-",
-                               r["mean_accepted_length"] or 1.0, r["speedup"], r["ms_per_pass"]])
+                               r["mean_accepted_length"] or 1.0, r["speedup"], *_pass_columns(r)])
     progress.print("\ndraft colocated in the target process:\n" + report.table(COLOCATED_HEADERS, colocated_rows))
     result["colocated"] = {g: public(colocated[g]) for g in gammas}
     result["colocated_table_markdown"] = report.markdown_table(COLOCATED_HEADERS, colocated_rows)
@@ -236,7 +256,7 @@ def _model_alone(result: dict, models: BenchModels, draft: Path, prompts: list[l
                    f"{ours[best]['mean_accepted_length']:.2f} with {models.proposer_label}")
 
 
-COMPARE_HEADERS = ["draft", "layout", "gamma", "tok/s", "x plain", "alpha", "mean acc len", "ms/pass",
+COMPARE_HEADERS = ["draft", "layout", "gamma", "tok/s", "x plain", "alpha", "mean acc len", *PASS_HEADERS,
                    "feature KB/pass"]
 
 
@@ -247,17 +267,20 @@ def _compare_draft(result: dict, models: BenchModels, other: Path, prompts: list
     (γ = 0 through the draft service). A feature draft's rows say how many kilobytes of features
     crossed to the draft per target pass (every committed position's feature once, bfloat16) and
     what encoding, the wire and decoding them cost (``feature_transport_us``)."""
-    from specstream.models.feature_draft import is_feature_draft
+    from specstream.models.feature_draft import feature_draft_layers, is_feature_draft
     from specstream.models.loader import read_config
 
     with tempfile.TemporaryDirectory() as logs, Stack(_spec(models, other, logs)) as stack:
         progress.print(f"\nthe same with {display(other)}: gamma {gammas} and auto, draft service ...")
         progress.phase(f"latency: {Path(other).name}, draft service")
-        theirs = sweep(stack.gateway_address, prompts, gammas, max_new_tokens, progress=progress)
-        theirs["auto"] = sweep(stack.gateway_address, prompts, ["auto"], max_new_tokens, progress=progress)["auto"]
+        engine = stack.metrics_addresses["target"]
+        theirs = sweep(stack.gateway_address, prompts, gammas, max_new_tokens, progress=progress, metrics=engine)
+        theirs["auto"] = sweep(stack.gateway_address, prompts, ["auto"], max_new_tokens, progress=progress,
+                               metrics=engine)["auto"]
     with tempfile.TemporaryDirectory() as logs, Stack(_spec(models, other, logs, colocate_draft=True)) as stack:
         progress.phase(f"latency: {Path(other).name}, draft colocated")
-        theirs_colocated = sweep(stack.gateway_address, prompts, gammas, max_new_tokens, progress=progress)
+        theirs_colocated = sweep(stack.gateway_address, prompts, gammas, max_new_tokens, progress=progress,
+                                 metrics=stack.metrics_addresses["target"])
     best = max((g for g in gammas if g), key=lambda g: theirs[g]["tokens_per_s"])
     with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(
             str(models.target), str(other), max_gamma=16, weights=models.weights, dtype=models.dtype,
@@ -269,7 +292,9 @@ def _compare_draft(result: dict, models: BenchModels, other: Path, prompts: list
                      {**{f"gamma {g}": theirs[g]["token_ids"] for g in gammas if g}, "auto": theirs["auto"]["token_ids"],
                       **{f"gamma {g}, colocated": theirs_colocated[g]["token_ids"] for g in gammas if g},
                       f"gamma {best}, alone": alone["token_ids"]})
-    width = read_config(models.target).hidden_size if is_feature_draft(other) else 0
+    hidden = read_config(models.target).hidden_size
+    widths = {name: hidden * len(feature_draft_layers(path)) if is_feature_draft(path) else 0
+              for name, path in ((Path(models.require_draft()).name, models.draft), (Path(other).name, other))}
     feature_tokens = sum(len(p) - 1 + max_new_tokens for p in prompts)  # every committed position, once
     plain = ours[0]["tokens_per_s"]
     rows, entries = [], {}
@@ -284,20 +309,25 @@ def _compare_draft(result: dict, models: BenchModels, other: Path, prompts: list
             if g == 0 and label != pair or g == 0 and layout == "colocated":
                 continue
             r = runs[g]
-            kb = (width * 2 * feature_tokens / r["passes"] / 1024) if label.startswith(named) and width else 0.0
+            width = widths[named if label.startswith(named) else pair]
+            kb = width * 2 * feature_tokens / r["passes"] / 1024
             rows.append([label, layout, g, r["tokens_per_s"], r["tokens_per_s"] / plain, r["alpha"] if g else "-",
-                         r["mean_accepted_length"] or 1.0, 1000 * r["seconds"] / r["passes"], kb if kb else "-"])
+                         r["mean_accepted_length"] or 1.0, *_pass_columns(r), kb if kb else "-"])
             entries[f"{label}, {layout}, gamma {g}"] = {**public(r), "speedup": r["tokens_per_s"] / plain,
                                                         "feature_kb_per_pass": kb}
     progress.print(f"\n{pair} beside {named} (x plain: gamma 0 through the draft service):\n"
                    + report.table(COMPARE_HEADERS, rows))
     compare = {"draft": display(other), "rows": entries, "best_gamma": best,
                "table_markdown": report.markdown_table(COMPARE_HEADERS, rows)}
-    if width:
-        per_pass = max(1, round(feature_tokens / theirs[best]["passes"]))  # features a pass sends, at the best γ
-        compare["feature_transport_us"] = feature_transport_us(width, per_pass)
-        compare["costs"] = measure_feature_costs(models.target, other, models.dtype,
-                                                 result["costs"]["context"])
+    # The feature draft's transport and cost as it serves: the named draft's, or else the pair's.
+    featured = next(((name, runs) for name, runs in ((named, theirs), (pair, ours)) if widths[name]), None)
+    if featured is not None:
+        name, runs = featured
+        best_of = max((g for g in gammas if g), key=lambda g: runs[g]["tokens_per_s"])
+        per_pass = max(1, round(feature_tokens / runs[best_of]["passes"]))  # features a pass sends, at its best γ
+        compare["feature_transport_us"] = feature_transport_us(widths[name], per_pass)
+        compare["costs"] = measure_feature_costs(models.target, other if name == named else models.draft,
+                                                 models.dtype, result["costs"]["context"])
         progress.print(f"feature draft: c = {compare['costs']['c']:.3f} per guess "
                        f"({compare['costs']['draft_ms_per_guess']:.2f} ms, one thread); features: encoding, the "
                        f"wire format and decoding one pass's take {compare['feature_transport_us']:.0f} us")
