@@ -260,4 +260,4 @@ def _item_to_pb(item: ProposeItem, traceparent: str) -> draft_pb2.ProposeItem:
 
 def _proposal_from_pb(pb: draft_pb2.Proposal) -> Proposal:
     return Proposal(list(pb.token_ids), pb.length, pb.q_width, list(pb.q_ids), list(pb.q_probs),
-                    **({"source": pb.proposer} if pb.proposer else {}), error=pb.error)
+                    **({"source": pb.proposer} if pb.proposer else {}), error=pb.error, key=pb.seq_id)

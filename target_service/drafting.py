@@ -25,6 +25,7 @@ and that sequence decodes without the draft from then on (its features are dropp
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from typing import Protocol
 
 from specstream.data.propose import Proposal, ProposeItem, features_expected
 from specstream.data.sampling import GREEDY
+from specstream.serving import metrics
 from target_service import tracing
 from target_service.gamma import GammaController, RowView
 from target_service.sequence import Sequence
@@ -40,7 +42,7 @@ from target_service.settle import VerifyRow
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DraftSource", "Drafting", "feature_refusal"]
+__all__ = ["MALFORMED_CAUSES", "DraftSource", "Drafting", "feature_refusal", "malformed"]
 
 _TIMING_KEY = 0  # the start-up timing's sequence: the engine numbers requests' sequences from 1
 # A feature draft's features per propose call, at most: far below the gRPC message limit (64 MiB),
@@ -116,6 +118,46 @@ def feature_refusal(layers: list[int] | tuple[int, ...], width: int, target_laye
     return ""
 
 
+# Why a draft's reply is refused for its row (``malformed``), as metrics label them.
+MALFORMED_CAUSES = metrics.MALFORMED_CAUSES
+_Q_SUM_TOLERANCE = 1e-3  # a q row's probabilities sum to 1 within this (float32 rounding of a softmax)
+
+
+def malformed(reply: Proposal, item: ProposeItem, gamma: int, vocab_size: int, greedy: bool) -> tuple[str, str]:
+    """(cause, why) when ``reply`` to ``item`` (asked for ``gamma`` guesses) cannot be verified as
+    it stands, else ("", ""): it names another sequence, has more tokens than asked, a token id
+    outside the target's vocabulary, a held length past what it was sent and guessed, or (a sampled
+    row) a q table that is not one distribution per token with the token drawn in its support."""
+    if reply.key is not None and reply.key != item.key:
+        return "seq_id", f"Proposal.seq_id={reply.key!r} answers ProposeItem.seq_id={item.key!r}"
+    tokens = reply.tokens
+    if len(tokens) > gamma:
+        return "tokens", f"Proposal.token_ids has {len(tokens)} tokens for gamma={gamma}"
+    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        return "token_id", f"Proposal.token_ids holds {bad}, outside the target's vocabulary of {vocab_size}"
+    most = item.rollback_to + len(item.append) + len(tokens)
+    if reply.length > most:
+        return "length", (f"Proposal.length={reply.length}: more than the {most} tokens it was sent and "
+                          "guessed")
+    if greedy or not reply.q_width or not tokens:
+        return "", ""
+    width, size = reply.q_width, len(tokens) * reply.q_width
+    ids, probs = reply.q_ids, reply.q_probs
+    if len(ids) != size or len(probs) != size:
+        return "q", (f"Proposal.q_width={width}: q_ids has {len(ids)} and q_probs {len(probs)} entries for "
+                     f"{len(tokens)} tokens")
+    for i, token in enumerate(tokens):
+        row_ids, row_probs = ids[i * width:(i + 1) * width], probs[i * width:(i + 1) * width]
+        if not all(0 <= t < vocab_size for t in row_ids) or not all(0.0 <= q <= 1.0 for q in row_probs):
+            return "q", f"Proposal.q row {i}: an id outside the vocabulary or a probability outside [0, 1] (or NaN)"
+        if abs(math.fsum(row_probs) - 1.0) > _Q_SUM_TOLERANCE:
+            return "q", f"Proposal.q row {i} sums to {math.fsum(row_probs)!r}, not 1"
+        if not any(t == token and q > 0.0 for t, q in zip(row_ids, row_probs)):
+            return "q", f"Proposal.q row {i} gives no probability to the token it drew ({token})"
+    return "", ""
+
+
 @dataclass
 class _Held:
     length: int = 0  # leading tokens the draft holds that agree with the sequence
@@ -129,6 +171,8 @@ class Drafting:
     vocab_size: int  # the target's: proposals at or past it are cut
     fed: int = 0  # tokens the last propose call fed the draft before it guessed (for the cost model)
     refusals: Counter = field(default_factory=Counter)  # items the draft refused, by field
+    malformed_replies: Counter = field(default_factory=Counter)  # replies refused as malformed, by cause
+    on_malformed: Callable[[str], None] | None = None  # called with the cause of each (metrics)
     _held: dict[int, _Held] = field(default_factory=dict)
 
     @property
@@ -201,11 +245,13 @@ class Drafting:
                                        [tracing.sequence_traceparent(rows[i]) for i in sent])
         if replies is None:
             return checks
-        for i, reply in zip(sent, replies):
+        for i, item, reply in zip(sent, items, replies):
             seq = rows[i]
-            checks[i] = self._check(seq, reply, gammas[i])
-            # Beyond the context the draft holds its own guesses; `settle` keeps the part the target agreed with.
-            self._held[seq.seq_id].length = reply.length
+            checks[i] = self._check(seq, reply, gammas[i], item)
+            # Beyond the context the draft holds its own guesses; `settle` keeps the part the target
+            # agreed with. It cannot hold more than it was sent and guessed (a malformed length: 0).
+            most = item.rollback_to + len(item.append) + len(reply.tokens)
+            self._held[seq.seq_id].length = reply.length if reply.length <= most else 0
             seq.draft_tokens += len(checks[i].proposals)
         return checks
 
@@ -270,32 +316,35 @@ class Drafting:
         await source.release([_TIMING_KEY])
         return timed
 
-    def _check(self, seq: Sequence, reply: Proposal, gamma: int) -> VerifyRow:
-        """The usable part of a reply, as a VerifyRow to verify: tokens the target can score, with the q
-        table when the row samples (none from a model-free proposer: point masses). A malformed
-        table is a draft bug; its proposals are dropped rather than trusted."""
-        vocab = self.vocab_size
+    def _check(self, seq: Sequence, reply: Proposal, gamma: int, item: ProposeItem) -> VerifyRow:
+        """The reply as a VerifyRow to verify: its tokens, with the q table when the row samples
+        (none from a model-free proposer: point masses). A reply is untrusted input: one that is
+        malformed (``malformed``) is refused for this row, which then decodes plainly this pass,
+        counted by cause in ``malformed_replies`` and logged once per cause. A reply in which the
+        draft says it could not read what it was sent (``Proposal.error``) ends this sequence's
+        drafting (its features are dropped)."""
+        row = VerifyRow(seq.sampling, len(seq.tokens), logprobs=seq.logprobs, source=reply.source)
         if reply.error:  # the draft could not read what it was sent: this sequence decodes without it
             field_name = reply.error.split("=")[0].split(":")[0]
             if not self.refusals[field_name]:
                 log.warning("draft refused sequence %d (logged once per field): %s", seq.seq_id, reply.error)
             self.refusals[field_name] += 1
             seq.features = None
-        tokens = list(reply.tokens[:gamma])
-        cut = next((j for j, t in enumerate(tokens) if t >= vocab), len(tokens))
-        row = VerifyRow(seq.sampling, len(seq.tokens), tokens[:cut], logprobs=seq.logprobs,
-                  source=reply.source, drafted=len(tokens))
-        width = reply.q_width
-        if seq.sampling.greedy or not width or not row.proposals:
             return row
-        size = len(row.proposals) * width
-        ids, probs = reply.q_ids[:size], reply.q_probs[:size]
-        if len(ids) != size or len(probs) != size or max(ids) >= vocab or min(probs) < 0.0 \
-                or not sum(probs) < float("inf"):  # also catches NaN
-            log.warning("draft sent a malformed q for sequence %d; ignoring its proposals", seq.seq_id)
-            row.proposals = []
+        cause, why = malformed(reply, item, gamma, self.vocab_size, greedy=seq.sampling.greedy)
+        # The positions it drew a guess for, kept or not: settle never races SAMPLE noise there.
+        row.drafted = min(len(reply.tokens), gamma)
+        if cause:
+            if not self.malformed_replies[cause]:
+                log.warning("draft sent a malformed reply for sequence %d, which decodes plainly this pass "
+                            "(logged once per cause, counted in metrics): %s", seq.seq_id, why)
+            self.malformed_replies[cause] += 1
+            if self.on_malformed is not None:
+                self.on_malformed(cause)
             return row
-        row.q_width, row.q_ids, row.q_probs = width, ids, probs
+        row.proposals = list(reply.tokens)
+        if not seq.sampling.greedy and reply.q_width and row.proposals:
+            row.q_width, row.q_ids, row.q_probs = reply.q_width, list(reply.q_ids), list(reply.q_probs)
         return row
 
     def settle(self, seq: Sequence, check: VerifyRow, accepted: int) -> None:

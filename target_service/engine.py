@@ -133,6 +133,7 @@ class Engine:
         # Prometheus counters (specstream/serving/metrics.py); the gauges read the queues when scraped.
         self.metrics = metrics or TargetMetrics(config.max_gamma, config.batch_rows)
         self.metrics.watch_sequences(running=lambda: len(self.running), waiting=lambda: len(self.waiting))
+        self.drafting.on_malformed = self.metrics.observe_malformed
         self._background: set[asyncio.Task] = set()
         if draft is not None:  # the gateway learns of a draft (re)connecting without waiting for a step
             draft.watch(self._report_load)

@@ -62,6 +62,8 @@ class Proposal:
     # Non-empty when the proposer refused the item (its features of the wrong dtype, width or
     # count): names the field and the value; then tokens is empty and length 0.
     error: str = ""
+    # The sequence the reply names, where it crossed a wire (the target checks it is the item's); None in process.
+    key: Hashable | None = None
 
 
 class Proposer(Protocol):

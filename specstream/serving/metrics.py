@@ -38,6 +38,9 @@ FINISH_REASONS = ("length", "stop", "eos")
 # The parts of a decode pass (TargetMetrics.pass_seconds): the target's compute call, waiting for
 # the draft, and the engine's host work around them.
 PASS_PARTS = ("target", "draft", "host")
+# Why a draft's reply is refused for its row (target_service/drafting.py's MALFORMED_CAUSES, which
+# this module cannot import: the gateway imports it without the target's code).
+MALFORMED_CAUSES = ("seq_id", "tokens", "token_id", "length", "q")
 
 
 def finish_reason_label(value: int) -> str:
@@ -175,6 +178,15 @@ class TargetMetrics:
         self._pass_parts = {part: self.pass_seconds.labels(part=part) for part in PASS_PARTS}
         self.passes = Counter(f"{PREFIX}decode_passes", "Decode passes that prefilled nothing (the passes "
                               "decode_pass_seconds times).", registry=r)
+        # Draft replies refused as malformed (target_service/drafting.py, ``malformed``): the row decodes plainly.
+        self.malformed_replies = Counter(f"{PREFIX}draft_replies_malformed",
+                                         "Draft replies refused for their row as malformed, by cause: seq_id "
+                                         "(names another sequence), tokens (more than asked), token_id (outside "
+                                         "the vocabulary), length (holds more than it was sent and guessed), q "
+                                         "(not a distribution per token, or none on the token drawn).",
+                                         ["cause"], registry=r)
+        for cause in MALFORMED_CAUSES:  # exported at 0 from the start
+            self.malformed_replies.labels(cause=cause)
         # Beam search (target_service/beam.py).
         self.beam_width = Histogram(f"{PREFIX}beam_width", "Running hypotheses of a beam request at each step it is "
                                     "expanded (variable width prunes below num_beams).",
@@ -213,6 +225,9 @@ class TargetMetrics:
         self.passes.inc()
         for part, value in seconds.items():
             self._pass_parts[part].inc(value)
+
+    def observe_malformed(self, cause: str) -> None:
+        self.malformed_replies.labels(cause=cause).inc()
 
     def observe_step(self, rows: int) -> None:
         """A decode step expanded `rows` rows."""

@@ -36,6 +36,7 @@ EXPECTED = {
         "specstream:engine_steps_total": "counter",
         "specstream:decode_pass_seconds_total": "counter",
         "specstream:decode_passes_total": "counter",
+        "specstream:draft_replies_malformed_total": "counter",
         "specstream:spec_decode_gamma": "histogram",
         "specstream:gamma_controller_alpha": "gauge",
         "specstream:gamma_controller_cost_seconds": "gauge",
