@@ -65,12 +65,16 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             await loop.run_in_executor(self._compute, self.proposer.release, list(keys))
 
     async def GetInfo(self, request, context):  # noqa: N802
-        proposer = self.proposer
-        return draft_pb2.DraftInfo(model_name=proposer.name, vocab_size=proposer.vocab_size,
-                                   max_context_length=proposer.max_len, held_sequences=proposer.held,
-                                   free_slots=proposer.free_slots,
-                                   feature_layers=list(getattr(proposer, "feature_layers", ())),
-                                   feature_width=getattr(proposer, "feature_width", 0))
+        return draft_info(self.proposer)
+
+
+def draft_info(proposer: Proposer) -> draft_pb2.DraftInfo:
+    """What a draft service says of its proposer (`GetInfo`)."""
+    return draft_pb2.DraftInfo(model_name=proposer.name, vocab_size=proposer.vocab_size,
+                               max_context_length=proposer.max_len, held_sequences=proposer.held,
+                               free_slots=proposer.free_slots,
+                               feature_layers=list(getattr(proposer, "feature_layers", ())),
+                               feature_width=getattr(proposer, "feature_width", 0))
 
 
 async def serve(config: DraftConfig) -> None:

@@ -40,3 +40,30 @@ def test_the_oracle_flags_wrong_codes_wrong_fields_and_crashes() -> None:
     assert Outcome(invalid, OK, None, 0.0).wrong  # served what it should have refused
     assert Outcome(invalid, "INTERNAL", None, 0.0).crash
     assert Outcome(Case("http-valid", b"", frozenset(["200"])), "502", None, 0.0).crash
+
+
+def test_a_hostile_draft_costs_nothing_but_plain_passes(model_zoo, tmp_path) -> None:
+    """`specstream fuzz --draft-side` on the tiny pair: a draft corrupting 40% of its replies (every
+    cause: another sequence's id, too many tokens, ids outside the vocabulary, a held length it
+    cannot have, sampled rows' q tables that are not distributions) behind a real target and
+    gateway. Every answer equals speculation=off (coupled sampling: sampled ones too), the target
+    refused exactly the corrupted replies per cause, the clean ones were still accepted, and the
+    stack serves afterwards."""
+    import json
+    import subprocess
+    import sys
+
+    from specstream.serving.metrics import MALFORMED_CAUSES
+
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "specstream.tools.cli", "fuzz", "--draft-side", "--target",
+                             str(model_zoo["target"]), "--draft", str(model_zoo["partial"]), "--dtype", "float32",
+                             "--cases", "48", "--corrupt", "0.4", "--concurrency", "4", "--seed", "3", "--quiet",
+                             "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((out / "fuzz_draft_side.json").read_text())
+    assert report["ok"] and report["requests"] == 48 and report["mismatches"] == report["failures"] == 0
+    assert 0 < report["sampled"] < 48 and report["accepted_tokens"] > 0 and report["serving_after"]
+    assert set(report["injected"]) == set(MALFORMED_CAUSES), report["injected"]  # every cause was tried
+    assert report["refused"] == report["injected"]
+    assert "refused by the target" in result.stdout

@@ -24,6 +24,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cases", type=int, default=10_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--draft-side", action="store_true",
+                   help="fuzz the target with a hostile draft instead (its replies corrupted, a --corrupt fraction "
+                        "of them, around the pair's real draft): every answer must equal speculation=off, and "
+                        "the target must refuse, per cause, exactly the replies corrupted; --cases requests")
+    p.add_argument("--corrupt", type=float, default=0.25, help="with --draft-side: the fraction of replies corrupted")
     quiet_flag(p)
     p.set_defaults(func=cmd_fuzz)
 
@@ -59,6 +64,9 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     from specstream.tools.reliability.fuzz import fuzz
     from specstream.tools.reliability.runner import gateway_of
 
+    if args.draft_side:
+        return _fuzz_draft_side(args)
+
     # A stack of its own answers at most 4 tokens, so random bytes that parse stay cheap.
     with gateway_of(None if args.gateway else bench_models(args), args.gateway, args.http,
                     max_new_tokens_limit=4) as where:
@@ -72,6 +80,32 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         print("  ", example)
     write_json(Path(args.out) / "fuzz.json", report.to_dict())
     return 0 if report.crashes == report.wrong == 0 and report.serving_after else 1
+
+
+def _fuzz_draft_side(args: argparse.Namespace) -> int:
+    from specstream.tools.bench.report import table, write_json
+    from specstream.tools.reliability.draft_fuzz import fuzz_draft_side
+
+    if args.gateway:
+        print("specstream fuzz: error: --draft-side starts a stack of its own around the hostile draft; --gateway "
+              "is not supported", file=sys.stderr)
+        return 2
+    if not 0.0 < args.corrupt <= 1.0:
+        print(f"specstream fuzz: error: --corrupt={args.corrupt}: must be in (0, 1]", file=sys.stderr)
+        return 2
+    report = fuzz_draft_side(bench_models(args), requests=args.cases, seed=args.seed, rate=args.corrupt,
+                             concurrency=args.concurrency, quiet=args.quiet)
+    print(table(["cause", "replies corrupted", "refused by the target"],
+                [[cause, report.injected.get(cause, 0), report.refused.get(cause, 0)]
+                 for cause in sorted({*report.injected, *report.refused})]))
+    print(f"{report.requests} requests ({report.sampled} sampled) in {report.seconds:.1f} s (seed {report.seed}), "
+          f"{report.replies} draft replies: {report.mismatches} answers differ from speculation=off, "
+          f"{report.failures} failed, {report.accepted_tokens} guesses accepted; serving afterwards: "
+          f"{report.serving_after}")
+    for example in report.examples:
+        print("  ", example)
+    write_json(Path(args.out) / "fuzz_draft_side.json", report.to_dict())
+    return 0 if report.ok else 1
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
