@@ -309,7 +309,7 @@ def _compare_draft(result: dict, models: BenchModels, other: Path, prompts: list
             if g == 0 and label != pair or g == 0 and layout == "colocated":
                 continue
             r = runs[g]
-            width = widths[named if label.startswith(named) else pair]
+            width = widths[named if label.startswith(named) else pair] if g else 0  # γ 0 asks the draft nothing
             kb = width * 2 * feature_tokens / r["passes"] / 1024
             rows.append([label, layout, g, r["tokens_per_s"], r["tokens_per_s"] / plain, r["alpha"] if g else "-",
                          r["mean_accepted_length"] or 1.0, *_pass_columns(r), kb if kb else "-"])
