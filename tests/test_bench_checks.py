@@ -117,6 +117,7 @@ def test_checks_still_fail_under_python_O():
 
 class _FakeStack:
     gateway_address = "fake:0"
+    metrics_addresses = {"target": "fake-metrics:0"}  # the fake sweep reads nothing from it
 
     def __init__(self, *args, **kwargs):
         pass
@@ -131,6 +132,7 @@ class _FakeStack:
 def _fake_models(tmp_path: Path) -> SimpleNamespace:
     return SimpleNamespace(label="fake", target=tmp_path / "target", draft=tmp_path / "draft", dtype="float32",
                            gguf=None, weights="auto", chat=False, require_draft=lambda: tmp_path / "draft",
+                           feature_draft=False, assistant=tmp_path / "draft",
                            prompts=lambda n: [[1, 2, 3]] * n, proposer="model", proposer_label="our draft",
                            proposing={"proposer": "model", "ngram_max": 4, "ngram_min": 1})
 
@@ -140,7 +142,7 @@ CHANGED = [[10, 11, 12], [20, 77, 22]]  # prompt 1, position 1
 
 
 def _fake_sweep(outputs: dict[int, list[list[int]]]):
-    def sweep(address, prompts, gammas, max_new_tokens, temperature=0.0, progress=None):
+    def sweep(address, prompts, gammas, max_new_tokens, temperature=0.0, progress=None, metrics=None):
         if progress is not None:
             progress.update(len(gammas) * len(prompts))  # one generation per (γ, prompt), as the real sweep
         # "auto" (the γ controller) answers as plain decoding does unless told otherwise.
