@@ -598,6 +598,13 @@ def test_dockerfile_builds_the_package_with_its_demo_models(name: str, objects: 
     link, model = env["SPECSTREAM_DRAFT_MODEL"].rsplit("/", 1)
     assert f" {link}" in run and "/drafts\" " in run
     assert (ROOT / "specstream" / "drafts" / model / "config.json").is_file()
+    assert f"test -f {link}/{model}/model.safetensors" in run  # the build checks the draft it serves
+    # Every layout's draft (the GPU component names the token draft) is one the image holds too.
+    for layout, docs in objects.items():
+        for name, c in _by_kind(docs, "ConfigMap").items():
+            draft = c["data"].get("SPECSTREAM_DRAFT_MODEL") if name.startswith("specstream-config") else None
+            if draft:
+                assert draft.rsplit("/", 1)[0] == link and f"test -f {draft}/model.safetensors" in run, layout
 
 
 def test_cpu_image_installs_the_pinned_cpu_torch() -> None:
