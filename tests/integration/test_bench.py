@@ -344,3 +344,44 @@ def test_bench_step_measures_the_bound_the_verify_curve_and_the_host_work(model_
     assert goals["served decoding, noisy ÷ quiet"]["met"] == (served["noisy_over_quiet"] >= 0.9)
     assert (tmp_path / "step.json").exists() and (tmp_path / "step.png").stat().st_size > 1000
     assert "bandwidth" in capsys.readouterr().out
+
+
+def test_bench_overlap_times_each_side_alone_and_side_by_side(model_zoo, tmp_path):
+    """`bench overlap` on the tiny pair (float32): the target's verify and the draft's propose call,
+    each alone and while the other runs back to back, in two processes; the passes it derives follow
+    from what it measured."""
+    from specstream.tools.bench import overlap
+    from specstream.tools.bench.models import BenchModels
+
+    models = BenchModels("zoo", model_zoo["target"], model_zoo["partial"], "float32")
+    data = overlap.run(models, tmp_path, gammas=[1, 3], seconds=0.2, quiet=True)
+    assert set(data["gammas"]) == {1, 3}
+    for gamma, e in data["gammas"].items():
+        assert min(e["verify_ms"], e["verify_draft_busy_ms"], e["draft_ms"], e["draft_target_busy_ms"]) > 0, gamma
+        assert e["sequential_ms"] == same(e["verify_ms"] + e["draft_ms"])
+        assert e["overlapped_ms"] == same(overlap.overlapped_pass_ms(e["verify_ms"], e["verify_draft_busy_ms"],
+                                                                     e["draft_ms"], e["draft_target_busy_ms"]))
+        assert e["wrong_guess_ms"] == same(max(e["overlapped_ms"] - e["verify_ms"], 0.0))
+    json_data = json.loads((tmp_path / "overlap.json").read_text())
+    assert set(json_data["gammas"]) == {"1", "3"} and (tmp_path / "overlap.png").stat().st_size > 1000
+
+
+def test_an_overlapped_pass_runs_both_at_their_shared_speed_until_the_first_ends():
+    from specstream.tools.bench.overlap import overlapped_pass_ms
+
+    # The draft (2 ms, 4 beside the target) ends first, at 4 ms: the target did 4/10 of its 5 ms meanwhile.
+    assert overlapped_pass_ms(5.0, 10.0, 2.0, 4.0) == same(4.0 + 0.6 * 5.0)
+    # The target ends first: symmetric.
+    assert overlapped_pass_ms(1.0, 2.0, 3.0, 6.0) == same(2.0 + (1 - 2.0 / 6.0) * 3.0)
+    # Side by side at full speed: the longer of the two.
+    assert overlapped_pass_ms(5.0, 5.0, 2.0, 2.0) == same(5.0)
+    # Whenever sharing slows each side down, the overlapped pass lies between the longer side alone
+    # and the longer side at its shared speed.
+    import random
+
+    rng = random.Random(0)
+    for _ in range(1000):
+        v, d = rng.uniform(0.1, 10), rng.uniform(0.1, 10)
+        v_busy, d_busy = v * rng.uniform(1, 3), d * rng.uniform(1, 3)
+        o = overlapped_pass_ms(v, v_busy, d, d_busy)
+        assert max(v, d) - 1e-9 <= o <= max(v_busy, d_busy) + 1e-9, (v, v_busy, d, d_busy, o)

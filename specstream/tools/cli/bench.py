@@ -129,10 +129,17 @@ def _step(args: argparse.Namespace, out: Path) -> None:
     step.run(bench_models(args), out, quiet=args.quiet, compiled=args.compiled)
 
 
+def _overlap(args: argparse.Namespace, out: Path) -> None:
+    from specstream.tools.bench import overlap
+
+    overlap.run(bench_models(args), out, gammas=_numbers(args.gammas), quiet=args.quiet)
+
+
 # `specstream bench KIND`: KIND's entry, called with the flags and --out (made beforehand).
 BENCHES: dict[str, Callable[[argparse.Namespace, Path], None]] = {
     "latency": _latency, "sampling": _sampling, "synthetic": _synthetic, "throughput": _throughput,
     "profile": _profile, "gamma": _gamma, "kernels": _kernels, "beam": _beam, "step": _step,
+    "overlap": _overlap,
 }
 
 
@@ -165,7 +172,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "kernels: the output layer, fused kernels against unfused torch; "
                         "beam: FIXED / VAR-BATCH / VAR-STREAM / VAR-STR-FIFO beam search and transformers' beams; "
                         "step: one decode step against the bandwidth bound, verify cost by positions, host work "
-                        "per engine step, a noisy neighbour, and (when installed) llama.cpp")
+                        "per engine step, a noisy neighbour, and (when installed) llama.cpp; "
+                        "overlap: the target's verify and the draft's propose call alone and side by side, and "
+                        "what drafting while the target verifies could save (--gammas, default 1,2,4)")
     pair_flags(p, dtype_help="default: the --models pair's")
     p.add_argument("--out", default="bench-results", help="directory for JSON and PNG output")
     p.add_argument("--prompts", type=int, default=None, help="prompts per workload (default 8; gamma 4)")
