@@ -25,7 +25,6 @@ and that sequence decodes without the draft from then on (its features are dropp
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -142,18 +141,26 @@ def malformed(reply: Proposal, item: ProposeItem, gamma: int, vocab_size: int, g
                           "guessed")
     if greedy or not reply.q_width or not tokens:
         return "", ""
+    # Builtins over whole lists (C loops): a sampled row's table is γ × q_support entries a pass.
     width, size = reply.q_width, len(tokens) * reply.q_width
     ids, probs = reply.q_ids, reply.q_probs
     if len(ids) != size or len(probs) != size:
         return "q", (f"Proposal.q_width={width}: q_ids has {len(ids)} and q_probs {len(probs)} entries for "
                      f"{len(tokens)} tokens")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        return "q", f"Proposal.q_ids holds an id outside the target's vocabulary of {vocab_size}"
+    if not (min(probs) >= 0.0 and max(probs) <= 1.0):
+        return "q", "Proposal.q_probs holds a probability outside [0, 1]"
     for i, token in enumerate(tokens):
-        row_ids, row_probs = ids[i * width:(i + 1) * width], probs[i * width:(i + 1) * width]
-        if not all(0 <= t < vocab_size for t in row_ids) or not all(0.0 <= q <= 1.0 for q in row_probs):
-            return "q", f"Proposal.q row {i}: an id outside the vocabulary or a probability outside [0, 1] (or NaN)"
-        if abs(math.fsum(row_probs) - 1.0) > _Q_SUM_TOLERANCE:
-            return "q", f"Proposal.q row {i} sums to {math.fsum(row_probs)!r}, not 1"
-        if not any(t == token and q > 0.0 for t, q in zip(row_ids, row_probs)):
+        at = i * width
+        total = sum(probs[at:at + width])  # NaN stays NaN, and fails the test below
+        if not abs(total - 1.0) <= _Q_SUM_TOLERANCE:
+            return "q", f"Proposal.q row {i} sums to {total!r}, not 1 (or holds NaN)"
+        try:
+            drawn = ids.index(token, at, at + width)
+        except ValueError:
+            drawn = -1
+        if drawn < 0 or not probs[drawn] > 0.0:
             return "q", f"Proposal.q row {i} gives no probability to the token it drew ({token})"
     return "", ""
 
