@@ -54,7 +54,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                         proposals = await loop.run_in_executor(self._compute, self.proposer.propose, items)
                     tracing.record_propose(request, proposals, started, time.time_ns())
                     response.step = batch.step
-                    response.proposals.extend(proposal_to_pb(it.seq_id, p) for it, p in zip(batch.items, proposals))
+                    response.proposals.extend(self.reply(it, p) for it, p in zip(batch.items, proposals))
                 elif request.WhichOneof("kind") == "release":
                     released = [(stream, seq_id) for seq_id in request.release.seq_ids]
                     await loop.run_in_executor(self._compute, self.proposer.release, released)
@@ -66,6 +66,10 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
 
     async def GetInfo(self, request, context):  # noqa: N802
         return draft_info(self.proposer)
+
+    def reply(self, item: draft_pb2.ProposeItem, proposal) -> draft_pb2.Proposal:
+        """The wire form of the proposer's answer to ``item`` (a fuzzing probe overrides it)."""
+        return proposal_to_pb(item.seq_id, proposal)
 
 
 def draft_info(proposer: Proposer) -> draft_pb2.DraftInfo:

@@ -2,8 +2,8 @@
 reply is untrusted input to the target (target_service/drafting.py, ``malformed``); this probe
 proves that with real processes and the real draft's guesses.
 
-``HostileDraft`` is a `Draft` gRPC servicer around the real proposer (the pair's draft, built as the
-draft service builds it) that corrupts a seeded fraction of its replies, one way each, and counts
+``HostileDraft`` is the draft service's own servicer around the real proposer (the pair's draft,
+built as the draft service builds it) that corrupts a seeded fraction of its replies, one way each, and counts
 what it did per cause: a reply naming another sequence (``seq_id``), more tokens than asked
 (``tokens``), an id outside the vocabulary (``token_id``), a held length past what it was sent and
 guessed (``length``), and for sampled rows a q table that is not a distribution per token (a row's
@@ -24,7 +24,6 @@ What it does not know: the public API's validation (``fuzz.py`` fuzzes that).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import math
 import random
 import tempfile
@@ -36,10 +35,9 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
-from draft_service.server import draft_info
-from draft_service.wire import item_from_pb, proposal_to_pb
+from draft_service.server import DraftServicer
 from specstream.data.propose import Proposer
-from specstream.serving.metrics import MALFORMED_CAUSES
+from specstream.serving.metrics import MALFORMED_CAUSES, DraftMetrics
 from specstream.tools.progress import Progress
 from specstream_pb import draft_pb2, draft_pb2_grpc
 
@@ -49,49 +47,25 @@ TIMING_SEQ = 0  # the target's start-up timing of the draft (target_service/draf
 OUTSIDE = 1 << 24  # token ids from here on are outside any vocabulary this serves
 
 
-class HostileDraft(draft_pb2_grpc.DraftServicer):
-    """The real proposer's replies, ``rate`` of them corrupted (seeded); ``injected`` counts each cause."""
+class HostileDraft(DraftServicer):
+    """The real draft service around the real proposer, ``rate`` of its replies corrupted (seeded);
+    ``injected`` counts each cause."""
 
     def __init__(self, proposer: Proposer, compute: ThreadPoolExecutor, vocab_size: int, rate: float,
                  seed: int) -> None:
-        self.proposer, self.vocab_size, self.rate = proposer, vocab_size, rate
-        self._compute = compute
+        super().__init__(proposer, compute, DraftMetrics())
+        self.vocab_size, self.rate = vocab_size, rate
         self._rng = random.Random(seed)
-        self._streams = itertools.count(1)
         self.injected: Counter = Counter()
         self.replies = 0  # replies to the target's sequences (the timing's aside), corrupted or not
 
-    async def GetInfo(self, request, context):  # noqa: N802 - as the real draft service answers
-        return draft_info(self.proposer)
-
-    async def Speculate(self, request_iterator, context):  # noqa: N802
-        stream = next(self._streams)
-        loop = asyncio.get_running_loop()
-        keys: set = set()
-        try:
-            async for request in request_iterator:
-                response = draft_pb2.ProposeResponse()
-                if request.WhichOneof("kind") == "propose":
-                    batch = request.propose
-                    items = [item_from_pb((stream, it.seq_id), it) for it in batch.items]
-                    keys.update(item.key for item in items)
-                    proposals = await loop.run_in_executor(self._compute, self.proposer.propose, items)
-                    response.step = batch.step
-                    for item, proposal in zip(batch.items, proposals):
-                        pb = proposal_to_pb(item.seq_id, proposal)
-                        if item.seq_id != TIMING_SEQ:
-                            self.replies += 1
-                            if pb.token_ids and self._rng.random() < self.rate:
-                                self.injected[self._corrupt(pb, item)] += 1
-                        response.proposals.append(pb)
-                elif request.WhichOneof("kind") == "release":
-                    released = [(stream, seq_id) for seq_id in request.release.seq_ids]
-                    await loop.run_in_executor(self._compute, self.proposer.release, released)
-                    keys.difference_update(released)
-                response.held_sequences = self.proposer.held
-                yield response
-        finally:
-            await loop.run_in_executor(self._compute, self.proposer.release, list(keys))
+    def reply(self, item: draft_pb2.ProposeItem, proposal) -> draft_pb2.Proposal:
+        pb = super().reply(item, proposal)
+        if item.seq_id != TIMING_SEQ:
+            self.replies += 1
+            if pb.token_ids and self._rng.random() < self.rate:
+                self.injected[self._corrupt(pb, item)] += 1
+        return pb
 
     def _corrupt(self, pb: draft_pb2.Proposal, item: draft_pb2.ProposeItem) -> str:
         """Corrupts ``pb`` one way, drawn at random among those that apply; returns the cause."""
