@@ -77,11 +77,6 @@ class EngineTimings:
     decode_compute_s: float = 0.0
     decode_draft_s: float = 0.0  # waiting for the proposals: building the items, the draft's round trip
 
-    @property
-    def host_s(self) -> float:
-        """The iterations less the compute call and the wait for the draft."""
-        return max(0.0, self.decode_s - self.decode_compute_s - self.decode_draft_s)
-
 
 def feature_bytes(hidden: torch.Tensor) -> bytes:
     """hidden [n, feature width] -> the bytes of its n features in bfloat16, as a feature draft reads them."""

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from specstream.tools.bench import report
+from specstream.tools.bench.latency import display
 from specstream.tools.bench.models import BenchModels
 from specstream.tools.progress import Progress
 
@@ -90,7 +91,7 @@ def run(models: BenchModels, out_dir: Path, gammas: list[int] | None = None, sec
                 queue.put(("quit", 0))
             for p in procs:
                 p.join(30)
-    rows, data = [], {"models": models.label, "target": str(models.target), "draft": str(models.draft),
+    rows, data = [], {"models": models.label, "target": display(models.target), "draft": display(models.draft),
                       "dtype": models.dtype, "context": CONTEXT, "gammas": {}}
     for gamma in gammas:
         v, v_b = measured[("target", "alone", gamma)], measured[("target", "timed", gamma)]
@@ -114,9 +115,9 @@ def run(models: BenchModels, out_dir: Path, gammas: list[int] | None = None, sec
 
 
 # ----- the two processes ------------------------------------------------------------------------
-def _serve_commands(side: str, commands, results, once, busy_loop) -> None:
+def _serve_commands(side: str, commands, results, once) -> None:
     """Answers (command, γ): "alone"/"timed" -> the median ms of ``once(γ)`` over the spec's seconds;
-    "busy" -> ``busy_loop`` until "stop", then the mean ms of its calls."""
+    "busy" -> ``once(γ)`` back to back until "stop", then the mean ms of its calls."""
     try:
         while True:
             command, gamma = commands.get()
@@ -128,7 +129,7 @@ def _serve_commands(side: str, commands, results, once, busy_loop) -> None:
                 calls, spent = 0, 0.0
                 while commands.empty():
                     began = time.perf_counter()
-                    busy_loop(gamma)
+                    once(gamma)
                     spent += time.perf_counter() - began
                     calls += 1
                 commands.get()  # "stop"
@@ -171,7 +172,7 @@ def _target_side(spec: dict, commands, results) -> None:
             with torch.inference_mode():
                 model(torch.zeros(1, gamma + 1, dtype=torch.int64), cache, slot, start)  # [1, γ+1] positions
 
-        _serve_commands("target", commands, results, verify, verify)
+        _serve_commands("target", commands, results, verify)
 
 
 def _draft_side(spec: dict, commands, results) -> None:
@@ -196,4 +197,4 @@ def _draft_side(spec: dict, commands, results) -> None:
     def call(gamma: int) -> None:  # one new token after the context, γ guesses; the state rolls back each time
         proposer.propose([item(CONTEXT, 1, gamma)])
 
-    _serve_commands("draft", commands, results, call, call)
+    _serve_commands("draft", commands, results, call)

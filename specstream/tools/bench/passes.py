@@ -16,20 +16,26 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specstream.serving.metrics import PASS_PARTS, PREFIX
 
-__all__ = ["per_pass_ms", "read_counters"]
+__all__ = ["metric_samples", "per_pass_ms", "read_counters"]
 
 
-def read_counters(address: str, timeout_s: float = 10.0) -> dict[str, float]:
-    """{"passes": n, part: seconds for each PASS_PARTS} from the target at ``address`` (host:port of its /metrics)."""
+def metric_samples(address: str, name: str, timeout_s: float = 10.0) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample called ``name`` that the process at ``address`` (host:port of
+    its /metrics) exports now."""
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout_s) as reply:
         text = reply.read().decode()
+    return [(sample.labels, sample.value) for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == name]
+
+
+def read_counters(address: str) -> dict[str, float]:
+    """{"passes": n, part: seconds for each PASS_PARTS} from the target at ``address`` (host:port of its /metrics)."""
     counters = dict.fromkeys(("passes", *PASS_PARTS), 0.0)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == f"{PREFIX}decode_passes_total":
-                counters["passes"] = sample.value
-            elif sample.name == f"{PREFIX}decode_pass_seconds_total" and sample.labels.get("part") in PASS_PARTS:
-                counters[sample.labels["part"]] = sample.value
+    for _, value in metric_samples(address, f"{PREFIX}decode_passes_total"):
+        counters["passes"] = value
+    for labels, value in metric_samples(address, f"{PREFIX}decode_pass_seconds_total"):
+        if labels.get("part") in PASS_PARTS:
+            counters[labels["part"]] = value
     return counters
 
 

@@ -37,7 +37,8 @@ import grpc
 
 from draft_service.server import DraftServicer
 from specstream.data.propose import Proposer
-from specstream.serving.metrics import MALFORMED_CAUSES, DraftMetrics
+from specstream.serving.metrics import MALFORMED_CAUSES, PREFIX, DraftMetrics
+from specstream.tools.bench.passes import metric_samples
 from specstream.tools.progress import Progress
 from specstream_pb import draft_pb2, draft_pb2_grpc
 
@@ -240,15 +241,8 @@ def _example(report: DraftFuzzReport, case: dict, what: str) -> None:
 
 
 def _refused(address: str) -> dict[str, float]:
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
+    """The target's count of malformed draft replies, by cause."""
     counts = dict.fromkeys(MALFORMED_CAUSES, 0.0)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "specstream:draft_replies_malformed_total":
-                counts[sample.labels["cause"]] = sample.value
+    for labels, value in metric_samples(address, f"{PREFIX}draft_replies_malformed_total"):
+        counts[labels["cause"]] = value
     return counts
