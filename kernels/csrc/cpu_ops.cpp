@@ -498,13 +498,15 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m51
 }
 
 // One query head at one position over its keys, D = 16 NV, a slot's keys and values contiguous (no
-// shared prefix): the AVX-512 path of step 2 below. The
+// shared prefix): the AVX-512 path of step 2 below. Key j of the n = pos + 1 - lo it reads is the
+// slot's position lo + j, or index[j] when `index` is given (a tree: the prefix, then the node's
+// ancestors, so a node at depth d reads its keys in the order a chain's position d does). The
 // query in registers; scores one key at a time (16 lanes over D, then the lanes summed), their
 // exponentials 16 at a time (exp512), the weighted values into NV accumulators held in registers.
 template <typename T, int NV>
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 void attend_avx512(const float* q, const T* keys, const T* values, int64_t lo, int64_t pos, float scale,
-                   std::vector<float>& weights, T* dst) {
+                   std::vector<float>& weights, T* dst, const int64_t* index) {
   __m512 qv[NV];
   for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(q + 16 * v);
   const int64_t n = pos + 1 - lo;
@@ -518,7 +520,7 @@ void attend_avx512(const float* q, const T* keys, const T* values, int64_t lo, i
     __m512 a[4];
     for (int r = 0; r < 4; ++r) {
       if (j + r < n) {
-        const T* k = keys + (lo + j + r) * 16 * NV;
+        const T* k = keys + (index != nullptr ? index[j + r] : lo + j + r) * 16 * NV;
         a[r] = _mm512_mul_ps(qv[0], load16(k));
         for (int v = 1; v < NV; ++v) a[r] = _mm512_fmadd_ps(qv[v], load16(k + 16 * v), a[r]);
       } else {
@@ -553,7 +555,7 @@ void attend_avx512(const float* q, const T* keys, const T* values, int64_t lo, i
   __m512 out[NV];
   for (int v = 0; v < NV; ++v) out[v] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    const T* val = values + (lo + j) * 16 * NV;
+    const T* val = values + (index != nullptr ? index[j] : lo + j) * 16 * NV;
     const __m512 w = _mm512_set1_ps(weights[j]);
     for (int v = 0; v < NV; ++v) out[v] = _mm512_fmadd_ps(w, load16(val + 16 * v), out[v]);
   }
@@ -577,6 +579,10 @@ struct Attention {
   const int64_t* slots;
   const int64_t* starts;
   const int64_t* sources;  // [B, kv_len] slot of each key, or null: the row's own slot
+  // A tree (null: a chain): node t of row b sits in the cache at starts[b] + t but at position
+  // starts[b] + depth[b T + t] (its RoPE), and reads the prefix and its ancestors, whose offsets
+  // from starts[b] are path[(b T + t) T + 0 .. depth] (the root 0 first, itself last).
+  const int64_t *depth, *path;
   int64_t kv_len, B, T_, width, L, Hq, Hkv, D, window;
   float scale;
   bool wide;
@@ -586,10 +592,10 @@ struct Attention {
   void write(int64_t begin, int64_t end) const {  // 1. This forward's keys (with RoPE) and values into the cache.
     std::vector<float> rotated(D);
     for (int64_t bt = begin; bt < end; ++bt) {
-      const int64_t b = bt / T_, pos = starts[b] + bt % T_;
+      const int64_t b = bt / T_, pos = starts[b] + bt % T_, at = depth != nullptr ? starts[b] + depth[bt] : pos;
       const T* row = x + bt * width;
       for (int64_t g = 0; g < Hkv; ++g) {
-        rope(row + (Hq + g) * D, ct + pos * D, st + pos * D, D, rotated.data());
+        rope(row + (Hq + g) * D, ct + at * D, st + at * D, D, rotated.data());
         T* k = cache_at(kc, slots[b], g, pos);
         for (int64_t i = 0; i < D; ++i) store_value(k + i, rotated[i]);
         const T* v = row + (Hq + Hkv + g) * D;
@@ -601,28 +607,40 @@ struct Attention {
   void attend(int64_t begin, int64_t end) const {  // 2. Every query head over its keys.
     const int64_t group = Hq / Hkv;
     std::vector<float> q(D), acc(D), weights;
+    std::vector<int64_t> index;  // a tree node's keys: where each lies in the cache
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item % Hq, bt = item / Hq, b = bt / T_, pos = starts[b] + bt % T_, g = h / group;
+      const int64_t h = item % Hq, bt = item / Hq, b = bt / T_, g = h / group;
+      const int64_t pos = starts[b] + (depth != nullptr ? depth[bt] : bt % T_);  // the query's position
       rope(x + bt * width + h * D, ct + pos * D, st + pos * D, D, q.data());
       const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+      const int64_t* keyed = nullptr;  // null: key j of the window lies at position lo + j
+      if (depth != nullptr) {
+        index.clear();
+        for (int64_t j = lo; j < starts[b]; ++j) index.push_back(j);
+        for (int64_t d = 0; d <= depth[bt]; ++d) {
+          if (starts[b] + d >= lo) index.push_back(starts[b] + path[bt * T_ + d]);
+        }
+        keyed = index.data();
+      }
       T* dst = o + bt * Hq * D + h * D;
       if (wide && sources == nullptr && (D == 64 || D == 128)) {
         const T* keys = cache_at(kc, slots[b], g, 0);
         const T* values = cache_at(vc, slots[b], g, 0);
         if (D == 64) {
-          attend_avx512<T, 4>(q.data(), keys, values, lo, pos, scale, weights, dst);
+          attend_avx512<T, 4>(q.data(), keys, values, lo, pos, scale, weights, dst, keyed);
         } else {
-          attend_avx512<T, 8>(q.data(), keys, values, lo, pos, scale, weights, dst);
+          attend_avx512<T, 8>(q.data(), keys, values, lo, pos, scale, weights, dst, keyed);
         }
         continue;
       }
       weights.resize(pos + 1 - lo);
       float top = -INFINITY;
-      for (int64_t j = lo; j <= pos; ++j) {
+      for (int64_t i = lo; i <= pos; ++i) {
+        const int64_t j = keyed != nullptr ? keyed[i - lo] : i;
         const int64_t slot = sources != nullptr ? sources[b * kv_len + j] : slots[b];
         const T* k = cache_at(kc, slot, g, j);
         const float s = (wide ? dot_avx512(q.data(), k, D) : dot_generic(q.data(), k, D)) * scale;
-        weights[j - lo] = s;
+        weights[i - lo] = s;
         top = std::max(top, s);
       }
       float total = 0.0f;
@@ -631,10 +649,11 @@ struct Attention {
         total += w;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = lo; j <= pos; ++j) {
+      for (int64_t i = lo; i <= pos; ++i) {
+        const int64_t j = keyed != nullptr ? keyed[i - lo] : i;
         const int64_t slot = sources != nullptr ? sources[b * kv_len + j] : slots[b];
         const T* v = cache_at(vc, slot, g, j);
-        if (wide) axpy_avx512(weights[j - lo], v, acc.data(), D); else axpy_generic(weights[j - lo], v, acc.data(), D);
+        if (wide) axpy_avx512(weights[i - lo], v, acc.data(), D); else axpy_generic(weights[i - lo], v, acc.data(), D);
       }
       for (int64_t i = 0; i < D; ++i) store_value(dst + i, acc[i] / total);
     }
@@ -643,7 +662,7 @@ struct Attention {
 
 // The checked operands of one layer's attention (`attention` and `LayerStack`); `out` is allocated.
 struct AttentionCall {
-  std::vector<int64_t> slots, starts;
+  std::vector<int64_t> slots, starts, depth, path;  // depth, path: a tree's (Attention), empty for chains
   at::Tensor sources, out;
   int64_t kv_len = 0;
 
@@ -652,15 +671,17 @@ struct AttentionCall {
                     const at::Tensor& sin_table, int64_t Hq, int64_t Hkv, int64_t D, double scale, int64_t window) {
     return {qkv.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), cos_table.data_ptr<T>(),
             sin_table.data_ptr<T>(), out.data_ptr<T>(), slots.data(), starts.data(),
-            sources.defined() ? sources.data_ptr<int64_t>() : nullptr, kv_len, qkv.size(0), qkv.size(1), qkv.size(2),
+            sources.defined() ? sources.data_ptr<int64_t>() : nullptr, depth.empty() ? nullptr : depth.data(),
+            path.empty() ? nullptr : path.data(), kv_len, qkv.size(0), qkv.size(1), qkv.size(2),
             k_cache.size(2), Hq, Hkv, D, window, static_cast<float>(scale), has_avx512() && D % 16 == 0};
   }
 };
 
 AttentionCall attention_call(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& slots,
-                             const at::Tensor& starts, const c10::optional<at::Tensor>& sources, int64_t num_heads,
-                             int64_t num_kv_heads, int64_t head_dim) {
+                             const at::Tensor& starts, const c10::optional<at::Tensor>& sources,
+                             const c10::optional<at::Tensor>& parents, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim) {
   TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous(), "attention: qkv [B, T, (Hq + 2 Hkv) * D], contiguous");
   TORCH_CHECK(qkv.size(2) == (num_heads + 2 * num_kv_heads) * head_dim, "attention: qkv width ", qkv.size(2));
   TORCH_CHECK(num_heads % num_kv_heads == 0 && head_dim % 2 == 0, "attention: heads and head_dim");
@@ -684,6 +705,26 @@ AttentionCall attention_call(const at::Tensor& qkv, const at::Tensor& k_cache, c
     call.sources = sources->contiguous();
     call.kv_len = call.sources.size(1);
   }
+  if (parents.has_value()) {  // a tree: each node's parent, before it; the root (node 0) has none (-1)
+    const at::Tensor p = parents->contiguous();
+    TORCH_CHECK(p.scalar_type() == at::kLong && p.dim() == 2 && p.size(0) == B && p.size(1) == T_,
+                "attention: parents [B, T] int64");
+    const int64_t* up = p.data_ptr<int64_t>();
+    call.depth.assign(B * T_, 0);
+    call.path.assign(B * T_ * T_, 0);
+    for (int64_t bt = 0; bt < B * T_; ++bt) {
+      const int64_t t = bt % T_, parent = up[bt];
+      TORCH_CHECK(t == 0 ? parent == -1 : (parent >= 0 && parent < t), "attention: node ", t, " of row ", bt / T_,
+                  " has parent ", parent, " (the root's is -1, every other node's is an earlier node)");
+      if (t > 0) {
+        const int64_t from = bt - t + parent;  // the parent's (b, t) index
+        call.depth[bt] = call.depth[from] + 1;
+        std::copy(call.path.begin() + from * T_, call.path.begin() + from * T_ + call.depth[from] + 1,
+                  call.path.begin() + bt * T_);
+      }
+      call.path[bt * T_ + call.depth[bt]] = t;
+    }
+  }
   call.out = at::empty({B, T_, num_heads * head_dim}, qkv.options());
   return call;
 }
@@ -696,10 +737,11 @@ void attention_run(const Attention<T>& a) {
 
 at::Tensor attention(const at::Tensor& qkv, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& cos_table,
                      const at::Tensor& sin_table, const at::Tensor& slots, const at::Tensor& starts,
-                     const c10::optional<at::Tensor>& sources, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                     const c10::optional<at::Tensor>& sources, const c10::optional<at::Tensor>& parents,
+                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                      double scale, int64_t window) {
-  AttentionCall call = attention_call(qkv, k_cache, v_cache, cos_table, sin_table, slots, starts, sources, num_heads,
-                                      num_kv_heads, head_dim);
+  AttentionCall call = attention_call(qkv, k_cache, v_cache, cos_table, sin_table, slots, starts, sources, parents,
+                                      num_heads, num_kv_heads, head_dim);
   if (qkv.scalar_type() == at::kFloat) {
     attention_run(call.bind<float>(qkv, k_cache, v_cache, cos_table, sin_table, num_heads, num_kv_heads, head_dim,
                                    scale, window));
@@ -792,7 +834,8 @@ class LayerStack {
   // x [B, T, H] bfloat16; k, v: each layer's cache; the rest as `attention` takes them. -> [B, T, H]
   at::Tensor forward(const at::Tensor& x, const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v,
                      const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& slots,
-                     const at::Tensor& starts, const c10::optional<at::Tensor>& sources) const {
+                     const at::Tensor& starts, const c10::optional<at::Tensor>& sources,
+                     const c10::optional<at::Tensor>& parents) const {
     const int64_t L = layers_.size();
     TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16, "LayerStack: x [B, T, H] bfloat16");
     TORCH_CHECK(int64_t(k.size()) == L && int64_t(v.size()) == L, "LayerStack: a cache per layer");
@@ -816,8 +859,8 @@ class LayerStack {
       layer.qkv = q4_call(normed, w[2], w[3], w[4], int8_, sums[0], qkv);
       const at::Tensor qkv3 = qkv.view({B, T_, qkv.size(1)});
       if (l == 0) {
-        attn_call = attention_call(qkv3, k[0], v[0], cos_table, sin_table, slots, starts, sources, num_heads_,
-                                   num_kv_heads_, head_dim_);
+        attn_call = attention_call(qkv3, k[0], v[0], cos_table, sin_table, slots, starts, sources, parents,
+                                   num_heads_, num_kv_heads_, head_dim_);
       } else {
         TORCH_CHECK(k[l].sizes() == k[0].sizes() && v[l].sizes() == k[0].sizes() && k[l].is_contiguous() &&
                     v[l].is_contiguous() && k[l].scalar_type() == k[0].scalar_type() &&

@@ -71,6 +71,13 @@ class CacheBatch:
 
     Row b's T tokens sit at positions start_pos[b] .. start_pos[b]+T-1 of slot slots[b]; each attends to its
     slot's keys [0, position] (or the last ``window`` of them).
+
+    A tree (``parents`` [B, T]: node t's parent, an earlier node; the root, node 0, has -1) verifies
+    several branches in one forward: node t is still stored at start_pos[b] + t, but it is at
+    position start_pos[b] + depth(t) (its RoPE, its learned position) and attends to the prefix
+    [0, start_pos[b]) and its own ancestors only, read in the order a chain's position of that depth
+    reads its keys, so each node's output is the bits of the chain through it. A tree whose every
+    row is a chain is the chain forward.
     """
 
     def __init__(
@@ -81,6 +88,7 @@ class CacheBatch:
         num_tokens: int,
         num_kv_groups: int,
         max_positions: int,
+        parents: torch.Tensor | None = None,
     ) -> None:
         B = slots.shape[0] if slots.dim() == 1 else -1
         if slots.dim() != 1 or start_pos.shape != slots.shape or B < 1:
@@ -108,6 +116,9 @@ class CacheBatch:
                     f"max_position_embeddings {max_positions}"
                 )
 
+        tree = _tree_paths(parents, B, num_tokens) if parents is not None else None
+        depths = torch.tensor([[len(p) - 1 for p in row] for row in tree], dtype=torch.int64) if tree else None
+        self._paths = tree  # per row, per node: its ancestors' indices, the root first and itself last
         device = cache.device
         self.cache = cache
         self.B = B
@@ -121,9 +132,14 @@ class CacheBatch:
         self.slot0 = slot_list[0]
         self.contiguous = slot_list == list(range(self.slot0, self.slot0 + B))
         arange_t = torch.arange(num_tokens, dtype=torch.int64)  # [T]
-        positions_cpu = torch.tensor(start_list, dtype=torch.int64)[:, None] + arange_t  # [B, T]
+        stored_cpu = torch.tensor(start_list, dtype=torch.int64)[:, None] + arange_t  # [B, T]: where each is written
+        # A tree's nodes sit at their depth; a chain's at their index (where they are written).
+        self.tree = depths is not None
+        self._parents_cpu = parents.to(dtype=torch.int64).contiguous() if depths is not None else None  # [B, T]
+        positions_cpu = stored_cpu if depths is None else stored_cpu - arange_t + depths  # [B, T]
         self._positions_cpu = positions_cpu  # [B, T]; masks are built host-side, then copied once
         self.positions = positions_cpu.to(device)  # [B, T]
+        self._stored = stored_cpu.to(device) if depths is not None else self.positions  # [B, T]
         self._slot_index_cpu = torch.tensor(slot_list, dtype=torch.int64)  # [B]
         self._starts_cpu = torch.tensor(start_list, dtype=torch.int64)  # [B]
         self._slot_index = slots.to(device=device, dtype=torch.int64)  # [B]
@@ -150,7 +166,7 @@ class CacheBatch:
         library = native.library()
         assert library is not None, "callers check native_ready first"
         return library.attention(qkv.contiguous(), self.cache.k[layer], self.cache.v[layer], rope[0], rope[1],
-                                 self._slot_index_cpu, self._starts_cpu, self._sources, num_heads,
+                                 self._slot_index_cpu, self._starts_cpu, self._sources, self._parents_cpu, num_heads,
                                  self.cache.num_kv_heads, head_dim, scale, window or 0)
 
     def native_layers(self, x: torch.Tensor, stack: NativeStack, rope: tuple[torch.Tensor, torch.Tensor]
@@ -159,7 +175,7 @@ class CacheBatch:
         their attention is ``native_attention``'s. Returns [B, T, H]."""
         k, v = self.cache.k, self.cache.v
         return stack.op.forward(x, [k[i] for i in stack.layers], [v[i] for i in stack.layers], rope[0], rope[1],
-                                self._slot_index_cpu, self._starts_cpu, self._sources)
+                                self._slot_index_cpu, self._starts_cpu, self._sources, self._parents_cpu)
 
     def native_ready(self, dtype: torch.dtype) -> bool:
         """Whether this forward takes the native attention: a CPU cache of float32 or bfloat16 and
@@ -182,10 +198,41 @@ class CacheBatch:
         else:
             # Advanced indices [B, 1] and [B, T] around a slice put the index dims first: [B, T, Hkv, D].
             rows = self._slot_index[:, None]  # [B, 1]
-            kc[rows, :, self.positions] = k.transpose(1, 2)
-            vc[rows, :, self.positions] = v.transpose(1, 2)
+            kc[rows, :, self._stored] = k.transpose(1, 2)
+            vc[rows, :, self._stored] = v.transpose(1, 2)
 
     # -- reads ----------------------------------------------------------------------------------------------
+    def _tree_plan(self, window: int | None, lo: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index, valid) [B, T, K]: where node t's keys lie among the read keys [lo, kv_len) (the
+        prefix in order, then its ancestors root first: a chain's order), padded to the longest."""
+        lists = []
+        for b, (start, paths) in enumerate(zip(self._starts_cpu.tolist(), self._paths)):
+            for path in paths:
+                first = 0 if window is None else max(0, start + len(path) - window)  # the node's own window
+                lists.append([*range(first - lo, start - lo),
+                              *(start + t - lo for d, t in enumerate(path) if start + d >= first)])
+        K = max(len(keys) for keys in lists)
+        index = torch.tensor([keys + [0] * (K - len(keys)) for keys in lists], dtype=torch.int64)  # [B*T, K]
+        valid = torch.tensor([[True] * len(keys) + [False] * (K - len(keys)) for keys in lists])  # [B*T, K]
+        return index.view(self.B, self.T, K), valid.view(self.B, self.T, K)
+
+    def _attend_tree(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lo: int, scale: float,
+                     window: int | None) -> torch.Tensor:
+        """Tree attention on the torch path: every node over its own keys (``_tree_plan``), gathered
+        per node so each reads them in a chain's order. q [B, H, T, D], keys/values [B, Hkv, L-lo, D]
+        -> [B, T, H*D]."""
+        B, H, T, D = q.shape
+        index, valid = self._tree_plan(window, lo)  # [B, T, K]
+        device = keys.device
+        rows = torch.arange(B, device=device)[:, None, None, None]  # [B, 1, 1, 1]
+        heads = torch.arange(keys.shape[1], device=device)[None, :, None, None]  # [1, Hkv, 1, 1]
+        at = index.to(device)[:, None]  # [B, 1, T, K]
+        node_keys, node_values = keys[rows, heads, at], values[rows, heads, at]  # [B, Hkv, T, K, D]
+        qf = q.reshape(B, H // self.n_rep, self.n_rep, T, D).transpose(2, 3)  # [B, Hkv, T, n_rep, D]
+        mask = valid.to(device)[:, None, :, None, :]  # [B, 1, T, 1, K]
+        out = _attention_over_cache(qf, node_keys, node_values, mask, scale)  # [B, Hkv, T, n_rep, D]
+        return out.transpose(2, 3).reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)  # [B, T, H*D]
+
     def _plan(self, window: int | None) -> _WindowPlan:
         plan = self._windows.get(window)
         if plan is None:
@@ -236,10 +283,33 @@ class CacheBatch:
             keys = kc[:, :, lo:L][self._slot_index]  # [B, Hkv, L-lo, D]
             values = vc[:, :, lo:L][self._slot_index]  # [B, Hkv, L-lo, D]
         B, H, T, D = q.shape
+        if self.tree:
+            return self._attend_tree(q, keys, values, lo, scale, window)
         # GQA without repeating K/V: the n_rep query heads sharing a kv head become extra query rows.
         qf = q.reshape(B, H // self.n_rep, self.n_rep * T, D)  # [B, Hkv, n_rep*T, D]
         out = _attention_over_cache(qf, keys, values, plan.mask, scale)  # [B, Hkv, n_rep*T, D]
         return out.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)  # [B, T, H*D]
+
+
+def _tree_paths(parents: torch.Tensor, B: int, T: int) -> list[list[list[int]]] | None:
+    """Each node's path from the root (node indices, itself last) per row, from parents [B, T]
+    (ValueError unless node 0's parent is -1 and every other node's an earlier node); None when
+    every row is a chain (each node's parent the one before it)."""
+    if tuple(parents.shape) != (B, T):
+        raise ValueError(f"forward: parents must have shape [B, T] = [{B}, {T}], got {tuple(parents.shape)}")
+    rows: list[list[int]] = parents.tolist()
+    if all(row == list(range(-1, T - 1)) for row in rows):
+        return None
+    paths = []
+    for b, row in enumerate(rows):
+        if row[0] != -1 or any(not 0 <= p < t for t, p in enumerate(row) if t):
+            raise ValueError(f"forward: parents of row {b} must be -1 for node 0 and an earlier node for every "
+                             f"other, got {row}")
+        row_paths: list[list[int]] = []
+        for t, p in enumerate(row):
+            row_paths.append([*row_paths[p], t] if t else [0])
+        paths.append(row_paths)
+    return paths
 
 
 def _attention_over_cache(

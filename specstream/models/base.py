@@ -136,7 +136,8 @@ class CausalLM(torch.nn.Module):
         return KVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, self.dtype, self.device)
 
     def _cache_batch(
-        self, input_ids: torch.Tensor, cache: KVCache, slots: torch.Tensor, start_pos: torch.Tensor
+        self, input_ids: torch.Tensor, cache: KVCache, slots: torch.Tensor, start_pos: torch.Tensor,
+        parents: torch.Tensor | None = None,
     ) -> CacheBatch:
         cfg = self.config
         if input_ids.dim() != 2:
@@ -150,7 +151,7 @@ class CausalLM(torch.nn.Module):
         if input_ids.shape[0] != slots.shape[0]:
             raise ValueError(f"forward: input_ids has {input_ids.shape[0]} rows but slots has {tuple(slots.shape)}")
         return CacheBatch(
-            cache, slots, start_pos, input_ids.shape[1], cfg.num_kv_groups, cfg.max_position_embeddings
+            cache, slots, start_pos, input_ids.shape[1], cfg.num_kv_groups, cfg.max_position_embeddings, parents
         )
 
     @property
@@ -168,11 +169,15 @@ class CausalLM(torch.nn.Module):
         start_pos: torch.Tensor,
         last_only: bool = False,
         keep: tuple[int, ...] = (),
+        parents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The forward up to the output layer: final (normed) hidden states [B, T, H] ([B, 1, H] when
         last_only), in the model's dtype; cache writes and arguments as ``forward``. With ``keep``
         (1-based layers below the last, ascending): [B, T', (len(keep) + 1) H], the kept layers'
-        outputs first (``with_kept_layers``): what a feature draft reading several layers gets."""
+        outputs first (``with_kept_layers``): what a feature draft reading several layers gets.
+        ``parents`` [B, T] int64: the rows are trees, not chains (``CacheBatch``): node t is written
+        at start_pos + t and sees the prefix and its ancestors; each node's state is the one the
+        chain through it would give."""
         raise NotImplementedError
 
     def forward(

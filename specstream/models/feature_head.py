@@ -259,7 +259,7 @@ class FeatureHead(nn.Module):
         qkv = torch.cat(self._projections(x), dim=-1)  # [n, (Hq + 2 Hkv) D]: q, k, v
         cos, sin = self._native_tables(start + n)
         out = library.attention(qkv[None].contiguous(), cache.k, cache.v, cos, sin, torch.tensor([slot]),
-                                torch.tensor([start]), None, s.heads, s.kv_heads, s.head_dim,
+                                torch.tensor([start]), None, None, s.heads, s.kv_heads, s.head_dim,
                                 1 / math.sqrt(s.head_dim), 0)  # [1, n, Hq D]
         cache.length[slot] = start + n
         return self._finish(x, out[0].view(n, s.heads, s.head_dim).transpose(0, 1))

@@ -126,9 +126,10 @@ class GPT2LMHeadModel(CausalLM):
         start_pos: torch.Tensor,
         last_only: bool = False,
         keep: tuple[int, ...] = (),
+        parents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         check_keep(keep, len(self.blocks))
-        batch = self._cache_batch(input_ids, cache, slots, start_pos)
+        batch = self._cache_batch(input_ids, cache, slots, start_pos, parents)
         ids = input_ids.to(self.wte.device)
         x = F.embedding(ids, self.wte) + F.embedding(batch.positions, self.wpe)  # [B, T, H]
         kept = []

@@ -399,11 +399,12 @@ class LlamaForCausalLM(CausalLM):
         start_pos: torch.Tensor,
         last_only: bool = False,
         keep: tuple[int, ...] = (),
+        parents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """See ``CausalLM.hidden``: the final, normed hidden states [B, T', H], after the outputs
         of the layers in ``keep`` (EAGLE-3's fusion, specstream.models.feature_head)."""
         check_keep(keep, len(self.layers))
-        batch = self._cache_batch(input_ids, cache, slots, start_pos)
+        batch = self._cache_batch(input_ids, cache, slots, start_pos, parents)
         x, cos, sin = self.embed_positions(input_ids, batch)  # [B, T, H]
         # The native CPU attention, wherever it is built: the same op for every forward (prefill,
         # decode, verify), so a position's K/V and output never depend on which kind computed it.
