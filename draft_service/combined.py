@@ -89,6 +89,7 @@ class NgramPlusModelProposer:
                 continue
             # held <= rollback_to < len(sequence): the catch-up is never empty.
             model_items.append(ProposeItem(item.key, held, sequence.tokens[held:], gamma, item.sampling,
+                                           branches=item.branches,
                                            **(self._catch_up(item.key, held, len(sequence)) if self.feature_width
                                               else {})))
             asked.append((i, sequence))

@@ -10,7 +10,8 @@ its own predicted features (``FeatureHead.draft``). Guesses are never kept: thei
 predicted features, and the next item brings the true ones, so ``Proposal.length`` is
 rollback_to + len(append) and the target resends the tokens it accepts with their features.
 
-Greedy items guess the argmax; sampling items draw x ~ q with q the head's distribution processed
+Greedy items guess the argmax (and, allowed branches, add runner-ups as a tree, as the token
+draft does); sampling items draw x ~ q with q the head's distribution processed
 and cut exactly as the token draft's is (draft_service/proposer.py ``_Picker``), q sent back.
 
 Features are input from another process: a wrong dtype, width or count, or numbers that are not
@@ -106,8 +107,8 @@ class FeatureProposer:
             def choose(g: torch.Tensor, step: int, b: int = b) -> int:
                 return int(picker.pick(Hidden(g[None], self.output), [b], step)[0])
 
-            out[b].tokens = self.draft.head.draft(self.cache, slot, last, gamma, self.draft.embed,
-                                                  self.draft.rows, choose)
+            chain = self.draft.head.draft(self.cache, slot, last, gamma, self.draft.embed, self.draft.rows, choose)
+            out[b].tokens, out[b].parents = picker.tree(b, chain)
             guessed.append((b, gamma))
         width, q_ids, q_probs = picker.tables()
         for b, gamma in guessed:

@@ -4,7 +4,10 @@ Each item says: keep the first `rollback_to` tokens of the sequence (an O(1) len
 the tokens the target committed since, then guess `gamma` tokens. The guesses are fed back into
 the cache as they are made, so the next call only rolls back what the target rejected.
 
-Greedy items (temperature 0) guess the argmax. Sampling items process the logits exactly as the
+Greedy items (temperature 0) guess the argmax; one that allows branches (``ProposeItem.branches``)
+also gets its runner-up guesses as a tree: beside the chain, the ``branches`` alternatives whose
+paths the draft finds likeliest (the chain's log-probabilities up to a depth plus the
+alternative's there), each a child of the chain token before it (``Proposal.parents``). Sampling items process the logits exactly as the
 target does (kernels/processing.py), cut q to its `q_support` most likely tokens, renormalise, and
 draw x ~ q by an exponential race with the noise the target's own plain sample at that position
 uses (key (seed, absolute position, SAMPLE), kernels/random.py): x is an exact sample from q, and
@@ -83,9 +86,10 @@ class DraftProposer:
                 gammas.append(gamma)
         if not rows:
             return out
-        guesses, width, q_ids, q_probs = self._guess(rows, gammas)
+        guesses, picker = self._guess(rows, gammas)
+        width, q_ids, q_probs = picker.tables()
         for b, ((i, item, slot), gamma, tokens) in enumerate(zip(rows, gammas, guesses)):
-            out[i].tokens = tokens[:gamma]
+            out[i].tokens, out[i].parents = picker.tree(b, tokens[:gamma])
             if q_ids[b]:
                 out[i].q_width, out[i].q_ids, out[i].q_probs = width, q_ids[b][: gamma * width], q_probs[b][: gamma * width]
             # Holds the appended tokens and every guess but the last (which was never fed).
@@ -109,10 +113,10 @@ class DraftProposer:
         return slot
 
     def _guess(self, rows: list[tuple[int, ProposeItem, int]], gammas: list[int]
-               ) -> tuple[list[list[int]], int, list[list[int]], list[list[float]]]:
+               ) -> tuple[list[list[int]], _Picker]:
         """Appends each row's tokens, then decodes max(gammas) tokens for all rows at once;
-        returns each row's guesses and, for sampling rows, the q table of its guesses (see
-        `_Picker.tables`)."""
+        returns each row's guesses and the picker that chose them (the q tables of sampling rows,
+        the runner-ups of rows that may branch)."""
         batch, steps = len(rows), max(gammas)
         device = self.model.device
         picker = _Picker([item for _, item, _ in rows], steps, self.q_support, device, self.model.output_token_ids)
@@ -138,7 +142,7 @@ class DraftProposer:
             hidden = self.model.hidden(guesses[-1][:, None], self.cache, slots, pos.clamp(max=self.max_len - 1))
             guesses.append(picker.pick(Hidden(hidden[:, -1], head), everyone, step))  # [B]
             pos = pos + 1
-        return (torch.stack(guesses, dim=1).tolist(), *picker.tables())  # [B, max gamma], ...
+        return torch.stack(guesses, dim=1).tolist(), picker  # [B, max gamma]
 
 
 def _truncated_q(scores: Hidden, params: list[SamplingParams], support: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,6 +167,9 @@ class _Picker:
         self.output_ids = output_ids
         self.sampling = [b for b, p in enumerate(self.params) if not p.greedy]
         self.support = support
+        # Greedy rows that may branch: per row, per guess, (log-probabilities, ids) of its best few.
+        self.branches = [item.branches if item.sampling.greedy else 0 for item in items]
+        self.runners_up: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in items]
         if not self.sampling:
             return
         # Guess j of a row lands at position rollback_to + len(append) + j of its sequence.
@@ -183,6 +190,7 @@ class _Picker:
             tokens = kernels.best_token(scores)[0]  # [b] logit columns, no logits built
         if self.output_ids is not None:
             tokens = self.output_ids[tokens]  # [b] token ids
+        self._keep_runners_up(scores, logits, members)
         local = [i for i, b in enumerate(members) if not self.params[b].greedy]
         if not local:
             return tokens
@@ -203,6 +211,35 @@ class _Picker:
         self.q_ids[rows, step, :width] = ids
         self.q_probs[rows, step, :width] = q
         return tokens
+
+    def _keep_runners_up(self, scores: Hidden, logits: torch.Tensor | None, members: list[int]) -> None:
+        """For the rows that may branch: this guess's best branches + 1 tokens and log-probabilities."""
+        local = [i for i, b in enumerate(members) if self.branches[b] > 0]
+        if not local:
+            return
+        picked = logits[local] if logits is not None else scores.head.logits(scores.states[local])  # [r, V or N]
+        k = min(max(self.branches[members[i]] for i in local) + 1, picked.shape[-1])
+        values, ids = torch.topk(torch.log_softmax(picked.float(), dim=-1), k)  # [r, k] best first
+        if self.output_ids is not None:
+            ids = self.output_ids[ids]  # [r, k] token ids
+        for row, i in enumerate(local):
+            self.runners_up[members[i]].append((values[row], ids[row]))
+
+    def tree(self, b: int, chain: list[int]) -> tuple[list[int], list[int]]:
+        """Row b's proposal: (tokens, parents), its chain then its best branches (``parents`` empty:
+        a chain). A branch at depth j is a runner-up to chain[j], child of node j (0: the root)."""
+        budget, kept = self.branches[b], self.runners_up[b][: len(chain)]
+        if budget <= 0 or not kept:
+            return chain, []
+        options, prefix = [], 0.0
+        for j, (values, ids) in enumerate(kept):
+            logp, tokens = values.tolist(), ids.tolist()
+            for value, token in zip(logp, tokens):
+                if token != chain[j]:
+                    options.append((prefix + value, j, token))
+            prefix += logp[tokens.index(chain[j])] if chain[j] in tokens else logp[0]
+        chosen = sorted(sorted(options, reverse=True)[:budget], key=lambda o: (o[1], -o[0]))
+        return chain + [token for _, _, token in chosen], list(range(len(chain))) + [j for _, j, _ in chosen]
 
     def tables(self) -> tuple[int, list[list[int]], list[list[float]]]:
         """(width, ids, probs): per row, its [G, width] q table flattened row-major; width is the

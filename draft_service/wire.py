@@ -18,10 +18,10 @@ def item_from_pb(key: Hashable, item: draft_pb2.ProposeItem) -> ProposeItem:
     # a wrong dtype, width or count naming the field.
     return ProposeItem(key, item.rollback_to, list(item.append_token_ids), item.gamma,
                        SamplingParams.from_pb(item.sampling), features=item.features,
-                       feature_width=item.feature_width, feature_dtype=item.feature_dtype)
+                       feature_width=item.feature_width, feature_dtype=item.feature_dtype, branches=item.branches)
 
 
 def proposal_to_pb(seq_id: int, proposal: Proposal) -> draft_pb2.Proposal:
     return draft_pb2.Proposal(seq_id=seq_id, token_ids=proposal.tokens, length=proposal.length,
                               q_width=proposal.q_width, q_ids=proposal.q_ids, q_probs=proposal.q_probs,
-                              proposer=proposal.source, error=proposal.error)
+                              proposer=proposal.source, error=proposal.error, parents=proposal.parents)

@@ -55,7 +55,9 @@ def merge_stats(before: SequenceStats, now: SequenceStats) -> SequenceStats:
         gamma_histogram=_add(before.gamma_histogram, now.gamma_histogram),
         alpha_estimate=now.alpha_estimate if passes_now else before.alpha_estimate,
         beam_expansions=before.beam_expansions + now.beam_expansions,
-        accepted_per_position=_add(before.accepted_per_position, now.accepted_per_position))
+        accepted_per_position=_add(before.accepted_per_position, now.accepted_per_position),
+        branch_histogram=_add(before.branch_histogram, now.branch_histogram),
+        branch_tokens=before.branch_tokens + now.branch_tokens)
 
 
 def _add(a: list[int], b: list[int]) -> list[int]:

@@ -255,9 +255,11 @@ def _item_to_pb(item: ProposeItem, traceparent: str) -> draft_pb2.ProposeItem:
     features = {"features": item.features, "feature_width": item.feature_width,
                 "feature_dtype": item.feature_dtype} if item.feature_width else {}
     return draft_pb2.ProposeItem(seq_id=item.key, rollback_to=item.rollback_to, append_token_ids=item.append,
-                                 gamma=item.gamma, sampling=sampling, traceparent=traceparent, **features)
+                                 gamma=item.gamma, sampling=sampling, traceparent=traceparent,
+                                 branches=item.branches, **features)
 
 
 def _proposal_from_pb(pb: draft_pb2.Proposal) -> Proposal:
     return Proposal(list(pb.token_ids), pb.length, pb.q_width, list(pb.q_ids), list(pb.q_probs),
-                    **({"source": pb.proposer} if pb.proposer else {}), error=pb.error, key=pb.seq_id)
+                    **({"source": pb.proposer} if pb.proposer else {}), error=pb.error, key=pb.seq_id,
+                    parents=list(pb.parents))

@@ -37,11 +37,11 @@ from specstream.serving import metrics
 from target_service import tracing
 from target_service.gamma import GammaController, RowView
 from target_service.sequence import Sequence
-from target_service.settle import VerifyRow
+from target_service.settle import Verdict, VerifyRow
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MALFORMED_CAUSES", "DraftSource", "Drafting", "feature_refusal", "malformed"]
+__all__ = ["MALFORMED_CAUSES", "DraftSource", "Drafting", "chain_length", "feature_refusal", "malformed"]
 
 _TIMING_KEY = 0  # the start-up timing's sequence: the engine numbers requests' sequences from 1
 # A feature draft's features per propose call, at most: far below the gRPC message limit (64 MiB),
@@ -123,15 +123,23 @@ _Q_SUM_TOLERANCE = 1e-3  # a q row's probabilities sum to 1 within this (float32
 
 
 def malformed(reply: Proposal, item: ProposeItem, gamma: int, vocab_size: int, greedy: bool) -> tuple[str, str]:
-    """(cause, why) when ``reply`` to ``item`` (asked for ``gamma`` guesses) cannot be verified as
-    it stands, else ("", ""): it names another sequence, has more tokens than asked, a token id
-    outside the target's vocabulary, a held length past what it was sent and guessed, or (a sampled
-    row) a q table that is not one distribution per token with the token drawn in its support."""
+    """(cause, why) when ``reply`` to ``item`` (asked for ``gamma`` guesses and up to
+    ``item.branches`` more as branches) cannot be verified as it stands, else ("", ""): it names
+    another sequence, has more tokens than asked, a token id outside the target's vocabulary, a held
+    length past what it was sent and guessed, a tree that was not asked for or is not one (a parent
+    out of range or not before its child, a path deeper than γ), or (a sampled row) a q table that
+    is not one distribution per token with the token drawn in its support."""
     if reply.key is not None and reply.key != item.key:
         return "seq_id", f"Proposal.seq_id={reply.key!r} answers ProposeItem.seq_id={item.key!r}"
     tokens = reply.tokens
-    if len(tokens) > gamma:
-        return "tokens", f"Proposal.token_ids has {len(tokens)} tokens for gamma={gamma}"
+    budget = gamma + (item.branches if reply.parents else 0)
+    if len(tokens) > budget:
+        return "tokens", f"Proposal.token_ids has {len(tokens)} tokens for gamma={gamma}, branches={item.branches}"
+    if reply.parents:
+        why = _not_a_tree(reply.parents, len(tokens), gamma) if greedy and item.branches else \
+            f"Proposal.parents: a tree for an item that allowed none (branches={item.branches})"
+        if why:
+            return "tree", why
     bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
     if bad is not None:
         return "token_id", f"Proposal.token_ids holds {bad}, outside the target's vocabulary of {vocab_size}"
@@ -165,6 +173,27 @@ def malformed(reply: Proposal, item: ProposeItem, gamma: int, vocab_size: int, g
     return "", ""
 
 
+def _not_a_tree(parents: list[int], count: int, gamma: int) -> str:
+    """Why ``parents`` is not a tree over ``count`` tokens no deeper than ``gamma`` ("" when it is)."""
+    if len(parents) != count:
+        return f"Proposal.parents has {len(parents)} entries for {count} tokens"
+    depth = [0]
+    for i, parent in enumerate(parents):
+        if not 0 <= parent <= i:
+            return f"Proposal.parents[{i}]={parent}: a parent is node 0..{i} (the root or an earlier token)"
+        depth.append(depth[parent] + 1)
+        if depth[-1] > gamma:
+            return f"Proposal.parents: token {i} is {depth[-1]} deep, past gamma={gamma}"
+    return ""
+
+
+def chain_length(parents: list[int], count: int) -> int:
+    """How many leading tokens form the chain the draft holds (each the child of the one before)."""
+    if not parents:
+        return count
+    return next((i for i, parent in enumerate(parents) if parent != i), count)
+
+
 @dataclass
 class _Held:
     length: int = 0  # leading tokens the draft holds that agree with the sequence
@@ -176,6 +205,7 @@ class Drafting:
     source: DraftSource | None
     controller: GammaController
     vocab_size: int  # the target's: proposals at or past it are cut
+    tree_branches: int = 0  # the most branches a greedy row may add to its chain (0: chains only)
     fed: int = 0  # tokens the last propose call fed the draft before it guessed (for the cost model)
     refusals: Counter = field(default_factory=Counter)  # items the draft refused, by field
     malformed_replies: Counter = field(default_factory=Counter)  # replies refused as malformed, by cause
@@ -228,8 +258,9 @@ class Drafting:
         source = self.source
         if source is None:
             return checks
-        gammas = self.controller.choose([RowView(s.seq_id, s.gamma, s.max_gamma, s.sampling.greedy) for s in rows],
-                                        self.caps(rows))
+        views = [RowView(s.seq_id, s.gamma, s.max_gamma, s.sampling.greedy) for s in rows]
+        gammas = self.controller.choose(views, self.caps(rows))
+        branches = self.controller.branches(views, gammas, self.tree_branches)
         asked = [i for i, g in enumerate(gammas) if g > 0]
         if not asked or not await source.ready():
             return checks
@@ -243,7 +274,8 @@ class Drafting:
             if not append:
                 continue  # a feature draft's (re)sync that does not fit this call: the next ones
             budget -= len(features.get("features", b""))
-            items.append(ProposeItem(seq.seq_id, held.length, append, gamma, seq.sampling, **features))
+            items.append(ProposeItem(seq.seq_id, held.length, append, gamma, seq.sampling,
+                                     branches=branches[i] if gamma else 0, **features))
             sent.append(i)
             self.fed += len(append)
         if not items:
@@ -259,7 +291,7 @@ class Drafting:
             # agreed with. It cannot hold more than it was sent and guessed (a malformed length: 0).
             most = item.rollback_to + len(item.append) + len(reply.tokens)
             self._held[seq.seq_id].length = reply.length if reply.length <= most else 0
-            seq.draft_tokens += len(checks[i].proposals)
+            seq.draft_tokens += chain_length(checks[i].parents, len(checks[i].proposals))  # branches apart
         return checks
 
     def _with_features(self, seq: Sequence, held: int, gamma: int, budget: int) -> tuple[list[int], int, dict]:
@@ -350,17 +382,25 @@ class Drafting:
                 self.on_malformed(cause)
             return row
         row.proposals = list(reply.tokens)
+        if reply.parents and chain_length(reply.parents, len(reply.tokens)) < len(reply.tokens):
+            row.parents = list(reply.parents)
         if not seq.sampling.greedy and reply.q_width and row.proposals:
             row.q_width, row.q_ids, row.q_probs = reply.q_width, list(reply.q_ids), list(reply.q_probs)
         return row
 
-    def settle(self, seq: Sequence, check: VerifyRow, accepted: int) -> None:
-        """After verification: the draft fed context + proposals[:-1]; only the first `accepted`
-        proposals agree with the target."""
+    def settle(self, seq: Sequence, check: VerifyRow, verdict: Verdict) -> None:
+        """After verification: the draft fed context + its chain but the last guess; only the part
+        of the chain the target kept agrees with it. A tree's branches are scored apart: whether the
+        one at the depth where the chain failed was kept (``GammaController.observe_branch``)."""
+        chain = chain_length(check.parents, len(check.proposals))
+        path = verdict.path if verdict.path is not None else list(range(1, verdict.accepted + 1))
+        agreed = next((i for i, node in enumerate(path) if node != i + 1), len(path))  # the chain's kept part
         held = self._held.get(seq.seq_id)
         if held is not None:
-            held.length = min(held.length, check.position + accepted)
-        self.controller.observe(seq.seq_id, check.source, seq.sampling.greedy, len(check.proposals), accepted)
+            held.length = min(held.length, check.position + agreed)
+        self.controller.observe(seq.seq_id, check.source, seq.sampling.greedy, chain, agreed)
+        if agreed < chain and agreed in check.parents[chain:]:  # a branch stood beside the failed guess
+            self.controller.observe_branch(len(path) > agreed)
 
     async def release(self, rows: list[Sequence]) -> None:
         """Forgets sequences that ended (here, in the draft and in the controller)."""

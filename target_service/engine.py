@@ -50,7 +50,7 @@ from specstream.serving.metrics import TargetMetrics
 from target_service import tracing
 from target_service.calibration import verify_costs
 from target_service.connection import Connection
-from target_service.drafting import Drafting, DraftSource, feature_refusal
+from target_service.drafting import Drafting, DraftSource, chain_length, feature_refusal
 from target_service.gamma import AUTO_GAMMA, GammaController
 from target_service.scheduler import Scheduler
 from target_service.sequence import Sequence
@@ -95,7 +95,12 @@ class Engine:
         self.config = config
         self.draft = draft
         self.controller = controller or GammaController(config.gamma_policy, config.default_gamma, config.max_gamma)
-        self.drafting = Drafting(draft, self.controller, model.config.vocab_size)
+        # Trees only where each node's scores are exactly the chain's (else greedy could differ from plain).
+        branches = config.tree_branches if model.exact_trees else 0
+        if config.tree_branches and not branches:
+            log.info("tree_branches=%d: chains only, this model's forward is not the native CPU one",
+                     config.tree_branches)
+        self.drafting = Drafting(draft, self.controller, model.config.vocab_size, tree_branches=branches)
         self.max_len = min(config.max_seq_len, model.config.max_position_embeddings)
         # All torch work belongs on this one thread (see specstream.serving.compute).
         self._compute = compute or torch_thread()
@@ -443,12 +448,18 @@ class Engine:
                 input_ids.append([tokens[-1], *[0] * gamma])
                 slots.append(slot)
                 start.append(position)
+        # Trees (greedy rows): node t's parent per row; chains and padding hang each node under the one before.
+        chain = list(range(-1, gamma))
+        parents = torch.tensor([[-1, *c.parents, *chain[len(c.parents) + 1:]] for c in checks]
+                               + [chain] * (len(slots) - len(checks)), dtype=torch.int64) \
+            if any(c.parents for c in checks) else None  # [B, G+1]
         with torch.inference_mode():
             began = time.perf_counter()
             features = any(seq.features is not None for seq in rows)
             full = self.model.hidden(torch.tensor(input_ids, dtype=torch.int64), self.cache,
                                      torch.tensor(slots, dtype=torch.int64), torch.tensor(start, dtype=torch.int64),
-                                     keep=self.drafting.keep_layers if features else ())  # [B, G+1, feature width]
+                                     keep=self.drafting.keep_layers if features else (),
+                                     parents=parents)  # [B, G+1, feature width]
             # [B, G+1, H]: the final state (a draft reading several layers gets them before it)
             hidden = full if full.shape[-1] == self.model.config.hidden_size else \
                 full[..., -self.model.config.hidden_size:].contiguous()
@@ -462,7 +473,8 @@ class Engine:
                 kept = full[: len(rows)].to(torch.bfloat16).cpu()  # [B, G+1, feature width]: one copy off the device
                 for i, (seq, verdict) in enumerate(zip(rows, verdicts)):
                     if seq.features is not None:
-                        seq.features += feature_bytes(kept[i, : verdict.accepted + 1])  # [k+1, H]
+                        nodes = [0, *verdict.path] if verdict.path is not None else list(range(verdict.accepted + 1))
+                        seq.features += feature_bytes(kept[i, nodes])  # [k+1, H]
             candidates, at = [], len(rows)
             for seq in beams:
                 candidates.append(self._beam_candidates(hidden[at : at + seq.width, 0], seq))
@@ -505,13 +517,19 @@ class Engine:
         seq.target_passes += 1
         seq.append(verdict.tokens, verdict.logprobs)  # k accepted proposals, then the correction or bonus token
         accepted = min(k, len(seq.tokens) - ctx_len)  # a stop id may cut the run short
-        seq.record_decode(len(check.proposals), accepted)
+        chain = chain_length(check.parents, len(check.proposals))
+        # The chain's kept part: a tree's path may leave it for a branch where a chain guess failed.
+        on_chain = min(next((i for i, n in enumerate(verdict.path or ()) if n != i + 1), k), accepted)
+        seq.record_decode(chain, accepted, len(check.proposals) - chain, accepted - on_chain)
         seq.accepted_tokens += accepted
-        seq.rejections += k < len(check.proposals)
-        self.metrics.observe_accept(len(check.proposals), accepted)
-        self.drafting.settle(seq, check, k)
+        seq.rejections += on_chain < chain
+        self.metrics.observe_accept(chain, accepted)
+        self.drafting.settle(seq, check, verdict)
         if seq.gamma == AUTO_GAMMA:
             seq.alpha_estimate = self.controller.alpha(seq.seq_id, seq.sampling.greedy)
+        if verdict.path and seq.finish_reason is None:
+            # A tree: the accepted nodes' K/V move to where a chain would have written them.
+            self.cache.keep_path(seq.slot, ctx_len - 1, [0, *verdict.path])
         if seq.finish_reason is None:
             # Commit (or roll back): the newest token is not in the cache yet, everything before is.
             self.cache.set_length(seq.slot, len(seq.tokens) - 1)

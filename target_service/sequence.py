@@ -65,6 +65,8 @@ class Sequence:
     rejections: int = 0  # decode passes in which a proposal was rejected
     gamma_histogram: list[int] = field(default_factory=list)  # [g]: decode passes given g proposals
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: decode passes that kept proposal i
+    branch_histogram: list[int] = field(default_factory=list)  # [b]: decode passes given a tree of b branches
+    branch_tokens: int = 0  # accepted proposals that were branches
     alpha_estimate: float = 0.0  # the controller's estimate at the last step (auto)
     pending: list[int] = field(default_factory=list)  # tokens not yet sent in an event
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # in step with `pending`
@@ -153,9 +155,14 @@ class Sequence:
         if self.remaining <= 0:
             self.finish_reason = "length"
 
-    def record_decode(self, proposed: int, accepted: int) -> None:
-        """A decode pass that verified `proposed` proposals and kept the first `accepted`."""
+    def record_decode(self, proposed: int, accepted: int, branches: int = 0, from_branches: int = 0) -> None:
+        """A decode pass that verified a chain of `proposed` proposals (and `branches` beside it)
+        and kept `accepted`, the last `from_branches` of them off the chain."""
         self.decode_passes += 1
+        if branches >= len(self.branch_histogram):
+            self.branch_histogram.extend([0] * (branches + 1 - len(self.branch_histogram)))
+        self.branch_histogram[branches] += 1
+        self.branch_tokens += from_branches
         if proposed >= len(self.gamma_histogram):
             self.gamma_histogram.extend([0] * (proposed + 1 - len(self.gamma_histogram)))
         self.gamma_histogram[proposed] += 1
@@ -176,6 +183,8 @@ class Sequence:
             alpha_estimate=self.alpha_estimate,
             beam_expansions=self.beam.expansions if self.beam is not None else 0,
             accepted_per_position=list(self.accepted_per_position),
+            branch_histogram=list(self.branch_histogram),
+            branch_tokens=self.branch_tokens,
         )
 
     def event(self) -> SequenceEvent:

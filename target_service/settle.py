@@ -1,6 +1,10 @@
 """Settling one target pass: which proposals stand and which token follows, per row (design §5).
 
-Greedy rows keep the longest prefix matching the target's argmax. A pass without proposals
+Greedy rows keep the longest prefix matching the target's argmax. A greedy row may propose a
+tree (``VerifyRow.parents``): the target scored every node in one forward (each node's scores are
+those of the chain through it), and the row keeps the longest path from the root along which each
+node is the argmax after its parent (the first such child where several are), then the argmax
+after the path's last node: the tokens plain greedy decoding emits. A pass without proposals
 (prefill, γ = 0) is plain decoding: the argmax, or the plain sample from p: the winner of an
 exponential race over p with the noise keyed by (seed, absolute position, SAMPLE) (kernels/random.py).
 Sampling rows with proposals are settled one of two ways (`TargetConfig.speculative_sampling`):
@@ -70,12 +74,17 @@ class VerifyRow:
     # guesses were cut (an id past the vocabulary, a malformed q table). The target never races
     # with SAMPLE noise there under Leviathan's rule: the draft's guess depended on it.
     drafted: int = 0
+    # A tree (greedy rows only): per proposal, its parent node, 0 being the row's last committed
+    # token and i + 1 proposal i (each parent before its child). Empty: a chain.
+    parents: list[int] = field(default_factory=list)
 
 
 @dataclass
 class Verdict:
     accepted: int  # proposals kept
     tokens: list[int]  # the kept proposals, then the target's own token
+    # A tree row: the nodes of the kept proposals (proposal i is node i + 1), root to leaf.
+    path: list[int] | None = None
     # Per token: (its log-probability, [(alternative id, log-probability), ...]); None unless asked.
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
@@ -93,6 +102,8 @@ def settle(target: torch.Tensor | Hidden, rows: list[VerifyRow], coupled: bool =
     else:
         positions = target.shape[1]
     gamma = positions - 1
+    if any(r.parents and not r.params.greedy for r in rows):
+        raise ValueError("settle: only greedy rows verify trees (VerifyRow.parents)")
     device = target.states.device if isinstance(target, Hidden) else target.device
     draft = torch.tensor([r.proposals + [-1] * (gamma - len(r.proposals)) for r in rows],
                          dtype=torch.int64).view(batch, gamma).to(device)  # [B, G], padded with -1
@@ -250,6 +261,20 @@ def _sparse_q(rows: list[VerifyRow], gamma: int) -> tuple[torch.Tensor, torch.Te
     return q_ids, q_probs
 
 
+def tree_path(proposals: list[int], parents: list[int], best: list[int]) -> list[int]:
+    """The accepted path of a greedy tree: from the root (node 0), repeatedly the first child whose
+    token is the target's argmax after the current node (``best[node]``). Returns its nodes."""
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents):
+        children.setdefault(parent, []).append(i + 1)
+    path, node = [], 0
+    while True:
+        node = next((c for c in children.get(node, ()) if proposals[c - 1] == best[node]), -1)
+        if node < 0:
+            return path
+        path.append(node)
+
+
 def _unpack(flat: list[float], rows: list[VerifyRow], wanted: list[int], positions: int, top_n: int) -> list[Verdict]:
     batch = len(rows)
     at = 0
@@ -261,14 +286,21 @@ def _unpack(flat: list[float], rows: list[VerifyRow], wanted: list[int], positio
 
     accepted = [int(v) for v in take(batch)]
     tokens = take(batch * positions)
-    verdicts = [Verdict(accepted[b], [int(t) for t in tokens[b * positions : b * positions + accepted[b] + 1]])
-                for b in range(batch)]
+    verdicts = []
+    for b, row in enumerate(rows):
+        best = [int(t) for t in tokens[b * positions : (b + 1) * positions]]  # greedy: the argmax after each node
+        if row.parents:
+            path = tree_path(row.proposals, row.parents, best)
+            verdicts.append(Verdict(len(path), [best[n] for n in [0, *path]], path))
+        else:
+            verdicts.append(Verdict(accepted[b], best[: accepted[b] + 1]))
     chosen = take(len(wanted) * positions)
     top_ids = take(len(wanted) * positions * top_n)
     top_vals = take(len(wanted) * positions * top_n)
     for w, b in enumerate(wanted):
         n, out = rows[b].logprobs, []
-        for j in range(len(verdicts[b].tokens)):
+        nodes = [0, *verdicts[b].path] if verdicts[b].path is not None else range(len(verdicts[b].tokens))
+        for j in nodes:
             base = (w * positions + j) * top_n
             alternatives = [(int(top_ids[base + i]), top_vals[base + i]) for i in range(n)
                             if top_vals[base + i] > float("-inf")]  # tokens the cuts removed are no alternative

@@ -1,7 +1,7 @@
 """A draft's reply is untrusted input (target_service/drafting.py, ``malformed``): a reply that names
 another sequence, carries more tokens than asked, an id outside the target's vocabulary, a held
-length past what the draft was sent and guessed, or (a sampled row) a q table that is not one
-distribution per token with the drawn token in its support, is refused for its row: that row
+length past what the draft was sent and guessed, a tree that was not asked for or is not one, or
+(a sampled row) a q table that is not one distribution per token with the drawn token in its support, is refused for its row: that row
 decodes plainly that pass, the refusal is counted per cause in the target's metrics, and no other
 row is touched. Through the real engine: the output stays the target's plain output, token for token.
 """
@@ -83,6 +83,34 @@ def test_what_a_well_formed_reply_may_do() -> None:
     assert malformed(CORRUPTIONS["q sum"][1](_good(True)), item, 3, VOCAB, greedy=True) == ("", "")
 
 
+TREE_ITEM = dataclasses.replace(_item(), branches=2)  # gamma 3, two branches allowed
+GOOD_TREE = Proposal([5, 6, 7, 8, 9], 8, key=7, parents=[0, 1, 2, 0, 1])  # a chain of 3, two branches
+TREE_CORRUPTIONS = {
+    "parent out of range": ("tree", [0, 1, 2, 0, 9], r"Proposal.parents\[4\]=9: a parent is node 0..4"),
+    "parent not before child": ("tree", [0, 2, 2, 0, 1], r"Proposal.parents\[1\]=2"),
+    "deeper than gamma": ("tree", [0, 1, 2, 3, 0], r"token 3 is 4 deep, past gamma=3"),
+    "entries": ("tree", [0, 1, 2, 0], r"4 entries for 5 tokens"),
+}
+
+
+@pytest.mark.parametrize("name", TREE_CORRUPTIONS)
+def test_a_malformed_tree_is_refused_naming_its_cause(name) -> None:
+    cause, parents, why = TREE_CORRUPTIONS[name]
+    assert malformed(GOOD_TREE, TREE_ITEM, 3, VOCAB, greedy=True) == ("", "")
+    got, message = malformed(dataclasses.replace(GOOD_TREE, parents=parents), TREE_ITEM, 3, VOCAB, greedy=True)
+    assert got == cause and re.search(why, message), message
+
+
+def test_a_tree_beyond_its_budget_or_not_asked_for_is_refused() -> None:
+    bigger = dataclasses.replace(GOOD_TREE, tokens=[5, 6, 7, 8, 9, 10], parents=[0, 1, 2, 0, 1, 2])
+    assert malformed(bigger, TREE_ITEM, 3, VOCAB, greedy=True)[0] == "tokens"  # 6 > gamma 3 + 2 branches
+    small = Proposal([5, 6, 7], 8, key=7, parents=[0, 1, 0])  # within gamma, but a tree
+    cause, message = malformed(small, _item(), 3, VOCAB, greedy=True)  # no branches allowed
+    assert cause == "tree" and "allowed none (branches=0)" in message
+    sampled = dataclasses.replace(TREE_ITEM, sampling=SAMPLED)  # sampled rows verify chains only
+    assert malformed(small, sampled, 3, VOCAB, greedy=False)[0] == "tree"
+
+
 class _Corrupting:
     """The real draft's proposer with every reply for sequence ``victim`` corrupted one way."""
 
@@ -102,11 +130,18 @@ class _Corrupting:
         return replies
 
 
+def _longer(p: Proposal, count: int) -> Proposal:
+    """``p`` padded to ``count`` tokens (a tree's extra ones hang under the root)."""
+    extra = count - len(p.tokens)
+    return dataclasses.replace(p, tokens=p.tokens + [1] * extra, parents=p.parents and p.parents + [0] * extra)
+
+
 ENGINE_CORRUPTIONS = {
     "seq_id": lambda p, item: dataclasses.replace(p, key=item.key + 1000),
-    "tokens": lambda p, item: dataclasses.replace(p, tokens=p.tokens + [1] * (item.gamma + 1 - len(p.tokens))),
+    "tokens": lambda p, item: _longer(p, item.gamma + item.branches + 1),  # past what a tree may hold
     "token_id": lambda p, item: dataclasses.replace(p, tokens=[*p.tokens[:-1], 10**6]),
     "length": lambda p, item: dataclasses.replace(p, length=item.rollback_to + len(item.append) + len(p.tokens) + 1),
+    "tree": lambda p, item: dataclasses.replace(p, parents=[len(p.tokens)] * len(p.tokens)),  # each its own parent
 }
 
 

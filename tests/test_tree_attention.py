@@ -23,11 +23,14 @@ LLAMA = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hid
 
 
 def random_tree(rng: random.Random, nodes: int, max_depth: int = 8, max_width: int = 4) -> list[int]:
-    """Parents of ``nodes`` nodes (node 0 the root, -1): each node hangs under an earlier one that
-    has fewer than ``max_width`` children and depth below ``max_depth``."""
+    """Parents of up to ``nodes`` nodes (node 0 the root, -1): each node hangs under an earlier one
+    that has fewer than ``max_width`` children and depth below ``max_depth`` (fewer nodes when
+    none is left)."""
     parents, depth, children = [-1], [0], [0]
     for t in range(1, nodes):
         open_ = [p for p in range(t) if children[p] < max_width and depth[p] < max_depth]
+        if not open_:
+            break
         p = rng.choice(open_)
         parents.append(p)
         depth.append(depth[p] + 1)

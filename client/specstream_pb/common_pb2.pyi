@@ -114,7 +114,7 @@ class BeamSequence(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., score: _Optional[float] = ..., logprob: _Optional[float] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("draft_tokens", "accepted_tokens", "target_passes", "mean_accepted_length", "rejections", "gamma_histogram", "alpha_estimate", "beam_expansions", "accepted_per_position")
+    __slots__ = ("draft_tokens", "accepted_tokens", "target_passes", "mean_accepted_length", "rejections", "gamma_histogram", "alpha_estimate", "beam_expansions", "accepted_per_position", "branch_histogram", "branch_tokens")
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TARGET_PASSES_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,8 @@ class SpeculationStats(_message.Message):
     ALPHA_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
     BEAM_EXPANSIONS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     draft_tokens: int
     accepted_tokens: int
     target_passes: int
@@ -133,7 +135,9 @@ class SpeculationStats(_message.Message):
     alpha_estimate: float
     beam_expansions: int
     accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., target_passes: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., rejections: _Optional[int] = ..., gamma_histogram: _Optional[_Iterable[int]] = ..., alpha_estimate: _Optional[float] = ..., beam_expansions: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
+    branch_histogram: _containers.RepeatedScalarFieldContainer[int]
+    branch_tokens: int
+    def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., target_passes: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., rejections: _Optional[int] = ..., gamma_histogram: _Optional[_Iterable[int]] = ..., alpha_estimate: _Optional[float] = ..., beam_expansions: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., branch_histogram: _Optional[_Iterable[int]] = ..., branch_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")

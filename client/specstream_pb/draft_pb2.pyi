@@ -27,7 +27,7 @@ class ProposeBatch(_message.Message):
     def __init__(self, step: _Optional[int] = ..., items: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ...) -> None: ...
 
 class ProposeItem(_message.Message):
-    __slots__ = ("seq_id", "rollback_to", "append_token_ids", "gamma", "sampling", "features", "feature_dtype", "feature_width", "traceparent")
+    __slots__ = ("seq_id", "rollback_to", "append_token_ids", "gamma", "sampling", "features", "feature_dtype", "feature_width", "branches", "traceparent")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_TO_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class ProposeItem(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     FEATURE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     FEATURE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     rollback_to: int
@@ -45,8 +46,9 @@ class ProposeItem(_message.Message):
     features: bytes
     feature_dtype: str
     feature_width: int
+    branches: int
     traceparent: str
-    def __init__(self, seq_id: _Optional[int] = ..., rollback_to: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., features: _Optional[bytes] = ..., feature_dtype: _Optional[str] = ..., feature_width: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., rollback_to: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., features: _Optional[bytes] = ..., feature_dtype: _Optional[str] = ..., feature_width: _Optional[int] = ..., branches: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class Release(_message.Message):
     __slots__ = ("seq_ids",)
@@ -65,7 +67,7 @@ class ProposeResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., held_sequences: _Optional[int] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "length", "q_width", "q_ids", "q_probs", "proposer", "error")
+    __slots__ = ("seq_id", "token_ids", "length", "q_width", "q_ids", "q_probs", "proposer", "error", "parents")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +76,7 @@ class Proposal(_message.Message):
     Q_PROBS_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     length: int
@@ -82,7 +85,8 @@ class Proposal(_message.Message):
     q_probs: _containers.RepeatedScalarFieldContainer[float]
     proposer: str
     error: str
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ..., q_width: _Optional[int] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., proposer: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ..., q_width: _Optional[int] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., proposer: _Optional[str] = ..., error: _Optional[str] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftInfoRequest(_message.Message):
     __slots__ = ()

@@ -222,6 +222,11 @@ class TargetConfig:
     max_gamma: int = 16  # largest gamma a request may ask for, and the controller may pick
     gamma_policy: str = "goodput"  # speculation=auto: "goodput", "fixed", "hf" or "leviathan" (target_service/gamma.py)
     speculative_sampling: str = "leviathan"  # one of SPECULATIVE_SAMPLING: how sampled proposals are verified
+    # Trees: greedy rows may add up to this many of the draft's runner-up guesses as branches beside
+    # its chain, verified in the same forward: as many as the measured verify cost says pay under
+    # gamma_policy goodput, all under fixed, none under hf and leviathan (target_service/gamma.py).
+    # Only where the target's forward is the native CPU one (bit-exact trees); 0: chains only.
+    tree_branches: int = 4
     # Time verify forwards of each step shape at start-up for the γ controller's cost model
     # (target_service/calibration.py; a few seconds at most).
     calibrate: bool = True
@@ -272,6 +277,8 @@ class TargetConfig:
                f"one of {', '.join(GAMMA_POLICIES)}")
         _check(self.speculative_sampling in SPECULATIVE_SAMPLING, "speculative_sampling", self.speculative_sampling,
                f"one of {', '.join(SPECULATIVE_SAMPLING)}")
+        _check(0 <= self.tree_branches <= self.max_gamma, "tree_branches", self.tree_branches,
+               f"in 0..max_gamma ({self.max_gamma})")
         _check(not (self.draft_url and self.colocated_draft), "colocated_draft", "set",
                f"unset when draft_url is set ({self.draft_url!r}): the draft runs in one place")
         _check(self.draft_timeout_s > 0, "draft_timeout_s", self.draft_timeout_s, "> 0")

@@ -82,6 +82,8 @@ class SequenceStats:
     alpha_estimate: float = 0.0  # the γ controller's acceptance estimate at the last step (auto mode)
     beam_expansions: int = 0  # beam requests: hypothesis rows expanded, all steps together
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: passes that kept proposal i
+    branch_histogram: list[int] = field(default_factory=list)  # [b]: decode passes given a tree of b branches
+    branch_tokens: int = 0  # accepted proposals that were branches beside the chain
 
 
 @dataclass

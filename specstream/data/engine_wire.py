@@ -143,7 +143,8 @@ def stats_to_pb(stats: SequenceStats) -> common_pb2.SpeculationStats:
         draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens, target_passes=stats.target_passes,
         mean_accepted_length=stats.mean_accepted_length, rejections=stats.rejections,
         gamma_histogram=stats.gamma_histogram, alpha_estimate=stats.alpha_estimate,
-        beam_expansions=stats.beam_expansions, accepted_per_position=stats.accepted_per_position)
+        beam_expansions=stats.beam_expansions, accepted_per_position=stats.accepted_per_position,
+        branch_histogram=stats.branch_histogram, branch_tokens=stats.branch_tokens)
 
 
 def stats_from_pb(pb: common_pb2.SpeculationStats) -> SequenceStats:
@@ -151,7 +152,8 @@ def stats_from_pb(pb: common_pb2.SpeculationStats) -> SequenceStats:
         draft_tokens=pb.draft_tokens, accepted_tokens=pb.accepted_tokens, target_passes=pb.target_passes,
         mean_accepted_length=pb.mean_accepted_length, rejections=pb.rejections,
         gamma_histogram=list(pb.gamma_histogram), alpha_estimate=pb.alpha_estimate,
-        beam_expansions=pb.beam_expansions, accepted_per_position=list(pb.accepted_per_position))
+        beam_expansions=pb.beam_expansions, accepted_per_position=list(pb.accepted_per_position),
+        branch_histogram=list(pb.branch_histogram), branch_tokens=pb.branch_tokens)
 
 
 def logprob_to_pb(logprob: TokenLogprob) -> common_pb2.TokenLogprob:

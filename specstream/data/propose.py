@@ -35,6 +35,8 @@ class ProposeItem:
     features: bytes = b""
     feature_width: int = 0
     feature_dtype: str = FEATURE_DTYPE
+    # Greedy items: up to this many more guesses as branches beside the chain (Proposal.parents).
+    branches: int = 0
 
 
 def features_expected(rollback_to: int, appended: int) -> int:
@@ -64,6 +66,9 @@ class Proposal:
     error: str = ""
     # The sequence the reply names, where it crossed a wire (the target checks it is the item's); None in process.
     key: Hashable | None = None
+    # A tree: per token, its parent node (0: the sequence's last token, i + 1: token i); the
+    # leading run whose parent is the token before is the draft's chain. Empty: a chain.
+    parents: list[int] = field(default_factory=list)
 
 
 class Proposer(Protocol):

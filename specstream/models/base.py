@@ -155,6 +155,12 @@ class CausalLM(torch.nn.Module):
         )
 
     @property
+    def exact_trees(self) -> bool:
+        """Whether a tree forward (``hidden(parents=...)``) gives each node the bits of the chain
+        through it (the native CPU attention); elsewhere only to float tolerance."""
+        return False
+
+    @property
     def output_head(self) -> OutputHead:
         """The output layer: ``forward`` is ``output_head.logits(hidden(...))``. The engines hand
         it with the hidden states to the output ops (kernels/), which can fuse it with argmax,

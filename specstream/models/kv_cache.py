@@ -164,6 +164,23 @@ class KVCache:
         if table is not None and len(table) > n:
             self._set_sources(slot, table[:n])
 
+    def keep_path(self, slot: int, base: int, nodes: list[int]) -> None:
+        """After a tree verify (positions base, base+1, ... hold its nodes): the K/V of nodes[i]
+        (offsets from base, increasing) move to base + i in every layer, so the accepted path lies
+        where a chain would have put it. Nodes already in place are not copied."""
+        self._check_slot(slot)
+        moved = [(base + i, base + n) for i, n in enumerate(nodes) if n != i]
+        if not moved:
+            return
+        if any(n < i for i, n in enumerate(nodes)) or base + max(nodes) >= self.max_len:
+            raise ValueError(f"KVCache: keep_path nodes {nodes} from {base} (each at or after its place, "
+                             f"inside max_len {self.max_len})")
+        dst = torch.tensor([d for d, _ in moved], device=self.device)
+        src = torch.tensor([s for _, s in moved], device=self.device)
+        for layer in range(self.num_layers):
+            for cache in (self.k[layer], self.v[layer]):
+                cache[slot][:, dst] = cache[slot][:, src]  # [Hkv, n, D]: the gather is read before the write
+
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """dst gets src's first n positions (all layers) and length n; src is unchanged."""
         self._check_slot(src, "src slot")

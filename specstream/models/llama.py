@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import native
 from kernels.int4 import Q4Weight, rtn_parts
 from kernels.int8 import Q8Weight
 from kernels.linear import linear
@@ -337,6 +338,13 @@ class LlamaForCausalLM(CausalLM):
         cos = self.rope_cos[batch.positions].unsqueeze(1)  # [B, 1, T, D]
         sin = self.rope_sin[batch.positions].unsqueeze(1)  # [B, 1, T, D]
         return F.embedding(input_ids.to(self.embed.device), self.embed), cos, sin  # [B, T, H], ...
+
+    @property
+    def exact_trees(self) -> bool:
+        """Where the native attention serves (CPU, float32 or bfloat16): it reads a node's keys in
+        a chain's order (``CacheBatch``)."""
+        return self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) \
+            and native.library() is not None
 
     @property
     def output_head(self) -> OutputHead:

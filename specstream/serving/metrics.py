@@ -40,7 +40,7 @@ FINISH_REASONS = ("length", "stop", "eos")
 PASS_PARTS = ("target", "draft", "host")
 # Why a draft's reply is refused for its row (target_service/drafting.py's MALFORMED_CAUSES, which
 # this module cannot import: the gateway imports it without the target's code).
-MALFORMED_CAUSES = ("seq_id", "tokens", "token_id", "length", "q")
+MALFORMED_CAUSES = ("seq_id", "tokens", "token_id", "length", "q", "tree")
 
 
 def finish_reason_label(value: int) -> str:

@@ -90,6 +90,11 @@ def gamma_flags(p: argparse.ArgumentParser) -> None:
                         "residual (most tokens per pass); coupled: accept a proposal iff it is the target's own "
                         "sample, so a seed gives exactly the text of plain sampling whatever gamma, the draft or "
                         "a resubmission of the request (fewer accepted proposals)")
+    p.add_argument("--tree-branches", type=int, default=TargetConfig.tree_branches,
+                   help="greedy requests may add up to this many of the draft's runner-up guesses as branches "
+                        "beside its chain, verified in the same pass (a tree): --gamma-policy goodput takes as "
+                        "many as the measured verify cost says pay, fixed all of them, hf and leviathan none; "
+                        "0: chains only")
 
 
 def batching_flags(p: argparse.ArgumentParser) -> None:

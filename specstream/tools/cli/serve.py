@@ -160,7 +160,8 @@ def _stack_spec(args: argparse.Namespace):
                      weights=args.weights, colocate_draft=args.colocate_draft, log_dir=args.log_dir,
                      draft_threads=args.draft_threads, target_threads=args.target_threads,
                      target_replicas=args.replicas, metrics=args.metrics,
-                     extra_target_args=[*_batching_args(args), "--speculative-sampling", args.speculative_sampling],
+                     extra_target_args=[*_batching_args(args), "--speculative-sampling", args.speculative_sampling,
+                                        "--tree-branches", str(args.tree_branches)],
                      trace_file=os.path.abspath(args.trace_file) if args.trace_file else None,
                      security=_serve_security(args),
                      supervise=None if args.no_supervise else RestartPolicy(max_delay_s=args.restart_max_delay))
