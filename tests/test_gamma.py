@@ -331,3 +331,51 @@ def test_one_unlucky_verify_sample_fades():
         costs.observe(1, 0, 0, 1.0, 0.0, 0.0)
         costs.observe(2, 1, 1, 1.0, 0.1, 0.0)
     assert costs.verify_s(3) < 1.2  # back near the line after 500 steps at other sizes
+
+
+def _measured(verify_per_position: float, alpha_hits: int = 6, alpha_misses: int = 4) -> GammaController:
+    """A goodput controller whose verify costs 5 ms + ``verify_per_position`` per position, with a
+    draft at ~0.2 ms a guess and a row (id 1) that kept ``alpha_hits`` of its guesses."""
+    controller = GammaController(max_gamma=MAX_GAMMA)
+    for positions in (1, 2, 4, 8, 12) * 6:
+        controller.costs.observe(positions, max(positions - 1, 1), max(positions - 1, 1),
+                                 0.005 + verify_per_position * positions, 0.0002 * positions, 0.0005)
+    for _ in range(alpha_hits):
+        controller.observe(1, "model", True, 1, 1)
+    for _ in range(alpha_misses):
+        controller.observe(1, "model", True, 1, 0)
+    return controller
+
+
+def test_branches_are_bought_only_where_a_position_is_cheap():
+    """A branch at depth j adds α^j (1 − α) β tokens a pass: at ~0 s a position (a memory-bound
+    device) every allowed branch pays, at 1 ms a position on a 6 ms pass none does; sampled rows,
+    rows not drafting and a cap of 0 get none."""
+    row = RowView(1, AUTO_GAMMA, MAX_GAMMA, True)
+    cheap, dear = _measured(1e-7), _measured(1e-3)
+    assert cheap.branches([row], [3], 3) == [3]
+    assert dear.branches([row], [3], 3) == [0]
+    sampled = RowView(2, AUTO_GAMMA, MAX_GAMMA, False)
+    assert cheap.branches([row, sampled, row], [3, 3, 0], 3) == [3, 0, 0]
+    assert cheap.branches([row], [3], 0) == [0]
+    # Fewer branches than the cap where the deeper ones stop paying: a branch at depth j needs the j
+    # guesses before it kept, so with a weak draft only the shallow ones pay.
+    weak = _measured(2e-4, alpha_hits=1, alpha_misses=9)
+    assert 0 < weak.branches([row], [4], 4)[0] < 4
+
+
+def test_the_branch_rate_is_learnt_and_moves_the_choice():
+    row = RowView(1, AUTO_GAMMA, MAX_GAMMA, True)
+    controller = _measured(3e-4)
+    before = controller.branches([row], [3], 3)[0]
+    for _ in range(200):
+        controller.observe_branch(False)  # runner-ups never right: β -> 0
+    assert controller.branch_rate() < 0.05 and controller.branches([row], [3], 3) == [0] and before > 0
+
+
+def test_fixed_gives_every_branch_and_the_chain_heuristics_none():
+    rows = [RowView(1, 2, MAX_GAMMA, True), RowView(2, AUTO_GAMMA, MAX_GAMMA, True)]
+    assert GammaController("fixed", max_gamma=MAX_GAMMA).branches(rows, [2, 4], 3) == [3, 3]
+    assert GammaController("hf", max_gamma=MAX_GAMMA).branches(rows, [2, 4], 3) == [0, 0]
+    assert GammaController("leviathan", max_gamma=MAX_GAMMA).branches(rows, [2, 4], 3) == [0, 0]
+    assert GammaController(max_gamma=MAX_GAMMA).branches(rows, [2, 4], 3) == [0, 0]  # nothing measured yet

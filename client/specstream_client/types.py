@@ -78,6 +78,10 @@ class SpeculationStats:
     gamma_histogram: tuple[int, ...] = ()
     alpha_estimate: float = 0.0
     beam_expansions: int = 0  # beam search: hypothesis rows the server expanded for the request
+    # branch_histogram[b]: decode passes whose proposal was a tree with b branches beside its chain
+    # (0: a chain); branch_tokens: accepted proposals that were branches, not the draft's chain.
+    branch_histogram: tuple[int, ...] = ()
+    branch_tokens: int = 0
 
     @classmethod
     def from_pb(cls, msg: common_pb2.SpeculationStats) -> SpeculationStats:
@@ -90,6 +94,8 @@ class SpeculationStats:
             gamma_histogram=tuple(msg.gamma_histogram),
             alpha_estimate=msg.alpha_estimate,
             beam_expansions=msg.beam_expansions,
+            branch_histogram=tuple(msg.branch_histogram),
+            branch_tokens=msg.branch_tokens,
         )
 
     @property

@@ -197,6 +197,8 @@ def metrics(stats: common_pb2.SpeculationStats, timings: common_pb2.Timings) -> 
             "tokens_per_target_pass": stats.mean_accepted_length,
             "gamma_histogram": list(stats.gamma_histogram),
             "alpha_estimate": stats.alpha_estimate,
+            "branch_histogram": list(stats.branch_histogram),
+            "branch_tokens": stats.branch_tokens,
         },
         "timings": {"queue_seconds": timings.queue_seconds,
                     "time_to_first_token_seconds": timings.time_to_first_token_seconds,

@@ -45,7 +45,7 @@ def test_the_oracle_flags_wrong_codes_wrong_fields_and_crashes() -> None:
 def test_a_hostile_draft_costs_nothing_but_plain_passes(model_zoo, tmp_path) -> None:
     """`specstream fuzz --draft-side` on the tiny pair: a draft corrupting 40% of its replies (every
     cause: another sequence's id, too many tokens, ids outside the vocabulary, a held length it
-    cannot have, sampled rows' q tables that are not distributions) behind a real target and
+    cannot have, malformed trees, sampled rows' q tables that are not distributions) behind a real target and
     gateway. Every answer equals speculation=off (coupled sampling: sampled ones too), the target
     refused exactly the corrupted replies per cause, the clean ones were still accepted, and the
     stack serves afterwards."""

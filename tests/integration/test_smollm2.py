@@ -265,6 +265,27 @@ def test_the_token_draft_is_exact_in_both_layouts(stack_factory, colocate) -> No
         _speculative_chat_is_plain_and_accepted(client, gamma=3)
 
 
+def test_trees_through_the_three_processes_equal_plain(stack_factory) -> None:
+    """The pair as `specstream serve` runs it, every greedy pass a tree (--gamma-policy fixed
+    --tree-branches 3: the feature draft's runner-ups beside its chain): chat equals plain decoding
+    token for token, trees were verified, and some of their branches were kept."""
+    from specstream_client import Client
+
+    pair = PAIRS["smollm2"]
+    stack = stack_factory(pair.target, pair.draft, dtype="auto", gamma=3, proposer=pair.proposer,
+                          ngram_min=pair.ngram_min, gamma_policy="fixed", extra_target_args=["--tree-branches", "3"])
+    trees = kept = 0
+    with Client(stack.gateway_address, timeout=300) as client:
+        for question in CHAT[:3]:
+            messages = [{"role": "user", "content": question}]
+            plain = client.chat(messages, max_new_tokens=64, speculation="off")
+            spec = client.chat(messages, max_new_tokens=64)  # speculation=auto: gamma 3 under the fixed policy
+            assert spec.token_ids == plain.token_ids
+            trees += sum(spec.stats.branch_histogram[1:])
+            kept += spec.stats.branch_tokens
+    assert trees > 0 and kept > 0, (trees, kept)
+
+
 def test_sampled_chat_is_reproducible_per_seed(smollm2_stack) -> None:
     from specstream_client import Client
 

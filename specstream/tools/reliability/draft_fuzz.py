@@ -6,9 +6,12 @@ proves that with real processes and the real draft's guesses.
 built as the draft service builds it) that corrupts a seeded fraction of its replies, one way each, and counts
 what it did per cause: a reply naming another sequence (``seq_id``), more tokens than asked
 (``tokens``), an id outside the vocabulary (``token_id``), a held length past what it was sent and
-guessed (``length``), and for sampled rows a q table that is not a distribution per token (a row's
-sum off 1, a negative or NaN probability, an id outside the vocabulary, no probability on the drawn
-token, entries missing: ``q``). The start-up timing's sequence (id 0) is answered honestly: the
+guessed (``length``), a tree that is not one or was not asked for (a parent out of range or not
+before its child, a path deeper than γ, parents missing, branches where none were allowed:
+``tree``; the target runs ``--gamma-policy fixed --tree-branches 2``, so greedy rows ask for trees
+and the real draft sends them), and for sampled rows a q table that is not a distribution per token
+(a row's sum off 1, a negative or NaN probability, an id outside the vocabulary, no probability on
+the drawn token, entries missing: ``q``). The start-up timing's sequence (id 0) is answered honestly: the
 target does not verify its guesses.
 
 The oracle, per request: the target runs coupled speculative sampling, so every answer, greedy or
@@ -72,11 +75,16 @@ class HostileDraft(DraftServicer):
         """Corrupts ``pb`` one way, drawn at random among those that apply; returns the cause."""
         rng, vocab = self._rng, self.vocab_size
         sampled = item.sampling.temperature > 0 and pb.q_width > 0
-        cause = rng.choice(["seq_id", "tokens", "token_id", "length", *(["q"] * 2 if sampled else [])])
+        cause = rng.choice(["seq_id", "tokens", "token_id", "length", "tree", *(["q"] * 2 if sampled else [])])
         if cause == "seq_id":
             pb.seq_id = item.seq_id + rng.randrange(1, 1 << 20)
-        elif cause == "tokens":
-            pb.token_ids.extend(rng.randrange(vocab) for _ in range(item.gamma + 1 - len(pb.token_ids)))
+        elif cause == "tokens":  # past the chain and every branch allowed
+            extra = item.gamma + item.branches + 1 - len(pb.token_ids)
+            pb.token_ids.extend(rng.randrange(vocab) for _ in range(extra))
+            if pb.parents:
+                pb.parents.extend([0] * extra)
+        elif cause == "tree":
+            self._corrupt_tree(pb, item)
         elif cause == "token_id":
             pb.token_ids[rng.randrange(len(pb.token_ids))] = OUTSIDE + rng.randrange(1 << 16)
         elif cause == "length":
@@ -84,6 +92,27 @@ class HostileDraft(DraftServicer):
         else:
             self._corrupt_q(pb)
         return cause
+
+    def _corrupt_tree(self, pb: draft_pb2.Proposal, item: draft_pb2.ProposeItem) -> None:
+        rng, n = self._rng, len(pb.token_ids)
+        parents = list(pb.parents) or list(range(n))  # a chain's parents, where the draft sent none
+        if not item.branches:  # a tree where none was asked for (a sampled row)
+            how = "unasked"
+        else:
+            how = rng.choice(["range", "order", "missing", *(["deep"] if n <= item.gamma else [])])
+        if how in ("unasked", "range"):
+            parents[rng.randrange(n)] = n + 1 + rng.randrange(8) if how == "range" else 0
+            if how == "unasked" and n == 1:
+                parents = [1]  # a single token's only wrong parent: itself
+        elif how == "order":  # a parent at or after its child
+            i = rng.randrange(n)
+            parents[i] = i + 1 + rng.randrange(n - i)
+        elif how == "missing":
+            parents = parents[:-1] if n > 1 else [0, 0]
+        else:  # deeper than gamma: a chain one past it
+            pb.token_ids.extend(rng.randrange(self.vocab_size) for _ in range(item.gamma + 1 - n))
+            parents = list(range(item.gamma + 1))
+        pb.parents[:] = parents
 
     def _corrupt_q(self, pb: draft_pb2.Proposal) -> None:
         rng, width = self._rng, pb.q_width
@@ -157,8 +186,9 @@ def fuzz_draft_side(models, requests: int = 200, seed: int = 0, rate: float = 0.
     try:
         with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(
                 str(models.target), None, dtype=models.dtype, weights=models.weights, max_slots=concurrency,
-                log_dir=logs, metrics=True, extra_target_args=[
-                    "--draft-url", f"127.0.0.1:{port}", "--speculative-sampling", "coupled"])) as stack:
+                log_dir=logs, metrics=True, gamma_policy="fixed", extra_target_args=[
+                    "--draft-url", f"127.0.0.1:{port}", "--speculative-sampling", "coupled",
+                    "--tree-branches", "2"])) as stack:
             asyncio.run(_run(stack, report, requests, seed, concurrency, max_new_tokens, quiet))
             report.refused = {cause: int(n) for cause, n in _refused(stack.metrics_addresses["target"]).items() if n}
     finally:
