@@ -313,3 +313,37 @@ def test_bench_gamma_keeps_the_rows_it_does_not_measure_of_the_same_configuratio
     assert _other_rows(path, data, {"1/code", "8/code", "32/chat"}) == {}
     assert _other_rows(path, {**data, "dtype": "float32"}, {"32/mix"}) == {}  # another configuration: start afresh
     assert _other_rows(tmp_path / "absent.json", data, {"32/mix"}) == {}
+
+
+def test_latency_checks_its_tree_rows_and_puts_them_beside_the_chains(monkeypatch, tmp_path):
+    """bench latency's tree stacks (--gamma-policy fixed --tree-branches B) are checked against plain
+    decoding like every other sweep, and each row is scored against the chain at its γ."""
+    from specstream.tools.bench import latency
+
+    _patch_stack(monkeypatch, latency)
+    specs: list[dict] = []
+    monkeypatch.setattr(latency, "StackSpec", lambda *a, **k: specs.append(k) or k)
+
+    def sweep(address, prompts, gammas, max_new_tokens, temperature=0.0, progress=None, metrics=None):
+        tree = specs[-1].get("gamma_policy") == "fixed"
+        out = _fake_sweep({0: PLAIN, 2: CHANGED if tree and changed else PLAIN})(
+            address, prompts, gammas, max_new_tokens, progress=progress)
+        for g in gammas:
+            out[g]["branch_tokens"] = 3 if tree and g else 0
+        return out
+
+    monkeypatch.setattr(latency, "sweep", sweep)
+    changed = True
+    with pytest.raises(BenchmarkError, match=r"tree verification \(service, 1 branches\).*\n  gamma 2: prompt 1"):
+        latency.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, gammas=[0, 1, 2, 3],
+                    with_hf=False)
+    changed = False
+    data = latency.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, gammas=[0, 1, 2, 3],
+                       with_hf=False)
+    rows = data["trees"]["rows"]
+    assert set(rows) == {f"{layout}, gamma {g}, {b} branches" for layout in ("service", "colocated")
+                         for g in (1, 2, 3) for b in (1, 3)}
+    assert all(r["branch_tokens"] == 3 and r["over_chain"] > 0 for r in rows.values())
+    tree_stacks = [s for s in specs if s.get("gamma_policy") == "fixed"]
+    assert {s["extra_target_args"][-1] for s in tree_stacks} == {"1", "3"}
+    assert {s.get("colocate_draft", False) for s in tree_stacks} == {False, True}

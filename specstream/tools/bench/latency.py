@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from specstream.tools.bench import report
+from specstream.tools.bench import report, trees
 from specstream.tools.bench.apart import run_apart
 from specstream.tools.bench.checks import check_runs_match
 from specstream.tools.bench.costs import measure_costs, measure_feature_costs
@@ -72,6 +72,7 @@ def _summary(runs: list) -> dict:
     accepted = sum(r.stats.accepted_tokens for r in runs)
     rejections = sum(r.stats.rejections for r in runs)
     decode_passes = sum(r.stats.target_passes - 1 for r in runs)
+    tree_passes = sum(sum(r.stats.branch_histogram[1:]) for r in runs)
     return {
         "tokens_per_s": tokens / seconds,
         # Leviathan's per-token alpha (i.i.d. estimate), and the plain fraction accepted.
@@ -81,6 +82,8 @@ def _summary(runs: list) -> dict:
         "ttft_ms": 1000 * sum(r.timings.time_to_first_token_seconds for r in runs) / len(runs),
         "tokens": tokens, "seconds": seconds, "proposed": proposed, "accepted": accepted,
         "rejections": rejections, "passes": decode_passes + len(runs),
+        # Trees: passes that verified one, and kept tokens that were branches, not the chain.
+        "tree_passes": tree_passes, "branch_tokens": sum(r.stats.branch_tokens for r in runs),
         "token_ids": [r.token_ids for r in runs],
     }
 
@@ -96,9 +99,10 @@ COLOCATED_HEADERS = ["gamma", "tok/s", "alpha", "mean acc len", "measured x", *P
 
 def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: int = 128,
         gammas: list[int] | None = None, with_hf: bool = True, quiet: bool = False,
-        compare_draft: Path | None = None) -> dict:
+        compare_draft: Path | None = None, with_trees: bool = True) -> dict:
     """The γ sweep through the draft service and with the draft colocated, speculation=auto, the
-    draft model alone (behind prompt lookup), dense weights and the peers; with ``compare_draft``
+    draft model alone (behind prompt lookup), trees (``with_trees``: specstream/tools/bench/trees.py,
+    at γ 1..3), dense weights and the peers; with ``compare_draft``
     (another draft of the same target: a feature draft), the same sweeps with it, side by side;
     tables on stdout, ``latency.json`` and plots in ``out_dir``. Progress on stderr
     (specstream.tools.progress; ``quiet``: plain lines, never a bar), counted in generations."""
@@ -108,6 +112,8 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
     costs = _measure_costs(models, prompts, max_new_tokens, gammas)
     total = planned_generations(models, len(prompts), gammas, with_hf, costs["weights"])
     total += (2 * len(gammas) + 2) * len(prompts) if compare_draft is not None else 0
+    with_trees = with_trees and all(g in gammas for g in trees.TREE_GAMMAS)  # beside the chains of the same γ
+    total += trees.planned_generations(len(prompts)) if with_trees else 0
     with Progress(total, "generations", "latency", quiet=quiet) as progress:
         ours, auto, colocated = _sweeps(models, draft, prompts, gammas, max_new_tokens, progress)
         check_runs_match("speculative output", "plain decoding (gamma 0)", ours[0]["token_ids"],
@@ -121,6 +127,14 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
         result["proposer"] = models.proposing
         if models.proposer == "ngram+model":
             _model_alone(result, models, draft, prompts, ours, best, max_new_tokens, progress)
+        if with_trees:
+            def swept(tree_gammas: list[int], **fields) -> dict:
+                with tempfile.TemporaryDirectory() as logs, Stack(_spec(models, draft, logs, **fields)) as stack:
+                    return sweep(stack.gateway_address, prompts, tree_gammas, max_new_tokens, progress=progress,
+                                 metrics=stack.metrics_addresses["target"])
+
+            result["trees"] = trees.tree_rows(swept, ours[0]["token_ids"],
+                                              {"service": ours, "colocated": colocated}, progress)
         if compare_draft is not None:
             _compare_draft(result, models, compare_draft, prompts, gammas, max_new_tokens, ours, colocated, auto,
                            progress)

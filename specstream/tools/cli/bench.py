@@ -50,7 +50,8 @@ def _latency(args: argparse.Namespace, out: Path) -> None:
 
     latency.run(bench_models(args), out, n_prompts=args.prompts or 8, max_new_tokens=args.max_new_tokens or 128,
                 gammas=_numbers(args.gammas), with_hf=not args.no_hf, quiet=args.quiet,
-                compare_draft=resolve_model(args.compare_draft) if args.compare_draft else None)
+                compare_draft=resolve_model(args.compare_draft) if args.compare_draft else None,
+                with_trees=not args.no_trees)
 
 
 def _sampling(args: argparse.Namespace, out: Path) -> None:
@@ -198,6 +199,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "(draft) or everyday chat across nine domains (everyday)")
     p.add_argument("--compare-draft", help="latency: also sweep with this draft of the same target (a feature draft, "
                                            "e.g. the package's drafts/smollm2-135m-feature), side by side")
+    p.add_argument("--no-trees", action="store_true",
+                   help="latency: skip the tree rows (gamma 1-3 with the draft's runner-ups as branches, both layouts)")
     _kernels_flags(p)
     p.add_argument("--num-beams", help="beam: comma-separated k (default 5,10)")
     p.add_argument("--beam-threshold", type=float, default=1.5, help="beam: the variable width's δ (default 1.5)")
