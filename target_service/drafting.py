@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from specstream.data.propose import Proposal, ProposeItem, features_expected
+from specstream.data.propose import Proposal, ProposeItem, chain_length, features_expected
 from specstream.data.sampling import GREEDY
 from specstream.serving import metrics
 from target_service import tracing
@@ -41,7 +41,7 @@ from target_service.settle import Verdict, VerifyRow
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MALFORMED_CAUSES", "DraftSource", "Drafting", "chain_length", "feature_refusal", "malformed"]
+__all__ = ["MALFORMED_CAUSES", "DraftSource", "Drafting", "feature_refusal", "malformed"]
 
 _TIMING_KEY = 0  # the start-up timing's sequence: the engine numbers requests' sequences from 1
 # A feature draft's features per propose call, at most: far below the gRPC message limit (64 MiB),
@@ -185,13 +185,6 @@ def _not_a_tree(parents: list[int], count: int, gamma: int) -> str:
         if depth[-1] > gamma:
             return f"Proposal.parents: token {i} is {depth[-1]} deep, past gamma={gamma}"
     return ""
-
-
-def chain_length(parents: list[int], count: int) -> int:
-    """How many leading tokens form the chain the draft holds (each the child of the one before)."""
-    if not parents:
-        return count
-    return next((i for i, parent in enumerate(parents) if parent != i), count)
 
 
 @dataclass

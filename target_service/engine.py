@@ -43,6 +43,7 @@ from specstream.data.errors import (
     SpecstreamError,
     UnavailableError,
 )
+from specstream.data.propose import chain_length
 from specstream.models.base import CausalLM
 from specstream.serving import telemetry
 from specstream.serving.compute import torch_thread
@@ -50,7 +51,7 @@ from specstream.serving.metrics import TargetMetrics
 from target_service import tracing
 from target_service.calibration import verify_costs
 from target_service.connection import Connection
-from target_service.drafting import Drafting, DraftSource, chain_length, feature_refusal
+from target_service.drafting import Drafting, DraftSource, feature_refusal
 from target_service.gamma import AUTO_GAMMA, GammaController
 from target_service.scheduler import Scheduler
 from target_service.sequence import Sequence
@@ -419,7 +420,8 @@ class Engine:
         step_s = time.perf_counter() - started
         self.controller.observe_step(len(rows) + hypotheses, width - 1, proposals, verified - drafted, draft_s, other_s,
                                      self.drafting.fed)
-        self.metrics.observe_gammas([len(c.proposals) for c in checks])
+        chains = [chain_length(c.parents, len(c.proposals)) for c in checks]
+        self.metrics.observe_gammas(chains, [len(c.proposals) - n for c, n in zip(checks, chains)])
         self.metrics.observe_controller(self.controller.pooled(), self.controller.costs.terms(),
                                         self.controller.predicted_s, step_s)
         tracing.end_step(span, checks, verdicts, verified - drafted, self.controller.predicted_s, step_s,
@@ -524,6 +526,7 @@ class Engine:
         seq.accepted_tokens += accepted
         seq.rejections += on_chain < chain
         self.metrics.observe_accept(chain, accepted)
+        self.metrics.observe_branch_tokens(accepted - on_chain)
         self.drafting.settle(seq, check, verdict)
         if seq.gamma == AUTO_GAMMA:
             seq.alpha_estimate = self.controller.alpha(seq.seq_id, seq.sampling.greedy)

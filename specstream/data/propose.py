@@ -17,7 +17,7 @@ from typing import Protocol
 
 from specstream.data.sampling import GREEDY, SamplingParams
 
-__all__ = ["FEATURE_DTYPE", "SOURCE", "Proposal", "ProposeItem", "Proposer", "features_expected"]
+__all__ = ["FEATURE_DTYPE", "SOURCE", "Proposal", "ProposeItem", "Proposer", "chain_length", "features_expected"]
 
 FEATURE_DTYPE = "bfloat16"  # how features travel: 2 bytes a number (the only encoding)
 
@@ -37,6 +37,14 @@ class ProposeItem:
     feature_dtype: str = FEATURE_DTYPE
     # Greedy items: up to this many more guesses as branches beside the chain (Proposal.parents).
     branches: int = 0
+
+
+def chain_length(parents: list[int], count: int) -> int:
+    """How many of a proposal's ``count`` tokens form the chain the draft holds: the leading run
+    whose parent is the token before (all of them when ``parents`` is empty: a chain)."""
+    if not parents:
+        return count
+    return next((i for i, parent in enumerate(parents) if parent != i), count)
 
 
 def features_expected(rollback_to: int, appended: int) -> int:

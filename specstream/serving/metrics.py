@@ -157,6 +157,11 @@ class TargetMetrics:
         # The γ controller (target_service/gamma.py): what it chose, what it believes, how well it predicts.
         self.gamma = Histogram(f"{PREFIX}spec_decode_gamma", "γ given to each row of each decode step (0: none).",
                                buckets=gamma_buckets(max_gamma), registry=r)
+        self.branches = Histogram(f"{PREFIX}spec_decode_branches",
+                                  "Branches beside the chain of each drafting row of each decode step (0: a chain).",
+                                  buckets=gamma_buckets(max_gamma), registry=r)
+        self.branch_tokens = Counter(f"{PREFIX}spec_decode_num_branch_tokens",
+                                     "Accepted proposals that were branches beside the draft's chain.", registry=r)
         self.alpha = Gauge(f"{PREFIX}gamma_controller_alpha",
                            "Pooled acceptance estimate per proposer and kind of request (greedy or sampled).",
                            ["proposer", "kind"], registry=r)
@@ -200,9 +205,17 @@ class TargetMetrics:
                                                   "request expanded in all, at its end.",
                                                   buckets=(1, 4, 16, 64, 256, 1024, 4096), registry=r)
 
-    def observe_gammas(self, gammas: list[int]) -> None:
+    def observe_gammas(self, gammas: list[int], branches: list[int] = ()) -> None:
+        """Each row's chain of γ and (rows that drafted) the branches beside it."""
         for g in gammas:
             self.gamma.observe(g)
+        for g, b in zip(gammas, branches):
+            if g:
+                self.branches.observe(b)
+
+    def observe_branch_tokens(self, kept: int) -> None:
+        if kept:
+            self.branch_tokens.inc(kept)
 
     def observe_controller(self, alphas: dict[tuple[str, bool], float], costs: dict[str, float],
                            predicted_s: float, measured_s: float) -> None:

@@ -38,6 +38,8 @@ EXPECTED = {
         "specstream:decode_passes_total": "counter",
         "specstream:draft_replies_malformed_total": "counter",
         "specstream:spec_decode_gamma": "histogram",
+        "specstream:spec_decode_branches": "histogram",
+        "specstream:spec_decode_num_branch_tokens_total": "counter",
         "specstream:gamma_controller_alpha": "gauge",
         "specstream:gamma_controller_cost_seconds": "gauge",
         "specstream:gamma_controller_predicted_step_seconds": "gauge",
@@ -165,6 +167,11 @@ def test_counters_move_with_the_requests(stack):
     assert delta("target", "specstream:spec_decode_gamma_sum") == draft_tokens
     assert sum(sum(r.stats.gamma_histogram) for r in results) == passes
     assert sum(g * n for r in results for g, n in enumerate(r.stats.gamma_histogram)) == draft_tokens
+    # Trees (the controller buys branches where a verify position is cheap): the same on both sides.
+    assert delta("target", "specstream:spec_decode_branches_sum") == sum(
+        b * n for r in results for b, n in enumerate(r.stats.branch_histogram))
+    assert delta("target", "specstream:spec_decode_num_branch_tokens_total") == sum(r.stats.branch_tokens
+                                                                                   for r in results)
     assert 0 < after["target"]("specstream:gamma_controller_alpha", proposer="model", kind="greedy") < 1
 
     # Draft: at most one ProposeBatch per step; everything released once the requests finished.
