@@ -84,7 +84,8 @@ class NgramPlusModelProposer:
             if self.feature_width:
                 self._keep_features(item)
             gamma = min(item.gamma, self.max_len - len(sequence))
-            out[i].tokens, out[i].length = sequence.lookup(gamma), len(sequence)
+            out[i].tokens, out[i].parents = sequence.proposal(gamma, item.branches if item.sampling.greedy else 0)
+            out[i].length = len(sequence)
             if out[i].tokens or gamma <= 0:
                 continue
             # held <= rollback_to < len(sequence): the catch-up is never empty.

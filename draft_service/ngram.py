@@ -11,6 +11,13 @@ least one token after it (p + n <= len - 1), so "a match with no continuation" c
 only n-gram with nothing after it is the suffix itself, which never counts. No earlier occurrence
 for any n: no guesses (the target then decodes plainly, or a combined proposer asks its model).
 
+A greedy item that allows branches (``ProposeItem.branches``) also gets the other earlier
+occurrences' next tokens as branches at the first position: each shorter suffix's latest
+occurrence (one per n below the winning one) whose next token differs from the chain's first guess
+and from the branches before it, up to ``branches`` of them (``Proposal.parents``: children of the
+root), so where the text could go on as it did after more than one earlier passage, the target
+checks both in one pass.
+
 Guesses are deterministic, so they go out with q_width 0 and the target verifies them as point
 masses, which is exact for greedy and sampled requests alike. They are not held: `length` is the
 sequence as committed by the target (whose next append then starts with the accepted guesses).
@@ -95,6 +102,28 @@ class NgramIndex:
             return guesses
         return []
 
+    def alternatives(self, first: int, limit: int) -> list[int]:
+        """Up to `limit` other first guesses: the token after the latest earlier occurrence of each
+        shorter suffix (longest first), where it differs from `first` and from those before it."""
+        size, out = len(self.tokens), []
+        winner = next((n for n in range(min(self.max_n, size - 1), self.min_n - 1, -1)
+                       if tuple(self.tokens[size - n:]) in self._latest), None)
+        if winner is None:
+            return out
+        for n in range(winner - 1, self.min_n - 1, -1):
+            start = self._latest.get(tuple(self.tokens[size - n:]))
+            token = self.tokens[start + n] if start is not None else None
+            if len(out) < limit and token is not None and token != first and token not in out:
+                out.append(token)
+        return out
+
+    def proposal(self, gamma: int, branches: int) -> tuple[list[int], list[int]]:
+        """(tokens, parents): ``lookup``'s chain, then up to ``branches`` alternatives to its first
+        guess as children of the root (parents empty when there are none)."""
+        chain = self.lookup(gamma)
+        others = self.alternatives(chain[0], branches) if chain and branches > 0 else []
+        return chain + others, (list(range(len(chain))) + [0] * len(others)) if others else []
+
 
 class NgramProposer:
     """Prompt-lookup proposals (module docstring) for up to `max_slots` sequences of up to
@@ -132,7 +161,8 @@ class NgramProposer:
                 out.append(Proposal([], 0, source=SOURCE))
                 continue
             gamma = min(item.gamma, self.max_len - len(sequence))
-            out.append(Proposal(sequence.lookup(gamma), len(sequence), source=SOURCE))
+            tokens, parents = sequence.proposal(gamma, item.branches if item.sampling.greedy else 0)
+            out.append(Proposal(tokens, len(sequence), source=SOURCE, parents=parents))
         return out
 
     def sync(self, item: ProposeItem) -> NgramIndex | None:

@@ -322,6 +322,30 @@ def test_greedy_speculation_equals_plain_decoding(model_zoo, kind):
     assert proposer.held == 0  # released when the sequences finished
 
 
+def test_branches_are_the_shorter_suffixes_other_next_tokens():
+    """The suffix "A B" last occurred at the start (then C: the chain); the shorter suffix "B" last
+    occurred before D: D is a branch beside C, a child of the root."""
+    X, Y, W = 21, 22, 24
+    tokens = [A, B, C, W, B, D, X, Y, A, B]  # suffix "A B": latest "A B" at 0 -> C; "B" latest at 4 -> D
+    proposal = NgramProposer(1, 1000).propose([ProposeItem("s", 0, tokens, 3, branches=2)])[0]
+    assert proposal.tokens[:3] == reference(tokens, 3) == [C, W, B]
+    assert proposal.tokens[3:] == [D] and proposal.parents == [0, 1, 2, 0]  # D: a child of the root
+    # Sampled items, items that allow none, and a first guess every shorter suffix agrees with: chains.
+    sampled = ProposeItem("t", 0, tokens, 3, SamplingParams(temperature=1.0, seed=1), branches=2)
+    assert NgramProposer(1, 1000).propose([sampled])[0].parents == []
+    assert NgramProposer(1, 1000).propose([ProposeItem("u", 0, tokens, 3)])[0].tokens == [C, W, B]
+    agree = [A, B, C, X, A, B]
+    assert NgramProposer(1, 1000).propose([ProposeItem("v", 0, agree, 3, branches=2)])[0].parents == []
+
+
+def test_ngram_trees_equal_plain_decoding(model_zoo):
+    plain, _ = run_engine(model_zoo["target"], None, PROMPTS, 0, 48)
+    proposer = NgramPlusModelProposer(DraftProposer(load_model(model_zoo["partial"]), 16, 512), 16)
+    spec, finals = run_engine(model_zoo["target"], None, PROMPTS, 4, 48, proposer=proposer,
+                              config={"tree_branches": 2, "gamma_policy": "fixed"})
+    assert spec == plain and sum(sum(f.stats.branch_histogram[1:]) for f in finals) > 0
+
+
 # --- config and servicer --------------------------------------------------------------------------
 
 def test_config_names_the_proposer():
