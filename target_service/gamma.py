@@ -26,6 +26,7 @@ runner-up beside a failed guess was right, pooled over all rows from a prior of 
 worth the pass's seconds per token; the price is the measured verify curve's slope. On 2 CPU
 cores a position costs ~1 ms, and few branches pay. ``fixed`` gives every greedy row that
 drafts all the branches allowed (``TargetConfig.tree_branches``); ``hf`` and ``leviathan`` chains.
+Under goodput a request's fixed γ is a chain of γ: only speculation=auto rows branch.
 
 Knows nothing about models, tokens or gRPC: rows are ids with a few facts, costs are seconds.
 """
@@ -353,16 +354,18 @@ class GammaController:
 
     def branches(self, rows: list[RowView], gammas: list[int], cap: int) -> list[int]:
         """Branches per row beside its chain of ``gammas[i]`` (at most ``cap``; greedy rows that
-        draft only). Under goodput, the positions whose expected tokens pay their verify seconds
-        (module docstring; none before a step is measured); under fixed, ``cap`` for every such
-        row; the chain heuristics (hf, leviathan) none."""
+        draft only). Under goodput, for speculation=auto rows, the positions whose expected tokens
+        pay their verify seconds (module docstring; none before a step is measured), and a fixed γ
+        stays a chain; under fixed, ``cap`` for every such row; the chain heuristics (hf,
+        leviathan) none."""
         out = [0] * len(rows)
-        auto = [i for i, (row, g) in enumerate(zip(rows, gammas)) if row.greedy and g > 0]
-        if cap <= 0 or not auto or self.policy not in ("goodput", "fixed"):
+        live = [i for i, (row, g) in enumerate(zip(rows, gammas)) if row.greedy and g > 0]
+        if cap <= 0 or not live or self.policy not in ("goodput", "fixed"):
             return out
         if self.policy == "fixed":
-            return [cap if i in auto else 0 for i in range(len(rows))]
-        if not self.costs.ready:
+            return [cap if i in live else 0 for i in range(len(rows))]
+        auto = [i for i in live if rows[i].gamma == AUTO_GAMMA]
+        if not auto or not self.costs.ready:
             return out
         beta, batch = self.branch_rate(), len(rows)
         alphas = {i: self.alpha(rows[i].seq_id, True) for i in auto}

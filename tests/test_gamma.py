@@ -376,6 +376,7 @@ def test_the_branch_rate_is_learnt_and_moves_the_choice():
 def test_fixed_gives_every_branch_and_the_chain_heuristics_none():
     rows = [RowView(1, 2, MAX_GAMMA, True), RowView(2, AUTO_GAMMA, MAX_GAMMA, True)]
     assert GammaController("fixed", max_gamma=MAX_GAMMA).branches(rows, [2, 4], 3) == [3, 3]
+    assert _measured(1e-7).branches(rows, [2, 4], 3) == [0, 3]  # goodput: a fixed gamma stays a chain
     assert GammaController("hf", max_gamma=MAX_GAMMA).branches(rows, [2, 4], 3) == [0, 0]
     assert GammaController("leviathan", max_gamma=MAX_GAMMA).branches(rows, [2, 4], 3) == [0, 0]
     assert GammaController(max_gamma=MAX_GAMMA).branches(rows, [2, 4], 3) == [0, 0]  # nothing measured yet

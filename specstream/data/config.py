@@ -223,8 +223,9 @@ class TargetConfig:
     gamma_policy: str = "goodput"  # speculation=auto: "goodput", "fixed", "hf" or "leviathan" (target_service/gamma.py)
     speculative_sampling: str = "leviathan"  # one of SPECULATIVE_SAMPLING: how sampled proposals are verified
     # Trees: greedy rows may add up to this many of the draft's runner-up guesses as branches beside
-    # its chain, verified in the same forward: as many as the measured verify cost says pay under
-    # gamma_policy goodput, all under fixed, none under hf and leviathan (target_service/gamma.py).
+    # its chain, verified in the same forward: speculation=auto rows as many as the measured verify
+    # cost says pay under gamma_policy goodput (a fixed γ stays a chain), every drafting row all of
+    # them under fixed, none under hf and leviathan (target_service/gamma.py).
     # Only where the target's forward is the native CPU one (bit-exact trees); 0: chains only.
     tree_branches: int = 4
     # Time verify forwards of each step shape at start-up for the γ controller's cost model

@@ -92,9 +92,10 @@ def gamma_flags(p: argparse.ArgumentParser) -> None:
                         "a resubmission of the request (fewer accepted proposals)")
     p.add_argument("--tree-branches", type=int, default=TargetConfig.tree_branches,
                    help="greedy requests may add up to this many of the draft's runner-up guesses as branches "
-                        "beside its chain, verified in the same pass (a tree): --gamma-policy goodput takes as "
-                        "many as the measured verify cost says pay, fixed all of them, hf and leviathan none; "
-                        "0: chains only")
+                        "beside its chain, verified in the same pass (a tree): under --gamma-policy goodput "
+                        "speculation=auto takes as many as the measured verify cost says pay (a fixed gamma stays "
+                        "a chain), under fixed every drafting request all of them, hf and leviathan none; 0: "
+                        "chains only")
 
 
 def batching_flags(p: argparse.ArgumentParser) -> None:
