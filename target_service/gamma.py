@@ -362,8 +362,10 @@ class GammaController:
         live = [i for i, (row, g) in enumerate(zip(rows, gammas)) if row.greedy and g > 0]
         if cap <= 0 or not live or self.policy not in ("goodput", "fixed"):
             return out
+        # A row's nodes stay within max_gamma: the headroom every slot keeps past its budget.
+        cap_of = {i: max(0, min(cap, self.max_gamma - gammas[i])) for i in live}
         if self.policy == "fixed":
-            return [cap if i in live else 0 for i in range(len(rows))]
+            return [cap_of.get(i, 0) for i in range(len(rows))]
         auto = [i for i in live if rows[i].gamma == AUTO_GAMMA]
         if not auto or not self.costs.ready:
             return out
@@ -379,7 +381,7 @@ class GammaController:
             if gain * per_token <= price:
                 break
             for i in auto:
-                out[i] += extra < gammas[i]
+                out[i] += extra < gammas[i] and out[i] < cap_of[i]
         return out
 
     def pooled(self) -> dict[tuple[str, bool], float]:

@@ -47,7 +47,7 @@ def run_engine(target: Path, draft: Path | None, prompts: list[list[int]], gamma
     local = LocalDraft(proposer) if proposer else None
     engine = Engine(model, TargetConfig(model=ModelSpec(str(target), device=device), max_slots=max_slots,
                                         max_seq_len=max_seq_len,
-                                        max_gamma=8, **(config or {})), local)
+                                        **{"max_gamma": 8, **(config or {})}), local)
     sampling = sampling or [SamplingParams()] * len(prompts)
     budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
 

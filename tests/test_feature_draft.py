@@ -190,8 +190,11 @@ def test_greedy_with_the_feature_draft_is_plain_greedy(feature_pair, combined, g
                              proposer=proposer)
     for prompt, tokens, budget in zip(PROMPTS, got, [30, 41, 25, 36]):
         assert tokens == naive_greedy(target, prompt, budget)
-    # Guesses were accepted, and rejected too (rollbacks exercised).
-    assert sum(f.stats.accepted_tokens for f in finals) > 0.2 * sum(f.stats.draft_tokens for f in finals) > 0
+    # Guesses were accepted, and rejected too (rollbacks exercised). Under auto the controller's
+    # schedule follows measured step times (and may buy branches), so only a fixed γ's share is
+    # the same every run.
+    accepted, drafted = (sum(f.stats.accepted_tokens for f in finals), sum(f.stats.draft_tokens for f in finals))
+    assert accepted > (0.2 * drafted if gamma else 0) and drafted > 0
     assert sum(f.stats.rejections for f in finals) > 0
 
 

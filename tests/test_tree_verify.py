@@ -113,7 +113,8 @@ def test_random_trees_in_ragged_batches_equal_plain_decoding(model_zoo, prompts,
     oracle = [p + out for p, out in zip(prompts, plain)]
     proposer = RandomTrees(oracle, 300, right, seed=int(right * 10))
     tokens, finals = run_engine(model_zoo["target"], None, prompts, gamma=8, max_new_tokens=MAX_NEW,
-                                proposer=proposer, config={"tree_branches": 8, "gamma_policy": "fixed"})
+                                proposer=proposer,
+                                config={"tree_branches": 8, "gamma_policy": "fixed", "max_gamma": 16})
     assert tokens == plain
     accepted = sum(f.stats.accepted_tokens for f in finals)
     trees = sum(sum(f.stats.branch_histogram[1:]) for f in finals)
@@ -160,3 +161,24 @@ def test_sampled_rows_verify_chains_beside_greedy_trees(model_zoo, prompts, plai
             assert tokens[i] == alone[i]  # the same noise, the same chain verification
         else:
             assert tokens[i] == plain[i]
+
+
+def test_a_rows_chain_and_branches_stay_within_max_gamma(model_zoo, prompts, plain) -> None:
+    """Every slot keeps max_gamma positions of headroom past its budget, and a verify window (padded
+    to the widest row) must fit in it: a row's chain and branches together never exceed max_gamma,
+    here 4 in slots of 64 that the longest prompts nearly fill."""
+    from draft_service.proposer import DraftProposer
+    from specstream.models.loader import load_model
+
+    asked: list[tuple[int, int]] = []
+
+    class Recording(DraftProposer):
+        def propose(self, items):
+            asked.extend((item.gamma, item.branches) for item in items)
+            return super().propose(items)
+
+    proposer = Recording(load_model(model_zoo["partial"]), max_slots=16, max_seq_len=64)
+    tokens, _ = run_engine(model_zoo["target"], None, prompts, gamma=3, max_new_tokens=MAX_NEW, proposer=proposer,
+                           config={"tree_branches": 8, "gamma_policy": "fixed", "max_gamma": 4}, max_seq_len=64)
+    assert tokens == plain
+    assert asked and all(g + b <= 4 for g, b in asked) and (3, 1) in asked and any(b > 1 for _, b in asked)
