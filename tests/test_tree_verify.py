@@ -182,3 +182,20 @@ def test_a_rows_chain_and_branches_stay_within_max_gamma(model_zoo, prompts, pla
                            config={"tree_branches": 8, "gamma_policy": "fixed", "max_gamma": 4}, max_seq_len=64)
     assert tokens == plain
     assert asked and all(g + b <= 4 for g, b in asked) and (3, 1) in asked and any(b > 1 for _, b in asked)
+
+
+def test_log_probabilities_of_a_tree_row_are_those_of_plain_decoding(model_zoo, prompts) -> None:
+    """A row that asked for log-probabilities gets, for each token a tree pass emits, the target's
+    distribution at that token's node (the path's, not the proposal order's)."""
+    plain, plain_finals = run_engine(model_zoo["target"], None, prompts[:6], gamma=0, max_new_tokens=MAX_NEW,
+                                     logprobs=2)
+    tree, tree_finals = run_engine(model_zoo["target"], model_zoo["partial"], prompts[:6], gamma=2,
+                                   max_new_tokens=MAX_NEW, logprobs=2,
+                                   config={"tree_branches": 3, "gamma_policy": "fixed"})
+    assert tree == plain
+    assert sum(f.stats.branch_tokens for f in tree_finals) > 0  # some tokens came off the chain
+    for want, got in zip(plain_finals, tree_finals):
+        assert len(got.logprobs) == len(want.logprobs)
+        for a, b in zip(want.logprobs, got.logprobs):
+            assert b.token_id == a.token_id and abs(b.logprob - a.logprob) < 1e-4
+            assert [t for t, _ in b.top] == [t for t, _ in a.top]
