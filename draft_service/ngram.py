@@ -89,39 +89,33 @@ class NgramIndex:
     def lookup(self, gamma: int) -> list[int]:
         """Up to `gamma` guesses after the latest earlier occurrence of the longest suffix that
         has one (module docstring); [] when none has."""
-        size = len(self.tokens)
-        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
-            start = self._latest.get(tuple(self.tokens[size - n:]))
-            if start is None:
-                continue
-            source = start + n  # <= size - 1: at least one token follows the occurrence
-            guesses: list[int] = []
-            for j in range(gamma):  # guesses[j] copies position source + j of tokens + guesses
-                at = source + j
-                guesses.append(self.tokens[at] if at < size else guesses[at - size])
-            return guesses
-        return []
-
-    def alternatives(self, first: int, limit: int) -> list[int]:
-        """Up to `limit` other first guesses: the token after the latest earlier occurrence of each
-        shorter suffix (longest first), where it differs from `first` and from those before it."""
-        size, out = len(self.tokens), []
-        winner = next((n for n in range(min(self.max_n, size - 1), self.min_n - 1, -1)
-                       if tuple(self.tokens[size - n:]) in self._latest), None)
-        if winner is None:
-            return out
-        for n in range(winner - 1, self.min_n - 1, -1):
-            start = self._latest.get(tuple(self.tokens[size - n:]))
-            token = self.tokens[start + n] if start is not None else None
-            if len(out) < limit and token is not None and token != first and token not in out:
-                out.append(token)
-        return out
+        return self.proposal(gamma, 0)[0]
 
     def proposal(self, gamma: int, branches: int) -> tuple[list[int], list[int]]:
-        """(tokens, parents): ``lookup``'s chain, then up to ``branches`` alternatives to its first
-        guess as children of the root (parents empty when there are none)."""
-        chain = self.lookup(gamma)
-        others = self.alternatives(chain[0], branches) if chain and branches > 0 else []
+        """(tokens, parents): ``lookup``'s chain, then up to ``branches`` other first guesses as
+        children of the root: the token after the latest earlier occurrence of each shorter suffix
+        (longest first) where it differs from the chain's first and the branches before it
+        (parents empty when there are none)."""
+        size = len(self.tokens)
+        suffixes = range(min(self.max_n, size - 1), self.min_n - 1, -1)
+        match = next(((n, start) for n in suffixes if (start := self._latest.get(tuple(self.tokens[size - n:])))
+                      is not None), None)
+        if match is None or gamma <= 0:
+            return [], []
+        n, start = match
+        source = start + n  # <= size - 1: at least one token follows the occurrence
+        chain: list[int] = []
+        for j in range(gamma):  # chain[j] copies position source + j of tokens + chain
+            at = source + j
+            chain.append(self.tokens[at] if at < size else chain[at - size])
+        others: list[int] = []
+        for shorter in range(n - 1, self.min_n - 1, -1):
+            if len(others) == branches:
+                break
+            earlier = self._latest.get(tuple(self.tokens[size - shorter:]))
+            token = self.tokens[earlier + shorter] if earlier is not None else None
+            if token is not None and token != chain[0] and token not in others:
+                others.append(token)
         return chain + others, (list(range(len(chain))) + [0] * len(others)) if others else []
 
 

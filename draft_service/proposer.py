@@ -223,7 +223,8 @@ class _Picker:
         if self.output_ids is not None:
             ids = self.output_ids[ids]  # [r, k] token ids
         for row, i in enumerate(local):
-            self.runners_up[members[i]].append((values[row], ids[row]))
+            b = members[i]  # its own branches + 1, whichever rows shared this call: the same width every guess
+            self.runners_up[b].append((values[row, : self.branches[b] + 1], ids[row, : self.branches[b] + 1]))
 
     def tree(self, b: int, chain: list[int]) -> tuple[list[int], list[int]]:
         """Row b's proposal: (tokens, parents), its chain then its best branches (``parents`` empty:
@@ -231,9 +232,11 @@ class _Picker:
         budget, kept = self.branches[b], self.runners_up[b][: len(chain)]
         if budget <= 0 or not kept:
             return chain, []
+        # [depth, k] each: one host transfer for the row, not one per guess
+        all_logp = torch.stack([values for values, _ in kept]).tolist()
+        all_ids = torch.stack([ids for _, ids in kept]).tolist()
         options, prefix = [], 0.0
-        for j, (values, ids) in enumerate(kept):
-            logp, tokens = values.tolist(), ids.tolist()
+        for j, (logp, tokens) in enumerate(zip(all_logp, all_ids)):
             for value, token in zip(logp, tokens):
                 if token != chain[j]:
                     options.append((prefix + value, j, token))

@@ -284,7 +284,7 @@ class Drafting:
             # agreed with. It cannot hold more than it was sent and guessed (a malformed length: 0).
             most = item.rollback_to + len(item.append) + len(reply.tokens)
             self._held[seq.seq_id].length = reply.length if reply.length <= most else 0
-            seq.draft_tokens += chain_length(checks[i].parents, len(checks[i].proposals))  # branches apart
+            seq.draft_tokens += checks[i].chain  # branches apart
         return checks
 
     def _with_features(self, seq: Sequence, held: int, gamma: int, budget: int) -> tuple[list[int], int, dict]:
@@ -385,15 +385,13 @@ class Drafting:
         """After verification: the draft fed context + its chain but the last guess; only the part
         of the chain the target kept agrees with it. A tree's branches are scored apart: whether the
         one at the depth where the chain failed was kept (``GammaController.observe_branch``)."""
-        chain = chain_length(check.parents, len(check.proposals))
-        path = verdict.path if verdict.path is not None else list(range(1, verdict.accepted + 1))
-        agreed = next((i for i, node in enumerate(path) if node != i + 1), len(path))  # the chain's kept part
+        chain, agreed = check.chain, verdict.on_chain
         held = self._held.get(seq.seq_id)
         if held is not None:
             held.length = min(held.length, check.position + agreed)
         self.controller.observe(seq.seq_id, check.source, seq.sampling.greedy, chain, agreed)
         if agreed < chain and agreed in check.parents[chain:]:  # a branch stood beside the failed guess
-            self.controller.observe_branch(len(path) > agreed)
+            self.controller.observe_branch(verdict.accepted > agreed)
 
     async def release(self, rows: list[Sequence]) -> None:
         """Forgets sequences that ended (here, in the draft and in the controller)."""

@@ -43,7 +43,6 @@ from specstream.data.errors import (
     SpecstreamError,
     UnavailableError,
 )
-from specstream.data.propose import chain_length
 from specstream.models.base import CausalLM
 from specstream.serving import telemetry
 from specstream.serving.compute import torch_thread
@@ -420,8 +419,7 @@ class Engine:
         step_s = time.perf_counter() - started
         self.controller.observe_step(len(rows) + hypotheses, width - 1, proposals, verified - drafted, draft_s, other_s,
                                      self.drafting.fed)
-        chains = [chain_length(c.parents, len(c.proposals)) for c in checks]
-        self.metrics.observe_gammas(chains, [len(c.proposals) - n for c, n in zip(checks, chains)])
+        self.metrics.observe_gammas([c.chain for c in checks], [len(c.proposals) - c.chain for c in checks])
         self.metrics.observe_controller(self.controller.pooled(), self.controller.costs.terms(),
                                         self.controller.predicted_s, step_s)
         tracing.end_step(span, checks, verdicts, verified - drafted, self.controller.predicted_s, step_s,
@@ -519,9 +517,8 @@ class Engine:
         seq.target_passes += 1
         seq.append(verdict.tokens, verdict.logprobs)  # k accepted proposals, then the correction or bonus token
         accepted = min(k, len(seq.tokens) - ctx_len)  # a stop id may cut the run short
-        chain = chain_length(check.parents, len(check.proposals))
-        # The chain's kept part: a tree's path may leave it for a branch where a chain guess failed.
-        on_chain = min(next((i for i, n in enumerate(verdict.path or ()) if n != i + 1), k), accepted)
+        chain = check.chain
+        on_chain = min(verdict.on_chain, accepted)  # a stop id may cut the run short here too
         seq.record_decode(chain, accepted, len(check.proposals) - chain, accepted - on_chain)
         seq.accepted_tokens += accepted
         seq.rejections += on_chain < chain

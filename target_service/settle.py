@@ -53,6 +53,7 @@ from kernels.cuts import cut_thresholds
 from kernels.lm_head import Hidden
 from kernels.processing import process_logits
 from kernels.random import ACCEPT, RESIDUAL, SAMPLE, race, row_keys, uniforms
+from specstream.data.propose import chain_length
 from specstream.data.sampling import SamplingParams
 
 
@@ -78,6 +79,11 @@ class VerifyRow:
     # token and i + 1 proposal i (each parent before its child). Empty: a chain.
     parents: list[int] = field(default_factory=list)
 
+    @property
+    def chain(self) -> int:
+        """How many leading proposals are the draft's chain (all of them but a tree's branches)."""
+        return chain_length(self.parents, len(self.proposals))
+
 
 @dataclass
 class Verdict:
@@ -85,6 +91,14 @@ class Verdict:
     tokens: list[int]  # the kept proposals, then the target's own token
     # A tree row: the nodes of the kept proposals (proposal i is node i + 1), root to leaf.
     path: list[int] | None = None
+
+    @property
+    def on_chain(self) -> int:
+        """How many kept proposals are the chain's: all of them, unless a tree's path left the
+        chain for a branch where a chain guess failed."""
+        if self.path is None:
+            return self.accepted
+        return next((i for i, node in enumerate(self.path) if node != i + 1), len(self.path))
     # Per token: (its log-probability, [(alternative id, log-probability), ...]); None unless asked.
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 

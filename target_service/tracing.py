@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from opentelemetry.trace import Link, Span
 
-from specstream.data.propose import chain_length
 from specstream.serving import telemetry
 
 _tracer = telemetry.tracer("specstream.target")
@@ -63,7 +62,7 @@ def end_step(span: Span, checks: list, verdicts: list, verify_seconds: float, pr
         return
     span.set_attributes({
         "specstream.gammas": [len(c.proposals) for c in checks],  # a tree's nodes, branches included
-        "specstream.branches": [len(c.proposals) - chain_length(c.parents, len(c.proposals)) for c in checks],
+        "specstream.branches": [len(c.proposals) - c.chain for c in checks],
         "specstream.proposers": [c.source if c.proposals else "" for c in checks],
         "specstream.step_s": step_seconds,
         "specstream.predicted_step_s": predicted_seconds,

@@ -497,16 +497,25 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m51
   return _mm512_scalef_ps(p, n);
 }
 
+// Where key j of a query's window lies in its slot: lo + j for the first `head` keys (all of a
+// chain's; a tree node's prefix), then base + tail[j - head] (a tree node's ancestors, root first,
+// as offsets from the row's start). No list is built per query: the prefix stays a range.
+struct KeyRows {
+  int64_t lo, head = INT64_MAX, base = 0;
+  const int64_t* tail = nullptr;
+  int64_t at(int64_t j) const { return j < head ? lo + j : base + tail[j - head]; }
+};
+
 // One query head at one position over its keys, D = 16 NV, a slot's keys and values contiguous (no
 // shared prefix): the AVX-512 path of step 2 below. Key j of the n = pos + 1 - lo it reads is the
-// slot's position lo + j, or index[j] when `index` is given (a tree: the prefix, then the node's
+// slot's position `keys.at(j)` (KeyRows: a chain's lo + j; a tree node's prefix, then its
 // ancestors, so a node at depth d reads its keys in the order a chain's position d does). The
 // query in registers; scores one key at a time (16 lanes over D, then the lanes summed), their
 // exponentials 16 at a time (exp512), the weighted values into NV accumulators held in registers.
 template <typename T, int NV>
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 void attend_avx512(const float* q, const T* keys, const T* values, int64_t lo, int64_t pos, float scale,
-                   std::vector<float>& weights, T* dst, const int64_t* index) {
+                   std::vector<float>& weights, T* dst, const KeyRows& rows) {
   __m512 qv[NV];
   for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(q + 16 * v);
   const int64_t n = pos + 1 - lo;
@@ -520,7 +529,7 @@ void attend_avx512(const float* q, const T* keys, const T* values, int64_t lo, i
     __m512 a[4];
     for (int r = 0; r < 4; ++r) {
       if (j + r < n) {
-        const T* k = keys + (index != nullptr ? index[j + r] : lo + j + r) * 16 * NV;
+        const T* k = keys + rows.at(j + r) * 16 * NV;
         a[r] = _mm512_mul_ps(qv[0], load16(k));
         for (int v = 1; v < NV; ++v) a[r] = _mm512_fmadd_ps(qv[v], load16(k + 16 * v), a[r]);
       } else {
@@ -555,7 +564,7 @@ void attend_avx512(const float* q, const T* keys, const T* values, int64_t lo, i
   __m512 out[NV];
   for (int v = 0; v < NV; ++v) out[v] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    const T* val = values + (index != nullptr ? index[j] : lo + j) * 16 * NV;
+    const T* val = values + rows.at(j) * 16 * NV;
     const __m512 w = _mm512_set1_ps(weights[j]);
     for (int v = 0; v < NV; ++v) out[v] = _mm512_fmadd_ps(w, load16(val + 16 * v), out[v]);
   }
@@ -607,36 +616,33 @@ struct Attention {
   void attend(int64_t begin, int64_t end) const {  // 2. Every query head over its keys.
     const int64_t group = Hq / Hkv;
     std::vector<float> q(D), acc(D), weights;
-    std::vector<int64_t> index;  // a tree node's keys: where each lies in the cache
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item % Hq, bt = item / Hq, b = bt / T_, g = h / group;
       const int64_t pos = starts[b] + (depth != nullptr ? depth[bt] : bt % T_);  // the query's position
       rope(x + bt * width + h * D, ct + pos * D, st + pos * D, D, q.data());
       const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-      const int64_t* keyed = nullptr;  // null: key j of the window lies at position lo + j
-      if (depth != nullptr) {
-        index.clear();
-        for (int64_t j = lo; j < starts[b]; ++j) index.push_back(j);
-        for (int64_t d = 0; d <= depth[bt]; ++d) {
-          if (starts[b] + d >= lo) index.push_back(starts[b] + path[bt * T_ + d]);
-        }
-        keyed = index.data();
+      KeyRows rows{lo};
+      if (depth != nullptr) {  // the prefix in [lo, start), then the ancestors at depth >= lo - start
+        const int64_t first = std::max<int64_t>(0, lo - starts[b]);
+        rows.head = std::max<int64_t>(0, starts[b] - lo);
+        rows.base = starts[b];
+        rows.tail = path + bt * T_ + first;
       }
       T* dst = o + bt * Hq * D + h * D;
       if (wide && sources == nullptr && (D == 64 || D == 128)) {
         const T* keys = cache_at(kc, slots[b], g, 0);
         const T* values = cache_at(vc, slots[b], g, 0);
         if (D == 64) {
-          attend_avx512<T, 4>(q.data(), keys, values, lo, pos, scale, weights, dst, keyed);
+          attend_avx512<T, 4>(q.data(), keys, values, lo, pos, scale, weights, dst, rows);
         } else {
-          attend_avx512<T, 8>(q.data(), keys, values, lo, pos, scale, weights, dst, keyed);
+          attend_avx512<T, 8>(q.data(), keys, values, lo, pos, scale, weights, dst, rows);
         }
         continue;
       }
       weights.resize(pos + 1 - lo);
       float top = -INFINITY;
       for (int64_t i = lo; i <= pos; ++i) {
-        const int64_t j = keyed != nullptr ? keyed[i - lo] : i;
+        const int64_t j = rows.at(i - lo);
         const int64_t slot = sources != nullptr ? sources[b * kv_len + j] : slots[b];
         const T* k = cache_at(kc, slot, g, j);
         const float s = (wide ? dot_avx512(q.data(), k, D) : dot_generic(q.data(), k, D)) * scale;
@@ -650,7 +656,7 @@ struct Attention {
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t i = lo; i <= pos; ++i) {
-        const int64_t j = keyed != nullptr ? keyed[i - lo] : i;
+        const int64_t j = rows.at(i - lo);
         const int64_t slot = sources != nullptr ? sources[b * kv_len + j] : slots[b];
         const T* v = cache_at(vc, slot, g, j);
         if (wide) axpy_avx512(weights[i - lo], v, acc.data(), D); else axpy_generic(weights[i - lo], v, acc.data(), D);
