@@ -10,9 +10,10 @@ its own predicted features (``FeatureHead.draft``). Guesses are never kept: thei
 predicted features, and the next item brings the true ones, so ``Proposal.length`` is
 rollback_to + len(append) and the target resends the tokens it accepts with their features.
 
-Greedy items guess the argmax (and, allowed branches, add runner-ups as a tree, as the token
-draft does); sampling items draw x ~ q with q the head's distribution processed
-and cut exactly as the token draft's is (draft_service/proposer.py ``_Picker``), q sent back.
+Greedy items guess the argmax and sampling items draw x ~ q, with q the head's distribution
+processed and cut exactly as the token draft's is (draft_service/proposer.py ``_Picker``), q sent
+back; allowed branches, either adds its runner-ups (a sampling item's: its next draws) as a tree,
+as the token draft does.
 
 Features are input from another process: a wrong dtype, width or count, or numbers that are not
 finite, are refused for that item with an error naming the field (``Proposal.error``), the
@@ -26,7 +27,7 @@ from collections.abc import Hashable
 
 import torch
 
-from draft_service.proposer import _Picker
+from draft_service.proposer import _Picker, node_tables
 from kernels.lm_head import Hidden
 from specstream.data.propose import FEATURE_DTYPE, Proposal, ProposeItem, features_expected
 from specstream.models.feature_draft import FeatureDraft
@@ -113,7 +114,8 @@ class FeatureProposer:
         width, q_ids, q_probs = picker.tables()
         for b, gamma in guessed:
             if q_ids[b]:
-                out[b].q_width, out[b].q_ids, out[b].q_probs = width, q_ids[b][: gamma * width], q_probs[b][: gamma * width]
+                out[b].q_width = width
+                out[b].q_ids, out[b].q_probs = node_tables(q_ids[b], q_probs[b], width, out[b].tokens, out[b].parents)
         return out
 
     def read_features(self, item: ProposeItem) -> tuple[torch.Tensor | None, str]:

@@ -7,7 +7,12 @@ the cache as they are made, so the next call only rolls back what the target rej
 Greedy items (temperature 0) guess the argmax; one that allows branches (``ProposeItem.branches``)
 also gets its runner-up guesses as a tree: beside the chain, the ``branches`` alternatives whose
 paths the draft finds likeliest (the chain's log-probabilities up to a depth plus the
-alternative's there), each a child of the chain token before it (``Proposal.parents``). Sampling items process the logits exactly as the
+alternative's there), each a child of the chain token before it (``Proposal.parents``). A sampling
+item's runner-ups at a depth are the next finishers of the race that drew its guess there: draws
+without replacement from q, in the order drawn, each sent with q (kernels/tree_sampling.py). Which
+depths get how many is chosen from the chain alone (the likelihood of reaching the depth times the
+chance its guess is refused, ``_Picker.tree``), never from the runner-ups' own draws, which would
+bias them. Sampling items process the logits exactly as the
 target does (kernels/processing.py), cut q to its `q_support` most likely tokens, renormalise, and
 draw x ~ q by an exponential race with the noise the target's own plain sample at that position
 uses (key (seed, absolute position, SAMPLE), kernels/random.py): x is an exact sample from q, and
@@ -24,6 +29,7 @@ data of its own, specstream/data/propose.py, which the target speaks too.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Hashable
 
@@ -33,8 +39,8 @@ import kernels
 from kernels.lm_head import Hidden
 from kernels.nbest import MAX_K, top_scores
 from kernels.processing import process_logits, truncate
-from kernels.random import SAMPLE, race, row_keys
-from specstream.data.propose import Proposal, ProposeItem
+from kernels.random import SAMPLE, gumbel, race, row_keys
+from specstream.data.propose import Proposal, ProposeItem, chain_length
 from specstream.data.sampling import SamplingParams
 from specstream.models.base import CausalLM
 
@@ -91,7 +97,9 @@ class DraftProposer:
         for b, ((i, item, slot), gamma, tokens) in enumerate(zip(rows, gammas, guesses)):
             out[i].tokens, out[i].parents = picker.tree(b, tokens[:gamma])
             if q_ids[b]:
-                out[i].q_width, out[i].q_ids, out[i].q_probs = width, q_ids[b][: gamma * width], q_probs[b][: gamma * width]
+                out[i].q_width = width
+                out[i].q_ids, out[i].q_probs = node_tables(q_ids[b], q_probs[b], width, out[i].tokens,
+                                                            out[i].parents)
             # Holds the appended tokens and every guess but the last (which was never fed).
             out[i].length = item.rollback_to + len(item.append) + gamma - 1
             self.cache.set_length(slot, out[i].length)
@@ -157,6 +165,18 @@ def _truncated_q(scores: Hidden, params: list[SamplingParams], support: int) -> 
     return ids, torch.softmax(scaled, dim=-1)
 
 
+def node_tables(ids: list[int], probs: list[float], width: int, tokens: list[int], parents: list[int]
+                ) -> tuple[list[int], list[float]]:
+    """A sampling row's q rows (of ``width``) per token sent: its chain's, then per branch the row
+    of the depth it was drawn at (its parent's: it is a sibling of the chain token there)."""
+    chain = chain_length(parents, len(tokens))
+    out_ids, out_probs = ids[: chain * width], probs[: chain * width]
+    for parent in parents[chain:]:
+        out_ids = out_ids + ids[parent * width : (parent + 1) * width]
+        out_probs = out_probs + probs[parent * width : (parent + 1) * width]
+    return out_ids, out_probs
+
+
 class _Picker:
     """Chooses each guess: argmax for greedy rows, x ~ truncated q for sampling rows (keeping q)."""
 
@@ -167,8 +187,9 @@ class _Picker:
         self.output_ids = output_ids
         self.sampling = [b for b, p in enumerate(self.params) if not p.greedy]
         self.support = support
-        # Greedy rows that may branch: per row, per guess, (log-probabilities, ids) of its best few.
-        self.branches = [item.branches if item.sampling.greedy else 0 for item in items]
+        # Rows that may branch: per row, per guess, (values, ids) of its best few (greedy: their
+        # log-probabilities; sampling: the guess's log q, then the runner-ups' race scores).
+        self.branches = [item.branches for item in items]
         self.runners_up: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in items]
         if not self.sampling:
             return
@@ -206,7 +227,9 @@ class _Picker:
         if self.output_ids is not None:
             ids = self.output_ids[ids]  # [s, K] token ids
         keys = row_keys([p.seed for p in params], [self.starts[b] + step for b in rows], SAMPLE, ids.device)  # [s]
-        tokens[local] = ids.gather(1, race(q, keys, ids)[:, None]).squeeze(1)
+        won = race(q, keys, ids)  # [s] columns
+        tokens[local] = ids.gather(1, won[:, None]).squeeze(1)
+        self._keep_next_draws(rows, ids, q, keys, won)
         width = ids.shape[1]
         self.q_ids[rows, step, :width] = ids
         self.q_probs[rows, step, :width] = q
@@ -214,7 +237,7 @@ class _Picker:
 
     def _keep_runners_up(self, scores: Hidden, logits: torch.Tensor | None, members: list[int]) -> None:
         """For the rows that may branch: this guess's best branches + 1 tokens and log-probabilities."""
-        local = [i for i, b in enumerate(members) if self.branches[b] > 0]
+        local = [i for i, b in enumerate(members) if self.branches[b] > 0 and self.params[b].greedy]
         if not local:
             return
         picked = logits[local] if logits is not None else scores.head.logits(scores.states[local])  # [r, V or N]
@@ -226,12 +249,35 @@ class _Picker:
             b = members[i]  # its own branches + 1, whichever rows shared this call: the same width every guess
             self.runners_up[b].append((values[row, : self.branches[b] + 1], ids[row, : self.branches[b] + 1]))
 
+    def _keep_next_draws(self, rows: list[int], ids: torch.Tensor, q: torch.Tensor, keys: torch.Tensor,
+                         won: torch.Tensor) -> None:
+        """For the sampling rows that may branch: the race that drew this guess (ids, q [s, K], keys
+        [s], its winning columns won [s]) run on: the next finishers, draws without replacement
+        from q. Kept as (log q of the guess, then the runner-ups' race scores (-inf: q has no more
+        tokens)), (the guess, then the runner-ups), in the order drawn."""
+        local = [i for i, b in enumerate(rows) if self.branches[b] > 0]
+        if not local:
+            return
+        # The race's own scores (kernels/random.py ``race``): log q + the noise of each (key, id).
+        score = torch.where(q > 0, torch.log(q.double()) + gumbel(keys, ids), float("-inf"))  # [s, K]
+        at = won[:, None]
+        guess_logq = torch.log(q.double().gather(1, at))  # [s, 1]
+        k = min(max(self.branches[rows[i]] for i in local), score.shape[1] - 1)
+        values, columns = torch.topk(score.scatter(1, at, float("-inf")), k)  # [s, k] in race order
+        values = torch.cat([guess_logq, values], dim=1)  # [s, k + 1]
+        drawn = torch.cat([ids.gather(1, at), ids.gather(1, columns)], dim=1)  # [s, k + 1] token ids
+        for i in local:
+            b = rows[i]
+            self.runners_up[b].append((values[i, : self.branches[b] + 1], drawn[i, : self.branches[b] + 1]))
+
     def tree(self, b: int, chain: list[int]) -> tuple[list[int], list[int]]:
         """Row b's proposal: (tokens, parents), its chain then its best branches (``parents`` empty:
         a chain). A branch at depth j is a runner-up to chain[j], child of node j (0: the root)."""
         budget, kept = self.branches[b], self.runners_up[b][: len(chain)]
         if budget <= 0 or not kept:
             return chain, []
+        if not self.params[b].greedy:
+            return self._sampled_tree(b, chain, budget, kept)
         # [depth, k] each: one host transfer for the row, not one per guess
         all_logp = torch.stack([values for values, _ in kept]).tolist()
         all_ids = torch.stack([ids for _, ids in kept]).tolist()
@@ -243,6 +289,27 @@ class _Picker:
             prefix += logp[tokens.index(chain[j])] if chain[j] in tokens else logp[0]
         chosen = sorted(sorted(options, reverse=True)[:budget], key=lambda o: (o[1], -o[0]))
         return chain + [token for _, _, token in chosen], list(range(len(chain))) + [j for _, j, _ in chosen]
+
+    @staticmethod
+    def _sampled_tree(b: int, chain: list[int], budget: int, kept: list[tuple[torch.Tensor, torch.Tensor]]
+                      ) -> tuple[list[int], list[int]]:
+        """A sampling row's tree: at depth j its runner-ups in the order drawn, as many as the
+        budget gives depth j when each depth's next runner-up is worth the chance of reaching j
+        (the chain's q up to it) times the chance the guess there is refused (1 − q(guess)),
+        halved per runner-up already taken there. Values read the chain only, so the number of
+        runner-ups at a depth does not depend on which tokens they are."""
+        all_values = torch.stack([values for values, _ in kept]).tolist()  # [depth, k + 1]
+        all_ids = torch.stack([ids for _, ids in kept]).tolist()
+        options, prefix = [], 0.0
+        for j, (values, tokens) in enumerate(zip(all_values, all_ids)):
+            refused = prefix + math.log1p(-min(math.exp(values[0]), 1.0 - 1e-9))
+            for rank in range(1, len(values)):
+                if values[rank] == float("-inf"):  # q has no more tokens here
+                    break
+                options.append((refused - rank * math.log(2.0), j, rank, tokens[rank]))
+            prefix += values[0]
+        chosen = sorted(sorted(options, reverse=True)[:budget], key=lambda o: (o[1], o[2]))
+        return chain + [token for *_, token in chosen], list(range(len(chain))) + [j for _, j, _, _ in chosen]
 
     def tables(self) -> tuple[int, list[list[int]], list[list[float]]]:
         """(width, ids, probs): per row, its [G, width] q table flattened row-major; width is the

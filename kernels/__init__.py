@@ -15,7 +15,9 @@ from kernels.logprobs import token_logprobs
 from kernels.nbest import topk_logprobs
 from kernels.sample import sample
 from kernels.speculative import speculative_verify, speculative_verify_fused
+from kernels.tree_sampling import tree_speculative_verify
 from kernels.verify import greedy_verify
 
 __all__ = ["Hidden", "OutputHead", "argmax", "backend", "best_token", "cut_thresholds", "greedy_verify", "sample",
-           "speculative_verify", "speculative_verify_fused", "token_logprobs", "topk_logprobs", "use"]
+           "speculative_verify", "speculative_verify_fused", "token_logprobs", "topk_logprobs",
+           "tree_speculative_verify", "use"]

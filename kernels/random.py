@@ -35,8 +35,11 @@ from kernels.triton_shim import tl, triton
 # - ACCEPT: Leviathan's acceptance test of the proposal at a position (one uniform).
 # - RESIDUAL: a target draw at a position the draft drew for (the residual after a rejection):
 #   the draft's noise there is spent, and reusing it would bias the draw.
+# - SIBLING + r (r >= 1): the acceptance test of a tree's r-th runner-up at a position, the child
+#   tried after r earlier siblings were refused (kernels/tree_sampling.py); the first child is
+#   tested with ACCEPT, as a chain's guess is.
 # (1 was the draft's own inverse-CDF uniform before the draft shared SAMPLE's noise.)
-ACCEPT, SAMPLE, RESIDUAL = 2, 3, 4
+ACCEPT, SAMPLE, RESIDUAL, SIBLING = 2, 3, 4, 16
 
 
 _GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64

@@ -128,7 +128,8 @@ def malformed(reply: Proposal, item: ProposeItem, gamma: int, vocab_size: int, g
     another sequence, has more tokens than asked, a token id outside the target's vocabulary, a held
     length past what it was sent and guessed, a tree that was not asked for or is not one (a parent
     out of range or not before its child, a path deeper than γ), or (a sampled row) a q table that
-    is not one distribution per token with the token drawn in its support."""
+    is not one distribution per token with the token drawn in its support, or a tree whose
+    siblings are not distinct draws from one q."""
     if reply.key is not None and reply.key != item.key:
         return "seq_id", f"Proposal.seq_id={reply.key!r} answers ProposeItem.seq_id={item.key!r}"
     tokens = reply.tokens
@@ -136,7 +137,7 @@ def malformed(reply: Proposal, item: ProposeItem, gamma: int, vocab_size: int, g
     if len(tokens) > budget:
         return "tokens", f"Proposal.token_ids has {len(tokens)} tokens for gamma={gamma}, branches={item.branches}"
     if reply.parents:
-        why = _not_a_tree(reply.parents, len(tokens), gamma) if greedy and item.branches else \
+        why = _not_a_tree(reply.parents, len(tokens), gamma) if item.branches else \
             f"Proposal.parents: a tree for an item that allowed none (branches={item.branches})"
         if why:
             return "tree", why
@@ -147,6 +148,8 @@ def malformed(reply: Proposal, item: ProposeItem, gamma: int, vocab_size: int, g
     if reply.length > most:
         return "length", (f"Proposal.length={reply.length}: more than the {most} tokens it was sent and "
                           "guessed")
+    if not greedy and reply.parents and not reply.q_width:
+        return "tree", "Proposal.parents: a sampled row's tree comes with q (its siblings are draws from one q)"
     if greedy or not reply.q_width or not tokens:
         return "", ""
     # Builtins over whole lists (C loops): a sampled row's table is γ × q_support entries a pass.
@@ -170,6 +173,8 @@ def malformed(reply: Proposal, item: ProposeItem, gamma: int, vocab_size: int, g
             drawn = -1
         if drawn < 0 or not probs[drawn] > 0.0:
             return "q", f"Proposal.q row {i} gives no probability to the token it drew ({token})"
+    if reply.parents and (why := _not_drawn_together(tokens, reply.parents, width, ids, probs)):
+        return "tree", why
     return "", ""
 
 
@@ -187,6 +192,22 @@ def _not_a_tree(parents: list[int], count: int, gamma: int) -> str:
     return ""
 
 
+def _not_drawn_together(tokens: list[int], parents: list[int], width: int, ids: list[int], probs: list[float]) -> str:
+    """Why a sampled tree's siblings cannot be draws without replacement from one q ("" when they
+    can): each node's children carry the same q row and distinct tokens (kernels/tree_sampling.py)."""
+    first: dict[int, int] = {}
+    seen: dict[int, set[int]] = {}
+    for i, (token, parent) in enumerate(zip(tokens, parents)):
+        f = first.setdefault(parent, i)
+        if token in seen.setdefault(parent, set()):
+            return f"Proposal.parents: token {i} ({token}) repeats a sibling's token under node {parent}"
+        seen[parent].add(token)
+        a, b = f * width, i * width
+        if ids[a:a + width] != ids[b:b + width] or probs[a:a + width] != probs[b:b + width]:
+            return f"Proposal.q row {i} differs from its first sibling's (row {f}): siblings are drawn from one q"
+    return ""
+
+
 @dataclass
 class _Held:
     length: int = 0  # leading tokens the draft holds that agree with the sequence
@@ -198,7 +219,7 @@ class Drafting:
     source: DraftSource | None
     controller: GammaController
     vocab_size: int  # the target's: proposals at or past it are cut
-    tree_branches: int = 0  # the most branches a greedy row may add to its chain (0: chains only)
+    tree_branches: int = 0  # the most branches a row may add to its chain (0: chains only)
     fed: int = 0  # tokens the last propose call fed the draft before it guessed (for the cost model)
     refusals: Counter = field(default_factory=Counter)  # items the draft refused, by field
     malformed_replies: Counter = field(default_factory=Counter)  # replies refused as malformed, by cause
@@ -391,7 +412,7 @@ class Drafting:
             held.length = min(held.length, check.position + agreed)
         self.controller.observe(seq.seq_id, check.source, seq.sampling.greedy, chain, agreed)
         if agreed < chain and agreed in check.parents[chain:]:  # a branch stood beside the failed guess
-            self.controller.observe_branch(verdict.accepted > agreed)
+            self.controller.observe_branch(verdict.accepted > agreed, seq.sampling.greedy)
 
     async def release(self, rows: list[Sequence]) -> None:
         """Forgets sequences that ended (here, in the draft and in the controller)."""

@@ -448,7 +448,7 @@ class Engine:
                 input_ids.append([tokens[-1], *[0] * gamma])
                 slots.append(slot)
                 start.append(position)
-        # Trees (greedy rows): node t's parent per row; chains and padding hang each node under the one before.
+        # Trees: node t's parent per row; chains and padding hang each node under the one before.
         chain = list(range(-1, gamma))
         parents = torch.tensor([[-1, *c.parents, *chain[len(c.parents) + 1:]] for c in checks]
                                + [chain] * (len(slots) - len(checks)), dtype=torch.int64) \

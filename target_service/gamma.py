@@ -18,14 +18,14 @@ Policies for ``speculation=auto`` rows (``--gamma-policy``):
 Rows with ``speculation=fixed`` get their γ; ``off`` rows get 0. Every choice is capped by the
 row's caps (budget, draft context: target_service/drafting.py) and its request's ``max_gamma``.
 
-Trees (``branches``): a greedy row that drafts may add the draft's runner-up guesses as branches
-beside its chain. Under ``goodput`` each extra position of the pass is bought only when what it is
+Trees (``branches``): a row that drafts may add the draft's runner-up guesses as branches beside
+its chain (a sampled row's: the next draws of the same race, verified by recursive rejection). Under ``goodput`` each extra position of the pass is bought only when what it is
 expected to add pays for it: the branch at depth j stands when the chain's first j guesses stood,
 its (j+1)-th failed and the runner-up is the target's token, α^j (1 − α) β (β: how often a
-runner-up beside a failed guess was right, pooled over all rows from a prior of 0.3), each token
+runner-up beside a failed guess was right, pooled over greedy rows and over sampled rows apart,
+from a prior of 0.3), each token
 worth the pass's seconds per token; the price is the measured verify curve's slope. On 2 CPU
-cores a position costs ~1 ms, and few branches pay. ``fixed`` gives every greedy row that
-drafts all the branches allowed (``TargetConfig.tree_branches``); ``hf`` and ``leviathan`` chains.
+cores a position costs ~1 ms, and few branches pay. ``fixed`` gives every row that drafts all the branches allowed (``TargetConfig.tree_branches``); ``hf`` and ``leviathan`` chains.
 Under goodput a request's fixed γ is a chain of γ: only speculation=auto rows branch.
 
 Knows nothing about models, tokens or gRPC: rows are ids with a few facts, costs are seconds.
@@ -289,7 +289,8 @@ class GammaController:
         self.costs = CostModel()
         self._rows: dict[int, _RowState] = {}
         self._pool: dict[tuple[str, bool], _Acceptance] = {}  # (proposer, greedy) -> pooled counts
-        self._branch = _Acceptance()  # runner-ups beside a failed guess: kept (hits) or not (misses)
+        # runner-ups beside a failed guess, greedy rows and sampled rows apart: kept (hits) or not (misses)
+        self._branch = {True: _Acceptance(), False: _Acceptance()}
         self.predicted_s = 0.0  # the chosen vector's predicted step time (0 when not predicted)
 
     # ----- estimates --------------------------------------------------------------------------
@@ -343,23 +344,23 @@ class GammaController:
         `depth` proposals, `proposals` in all, `fed` tokens the draft took in before guessing."""
         self.costs.observe(rows * (depth + 1), depth, proposals, verify_s, draft_s, other_s, fed)
 
-    def observe_branch(self, kept: bool) -> None:
+    def observe_branch(self, kept: bool, greedy: bool = True) -> None:
         """A tree's branch stood beside the guess the target refused: it was `kept` or not."""
-        self._branch.add(1, int(kept), self.pool_decay)
+        self._branch[greedy].add(1, int(kept), self.pool_decay)
 
-    def branch_rate(self) -> float:
+    def branch_rate(self, greedy: bool = True) -> float:
         """β: how often the runner-up beside a refused guess was the target's token."""
-        s = self.prior_strength
-        return (self._branch.hits + s * BRANCH_PRIOR) / (self._branch.hits + self._branch.misses + s)
+        s, seen = self.prior_strength, self._branch[greedy]
+        return (seen.hits + s * BRANCH_PRIOR) / (seen.hits + seen.misses + s)
 
     def branches(self, rows: list[RowView], gammas: list[int], cap: int) -> list[int]:
-        """Branches per row beside its chain of ``gammas[i]`` (at most ``cap``; greedy rows that
-        draft only). Under goodput, for speculation=auto rows, the positions whose expected tokens
+        """Branches per row beside its chain of ``gammas[i]`` (at most ``cap``; rows that draft
+        only). Under goodput, for speculation=auto rows, the positions whose expected tokens
         pay their verify seconds (module docstring; none before a step is measured), and a fixed γ
         stays a chain; under fixed, ``cap`` for every such row; the chain heuristics (hf,
         leviathan) none."""
         out = [0] * len(rows)
-        live = [i for i, (row, g) in enumerate(zip(rows, gammas)) if row.greedy and g > 0]
+        live = [i for i, g in enumerate(gammas) if g > 0]
         if cap <= 0 or not live or self.policy not in ("goodput", "fixed"):
             return out
         # A row's nodes stay within max_gamma: the headroom every slot keeps past its budget.
@@ -369,14 +370,15 @@ class GammaController:
         auto = [i for i in live if rows[i].gamma == AUTO_GAMMA]
         if not auto or not self.costs.ready:
             return out
-        beta, batch = self.branch_rate(), len(rows)
-        alphas = {i: self.alpha(rows[i].seq_id, True) for i in auto}
+        batch = len(rows)
+        beta = {greedy: self.branch_rate(greedy) for greedy in (True, False)}
+        alphas = {i: self.alpha(rows[i].seq_id, rows[i].greedy) for i in auto}
         expected = sum(expected_tokens(self.alpha(r.seq_id, r.greedy), g) for r, g in zip(rows, gammas))
         width = 1 + max(g + b for g, b in zip(gammas, out))
         drafting = sum(1 for g in gammas if g > 0)
         per_token = self.costs.step_s(batch, width - 1, sum(gammas), drafting) / max(expected, 1.0)
         for extra in range(cap):  # one more position for every auto row: the branch at depth `extra`
-            gain = sum(alphas[i] ** extra * (1.0 - alphas[i]) * beta for i in auto if extra < gammas[i])
+            gain = sum(alphas[i] ** extra * (1.0 - alphas[i]) * beta[rows[i].greedy] for i in auto if extra < gammas[i])
             price = self.costs.verify_s(batch * (width + extra + 1)) - self.costs.verify_s(batch * (width + extra))
             if gain * per_token <= price:
                 break

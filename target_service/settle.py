@@ -1,10 +1,13 @@
 """Settling one target pass: which proposals stand and which token follows, per row (design §5).
 
-Greedy rows keep the longest prefix matching the target's argmax. A greedy row may propose a
-tree (``VerifyRow.parents``): the target scored every node in one forward (each node's scores are
-those of the chain through it), and the row keeps the longest path from the root along which each
-node is the argmax after its parent (the first such child where several are), then the argmax
-after the path's last node: the tokens plain greedy decoding emits. A pass without proposals
+Greedy rows keep the longest prefix matching the target's argmax. A row may propose a tree
+(``VerifyRow.parents``): the target scored every node in one forward (each node's scores are
+those of the chain through it), and the row keeps the path from the root along which each node is
+the token emitted after its parent (the first such child where several are), then the token
+emitted after the path's last node. For a greedy row that token is the argmax: the tokens plain
+greedy decoding emits. A sampled tree's node emits by recursive rejection over its children
+(kernels/tree_sampling.py) under Leviathan's rule, or its plain sample under coupled
+verification; the noise of the node at depth d is keyed by position + d, as a chain's. A pass without proposals
 (prefill, γ = 0) is plain decoding: the argmax, or the plain sample from p: the winner of an
 exponential race over p with the noise keyed by (seed, absolute position, SAMPLE) (kernels/random.py).
 Sampling rows with proposals are settled one of two ways (`TargetConfig.speculative_sampling`):
@@ -14,7 +17,9 @@ Sampling rows with proposals are settled one of two ways (`TargetConfig.speculat
   uniform per position), at the first rejection a sample from norm(max(0, p − q)), after a fully
   accepted run the bonus token from p. Where the emitted token lands on a position the draft drew
   a guess for, it is raced with RESIDUAL noise (the draft's noise there is spent); elsewhere (the
-  bonus) with SAMPLE noise, the plain sample's.
+  bonus) with SAMPLE noise, the plain sample's. A tree's node tries its children in the order the
+  draft drew them, the first with the ACCEPT uniform of its depth and the r-th runner-up with
+  SIBLING + r (kernels/random.py).
 - ``coupled``: at every position the target takes its own plain sample (SAMPLE noise) and a
   proposal is accepted iff it equals that sample (the draft guesses with the same noise, so it
   often does). Every emitted token is then exactly the token plain sampling emits, whatever γ,
@@ -52,7 +57,7 @@ import kernels
 from kernels.cuts import cut_thresholds
 from kernels.lm_head import Hidden
 from kernels.processing import process_logits
-from kernels.random import ACCEPT, RESIDUAL, SAMPLE, race, row_keys, uniforms
+from kernels.random import ACCEPT, RESIDUAL, SAMPLE, SIBLING, race, row_keys, uniform, uniforms
 from specstream.data.propose import chain_length
 from specstream.data.sampling import SamplingParams
 
@@ -75,14 +80,22 @@ class VerifyRow:
     # guesses were cut (an id past the vocabulary, a malformed q table). The target never races
     # with SAMPLE noise there under Leviathan's rule: the draft's guess depended on it.
     drafted: int = 0
-    # A tree (greedy rows only): per proposal, its parent node, 0 being the row's last committed
-    # token and i + 1 proposal i (each parent before its child). Empty: a chain.
+    # A tree: per proposal, its parent node, 0 being the row's last committed token and i + 1
+    # proposal i (each parent before its child; a sampled row's siblings in the order drawn). Empty: a chain.
     parents: list[int] = field(default_factory=list)
 
     @property
     def chain(self) -> int:
         """How many leading proposals are the draft's chain (all of them but a tree's branches)."""
         return chain_length(self.parents, len(self.proposals))
+
+    def depths(self) -> list[int]:
+        """Each node's depth (node 0 the last committed token, node i + 1 proposal i): the offset
+        from ``position`` of the token emitted after it."""
+        depth = [0]
+        for parent in self.parents:
+            depth.append(depth[parent] + 1)
+        return depth if self.parents else list(range(len(self.proposals) + 1))
 
 
 @dataclass
@@ -116,8 +129,6 @@ def settle(target: torch.Tensor | Hidden, rows: list[VerifyRow], coupled: bool =
     else:
         positions = target.shape[1]
     gamma = positions - 1
-    if any(r.parents and not r.params.greedy for r in rows):
-        raise ValueError("settle: only greedy rows verify trees (VerifyRow.parents)")
     device = target.states.device if isinstance(target, Hidden) else target.device
     draft = torch.tensor([r.proposals + [-1] * (gamma - len(r.proposals)) for r in rows],
                          dtype=torch.int64).view(batch, gamma).to(device)  # [B, G], padded with -1
@@ -138,10 +149,15 @@ def settle(target: torch.Tensor | Hidden, rows: list[VerifyRow], coupled: bool =
             num_accepted[sampled], tokens[sampled] = _match(draft[sampled], num_draft[sampled],
                                                             samples.view(len(sampled), positions))
         elif sampled:
-            k, emitted = _verify_sampled(target[sampled], [rows[b] for b in sampled], draft[sampled],
-                                         num_draft[sampled])
-            num_accepted[sampled] = k
-            tokens[sampled] = _emitted_tokens(draft[sampled], k, emitted)
+            chains = [b for b in sampled if not rows[b].parents]
+            if chains:
+                k, emitted = _verify_sampled(target[chains], [rows[b] for b in chains], draft[chains],
+                                             num_draft[chains])
+                num_accepted[chains] = k
+                tokens[chains] = _emitted_tokens(draft[chains], k, emitted)
+            for b in sampled:
+                if rows[b].parents:
+                    tokens[b] = _verify_sampled_tree(target[b], rows[b])
     parts = [num_accepted[:, None], tokens]  # [B, 1], [B, G+1]
     if wanted and isinstance(target, Hidden):  # from the fused n-best pass, no logits built
         states = target.states.view(batch, positions, -1)[wanted].reshape(-1, target.states.shape[-1])
@@ -160,16 +176,42 @@ def settle(target: torch.Tensor | Hidden, rows: list[VerifyRow], coupled: bool =
 
 
 def _keys(rows: list[VerifyRow], positions: int, coupled: bool, device: torch.device | str) -> torch.Tensor:
-    """[S, G+1] int64 race keys: row b's draw at position `rows[b].position + j`, with SAMPLE noise,
-    or (Leviathan) RESIDUAL noise where the draft drew a guess (j < drafted)."""
+    """[S, G+1] int64 race keys: row b's draw after node j, at position `rows[b].position + d` (d
+    the node's depth: j for a chain), with SAMPLE noise, or (Leviathan) RESIDUAL noise where the
+    draft drew a guess (d < drafted)."""
     seeds = [r.params.seed for r in rows]
-    at = [[r.position + j for r in rows] for j in range(positions)]
+    offsets = [_offsets(r, positions) for r in rows]  # [S][G+1]
+    at = [[r.position + offsets[b][j] for b, r in enumerate(rows)] for j in range(positions)]
     sample = torch.stack([row_keys(seeds, at[j], SAMPLE, device) for j in range(positions)], dim=1)  # [S, G+1]
     if coupled:
         return sample
     residual = torch.stack([row_keys(seeds, at[j], RESIDUAL, device) for j in range(positions)], dim=1)
-    drafted = torch.tensor([r.drafted for r in rows], device=device)[:, None]  # [S, 1]
-    return torch.where(torch.arange(positions, device=device) < drafted, residual, sample)
+    drafted = torch.tensor([[d < r.drafted for d in offsets[b]] for b, r in enumerate(rows)], device=device)
+    return torch.where(drafted, residual, sample)  # [S, G+1]
+
+
+def _offsets(row: VerifyRow, positions: int) -> list[int]:
+    """Per node j < positions, its depth (padding past the proposals: j)."""
+    depths = row.depths()
+    return depths + list(range(len(depths), positions))
+
+
+def _verify_sampled_tree(logits: torch.Tensor, row: VerifyRow) -> torch.Tensor:
+    """Leviathan's rule over a sampled tree (kernels/tree_sampling.py): logits [G+1, V] -> [G+1],
+    per node the token emitted after it (-1 past the row's nodes)."""
+    positions, nodes = logits.shape[0], len(row.proposals) + 1
+    p = process_logits(logits[None, :nodes], [row.params])[0]  # [N+1, V]
+    q_ids, q_probs = _sparse_q([row], nodes - 1)  # [1, N, K] each
+    depths, rank, seen = row.depths(), [], {}
+    for parent in row.parents:  # the r-th child of a node: r earlier siblings were tried before it
+        rank.append(seen.get(parent, 0))
+        seen[parent] = rank[-1] + 1
+    u_accept = torch.tensor([uniform(row.params.seed, row.position + depths[parent], ACCEPT if r == 0 else SIBLING + r)
+                             for parent, r in zip(row.parents, rank)], dtype=torch.float64)  # [N]
+    keys = _keys([row], nodes, False, logits.device)[0]  # [N+1]
+    emitted = kernels.tree_speculative_verify(p, row.proposals, row.parents, q_ids[0].to(logits.device),
+                                              q_probs[0].to(logits.device), u_accept.to(logits.device), keys)
+    return torch.cat([emitted, emitted.new_full((positions - nodes,), -1)])
 
 
 def _live(rows: list[VerifyRow], positions: int, device: torch.device | str) -> torch.Tensor:
@@ -208,6 +250,8 @@ def _settle_fused(target: Hidden, rows: list[VerifyRow], draft: torch.Tensor, nu
     if greedy:
         part = Hidden(states[greedy].reshape(-1, states.shape[-1]), target.head)
         num_accepted[greedy], tokens[greedy] = kernels.greedy_verify(draft[greedy], num_draft[greedy], part)
+    if any(rows[b].parents for b in sampled):
+        raise ValueError("settle: sampled trees verify on the torch path (the native CPU forward) only")
     if sampled:
         chosen = [rows[b] for b in sampled]
         params = [r.params for r in chosen]
@@ -275,15 +319,16 @@ def _sparse_q(rows: list[VerifyRow], gamma: int) -> tuple[torch.Tensor, torch.Te
     return q_ids, q_probs
 
 
-def tree_path(proposals: list[int], parents: list[int], best: list[int]) -> list[int]:
-    """The accepted path of a greedy tree: from the root (node 0), repeatedly the first child whose
-    token is the target's argmax after the current node (``best[node]``). Returns its nodes."""
+def tree_path(proposals: list[int], parents: list[int], emitted: list[int]) -> list[int]:
+    """The accepted path of a tree: from the root (node 0), repeatedly the first child whose token
+    is the one the row emits after the current node (``emitted[node]``: the argmax for a greedy
+    row). Returns its nodes."""
     children: dict[int, list[int]] = {}
     for i, parent in enumerate(parents):
         children.setdefault(parent, []).append(i + 1)
     path, node = [], 0
     while True:
-        node = next((c for c in children.get(node, ()) if proposals[c - 1] == best[node]), -1)
+        node = next((c for c in children.get(node, ()) if proposals[c - 1] == emitted[node]), -1)
         if node < 0:
             return path
         path.append(node)
@@ -302,7 +347,7 @@ def _unpack(flat: list[float], rows: list[VerifyRow], wanted: list[int], positio
     tokens = take(batch * positions)
     verdicts = []
     for b, row in enumerate(rows):
-        best = [int(t) for t in tokens[b * positions : (b + 1) * positions]]  # greedy: the argmax after each node
+        best = [int(t) for t in tokens[b * positions : (b + 1) * positions]]  # the token emitted after each node
         if row.parents:
             path = tree_path(row.proposals, row.parents, best)
             verdicts.append(Verdict(len(path), [best[n] for n in [0, *path]], path))

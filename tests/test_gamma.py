@@ -349,14 +349,15 @@ def _measured(verify_per_position: float, alpha_hits: int = 6, alpha_misses: int
 
 def test_branches_are_bought_only_where_a_position_is_cheap():
     """A branch at depth j adds α^j (1 − α) β tokens a pass: at ~0 s a position (a memory-bound
-    device) every allowed branch pays, at 1 ms a position on a 6 ms pass none does; sampled rows,
-    rows not drafting and a cap of 0 get none."""
+    device) every allowed branch pays, at 1 ms a position on a 6 ms pass none does; sampled rows
+    are priced as greedy ones (their runner-ups are the draft's next draws); rows not drafting and
+    a cap of 0 get none."""
     row = RowView(1, AUTO_GAMMA, MAX_GAMMA, True)
     cheap, dear = _measured(1e-7), _measured(1e-3)
     assert cheap.branches([row], [3], 3) == [3]
     assert dear.branches([row], [3], 3) == [0]
     sampled = RowView(2, AUTO_GAMMA, MAX_GAMMA, False)
-    assert cheap.branches([row, sampled, row], [3, 3, 0], 3) == [3, 0, 0]
+    assert cheap.branches([row, sampled, row], [3, 3, 0], 3) == [3, 3, 0]
     assert cheap.branches([row], [3], 0) == [0]
     # Fewer branches than the cap where the deeper ones stop paying: a branch at depth j needs the j
     # guesses before it kept, so with a weak draft only the shallow ones pay.
@@ -371,6 +372,9 @@ def test_the_branch_rate_is_learnt_and_moves_the_choice():
     for _ in range(200):
         controller.observe_branch(False)  # runner-ups never right: β -> 0
     assert controller.branch_rate() < 0.05 and controller.branches([row], [3], 3) == [0] and before > 0
+    # Sampled rows keep their own rate: the greedy rows' misses do not reach them.
+    sampled = RowView(2, AUTO_GAMMA, MAX_GAMMA, False)
+    assert controller.branch_rate(greedy=False) > 0.25 and controller.branches([sampled], [3], 3)[0] > 0
 
 
 def test_fixed_gives_every_branch_and_the_chain_heuristics_none():

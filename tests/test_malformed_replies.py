@@ -1,7 +1,8 @@
 """A draft's reply is untrusted input (target_service/drafting.py, ``malformed``): a reply that names
 another sequence, carries more tokens than asked, an id outside the target's vocabulary, a held
 length past what the draft was sent and guessed, a tree that was not asked for or is not one, or
-(a sampled row) a q table that is not one distribution per token with the drawn token in its support, is refused for its row: that row
+(a sampled row) a q table that is not one distribution per token with the drawn token in its
+support, or a tree whose siblings are not distinct draws from one q, is refused for its row: that row
 decodes plainly that pass, the refusal is counted per cause in the target's metrics, and no other
 row is touched. Through the real engine: the output stays the target's plain output, token for token.
 """
@@ -107,8 +108,28 @@ def test_a_tree_beyond_its_budget_or_not_asked_for_is_refused() -> None:
     small = Proposal([5, 6, 7], 8, key=7, parents=[0, 1, 0])  # within gamma, but a tree
     cause, message = malformed(small, _item(), 3, VOCAB, greedy=True)  # no branches allowed
     assert cause == "tree" and "allowed none (branches=0)" in message
-    sampled = dataclasses.replace(TREE_ITEM, sampling=SAMPLED)  # sampled rows verify chains only
-    assert malformed(small, sampled, 3, VOCAB, greedy=False)[0] == "tree"
+
+
+# A sampled tree: a chain of 3, then two runner-ups of the first guess's race, each row of q the
+# one its token was drawn from (siblings share theirs).
+SAMPLED_TREE = Proposal([5, 6, 7, 9, 4], 8, key=7, parents=[0, 1, 2, 0, 0], q_width=3,
+                        q_ids=[5, 9, 4, 6, 9, 2, 7, 1, 2, 5, 9, 4, 5, 9, 4],
+                        q_probs=[0.5, 0.3, 0.2, 0.6, 0.4, 0.0, 0.9, 0.1, 0.0, 0.5, 0.3, 0.2, 0.5, 0.3, 0.2])
+SAMPLED_TREE_CORRUPTIONS = {
+    "without q": ({"q_width": 0, "q_ids": [], "q_probs": []}, r"a sampled row's tree comes with q"),
+    "siblings' q differ": ({"q_probs": [*SAMPLED_TREE.q_probs[:9], 0.4, 0.4, 0.2, 0.5, 0.3, 0.2]},
+                           r"q row 3 differs from its first sibling's \(row 0\)"),
+    "a sibling drawn twice": ({"tokens": [5, 6, 7, 9, 9]}, r"token 4 \(9\) repeats a sibling's token under node 0"),
+}
+
+
+@pytest.mark.parametrize("name", SAMPLED_TREE_CORRUPTIONS)
+def test_a_sampled_tree_whose_siblings_are_not_draws_from_one_q_is_refused(name) -> None:
+    item = dataclasses.replace(TREE_ITEM, sampling=SAMPLED)
+    assert malformed(SAMPLED_TREE, item, 3, VOCAB, greedy=False) == ("", "")
+    fields, why = SAMPLED_TREE_CORRUPTIONS[name]
+    cause, message = malformed(dataclasses.replace(SAMPLED_TREE, **fields), item, 3, VOCAB, greedy=False)
+    assert cause == "tree" and re.search(why, message), message
 
 
 class _Corrupting:

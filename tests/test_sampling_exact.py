@@ -14,9 +14,10 @@ lengths, rejections and residual draws all happen (acceptance ~0.65 per token).
 False-alarm rate: every comparison is a chi-square test that fails when p < 1e-3, so for an exact
 implementation each fails with probability 1e-3 over the choice of seeds; this file makes
 9 first-pair + 27 last-pair speculative comparisons + 6 with automatic γ + 2 point-mass + 2
-vocabulary-subset + 2 feature-draft comparisons + 9 goodness-of-fit checks = 57 distinct tests, at
-most 5.7% together (union bound) for seeds drawn at random. The seeds are fixed, so the outcome of
-51 of them is deterministic and CI never flakes on them. The 6 with automatic γ run Hugging Face's
+vocabulary-subset + 2 feature-draft + 6 sampled-tree (first pair, last pair, 3-token sequences, at
+two settings) comparisons + 9 goodness-of-fit checks = 63 distinct tests, at most 6.3% together
+(union bound) for seeds drawn at random. The seeds are fixed, so the outcome of 57 of them is
+deterministic and CI never flakes on them. The 6 with automatic γ run Hugging Face's
 rule (γ per row from what it accepted: it varies by row and step, and is fixed by the seeds too;
 the goodput policy picks γ from measured step times, and on a loaded machine once kept one γ for a
 whole run, which this test cannot use). They fail at p < 1e-5 (AUTO_THRESHOLD): 6e-5 for the six
@@ -50,6 +51,7 @@ GAMMAS = (1, 3, 6)
 LONGEST = max(GAMMAS) + 2  # the reference runs long enough for every γ's last pair
 SPEC_SEED, REFERENCE_SEED = 0, 1 << 40  # disjoint seed ranges: the samples are independent
 THRESHOLD = 1e-3
+TREES = ((1.0, "none"), (0.7, "top_k"))  # sampled trees: γ 3 and 3 runner-ups, recursive rejection
 AUTO_THRESHOLD = 1e-5  # the automatic-γ comparisons: random per run (see the module docstring)
 
 
@@ -79,10 +81,13 @@ def _generate(job: dict) -> list[list[int]]:
     # (every proposal pads 2,048 rows), and the test needs γ to vary. Hugging Face's rule varies it
     # per row from what was accepted alone; the goodput policy follows measured step times, and on
     # a loaded machine it settled on one γ for a whole run.
+    config = {"gamma_policy": "hf"} if auto else None
+    if job.get("variant") == "tree":  # every drafting row proposes its chain and 3 runner-ups (next draws)
+        config = {"gamma_policy": "fixed", "tree_branches": 3}
     tokens, finals = run_engine(job["target"], job["draft"] if job["gamma"] or auto else None,
                                 [PROMPT] * job["samples"], None if auto else job["gamma"], job["max_new_tokens"],
                                 max_slots=64 if auto else 2048, sampling=params, max_seq_len=24, proposer=proposer,
-                                config={"gamma_policy": "hf"} if auto else None)
+                                config=config)
     assert all(f.finish_reason == "length" for f in finals)  # the token budget, nothing else
     if auto:  # the controller really varied γ (not one fixed value, not all zero)
         used = {g for f in finals for g, n in enumerate(f.stats.gamma_histogram) if n and g}
@@ -91,6 +96,8 @@ def _generate(job: dict) -> list[list[int]]:
         # The draft really proposed and was really both accepted and rejected.
         accepted = sum(f.stats.accepted_tokens for f in finals)
         assert 0 < accepted < sum(f.stats.draft_tokens for f in finals)
+    if job.get("variant") == "tree":  # trees were verified, and tokens were kept off their chains
+        assert sum(f.stats.branch_tokens for f in finals) > 0
     return tokens
 
 
@@ -139,6 +146,9 @@ def _jobs(pair: dict[str, Path]) -> dict[tuple, dict]:
                                                       max_new_tokens=LONGEST, seed=SPEC_SEED, variant="auto")
     jobs[("vocab_subset", 1.0, "none", 3)] = dict(base, draft=str(pair["draft_subset"]), temperature=1.0, filter={},
                                                   gamma=3, max_new_tokens=5, seed=SPEC_SEED)
+    for temperature, name in TREES:
+        jobs[("tree", temperature, name, 3)] = dict(base, temperature=temperature, filter=FILTERS[name], gamma=3,
+                                                    max_new_tokens=5, seed=SPEC_SEED, variant="tree")
     jobs[("feature", 1.0, "none", 3)] = dict(base, draft=str(pair["feature_draft"]), temperature=1.0, filter={},
                                              gamma=3, max_new_tokens=5, seed=SPEC_SEED)
     return jobs
@@ -223,6 +233,18 @@ def test_a_feature_draft_keeps_the_distribution(samples):
     first = two_sample_p_value(_pairs(spec, 1), _pairs(reference, 1))
     last = two_sample_p_value(_pairs(spec, 4), _pairs(reference, 4))
     assert first > THRESHOLD and last > THRESHOLD, (first, last)
+
+
+@pytest.mark.parametrize(("temperature", "filter_name"), TREES)
+def test_sampled_trees_keep_the_distribution(samples, temperature, filter_name):
+    """Rows that propose trees (the draft's chain of 3 and its next draws beside it, verified by
+    recursive rejection): the first pair, the last pair (t4, t5) and whole 3-token sequences."""
+    spec = samples[("tree", temperature, filter_name, 3)]
+    reference = samples[("reference", temperature, filter_name)]
+    first = two_sample_p_value(_pairs(spec, 1), _pairs(reference, 1))
+    last = two_sample_p_value(_pairs(spec, 4), _pairs(reference, 4))
+    triples = two_sample_p_value(Counter(tuple(seq[:3]) for seq in spec), Counter(tuple(seq[:3]) for seq in reference))
+    assert first > THRESHOLD and last > THRESHOLD and triples > THRESHOLD, (first, last, triples)
 
 
 def test_the_test_catches_a_wrong_residual(samples):

@@ -1,8 +1,8 @@
 """Tree verification (target_service/settle.py ``tree_path``, the engine's tree forward and KV
 commit, the draft's runner-up branches): greedy output stays the target's plain greedy output,
 token for token, for random trees (depth <= 8, width <= 4) in ragged batches, trees whose every
-node is wrong, trees whose deepest path is right, and the real drafts' trees; sampled rows verify
-chains."""
+node is wrong, trees whose deepest path is right, and the real drafts' trees; sampled rows'
+trees under coupled verification emit plain sampling's tokens."""
 
 from __future__ import annotations
 
@@ -149,18 +149,21 @@ def test_a_tree_saves_passes_over_its_chain(model_zoo, prompts, plain) -> None:
     assert passes[3] < passes[0], passes
 
 
-def test_sampled_rows_verify_chains_beside_greedy_trees(model_zoo, prompts, plain) -> None:
+def test_sampled_rows_verify_trees_beside_greedy_trees(model_zoo, prompts, plain) -> None:
+    """Sampled rows propose trees too (the draft's next draws as branches). Under coupled
+    verification a sampled row emits exactly plain sampling's tokens whatever the tree; greedy
+    rows emit plain greedy's. (Leviathan's rule over trees: tests/test_tree_sampling.py and
+    tests/test_sampling_exact.py.)"""
     sampling = [SamplingParams(temperature=0.8, seed=i) if i % 2 else SamplingParams() for i in range(len(prompts))]
     tokens, finals = run_engine(model_zoo["target"], model_zoo["partial"], prompts, gamma=2, max_new_tokens=MAX_NEW,
-                                sampling=sampling, config={"tree_branches": 3, "gamma_policy": "fixed"})
-    alone, _ = run_engine(model_zoo["target"], model_zoo["partial"], prompts, gamma=2, max_new_tokens=MAX_NEW,
-                          sampling=sampling, config={"tree_branches": 0, "gamma_policy": "fixed"})
-    for i, final in enumerate(finals):
-        if i % 2:
-            assert sum(final.stats.branch_histogram[1:]) == 0  # a sampled row: chains
-            assert tokens[i] == alone[i]  # the same noise, the same chain verification
-        else:
-            assert tokens[i] == plain[i]
+                                sampling=sampling, config={"tree_branches": 3, "gamma_policy": "fixed",
+                                                           "speculative_sampling": "coupled"})
+    alone, _ = run_engine(model_zoo["target"], None, prompts, gamma=0, max_new_tokens=MAX_NEW, sampling=sampling)
+    for i in range(len(prompts)):
+        assert tokens[i] == (alone[i] if i % 2 else plain[i])
+    sampled = [f for i, f in enumerate(finals) if i % 2]
+    assert sum(sum(f.stats.branch_histogram[1:]) for f in sampled) > 0  # sampled rows proposed trees
+    assert sum(f.stats.branch_tokens for f in sampled) > 0  # and kept tokens off their chains
 
 
 def test_a_rows_chain_and_branches_stay_within_max_gamma(model_zoo, prompts, plain) -> None:

@@ -222,8 +222,8 @@ class TargetConfig:
     max_gamma: int = 16  # largest gamma a request may ask for, and the controller may pick
     gamma_policy: str = "goodput"  # speculation=auto: "goodput", "fixed", "hf" or "leviathan" (target_service/gamma.py)
     speculative_sampling: str = "leviathan"  # one of SPECULATIVE_SAMPLING: how sampled proposals are verified
-    # Trees: greedy rows may add up to this many of the draft's runner-up guesses as branches beside
-    # its chain, verified in the same forward: speculation=auto rows as many as the measured verify
+    # Trees: a row may add up to this many of the draft's runner-up guesses as branches beside its
+    # chain, verified in the same forward (a sampled row's by recursive rejection, with q): speculation=auto rows as many as the measured verify
     # cost says pay under gamma_policy goodput (a fixed γ stays a chain), every drafting row all of
     # them under fixed, none under hf and leviathan (target_service/gamma.py).
     # Only where the target's forward is the native CPU one (bit-exact trees); 0: chains only. A

@@ -14,6 +14,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -266,24 +267,28 @@ def test_the_token_draft_is_exact_in_both_layouts(stack_factory, colocate) -> No
 
 
 def test_trees_through_the_three_processes_equal_plain(stack_factory) -> None:
-    """The pair as `specstream serve` runs it, every greedy pass a tree (--gamma-policy fixed
-    --tree-branches 3: the feature draft's runner-ups beside its chain): chat equals plain decoding
-    token for token, trees were verified, and some of their branches were kept."""
+    """The pair as `specstream serve` runs it, every pass a tree (--gamma-policy fixed
+    --tree-branches 3: the feature draft's runner-ups beside its chain, a sampled row's next
+    draws): greedy chat equals plain decoding token for token, and under coupled verification
+    sampled chat equals plain sampling with the same seed; trees were verified, and some of their
+    branches were kept, greedy and sampled."""
     from specstream_client import Client
 
     pair = PAIRS["smollm2"]
     stack = stack_factory(pair.target, pair.draft, dtype="auto", gamma=3, proposer=pair.proposer,
-                          ngram_min=pair.ngram_min, gamma_policy="fixed", extra_target_args=["--tree-branches", "3"])
-    trees = kept = 0
+                          ngram_min=pair.ngram_min, gamma_policy="fixed",
+                          extra_target_args=["--tree-branches", "3", "--speculative-sampling", "coupled"])
+    trees, kept = Counter(), Counter()
     with Client(stack.gateway_address, timeout=300) as client:
-        for question in CHAT[:3]:
+        for i, question in enumerate(CHAT[:3]):
             messages = [{"role": "user", "content": question}]
-            plain = client.chat(messages, max_new_tokens=64, speculation="off")
-            spec = client.chat(messages, max_new_tokens=64)  # speculation=auto: gamma 3 under the fixed policy
-            assert spec.token_ids == plain.token_ids
-            trees += sum(spec.stats.branch_histogram[1:])
-            kept += spec.stats.branch_tokens
-    assert trees > 0 and kept > 0, (trees, kept)
+            for kind, sampling in (("greedy", {}), ("sampled", {"temperature": 0.7, "seed": i})):
+                plain = client.chat(messages, max_new_tokens=64, speculation="off", **sampling)
+                spec = client.chat(messages, max_new_tokens=64, **sampling)  # auto: gamma 3 under the fixed policy
+                assert spec.token_ids == plain.token_ids, kind
+                trees[kind] += sum(spec.stats.branch_histogram[1:])
+                kept[kind] += spec.stats.branch_tokens
+    assert min(trees.values()) > 0 and min(kept.values()) > 0, (trees, kept)
 
 
 def test_sampled_chat_is_reproducible_per_seed(smollm2_stack) -> None:

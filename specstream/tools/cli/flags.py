@@ -91,8 +91,8 @@ def gamma_flags(p: argparse.ArgumentParser) -> None:
                         "sample, so a seed gives exactly the text of plain sampling whatever gamma, the draft or "
                         "a resubmission of the request (fewer accepted proposals)")
     p.add_argument("--tree-branches", type=int, default=TargetConfig.tree_branches,
-                   help="greedy requests may add up to this many of the draft's runner-up guesses as branches "
-                        "beside its chain, verified in the same pass (a tree): under --gamma-policy goodput "
+                   help="a request may add up to this many of the draft's runner-up guesses (a sampled one's: "
+                        "its next draws, with q) as branches beside its chain, verified in the same pass (a tree): under --gamma-policy goodput "
                         "speculation=auto takes as many as the measured verify cost says pay (a fixed gamma stays "
                         "a chain), under fixed every drafting request all of them, hf and leviathan none; 0: "
                         "chains only")

@@ -7,9 +7,9 @@ built as the draft service builds it) that corrupts a seeded fraction of its rep
 what it did per cause: a reply naming another sequence (``seq_id``), more tokens than asked
 (``tokens``), an id outside the vocabulary (``token_id``), a held length past what it was sent and
 guessed (``length``), a tree that is not one or was not asked for (a parent out of range or not
-before its child, a path deeper than γ, parents missing, branches where none were allowed:
-``tree``; the target runs ``--gamma-policy fixed --tree-branches 2``, so greedy rows ask for trees
-and the real draft sends them), and for sampled rows a q table that is not a distribution per token
+before its child, a path deeper than γ, parents missing, branches where none were allowed, a
+sampled tree's sibling drawn twice: ``tree``; the target runs ``--gamma-policy fixed
+--tree-branches 2``, so rows ask for trees and the real draft sends them), and for sampled rows a q table that is not a distribution per token
 (a row's sum off 1, a negative or NaN probability, an id outside the vocabulary, no probability on
 the drawn token, entries missing: ``q``). The start-up timing's sequence (id 0) is answered honestly: the
 target does not verify its guesses.
@@ -96,10 +96,12 @@ class HostileDraft(DraftServicer):
     def _corrupt_tree(self, pb: draft_pb2.Proposal, item: draft_pb2.ProposeItem) -> None:
         rng, n = self._rng, len(pb.token_ids)
         parents = list(pb.parents) or list(range(n))  # a chain's parents, where the draft sent none
-        if not item.branches:  # a tree where none was asked for (a sampled row)
+        branched = [i for i in range(n) if pb.parents and pb.parents[i] != i]  # the branches sent
+        if not item.branches:  # a tree where none was asked for (no room past the chain)
             how = "unasked"
         else:
-            how = rng.choice(["range", "order", "missing", *(["deep"] if n <= item.gamma else [])])
+            how = rng.choice(["range", "order", "missing", *(["deep"] if n <= item.gamma else []),
+                              *(["twice"] if pb.q_width and branched else [])])
         if how in ("unasked", "range"):
             parents[rng.randrange(n)] = n + 1 + rng.randrange(8) if how == "range" else 0
             if how == "unasked" and n == 1:
@@ -107,6 +109,9 @@ class HostileDraft(DraftServicer):
         elif how == "order":  # a parent at or after its child
             i = rng.randrange(n)
             parents[i] = i + 1 + rng.randrange(n - i)
+        elif how == "twice":  # a sampled branch drawn again: the same token as its first sibling
+            i = rng.choice(branched)
+            pb.token_ids[i] = pb.token_ids[next(j for j in range(n) if parents[j] == parents[i])]
         elif how == "missing":
             parents = parents[:-1] if n > 1 else [0, 0]
         else:  # deeper than gamma: a chain one past it

@@ -1,0 +1,114 @@
+"""Speculative sampling over a tree: several drafts per node, settled by recursive rejection
+(SpecInfer's multi-step speculative sampling, with the drafts drawn without replacement as in
+Jeon et al. 2024, "Recursive Speculative Decoding").
+
+A sampled row may propose a tree. At a node u (0: the row's last committed token) its children
+x_1..x_k, in the order the draft drew them, are draws WITHOUT replacement from the draft's q(.|u):
+the first k finishers of one exponential race over q (the chain's guess, then its runner-ups),
+each child carrying the same q row. With p(.|u) the target's processed distribution after u:
+
+    p_1 = p(.|u),  q_1 = q(.|u)
+    for i = 1..k:  accept x_i with probability min(1, p_i(x_i) / q_i(x_i))   (uniform u_i)
+                   else  p_{i+1} = norm(max(0, p_i - q_i)),  q_{i+1} = norm(q_i without x_i)
+    none accepted: the token is a sample from p_{k+1}.
+
+The token is distributed exactly as p(.|u). By induction over k: x_1 ~ q_1, so the accepted mass
+is min(p_1, q_1) and a rejection happens with probability 1 - sum(min(p_1, q_1)), after which the
+rest outputs p_2 whatever x_1 was (p_2 does not depend on x_1; q_2 may, and the claim holds for
+any q_2); min(p_1, q_1) + max(0, p_1 - q_1) = p_1; k = 0 is plain sampling. When the token is a
+child's, verification goes on in that child's subtree, whose children were drawn from q given
+that token with noise no earlier decision read; otherwise the row stops there. How many children a
+node has may depend on its first child (the chain's guess) and on anything drawn elsewhere, never
+on the runner-ups' own draws: a runner-up kept because of its value is a biased draw (the draft
+chooses the shape from the chain alone, draft_service/proposer.py).
+
+A rejected child never gets mass again (a rejection needs p_i(x_i) < q_i(x_i), so
+p_{i+1}(x_i) = 0, and q_j(x_i) = 0 after that keeps it 0), so the child whose token a node emits is
+the one it accepted. A row's result is therefore, per node, the token emitted after it
+(``tree_speculative_verify``); the walk from the root follows the children equal to it
+(target_service/settle.py ``tree_path``), as a greedy tree follows the argmax.
+
+Randomness: one acceptance uniform per child (float64, as in kernels/speculative.py) and one race
+key per node for the token drawn there when no child is accepted; the caller keys both
+(target_service/settle.py). The torch path is the only one: trees run where the target's forward
+is the native CPU one (target_service/engine.py). ``tree_speculative_verify_reference`` walks the
+tree as the algorithm reads, node by node with Python floats; the two agree token for token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.random import race
+
+# A residual with less mass than this is rounding noise around p == q (kernels/speculative.py).
+_EMPTY_RESIDUAL = 1e-12
+
+
+def tree_speculative_verify(p: torch.Tensor, tokens: list[int], parents: list[int], q_ids: torch.Tensor,
+                            q_probs: torch.Tensor, u_accept: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """One sampled tree. p [N+1, V] the target's processed distributions after each node (node 0
+    the root, node i + 1 proposal i); tokens, parents [N] (each parent before its child); q_ids,
+    q_probs [N, K] the q row each proposal was drawn from (siblings share theirs); u_accept [N]
+    float64 each proposal's acceptance uniform; keys [N+1] int64 each node's race key. Returns
+    [N+1] int64: per node, the token the row emits after it (the accepted child's, else a sample
+    from what the rejections left). No host sync."""
+    nodes = p.shape[0]
+    children: list[list[int]] = [[] for _ in range(nodes)]
+    for i, parent in enumerate(parents):
+        children[parent].append(i)
+    p = p.double()
+    q = _dense_q(q_ids, q_probs, p.shape[-1])  # [N, V]
+    dist = p.clone()  # [N+1, V]: what each node samples from when it accepts none of its children
+    chosen = torch.full((nodes,), -1, dtype=torch.int64, device=p.device)  # [N+1] the accepted child's token
+    for node, kids in enumerate(children):
+        if not kids:
+            continue
+        p_i, q_i = p[node], q[kids[0]].clone()  # [V] each
+        for i in kids:
+            x = tokens[i]
+            accept = (u_accept[i] * q_i[x] < p_i[x]) & (chosen[node] < 0)  # the first child that stands
+            chosen[node] = torch.where(accept, x, chosen[node])
+            residual = (p_i - q_i).clamp(min=0.0)  # [V]
+            total = residual.sum()
+            p_i = torch.where(total > _EMPTY_RESIDUAL, residual / total.clamp(min=_EMPTY_RESIDUAL), p_i)
+            q_i = q_i.index_fill(0, torch.tensor([x], device=p.device), 0.0)
+            q_i = q_i / q_i.sum().clamp(min=1e-300)
+        dist[node] = p_i
+    return torch.where(chosen >= 0, chosen, race(dist, keys.to(p.device)))
+
+
+def tree_speculative_verify_reference(p: torch.Tensor, tokens: list[int], parents: list[int], q_ids: torch.Tensor,
+                                      q_probs: torch.Tensor, u_accept: torch.Tensor, keys: torch.Tensor
+                                      ) -> tuple[list[int], list[int]]:
+    """The algorithm walked node by node (module docstring): (the kept path's nodes, the tokens
+    emitted). ``tree_speculative_verify`` must give the same tokens along the same path."""
+    children: list[list[int]] = [[] for _ in range(p.shape[0])]
+    for i, parent in enumerate(parents):
+        children[parent].append(i)
+    q = _dense_q(q_ids, q_probs, p.shape[-1])
+    path, emitted, node = [], [], 0
+    while True:
+        p_i, q_i = p[node].double().clone(), q[children[node][0]].clone() if children[node] else None
+        for i in children[node]:
+            x = tokens[i]
+            if float(u_accept[i]) * float(q_i[x]) < float(p_i[x]):
+                path.append(i + 1)
+                emitted.append(x)
+                node = i + 1
+                break
+            residual = (p_i - q_i).clamp(min=0.0)
+            if float(residual.sum()) > _EMPTY_RESIDUAL:
+                p_i = residual / residual.sum()
+            q_i[x] = 0.0
+            q_i = q_i / max(float(q_i.sum()), 1e-300)
+        else:
+            emitted.append(int(race(p_i[None], keys[node : node + 1])[0]))
+            return path, emitted
+
+
+def _dense_q(q_ids: torch.Tensor, q_probs: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[N, V] float64: each sparse q row scattered and normalised to what the draft sampled from."""
+    q = q_probs.double()
+    q = q / q.sum(dim=-1, keepdim=True).clamp(min=1e-300)
+    return torch.zeros(q.shape[0], vocab, dtype=torch.float64, device=q.device).scatter_add_(1, q_ids.long(), q)
