@@ -155,7 +155,13 @@ def test_bench_sampling_writes_json_and_plot(model_zoo, tmp_path):
     assert sampled["ours_over_best_hf_assisted"] == same(best["tokens_per_s"] / assisted[sampled["best_hf_assisted"]])
     assert (out / "sampling_speedup.png").stat().st_size > 1000
     assert "theory x" in result.stdout and "HF assisted" in result.stdout
-    assert progress_end(result.stderr, "generations") == (20, 20)  # 2 prompts x (2 T x 3 γ + 4 HF modes at T=1)
+    # Sampled trees at T=1: every pass a tree, of 1 and of 3 branches, beside the chains' rows.
+    assert set(data["trees"]["rows"]) == {f"T=1, gamma {g}, {b} branches" for g in (1, 2) for b in (1, 3)}
+    for name, r in data["trees"]["rows"].items():
+        assert r["tree_passes"] > 0 and r["tokens"] == PROMPTS * BUDGET, name
+    assert "sampled trees" in result.stdout
+    # 2 prompts x (2 T x 3 γ + 2 tree stacks x 3 γ at T=1 + 4 HF modes at T=1)
+    assert progress_end(result.stderr, "generations") == (32, 32)
 
 
 def test_bench_synthetic_on_a_small_target(tmp_path):

@@ -7,6 +7,11 @@ Leviathan's theoretical speedup for that α and the measured cost ratio c. Then,
 Hugging Face `generate(do_sample=True, top_k=0)` plain and assisted on the same checkpoints and
 prompts.
 
+Tree rows (unless ``with_trees`` is off): at each T > 0, a stack whose targets run
+``--gamma-policy fixed --tree-branches B`` (every pass a tree: the chain of γ and up to B of the
+draft's next draws beside it, verified by recursive rejection) sweeps γ = 0 and the tree γs;
+each row is a ratio to that stack's own γ = 0 and to the chain's row at the same T and γ.
+
 Speculative sampling preserves the target's distribution, not the token sequence a seed gives at
 γ = 0, so only T = 0 checks that every γ's token ids equal γ = 0's. Nothing here checks the
 distribution: the sampling tests do that.
@@ -29,13 +34,16 @@ from specstream.tools.progress import Progress
 
 DEFAULT_TEMPERATURES = [0.0, 0.7, 1.0]
 DEFAULT_GAMMAS = [0, 2, 4, 6]
+TREE_BRANCHES = [1, 3]
+TREE_HEADERS = ["T", "gamma", "branches", "tok/s", "x plain", "x chain", "mean acc len", "chain mean acc len",
+                "branch tokens"]
 HEADERS = ["T", "gamma", "tok/s", "alpha", "accepted frac", "mean acc len", "theory x", "theory x (verify cost)",
            "measured x", "of theory"]
 
 
 def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: int = 128,
         temperatures: list[float] | None = None, gammas: list[int] | None = None, with_hf: bool = True,
-        quiet: bool = False) -> dict:
+        quiet: bool = False, with_trees: bool = True) -> dict:
     """A γ sweep at each temperature, then the peers at each T > 0; the table on stdout,
     ``sampling.json`` and a plot in ``out_dir``. Progress on stderr (specstream.tools.progress;
     ``quiet``: plain lines, never a bar), counted in generations."""
@@ -47,7 +55,7 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
     context = sum(len(p) for p in prompts) // len(prompts) + max_new_tokens // 2
     print(f"{models.label} ({models.dtype}): measuring the cost ratio c at context {context} ...", flush=True)
     costs = measure_costs(models, context, [g for g in gammas if g])
-    total = planned_generations(models, len(prompts), temperatures, gammas, with_hf)
+    total = planned_generations(models, len(prompts), temperatures, gammas, with_hf, with_trees)
     with Progress(total, "generations", "sampling", quiet=quiet) as progress:
         ours = _sweeps(models, draft, prompts, temperatures, gammas, max_new_tokens, progress)
         if 0.0 in ours:
@@ -61,6 +69,8 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
                   "temperatures": {t: {"gammas": {g: public(ours[t][g]) for g in gammas},
                                        "best_gamma": _best(ours[t])} for t in temperatures}}
         progress.print("\n" + report.table(HEADERS, rows))
+        if with_trees and any(t > 0 for t in temperatures):
+            result["trees"] = _tree_rows(models, draft, prompts, temperatures, gammas, max_new_tokens, ours, progress)
         if with_hf:
             _compare_with_hf(result, ours, models, prompts, max_new_tokens, progress)
     result["table_markdown"] = report.markdown_table(HEADERS, rows)
@@ -73,9 +83,11 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
 
 
 def planned_generations(models: BenchModels, n_prompts: int, temperatures: list[float], gammas: list[int],
-                        with_hf: bool) -> int:
+                        with_hf: bool, with_trees: bool = False) -> int:
     """The generations `run` makes, warm-ups aside: its progress total."""
     sweeps = len(temperatures) * len(gammas)
+    if with_trees:
+        sweeps += len(TREE_BRANCHES) * len(gammas) * sum(t > 0 for t in temperatures)
     if with_hf:
         sweeps += len(runnable_modes(models, HF_MODES)) * sum(t > 0 for t in temperatures)
     return sweeps * n_prompts
@@ -93,6 +105,33 @@ def _sweeps(models: BenchModels, draft: Path, prompts: list[list[int]], temperat
             progress.phase(f"sampling: T={t:g}, gamma {','.join(str(g) for g in gammas)}")
             ours[t] = sweep(stack.gateway_address, prompts, gammas, max_new_tokens, temperature=t, progress=progress)
     return ours
+
+
+def _tree_rows(models: BenchModels, draft: Path, prompts: list[list[int]], temperatures: list[float],
+               gammas: list[int], max_new_tokens: int, chains: dict[float, dict[int, dict]],
+               progress: Progress) -> dict:
+    """Per branch budget, one stack whose every pass is a tree, swept at each T > 0 like the chains;
+    returns the JSON's "trees" entry (rows and a markdown table) and prints the table."""
+    rows, entries = [], {}
+    for branches in TREE_BRANCHES:
+        with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(
+                str(models.target), str(draft), max_gamma=16, weights=models.weights, **models.proposing,
+                dtype=models.dtype, log_dir=logs, gamma_policy="fixed",
+                extra_target_args=["--tree-branches", str(branches)])) as stack:
+            for t in (t for t in temperatures if t > 0):
+                progress.phase(f"sampling: trees of {branches} branches, T={t:g}")
+                runs = sweep(stack.gateway_address, prompts, gammas, max_new_tokens, temperature=t, progress=progress)
+                for gamma in (g for g in gammas if g):
+                    r, chain = runs[gamma], chains[t][gamma]
+                    r["speedup"] = r["tokens_per_s"] / runs[0]["tokens_per_s"]
+                    r["over_chain"] = r["speedup"] / chain["speedup"]
+                    rows.append([f"{t:g}", gamma, branches, r["tokens_per_s"], r["speedup"], r["over_chain"],
+                                 r["mean_accepted_length"], chain["mean_accepted_length"], r.get("branch_tokens", 0)])
+                    entries[f"T={t:g}, gamma {gamma}, {branches} branches"] = public(r)
+    progress.print("\nsampled trees: the chain of gamma and up to B of the draft's next draws as branches, every "
+                   "pass (x plain: the same stack's gamma 0; x chain: over the chain's own x plain)\n"
+                   + report.table(TREE_HEADERS, rows))
+    return {"branches": TREE_BRANCHES, "rows": entries, "table_markdown": report.markdown_table(TREE_HEADERS, rows)}
 
 
 def _check(temperatures: list[float], gammas: list[int]) -> None:
