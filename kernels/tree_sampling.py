@@ -26,7 +26,9 @@ A rejected child never gets mass again (a rejection needs p_i(x_i) < q_i(x_i), s
 p_{i+1}(x_i) = 0, and q_j(x_i) = 0 after that keeps it 0), so the child whose token a node emits is
 the one it accepted. A row's result is therefore, per node, the token emitted after it
 (``tree_speculative_verify``); the walk from the root follows the children equal to it
-(target_service/settle.py ``tree_path``), as a greedy tree follows the argmax.
+(target_service/settle.py ``tree_path``), as a greedy tree follows the argmax. Only the node
+where the walk stops draws from its residual: the accepted children are read once on the host
+(trees run on the CPU, where that read costs nothing), so a tree races one row, as a chain does.
 
 Randomness: one acceptance uniform per child (float64, as in kernels/speculative.py) and one race
 key per node for the token drawn there when no child is accepted; the caller keys both
@@ -51,31 +53,61 @@ def tree_speculative_verify(p: torch.Tensor, tokens: list[int], parents: list[in
     the root, node i + 1 proposal i); tokens, parents [N] (each parent before its child); q_ids,
     q_probs [N, K] the q row each proposal was drawn from (siblings share theirs); u_accept [N]
     float64 each proposal's acceptance uniform; keys [N+1] int64 each node's race key. Returns
-    [N+1] int64: per node, the token the row emits after it (the accepted child's, else a sample
-    from what the rejections left). No host sync."""
+    [N+1] int64: per node on the kept path, the token the row emits after it (the accepted child's;
+    where the path stops, a sample from what the refusals left); -1 at nodes off the path that
+    accepted no child (the walk never reads them). One host read: which children stood.
+
+    The recursion runs over q's support S only (K numbers, not V): off S, q is 0, so every p_i
+    is p times one scale there, and p_i is (that scale, its values on S)."""
     nodes = p.shape[0]
     children: list[list[int]] = [[] for _ in range(nodes)]
     for i, parent in enumerate(parents):
         children[parent].append(i)
-    p = p.double()
-    q = _dense_q(q_ids, q_probs, p.shape[-1])  # [N, V]
-    dist = p.clone()  # [N+1, V]: what each node samples from when it accepts none of its children
     chosen = torch.full((nodes,), -1, dtype=torch.int64, device=p.device)  # [N+1] the accepted child's token
+    left: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # node -> (S, p_{k+1} on S, its scale off S)
     for node, kids in enumerate(children):
         if not kids:
             continue
-        p_i, q_i = p[node], q[kids[0]].clone()  # [V] each
+        support, q_i = _support(q_ids[kids[0]], q_probs[kids[0]])  # [S] sorted ids, [S] float64
+        p_i = p[node, support].double()  # [S]
+        outside = (p[node].double().sum() - p_i.sum()).clamp(min=0.0)  # p's mass off S
+        scale = torch.ones((), dtype=torch.float64, device=p.device)
         for i in kids:
-            x = tokens[i]
-            accept = (u_accept[i] * q_i[x] < p_i[x]) & (chosen[node] < 0)  # the first child that stands
-            chosen[node] = torch.where(accept, x, chosen[node])
-            residual = (p_i - q_i).clamp(min=0.0)  # [V]
-            total = residual.sum()
-            p_i = torch.where(total > _EMPTY_RESIDUAL, residual / total.clamp(min=_EMPTY_RESIDUAL), p_i)
-            q_i = q_i.index_fill(0, torch.tensor([x], device=p.device), 0.0)
+            x = torch.tensor([tokens[i]], device=p.device)
+            at = torch.searchsorted(support, x).clamp(max=support.numel() - 1)  # [1]
+            drawn = support[at] == x  # [1]: x in q's support (always, for a tree the engine accepted)
+            q_x = torch.where(drawn, q_i[at], 0.0)
+            p_x = torch.where(drawn, p_i[at], scale * p[node, x].double())
+            accept = ((u_accept[i] * q_x < p_x) & (chosen[node] < 0))[0]  # the first child that stands
+            chosen[node] = torch.where(accept, x[0], chosen[node])
+            residual = (p_i - q_i).clamp(min=0.0)  # [S]; off S the residual is p_i itself
+            total = residual.sum() + scale * outside
+            kept = total > _EMPTY_RESIDUAL
+            p_i = torch.where(kept, residual / total.clamp(min=_EMPTY_RESIDUAL), p_i)
+            scale = torch.where(kept, scale / total.clamp(min=_EMPTY_RESIDUAL), scale)
+            q_i = torch.where(drawn, q_i.index_fill(0, at, 0.0), q_i)
             q_i = q_i / q_i.sum().clamp(min=1e-300)
-        dist[node] = p_i
-    return torch.where(chosen >= 0, chosen, race(dist, keys.to(p.device)))
+        left[node] = (support, p_i, scale)
+    emitted = chosen.tolist()
+    node = 0
+    while emitted[node] >= 0:  # down the accepted children (siblings' tokens are distinct)
+        node = next(i + 1 for i in children[node] if tokens[i] == emitted[node])
+    dist = p[node].double()  # [V]
+    if node in left:
+        support, p_i, scale = left[node]
+        dist = (dist * scale).index_copy(0, support, p_i)
+    emitted[node] = int(race(dist[None], keys.to(p.device)[node : node + 1])[0])
+    return torch.tensor(emitted, dtype=torch.int64, device=p.device)
+
+
+def _support(ids: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse q row as (its distinct ids with mass [S], sorted; their probabilities [S] float64,
+    normalised to what the draft sampled from; an id listed twice has the sum)."""
+    probs = probs.double()
+    mass = probs > 0
+    support, inverse = torch.unique(ids.long()[mass], return_inverse=True)
+    q = torch.zeros(support.numel(), dtype=torch.float64, device=probs.device).scatter_add_(0, inverse, probs[mass])
+    return support, q / q.sum().clamp(min=1e-300)
 
 
 def tree_speculative_verify_reference(p: torch.Tensor, tokens: list[int], parents: list[int], q_ids: torch.Tensor,
