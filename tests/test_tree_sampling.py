@@ -19,7 +19,7 @@ import pytest
 import torch
 from chi_square import goodness_of_fit_p_value
 
-from kernels.random import SAMPLE, race, row_keys
+from kernels.random import SAMPLE, gumbel, race, row_keys
 from kernels.tree_sampling import tree_speculative_verify, tree_speculative_verify_reference
 from specstream.data.sampling import SamplingParams
 from target_service.settle import VerifyRow, settle, tree_path
@@ -29,7 +29,6 @@ THRESHOLD = 1e-3
 
 def _draws(q: torch.Tensor, key: int, k: int) -> list[int]:
     """The first k finishers of the exponential race over q with `key`: draws without replacement."""
-    from kernels.random import gumbel
     ids = torch.arange(q.shape[0])
     score = torch.where(q > 0, torch.log(q.double()) + gumbel(torch.tensor([key]), ids)[0], float("-inf"))
     order = torch.argsort(score, descending=True, stable=True).tolist()
@@ -230,3 +229,32 @@ def test_coupled_trees_emit_exactly_plain_samplings_tokens() -> None:
     for seed in range(300):
         assert _generate(seed, True, length=6, off_chain=off_chain) == _plain(seed, 6)
     assert off_chain[True] > 0 and off_chain[False] > 0  # branches were kept, and chains too
+
+
+def test_the_drafts_branches_are_its_races_next_finishers(model_zoo) -> None:
+    """The real draft's sampled tree: at each depth, the chain's guess and then its branches, in
+    order, are the first finishers of the race over the q row sent (SAMPLE noise of that position),
+    and every branch carries its depth's q row."""
+    from draft_service.proposer import DraftProposer
+    from specstream.data.propose import ProposeItem, chain_length
+    from specstream.models.loader import load_model
+
+    proposer = DraftProposer(load_model(model_zoo["partial"]), max_slots=4, max_seq_len=64)
+    prompt, branches = [5, 9, 17, 3, 22], 0
+    for seed in range(20):
+        item = ProposeItem(seed, 0, prompt, 3, SamplingParams(temperature=1.0, seed=seed), branches=3)
+        reply = proposer.propose([item])[0]
+        proposer.release([seed])
+        width, chain = reply.q_width, chain_length(reply.parents, len(reply.tokens))
+        rows = [(reply.q_ids[i * width:(i + 1) * width], reply.q_probs[i * width:(i + 1) * width])
+                for i in range(len(reply.tokens))]
+        for j in range(chain):
+            ids, q = torch.tensor(rows[j][0]), torch.tensor(rows[j][1])
+            key = row_keys([seed], [len(prompt) + j], SAMPLE)
+            score = torch.where(q > 0, torch.log(q.double()) + gumbel(key, ids)[0], float("-inf"))
+            order = ids[torch.argsort(score, descending=True)].tolist()
+            at_j = [i for i in range(chain, len(reply.tokens)) if reply.parents[i] == j]
+            assert [reply.tokens[j], *(reply.tokens[i] for i in at_j)] == order[: 1 + len(at_j)]
+            assert all(rows[i] == rows[j] for i in at_j)
+            branches += len(at_j)
+    assert branches > 0
