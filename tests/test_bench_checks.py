@@ -279,9 +279,11 @@ def test_sampling_and_synthetic_progress_reach_their_totals(monkeypatch, tmp_pat
     _patch_stack(monkeypatch, sampling)
     monkeypatch.setattr(sampling, "sweep", _fake_sweep({0: PLAIN}))
     monkeypatch.setattr(sampling, "hf_generate", _fake_hf)
-    sampling.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, temperatures=[0.0, 0.7, 1.0],
-                 gammas=[0, 2], quiet=True)
-    assert _last_progress(capsys.readouterr().err) == (28, 28)  # 2 x (3 T x 2 γ + 2 T > 0 x 4 HF modes)
+    result = sampling.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3,
+                          temperatures=[0.0, 0.7, 1.0], gammas=[0, 2], quiet=True)
+    # 2 x (3 T x 2 γ + 2 tree stacks x 2 T > 0 x 2 γ + 2 T > 0 x 4 HF modes)
+    assert _last_progress(capsys.readouterr().err) == (44, 44)
+    assert set(result["trees"]["rows"]) == {f"T={t}, gamma 2, {b} branches" for t in ("0.7", "1") for b in (1, 3)}
 
     _patch_stack(monkeypatch, synthetic)
     monkeypatch.setattr(synthetic, "build_target", lambda path, *a, **k: path)

@@ -101,10 +101,14 @@ async def health(address: str, security: ChannelSecurity | None = None) -> grpc.
 
 
 async def list_services(address: str, security: ChannelSecurity | None = None, metadata=None) -> set[str]:
-    """Reflection's service list; raises AioRpcError when refused or not served."""
+    """Reflection's service list; raises AioRpcError when refused or not served. Waits for the
+    connection (within the timeout): a server just started on a port another test's server just
+    left can meet a connection that gRPC's process-wide subchannel pool saw refused, which a
+    fail-fast call would report as UNAVAILABLE."""
     async with open_channel(address, security=security) as channel:
         responses = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
-            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5, metadata=metadata)
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5, metadata=metadata,
+            wait_for_ready=True)
         async for reply in responses:
             return {s.name for s in reply.list_services_response.service}
     raise AssertionError("no reflection reply")

@@ -12,6 +12,7 @@ runner-ups (a shape chosen from the runner-ups' own draws, as a greedy tree rank
 
 from __future__ import annotations
 
+import functools
 import random
 from collections import Counter
 
@@ -131,6 +132,7 @@ def test_the_one_node_test_catches_a_wrong_residual_and_a_biased_shape(wrong: st
 VOCAB = 5
 
 
+@functools.lru_cache(maxsize=None)
 def _table(context: tuple[int, ...], salt: int) -> torch.Tensor:
     """A distribution over VOCAB tokens that depends on the context (and differs between target and draft)."""
     gen = torch.Generator().manual_seed(hash((context, salt)) & 0xFFFFFFFF)
