@@ -132,7 +132,7 @@ def test_the_one_node_test_catches_a_wrong_residual_and_a_biased_shape(wrong: st
 VOCAB = 5
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _table(context: tuple[int, ...], salt: int) -> torch.Tensor:
     """A distribution over VOCAB tokens that depends on the context (and differs between target and draft)."""
     gen = torch.Generator().manual_seed(hash((context, salt)) & 0xFFFFFFFF)
@@ -222,9 +222,9 @@ def test_three_token_sequences_keep_the_targets_joint_distribution() -> None:
     uniforms and ranks the engine uses), against the product of the target's conditionals."""
     off_chain = Counter()
     sequences = Counter(a * VOCAB * VOCAB + b * VOCAB + c
-                        for a, b, c in (_generate(seed, False, off_chain=off_chain) for seed in range(4000)))
+                        for a, b, c in (_generate(seed, False, off_chain=off_chain) for seed in range(3000)))
     assert goodness_of_fit_p_value(sequences, _joint()) > THRESHOLD
-    assert off_chain[True] > 200  # branches were kept in many passes
+    assert off_chain[True] > 150  # branches were kept in many passes
 
 def test_coupled_trees_emit_exactly_plain_samplings_tokens() -> None:
     off_chain = Counter()
