@@ -277,7 +277,7 @@ class _Picker:
         if budget <= 0 or not kept:
             return chain, []
         if not self.params[b].greedy:
-            return self._sampled_tree(b, chain, budget, kept)
+            return self._sampled_tree(chain, budget, kept)
         # [depth, k] each: one host transfer for the row, not one per guess
         all_logp = torch.stack([values for values, _ in kept]).tolist()
         all_ids = torch.stack([ids for _, ids in kept]).tolist()
@@ -291,7 +291,7 @@ class _Picker:
         return chain + [token for _, _, token in chosen], list(range(len(chain))) + [j for _, j, _ in chosen]
 
     @staticmethod
-    def _sampled_tree(b: int, chain: list[int], budget: int, kept: list[tuple[torch.Tensor, torch.Tensor]]
+    def _sampled_tree(chain: list[int], budget: int, kept: list[tuple[torch.Tensor, torch.Tensor]]
                       ) -> tuple[list[int], list[int]]:
         """A sampling row's tree: at depth j its runner-ups in the order drawn, as many as the
         budget gives depth j when each depth's next runner-up is worth the chance of reaching j
