@@ -170,10 +170,10 @@ def node_tables(ids: list[int], probs: list[float], width: int, tokens: list[int
     """A sampling row's q rows (of ``width``) per token sent: its chain's, then per branch the row
     of the depth it was drawn at (its parent's: it is a sibling of the chain token there)."""
     chain = chain_length(parents, len(tokens))
-    out_ids, out_probs = ids[: chain * width], probs[: chain * width]
+    out_ids, out_probs = ids[: chain * width], probs[: chain * width]  # copies
     for parent in parents[chain:]:
-        out_ids = out_ids + ids[parent * width : (parent + 1) * width]
-        out_probs = out_probs + probs[parent * width : (parent + 1) * width]
+        out_ids += ids[parent * width : (parent + 1) * width]
+        out_probs += probs[parent * width : (parent + 1) * width]
     return out_ids, out_probs
 
 

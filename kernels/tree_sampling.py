@@ -24,11 +24,11 @@ chooses the shape from the chain alone, draft_service/proposer.py).
 
 A rejected child never gets mass again (a rejection needs p_i(x_i) < q_i(x_i), so
 p_{i+1}(x_i) = 0, and q_j(x_i) = 0 after that keeps it 0), so the child whose token a node emits is
-the one it accepted. A row's result is therefore, per node, the token emitted after it
-(``tree_speculative_verify``); the walk from the root follows the children equal to it
-(target_service/settle.py ``tree_path``), as a greedy tree follows the argmax. Only the node
-where the walk stops draws from its residual: the accepted children are read once on the host
-(trees run on the CPU, where that read costs nothing), so a tree races one row, as a chain does.
+the one it accepted. A row's result is therefore, per node of the kept path, the token emitted
+after it (``tree_speculative_verify``); the walk from the root follows the children equal to it
+(target_service/settle.py ``tree_path``), as a greedy tree follows the argmax. Only the nodes on
+that path are settled, and only the one where it stops draws from its residual, so a tree races
+one row, as a chain does.
 
 Randomness: one acceptance uniform per child (float64, as in kernels/speculative.py) and one race
 key per node for the token drawn there when no child is accepted; the caller keys both
@@ -54,50 +54,47 @@ def tree_speculative_verify(p: torch.Tensor, tokens: list[int], parents: list[in
     q_probs [N, K] the q row each proposal was drawn from (siblings share theirs); u_accept [N]
     float64 each proposal's acceptance uniform; keys [N+1] int64 each node's race key. Returns
     [N+1] int64: per node on the kept path, the token the row emits after it (the accepted child's;
-    where the path stops, a sample from what the refusals left); -1 at nodes off the path that
-    accepted no child (the walk never reads them). One host read: which children stood.
+    where the path stops, a sample from what the refusals left); -1 elsewhere (the walk never
+    reads those nodes).
 
-    The recursion runs over q's support S only (K numbers, not V): off S, q is 0, so every p_i
-    is p times one scale there, and p_i is (that scale, its values on S)."""
-    nodes = p.shape[0]
-    children: list[list[int]] = [[] for _ in range(nodes)]
+    Walks the kept path only, deciding on the host (trees run on the CPU, where reading a number
+    costs nothing). The recursion runs over q's support S (K numbers, not V): off S, q is 0, so
+    every p_i is p times one scale there, and p_i is (that scale, its values on S)."""
+    children: list[list[int]] = [[] for _ in range(p.shape[0])]
     for i, parent in enumerate(parents):
         children[parent].append(i)
-    chosen = torch.full((nodes,), -1, dtype=torch.int64, device=p.device)  # [N+1] the accepted child's token
-    left: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # node -> (S, p_{k+1} on S, its scale off S)
-    for node, kids in enumerate(children):
-        if not kids:
+    emitted, node = [-1] * p.shape[0], 0
+    while True:
+        dist = p[node].double()  # [V]
+        kids, accepted = children[node], None
+        if kids:
+            support, q_i = _support(q_ids[kids[0]], q_probs[kids[0]])  # [S] sorted ids, [S] float64
+            p_i = dist[support]  # [S]
+            outside = max(float(dist.sum() - p_i.sum()), 0.0)  # p's mass off S
+            scale = 1.0
+            for i in kids:
+                x = tokens[i]
+                at = min(int(torch.searchsorted(support, torch.tensor([x], device=p.device))), support.numel() - 1)
+                drawn = int(support[at]) == x  # x in q's support (always, for a tree the engine accepted)
+                q_x = float(q_i[at]) if drawn else 0.0
+                p_x = float(p_i[at]) if drawn else scale * float(dist[x])
+                if float(u_accept[i]) * q_x < p_x:
+                    accepted = i
+                    break
+                residual = (p_i - q_i).clamp(min=0.0)  # [S]; off S the residual is p_i itself
+                total = float(residual.sum()) + scale * outside
+                if total > _EMPTY_RESIDUAL:
+                    p_i, scale = residual / total, scale / total
+                if drawn:
+                    q_i[at] = 0.0
+                    q_i = q_i / max(float(q_i.sum()), 1e-300)
+        if accepted is not None:
+            emitted[node], node = tokens[accepted], accepted + 1
             continue
-        support, q_i = _support(q_ids[kids[0]], q_probs[kids[0]])  # [S] sorted ids, [S] float64
-        p_i = p[node, support].double()  # [S]
-        outside = (p[node].double().sum() - p_i.sum()).clamp(min=0.0)  # p's mass off S
-        scale = torch.ones((), dtype=torch.float64, device=p.device)
-        for i in kids:
-            x = torch.tensor([tokens[i]], device=p.device)
-            at = torch.searchsorted(support, x).clamp(max=support.numel() - 1)  # [1]
-            drawn = support[at] == x  # [1]: x in q's support (always, for a tree the engine accepted)
-            q_x = torch.where(drawn, q_i[at], 0.0)
-            p_x = torch.where(drawn, p_i[at], scale * p[node, x].double())
-            accept = ((u_accept[i] * q_x < p_x) & (chosen[node] < 0))[0]  # the first child that stands
-            chosen[node] = torch.where(accept, x[0], chosen[node])
-            residual = (p_i - q_i).clamp(min=0.0)  # [S]; off S the residual is p_i itself
-            total = residual.sum() + scale * outside
-            kept = total > _EMPTY_RESIDUAL
-            p_i = torch.where(kept, residual / total.clamp(min=_EMPTY_RESIDUAL), p_i)
-            scale = torch.where(kept, scale / total.clamp(min=_EMPTY_RESIDUAL), scale)
-            q_i = torch.where(drawn, q_i.index_fill(0, at, 0.0), q_i)
-            q_i = q_i / q_i.sum().clamp(min=1e-300)
-        left[node] = (support, p_i, scale)
-    emitted = chosen.tolist()
-    node = 0
-    while emitted[node] >= 0:  # down the accepted children (siblings' tokens are distinct)
-        node = next(i + 1 for i in children[node] if tokens[i] == emitted[node])
-    dist = p[node].double()  # [V]
-    if node in left:
-        support, p_i, scale = left[node]
-        dist = (dist * scale).index_copy(0, support, p_i)
-    emitted[node] = int(race(dist[None], keys.to(p.device)[node : node + 1])[0])
-    return torch.tensor(emitted, dtype=torch.int64, device=p.device)
+        if kids:
+            dist = (dist * scale).index_copy(0, support, p_i)
+        emitted[node] = int(race(dist[None], keys.to(p.device)[node : node + 1])[0])
+        return torch.tensor(emitted, dtype=torch.int64, device=p.device)
 
 
 def _support(ids: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -97,14 +97,18 @@ def _sweeps(models: BenchModels, draft: Path, prompts: list[list[int]], temperat
             max_new_tokens: int, progress: Progress) -> dict[float, dict[int, dict]]:
     """Every temperature's γ sweep, in one stack."""
     ours: dict[float, dict[int, dict]] = {}
-    with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(str(models.target), str(draft), max_gamma=16,
-                                                                 weights=models.weights, **models.proposing,
-                                                                 dtype=models.dtype, log_dir=logs)) as stack:
+    with tempfile.TemporaryDirectory() as logs, Stack(_spec(models, draft, logs)) as stack:
         for t in temperatures:
             progress.print(f"T={t}: sweeping gamma {gammas} over {len(prompts)} prompts x {max_new_tokens} tokens ...")
             progress.phase(f"sampling: T={t:g}, gamma {','.join(str(g) for g in gammas)}")
             ours[t] = sweep(stack.gateway_address, prompts, gammas, max_new_tokens, temperature=t, progress=progress)
     return ours
+
+
+def _spec(models: BenchModels, draft: Path, logs: str, **fields) -> StackSpec:
+    """The stack every sweep here runs on (``fields``: a tree stack's policy and flags)."""
+    return StackSpec(str(models.target), str(draft), max_gamma=16, weights=models.weights, **models.proposing,
+                     dtype=models.dtype, log_dir=logs, **fields)
 
 
 def _tree_rows(models: BenchModels, draft: Path, prompts: list[list[int]], temperatures: list[float],
@@ -114,10 +118,8 @@ def _tree_rows(models: BenchModels, draft: Path, prompts: list[list[int]], tempe
     returns the JSON's "trees" entry (rows and a markdown table) and prints the table."""
     rows, entries = [], {}
     for branches in TREE_BRANCHES:
-        with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(
-                str(models.target), str(draft), max_gamma=16, weights=models.weights, **models.proposing,
-                dtype=models.dtype, log_dir=logs, gamma_policy="fixed",
-                extra_target_args=["--tree-branches", str(branches)])) as stack:
+        with tempfile.TemporaryDirectory() as logs, Stack(_spec(
+                models, draft, logs, gamma_policy="fixed", extra_target_args=["--tree-branches", str(branches)])) as stack:
             for t in (t for t in temperatures if t > 0):
                 progress.phase(f"sampling: trees of {branches} branches, T={t:g}")
                 runs = sweep(stack.gateway_address, prompts, gammas, max_new_tokens, temperature=t, progress=progress)
