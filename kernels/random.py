@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kernels import native
 from kernels.triton_shim import tl, triton
 
 # What a draw is for, so that e.g. accepting position 7 and sampling position 7 use unrelated numbers:
@@ -180,9 +181,14 @@ def race(probs: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None = Non
     each column (None: column c is token c) -> the winning column [N]. Ties go to the first column.
     A row without mass returns column 0. No host sync on a GPU.
 
-    On a CPU a table that is mostly zeros (a top-p or top-k cut: tens of tokens of 49,152) races
-    over its support only (``_race_support``): the same winner, bit for bit, at a fraction of the
-    cost (the noise of ~50 tokens instead of 49,152)."""
+    On a CPU the torch ops score only the columns that can win, with the same winner bit for bit
+    at a fraction of the cost: those the native library's log-free bounds leave (``_race_candidates``,
+    a handful of 49,152), or without it, for a table that is mostly zeros (a top-p or top-k cut:
+    tens of tokens), its support (``_race_support``)."""
+    if probs.device.type == "cpu" and ids is None:
+        winner = _race_candidates(probs, keys)
+        if winner is not None:
+            return winner
     ids = torch.arange(probs.shape[-1], device=probs.device) if ids is None else ids
     if probs.device.type == "cpu":
         winner = _race_support(probs, keys, ids)
@@ -210,12 +216,41 @@ _SPARSE_SHARE = 4
 _BLOCK, _GRAIN = 64, 32768
 
 
+def _race_candidates(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
+    """``race`` through the native library's log-free bounds (kernels/csrc/cpu_ops.cpp,
+    ``race_candidates``): a row where one column can win gets it with no noise computed at all (most
+    rows); the columns of a row where several can are scored here. None without the library (or
+    for a table it does not take)."""
+    library = native.library()
+    if library is None or probs.dim() != 2 or probs.dtype not in (torch.float32, torch.float64):
+        return None
+    winner, contested = library.race_candidates(probs, keys.long())  # [N], [P] row * C + column
+    if contested.numel():
+        columns = probs.shape[-1]
+        rows = contested // columns
+        scored = _race_columns(probs, keys, torch.arange(columns), rows, contested % columns)
+        if scored is None:
+            return None
+        winner = torch.where(winner < 0, scored, winner)
+    return winner
+
+
 def _race_support(probs: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
     """``race`` over the columns with mass only, or None when they are too many for it to pay."""
     rows, cols = (probs > 0).nonzero(as_tuple=True)  # [P] each, row-major
+    if -(-rows.numel() // _BLOCK) * _BLOCK * _SPARSE_SHARE > probs.numel():
+        return None
+    return _race_columns(probs, keys, ids, rows, cols)
+
+
+def _race_columns(probs: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
+                  cols: torch.Tensor) -> torch.Tensor | None:
+    """``race`` scored at the given (row, column) pairs only (row-major, columns ascending within a
+    row), which must include every column that can win; None when they are too many or the table's
+    rows are not whole blocks (below)."""
     count = rows.numel()
     padded = -(-count // _BLOCK) * _BLOCK
-    if padded * _SPARSE_SHARE > probs.numel() or padded > _GRAIN or probs.shape[-1] % _BLOCK:
+    if padded > _GRAIN or probs.shape[-1] % _BLOCK:
         return None
     pad = padded - count
     token = (ids[rows, cols] if ids.dim() == 2 else ids[cols]).long()  # [P]
@@ -224,8 +259,11 @@ def _race_support(probs: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor) ->
     mass = torch.cat((probs[rows, cols], probs.new_ones(pad)))  # [padded]
     noise = gumbel(key, token[:, None])[:, 0]  # [padded] float32
     score = (torch.log(mass.double()) + noise)[:count]  # [P]
-    if probs.shape[0] == 1:  # the support in column order: its first maximum is the dense race's
+    if probs.shape[0] == 1:  # the columns in order: their first maximum is the dense race's
         return cols[score.argmax()].view(1) if count else cols.new_zeros(1)
-    table = torch.full(probs.shape, float("-inf"), dtype=torch.float64)  # [N, C]
-    table[rows, cols] = score
-    return table.argmax(dim=-1)
+    # Per row, the first of its columns holding the row's largest score (rows without any: column 0).
+    top = torch.full((probs.shape[0],), float("-inf"), dtype=torch.float64).scatter_reduce(0, rows, score, "amax")
+    first = torch.full((probs.shape[0],), count, dtype=torch.int64)
+    at = (score == top[rows]).nonzero().squeeze(-1)  # [h] in order
+    first = first.scatter_reduce(0, rows[at], at, "amin")  # [N]
+    return torch.where(first < count, torch.cat((cols, cols.new_zeros(1)))[first], 0)

@@ -81,16 +81,28 @@ def speculative_accept(p: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tens
     # Leviathan Alg. 1: accept with min(1, p/q), written u * q < p.
     accept = proposed & (u_accept * torch.where(point, 1.0, q_x) < p_x)  # [B, G]
     num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
-    p_k = p[rows, num_accepted].double()  # [B, V]: the target's distribution where the emitted token goes
+    # The residual max(0, p - q) differs from p only at q's support: the table is p_k, overwritten
+    # there (no vocabulary-sized q). A point mass is q = 1 at the proposal.
     at = num_accepted.clamp(max=gamma - 1)
-    q_k = torch.zeros_like(p_k).scatter_add_(1, ids[rows, at], q_probs[rows, at])  # [B, V]
-    delta = torch.zeros_like(p_k).scatter_(1, draft[rows, at].clamp(min=0)[:, None], 1.0)  # [B, V]
-    q_k = torch.where(point[rows, at][:, None], delta, q_k)
-    residual = (p_k - q_k).clamp(min=0.0)  # [B, V]
-    rejected = num_accepted < num_draft  # [B]
-    use_residual = rejected & (residual.sum(dim=-1) > _EMPTY_RESIDUAL)
-    # Rejected: norm(max(0, p - q)) at the rejected position; all accepted: the bonus from p_{γ+1}.
-    return num_accepted, torch.where(use_residual[:, None], residual, p_k)  # [B], [B, V]
+    ids_k = torch.where(point[rows, at][:, None], draft[rows, at].clamp(min=0)[:, None], ids[rows, at])  # [B, K]
+    q_k = torch.where(point[rows, at][:, None], (torch.arange(ids.shape[-1], device=p.device) == 0).double(),
+                      q_probs[rows, at])  # [B, K]
+    # q at each support id: its slots summed in slot order (a repeated id holds their sum, as a dense
+    # scatter-add would make it).
+    flat = ids_k + rows[:, None] * p.shape[-1]  # [B, K] distinct across rows
+    distinct, slot = torch.unique(flat, return_inverse=True)
+    q_at = torch.zeros(distinct.shape, dtype=torch.float64, device=p.device).scatter_add_(
+        0, slot.flatten(), q_k.flatten())[slot]  # [B, K]
+    dist = p[rows, num_accepted].double()  # [B, V]: the target's distribution where the emitted token goes
+    p_at = dist.gather(1, ids_k)  # [B, K]
+    rejected = (num_accepted < num_draft)[:, None]  # [B, 1]
+    residual_at = torch.where(rejected, (p_at - q_at).clamp(min=0.0), p_at)  # [B, K]
+    dist.scatter_(1, ids_k, residual_at)
+    # Rejected: norm(max(0, p - q)) at the rejected position, unless that holds no mass (p == q up to
+    # rounding: p itself); all accepted: the bonus from p_{γ+1}.
+    empty = rejected & (dist.sum(dim=-1, keepdim=True) <= _EMPTY_RESIDUAL)  # [B, 1]
+    dist.scatter_(1, ids_k, torch.where(empty, p_at, residual_at))
+    return num_accepted, dist  # [B], [B, V]
 
 
 def _normalise(q_probs: torch.Tensor) -> torch.Tensor:

@@ -179,13 +179,13 @@ def _keys(rows: list[VerifyRow], positions: int, coupled: bool, device: torch.de
     """[S, G+1] int64 race keys: row b's draw after node j, at position `rows[b].position + d` (d
     the node's depth: j for a chain), with SAMPLE noise, or (Leviathan) RESIDUAL noise where the
     draft drew a guess (d < drafted)."""
-    seeds = [r.params.seed for r in rows]
+    seeds = [r.params.seed for r in rows for _ in range(positions)]  # [S*(G+1)], row-major
     offsets = [_offsets(r, positions) for r in rows]  # [S][G+1]
-    at = [[r.position + offsets[b][j] for b, r in enumerate(rows)] for j in range(positions)]
-    sample = torch.stack([row_keys(seeds, at[j], SAMPLE, device) for j in range(positions)], dim=1)  # [S, G+1]
+    at = [r.position + d for r, row_offsets in zip(rows, offsets) for d in row_offsets]  # [S*(G+1)]
+    sample = row_keys(seeds, at, SAMPLE, device).view(len(rows), positions)  # [S, G+1]
     if coupled:
         return sample
-    residual = torch.stack([row_keys(seeds, at[j], RESIDUAL, device) for j in range(positions)], dim=1)
+    residual = row_keys(seeds, at, RESIDUAL, device).view(len(rows), positions)
     drafted = torch.tensor([[d < r.drafted for d in offsets[b]] for b, r in enumerate(rows)], device=device)
     return torch.where(drafted, residual, sample)  # [S, G+1]
 

@@ -24,8 +24,9 @@ from hypothesis import strategies as st
 
 from kernels.processing import process_logits, truncate
 import kernels.random as random_ops
+from kernels import native
 from kernels.random import ACCEPT, RESIDUAL, SAMPLE, gumbel, race, row_keys, uniform, uniform_table, uniforms
-from kernels.speculative import speculative_accept, speculative_verify, speculative_verify_reference
+from kernels.speculative import _normalise, speculative_accept, speculative_verify, speculative_verify_reference
 from specstream.data.sampling import SamplingParams
 
 THRESHOLD = 1e-3
@@ -181,6 +182,55 @@ def test_the_race_over_the_support_picks_the_dense_races_winner(rows):
     assert random_ops._race_support(wide, row_keys([1] * rows, range(rows), SAMPLE), torch.arange(vocab)) is None
 
 
+def _tied_pair(key: torch.Tensor, vocab: int) -> tuple[int, int]:
+    """Two token ids whose uniforms under `key` are the same float (23-bit uniforms: a 49,152-token
+    row holds ~140 such pairs)."""
+    u = uniform_table(key, torch.arange(vocab))[0]  # [V]
+    order = torch.argsort(u, stable=True)
+    same = (u[order][1:] == u[order][:-1]).nonzero()[0, 0]
+    a, b = sorted((int(order[same]), int(order[same + 1])))
+    return a, b
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_the_native_race_picks_the_dense_races_winner(rows):
+    """The native library's log-free bounds (`_race_candidates`) keep every column that can win:
+    the same winner as racing every column, bit for bit, over peaked, flat and hot tables,
+    float32 and float64 (a residual), cut tables, masses down to 1e-300, rows without mass, and a
+    tie (two columns with the same mass and the same uniform: the first wins). Every table takes the
+    native path, which is checked."""
+    assert native.library() is not None  # built by `make test` (tests/test_native_ops.py)
+    gen = torch.Generator().manual_seed(rows)
+    vocab = 49152
+    contested = 0
+    for trial in range(60):
+        scale = (0.2, 1.0, 3.0, 8.0)[trial % 4]
+        probs = torch.softmax(torch.randn(rows, vocab, generator=gen) * scale, dim=-1)  # [N, V]
+        if trial % 3 == 1:
+            probs = probs.double()
+        if trial % 5 == 2:
+            probs = probs * (torch.rand(rows, vocab, generator=gen) > 0.9)  # a cut table
+        if trial % 7 == 3:
+            probs = probs.double() * 1e-300
+        if trial % 10 == 9:
+            probs[0] = 0.0  # a row without mass: column 0, as the dense race gives it
+        keys = row_keys([trial] * rows, range(rows), SAMPLE)
+        fast = random_ops._race_candidates(probs, keys)
+        assert fast is not None
+        assert torch.equal(fast, random_ops._race_dense(probs, keys, torch.arange(vocab))), trial
+        assert torch.equal(race(probs, keys), fast)
+        contested += int(native.library().race_candidates(probs, keys)[1].numel() > 0)
+    assert contested  # some rows were settled by scoring several candidates, not by the bounds alone
+    keys = row_keys(range(rows), range(rows), SAMPLE)
+    probs = torch.zeros(rows, vocab)
+    for r in range(rows):
+        a, b = _tied_pair(keys[r : r + 1], vocab)
+        probs[r, [a, b]] = 0.5
+        probs[r, (a + 1) % vocab] = 1e-6  # a third column that cannot win
+        assert int(race(probs[r : r + 1], keys[r : r + 1])[0]) == a
+    assert torch.equal(race(probs, keys), random_ops._race_dense(probs, keys, torch.arange(vocab)))
+
+
 def test_a_uniform_is_never_1_so_the_race_never_picks_a_token_without_mass():
     """Regression: with 24-bit uniforms (h + 0.5) / 2^24 rounded to 1.0 in float32 for the largest
     h, whose token then won any race with key +inf; (seed 9, position 42, SAMPLE) gave token 36253
@@ -303,6 +353,35 @@ def test_vectorised_verify_matches_the_reference_token_for_token(seed):
     ref_accepted, ref_emitted = speculative_verify_reference(*inputs)
     assert accepted.tolist() == ref_accepted.tolist()
     assert emitted.tolist() == ref_emitted.tolist()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_accepted_distribution_is_the_dense_residual_bit_for_bit(seed):
+    """`speculative_accept` overwrites p at q's support instead of building q over the vocabulary:
+    its table must be the dense max(0, p - q) (p where that is empty or nothing was rejected) bit for
+    bit, with repeated ids in q (their masses summed), proposals q rules out (point masses) and
+    rows of every length."""
+    p, q_ids, q_probs, draft, num_draft, u_accept, _ = _random_verify_inputs(seed)
+    q_ids[1::3, :, 1] = q_ids[1::3, :, 0]  # a repeated id carrying mass
+    q_ids[2::3, :, 2:4] = q_ids[2::3, :, :1]  # three slots of one id
+    accepted, dist = speculative_accept(p, q_ids, q_probs, draft, num_draft, u_accept)
+    batch, positions, vocab = p.shape
+    q = torch.zeros(batch, positions - 1, vocab, dtype=torch.float64).scatter_add_(
+        2, q_ids.long(), _normalise(q_probs))  # [B, G, V]
+    rejected = 0
+    for b in range(batch):
+        k = int(accepted[b])
+        if k == int(num_draft[b]):
+            assert torch.equal(dist[b], p[b, k].double())
+            continue
+        rejected += 1
+        q_k = q[b, k].clone()
+        if q_k[draft[b, k]] <= 0:  # a point mass on the proposal
+            q_k.zero_()
+            q_k[draft[b, k]] = 1.0
+        residual = (p[b, k].double() - q_k).clamp(min=0.0)
+        assert torch.equal(dist[b], residual if float(residual.sum()) > 1e-12 else p[b, k].double()), b
+    assert rejected
 
 
 def test_verify_without_proposals_is_plain_sampling():
