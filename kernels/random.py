@@ -185,8 +185,8 @@ def race(probs: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None = Non
     at a fraction of the cost: those the native library's log-free bounds leave (``_race_candidates``,
     a handful of 49,152), or without it, for a table that is mostly zeros (a top-p or top-k cut:
     tens of tokens), its support (``_race_support``)."""
-    if probs.device.type == "cpu" and ids is None:
-        winner = _race_candidates(probs, keys)
+    if probs.device.type == "cpu":
+        winner = _race_candidates(probs, keys, ids)
         if winner is not None:
             return winner
     ids = torch.arange(probs.shape[-1], device=probs.device) if ids is None else ids
@@ -216,7 +216,8 @@ _SPARSE_SHARE = 4
 _BLOCK, _GRAIN = 64, 32768
 
 
-def _race_candidates(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
+def _race_candidates(probs: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None = None
+                     ) -> torch.Tensor | None:
     """``race`` through the native library's log-free bounds (kernels/csrc/cpu_ops.cpp,
     ``race_candidates``): a row where one column can win gets it with no noise computed at all (most
     rows); the columns of a row where several can are scored here. None without the library (or
@@ -224,11 +225,15 @@ def _race_candidates(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | 
     library = native.library()
     if library is None or probs.dim() != 2 or probs.dtype not in (torch.float32, torch.float64):
         return None
-    winner, contested = library.race_candidates(probs, keys.long())  # [N], [P] row * C + column
+    if ids is not None:
+        ids = ids.long().expand(probs.shape).contiguous() if ids.dim() == 1 else ids.long()
+        if ids.shape != probs.shape:
+            return None
+    winner, contested = library.race_candidates(probs, keys.long(), ids)  # [N], [P] row * C + column
     if contested.numel():
         columns = probs.shape[-1]
-        rows = contested // columns
-        scored = _race_columns(probs, keys, torch.arange(columns), rows, contested % columns)
+        scored = _race_columns(probs, keys, torch.arange(columns) if ids is None else ids, contested // columns,
+                               contested % columns)
         if scored is None:
             return None
         winner = torch.where(winner < 0, scored, winner)

@@ -197,8 +197,9 @@ def test_the_native_race_picks_the_dense_races_winner(rows):
     """The native library's log-free bounds (`_race_candidates`) keep every column that can win:
     the same winner as racing every column, bit for bit, over peaked, flat and hot tables,
     float32 and float64 (a residual), cut tables, masses down to 1e-300, rows without mass, and a
-    tie (two columns with the same mass and the same uniform: the first wins). Every table takes the
-    native path, which is checked."""
+    tie (two columns with the same mass and the same uniform: the first wins); and tables whose
+    columns carry their own token ids (a draft's truncated q). Every table takes the native path,
+    which is checked."""
     assert native.library() is not None  # built by `make test` (tests/test_native_ops.py)
     gen = torch.Generator().manual_seed(rows)
     vocab = 49152
@@ -219,6 +220,13 @@ def test_the_native_race_picks_the_dense_races_winner(rows):
         assert fast is not None
         assert torch.equal(fast, random_ops._race_dense(probs, keys, torch.arange(vocab))), trial
         assert torch.equal(race(probs, keys), fast)
+        # A draft's sparse q: columns with their own token ids (64 or 256 of them, or an odd width).
+        width = (64, 256, 100)[trial % 3]
+        top, ids = torch.topk(probs.float(), width, dim=-1)  # [N, K]
+        table = (top / top.sum(-1, keepdim=True).clamp(min=1e-30)).to(probs.dtype)
+        sparse = random_ops._race_candidates(table, keys, ids)
+        assert sparse is not None or width % 64  # an odd width scores a contested row densely
+        assert torch.equal(race(table, keys, ids), random_ops._race_dense(table, keys, ids)), trial
         contested += int(native.library().race_candidates(probs, keys)[1].numel() > 0)
     assert contested  # some rows were settled by scoring several candidates, not by the bounds alone
     keys = row_keys(range(rows), range(rows), SAMPLE)

@@ -1068,20 +1068,23 @@ inline double race_uniform(uint32_t lo, uint32_t hi, uint32_t id) {
 
 // The bounds in two passes over the row: the best lower bound, then the tokens whose upper bound
 // reaches it (scalar; AVX-512 below computes the same decisions 16 tokens at a time).
+// ids: each column's token id (nullptr: the column's index).
 template <typename T>
-void race_row_generic(const T* p, int64_t C, uint32_t lo, uint32_t hi, std::vector<int64_t>& out, int64_t base) {
+void race_row_generic(const T* p, const int64_t* ids, int64_t C, uint32_t lo, uint32_t hi, std::vector<int64_t>& out,
+                      int64_t base) {
+  auto token = [ids](int64_t c) { return static_cast<uint32_t>(ids ? ids[c] : c); };
   double best = 0.0;  // the largest lower bound p u / (1 - u)
   for (int64_t c = 0; c < C; ++c) {
     const double mass = static_cast<double>(p[c]);
     if (!(mass > 0.0)) continue;  // zeros (and NaN) are never picked
-    const double u = race_uniform(lo, hi, static_cast<uint32_t>(c));
+    const double u = race_uniform(lo, hi, token(c));
     best = std::max(best, mass * u / (1.0 - u));
   }
   if (!(best > 0.0)) return;  // no mass: the caller's column 0
   const double cut = best * kRaceSlack;
   for (int64_t c = 0; c < C; ++c) {
     const double mass = static_cast<double>(p[c]);
-    if (mass > 0.0 && mass >= cut * (1.0 - race_uniform(lo, hi, static_cast<uint32_t>(c)))) out.push_back(base + c);
+    if (mass > 0.0 && mass >= cut * (1.0 - race_uniform(lo, hi, token(c)))) out.push_back(base + c);
   }
 }
 
@@ -1168,33 +1171,40 @@ void race_row_avx512(const T* p, int64_t C, uint32_t lo, uint32_t hi, std::vecto
 }
 
 template <typename T>
-void race_row(const T* p, int64_t C, int64_t key, std::vector<int64_t>& out, int64_t base) {
+void race_row(const T* p, const int64_t* ids, int64_t C, int64_t key, std::vector<int64_t>& out, int64_t base) {
   const uint32_t lo = static_cast<uint32_t>(key & 0xFFFFFFFF), hi = static_cast<uint32_t>((key >> 32) & 0xFFFFFFFF);
-  if (has_avx512()) {
+  if (has_avx512() && ids == nullptr) {  // a whole row of the vocabulary: ids are the columns
     race_row_avx512(p, C, lo, hi, out, base);
   } else {
-    race_row_generic(p, C, lo, hi, out, base);
+    race_row_generic(p, ids, C, lo, hi, out, base);
   }
 }
 
-// probs [N, C] float32 or float64, keys [N] int64 -> (winner [N] int64: the row's only candidate, column 0
-// for a row without mass, -1 where several remain; contested [P] int64: the flat indices row * C + column
-// of the candidates of the rows with several, row-major).
-std::vector<at::Tensor> race_candidates(const at::Tensor& probs, const at::Tensor& keys) {
+// probs [N, C] float32 or float64, keys [N] int64, ids [N, C] int64 each column's token id (an undefined
+// tensor: the column's index) -> (winner [N] int64: the row's only candidate, column 0 for a row without
+// mass, -1 where several remain; contested [P] int64: the flat indices row * C + column of the
+// candidates of the rows with several, row-major).
+std::vector<at::Tensor> race_candidates(const at::Tensor& probs, const at::Tensor& keys,
+                                        const c10::optional<at::Tensor>& ids) {
   TORCH_CHECK(probs.dim() == 2 && (probs.scalar_type() == at::kFloat || probs.scalar_type() == at::kDouble),
               "race_candidates: probs [N, C] float32 or float64");
   TORCH_CHECK(keys.dim() == 1 && keys.numel() == probs.size(0) && keys.scalar_type() == at::kLong,
               "race_candidates: keys [N] int64");
+  TORCH_CHECK(!ids.has_value() || (ids->sizes() == probs.sizes() && ids->scalar_type() == at::kLong),
+              "race_candidates: ids [N, C] int64");
   const at::Tensor table = probs.contiguous(), k = keys.contiguous();
+  const at::Tensor tokens = ids.has_value() ? ids->contiguous() : at::Tensor();
   const int64_t N = table.size(0), C = table.size(1);
   std::vector<std::vector<int64_t>> found(N);
   const int64_t* kp = k.data_ptr<int64_t>();
+  const int64_t* ip = tokens.defined() ? tokens.data_ptr<int64_t>() : nullptr;
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
+      const int64_t* row_ids = ip ? ip + row * C : nullptr;
       if (table.scalar_type() == at::kFloat) {
-        race_row(table.data_ptr<float>() + row * C, C, kp[row], found[row], row * C);
+        race_row(table.data_ptr<float>() + row * C, row_ids, C, kp[row], found[row], row * C);
       } else {
-        race_row(table.data_ptr<double>() + row * C, C, kp[row], found[row], row * C);
+        race_row(table.data_ptr<double>() + row * C, row_ids, C, kp[row], found[row], row * C);
       }
     }
   });
@@ -1223,7 +1233,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("q8_matmul", &q8_matmul, "x [M, K] @ Q8_0 codes [N, K] (d [N, K/32]) -> [M, N] float32");
   module.def("greedy_verify", &greedy_verify, "argmax of every row of CPU float32 logits and the accepted prefix");
   module.def("race_candidates", &race_candidates,
-             "per row, the one token that can win its exponential race, or the candidates where several can");
+             "per row, the one column that can win its exponential race, or the candidates where several can",
+             pybind11::arg("probs"), pybind11::arg("keys"), pybind11::arg("ids") = pybind11::none());
   module.def("rms_norm", &rms_norm_bf16, "RMS norm of bfloat16 rows, normalised in float32 (each row on its own)");
   pybind11::class_<LayerStack>(module, "LayerStack", "Llama decoder layers in one parallel region per forward")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, double, int64_t, int64_t, int64_t, double,
