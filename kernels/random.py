@@ -54,11 +54,16 @@ def uniform(seed: int, position: int, purpose: int) -> float:
     Each position's draws are used at most once in what a sequence commits: the acceptance and
     final draws of position i only in the step that settles token i, and a draft draw that was
     thrown away (its proposal came after a rejection) never influenced anything committed."""
+    return _bits53(seed, position, purpose) / float(1 << 53)
+
+
+def _bits53(seed: int, position: int, purpose: int) -> int:
+    """The top 53 bits of splitmix64's finaliser over the counter (seed, position, purpose)."""
     x = (seed * _GOLDEN + position * _MIX1 + purpose * _MIX2) & _MASK64
     x = ((x ^ (x >> 30)) * _MIX1) & _MASK64
     x = ((x ^ (x >> 27)) * _MIX2) & _MASK64
     x ^= x >> 31
-    return (x >> 11) / float(1 << 53)
+    return x >> 11
 
 
 def uniforms(seeds: Sequence[int], starts: Sequence[int], count: int, purpose: int,
@@ -83,10 +88,17 @@ _M1, _M2 = 0x85EBCA6B, 0xC2B2AE35  # murmur3 fmix32
 _MASK32 = 0xFFFFFFFF
 
 
+_FEW_KEYS = 16  # row_keys mixes this many rows or fewer without numpy
+
+
 def row_keys(seeds: Sequence[int], starts: Sequence[int], purpose: int, device: torch.device | str = "cpu"
              ) -> torch.Tensor:
     """[N] int64 in [0, 2^53): the key of row b's draw at position starts[b] for `purpose`
-    (splitmix64 over the counter, as ``uniforms``)."""
+    (splitmix64 over the counter, as ``uniforms``). A few rows (a decode step's) are mixed in Python
+    integers: the same bits, without numpy's per-call overhead."""
+    if len(seeds) <= _FEW_KEYS:
+        return torch.tensor([_bits53(s, p, purpose) for s, p in zip(seeds, starts, strict=True)],
+                            dtype=torch.int64, device=device)
     u64 = np.uint64
     seed = np.asarray(seeds, dtype=u64)
     position = np.asarray(starts, dtype=u64)

@@ -335,6 +335,12 @@ def test_uniforms_and_race_keys_are_per_position():
     assert table[1, 2] == uniform(4, 22, ACCEPT) and table.dtype == torch.float64
     # A row's race key at a position is the 53 bits its uniform at that position is made of.
     assert row_keys([4], [22], ACCEPT).item() == uniform(4, 22, ACCEPT) * 2 ** 53
+    # A decode step's few rows are mixed in Python integers, a batch's many in numpy: the same bits,
+    # seeds up to 2^63 included.
+    seeds, starts = [2 ** 63 - 1 - 7919 * i for i in range(40)], [104729 * i for i in range(40)]
+    many = row_keys(seeds, starts, RESIDUAL)  # [40]
+    assert torch.equal(torch.cat([row_keys(seeds[i : i + 4], starts[i : i + 4], RESIDUAL) for i in range(0, 40, 4)]),
+                       many)
 
 
 def _random_verify_inputs(seed: int, batch: int = 16, gamma: int = 4, vocab: int = 12, support: int = 5):
