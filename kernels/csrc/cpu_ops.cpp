@@ -1043,8 +1043,9 @@ std::vector<at::Tensor> greedy_verify(const at::Tensor& logits, const at::Tensor
 // but a few tokens cannot win: since 1 - u <= -log(u) <= (1 - u) / u for u in (0, 1),
 //     p u / (1 - u) <= p / E <= p / (1 - u),
 // bounds with no logarithm. A token whose upper bound is below the best lower bound of its row cannot
-// win, so only the others (a handful per row) are returned, for ``race`` to score them with the
-// torch ops the dense race uses (the same bits). The bounds hold for the exact values; torch's
+// win. Where several remain (a handful), their scores in double precision settle the row unless the
+// best two are within kRaceResolve (below), and only then are they returned, for ``race`` to score them
+// with the torch ops the dense race uses (the same bits). The bounds hold for the exact values; torch's
 // float32 noise is within ~1e-5 of them (two logs of 1-ulp accuracy), so keeping every token within a
 // factor kRaceSlack of the best lower bound (1e-3 in log space) keeps every token torch could rank
 // first. The uniforms are kernels/random.py's bits: two rounds of murmur3's fmix32 over (key, id).
@@ -1170,6 +1171,33 @@ void race_row_avx512(const T* p, int64_t C, uint32_t lo, uint32_t hi, std::vecto
   }
 }
 
+// Several candidates left: their scores log p - log(-log u) in double precision (error ~1e-13) decide
+// when the best leads the next by more than kRaceResolve, since torch's float32 noise is within ~4e-6
+// of the exact value (a row keeps all its candidates otherwise, for the torch ops to score: ~1e-4 of
+// contested rows).
+constexpr double kRaceResolve = 1e-4;
+
+template <typename T>
+void resolve_candidates(const T* p, const int64_t* ids, uint32_t lo, uint32_t hi, std::vector<int64_t>& out,
+                        int64_t base) {
+  if (out.size() < 2) return;
+  double best = -INFINITY, second = -INFINITY;
+  int64_t winner = out[0];
+  for (const int64_t flat : out) {
+    const int64_t c = flat - base;
+    const double u = race_uniform(lo, hi, static_cast<uint32_t>(ids ? ids[c] : c));
+    const double score = std::log(static_cast<double>(p[c])) - std::log(-std::log(u));
+    if (score > best) {
+      second = best;
+      best = score;
+      winner = flat;
+    } else {
+      second = std::max(second, score);
+    }
+  }
+  if (best - second > kRaceResolve) out.assign(1, winner);
+}
+
 template <typename T>
 void race_row(const T* p, const int64_t* ids, int64_t C, int64_t key, std::vector<int64_t>& out, int64_t base) {
   const uint32_t lo = static_cast<uint32_t>(key & 0xFFFFFFFF), hi = static_cast<uint32_t>((key >> 32) & 0xFFFFFFFF);
@@ -1178,6 +1206,7 @@ void race_row(const T* p, const int64_t* ids, int64_t C, int64_t key, std::vecto
   } else {
     race_row_generic(p, ids, C, lo, hi, out, base);
   }
+  resolve_candidates(p, ids, lo, hi, out, base);
 }
 
 // probs [N, C] float32 or float64, keys [N] int64, ids [N, C] int64 each column's token id (an undefined
