@@ -417,8 +417,9 @@ class Engine:
         draft_s = drafted - started if proposals else 0.0
         other_s = time.perf_counter() - verified + (0.0 if proposals else drafted - started)
         step_s = time.perf_counter() - started
+        sampled = sum(len(c.proposals) for seq, c in zip(rows, checks) if not seq.sampling.greedy)
         self.controller.observe_step(len(rows) + hypotheses, width - 1, proposals, verified - drafted, draft_s, other_s,
-                                     self.drafting.fed)
+                                     self.drafting.fed, sampled)
         self.metrics.observe_gammas([c.chain for c in checks], [len(c.proposals) - c.chain for c in checks])
         self.metrics.observe_controller(self.controller.pooled(), self.controller.costs.terms(),
                                         self.controller.predicted_s, step_s)

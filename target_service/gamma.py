@@ -110,9 +110,10 @@ class CostModel:
     cost is a staircase — the CPU int4 kernel takes rows 4 at a time, and on SmolLM2 a verify over
     4 positions costs 1.06× a step, over 5 1.3× — which a line alone smooths away, making the
     first position of a new block look cheap for ever. Sizes never measured get the line;
-    draft(depth, proposals, fed) = d0 + d1·depth + d2·proposals + d3·fed (depth = the largest γ: the
-    draft's sequential forwards; proposals = Σγ; fed = the tokens the draft had to take in first),
-    0 when nothing is proposed; other = the rest of a step (an EMA). Slopes are clamped at 0 when
+    draft(depth, proposals, fed, sampled) = d0 + d1·depth + d2·proposals + d3·fed + d4·sampled (depth =
+    the largest γ: the draft's sequential forwards; proposals = Σγ; fed = the tokens the draft had
+    to take in first; sampled = the proposals of sampling rows, each of which also builds and sends
+    its q: ~0.3 ms more than a greedy guess on 2 CPU cores), 0 when nothing is proposed; other = the rest of a step (an EMA). Slopes are clamped at 0 when
     predicting. The engine seeds the verify terms before its first request
     (target_service/calibration.py: one forward per step shape) and the draft terms once the draft is
     connected (``Drafting.time_draft``: a few propose calls for a throwaway sequence, through the
@@ -145,7 +146,7 @@ class CostModel:
         self.verify = LinearFit([0.0, 0.0], [1e6, 1.0])  # [v0, v1]
         # positions -> (seconds the line misses there, self.verify.samples when last measured)
         self.residual: dict[int, tuple[float, int]] = {}
-        self.draft = LinearFit([0.0, 0.0, 0.0, 0.0], [1.0, 1e6, 1e6, 1e6])  # [d0, d1, d2, d3]
+        self.draft = LinearFit([0.0, 0.0, 0.0, 0.0, 0.0], [1.0, 1e6, 1e6, 1e6, 1e6])  # [d0, d1, d2, d3, d4]
         self.other_s = 0.0
         self._steps = 0
 
@@ -154,17 +155,18 @@ class CostModel:
         return self.verify.samples > 0
 
     def observe(self, positions: int, depth: int, proposals: int, verify_s: float, draft_s: float,
-                other_s: float, fed: int = 0) -> None:
+                other_s: float, fed: int = 0, sampled: int = 0) -> None:
         self.observe_verify(positions, verify_s)
-        self.observe_draft(depth, proposals, fed, draft_s)
+        self.observe_draft(depth, proposals, fed, draft_s, sampled)
         self._steps += 1
         self.other_s = other_s if self._steps == 1 else 0.9 * self.other_s + 0.1 * other_s
 
-    def observe_draft(self, depth: int, proposals: int, fed: int, draft_s: float) -> None:
-        """A propose call for `proposals` guesses, `depth` deep, after feeding `fed` tokens, took
-        `draft_s` seconds (nothing is learnt from a call that guessed nothing)."""
+    def observe_draft(self, depth: int, proposals: int, fed: int, draft_s: float, sampled: int = 0) -> None:
+        """A propose call for `proposals` guesses (`sampled` of them for sampling rows), `depth` deep,
+        after feeding `fed` tokens, took `draft_s` seconds (nothing is learnt from a call that
+        guessed nothing)."""
         if depth > 0:
-            self.draft.observe([1.0, depth, proposals, fed], draft_s)
+            self.draft.observe([1.0, depth, proposals, fed, sampled], draft_s)
 
     def observe_verify(self, positions: int, verify_s: float) -> None:
         """A verify forward over `positions` took `verify_s` seconds."""
@@ -186,24 +188,30 @@ class CostModel:
     def verify_s(self, positions: int) -> float:
         return max(self._line(positions) + self._residual(positions), 1e-6)
 
-    def draft_s(self, depth: int, proposals: int, drafting: int = 1) -> float:
-        """A propose call's seconds; `drafting` rows ask, each feeding the draft one token."""
+    def draft_s(self, depth: int, proposals: int, drafting: int = 1, sampled: int = 0) -> float:
+        """A propose call's seconds; `drafting` rows ask, each feeding the draft one token; `sampled`
+        of the proposals are sampling rows'."""
         if depth <= 0:
             return 0.0
         if not self.draft.samples:
             return self.DRAFT_PRIOR * self.verify_s(1) * depth
-        d0, d1, d2, d3 = self.draft.values
-        return max(d0, 0.0) + max(d1, 0.0) * depth + max(d2, 0.0) * proposals + max(d3, 0.0) * drafting
+        d0, d1, d2, d3, d4 = self.draft.values
+        return (max(d0, 0.0) + max(d1, 0.0) * depth + max(d2, 0.0) * proposals + max(d3, 0.0) * drafting
+                + self.sampled_s() * sampled)
 
-    def step_s(self, rows: int, depth: int, proposals: int, drafting: int = 1) -> float:
-        return self.verify_s(rows * (depth + 1)) + self.draft_s(depth, proposals, drafting) + self.other_s
+    def sampled_s(self) -> float:
+        """What a sampling row's proposal adds to the draft's time beyond a greedy one's."""
+        return max(self.draft.values[4], 0.0) if self.draft.samples else 0.0
+
+    def step_s(self, rows: int, depth: int, proposals: int, drafting: int = 1, sampled: int = 0) -> float:
+        return self.verify_s(rows * (depth + 1)) + self.draft_s(depth, proposals, drafting, sampled) + self.other_s
 
     def terms(self) -> dict[str, float]:
         """The fitted terms by name (for metrics)."""
         v0, v1 = self.verify.theta
-        d0, d1, d2, d3 = self.draft.theta
+        d0, d1, d2, d3, d4 = self.draft.theta
         return {"verify_v0": v0, "verify_v1": v1, "draft_d0": d0, "draft_d1": d1, "draft_d2": d2,
-                "draft_fed": d3, "other": self.other_s}
+                "draft_fed": d3, "draft_sampled": d4, "other": self.other_s}
 
     def draft_ratio(self) -> float:
         """Leviathan's c at batch 1: a draft proposal's time over a one-token step's."""
@@ -339,10 +347,11 @@ class GammaController:
         row.hf_gamma = row.hf_gamma + 2 if accepted == proposed else max(1, row.hf_gamma - 1)
 
     def observe_step(self, rows: int, depth: int, proposals: int, verify_s: float, draft_s: float,
-                     other_s: float, fed: int = 0) -> None:
+                     other_s: float, fed: int = 0, sampled: int = 0) -> None:
         """A decode step's measured times (seconds) and its size: `rows` rows, the deepest with
-        `depth` proposals, `proposals` in all, `fed` tokens the draft took in before guessing."""
-        self.costs.observe(rows * (depth + 1), depth, proposals, verify_s, draft_s, other_s, fed)
+        `depth` proposals, `proposals` in all (`sampled` of them sampling rows'), `fed` tokens the
+        draft took in before guessing."""
+        self.costs.observe(rows * (depth + 1), depth, proposals, verify_s, draft_s, other_s, fed, sampled)
 
     def observe_branch(self, kept: bool, greedy: bool = True) -> None:
         """A tree's branch stood beside the guess the target refused: it was `kept` or not."""
@@ -376,7 +385,8 @@ class GammaController:
         expected = sum(expected_tokens(self.alpha(r.seq_id, r.greedy), g) for r, g in zip(rows, gammas))
         width = 1 + max(g + b for g, b in zip(gammas, out))
         drafting = sum(1 for g in gammas if g > 0)
-        per_token = self.costs.step_s(batch, width - 1, sum(gammas), drafting) / max(expected, 1.0)
+        sampled = sum(g for r, g in zip(rows, gammas) if not r.greedy)
+        per_token = self.costs.step_s(batch, width - 1, sum(gammas), drafting, sampled) / max(expected, 1.0)
         for extra in range(cap):  # one more position for every auto row: the branch at depth `extra`
             gain = sum(alphas[i] ** extra * (1.0 - alphas[i]) * beta[rows[i].greedy] for i in auto if extra < gammas[i])
             price = self.costs.verify_s(batch * (width + extra + 1)) - self.costs.verify_s(batch * (width + extra))
@@ -445,10 +455,11 @@ class GammaController:
         """Maximises Σ E_i(γ_i) / T(γ) over the auto rows' γ (fixed rows as given), in place.
 
         For a depth G (the largest γ) the verify cost is fixed (every row is padded to G + 1
-        positions) and so is the draft's depth cost; what one more proposal adds is τ, the draft's
-        marginal seconds per proposal. For a price λ per second each row then independently takes
-        the γ maximising E_i(γ) − λ·τ·γ within min(G, limit): since E_i's increments α^k shrink,
-        that is the number of k with α^k > λτ.
+        positions) and so is the draft's depth cost; what one more proposal adds is τ_i, the draft's
+        marginal seconds per proposal (a sampling row's: plus what building its q adds). For a
+        price λ per second each row then independently takes the γ maximising E_i(γ) − λ·τ_i·γ
+        within min(G, limit): since E_i's increments α^k shrink, that is the number of k with
+        α^k > λτ_i.
         Dinkelbach's iteration (λ ← the best goodput found) over every G converges in a few rounds;
         G = 0 (nothing proposed) is always a candidate."""
         costs = self.costs
@@ -457,7 +468,9 @@ class GammaController:
         fixed_depth = max((gammas[i] for i in others), default=0)
         fixed_proposals = sum(gammas[i] for i in others)
         fixed_drafting = sum(1 for i in others if gammas[i] > 0)
+        fixed_sampled = sum(gammas[i] for i in others if not rows[i].greedy)
         alpha = np.array([alphas[i] for i in auto], dtype=np.float64)  # [A]
+        sampling = np.array([not rows[i].greedy for i in auto])  # [A]
         limit = np.array([limits[i] for i in auto], dtype=np.int64)  # [A]
         log_alpha = np.log(np.clip(alpha, 1e-300, 1.0))  # [A], 0 where α = 1
         # E_i(γ) = Σ_{k=0..γ} α_i^k for every γ up to the largest limit, once: [A, L + 1]
@@ -466,28 +479,28 @@ class GammaController:
                          (1.0 - alpha[:, None] ** (steps + 1)) / np.maximum(1.0 - alpha[:, None], 1e-12),
                          steps + 1.0)  # [A, L + 1]
         row_index = np.arange(len(auto))[:, None]  # [A, 1]
-        seconds_at: dict[tuple[int, int, int], float] = {}  # (depth, proposals, drafting) -> a step's seconds
+        # (depth, proposals, drafting, sampled proposals) -> a step's seconds
+        seconds_at: dict[tuple[int, int, int, int], float] = {}
 
-        def seconds(depth: int, proposals: int, drafting: int) -> float:
-            key = (depth, proposals, drafting)
+        def seconds(depth: int, proposals: int, drafting: int, sampled: int) -> float:
+            key = (depth, proposals, drafting, sampled)
             if key not in seconds_at:
-                seconds_at[key] = costs.step_s(len(rows), depth, proposals, drafting)
+                seconds_at[key] = costs.step_s(len(rows), depth, proposals, drafting, sampled)
             return seconds_at[key]
 
         best = np.zeros(len(auto), dtype=np.int64)
-        best_s = seconds(fixed_depth, fixed_proposals, fixed_drafting)
+        best_s = seconds(fixed_depth, fixed_proposals, fixed_drafting, fixed_sampled)
         best_rate = plain_rate = (fixed_expected + float(table[:, 0].sum())) / best_s
-        tau = max(costs.draft_s(1, 2) - costs.draft_s(1, 1), 0.0)  # what one more guess adds
+        # What one more guess adds, per row: a sampling row's also builds and sends its q.
+        tau = max(costs.draft_s(1, 2) - costs.draft_s(1, 1), 0.0) + costs.sampled_s() * sampling  # [A]
         for _ in range(3):
-            price = best_rate * tau
-            if price <= 0.0:
-                wanted = limit
-            elif price >= 1.0:
-                wanted = np.zeros_like(limit)
-            else:  # α^k > price  <=>  k < log(price) / log(α): the count of such k >= 1
-                with np.errstate(divide="ignore"):
-                    bound = np.where(log_alpha < 0.0, math.log(price) / np.minimum(log_alpha, -1e-300), np.inf)
-                wanted = np.where(np.isinf(bound), limit, np.maximum(np.ceil(bound) - 1, 0)).astype(np.int64)
+            price = best_rate * tau  # [A]
+            # α^k > price  <=>  k < log(price) / log(α): the count of such k >= 1
+            with np.errstate(divide="ignore"):
+                bound = np.where(log_alpha < 0.0, np.log(np.clip(price, 1e-300, 1.0)) / np.minimum(log_alpha, -1e-300),
+                                 np.inf)
+            wanted = np.where(np.isinf(bound), limit, np.maximum(np.ceil(bound) - 1, 0)).astype(np.int64)
+            wanted = np.where(price <= 0.0, limit, np.where(price >= 1.0, 0, wanted))
             wanted = np.minimum(wanted, limit)  # [A]
             deepest = int(wanted.max(initial=0))
             if deepest == 0:
@@ -496,17 +509,18 @@ class GammaController:
             grid = np.minimum(wanted[:, None], np.arange(1, deepest + 1))  # [A, D]
             expected = fixed_expected + table[row_index, grid].sum(axis=0)  # [D]
             proposals = grid.sum(axis=0)  # [D]
+            sampled = fixed_sampled + (grid * sampling[:, None]).sum(axis=0)  # [D]
             drafting = fixed_drafting + int(np.count_nonzero(wanted))
             found = False
             for d in range(deepest):
-                step_s = seconds(max(fixed_depth, d + 1), fixed_proposals + int(proposals[d]), drafting)
+                step_s = seconds(max(fixed_depth, d + 1), fixed_proposals + int(proposals[d]), drafting, int(sampled[d]))
                 rate = float(expected[d]) / step_s
                 if rate > best_rate * (1.0 + 1e-9):
                     best, best_rate, best_s, found = grid[:, d], rate, step_s, True
             if not found:
                 break
         if best.any() and best_rate < plain_rate * (1.0 + self.min_gain):  # a marginal gain: none
-            best, best_s = np.zeros_like(best), seconds(fixed_depth, fixed_proposals, fixed_drafting)
+            best, best_s = np.zeros_like(best), seconds(fixed_depth, fixed_proposals, fixed_drafting, fixed_sampled)
         for i, g in zip(auto, best.tolist()):
             gammas[i] = g
         self.predicted_s = best_s

@@ -230,6 +230,32 @@ def test_catching_up_is_not_read_as_the_price_of_a_guess():
     assert controller.costs.draft_s(1, 1) == pytest.approx(0.0024, rel=0.5), controller.costs.terms()
 
 
+def test_a_sampling_rows_guesses_are_priced_apart():
+    """A sampling row's guess also builds and sends its q: in this batch each costs the draft 0.5 s
+    more than a greedy row's 0.05 s. With both rows at α = 0.6 the greedy row should draft deep
+    and the sampling row not at all (its guesses cost more than they return); a cost model that
+    cannot tell the two kinds apart gives them the same γ."""
+    controller = GammaController(max_gamma=MAX_GAMMA)
+    rng = random.Random(3)
+    views = [RowView(0, AUTO_GAMMA, MAX_GAMMA, True), RowView(1, AUTO_GAMMA, MAX_GAMMA, False)]
+    chosen = []
+    for _ in range(400):
+        gammas = controller.choose(views, [MAX_GAMMA] * 2)
+        for i, g in enumerate(gammas):
+            k = 0
+            while k < g and rng.random() < 0.6:
+                k += 1
+            controller.observe(i, "model", views[i].greedy, g, k)
+        depth, proposals, sampled = max(gammas), sum(gammas), gammas[1]
+        draft_s = 0.05 * depth + 0.05 * proposals + 0.5 * sampled if proposals else 0.0
+        controller.observe_step(2, depth, proposals, 1.0, draft_s, 0.0, 0, sampled)
+        chosen.append(gammas)
+    greedy = statistics.median(g[0] for g in chosen[100:])
+    sampling = statistics.median(g[1] for g in chosen[100:])
+    assert greedy >= 2 and sampling == 0, (greedy, sampling, chosen[-20:])
+    assert controller.costs.sampled_s() == pytest.approx(0.5, rel=0.2), controller.costs.terms()
+
+
 def test_a_padded_row_costs_as_much_as_a_drafting_one():
     """The verify forward pads every row to the deepest: when verifying is expensive per position,
     one row drafting deep costs the whole batch, so a batch of mostly unpredictable rows gets γ = 0
