@@ -133,7 +133,9 @@ class CostModel:
     # the first sample on (weighted by their sizes, so at first a batch's proposals look dear):
     # rows with a poor α then draft less than the others, which is what separates the two terms.
     # A catch-up step is hundreds of tokens fed against a few proposals, so the fed term takes
-    # nearly all of it.
+    # nearly all of it. The sampled term is learnt slowly (a prior worth ~10 samples): a new
+    # sampling row's first call also catches up, and a free term took that whole (12.7 ms per
+    # sampled guess after a few steps, against ~0.3 ms once learnt slowly).
     RESIDUAL_WEIGHT = 0.3  # of the newest sample in a size's correction
     # Per decode step a size goes unmeasured, its correction fades by this factor (~100 steps to
     # 1/e): one unlucky sample (a pause during the forward) must not rule a size out for good.
@@ -146,7 +148,7 @@ class CostModel:
         self.verify = LinearFit([0.0, 0.0], [1e6, 1.0])  # [v0, v1]
         # positions -> (seconds the line misses there, self.verify.samples when last measured)
         self.residual: dict[int, tuple[float, int]] = {}
-        self.draft = LinearFit([0.0, 0.0, 0.0, 0.0, 0.0], [1.0, 1e6, 1e6, 1e6, 1e6])  # [d0, d1, d2, d3, d4]
+        self.draft = LinearFit([0.0, 0.0, 0.0, 0.0, 0.0], [1.0, 1e6, 1e6, 1e6, 0.1])  # [d0, d1, d2, d3, d4]
         self.other_s = 0.0
         self._steps = 0
 
