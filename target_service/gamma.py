@@ -197,7 +197,7 @@ class CostModel:
             return 0.0
         if not self.draft.samples:
             return self.DRAFT_PRIOR * self.verify_s(1) * depth
-        d0, d1, d2, d3, d4 = self.draft.values
+        d0, d1, d2, d3, _ = self.draft.values  # d4: sampled_s()
         return (max(d0, 0.0) + max(d1, 0.0) * depth + max(d2, 0.0) * proposals + max(d3, 0.0) * drafting
                 + self.sampled_s() * sampled)
 
