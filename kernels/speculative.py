@@ -88,11 +88,14 @@ def speculative_accept(p: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tens
     q_k = torch.where(point[rows, at][:, None], (torch.arange(ids.shape[-1], device=p.device) == 0).double(),
                       q_probs[rows, at])  # [B, K]
     # q at each support id: its slots summed in slot order (a repeated id holds their sum, as a dense
-    # scatter-add would make it).
-    flat = ids_k + rows[:, None] * p.shape[-1]  # [B, K] distinct across rows
-    distinct, slot = torch.unique(flat, return_inverse=True)
-    q_at = torch.zeros(distinct.shape, dtype=torch.float64, device=p.device).scatter_add_(
-        0, slot.flatten(), q_k.flatten())[slot]  # [B, K]
+    # scatter-add would make it). A stable sort groups a row's repeated ids, keeping slot order
+    # within each group; no host sync (torch.unique would need one).
+    sorted_ids, order = torch.sort(ids_k, dim=1, stable=True)  # [B, K] each
+    new_id = torch.ones_like(sorted_ids, dtype=torch.bool)
+    new_id[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
+    group = new_id.long().cumsum(dim=1) - 1  # [B, K] each sorted slot's group
+    sums = torch.zeros_like(q_k).scatter_add_(1, group, q_k.gather(1, order))  # [B, K] per group
+    q_at = torch.empty_like(q_k).scatter_(1, order, sums.gather(1, group))  # [B, K] back in slot order
     dist = p[rows, num_accepted].double()  # [B, V]: the target's distribution where the emitted token goes
     p_at = dist.gather(1, ids_k)  # [B, K]
     rejected = (num_accepted < num_draft)[:, None]  # [B, 1]

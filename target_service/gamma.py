@@ -110,13 +110,13 @@ class CostModel:
     cost is a staircase — the CPU int4 kernel takes rows 4 at a time, and on SmolLM2 a verify over
     4 positions costs 1.06× a step, over 5 1.3× — which a line alone smooths away, making the
     first position of a new block look cheap for ever. Sizes never measured get the line;
-    draft(depth, proposals, fed, sampled) = d0 + d1·depth + d2·proposals + d3·fed + d4·sampled (depth =
-    the largest γ: the draft's sequential forwards; proposals = Σγ; fed = the tokens the draft had
-    to take in first; sampled = the proposals of sampling rows, each of which also builds and sends
-    its q: ~0.3 ms more than a greedy guess on 2 CPU cores), 0 when nothing is proposed; other = the rest of a step (an EMA). Slopes are clamped at 0 when
-    predicting. The engine seeds the verify terms before its first request
-    (target_service/calibration.py: one forward per step shape) and the draft terms once the draft is
-    connected (``Drafting.time_draft``: a few propose calls for a throwaway sequence, through the
+    draft(depth, proposals, fed, sampled) = d0 + d1·depth + d2·proposals + d3·fed + d4·sampled
+    (depth = the largest γ: the draft's sequential forwards; proposals = Σγ; fed = the tokens the
+    draft had to take in first; sampled = the proposals of sampling rows, each of which also builds
+    and sends its q: ~0.3 ms more than a greedy guess on 2 CPU cores), 0 when nothing is proposed;
+    other = the rest of a step (an EMA). Slopes are clamped at 0 when predicting. The engine seeds
+    the verify terms before its first request (target_service/calibration.py: one forward per step
+    shape) and the draft terms once the draft is connected (``Drafting.time_draft``: a few propose calls for a throwaway sequence, through the
     same RPC or in-process call every step makes); until the draft has proposed, a draft forward
     is assumed to cost ``DRAFT_PRIOR`` of a one-position verify. ``ready`` is False
     until a verify has been measured (then the policy's answer is the configured γ).
@@ -197,9 +197,9 @@ class CostModel:
             return 0.0
         if not self.draft.samples:
             return self.DRAFT_PRIOR * self.verify_s(1) * depth
-        d0, d1, d2, d3, _ = self.draft.values  # d4: sampled_s()
+        d0, d1, d2, d3, d4 = self.draft.values
         return (max(d0, 0.0) + max(d1, 0.0) * depth + max(d2, 0.0) * proposals + max(d3, 0.0) * drafting
-                + self.sampled_s() * sampled)
+                + max(d4, 0.0) * sampled)
 
     def sampled_s(self) -> float:
         """What a sampling row's proposal adds to the draft's time beyond a greedy one's."""
