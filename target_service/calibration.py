@@ -9,7 +9,9 @@ engine times one forward per shape here, at start-up, and the controller starts 
 
 Shapes are what a decode step runs: ``rows`` sequences × ``width`` = 1 + the deepest γ positions,
 all rows padded to the same width. Batch 1 takes every width up to ``max_width``; larger batches
-(powers of two up to the slot count) a few widths. Sizes are measured smallest first, and
+(powers of two up to the slot count) a few widths. A sampling row that proposed settles by
+Leviathan's rule where a greedy row takes an argmax (target_service/settle.py); what that adds is
+timed once too (``sampled_verify_extra``). Sizes are measured smallest first, and
 measuring stops at ``max_positions`` or once ``budget_s`` has passed, so a big model or a big slot
 count costs a bounded start-up.
 
@@ -24,10 +26,12 @@ import torch
 
 import kernels
 from kernels.lm_head import Hidden
+from specstream.data.sampling import GREEDY, SamplingParams
 from specstream.models.base import CausalLM
 from specstream.models.kv_cache import KVCache
+from target_service.settle import VerifyRow, settle
 
-__all__ = ["shapes", "verify_costs"]
+__all__ = ["sampled_verify_extra", "shapes", "verify_costs"]
 
 
 def shapes(max_slots: int, max_width: int, max_positions: int = 512) -> list[tuple[int, int]]:
@@ -69,3 +73,29 @@ def _forward(model: CausalLM, cache: KVCache, slots: list[int], rows: int, width
     # The output layer and a greedy 1-best, through the backend the engine uses; to the host, as a
     # verification does (which waits for a GPU).
     kernels.best_token(Hidden(hidden.flatten(0, 1), model.output_head))[0].cpu()  # [rows * width]
+
+
+def sampled_verify_extra(model: CausalLM, cache: KVCache, q_width: int = 256, repeats: int = 5) -> float:
+    """Seconds a sampling row's verification at γ = 1 (one guess with a ``q_width``-token q) takes
+    beyond a greedy row's, over the same forward's states: the least of ``repeats`` timings each.
+    Needs a free slot of ``cache`` and leaves it free; call on the model's torch thread."""
+    slot = cache.alloc()
+    try:
+        with torch.inference_mode():
+            hidden = model.hidden(torch.zeros((1, 2), dtype=torch.int64), cache, torch.tensor([slot]),
+                                  torch.zeros(1, dtype=torch.int64))  # [1, 2, H]
+            states = Hidden(hidden.flatten(0, 1), model.output_head)
+            width = min(q_width, model.config.vocab_size)
+            q = {"q_width": width, "q_ids": list(range(width)), "q_probs": [1.0 / width] * width}
+            rows = {kind: [VerifyRow(params, position=1, proposals=[0], drafted=1, **q)]
+                    for kind, params in (("greedy", GREEDY), ("sampled", SamplingParams(temperature=1.0, seed=0)))}
+            best = {"greedy": float("inf"), "sampled": float("inf")}
+            for round_ in range(repeats + 1):  # the two kinds interleaved; round 0 warms up, untimed
+                for kind in best:
+                    t0 = time.perf_counter()
+                    settle(states, rows[kind])
+                    if round_:
+                        best[kind] = min(best[kind], time.perf_counter() - t0)
+        return max(best["sampled"] - best["greedy"], 0.0)
+    finally:
+        cache.free(slot)

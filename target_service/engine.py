@@ -48,7 +48,7 @@ from specstream.serving import telemetry
 from specstream.serving.compute import torch_thread
 from specstream.serving.metrics import TargetMetrics
 from target_service import tracing
-from target_service.calibration import verify_costs
+from target_service.calibration import sampled_verify_extra, verify_costs
 from target_service.connection import Connection
 from target_service.drafting import Drafting, DraftSource, feature_refusal
 from target_service.gamma import AUTO_GAMMA, GammaController
@@ -111,8 +111,11 @@ class Engine:
                                            min(config.max_gamma, self.max_len - 1) + 1).result()
             for positions, seconds in samples:
                 self.controller.costs.observe_verify(positions, seconds)
-            log.info("timed %d verify shapes (1..%d positions) in %.2f s for the γ controller", len(samples),
-                     max((p for p, _ in samples), default=0), time.perf_counter() - started)
+            extra = self._compute.submit(sampled_verify_extra, model, self.cache).result() if samples else 0.0
+            self.controller.costs.seed_sampled(extra)
+            log.info("timed %d verify shapes (1..%d positions) and a sampling row's verification (+%.2f ms) "
+                     "in %.2f s for the γ controller", len(samples), max((p for p, _ in samples), default=0),
+                     extra * 1e3, time.perf_counter() - started)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.by_request: dict[tuple[Connection, str], Sequence] = {}
@@ -417,9 +420,9 @@ class Engine:
         draft_s = drafted - started if proposals else 0.0
         other_s = time.perf_counter() - verified + (0.0 if proposals else drafted - started)
         step_s = time.perf_counter() - started
-        sampled = sum(len(c.proposals) for seq, c in zip(rows, checks) if not seq.sampling.greedy)
+        sampled = [len(c.proposals) for seq, c in zip(rows, checks) if not seq.sampling.greedy and c.proposals]
         self.controller.observe_step(len(rows) + hypotheses, width - 1, proposals, verified - drafted, draft_s, other_s,
-                                     self.drafting.fed, sampled)
+                                     self.drafting.fed, sum(sampled), len(sampled))
         self.metrics.observe_gammas([c.chain for c in checks], [len(c.proposals) - c.chain for c in checks])
         self.metrics.observe_controller(self.controller.pooled(), self.controller.costs.terms(),
                                         self.controller.predicted_s, step_s)

@@ -46,6 +46,8 @@ __all__ = ["AUTO_GAMMA", "POLICIES", "CostModel", "GammaController", "LinearFit"
 
 AUTO_GAMMA = -1  # a row's requested γ under speculation=auto
 BRANCH_PRIOR = 0.3  # β before any branch was verified: a runner-up beside a refused guess is right
+MAX_BACKOFF = 3  # a row's probes wait at most probe_every × 2^MAX_BACKOFF idle steps
+PROBE_GAP = 0.2  # how far below paying a row's α must stay after a refused probe to slow its probes
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,11 @@ class LinearFit:
         self.forget = forget
         self.samples = 0
 
+    def seed(self, index: int, value: float) -> None:
+        """Sets θ[index] as if it were the prior's (its variance unchanged)."""
+        self.theta[index] = value
+        self.values = tuple(self.theta.tolist())
+
     def observe(self, x: Sequence[float], y: float) -> None:
         x = np.asarray(x, dtype=np.float64)  # [F]
         Px = self.P @ x  # [F]
@@ -103,9 +110,12 @@ class LinearFit:
 class CostModel:
     """Seconds a decode step takes, learnt from the engine's own measurements.
 
-    verify(positions) = v0 + v1·positions + r[positions] (one target forward + verification);
-    positions = rows × (depth + 1): the forward is one rectangle, so a row with fewer proposals than
-    the deepest is padded and costs as much as if it had proposed. r is a per-size correction (an
+    verify(positions, sampled_rows) = v0 + v1·positions + v2·sampled_rows + r[positions] (one target
+    forward + verification); positions = rows × (depth + 1): the forward is one rectangle, so a row
+    with fewer proposals than the deepest is padded and costs as much as if it had proposed;
+    sampled_rows = the sampling rows that proposed, each of which settles by Leviathan's rule (its
+    p at every position, its q's support, the residual) where a greedy row takes an argmax: on 2
+    CPU cores ~1.5 ms more than a greedy row at γ = 1, as much as two more positions. r is a per-size correction (an
     EMA of what the line missed at that size, once measured): kernels work in blocks, so the true
     cost is a staircase — the CPU int4 kernel takes rows 4 at a time, and on SmolLM2 a verify over
     4 positions costs 1.06× a step, over 5 1.3× — which a line alone smooths away, making the
@@ -116,7 +126,7 @@ class CostModel:
     and sends its q: ~0.3 ms more than a greedy guess on 2 CPU cores), 0 when nothing is proposed;
     other = the rest of a step (an EMA). Slopes are clamped at 0 when predicting. The engine seeds
     the verify terms before its first request (target_service/calibration.py: one forward per step
-    shape) and the draft terms once the draft is connected (``Drafting.time_draft``: a few propose calls for a throwaway sequence, through the
+    shape, and one sampling row's verification) and the draft terms once the draft is connected (``Drafting.time_draft``: a few propose calls for a throwaway sequence, through the
     same RPC or in-process call every step makes); until the draft has proposed, a draft forward
     is assumed to cost ``DRAFT_PRIOR`` of a one-position verify. ``ready`` is False
     until a verify has been measured (then the policy's answer is the configured γ).
@@ -129,7 +139,9 @@ class CostModel:
 
     # Prior variances over a noise of ~1 ms. Verify: the intercept takes the first sample whole and
     # the per-position slope starts at 0 (optimistic: more positions look cheap until steps of
-    # different sizes show otherwise). Draft: its cost is split between depth and proposals from
+    # different sizes show otherwise). The sampled rows' term starts at the engine's start-up
+    # timing of a sampling row's verification (``seed_sampled``; else 0), worth one sample: its
+    # prior is uncorrelated with the line's terms, so steps without such rows leave it alone. Draft: its cost is split between depth and proposals from
     # the first sample on (weighted by their sizes, so at first a batch's proposals look dear):
     # rows with a poor α then draft less than the others, which is what separates the two terms.
     # A catch-up step is hundreds of tokens fed against a few proposals, so the fed term takes
@@ -140,12 +152,13 @@ class CostModel:
     # Per decode step a size goes unmeasured, its correction fades by this factor (~100 steps to
     # 1/e): one unlucky sample (a pause during the forward) must not rule a size out for good.
     RESIDUAL_FADE = 0.99
+    OUTLIER = 1.25  # the most a verify sample at a measured size counts for, as a multiple of its prediction
     # A draft forward's cost before the draft has proposed, as a share of a one-position verify:
     # Leviathan et al.'s c for a draft ~10× smaller than its target.
     DRAFT_PRIOR = 0.1
 
     def __init__(self) -> None:
-        self.verify = LinearFit([0.0, 0.0], [1e6, 1.0])  # [v0, v1]
+        self.verify = LinearFit([0.0, 0.0, 0.0], [1e6, 1.0, 1.0])  # [v0, v1, v2]
         # positions -> (seconds the line misses there, self.verify.samples when last measured)
         self.residual: dict[int, tuple[float, int]] = {}
         self.draft = LinearFit([0.0, 0.0, 0.0, 0.0, 0.0], [1.0, 1e6, 1e6, 1e6, 0.1])  # [d0, d1, d2, d3, d4]
@@ -157,8 +170,8 @@ class CostModel:
         return self.verify.samples > 0
 
     def observe(self, positions: int, depth: int, proposals: int, verify_s: float, draft_s: float,
-                other_s: float, fed: int = 0, sampled: int = 0) -> None:
-        self.observe_verify(positions, verify_s)
+                other_s: float, fed: int = 0, sampled: int = 0, sampled_rows: int = 0) -> None:
+        self.observe_verify(positions, verify_s, sampled_rows)
         self.observe_draft(depth, proposals, fed, draft_s, sampled)
         self._steps += 1
         self.other_s = other_s if self._steps == 1 else 0.9 * self.other_s + 0.1 * other_s
@@ -170,25 +183,37 @@ class CostModel:
         if depth > 0:
             self.draft.observe([1.0, depth, proposals, fed, sampled], draft_s)
 
-    def observe_verify(self, positions: int, verify_s: float) -> None:
-        """A verify forward over `positions` took `verify_s` seconds."""
-        self.verify.observe([1.0, positions], verify_s)
-        missed = verify_s - self._line(positions)
+    def observe_verify(self, positions: int, verify_s: float, sampled_rows: int = 0) -> None:
+        """A verify forward over `positions`, `sampled_rows` of its rows sampling rows that proposed,
+        took `verify_s` seconds. At a size measured before (without sampling rows that proposed:
+        there the prediction is grounded), a sample counts as at most ``OUTLIER`` × its prediction:
+        a pause (the scheduler, a collection) only ever makes a step slower, and one such sample
+        at one position taught the plain step a cost of twice its own, which made every guess look
+        cheap until the correction faded (~100 steps of drafting at α ≈ 0.2). A new size, whose
+        prediction is the line's extrapolation, counts whole."""
+        if positions in self.residual and not sampled_rows:
+            verify_s = min(verify_s, self.OUTLIER * self.verify_s(positions))
+        self.verify.observe([1.0, positions, sampled_rows], verify_s)
+        missed = verify_s - self._line(positions, sampled_rows)
         old = self._residual(positions)
         w = self.RESIDUAL_WEIGHT
         self.residual[positions] = (missed if positions not in self.residual else (1.0 - w) * old + w * missed,
                                     self.verify.samples)
 
-    def _line(self, positions: int) -> float:
-        v0, v1 = self.verify.values
-        return v0 + max(v1, 0.0) * positions
+    def seed_sampled(self, seconds: float) -> None:
+        """v2's prior: a sampling row's verification timed apart (the engine does at start-up)."""
+        self.verify.seed(2, seconds)
+
+    def _line(self, positions: int, sampled_rows: int = 0) -> float:
+        v0, v1, v2 = self.verify.values
+        return v0 + max(v1, 0.0) * positions + max(v2, 0.0) * sampled_rows
 
     def _residual(self, positions: int) -> float:
         missed, at = self.residual.get(positions, (0.0, 0))
         return missed * self.RESIDUAL_FADE ** (self.verify.samples - at)
 
-    def verify_s(self, positions: int) -> float:
-        return max(self._line(positions) + self._residual(positions), 1e-6)
+    def verify_s(self, positions: int, sampled_rows: int = 0) -> float:
+        return max(self._line(positions, sampled_rows) + self._residual(positions), 1e-6)
 
     def draft_s(self, depth: int, proposals: int, drafting: int = 1, sampled: int = 0) -> float:
         """A propose call's seconds; `drafting` rows ask, each feeding the draft one token; `sampled`
@@ -205,15 +230,19 @@ class CostModel:
         """What a sampling row's proposal adds to the draft's time beyond a greedy one's."""
         return max(self.draft.values[4], 0.0) if self.draft.samples else 0.0
 
-    def step_s(self, rows: int, depth: int, proposals: int, drafting: int = 1, sampled: int = 0) -> float:
-        return self.verify_s(rows * (depth + 1)) + self.draft_s(depth, proposals, drafting, sampled) + self.other_s
+    def step_s(self, rows: int, depth: int, proposals: int, drafting: int = 1, sampled: int = 0,
+               sampled_rows: int = 0) -> float:
+        """A step's seconds: `rows` padded to `depth` + 1 positions, `proposals` guesses from
+        `drafting` rows, `sampled` of them from the `sampled_rows` sampling rows that draft."""
+        return (self.verify_s(rows * (depth + 1), sampled_rows) + self.draft_s(depth, proposals, drafting, sampled)
+                + self.other_s)
 
     def terms(self) -> dict[str, float]:
         """The fitted terms by name (for metrics)."""
-        v0, v1 = self.verify.theta
+        v0, v1, v2 = self.verify.theta
         d0, d1, d2, d3, d4 = self.draft.theta
-        return {"verify_v0": v0, "verify_v1": v1, "draft_d0": d0, "draft_d1": d1, "draft_d2": d2,
-                "draft_fed": d3, "draft_sampled": d4, "other": self.other_s}
+        return {"verify_v0": v0, "verify_v1": v1, "verify_sampled": v2, "draft_d0": d0, "draft_d1": d1,
+                "draft_d2": d2, "draft_fed": d3, "draft_sampled": d4, "other": self.other_s}
 
     def draft_ratio(self) -> float:
         """Leviathan's c at batch 1: a draft proposal's time over a one-token step's."""
@@ -263,6 +292,9 @@ class _RowState:
     counts: dict[str, _Acceptance] = field(default_factory=dict)  # per proposer
     hf_gamma: int = 5  # the HF heuristic's current γ
     idle: int = 0  # consecutive steps it was given γ = 0 though it could draft
+    # While its probe is out: the α at which that probe's step would have paid, and the step's rows.
+    probing: tuple[float, int] | None = None
+    backoff: int = 0  # its probes wait probe_every × 2^backoff idle steps
 
 
 class GammaController:
@@ -287,7 +319,11 @@ class GammaController:
         # could draft) gets one proposal: without it a pool that turned pessimistic (a few hard
         # prompts) would keep every later sequence at γ = 0 and never see that they are easier. At
         # batch 1 that is one extra position every 16 steps; at batch n the interval grows with n,
-        # since a probe pads every row of its step.
+        # since a probe pads every row of its step. A refused probe of a row whose estimate stays
+        # clearly (PROBE_GAP) below the α at which the probe would have paid doubles the idle steps
+        # its next probe waits (up to 2^MAX_BACKOFF times); a kept one halves them. At α ≈ 0.3 on
+        # sampled chat a probe costs more than it wins (~3% of a batch-1 run on SmolLM2 at 16 steps),
+        # while a row near paying, or one that starts from a pessimistic pool, is probed as often.
         self.probe_every = probe_every
         # Speculate only for a predicted gain of at least this share over the plain step: the
         # predictions are estimates (an α from a few passes, step times that drift by ±10% on a
@@ -347,13 +383,21 @@ class GammaController:
         row.counts.setdefault(source, _Acceptance()).add(proposed, accepted, self.row_decay)
         self._pool.setdefault((source, greedy), _Acceptance()).add(proposed, accepted, self.pool_decay)
         row.hf_gamma = row.hf_gamma + 2 if accepted == proposed else max(1, row.hf_gamma - 1)
+        if row.probing is not None:
+            needed, batch = row.probing
+            row.probing = None
+            if accepted == proposed:
+                row.backoff = max(row.backoff - 1, 0)
+            elif self._optimistic_alpha(seq_id, greedy, batch) < needed - PROBE_GAP:
+                row.backoff = min(row.backoff + 1, MAX_BACKOFF)
 
     def observe_step(self, rows: int, depth: int, proposals: int, verify_s: float, draft_s: float,
-                     other_s: float, fed: int = 0, sampled: int = 0) -> None:
+                     other_s: float, fed: int = 0, sampled: int = 0, sampled_rows: int = 0) -> None:
         """A decode step's measured times (seconds) and its size: `rows` rows, the deepest with
-        `depth` proposals, `proposals` in all (`sampled` of them sampling rows'), `fed` tokens the
-        draft took in before guessing."""
-        self.costs.observe(rows * (depth + 1), depth, proposals, verify_s, draft_s, other_s, fed, sampled)
+        `depth` proposals, `proposals` in all (`sampled` of them from the `sampled_rows` sampling
+        rows that proposed), `fed` tokens the draft took in before guessing."""
+        self.costs.observe(rows * (depth + 1), depth, proposals, verify_s, draft_s, other_s, fed, sampled,
+                           sampled_rows)
 
     def observe_branch(self, kept: bool, greedy: bool = True) -> None:
         """A tree's branch stood beside the guess the target refused: it was `kept` or not."""
@@ -388,7 +432,9 @@ class GammaController:
         width = 1 + max(g + b for g, b in zip(gammas, out))
         drafting = sum(1 for g in gammas if g > 0)
         sampled = sum(g for r, g in zip(rows, gammas) if not r.greedy)
-        per_token = self.costs.step_s(batch, width - 1, sum(gammas), drafting, sampled) / max(expected, 1.0)
+        sampled_rows = sum(1 for r, g in zip(rows, gammas) if g > 0 and not r.greedy)
+        per_token = self.costs.step_s(batch, width - 1, sum(gammas), drafting, sampled,
+                                      sampled_rows) / max(expected, 1.0)
         for extra in range(cap):  # one more position for every auto row: the branch at depth `extra`
             gain = sum(alphas[i] ** extra * (1.0 - alphas[i]) * beta[rows[i].greedy] for i in auto if extra < gammas[i])
             price = self.costs.verify_s(batch * (width + extra + 1)) - self.costs.verify_s(batch * (width + extra))
@@ -420,8 +466,8 @@ class GammaController:
             return gammas
         limits = {i: max(0, min(caps[i], rows[i].max_gamma or self.max_gamma, self.max_gamma)) for i in auto}
         alphas = {i: self._optimistic_alpha(rows[i].seq_id, rows[i].greedy, len(rows)) for i in auto}
-        for i in auto:
-            self._rows.setdefault(rows[i].seq_id, _RowState())
+        for i in auto:  # a probe whose pass was never verified (the draft was away) is forgotten
+            self._rows.setdefault(rows[i].seq_id, _RowState()).probing = None
         if self.policy == "fixed" or not self.costs.ready and self.policy != "hf":
             # Before the first measured step: the configured γ (it also gives the cost model a sample).
             for i in auto:
@@ -447,10 +493,40 @@ class GammaController:
             state.idle += 1
             idle.append(i)
         self._since_probe += 1
-        if idle and self.policy in ("goodput", "leviathan") and self._since_probe >= self.probe_every * len(rows):
-            i = max(idle, key=lambda j: self._rows[rows[j].seq_id].idle)
-            gammas[i], self._rows[rows[i].seq_id].idle, self._since_probe = 1, 0, 0
+        due = self.probe_every * len(rows)
+        ready = [i for i in idle if self._rows[rows[i].seq_id].idle >= due << self._rows[rows[i].seq_id].backoff]
+        if ready and self.policy in ("goodput", "leviathan") and self._since_probe >= due:
+            i = max(ready, key=lambda j: self._rows[rows[j].seq_id].idle)
+            state = self._rows[rows[i].seq_id]
+            gammas[i], state.idle, state.probing, self._since_probe = 1, 0, (self._probe_pays(rows, i), len(rows)), 0
         return gammas
+
+    def _probe_pays(self, rows: list[RowView], i: int) -> float:
+        """The α at which a probe of row i (one guess; the other rows padded, guessing nothing)
+        gains ``min_gain`` over the plain step: n rows commit n + α tokens instead of n."""
+        sampling = int(not rows[i].greedy)
+        plain = self.costs.step_s(len(rows), 0, 0, 0)
+        probe = self.costs.step_s(len(rows), 1, 1, 1, sampling, sampling)
+        return len(rows) * ((1.0 + self.min_gain) * probe / plain - 1.0)
+
+    def _nothing_pays(self, rows: list[RowView], auto: list[int], limits: dict[int, int], alphas: dict[int, float],
+                      fixed_expected: float, plain: tuple[int, int, int, int, int], plain_rate: float) -> bool:
+        """True when no γ vector can gain ``min_gain`` over the plain step (``plain``: its size,
+        the fixed rows' proposals only), by a bound that costs a few predictions instead of
+        ``_goodput``'s search: every auto row's most tokens (its limit) over the cheapest step in
+        which any auto row guesses (draft and verify costs never fall with size, bar the verify's
+        per-size corrections: every depth is tried). Most steps of a row that does not pay end here."""
+        tokens = fixed_expected + sum(expected_tokens(alphas[i], limits[i]) for i in auto)
+        depth, proposals, drafting, sampled, sampled_rows = plain
+        least = int(all(not rows[i].greedy for i in auto))  # a guessing auto row is a sampling one
+        deepest = max(limits[i] for i in auto)
+        if deepest == 0:
+            return True
+        verify = min(self.costs.verify_s(len(rows) * (max(depth, d) + 1), sampled_rows + least)
+                     for d in range(1, deepest + 1))
+        cheapest = (verify + self.costs.draft_s(max(depth, 1), proposals + 1, drafting + 1, sampled + least)
+                    + self.costs.other_s)
+        return tokens / cheapest < plain_rate * (1.0 + self.min_gain)
 
     def _goodput(self, gammas: list[int], auto: list[int], limits: dict[int, int], alphas: dict[int, float],
                  rows: list[RowView]) -> None:
@@ -461,7 +537,9 @@ class GammaController:
         marginal seconds per proposal (a sampling row's: plus what building its q adds). For a
         price λ per second each row then independently takes the γ maximising E_i(γ) − λ·τ_i·γ
         within min(G, limit): since E_i's increments α^k shrink, that is the number of k with
-        α^k > λτ_i.
+        α^k > λτ_i. A sampling row that proposes also costs its verification a fixed amount (its
+        residual, whatever its γ): not a per-proposal price, so each depth is also tried with the
+        sampling rows at γ = 0.
         Dinkelbach's iteration (λ ← the best goodput found) over every G converges in a few rounds;
         G = 0 (nothing proposed) is always a candidate."""
         costs = self.costs
@@ -471,6 +549,13 @@ class GammaController:
         fixed_proposals = sum(gammas[i] for i in others)
         fixed_drafting = sum(1 for i in others if gammas[i] > 0)
         fixed_sampled = sum(gammas[i] for i in others if not rows[i].greedy)
+        fixed_sampled_rows = sum(1 for i in others if gammas[i] > 0 and not rows[i].greedy)
+        plain = (fixed_depth, fixed_proposals, fixed_drafting, fixed_sampled, fixed_sampled_rows)
+        plain_s = costs.step_s(len(rows), *plain)
+        plain_rate = (fixed_expected + len(auto)) / plain_s
+        if self._nothing_pays(rows, auto, limits, alphas, fixed_expected, plain, plain_rate):
+            self.predicted_s = plain_s
+            return
         alpha = np.array([alphas[i] for i in auto], dtype=np.float64)  # [A]
         sampling = np.array([not rows[i].greedy for i in auto])  # [A]
         limit = np.array([limits[i] for i in auto], dtype=np.int64)  # [A]
@@ -481,18 +566,18 @@ class GammaController:
                          (1.0 - alpha[:, None] ** (steps + 1)) / np.maximum(1.0 - alpha[:, None], 1e-12),
                          steps + 1.0)  # [A, L + 1]
         row_index = np.arange(len(auto))[:, None]  # [A, 1]
-        # (depth, proposals, drafting, sampled proposals) -> a step's seconds
-        seconds_at: dict[tuple[int, int, int, int], float] = {}
+        # (depth, proposals, drafting, sampled proposals, sampled rows) -> a step's seconds
+        seconds_at: dict[tuple[int, int, int, int, int], float] = {}
 
-        def seconds(depth: int, proposals: int, drafting: int, sampled: int) -> float:
-            key = (depth, proposals, drafting, sampled)
+        def seconds(depth: int, proposals: int, drafting: int, sampled: int, sampled_rows: int) -> float:
+            key = (depth, proposals, drafting, sampled, sampled_rows)
             if key not in seconds_at:
-                seconds_at[key] = costs.step_s(len(rows), depth, proposals, drafting, sampled)
+                seconds_at[key] = costs.step_s(len(rows), *key)
             return seconds_at[key]
 
         best = np.zeros(len(auto), dtype=np.int64)
-        best_s = seconds(fixed_depth, fixed_proposals, fixed_drafting, fixed_sampled)
-        best_rate = plain_rate = (fixed_expected + float(table[:, 0].sum())) / best_s
+        best_s = seconds(*plain)
+        best_rate = plain_rate
         # What one more guess adds, per row: a sampling row's also builds and sends its q.
         tau = max(costs.draft_s(1, 2) - costs.draft_s(1, 1), 0.0) + costs.sampled_s() * sampling  # [A]
         for _ in range(3):
@@ -504,25 +589,29 @@ class GammaController:
             wanted = np.where(np.isinf(bound), limit, np.maximum(np.ceil(bound) - 1, 0)).astype(np.int64)
             wanted = np.where(price <= 0.0, limit, np.where(price >= 1.0, 0, wanted))
             wanted = np.minimum(wanted, limit)  # [A]
-            deepest = int(wanted.max(initial=0))
-            if deepest == 0:
-                break
-            # The candidates: every row's wanted γ capped at a depth d = 1..deepest (deeper: the same vector)
-            grid = np.minimum(wanted[:, None], np.arange(1, deepest + 1))  # [A, D]
-            expected = fixed_expected + table[row_index, grid].sum(axis=0)  # [D]
-            proposals = grid.sum(axis=0)  # [D]
-            sampled = fixed_sampled + (grid * sampling[:, None]).sum(axis=0)  # [D]
-            drafting = fixed_drafting + int(np.count_nonzero(wanted))
             found = False
-            for d in range(deepest):
-                step_s = seconds(max(fixed_depth, d + 1), fixed_proposals + int(proposals[d]), drafting, int(sampled[d]))
-                rate = float(expected[d]) / step_s
-                if rate > best_rate * (1.0 + 1e-9):
-                    best, best_rate, best_s, found = grid[:, d], rate, step_s, True
+            options = [wanted]
+            if (wanted * sampling).any() and (wanted * ~sampling).any():
+                options.append(wanted * ~sampling)  # the greedy rows draft, the sampling rows do not
+            for option in options:
+                deepest = int(option.max(initial=0))
+                # The candidates: every row's wanted γ capped at a depth d = 1..deepest (deeper: the same vector)
+                grid = np.minimum(option[:, None], np.arange(1, deepest + 1))  # [A, D]
+                expected = fixed_expected + table[row_index, grid].sum(axis=0)  # [D]
+                proposals = grid.sum(axis=0)  # [D]
+                sampled = fixed_sampled + (grid * sampling[:, None]).sum(axis=0)  # [D]
+                drafting = fixed_drafting + int(np.count_nonzero(option))
+                sampled_rows = fixed_sampled_rows + int(np.count_nonzero(option * sampling))
+                for d in range(deepest):
+                    step_s = seconds(max(fixed_depth, d + 1), fixed_proposals + int(proposals[d]), drafting,
+                                     int(sampled[d]), sampled_rows)
+                    rate = float(expected[d]) / step_s
+                    if rate > best_rate * (1.0 + 1e-9):
+                        best, best_rate, best_s, found = grid[:, d], rate, step_s, True
             if not found:
                 break
         if best.any() and best_rate < plain_rate * (1.0 + self.min_gain):  # a marginal gain: none
-            best, best_s = np.zeros_like(best), seconds(fixed_depth, fixed_proposals, fixed_drafting, fixed_sampled)
+            best, best_s = np.zeros_like(best), seconds(*plain)
         for i, g in zip(auto, best.tolist()):
             gammas[i] = g
         self.predicted_s = best_s

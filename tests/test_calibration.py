@@ -8,7 +8,7 @@ import asyncio
 from draft_service.proposer import DraftProposer
 from specstream.data.config import ModelSpec, TargetConfig
 from specstream.models.loader import load_model
-from target_service.calibration import shapes, verify_costs
+from target_service.calibration import sampled_verify_extra, shapes, verify_costs
 from target_service.engine import Engine
 from target_service.local_draft import LocalDraft
 
@@ -36,6 +36,14 @@ def test_verify_costs_time_each_shape_and_leave_the_slots_free(model_zoo):
     assert verify_costs(model, cache, max_width=3, budget_s=0.0) == []
 
 
+def test_a_sampling_rows_verification_is_timed_against_a_greedy_rows(model_zoo):
+    model = load_model(model_zoo["target"])
+    cache = model.new_cache(2, 64)
+    extra = sampled_verify_extra(model, cache, q_width=8, repeats=2)
+    assert 0.0 < extra < 1.0
+    assert cache.num_free == 2
+
+
 def test_an_engine_with_a_draft_starts_with_measured_verify_costs(model_zoo):
     model = load_model(model_zoo["target"])
     draft = LocalDraft(DraftProposer(load_model(model_zoo["partial"]), 2, 128))
@@ -44,6 +52,8 @@ def test_an_engine_with_a_draft_starts_with_measured_verify_costs(model_zoo):
     costs = engine.controller.costs
     assert costs.verify.samples == len(shapes(2, 5))
     assert set(costs.residual) == {r * w for r, w in shapes(2, 5)}
+    # A sampling row that proposes settles by Leviathan's rule: dearer than a greedy row's argmax.
+    assert costs.verify_s(2, sampled_rows=1) > costs.verify_s(2) and costs.terms()["verify_sampled"] > 0
     assert costs.ready and costs.draft.samples == 0
     # Until the draft has proposed, a draft forward is priced below a one-position verify, and
     # deeper drafting costs more.

@@ -72,18 +72,22 @@ def test_batch_one_choice_is_within_one_of_the_analytic_optimum(alpha, c):
 def test_a_marginal_predicted_gain_is_not_taken():
     """α = 0.6 and a guess costing 0.55 of a step: γ = 1 would gain 3.2% (the analytic optimum),
     within what a shared machine's noise and the controller's own estimates can be off by. With
-    the default `min_gain` (5%) the controller decodes plainly (bar its one-token probes); with
-    `min_gain` 0 it takes the marginal gain."""
+    the default `min_gain` (5%) the controller mostly decodes plainly (it guesses where its
+    estimate of α runs high, and probes); with `min_gain` 0 it mostly takes the marginal gain.
+    Whether a run's estimate runs high is chance: the shares of steps guessing are averaged over
+    eight seeded runs each (per run they spread by ~±0.2)."""
     assert analytic_optimum(0.6, 0.55) == 1
-    chosen = {}
+    share = {}
     for min_gain in (0.05, 0.0):
-        sim = SimulatedEngine(GammaController(max_gamma=MAX_GAMMA, min_gain=min_gain), 1,
-                              verify=lambda positions: 1.0, draft=lambda depth, proposals: 0.55 * depth)
-        for _ in range(400):
-            sim.step(0.6)
-        chosen[min_gain] = [g[0] for g in sim.chosen[100:]]
-    assert statistics.median(chosen[0.05]) == 0 and sum(chosen[0.05]) <= 0.15 * len(chosen[0.05])
-    assert statistics.median(chosen[0.0]) >= 1
+        runs = []
+        for seed in range(8):
+            sim = SimulatedEngine(GammaController(max_gamma=MAX_GAMMA, min_gain=min_gain), 1,
+                                  verify=lambda positions: 1.0, draft=lambda depth, proposals: 0.55 * depth, seed=seed)
+            for _ in range(400):
+                sim.step(0.6)
+            runs.append(statistics.mean(g[0] > 0 for g in sim.chosen[100:]))
+        share[min_gain] = statistics.mean(runs)
+    assert share[0.05] < 0.45 and share[0.0] > 0.6, share
 
 
 def test_gamma_goes_to_zero_when_alpha_is_tiny():
@@ -93,6 +97,49 @@ def test_gamma_goes_to_zero_when_alpha_is_tiny():
     assert analytic_optimum(0.02, 0.2) == 0
     late = [g[0] for g in sim.chosen[50:]]
     assert max(late) <= 1 and sum(late) <= 0.08 * len(late), late
+
+
+def test_the_quick_bound_never_changes_a_choice(monkeypatch):
+    """``_nothing_pays`` lets a step skip the search when no γ vector can gain enough; over random
+    costs, batches and acceptances the choices must be the search's own."""
+    rng = random.Random(5)
+    scenarios = []
+    for _ in range(150):
+        rows = rng.randint(1, 4)
+        v0, v1, d0, d1, s = (rng.uniform(2e-3, 8e-3), rng.uniform(0, 1e-3), rng.uniform(0, 6e-3), rng.uniform(0, 2e-3),
+                             rng.uniform(0, 4e-3))
+        views = [RowView(i, AUTO_GAMMA if rng.random() < 0.8 else rng.randint(0, 3), MAX_GAMMA, rng.random() < 0.5)
+                 for i in range(rows)]
+        alphas = [rng.uniform(0.0, 0.9) ** 1.5 for _ in range(rows)]
+        scenarios.append((views, alphas, (v0, v1, d0, d1, s), [rng.randint(0, MAX_GAMMA) for _ in range(rows)]))
+
+    def choices() -> list[list[int]]:
+        out = []
+        for views, alphas, (v0, v1, d0, d1, s), caps in scenarios:
+            controller = GammaController(max_gamma=MAX_GAMMA)
+            for depth in range(4):
+                sampled_rows = sum(1 for v in views if not v.greedy) if depth else 0
+                controller.observe_step(len(views), depth, depth * len(views),
+                                        v0 + v1 * len(views) * (depth + 1) + s * sampled_rows,
+                                        d0 + d1 * depth if depth else 0.0, 0.0, 0, 0, sampled_rows)
+            for i, (view, alpha) in enumerate(zip(views, alphas)):
+                controller.observe(i, "model", view.greedy, 10, int(10 * alpha))
+            out.append(controller.choose(views, caps))
+        return out
+
+    quick = choices()
+    monkeypatch.setattr(GammaController, "_nothing_pays", lambda self, *args: False)
+    assert quick == choices()
+    assert any(any(g) for g in quick) and any(not any(g) for g in quick)  # both kinds of answer occur
+
+
+def test_probes_of_a_row_far_from_paying_grow_rare():
+    """At α = 0.1 with a guess costing half a step, a probe costs far more than it wins: after a
+    few refused probes a row waits 16 × 2^3 idle steps for the next one (16 without the back-off:
+    ~25 probes in 400 steps)."""
+    sim = _batch1(0.1, 0.5, steps=600)
+    late = [g[0] for g in sim.chosen[200:]]
+    assert 1 <= sum(1 for g in late if g) <= 5, late
 
 
 def test_a_pessimistic_pool_does_not_lock_later_sequences_out():
@@ -260,6 +307,39 @@ def test_a_sampling_rows_guesses_are_priced_apart():
     assert controller.costs.sampled_s() == pytest.approx(0.0006, rel=0.3), controller.costs.terms()
 
 
+def test_a_sampling_rows_verification_is_priced_apart():
+    """A sampling row that proposes settles by Leviathan's rule (its residual) where a greedy row
+    takes an argmax: a fixed amount per such row, whatever its γ. A greedy and a sampling row at
+    α = 0.8, a verify of 6 ms + 0.1 ms per position and 6 ms more when the sampling row proposes,
+    a draft call of 1 ms + 0.2 ms per depth and per guess: the greedy row should draft and the
+    sampling row, which would cost more than it wins, should not (beyond its probes). A cost model
+    blind to the term gives both the same γ. The verify line is timed first, as the engine does at
+    start-up; the sampled term is not (its prior is 0): it is learnt from the steps."""
+    controller = GammaController(max_gamma=MAX_GAMMA)
+    for positions in range(1, 2 * MAX_GAMMA + 3):
+        controller.costs.observe_verify(positions, 0.006 + 0.0001 * positions)
+    rng = random.Random(4)
+    chosen = []
+    for _ in range(400):
+        views = [RowView(0, AUTO_GAMMA, MAX_GAMMA, True), RowView(1, AUTO_GAMMA, MAX_GAMMA, False)]
+        gammas = controller.choose(views, [MAX_GAMMA] * 2)
+        for i, g in enumerate(gammas):
+            k = 0
+            while k < g and rng.random() < 0.8:
+                k += 1
+            controller.observe(i, "model", views[i].greedy, g, k)
+        depth, proposals = max(gammas), sum(gammas)
+        sampled_rows = int(gammas[1] > 0)
+        verify_s = 0.006 + 0.0001 * 2 * (depth + 1) + 0.006 * sampled_rows
+        draft_s = 0.001 + 0.0002 * depth + 0.0002 * proposals if proposals else 0.0
+        controller.observe_step(2, depth, proposals, verify_s, draft_s, 0.0, 0, gammas[1], sampled_rows)
+        chosen.append(gammas)
+    greedy = statistics.mean(g[0] for g in chosen[100:])
+    sampling = statistics.mean(g[1] for g in chosen[100:])
+    assert greedy >= 2 and sampling < 0.2, (greedy, sampling, chosen[-20:])
+    assert controller.costs.terms()["verify_sampled"] == pytest.approx(0.006, rel=0.3), controller.costs.terms()
+
+
 def test_a_padded_row_costs_as_much_as_a_drafting_one():
     """The verify forward pads every row to the deepest: when verifying is expensive per position,
     one row drafting deep costs the whole batch, so a batch of mostly unpredictable rows gets γ = 0
@@ -361,6 +441,19 @@ def test_one_unlucky_verify_sample_fades():
         costs.observe(1, 0, 0, 1.0, 0.0, 0.0)
         costs.observe(2, 1, 1, 1.0, 0.1, 0.0)
     assert costs.verify_s(3) < 1.2  # back near the line after 500 steps at other sizes
+
+
+def test_a_pause_in_a_measured_step_counts_little():
+    """A pause during a forward of a size measured many times (the plain step) must not make that
+    size look dear: it would make every guess look cheap beside it."""
+    from target_service.gamma import CostModel
+
+    costs = CostModel()
+    for _ in range(50):
+        costs.observe(1, 0, 0, 1.0, 0.0, 0.0)
+        costs.observe(2, 1, 1, 1.0, 0.1, 0.0)
+    costs.observe(1, 0, 0, 5.0, 0.0, 0.0)  # a pause
+    assert 1.0 < costs.verify_s(1) < 1.1
 
 
 def _measured(verify_per_position: float, alpha_hits: int = 6, alpha_misses: int = 4) -> GammaController:
