@@ -89,11 +89,11 @@ def sampled_verify_extra(model: CausalLM, cache: KVCache, q_width: int = 256, re
             q = {"q_width": width, "q_ids": list(range(width)), "q_probs": [1.0 / width] * width}
             rows = {kind: [VerifyRow(params, position=1, proposals=[0], drafted=1, **q)]
                     for kind, params in (("greedy", GREEDY), ("sampled", SamplingParams(temperature=1.0, seed=0)))}
-            best = {"greedy": float("inf"), "sampled": float("inf")}
+            best = dict.fromkeys(rows, float("inf"))
             for round_ in range(repeats + 1):  # the two kinds interleaved; round 0 warms up, untimed
-                for kind in best:
+                for kind, row in rows.items():
                     t0 = time.perf_counter()
-                    settle(states, rows[kind])
+                    settle(states, row)
                     if round_:
                         best[kind] = min(best[kind], time.perf_counter() - t0)
         return max(best["sampled"] - best["greedy"], 0.0)
