@@ -69,7 +69,12 @@ def _bits53(seed: int, position: int, purpose: int) -> int:
 def uniforms(seeds: Sequence[int], starts: Sequence[int], count: int, purpose: int,
              device: torch.device | str = "cpu") -> torch.Tensor:
     """[len(seeds), count] float64: row b holds uniform(seeds[b], starts[b] + j, purpose) for
-    j < count, computed in wrapping uint64 arithmetic for the whole table at once."""
+    j < count, computed in wrapping uint64 arithmetic for the whole table at once (a decode step's
+    few entries in Python integers: the same bits, without numpy's per-call overhead)."""
+    if len(seeds) * count <= _FEW_KEYS:
+        return torch.tensor([[_bits53(s, p + j, purpose) / float(1 << 53) for j in range(count)]
+                             for s, p in zip(seeds, starts, strict=True)],
+                            dtype=torch.float64, device=device).view(len(seeds), count)
     u64 = np.uint64
     seed = np.asarray(seeds, dtype=u64).reshape(-1, 1)  # [N, 1]
     position = np.asarray(starts, dtype=u64).reshape(-1, 1) + np.arange(count, dtype=u64)  # [N, count]
@@ -88,7 +93,7 @@ _M1, _M2 = 0x85EBCA6B, 0xC2B2AE35  # murmur3 fmix32
 _MASK32 = 0xFFFFFFFF
 
 
-_FEW_KEYS = 16  # row_keys mixes this many rows or fewer without numpy
+_FEW_KEYS = 16  # row_keys and uniforms mix this many entries or fewer without numpy
 
 
 def row_keys(seeds: Sequence[int], starts: Sequence[int], purpose: int, device: torch.device | str = "cpu"

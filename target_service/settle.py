@@ -283,6 +283,9 @@ def _verify_sampled(logits: torch.Tensor, rows: list[VerifyRow], draft: torch.Te
     """Leviathan verification of the sampling rows: logits [S, G+1, V] -> (accepted [S], emitted [S])."""
     device, gamma = logits.device, logits.shape[1] - 1
     p = process_logits(logits, [r.params for r in rows])  # [S, G+1, V]
+    if gamma == 0:  # plain sampling: nothing to accept, the race over p (float32: its log is taken in float64)
+        return (torch.zeros(len(rows), dtype=torch.int64, device=device),
+                race(p[:, 0], _keys(rows, 1, False, device)[:, 0]))
     q_ids, q_probs = _sparse_q(rows, gamma)
     u_accept = uniforms([r.params.seed for r in rows], [r.position for r in rows], gamma, ACCEPT, device)  # [S, G]
     keys = _keys(rows, gamma + 1, False, device)  # [S, G+1]

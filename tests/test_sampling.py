@@ -341,6 +341,31 @@ def test_uniforms_and_race_keys_are_per_position():
     many = row_keys(seeds, starts, RESIDUAL)  # [40]
     assert torch.equal(torch.cat([row_keys(seeds[i : i + 4], starts[i : i + 4], RESIDUAL) for i in range(0, 40, 4)]),
                        many)
+    wide = uniforms(seeds[:3], starts[:3], 8, ACCEPT)  # [3, 8]: numpy
+    assert torch.equal(uniforms(seeds[:3], starts[:3], 4, ACCEPT), wide[:, :4])  # [3, 4]: Python integers
+
+
+def test_plain_sampling_settles_as_the_speculative_rule_with_nothing_proposed():
+    """A pass with no proposals settles its sampling rows by the race over p alone; it must pick
+    what Leviathan's rule picks with γ = 0, keys included (a row whose guesses were all cut races
+    with RESIDUAL noise: the draft's guess used its SAMPLE noise)."""
+    from target_service.settle import VerifyRow, settle
+
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 1, 500, generator=gen) * 3  # [S, 1, V]
+    params = [SamplingParams(temperature=t, top_k=k, top_p=tp, seed=100 + i)
+              for i, (t, k, tp) in enumerate([(1.0, 0, 1.0), (0.7, 0, 0.9), (1.5, 20, 1.0), (0.3, 0, 1.0),
+                                              (1.0, 0, 0.5), (2.0, 0, 1.0)])]
+    rows = [VerifyRow(p, position=40 + 3 * i, drafted=2 if i == 5 else 0) for i, p in enumerate(params)]
+    tokens = [v.tokens[0] for v in settle(logits, rows)]
+    probs = process_logits(logits, params)  # [S, 1, V]
+    keys = torch.tensor([[row_keys([p.seed], [r.position], RESIDUAL if r.drafted else SAMPLE).item()]
+                         for p, r in zip(params, rows)])  # [S, 1]
+    empty = torch.zeros(6, 0, 1)
+    _, emitted = speculative_verify(probs, empty.long(), empty, torch.zeros(6, 0, dtype=torch.int64),
+                                    torch.zeros(6, dtype=torch.int64), torch.zeros(6, 0, dtype=torch.float64), keys)
+    assert tokens == emitted.tolist()
+    assert tokens[5] != race(probs[5:6, 0], row_keys([params[5].seed], [rows[5].position], SAMPLE)).item()
 
 
 def _random_verify_inputs(seed: int, batch: int = 16, gamma: int = 4, vocab: int = 12, support: int = 5):
