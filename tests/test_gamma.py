@@ -277,6 +277,17 @@ def test_catching_up_is_not_read_as_the_price_of_a_guess():
     assert controller.costs.draft_s(1, 1) == pytest.approx(0.0024, rel=0.5), controller.costs.terms()
 
 
+def _verify_guesses(controller: GammaController, views: list[RowView], gammas: list[int], rng: random.Random,
+                    alpha: float) -> None:
+    """Each row's guesses stand one by one with probability ``alpha`` until the first refusal; the
+    controller is told."""
+    for view, g in zip(views, gammas):
+        k = 0
+        while k < g and rng.random() < alpha:
+            k += 1
+        controller.observe(view.seq_id, "model", view.greedy, g, k)
+
+
 def test_a_sampling_rows_guesses_are_priced_apart():
     """A sampling row's guess also builds and sends its q. A server first serves greedy rows
     (200 steps of two), then a greedy and a sampling row side by side, all at α = 0.6: a verify
@@ -290,11 +301,7 @@ def test_a_sampling_rows_guesses_are_priced_apart():
     for step in range(600):
         views = [RowView(0, AUTO_GAMMA, MAX_GAMMA, True), RowView(1, AUTO_GAMMA, MAX_GAMMA, step < 200)]
         gammas = controller.choose(views, [MAX_GAMMA] * 2)
-        for i, g in enumerate(gammas):
-            k = 0
-            while k < g and rng.random() < 0.6:
-                k += 1
-            controller.observe(i, "model", views[i].greedy, g, k)
+        _verify_guesses(controller, views, gammas, rng, 0.6)
         depth, proposals = max(gammas), sum(gammas)
         sampled = 0 if views[1].greedy else gammas[1]
         verify_s = 0.006 + 0.0001 * 2 * (depth + 1)
@@ -323,11 +330,7 @@ def test_a_sampling_rows_verification_is_priced_apart():
     for _ in range(400):
         views = [RowView(0, AUTO_GAMMA, MAX_GAMMA, True), RowView(1, AUTO_GAMMA, MAX_GAMMA, False)]
         gammas = controller.choose(views, [MAX_GAMMA] * 2)
-        for i, g in enumerate(gammas):
-            k = 0
-            while k < g and rng.random() < 0.8:
-                k += 1
-            controller.observe(i, "model", views[i].greedy, g, k)
+        _verify_guesses(controller, views, gammas, rng, 0.8)
         depth, proposals = max(gammas), sum(gammas)
         sampled_rows = int(gammas[1] > 0)
         verify_s = 0.006 + 0.0001 * 2 * (depth + 1) + 0.006 * sampled_rows
