@@ -19,13 +19,15 @@ Rows with ``speculation=fixed`` get their γ; ``off`` rows get 0. Every choice i
 row's caps (budget, draft context: target_service/drafting.py) and its request's ``max_gamma``.
 
 Trees (``branches``): a row that drafts may add the draft's runner-up guesses as branches beside
-its chain (a sampled row's: the next draws of the same race, verified by recursive rejection). Under ``goodput`` each extra position of the pass is bought only when what it is
-expected to add pays for it: the branch at depth j stands when the chain's first j guesses stood,
+its chain (a sampled row's: the next draws of the same race, verified by recursive rejection).
+Under ``goodput`` each extra position of the pass is bought only when what it is expected to add
+pays for it: the branch at depth j stands when the chain's first j guesses stood,
 its (j+1)-th failed and the runner-up is the target's token, α^j (1 − α) β (β: how often a
 runner-up beside a failed guess was right, pooled over greedy rows and over sampled rows apart,
 from a prior of 0.3), each token
 worth the pass's seconds per token; the price is the measured verify curve's slope. On 2 CPU
-cores a position costs ~1 ms, and few branches pay. ``fixed`` gives every row that drafts all the branches allowed (``TargetConfig.tree_branches``); ``hf`` and ``leviathan`` chains.
+cores a position costs ~1 ms, and few branches pay. ``fixed`` gives every row that drafts all
+the branches allowed (``TargetConfig.tree_branches``); ``hf`` and ``leviathan`` chains.
 Under goodput a request's fixed γ is a chain of γ: only speculation=auto rows branch.
 
 Knows nothing about models, tokens or gRPC: rows are ids with a few facts, costs are seconds.
@@ -115,19 +117,20 @@ class CostModel:
     with fewer proposals than the deepest is padded and costs as much as if it had proposed;
     sampled_rows = the sampling rows that proposed, each of which settles by Leviathan's rule (its
     p at every position, its q's support, the residual) where a greedy row takes an argmax: on 2
-    CPU cores ~1.5 ms more than a greedy row at γ = 1, as much as two more positions. r is a per-size correction (an
-    EMA of what the line missed at that size, once measured): kernels work in blocks, so the true
-    cost is a staircase — the CPU int4 kernel takes rows 4 at a time, and on SmolLM2 a verify over
-    4 positions costs 1.06× a step, over 5 1.3× — which a line alone smooths away, making the
-    first position of a new block look cheap for ever. Sizes never measured get the line;
+    CPU cores ~1.5 ms more than a greedy row at γ = 1, as much as two more positions. r is a
+    per-size correction (an EMA of what the line missed at that size, once measured): kernels work
+    in blocks, so the true cost is a staircase — the CPU int4 kernel takes rows 4 at a time, and on
+    SmolLM2 a verify over 4 positions costs 1.06× a step, over 5 1.3× — which a line alone smooths
+    away, making the first position of a new block look cheap for ever. Sizes never measured get the line;
     draft(depth, proposals, fed, sampled) = d0 + d1·depth + d2·proposals + d3·fed + d4·sampled
     (depth = the largest γ: the draft's sequential forwards; proposals = Σγ; fed = the tokens the
     draft had to take in first; sampled = the proposals of sampling rows, each of which also builds
     and sends its q: ~0.3 ms more than a greedy guess on 2 CPU cores), 0 when nothing is proposed;
     other = the rest of a step (an EMA). Slopes are clamped at 0 when predicting. The engine seeds
     the verify terms before its first request (target_service/calibration.py: one forward per step
-    shape, and one sampling row's verification) and the draft terms once the draft is connected (``Drafting.time_draft``: a few propose calls for a throwaway sequence, through the
-    same RPC or in-process call every step makes); until the draft has proposed, a draft forward
+    shape, and one sampling row's verification) and the draft terms once the draft is connected
+    (``Drafting.time_draft``: a few propose calls for a throwaway sequence, through the same RPC or
+    in-process call every step makes); until the draft has proposed, a draft forward
     is assumed to cost ``DRAFT_PRIOR`` of a one-position verify. ``ready`` is False
     until a verify has been measured (then the policy's answer is the configured γ).
 
@@ -141,8 +144,9 @@ class CostModel:
     # the per-position slope starts at 0 (optimistic: more positions look cheap until steps of
     # different sizes show otherwise). The sampled rows' term starts at the engine's start-up
     # timing of a sampling row's verification (``seed_sampled``; else 0), worth one sample: its
-    # prior is uncorrelated with the line's terms, so steps without such rows leave it alone. Draft: its cost is split between depth and proposals from
-    # the first sample on (weighted by their sizes, so at first a batch's proposals look dear):
+    # prior is uncorrelated with the line's terms, so steps without such rows leave it alone.
+    # Draft: its cost is split between depth and proposals from the first sample on (weighted by
+    # their sizes, so at first a batch's proposals look dear):
     # rows with a poor α then draft less than the others, which is what separates the two terms.
     # A catch-up step is hundreds of tokens fed against a few proposals, so the fed term takes
     # nearly all of it. The sampled term is learnt slowly (a prior worth ~10 samples): a new
@@ -152,7 +156,7 @@ class CostModel:
     # Per decode step a size goes unmeasured, its correction fades by this factor (~100 steps to
     # 1/e): one unlucky sample (a pause during the forward) must not rule a size out for good.
     RESIDUAL_FADE = 0.99
-    OUTLIER = 1.25  # the most a verify sample at a measured size counts for, as a multiple of its prediction
+    OUTLIER = 1.25  # a verify sample at a measured size counts for at most this × its prediction
     # A draft forward's cost before the draft has proposed, as a share of a one-position verify:
     # Leviathan et al.'s c for a draft ~10× smaller than its target.
     DRAFT_PRIOR = 0.1
