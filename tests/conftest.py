@@ -62,6 +62,14 @@ def model_zoo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def feature_pair(model_zoo, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The zoo's target and a tiny feature draft of it (tests/feature_pair.py)."""
+    from feature_pair import train_feature_pair
+
+    return train_feature_pair(model_zoo, tmp_path_factory.mktemp("feature") / "draft")
+
+
+@pytest.fixture(scope="session")
 def sampling_pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A 32-token target whose next-token distributions are neither flat nor one-hot (entropy
     1.2-2.4 nats at T 0.7-1.5), and a draft that disagrees with it in structured ways: one layer

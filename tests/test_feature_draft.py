@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 from engine_harness import naive_greedy, run_engine, speculation
+from feature_pair import PROMPTS, train_feature_pair
 
 from draft_service.combined import NgramPlusModelProposer
 from draft_service.feature import FeatureProposer
 from draft_service.wire import item_from_pb
 from specstream.data.propose import ProposeItem
 from specstream.data.sampling import SamplingParams
-from specstream.models.feature_draft import load_feature_draft, save_feature_draft
-from specstream.models.feature_head import FeatureHead
+from specstream.models.feature_draft import load_feature_draft
 from specstream.models.loader import load_model
 from specstream_pb import draft_pb2
 from target_service.draft_client import DraftClient, _item_to_pb
@@ -32,50 +32,11 @@ from target_service.drafting import feature_refusal
 from target_service.engine import feature_bytes
 from target_service.local_draft import LocalDraft
 
-PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 9], [40, 41], [9, 10, 11, 12, 13, 14]]
-
-
-def _train_pair(model_zoo, out: Path, extra_layers: tuple[int, ...] = ()) -> dict[str, Path]:
-    """A tiny feature draft of the zoo's target, trained on its greedy answers to the tests'
-    prompts; with ``extra_layers`` it reads those layers too (EAGLE-3's fusion)."""
-    from specstream.tools.distill.feature import FeatureConfig, _spec, head_loss
-
-    target_dir = model_zoo["target"]
-    target = load_model(target_dir)
-    H = target.config.hidden_size
-    sequences = []
-    with torch.no_grad():
-        for prompt in PROMPTS:  # the tests' own prompts: a random target's text has nothing to generalise
-            tokens = torch.tensor(prompt + naive_greedy(target_dir, prompt, 44))
-            cache = target.new_cache(1, len(tokens))
-            feats = target.hidden(tokens[None], cache, torch.tensor([cache.alloc()]), torch.tensor([0]),
-                                  keep=extra_layers)[0]  # [L, (k + 1) H]
-            sequences.append((tokens, feats, len(prompt)))
-    torch.manual_seed(0)
-    head = FeatureHead(_spec(target.config, target.config.vocab_size, extra_layers))
-    head.output_ids.copy_(torch.arange(target.config.vocab_size))
-    embed, rows = target.embed.detach(), target.lm_head.detach()
-    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
-    for _ in range(100):
-        opt.zero_grad()
-        total, terms = zip(*(head_loss(head, x, x[:, -H:], t, embed, rows, n, FeatureConfig())
-                             for t, x, n in sequences))
-        (sum(total) / sum(terms)).backward()
-        opt.step()
-    save_feature_draft(out, "tiny-feature", head, str(target_dir), target_dir,
-                       (*extra_layers, target.config.num_layers))
-    return {"target": target_dir, "draft": out}
-
-
-@pytest.fixture(scope="module")
-def feature_pair(model_zoo, tmp_path_factory) -> dict[str, Path]:
-    return _train_pair(model_zoo, tmp_path_factory.mktemp("feature") / "draft")
-
 
 @pytest.fixture(scope="module")
 def fused_pair(model_zoo, tmp_path_factory) -> dict[str, Path]:
     """A draft reading the target's layer 1 and its final state (of 3 layers)."""
-    return _train_pair(model_zoo, tmp_path_factory.mktemp("fused") / "draft", extra_layers=(1,))
+    return train_feature_pair(model_zoo, tmp_path_factory.mktemp("fused") / "draft", extra_layers=(1,))
 
 
 def _proposer(feature_pair, slots: int = 16) -> FeatureProposer:
@@ -352,6 +313,7 @@ def test_a_sync_larger_than_a_call_goes_in_parts(feature_pair, monkeypatch) -> N
     """With room for 4 features a call, a prompt's features go over several steps (those rows guess
     nothing until their draft holds everything), no call carries more, and the output is plain."""
     import engine_harness
+
     import target_service.drafting as drafting
 
     monkeypatch.setattr(drafting, "FEATURE_BYTES_PER_CALL", 4 * 64 * 2)
