@@ -22,7 +22,7 @@ model the slice its catch-up needs. Items whose features the model cannot read a
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 from draft_service.ngram import SOURCE as NGRAM
 from draft_service.ngram import NgramIndex, NgramProposer
@@ -39,6 +39,7 @@ class NgramPlusModelProposer:
         self.feature_width = getattr(model, "feature_width", 0)
         self.feature_layers = getattr(model, "feature_layers", ())
         self.features: dict[Hashable, bytearray] = {}  # a feature draft's: the target's features held
+        self.model_asked = False  # by the latest call: only then has the model a round to work ahead on
 
     @property
     def name(self) -> str:
@@ -94,11 +95,23 @@ class NgramPlusModelProposer:
                                            **(self._catch_up(item.key, held, len(sequence)) if self.feature_width
                                               else {})))
             asked.append((i, sequence))
+        self.model_asked = bool(model_items)
         if model_items:
             for (i, sequence), reply in zip(asked, self.model.propose(model_items)):
                 self._take(items[i].key, sequence, reply)
                 out[i] = reply
         return out
+
+    def work_ahead(self, stop: Callable[[], bool] = lambda: False) -> None:
+        """The model works ahead on the rows it answered in the latest call (draft_service/work_ahead.py);
+        its next item for a sequence is the catch-up since what it holds, as with no work ahead."""
+        if self.model_asked:
+            self.model_asked = False
+            self.model.work_ahead(stop)
+
+    @property
+    def ahead(self):
+        return self.model.ahead
 
     def _keep_features(self, item: ProposeItem) -> None:
         """Keeps the item's features: positions max(rollback_to - 1, 0).. replace what was held."""

@@ -23,11 +23,13 @@ other items are unaffected. Nothing is padded or cut to fit.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 
 import torch
 
-from draft_service.proposer import _Picker, node_tables
+from draft_service.proposer import GREEDY, _Picker, node_tables
+from draft_service.work_ahead import AheadCounts, Prepared
 from kernels.lm_head import Hidden
 from specstream.data.propose import FEATURE_DTYPE, Proposal, ProposeItem, features_expected
 from specstream.models.feature_draft import FeatureDraft
@@ -49,6 +51,13 @@ class FeatureProposer:
         self.slots: dict[Hashable, int] = {}
         self.lengths: dict[Hashable, int] = {}  # tokens held per sequence (head positions: one fewer)
         self.output = draft.output
+        # Working ahead (draft_service/work_ahead.py): the greedy chains of the latest call, the
+        # next rounds drafted from them, and per sequence answered from one the target's features
+        # it brought, read when the work next runs (or the sequence's next item needs them).
+        self.plans: dict[Hashable, _Plan] = {}
+        self.prepared: dict[Hashable, Prepared] = {}
+        self.unread: dict[Hashable, tuple[ProposeItem, torch.Tensor]] = {}
+        self.ahead = AheadCounts()
 
     # ----- what GetInfo reports ----------------------------------------------------------------
     @property
@@ -79,6 +88,9 @@ class FeatureProposer:
         for key in keys:
             slot = self.slots.pop(key, None)
             self.lengths.pop(key, None)
+            self.plans.pop(key, None)
+            self.prepared.pop(key, None)
+            self.unread.pop(key, None)
             if slot is not None:
                 self._free.append(slot)
 
@@ -89,12 +101,16 @@ class FeatureProposer:
         picker = _Picker(items, max((item.gamma for item in items), default=0), self.q_support,
                          self.draft.rows.device, self.draft.head.output_ids)
         guessed = []
+        self.plans = {}
         for b, item in enumerate(items):
             features, error = self.read_features(item)
             if error:
                 self.release([item.key])
                 out[b].error = error
                 continue
+            if self._answer_prepared(item, features, out[b]):
+                continue
+            self._read_unread(item.key, item.rollback_to)
             slot = self._sync(item)
             if slot is None:
                 continue
@@ -111,12 +127,70 @@ class FeatureProposer:
             chain = self.draft.head.draft(self.cache, slot, last, gamma, self.draft.embed, self.draft.rows, choose)
             out[b].tokens, out[b].parents = picker.tree(b, chain)
             guessed.append((b, gamma))
+            if item.sampling.greedy:
+                self.plans[item.key] = _Plan(n, chain, gamma, last)
         width, q_ids, q_probs = picker.tables()
         for b, gamma in guessed:
             if q_ids[b]:
                 out[b].q_width = width
                 out[b].q_ids, out[b].q_probs = node_tables(q_ids[b], q_probs[b], width, out[b].tokens, out[b].parents)
         return out
+
+    def _answer_prepared(self, item: ProposeItem, features: torch.Tensor, out: Proposal) -> bool:
+        """Answers ``item`` from the round drafted ahead for it, if it is exactly the one assumed;
+        its features are kept unread until the work (or the sequence's next item) reads them."""
+        ready = self.prepared.pop(item.key, None)
+        if ready is None:
+            return False
+        n = item.rollback_to + len(item.append)
+        gamma = min(item.gamma, len(ready.tail), self.max_len - n)
+        if not ready.answers(item) or gamma <= 0:
+            self.ahead.miss()
+            return False
+        self.ahead.hit()
+        self.unread[item.key] = (item, features)
+        self.lengths[item.key] = out.length = n
+        out.tokens = ready.tail[:gamma]
+        self.plans[item.key] = _Plan(n, out.tokens, item.gamma)
+        return True
+
+    def _read_unread(self, key: Hashable, rollback_to: int) -> torch.Tensor | None:
+        """Extends the head with the features an answer from a prepared round kept unread (those a
+        roll back to ``rollback_to`` keeps); the head's last output, or None."""
+        unread = self.unread.pop(key, None)
+        if unread is None or rollback_to <= unread[0].rollback_to:
+            return None  # nothing held, or every unread position is rolled back anyway
+        item, features = unread
+        slot = self.slots[key]
+        self.cache.length[slot] = max(item.rollback_to - 1, 0)
+        return self._extend(item, slot, features)
+
+    @torch.inference_mode()
+    def work_ahead(self, stop: Callable[[], bool] = lambda: False) -> None:
+        """Drafts the next round of every greedy chain of the latest call (draft_service/work_ahead.py):
+        the chain's tokens fed with the head's own predicted features (the target's come with the next
+        item), the bonus guess, then as many guesses as the row asked for this round. ``stop()`` is
+        read before each head forward."""
+        plans, self.plans = self.plans, {}
+        picker = _Picker([_GREEDY_ITEM], 0, self.q_support, self.draft.rows.device, self.draft.head.output_ids)
+
+        def choose(g: torch.Tensor, step: int) -> int:
+            return int(picker.pick(Hidden(g[None], self.output), [0], step)[0])
+
+        for key, plan in plans.items():
+            if stop():
+                return
+            slot = self.slots.get(key)
+            last = plan.last if plan.last is not None else self._read_unread(key, plan.length + 1)
+            if slot is None or last is None or self.lengths.get(key) != plan.length \
+                    or plan.length + len(plan.chain) + 1 + plan.gamma > self.max_len:
+                continue
+            steps = len(plan.chain) + 1 + plan.gamma
+            tokens = self.draft.head.draft(self.cache, slot, last, steps, self.draft.embed, self.draft.rows,
+                                           choose, forced=plan.chain, stop=stop)
+            if len(tokens) > len(plan.chain):
+                self.prepared[key] = Prepared(plan.length, tokens[: len(plan.chain) + 1], tokens[len(plan.chain) + 1:])
+                self.ahead.prepared(1)
 
     def read_features(self, item: ProposeItem) -> tuple[torch.Tensor | None, str]:
         """The item's features [count, input_width] bfloat16, or why they cannot be read: the field and its value."""
@@ -163,3 +237,18 @@ class FeatureProposer:
         dtype = self.draft.dtype
         out = self.draft.head.extend(self.cache, slot, start, features.to(dtype), self.draft.embed[tokens].to(dtype))
         return out[-1]
+
+
+_GREEDY_ITEM = ProposeItem(0, 0, [0], 1, GREEDY)
+
+
+@dataclass
+class _Plan:
+    """A greedy row of the latest call, to draft ahead from: the length it reported, the chain it
+    proposed (the next item appends it and the bonus token), its γ, and the head's output at its
+    last held position (None: an answer from a prepared round, whose features are still unread)."""
+
+    length: int
+    chain: list[int]
+    gamma: int
+    last: torch.Tensor | None = None

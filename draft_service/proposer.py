@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 
 import kernels
+from draft_service.work_ahead import AheadCounts, Prepared
 from kernels.lm_head import Hidden
 from kernels.nbest import MAX_K, top_scores
 from kernels.processing import process_logits, truncate
@@ -43,6 +44,8 @@ from kernels.random import SAMPLE, gumbel, race, row_keys
 from specstream.data.propose import Proposal, ProposeItem, chain_length
 from specstream.data.sampling import SamplingParams
 from specstream.models.base import CausalLM
+
+GREEDY = SamplingParams()
 
 
 class DraftProposer:
@@ -54,6 +57,11 @@ class DraftProposer:
         self.max_len = min(max_seq_len, model.config.max_position_embeddings)
         self.cache = model.new_cache(max_slots, self.max_len)
         self.slots: dict[Hashable, int] = {}
+        # Working ahead (draft_service/work_ahead.py): the greedy chains of the latest call, as
+        # (reported length, last guess, γ) per sequence; the next rounds drafted from them.
+        self.plans: dict[Hashable, tuple[int, int, int]] = {}
+        self.prepared: dict[Hashable, Prepared] = {}
+        self.ahead = AheadCounts()
 
     @property
     def held(self) -> int:
@@ -74,6 +82,8 @@ class DraftProposer:
     def release(self, keys: list[Hashable]) -> None:
         for key in keys:
             slot = self.slots.pop(key, None)
+            self.plans.pop(key, None)
+            self.prepared.pop(key, None)
             if slot is not None:
                 self.cache.free(slot)
 
@@ -81,7 +91,10 @@ class DraftProposer:
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         out = [Proposal([], 0) for _ in items]
         rows, gammas = [], []
+        self.plans = {}
         for i, item in enumerate(items):
+            if self._answer_prepared(item, out[i]):
+                continue
             slot = self._sync(item)
             if slot is None:
                 continue
@@ -103,7 +116,46 @@ class DraftProposer:
             # Holds the appended tokens and every guess but the last (which was never fed).
             out[i].length = item.rollback_to + len(item.append) + gamma - 1
             self.cache.set_length(slot, out[i].length)
+            if item.sampling.greedy:
+                self.plans[item.key] = (out[i].length, tokens[gamma - 1], gamma)
         return out
+
+    def _answer_prepared(self, item: ProposeItem, out: Proposal) -> bool:
+        """Answers ``item`` from the round drafted ahead for it, if it is exactly the one assumed."""
+        ready = self.prepared.pop(item.key, None)
+        if ready is None:
+            return False
+        held = item.rollback_to + len(item.append)
+        gamma = min(item.gamma, len(ready.tail), self.max_len - held)
+        if not ready.answers(item) or gamma <= 0:
+            self.ahead.miss()
+            return False
+        self.ahead.hit()
+        # The work fed the chain's last token, the bonus guess and every prepared guess but the last.
+        out.tokens, out.length = ready.tail[:gamma], held + gamma - 1
+        self.cache.set_length(self.slots[item.key], out.length)
+        self.plans[item.key] = (out.length, out.tokens[-1], item.gamma)
+        return True
+
+    @torch.inference_mode()
+    def work_ahead(self, stop: Callable[[], bool] = lambda: False) -> None:
+        """Drafts the next round of every greedy chain of the latest call (draft_service/work_ahead.py):
+        from its reported length, its last guess fed, the bonus guess, then as many guesses as the row
+        asked for this round. ``stop()`` is read before each forward after the first."""
+        plans, self.plans = self.plans, {}
+        rows, gammas = [], []
+        for key, (length, last, gamma) in plans.items():
+            slot = self.slots.get(key)
+            if slot is not None and self.cache.length(slot) == length and length + 1 + gamma <= self.max_len:
+                rows.append((key, ProposeItem(key, length, [last], gamma + 1, GREEDY), slot))
+                gammas.append(gamma + 1)
+        if not rows or stop():
+            return
+        guesses, _ = self._guess(rows, gammas, stop)
+        for (key, item, _), gamma, tokens in zip(rows, gammas, guesses):
+            tokens = tokens[:gamma]
+            self.prepared[key] = Prepared(item.rollback_to, [*item.append, tokens[0]], tokens[1:])
+        self.ahead.prepared(len(rows))
 
     def _sync(self, item: ProposeItem) -> int | None:
         """Rolls the sequence back to `rollback_to`; None when its state is gone or no slot is free."""
@@ -120,11 +172,12 @@ class DraftProposer:
         self.cache.set_length(slot, item.rollback_to)
         return slot
 
-    def _guess(self, rows: list[tuple[int, ProposeItem, int]], gammas: list[int]
-               ) -> tuple[list[list[int]], _Picker]:
+    def _guess(self, rows: list[tuple[Hashable, ProposeItem, int]], gammas: list[int],
+               stop: Callable[[], bool] | None = None) -> tuple[list[list[int]], _Picker]:
         """Appends each row's tokens, then decodes max(gammas) tokens for all rows at once;
         returns each row's guesses and the picker that chose them (the q tables of sampling rows,
-        the runner-ups of rows that may branch)."""
+        the runner-ups of rows that may branch). When ``stop()`` turns true, fewer: the guesses
+        made before it."""
         batch, steps = len(rows), max(gammas)
         device = self.model.device
         picker = _Picker([item for _, item, _ in rows], steps, self.q_support, device, self.model.output_token_ids)
@@ -147,6 +200,8 @@ class DraftProposer:
         # γ is smaller than the batch's keeps being fed; its extra positions lie past its length
         # (clamped to the last cache position, which that row never counts as valid).
         for step in range(1, steps):
+            if stop is not None and stop():
+                break
             hidden = self.model.hidden(guesses[-1][:, None], self.cache, slots, pos.clamp(max=self.max_len - 1))
             guesses.append(picker.pick(Hidden(hidden[:, -1], head), everyone, step))  # [B]
             pos = pos + 1

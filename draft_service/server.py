@@ -2,7 +2,9 @@
 the draft model, prompt-lookup n-grams, or both; or the synthetic benchmark proposer).
 
 Thin: each `Speculate` stream gets its own key space; every request gets exactly one response;
-a stream's sequences are released when it ends. Proposals run on one worker thread.
+a stream's sequences are released when it ends. Proposals run on one worker thread. With
+``DraftConfig.work_ahead``, after each proposal is sent the same thread drafts the next round
+(draft_service/work_ahead.py) until any stream's next request arrives.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +21,7 @@ import grpc
 from draft_service import tracing
 from draft_service.build import build_proposer
 from draft_service.wire import item_from_pb, proposal_to_pb
+from draft_service.work_ahead import run_at_idle_priority
 from specstream.data.config import DraftConfig
 from specstream.data.propose import Proposer
 from specstream.serving.compute import compute_executor
@@ -32,11 +36,15 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):
     def __init__(self, proposer: Proposer, compute: ThreadPoolExecutor,
-                 metrics: DraftMetrics) -> None:
+                 metrics: DraftMetrics, work_ahead: str = "off") -> None:
         self.proposer = proposer
         self.metrics = metrics
         self._streams = itertools.count(1)
         self._compute = compute  # the one thread that does all torch work
+        # DraftConfig.work_ahead, where the proposer can ("off" where it cannot); set when a
+        # request arrives, so that work ahead stops at its next forward.
+        self.work_ahead = work_ahead if hasattr(proposer, "work_ahead") else "off"
+        self._request = threading.Event()
 
     async def Speculate(self, request_iterator, context: grpc.aio.ServicerContext):  # noqa: N802
         stream = next(self._streams)
@@ -44,6 +52,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         loop = asyncio.get_running_loop()
         try:
             async for request in request_iterator:
+                self._request.set()
                 response = draft_pb2.ProposeResponse()
                 if request.WhichOneof("kind") == "propose":
                     batch = request.propose
@@ -51,7 +60,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                     keys.update(item.key for item in items)
                     started = time.time_ns()
                     with self.metrics.time_propose():
-                        proposals = await loop.run_in_executor(self._compute, self.proposer.propose, items)
+                        proposals = await loop.run_in_executor(self._compute, self._propose, items)
                     tracing.record_propose(request, proposals, started, time.time_ns())
                     response.step = batch.step
                     response.proposals.extend(self.reply(it, p) for it, p in zip(batch.items, proposals))
@@ -61,8 +70,23 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                     keys.difference_update(released)
                 response.held_sequences = self.proposer.held
                 yield response
+                if self.work_ahead != "off" and request.WhichOneof("kind") == "propose" and request.propose.items:
+                    self._request.clear()
+                    loop.run_in_executor(self._compute, self._work_ahead)
         finally:
             await loop.run_in_executor(self._compute, self.proposer.release, list(keys))
+
+    def _propose(self, items: list) -> list:
+        proposals = self.proposer.propose(items)
+        if self.work_ahead != "off":
+            self.metrics.observe_ahead(self.proposer.ahead.counts)
+        return proposals
+
+    def _work_ahead(self) -> None:
+        """On the compute thread, after a reply: the next rounds, until a request arrives."""
+        if not self._request.is_set():
+            run_at_idle_priority(lambda: self.proposer.work_ahead(self._request.is_set), self.work_ahead == "idle")
+            self.metrics.observe_ahead(self.proposer.ahead.counts)
 
     async def GetInfo(self, request, context):  # noqa: N802
         return draft_info(self.proposer)
@@ -90,7 +114,7 @@ async def serve(config: DraftConfig) -> None:
     metrics = DraftMetrics()
     metrics.watch_sequences(held=lambda: proposer.held)
     server = ServiceServer(config.server, [SERVICE_NAME], metrics.registry)
-    draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(proposer, compute, metrics), server.server)
+    draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(proposer, compute, metrics, config.work_ahead), server.server)
     await server.start()
     await server.set_serving(True)
     log.info("draft %s serving on %s", proposer.name, server.address)

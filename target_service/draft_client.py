@@ -115,13 +115,25 @@ class DraftClient:
         self.start()
         return self._call is not None
 
+    async def start_propose(self, step: int, items: list[ProposeItem], traceparent: str = "",
+                            item_traceparents: list[str] | None = None) -> asyncio.Future:
+        """``propose``, started: returns as soon as the request is written to the stream (or the
+        exchange ended without), with the exchange's answer to await."""
+        sent = asyncio.Event()
+        task = asyncio.ensure_future(self.propose(step, items, traceparent, item_traceparents, sent))
+        written = asyncio.ensure_future(sent.wait())
+        await asyncio.wait({task, written}, return_when=asyncio.FIRST_COMPLETED)
+        written.cancel()
+        return task
+
     async def propose(self, step: int, items: list[ProposeItem], traceparent: str = "",
-                      item_traceparents: list[str] | None = None) -> list[Proposal] | None:
+                      item_traceparents: list[str] | None = None,
+                      sent: asyncio.Event | None = None) -> list[Proposal] | None:
         parents = item_traceparents or [""] * len(items)
         batch = draft_pb2.ProposeBatch(step=step, items=[_item_to_pb(it, tp) for it, tp in zip(items, parents)])
         shape = Shape(depth=max((it.gamma for it in items), default=0), proposals=sum(it.gamma for it in items),
                       fed=sum(len(it.append) for it in items))
-        response = await self._exchange(draft_pb2.ProposeRequest(propose=batch, traceparent=traceparent), shape)
+        response = await self._exchange(draft_pb2.ProposeRequest(propose=batch, traceparent=traceparent), shape, sent)
         if response is None:
             return None
         if len(response.proposals) != len(items):
@@ -133,7 +145,8 @@ class DraftClient:
         if keys and self.connected:
             await self._exchange(draft_pb2.ProposeRequest(release=draft_pb2.Release(seq_ids=keys)), Shape())
 
-    async def _exchange(self, request: draft_pb2.ProposeRequest, shape: Shape) -> draft_pb2.ProposeResponse | None:
+    async def _exchange(self, request: draft_pb2.ProposeRequest, shape: Shape,
+                        sent: asyncio.Event | None = None) -> draft_pb2.ProposeResponse | None:
         async with self._lock:
             call = self._call
             if call is None:
@@ -141,7 +154,7 @@ class DraftClient:
             wait = self.last_deadline_s = self.deadline.deadline(shape)
             started = time.perf_counter()
             try:
-                response = await asyncio.wait_for(self._round_trip(call, request), wait)
+                response = await asyncio.wait_for(self._round_trip(call, request, sent), wait)
             except asyncio.TimeoutError:
                 self.deadline.timed_out()
                 self._fail(f"no reply within its {wait * 1e3:.0f} ms deadline")
@@ -158,8 +171,11 @@ class DraftClient:
             return response
 
     @staticmethod
-    async def _round_trip(call: grpc.aio.StreamStreamCall, request: draft_pb2.ProposeRequest):
+    async def _round_trip(call: grpc.aio.StreamStreamCall, request: draft_pb2.ProposeRequest,
+                          sent: asyncio.Event | None = None):
         await call.write(request)
+        if sent is not None:
+            sent.set()
         return await call.read()
 
     async def _keep_connected(self) -> None:

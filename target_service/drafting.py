@@ -24,6 +24,7 @@ and that sequence decodes without the draft from then on (its features are dropp
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
@@ -209,6 +210,33 @@ def _not_drawn_together(tokens: list[int], parents: list[int], width: int, ids: 
 
 
 @dataclass
+class _Plan:
+    """One propose call's worth: per row its check (filled from the reply) and γ; the items sent
+    for the rows ``sent``; the tokens they feed."""
+
+    checks: list[VerifyRow]
+    gammas: list[int] = field(default_factory=list)
+    items: list[ProposeItem] = field(default_factory=list)
+    sent: list[int] = field(default_factory=list)
+    fed: int = 0
+
+
+@dataclass
+class _Early:
+    """A request sent before its step (``Drafting.propose_early``): for which rows (seq id, token
+    count), over which stream, and its answer, in flight (None: nothing was asked)."""
+
+    keys: list[tuple[int, int]]
+    epoch: int
+    plan: _Plan
+    task: asyncio.Future | None
+
+
+def _keys(rows: list[Sequence]) -> list[tuple[int, int]]:
+    return [(s.seq_id, len(s.tokens)) for s in rows]
+
+
+@dataclass
 class _Held:
     length: int = 0  # leading tokens the draft holds that agree with the sequence
     epoch: int = -1  # the draft stream `length` refers to
@@ -224,7 +252,9 @@ class Drafting:
     refusals: Counter = field(default_factory=Counter)  # items the draft refused, by field
     malformed_replies: Counter = field(default_factory=Counter)  # replies refused as malformed, by cause
     on_malformed: Callable[[str], None] | None = None  # called with the cause of each (metrics)
+    early: Counter = field(default_factory=Counter)  # early requests: "used" by their step, or "dropped"
     _held: dict[int, _Held] = field(default_factory=dict)
+    _early: _Early | None = None
 
     @property
     def feature_width(self) -> int:
@@ -266,47 +296,101 @@ class Drafting:
     async def propose(self, rows: list[Sequence], step: int, traceparent: str = "") -> list[VerifyRow]:
         """What each row will verify this step: the controller's γ per row, the draft's guesses
         (checked), and each row's q when it samples. Rows get no proposals when γ is 0 for them or
-        the draft is unavailable."""
-        checks = [VerifyRow(s.sampling, len(s.tokens), logprobs=s.logprobs) for s in rows]
+        the draft is unavailable. When the previous step asked for exactly these rows early
+        (``propose_early``), its answer is awaited instead; otherwise that answer only updates what
+        the draft holds, and this step asks afresh."""
+        early, self._early = self._early, None
+        if early is not None:
+            replies = await early.task if early.task is not None else None
+            if early.keys == _keys(rows) and self.source is not None and early.epoch == self.source.epoch:
+                self.early["used"] += 1
+                self.fed = early.plan.fed
+                return self._take(rows, early.plan, replies)
+            self.early["dropped"] += 1
+            self._keep_lengths(early.plan, replies)
+        plan = await self._plan(rows)
+        if not plan.items:
+            return plan.checks
+        replies = await self.source.propose(step, plan.items, traceparent,
+                                            [tracing.sequence_traceparent(rows[i]) for i in plan.sent])
+        return self._take(rows, plan, replies)
+
+    async def propose_early(self, rows: list[Sequence], step: int, traceparent: str = "") -> None:
+        """Asks the draft now for the pass after this one (step ``step``) of ``rows``, whose
+        verification just ended: the verify result goes out before the engine's host work, and the
+        draft computes meanwhile. ``propose`` of that step takes the answer if it asks for the same
+        rows with the same tokens over the same stream."""
+        await self.drop_early()
+        plan = await self._plan(rows)
+        task = None
+        if plan.items:
+            parents = [tracing.sequence_traceparent(rows[i]) for i in plan.sent]
+            start = getattr(self.source, "start_propose", None)
+            task = await start(step, plan.items, traceparent, parents) if start is not None else \
+                asyncio.ensure_future(self.source.propose(step, plan.items, traceparent, parents))
+        self._early = _Early(_keys(rows), self.source.epoch if self.source else -1, plan, task)
+
+    async def drop_early(self) -> None:
+        """Forgets an early request (its answer only updates what the draft holds)."""
+        early, self._early = self._early, None
+        if early is not None:
+            self.early["dropped"] += 1
+            if early.task is not None:
+                self._keep_lengths(early.plan, await early.task)
+
+    async def _plan(self, rows: list[Sequence]) -> _Plan:
+        """The controller's γ per row and the items to send (none: nothing to ask)."""
+        plan = _Plan([VerifyRow(s.sampling, len(s.tokens), logprobs=s.logprobs) for s in rows])
         self.fed = 0
         source = self.source
         if source is None:
-            return checks
+            return plan
         views = [RowView(s.seq_id, s.gamma, s.max_gamma, s.sampling.greedy) for s in rows]
-        gammas = self.controller.choose(views, self.caps(rows))
-        branches = self.controller.branches(views, gammas, self.tree_branches)
-        asked = [i for i, g in enumerate(gammas) if g > 0]
+        plan.gammas = self.controller.choose(views, self.caps(rows))
+        branches = self.controller.branches(views, plan.gammas, self.tree_branches)
+        asked = [i for i, g in enumerate(plan.gammas) if g > 0]
         if not asked or not await source.ready():
-            return checks
-        items, sent, budget = [], [], FEATURE_BYTES_PER_CALL
+            return plan
+        budget = FEATURE_BYTES_PER_CALL
         for i in asked:
             seq = rows[i]
             held = self._held.setdefault(seq.seq_id, _Held())
             if held.epoch != source.epoch:  # a fresh stream holds nothing
                 held.length, held.epoch = 0, source.epoch
-            append, gamma, features = self._with_features(seq, held.length, gammas[i], budget)
+            append, gamma, features = self._with_features(seq, held.length, plan.gammas[i], budget)
             if not append:
                 continue  # a feature draft's (re)sync that does not fit this call: the next ones
             budget -= len(features.get("features", b""))
-            items.append(ProposeItem(seq.seq_id, held.length, append, gamma, seq.sampling,
-                                     branches=branches[i] if gamma else 0, **features))
-            sent.append(i)
+            plan.items.append(ProposeItem(seq.seq_id, held.length, append, gamma, seq.sampling,
+                                          branches=branches[i] if gamma else 0, **features))
+            plan.sent.append(i)
             self.fed += len(append)
-        if not items:
-            return checks
-        replies = await source.propose(step, items, traceparent,
-                                       [tracing.sequence_traceparent(rows[i]) for i in sent])
+        plan.fed = self.fed
+        return plan
+
+    def _take(self, rows: list[Sequence], plan: _Plan, replies: list[Proposal] | None) -> list[VerifyRow]:
+        """The plan's checks with the draft's replies (None: it failed, the rows decode plainly)."""
         if replies is None:
-            return checks
-        for i, item, reply in zip(sent, items, replies):
+            return plan.checks
+        checks = plan.checks
+        for i, item, reply in zip(plan.sent, plan.items, replies):
             seq = rows[i]
-            checks[i] = self._check(seq, reply, gammas[i], item)
+            checks[i] = self._check(seq, reply, plan.gammas[i], item)
             # Beyond the context the draft holds its own guesses; `settle` keeps the part the target
             # agreed with. It cannot hold more than it was sent and guessed (a malformed length: 0).
             most = item.rollback_to + len(item.append) + len(reply.tokens)
             self._held[seq.seq_id].length = reply.length if reply.length <= most else 0
             seq.draft_tokens += checks[i].chain  # branches apart
         return checks
+
+    def _keep_lengths(self, plan: _Plan, replies: list[Proposal] | None) -> None:
+        """What the draft holds after an answer that is not verified, for the sequences still here:
+        what the request rolled back to, so that the next one sends the same tokens again (an item
+        always appends at least the sequence's newest token; the draft's guesses may be wrong)."""
+        for item, reply in zip(plan.items, replies or []):
+            held = self._held.get(item.key)
+            if held is not None:
+                held.length = min(reply.length, item.rollback_to)
 
     def _with_features(self, seq: Sequence, held: int, gamma: int, budget: int) -> tuple[list[int], int, dict]:
         """(append, γ, the item's feature fields) for a row whose draft holds ``held`` tokens. A

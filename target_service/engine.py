@@ -423,11 +423,25 @@ class Engine:
         sampled = [len(c.proposals) for seq, c in zip(rows, checks) if not seq.sampling.greedy and c.proposals]
         self.controller.observe_step(len(rows) + hypotheses, width - 1, proposals, verified - drafted, draft_s, other_s,
                                      self.drafting.fed, sum(sampled), len(sampled))
+        if self._next_pass_is(rows, beams):  # the next pass's draft call starts before this pass's host work
+            await self.drafting.propose_early(rows, self.step_count + 1,
+                                              telemetry.traceparent_of(span) if span.is_recording() else "")
         self.metrics.observe_gammas([c.chain for c in checks], [len(c.proposals) - c.chain for c in checks])
         self.metrics.observe_controller(self.controller.pooled(), self.controller.costs.terms(),
                                         self.controller.predicted_s, step_s)
         tracing.end_step(span, checks, verdicts, verified - drafted, self.controller.predicted_s, step_s,
                          [s.width for s in beams])
+
+    def _next_pass_is(self, rows: list[Sequence], beams: list[Sequence]) -> bool:
+        """Whether to ask the draft service for the next pass now (``TargetConfig.draft_early``):
+        when the next pass will decode exactly ``rows`` (every running sequence was in this pass and
+        goes on, nothing waits to be admitted or cancelled, no beam runs: anything else would change
+        its rows). A draft in this process (``LocalDraft``) is never asked early: it runs on the
+        engine's own torch thread, so nothing would overlap (measured slower: docs/benchmarks.md)."""
+        return (self.config.draft_early and hasattr(self.drafting.source, "start_propose") and not beams
+                and not self.waiting
+                and not self._cancels and len(rows) == len(self.running)
+                and all(s.finish_reason is None for s in rows))
 
     def _verify_compute(self, rows: list[Sequence], checks: list[VerifyRow], beams: list[Sequence]
                         ) -> tuple[list[Verdict], list[tuple[torch.Tensor, torch.Tensor]]]:

@@ -181,3 +181,98 @@ def test_the_stream_is_up_before_the_first_request_and_a_dead_draft_is_noticed_w
             compute.shutdown(wait=False)
 
     asyncio.run(main())
+
+
+def test_the_next_pass_is_asked_for_as_soon_as_a_pass_is_verified(model_zoo):
+    """Through a real draft servicer at batch 1, a fixed γ: nearly every pass's draft call went out
+    before the pass started (the answer to an early request), and the output is plain greedy's."""
+    proposer = GatedProposer(load_model(model_zoo["partial"]), max_slots=16, max_seq_len=256)
+
+    async def main():
+        server, address, compute = await _draft_server(proposer)
+        client = DraftClient(address, timeout_s=5.0, retry_s=0.1)
+        engine = _slow_engine(model_zoo, client)
+        loop_task = asyncio.create_task(engine.run())
+        try:
+            assert await client.wait_connected(5.0)
+            conn = Connection()
+            engine.attach(conn)
+            engine.submit(conn, [SequenceRequest("0", PROMPTS[1], 60, speculation=speculation(3))])
+            tokens = []
+            while True:
+                message = await asyncio.wait_for(conn.outbox.get(), 30)
+                tokens += [t for event in message.events for t in event.token_ids]
+                final = [event for event in message.events if event.finish_reason is not None]
+                if final:
+                    return tokens, dict(engine.drafting.early), final[0].stats.target_passes
+        finally:
+            loop_task.cancel()
+            await client.close()
+            await server.stop(0)
+            compute.shutdown(wait=False)
+
+    tokens, early, passes = asyncio.run(main())
+    assert tokens == run_engine(model_zoo["target"], None, [PROMPTS[1]], 0, 60, max_seq_len=256)[0][0]
+    # Every decode pass but the first (asked when it started) took an early answer; the prefill and
+    # the last pass asked nothing early.
+    assert early.get("used", 0) >= passes - 3 and early.get("dropped", 0) == 0, (early, passes)
+
+
+class _Source:
+    """A draft source whose answers are set by the test: `early` to the request sent early, `late`
+    to any other; `epoch` as a DraftClient's."""
+
+    url, model_name, vocab_size, max_context_length, connected, held_sequences = "test", "test", 300, 256, True, 0
+
+    def __init__(self, early: list[int], late: list[int]) -> None:
+        self.epoch, self.answers, self.asked = 1, {"early": early, "late": late}, []
+
+    async def ready(self) -> bool:
+        return True
+
+    async def start_propose(self, step, items, traceparent="", item_traceparents=None):
+        return asyncio.ensure_future(self._answer("early", items))
+
+    async def propose(self, step, items, traceparent="", item_traceparents=None):
+        return await self._answer("late", items)
+
+    async def _answer(self, which, items):
+        from specstream.data.propose import Proposal
+
+        self.asked.append(which)
+        item = items[0]
+        return [Proposal(self.answers[which], item.rollback_to + len(item.append) + len(self.answers[which]) - 1)]
+
+
+def test_an_early_answer_is_verified_only_for_the_rows_tokens_and_stream_it_was_asked_for():
+    """A stale early answer (another stream, a sequence that moved on, other rows) is never what a
+    pass verifies: it asks afresh, and verifies that answer."""
+    from target_service.drafting import Drafting
+    from target_service.gamma import GammaController
+    from target_service.sequence import Sequence
+
+    def row(seq_id=1, tokens=(5, 6, 7)):
+        return Sequence(seq_id, str(seq_id), None, list(tokens), 2, 50, frozenset(), frozenset(), gamma=2)
+
+    async def verified(change) -> tuple[list[int], list[str]]:
+        source = _Source(early=[10, 11], late=[20, 21])
+        drafting = Drafting(source, GammaController(), 300)
+        rows = [row()]
+        await drafting.propose_early(rows, 2)
+        rows = change(source, rows)
+        checks = await drafting.propose(rows, 2)
+        return checks[0].proposals, source.asked
+
+    assert asyncio.run(verified(lambda source, rows: rows)) == ([10, 11], ["early"])
+
+    def new_stream(source, rows):
+        source.epoch += 1
+        return rows
+
+    def moved_on(source, rows):
+        rows[0].tokens.append(9)
+        return rows
+
+    for change in (new_stream, moved_on, lambda source, rows: [*rows, row(2)], lambda source, rows: [row(2)]):
+        proposals, asked = asyncio.run(verified(change))
+        assert proposals == [20, 21] and asked == ["early", "late"], change

@@ -245,6 +245,10 @@ class TargetConfig:
     draft_deadline_floor_s: float = 0.25  # the shortest deadline (scheduling noise on a busy host)
     draft_deadline_factor: float = 2.0  # the deadline over the round trip predicted for the shape
     draft_retry_s: float = 1.0  # wait this long before reconnecting to a failed draft
+    # Ask the draft for the next pass as soon as a pass is verified, before the engine's host work
+    # (emitting tokens, retiring, admitting), when the next pass will decode the same rows
+    # (target_service/drafting.py ``propose_early``): the draft computes while the host works.
+    draft_early: bool = True
     # TLS, client certificate and internal token towards the draft service (draft_url).
     draft_security: ChannelSecurity = field(default_factory=lambda: ChannelSecurity("draft_security"))
     torch_threads: int = 0  # CPU threads for the model (0: torch's default, one per core)
@@ -321,9 +325,15 @@ class DraftConfig:
     synthetic_oracle: str | None = None
     synthetic_alpha: float = 0.7
     synthetic_seed: int = 0
+    # After each reply, draft the next round of its greedy chains until the next request arrives
+    # (draft_service/work_ahead.py): "off", "idle" (at SCHED_IDLE: on cycles nothing else wants) or
+    # "normal" (at the thread's priority). Off by default: on 2 shared cores it measured no faster
+    # (docs/benchmarks.md, "Working ahead").
+    work_ahead: str = "off"
 
     def __post_init__(self) -> None:
         _check(self.proposer in self.PROPOSERS, "proposer", self.proposer, f"one of {', '.join(self.PROPOSERS)}")
+        _check(self.work_ahead in ("off", "idle", "normal"), "work_ahead", self.work_ahead, "one of off, idle, normal")
         _check(self.synthetic_oracle is None or self.proposer == "model", "proposer", self.proposer,
                "'model' (the default) with synthetic_oracle, which replaces the model")
         needs_model = self.proposer != "ngram" and self.synthetic_oracle is None

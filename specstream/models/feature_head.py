@@ -19,7 +19,7 @@ What it does not know: the cache of a serving engine, tokenisation, training (sp
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -299,22 +299,27 @@ class FeatureHead(nn.Module):
         return self._attend_cached(self.fused(self.target_input(features), next_embeds), cache, slot, start)
 
     def draft(self, cache: HeadCache, slot: int, last: torch.Tensor, steps: int, embed: torch.Tensor,
-              head_rows: torch.Tensor, choose: Callable[[torch.Tensor, int], int] | None = None) -> list[int]:
+              head_rows: torch.Tensor, choose: Callable[[torch.Tensor, int], int] | None = None,
+              forced: Sequence[int] = (), stop: Callable[[], bool] | None = None) -> list[int]:
         """``steps`` guesses from the head's output ``last`` [H] at the cache's last position
         (``extend``'s last row: its input held the target's newest token): the first from ``last``,
         each next one from (the head's own feature, the guess before) at the next position.
         ``choose(g [H], step)`` picks a token id from a predicted feature (default: the argmax over
-        ``head_rows``). The guesses' positions are written past the cache's length and not counted:
-        the next round's ``extend`` overwrites them."""
+        ``head_rows``). The first ``len(forced)`` guesses are ``forced``'s tokens instead (a
+        chain already proposed, drafted on from: draft_service/work_ahead.py). When ``stop()``
+        turns true, fewer: the guesses made before it. The guesses' positions are written past the
+        cache's length and not counted: the next round's ``extend`` overwrites them."""
         if choose is None:
             def choose(g: torch.Tensor, step: int) -> int:
                 return int(self.output_ids[self.logits(g, head_rows).argmax()])
         start = cache.length[slot]
         g = last
-        out = [choose(g, 0)]
+        out = [forced[0] if forced else choose(g, 0)]
         for step in range(1, steps):
+            if stop is not None and stop():
+                break
             g = self._attend_cached(self.fused(g[None], embed[out[-1]][None].to(g.dtype)), cache, slot,
                                     start + step - 1)[0]
-            out.append(choose(g, step))
+            out.append(forced[step] if step < len(forced) else choose(g, step))
         cache.length[slot] = start
         return out

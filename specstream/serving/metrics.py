@@ -286,6 +286,16 @@ class DraftMetrics:
                                  buckets=PROPOSE_BUCKETS, registry=r)
         self.sequences = Gauge(f"{PREFIX}draft_sequences", "Sequences whose KV state the draft holds (all streams).",
                                registry=r)
+        self.ahead = Counter(f"{PREFIX}draft_work_ahead", "Working ahead (--work-ahead): rounds prepared, and the "
+                             "items that had one, by outcome (hit: answered from it; miss: drafted afresh).",
+                             ["outcome"], registry=r)
+        self._ahead_seen: dict[str, int] = {}
+
+    def observe_ahead(self, counts: dict[str, int]) -> None:
+        """Brings the counter up to the proposer's running ``counts`` (prepared, hit, miss)."""
+        for outcome, total in counts.items():
+            self.ahead.labels(outcome).inc(total - self._ahead_seen.get(outcome, 0))
+            self._ahead_seen[outcome] = total
 
     def watch_sequences(self, held: Callable[[], int]) -> None:
         self.sequences.set_function(held)

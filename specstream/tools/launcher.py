@@ -161,6 +161,7 @@ class StackSpec:
     device: str = "cpu"  # the target's and a draft model's torch device ("cuda", "cuda:1", ...)
     weights: str = "auto"  # the targets' weight format (specstream/data/config.py); a draft always uses "auto"
     draft_threads: int = 1  # CPU threads of the draft's model (0: one per core); a small draft runs best on one
+    work_ahead: str = DraftConfig.work_ahead  # the draft service's (off, idle, normal)
     target_threads: int = 0  # CPU threads of the target's model (0: one per core)
     extra_target_args: list[str] = field(default_factory=list)
     extra_gateway_args: list[str] = field(default_factory=list)
@@ -184,6 +185,8 @@ class StackSpec:
             raise ValueError(f"proposer={self.proposer!r}: must be one of {', '.join(DraftConfig.PROPOSERS)}")
         if self.synthetic and self.proposer != "model":
             raise ValueError(f"proposer={self.proposer!r}: synthetic replaces the draft model and needs 'model'")
+        if self.work_ahead not in ("off", "idle", "normal"):
+            raise ValueError(f"work_ahead={self.work_ahead!r}: must be one of off, idle, normal")
         if self.proposer == "ngram" and self.draft_model:
             raise ValueError(f"draft_model={self.draft_model!r}: proposer 'ngram' uses no draft model")
         if self.proposer == "ngram+model" and not self.draft_model:
@@ -236,7 +239,8 @@ def command_lines(spec: StackSpec, target_model: str, addresses: dict[str, str],
         else:
             source = [*proposer, *draft_model("--model")]
         lines["draft"] = ["draft", *source, "--port", port["draft"], *common, "--threads", str(spec.draft_threads),
-                          *metrics_flag("draft"), *security("draft")]
+                          *metrics_flag("draft"), *security("draft"),
+                          *(["--work-ahead", spec.work_ahead] if spec.work_ahead != "off" else [])]
     for name in names:
         lines[name] = ["target", "--model", target_model, "--port", port[name], *common, "--weights", spec.weights,
                        "--gamma", str(spec.gamma), "--max-gamma", str(spec.max_gamma), "--gamma-policy",

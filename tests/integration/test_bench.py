@@ -355,12 +355,23 @@ def test_bench_step_measures_the_bound_the_verify_curve_and_the_host_work(model_
 def test_bench_overlap_times_each_side_alone_and_side_by_side(model_zoo, tmp_path):
     """`bench overlap` on the tiny pair (float32): the target's verify and the draft's propose call,
     each alone and while the other runs back to back, in two processes; the passes it derives follow
-    from what it measured."""
-    from specstream.tools.bench import overlap
+    from what it measured. Then the served stacks with and without the draft working ahead: every
+    setting at every γ, the working ones preparing rounds, with the output of the one without."""
+    from specstream.tools.bench import ahead, overlap
     from specstream.tools.bench.models import BenchModels
 
     models = BenchModels("zoo", model_zoo["target"], model_zoo["partial"], "float32")
-    data = overlap.run(models, tmp_path, gammas=[1, 3], seconds=0.2, quiet=True)
+    data = overlap.run(models, tmp_path, gammas=[1, 3], seconds=0.2, quiet=True, served_prompts=1, max_new_tokens=12)
+    rows = data["served"]["rows"]
+    assert set(rows) == {f"gamma {g}, {ahead._name(s)}" for g in (0, 1, 3, "auto") for s in ahead.SETTINGS}
+    for setting in ahead.SETTINGS:
+        row = rows[f"gamma 1, {ahead._name(setting)}"]
+        assert row["tokens_per_s"] > 0 and row["pass_ms"]["passes"] > 0
+        if setting[0] == "off":
+            assert row["prepared_per_pass"] == 0 and row["hit_rate"] == "-"
+        else:  # γ = 1 drafts every pass: a round is prepared after each reply the model gave
+            assert row["prepared_per_pass"] > 0 and row["hits"] + row["misses"] > 0
+    assert (tmp_path / "ahead.png").stat().st_size > 1000
     assert set(data["gammas"]) == {1, 3}
     for gamma, e in data["gammas"].items():
         assert min(e["verify_ms"], e["verify_draft_busy_ms"], e["draft_ms"], e["draft_target_busy_ms"]) > 0, gamma

@@ -19,7 +19,10 @@ first (the target runs at V / V_b of its speed meanwhile; else symmetric), the b
 sequential pass it still needs. Work-ahead pays when its hit rate exceeds h* = (O − V) / (S − O + O − V)
 = (O − V) / D. Prints a table, writes ``overlap.json`` and ``overlap.png``.
 
-What it does not know: the RPC (``bench profile``), acceptance (``bench latency``).
+Then the served part (specstream/tools/bench/ahead.py): the pair's stacks with the draft service
+working ahead (off / idle / normal, the target on all cores or on one, asking early or not), side by side on the same
+requests: what working ahead gives as built, RPC and acceptance included. Its rows go to
+``overlap.json`` ("served") and ``ahead.png``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import statistics
 import time
 from pathlib import Path
 
-from specstream.tools.bench import report
+from specstream.tools.bench import ahead, report
 from specstream.tools.bench.latency import display
 from specstream.tools.bench.models import BenchModels
 from specstream.tools.progress import Progress
@@ -50,7 +53,7 @@ def overlapped_pass_ms(v: float, v_busy: float, d: float, d_busy: float) -> floa
 
 
 def run(models: BenchModels, out_dir: Path, gammas: list[int] | None = None, seconds: float = 2.0,
-        quiet: bool = False) -> dict:
+        quiet: bool = False, served_prompts: int = 4, max_new_tokens: int = 96) -> dict:
     gammas = gammas or [1, 2, 4]
     ctx = mp.get_context("spawn")
     to_target, to_draft, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -106,11 +109,19 @@ def run(models: BenchModels, out_dir: Path, gammas: list[int] | None = None, sec
                      entry["break_even_hit_rate"]])
     print(report.table(HEADERS, rows), flush=True)
     data["table_markdown"] = report.markdown_table(HEADERS, rows)
+    served_gammas = [0, *gammas, "auto"]
+    with Progress(ahead.planned_generations(served_prompts, served_gammas), "generations", "overlap, served",
+                  quiet=quiet) as progress:
+        data["served"], served_rows = ahead.served(models, served_gammas, served_prompts, max_new_tokens, progress)
+    print("\nserved, batch 1: the target asking early, the draft working ahead (x same without: over the stack "
+          "asking early without work ahead at the same target threads and gamma, requests interleaved)\n" + report.table(ahead.HEADERS, served_rows),
+          flush=True)
+    ahead.plot(out_dir / "ahead.png", models.label, served_rows)
     report.write_json(out_dir / "overlap.json", data)
     report.plot_stacked(out_dir / "overlap.png", f"A pass, sequential and overlapped, {models.label}", "ms",
                         [f"γ={g} {kind}" for g in gammas for kind in ("seq", "overlap")],
                         {"pass": [data["gammas"][g][k] for g in gammas for k in ("sequential_ms", "overlapped_ms")]})
-    print(f"\nwrote {out_dir / 'overlap.json'}, {out_dir / 'overlap.png'}", flush=True)
+    print(f"\nwrote {out_dir / 'overlap.json'}, {out_dir / 'overlap.png'}, {out_dir / 'ahead.png'}", flush=True)
     return data
 
 

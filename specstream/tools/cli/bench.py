@@ -133,7 +133,8 @@ def _step(args: argparse.Namespace, out: Path) -> None:
 def _overlap(args: argparse.Namespace, out: Path) -> None:
     from specstream.tools.bench import overlap
 
-    overlap.run(bench_models(args), out, gammas=_numbers(args.gammas), quiet=args.quiet)
+    overlap.run(bench_models(args), out, gammas=_numbers(args.gammas), quiet=args.quiet,
+                served_prompts=args.prompts or 4, max_new_tokens=args.max_new_tokens or 96)
 
 
 # `specstream bench KIND`: KIND's entry, called with the flags and --out (made beforehand).
@@ -174,8 +175,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "beam: FIXED / VAR-BATCH / VAR-STREAM / VAR-STR-FIFO beam search and transformers' beams; "
                         "step: one decode step against the bandwidth bound, verify cost by positions, host work "
                         "per engine step, a noisy neighbour, and (when installed) llama.cpp; "
-                        "overlap: the target's verify and the draft's propose call alone and side by side, and "
-                        "what drafting while the target verifies could save (--gammas, default 1,2,4)")
+                        "overlap: the target's verify and the draft's propose call alone and side by side, "
+                        "what drafting while the target verifies could save (--gammas, default 1,2,4), and the "
+                        "draft service working ahead as served (--prompts, default 4; --max-new-tokens, default 96)")
     pair_flags(p, dtype_help="default: the --models pair's")
     p.add_argument("--out", default="bench-results", help="directory for JSON and PNG output")
     p.add_argument("--prompts", type=int, default=None, help="prompts per workload (default 8; gamma 4)")

@@ -68,6 +68,9 @@ def _serve_process_flags(p: argparse.ArgumentParser) -> None:
     weights_flag(p)
     p.add_argument("--draft-threads", type=int, default=1, help="CPU threads of the draft model (0: one per core)")
     p.add_argument("--target-threads", type=int, default=0, help="CPU threads of the target model (0: one per core)")
+    p.add_argument("--work-ahead", choices=("off", "idle", "normal"), default="off",
+                   help="the draft service drafts the next round of greedy chains after each reply, until the "
+                        "next request: at SCHED_IDLE (idle) or its thread's priority (normal)")
     p.add_argument("--log-dir", help="write each service's log here instead of the terminal")
     p.add_argument("--metrics", action="store_true", help="each service serves Prometheus /metrics on a free port")
 
@@ -161,7 +164,9 @@ def _stack_spec(args: argparse.Namespace):
                      draft_threads=args.draft_threads, target_threads=args.target_threads,
                      target_replicas=args.replicas, metrics=args.metrics,
                      extra_target_args=[*_batching_args(args), "--speculative-sampling", args.speculative_sampling,
-                                        "--tree-branches", str(args.tree_branches)],
+                                        "--tree-branches", str(args.tree_branches),
+                                        *(["--no-draft-early"] if args.no_draft_early else [])],
+                     work_ahead=args.work_ahead,
                      trace_file=os.path.abspath(args.trace_file) if args.trace_file else None,
                      security=_serve_security(args),
                      supervise=None if args.no_supervise else RestartPolicy(max_delay_s=args.restart_max_delay))

@@ -169,7 +169,7 @@ def _target_config(args: argparse.Namespace) -> TargetConfig:
                         calibrate=not args.no_calibrate, draft_url=args.draft_url,
                         draft_timeout_s=args.draft_timeout, draft_deadline_floor_s=args.draft_deadline_floor,
                         draft_deadline_factor=args.draft_deadline_factor, draft_retry_s=args.draft_retry,
-                        torch_threads=args.threads, memory=_memory_config(args),
+                        draft_early=not args.no_draft_early, torch_threads=args.threads, memory=_memory_config(args),
                         colocated_draft=_colocated_draft(args), draft_security=_channel_security(args, "draft"),
                         **_batching_config(args))
 
@@ -206,6 +206,9 @@ def _add_draft(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-slots", type=int, default=64)
     p.add_argument("--q-support", type=int, default=256,
                    help="sampling: q is cut to this many most likely tokens before it is sampled and sent")
+    p.add_argument("--work-ahead", choices=("off", "idle", "normal"), default="off",
+                   help="after each reply, draft the next round of greedy chains until the next request: at "
+                        "SCHED_IDLE (idle) or the thread's priority (normal)")
     _memory_flags(p)
     p.set_defaults(func=cmd_draft)
 
@@ -222,7 +225,8 @@ def _draft_config(args: argparse.Namespace) -> DraftConfig:
                        max_seq_len=args.max_seq_len, torch_threads=args.threads, q_support=args.q_support,
                        memory=_memory_config(args),
                        synthetic_oracle=args.synthetic_oracle, synthetic_alpha=args.synthetic_alpha,
-                       proposer=args.proposer, ngram_max=args.ngram_max, ngram_min=args.ngram_min)
+                       proposer=args.proposer, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+                       work_ahead=args.work_ahead)
 
 
 # --- gateway ----------------------------------------------------------------------------------------------

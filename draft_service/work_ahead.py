@@ -1,0 +1,83 @@
+"""Working ahead: what a draft model prepares for a sequence's next round while the target verifies
+this one (``DraftConfig.work_ahead``; docs/architecture.md §3.3, "Working ahead").
+
+After answering a greedy row with a chain c_1..c_γ, the draft assumes the target keeps the whole
+chain and emits the draft's own next guess b' as its bonus token, and drafts on from there: the
+next round's guesses e_1..e_d are prepared before the target has verified this round. The next
+item of that sequence is then either exactly what was assumed (it rolls back to the length this
+reply reported and appends the chain's unheld tokens and b' — a hit: the prepared guesses go out
+at once, with no forward) or anything else (a miss: the prepared guesses are dropped unread and the
+item is drafted as it would have been without working ahead; nothing the work wrote is counted).
+
+A prepared proposal is keyed by the sequence (whose key names its stream, so a new stream — a new
+epoch on the target — never matches one) and matched on the item's whole content, never on a
+guess: a stale, late or wrong-prefix proposal cannot be answered. The work runs on the draft's one
+compute thread after a reply has been sent and stops at its next forward when a request arrives,
+at the lowest CPU priority the OS offers (``SCHED_IDLE``: it runs on cycles nothing else wants, so
+a target that shares the cores is not slowed by it) unless the config says ``normal``.
+
+Greedy rows only: a sampling row's guesses would be the same draws (their noise is keyed by
+position), but its q tables are not kept; a tree's branches are not prepared (a hit answers a chain).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specstream.data.propose import ProposeItem
+
+log = logging.getLogger(__name__)
+
+MODES = ("off", "idle", "normal")  # DraftConfig.work_ahead: not at all, at SCHED_IDLE, at the thread's priority
+
+
+@dataclass
+class Prepared:
+    """A sequence's next round, drafted ahead: answered only to an item that rolls back to
+    ``rollback_to`` and appends exactly ``append`` (the chain's unheld tokens, then the draft's
+    guess of the bonus token), with ``tail``'s guesses (as many as were drafted before a request
+    stopped the work)."""
+
+    rollback_to: int
+    append: list[int]
+    tail: list[int]
+
+    def answers(self, item: ProposeItem) -> bool:
+        return (bool(self.tail) and item.gamma > 0 and item.sampling.greedy
+                and item.rollback_to == self.rollback_to and item.append == self.append)
+
+
+@dataclass
+class AheadCounts:
+    """Per proposer: rounds prepared, and how the items that had one were answered."""
+
+    counts: Counter = field(default_factory=Counter)
+
+    def hit(self) -> None:
+        self.counts["hit"] += 1
+
+    def miss(self) -> None:
+        self.counts["miss"] += 1
+
+    def prepared(self, n: int) -> None:
+        self.counts["prepared"] += n
+
+
+def run_at_idle_priority(work: Callable[[], None], idle: bool) -> None:
+    """Runs ``work()`` on the calling thread, at ``SCHED_IDLE`` while it runs when ``idle`` (and
+    the OS has it), then back at the thread's own policy. A failure of the work is logged, not
+    raised: the work is optional, and the next request is answered from scratch."""
+    policy = os.sched_getscheduler(0) if idle and hasattr(os, "SCHED_IDLE") else None
+    try:
+        if policy is not None:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        work()
+    except Exception:  # working ahead must never take the draft down
+        log.exception("working ahead failed; the next round is drafted when it is asked for")
+    finally:
+        if policy is not None:
+            os.sched_setscheduler(0, policy, os.sched_param(0))

@@ -1,0 +1,143 @@
+"""`bench overlap`'s served part: the draft service working ahead (draft_service/work_ahead.py), measured.
+
+Stacks of the pair as served, side by side, differing only in the draft's ``--work-ahead`` (off,
+idle: at SCHED_IDLE, normal), in the target's threads (its default, one per core: the two share the
+cores; 1: the draft has a core of its own) and in whether the target asks the draft for a pass as
+soon as the pass before is verified (``--no-draft-early``: when it starts). Every request goes to each stack in turn
+(the order alternating per request), so a slow stretch of the machine falls on all of them: each
+row is a ratio to the stack without work ahead (asking early) at the same threads and γ, in the same
+run. Batch 1.
+
+Per row: tokens/s, the draft's hit rate (items answered from a prepared round over the items
+that had one), and the target engine's own per-pass time (its compute, waiting for the draft,
+host work). Every row's token ids must equal the stack without work ahead's (greedy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+from pathlib import Path
+
+from specstream.tools.bench import report
+from specstream.tools.bench.checks import check_runs_match
+from specstream.tools.bench.models import BenchModels
+from specstream.tools.bench.passes import metric_samples, per_pass_ms, read_counters
+from specstream.tools.launcher import Stack, StackSpec
+from specstream.tools.progress import Progress
+
+__all__ = ["SETTINGS", "planned_generations", "served"]
+
+# (the draft's work_ahead, the target's threads: 0 = one per core, whether the target asks early)
+SETTINGS = [("off", 0, True), ("off", 0, False), ("idle", 0, True), ("normal", 0, True), ("off", 1, True),
+            ("idle", 1, True)]
+HEADERS = ["gamma", "target threads", "asks early", "work ahead", "tok/s", "x same without", "hit rate",
+           "prepared per pass", "target ms", "draft ms", "host ms"]
+_COUNTER = "specstream:draft_work_ahead_total"
+
+
+def planned_generations(n_prompts: int, gammas: list) -> int:
+    return len(SETTINGS) * len(gammas) * n_prompts
+
+
+def served(models: BenchModels, gammas: list[int | str], n_prompts: int, max_new_tokens: int,
+           progress: Progress) -> tuple[dict, list[list]]:
+    """Runs every γ ("auto": the controller; 0: plain) on every setting; returns the JSON entry and
+    the table's rows."""
+    prompts = models.prompts(n_prompts)
+    with contextlib.ExitStack() as stacks:
+        running = {}
+        for setting in SETTINGS:
+            progress.phase(f"overlap: starting the stack with {_name(setting)}")
+            logs = stacks.enter_context(tempfile.TemporaryDirectory())
+            running[setting] = stacks.enter_context(Stack(_spec(models, logs, *setting)))
+        progress.phase(f"overlap: served, {len(SETTINGS)} stacks interleaved")
+        runs = _interleaved(running, prompts, gammas, max_new_tokens, progress)
+    rows, entries = [], {}
+    for gamma in gammas:
+        check_runs_match(f"work ahead (gamma {gamma})", "the same stack without work ahead",
+                         runs[(gamma, SETTINGS[0])]["token_ids"],
+                         {_name(s): runs[(gamma, s)]["token_ids"] for s in SETTINGS[1:]})
+        for setting in SETTINGS:
+            r = runs[(gamma, setting)]
+            without = runs[(gamma, ("off", setting[1], True))]
+            r["x_without"] = r["tokens_per_s"] / without["tokens_per_s"]
+            parts = r["pass_ms"] or {}
+            rows.append([gamma, setting[1] or "default", "yes" if setting[2] else "no", setting[0], r["tokens_per_s"],
+                         r["x_without"],
+                         r["hit_rate"], r["prepared_per_pass"], parts.get("target", "-"), parts.get("draft", "-"),
+                         parts.get("host", "-")])
+            entries[f"gamma {gamma}, {_name(setting)}"] = {k: v for k, v in r.items() if k != "token_ids"}
+    return {"settings": [_name(s) for s in SETTINGS], "gammas": gammas, "prompts": len(prompts),
+            "max_new_tokens": max_new_tokens, "rows": entries,
+            "table_markdown": report.markdown_table(HEADERS, rows)}, rows
+
+
+def _name(setting: tuple[str, int, bool]) -> str:
+    return f"work ahead {setting[0]}, target threads {setting[1] or 'default'}" + ("" if setting[2] else ", not early")
+
+
+def _spec(models: BenchModels, logs: str, work_ahead: str, threads: int, early: bool) -> StackSpec:
+    return StackSpec(str(models.target), str(models.require_draft()), max_gamma=16, dtype=models.dtype,
+                     log_dir=logs, metrics=True, work_ahead=work_ahead, target_threads=threads,
+                     extra_target_args=[] if early else ["--no-draft-early"],
+                     **({"weights": models.weights, **models.proposing}))
+
+
+def _interleaved(running: dict, prompts: list[list[int]], gammas: list, max_new_tokens: int,
+                 progress: Progress) -> dict:
+    from specstream_client import Client
+
+    settings = list(running)
+    with contextlib.ExitStack() as opened:
+        clients = {s: opened.enter_context(Client(stack.gateway_address, timeout=600)) for s, stack in running.items()}
+        for client in clients.values():  # warm-up
+            client.generate(prompts[0], max_new_tokens=16, ignore_eos=True)
+        target = {s: stack.metrics_addresses["target"] for s, stack in running.items()}
+        draft = {s: stack.metrics_addresses["draft"] for s, stack in running.items()}
+        totals = {(g, s): {"seconds": 0.0, "tokens": 0, "token_ids": [], "passes": None, "ahead": {}}
+                  for g in gammas for s in settings}
+        for i, prompt in enumerate(prompts):
+            for j, gamma in enumerate(gammas):
+                for s in settings if (i + j) % 2 == 0 else settings[::-1]:
+                    t = totals[(gamma, s)]
+                    before, ahead = read_counters(target[s]), _ahead(draft[s])
+                    began = time.perf_counter()
+                    reply = clients[s].generate(prompt, max_new_tokens=max_new_tokens, ignore_eos=True,
+                                                speculation=gamma or "off")
+                    t["seconds"] += time.perf_counter() - began
+                    t["tokens"] += len(reply.token_ids)
+                    t["token_ids"].append(list(reply.token_ids))
+                    _add(t, "passes", _difference(before, read_counters(target[s])))
+                    _add(t, "ahead", _difference(ahead, _ahead(draft[s])))
+                    progress.update()
+    return {key: _summary(t) for key, t in totals.items()}
+
+
+def _ahead(address: str) -> dict[str, float]:
+    counts = dict.fromkeys(("prepared", "hit", "miss"), 0.0)
+    counts.update({labels["outcome"]: value for labels, value in metric_samples(address, _COUNTER)})
+    return counts
+
+
+def _difference(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in before}
+
+
+def _add(t: dict, field: str, difference: dict[str, float]) -> None:
+    t[field] = {k: (t[field] or {}).get(k, 0.0) + v for k, v in difference.items()}
+
+
+def _summary(t: dict) -> dict:
+    passes, ahead = t["passes"], t["ahead"]
+    had = ahead["hit"] + ahead["miss"]
+    return {"tokens_per_s": t["tokens"] / t["seconds"], "token_ids": t["token_ids"],
+            "pass_ms": per_pass_ms(dict.fromkeys(passes, 0.0), passes),
+            "hit_rate": ahead["hit"] / had if had else "-", "hits": ahead["hit"], "misses": ahead["miss"],
+            "prepared_per_pass": ahead["prepared"] / passes["passes"] if passes["passes"] else "-"}
+
+
+def plot(path: Path, label: str, rows: list[list]) -> None:
+    report.plot_bars(path, f"Working ahead, served, batch 1, {label}", "tokens/s",
+                     {f"γ={r[0]} t={r[1]} early={r[2]} {r[3]}": r[4] for r in rows})

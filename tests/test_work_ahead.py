@@ -1,0 +1,171 @@
+"""Working ahead (draft_service/work_ahead.py): after a reply, the draft drafts the round that
+follows if the target keeps the whole chain and emits the draft's own bonus guess.
+
+- Greedy output with a draft that works ahead after every call (token draft, feature draft, prompt
+  lookup in front) is the target's plain greedy output, with rounds answered from work ahead and
+  rounds that missed.
+- A prepared round answers only the item it assumed: any other rollback, token, a sampling item or
+  another stream's key drafts afresh, with the very reply a draft that never worked ahead gives.
+- A hit of the token draft is what it would have drafted afresh; a stop ends the work at its next
+  forward, and what was drafted before it still answers.
+- The work runs at SCHED_IDLE when asked, and the thread's policy is back after it, failed or not.
+- tests/integration/test_work_ahead_stack.py: a draft service working ahead serves the stack.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from engine_harness import naive_greedy, run_engine
+from feature_pair import PROMPTS
+
+from draft_service.combined import NgramPlusModelProposer
+from draft_service.feature import FeatureProposer
+from draft_service.proposer import DraftProposer
+from draft_service.work_ahead import run_at_idle_priority
+from specstream.data.propose import ProposeItem
+from specstream.data.sampling import SamplingParams
+from specstream.models.feature_draft import load_feature_draft
+from specstream.models.loader import load_model
+
+
+class _AheadAfterEveryCall:
+    """A proposer that works ahead after every reply, as the draft service does between requests."""
+
+    def __init__(self, proposer) -> None:
+        self.proposer = proposer
+
+    def __getattr__(self, name):
+        return getattr(self.proposer, name)
+
+    def propose(self, items):
+        out = self.proposer.propose(items)
+        self.proposer.work_ahead()
+        return out
+
+
+def _token_draft(model_zoo) -> DraftProposer:
+    return DraftProposer(load_model(model_zoo["partial"]), max_slots=16, max_seq_len=512)
+
+
+def _feature_draft(feature_pair) -> FeatureProposer:
+    return FeatureProposer(load_feature_draft(feature_pair["draft"], Path), 16, 512)
+
+
+@pytest.mark.parametrize("kind", ["token", "feature", "ngram+feature"])
+@pytest.mark.parametrize("gamma", [3, None], ids=["fixed3", "auto"])
+def test_greedy_with_a_draft_working_ahead_is_plain_greedy(model_zoo, feature_pair, kind, gamma) -> None:
+    draft = _token_draft(model_zoo) if kind == "token" else _feature_draft(feature_pair)
+    if kind == "ngram+feature":
+        draft = NgramPlusModelProposer(draft, 16, min_n=2)
+    budgets = [30, 41, 25, 36]
+    got, finals = run_engine(model_zoo["target"], None, PROMPTS, gamma=gamma, max_new_tokens=budgets,
+                             proposer=_AheadAfterEveryCall(draft), config={"calibrate": False})
+    for prompt, tokens, budget in zip(PROMPTS, got, budgets):
+        assert tokens == naive_greedy(model_zoo["target"], prompt, budget)
+    counts = draft.ahead.counts
+    if gamma:  # a fixed γ drafts every step: rounds were prepared, and some answered, some missed
+        assert counts["prepared"] > 0 and counts["hit"] > 0 and counts["miss"] > 0, counts
+    assert sum(f.stats.rejections for f in finals) > 0
+
+
+def _first_round(draft, key="s", prompt=(5, 6, 7, 8, 9), gamma=3) -> tuple[ProposeItem, list[int], int]:
+    item = ProposeItem(key, 0, list(prompt), gamma)
+    reply = draft.propose([item])[0]
+    return item, reply.tokens, reply.length
+
+
+def test_a_prepared_round_answers_only_the_item_it_assumed(model_zoo) -> None:
+    """Each variant of the assumed next item is a miss, answered bit for bit as by a draft that never
+    worked ahead; the assumed item itself is a hit."""
+    prompt = [5, 6, 7, 8, 9]
+    ahead = _token_draft(model_zoo)
+    _, chain, length = _first_round(ahead, prompt=prompt)
+    ahead.work_ahead()
+    bonus = ahead.prepared["s"].append[-1]
+    assumed = ProposeItem("s", length, [chain[-1], bonus], 3)
+    other = (bonus + 1) % 300
+    variants = {
+        "another bonus": ProposeItem("s", length, [chain[-1], other], 3),
+        "a refused guess": ProposeItem("s", length - 1, [other], 3),
+        "sampling": ProposeItem("s", length, [chain[-1], bonus], 3, SamplingParams.from_settings(0.8, seed=1)),
+    }
+    for why, variant in variants.items():
+        fresh = _token_draft(model_zoo)
+        _first_round(fresh, prompt=prompt)
+        expected = fresh.propose([variant])[0]
+        draft = _token_draft(model_zoo)
+        _first_round(draft, prompt=prompt)
+        draft.work_ahead()
+        reply = draft.propose([variant])[0]
+        assert (reply.tokens, reply.length, reply.q_probs) == (expected.tokens, expected.length, expected.q_probs), why
+        assert draft.ahead.counts["miss"] == 1 and draft.ahead.counts["hit"] == 0, why
+    # Another stream's sequence (another key) with the same tokens was never worked ahead on.
+    fresh = _token_draft(model_zoo)
+    _first_round(fresh, key="t", prompt=prompt)
+    draft = _token_draft(model_zoo)
+    _first_round(draft, prompt=prompt)
+    _first_round(draft, key="t", prompt=prompt)
+    draft.work_ahead()
+    assert "t" in draft.prepared and "s" not in draft.prepared  # only the latest call's chains
+    reply = ahead.propose([assumed])[0]
+    assert ahead.ahead.counts["hit"] == 1 and len(reply.tokens) == 3
+
+
+def test_a_token_drafts_hit_is_what_it_would_draft_afresh(model_zoo) -> None:
+    prompt = [5, 6, 7, 8, 9]
+    hits = 0
+    for gamma in (1, 2, 4):
+        draft = _token_draft(model_zoo)
+        _, chain, length = _first_round(draft, prompt=prompt, gamma=gamma)
+        draft.work_ahead()
+        assumed = ProposeItem("s", length, [chain[-1], draft.prepared["s"].append[-1]], gamma)
+        fresh = _token_draft(model_zoo)
+        _first_round(fresh, prompt=prompt, gamma=gamma)
+        expected, reply = fresh.propose([assumed])[0], draft.propose([assumed])[0]
+        assert (reply.tokens, reply.length) == (expected.tokens, expected.length)
+        hits += draft.ahead.counts["hit"]
+    assert hits == 3
+
+
+def test_a_stop_ends_the_work_and_what_was_drafted_still_answers(model_zoo, feature_pair) -> None:
+    # stop() is read before the work's forwards: the token draft's 1 + 4 guesses after its first,
+    # the feature draft's after each row's check (its chain of 4 is fed before its bonus guess).
+    for draft, allowed in ((_token_draft(model_zoo), 3), (_feature_draft(feature_pair), 6)):
+        features = _zero_features(draft, 4)
+        reply = draft.propose([ProposeItem("s", 0, [5, 6, 7, 8, 9], 4, **features)])[0]
+        assert len(reply.tokens) == 4
+        asked = []
+
+        def stop(asked: list = asked, allowed: int = allowed) -> bool:
+            asked.append(1)
+            return len(asked) > allowed
+
+        draft.work_ahead(stop=stop)
+        ready = draft.prepared["s"]
+        assert 0 < len(ready.tail) < 4  # stopped before the round was whole
+        features = _zero_features(draft, len(ready.append))  # the target's, of the chain and the bonus
+        reply = draft.propose([ProposeItem("s", ready.rollback_to, ready.append, 4, **features)])[0]
+        assert reply.tokens == ready.tail and draft.ahead.counts["hit"] == 1
+
+
+def _zero_features(draft, count: int) -> dict:
+    if not isinstance(draft, FeatureProposer):
+        return {}
+    return {"features": bytes(2 * draft.feature_width * count), "feature_width": draft.feature_width}
+
+
+def test_the_work_runs_at_idle_priority_and_the_thread_gets_its_own_back() -> None:
+    seen = []
+    before = os.sched_getscheduler(0)
+    run_at_idle_priority(lambda: seen.append(os.sched_getscheduler(0)), idle=True)
+    run_at_idle_priority(lambda: seen.append(os.sched_getscheduler(0)), idle=False)
+
+    def fails() -> None:
+        seen.append(os.sched_getscheduler(0))
+        raise RuntimeError("the work failed")
+
+    run_at_idle_priority(fails, idle=True)  # logged, not raised
+    assert seen == [os.SCHED_IDLE, before, os.SCHED_IDLE] and os.sched_getscheduler(0) == before
