@@ -433,7 +433,7 @@ class Engine:
                          [s.width for s in beams])
 
     def _next_pass_is(self, rows: list[Sequence], beams: list[Sequence]) -> bool:
-        """Whether to ask the draft service for the next pass now (``TargetConfig.draft_early``):
+        """Whether to ask the draft service for the next pass now (``TargetConfig.draft_early``, off by default):
         when the next pass will decode exactly ``rows`` (every running sequence was in this pass and
         goes on, nothing waits to be admitted or cancelled, no beam runs: anything else would change
         its rows). A draft in this process (``LocalDraft``) is never asked early: it runs on the

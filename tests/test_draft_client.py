@@ -61,10 +61,10 @@ async def _draft_server(proposer) -> tuple[grpc.aio.Server, str, ThreadPoolExecu
     return server, f"127.0.0.1:{port}", compute
 
 
-def _slow_engine(model_zoo, client: DraftClient) -> Engine:
+def _slow_engine(model_zoo, client: DraftClient, early: bool = False) -> Engine:
     model = load_model(model_zoo["target"])
     config = TargetConfig(model=ModelSpec(str(model_zoo["target"])), max_slots=4, max_seq_len=256, max_gamma=8,
-                          calibrate=False)
+                          calibrate=False, draft_early=early)
     engine = Engine(model, config, client)
     verify = engine._verify_compute
 
@@ -191,7 +191,7 @@ def test_the_next_pass_is_asked_for_as_soon_as_a_pass_is_verified(model_zoo):
     async def main():
         server, address, compute = await _draft_server(proposer)
         client = DraftClient(address, timeout_s=5.0, retry_s=0.1)
-        engine = _slow_engine(model_zoo, client)
+        engine = _slow_engine(model_zoo, client, early=True)
         loop_task = asyncio.create_task(engine.run())
         try:
             assert await client.wait_connected(5.0)

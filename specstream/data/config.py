@@ -245,10 +245,11 @@ class TargetConfig:
     draft_deadline_floor_s: float = 0.25  # the shortest deadline (scheduling noise on a busy host)
     draft_deadline_factor: float = 2.0  # the deadline over the round trip predicted for the shape
     draft_retry_s: float = 1.0  # wait this long before reconnecting to a failed draft
-    # Ask the draft for the next pass as soon as a pass is verified, before the engine's host work
-    # (emitting tokens, retiring, admitting), when the next pass will decode the same rows
-    # (target_service/drafting.py ``propose_early``): the draft computes while the host works.
-    draft_early: bool = True
+    # Ask the draft service for the next pass as soon as a pass is verified, before the engine's
+    # host work (emitting tokens, retiring, admitting), when the next pass will decode the same rows
+    # (target_service/drafting.py ``propose_early``): the draft computes while the host works. Off
+    # by default: on 2 shared cores it measured no faster (docs/benchmarks.md, "Working ahead").
+    draft_early: bool = False
     # TLS, client certificate and internal token towards the draft service (draft_url).
     draft_security: ChannelSecurity = field(default_factory=lambda: ChannelSecurity("draft_security"))
     torch_threads: int = 0  # CPU threads for the model (0: torch's default, one per core)

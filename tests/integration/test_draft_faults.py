@@ -72,9 +72,13 @@ def _wait_until(condition, timeout_s: float, every_s: float = 0.05) -> float:
     return time.monotonic() - started
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["default", "asking-early-working-ahead"])
 def test_a_stopped_draft_stalls_streams_by_one_deadline_and_speculation_resumes_after_sigcont(stack_factory,
-                                                                                              model_zoo):
-    stack = stack_factory(model_zoo["target"], model_zoo["partial"], max_slots=8)
+                                                                                              model_zoo, ahead):
+    """Also with the target asking early and the draft working ahead: the stop then lands on a
+    request sent before its pass, or on the work between requests."""
+    stack = stack_factory(model_zoo["target"], model_zoo["partial"], max_slots=8,
+                          **({"work_ahead": "normal", "extra_target_args": ["--draft-early"]} if ahead else {}))
     with Client(stack.gateway_address, timeout=30) as client:
         assert client.model_info().draft_connected  # before any request
     plain, _ = asyncio.run(_streams(stack.gateway_address, "off"))

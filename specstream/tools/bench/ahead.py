@@ -3,10 +3,10 @@
 Stacks of the pair as served, side by side, differing only in the draft's ``--work-ahead`` (off,
 idle: at SCHED_IDLE, normal), in the target's threads (its default, one per core: the two share the
 cores; 1: the draft has a core of its own) and in whether the target asks the draft for a pass as
-soon as the pass before is verified (``--no-draft-early``: when it starts). Every request goes to each stack in turn
+soon as the pass before is verified (``--draft-early``) or when it starts (the default). Every request goes to each stack in turn
 (the order alternating per request), so a slow stretch of the machine falls on all of them: each
-row is a ratio to the stack without work ahead (asking early) at the same threads and γ, in the same
-run. Batch 1.
+row is a ratio to the stack with neither (the defaults) at the same threads and γ, in the same run.
+Batch 1.
 
 Per row: tokens/s, the draft's hit rate (items answered from a prepared round over the items
 that had one), and the target engine's own per-pass time (its compute, waiting for the draft,
@@ -30,9 +30,9 @@ from specstream.tools.progress import Progress
 __all__ = ["SETTINGS", "planned_generations", "served"]
 
 # (the draft's work_ahead, the target's threads: 0 = one per core, whether the target asks early)
-SETTINGS = [("off", 0, True), ("off", 0, False), ("idle", 0, True), ("normal", 0, True), ("off", 1, True),
-            ("idle", 1, True)]
-HEADERS = ["gamma", "target threads", "asks early", "work ahead", "tok/s", "x same without", "hit rate",
+SETTINGS = [("off", 0, False), ("off", 0, True), ("idle", 0, False), ("normal", 0, False), ("off", 1, False),
+            ("idle", 1, False)]
+HEADERS = ["gamma", "target threads", "asks early", "work ahead", "tok/s", "x defaults", "hit rate",
            "prepared per pass", "target ms", "draft ms", "host ms"]
 _COUNTER = "specstream:draft_work_ahead_total"
 
@@ -61,7 +61,7 @@ def served(models: BenchModels, gammas: list[int | str], n_prompts: int, max_new
                          {_name(s): runs[(gamma, s)]["token_ids"] for s in SETTINGS[1:]})
         for setting in SETTINGS:
             r = runs[(gamma, setting)]
-            without = runs[(gamma, ("off", setting[1], True))]
+            without = runs[(gamma, ("off", setting[1], False))]
             r["x_without"] = r["tokens_per_s"] / without["tokens_per_s"]
             parts = r["pass_ms"] or {}
             rows.append([gamma, setting[1] or "default", "yes" if setting[2] else "no", setting[0], r["tokens_per_s"],
@@ -75,13 +75,13 @@ def served(models: BenchModels, gammas: list[int | str], n_prompts: int, max_new
 
 
 def _name(setting: tuple[str, int, bool]) -> str:
-    return f"work ahead {setting[0]}, target threads {setting[1] or 'default'}" + ("" if setting[2] else ", not early")
+    return f"work ahead {setting[0]}, target threads {setting[1] or 'default'}" + (", asking early" if setting[2] else "")
 
 
 def _spec(models: BenchModels, logs: str, work_ahead: str, threads: int, early: bool) -> StackSpec:
     return StackSpec(str(models.target), str(models.require_draft()), max_gamma=16, dtype=models.dtype,
                      log_dir=logs, metrics=True, work_ahead=work_ahead, target_threads=threads,
-                     extra_target_args=[] if early else ["--no-draft-early"],
+                     extra_target_args=["--draft-early"] if early else [],
                      **({"weights": models.weights, **models.proposing}))
 
 

@@ -109,12 +109,12 @@ def run(models: BenchModels, out_dir: Path, gammas: list[int] | None = None, sec
                      entry["break_even_hit_rate"]])
     print(report.table(HEADERS, rows), flush=True)
     data["table_markdown"] = report.markdown_table(HEADERS, rows)
-    served_gammas = [0, *gammas, "auto"]
+    served_gammas = [0, *gammas, "auto"]  # γ 0 shows the stacks' spread: nothing drafts there
     with Progress(ahead.planned_generations(served_prompts, served_gammas), "generations", "overlap, served",
                   quiet=quiet) as progress:
         data["served"], served_rows = ahead.served(models, served_gammas, served_prompts, max_new_tokens, progress)
-    print("\nserved, batch 1: the target asking early, the draft working ahead (x same without: over the stack "
-          "asking early without work ahead at the same target threads and gamma, requests interleaved)\n" + report.table(ahead.HEADERS, served_rows),
+    print("\nserved, batch 1: the target asking early, the draft working ahead (x defaults: over the stack with "
+          "neither at the same target threads and gamma, requests interleaved)\n" + report.table(ahead.HEADERS, served_rows),
           flush=True)
     ahead.plot(out_dir / "ahead.png", models.label, served_rows)
     report.write_json(out_dir / "overlap.json", data)

@@ -96,10 +96,10 @@ def gamma_flags(p: argparse.ArgumentParser) -> None:
                         "speculation=auto takes as many as the measured verify cost says pay (a fixed gamma stays "
                         "a chain), under fixed every drafting request all of them, hf and leviathan none; 0: "
                         "chains only")
-    p.add_argument("--no-draft-early", action="store_true",
-                   help="ask the draft for a pass only when it starts (default: as soon as the pass before is "
-                        "verified, when the next pass decodes the same requests, so the draft works during the "
-                        "host work between passes)")
+    p.add_argument("--draft-early", action="store_true",
+                   help="ask the draft service for a pass as soon as the pass before is verified (when the next "
+                        "pass decodes the same requests), so the draft works during the host work between passes "
+                        "(default: when the pass starts)")
 
 
 def batching_flags(p: argparse.ArgumentParser) -> None:

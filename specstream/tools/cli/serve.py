@@ -165,7 +165,7 @@ def _stack_spec(args: argparse.Namespace):
                      target_replicas=args.replicas, metrics=args.metrics,
                      extra_target_args=[*_batching_args(args), "--speculative-sampling", args.speculative_sampling,
                                         "--tree-branches", str(args.tree_branches),
-                                        *(["--no-draft-early"] if args.no_draft_early else [])],
+                                        *(["--draft-early"] if args.draft_early else [])],
                      work_ahead=args.work_ahead,
                      trace_file=os.path.abspath(args.trace_file) if args.trace_file else None,
                      security=_serve_security(args),

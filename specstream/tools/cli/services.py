@@ -169,7 +169,7 @@ def _target_config(args: argparse.Namespace) -> TargetConfig:
                         calibrate=not args.no_calibrate, draft_url=args.draft_url,
                         draft_timeout_s=args.draft_timeout, draft_deadline_floor_s=args.draft_deadline_floor,
                         draft_deadline_factor=args.draft_deadline_factor, draft_retry_s=args.draft_retry,
-                        draft_early=not args.no_draft_early, torch_threads=args.threads, memory=_memory_config(args),
+                        draft_early=args.draft_early, torch_threads=args.threads, memory=_memory_config(args),
                         colocated_draft=_colocated_draft(args), draft_security=_channel_security(args, "draft"),
                         **_batching_config(args))
 
