@@ -138,6 +138,10 @@ def _summary(t: dict) -> dict:
             "prepared_per_pass": ahead["prepared"] / passes["passes"] if passes["passes"] else "-"}
 
 
-def plot(path: Path, label: str, rows: list[list]) -> None:
-    report.plot_bars(path, f"Working ahead, served, batch 1, {label}", "tokens/s",
-                     {f"γ={r[0]} t={r[1]} early={r[2]} {r[3]}": r[4] for r in rows})
+def plot(path: Path, label: str, entry: dict) -> None:
+    """Each setting's tokens/s over the defaults' at the same threads, per γ."""
+    gammas = [str(g) for g in entry["gammas"]]
+    series = {name: (gammas, [entry["rows"][f"gamma {g}, {name}"]["x_without"] for g in entry["gammas"]])
+              for name in entry["settings"] if "work ahead off" not in name or "asking early" in name}
+    report.plot_lines(path, f"Working ahead / asking early, served, batch 1, {label}", "gamma",
+                      "tokens/s over the defaults", series, hline=1.0)

@@ -116,7 +116,7 @@ def run(models: BenchModels, out_dir: Path, gammas: list[int] | None = None, sec
     print("\nserved, batch 1: the target asking early, the draft working ahead (x defaults: over the stack with "
           "neither at the same target threads and gamma, requests interleaved)\n" + report.table(ahead.HEADERS, served_rows),
           flush=True)
-    ahead.plot(out_dir / "ahead.png", models.label, served_rows)
+    ahead.plot(out_dir / "ahead.png", models.label, data["served"])
     report.write_json(out_dir / "overlap.json", data)
     report.plot_stacked(out_dir / "overlap.png", f"A pass, sequential and overlapped, {models.label}", "ms",
                         [f"γ={g} {kind}" for g in gammas for kind in ("seq", "overlap")],
