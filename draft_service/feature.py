@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from draft_service.proposer import GREEDY, _Picker, node_tables
-from draft_service.work_ahead import AheadCounts, Prepared
+from draft_service.work_ahead import Ahead, Prepared
 from kernels.lm_head import Hidden
 from specstream.data.propose import FEATURE_DTYPE, Proposal, ProposeItem, features_expected
 from specstream.models.feature_draft import FeatureDraft
@@ -55,9 +55,8 @@ class FeatureProposer:
         # next rounds drafted from them, and per sequence answered from one the target's features
         # it brought, read when the work next runs (or the sequence's next item needs them).
         self.plans: dict[Hashable, _Plan] = {}
-        self.prepared: dict[Hashable, Prepared] = {}
         self.unread: dict[Hashable, tuple[ProposeItem, torch.Tensor]] = {}
-        self.ahead = AheadCounts()
+        self.ahead = Ahead()
 
     # ----- what GetInfo reports ----------------------------------------------------------------
     @property
@@ -89,7 +88,7 @@ class FeatureProposer:
             slot = self.slots.pop(key, None)
             self.lengths.pop(key, None)
             self.plans.pop(key, None)
-            self.prepared.pop(key, None)
+            self.ahead.forget(key)
             self.unread.pop(key, None)
             if slot is not None:
                 self._free.append(slot)
@@ -139,19 +138,13 @@ class FeatureProposer:
     def _answer_prepared(self, item: ProposeItem, features: torch.Tensor, out: Proposal) -> bool:
         """Answers ``item`` from the round drafted ahead for it, if it is exactly the one assumed;
         its features are kept unread until the work (or the sequence's next item) reads them."""
-        ready = self.prepared.pop(item.key, None)
-        if ready is None:
+        tokens = self.ahead.answer(item, self.max_len)
+        if tokens is None:
             return False
-        n = item.rollback_to + len(item.append)
-        gamma = min(item.gamma, len(ready.tail), self.max_len - n)
-        if not ready.answers(item) or gamma <= 0:
-            self.ahead.miss()
-            return False
-        self.ahead.hit()
         self.unread[item.key] = (item, features)
-        self.lengths[item.key] = out.length = n
-        out.tokens = ready.tail[:gamma]
-        self.plans[item.key] = _Plan(n, out.tokens, item.gamma)
+        self.lengths[item.key] = out.length = item.rollback_to + len(item.append)
+        out.tokens = tokens
+        self.plans[item.key] = _Plan(out.length, out.tokens, item.gamma)
         return True
 
     def _read_unread(self, key: Hashable, rollback_to: int) -> torch.Tensor | None:
@@ -189,8 +182,7 @@ class FeatureProposer:
             tokens = self.draft.head.draft(self.cache, slot, last, steps, self.draft.embed, self.draft.rows,
                                            choose, forced=plan.chain, stop=stop)
             if len(tokens) > len(plan.chain):
-                self.prepared[key] = Prepared(plan.length, tokens[: len(plan.chain) + 1], tokens[len(plan.chain) + 1:])
-                self.ahead.prepared(1)
+                self.ahead.keep(key, Prepared(plan.length, tokens[: len(plan.chain) + 1], tokens[len(plan.chain) + 1:]))
 
     def read_features(self, item: ProposeItem) -> tuple[torch.Tensor | None, str]:
         """The item's features [count, input_width] bfloat16, or why they cannot be read: the field and its value."""

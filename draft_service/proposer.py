@@ -36,7 +36,7 @@ from collections.abc import Callable, Hashable
 import torch
 
 import kernels
-from draft_service.work_ahead import AheadCounts, Prepared
+from draft_service.work_ahead import Ahead, Prepared
 from kernels.lm_head import Hidden
 from kernels.nbest import MAX_K, top_scores
 from kernels.processing import process_logits, truncate
@@ -60,8 +60,7 @@ class DraftProposer:
         # Working ahead (draft_service/work_ahead.py): the greedy chains of the latest call, as
         # (reported length, last guess, γ) per sequence; the next rounds drafted from them.
         self.plans: dict[Hashable, tuple[int, int, int]] = {}
-        self.prepared: dict[Hashable, Prepared] = {}
-        self.ahead = AheadCounts()
+        self.ahead = Ahead()
 
     @property
     def held(self) -> int:
@@ -83,7 +82,7 @@ class DraftProposer:
         for key in keys:
             slot = self.slots.pop(key, None)
             self.plans.pop(key, None)
-            self.prepared.pop(key, None)
+            self.ahead.forget(key)
             if slot is not None:
                 self.cache.free(slot)
 
@@ -122,17 +121,11 @@ class DraftProposer:
 
     def _answer_prepared(self, item: ProposeItem, out: Proposal) -> bool:
         """Answers ``item`` from the round drafted ahead for it, if it is exactly the one assumed."""
-        ready = self.prepared.pop(item.key, None)
-        if ready is None:
+        tokens = self.ahead.answer(item, self.max_len)
+        if tokens is None:
             return False
-        held = item.rollback_to + len(item.append)
-        gamma = min(item.gamma, len(ready.tail), self.max_len - held)
-        if not ready.answers(item) or gamma <= 0:
-            self.ahead.miss()
-            return False
-        self.ahead.hit()
         # The work fed the chain's last token, the bonus guess and every prepared guess but the last.
-        out.tokens, out.length = ready.tail[:gamma], held + gamma - 1
+        out.tokens, out.length = tokens, item.rollback_to + len(item.append) + len(tokens) - 1
         self.cache.set_length(self.slots[item.key], out.length)
         self.plans[item.key] = (out.length, out.tokens[-1], item.gamma)
         return True
@@ -154,8 +147,7 @@ class DraftProposer:
         guesses, _ = self._guess(rows, gammas, stop)
         for (key, item, _), gamma, tokens in zip(rows, gammas, guesses):
             tokens = tokens[:gamma]
-            self.prepared[key] = Prepared(item.rollback_to, [*item.append, tokens[0]], tokens[1:])
-        self.ahead.prepared(len(rows))
+            self.ahead.keep(key, Prepared(item.rollback_to, [*item.append, tokens[0]], tokens[1:]))
 
     def _sync(self, item: ProposeItem) -> int | None:
         """Rolls the sequence back to `rollback_to`; None when its state is gone or no slot is free."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from specstream.data.propose import ProposeItem
@@ -52,19 +52,33 @@ class Prepared:
 
 
 @dataclass
-class AheadCounts:
-    """Per proposer: rounds prepared, and how the items that had one were answered."""
+class Ahead:
+    """A proposer's prepared rounds, by sequence key, and its counts: rounds prepared, and how the
+    items that had one were answered (hit, miss)."""
 
+    prepared: dict[Hashable, Prepared] = field(default_factory=dict)
     counts: Counter = field(default_factory=Counter)
 
-    def hit(self) -> None:
+    def keep(self, key: Hashable, ready: Prepared) -> None:
+        self.prepared[key] = ready
+        self.counts["prepared"] += 1
+
+    def answer(self, item: ProposeItem, max_len: int) -> list[int] | None:
+        """The prepared guesses that answer ``item`` (at most its γ, within ``max_len`` tokens), or
+        None: nothing was prepared for its sequence, or it is not the item assumed (a miss). Either
+        way the sequence's prepared round is used up."""
+        ready = self.prepared.pop(item.key, None)
+        if ready is None:
+            return None
+        gamma = min(item.gamma, len(ready.tail), max_len - item.rollback_to - len(item.append))
+        if not ready.answers(item) or gamma <= 0:
+            self.counts["miss"] += 1
+            return None
         self.counts["hit"] += 1
+        return ready.tail[:gamma]
 
-    def miss(self) -> None:
-        self.counts["miss"] += 1
-
-    def prepared(self, n: int) -> None:
-        self.counts["prepared"] += n
+    def forget(self, key: Hashable) -> None:
+        self.prepared.pop(key, None)
 
 
 def run_at_idle_priority(work: Callable[[], None], idle: bool) -> None:

@@ -84,7 +84,7 @@ def test_a_prepared_round_answers_only_the_item_it_assumed(model_zoo) -> None:
     ahead = _token_draft(model_zoo)
     _, chain, length = _first_round(ahead, prompt=prompt)
     ahead.work_ahead()
-    bonus = ahead.prepared["s"].append[-1]
+    bonus = ahead.ahead.prepared["s"].append[-1]
     assumed = ProposeItem("s", length, [chain[-1], bonus], 3)
     other = (bonus + 1) % 300
     variants = {
@@ -109,7 +109,7 @@ def test_a_prepared_round_answers_only_the_item_it_assumed(model_zoo) -> None:
     _first_round(draft, prompt=prompt)
     _first_round(draft, key="t", prompt=prompt)
     draft.work_ahead()
-    assert "t" in draft.prepared and "s" not in draft.prepared  # only the latest call's chains
+    assert "t" in draft.ahead.prepared and "s" not in draft.ahead.prepared  # only the latest call's chains
     reply = ahead.propose([assumed])[0]
     assert ahead.ahead.counts["hit"] == 1 and len(reply.tokens) == 3
 
@@ -121,7 +121,7 @@ def test_a_token_drafts_hit_is_what_it_would_draft_afresh(model_zoo) -> None:
         draft = _token_draft(model_zoo)
         _, chain, length = _first_round(draft, prompt=prompt, gamma=gamma)
         draft.work_ahead()
-        assumed = ProposeItem("s", length, [chain[-1], draft.prepared["s"].append[-1]], gamma)
+        assumed = ProposeItem("s", length, [chain[-1], draft.ahead.prepared["s"].append[-1]], gamma)
         fresh = _token_draft(model_zoo)
         _first_round(fresh, prompt=prompt, gamma=gamma)
         expected, reply = fresh.propose([assumed])[0], draft.propose([assumed])[0]
@@ -144,7 +144,7 @@ def test_a_stop_ends_the_work_and_what_was_drafted_still_answers(model_zoo, feat
             return len(asked) > allowed
 
         draft.work_ahead(stop=stop)
-        ready = draft.prepared["s"]
+        ready = draft.ahead.prepared["s"]
         assert 0 < len(ready.tail) < 4  # stopped before the round was whole
         features = _zero_features(draft, len(ready.append))  # the target's, of the chain and the bonus
         reply = draft.propose([ProposeItem("s", ready.rollback_to, ready.append, 4, **features)])[0]
