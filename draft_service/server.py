@@ -2,9 +2,10 @@
 the draft model, prompt-lookup n-grams, or both; or the synthetic benchmark proposer).
 
 Thin: each `Speculate` stream gets its own key space; every request gets exactly one response;
-a stream's sequences are released when it ends. Proposals run on one worker thread. With
-``DraftConfig.work_ahead``, after each proposal is sent the same thread drafts the next round
-(draft_service/work_ahead.py) until any stream's next request arrives.
+a stream's sequences are released when it ends. All torch work runs on one thread: the event
+loop's own (``InlineExecutor``: a proposal is computed where its request was read, with no hop to a
+worker and back), or, with ``DraftConfig.work_ahead``, one worker thread, which after each proposal
+is sent drafts the next round (draft_service/work_ahead.py) until any stream's next request arrives.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from draft_service.wire import item_from_pb, proposal_to_pb
 from draft_service.work_ahead import run_at_idle_priority
 from specstream.data.config import DraftConfig
 from specstream.data.propose import Proposer
-from specstream.serving.compute import compute_executor
+from specstream.serving.compute import InlineExecutor, compute_executor
 from specstream.serving.grpc_server import ServiceServer
 from specstream.serving.metrics import DraftMetrics
 from specstream.serving.native_memory import HeapTrimmer, bound_kernel_caches
@@ -107,8 +108,10 @@ def draft_info(proposer: Proposer) -> draft_pb2.DraftInfo:
 
 async def serve(config: DraftConfig) -> None:
     bound_kernel_caches(config.memory.kernel_cache_capacity)  # before the first matmul
-    # Load and run on one thread (see specstream.serving.compute).
-    compute = compute_executor("draft-compute", config.torch_threads)
+    # Load and run on one thread (see specstream.serving.compute): this one, unless the draft works
+    # ahead (its loop must read the next request while it works) or is told not to.
+    compute = InlineExecutor(config.torch_threads) if config.compute_on_loop and config.work_ahead == "off" \
+        else compute_executor("draft-compute", config.torch_threads)
 
     proposer = await asyncio.get_running_loop().run_in_executor(compute, build_proposer, config)
     metrics = DraftMetrics()

@@ -3,7 +3,7 @@ arguments taken before the CLI was split into one module per group of subcommand
 changed no flag (name, destination, default, choices, nargs, action, type, help, metavar, order).
 The additions since: `--quiet` on the long-running commands, and `bench step` (the snapshot
 records the bench kinds with it); `--draft-timeout` 10 -> 2.5 s (below the gateway's hang floor). `bench --compiled`; `train-draft --kind`
-(token or feature), `--epochs`, `--extra-layers`, `--aligned`, `--train-fraction`, `--head-vocab` and the feature draft's stages (`offline` among them) (then `token` and `--out` for it too); `bench --compare-draft` and `--prompt-set`; the `smollm2` pair's description (its feature draft); `fuzz --draft-side` and `--corrupt`; `bench overlap`; `--tree-branches` (target, serve; its help since sampled rows branch too); `bench --no-trees` (and its help since it covers `bench sampling`); `--draft-early` (target, serve), `--work-ahead` (draft, serve) and `bench overlap`'s help (its served part). And each
+(token or feature), `--epochs`, `--extra-layers`, `--aligned`, `--train-fraction`, `--head-vocab` and the feature draft's stages (`offline` among them) (then `token` and `--out` for it too); `bench --compare-draft` and `--prompt-set`; the `smollm2` pair's description (its feature draft); `fuzz --draft-side` and `--corrupt`; `bench overlap`; `--tree-branches` (target, serve; its help since sampled rows branch too); `bench --no-trees` (and its help since it covers `bench sampling`); `--draft-early` (target, serve), `--work-ahead` (draft, serve), `--compute-thread` (draft) and `bench overlap`'s help (its served part). And each
 subcommand still runs its own cmd_* function.
 """
 

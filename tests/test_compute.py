@@ -81,3 +81,23 @@ def test_cpu_share_is_the_affinity_capped_by_the_tightest_cgroup_quota(tmp_path)
     assert cpu_share(root, proc) == cores
     # Nothing readable: the affinity.
     assert cpu_share(tmp_path / "none", tmp_path / "none" / "cgroup") == cores
+
+
+def test_the_inline_executor_runs_each_call_on_the_awaiting_loops_thread_and_delivers_its_failure() -> None:
+    import pytest
+
+    from specstream.serving.compute import InlineExecutor
+
+    async def main() -> tuple[int, int]:
+        executor, loop = InlineExecutor(1), asyncio.get_running_loop()
+        ran_on = await loop.run_in_executor(executor, threading.get_ident)
+        with pytest.raises(ValueError, match="the call failed"):
+            await loop.run_in_executor(executor, _fails)
+        return ran_on, threading.get_ident()
+
+    ran_on, loop_thread = asyncio.run(main())
+    assert ran_on == loop_thread
+
+
+def _fails() -> None:
+    raise ValueError("the call failed")

@@ -164,6 +164,7 @@ class StackSpec:
     work_ahead: str = DraftConfig.work_ahead  # the draft service's (off, idle, normal)
     target_threads: int = 0  # CPU threads of the target's model (0: one per core)
     extra_target_args: list[str] = field(default_factory=list)
+    extra_draft_args: list[str] = field(default_factory=list)
     extra_gateway_args: list[str] = field(default_factory=list)
     log_dir: str | None = None  # each process logs to <log_dir>/<name>.log; None inherits stderr
     synthetic: tuple[str, float] | None = None  # benchmarks: (oracle file, alpha) replaces the draft model
@@ -240,7 +241,8 @@ def command_lines(spec: StackSpec, target_model: str, addresses: dict[str, str],
             source = [*proposer, *draft_model("--model")]
         lines["draft"] = ["draft", *source, "--port", port["draft"], *common, "--threads", str(spec.draft_threads),
                           *metrics_flag("draft"), *security("draft"),
-                          *(["--work-ahead", spec.work_ahead] if spec.work_ahead != "off" else [])]
+                          *(["--work-ahead", spec.work_ahead] if spec.work_ahead != "off" else []),
+                          *spec.extra_draft_args]
     for name in names:
         lines[name] = ["target", "--model", target_model, "--port", port[name], *common, "--weights", spec.weights,
                        "--gamma", str(spec.gamma), "--max-gamma", str(spec.max_gamma), "--gamma-policy",

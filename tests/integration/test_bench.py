@@ -367,7 +367,7 @@ def test_bench_overlap_times_each_side_alone_and_side_by_side(model_zoo, tmp_pat
     for setting in ahead.SETTINGS:
         row = rows[f"gamma 1, {ahead._name(setting)}"]
         assert row["tokens_per_s"] > 0 and row["pass_ms"]["passes"] > 0
-        if setting[0] == "off":
+        if setting.work_ahead == "off":
             assert row["prepared_per_pass"] == 0 and row["hit_rate"] == "-"
         else:  # γ = 1 drafts every pass: a round is prepared after each reply the model gave
             assert row["prepared_per_pass"] > 0 and row["hits"] + row["misses"] > 0

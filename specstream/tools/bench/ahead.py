@@ -2,8 +2,10 @@
 
 Stacks of the pair as served, side by side, differing only in the draft's ``--work-ahead`` (off,
 idle: at SCHED_IDLE, normal), in the target's threads (its default, one per core: the two share the
-cores; 1: the draft has a core of its own) and in whether the target asks the draft for a pass as
-soon as the pass before is verified (``--draft-early``) or when it starts (the default). Every request goes to each stack in turn
+cores; 1: the draft has a core of its own), in whether the target asks the draft for a pass as
+soon as the pass before is verified (``--draft-early``) or when it starts (the default), and in
+where the draft computes (its event loop's thread, the default, or a worker: ``--compute-thread``,
+as a draft working ahead does). Every request goes to each stack in turn
 (the order alternating per request), so a slow stretch of the machine falls on all of them: each
 row is a ratio to the stack with neither (the defaults) at the same threads and γ, in the same run.
 Batch 1.
@@ -19,6 +21,7 @@ import contextlib
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from specstream.tools.bench import report
 from specstream.tools.bench.checks import check_runs_match
@@ -29,11 +32,22 @@ from specstream.tools.progress import Progress
 
 __all__ = ["SETTINGS", "planned_generations", "served"]
 
-# (the draft's work_ahead, the target's threads: 0 = one per core, whether the target asks early)
-SETTINGS = [("off", 0, False), ("off", 0, True), ("idle", 0, False), ("normal", 0, False), ("off", 1, False),
-            ("idle", 1, False)]
-HEADERS = ["gamma", "target threads", "asks early", "work ahead", "tok/s", "x defaults", "hit rate",
-           "prepared per pass", "target ms", "draft ms", "host ms"]
+class Setting(NamedTuple):
+    work_ahead: str = "off"  # the draft's --work-ahead
+    threads: int = 0  # the target's (0: one per core)
+    early: bool = False  # the target's --draft-early
+    worker: bool = False  # the draft's --compute-thread (working ahead implies it)
+
+    @property
+    def defaults(self) -> Setting:
+        """The stack this one is compared with: the defaults at the same target threads."""
+        return Setting(threads=self.threads)
+
+
+SETTINGS = [Setting(), Setting(early=True), Setting(worker=True), Setting("idle"), Setting("normal"),
+            Setting(threads=1), Setting("idle", threads=1)]
+HEADERS = ["gamma", "target threads", "asks early", "draft computes on", "work ahead", "tok/s", "x defaults",
+           "hit rate", "prepared per pass", "target ms", "draft ms", "host ms"]
 _COUNTER = "specstream:draft_work_ahead_total"
 
 
@@ -51,7 +65,7 @@ def served(models: BenchModels, gammas: list[int | str], n_prompts: int, max_new
         for setting in SETTINGS:
             progress.phase(f"overlap: starting the stack with {_name(setting)}")
             logs = stacks.enter_context(tempfile.TemporaryDirectory())
-            running[setting] = stacks.enter_context(Stack(_spec(models, logs, *setting)))
+            running[setting] = stacks.enter_context(Stack(_spec(models, logs, setting)))
         progress.phase(f"overlap: served, {len(SETTINGS)} stacks interleaved")
         runs = _interleaved(running, prompts, gammas, max_new_tokens, progress)
     rows, entries = [], {}
@@ -61,27 +75,30 @@ def served(models: BenchModels, gammas: list[int | str], n_prompts: int, max_new
                          {_name(s): runs[(gamma, s)]["token_ids"] for s in SETTINGS[1:]})
         for setting in SETTINGS:
             r = runs[(gamma, setting)]
-            without = runs[(gamma, ("off", setting[1], False))]
-            r["x_without"] = r["tokens_per_s"] / without["tokens_per_s"]
+            r["x_without"] = r["tokens_per_s"] / runs[(gamma, setting.defaults)]["tokens_per_s"]
             parts = r["pass_ms"] or {}
-            rows.append([gamma, setting[1] or "default", "yes" if setting[2] else "no", setting[0], r["tokens_per_s"],
-                         r["x_without"],
+            rows.append([gamma, setting.threads or "default", "yes" if setting.early else "no",
+                         "worker" if setting.worker or setting.work_ahead != "off" else "loop", setting.work_ahead,
+                         r["tokens_per_s"], r["x_without"],
                          r["hit_rate"], r["prepared_per_pass"], parts.get("target", "-"), parts.get("draft", "-"),
                          parts.get("host", "-")])
             entries[f"gamma {gamma}, {_name(setting)}"] = {k: v for k, v in r.items() if k != "token_ids"}
-    return {"settings": [_name(s) for s in SETTINGS], "gammas": gammas, "prompts": len(prompts),
+    return {"settings": [_name(s) for s in SETTINGS], "compared": [_name(s) for s in SETTINGS if s != s.defaults],
+            "gammas": gammas, "prompts": len(prompts),
             "max_new_tokens": max_new_tokens, "rows": entries,
             "table_markdown": report.markdown_table(HEADERS, rows)}, rows
 
 
-def _name(setting: tuple[str, int, bool]) -> str:
-    return f"work ahead {setting[0]}, target threads {setting[1] or 'default'}" + (", asking early" if setting[2] else "")
+def _name(setting: Setting) -> str:
+    return (f"work ahead {setting.work_ahead}, target threads {setting.threads or 'default'}"
+            + (", asking early" if setting.early else "") + (", draft on a worker thread" if setting.worker else ""))
 
 
-def _spec(models: BenchModels, logs: str, work_ahead: str, threads: int, early: bool) -> StackSpec:
+def _spec(models: BenchModels, logs: str, setting: Setting) -> StackSpec:
     return StackSpec(str(models.target), str(models.require_draft()), max_gamma=16, dtype=models.dtype,
-                     log_dir=logs, metrics=True, work_ahead=work_ahead, target_threads=threads,
-                     extra_target_args=["--draft-early"] if early else [],
+                     log_dir=logs, metrics=True, work_ahead=setting.work_ahead, target_threads=setting.threads,
+                     extra_target_args=["--draft-early"] if setting.early else [],
+                     extra_draft_args=["--compute-thread"] if setting.worker else [],
                      **({"weights": models.weights, **models.proposing}))
 
 
@@ -142,6 +159,6 @@ def plot(path: Path, label: str, entry: dict) -> None:
     """Each setting's tokens/s over the defaults' at the same threads, per γ."""
     gammas = [str(g) for g in entry["gammas"]]
     series = {name: (gammas, [entry["rows"][f"gamma {g}, {name}"]["x_without"] for g in entry["gammas"]])
-              for name in entry["settings"] if "work ahead off" not in name or "asking early" in name}
+              for name in entry["compared"]}
     report.plot_lines(path, f"Working ahead / asking early, served, batch 1, {label}", "gamma",
                       "tokens/s over the defaults", series, hline=1.0)

@@ -206,6 +206,9 @@ def _add_draft(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-slots", type=int, default=64)
     p.add_argument("--q-support", type=int, default=256,
                    help="sampling: q is cut to this many most likely tokens before it is sampled and sent")
+    p.add_argument("--compute-thread", action="store_true",
+                   help="compute proposals on a worker thread, not the event loop's own (which saves a thread hop "
+                        "a call; a draft working ahead always uses a worker)")
     p.add_argument("--work-ahead", choices=("off", "idle", "normal"), default="off",
                    help="after each reply, draft the next round of greedy chains until the next request: at "
                         "SCHED_IDLE (idle) or the thread's priority (normal)")
@@ -226,7 +229,7 @@ def _draft_config(args: argparse.Namespace) -> DraftConfig:
                        memory=_memory_config(args),
                        synthetic_oracle=args.synthetic_oracle, synthetic_alpha=args.synthetic_alpha,
                        proposer=args.proposer, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
-                       work_ahead=args.work_ahead)
+                       work_ahead=args.work_ahead, compute_on_loop=not args.compute_thread)
 
 
 # --- gateway ----------------------------------------------------------------------------------------------
