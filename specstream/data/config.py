@@ -248,7 +248,8 @@ class TargetConfig:
     # Ask the draft service for the next pass as soon as a pass is verified, before the engine's
     # host work (emitting tokens, retiring, admitting), when the next pass will decode the same rows
     # (target_service/drafting.py ``propose_early``): the draft computes while the host works. Off
-    # by default: on 2 shared cores it measured no faster (docs/benchmarks.md, "Working ahead").
+    # by default: on 2 shared cores it measured within the noise, at batch 1 only (docs/benchmarks.md,
+    # "Working ahead").
     draft_early: bool = False
     # TLS, client certificate and internal token towards the draft service (draft_url).
     draft_security: ChannelSecurity = field(default_factory=lambda: ChannelSecurity("draft_security"))
