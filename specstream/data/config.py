@@ -333,7 +333,7 @@ class DraftConfig:
     # (docs/benchmarks.md, "Working ahead").
     work_ahead: str = "off"
     # Compute proposals on the event loop's own thread (the one torch thread: no hop to a worker and
-    # back, 0.12-0.22 ms a call here). A draft that works ahead always uses a worker thread (its loop
+    # back, 0.11-0.34 ms a call here). A draft that works ahead always uses a worker thread (its loop
     # must read the next request while it works); False: a worker thread regardless.
     compute_on_loop: bool = True
 

@@ -10,7 +10,7 @@ second one has run any).
 A service makes its own with ``compute_executor``; a service whose event loop thread may be its
 torch thread (the draft service, unless it works ahead: its loop has nothing else to do while a
 proposal is computed) takes an ``InlineExecutor``, which runs each call at once on the calling
-thread: the hop to a worker and back cost 0.15–0.3 ms of every draft call. Code that drives models inside one process
+thread: the hop to a worker and back cost 0.11–0.34 ms of every draft call. Code that drives models inside one process
 (in-process engines, in-process drafts, benchmarks, training) uses ``torch_thread()``, the
 process's shared one, for loading and running alike, and ``on_torch_thread(fn)`` to call a function
 there and wait for it.
