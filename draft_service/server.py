@@ -13,9 +13,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 
 import grpc
 
@@ -36,16 +35,16 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
 
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):
-    def __init__(self, proposer: Proposer, compute: ThreadPoolExecutor,
+    def __init__(self, proposer: Proposer, compute: Executor,
                  metrics: DraftMetrics, work_ahead: str = "off") -> None:
         self.proposer = proposer
         self.metrics = metrics
         self._streams = itertools.count(1)
         self._compute = compute  # the one thread that does all torch work
-        # DraftConfig.work_ahead, where the proposer can ("off" where it cannot); set when a
-        # request arrives, so that work ahead stops at its next forward.
+        # DraftConfig.work_ahead, where the proposer can ("off" where it cannot); requests read on
+        # any stream so far: work ahead stops at its next forward once one more has arrived.
         self.work_ahead = work_ahead if hasattr(proposer, "work_ahead") else "off"
-        self._request = threading.Event()
+        self._requests = 0
 
     async def Speculate(self, request_iterator, context: grpc.aio.ServicerContext):  # noqa: N802
         stream = next(self._streams)
@@ -53,7 +52,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         loop = asyncio.get_running_loop()
         try:
             async for request in request_iterator:
-                self._request.set()
+                self._requests += 1
                 response = draft_pb2.ProposeResponse()
                 if request.WhichOneof("kind") == "propose":
                     batch = request.propose
@@ -72,8 +71,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                 response.held_sequences = self.proposer.held
                 yield response
                 if self.work_ahead != "off" and request.WhichOneof("kind") == "propose" and request.propose.items:
-                    self._request.clear()
-                    loop.run_in_executor(self._compute, self._work_ahead)
+                    loop.run_in_executor(self._compute, self._work_ahead, self._requests)
         finally:
             await loop.run_in_executor(self._compute, self.proposer.release, list(keys))
 
@@ -83,10 +81,15 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             self.metrics.observe_ahead(self.proposer.ahead.counts)
         return proposals
 
-    def _work_ahead(self) -> None:
-        """On the compute thread, after a reply: the next rounds, until a request arrives."""
-        if not self._request.is_set():
-            run_at_idle_priority(lambda: self.proposer.work_ahead(self._request.is_set), self.work_ahead == "idle")
+    def _work_ahead(self, seen: int) -> None:
+        """On the compute thread, after a reply: the next rounds, until a request arrives after the
+        ``seen`` ones (on any stream)."""
+
+        def arrived() -> bool:
+            return self._requests != seen
+
+        if not arrived():
+            run_at_idle_priority(lambda: self.proposer.work_ahead(arrived), self.work_ahead == "idle")
             self.metrics.observe_ahead(self.proposer.ahead.counts)
 
     async def GetInfo(self, request, context):  # noqa: N802

@@ -162,7 +162,11 @@ class ServerConfig:
         return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
 
     def grpc_options(self) -> list[tuple[str, int]]:
+        # SO_REUSEPORT off: a server owns its port. With it (gRPC's default) a second server binding
+        # the same port succeeds and the kernel splits new connections between the two, so a
+        # client can reach another process's services ("Method not found").
         return [
+            ("grpc.so_reuseport", 0),
             *self.message_options(),
             *keepalive_options(self.keepalive_time_s, self.keepalive_timeout_s),
             ("grpc.http2.min_ping_interval_without_data_ms", int(self.min_ping_interval_s * 1000)),

@@ -21,6 +21,7 @@ purpose) a process that exits stays down until `restart`. Knows nothing about wh
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -41,6 +42,8 @@ from specstream.serving.channels import open_blocking_channel
 from specstream.tools.certs import ROLES, peer_name
 from specstream.tools.supervisor import Supervisor
 
+log = logging.getLogger(__name__)
+
 # The services' security variables (the CLI's flag defaults). `serve` passes security to its
 # children as flags only, so the launcher drops these from their environment: a variable left in
 # the caller's shell must not half-secure a stack (_child_env).
@@ -48,6 +51,11 @@ SERVICE_SECURITY_ENV = ("SPECSTREAM_TLS_CERT", "SPECSTREAM_TLS_KEY", "SPECSTREAM
                         "SPECSTREAM_ALLOWED_PEERS", "SPECSTREAM_TOKEN_FILE",
                         *(f"SPECSTREAM_{upstream}_{name}" for upstream in ("TARGET", "DRAFT")
                           for name in ("TLS_CA", "TLS_CERT", "TLS_KEY", "SERVER_NAME", "TOKEN_FILE")))
+
+
+PORT_ATTEMPTS = 3  # Stack.start: starts on new ports after a process could not bind its own
+# What a service's log says when its gRPC server, or its /metrics server, could not bind its port.
+PORT_TAKEN = (b"Failed to bind to address", b"Address already in use")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -273,6 +281,7 @@ class Stack:
     def __init__(self, spec: StackSpec, report: Callable[[str], None] | None = None) -> None:
         self.spec = spec
         self.procs: dict[str, subprocess.Popen] = {}
+        self._log_offsets: dict[str, int] = {}  # where each process's log began at its latest start
         self.args: dict[str, list[str]] = {}
         self.addresses: dict[str, str] = {}
         self.metrics_addresses: dict[str, str] = {}  # name -> host:port of its /metrics, with spec.metrics
@@ -313,6 +322,33 @@ class Stack:
                 proc.send_signal(signal.SIGHUP)
 
     def start(self, timeout_s: float = 120.0, should_stop: Callable[[], bool] = lambda: False) -> Stack:
+        """Starts every process and waits until each is healthy. Ports are chosen free here and bound
+        by the children, so another program can take one in between: a stack whose process could
+        not bind its port (its log, with `log_dir`, says so) starts again on new ports, at most
+        twice. The ports the spec names are never changed."""
+        for attempt in range(PORT_ATTEMPTS):
+            try:
+                return self._start(timeout_s, should_stop)
+            except RuntimeError:
+                if attempt + 1 == PORT_ATTEMPTS or not self._lost_a_port():
+                    raise
+                log.warning("a process of the stack could not bind its port; starting the stack on new ports")
+        raise AssertionError("unreachable")
+
+    def _lost_a_port(self) -> bool:
+        """Whether a process of the latest start could not bind a port it was given (from its log)."""
+        if not self.spec.log_dir or self.spec.gateway_port or self.spec.http_port:
+            return False
+        for name, offset in self._log_offsets.items():
+            path = Path(self.spec.log_dir) / f"{name}.log"
+            with open(path, "rb") as log_file:
+                log_file.seek(offset)
+                text = log_file.read()
+            if any(message in text for message in PORT_TAKEN):
+                return True
+        return False
+
+    def _start(self, timeout_s: float, should_stop: Callable[[], bool]) -> Stack:
         spec = self.spec
         if spec.target_replicas < 1:
             raise ValueError(f"target_replicas={spec.target_replicas!r}: must be >= 1")
@@ -345,6 +381,7 @@ class Stack:
         if self.spec.log_dir:
             Path(self.spec.log_dir).mkdir(parents=True, exist_ok=True)
             out = open(Path(self.spec.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+            self._log_offsets[name] = out.tell()
         self.args[name] = args
         # A process group of its own: Ctrl-C in a terminal reaches only us, and we stop the children in
         # order. Not a session of its own: Linux schedules each session as one group (autogroup), and

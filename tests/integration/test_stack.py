@@ -296,3 +296,42 @@ def test_logprobs_over_grpc_stream_and_unary_agree(partial_stack):
         assert [a.logprob for a in lp.top] == sorted((a.logprob for a in lp.top), reverse=True)
         assert lp.logprob <= lp.top[0].logprob
     assert without.token_ids == unary.token_ids and without.logprobs == []
+
+
+def test_a_port_taken_before_its_process_binds_it_restarts_the_stack_on_new_ports(model_zoo, tmp_path, monkeypatch):
+    """Ports are chosen free, then bound by the children: one taken in between (here: held by a
+    listening socket) fails its process to bind, and the stack starts again on new ports. A gRPC
+    server never shares its port (SO_REUSEPORT off), so a client cannot reach another process's
+    services on it."""
+    import socket
+
+    from specstream.tools import launcher
+    from specstream.tools.launcher import Stack, StackSpec
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    choices = iter([taken])
+    real = launcher.free_port
+    monkeypatch.setattr(launcher, "free_port", lambda host="127.0.0.1": next(choices, None) or real(host))
+    spec = StackSpec(str(model_zoo["target"]), str(model_zoo["partial"]), max_seq_len=256, log_dir=str(tmp_path))
+    try:
+        with Stack(spec) as stack, Client(stack.gateway_address, timeout=60) as client:
+            assert stack.addresses["draft"] != f"127.0.0.1:{taken}"
+            assert client.generate("def f(x):", max_new_tokens=8, speculation=2).token_ids
+    finally:
+        held.close()
+    assert b"Failed to bind to address" in (tmp_path / "draft.log").read_bytes()
+
+
+def test_a_grpc_server_of_ours_does_not_share_its_port():
+    import grpc
+
+    from specstream.data.config import ServerConfig
+
+    first = grpc.aio.server(options=ServerConfig().grpc_options())
+    port = first.add_insecure_port("127.0.0.1:0")
+    second = grpc.aio.server(options=ServerConfig().grpc_options())
+    with pytest.raises(RuntimeError, match="Failed to bind"):
+        second.add_insecure_port(f"127.0.0.1:{port}")
