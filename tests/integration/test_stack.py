@@ -330,8 +330,11 @@ def test_a_grpc_server_of_ours_does_not_share_its_port():
 
     from specstream.data.config import ServerConfig
 
-    first = grpc.aio.server(options=ServerConfig().grpc_options())
-    port = first.add_insecure_port("127.0.0.1:0")
-    second = grpc.aio.server(options=ServerConfig().grpc_options())
-    with pytest.raises(RuntimeError, match="Failed to bind"):
-        second.add_insecure_port(f"127.0.0.1:{port}")
+    async def bind_twice() -> None:
+        first = grpc.aio.server(options=ServerConfig().grpc_options())
+        port = first.add_insecure_port("127.0.0.1:0")
+        second = grpc.aio.server(options=ServerConfig().grpc_options())
+        with pytest.raises(RuntimeError, match="Failed to bind"):
+            second.add_insecure_port(f"127.0.0.1:{port}")
+
+    asyncio.run(bind_twice())
