@@ -417,3 +417,13 @@ def test_sighup_reloads_certificate_client_ca_and_tokens(pki, tmp_path: Path) ->
             assert await call(server.address, client(pki, other_ca=True, token_file=str(new_token_file))) == OK
 
     run(go())
+
+
+def test_a_new_token_never_starts_with_a_dash_which_a_command_line_would_read_as_a_flag(monkeypatch) -> None:
+    import secrets
+
+    from specstream.tools import certs
+
+    drawn = iter(["-leading-dash", "_fine-token"])
+    monkeypatch.setattr(secrets, "token_urlsafe", lambda n: next(drawn))
+    assert certs.new_token() == "_fine-token"

@@ -148,6 +148,14 @@ def write_stack_files(directory: str | Path, authority: Authority | None = None)
                           ("127.0.0.1", "::1"))
         write_file(out / f"{role}.crt", cert)
         write_file(out / f"{role}.key", key, private=True)
-    write_file(out / "api-tokens", (secrets.token_urlsafe(32) + "\n").encode(), private=True)
-    write_file(out / "internal-token", (secrets.token_urlsafe(32) + "\n").encode(), private=True)
+    write_file(out / "api-tokens", (new_token() + "\n").encode(), private=True)
+    write_file(out / "internal-token", (new_token() + "\n").encode(), private=True)
     return out
+
+
+def new_token() -> str:
+    """A random bearer token (256 bits, URL-safe) that does not start with "-": one that did (1 in
+    64 of ``secrets.token_urlsafe``'s) would be read as a flag after ``--token`` on a command line."""
+    while (token := secrets.token_urlsafe(32)).startswith("-"):
+        pass
+    return token
