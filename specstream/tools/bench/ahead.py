@@ -30,7 +30,7 @@ from specstream.tools.bench.passes import metric_samples, per_pass_ms, read_coun
 from specstream.tools.launcher import Stack, StackSpec
 from specstream.tools.progress import Progress
 
-__all__ = ["SETTINGS", "planned_generations", "served"]
+__all__ = ["SETTINGS", "Setting", "planned_generations", "served"]
 
 class Setting(NamedTuple):
     work_ahead: str = "off"  # the draft's --work-ahead
@@ -51,29 +51,29 @@ HEADERS = ["gamma", "target threads", "asks early", "draft computes on", "work a
 _COUNTER = "specstream:draft_work_ahead_total"
 
 
-def planned_generations(n_prompts: int, gammas: list) -> int:
-    return len(SETTINGS) * len(gammas) * n_prompts
+def planned_generations(n_prompts: int, gammas: list, settings: list[Setting] = SETTINGS) -> int:
+    return len(settings) * len(gammas) * n_prompts
 
 
 def served(models: BenchModels, gammas: list[int | str], n_prompts: int, max_new_tokens: int,
-           progress: Progress) -> tuple[dict, list[list]]:
-    """Runs every γ ("auto": the controller; 0: plain) on every setting; returns the JSON entry and
-    the table's rows."""
+           progress: Progress, settings: list[Setting] = SETTINGS) -> tuple[dict, list[list]]:
+    """Runs every γ ("auto": the controller; 0: plain) on every setting (each one's defaults among
+    them); returns the JSON entry and the table's rows."""
     prompts = models.prompts(n_prompts)
     with contextlib.ExitStack() as stacks:
         running = {}
-        for setting in SETTINGS:
+        for setting in settings:
             progress.phase(f"overlap: starting the stack with {_name(setting)}")
             logs = stacks.enter_context(tempfile.TemporaryDirectory())
             running[setting] = stacks.enter_context(Stack(_spec(models, logs, setting)))
-        progress.phase(f"overlap: served, {len(SETTINGS)} stacks interleaved")
+        progress.phase(f"overlap: served, {len(settings)} stacks interleaved")
         runs = _interleaved(running, prompts, gammas, max_new_tokens, progress)
     rows, entries = [], {}
     for gamma in gammas:
         check_runs_match(f"work ahead (gamma {gamma})", "the same stack without work ahead",
-                         runs[(gamma, SETTINGS[0])]["token_ids"],
-                         {_name(s): runs[(gamma, s)]["token_ids"] for s in SETTINGS[1:]})
-        for setting in SETTINGS:
+                         runs[(gamma, settings[0])]["token_ids"],
+                         {_name(s): runs[(gamma, s)]["token_ids"] for s in settings[1:]})
+        for setting in settings:
             r = runs[(gamma, setting)]
             r["x_without"] = r["tokens_per_s"] / runs[(gamma, setting.defaults)]["tokens_per_s"]
             parts = r["pass_ms"] or {}
@@ -83,7 +83,7 @@ def served(models: BenchModels, gammas: list[int | str], n_prompts: int, max_new
                          r["hit_rate"], r["prepared_per_pass"], parts.get("target", "-"), parts.get("draft", "-"),
                          parts.get("host", "-")])
             entries[f"gamma {gamma}, {_name(setting)}"] = {k: v for k, v in r.items() if k != "token_ids"}
-    return {"settings": [_name(s) for s in SETTINGS], "compared": [_name(s) for s in SETTINGS if s != s.defaults],
+    return {"settings": [_name(s) for s in settings], "compared": [_name(s) for s in settings if s != s.defaults],
             "gammas": gammas, "prompts": len(prompts),
             "max_new_tokens": max_new_tokens, "rows": entries,
             "table_markdown": report.markdown_table(HEADERS, rows)}, rows

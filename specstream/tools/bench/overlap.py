@@ -53,7 +53,8 @@ def overlapped_pass_ms(v: float, v_busy: float, d: float, d_busy: float) -> floa
 
 
 def run(models: BenchModels, out_dir: Path, gammas: list[int] | None = None, seconds: float = 2.0,
-        quiet: bool = False, served_prompts: int = 4, max_new_tokens: int = 96) -> dict:
+        quiet: bool = False, served_prompts: int = 4, max_new_tokens: int = 96,
+        served_settings: list[ahead.Setting] = ahead.SETTINGS) -> dict:
     gammas = gammas or [1, 2, 4]
     ctx = mp.get_context("spawn")
     to_target, to_draft, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -110,9 +111,10 @@ def run(models: BenchModels, out_dir: Path, gammas: list[int] | None = None, sec
     print(report.table(HEADERS, rows), flush=True)
     data["table_markdown"] = report.markdown_table(HEADERS, rows)
     served_gammas = [0, *gammas, "auto"]  # γ 0 shows the stacks' spread: nothing drafts there
-    with Progress(ahead.planned_generations(served_prompts, served_gammas), "generations", "overlap, served",
-                  quiet=quiet) as progress:
-        data["served"], served_rows = ahead.served(models, served_gammas, served_prompts, max_new_tokens, progress)
+    with Progress(ahead.planned_generations(served_prompts, served_gammas, served_settings), "generations",
+                  "overlap, served", quiet=quiet) as progress:
+        data["served"], served_rows = ahead.served(models, served_gammas, served_prompts, max_new_tokens, progress,
+                                                   served_settings)
     print("\nserved, batch 1: the target asking early, the draft working ahead (x defaults: over the stack with "
           "neither at the same target threads and gamma, requests interleaved)\n" + report.table(ahead.HEADERS, served_rows),
           flush=True)
