@@ -32,8 +32,6 @@ from specstream.data.propose import ProposeItem
 
 log = logging.getLogger(__name__)
 
-MODES = ("off", "idle", "normal")  # DraftConfig.work_ahead: not at all, at SCHED_IDLE, at the thread's priority
-
 
 @dataclass
 class Prepared:
@@ -47,8 +45,7 @@ class Prepared:
     tail: list[int]
 
     def answers(self, item: ProposeItem) -> bool:
-        return (bool(self.tail) and item.gamma > 0 and item.sampling.greedy
-                and item.rollback_to == self.rollback_to and item.append == self.append)
+        return item.sampling.greedy and item.rollback_to == self.rollback_to and item.append == self.append
 
 
 @dataclass

@@ -323,11 +323,9 @@ class Drafting:
         await self.drop_early()
         plan = await self._plan(rows)
         task = None
-        if plan.items:
-            parents = [tracing.sequence_traceparent(rows[i]) for i in plan.sent]
-            start = getattr(self.source, "start_propose", None)
-            task = await start(step, plan.items, traceparent, parents) if start is not None else \
-                asyncio.ensure_future(self.source.propose(step, plan.items, traceparent, parents))
+        if plan.items:  # a source that can be asked early has start_propose (the engine checks)
+            task = await self.source.start_propose(step, plan.items, traceparent,
+                                                   [tracing.sequence_traceparent(rows[i]) for i in plan.sent])
         self._early = _Early(_keys(rows), self.source.epoch if self.source else -1, plan, task)
 
     async def drop_early(self) -> None:

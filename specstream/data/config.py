@@ -309,6 +309,8 @@ class DraftConfig:
     # What proposes: the draft model; prompt-lookup n-grams (no model); or n-grams where they match
     # and the model elsewhere (draft_service/build.py PROPOSERS builds each).
     PROPOSERS: ClassVar[tuple[str, ...]] = ("model", "ngram", "ngram+model")
+    # work_ahead: not at all, at SCHED_IDLE, at the compute thread's own priority
+    WORK_AHEAD: ClassVar[tuple[str, ...]] = ("off", "idle", "normal")
 
     model: ModelSpec | None  # None with proposer "ngram" or with synthetic_oracle
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -343,7 +345,7 @@ class DraftConfig:
 
     def __post_init__(self) -> None:
         _check(self.proposer in self.PROPOSERS, "proposer", self.proposer, f"one of {', '.join(self.PROPOSERS)}")
-        _check(self.work_ahead in ("off", "idle", "normal"), "work_ahead", self.work_ahead, "one of off, idle, normal")
+        _check(self.work_ahead in self.WORK_AHEAD, "work_ahead", self.work_ahead, f"one of {', '.join(self.WORK_AHEAD)}")
         _check(self.synthetic_oracle is None or self.proposer == "model", "proposer", self.proposer,
                "'model' (the default) with synthetic_oracle, which replaces the model")
         needs_model = self.proposer != "ngram" and self.synthetic_oracle is None

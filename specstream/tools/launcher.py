@@ -194,8 +194,8 @@ class StackSpec:
             raise ValueError(f"proposer={self.proposer!r}: must be one of {', '.join(DraftConfig.PROPOSERS)}")
         if self.synthetic and self.proposer != "model":
             raise ValueError(f"proposer={self.proposer!r}: synthetic replaces the draft model and needs 'model'")
-        if self.work_ahead not in ("off", "idle", "normal"):
-            raise ValueError(f"work_ahead={self.work_ahead!r}: must be one of off, idle, normal")
+        if self.work_ahead not in DraftConfig.WORK_AHEAD:
+            raise ValueError(f"work_ahead={self.work_ahead!r}: must be one of {', '.join(DraftConfig.WORK_AHEAD)}")
         if self.proposer == "ngram" and self.draft_model:
             raise ValueError(f"draft_model={self.draft_model!r}: proposer 'ngram' uses no draft model")
         if self.proposer == "ngram+model" and not self.draft_model:

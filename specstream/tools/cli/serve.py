@@ -68,7 +68,7 @@ def _serve_process_flags(p: argparse.ArgumentParser) -> None:
     weights_flag(p)
     p.add_argument("--draft-threads", type=int, default=1, help="CPU threads of the draft model (0: one per core)")
     p.add_argument("--target-threads", type=int, default=0, help="CPU threads of the target model (0: one per core)")
-    p.add_argument("--work-ahead", choices=("off", "idle", "normal"), default="off",
+    p.add_argument("--work-ahead", choices=DraftConfig.WORK_AHEAD, default=DraftConfig.work_ahead,
                    help="the draft service drafts the next round of greedy chains after each reply, until the "
                         "next request: at SCHED_IDLE (idle) or its thread's priority (normal)")
     p.add_argument("--log-dir", help="write each service's log here instead of the terminal")

@@ -209,7 +209,7 @@ def _add_draft(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compute-thread", action="store_true",
                    help="compute proposals on a worker thread, not the event loop's own (which saves a thread hop "
                         "a call; a draft working ahead always uses a worker)")
-    p.add_argument("--work-ahead", choices=("off", "idle", "normal"), default="off",
+    p.add_argument("--work-ahead", choices=DraftConfig.WORK_AHEAD, default=DraftConfig.work_ahead,
                    help="after each reply, draft the next round of greedy chains until the next request: at "
                         "SCHED_IDLE (idle) or the thread's priority (normal)")
     _memory_flags(p)
