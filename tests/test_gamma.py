@@ -133,6 +133,42 @@ def test_the_quick_bound_never_changes_a_choice(monkeypatch):
     assert any(any(g) for g in quick) and any(not any(g) for g in quick)  # both kinds of answer occur
 
 
+def test_the_batch_of_one_path_chooses_as_the_search_does(monkeypatch):
+    """A step of one auto row skips the vector search (``_goodput_one``: every depth in turn); over
+    random costs (verify staircases included), acceptances, caps and greedy or sampling rows, its γ
+    and predicted step time must be the search's own."""
+    rng = random.Random(11)
+    scenarios = []
+    for _ in range(300):
+        v0, v1, d0, d1, s = (rng.uniform(2e-3, 8e-3), rng.uniform(0, 1.5e-3), rng.uniform(0, 4e-3),
+                             rng.uniform(0, 2e-3), rng.uniform(0, 3e-3))
+        steps = rng.randint(4, 12)
+        stair = {p: rng.uniform(-1e-3, 2e-3) for p in range(1, MAX_GAMMA + 2)}  # what a line misses per size
+        view = RowView(0, AUTO_GAMMA, rng.choice([MAX_GAMMA, rng.randint(1, 8)]), rng.random() < 0.6)
+        alpha = rng.uniform(0.0, 0.95) ** rng.choice([0.5, 1.0, 2.0])
+        scenarios.append((view, alpha, (v0, v1, d0, d1, s), steps, stair, rng.randint(0, MAX_GAMMA)))
+
+    def choices() -> list[tuple[int, float]]:
+        out = []
+        for view, alpha, (v0, v1, d0, d1, s), steps, stair, cap in scenarios:
+            controller = GammaController(max_gamma=MAX_GAMMA)
+            for step in range(steps):
+                depth = step % 5
+                sampled = 0 if view.greedy or not depth else 1
+                controller.observe_step(1, depth, depth, v0 + v1 * (depth + 1) + stair[depth + 1] + s * sampled,
+                                        d0 + d1 * depth if depth else 0.0, 0.0, 1, depth * sampled, sampled)
+            controller.observe(0, "model", view.greedy, 20, int(20 * alpha))
+            out.append((controller.choose([view], [cap])[0], controller.predicted_s))
+        return out
+
+    quick = choices()
+    monkeypatch.setattr(GammaController, "_goodput_one",
+                        lambda self, gammas, row, limit, alpha: self._goodput(gammas, [0], {0: limit}, {0: alpha}, [row]))
+    assert quick == choices()
+    chosen = {g for g, _ in quick}
+    assert 0 in chosen and 1 in chosen and max(chosen) >= 4, chosen  # plain, short and deep chains all occur
+
+
 def test_probes_of_a_row_far_from_paying_grow_rare():
     """At α = 0.1 with a guess costing half a step, a probe costs far more than it wins: after a
     few refused probes a row waits 16 × 2^3 idle steps for the next one (16 without the back-off:
