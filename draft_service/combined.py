@@ -50,6 +50,11 @@ class NgramPlusModelProposer:
         return self.model.vocab_size  # the model cannot read ids past its own vocabulary
 
     @property
+    def acceptance(self) -> dict[tuple[str, bool], float]:
+        """The model's card's α (lookup's rows have no card: the target starts them at its own prior)."""
+        return dict(getattr(self.model, "acceptance", {}))
+
+    @property
     def max_len(self) -> int:
         return self.ngram.max_len
 

@@ -68,6 +68,11 @@ class FeatureProposer:
         return self.draft.vocab_size
 
     @property
+    def acceptance(self) -> dict[tuple[str, bool], float]:
+        """Its card's measured α per (source, greedy) (DraftInfo.acceptance)."""
+        return {(SOURCE, greedy): alpha for greedy, alpha in self.draft.acceptance}
+
+    @property
     def held(self) -> int:
         return len(self.slots)
 

@@ -41,7 +41,7 @@ from kernels.lm_head import Hidden
 from kernels.nbest import MAX_K, top_scores
 from kernels.processing import process_logits, truncate
 from kernels.random import SAMPLE, gumbel, race, row_keys
-from specstream.data.propose import Proposal, ProposeItem, chain_length
+from specstream.data.propose import SOURCE, Proposal, ProposeItem, chain_length
 from specstream.data.sampling import SamplingParams
 from specstream.models.base import CausalLM
 
@@ -69,6 +69,11 @@ class DraftProposer:
     @property
     def name(self) -> str:
         return self.model.config.name
+
+    @property
+    def acceptance(self) -> dict[tuple[str, bool], float]:
+        """Its card's measured α per (source, greedy) (DraftInfo.acceptance)."""
+        return {(SOURCE, greedy): alpha for greedy, alpha in self.model.config.acceptance}
 
     @property
     def vocab_size(self) -> int:

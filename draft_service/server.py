@@ -106,7 +106,9 @@ def draft_info(proposer: Proposer) -> draft_pb2.DraftInfo:
                                max_context_length=proposer.max_len, held_sequences=proposer.held,
                                free_slots=proposer.free_slots,
                                feature_layers=list(getattr(proposer, "feature_layers", ())),
-                               feature_width=getattr(proposer, "feature_width", 0))
+                               feature_width=getattr(proposer, "feature_width", 0),
+                               acceptance=[draft_pb2.MeasuredAcceptance(source=source, greedy=greedy, alpha=alpha)
+                                           for (source, greedy), alpha in getattr(proposer, "acceptance", {}).items()])
 
 
 async def serve(config: DraftConfig) -> None:

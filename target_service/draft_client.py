@@ -73,6 +73,7 @@ class DraftClient:
         self.feature_layers: tuple[int, ...] = ()
         self.feature_width = 0
         self.refused = ""
+        self.acceptance: dict[tuple[str, bool], float] = {}  # the draft card's α per (source, greedy)
 
     @property
     def connected(self) -> bool:
@@ -108,6 +109,7 @@ class DraftClient:
         self.model_name, self.vocab_size = info.model_name, info.vocab_size
         self.max_context_length = info.max_context_length
         self.feature_layers, self.feature_width = tuple(info.feature_layers), info.feature_width
+        self.acceptance = measured_acceptance(info, self.url)
         return True
 
     async def ready(self) -> bool:
@@ -279,3 +281,16 @@ def _proposal_from_pb(pb: draft_pb2.Proposal) -> Proposal:
     return Proposal(list(pb.token_ids), pb.length, pb.q_width, list(pb.q_ids), list(pb.q_probs),
                     **({"source": pb.proposer} if pb.proposer else {}), error=pb.error, key=pb.seq_id,
                     parents=list(pb.parents))
+
+
+def measured_acceptance(info: draft_pb2.DraftInfo, url: str) -> dict[tuple[str, bool], float]:
+    """DraftInfo.acceptance as {(source, greedy): α}: untrusted input, so an entry without a source
+    or with α not strictly between 0 and 1 is left out (logged); a repeated one, the last counts."""
+    out = {}
+    for entry in info.acceptance:
+        if not entry.source or not 0.0 < entry.alpha < 1.0:  # NaN fails both comparisons
+            log.warning("draft %s: DraftInfo.acceptance entry (source=%r, greedy=%s, alpha=%r) ignored: needs a "
+                        "source and an alpha between 0 and 1", url, entry.source, entry.greedy, entry.alpha)
+            continue
+        out[(entry.source, entry.greedy)] = entry.alpha
+    return out

@@ -139,7 +139,8 @@ class Engine:
         self.drafting.on_malformed = self.metrics.observe_malformed
         self._background: set[asyncio.Task] = set()
         if draft is not None:  # the gateway learns of a draft (re)connecting without waiting for a step
-            draft.watch(self._report_load)
+            draft.watch(self._draft_changed)
+            self._draft_changed()
 
     # ----- limits and load -------------------------------------------------------------------
     @property
@@ -154,6 +155,13 @@ class Engine:
                     draft_model=self.drafting.model_name)
 
     # ----- requests from connections (called on the event loop) -------------------------------
+    def _draft_changed(self) -> None:
+        """The draft (re)connected or went away: the γ controller starts its pools from what a
+        connected draft's card states (DraftInfo.acceptance), and the gateways hear of it."""
+        if self.drafting.connected:
+            self.controller.set_priors(getattr(self.draft, "acceptance", {}))
+        self._report_load()
+
     def _report_load(self) -> None:
         load = self.load()
         for conn in self.connections:

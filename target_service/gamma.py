@@ -3,7 +3,7 @@
 Policies for ``speculation=auto`` rows (``--gamma-policy``):
 - ``goodput`` (the default): per sequence, an acceptance estimate α̂ (discounted Beta posterior,
   separate per proposer and for greedy vs sampled rows, starting from the pooled estimate of its
-  kind); the engine's own measured costs (``CostModel``: verify time as a function of the step's
+  kind, and each pool from the acceptance the draft's card states for that kind, else 0.6); the engine's own measured costs (``CostModel``: verify time as a function of the step's
   total tokens, draft time as a function of its depth and total proposals, the rest of a step).
   It picks the γ vector that maximises expected committed tokens per second for the WHOLE batch:
   Σ_i E_i(γ_i) / T(γ), E(γ) = (1 − α^(γ+1)) / (1 − α) (Leviathan et al., Thm 3.8, per row) and T
@@ -313,7 +313,9 @@ class GammaController:
         self.policy = policy
         self.default_gamma = default_gamma
         self.max_gamma = max_gamma
-        self.prior_alpha = prior_alpha  # before anything is measured
+        self.prior_alpha = prior_alpha  # before anything is measured, where the draft states no prior
+        # (proposer, greedy) -> the acceptance its draft's card states (``set_priors``): where a pool starts
+        self.priors: dict[tuple[str, bool], float] = {}
         self.prior_strength = prior_strength  # pseudo-observations the pooled estimate is worth to a row
         self.row_decay = row_decay  # per observation: a row's memory is ~1 / (1 − decay) passes
         self.pool_decay = pool_decay
@@ -344,12 +346,24 @@ class GammaController:
         self.predicted_s = 0.0  # the chosen vector's predicted step time (0 when not predicted)
 
     # ----- estimates --------------------------------------------------------------------------
+    def set_priors(self, priors: dict[tuple[str, bool], float]) -> None:
+        """Where each (proposer, greedy) pool starts: the acceptance the draft's card states was
+        measured for that kind (DraftInfo.acceptance), in place of ``prior_alpha``; an entry without
+        a proposer or with α not strictly between 0 and 1 is no prior (left out). Pools already
+        learnt keep their counts; the prior is what they are shrunk toward."""
+        self.priors = {(source, greedy): alpha for (source, greedy), alpha in priors.items()
+                       if source and 0.0 < alpha < 1.0}
+
+    def prior(self, source: str, greedy: bool) -> float:
+        return self.priors.get((source, greedy), self.prior_alpha)
+
     def pooled_alpha(self, source: str, greedy: bool) -> float:
+        prior = self.prior(source, greedy)
         pool = self._pool.get((source, greedy))
         if pool is None:
-            return self.prior_alpha
+            return prior
         s = self.prior_strength
-        return (pool.hits + s * self.prior_alpha) / (pool.hits + pool.misses + s)
+        return (pool.hits + s * prior) / (pool.hits + pool.misses + s)
 
     def alpha(self, seq_id: int, greedy: bool) -> float:
         """The row's acceptance estimate: its own discounted counts over a prior worth

@@ -30,6 +30,7 @@ class LocalDraft:
         # A feature draft's: the engine checks them against its model when it is built.
         self.feature_layers = tuple(getattr(proposer, "feature_layers", ()))
         self.feature_width = getattr(proposer, "feature_width", 0)
+        self.acceptance = dict(getattr(proposer, "acceptance", {}))  # its card's α per (source, greedy)
 
     @property
     def held_sequences(self) -> int:

@@ -276,3 +276,39 @@ def test_an_early_answer_is_verified_only_for_the_rows_tokens_and_stream_it_was_
     for change in (new_stream, moved_on, lambda source, rows: [*rows, row(2)], lambda source, rows: [row(2)]):
         proposals, asked = asyncio.run(verified(change))
         assert proposals == [20, 21] and asked == ["early", "late"], change
+
+
+class CardProposer(DraftProposer):
+    """A real proposer whose card states acceptance rates, one of them valid (as DraftInfo carries them)."""
+
+    acceptance = {("model", True): 0.42, ("model", False): 1.5, ("", True): 0.3}
+
+
+def test_the_controller_starts_from_the_acceptance_the_draft_states(model_zoo):
+    """Through GetInfo, the engine's γ controller starts the (model, greedy) pool at the card's α; entries
+    that are no rate, or name no proposer, are ignored; a draft in the process gives its card at once."""
+    from target_service.local_draft import LocalDraft
+
+    proposer = CardProposer(load_model(model_zoo["partial"]), max_slots=4, max_seq_len=64)
+
+    async def main():
+        server, address, compute = await _draft_server(proposer)
+        client = DraftClient(address, timeout_s=5.0, retry_s=0.1)
+        engine = _slow_engine(model_zoo, client)
+        try:
+            assert engine.controller.priors == {}  # nothing is known before the draft connects
+            assert await client.wait_connected(5.0)
+            assert client.acceptance == {("model", True): 0.42}
+            return engine.controller
+        finally:
+            await client.close()
+            await server.stop(0)
+            compute.shutdown(wait=False)
+
+    controller = asyncio.run(main())
+    assert controller.priors == {("model", True): 0.42}
+    assert controller.pooled_alpha("model", True) == 0.42 and controller.alpha(1, True) == 0.42  # a new row too
+    assert controller.pooled_alpha("model", False) == controller.pooled_alpha("ngram", True) == controller.prior_alpha
+    local = Engine(load_model(model_zoo["target"]), TargetConfig(model=ModelSpec(str(model_zoo["target"])), max_slots=2,
+                                                                 max_seq_len=64, calibrate=False), LocalDraft(proposer))
+    assert local.controller.priors == {("model", True): 0.42}

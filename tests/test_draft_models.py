@@ -125,3 +125,47 @@ def test_the_target_service_refuses_a_vocabulary_subset_model(sampling_pair, tmp
                              "--port", "0", "--dtype", "float32"], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "can only serve as a draft" in result.stderr
+
+
+def test_the_card_states_measured_acceptance_and_the_proposer_reports_it(drafts, tmp_path) -> None:
+    """config.json "specstream"."acceptance" (what `record_acceptance` writes after measuring) reaches
+    the proposer, and from it DraftInfo; a value that is no rate is refused naming the field."""
+    from draft_service.server import draft_info
+    from specstream.tools.distill.measure import record_acceptance
+
+    card = tmp_path / "card"
+    card.mkdir()
+    (card / "model.safetensors").write_bytes((drafts["shared"] / "model.safetensors").read_bytes())
+    (card / "config.json").write_text((drafts["shared"] / "config.json").read_text())
+    assert load_model(card, resolve=_resolver(drafts)).config.acceptance == ()  # a card without it
+    record_acceptance(card, 0.53712, None)
+    proposer = DraftProposer(load_model(card, resolve=_resolver(drafts)), 2, 64)
+    assert proposer.acceptance == {("model", True): 0.537}
+    record_acceptance(card, 0.41, 0.3)
+    proposer = DraftProposer(load_model(card, resolve=_resolver(drafts)), 2, 64)
+    assert proposer.acceptance == {("model", True): 0.41, ("model", False): 0.3}
+    info = draft_info(proposer)
+    assert sorted((e.source, e.greedy, round(e.alpha, 6)) for e in info.acceptance) == \
+        [("model", False, 0.3), ("model", True, 0.41)]
+    config = json.loads((card / "config.json").read_text())
+    for bad, field in (({"greedy": 1.0}, "acceptance.greedy"), ({"sampled": True}, "acceptance.sampled"),
+                       ({"greedy": 0.5, "top_p": 0.9}, "acceptance'"), (0.5, "acceptance'")):
+        config["specstream"]["acceptance"] = bad
+        (card / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ModelLoadError, match=f"specstream.{field}"):
+            load_model(card, resolve=_resolver(drafts))
+
+
+def test_the_shipped_drafts_state_their_measured_acceptance() -> None:
+    """The default pair's cards carry the α their training logs measured (train_log.json)."""
+    from specstream.models.config import card_acceptance
+    from specstream.models.registry import DRAFTS
+
+    for name, expected in (("smollm2-135m-draft", lambda log: {True: log["greedy"]["alpha"],
+                                                              False: log["sampled"]["alpha"]}),
+                           ("smollm2-135m-feature", lambda log: {True: log["served"]["feature (model)"]["alpha"]})):
+        root = DRAFTS / name
+        stated = dict(card_acceptance(json.loads((root / "config.json").read_text())["specstream"], name))
+        measured = expected(json.loads((root / "train_log.json").read_text()))
+        assert stated.keys() == measured.keys() and all(abs(stated[k] - measured[k]) < 5e-4 for k in stated), \
+            (stated, measured)

@@ -169,6 +169,24 @@ def test_the_batch_of_one_path_chooses_as_the_search_does(monkeypatch):
     assert 0 in chosen and 1 in chosen and max(chosen) >= 4, chosen  # plain, short and deep chains all occur
 
 
+def test_a_new_rows_first_choice_starts_from_the_drafts_stated_acceptance():
+    """Before anything is verified, a row's estimate is its pool's prior: the card's α for the
+    draft's proposals of that kind (``set_priors``), else ``prior_alpha``. Where a guess costs half
+    a step, a draft stated at α = 0.2 is not asked at first, the default prior's 0.6 is; sampled
+    rows and other proposers keep the default."""
+    def first_choice(priors: dict, greedy: bool = True) -> int:
+        controller = GammaController(max_gamma=MAX_GAMMA, explore=0.0)
+        controller.set_priors(priors)
+        for depth in (0, 1, 2, 0):  # measured steps: the verify is flat, a guess costs half a step
+            controller.observe_step(1, depth, depth, 0.01, 0.005 * depth, 0.0)
+        return controller.choose([RowView(1, AUTO_GAMMA, MAX_GAMMA, greedy)], [MAX_GAMMA])[0]
+
+    assert first_choice({}) > 0
+    assert first_choice({("model", True): 0.2}) == 0
+    assert first_choice({("model", True): 0.2}, greedy=False) > 0  # a sampled row: no stated prior
+    assert first_choice({("ngram", True): 0.2}) > 0  # another proposer's prior
+
+
 def test_probes_of_a_row_far_from_paying_grow_rare():
     """At α = 0.1 with a guess costing half a step, a probe costs far more than it wins: after a
     few refused probes a row waits 16 × 2^3 idle steps for the next one (16 without the back-off:

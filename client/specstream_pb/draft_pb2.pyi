@@ -93,7 +93,7 @@ class DraftInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_context_length", "held_sequences", "free_slots", "feature_layers", "feature_width")
+    __slots__ = ("model_name", "vocab_size", "max_context_length", "held_sequences", "free_slots", "feature_layers", "feature_width", "acceptance")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,7 @@ class DraftInfo(_message.Message):
     FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_context_length: int
@@ -108,4 +109,15 @@ class DraftInfo(_message.Message):
     free_slots: int
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
     feature_width: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., held_sequences: _Optional[int] = ..., free_slots: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., feature_width: _Optional[int] = ...) -> None: ...
+    acceptance: _containers.RepeatedCompositeFieldContainer[MeasuredAcceptance]
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., held_sequences: _Optional[int] = ..., free_slots: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., feature_width: _Optional[int] = ..., acceptance: _Optional[_Iterable[_Union[MeasuredAcceptance, _Mapping]]] = ...) -> None: ...
+
+class MeasuredAcceptance(_message.Message):
+    __slots__ = ("source", "greedy", "alpha")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    GREEDY_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    greedy: bool
+    alpha: float
+    def __init__(self, source: _Optional[str] = ..., greedy: _Optional[bool] = ..., alpha: _Optional[float] = ...) -> None: ...

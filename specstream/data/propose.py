@@ -109,6 +109,8 @@ class Proposer(Protocol):
     # from 1, ascending; num_hidden_layers, the final normed state, comes last; earlier ones are
     # each RMS-normalized) and ``feature_width`` (numbers per position: the hidden size per layer);
     # a token proposer has neither (read with getattr, default () and 0).
+    # A proposer whose draft's card states measured acceptance rates sets ``acceptance``:
+    # {(Proposal.source, greedy): α} (read with getattr, default {}; DraftInfo.acceptance).
 
     def propose(self, items: list[ProposeItem]) -> list[Proposal]: ...
 

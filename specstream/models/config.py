@@ -27,6 +27,7 @@ __all__ = [
     "CONFIG_PARSERS",
     "MODEL_TYPE_TO_ARCHITECTURE",
     "SUPPORTED_ROPE_TYPES",
+    "card_acceptance",
     "parse_config",
 ]
 
@@ -82,6 +83,9 @@ class ModelConfig:
     # at load time instead of shipping a copy; the sha256 of its float32 bytes must match.
     shared_embedding: str | None = None
     shared_embedding_sha256: str | None = None
+    # Drafts: the acceptance rate α its card says was measured, per kind ((greedy, α) pairs:
+    # True for greedy requests, False for sampled ones); see ``card_acceptance``.
+    acceptance: tuple[tuple[bool, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.layer_windows:
@@ -442,4 +446,28 @@ def _parse_extension(f: _Fields, config: ModelConfig) -> ModelConfig:
             raise x.error("shared_embedding", f"is not supported for {config.architecture}")
     if output_vocab is not None and config.architecture == "GPT2LMHeadModel":
         raise x.error("output_vocab", "is not supported for GPT2LMHeadModel")
-    return dataclasses.replace(config, output_vocab=output_vocab, shared_embedding=model, shared_embedding_sha256=sha)
+    return dataclasses.replace(config, output_vocab=output_vocab, shared_embedding=model, shared_embedding_sha256=sha,
+                               acceptance=card_acceptance(ext, f.source))
+
+
+def card_acceptance(ext: Mapping[str, Any], source: str) -> tuple[tuple[bool, float], ...]:
+    """A draft card's measured acceptance rates (config.json "specstream"."acceptance": {"greedy": α,
+    "sampled": α}, either optional; written by the tools that train drafts, from held-out requests
+    verified by the target) as (greedy, α) pairs. The target's γ controller starts its estimate of
+    the draft's proposals of each kind there instead of a guess (target_service/gamma.py)."""
+    raw = ext.get("acceptance")
+    if raw is None:
+        return ()
+    if not isinstance(raw, Mapping) or not set(raw) <= {"greedy", "sampled"}:
+        raise ModelLoadError(f"{source}: field 'specstream.acceptance' must be an object with 'greedy' and/or "
+                             f"'sampled', got {raw!r}")
+    out = []
+    for kind, greedy in (("greedy", True), ("sampled", False)):
+        value = raw.get(kind)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
+            raise ModelLoadError(f"{source}: field 'specstream.acceptance.{kind}' must be a number between 0 and 1 "
+                                 f"(exclusive), got {value!r}")
+        out.append((greedy, float(value)))
+    return tuple(out)

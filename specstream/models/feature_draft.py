@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from kernels.int4 import Q4Weight, pack_codes, q4_dense, q4_native, rtn_parts, unpack_codes
 from kernels.lm_head import OutputHead
-from specstream.models.config import ModelLoadError
+from specstream.models.config import ModelLoadError, card_acceptance
 from specstream.models.feature_head import FeatureHead, HeadSpec
 from specstream.models.loader import DTYPES, SafetensorsSource, embedding_sha256, read_config
 
@@ -54,6 +54,7 @@ class FeatureDraft:
     output: OutputHead  # the rows as served: dense in ``dtype``, or 4-bit
     dtype: torch.dtype = torch.float32  # the activations' when serving
     weights: str = "dense"  # what was served: "dense" or "int4 (N matrices)"
+    acceptance: tuple[tuple[bool, float], ...] = ()  # its card's measured α per kind (card_acceptance)
 
     @property
     def vocab_size(self) -> int:
@@ -120,6 +121,7 @@ def load_feature_draft(path: str | Path, resolve: Callable[[str], Path], dtype: 
     if layers[:-1] != spec.extra_layers:
         raise ModelLoadError(f"{where}: specstream.target.layers={list(layers)}, but the head reads "
                              f"{list(spec.extra_layers)} before the final layer (specstream.head.extra_layers)")
+    acceptance = card_acceptance(ours, str(where))
     head = FeatureHead(spec)
     try:
         state, parts = _dense_state(load_file(str(root / WEIGHTS)))
@@ -142,7 +144,8 @@ def load_feature_draft(path: str | Path, resolve: Callable[[str], Path], dtype: 
         else rows.to(torch_dtype)
     swapped += isinstance(served_rows, Q4Weight)
     return FeatureDraft(str(ours.get("name") or root.name), head, embed.to(torch.bfloat16), rows, layers,
-                        OutputHead(served_rows), torch_dtype, f"int4 ({swapped} matrices)" if swapped else "dense")
+                        OutputHead(served_rows), torch_dtype, f"int4 ({swapped} matrices)" if swapped else "dense",
+                        acceptance)
 
 
 def _dense_state(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:

@@ -48,7 +48,7 @@ from specstream.models.registry import DRAFTS
 from specstream.tools.bench.costs import measure_feature_costs
 from specstream.tools.distill.data import Record, generate_responses, load_records, save_records
 from specstream.tools.distill.everyday import everyday_prompts
-from specstream.tools.distill.measure import measure_acceptance
+from specstream.tools.distill.measure import measure_acceptance, record_acceptance
 from specstream.tools.distill.pipeline import read_prompts, write_prompts
 
 __all__ = ["FeatureConfig", "STAGES", "main"]
@@ -141,6 +141,7 @@ def main(target_dir: Path, work_dir: Path, cfg: FeatureConfig, stages: tuple[str
         if (work_dir / TOKEN_DRAFT / "config.json").exists():
             drafts["token-everyday"] = work_dir / TOKEN_DRAFT
         log["served"] = served_acceptance(target_dir, drafts, held_out, every=cfg.served_every)
+        record_acceptance(out_dir, log["served"].get("feature (model)", {}).get("alpha"))  # greedy only
     if "card" in stages:
         write_card(out_dir, log, prompts_path)
     log_path.write_text(json.dumps(log, indent=2))

@@ -7,12 +7,15 @@ accepted / (accepted + rejections) (Leviathan et al.'s i.i.d. α) and the mean t
 pass. ``measure_costs`` times one forward of each model on this machine with the benchmarks' own
 measurement: the draft proposing one token (one thread, as the draft service runs), the target
 scoring one token and verifying γ+1 = 5 tokens, all at batch 1 after a 200-token context.
+``record_acceptance`` writes the measured α into the draft's card (config.json
+"specstream"."acceptance"), where the target's γ controller starts from it.
 
 What it does not know: training, gRPC.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from draft_service.build import build_proposer
@@ -27,7 +30,7 @@ from target_service.engine import Engine
 from target_service.inprocess import run_requests
 from target_service.local_draft import LocalDraft
 
-__all__ = ["measure_acceptance", "measure_costs"]
+__all__ = ["measure_acceptance", "measure_costs", "record_acceptance"]
 
 
 def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[dict], *, temperature: float,
@@ -74,3 +77,14 @@ def measure_costs(target_dir: Path, draft_dir: Path, dtype: str = "bfloat16", co
     return {"draft_ms": c["draft_step_ms"], "target_ms": c["target_step_ms"], "verify5_ms": c["target_verify_ms"][4],
             "ratio": c["c"], "dtype": dtype, "context": context}
 
+
+def record_acceptance(draft_dir: Path, greedy: float | None, sampled: float | None = None) -> None:
+    """Writes the draft's measured α (of the model alone: prompt lookup's rows are counted apart)
+    for greedy and sampled requests into its config.json ("specstream"."acceptance"; None: not
+    measured, left out), as ``specstream.models.config.card_acceptance`` reads it."""
+    path = draft_dir / "config.json"
+    config = json.loads(path.read_text())
+    measured = {kind: round(alpha, 3) for kind, alpha in (("greedy", greedy), ("sampled", sampled))
+                if alpha is not None and 0.0 < alpha < 1.0}
+    config.setdefault("specstream", {})["acceptance"] = measured
+    path.write_text(json.dumps(config, indent=2) + "\n")

@@ -37,7 +37,7 @@ from specstream.models.loader import embedding_sha256
 from specstream.models.registry import PAIRS
 from specstream.text.tokenizer import TextTokenizer
 from specstream.tools.distill.data import Record
-from specstream.tools.distill.measure import measure_acceptance, measure_costs
+from specstream.tools.distill.measure import measure_acceptance, measure_costs, record_acceptance
 from specstream.tools.progress import Progress
 
 __all__ = ["DRAFT_LAYERS", "OUTPUT_VOCAB", "train_draft", "write_card"]
@@ -282,6 +282,7 @@ def write_card(target_dir: Path, draft_dir: Path, records: list[Record], prompts
     costs = measure_costs(target_dir, draft_dir)
     facts = {"greedy": greedy, "sampled": sampled, "served_greedy": served_greedy, "served_sampled": served_sampled,
              "costs": costs, "python": platform.python_version(), "cpus": os.cpu_count()}
+    record_acceptance(draft_dir, greedy["alpha"], sampled["alpha"])
     _write_readme(draft_dir, log, facts)
     (draft_dir / "train_log.json").write_text(json.dumps({**log, **facts}, indent=2) + "\n")
     return facts
