@@ -281,7 +281,9 @@ def test_an_early_answer_is_verified_only_for_the_rows_tokens_and_stream_it_was_
 class CardProposer(DraftProposer):
     """A real proposer whose card states acceptance rates, one of them valid (as DraftInfo carries them)."""
 
-    acceptance = {("model", True): 0.42, ("model", False): 1.5, ("", True): 0.3}
+    @property
+    def acceptance(self) -> dict[tuple[str, bool], float]:
+        return {("model", True): 0.42, ("model", False): 1.5, ("", True): 0.3}
 
 
 def test_the_controller_starts_from_the_acceptance_the_draft_states(model_zoo):

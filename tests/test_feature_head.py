@@ -307,3 +307,57 @@ def test_a_served_bfloat16_head_attends_in_the_native_op_as_torch_does(monkeypat
     assert native_out.abs().max() > 0.5
     torch.testing.assert_close(native_out, torch_out, rtol=0.03, atol=0.03)
     assert native_drafts == torch_drafts
+
+
+def test_a_served_4_bit_head_runs_its_layer_as_one_native_call_as_op_by_op_does() -> None:
+    """Served in bfloat16 with 4-bit projections, the head's layer runs as one call of the native op
+    that runs the target's decoder layers (``LayerStack``: q and kv fused into one qkv); its outputs
+    over rounds of extend and draft are the op-by-op path's within bfloat16 rounding (its norms take
+    bfloat16 weights), and it drafts the same tokens. Unserved, or served dense, it has no such call."""
+    from kernels import native
+    from kernels.int4 import Q4Weight
+    from specstream.models.feature_head import HeadCache
+
+    assert native.library() is not None  # built by `make test` (tests/test_native_ops.py)
+    spec = HeadSpec(hidden=64, heads=4, kv_heads=2, head_dim=64, intermediate=96, rope_theta=10000.0, norm_eps=1e-5,
+                    vocab_out=20)
+    head, _, _ = _head(21, spec)
+    for p in head.parameters():
+        p.data.mul_(0.5)
+    embed = torch.randn(30, 64, generator=torch.Generator().manual_seed(23))  # [V, H]
+    rows = embed[head.output_ids].to(torch.bfloat16)
+    assert head._stack is None
+    head.serve(torch.bfloat16, int4=False)
+    assert head._stack is None  # dense matrices: op by op
+    assert head.serve(torch.bfloat16, int4=True) == 6 and isinstance(head._served["q"], Q4Weight)
+    stack, calls = head._stack, []
+    assert stack is not None
+
+    class Counting:  # the native layer, counting its calls
+        def forward(self, *args):
+            calls.append(args[0].shape[1])
+            return stack.forward(*args)
+
+    gen = torch.Generator().manual_seed(22)
+    feats = torch.randn(40, 64, generator=gen).to(torch.bfloat16)
+    tokens = torch.randint(0, 30, (41,), generator=gen)
+    embed16 = embed.to(torch.bfloat16)
+
+    def rounds(layer):
+        head._stack = layer
+        cache = HeadCache(spec, slots=3, max_len=64, dtype=torch.bfloat16)
+        outs, drafted, at = [], [], 0
+        with torch.no_grad():
+            for end in (17, 18, 23, 40):
+                out = head.extend(cache, 1, at, feats[at:end], embed16[tokens[at + 1:end + 1]])
+                outs.append(out.float())
+                drafted.append(head.draft(cache, 1, out[-1], 3, embed16, rows))
+                at = end
+        return torch.cat(outs), drafted
+
+    native_out, native_drafts = rounds(Counting())
+    assert calls == [17, 1, 1, 1, 1, 1, 5, 1, 1, 17, 1, 1]  # an extend and two drafting steps a round
+    by_op, op_drafts = rounds(None)
+    assert native_out.abs().max() > 0.5
+    torch.testing.assert_close(native_out, by_op, rtol=0.03, atol=0.03)
+    assert native_drafts == op_drafts
