@@ -255,13 +255,29 @@ def test_aligned_training_counts_a_step_only_where_the_earlier_steps_chose_the_a
     assert every > 1.2 * aligned
 
 
+def _serve_rounds(head, spec, slot, feats, tokens, embed16, rows) -> tuple[torch.Tensor, list[list[int]]]:
+    """Four rounds of serving one sequence in ``slot`` of a fresh bfloat16 cache: extend over the
+    features of positions up to 17, 18, 23 and 40, then draft 3 guesses -> (the outputs of every
+    extend [40, H], each round's guesses)."""
+    from specstream.models.feature_head import HeadCache
+
+    cache = HeadCache(spec, slots=3, max_len=64, dtype=torch.bfloat16)
+    outs, drafted, at = [], [], 0
+    with torch.no_grad():
+        for end in (17, 18, 23, 40):
+            out = head.extend(cache, slot, at, feats[at:end], embed16[tokens[at + 1:end + 1]])
+            outs.append(out.float())
+            drafted.append(head.draft(cache, slot, out[-1], 3, embed16, rows))
+            at = end
+    return torch.cat(outs), drafted
+
+
 def test_a_served_bfloat16_head_attends_in_the_native_op_as_torch_does(monkeypatch) -> None:
     """Served in bfloat16, the head's attention runs in the native op the target's layers use (RoPE
     at head position + 1, the cache write, attention over positions <= each one's): its outputs over
     rounds of extend and draft are torch's attention's within bfloat16 rounding, and it drafts the
     same tokens."""
     from kernels import native
-    from specstream.models.feature_head import HeadCache
 
     assert native.library() is not None  # built by `make test` (tests/test_native_ops.py)
     spec = HeadSpec(hidden=64, heads=4, kv_heads=2, head_dim=64, intermediate=96, rope_theta=10000.0, norm_eps=1e-5,
@@ -289,16 +305,9 @@ def test_a_served_bfloat16_head_attends_in_the_native_op_as_torch_does(monkeypat
 
     def rounds(native_op: bool):
         monkeypatch.setattr(native, "library", (lambda: Spy()) if native_op else (lambda: None))
-        cache = HeadCache(spec, slots=3, max_len=64, dtype=torch.bfloat16)
-        outs, drafted, at = [], [], 0
-        with torch.no_grad():
-            for end in (17, 18, 23, 40):
-                out = head.extend(cache, 2, at, feats[at:end], embed16[tokens[at + 1:end + 1]])
-                outs.append(out.float())
-                drafted.append(head.draft(cache, 2, out[-1], 3, embed16, rows.to(torch.bfloat16)))
-                at = end
+        out = _serve_rounds(head, spec, 2, feats, tokens, embed16, rows.to(torch.bfloat16))
         monkeypatch.undo()
-        return torch.cat(outs), drafted
+        return out
 
     native_out, native_drafts = rounds(True)
     assert len(calls) == 4 + 4 * 2  # an extend and two drafting steps a round, each one call
@@ -316,7 +325,6 @@ def test_a_served_4_bit_head_runs_its_layer_as_one_native_call_as_op_by_op_does(
     bfloat16 weights), and it drafts the same tokens. Unserved, or served dense, it has no such call."""
     from kernels import native
     from kernels.int4 import Q4Weight
-    from specstream.models.feature_head import HeadCache
 
     assert native.library() is not None  # built by `make test` (tests/test_native_ops.py)
     spec = HeadSpec(hidden=64, heads=4, kv_heads=2, head_dim=64, intermediate=96, rope_theta=10000.0, norm_eps=1e-5,
@@ -345,15 +353,7 @@ def test_a_served_4_bit_head_runs_its_layer_as_one_native_call_as_op_by_op_does(
 
     def rounds(layer):
         head._stack = layer
-        cache = HeadCache(spec, slots=3, max_len=64, dtype=torch.bfloat16)
-        outs, drafted, at = [], [], 0
-        with torch.no_grad():
-            for end in (17, 18, 23, 40):
-                out = head.extend(cache, 1, at, feats[at:end], embed16[tokens[at + 1:end + 1]])
-                outs.append(out.float())
-                drafted.append(head.draft(cache, 1, out[-1], 3, embed16, rows))
-                at = end
-        return torch.cat(outs), drafted
+        return _serve_rounds(head, spec, 1, feats, tokens, embed16, rows)
 
     native_out, native_drafts = rounds(Counting())
     assert calls == [17, 1, 1, 1, 1, 1, 5, 1, 1, 17, 1, 1]  # an extend and two drafting steps a round
