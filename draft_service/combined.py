@@ -78,7 +78,7 @@ class NgramPlusModelProposer:
         asked: list[tuple[int, NgramIndex]] = []
         model_items: list[ProposeItem] = []
         for i, item in enumerate(items):
-            if self.feature_width and (error := self.model.read_features(item)[1]):
+            if self.feature_width and (error := self.model.feature_error(item)):
                 self.release([item.key])
                 out[i].error = error
                 continue

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from draft_service.proposer import GREEDY, _Picker, node_tables
@@ -191,21 +192,31 @@ class FeatureProposer:
 
     def read_features(self, item: ProposeItem) -> tuple[torch.Tensor | None, str]:
         """The item's features [count, input_width] bfloat16, or why they cannot be read: the field and its value."""
-        if item.feature_dtype != FEATURE_DTYPE:
-            return None, f"ProposeItem.feature_dtype={item.feature_dtype!r}: this draft reads {FEATURE_DTYPE!r} features"
-        if item.feature_width != self.width:
-            return None, (f"ProposeItem.feature_width={item.feature_width}: this draft reads features of {self.width} "
-                          "numbers (the target's hidden size per layer it reads)")
+        error = self.feature_error(item)
+        if error:
+            return None, error
         count = features_expected(item.rollback_to, len(item.append))
-        if len(item.features) != count * self.width * 2:
-            return None, (f"ProposeItem.features: {len(item.features)} bytes for sequence {item.key} (rollback_to="
-                          f"{item.rollback_to}, {len(item.append)} tokens appended); expected {count} features of "
-                          f"{self.width} bfloat16 numbers = {count * self.width * 2} bytes")
         features = torch.frombuffer(bytearray(item.features), dtype=torch.bfloat16).view(count, self.width) \
             if count else torch.empty(0, self.width, dtype=torch.bfloat16)
-        if not bool(torch.isfinite(features).all()):
-            return None, f"ProposeItem.features: sequence {item.key} has numbers that are not finite (NaN or inf)"
         return features, ""
+
+    def feature_error(self, item: ProposeItem) -> str:
+        """Why the item's features cannot be read ("" when they can): their dtype, width or count, or
+        numbers that are not finite (a bfloat16 whose exponent bits are all ones: inf or NaN, checked
+        on the bytes, ~5 µs against ~22 µs for building the tensor and asking torch)."""
+        if item.feature_dtype != FEATURE_DTYPE:
+            return f"ProposeItem.feature_dtype={item.feature_dtype!r}: this draft reads {FEATURE_DTYPE!r} features"
+        if item.feature_width != self.width:
+            return (f"ProposeItem.feature_width={item.feature_width}: this draft reads features of {self.width} "
+                    "numbers (the target's hidden size per layer it reads)")
+        count = features_expected(item.rollback_to, len(item.append))
+        if len(item.features) != count * self.width * 2:
+            return (f"ProposeItem.features: {len(item.features)} bytes for sequence {item.key} (rollback_to="
+                    f"{item.rollback_to}, {len(item.append)} tokens appended); expected {count} features of "
+                    f"{self.width} bfloat16 numbers = {count * self.width * 2} bytes")
+        if ((np.frombuffer(item.features, dtype=np.uint16) & _EXPONENT) == _EXPONENT).any():
+            return f"ProposeItem.features: sequence {item.key} has numbers that are not finite (NaN or inf)"
+        return ""
 
     def _sync(self, item: ProposeItem) -> int | None:
         """The sequence's slot, rolled back to ``rollback_to``; None when its state is gone, the item
@@ -237,6 +248,7 @@ class FeatureProposer:
 
 
 _GREEDY_ITEM = ProposeItem(0, 0, [0], 1, GREEDY)
+_EXPONENT = 0x7F80  # a bfloat16's exponent bits: all ones for inf and NaN
 
 
 @dataclass

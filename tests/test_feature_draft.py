@@ -73,6 +73,8 @@ def test_features_of_the_wrong_dtype_width_or_count_are_refused_naming_the_field
     good = ProposeItem("good", 0, [5, 6, 7], 3, features=_features(2, H), feature_width=H)
     nan = bytearray(_features(2, H))
     nan[10:12] = torch.tensor([float("nan")], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    inf = bytearray(_features(2, H))  # -inf in the last number: every position is checked
+    inf[-2:] = torch.tensor([float("-inf")], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
     bad = {
         "ProposeItem.feature_dtype='float16'": ProposeItem("a", 0, [5, 6, 7], 3, features=_features(2, H),
                                                            feature_width=H, feature_dtype="float16"),
@@ -83,6 +85,8 @@ def test_features_of_the_wrong_dtype_width_or_count_are_refused_naming_the_field
                                                                 feature_width=H),
         "ProposeItem.features: sequence e has numbers that are not finite": ProposeItem(
             "e", 0, [5, 6, 7], 3, features=bytes(nan), feature_width=H),
+        "ProposeItem.features: sequence f has numbers that are not finite": ProposeItem(
+            "f", 0, [5, 6, 7], 3, features=bytes(inf), feature_width=H),
     }
     for combined in (False, True):
         p = NgramPlusModelProposer(_proposer(feature_pair), 16) if combined else proposer
