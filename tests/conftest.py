@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 # pytest then collects; a plain `pytest` run never does.
 collect_ignore = ["container"]
 
-# The longest files, first: `make test` runs two workers (pytest-xdist, a file at a time), and a
+# The longest files, first: `make test` runs three workers (pytest-xdist, a file at a time), and a
 # long file started last would leave one worker idle while it runs alone.
 LONGEST_FIRST = ("test_sampling_exact.py", "test_triton_kernels.py", "test_smollm2.py", "test_bench.py")
 
