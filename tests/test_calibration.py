@@ -52,7 +52,7 @@ def test_the_sampling_extra_keeps_timing_while_a_busy_machine_hides_it(model_zoo
     fast again, so timing goes on past `repeats` rounds until then, and stops at `max_repeats`."""
     import types
 
-    import target_service.calibration as calibration
+    from target_service import calibration
 
     model = load_model(model_zoo["target"])
     cache = model.new_cache(2, 64)
