@@ -131,7 +131,8 @@ class _FakeStack:
 
 def _fake_models(tmp_path: Path) -> SimpleNamespace:
     return SimpleNamespace(label="fake", target=tmp_path / "target", draft=tmp_path / "draft", dtype="float32",
-                           gguf=None, weights="auto", chat=False, require_draft=lambda: tmp_path / "draft",
+                           gguf=None, weights="auto", chat=False, prompt_set="draft",
+                           require_draft=lambda: tmp_path / "draft",
                            feature_draft=False, assistant=tmp_path / "draft",
                            prompts=lambda n: [[1, 2, 3]] * n, proposer="model", proposer_label="our draft",
                            proposing={"proposer": "model", "ngram_max": 4, "ngram_min": 1})
@@ -142,13 +143,14 @@ CHANGED = [[10, 11, 12], [20, 77, 22]]  # prompt 1, position 1
 
 
 def _fake_sweep(outputs: dict[int, list[list[int]]]):
-    def sweep(address, prompts, gammas, max_new_tokens, temperature=0.0, progress=None, metrics=None):
+    def sweep(address, prompts, gammas, max_new_tokens, temperature=0.0, progress=None, metrics=None, rounds=1):
         if progress is not None:
-            progress.update(len(gammas) * len(prompts))  # one generation per (γ, prompt), as the real sweep
+            progress.update(rounds * len(gammas) * len(prompts))  # one generation per (round, γ, prompt), as the real sweep
         # "auto" (the γ controller) answers as plain decoding does unless told otherwise.
         return {g: {"token_ids": outputs.get(g, outputs[0]), "tokens_per_s": 10.0 + (g if g != "auto" else 1),
                     "seconds": 1.0, "passes": 6, "alpha": 0.5 if g else None, "accepted_fraction": 0.5 if g else None,
-                    "mean_accepted_length": 1.5 if g else None} for g in gammas}
+                    "mean_accepted_length": 1.5 if g else None, "proposed": 4 if g else 0,
+                    "drafting_passes": 2 if g else 0} for g in gammas}
     return sweep
 
 
@@ -189,12 +191,28 @@ def test_sampling_stops_when_a_greedy_gamma_changes_the_output(monkeypatch, tmp_
 
     _patch_stack(monkeypatch, sampling)
     outputs = {0.0: {0: PLAIN, 2: CHANGED}, 1.0: {0: PLAIN, 2: CHANGED}}
-    monkeypatch.setattr(sampling, "sweep", lambda address, prompts, gammas, max_new_tokens, temperature, progress:
-                        _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens, progress=progress))
+    monkeypatch.setattr(sampling, "sweep", lambda address, prompts, gammas, max_new_tokens, temperature, progress,
+                        rounds=1: _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens,
+                                                                  progress=progress, rounds=rounds))
     with pytest.raises(BenchmarkError, match=r"greedy \(T=0\) .*\n  gamma 2: prompt 1: first difference at "
                                              r"generated position 1: token 77, expected 21"):
         sampling.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, temperatures=[0.0, 1.0],
                      gammas=[0, 2], with_hf=False)
+
+
+def test_sampling_checks_the_gamma_controller_at_t0_too(monkeypatch, tmp_path):
+    from specstream.tools.bench import sampling
+
+    _patch_stack(monkeypatch, sampling)
+    outputs = {0.0: {0: PLAIN, 2: PLAIN, "auto": CHANGED}}
+    monkeypatch.setattr(sampling, "sweep", lambda address, prompts, gammas, max_new_tokens, temperature, progress,
+                        rounds=1: _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens,
+                                                                  progress=progress, rounds=rounds))
+    with pytest.raises(BenchmarkError, match=r"greedy \(T=0\) .*\n  auto: prompt 1: first difference at "
+                                             r"generated position 1") as error:
+        sampling.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, temperatures=[0.0],
+                     gammas=[0, 2], with_hf=False, with_trees=False)
+    assert "gamma 2" not in str(error.value)
 
 
 def test_latency_reports_when_every_gamma_matches(monkeypatch, tmp_path):
@@ -214,11 +232,15 @@ def test_sampling_does_not_compare_sampled_tokens(monkeypatch, tmp_path):
 
     _patch_stack(monkeypatch, sampling)
     outputs = {0.0: {0: PLAIN, 2: PLAIN}, 1.0: {0: PLAIN, 2: CHANGED}}
-    monkeypatch.setattr(sampling, "sweep", lambda address, prompts, gammas, max_new_tokens, temperature, progress:
-                        _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens, progress=progress))
+    monkeypatch.setattr(sampling, "sweep", lambda address, prompts, gammas, max_new_tokens, temperature, progress,
+                        rounds=1: _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens,
+                                                                  progress=progress, rounds=rounds))
     data = sampling.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, temperatures=[0.0, 1.0],
                         gammas=[0, 2], with_hf=False)
     assert set(data["temperatures"]) == {0.0, 1.0} and (tmp_path / "sampling.json").exists()
+    # speculation=auto's row at each T: its speedup over the same T's γ = 0 (11 against 10 tok/s)
+    assert all(entry["auto"]["speedup"] == pytest.approx(1.1) for entry in data["temperatures"].values())
+    assert data["temperatures"][1.0]["best_gamma"] == 2  # a fixed γ, never "auto"
 
 
 def test_synthetic_stops_when_an_alpha_changes_the_output(monkeypatch, tmp_path):
@@ -281,8 +303,11 @@ def test_sampling_and_synthetic_progress_reach_their_totals(monkeypatch, tmp_pat
     monkeypatch.setattr(sampling, "hf_generate", _fake_hf)
     result = sampling.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3,
                           temperatures=[0.0, 0.7, 1.0], gammas=[0, 2], quiet=True)
-    # 2 x (3 T x 2 γ + 2 tree stacks x 2 T > 0 x 2 γ + 2 T > 0 x 4 HF modes)
-    assert _last_progress(capsys.readouterr().err) == (44, 44)
+    # 2 x (3 T x (2 γ + auto) + 2 tree stacks x 2 T > 0 x 2 γ + 2 T > 0 x 4 HF modes)
+    assert _last_progress(capsys.readouterr().err) == (50, 50)
+    sampling.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, temperatures=[1.5], gammas=[0, 2],
+                 quiet=True, with_hf=False, with_trees=False, repeats=3)
+    assert _last_progress(capsys.readouterr().err) == (18, 18)  # 2 x 3 rounds x (2 γ + auto)
     assert set(result["trees"]["rows"]) == {f"T={t}, gamma 2, {b} branches" for t in ("0.7", "1") for b in (1, 3)}
 
     _patch_stack(monkeypatch, synthetic)
@@ -297,9 +322,9 @@ def test_sampling_and_synthetic_progress_reach_their_totals(monkeypatch, tmp_pat
 def test_the_benchmarks_stop_under_python_O():
     """The stop tests above, run under `python -O`: the benchmarks' checks are not asserts."""
     result = subprocess.run([sys.executable, "-O", "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                             "-k", "stops_when"], capture_output=True, text=True, timeout=300,
+                             "-k", "stops_when or controller"], capture_output=True, text=True, timeout=300,
                             cwd=Path(__file__).resolve().parents[1])
-    assert result.returncode == 0 and re.search(r"^3 passed", result.stdout, re.M), result.stdout + result.stderr
+    assert result.returncode == 0 and re.search(r"^5 passed", result.stdout, re.M), result.stdout + result.stderr
 
 
 def test_bench_gamma_keeps_the_rows_it_does_not_measure_of_the_same_configuration(tmp_path):

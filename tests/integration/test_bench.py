@@ -134,16 +134,21 @@ def test_bench_sampling_writes_json_and_plot(model_zoo, tmp_path):
     result = subprocess.run([sys.executable, "-m", "specstream.tools.cli", "bench", "sampling", "--target",
                              str(model_zoo["target"]), "--draft", str(model_zoo["partial"]), "--prompts", str(PROMPTS),
                              "--max-new-tokens", str(BUDGET), "--gammas", "0,1,2", "--temperatures", "0,1.0",
-                             "--dtype", "float32", "--out", str(out), "--no-trees"],
+                             "--dtype", "float32", "--out", str(out), "--no-trees", "--prompt-set", "nonsense"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads((out / "sampling.json").read_text())
-    assert set(data["temperatures"]) == {"0.0", "1.0"}
+    assert set(data["temperatures"]) == {"0.0", "1.0"} and data["prompt_set"] == "nonsense"
     check_costs(data["costs"], {"0", "1", "2"})
     for t, entry in data["temperatures"].items():
         assert set(entry["gammas"]) == {"0", "1", "2"}, t
         check_sweep(entry["gammas"], data["costs"])
         assert entry["best_gamma"] == fastest(entry["gammas"]), t
+        auto, base = entry["auto"], entry["gammas"]["0"]  # speculation=auto, the default
+        assert auto["tokens"] == PROMPTS * BUDGET and auto["tokens"] == auto["passes"] + auto["accepted"], t
+        assert auto["drafting_passes"] <= auto["passes"] - PROMPTS, t
+        assert auto["speedup"] == same(auto["tokens_per_s"] / base["tokens_per_s"]), t
+        assert f"speculation=auto at T={float(t):g}: {auto['speedup']:.2f}x gamma 0" in result.stdout, t
     assert "hf" not in data["temperatures"]["0.0"]  # Hugging Face only where we sample
     sampled = data["temperatures"]["1.0"]
     assert {"plain", "assisted", "assisted_heuristic", "prompt_lookup"} == set(sampled["hf"])
@@ -158,7 +163,7 @@ def test_bench_sampling_writes_json_and_plot(model_zoo, tmp_path):
     # --no-trees: no tree stacks (their rows: tests/test_bench_checks.py; a tree stack through the
     # same launcher: bench latency's test above; sampled trees in three processes: test_smollm2.py)
     assert "trees" not in data and "sampled trees" not in result.stdout
-    assert progress_end(result.stderr, "generations") == (20, 20)  # 2 prompts x (2 T x 3 γ + 4 HF modes at T=1)
+    assert progress_end(result.stderr, "generations") == (24, 24)  # 2 prompts x (2 T x (3 γ + auto) + 4 HF modes at T=1)
 
 
 def test_bench_synthetic_on_a_small_target(tmp_path):

@@ -34,33 +34,42 @@ DEFAULT_GAMMAS = [0, 1, 2, 3, 4, 6, 8]
 
 def sweep(address: str, prompts: list[list[int]], gammas: list[int | str], max_new_tokens: int,
           temperature: float = 0.0, progress: Progress | None = None,
-          metrics: str | None = None) -> dict[int | str, dict]:
+          metrics: str | None = None, rounds: int = 1) -> dict[int | str, dict]:
     """Generates every prompt at every γ (or "auto": the γ controller), one request at a time
     (batch 1). Greedy by default; at
     temperature > 0 it samples from the full distribution (no top-k/top-p) with seed = the
-    prompt's index, so every γ sees the same seeds. ``progress`` counts each generation as it
-    finishes (the warm-up is not one). With ``metrics`` (the target's /metrics address) each γ's
-    figures get the engine's own per-pass breakdown, ``pass_ms`` (specstream/tools/bench/passes.py)."""
+    prompt's index, so every γ sees the same seeds. ``rounds`` > 1: the whole sweep again, the γ
+    order reversed every other round, each γ's figures pooled over its rounds (a slow stretch of
+    the machine then falls on every γ alike; later rounds repeat the first round's seeds).
+    ``progress`` counts each generation as it finishes (the warm-up is not one). With ``metrics``
+    (the target's /metrics address) each γ's figures get the engine's own per-pass breakdown,
+    ``pass_ms`` (specstream/tools/bench/passes.py)."""
     from specstream_client import Client
 
     def seed(i: int) -> int | None:
         return i if temperature > 0 else None
 
-    results: dict[int, dict] = {}
+    runs: dict[int | str, list] = {gamma: [] for gamma in gammas}
+    counted: dict[int | str, dict[str, float]] = {}  # per γ: the metrics' growth over its generations
     with Client(address, timeout=600) as client:
         # warm-up
         client.generate(prompts[0], max_new_tokens=16, ignore_eos=True, temperature=temperature, seed=seed(0))
-        for gamma in gammas:
-            runs = []
-            before = read_counters(metrics) if metrics else None
-            for i, p in enumerate(prompts):
-                runs.append(client.generate(p, max_new_tokens=max_new_tokens, speculation=gamma or "off",
-                                            ignore_eos=True, temperature=temperature, seed=seed(i)))
-                if progress is not None:
-                    progress.update()
-            results[gamma] = _summary(runs)
-            if before is not None:
-                results[gamma]["pass_ms"] = per_pass_ms(before, read_counters(metrics))
+        for round_ in range(rounds):
+            for gamma in gammas if round_ % 2 == 0 else gammas[::-1]:
+                before = read_counters(metrics) if metrics else None
+                for i, p in enumerate(prompts):
+                    runs[gamma].append(client.generate(p, max_new_tokens=max_new_tokens, speculation=gamma or "off",
+                                                       ignore_eos=True, temperature=temperature, seed=seed(i)))
+                    if progress is not None:
+                        progress.update()
+                if before is not None:
+                    grown = {k: v - before[k] for k, v in read_counters(metrics).items()}
+                    counted[gamma] = {k: counted.get(gamma, {}).get(k, 0.0) + v for k, v in grown.items()}
+    results: dict[int | str, dict] = {}
+    for gamma in gammas:
+        results[gamma] = _summary(runs[gamma])
+        if gamma in counted:
+            results[gamma]["pass_ms"] = per_pass_ms(dict.fromkeys(counted[gamma], 0.0), counted[gamma])
     return results
 
 
@@ -84,6 +93,8 @@ def _summary(runs: list) -> dict:
         "rejections": rejections, "passes": decode_passes + len(runs),
         # Trees: passes that verified one, and kept tokens that were branches, not the chain.
         "tree_passes": tree_passes, "branch_tokens": sum(r.stats.branch_tokens for r in runs),
+        # Decode passes that proposed anything (under speculation=auto, those the controller drafted in).
+        "drafting_passes": sum(sum(r.stats.gamma_histogram[1:]) for r in runs),
         "token_ids": [r.token_ids for r in runs],
     }
 

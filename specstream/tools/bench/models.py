@@ -5,7 +5,8 @@ files, directories: ``specstream.models.registry``) once. ``prompts(n)`` gives c
 model with a chat template (the held-out split of a shipped draft's prompt set, rendered with the
 model's template: subjects the drafts never saw; ``prompt_set`` "draft": the token draft's
 questions about documentation, "everyday": the feature draft's everyday chat, one domain after
-another) and the openings of held-out standard-library files otherwise. ``hf_draft()`` is a copy of the draft that transformers can load
+another) and the openings of held-out standard-library files otherwise; ``prompt_set``
+"nonsense" gives made-up words to any model. ``hf_draft()`` is a copy of the draft that transformers can load
 as an assistant model (a draft that shares the target's embedding and predicts over a vocabulary
 subset gets the embedding written in and a full-vocabulary tied head), so Hugging Face assisted
 generation runs with the same draft layers as ours; transformers cannot run a feature draft (it
@@ -68,7 +69,7 @@ class BenchModels:
     device: str = "cpu"  # where the target (and a draft model) run: "cpu", "cuda", ...
     # Benchmarks of system overhead: (oracle file, alpha) of the synthetic proposer, in place of a draft.
     synthetic: tuple[str, float] | None = None
-    prompt_set: str = "draft"  # which held-out chat prompts (PROMPT_SETS)
+    prompt_set: str = "draft"  # which held-out chat prompts (PROMPT_SETS), or "nonsense" (made-up words)
     token_draft: Path | None = None  # the pair's token draft, where ``draft`` is a feature draft (ModelPair)
     _hf_draft: Path | None = field(default=None, repr=False)
 
@@ -120,11 +121,19 @@ class BenchModels:
         return self.tokenizer().chat_template is not None
 
     def prompts(self, n: int, length: int = 48) -> list[list[int]]:
+        """``n`` prompts as token ids: the prompt set's (``prompt_set`` "nonsense": made-up words,
+        as a chat message for a chat model and as plain text otherwise), or for a model without a
+        chat template the openings of held-out standard-library files (``length`` tokens)."""
+        from specstream.tools.bench.prompts import held_out_prompts, nonsense_texts
+
         tok = self.tokenizer()
+        if self.prompt_set == "nonsense":
+            texts = nonsense_texts(n)
+            if tok.chat_template is None:
+                return [tok.encode(text) for text in texts]
+            return [tok.encode_chat([{"role": "user", "content": text}]) for text in texts]
         if tok.chat_template is not None:
             return chat_prompts(tok, n, self.prompt_set)
-        from specstream.tools.bench.prompts import held_out_prompts
-
         return held_out_prompts(tok, n, length)
 
     @property

@@ -3,7 +3,10 @@
 One stack, then for each temperature T a γ sweep (latency's `sweep`): the same held-out prompts,
 one request at a time, seed = the prompt's index, full distribution (no top-k/top-p). Per (T, γ):
 tokens/s, α, accepted fraction, mean accepted length, speedup over γ = 0 at the same T, and
-Leviathan's theoretical speedup for that α and the measured cost ratio c. Then, at each T > 0,
+Leviathan's theoretical speedup for that α and the measured cost ratio c; and the same figures
+for ``speculation=auto`` (the default: the γ controller chooses per pass), its row "auto", with
+no theory (its γ varies). ``repeats`` > 1 runs each temperature's sweep that many rounds, the γ
+order reversed every other round, and pools them (latency's ``sweep``). Then, at each T > 0,
 Hugging Face `generate(do_sample=True, top_k=0)` plain and assisted on the same checkpoints and
 prompts.
 
@@ -43,32 +46,39 @@ HEADERS = ["T", "gamma", "tok/s", "alpha", "accepted frac", "mean acc len", "the
 
 def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: int = 128,
         temperatures: list[float] | None = None, gammas: list[int] | None = None, with_hf: bool = True,
-        quiet: bool = False, with_trees: bool = True) -> dict:
+        quiet: bool = False, with_trees: bool = True, repeats: int = 1) -> dict:
     """A γ sweep at each temperature, then the peers at each T > 0; the table on stdout,
     ``sampling.json`` and a plot in ``out_dir``. Progress on stderr (specstream.tools.progress;
     ``quiet``: plain lines, never a bar), counted in generations."""
     temperatures = DEFAULT_TEMPERATURES if temperatures is None else temperatures
     gammas = DEFAULT_GAMMAS if gammas is None else gammas
-    _check(temperatures, gammas)
+    _check(temperatures, gammas, repeats)
     draft = models.require_draft()
     prompts = models.prompts(n_prompts)
     context = sum(len(p) for p in prompts) // len(prompts) + max_new_tokens // 2
     print(f"{models.label} ({models.dtype}): measuring the cost ratio c at context {context} ...", flush=True)
     costs = measure_costs(models, context, [g for g in gammas if g])
-    total = planned_generations(models, len(prompts), temperatures, gammas, with_hf, with_trees)
+    total = planned_generations(models, len(prompts), temperatures, gammas, with_hf, with_trees, repeats)
     with Progress(total, "generations", "sampling", quiet=quiet) as progress:
-        ours = _sweeps(models, draft, prompts, temperatures, gammas, max_new_tokens, progress)
+        ours = _sweeps(models, draft, prompts, temperatures, gammas, max_new_tokens, progress, repeats)
         if 0.0 in ours:
             check_runs_match("greedy (T=0) speculative output", "plain decoding (gamma 0)", ours[0.0][0]["token_ids"],
-                             {f"gamma {g}": ours[0.0][g]["token_ids"] for g in gammas if g})
-        rows = [_score(ours[t], gamma, costs, t) for t in temperatures for gamma in gammas]
+                             {**{f"gamma {g}": ours[0.0][g]["token_ids"] for g in gammas if g},
+                              "auto": ours[0.0]["auto"]["token_ids"]})
+        rows = [_score(ours[t], gamma, costs, t) for t in temperatures for gamma in [*gammas, "auto"]]
         result = {"models": models.label, "target": display(models.target), "draft": display(models.draft),
                   "dtype": models.dtype, "chat_prompts": models.chat, "prompts": len(prompts),
-                  "proposer": models.proposing,
+                  "proposer": models.proposing, "repeats": repeats,
+                  "prompt_set": models.prompt_set if models.chat or models.prompt_set == "nonsense" else "-",
                   "max_new_tokens": max_new_tokens, "seeds": "prompt index", "costs": costs,
                   "temperatures": {t: {"gammas": {g: public(ours[t][g]) for g in gammas},
+                                       "auto": public(ours[t]["auto"]),
                                        "best_gamma": _best(ours[t])} for t in temperatures}}
         progress.print("\n" + report.table(HEADERS, rows))
+        for t in temperatures:
+            auto = ours[t]["auto"]
+            progress.print(f"speculation=auto at T={t:g}: {auto['speedup']:.2f}x gamma 0, drafted in "
+                           f"{auto['drafting_passes']} of {auto['passes'] - len(prompts) * repeats} decode passes")
         if with_trees and any(t > 0 for t in temperatures):
             result["trees"] = _tree_rows(models, draft, prompts, temperatures, gammas, max_new_tokens, ours, progress)
         if with_hf:
@@ -83,9 +93,9 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
 
 
 def planned_generations(models: BenchModels, n_prompts: int, temperatures: list[float], gammas: list[int],
-                        with_hf: bool, with_trees: bool = False) -> int:
+                        with_hf: bool, with_trees: bool = False, repeats: int = 1) -> int:
     """The generations `run` makes, warm-ups aside: its progress total."""
-    sweeps = len(temperatures) * len(gammas)
+    sweeps = len(temperatures) * (len(gammas) + 1) * repeats  # every γ and auto, each round
     if with_trees:
         sweeps += len(TREE_BRANCHES) * len(gammas) * sum(t > 0 for t in temperatures)
     if with_hf:
@@ -94,14 +104,17 @@ def planned_generations(models: BenchModels, n_prompts: int, temperatures: list[
 
 
 def _sweeps(models: BenchModels, draft: Path, prompts: list[list[int]], temperatures: list[float], gammas: list[int],
-            max_new_tokens: int, progress: Progress) -> dict[float, dict[int, dict]]:
-    """Every temperature's γ sweep, in one stack."""
-    ours: dict[float, dict[int, dict]] = {}
+            max_new_tokens: int, progress: Progress, repeats: int = 1) -> dict[float, dict[int | str, dict]]:
+    """Every temperature's γ sweep and speculation=auto, in one stack."""
+    ours: dict[float, dict[int | str, dict]] = {}
     with tempfile.TemporaryDirectory() as logs, Stack(_spec(models, draft, logs)) as stack:
         for t in temperatures:
-            progress.print(f"T={t}: sweeping gamma {gammas} over {len(prompts)} prompts x {max_new_tokens} tokens ...")
-            progress.phase(f"sampling: T={t:g}, gamma {','.join(str(g) for g in gammas)}")
-            ours[t] = sweep(stack.gateway_address, prompts, gammas, max_new_tokens, temperature=t, progress=progress)
+            rounds = f", {repeats} rounds" if repeats > 1 else ""
+            progress.print(f"T={t}: sweeping gamma {gammas} and auto over {len(prompts)} prompts x "
+                           f"{max_new_tokens} tokens{rounds} ...")
+            progress.phase(f"sampling: T={t:g}, gamma {','.join(str(g) for g in gammas)},auto")
+            ours[t] = sweep(stack.gateway_address, prompts, [*gammas, "auto"], max_new_tokens, temperature=t,
+                            progress=progress, rounds=repeats)
     return ours
 
 
@@ -136,23 +149,32 @@ def _tree_rows(models: BenchModels, draft: Path, prompts: list[list[int]], tempe
     return {"branches": TREE_BRANCHES, "rows": entries, "table_markdown": report.markdown_table(TREE_HEADERS, rows)}
 
 
-def _check(temperatures: list[float], gammas: list[int]) -> None:
+def _check(temperatures: list[float], gammas: list[int], repeats: int = 1) -> None:
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}: need at least 1")
     if not temperatures or any(t < 0 for t in temperatures):
         raise ValueError(f"temperatures={temperatures}: need at least one, all >= 0")
     if 0 not in gammas or not any(g > 0 for g in gammas) or any(g < 0 for g in gammas):
         raise ValueError(f"gammas={gammas}: need 0 (the baseline) and at least one gamma > 0, none negative")
 
 
-def _score(by_gamma: dict[int, dict], gamma: int, costs: dict, t: float) -> list:
-    """Scores one sweep entry (latency.score) and returns its table row."""
+def _score(by_gamma: dict[int | str, dict], gamma: int | str, costs: dict, t: float) -> list:
+    """Scores one sweep entry (latency.score; "auto": its speedup only) and returns its table row."""
+    if gamma == "auto":
+        r = by_gamma[gamma]
+        r["speedup"] = r["tokens_per_s"] / by_gamma[0]["tokens_per_s"]
+        return [f"{t:g}", gamma, r["tokens_per_s"], r["alpha"] if r["proposed"] else "-",
+                r["accepted_fraction"] if r["proposed"] else "-", r["mean_accepted_length"] or 1.0, "-", "-",
+                r["speedup"], "-"]
     r = score(by_gamma, gamma, costs)
     return [f"{t:g}", gamma, r["tokens_per_s"], r["alpha"] if gamma else "-", r["accepted_fraction"] if gamma else "-",
             r["mean_accepted_length"] or 1.0, r["theory"], r["theory_with_verify_cost"], r["speedup"],
             r["of_theory"]]
 
 
-def _best(by_gamma: dict[int, dict]) -> int:
-    return max((g for g in by_gamma if g), key=lambda g: by_gamma[g]["tokens_per_s"])
+def _best(by_gamma: dict[int | str, dict]) -> int:
+    """The fastest fixed γ > 0 (auto is not one)."""
+    return max((g for g in by_gamma if isinstance(g, int) and g), key=lambda g: by_gamma[g]["tokens_per_s"])
 
 
 def _compare_with_hf(result: dict, ours: dict[float, dict[int, dict]], models: BenchModels,

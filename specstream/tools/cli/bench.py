@@ -59,7 +59,7 @@ def _sampling(args: argparse.Namespace, out: Path) -> None:
 
     sampling.run(bench_models(args), out, n_prompts=args.prompts or 8, max_new_tokens=args.max_new_tokens or 128,
                  temperatures=_numbers(args.temperatures, float), gammas=_numbers(args.gammas),
-                 with_hf=not args.no_hf, quiet=args.quiet, with_trees=not args.no_trees)
+                 with_hf=not args.no_hf, quiet=args.quiet, with_trees=not args.no_trees, repeats=args.repeats)
 
 
 def _synthetic(args: argparse.Namespace, out: Path) -> None:
@@ -192,13 +192,15 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--proposers", help="gamma: comma-separated, of model,ngram,ngram+model (default all)")
     p.add_argument("--repeats", type=int, default=1,
                    help="gamma, beam: run every setting this many times, interleaved, and report the median; "
+                        "sampling: rounds of each temperature's sweep (gammas and auto), pooled; "
                         "throughput: passes per setting (with --fronts grpc,http: rounds of grpc, http, http, grpc), "
                         "pooled")
     _throughput_flags(p)
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison (latency, sampling, beam)")
-    p.add_argument("--prompt-set", choices=["draft", "everyday"], default="draft",
+    p.add_argument("--prompt-set", choices=["draft", "everyday", "nonsense"], default="draft",
                    help="the held-out chat prompts a chat model gets: the token draft's questions about documentation "
-                        "(draft) or everyday chat across nine domains (everyday)")
+                        "(draft) or everyday chat across nine domains (everyday); nonsense: made-up words that no "
+                        "draft predicts, for any model")
     p.add_argument("--compare-draft", help="latency: also sweep with this draft of the same target (a feature draft, "
                                            "e.g. the package's drafts/smollm2-135m-feature), side by side")
     p.add_argument("--no-trees", action="store_true",
