@@ -136,9 +136,10 @@ def test_the_engine_times_its_draft_before_the_first_request(model_zoo):
     costs = engine.controller.costs
     assert costs.draft.samples == 8
     # The link's 20 ms a call, not the prior's guess (the fit spreads a constant cost over its depth
-    # and proposal terms, so it is checked over the depths timed, not at one)
+    # and proposal terms, so it is checked over the depths timed, not at one; the upper bound leaves
+    # room for a loaded machine, where one preempted call of the eight adds tens of ms to the fit)
     mean_s = sum(costs.draft_s(d, d) for d in range(1, 5)) / 4
-    assert 0.015 <= mean_s <= 0.05 and costs.draft_s(1, 1) > 10 * prior
+    assert 0.015 <= mean_s <= 0.1 and costs.draft_s(1, 1) > 10 * prior
     assert proposer.held == 0  # released
     off = Engine(model, TargetConfig(model=config.model, max_slots=2, max_seq_len=128, max_gamma=4, calibrate=False),
                  _SlowDraft(LocalDraft(proposer), 0.0))

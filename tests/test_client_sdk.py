@@ -537,7 +537,7 @@ def test_stream_error_after_first_chunk(client: Client, fake: FakeGeneration, co
 
 
 def test_deadline_unary_and_stream(url: str, client: Client, fake: FakeGeneration) -> None:
-    fake.delay = 2.0
+    fake.delay = 30.0  # the handler polls its context: it ends with the deadline
     t0 = time.monotonic()
     with pytest.raises(DeadlineExceeded) as info:
         client.generate("hi", timeout=0.2)
@@ -547,7 +547,7 @@ def test_deadline_unary_and_stream(url: str, client: Client, fake: FakeGeneratio
     with Client(url, timeout=0.2) as c:  # the client-wide default applies too
         with pytest.raises(DeadlineExceeded):
             c.generate("hi")
-    assert time.monotonic() - t0 < 1.8
+    assert time.monotonic() - t0 < 10  # each call ended at its 0.2 s deadline, not the server's 30 s
 
 
 def test_unreachable_server_is_unavailable() -> None:
@@ -648,7 +648,7 @@ def test_async_error_after_first_chunk_and_deadline(url: str, fake: FakeGenerati
             assert got == ["Hel"]
 
             fake.reset()
-            fake.delay = 2.0
+            fake.delay = 30.0
             with pytest.raises(DeadlineExceeded):
                 await c.generate("hi", timeout=0.2)
             with pytest.raises(DeadlineExceeded):
@@ -660,7 +660,7 @@ def test_async_error_after_first_chunk_and_deadline(url: str, fake: FakeGenerati
 
     t0 = time.monotonic()
     asyncio.run(main())
-    assert time.monotonic() - t0 < 1.8
+    assert time.monotonic() - t0 < 10
 
 
 def test_async_stream_close_cancels(url: str, fake: FakeGeneration) -> None:
@@ -1005,7 +1005,7 @@ def test_sync_and_async_raise_the_same_errors(url: str, fake: FakeGeneration, co
 
 def test_the_default_deadline_is_read_at_each_call(url: str, fake: FakeGeneration) -> None:
     # `timeout` is a public attribute of both clients; a call without a deadline of its own reads it.
-    fake.delay = 2.0
+    fake.delay = 30.0
     with Client(url) as c:
         c.timeout = 0.2
         with pytest.raises(DeadlineExceeded):
@@ -1022,7 +1022,7 @@ def test_the_default_deadline_is_read_at_each_call(url: str, fake: FakeGeneratio
 
     t0 = time.monotonic()
     asyncio.run(main())
-    assert time.monotonic() - t0 < 1.8
+    assert time.monotonic() - t0 < 10
 
 
 def test_cancelling_the_awaiting_task_cancels_the_rpc(url: str, fake: FakeGeneration) -> None:

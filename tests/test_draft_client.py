@@ -109,7 +109,7 @@ def test_a_hung_draft_costs_one_deadline_then_plain_decoding_and_speculation_com
                 generated = min(len(t) for t in tokens.values())
                 if hung_at is None and generated >= 30:
                     proposer.gate.clear()  # the draft stops answering from its next request on
-                    hung_at, at_hang = now, generated
+                    hung_at, at_hang, fallbacks_at_hang = now, generated, client.fallbacks
                 elif hung_at is not None and first_after_hang is None and message.events:
                     first_after_hang = now
                     report["deadline_s"] = client.last_deadline_s  # of the round trip that got no reply
@@ -117,12 +117,13 @@ def test_a_hung_draft_costs_one_deadline_then_plain_decoding_and_speculation_com
                     assert not client.connected  # fell back: decoding plainly, not waiting
                     proposer.gate.set()  # the draft answers again (and its late reply goes nowhere)
                     released_at = now
+                    report["fallbacks"] = client.fallbacks - fallbacks_at_hang
                 if released_at is not None and reconnected_at is None and client.connected:
                     reconnected_at = now
             report.update(fallback_s=first_after_hang - hung_at,
                           resume_s=(reconnected_at - released_at) if reconnected_at else None,
                           worst_gap_s=max(b - a for s in stamps.values() for a, b in zip(s, s[1:])),
-                          fallbacks=client.fallbacks, epochs=(epoch_before, client.epoch))
+                          epochs=(epoch_before, client.epoch))
             return tokens, finals
         finally:
             proposer.gate.set()
@@ -137,10 +138,15 @@ def test_a_hung_draft_costs_one_deadline_then_plain_decoding_and_speculation_com
     print(f"hung draft: deadline {report['deadline_s'] * 1e3:.0f} ms, first plain step after "
           f"{report['fallback_s'] * 1e3:.0f} ms, worst gap {report['worst_gap_s'] * 1e3:.0f} ms, "
           f"stream back {report['resume_s']} s after release")
-    assert report["deadline_s"] < 1.0  # derived from the measured round trips, far below the 5 s cap
+    # The deadline derives from the measured round trips: ~0.1 s on an idle machine, up to ~0.8 s
+    # with busy processes beside the test (their spread widens it), far below the 5 s cap either way.
+    assert report["deadline_s"] < 2.5
     assert report["fallback_s"] < report["deadline_s"] + 0.5
-    assert report["worst_gap_s"] < 1.0
-    assert report["fallbacks"] == 1  # one round trip timed out; no step waited on the dead stream again
+    assert report["worst_gap_s"] < report["deadline_s"] + 0.5  # the hang cost one deadline, no more
+    # Between the hang and the release, one round trip timed out; no step waited on the dead
+    # stream again. (Counted from the hang: on a loaded machine an honest round trip before it
+    # can miss its deadline too, which is the deadline's business, not this test's.)
+    assert report["fallbacks"] == 1
     assert report["resume_s"] is not None and report["resume_s"] < 3.0
     assert report["epochs"][1] == report["epochs"][0] + 1
     # Speculation came back for the sequences still running, and accepted tokens after it did.

@@ -151,8 +151,11 @@ def test_greedy_with_the_feature_draft_is_plain_greedy(feature_pair, combined, g
     proposer = _proposer(feature_pair)
     if combined:
         proposer = NgramPlusModelProposer(proposer, 16, min_n=2)
+    # Under auto without start-up timing, the first pass guesses the configured γ before any cost
+    # is known; timed on a loaded machine, the controller could find that no guess pays on these
+    # short requests and never propose, leaving nothing to check.
     got, finals = run_engine(target, None, PROMPTS, gamma=gamma, max_new_tokens=[30, 41, 25, 36],
-                             proposer=proposer)
+                             proposer=proposer, config={"calibrate": False})
     for prompt, tokens, budget in zip(PROMPTS, got, [30, 41, 25, 36]):
         assert tokens == naive_greedy(target, prompt, budget)
     # Guesses were accepted, and rejected too (rollbacks exercised). Under auto the controller's

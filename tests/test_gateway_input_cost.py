@@ -118,7 +118,9 @@ def test_a_maximal_prompt_does_not_stall_the_other_streams() -> None:
     # The big request was really tokenized (a refusal before the work answers in milliseconds); not
     # "at least alone / 2": `alone` is one cold measurement, which a second worker inflates at times.
     assert gaps.big_outcome in ("served", "INVALID_ARGUMENT") and gaps.big_seconds >= 0.1, gaps.big_seconds
-    # The target is 100 ms on an idle machine; the bound here leaves room for a loaded one
-    # and still fails by far if the tokenization blocked the loop (~`alone` seconds).
-    assert gaps.worst_gap_ms < min(250.0, 500 * alone), (gaps.worst_gap_ms, alone)
+    # The target is 100 ms on an idle machine. The bound is half the tokenization's own time:
+    # a blocked loop shows a gap of ~`alone` seconds, so it still fails by twice over, while a loaded
+    # machine (whose `alone` grows with its gaps: 280-300 ms gaps at alone 1.9-2.4 s with four busy
+    # processes beside it) passes. A fixed 250 ms cap failed there.
+    assert gaps.worst_gap_ms < 500 * alone, (gaps.worst_gap_ms, alone)
     assert gaps.gaps_during >= 8

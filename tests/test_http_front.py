@@ -362,7 +362,10 @@ def test_a_client_that_disconnects_cancels_its_request_on_the_target() -> None:
                 break  # one chunk, then go
             await stream.close()
             unary = asyncio.ensure_future(front.client.completions.create(model=MODEL, prompt="SLOW", max_tokens=20))
-            await asyncio.sleep(0.3)
+            for _ in range(500):  # until the unary request is on the target (not a fixed sleep: a loaded machine)
+                if len(front.target.requests) == 2:
+                    break
+                await asyncio.sleep(0.01)
             unary.cancel()  # closes the connection
             await asyncio.gather(unary, return_exceptions=True)
             for _ in range(200):

@@ -61,13 +61,17 @@ def test_a_dead_child_is_restarted_with_a_doubling_delay_then_forgiven(children)
             killed = _kill(procs, "draft")
             _wait(lambda: len(spawned) == crash + 1)
             delays.append(spawned[-1][1] - killed)
-        # 0.2, 0.4, 0.8, 0.8 s (the cap), each within a poll or two (a loaded machine gets slack)
+        # 0.2, 0.4, 0.8, 0.8 s (the cap), as the supervisor says it will wait, and as long as that by
+        # the clock: not sooner (bar the moment between the kill and the test reading the clock),
+        # and later only by the polls a loaded machine delays.
         for got, want in zip(delays, [0.2, 0.4, 0.8, 0.8]):
-            assert want <= got < want + 0.3, delays
-        time.sleep(2.1)  # stays up: forgiven
+            assert want - 0.05 <= got < want + 1.0, delays
+        time.sleep(3.0)  # stays up past stable_s (2 s), with a second for the poll that forgives it
         killed = _kill(procs, "draft")
         _wait(lambda: len(spawned) == 5)
-        assert spawned[-1][1] - killed < 0.5
+        assert 0.15 <= spawned[-1][1] - killed < 0.75  # forgiven: the first delay again, not the cap
+        waits = [m.split("restarting it in ")[1] for m in messages if "restarting it in" in m]
+        assert waits == ["0.2s", "0.4s", "0.8s", "0.8s", "0.2s"], messages
         assert {name for name, _ in spawned} == {"draft"} and supervisor.restarts["draft"] == 5
         assert procs["target"].poll() is None and supervisor.final_exit is None
         assert sum("restarted draft" in m for m in messages) == 5

@@ -86,12 +86,13 @@ def test_a_stopped_draft_stalls_streams_by_one_deadline_and_speculation_resumes_
     try:
         stopped, seen = asyncio.run(_streams(stack.gateway_address, 4, fault=lambda: draft.send_signal(signal.SIGSTOP)))
         assert stopped == plain  # every stream completed, with the plain greedy tokens
-        # The stall: each stream's first long silence after the fault is the same one (they overlap
-        # in time): the target waited on the stopped draft once, for one deadline (at least its
-        # 0.25 s floor), and then decoded without it. (Not each stream's longest silence: on a
-        # loaded machine another pause of the target's process can outlast it, elsewhere in a stream.)
+        # The stall: each stream's first silence of a deadline (at least its 0.25 s floor) after the
+        # fault is the same one (they overlap in time): the target waited on the stopped draft once,
+        # for one deadline, and then decoded without it. (Not each stream's longest silence: on a
+        # loaded machine another pause of the target's process can outlast it, elsewhere in a stream;
+        # and not any silence near the floor: a loaded machine's shorter pause can come first.)
         floor = TargetConfig.draft_deadline_floor_s
-        stalls = [next(((a, b) for a, b in itertools.pairwise(s) if b > seen["at"] and b - a >= 0.8 * floor), None)
+        stalls = [next(((a, b) for a, b in itertools.pairwise(s) if b > seen["at"] and b - a >= floor), None)
                   for s in seen["stamps"]]
         assert None not in stalls, f"a stream with no silence of a deadline after the fault: {stalls}"
         gaps = sorted(b - a for s in seen["stamps"] for a, b in itertools.pairwise(s))
@@ -109,7 +110,7 @@ def test_a_stopped_draft_stalls_streams_by_one_deadline_and_speculation_resumes_
     # keeps a stopped draft from making its target look hung to the gateway (StallConfig.floor_s).
     assert max(a for a, _ in stalls) < min(b for _, b in stalls), stalls  # one stall, common to all
     assert max(a for a, _ in stalls) - seen["at"] < 1.0, (seen["at"], stalls)  # it came right after the fault
-    assert floor <= worst < StallConfig().floor_s, worst
+    assert worst < StallConfig().floor_s, worst
     with Client(stack.gateway_address, timeout=30) as client:
         assert client.model_info().draft_connected
 
@@ -193,7 +194,7 @@ def test_serve_keeps_serving_when_its_draft_is_killed_and_ends_with_its_gateway(
         assert restarted.pid != draft.pid
         print(f"draft SIGKILL under serve: the new draft SERVING {up - killed['at']:.1f}s after the kill "
               f"(0.5 s delay + start-up), speculation back {speculating - up:.2f}s after that")
-        assert speculating - up < 5.0
+        assert speculating - up < 10.0  # a reconnect that never came would take forever
         # Only the gateway's death ends serve, with its exit code; the others are stopped cleanly.
         _child(proc, "gateway").kill()
         rest = proc.communicate(timeout=60)[0]

@@ -238,7 +238,8 @@ def test_sigstop_of_the_only_replica_fails_fast_and_sigcont_recovers(single):
         assert isinstance(s.error, Unavailable), s.error
         assert "hung" in s.error.details or "ping timeout" in s.error.details, s.error.details
     assert max(detection) < 5, detection  # ~1-2 s by design (a ping every 1 s, unanswered for 1 s)
-    assert refusal_s < 1 and "no target replica is serving" in refusal.details
+    # Refused at once, not queued for capacity that is not there (one round trip; a loaded machine's slack)
+    assert refusal_s < 3 and "no target replica is serving" in refusal.details
     assert grpc_health == health_pb2.HealthCheckResponse.NOT_SERVING and http_health == 503
     back_s = _wait_back(single.gateway_address, 0)
     assert _health(single.gateway_address) == health_pb2.HealthCheckResponse.SERVING
