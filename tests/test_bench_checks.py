@@ -192,7 +192,7 @@ def test_sampling_stops_when_a_greedy_gamma_changes_the_output(monkeypatch, tmp_
     _patch_stack(monkeypatch, sampling)
     outputs = {0.0: {0: PLAIN, 2: CHANGED}, 1.0: {0: PLAIN, 2: CHANGED}}
     monkeypatch.setattr(sampling, "sweep", lambda address, prompts, gammas, max_new_tokens, temperature, progress,
-                        rounds=1: _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens,
+                        rounds=1, metrics=None: _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens,
                                                                   progress=progress, rounds=rounds))
     with pytest.raises(BenchmarkError, match=r"greedy \(T=0\) .*\n  gamma 2: prompt 1: first difference at "
                                              r"generated position 1: token 77, expected 21"):
@@ -206,7 +206,7 @@ def test_sampling_checks_the_gamma_controller_at_t0_too(monkeypatch, tmp_path):
     _patch_stack(monkeypatch, sampling)
     outputs = {0.0: {0: PLAIN, 2: PLAIN, "auto": CHANGED}}
     monkeypatch.setattr(sampling, "sweep", lambda address, prompts, gammas, max_new_tokens, temperature, progress,
-                        rounds=1: _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens,
+                        rounds=1, metrics=None: _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens,
                                                                   progress=progress, rounds=rounds))
     with pytest.raises(BenchmarkError, match=r"greedy \(T=0\) .*\n  auto: prompt 1: first difference at "
                                              r"generated position 1") as error:
@@ -233,7 +233,7 @@ def test_sampling_does_not_compare_sampled_tokens(monkeypatch, tmp_path):
     _patch_stack(monkeypatch, sampling)
     outputs = {0.0: {0: PLAIN, 2: PLAIN}, 1.0: {0: PLAIN, 2: CHANGED}}
     monkeypatch.setattr(sampling, "sweep", lambda address, prompts, gammas, max_new_tokens, temperature, progress,
-                        rounds=1: _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens,
+                        rounds=1, metrics=None: _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens,
                                                                   progress=progress, rounds=rounds))
     data = sampling.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, temperatures=[0.0, 1.0],
                         gammas=[0, 2], with_hf=False)

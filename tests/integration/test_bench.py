@@ -149,6 +149,10 @@ def test_bench_sampling_writes_json_and_plot(model_zoo, tmp_path):
         assert auto["drafting_passes"] <= auto["passes"] - PROMPTS, t
         assert auto["speedup"] == same(auto["tokens_per_s"] / base["tokens_per_s"]), t
         assert f"speculation=auto at T={float(t):g}: {auto['speedup']:.2f}x gamma 0" in result.stdout, t
+        # the engine's own clock per pass (the target's /metrics), over each setting's decode passes
+        # that prefilled nothing
+        assert 0 < base["pass_ms"]["passes"] <= base["passes"] - PROMPTS and auto["pass_ms"]["draft"] >= 0.0, t
+        assert f"waiting for the draft {auto['pass_ms']['draft']:.2f} ms a pass" in result.stdout, t
     assert "hf" not in data["temperatures"]["0.0"]  # Hugging Face only where we sample
     sampled = data["temperatures"]["1.0"]
     assert {"plain", "assisted", "assisted_heuristic", "prompt_lookup"} == set(sampled["hf"])

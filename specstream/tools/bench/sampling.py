@@ -5,7 +5,9 @@ one request at a time, seed = the prompt's index, full distribution (no top-k/to
 tokens/s, α, accepted fraction, mean accepted length, speedup over γ = 0 at the same T, and
 Leviathan's theoretical speedup for that α and the measured cost ratio c; and the same figures
 for ``speculation=auto`` (the default: the γ controller chooses per pass), its row "auto", with
-no theory (its γ varies). ``repeats`` > 1 runs each temperature's sweep that many rounds, the γ
+no theory (its γ varies). Each entry carries the engine's own per-pass breakdown, ``pass_ms``
+(specstream/tools/bench/passes.py: the target's compute, waiting for the draft, host work), and
+auto's line says how long it waited for the draft against γ = 0. ``repeats`` > 1 runs each temperature's sweep that many rounds, the γ
 order reversed every other round, and pools them (latency's ``sweep``). Then, at each T > 0,
 Hugging Face `generate(do_sample=True, top_k=0)` plain and assisted on the same checkpoints and
 prompts.
@@ -76,9 +78,13 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
                                        "best_gamma": _best(ours[t])} for t in temperatures}}
         progress.print("\n" + report.table(HEADERS, rows))
         for t in temperatures:
-            auto = ours[t]["auto"]
+            auto, plain = ours[t]["auto"], ours[t][0]
+            waits = (f"; waiting for the draft {auto['pass_ms']['draft']:.2f} ms a pass against "
+                     f"{plain['pass_ms']['draft']:.2f} at gamma 0 (the target's clock)"
+                     if auto.get("pass_ms") and plain.get("pass_ms") else "")
             progress.print(f"speculation=auto at T={t:g}: {auto['speedup']:.2f}x gamma 0, drafted in "
-                           f"{auto['drafting_passes']} of {auto['passes'] - len(prompts) * repeats} decode passes")
+                           f"{auto['drafting_passes']} of {auto['passes'] - len(prompts) * repeats} decode passes"
+                           + waits)
         if with_trees and any(t > 0 for t in temperatures):
             result["trees"] = _tree_rows(models, draft, prompts, temperatures, gammas, max_new_tokens, ours, progress)
         if with_hf:
@@ -114,14 +120,14 @@ def _sweeps(models: BenchModels, draft: Path, prompts: list[list[int]], temperat
                            f"{max_new_tokens} tokens{rounds} ...")
             progress.phase(f"sampling: T={t:g}, gamma {','.join(str(g) for g in gammas)},auto")
             ours[t] = sweep(stack.gateway_address, prompts, [*gammas, "auto"], max_new_tokens, temperature=t,
-                            progress=progress, rounds=repeats)
+                            progress=progress, metrics=stack.metrics_addresses["target"], rounds=repeats)
     return ours
 
 
 def _spec(models: BenchModels, draft: Path, logs: str, **fields) -> StackSpec:
     """The stack every sweep here runs on (``fields``: a tree stack's policy and flags)."""
     return StackSpec(str(models.target), str(draft), max_gamma=16, weights=models.weights, **models.proposing,
-                     dtype=models.dtype, log_dir=logs, **fields)
+                     dtype=models.dtype, log_dir=logs, metrics=True, **fields)
 
 
 def _tree_rows(models: BenchModels, draft: Path, prompts: list[list[int]], temperatures: list[float],
