@@ -343,7 +343,7 @@ class Drafting:
         source = self.source
         if source is None:
             return plan
-        views = [RowView(s.seq_id, s.gamma, s.max_gamma, s.sampling.greedy) for s in rows]
+        views = [RowView(s.seq_id, s.gamma, s.max_gamma, s.sampling.greedy, self._unfed(s, source.epoch)) for s in rows]
         plan.gammas = self.controller.choose(views, self.caps(rows))
         branches = self.controller.branches(views, plan.gammas, self.tree_branches)
         asked = [i for i, g in enumerate(plan.gammas) if g > 0]
@@ -365,6 +365,11 @@ class Drafting:
             self.fed += len(append)
         plan.fed = self.fed
         return plan
+
+    def _unfed(self, seq: Sequence, epoch: int) -> int:
+        """Tokens of ``seq`` the draft has not taken in (all of them on a fresh stream)."""
+        held = self._held.get(seq.seq_id)
+        return len(seq.tokens) - (held.length if held is not None and held.epoch == epoch else 0)
 
     def _take(self, rows: list[Sequence], plan: _Plan, replies: list[Proposal] | None) -> list[VerifyRow]:
         """The plan's checks with the draft's replies (None: it failed, the rows decode plainly)."""

@@ -50,6 +50,8 @@ AUTO_GAMMA = -1  # a row's requested γ under speculation=auto
 BRANCH_PRIOR = 0.3  # β before any branch was verified: a runner-up beside a refused guess is right
 MAX_BACKOFF = 3  # a row's probes wait at most probe_every × 2^MAX_BACKOFF idle steps
 PROBE_GAP = 0.2  # how far below paying a row's α must stay after a refused probe to slow its probes
+# Probes spend at most this share of the plain steps' predicted time (``GammaController.probe_share``).
+PROBE_SHARE = 0.02
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,10 @@ class RowView:
     gamma: int  # requested: AUTO_GAMMA, 0 (off) or a fixed γ >= 1
     max_gamma: int  # auto rows: the most they may get
     greedy: bool
+    # Tokens the draft would take in before guessing for this row (what it has not seen: all of a
+    # row it never drafted for, else the tokens committed since it last did; a feature draft reads
+    # the target's features of each): a row idle for long, or new, costs its first guess more.
+    unfed: int = 1
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -307,7 +313,7 @@ class GammaController:
     def __init__(self, policy: str = "goodput", default_gamma: int = 4, max_gamma: int = 16,
                  prior_alpha: float = 0.6, prior_strength: float = 4.0, row_decay: float = 0.97,
                  pool_decay: float = 0.995, idle_decay: float = 0.98, explore: float = 0.5,
-                 probe_every: int = 16, min_gain: float = 0.05) -> None:
+                 probe_every: int = 16, min_gain: float = 0.05, probe_share: float = PROBE_SHARE) -> None:
         if policy not in POLICIES:
             raise ValueError(f"gamma policy {policy!r}: must be one of {', '.join(POLICIES)}")
         self.policy = policy
@@ -331,6 +337,18 @@ class GammaController:
         # sampled chat a probe costs more than it wins (~3% of a batch-1 run on SmolLM2 at 16 steps),
         # while a row near paying, or one that starts from a pessimistic pool, is probed as often.
         self.probe_every = probe_every
+        # And probes spend at most `probe_share` of decoding's time: each step with an idle row adds
+        # that share of a plain step's predicted seconds to a credit, and a due probe waits until
+        # the credit covers what it is predicted to add to its step (the draft's call, catching up
+        # on the tokens the row's draft has not seen, and the wider verify), then spends it. A
+        # probe through a draft service on SmolLM2 cost ~11 ms at a request's first (the draft
+        # reads the prompt's and ~30 tokens' features) and ~6 ms later, against a ~6.5 ms plain
+        # pass: at 2-3 a 96-token request, ~5% of the time on text no draft predicts (nonsense
+        # sampled at T = 1.5). The credit is kept across requests (a probe of the next request
+        # may spend what this one saved), up to what MAX_BACKOFF's longest wait would earn; a
+        # probe dearer than that goes when the credit is full and leaves a debt.
+        self.probe_share = probe_share
+        self._probe_credit = 0.0
         # Speculate only for a predicted gain of at least this share over the plain step: the
         # predictions are estimates (an α from a few passes, step times that drift by ±10% on a
         # shared machine, optimism while exploring), and a marginal predicted gain is as likely a
@@ -514,20 +532,32 @@ class GammaController:
             idle.append(i)
         self._since_probe += 1
         due = self.probe_every * len(rows)
+        probing = self.policy in ("goodput", "leviathan") and self.costs.ready
+        cap = 0.0
+        if idle and probing:
+            cap = self.probe_share * self.costs.step_s(len(rows), 0, 0, 0) * (due << MAX_BACKOFF)
+            self._probe_credit = min(self._probe_credit + cap / (due << MAX_BACKOFF), cap)
         ready = [i for i in idle if self._rows[rows[i].seq_id].idle >= due << self._rows[rows[i].seq_id].backoff]
-        if ready and self.policy in ("goodput", "leviathan") and self._since_probe >= due:
+        if ready and probing and self._since_probe >= due:
             i = max(ready, key=lambda j: self._rows[rows[j].seq_id].idle)
-            state = self._rows[rows[i].seq_id]
-            gammas[i], state.idle, state.probing, self._since_probe = 1, 0, (self._probe_pays(rows, i), len(rows)), 0
+            plain, probe = self._probe_step_s(rows, i)
+            # A probe dearer than the most the credit holds goes once the credit is full, and its
+            # debt is paid back by the steps after it.
+            if self._probe_credit >= min(probe - plain, cap):
+                self._probe_credit -= probe - plain
+                state = self._rows[rows[i].seq_id]
+                needed = len(rows) * ((1.0 + self.min_gain) * probe / plain - 1.0)
+                gammas[i], state.idle, state.probing, self._since_probe = 1, 0, (needed, len(rows)), 0
         return gammas
 
-    def _probe_pays(self, rows: list[RowView], i: int) -> float:
-        """The α at which a probe of row i (one guess; the other rows padded, guessing nothing)
-        gains ``min_gain`` over the plain step: n rows commit n + α tokens instead of n."""
+    def _probe_step_s(self, rows: list[RowView], i: int) -> tuple[float, float]:
+        """(a plain step's predicted seconds, a probe's of row i: one guess after the draft takes in
+        the row's unseen tokens, the other rows padded, guessing nothing). The probe pays for
+        itself (``min_gain`` over the plain step) at α = n × ((1 + min_gain) × probe / plain − 1):
+        n rows commit n + α tokens instead of n."""
         sampling = int(not rows[i].greedy)
-        plain = self.costs.step_s(len(rows), 0, 0, 0)
-        probe = self.costs.step_s(len(rows), 1, 1, 1, sampling, sampling)
-        return len(rows) * ((1.0 + self.min_gain) * probe / plain - 1.0)
+        return (self.costs.step_s(len(rows), 0, 0, 0),
+                self.costs.step_s(len(rows), 1, 1, max(rows[i].unfed, 1), sampling, sampling))
 
     def _nothing_pays(self, rows: list[RowView], auto: list[int], limits: dict[int, int], alphas: dict[int, float],
                       fixed_expected: float, plain: tuple[int, int, int, int, int], plain_rate: float) -> bool:

@@ -88,6 +88,37 @@ def test_draft_gets_only_new_tokens_after_the_first_step(model_zoo):
     assert proposer.held == 0  # released when the sequence finished
 
 
+def test_the_controller_is_told_what_each_rows_draft_has_not_seen(model_zoo):
+    """RowView.unfed, which prices a row's next guess (a probe's catch-up): for a row asked every
+    step, exactly what that step's call appends (the prompt at first, then the committed tokens
+    the draft had not kept); for a row that never drafts, every token it has."""
+    engine, proposer = _engine(model_zoo, draft="partial")
+    views: list[dict[int, tuple[int, int]]] = []  # per step: seq id -> (unfed, γ chosen)
+    choose = engine.controller.choose
+
+    def recording(rows, caps):
+        gammas = choose(rows, caps)
+        views.append({r.seq_id: (r.unfed, g) for r, g in zip(rows, gammas)})
+        return gammas
+
+    engine.controller.choose = recording
+
+    async def main():
+        conn = Connection()
+        engine.attach(conn)
+        task = asyncio.create_task(engine.run())
+        engine.submit(conn, [_request("a", max_new=30, gamma=3, prompt=list(range(2, 20))),
+                             _request("b", max_new=30, gamma=0, prompt=list(range(2, 9)))])
+        await _until_finished(conn, {"a", "b"})
+        task.cancel()
+
+    asyncio.run(main())
+    a, b = sorted({seq for step in views for seq in step})
+    asked = [step[a][0] for step in views if a in step and step[a][1] > 0]
+    assert asked == [n for key, _, n in proposer.appends if key == a] and asked[0] == 19, (asked, proposer.appends)
+    assert [step[b][0] for step in views if b in step] == list(range(8, 8 + 29))  # one token a step, never sent
+
+
 def test_accepted_counts_per_position_add_up_to_the_accepted_tokens(model_zoo):
     """Per-position acceptance (vLLM's num_accepted_tokens_per_pos for one sequence): with the
     identical draft every proposal is kept, so position i counts every pass given more than i

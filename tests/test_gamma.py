@@ -73,7 +73,9 @@ def test_a_marginal_predicted_gain_is_not_taken():
     """α = 0.6 and a guess costing 0.55 of a step: γ = 1 would gain 3.2% (the analytic optimum),
     within what a shared machine's noise and the controller's own estimates can be off by. With
     the default `min_gain` (5%) the controller mostly decodes plainly (it guesses where its
-    estimate of α runs high, and probes); with `min_gain` 0 it mostly takes the marginal gain.
+    estimate of α runs high, and probes); with `min_gain` 0 it takes the marginal gain in most
+    steps (~0.58 of them: a row whose estimate ran low waits for a probe, which spends at most 2% of
+    the time, to guess again).
     Whether a run's estimate runs high is chance: the shares of steps guessing are averaged over
     eight seeded runs each (per run they spread by ~±0.2)."""
     assert analytic_optimum(0.6, 0.55) == 1
@@ -87,7 +89,7 @@ def test_a_marginal_predicted_gain_is_not_taken():
                 sim.step(0.6)
             runs.append(statistics.mean(g[0] > 0 for g in sim.chosen[100:]))
         share[min_gain] = statistics.mean(runs)
-    assert share[0.05] < 0.45 and share[0.0] > 0.6, share
+    assert share[0.05] < 0.45 and share[0.0] > 0.5, share
 
 
 def test_gamma_goes_to_zero_when_alpha_is_tiny():
@@ -194,6 +196,50 @@ def test_probes_of_a_row_far_from_paying_grow_rare():
     sim = _batch1(0.1, 0.5, steps=600)
     late = [g[0] for g in sim.chosen[200:]]
     assert 1 <= sum(1 for g in late if g) <= 5, late
+
+
+def _hopeless_rows(probe_share: float, steps: int = 3000) -> tuple[int, float, float]:
+    """Batch 1, greedy, α = 0.05, 96-token sequences after a 60-token prompt; verify 1.0 s + 0.3
+    s per extra position; a draft call 0.2 s + 0.02 s per token it takes in (all the tokens it has
+    not seen since its last call: the prompt at a sequence's first). Returns (probes, their
+    seconds beyond a plain step, the plain steps' seconds)."""
+    controller = GammaController(max_gamma=MAX_GAMMA, probe_share=probe_share)
+    rng = random.Random(3)
+    seq_id, length, unfed, probes, extra, plain = 0, 96, 0, 0, 0.0, 0.0
+    for _ in range(steps):
+        if length == 96:
+            seq_id, length, unfed = seq_id + 1, 0, 60
+            controller.forget(seq_id - 1)
+        unfed += 1
+        (g,) = controller.choose([RowView(seq_id, AUTO_GAMMA, MAX_GAMMA, True, unfed)], [MAX_GAMMA])
+        k = 0
+        while k < g and rng.random() < 0.05:
+            k += 1
+        controller.observe(seq_id, "model", True, g, k)
+        verify_s, draft_s = 1.0 + 0.3 * g, (0.2 + 0.02 * unfed) if g else 0.0
+        controller.observe_step(1, g, g, verify_s, draft_s, 0.0, fed=unfed if g else 0)
+        if g:
+            probes, extra, unfed = probes + 1, extra + verify_s + draft_s - 1.0, 0
+        else:
+            plain += verify_s
+        length += k + 1
+    return probes, extra, plain
+
+
+def test_probes_spend_at_most_their_share_of_the_time_and_still_come():
+    """On text no guess pays for, probes (each a draft call that first takes in every token the
+    row's draft has not seen, and a wider verify) cost at most ``probe_share`` of the time spent
+    decoding plainly, over sequences too short for a row's own back-off to matter, and they still
+    come (a probe dearer than the credit can hold, at 1%, goes when it is full). Without the budget
+    (a share of 1: every 16 idle steps, doubling after refusals) they cost ~3.6% here."""
+    probes, extra, plain = _hopeless_rows(0.02)
+    # 10%: the cost fit's first predictions, before it has seen a dear catch-up
+    assert probes >= 10 and extra <= 0.02 * plain * 1.1, (probes, extra, plain)
+    few, few_extra, few_plain = _hopeless_rows(0.01)
+    # of 16 probes, the first few mispredicted ones weigh more
+    assert 10 <= few < probes and few_extra <= 0.015 * few_plain, (few, few_extra, few_plain)
+    unbudgeted, more_extra, more_plain = _hopeless_rows(1.0)
+    assert unbudgeted > 1.5 * probes and more_extra > 0.03 * more_plain, (unbudgeted, more_extra, more_plain)
 
 
 def test_a_pessimistic_pool_does_not_lock_later_sequences_out():
