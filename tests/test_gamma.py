@@ -242,6 +242,21 @@ def test_probes_spend_at_most_their_share_of_the_time_and_still_come():
     assert unbudgeted > 1.5 * probes and more_extra > 0.03 * more_plain, (unbudgeted, more_extra, more_plain)
 
 
+def test_the_budget_spares_a_row_near_paying():
+    """With almost no probe budget, a row near paying (α 0.4 where one guess costs half a step:
+    the probe pays at α ≈ 0.58, within PROBE_GAP of the row's estimate) is still probed every 16
+    idle steps, while a row far from it (α 0.05) all but stops being probed."""
+    def probes(alpha: float) -> int:
+        sim = SimulatedEngine(GammaController(max_gamma=MAX_GAMMA, probe_share=0.001), 1,
+                              verify=lambda positions: 1.0, draft=lambda depth, proposals: 0.5 * depth, seed=2)
+        for _ in range(600):
+            sim.step(alpha)
+        return sum(1 for g in sim.chosen[100:] if g[0] == 1)
+
+    near, far = probes(0.4), probes(0.05)
+    assert near >= 20 and far <= 3, (near, far)
+
+
 def test_a_pessimistic_pool_does_not_lock_later_sequences_out():
     """Hard sequences first (α 0.1) drive the pooled estimate down until new sequences start at
     γ = 0; when easy ones (α 0.9) follow, probes find out and the controller speculates again."""
