@@ -342,15 +342,14 @@ class GammaController:
         # an idle row adds that share of a plain step's predicted seconds to a credit, and such a
         # probe waits until the credit covers what it is predicted to add to its step (the draft's
         # call, catching up on the tokens the row's draft has not seen, and the wider verify), then
-        # spends it. A row near paying is probed every due step as before (budgeting those too
-        # ran 0.03-0.11 below the unbudgeted controller on bench gamma's chat workload, in four
-        # same-hour pairs). A
-        # probe through a draft service on SmolLM2 cost ~11 ms at a request's first (the draft
-        # reads the prompt's and ~30 tokens' features) and ~6 ms later, against a ~6.5 ms plain
-        # pass: at 2-3 a 96-token request, ~5% of the time on text no draft predicts (nonsense
-        # sampled at T = 1.5). The credit is kept across requests (a probe of the next request
-        # may spend what this one saved), up to what MAX_BACKOFF's longest wait would earn; a
-        # probe dearer than that goes when the credit is full and leaves a debt.
+        # spends it. Through a draft service on SmolLM2 a probe cost ~11 ms at a request's first
+        # (the draft reads the prompt's and ~30 tokens' features) and ~6 ms later, against a
+        # ~6.5 ms plain pass: at 2-3 a 96-token request, ~5% of the time on text no draft predicts
+        # (nonsense sampled at T = 1.5). The credit is kept across requests (a probe of the next
+        # request may spend what this one saved), up to what MAX_BACKOFF's longest wait earns; a
+        # probe dearer than that goes when the credit is full and leaves a debt. A row near paying
+        # is probed every due step as before: budgeting those too ran 0.03-0.11 below the
+        # unbudgeted controller on bench gamma's chat workload, in four same-hour pairs.
         self.probe_share = probe_share
         self._probe_credit = 0.0
         # Speculate only for a predicted gain of at least this share over the plain step: the
@@ -539,8 +538,9 @@ class GammaController:
         probing = self.policy in ("goodput", "leviathan") and self.costs.ready
         cap = 0.0
         if idle and probing:
-            cap = self.probe_share * self.costs.step_s(len(rows), 0, 0, 0) * (due << MAX_BACKOFF)
-            self._probe_credit = min(self._probe_credit + cap / (due << MAX_BACKOFF), cap)
+            earned = self.probe_share * self.costs.step_s(len(rows), 0, 0, 0)
+            cap = earned * (due << MAX_BACKOFF)
+            self._probe_credit = min(self._probe_credit + earned, cap)
         ready = [i for i in idle if self._rows[rows[i].seq_id].idle >= due << self._rows[rows[i].seq_id].backoff]
         if ready and probing and self._since_probe >= due:
             i = max(ready, key=lambda j: self._rows[rows[j].seq_id].idle)

@@ -7,8 +7,9 @@ Leviathan's theoretical speedup for that α and the measured cost ratio c; and t
 for ``speculation=auto`` (the default: the γ controller chooses per pass), its row "auto", with
 no theory (its γ varies). Each entry carries the engine's own per-pass breakdown, ``pass_ms``
 (specstream/tools/bench/passes.py: the target's compute, waiting for the draft, host work), and
-auto's line says how long it waited for the draft against γ = 0. ``repeats`` > 1 runs each temperature's sweep that many rounds, the γ
-order reversed every other round, and pools them (latency's ``sweep``). Then, at each T > 0,
+auto's line says how long it waited for the draft against γ = 0. ``repeats`` > 1 runs each
+temperature's sweep that many rounds, the γ order reversed every other round, and pools them
+(latency's ``sweep``). Then, at each T > 0,
 Hugging Face `generate(do_sample=True, top_k=0)` plain and assisted on the same checkpoints and
 prompts.
 
