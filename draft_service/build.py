@@ -28,7 +28,10 @@ def build_proposer(config: DraftConfig) -> Proposer:
     """The proposer ``config`` names, its draft model loaded (on the calling thread) if it has one."""
     if config.synthetic_oracle:
         return SyntheticProposer.from_file(config.synthetic_oracle, config.synthetic_alpha, config.synthetic_seed)
-    return PROPOSERS[config.proposer](config)
+    proposer = PROPOSERS[config.proposer](config)
+    if hasattr(proposer, "ahead"):  # a draft model, which can work ahead
+        proposer.ahead.outcomes = config.work_ahead_outcomes
+    return proposer
 
 
 def _draft_model(config: DraftConfig) -> DraftProposer | FeatureProposer:

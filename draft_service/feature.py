@@ -24,7 +24,7 @@ other items are unaffected. Nothing is padded or cut to fit.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -104,7 +104,7 @@ class FeatureProposer:
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         out = [Proposal([], 0, source=SOURCE) for _ in items]
         picker = _Picker(items, max((item.gamma for item in items), default=0), self.q_support,
-                         self.draft.rows.device, self.draft.head.output_ids)
+                         self.draft.rows.device, self.draft.head.output_ids, second=self.ahead.outcomes > 1)
         guessed = []
         self.plans = {}
         for b, item in enumerate(items):
@@ -133,7 +133,7 @@ class FeatureProposer:
             out[b].tokens, out[b].parents = picker.tree(b, chain)
             guessed.append((b, gamma))
             if item.sampling.greedy:
-                self.plans[item.key] = _Plan(n, chain, gamma, last)
+                self.plans[item.key] = _Plan(n, chain, gamma, last, picker.seconds(b)[: len(chain)])
         width, q_ids, q_probs = picker.tables()
         for b, gamma in guessed:
             if q_ids[b]:
@@ -144,13 +144,13 @@ class FeatureProposer:
     def _answer_prepared(self, item: ProposeItem, features: torch.Tensor, out: Proposal) -> bool:
         """Answers ``item`` from the round drafted ahead for it, if it is exactly the one assumed;
         its features are kept unread until the work (or the sequence's next item) reads them."""
-        tokens = self.ahead.answer(item, self.max_len)
-        if tokens is None:
+        ready = self.ahead.answer(item, self.max_len)
+        if ready is None:
             return False
         self.unread[item.key] = (item, features)
         self.lengths[item.key] = out.length = item.rollback_to + len(item.append)
-        out.tokens = tokens
-        self.plans[item.key] = _Plan(out.length, out.tokens, item.gamma)
+        out.tokens = ready.tail
+        self.plans[item.key] = _Plan(out.length, out.tokens, item.gamma, seconds=ready.seconds)
         return True
 
     def _read_unread(self, key: Hashable, rollback_to: int) -> torch.Tensor | None:
@@ -168,27 +168,43 @@ class FeatureProposer:
     def work_ahead(self, stop: Callable[[], bool] = lambda: False) -> None:
         """Drafts the next round of every greedy chain of the latest call (draft_service/work_ahead.py):
         the chain's tokens fed with the head's own predicted features (the target's come with the next
-        item), the bonus guess, then as many guesses as the row asked for this round. ``stop()`` is
-        read before each head forward."""
+        item), the bonus guess, then as many guesses as the row asked for this round; then, as
+        ``ahead.outcomes`` asks, the round after each shorter kept part of the chain c_1..c_k and the
+        draft's runner-up r_{k+1} where it stops, k = 0, 1, ... Every round writes only past what
+        the head holds. ``stop()`` is read before each head forward."""
         plans, self.plans = self.plans, {}
-        picker = _Picker([_GREEDY_ITEM], 0, self.q_support, self.draft.rows.device, self.draft.head.output_ids)
+        second = self.ahead.outcomes > 1
+        lasts: dict[Hashable, torch.Tensor] = {}
+        for outcome in [None, *range(self.ahead.outcomes - 1)]:  # None: the whole chain
+            for key, plan in plans.items():
+                if stop():
+                    return
+                forced = plan.chain if outcome is None else \
+                    [*plan.chain[:outcome], plan.seconds[outcome]] if outcome < len(plan.seconds) else None
+                slot = self.slots.get(key)
+                if forced is None or slot is None or self.lengths.get(key) != plan.length \
+                        or plan.length + len(forced) + 1 + plan.gamma > self.max_len:
+                    continue
+                if key not in lasts:
+                    lasts[key] = plan.last if plan.last is not None else self._read_unread(key, plan.length + 1)
+                if lasts[key] is None:
+                    continue
+                picker = _Picker([_GREEDY_ITEM], 0, self.q_support, self.draft.rows.device,
+                                 self.draft.head.output_ids, second)
 
-        def choose(g: torch.Tensor, step: int) -> int:
-            return int(picker.pick(Hidden(g[None], self.output), [0], step)[0])
+                def choose(g: torch.Tensor, step: int, picker: _Picker = picker) -> int:
+                    return int(picker.pick(Hidden(g[None], self.output), [0], step)[0])
 
-        for key, plan in plans.items():
-            if stop():
-                return
-            slot = self.slots.get(key)
-            last = plan.last if plan.last is not None else self._read_unread(key, plan.length + 1)
-            if slot is None or last is None or self.lengths.get(key) != plan.length \
-                    or plan.length + len(plan.chain) + 1 + plan.gamma > self.max_len:
-                continue
-            steps = len(plan.chain) + 1 + plan.gamma
-            tokens = self.draft.head.draft(self.cache, slot, last, steps, self.draft.embed, self.draft.rows,
-                                           choose, forced=plan.chain, stop=stop)
-            if len(tokens) > len(plan.chain):
-                self.ahead.keep(key, Prepared(plan.length, tokens[: len(plan.chain) + 1], tokens[len(plan.chain) + 1:]))
+                # The whole chain: then the bonus guess (appended) and the tail; another outcome:
+                # the runner-up is the last appended token, then the tail.
+                appended = len(forced) + 1 if outcome is None else len(forced)
+                steps = appended + plan.gamma
+                tokens = self.draft.head.draft(self.cache, slot, lasts[key], steps, self.draft.embed,
+                                               self.draft.rows, choose, forced=forced, stop=stop)
+                if len(tokens) > appended:
+                    seconds = picker.seconds(0)[appended - len(forced):]  # chosen guesses only
+                    self.ahead.keep(key, Prepared(plan.length, tokens[:appended], tokens[appended:],
+                                                  whole=outcome is None, seconds=seconds))
 
     def read_features(self, item: ProposeItem) -> tuple[torch.Tensor | None, str]:
         """The item's features [count, input_width] bfloat16, or why they cannot be read: the field and its value."""
@@ -254,10 +270,12 @@ _EXPONENT = 0x7F80  # a bfloat16's exponent bits: all ones for inf and NaN
 @dataclass
 class _Plan:
     """A greedy row of the latest call, to draft ahead from: the length it reported, the chain it
-    proposed (the next item appends it and the bonus token), its γ, and the head's output at its
-    last held position (None: an answer from a prepared round, whose features are still unread)."""
+    proposed (the next item appends it and the bonus token), its γ, the head's output at its last
+    held position (None: an answer from a prepared round, whose features are still unread), and
+    the draft's runner-up at each chain guess (working ahead on the other outcomes)."""
 
     length: int
     chain: list[int]
     gamma: int
     last: torch.Tensor | None = None
+    seconds: list[int] = field(default_factory=list)  # the draft's runner-up per chain guess

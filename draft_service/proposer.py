@@ -29,6 +29,7 @@ data of its own, specstream/data/propose.py, which the target speaks too.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Callable, Hashable
@@ -58,9 +59,13 @@ class DraftProposer:
         self.cache = model.new_cache(max_slots, self.max_len)
         self.slots: dict[Hashable, int] = {}
         # Working ahead (draft_service/work_ahead.py): the greedy chains of the latest call, as
-        # (reported length, last guess, γ) per sequence; the next rounds drafted from them.
-        self.plans: dict[Hashable, tuple[int, int, int]] = {}
+        # (reported length, γ, the chain, its runner-up per guess) per sequence; the next rounds
+        # drafted from them.
+        self.plans: dict[Hashable, tuple[int, int, list[int], list[int]]] = {}
         self.ahead = Ahead()
+        # Sequences whose chain positions the other outcomes' work wrote over: (where the chain
+        # starts, the chain's tokens the cache held there). Their next item feeds them again.
+        self.rewritten: dict[Hashable, tuple[int, list[int]]] = {}
 
     @property
     def held(self) -> int:
@@ -88,6 +93,7 @@ class DraftProposer:
             slot = self.slots.pop(key, None)
             self.plans.pop(key, None)
             self.ahead.forget(key)
+            self.rewritten.pop(key, None)
             if slot is not None:
                 self.cache.free(slot)
 
@@ -97,8 +103,13 @@ class DraftProposer:
         rows, gammas = [], []
         self.plans = {}
         for i, item in enumerate(items):
+            rewritten = self.rewritten.pop(item.key, None)
             if self._answer_prepared(item, out[i]):
                 continue
+            if rewritten is not None and rewritten[0] < item.rollback_to <= rewritten[0] + len(rewritten[1]):
+                start, held = rewritten  # feed the chain's kept tokens again, then the item's
+                item = dataclasses.replace(item, rollback_to=start,
+                                           append=[*held[: item.rollback_to - start], *item.append])
             slot = self._sync(item)
             if slot is None:
                 continue
@@ -109,7 +120,7 @@ class DraftProposer:
                 gammas.append(gamma)
         if not rows:
             return out
-        guesses, picker = self._guess(rows, gammas)
+        guesses, picker = self._guess(rows, gammas, second=self.ahead.outcomes > 1)
         width, q_ids, q_probs = picker.tables()
         for b, ((i, item, slot), gamma, tokens) in enumerate(zip(rows, gammas, guesses)):
             out[i].tokens, out[i].parents = picker.tree(b, tokens[:gamma])
@@ -121,38 +132,63 @@ class DraftProposer:
             out[i].length = item.rollback_to + len(item.append) + gamma - 1
             self.cache.set_length(slot, out[i].length)
             if item.sampling.greedy:
-                self.plans[item.key] = (out[i].length, tokens[gamma - 1], gamma)
+                self.plans[item.key] = (out[i].length, gamma, tokens[:gamma], picker.seconds(b)[:gamma])
         return out
 
     def _answer_prepared(self, item: ProposeItem, out: Proposal) -> bool:
         """Answers ``item`` from the round drafted ahead for it, if it is exactly the one assumed."""
-        tokens = self.ahead.answer(item, self.max_len)
-        if tokens is None:
+        ready = self.ahead.answer(item, self.max_len)
+        if ready is None:
             return False
-        # The work fed the chain's last token, the bonus guess and every prepared guess but the last.
-        out.tokens, out.length = tokens, item.rollback_to + len(item.append) + len(tokens) - 1
+        out.tokens = ready.tail
+        if not ready.cached:  # another outcome's work wrote over its positions: hold the chain's start
+            out.length = ready.intact
+            self.cache.set_length(self.slots[item.key], out.length)
+            return True
+        # The work fed the appended tokens and every prepared guess but the last.
+        out.length = item.rollback_to + len(item.append) + len(ready.tail) - 1
         self.cache.set_length(self.slots[item.key], out.length)
-        self.plans[item.key] = (out.length, out.tokens[-1], item.gamma)
+        self.plans[item.key] = (out.length, len(ready.tail), ready.tail, ready.seconds)
         return True
 
     @torch.inference_mode()
     def work_ahead(self, stop: Callable[[], bool] = lambda: False) -> None:
         """Drafts the next round of every greedy chain of the latest call (draft_service/work_ahead.py):
         from its reported length, its last guess fed, the bonus guess, then as many guesses as the row
-        asked for this round. ``stop()`` is read before each forward after the first."""
+        asked for this round. Then, as ``ahead.outcomes`` asks, the round after each shorter kept
+        part of the chain c_1..c_k and the draft's runner-up r_{k+1} where it stops, one batched
+        call per k, the largest k first: each writes from its own position on, so each reads only
+        positions no other outcome's work wrote. ``stop()`` is read before each forward after the first."""
         plans, self.plans = self.plans, {}
-        rows, gammas = [], []
-        for key, (length, last, gamma) in plans.items():
-            slot = self.slots.get(key)
-            if slot is not None and self.cache.length(slot) == length and length + 1 + gamma <= self.max_len:
-                rows.append((key, ProposeItem(key, length, [last], gamma + 1, GREEDY), slot))
-                gammas.append(gamma + 1)
-        if not rows or stop():
-            return
-        guesses, _ = self._guess(rows, gammas, stop)
-        for (key, item, _), gamma, tokens in zip(rows, gammas, guesses):
-            tokens = tokens[:gamma]
-            self.ahead.keep(key, Prepared(item.rollback_to, [*item.append, tokens[0]], tokens[1:]))
+        live = {key: plan for key, plan in plans.items()
+                if (slot := self.slots.get(key)) is not None and self.cache.length(slot) == plan[0]}
+        for outcome in [None, *reversed(range(self.ahead.outcomes - 1))]:  # None: the whole chain
+            rows, steps = [], []
+            for key, (length, gamma, chain, seconds) in live.items():
+                start = length - gamma + 1  # where the chain's first guess sits
+                if outcome is None:  # its last guess fed, then the bonus guess and the next round
+                    item, n = ProposeItem(key, length, [chain[-1]], gamma + 1, GREEDY), gamma + 1
+                elif outcome < len(seconds):  # chain[:outcome] kept, the runner-up after it
+                    item, n = ProposeItem(key, start + outcome, [seconds[outcome]], gamma, GREEDY), gamma
+                else:
+                    continue
+                if item.rollback_to + 1 + n <= self.max_len:
+                    rows.append((key, item, self.slots[key]))
+                    steps.append(n)
+            if not rows or stop():
+                return
+            guesses, picker = self._guess(rows, steps, stop, second=self.ahead.outcomes > 1)
+            for b, ((key, item, _), n, tokens) in enumerate(zip(rows, steps, guesses)):
+                length, gamma, chain, _ = live[key]
+                tokens, seconds = tokens[:n], picker.seconds(b)[:n]
+                if outcome is None:  # the bonus guess is appended; the rest is the tail
+                    ready = Prepared(item.rollback_to, [*item.append, tokens[0]], tokens[1:], seconds=seconds[1:])
+                else:
+                    ready = Prepared(item.rollback_to, item.append, tokens, whole=False, seconds=seconds)
+                    self.rewritten[key] = (length - gamma + 1, chain[: gamma - 1])
+                ready.intact = length - gamma + 1
+                if ready.tail:
+                    self.ahead.keep(key, ready)
 
     def _sync(self, item: ProposeItem) -> int | None:
         """Rolls the sequence back to `rollback_to`; None when its state is gone or no slot is free."""
@@ -170,14 +206,15 @@ class DraftProposer:
         return slot
 
     def _guess(self, rows: list[tuple[Hashable, ProposeItem, int]], gammas: list[int],
-               stop: Callable[[], bool] | None = None) -> tuple[list[list[int]], _Picker]:
+               stop: Callable[[], bool] | None = None, second: bool = False) -> tuple[list[list[int]], _Picker]:
         """Appends each row's tokens, then decodes max(gammas) tokens for all rows at once;
         returns each row's guesses and the picker that chose them (the q tables of sampling rows,
         the runner-ups of rows that may branch). When ``stop()`` turns true, fewer: the guesses
         made before it."""
         batch, steps = len(rows), max(gammas)
         device = self.model.device
-        picker = _Picker([item for _, item, _ in rows], steps, self.q_support, device, self.model.output_token_ids)
+        picker = _Picker([item for _, item, _ in rows], steps, self.q_support, device, self.model.output_token_ids,
+                         second)
         head = self.model.output_head
         first = torch.empty(batch, dtype=torch.int64, device=device)  # [B]
         by_len: dict[int, list[int]] = defaultdict(list)
@@ -233,7 +270,7 @@ class _Picker:
     """Chooses each guess: argmax for greedy rows, x ~ truncated q for sampling rows (keeping q)."""
 
     def __init__(self, items: list[ProposeItem], steps: int, support: int, device: torch.device,
-                 output_ids: torch.Tensor | None = None) -> None:
+                 output_ids: torch.Tensor | None = None, second: bool = False) -> None:
         self.params = [item.sampling for item in items]
         # A draft over a vocabulary subset picks logit columns; output_ids [N] maps them to token ids.
         self.output_ids = output_ids
@@ -242,6 +279,9 @@ class _Picker:
         # Rows that may branch: per row, per guess, (values, ids) of its best few (greedy: their
         # log-probabilities; sampling: the guess's log q, then the runner-ups' race scores).
         self.branches = [item.branches for item in items]
+        # ``second``: greedy rows keep at least their runner-up per guess, branching or not (working
+        # ahead on the other outcomes, draft_service/work_ahead.py).
+        self.keep = [max(item.branches, int(second)) if item.sampling.greedy else item.branches for item in items]
         self.runners_up: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in items]
         if not self.sampling:
             return
@@ -289,17 +329,17 @@ class _Picker:
 
     def _keep_runners_up(self, scores: Hidden, logits: torch.Tensor | None, members: list[int]) -> None:
         """For the rows that may branch: this guess's best branches + 1 tokens and log-probabilities."""
-        local = [i for i, b in enumerate(members) if self.branches[b] > 0 and self.params[b].greedy]
+        local = [i for i, b in enumerate(members) if self.keep[b] > 0 and self.params[b].greedy]
         if not local:
             return
         picked = logits[local] if logits is not None else scores.head.logits(scores.states[local])  # [r, V or N]
-        k = min(max(self.branches[members[i]] for i in local) + 1, picked.shape[-1])
+        k = min(max(self.keep[members[i]] for i in local) + 1, picked.shape[-1])
         values, ids = torch.topk(torch.log_softmax(picked.float(), dim=-1), k)  # [r, k] best first
         if self.output_ids is not None:
             ids = self.output_ids[ids]  # [r, k] token ids
         for row, i in enumerate(local):
             b = members[i]  # its own branches + 1, whichever rows shared this call: the same width every guess
-            self.runners_up[b].append((values[row, : self.branches[b] + 1], ids[row, : self.branches[b] + 1]))
+            self.runners_up[b].append((values[row, : self.keep[b] + 1], ids[row, : self.keep[b] + 1]))
 
     def _keep_next_draws(self, rows: list[int], ids: torch.Tensor, q: torch.Tensor, keys: torch.Tensor,
                          won: torch.Tensor) -> None:
@@ -321,6 +361,14 @@ class _Picker:
         for i in local:
             b = rows[i]
             self.runners_up[b].append((values[i, : self.branches[b] + 1], drawn[i, : self.branches[b] + 1]))
+
+    def seconds(self, b: int) -> list[int]:
+        """Greedy row b's runner-up per guess so far (its best token after the guess; a picker
+        built with ``second``), [] when none were kept."""
+        kept = self.runners_up[b]
+        if not kept or kept[0][1].numel() < 2:
+            return []
+        return torch.stack([ids[1] for _, ids in kept]).tolist()
 
     def tree(self, b: int, chain: list[int]) -> tuple[list[int], list[int]]:
         """Row b's proposal: (tokens, parents), its chain then its best branches (``parents`` empty:

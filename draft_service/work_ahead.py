@@ -16,12 +16,18 @@ compute thread after a reply has been sent and stops at its next forward when a 
 at the lowest CPU priority the OS offers (``SCHED_IDLE``: it runs on cycles nothing else wants, so
 a target that shares the cores is not slowed by it) unless the config says ``normal``.
 
+The other outcomes (``DraftConfig.work_ahead_outcomes`` > 1): after the whole chain, the rounds
+that follow the target keeping c_1..c_k and correcting c_{k+1} to the draft's own runner-up r_{k+1}
+there, for k = 0, 1, ... (an item that rolls back to the same length and appends c_1..c_k r_{k+1}),
+as many as the setting asks. Each is drafted from scratch and matched the same way, whole.
+
 Greedy rows only: a sampling row's guesses would be the same draws (their noise is keyed by
 position), but its q tables are not kept; a tree's branches are not prepared (a hit answers a chain).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections import Counter
@@ -37,12 +43,20 @@ log = logging.getLogger(__name__)
 class Prepared:
     """A sequence's next round, drafted ahead: answered only to an item that rolls back to
     ``rollback_to`` and appends exactly ``append`` (the chain's unheld tokens, then the draft's
-    guess of the bonus token), with ``tail``'s guesses (as many as were drafted before a request
-    stopped the work)."""
+    guess of the bonus token; or a part of the chain, then the draft's runner-up where it stops),
+    with ``tail``'s guesses (as many as were drafted before a request stopped the work).
+    ``whole``: it assumed the whole chain kept. ``cached``: the draft's cache still holds what this
+    round's work wrote (a later outcome's work may have written over it); ``intact``: where the
+    chain started, below which no outcome's work writes. ``seconds``: the draft's runner-up per
+    guess of the tail (for the outcomes of the round after it)."""
 
     rollback_to: int
     append: list[int]
     tail: list[int]
+    whole: bool = True
+    cached: bool = True
+    intact: int = 0
+    seconds: list[int] = field(default_factory=list)
 
     def answers(self, item: ProposeItem) -> bool:
         return item.sampling.greedy and item.rollback_to == self.rollback_to and item.append == self.append
@@ -50,29 +64,38 @@ class Prepared:
 
 @dataclass
 class Ahead:
-    """A proposer's prepared rounds, by sequence key, and its counts: rounds prepared, and how the
-    items that had one were answered (hit, miss)."""
+    """A proposer's prepared rounds, by sequence key (one per outcome prepared), and its counts:
+    rounds prepared, and how the items that had any were answered (hit, miss; hit_runner_up: a
+    hit on an outcome other than the whole chain). ``outcomes``: how many outcomes to prepare per
+    chain (``DraftConfig.work_ahead_outcomes``; 1: the whole chain only)."""
 
-    prepared: dict[Hashable, Prepared] = field(default_factory=dict)
+    prepared: dict[Hashable, list[Prepared]] = field(default_factory=dict)
     counts: Counter = field(default_factory=Counter)
+    outcomes: int = 1
 
     def keep(self, key: Hashable, ready: Prepared) -> None:
-        self.prepared[key] = ready
+        """Adds a prepared round for ``key``; the ones before it no longer have their work cached."""
+        for before in self.prepared.setdefault(key, []):
+            before.cached = False
+        self.prepared[key].append(ready)
         self.counts["prepared"] += 1
 
-    def answer(self, item: ProposeItem, max_len: int) -> list[int] | None:
-        """The prepared guesses that answer ``item`` (at most its γ, within ``max_len`` tokens), or
-        None: nothing was prepared for its sequence, or it is not the item assumed (a miss). Either
-        way the sequence's prepared round is used up."""
-        ready = self.prepared.pop(item.key, None)
-        if ready is None:
+    def answer(self, item: ProposeItem, max_len: int) -> Prepared | None:
+        """The prepared round that answers ``item``, its tail cut to the item's γ (within
+        ``max_len`` tokens), or None: nothing was prepared for its sequence, or no round is the
+        item assumed (a miss). Either way the sequence's prepared rounds are used up."""
+        rounds = self.prepared.pop(item.key, None)
+        if not rounds:
             return None
-        gamma = min(item.gamma, len(ready.tail), max_len - item.rollback_to - len(item.append))
-        if not ready.answers(item) or gamma <= 0:
+        ready = next((r for r in rounds if r.answers(item)), None)
+        gamma = min(item.gamma, len(ready.tail), max_len - item.rollback_to - len(item.append)) if ready else 0
+        if gamma <= 0:
             self.counts["miss"] += 1
             return None
         self.counts["hit"] += 1
-        return ready.tail[:gamma]
+        if not ready.whole:
+            self.counts["hit_runner_up"] += 1
+        return dataclasses.replace(ready, tail=ready.tail[:gamma], seconds=ready.seconds[:gamma])
 
     def forget(self, key: Hashable) -> None:
         self.prepared.pop(key, None)

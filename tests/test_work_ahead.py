@@ -1,5 +1,6 @@
 """Working ahead (draft_service/work_ahead.py): after a reply, the draft drafts the round that
-follows if the target keeps the whole chain and emits the draft's own bonus guess.
+follows if the target keeps the whole chain and emits the draft's own bonus guess, and, with more
+outcomes, the rounds that follow a shorter kept part of the chain and the draft's runner-up.
 
 - Greedy output with a draft that works ahead after every call (token draft, feature draft, prompt
   lookup in front) is the target's plain greedy output, with rounds answered from work ahead and
@@ -8,6 +9,9 @@ follows if the target keeps the whole chain and emits the draft's own bonus gues
   another stream's key drafts afresh, with the very reply a draft that never worked ahead gives.
 - A hit of the token draft is what it would have drafted afresh; a stop ends the work at its next
   forward, and what was drafted before it still answers.
+- The other outcomes: each is answered only to its own item, a token draft's hit is what it would
+  draft afresh, and a miss after their work (which wrote over the chain's positions) is answered
+  as a draft that never worked ahead answers it.
 - The work runs at SCHED_IDLE when asked, and the thread's policy is back after it, failed or not.
 - tests/integration/test_work_ahead_stack.py: a draft service working ahead serves the stack.
 """
@@ -25,7 +29,7 @@ from draft_service.combined import NgramPlusModelProposer
 from draft_service.feature import FeatureProposer
 from draft_service.proposer import DraftProposer
 from draft_service.work_ahead import run_at_idle_priority
-from specstream.data.propose import ProposeItem
+from specstream.data.propose import ProposeItem, features_expected
 from specstream.data.sampling import SamplingParams
 from specstream.models.feature_draft import load_feature_draft
 from specstream.models.loader import load_model
@@ -54,10 +58,12 @@ def _feature_draft(feature_pair) -> FeatureProposer:
     return FeatureProposer(load_feature_draft(feature_pair["draft"], Path), 16, 512)
 
 
-@pytest.mark.parametrize("kind", ["token", "feature", "ngram+feature"])
-@pytest.mark.parametrize("gamma", [3, None], ids=["fixed3", "auto"])
-def test_greedy_with_a_draft_working_ahead_is_plain_greedy(model_zoo, feature_pair, kind, gamma) -> None:
+@pytest.mark.parametrize(("kind", "gamma", "outcomes"), [
+    *[(kind, gamma, 1) for kind in ("token", "feature", "ngram+feature") for gamma in (3, None)],
+    ("token", 3, 4), ("feature", 3, 4), ("ngram+feature", None, 3)])
+def test_greedy_with_a_draft_working_ahead_is_plain_greedy(model_zoo, feature_pair, kind, gamma, outcomes) -> None:
     draft = _token_draft(model_zoo) if kind == "token" else _feature_draft(feature_pair)
+    draft.ahead.outcomes = outcomes
     if kind == "ngram+feature":
         draft = NgramPlusModelProposer(draft, 16, min_n=2)
     budgets = [30, 41, 25, 36]
@@ -68,6 +74,8 @@ def test_greedy_with_a_draft_working_ahead_is_plain_greedy(model_zoo, feature_pa
     counts = draft.ahead.counts
     if gamma:  # a fixed γ drafts every step: rounds were prepared, and some answered, some missed
         assert counts["prepared"] > 0 and counts["hit"] > 0 and counts["miss"] > 0, counts
+    if gamma and outcomes > 1:  # and some answered the runner-up after a refused guess
+        assert counts["hit_runner_up"] > 0, counts
     assert sum(f.stats.rejections for f in finals) > 0
 
 
@@ -84,7 +92,7 @@ def test_a_prepared_round_answers_only_the_item_it_assumed(model_zoo) -> None:
     ahead = _token_draft(model_zoo)
     _, chain, length = _first_round(ahead, prompt=prompt)
     ahead.work_ahead()
-    bonus = ahead.ahead.prepared["s"].append[-1]
+    bonus = ahead.ahead.prepared["s"][0].append[-1]
     assumed = ProposeItem("s", length, [chain[-1], bonus], 3)
     other = (bonus + 1) % 300
     variants = {
@@ -121,7 +129,7 @@ def test_a_token_drafts_hit_is_what_it_would_draft_afresh(model_zoo) -> None:
         draft = _token_draft(model_zoo)
         _, chain, length = _first_round(draft, prompt=prompt, gamma=gamma)
         draft.work_ahead()
-        assumed = ProposeItem("s", length, [chain[-1], draft.ahead.prepared["s"].append[-1]], gamma)
+        assumed = ProposeItem("s", length, [chain[-1], draft.ahead.prepared["s"][0].append[-1]], gamma)
         fresh = _token_draft(model_zoo)
         _first_round(fresh, prompt=prompt, gamma=gamma)
         expected, reply = fresh.propose([assumed])[0], draft.propose([assumed])[0]
@@ -144,17 +152,104 @@ def test_a_stop_ends_the_work_and_what_was_drafted_still_answers(model_zoo, feat
             return len(asked) > allowed
 
         draft.work_ahead(stop=stop)
-        ready = draft.ahead.prepared["s"]
+        ready, = draft.ahead.prepared["s"]
         assert 0 < len(ready.tail) < 4  # stopped before the round was whole
         features = _zero_features(draft, len(ready.append))  # the target's, of the chain and the bonus
         reply = draft.propose([ProposeItem("s", ready.rollback_to, ready.append, 4, **features)])[0]
         assert reply.tokens == ready.tail and draft.ahead.counts["hit"] == 1
 
 
+def test_each_outcome_answers_its_own_item_and_a_token_drafts_hit_is_what_it_would_draft_afresh(model_zoo) -> None:
+    prompt = [5, 6, 7, 8, 9]
+    draft = _token_draft(model_zoo)
+    draft.ahead.outcomes = 4  # the whole chain of 3, then the runner-up at each of its guesses
+    _, chain, length = _first_round(draft, prompt=prompt)
+    draft.work_ahead()
+    rounds = draft.ahead.prepared["s"]
+    start = length - 2  # where the chain's first guess sits (the draft held all guesses but the last)
+    assert [(r.whole, r.rollback_to) for r in rounds] == [(True, length), (False, start + 2), (False, start + 1),
+                                                        (False, start)]
+    assert [r.cached for r in rounds] == [False, False, False, True]  # the last one's work is what the cache holds
+    for k in range(3):
+        refused = next(r for r in rounds if r.rollback_to == start + k and not r.whole)
+        assert refused.append[0] != chain[k]  # the runner-up, not the guess the chain made
+        item = ProposeItem("s", start + k, refused.append, 3)
+        fresh = _token_draft(model_zoo)
+        _first_round(fresh, prompt=prompt)
+        expected = fresh.propose([item])[0]
+        worked = _token_draft(model_zoo)
+        worked.ahead.outcomes = 4
+        _first_round(worked, prompt=prompt)
+        worked.work_ahead()
+        reply = worked.propose([item])[0]
+        assert reply.tokens == expected.tokens, k
+        assert worked.ahead.counts["hit"] == worked.ahead.counts["hit_runner_up"] == 1, k
+        # A round another outcome's work wrote over holds only what came before the chain.
+        assert reply.length == (expected.length if k == 0 else start), k
+        # The round after it (the target kept every guess, then emitted 7): the same reply as a
+        # draft that never worked ahead, each told what it holds.
+        committed = [*prompt, *chain[:k], *item.append, *reply.tokens, 7]
+        follow = worked.propose([ProposeItem("s", reply.length, committed[reply.length:], 3)])[0]
+        assert follow.tokens == fresh.propose([ProposeItem("s", expected.length, committed[expected.length:], 3)])[0].tokens, k
+
+
+@pytest.mark.parametrize("why", ["another bonus", "a refused guess", "a refused first guess"])
+def test_a_miss_after_the_other_outcomes_work_is_answered_as_without_it(model_zoo, why) -> None:
+    """The other outcomes' work writes over the chain's positions; an item none of them assumed
+    has those tokens fed again, and gets the very reply a draft that never worked ahead gives."""
+    prompt = [5, 6, 7, 8, 9]
+    probe = _token_draft(model_zoo)
+    probe.ahead.outcomes = 4
+    _, chain, length = _first_round(probe, prompt=prompt)
+    probe.work_ahead()
+    bonus = probe.ahead.prepared["s"][0].append[-1]
+    runner_ups = {r.rollback_to: r.append[0] for r in probe.ahead.prepared["s"] if not r.whole}
+    other = next(t for t in range(300) if t not in (bonus, runner_ups[length - 1]) and t != chain[-1])
+    item = {"another bonus": ProposeItem("s", length, [chain[-1], (bonus + 1) % 300], 3),
+            "a refused guess": ProposeItem("s", length - 1, [other], 3),  # the chain's second guess kept
+            "a refused first guess": ProposeItem("s", length - 2, [(runner_ups[length - 2] + 1) % 300], 3)}[why]
+    fresh = _token_draft(model_zoo)
+    _first_round(fresh, prompt=prompt)
+    expected = fresh.propose([item])[0]
+    draft = _token_draft(model_zoo)
+    draft.ahead.outcomes = 4
+    _first_round(draft, prompt=prompt)
+    draft.work_ahead()
+    reply = draft.propose([item])[0]
+    assert (reply.tokens, reply.length) == (expected.tokens, expected.length)
+    assert draft.ahead.counts["miss"] == 1 and draft.ahead.counts["hit"] == 0
+
+
+def test_a_feature_draft_prepares_each_outcome_from_its_runner_up(feature_pair) -> None:
+    draft = _feature_draft(feature_pair)
+    draft.ahead.outcomes = 3
+    reply = draft.propose([ProposeItem("s", 0, [5, 6, 7, 8, 9], 3, **_zero_features(draft, 4))])[0]
+    draft.work_ahead()
+    rounds = draft.ahead.prepared["s"]
+    assert [(r.whole, r.rollback_to, len(r.append), len(r.tail)) for r in rounds] == \
+        [(True, reply.length, 4, 3), (False, reply.length, 1, 3), (False, reply.length, 2, 3)]
+    assert rounds[1].append[0] != reply.tokens[0] and rounds[2].append == [reply.tokens[0], rounds[2].append[1]]
+    assert rounds[2].append[1] != reply.tokens[1]
+    item = ProposeItem("s", reply.length, rounds[2].append, 3,
+                       **_zero_features(draft, features_expected(reply.length, 2)))
+    assert draft.propose([item])[0].tokens == rounds[2].tail
+    assert draft.ahead.counts["hit_runner_up"] == 1
+
+
 def _zero_features(draft, count: int) -> dict:
     if not isinstance(draft, FeatureProposer):
         return {}
     return {"features": bytes(2 * draft.feature_width * count), "feature_width": draft.feature_width}
+
+
+@pytest.mark.parametrize("proposer", ["model", "ngram+model"])
+def test_the_config_sets_how_many_outcomes_the_draft_prepares(model_zoo, proposer) -> None:
+    from draft_service.build import build_proposer
+    from specstream.data.config import DraftConfig, ModelSpec
+
+    built = build_proposer(DraftConfig(ModelSpec(str(model_zoo["partial"])), proposer=proposer, max_seq_len=256,
+                                       work_ahead_outcomes=3))
+    assert built.ahead.outcomes == 3
 
 
 def test_the_work_runs_at_idle_priority_and_the_thread_gets_its_own_back() -> None:

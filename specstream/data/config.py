@@ -338,6 +338,11 @@ class DraftConfig:
     # "normal" (at the thread's priority). Off by default: on 2 shared cores it measured no faster
     # (docs/benchmarks.md, "Working ahead").
     work_ahead: str = "off"
+    # How many outcomes of a chain's verification a draft working ahead prepares the next round for:
+    # 1, the whole chain kept; n, also the first n - 1 shorter kept parts, each with the draft's
+    # runner-up where it stops (draft_service/work_ahead.py). Each outcome costs its own drafting.
+    work_ahead_outcomes: int = 1
+    MAX_WORK_AHEAD_OUTCOMES: ClassVar[int] = 16
     # Compute proposals on the event loop's own thread (the one torch thread: no hop to a worker and
     # back, 0.11-0.34 ms a call here). A draft that works ahead always uses a worker thread (its loop
     # must read the next request while it works); False: a worker thread regardless.
@@ -346,6 +351,8 @@ class DraftConfig:
     def __post_init__(self) -> None:
         _check(self.proposer in self.PROPOSERS, "proposer", self.proposer, f"one of {', '.join(self.PROPOSERS)}")
         _check(self.work_ahead in self.WORK_AHEAD, "work_ahead", self.work_ahead, f"one of {', '.join(self.WORK_AHEAD)}")
+        _check(isinstance(self.work_ahead_outcomes, int) and 1 <= self.work_ahead_outcomes <= self.MAX_WORK_AHEAD_OUTCOMES,
+               "work_ahead_outcomes", self.work_ahead_outcomes, f"an int in [1, {self.MAX_WORK_AHEAD_OUTCOMES}]")
         _check(self.synthetic_oracle is None or self.proposer == "model", "proposer", self.proposer,
                "'model' (the default) with synthetic_oracle, which replaces the model")
         needs_model = self.proposer != "ngram" and self.synthetic_oracle is None

@@ -170,6 +170,7 @@ class StackSpec:
     weights: str = "auto"  # the targets' weight format (specstream/data/config.py); a draft always uses "auto"
     draft_threads: int = 1  # CPU threads of the draft's model (0: one per core); a small draft runs best on one
     work_ahead: str = DraftConfig.work_ahead  # the draft service's (off, idle, normal)
+    work_ahead_outcomes: int = DraftConfig.work_ahead_outcomes  # outcomes it prepares (1: the whole chain)
     target_threads: int = 0  # CPU threads of the target's model (0: one per core)
     extra_target_args: list[str] = field(default_factory=list)
     extra_draft_args: list[str] = field(default_factory=list)
@@ -196,6 +197,9 @@ class StackSpec:
             raise ValueError(f"proposer={self.proposer!r}: synthetic replaces the draft model and needs 'model'")
         if self.work_ahead not in DraftConfig.WORK_AHEAD:
             raise ValueError(f"work_ahead={self.work_ahead!r}: must be one of {', '.join(DraftConfig.WORK_AHEAD)}")
+        if not 1 <= self.work_ahead_outcomes <= DraftConfig.MAX_WORK_AHEAD_OUTCOMES:
+            raise ValueError(f"work_ahead_outcomes={self.work_ahead_outcomes!r}: must be in "
+                             f"[1, {DraftConfig.MAX_WORK_AHEAD_OUTCOMES}]")
         if self.proposer == "ngram" and self.draft_model:
             raise ValueError(f"draft_model={self.draft_model!r}: proposer 'ngram' uses no draft model")
         if self.proposer == "ngram+model" and not self.draft_model:
@@ -250,6 +254,8 @@ def command_lines(spec: StackSpec, target_model: str, addresses: dict[str, str],
         lines["draft"] = ["draft", *source, "--port", port["draft"], *common, "--threads", str(spec.draft_threads),
                           *metrics_flag("draft"), *security("draft"),
                           *(["--work-ahead", spec.work_ahead] if spec.work_ahead != "off" else []),
+                          *(["--work-ahead-outcomes", str(spec.work_ahead_outcomes)]
+                            if spec.work_ahead_outcomes != 1 else []),
                           *spec.extra_draft_args]
     for name in names:
         lines[name] = ["target", "--model", target_model, "--port", port[name], *common, "--weights", spec.weights,

@@ -370,8 +370,9 @@ def test_bench_overlap_times_each_side_alone_and_side_by_side(model_zoo, tmp_pat
     from specstream.tools.bench.models import BenchModels
 
     models = BenchModels("zoo", model_zoo["target"], model_zoo["partial"], "float32")
-    # Of the seven: the defaults, and a stack that asks early and works ahead (each stack ~5 s here).
-    settings = [ahead.Setting(), ahead.Setting("normal", early=True)]
+    # Of the nine: the defaults, and a stack that asks early and works ahead on three outcomes a
+    # chain (each stack ~5 s here).
+    settings = [ahead.Setting(), ahead.Setting("normal", early=True, outcomes=3)]
     data = overlap.run(models, tmp_path, gammas=[1, 3], seconds=0.2, quiet=True, served_prompts=1, max_new_tokens=12,
                        served_settings=settings)
     rows = data["served"]["rows"]
@@ -383,6 +384,7 @@ def test_bench_overlap_times_each_side_alone_and_side_by_side(model_zoo, tmp_pat
             assert row["prepared_per_pass"] == 0 and row["hit_rate"] == "-"
         else:  # γ = 1 drafts every pass: a round is prepared after each reply the model gave
             assert row["prepared_per_pass"] > 0 and row["hits"] + row["misses"] > 0
+            assert 0 <= row["runner_up_hits"] <= row["hits"]
     assert (tmp_path / "ahead.png").stat().st_size > 1000
     assert set(data["gammas"]) == {1, 3}
     for gamma, e in data["gammas"].items():

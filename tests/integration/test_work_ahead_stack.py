@@ -1,5 +1,6 @@
-"""A draft service started with --work-ahead normal serves the three real processes: greedy answers
-equal plain decoding's, and its /metrics count the rounds it prepared and the items they answered.
+"""A draft service started with --work-ahead normal (and three outcomes a chain) serves the three real
+processes: greedy answers equal plain decoding's, and its /metrics count the rounds it prepared and
+the items they answered.
 (At ``idle`` the tiny models' passes leave the work no spare cycles to count on; the priority itself
 is tested in tests/test_work_ahead.py.)"""
 
@@ -21,7 +22,9 @@ async def _generate_all(address: str, speculation) -> list[list[int]]:
 
 
 def test_a_draft_service_working_ahead_is_exact_and_counted(stack_factory, model_zoo):
-    stack = stack_factory(model_zoo["target"], model_zoo["same"], max_slots=4, work_ahead="normal", metrics=True)
+    # Three outcomes a chain: the whole chain kept, and the runner-up after its first or second guess.
+    stack = stack_factory(model_zoo["target"], model_zoo["same"], max_slots=4, work_ahead="normal",
+                          work_ahead_outcomes=3, metrics=True)
     plain = asyncio.run(_generate_all(stack.gateway_address, "off"))
     for gamma in (2, 4):
         assert asyncio.run(_generate_all(stack.gateway_address, gamma)) == plain, f"gamma={gamma}"

@@ -1,18 +1,20 @@
 """`bench overlap`'s served part: the draft service working ahead (draft_service/work_ahead.py), measured.
 
 Stacks of the pair as served, side by side, differing only in the draft's ``--work-ahead`` (off,
-idle: at SCHED_IDLE, normal), in the target's threads (its default, one per core: the two share the
-cores; 1: the draft has a core of its own), in whether the target asks the draft for a pass as
-soon as the pass before is verified (``--draft-early``) or when it starts (the default), and in
-where the draft computes (its event loop's thread, the default, or a worker: ``--compute-thread``,
-as a draft working ahead does). Every request goes to each stack in turn
-(the order alternating per request), so a slow stretch of the machine falls on all of them: each
-row is a ratio to the stack with neither (the defaults) at the same threads and γ, in the same run.
-Batch 1.
+idle: at SCHED_IDLE, normal) and ``--work-ahead-outcomes`` (1: the whole chain kept; 3: also the
+runner-up after the chain's first or second guess), in the target's threads (its default, one
+per core: the two share the cores; 1: the draft has a core of its own), in whether the target
+asks the draft for a pass as soon as the pass before is verified (``--draft-early``) or when it
+starts (the default), and in where the draft computes (its event loop's thread, the default, or a
+worker: ``--compute-thread``, as a draft working ahead does). Every request goes to each stack in
+turn (the order alternating per request), so a slow stretch of the machine falls on all of them:
+each row is a ratio to the stack with neither (the defaults) at the same threads and γ, in the
+same run. Batch 1.
 
 Per row: tokens/s, the draft's hit rate (items answered from a prepared round over the items
-that had one), and the target engine's own per-pass time (its compute, waiting for the draft,
-host work). Every row's token ids must equal the stack without work ahead's (greedy).
+that had one) and the share of its hits on a runner-up's round, and the target engine's own
+per-pass time (its compute, waiting for the draft, host work). Every row's token ids must equal
+the stack without work ahead's (greedy).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Setting(NamedTuple):
     threads: int = 0  # the target's (0: one per core)
     early: bool = False  # the target's --draft-early
     worker: bool = False  # the draft's --compute-thread (working ahead implies it)
+    outcomes: int = 1  # the draft's --work-ahead-outcomes
 
     @property
     def defaults(self) -> Setting:
@@ -45,9 +48,10 @@ class Setting(NamedTuple):
 
 
 SETTINGS = [Setting(), Setting(early=True), Setting(worker=True), Setting("idle"), Setting("normal"),
-            Setting(threads=1), Setting("idle", threads=1)]
-HEADERS = ["gamma", "target threads", "asks early", "draft computes on", "work ahead", "tok/s", "x defaults",
-           "hit rate", "prepared per pass", "target ms", "draft ms", "host ms"]
+            Setting("normal", outcomes=3), Setting(threads=1), Setting("idle", threads=1),
+            Setting("idle", threads=1, outcomes=3)]
+HEADERS = ["gamma", "target threads", "asks early", "draft computes on", "work ahead", "outcomes", "tok/s", "x defaults",
+           "hit rate", "of them runner-up", "prepared per pass", "target ms", "draft ms", "host ms"]
 _COUNTER = "specstream:draft_work_ahead_total"
 
 
@@ -79,8 +83,8 @@ def served(models: BenchModels, gammas: list[int | str], n_prompts: int, max_new
             parts = r["pass_ms"] or {}
             rows.append([gamma, setting.threads or "default", "yes" if setting.early else "no",
                          "worker" if setting.worker or setting.work_ahead != "off" else "loop", setting.work_ahead,
-                         r["tokens_per_s"], r["x_without"],
-                         r["hit_rate"], r["prepared_per_pass"], parts.get("target", "-"), parts.get("draft", "-"),
+                         setting.outcomes if setting.work_ahead != "off" else "-", r["tokens_per_s"], r["x_without"],
+                         r["hit_rate"], r["runner_up_hits"] / r["hits"] if r["hits"] else "-", r["prepared_per_pass"], parts.get("target", "-"), parts.get("draft", "-"),
                          parts.get("host", "-")])
             entries[f"gamma {gamma}, {_name(setting)}"] = {k: v for k, v in r.items() if k != "token_ids"}
     return {"settings": [_name(s) for s in settings], "compared": [_name(s) for s in settings if s != s.defaults],
@@ -90,13 +94,15 @@ def served(models: BenchModels, gammas: list[int | str], n_prompts: int, max_new
 
 
 def _name(setting: Setting) -> str:
-    return (f"work ahead {setting.work_ahead}, target threads {setting.threads or 'default'}"
+    return (f"work ahead {setting.work_ahead}" + (f" ({setting.outcomes} outcomes)" if setting.outcomes != 1 else "")
+            + f", target threads {setting.threads or 'default'}"
             + (", asking early" if setting.early else "") + (", draft on a worker thread" if setting.worker else ""))
 
 
 def _spec(models: BenchModels, logs: str, setting: Setting) -> StackSpec:
     return StackSpec(str(models.target), str(models.require_draft()), max_gamma=16, dtype=models.dtype,
-                     log_dir=logs, metrics=True, work_ahead=setting.work_ahead, target_threads=setting.threads,
+                     log_dir=logs, metrics=True, work_ahead=setting.work_ahead, work_ahead_outcomes=setting.outcomes,
+                     target_threads=setting.threads,
                      extra_target_args=["--draft-early"] if setting.early else [],
                      extra_draft_args=["--compute-thread"] if setting.worker else [],
                      **({"weights": models.weights, **models.proposing}))
@@ -133,7 +139,7 @@ def _interleaved(running: dict, prompts: list[list[int]], gammas: list, max_new_
 
 
 def _ahead(address: str) -> dict[str, float]:
-    counts = dict.fromkeys(("prepared", "hit", "miss"), 0.0)
+    counts = dict.fromkeys(("prepared", "hit", "miss", "hit_runner_up"), 0.0)
     counts.update({labels["outcome"]: value for labels, value in metric_samples(address, _COUNTER)})
     return counts
 
@@ -152,6 +158,7 @@ def _summary(t: dict) -> dict:
     return {"tokens_per_s": t["tokens"] / t["seconds"], "token_ids": t["token_ids"],
             "pass_ms": per_pass_ms(dict.fromkeys(passes, 0.0), passes),
             "hit_rate": ahead["hit"] / had if had else "-", "hits": ahead["hit"], "misses": ahead["miss"],
+            "runner_up_hits": ahead["hit_runner_up"],
             "prepared_per_pass": ahead["prepared"] / passes["passes"] if passes["passes"] else "-"}
 
 

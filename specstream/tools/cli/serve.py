@@ -71,6 +71,10 @@ def _serve_process_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work-ahead", choices=DraftConfig.WORK_AHEAD, default=DraftConfig.work_ahead,
                    help="the draft service drafts the next round of greedy chains after each reply, until the "
                         "next request: at SCHED_IDLE (idle) or its thread's priority (normal)")
+    p.add_argument("--work-ahead-outcomes", type=int_in("--work-ahead-outcomes", 1, DraftConfig.MAX_WORK_AHEAD_OUTCOMES),
+                   default=DraftConfig.work_ahead_outcomes, metavar="N",
+                   help="working ahead: prepare the next round for the whole chain kept (1) and, up to N, for the "
+                        "chain kept up to its k-th guess and corrected to the draft's runner-up there")
     p.add_argument("--log-dir", help="write each service's log here instead of the terminal")
     p.add_argument("--metrics", action="store_true", help="each service serves Prometheus /metrics on a free port")
 
@@ -166,7 +170,7 @@ def _stack_spec(args: argparse.Namespace):
                      extra_target_args=[*_batching_args(args), "--speculative-sampling", args.speculative_sampling,
                                         "--tree-branches", str(args.tree_branches),
                                         *(["--draft-early"] if args.draft_early else [])],
-                     work_ahead=args.work_ahead,
+                     work_ahead=args.work_ahead, work_ahead_outcomes=args.work_ahead_outcomes,
                      trace_file=os.path.abspath(args.trace_file) if args.trace_file else None,
                      security=_serve_security(args),
                      supervise=None if args.no_supervise else RestartPolicy(max_delay_s=args.restart_max_delay))

@@ -32,6 +32,7 @@ from specstream.tools.cli.flags import (
     env,
     gamma_flags,
     http_port_flag,
+    int_in,
     proposer_flags,
     weights_flag,
 )
@@ -212,6 +213,10 @@ def _add_draft(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--work-ahead", choices=DraftConfig.WORK_AHEAD, default=DraftConfig.work_ahead,
                    help="after each reply, draft the next round of greedy chains until the next request: at "
                         "SCHED_IDLE (idle) or the thread's priority (normal)")
+    p.add_argument("--work-ahead-outcomes", type=int_in("--work-ahead-outcomes", 1, DraftConfig.MAX_WORK_AHEAD_OUTCOMES),
+                   default=DraftConfig.work_ahead_outcomes, metavar="N",
+                   help="working ahead: prepare the next round for the whole chain kept (1) and, up to N, for the "
+                        "chain kept up to its k-th guess and corrected to the draft's runner-up there")
     _memory_flags(p)
     p.set_defaults(func=cmd_draft)
 
@@ -229,7 +234,8 @@ def _draft_config(args: argparse.Namespace) -> DraftConfig:
                        memory=_memory_config(args),
                        synthetic_oracle=args.synthetic_oracle, synthetic_alpha=args.synthetic_alpha,
                        proposer=args.proposer, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
-                       work_ahead=args.work_ahead, compute_on_loop=not args.compute_thread)
+                       work_ahead=args.work_ahead, work_ahead_outcomes=args.work_ahead_outcomes,
+                       compute_on_loop=not args.compute_thread)
 
 
 # --- gateway ----------------------------------------------------------------------------------------------
