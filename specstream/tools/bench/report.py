@@ -50,14 +50,18 @@ def plot_lines(path: Path, title: str, xlabel: str, ylabel: str, series: dict[st
     plt = pyplot(path)
     if plt is None:
         return
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    many = len(series) > 4  # the legend goes under the plot, where it hides no line
+    fig, ax = plt.subplots(figsize=(6.4, 4.2 + (0.25 * len(series) if many else 0)))
     for label, (xs, ys) in series.items():
         ax.plot(xs, ys, marker="o", label=label, linestyle="--" if "theory" in label else "-")
     if hline is not None:
         ax.axhline(hline, color="grey", linewidth=0.8)
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if many:
+        ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    else:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
