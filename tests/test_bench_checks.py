@@ -143,14 +143,17 @@ CHANGED = [[10, 11, 12], [20, 77, 22]]  # prompt 1, position 1
 
 
 def _fake_sweep(outputs: dict[int, list[list[int]]]):
-    def sweep(address, prompts, gammas, max_new_tokens, temperature=0.0, progress=None, metrics=None, rounds=1):
+    def sweep(address, prompts, gammas, max_new_tokens, temperature=0.0, progress=None, metrics=None, rounds=1,
+              routes=None):
         if progress is not None:
             progress.update(rounds * len(gammas) * len(prompts))  # one generation per (round, γ, prompt), as the real sweep
-        # "auto" (the γ controller) answers as plain decoding does unless told otherwise.
-        return {g: {"token_ids": outputs.get(g, outputs[0]), "tokens_per_s": 10.0 + (g if g != "auto" else 1),
-                    "seconds": 1.0, "passes": 6, "alpha": 0.5 if g else None, "accepted_fraction": 0.5 if g else None,
-                    "mean_accepted_length": 1.5 if g else None, "proposed": 4 if g else 0,
-                    "drafting_passes": 2 if g else 0} for g in gammas}
+        # "auto" (the γ controller) answers as plain decoding does unless told otherwise; "auto plain"
+        # (bench sampling's own stack for auto) is plain decoding.
+        return {g: {"token_ids": outputs.get(g, outputs[0]),
+                    "tokens_per_s": 10.0 + g if isinstance(g, int) else 11.0 if g == "auto" else 5.5, "seconds": 1.0,
+                    "passes": 6, "alpha": 0.5 if d else None, "accepted_fraction": 0.5 if d else None,
+                    "mean_accepted_length": 1.5 if d else None, "proposed": 4 if d else 0,
+                    "drafting_passes": 2 if d else 0} for g in gammas for d in [g not in (0, "auto plain")]}
     return sweep
 
 
@@ -192,7 +195,7 @@ def test_sampling_stops_when_a_greedy_gamma_changes_the_output(monkeypatch, tmp_
     _patch_stack(monkeypatch, sampling)
     outputs = {0.0: {0: PLAIN, 2: CHANGED}, 1.0: {0: PLAIN, 2: CHANGED}}
     monkeypatch.setattr(sampling, "sweep", lambda address, prompts, gammas, max_new_tokens, temperature, progress,
-                        rounds=1, metrics=None: _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens,
+                        rounds=1, metrics=None, routes=None: _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens,
                                                                   progress=progress, rounds=rounds))
     with pytest.raises(BenchmarkError, match=r"greedy \(T=0\) .*\n  gamma 2: prompt 1: first difference at "
                                              r"generated position 1: token 77, expected 21"):
@@ -206,7 +209,7 @@ def test_sampling_checks_the_gamma_controller_at_t0_too(monkeypatch, tmp_path):
     _patch_stack(monkeypatch, sampling)
     outputs = {0.0: {0: PLAIN, 2: PLAIN, "auto": CHANGED}}
     monkeypatch.setattr(sampling, "sweep", lambda address, prompts, gammas, max_new_tokens, temperature, progress,
-                        rounds=1, metrics=None: _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens,
+                        rounds=1, metrics=None, routes=None: _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens,
                                                                   progress=progress, rounds=rounds))
     with pytest.raises(BenchmarkError, match=r"greedy \(T=0\) .*\n  auto: prompt 1: first difference at "
                                              r"generated position 1") as error:
@@ -233,13 +236,18 @@ def test_sampling_does_not_compare_sampled_tokens(monkeypatch, tmp_path):
     _patch_stack(monkeypatch, sampling)
     outputs = {0.0: {0: PLAIN, 2: PLAIN}, 1.0: {0: PLAIN, 2: CHANGED}}
     monkeypatch.setattr(sampling, "sweep", lambda address, prompts, gammas, max_new_tokens, temperature, progress,
-                        rounds=1, metrics=None: _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens,
+                        rounds=1, metrics=None, routes=None: _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens,
                                                                   progress=progress, rounds=rounds))
     data = sampling.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, temperatures=[0.0, 1.0],
                         gammas=[0, 2], with_hf=False)
     assert set(data["temperatures"]) == {0.0, 1.0} and (tmp_path / "sampling.json").exists()
-    # speculation=auto's row at each T: its speedup over the same T's γ = 0 (11 against 10 tok/s)
-    assert all(entry["auto"]["speedup"] == pytest.approx(1.1) for entry in data["temperatures"].values())
+    # speculation=auto's row at each T: its speedup over its own stack's plain decoding (11 against
+    # 5.5 tok/s); with auto in the shared stack, over the same T's γ = 0 (11 against 10)
+    assert all(entry["auto"]["speedup"] == pytest.approx(2.0) for entry in data["temperatures"].values())
+    shared = sampling.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, temperatures=[0.0, 1.0],
+                          gammas=[0, 2], with_hf=False, auto_stack="shared")
+    assert all(entry["auto"]["speedup"] == pytest.approx(1.1) for entry in shared["temperatures"].values())
+    assert all("auto_plain" not in entry for entry in shared["temperatures"].values())
     assert data["temperatures"][1.0]["best_gamma"] == 2  # a fixed γ, never "auto"
 
 
@@ -303,11 +311,14 @@ def test_sampling_and_synthetic_progress_reach_their_totals(monkeypatch, tmp_pat
     monkeypatch.setattr(sampling, "hf_generate", _fake_hf)
     result = sampling.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3,
                           temperatures=[0.0, 0.7, 1.0], gammas=[0, 2], quiet=True)
-    # 2 x (3 T x (2 γ + auto) + 2 tree stacks x 2 T > 0 x 2 γ + 2 T > 0 x 4 HF modes)
-    assert _last_progress(capsys.readouterr().err) == (50, 50)
+    # 2 x (3 T x (2 γ + auto + auto's own plain) + 2 tree stacks x 2 T > 0 x 2 γ + 2 T > 0 x 4 HF modes)
+    assert _last_progress(capsys.readouterr().err) == (56, 56)
     sampling.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, temperatures=[1.5], gammas=[0, 2],
                  quiet=True, with_hf=False, with_trees=False, repeats=3)
-    assert _last_progress(capsys.readouterr().err) == (18, 18)  # 2 x 3 rounds x (2 γ + auto)
+    assert _last_progress(capsys.readouterr().err) == (24, 24)  # 2 x 3 rounds x (2 γ + auto + its plain)
+    sampling.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, temperatures=[1.5], gammas=[0, 2],
+                 quiet=True, with_hf=False, with_trees=False, auto_stack="shared")
+    assert _last_progress(capsys.readouterr().err) == (6, 6)  # 2 x (2 γ + auto), in one stack
     assert set(result["trees"]["rows"]) == {f"T={t}, gamma 2, {b} branches" for t in ("0.7", "1") for b in (1, 3)}
 
     _patch_stack(monkeypatch, synthetic)

@@ -144,14 +144,16 @@ def test_bench_sampling_writes_json_and_plot(model_zoo, tmp_path):
         assert set(entry["gammas"]) == {"0", "1", "2"}, t
         check_sweep(entry["gammas"], data["costs"])
         assert entry["best_gamma"] == fastest(entry["gammas"]), t
-        auto, base = entry["auto"], entry["gammas"]["0"]  # speculation=auto, the default
-        assert auto["tokens"] == PROMPTS * BUDGET and auto["tokens"] == auto["passes"] + auto["accepted"], t
-        assert auto["drafting_passes"] <= auto["passes"] - PROMPTS, t
-        assert auto["speedup"] == same(auto["tokens_per_s"] / base["tokens_per_s"]), t
-        assert f"speculation=auto at T={float(t):g}: {auto['speedup']:.2f}x gamma 0" in result.stdout, t
+        # speculation=auto, the default, in a stack of its own beside its own plain decoding
+        auto, own, base = entry["auto"], entry["auto_plain"], entry["gammas"]["0"]
+        assert auto["tokens"] == own["tokens"] == PROMPTS * BUDGET and auto["tokens"] == auto["passes"] + auto["accepted"], t
+        assert auto["drafting_passes"] <= auto["passes"] - PROMPTS and own["drafting_passes"] == 0, t
+        assert auto["speedup"] == same(auto["tokens_per_s"] / own["tokens_per_s"]), t
+        assert f"speculation=auto at T={float(t):g} in its own stack: {auto['speedup']:.2f}x gamma 0" in result.stdout, t
         # the engine's own clock per pass (the target's /metrics), over each setting's decode passes
         # that prefilled nothing
         assert 0 < base["pass_ms"]["passes"] <= base["passes"] - PROMPTS and auto["pass_ms"]["draft"] >= 0.0, t
+        assert 0 < own["pass_ms"]["passes"] <= own["passes"] - PROMPTS, t  # the own stack's target, read too
         assert f"waiting for the draft {auto['pass_ms']['draft']:.2f} ms a pass" in result.stdout, t
     assert "hf" not in data["temperatures"]["0.0"]  # Hugging Face only where we sample
     sampled = data["temperatures"]["1.0"]
@@ -167,7 +169,8 @@ def test_bench_sampling_writes_json_and_plot(model_zoo, tmp_path):
     # --no-trees: no tree stacks (their rows: tests/test_bench_checks.py; a tree stack through the
     # same launcher: bench latency's test above; sampled trees in three processes: test_smollm2.py)
     assert "trees" not in data and "sampled trees" not in result.stdout
-    assert progress_end(result.stderr, "generations") == (24, 24)  # 2 prompts x (2 T x (3 γ + auto) + 4 HF modes at T=1)
+    # 2 prompts x (2 T x (3 γ + auto + its own plain) + 4 HF modes at T=1)
+    assert progress_end(result.stderr, "generations") == (28, 28)
 
 
 def test_bench_synthetic_on_a_small_target(tmp_path):

@@ -12,6 +12,7 @@ legitimately differ.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import tempfile
@@ -34,7 +35,8 @@ DEFAULT_GAMMAS = [0, 1, 2, 3, 4, 6, 8]
 
 def sweep(address: str, prompts: list[list[int]], gammas: list[int | str], max_new_tokens: int,
           temperature: float = 0.0, progress: Progress | None = None,
-          metrics: str | None = None, rounds: int = 1) -> dict[int | str, dict]:
+          metrics: str | None = None, rounds: int = 1,
+          routes: dict[int | str, tuple[str, str | None, int | str]] | None = None) -> dict[int | str, dict]:
     """Generates every prompt at every γ (or "auto": the γ controller), one request at a time
     (batch 1). Greedy by default; at
     temperature > 0 it samples from the full distribution (no top-k/top-p) with seed = the
@@ -43,27 +45,32 @@ def sweep(address: str, prompts: list[list[int]], gammas: list[int | str], max_n
     the machine then falls on every γ alike; later rounds repeat the first round's seeds).
     ``progress`` counts each generation as it finishes (the warm-up is not one). With ``metrics``
     (the target's /metrics address) each γ's figures get the engine's own per-pass breakdown,
-    ``pass_ms`` (specstream/tools/bench/passes.py)."""
+    ``pass_ms`` (specstream/tools/bench/passes.py). ``routes``: settings sent elsewhere, by key:
+    (gateway address, its target's /metrics or None, the speculation to ask for), so another
+    stack's settings take their turns in the same sweep."""
     from specstream_client import Client
 
     def seed(i: int) -> int | None:
         return i if temperature > 0 else None
 
+    routes = {gamma: (routes or {}).get(gamma, (address, metrics, gamma or "off")) for gamma in gammas}
     runs: dict[int | str, list] = {gamma: [] for gamma in gammas}
     counted: dict[int | str, dict[str, float]] = {}  # per γ: the metrics' growth over its generations
-    with Client(address, timeout=600) as client:
-        # warm-up
-        client.generate(prompts[0], max_new_tokens=16, ignore_eos=True, temperature=temperature, seed=seed(0))
+    with contextlib.ExitStack() as opened:
+        clients = {where: opened.enter_context(Client(where, timeout=600)) for where in {r[0] for r in routes.values()}}
+        for client in clients.values():  # warm-up
+            client.generate(prompts[0], max_new_tokens=16, ignore_eos=True, temperature=temperature, seed=seed(0))
         for round_ in range(rounds):
             for gamma in gammas if round_ % 2 == 0 else gammas[::-1]:
-                before = read_counters(metrics) if metrics else None
+                where, watched, speculation = routes[gamma]
+                before = read_counters(watched) if watched else None
                 for i, p in enumerate(prompts):
-                    runs[gamma].append(client.generate(p, max_new_tokens=max_new_tokens, speculation=gamma or "off",
-                                                       ignore_eos=True, temperature=temperature, seed=seed(i)))
+                    runs[gamma].append(clients[where].generate(p, max_new_tokens=max_new_tokens, speculation=speculation,
+                                                               ignore_eos=True, temperature=temperature, seed=seed(i)))
                     if progress is not None:
                         progress.update()
                 if before is not None:
-                    grown = {k: v - before[k] for k, v in read_counters(metrics).items()}
+                    grown = {k: v - before[k] for k, v in read_counters(watched).items()}
                     counted[gamma] = {k: counted.get(gamma, {}).get(k, 0.0) + v for k, v in grown.items()}
     results: dict[int | str, dict] = {}
     for gamma in gammas:

@@ -7,7 +7,12 @@ Leviathan's theoretical speedup for that α and the measured cost ratio c; and t
 for ``speculation=auto`` (the default: the γ controller chooses per pass), its row "auto", with
 no theory (its γ varies). Each entry carries the engine's own per-pass breakdown, ``pass_ms``
 (specstream/tools/bench/passes.py: the target's compute, waiting for the draft, host work), and
-auto's line says how long it waited for the draft against γ = 0. ``repeats`` > 1 runs each
+auto's line says how long it waited for the draft against γ = 0. ``auto_stack`` "own" (the
+default) sends auto's requests to a second stack of their own, as a user who never asks for a
+fixed γ runs it, with that stack's plain decoding (row "auto plain") taking its turns beside them
+as its baseline: in the shared stack fixed-γ traffic feeds the controller's acceptance pools and
+cost model (in one mixed sweep auto drafted 327 passes where its own stack drafted ~60); "shared"
+asks the sweep's own stack (one stack fewer). Both stacks take turns in one sweep. ``repeats`` > 1 runs each
 temperature's sweep that many rounds, the γ order reversed every other round, and pools them
 (latency's ``sweep``). Then, at each T > 0,
 Hugging Face `generate(do_sample=True, top_k=0)` plain and assisted on the same checkpoints and
@@ -25,6 +30,7 @@ distribution: the sampling tests do that.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from pathlib import Path
 
@@ -41,6 +47,8 @@ from specstream.tools.progress import Progress
 DEFAULT_TEMPERATURES = [0.0, 0.7, 1.0]
 DEFAULT_GAMMAS = [0, 2, 4, 6]
 TREE_BRANCHES = [1, 3]
+AUTO_STACKS = ("own", "shared")  # where speculation=auto's requests go (run's auto_stack)
+AUTO_PLAIN = "auto plain"  # the plain decoding of auto's own stack, its baseline
 TREE_HEADERS = ["T", "gamma", "branches", "tok/s", "x plain", "x chain", "mean acc len", "chain mean acc len",
                 "branch tokens"]
 HEADERS = ["T", "gamma", "tok/s", "alpha", "accepted frac", "mean acc len", "theory x", "theory x (verify cost)",
@@ -49,41 +57,46 @@ HEADERS = ["T", "gamma", "tok/s", "alpha", "accepted frac", "mean acc len", "the
 
 def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: int = 128,
         temperatures: list[float] | None = None, gammas: list[int] | None = None, with_hf: bool = True,
-        quiet: bool = False, with_trees: bool = True, repeats: int = 1) -> dict:
+        quiet: bool = False, with_trees: bool = True, repeats: int = 1, auto_stack: str = "own") -> dict:
     """A γ sweep at each temperature, then the peers at each T > 0; the table on stdout,
     ``sampling.json`` and a plot in ``out_dir``. Progress on stderr (specstream.tools.progress;
     ``quiet``: plain lines, never a bar), counted in generations."""
     temperatures = DEFAULT_TEMPERATURES if temperatures is None else temperatures
     gammas = DEFAULT_GAMMAS if gammas is None else gammas
-    _check(temperatures, gammas, repeats)
+    _check(temperatures, gammas, repeats, auto_stack)
     draft = models.require_draft()
     prompts = models.prompts(n_prompts)
     context = sum(len(p) for p in prompts) // len(prompts) + max_new_tokens // 2
     print(f"{models.label} ({models.dtype}): measuring the cost ratio c at context {context} ...", flush=True)
     costs = measure_costs(models, context, [g for g in gammas if g])
-    total = planned_generations(models, len(prompts), temperatures, gammas, with_hf, with_trees, repeats)
+    total = planned_generations(models, len(prompts), temperatures, gammas, with_hf, with_trees, repeats, auto_stack)
     with Progress(total, "generations", "sampling", quiet=quiet) as progress:
-        ours = _sweeps(models, draft, prompts, temperatures, gammas, max_new_tokens, progress, repeats)
+        ours = _sweeps(models, draft, prompts, temperatures, gammas, max_new_tokens, progress, repeats, auto_stack)
         if 0.0 in ours:
             check_runs_match("greedy (T=0) speculative output", "plain decoding (gamma 0)", ours[0.0][0]["token_ids"],
                              {**{f"gamma {g}": ours[0.0][g]["token_ids"] for g in gammas if g},
-                              "auto": ours[0.0]["auto"]["token_ids"]})
+                              "auto": ours[0.0]["auto"]["token_ids"],
+                              **({"auto's own stack's plain decoding": ours[0.0][AUTO_PLAIN]["token_ids"]}
+                                 if AUTO_PLAIN in ours[0.0] else {})})
         rows = [_score(ours[t], gamma, costs, t) for t in temperatures for gamma in [*gammas, "auto"]]
+        rows += [_score(ours[t], AUTO_PLAIN, costs, t) for t in temperatures if AUTO_PLAIN in ours[t]]
         result = {"models": models.label, "target": display(models.target), "draft": display(models.draft),
                   "dtype": models.dtype, "chat_prompts": models.chat, "prompts": len(prompts),
-                  "proposer": models.proposing, "repeats": repeats,
+                  "proposer": models.proposing, "repeats": repeats, "auto_stack": auto_stack,
                   "prompt_set": models.prompt_set if models.chat or models.prompt_set == "nonsense" else "-",
                   "max_new_tokens": max_new_tokens, "seeds": "prompt index", "costs": costs,
                   "temperatures": {t: {"gammas": {g: public(ours[t][g]) for g in gammas},
                                        "auto": public(ours[t]["auto"]),
+                                       **({"auto_plain": public(ours[t][AUTO_PLAIN])} if AUTO_PLAIN in ours[t] else {}),
                                        "best_gamma": _best(ours[t])} for t in temperatures}}
         progress.print("\n" + report.table(HEADERS, rows))
         for t in temperatures:
-            auto, plain = ours[t]["auto"], ours[t][0]
+            auto, plain = ours[t]["auto"], ours[t].get(AUTO_PLAIN, ours[t][0])
             waits = (f"; waiting for the draft {auto['pass_ms']['draft']:.2f} ms a pass against "
                      f"{plain['pass_ms']['draft']:.2f} at gamma 0 (the target's clock)"
                      if auto.get("pass_ms") and plain.get("pass_ms") else "")
-            progress.print(f"speculation=auto at T={t:g}: {auto['speedup']:.2f}x gamma 0, drafted in "
+            where = " in its own stack" if AUTO_PLAIN in ours[t] else ""
+            progress.print(f"speculation=auto at T={t:g}{where}: {auto['speedup']:.2f}x gamma 0, drafted in "
                            f"{auto['drafting_passes']} of {auto['passes'] - len(prompts) * repeats} decode passes"
                            + waits)
         if with_trees and any(t > 0 for t in temperatures):
@@ -100,9 +113,10 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
 
 
 def planned_generations(models: BenchModels, n_prompts: int, temperatures: list[float], gammas: list[int],
-                        with_hf: bool, with_trees: bool = False, repeats: int = 1) -> int:
+                        with_hf: bool, with_trees: bool = False, repeats: int = 1, auto_stack: str = "own") -> int:
     """The generations `run` makes, warm-ups aside: its progress total."""
-    sweeps = len(temperatures) * (len(gammas) + 1) * repeats  # every γ and auto, each round
+    settings = len(gammas) + (2 if auto_stack == "own" else 1)  # every γ and auto (and auto's plain)
+    sweeps = len(temperatures) * settings * repeats  # each round
     if with_trees:
         sweeps += len(TREE_BRANCHES) * len(gammas) * sum(t > 0 for t in temperatures)
     if with_hf:
@@ -111,17 +125,27 @@ def planned_generations(models: BenchModels, n_prompts: int, temperatures: list[
 
 
 def _sweeps(models: BenchModels, draft: Path, prompts: list[list[int]], temperatures: list[float], gammas: list[int],
-            max_new_tokens: int, progress: Progress, repeats: int = 1) -> dict[float, dict[int | str, dict]]:
-    """Every temperature's γ sweep and speculation=auto, in one stack."""
+            max_new_tokens: int, progress: Progress, repeats: int = 1, auto_stack: str = "own"
+            ) -> dict[float, dict[int | str, dict]]:
+    """Every temperature's γ sweep and speculation=auto: in one stack, or auto (and its own plain
+    baseline) in a second stack whose turns come in the same sweep."""
     ours: dict[float, dict[int | str, dict]] = {}
-    with tempfile.TemporaryDirectory() as logs, Stack(_spec(models, draft, logs)) as stack:
+    with contextlib.ExitStack() as stacks:
+        stack = stacks.enter_context(Stack(_spec(models, draft, stacks.enter_context(tempfile.TemporaryDirectory()))))
+        settings: list[int | str] = [*gammas, "auto"]
+        routes = {}
+        if auto_stack == "own":
+            own = stacks.enter_context(Stack(_spec(models, draft, stacks.enter_context(tempfile.TemporaryDirectory()))))
+            watched = own.metrics_addresses["target"]
+            routes = {"auto": (own.gateway_address, watched, "auto"), AUTO_PLAIN: (own.gateway_address, watched, "off")}
+            settings.append(AUTO_PLAIN)
         for t in temperatures:
             rounds = f", {repeats} rounds" if repeats > 1 else ""
             progress.print(f"T={t}: sweeping gamma {gammas} and auto over {len(prompts)} prompts x "
                            f"{max_new_tokens} tokens{rounds} ...")
             progress.phase(f"sampling: T={t:g}, gamma {','.join(str(g) for g in gammas)},auto")
-            ours[t] = sweep(stack.gateway_address, prompts, [*gammas, "auto"], max_new_tokens, temperature=t,
-                            progress=progress, metrics=stack.metrics_addresses["target"], rounds=repeats)
+            ours[t] = sweep(stack.gateway_address, prompts, settings, max_new_tokens, temperature=t,
+                            progress=progress, metrics=stack.metrics_addresses["target"], rounds=repeats, routes=routes)
     return ours
 
 
@@ -156,9 +180,11 @@ def _tree_rows(models: BenchModels, draft: Path, prompts: list[list[int]], tempe
     return {"branches": TREE_BRANCHES, "rows": entries, "table_markdown": report.markdown_table(TREE_HEADERS, rows)}
 
 
-def _check(temperatures: list[float], gammas: list[int], repeats: int = 1) -> None:
+def _check(temperatures: list[float], gammas: list[int], repeats: int = 1, auto_stack: str = "own") -> None:
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: need at least 1")
+    if auto_stack not in AUTO_STACKS:
+        raise ValueError(f"auto_stack={auto_stack!r}: must be one of {', '.join(AUTO_STACKS)}")
     if not temperatures or any(t < 0 for t in temperatures):
         raise ValueError(f"temperatures={temperatures}: need at least one, all >= 0")
     if 0 not in gammas or not any(g > 0 for g in gammas) or any(g < 0 for g in gammas):
@@ -166,10 +192,11 @@ def _check(temperatures: list[float], gammas: list[int], repeats: int = 1) -> No
 
 
 def _score(by_gamma: dict[int | str, dict], gamma: int | str, costs: dict, t: float) -> list:
-    """Scores one sweep entry (latency.score; "auto": its speedup only) and returns its table row."""
-    if gamma == "auto":
+    """Scores one sweep entry (latency.score; "auto" and auto's own stack's plain row: their
+    speedup over their stack's plain decoding only) and returns its table row."""
+    if gamma in ("auto", AUTO_PLAIN):
         r = by_gamma[gamma]
-        r["speedup"] = r["tokens_per_s"] / by_gamma[0]["tokens_per_s"]
+        r["speedup"] = r["tokens_per_s"] / by_gamma.get(AUTO_PLAIN, by_gamma[0])["tokens_per_s"]
         return [f"{t:g}", gamma, r["tokens_per_s"], r["alpha"] if r["proposed"] else "-",
                 r["accepted_fraction"] if r["proposed"] else "-", r["mean_accepted_length"] or 1.0, "-", "-",
                 r["speedup"], "-"]

@@ -59,7 +59,8 @@ def _sampling(args: argparse.Namespace, out: Path) -> None:
 
     sampling.run(bench_models(args), out, n_prompts=args.prompts or 8, max_new_tokens=args.max_new_tokens or 128,
                  temperatures=_numbers(args.temperatures, float), gammas=_numbers(args.gammas),
-                 with_hf=not args.no_hf, quiet=args.quiet, with_trees=not args.no_trees, repeats=args.repeats)
+                 with_hf=not args.no_hf, quiet=args.quiet, with_trees=not args.no_trees, repeats=args.repeats,
+                 auto_stack=args.auto_stack)
 
 
 def _synthetic(args: argparse.Namespace, out: Path) -> None:
@@ -206,6 +207,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-trees", action="store_true",
                    help="latency: skip the tree rows (gamma 1-3 with the draft's runner-ups as branches, both layouts); "
                         "sampling: skip its tree rows (each gamma with the draft's next draws as branches)")
+    p.add_argument("--auto-stack", choices=["own", "shared"], default="own",
+                   help="sampling: send speculation=auto's requests to a stack of their own, beside its own plain "
+                        "decoding, as a user who never asks for a fixed gamma runs it (own), or to the stack the fixed "
+                        "gammas use, whose traffic then feeds its controller (shared)")
     _kernels_flags(p)
     p.add_argument("--num-beams", help="beam: comma-separated k (default 5,10)")
     p.add_argument("--beam-threshold", type=float, default=1.5, help="beam: the variable width's δ (default 1.5)")
