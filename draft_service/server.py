@@ -21,10 +21,9 @@ import grpc
 from draft_service import tracing
 from draft_service.build import build_proposer
 from draft_service.wire import item_from_pb, proposal_to_pb
-from draft_service.work_ahead import run_at_idle_priority
 from specstream.data.config import DraftConfig
 from specstream.data.propose import Proposer
-from specstream.serving.compute import InlineExecutor, compute_executor
+from specstream.serving.compute import InlineExecutor, compute_executor, run_at_idle_priority
 from specstream.serving.grpc_server import ServiceServer
 from specstream.serving.metrics import DraftMetrics
 from specstream.serving.native_memory import HeapTrimmer, bound_kernel_caches

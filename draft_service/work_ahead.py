@@ -28,15 +28,11 @@ position), but its q tables are not kept; a tree's branches are not prepared (a 
 from __future__ import annotations
 
 import dataclasses
-import logging
-import os
 from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from specstream.data.propose import ProposeItem
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -99,19 +95,3 @@ class Ahead:
 
     def forget(self, key: Hashable) -> None:
         self.prepared.pop(key, None)
-
-
-def run_at_idle_priority(work: Callable[[], None], idle: bool) -> None:
-    """Runs ``work()`` on the calling thread, at ``SCHED_IDLE`` while it runs when ``idle`` (and
-    the OS has it), then back at the thread's own policy. A failure of the work is logged, not
-    raised: the work is optional, and the next request is answered from scratch."""
-    policy = os.sched_getscheduler(0) if idle and hasattr(os, "SCHED_IDLE") else None
-    try:
-        if policy is not None:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        work()
-    except Exception:  # working ahead must never take the draft down
-        log.exception("working ahead failed; the next round is drafted when it is asked for")
-    finally:
-        if policy is not None:
-            os.sched_setscheduler(0, policy, os.sched_param(0))

@@ -104,6 +104,7 @@ class Engine:
         self.max_len = min(config.max_seq_len, model.config.max_position_embeddings)
         # All torch work belongs on this one thread (see specstream.serving.compute).
         self._compute = compute or torch_thread()
+        self._compute_calls = 0  # the engine's calls submitted to the torch thread and not done
         self.cache = self._compute.submit(model.new_cache, config.max_slots, self.max_len).result()
         if config.calibrate and draft is not None:
             started = time.perf_counter()
@@ -416,6 +417,8 @@ class Engine:
         self.metrics.observe_step(len(rows) + hypotheses)
         verdicts, candidates = await self._run_compute(self._verify_compute, rows, checks, beams)
         verified = time.perf_counter()
+        if hasattr(self.drafting.source, "after_verify"):  # a draft in this process may work ahead meanwhile
+            self.drafting.source.after_verify(self._computing)
         for seq, check, verdict in zip(rows, checks, verdicts):
             self._accept(seq, check, verdict)
             self._touched.append(seq)
@@ -607,7 +610,15 @@ class Engine:
             conn.send(EngineMessage(load, self.step_count, per_conn.get(conn, [])))
 
     async def _run_compute(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+        self._compute_calls += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+        finally:
+            self._compute_calls -= 1
+
+    def _computing(self) -> bool:
+        """Whether a call of the engine's waits for (or runs on) the torch thread."""
+        return self._compute_calls > 0
 
     def shutdown(self) -> None:
         self._fail_all(UnavailableError("the target service is shutting down"))

@@ -110,7 +110,7 @@ async def serve(config: TargetConfig, build_proposer: Callable[[DraftConfig], Pr
         if build_proposer is None:
             raise ValueError("colocated_draft: serve() needs build_proposer to build it")
         proposer = await asyncio.get_running_loop().run_in_executor(compute, build_proposer, config.colocated_draft)
-        draft = LocalDraft(proposer, compute)
+        draft = LocalDraft(proposer, compute, config.colocated_draft.work_ahead)
     metrics = TargetMetrics(config.max_gamma, config.batch_rows)
     engine = Engine(model, config, draft, compute, metrics)
     server = ServiceServer(config.server, [SERVICE_NAME], metrics.registry)

@@ -32,19 +32,20 @@ def run_engine(target: Path, draft: Path | None, prompts: list[list[int]], gamma
                stop_ids: list[int] = (), eos_ids: list[int] = (), max_slots: int = 8,
                sampling: list[SamplingParams] | None = None, logprobs: int | None = None,
                max_seq_len: int = 512, proposer=None, config: dict | None = None,
-               steps: dict | None = None, device: str = "cpu") -> tuple[list[list[int]], list[SequenceEvent]]:
+               steps: dict | None = None, device: str = "cpu",
+               work_ahead: str = "off") -> tuple[list[list[int]], list[SequenceEvent]]:
     """Returns each prompt's generated tokens and its final event (finish reason, stats, and the
     log-probabilities of all its tokens when `logprobs` is given). `sampling`: one per prompt
     (default greedy); `proposer` replaces the draft model's proposer (e.g. a wrapped one);
     `draft` may be a feature draft; `config` overrides TargetConfig fields (batching policy...); `steps`, when given, receives the
     engine's BatchStats and, per request id, the steps whose events carried its tokens; `device`: where
-    both models run (float32)."""
+    both models run (float32); `work_ahead`: the in-process draft's (LocalDraft)."""
     model = load_model(target, device=device)
     if proposer is None and draft and is_feature_draft(draft):
         proposer = FeatureProposer(load_feature_draft(draft, Path), max(16, max_slots), max_seq_len)
     elif proposer is None and draft:
         proposer = DraftProposer(load_model(draft, device=device), max_slots=max(16, max_slots), max_seq_len=max_seq_len)
-    local = LocalDraft(proposer) if proposer else None
+    local = LocalDraft(proposer, work_ahead=work_ahead) if proposer else None
     engine = Engine(model, TargetConfig(model=ModelSpec(str(target), device=device), max_slots=max_slots,
                                         max_seq_len=max_seq_len,
                                         **{"max_gamma": 8, **(config or {})}), local)

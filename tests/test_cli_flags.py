@@ -196,6 +196,23 @@ def test_serve_colocate_draft_runs_the_draft_inside_every_target() -> None:
     assert config.colocated_draft is None and config.draft_url is None
 
 
+def test_serve_work_ahead_reaches_the_draft_service_or_the_colocated_draft() -> None:
+    lines = _serve("--target", "t", "--draft", "d", "--work-ahead", "idle", "--work-ahead-outcomes", "3")
+    assert (_draft(lines).work_ahead, _draft(lines).work_ahead_outcomes) == ("idle", 3)
+    assert "--work-ahead" not in lines["target"]
+    lines = _serve("--target", "t", "--draft", "d", "--colocate-draft", "--work-ahead", "normal",
+                   "--work-ahead-outcomes", "2")
+    (config,) = _target_configs(lines)
+    assert (config.colocated_draft.work_ahead, config.colocated_draft.work_ahead_outcomes) == ("normal", 2)
+    (config,) = _target_configs(_serve("--target", "t", "--draft", "d", "--colocate-draft"))
+    assert (config.colocated_draft.work_ahead, config.colocated_draft.work_ahead_outcomes) == ("off", 1)
+
+
+def test_target_refuses_work_ahead_without_a_draft_in_its_process(capsys) -> None:
+    assert main(["target", "--model", "m", "--draft-url", "h:1", "--work-ahead", "idle"]) == 2
+    assert "--work-ahead idle: works ahead with a draft in this process (--draft-model)" in capsys.readouterr().err
+
+
 def test_target_refuses_a_draft_both_remote_and_in_process(capsys) -> None:
     assert main(["target", "--model", "m", "--draft-url", "h:1", "--draft-model", "d"]) == 2
     assert "--draft-url h:1: the draft runs at --draft-url or in this process" in capsys.readouterr().err

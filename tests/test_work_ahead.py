@@ -18,7 +18,10 @@ outcomes, the rounds that follow a shorter kept part of the chain and the draft'
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -28,11 +31,11 @@ from feature_pair import PROMPTS
 from draft_service.combined import NgramPlusModelProposer
 from draft_service.feature import FeatureProposer
 from draft_service.proposer import DraftProposer
-from draft_service.work_ahead import run_at_idle_priority
 from specstream.data.propose import ProposeItem, features_expected
 from specstream.data.sampling import SamplingParams
 from specstream.models.feature_draft import load_feature_draft
 from specstream.models.loader import load_model
+from specstream.serving.compute import run_at_idle_priority
 
 
 class _AheadAfterEveryCall:
@@ -77,6 +80,89 @@ def test_greedy_with_a_draft_working_ahead_is_plain_greedy(model_zoo, feature_pa
     if gamma and outcomes > 1:  # and some answered the runner-up after a refused guess
         assert counts["hit_runner_up"] > 0, counts
     assert sum(f.stats.rejections for f in finals) > 0
+
+
+@pytest.mark.parametrize(("kind", "outcomes"), [("token", 1), ("feature", 3)])
+def test_a_draft_in_the_targets_process_works_ahead_between_passes_and_stays_exact(model_zoo, feature_pair, kind,
+                                                                                   outcomes) -> None:
+    """LocalDraft with work_ahead: the engine's torch thread drafts the next round while the engine
+    does a pass's host work (no wrapper calls the work here: the engine's after_verify does). The
+    tiny models' host work is over before the thread starts the work, whose first check then stops
+    it; here it ignores the check, so it runs whole and the next call waits for it."""
+    draft = _token_draft(model_zoo) if kind == "token" else _feature_draft(feature_pair)
+    draft.ahead.outcomes = outcomes
+    budgets = [30, 41, 25, 36]
+    got, _ = run_engine(model_zoo["target"], None, PROMPTS, gamma=3, max_new_tokens=budgets,
+                        proposer=_WholeWork(draft), config={"calibrate": False}, work_ahead="normal")
+    for prompt, tokens, budget in zip(PROMPTS, got, budgets):
+        assert tokens == naive_greedy(model_zoo["target"], prompt, budget)
+    counts = draft.ahead.counts
+    assert counts["prepared"] > 0 and counts["hit"] + counts["miss"] > 0, counts
+
+
+class _WholeWork:
+    """A proposer whose work ahead runs whole, whatever waits for the thread."""
+
+    def __init__(self, proposer) -> None:
+        self.proposer = proposer
+
+    def __getattr__(self, name):
+        return getattr(self.proposer, name)
+
+    def work_ahead(self, stop) -> None:
+        self.proposer.work_ahead()
+
+
+class _Work:
+    """A proposer stand-in whose work drafts until told to stop (at most 200 forwards), counting."""
+
+    name, max_len, vocab_size, held = "work", 64, 32, 0
+
+    def __init__(self) -> None:
+        self.forwards = 0
+        self.started = threading.Event()
+
+    def propose(self, items):
+        return [None for _ in items]
+
+    def work_ahead(self, stop) -> None:
+        self.started.set()
+        for _ in range(200):
+            if stop():
+                return
+            self.forwards += 1
+            time.sleep(0.002)
+
+
+def test_a_colocated_drafts_work_runs_after_a_verify_and_stops_when_the_thread_is_wanted() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from target_service.local_draft import LocalDraft
+
+    compute = ThreadPoolExecutor(1)
+    work = _Work()
+    local = LocalDraft(work, compute, work_ahead="normal")
+    local.after_verify(lambda: False)  # no reply yet: nothing to work on
+    compute.submit(lambda: None).result()
+    assert not work.started.is_set()
+    asyncio.run(local.propose(0, [ProposeItem("s", 0, [1], 2)]))
+    wanted = threading.Event()
+    local.after_verify(wanted.is_set)
+    assert work.started.wait(5)
+    time.sleep(0.02)
+    wanted.set()  # the engine wants the thread: the work stops before its next forward
+    began = time.perf_counter()
+    compute.submit(lambda: None).result()
+    assert time.perf_counter() - began < 0.2 and 0 < work.forwards < 200
+    local.after_verify(lambda: False)  # the reply was worked on once already
+    compute.submit(lambda: None).result()
+    assert work.forwards < 200
+    off = LocalDraft(_Work(), compute)  # work_ahead off, the default: never
+    asyncio.run(off.propose(0, [ProposeItem("s", 0, [1], 2)]))
+    off.after_verify(lambda: False)
+    compute.submit(lambda: None).result()
+    assert not off.proposer.started.is_set()
+    compute.shutdown()
 
 
 def _first_round(draft, key="s", prompt=(5, 6, 7, 8, 9), gamma=3) -> tuple[ProposeItem, list[int], int]:

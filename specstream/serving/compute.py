@@ -13,11 +13,13 @@ proposal is computed) takes an ``InlineExecutor``, which runs each call at once 
 thread: the hop to a worker and back cost 0.11–0.34 ms of every draft call. Code that drives models inside one process
 (in-process engines, in-process drafts, benchmarks, training) uses ``torch_thread()``, the
 process's shared one, for loading and running alike, and ``on_torch_thread(fn)`` to call a function
-there and wait for it.
+there and wait for it. ``run_at_idle_priority`` runs optional work (a draft working ahead) on the
+calling thread at the lowest CPU priority.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -29,6 +31,7 @@ from typing import TypeVar
 import torch
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 _shared: ThreadPoolExecutor | None = None
 _shared_lock = threading.Lock()
 _shared_ident: int | None = None  # the shared thread's id, once it runs
@@ -135,3 +138,19 @@ def on_torch_thread(fn: Callable[..., T], *args, **kwargs) -> T:
     if threading.get_ident() == _shared_ident:
         return fn(*args, **kwargs)
     return torch_thread().submit(fn, *args, **kwargs).result()
+
+
+def run_at_idle_priority(work: Callable[[], None], idle: bool) -> None:
+    """Runs ``work()`` on the calling thread, at ``SCHED_IDLE`` while it runs when ``idle`` (and
+    the OS has it), then back at the thread's own policy. A failure of the work is logged, not
+    raised: the work is optional, and the next request is answered from scratch."""
+    policy = os.sched_getscheduler(0) if idle and hasattr(os, "SCHED_IDLE") else None
+    try:
+        if policy is not None:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        work()
+    except Exception:  # working ahead must never take the draft (or the target it runs in) down
+        log.exception("working ahead failed; the next round is drafted when it is asked for")
+    finally:
+        if policy is not None:
+            os.sched_setscheduler(0, policy, os.sched_param(0))

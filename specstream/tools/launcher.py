@@ -169,7 +169,7 @@ class StackSpec:
     device: str = "cpu"  # the target's and a draft model's torch device ("cuda", "cuda:1", ...)
     weights: str = "auto"  # the targets' weight format (specstream/data/config.py); a draft always uses "auto"
     draft_threads: int = 1  # CPU threads of the draft's model (0: one per core); a small draft runs best on one
-    work_ahead: str = DraftConfig.work_ahead  # the draft service's (off, idle, normal)
+    work_ahead: str = DraftConfig.work_ahead  # the draft's (off, idle, normal): its service's, or in each target colocated
     work_ahead_outcomes: int = DraftConfig.work_ahead_outcomes  # outcomes it prepares (1: the whole chain)
     target_threads: int = 0  # CPU threads of the target's model (0: one per core)
     extra_target_args: list[str] = field(default_factory=list)
@@ -246,6 +246,9 @@ def command_lines(spec: StackSpec, target_model: str, addresses: dict[str, str],
     def security(role: str) -> list[str]:
         return spec.security.server_args(role) if spec.security else []
 
+    # Working ahead: the draft service's, or the draft's in each target when colocated.
+    ahead = [*(["--work-ahead", spec.work_ahead] if spec.work_ahead != "off" else []),
+             *(["--work-ahead-outcomes", str(spec.work_ahead_outcomes)] if spec.work_ahead_outcomes != 1 else [])]
     if spec.has_draft:
         if spec.synthetic:
             source = ["--synthetic-oracle", spec.synthetic[0], "--synthetic-alpha", str(spec.synthetic[1])]
@@ -253,10 +256,7 @@ def command_lines(spec: StackSpec, target_model: str, addresses: dict[str, str],
             source = [*proposer, *draft_model("--model")]
         lines["draft"] = ["draft", *source, "--port", port["draft"], *common, "--threads", str(spec.draft_threads),
                           *metrics_flag("draft"), *security("draft"),
-                          *(["--work-ahead", spec.work_ahead] if spec.work_ahead != "off" else []),
-                          *(["--work-ahead-outcomes", str(spec.work_ahead_outcomes)]
-                            if spec.work_ahead_outcomes != 1 else []),
-                          *spec.extra_draft_args]
+                          *ahead, *spec.extra_draft_args]
     for name in names:
         lines[name] = ["target", "--model", target_model, "--port", port[name], *common, "--weights", spec.weights,
                        "--gamma", str(spec.gamma), "--max-gamma", str(spec.max_gamma), "--gamma-policy",
@@ -264,7 +264,8 @@ def command_lines(spec: StackSpec, target_model: str, addresses: dict[str, str],
                        "--max-slots", str(spec.max_slots), "--threads", str(spec.target_threads),
                        *metrics_flag(name), *security("target"), *spec.extra_target_args,
                        *(["--draft-url", addresses["draft"]] if spec.has_draft else []),
-                       *([*proposer, *draft_model("--draft-model")] if spec.colocate_draft and spec.drafts else [])]
+                       *([*proposer, *draft_model("--draft-model"), *ahead] if spec.colocate_draft and spec.drafts
+                         else [])]
     http = ["--http-port", port["http"]] if spec.http_port is not None else []
     lines["gateway"] = ["gateway", "--target-url", ",".join(addresses[name] for name in names), "--tokenizer",
                         target_model, "--host", spec.host, "--port", port["gateway"], *http, *metrics_flag("gateway"),

@@ -42,6 +42,15 @@ def weights_flag(p: argparse.ArgumentParser) -> None:
                         "CPU in bfloat16, int4 where the model has 4-bit blocks, int4-rtn for a draft, else dense")
 
 
+def work_ahead_flags(p: argparse.ArgumentParser, help: str) -> None:  # noqa: A002 - argparse's own word
+    """--work-ahead (``help`` says where the work runs) and --work-ahead-outcomes (DraftConfig)."""
+    p.add_argument("--work-ahead", choices=DraftConfig.WORK_AHEAD, default=DraftConfig.work_ahead, help=help)
+    p.add_argument("--work-ahead-outcomes", type=int_in("--work-ahead-outcomes", 1, DraftConfig.MAX_WORK_AHEAD_OUTCOMES),
+                   default=DraftConfig.work_ahead_outcomes, metavar="N",
+                   help="working ahead: prepare the next round for the whole chain kept (1) and, up to N, for the "
+                        "chain kept up to its k-th guess and corrected to the draft's runner-up there")
+
+
 def http_port_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, default=None,
                    help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "

@@ -26,6 +26,7 @@ from specstream.tools.cli.flags import (
     int_in,
     proposer_flags,
     weights_flag,
+    work_ahead_flags,
 )
 from specstream.tools.cli.pair import chosen_models, chosen_proposer, models_flag
 
@@ -68,13 +69,8 @@ def _serve_process_flags(p: argparse.ArgumentParser) -> None:
     weights_flag(p)
     p.add_argument("--draft-threads", type=int, default=1, help="CPU threads of the draft model (0: one per core)")
     p.add_argument("--target-threads", type=int, default=0, help="CPU threads of the target model (0: one per core)")
-    p.add_argument("--work-ahead", choices=DraftConfig.WORK_AHEAD, default=DraftConfig.work_ahead,
-                   help="the draft service drafts the next round of greedy chains after each reply, until the "
+    work_ahead_flags(p, "the draft service drafts the next round of greedy chains after each reply, until the "
                         "next request: at SCHED_IDLE (idle) or its thread's priority (normal)")
-    p.add_argument("--work-ahead-outcomes", type=int_in("--work-ahead-outcomes", 1, DraftConfig.MAX_WORK_AHEAD_OUTCOMES),
-                   default=DraftConfig.work_ahead_outcomes, metavar="N",
-                   help="working ahead: prepare the next round for the whole chain kept (1) and, up to N, for the "
-                        "chain kept up to its k-th guess and corrected to the draft's runner-up there")
     p.add_argument("--log-dir", help="write each service's log here instead of the terminal")
     p.add_argument("--metrics", action="store_true", help="each service serves Prometheus /metrics on a free port")
 

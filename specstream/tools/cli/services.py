@@ -32,9 +32,9 @@ from specstream.tools.cli.flags import (
     env,
     gamma_flags,
     http_port_flag,
-    int_in,
     proposer_flags,
     weights_flag,
+    work_ahead_flags,
 )
 
 
@@ -148,6 +148,9 @@ def _add_target(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-model", help="run the draft in this process instead of a draft service (no gRPC hop "
                                          "between the two models): a model reference; exclusive with --draft-url")
     proposer_flags(p, model_flag="--draft-model, in this process; with --proposer ngram no draft model is needed")
+    work_ahead_flags(p, "the draft in this process (--draft-model) drafts the next round of greedy chains on the "
+                        "torch thread while the target does a pass's host work: at SCHED_IDLE (idle) or the "
+                        "thread's priority (normal)")
     gamma_flags(p)
     p.add_argument("--max-slots", type=int, default=8)
     batching_flags(p)
@@ -179,13 +182,17 @@ def _colocated_draft(args: argparse.Namespace) -> DraftConfig | None:
     """The DraftConfig of a draft run inside the target (--draft-model, or --proposer other than
     model), or None; ValueError when it clashes with --draft-url."""
     if not args.draft_model and args.proposer == "model":
+        if args.work_ahead != "off":
+            raise ValueError(f"--work-ahead {args.work_ahead}: works ahead with a draft in this process "
+                             "(--draft-model); a draft service takes its own --work-ahead")
         return None
     if args.draft_url:
         raise ValueError(f"--draft-url {args.draft_url}: the draft runs at --draft-url or in this process "
                          "(--draft-model, --proposer), not both")
     model = ModelSpec(args.draft_model, args.dtype, args.device) if args.draft_model else None
     return DraftConfig(model=model, proposer=args.proposer, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
-                       max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len)
+                       max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len,
+                       work_ahead=args.work_ahead, work_ahead_outcomes=args.work_ahead_outcomes)
 
 
 def _batching_config(args: argparse.Namespace) -> dict:
@@ -210,13 +217,8 @@ def _add_draft(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compute-thread", action="store_true",
                    help="compute proposals on a worker thread, not the event loop's own (which saves a thread hop "
                         "a call; a draft working ahead always uses a worker)")
-    p.add_argument("--work-ahead", choices=DraftConfig.WORK_AHEAD, default=DraftConfig.work_ahead,
-                   help="after each reply, draft the next round of greedy chains until the next request: at "
+    work_ahead_flags(p, "after each reply, draft the next round of greedy chains until the next request: at "
                         "SCHED_IDLE (idle) or the thread's priority (normal)")
-    p.add_argument("--work-ahead-outcomes", type=int_in("--work-ahead-outcomes", 1, DraftConfig.MAX_WORK_AHEAD_OUTCOMES),
-                   default=DraftConfig.work_ahead_outcomes, metavar="N",
-                   help="working ahead: prepare the next round for the whole chain kept (1) and, up to N, for the "
-                        "chain kept up to its k-th guess and corrected to the draft's runner-up there")
     _memory_flags(p)
     p.set_defaults(func=cmd_draft)
 
