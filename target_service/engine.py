@@ -418,6 +418,7 @@ class Engine:
         verdicts, candidates = await self._run_compute(self._verify_compute, rows, checks, beams)
         verified = time.perf_counter()
         if hasattr(self.drafting.source, "after_verify"):  # a draft in this process may work ahead meanwhile
+            self.metrics.observe_ahead(self.drafting.source.ahead_counts)
             self.drafting.source.after_verify(self._computing)
         for seq, check, verdict in zip(rows, checks, verdicts):
             self._accept(seq, check, verdict)

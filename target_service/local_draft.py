@@ -62,6 +62,11 @@ class LocalDraft:
     async def release(self, keys: list[int]) -> None:
         await self._call(self.proposer.release, keys)
 
+    @property
+    def ahead_counts(self) -> dict[str, int]:
+        """The work's running counts (prepared, hit, miss, ...; empty unless it works ahead)."""
+        return self.proposer.ahead.counts if self.work_ahead != "off" else {}
+
     def after_verify(self, engine_waiting: Callable[[], bool]) -> None:
         """The engine has verified a pass and does its host work now: with ``work_ahead``, the torch
         thread drafts the next round of the latest reply's chains until this draft or the engine

@@ -38,7 +38,7 @@ def run_engine(target: Path, draft: Path | None, prompts: list[list[int]], gamma
     log-probabilities of all its tokens when `logprobs` is given). `sampling`: one per prompt
     (default greedy); `proposer` replaces the draft model's proposer (e.g. a wrapped one);
     `draft` may be a feature draft; `config` overrides TargetConfig fields (batching policy...); `steps`, when given, receives the
-    engine's BatchStats and, per request id, the steps whose events carried its tokens; `device`: where
+    engine's BatchStats and TargetMetrics and, per request id, the steps whose events carried its tokens; `device`: where
     both models run (float32); `work_ahead`: the in-process draft's (LocalDraft)."""
     model = load_model(target, device=device)
     if proposer is None and draft and is_feature_draft(draft):
@@ -63,7 +63,7 @@ def run_engine(target: Path, draft: Path | None, prompts: list[list[int]], gamma
         if steps is not None:
             steps[r.request_id] = r.steps
     if steps is not None:
-        steps["stats"] = engine.stats
+        steps["stats"], steps["metrics"] = engine.stats, engine.metrics
     return [r.token_ids for r in results], finals
 
 

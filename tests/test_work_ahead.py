@@ -92,12 +92,19 @@ def test_a_draft_in_the_targets_process_works_ahead_between_passes_and_stays_exa
     draft = _token_draft(model_zoo) if kind == "token" else _feature_draft(feature_pair)
     draft.ahead.outcomes = outcomes
     budgets = [30, 41, 25, 36]
+    steps: dict = {}
     got, _ = run_engine(model_zoo["target"], None, PROMPTS, gamma=3, max_new_tokens=budgets,
-                        proposer=_WholeWork(draft), config={"calibrate": False}, work_ahead="normal")
+                        proposer=_WholeWork(draft), config={"calibrate": False}, work_ahead="normal", steps=steps)
     for prompt, tokens, budget in zip(PROMPTS, got, budgets):
         assert tokens == naive_greedy(model_zoo["target"], prompt, budget)
     counts = draft.ahead.counts
     assert counts["prepared"] > 0 and counts["hit"] + counts["miss"] > 0, counts
+    # The target's /metrics count the work (up to the pass before the last, observed before each work).
+    registry = steps["metrics"].registry
+    for outcome in ("prepared", "hit", "miss"):
+        value = registry.get_sample_value("specstream:draft_work_ahead_total", {"outcome": outcome}) or 0.0
+        assert counts[outcome] - 4 * outcomes <= value <= counts[outcome], (outcome, value, counts)
+    assert registry.get_sample_value("specstream:draft_work_ahead_total", {"outcome": "prepared"}) > 0
 
 
 class _WholeWork:

@@ -148,6 +148,7 @@ class TargetMetrics:
         self.drafts = Counter(f"{PREFIX}spec_decode_num_drafts", "Decode passes that verified at least one proposal.",
                               registry=r)
         self.draft_tokens = Counter(f"{PREFIX}spec_decode_num_draft_tokens", "Proposals verified.", registry=r)
+        self.observe_ahead = WorkAheadCounter(r).observe  # a draft in this process working ahead
         self.accepted_tokens = Counter(f"{PREFIX}spec_decode_num_accepted_tokens",
                                        "Accepted proposals that were emitted.", registry=r)
         self.accepted_per_pos = Counter(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos",
@@ -276,6 +277,25 @@ def gamma_buckets(max_gamma: int) -> list[float]:
     return [float(b) for b in bounds if b < max_gamma] + [float(max_gamma)]
 
 
+class WorkAheadCounter:
+    """``specstream:draft_work_ahead_total{outcome}``: a draft working ahead (--work-ahead), in the
+    draft service or, colocated, in the target. Rounds prepared, and the items that had one, by
+    outcome (hit: answered from it; miss: drafted afresh; hit_runner_up: hits on another outcome's
+    round)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.counter = Counter(f"{PREFIX}draft_work_ahead", "Working ahead (--work-ahead): rounds prepared, and the "
+                               "items that had one, by outcome (hit: answered from it; miss: drafted afresh).",
+                               ["outcome"], registry=registry)
+        self._seen: dict[str, int] = {}
+
+    def observe(self, counts: dict[str, int]) -> None:
+        """Brings the counter up to the proposer's running ``counts`` (prepared, hit, miss, ...)."""
+        for outcome, total in list(counts.items()):
+            self.counter.labels(outcome).inc(total - self._seen.get(outcome, 0))
+            self._seen[outcome] = total
+
+
 class DraftMetrics:
     """How long proposing takes and how many sequences the draft holds."""
 
@@ -286,16 +306,7 @@ class DraftMetrics:
                                  buckets=PROPOSE_BUCKETS, registry=r)
         self.sequences = Gauge(f"{PREFIX}draft_sequences", "Sequences whose KV state the draft holds (all streams).",
                                registry=r)
-        self.ahead = Counter(f"{PREFIX}draft_work_ahead", "Working ahead (--work-ahead): rounds prepared, and the "
-                             "items that had one, by outcome (hit: answered from it; miss: drafted afresh).",
-                             ["outcome"], registry=r)
-        self._ahead_seen: dict[str, int] = {}
-
-    def observe_ahead(self, counts: dict[str, int]) -> None:
-        """Brings the counter up to the proposer's running ``counts`` (prepared, hit, miss)."""
-        for outcome, total in counts.items():
-            self.ahead.labels(outcome).inc(total - self._ahead_seen.get(outcome, 0))
-            self._ahead_seen[outcome] = total
+        self.observe_ahead = WorkAheadCounter(r).observe
 
     def watch_sequences(self, held: Callable[[], int]) -> None:
         self.sequences.set_function(held)

@@ -1,6 +1,8 @@
 """`bench overlap`'s served part: the draft service working ahead (draft_service/work_ahead.py), measured.
 
-Stacks of the pair as served, side by side, differing only in the draft's ``--work-ahead`` (off,
+Stacks of the pair as served, side by side, differing only in where the draft runs (its own
+service, or inside the target: ``--colocate-draft``, whose draft works ahead on the target's torch
+thread during a pass's host work), in the draft's ``--work-ahead`` (off,
 idle: at SCHED_IDLE, normal) and ``--work-ahead-outcomes`` (1: the whole chain kept; 3: also the
 runner-up after the chain's first or second guess), in the target's threads (its default, one
 per core: the two share the cores; 1: the draft has a core of its own), in whether the target
@@ -40,17 +42,19 @@ class Setting(NamedTuple):
     early: bool = False  # the target's --draft-early
     worker: bool = False  # the draft's --compute-thread (working ahead implies it)
     outcomes: int = 1  # the draft's --work-ahead-outcomes
+    colocated: bool = False  # the draft inside the target (--colocate-draft)
 
     @property
     def defaults(self) -> Setting:
-        """The stack this one is compared with: the defaults at the same target threads."""
-        return Setting(threads=self.threads)
+        """The stack this one is compared with: the defaults at the same target threads and layout."""
+        return Setting(threads=self.threads, colocated=self.colocated)
 
 
 SETTINGS = [Setting(), Setting(early=True), Setting(worker=True), Setting("idle"), Setting("normal"),
             Setting("normal", outcomes=3), Setting(threads=1), Setting("idle", threads=1),
-            Setting("idle", threads=1, outcomes=3)]
-HEADERS = ["gamma", "target threads", "asks early", "draft computes on", "work ahead", "outcomes", "tok/s", "x defaults",
+            Setting("idle", threads=1, outcomes=3), Setting(colocated=True), Setting("normal", colocated=True),
+            Setting("normal", outcomes=3, colocated=True)]
+HEADERS = ["gamma", "layout", "target threads", "asks early", "draft computes on", "work ahead", "outcomes", "tok/s", "x defaults",
            "hit rate", "of them runner-up", "prepared per pass", "target ms", "draft ms", "host ms"]
 _COUNTER = "specstream:draft_work_ahead_total"
 
@@ -81,8 +85,10 @@ def served(models: BenchModels, gammas: list[int | str], n_prompts: int, max_new
             r = runs[(gamma, setting)]
             r["x_without"] = r["tokens_per_s"] / runs[(gamma, setting.defaults)]["tokens_per_s"]
             parts = r["pass_ms"] or {}
-            rows.append([gamma, setting.threads or "default", "yes" if setting.early else "no",
-                         "worker" if setting.worker or setting.work_ahead != "off" else "loop", setting.work_ahead,
+            draft_on = "target's thread" if setting.colocated else \
+                "worker" if setting.worker or setting.work_ahead != "off" else "loop"
+            rows.append([gamma, "colocated" if setting.colocated else "service", setting.threads or "default",
+                         "yes" if setting.early else "no", draft_on, setting.work_ahead,
                          setting.outcomes if setting.work_ahead != "off" else "-", r["tokens_per_s"], r["x_without"],
                          r["hit_rate"], r["runner_up_hits"] / r["hits"] if r["hits"] else "-", r["prepared_per_pass"], parts.get("target", "-"), parts.get("draft", "-"),
                          parts.get("host", "-")])
@@ -94,7 +100,8 @@ def served(models: BenchModels, gammas: list[int | str], n_prompts: int, max_new
 
 
 def _name(setting: Setting) -> str:
-    return (f"work ahead {setting.work_ahead}" + (f" ({setting.outcomes} outcomes)" if setting.outcomes != 1 else "")
+    return (("colocated, " if setting.colocated else "")
+            + f"work ahead {setting.work_ahead}" + (f" ({setting.outcomes} outcomes)" if setting.outcomes != 1 else "")
             + f", target threads {setting.threads or 'default'}"
             + (", asking early" if setting.early else "") + (", draft on a worker thread" if setting.worker else ""))
 
@@ -102,6 +109,7 @@ def _name(setting: Setting) -> str:
 def _spec(models: BenchModels, logs: str, setting: Setting) -> StackSpec:
     return StackSpec(str(models.target), str(models.require_draft()), max_gamma=16, dtype=models.dtype,
                      log_dir=logs, metrics=True, work_ahead=setting.work_ahead, work_ahead_outcomes=setting.outcomes,
+                     colocate_draft=setting.colocated,
                      target_threads=setting.threads,
                      extra_target_args=["--draft-early"] if setting.early else [],
                      extra_draft_args=["--compute-thread"] if setting.worker else [],
@@ -118,7 +126,8 @@ def _interleaved(running: dict, prompts: list[list[int]], gammas: list, max_new_
         for client in clients.values():  # warm-up
             client.generate(prompts[0], max_new_tokens=16, ignore_eos=True)
         target = {s: stack.metrics_addresses["target"] for s, stack in running.items()}
-        draft = {s: stack.metrics_addresses["draft"] for s, stack in running.items()}
+        # The work's counter: the draft service's, or the target's where the draft runs inside it.
+        draft = {s: stack.metrics_addresses["target" if s.colocated else "draft"] for s, stack in running.items()}
         totals = {(g, s): {"seconds": 0.0, "tokens": 0, "token_ids": [], "passes": None, "ahead": {}}
                   for g in gammas for s in settings}
         for i, prompt in enumerate(prompts):
