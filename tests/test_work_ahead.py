@@ -252,6 +252,17 @@ def test_a_stop_ends_the_work_and_what_was_drafted_still_answers(model_zoo, feat
         assert reply.tokens == ready.tail and draft.ahead.counts["hit"] == 1
 
 
+def _after_one_round(model_zoo, prompt: list[int], outcomes: int) -> tuple[DraftProposer, DraftProposer]:
+    """Two token drafts after the same first round: one that never worked ahead, and one that then
+    worked ahead on ``outcomes`` outcomes."""
+    fresh, worked = _token_draft(model_zoo), _token_draft(model_zoo)
+    worked.ahead.outcomes = outcomes
+    for draft in (fresh, worked):
+        _first_round(draft, prompt=prompt)
+    worked.work_ahead()
+    return fresh, worked
+
+
 def test_each_outcome_answers_its_own_item_and_a_token_drafts_hit_is_what_it_would_draft_afresh(model_zoo) -> None:
     prompt = [5, 6, 7, 8, 9]
     draft = _token_draft(model_zoo)
@@ -267,14 +278,8 @@ def test_each_outcome_answers_its_own_item_and_a_token_drafts_hit_is_what_it_wou
         refused = next(r for r in rounds if r.rollback_to == start + k and not r.whole)
         assert refused.append[0] != chain[k]  # the runner-up, not the guess the chain made
         item = ProposeItem("s", start + k, refused.append, 3)
-        fresh = _token_draft(model_zoo)
-        _first_round(fresh, prompt=prompt)
-        expected = fresh.propose([item])[0]
-        worked = _token_draft(model_zoo)
-        worked.ahead.outcomes = 4
-        _first_round(worked, prompt=prompt)
-        worked.work_ahead()
-        reply = worked.propose([item])[0]
+        fresh, worked = _after_one_round(model_zoo, prompt, outcomes=4)
+        expected, reply = fresh.propose([item])[0], worked.propose([item])[0]
         assert reply.tokens == expected.tokens, k
         assert worked.ahead.counts["hit"] == worked.ahead.counts["hit_runner_up"] == 1, k
         # A round another outcome's work wrote over holds only what came before the chain.
@@ -301,14 +306,8 @@ def test_a_miss_after_the_other_outcomes_work_is_answered_as_without_it(model_zo
     item = {"another bonus": ProposeItem("s", length, [chain[-1], (bonus + 1) % 300], 3),
             "a refused guess": ProposeItem("s", length - 1, [other], 3),  # the chain's second guess kept
             "a refused first guess": ProposeItem("s", length - 2, [(runner_ups[length - 2] + 1) % 300], 3)}[why]
-    fresh = _token_draft(model_zoo)
-    _first_round(fresh, prompt=prompt)
-    expected = fresh.propose([item])[0]
-    draft = _token_draft(model_zoo)
-    draft.ahead.outcomes = 4
-    _first_round(draft, prompt=prompt)
-    draft.work_ahead()
-    reply = draft.propose([item])[0]
+    fresh, draft = _after_one_round(model_zoo, prompt, outcomes=4)
+    expected, reply = fresh.propose([item])[0], draft.propose([item])[0]
     assert (reply.tokens, reply.length) == (expected.tokens, expected.length)
     assert draft.ahead.counts["miss"] == 1 and draft.ahead.counts["hit"] == 0
 
