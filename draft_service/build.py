@@ -29,8 +29,8 @@ def build_proposer(config: DraftConfig) -> Proposer:
     if config.synthetic_oracle:
         return SyntheticProposer.from_file(config.synthetic_oracle, config.synthetic_alpha, config.synthetic_seed)
     proposer = PROPOSERS[config.proposer](config)
-    if hasattr(proposer, "ahead"):  # a draft model, which can work ahead
-        proposer.ahead.outcomes = config.work_ahead_outcomes
+    if hasattr(proposer, "ahead"):  # a draft model: more than one outcome only when it works ahead
+        proposer.ahead.outcomes = config.work_ahead_outcomes  # (its runner-ups are kept only then)
     return proposer
 
 

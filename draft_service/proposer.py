@@ -33,6 +33,7 @@ import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Callable, Hashable
+from typing import NamedTuple
 
 import torch
 
@@ -61,7 +62,7 @@ class DraftProposer:
         # Working ahead (draft_service/work_ahead.py): the greedy chains of the latest call, as
         # (reported length, γ, the chain, its runner-up per guess) per sequence; the next rounds
         # drafted from them.
-        self.plans: dict[Hashable, tuple[int, int, list[int], list[int]]] = {}
+        self.plans: dict[Hashable, _Plan] = {}
         self.ahead = Ahead()
         # Sequences whose chain positions the other outcomes' work wrote over: (where the chain
         # starts, the chain's tokens the cache held there). Their next item feeds them again.
@@ -104,7 +105,7 @@ class DraftProposer:
         self.plans = {}
         for i, item in enumerate(items):
             rewritten = self.rewritten.pop(item.key, None)
-            if self._answer_prepared(item, out[i]):
+            if self._answer_prepared(item, out[i], rewritten):
                 continue
             if rewritten is not None and rewritten[0] < item.rollback_to <= rewritten[0] + len(rewritten[1]):
                 start, held = rewritten  # feed the chain's kept tokens again, then the item's
@@ -132,23 +133,32 @@ class DraftProposer:
             out[i].length = item.rollback_to + len(item.append) + gamma - 1
             self.cache.set_length(slot, out[i].length)
             if item.sampling.greedy:
-                self.plans[item.key] = (out[i].length, gamma, tokens[:gamma], picker.seconds(b)[:gamma])
+                self.plans[item.key] = _Plan(out[i].length, gamma, tokens[:gamma], picker.seconds(b)[:gamma])
         return out
 
-    def _answer_prepared(self, item: ProposeItem, out: Proposal) -> bool:
-        """Answers ``item`` from the round drafted ahead for it, if it is exactly the one assumed."""
+    def _answer_prepared(self, item: ProposeItem, out: Proposal,
+                         rewritten: tuple[int, list[int]] | None) -> bool:
+        """Answers ``item`` from the round drafted ahead for it, if it is exactly the one assumed.
+        A round another outcome's work wrote over (``rewritten``: where the chain starts, the
+        chain's tokens held there) has its tokens fed again first, in one forward."""
         ready = self.ahead.answer(item, self.max_len)
         if ready is None:
             return False
+        slot = self.slots[item.key]
         out.tokens = ready.tail
-        if not ready.cached:  # another outcome's work wrote over its positions: hold the chain's start
-            out.length = ready.intact
-            self.cache.set_length(self.slots[item.key], out.length)
-            return True
-        # The work fed the appended tokens and every prepared guess but the last.
+        # Held then: the appended tokens and every prepared guess but the last.
         out.length = item.rollback_to + len(item.append) + len(ready.tail) - 1
-        self.cache.set_length(self.slots[item.key], out.length)
-        self.plans[item.key] = (out.length, len(ready.tail), ready.tail, ready.seconds)
+        if not ready.cached:
+            if rewritten is None or rewritten[0] != ready.intact:  # nothing to feed it from: hold the chain's start
+                out.length = ready.intact
+                self.cache.set_length(slot, out.length)
+                return True
+            start, held = rewritten
+            tokens = [*held[: item.rollback_to - start], *item.append, *ready.tail[:-1]]
+            self.model.hidden(torch.tensor([tokens], dtype=torch.int64), self.cache, torch.tensor([slot]),
+                              torch.tensor([start]), last_only=True)
+        self.cache.set_length(slot, out.length)
+        self.plans[item.key] = _Plan(out.length, len(ready.tail), ready.tail, ready.seconds)
         return True
 
     @torch.inference_mode()
@@ -161,7 +171,7 @@ class DraftProposer:
         positions no other outcome's work wrote. ``stop()`` is read before each forward after the first."""
         plans, self.plans = self.plans, {}
         live = {key: plan for key, plan in plans.items()
-                if (slot := self.slots.get(key)) is not None and self.cache.length(slot) == plan[0]}
+                if (slot := self.slots.get(key)) is not None and self.cache.length(slot) == plan.length}
         for outcome in [None, *reversed(range(self.ahead.outcomes - 1))]:  # None: the whole chain
             rows, steps = [], []
             for key, (length, gamma, chain, seconds) in live.items():
@@ -175,18 +185,21 @@ class DraftProposer:
                 if item.rollback_to + 1 + n <= self.max_len:
                     rows.append((key, item, self.slots[key]))
                     steps.append(n)
-            if not rows or stop():
+            if not rows:  # no chain reaches this guess: the next outcome's may
+                continue
+            if stop():
                 return
             guesses, picker = self._guess(rows, steps, stop, second=self.ahead.outcomes > 1)
             for b, ((key, item, _), n, tokens) in enumerate(zip(rows, steps, guesses)):
-                length, gamma, chain, _ = live[key]
+                plan = live[key]
+                start = plan.length - plan.gamma + 1
                 tokens, seconds = tokens[:n], picker.seconds(b)[:n]
                 if outcome is None:  # the bonus guess is appended; the rest is the tail
-                    ready = Prepared(item.rollback_to, [*item.append, tokens[0]], tokens[1:], seconds=seconds[1:])
+                    ready = Prepared(item.rollback_to, [*item.append, tokens[0]], tokens[1:], intact=start,
+                                     seconds=seconds[1:])
                 else:
-                    ready = Prepared(item.rollback_to, item.append, tokens, whole=False, seconds=seconds)
-                    self.rewritten[key] = (length - gamma + 1, chain[: gamma - 1])
-                ready.intact = length - gamma + 1
+                    ready = Prepared(item.rollback_to, item.append, tokens, whole=False, intact=start, seconds=seconds)
+                    self.rewritten[key] = (start, plan.chain[: plan.gamma - 1])
                 if ready.tail:
                     self.ahead.keep(key, ready)
 
@@ -240,6 +253,17 @@ class DraftProposer:
             guesses.append(picker.pick(Hidden(hidden[:, -1], head), everyone, step))  # [B]
             pos = pos + 1
         return torch.stack(guesses, dim=1).tolist(), picker  # [B, max gamma]
+
+
+class _Plan(NamedTuple):
+    """A greedy row of the latest call, to draft ahead from: the length it reported (the appended
+    tokens and every guess but the last), its γ, the chain it proposed, and the draft's runner-up
+    at each of its guesses."""
+
+    length: int
+    gamma: int
+    chain: list[int]
+    seconds: list[int]
 
 
 def _truncated_q(scores: Hidden, params: list[SamplingParams], support: int) -> tuple[torch.Tensor, torch.Tensor]:

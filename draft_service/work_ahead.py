@@ -7,7 +7,8 @@ next round's guesses e_1..e_d are prepared before the target has verified this r
 item of that sequence is then either exactly what was assumed (it rolls back to the length this
 reply reported and appends the chain's unheld tokens and b' — a hit: the prepared guesses go out
 at once, with no forward) or anything else (a miss: the prepared guesses are dropped unread and the
-item is drafted as it would have been without working ahead; nothing the work wrote is counted).
+item is drafted as it would have been without working ahead; nothing the work wrote is counted,
+and what the other outcomes' work wrote over is fed again).
 
 A prepared proposal is keyed by the sequence (whose key names its stream, so a new stream — a new
 epoch on the target — never matches one) and matched on the item's whole content, never on a
@@ -18,8 +19,13 @@ a target that shares the cores is not slowed by it) unless the config says ``nor
 
 The other outcomes (``DraftConfig.work_ahead_outcomes`` > 1): after the whole chain, the rounds
 that follow the target keeping c_1..c_k and correcting c_{k+1} to the draft's own runner-up r_{k+1}
-there, for k = 0, 1, ... (an item that rolls back to the same length and appends c_1..c_k r_{k+1}),
-as many as the setting asks. Each is drafted from scratch and matched the same way, whole.
+there, for k = 0, 1, ..., as many as the setting asks, each matched the same way, whole, on the
+item the target then sends: it rolls back to what the draft still holds of the chain and appends
+the rest of c_1..c_k and r_{k+1} (the feature draft holds none of its chain: it rolls back to the
+reported length and appends c_1..c_k r_{k+1}; the token draft holds all but c_γ: it rolls back to
+the chain's start + k and appends r_{k+1}). The token draft's rounds write over the chain it holds:
+a hit on a round a later one wrote over, and a miss that rolls back inside the chain, have the
+chain's kept tokens fed again first (``DraftProposer``).
 
 Greedy rows only: a sampling row's guesses would be the same draws (their noise is keyed by
 position), but its q tables are not kept; a tree's branches are not prepared (a hit answers a chain).

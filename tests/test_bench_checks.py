@@ -218,6 +218,20 @@ def test_sampling_checks_the_gamma_controller_at_t0_too(monkeypatch, tmp_path):
     assert "gamma 2" not in str(error.value)
 
 
+def test_sampling_checks_auto_stacks_own_plain_decoding_at_t0(monkeypatch, tmp_path):
+    """The second stack's plain decoding must give the sweep's stack's greedy tokens too."""
+    from specstream.tools.bench import sampling
+
+    _patch_stack(monkeypatch, sampling)
+    outputs = {0.0: {0: PLAIN, 2: PLAIN, "auto plain": CHANGED}}
+    monkeypatch.setattr(sampling, "sweep", lambda address, prompts, gammas, max_new_tokens, temperature, progress,
+                        rounds=1, metrics=None, routes=None: _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens,
+                                                                  progress=progress, rounds=rounds))
+    with pytest.raises(BenchmarkError, match=r"auto's own stack's plain decoding: prompt 1: first difference at "):
+        sampling.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, temperatures=[0.0],
+                     gammas=[0, 2], with_hf=False, with_trees=False)
+
+
 def test_latency_reports_when_every_gamma_matches(monkeypatch, tmp_path):
     from specstream.tools.bench import latency
 
@@ -244,6 +258,8 @@ def test_sampling_does_not_compare_sampled_tokens(monkeypatch, tmp_path):
     # speculation=auto's row at each T: its speedup over its own stack's plain decoding (11 against
     # 5.5 tok/s); with auto in the shared stack, over the same T's γ = 0 (11 against 10)
     assert all(entry["auto"]["speedup"] == pytest.approx(2.0) for entry in data["temperatures"].values())
+    # auto's own stack's plain decoding: over the sweep's γ = 0 (5.5 against 10), the stacks' gap
+    assert all(entry["auto_plain"]["speedup"] == pytest.approx(0.55) for entry in data["temperatures"].values())
     shared = sampling.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, temperatures=[0.0, 1.0],
                           gammas=[0, 2], with_hf=False, auto_stack="shared")
     assert all(entry["auto"]["speedup"] == pytest.approx(1.1) for entry in shared["temperatures"].values())

@@ -22,7 +22,8 @@ from specstream.data.config import DraftConfig, GatewayConfig, ModelSpec, Restar
     (lambda: RestartPolicy(stable_s=0), "stable_s=0"),
     (lambda: DraftConfig(ModelSpec("m"), max_seq_len=2), "max_seq_len=2"),
     (lambda: DraftConfig(ModelSpec("m"), work_ahead_outcomes=0), "work_ahead_outcomes=0"),
-    (lambda: DraftConfig(ModelSpec("m"), work_ahead_outcomes=17), "work_ahead_outcomes=17"),
+    (lambda: DraftConfig(ModelSpec("m"), work_ahead="idle", work_ahead_outcomes=17), "work_ahead_outcomes=17"),
+    (lambda: DraftConfig(ModelSpec("m"), work_ahead_outcomes=3), "work_ahead_outcomes=3: must be 1 unless the draft"),
     (lambda: GatewayConfig("t:1", "m", max_in_flight=0), "max_in_flight=0"),
     (lambda: GatewayConfig("t:1", "m", max_top_logprobs=-1), "max_top_logprobs=-1"),
 ])

@@ -353,6 +353,8 @@ class DraftConfig:
         _check(self.work_ahead in self.WORK_AHEAD, "work_ahead", self.work_ahead, f"one of {', '.join(self.WORK_AHEAD)}")
         _check(isinstance(self.work_ahead_outcomes, int) and 1 <= self.work_ahead_outcomes <= self.MAX_WORK_AHEAD_OUTCOMES,
                "work_ahead_outcomes", self.work_ahead_outcomes, f"an int in [1, {self.MAX_WORK_AHEAD_OUTCOMES}]")
+        _check(self.work_ahead_outcomes == 1 or self.work_ahead != "off", "work_ahead_outcomes",
+               self.work_ahead_outcomes, "1 unless the draft works ahead (work_ahead 'idle' or 'normal')")
         _check(self.synthetic_oracle is None or self.proposer == "model", "proposer", self.proposer,
                "'model' (the default) with synthetic_oracle, which replaces the model")
         needs_model = self.proposer != "ngram" and self.synthetic_oracle is None

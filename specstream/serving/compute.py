@@ -142,9 +142,10 @@ def on_torch_thread(fn: Callable[..., T], *args, **kwargs) -> T:
 
 def run_at_idle_priority(work: Callable[[], None], idle: bool) -> None:
     """Runs ``work()`` on the calling thread, at ``SCHED_IDLE`` while it runs when ``idle`` (and
-    the OS has it), then back at the thread's own policy. A failure of the work is logged, not
-    raised: the work is optional, and the next request is answered from scratch."""
-    policy = os.sched_getscheduler(0) if idle and hasattr(os, "SCHED_IDLE") else None
+    the OS has it, and the thread may go back: ``may_leave_idle``; else at its own policy, said
+    once), then back at the thread's own policy. A failure of the work is logged, not raised: the
+    work is optional, and the next request is answered from scratch."""
+    policy = os.sched_getscheduler(0) if idle and hasattr(os, "SCHED_IDLE") and _idle_allowed() else None
     try:
         if policy is not None:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
@@ -154,3 +155,29 @@ def run_at_idle_priority(work: Callable[[], None], idle: bool) -> None:
     finally:
         if policy is not None:
             os.sched_setscheduler(0, policy, os.sched_param(0))
+
+
+def may_leave_idle() -> bool:
+    """Whether this thread could go back from ``SCHED_IDLE`` to ``SCHED_OTHER`` at its nice value:
+    as root (CAP_SYS_NICE), or where RLIMIT_NICE allows that nice value (sched(7): an
+    unprivileged thread at SCHED_IDLE may leave it only so). The default limit (0) allows no
+    nice value at all: without this check a thread would stay at SCHED_IDLE for good."""
+    import resource
+
+    if os.geteuid() == 0:
+        return True
+    soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
+    return soft == resource.RLIM_INFINITY or 20 - soft <= os.getpriority(os.PRIO_PROCESS, 0)
+
+
+_idle_checked: bool | None = None
+
+
+def _idle_allowed() -> bool:
+    global _idle_checked
+    if _idle_checked is None:
+        _idle_checked = may_leave_idle()
+        if not _idle_checked:
+            log.warning("working ahead at its own priority, not at SCHED_IDLE: this process could not leave "
+                        "SCHED_IDLE again (not root, and RLIMIT_NICE allows no nice value of its threads)")
+    return _idle_checked
