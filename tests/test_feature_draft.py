@@ -247,7 +247,7 @@ def test_a_draft_that_lost_its_state_gets_every_feature_again_and_drafts_on(feat
 
     target = feature_pair["target"]
     draft = _Forgetful(_proposer(feature_pair), after=6)
-    monkeypatch.setattr(engine_harness, "LocalDraft", lambda proposer: draft)
+    monkeypatch.setattr(engine_harness, "LocalDraft", lambda proposer, **kwargs: draft)
     got, finals = run_engine(target, None, PROMPTS[:2], gamma=3, max_new_tokens=40, proposer=object())
     assert got == [naive_greedy(target, p, 40) for p in PROMPTS[:2]]
     resent = [c for call in draft.calls[6:7] for c in call]
@@ -325,7 +325,7 @@ def test_a_sync_larger_than_a_call_goes_in_parts(feature_pair, monkeypatch) -> N
 
     monkeypatch.setattr(drafting, "FEATURE_BYTES_PER_CALL", 4 * 64 * 2)
     draft = _Recording(_proposer(feature_pair))
-    monkeypatch.setattr(engine_harness, "LocalDraft", lambda proposer: draft)
+    monkeypatch.setattr(engine_harness, "LocalDraft", lambda proposer, **kwargs: draft)
     target = feature_pair["target"]
     got, finals = run_engine(target, None, PROMPTS, gamma=3, max_new_tokens=30, proposer=object())
     assert got == [naive_greedy(target, p, 30) for p in PROMPTS]
@@ -350,7 +350,7 @@ def test_a_refused_sequence_decodes_without_the_draft_and_is_not_resent(feature_
 
     first_key = 1  # the engine's first request's sequence
     draft = Refusing(_proposer(feature_pair))
-    monkeypatch.setattr(engine_harness, "LocalDraft", lambda proposer: draft)
+    monkeypatch.setattr(engine_harness, "LocalDraft", lambda proposer, **kwargs: draft)
     target = feature_pair["target"]
     got, finals = run_engine(target, None, PROMPTS[:2], gamma=3, max_new_tokens=30, proposer=object())
     assert got == [naive_greedy(target, p, 30) for p in PROMPTS[:2]]
