@@ -189,14 +189,21 @@ def test_latency_checks_the_gamma_controller_too(monkeypatch, tmp_path):
     assert "gamma 2" not in str(error.value)
 
 
+def _patch_sampling_sweep(monkeypatch, sampling, outputs: dict[float, dict]) -> None:
+    """bench sampling's sweeps answer with ``outputs`` per temperature (_fake_sweep's)."""
+    def sweep(address, prompts, gammas, max_new_tokens, temperature, progress, rounds=1, metrics=None, routes=None):
+        return _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens, progress=progress,
+                                                 rounds=rounds)
+
+    monkeypatch.setattr(sampling, "sweep", sweep)
+
+
 def test_sampling_stops_when_a_greedy_gamma_changes_the_output(monkeypatch, tmp_path):
     from specstream.tools.bench import sampling
 
     _patch_stack(monkeypatch, sampling)
     outputs = {0.0: {0: PLAIN, 2: CHANGED}, 1.0: {0: PLAIN, 2: CHANGED}}
-    monkeypatch.setattr(sampling, "sweep", lambda address, prompts, gammas, max_new_tokens, temperature, progress,
-                        rounds=1, metrics=None, routes=None: _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens,
-                                                                  progress=progress, rounds=rounds))
+    _patch_sampling_sweep(monkeypatch, sampling, outputs)
     with pytest.raises(BenchmarkError, match=r"greedy \(T=0\) .*\n  gamma 2: prompt 1: first difference at "
                                              r"generated position 1: token 77, expected 21"):
         sampling.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, temperatures=[0.0, 1.0],
@@ -208,9 +215,7 @@ def test_sampling_checks_the_gamma_controller_at_t0_too(monkeypatch, tmp_path):
 
     _patch_stack(monkeypatch, sampling)
     outputs = {0.0: {0: PLAIN, 2: PLAIN, "auto": CHANGED}}
-    monkeypatch.setattr(sampling, "sweep", lambda address, prompts, gammas, max_new_tokens, temperature, progress,
-                        rounds=1, metrics=None, routes=None: _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens,
-                                                                  progress=progress, rounds=rounds))
+    _patch_sampling_sweep(monkeypatch, sampling, outputs)
     with pytest.raises(BenchmarkError, match=r"greedy \(T=0\) .*\n  auto: prompt 1: first difference at "
                                              r"generated position 1") as error:
         sampling.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, temperatures=[0.0],
@@ -224,9 +229,7 @@ def test_sampling_checks_auto_stacks_own_plain_decoding_at_t0(monkeypatch, tmp_p
 
     _patch_stack(monkeypatch, sampling)
     outputs = {0.0: {0: PLAIN, 2: PLAIN, "auto plain": CHANGED}}
-    monkeypatch.setattr(sampling, "sweep", lambda address, prompts, gammas, max_new_tokens, temperature, progress,
-                        rounds=1, metrics=None, routes=None: _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens,
-                                                                  progress=progress, rounds=rounds))
+    _patch_sampling_sweep(monkeypatch, sampling, outputs)
     with pytest.raises(BenchmarkError, match=r"auto's own stack's plain decoding: prompt 1: first difference at "):
         sampling.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, temperatures=[0.0],
                      gammas=[0, 2], with_hf=False, with_trees=False)
@@ -249,9 +252,7 @@ def test_sampling_does_not_compare_sampled_tokens(monkeypatch, tmp_path):
 
     _patch_stack(monkeypatch, sampling)
     outputs = {0.0: {0: PLAIN, 2: PLAIN}, 1.0: {0: PLAIN, 2: CHANGED}}
-    monkeypatch.setattr(sampling, "sweep", lambda address, prompts, gammas, max_new_tokens, temperature, progress,
-                        rounds=1, metrics=None, routes=None: _fake_sweep(outputs[temperature])(address, prompts, gammas, max_new_tokens,
-                                                                  progress=progress, rounds=rounds))
+    _patch_sampling_sweep(monkeypatch, sampling, outputs)
     data = sampling.run(_fake_models(tmp_path), tmp_path, n_prompts=2, max_new_tokens=3, temperatures=[0.0, 1.0],
                         gammas=[0, 2], with_hf=False)
     assert set(data["temperatures"]) == {0.0, 1.0} and (tmp_path / "sampling.json").exists()
