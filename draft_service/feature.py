@@ -33,6 +33,7 @@ from draft_service.proposer import GREEDY, _Picker, node_tables
 from draft_service.work_ahead import Ahead, Prepared
 from kernels.lm_head import Hidden
 from specstream.data.propose import FEATURE_DTYPE, Proposal, ProposeItem, features_expected
+from specstream.data.sampling import SamplingParams
 from specstream.models.feature_draft import FeatureDraft
 from specstream.models.feature_head import HeadCache
 
@@ -52,7 +53,7 @@ class FeatureProposer:
         self.slots: dict[Hashable, int] = {}
         self.lengths: dict[Hashable, int] = {}  # tokens held per sequence (head positions: one fewer)
         self.output = draft.output
-        # Working ahead (draft_service/work_ahead.py): the greedy chains of the latest call, the
+        # Working ahead (draft_service/work_ahead.py): the chains of the latest call, the
         # next rounds drafted from them, and per sequence answered from one the target's features
         # it brought, read when the work next runs (or the sequence's next item needs them).
         self.plans: dict[Hashable, _Plan] = {}
@@ -132,8 +133,8 @@ class FeatureProposer:
             chain = self.draft.head.draft(self.cache, slot, last, gamma, self.draft.embed, self.draft.rows, choose)
             out[b].tokens, out[b].parents = picker.tree(b, chain)
             guessed.append((b, gamma))
-            if item.sampling.greedy:
-                self.plans[item.key] = _Plan(n, chain, gamma, last, picker.seconds(b)[: len(chain)])
+            seconds = picker.seconds(b)[: len(chain)] if item.sampling.greedy else []
+            self.plans[item.key] = _Plan(n, chain, gamma, last, seconds, item.sampling)
         width, q_ids, q_probs = picker.tables()
         for b, gamma in guessed:
             if q_ids[b]:
@@ -150,7 +151,9 @@ class FeatureProposer:
         self.unread[item.key] = (item, features)
         self.lengths[item.key] = out.length = item.rollback_to + len(item.append)
         out.tokens = ready.tail
-        self.plans[item.key] = _Plan(out.length, out.tokens, item.gamma, seconds=ready.seconds)
+        if ready.q is not None:
+            out.q_width, out.q_ids, out.q_probs = ready.q
+        self.plans[item.key] = _Plan(out.length, out.tokens, item.gamma, seconds=ready.seconds, sampling=item.sampling)
         return True
 
     def _read_unread(self, key: Hashable, rollback_to: int) -> torch.Tensor | None:
@@ -166,9 +169,10 @@ class FeatureProposer:
 
     @torch.inference_mode()
     def work_ahead(self, stop: Callable[[], bool] = lambda: False) -> None:
-        """Drafts the next round of every greedy chain of the latest call (draft_service/work_ahead.py):
+        """Drafts the next round of every chain of the latest call (draft_service/work_ahead.py):
         the chain's tokens fed with the head's own predicted features (the target's come with the next
-        item), the bonus guess, then as many guesses as the row asked for this round; then, as
+        item), the bonus guess, then as many guesses as the row asked for this round (a sampling
+        row's draws at their own positions' keys, with their q); then, for greedy rows, as
         ``ahead.outcomes`` asks, the round after each shorter kept part of the chain c_1..c_k and the
         draft's runner-up r_{k+1} where it stops, k = 0, 1, ... Every round writes only past what
         the head holds. ``stop()`` is read before each head forward."""
@@ -189,22 +193,27 @@ class FeatureProposer:
                     lasts[key] = plan.last if plan.last is not None else self._read_unread(key, plan.length + 1)
                 if lasts[key] is None:
                     continue
-                picker = _Picker([_GREEDY_ITEM], 0, self.q_support, self.draft.rows.device,
-                                 self.draft.head.output_ids, second)
-
-                def choose(g: torch.Tensor, step: int, picker: _Picker = picker) -> int:
-                    return int(picker.pick(Hidden(g[None], self.output), [0], step)[0])
-
                 # The whole chain: then the bonus guess (appended) and the tail; another outcome:
                 # the runner-up is the last appended token, then the tail.
                 appended = len(forced) + 1 if outcome is None else len(forced)
                 steps = appended + plan.gamma
+                # Step j of this draft lands at position plan.length + j, as in a fresh round's.
+                picker = _Picker([ProposeItem(key, plan.length - 1, [0], steps, plan.sampling)], steps,
+                                 self.q_support, self.draft.rows.device, self.draft.head.output_ids, second)
+
+                def choose(g: torch.Tensor, step: int, picker: _Picker = picker) -> int:
+                    return int(picker.pick(Hidden(g[None], self.output), [0], step)[0])
+
                 tokens = self.draft.head.draft(self.cache, slot, lasts[key], steps, self.draft.embed,
                                                self.draft.rows, choose, forced=forced, stop=stop)
                 if len(tokens) > appended:
                     seconds = picker.seconds(0)[appended - len(forced):]  # chosen guesses only
+                    width, q_ids, q_probs = picker.tables()
+                    q = (width, q_ids[0][appended * width : len(tokens) * width],
+                         q_probs[0][appended * width : len(tokens) * width]) if q_ids[0] else None
                     self.ahead.keep(key, Prepared(plan.length, tokens[:appended], tokens[appended:],
-                                                  whole=outcome is None, seconds=seconds))
+                                                  whole=outcome is None, seconds=seconds, sampling=plan.sampling,
+                                                  q=q))
 
     def read_features(self, item: ProposeItem) -> tuple[torch.Tensor | None, str]:
         """The item's features [count, input_width] bfloat16, or why they cannot be read: the field and its value."""
@@ -263,19 +272,20 @@ class FeatureProposer:
         return out[-1]
 
 
-_GREEDY_ITEM = ProposeItem(0, 0, [0], 1, GREEDY)
 _EXPONENT = 0x7F80  # a bfloat16's exponent bits: all ones for inf and NaN
 
 
 @dataclass
 class _Plan:
-    """A greedy row of the latest call, to draft ahead from: the length it reported, the chain it
+    """A row of the latest call, to draft ahead from: the length it reported, the chain it
     proposed (the next item appends it and the bonus token), its γ, the head's output at its last
-    held position (None: an answer from a prepared round, whose features are still unread), and
-    the draft's runner-up at each chain guess (working ahead on the other outcomes)."""
+    held position (None: an answer from a prepared round, whose features are still unread), the
+    draft's runner-up at each chain guess (greedy rows: working ahead on the other outcomes), and
+    its sampling settings."""
 
     length: int
     chain: list[int]
     gamma: int
     last: torch.Tensor | None = None
     seconds: list[int] = field(default_factory=list)  # the draft's runner-up per chain guess
+    sampling: SamplingParams = GREEDY

@@ -59,7 +59,7 @@ class DraftProposer:
         self.max_len = min(max_seq_len, model.config.max_position_embeddings)
         self.cache = model.new_cache(max_slots, self.max_len)
         self.slots: dict[Hashable, int] = {}
-        # Working ahead (draft_service/work_ahead.py): the greedy chains of the latest call, as
+        # Working ahead (draft_service/work_ahead.py): the chains of the latest call, as
         # (reported length, γ, the chain, its runner-up per guess) per sequence; the next rounds
         # drafted from them.
         self.plans: dict[Hashable, _Plan] = {}
@@ -132,8 +132,8 @@ class DraftProposer:
             # Holds the appended tokens and every guess but the last (which was never fed).
             out[i].length = item.rollback_to + len(item.append) + gamma - 1
             self.cache.set_length(slot, out[i].length)
-            if item.sampling.greedy:
-                self.plans[item.key] = _Plan(out[i].length, gamma, tokens[:gamma], picker.seconds(b)[:gamma])
+            seconds = picker.seconds(b)[:gamma] if item.sampling.greedy else []
+            self.plans[item.key] = _Plan(out[i].length, gamma, tokens[:gamma], seconds, item.sampling)
         return out
 
     def _answer_prepared(self, item: ProposeItem, out: Proposal,
@@ -146,6 +146,8 @@ class DraftProposer:
             return False
         slot = self.slots[item.key]
         out.tokens = ready.tail
+        if ready.q is not None:
+            out.q_width, out.q_ids, out.q_probs = ready.q
         # Held then: the appended tokens and every prepared guess but the last.
         out.length = item.rollback_to + len(item.append) + len(ready.tail) - 1
         if not ready.cached:
@@ -158,27 +160,29 @@ class DraftProposer:
             self.model.hidden(torch.tensor([tokens], dtype=torch.int64), self.cache, torch.tensor([slot]),
                               torch.tensor([start]), last_only=True)
         self.cache.set_length(slot, out.length)
-        self.plans[item.key] = _Plan(out.length, len(ready.tail), ready.tail, ready.seconds)
+        self.plans[item.key] = _Plan(out.length, len(ready.tail), ready.tail, ready.seconds, item.sampling)
         return True
 
     @torch.inference_mode()
     def work_ahead(self, stop: Callable[[], bool] = lambda: False) -> None:
-        """Drafts the next round of every greedy chain of the latest call (draft_service/work_ahead.py):
+        """Drafts the next round of every chain of the latest call (draft_service/work_ahead.py):
         from its reported length, its last guess fed, the bonus guess, then as many guesses as the row
-        asked for this round. Then, as ``ahead.outcomes`` asks, the round after each shorter kept
-        part of the chain c_1..c_k and the draft's runner-up r_{k+1} where it stops, one batched
-        call per k, the largest k first: each writes from its own position on, so each reads only
-        positions no other outcome's work wrote. ``stop()`` is read before each forward after the first."""
+        asked for this round (a sampling row's draws, at the positions and with the keys a fresh
+        round would use, and their q). Then, for greedy rows, as ``ahead.outcomes`` asks, the round
+        after each shorter kept part of the chain c_1..c_k and the draft's runner-up r_{k+1} where
+        it stops, one batched call per k, the largest k first: each writes from its own position on,
+        so each reads only positions no other outcome's work wrote. ``stop()`` is read before each
+        forward after the first."""
         plans, self.plans = self.plans, {}
         live = {key: plan for key, plan in plans.items()
                 if (slot := self.slots.get(key)) is not None and self.cache.length(slot) == plan.length}
         for outcome in [None, *reversed(range(self.ahead.outcomes - 1))]:  # None: the whole chain
             rows, steps = [], []
-            for key, (length, gamma, chain, seconds) in live.items():
+            for key, (length, gamma, chain, seconds, sampling) in live.items():
                 start = length - gamma + 1  # where the chain's first guess sits
                 if outcome is None:  # its last guess fed, then the bonus guess and the next round
-                    item, n = ProposeItem(key, length, [chain[-1]], gamma + 1, GREEDY), gamma + 1
-                elif outcome < len(seconds):  # chain[:outcome] kept, the runner-up after it
+                    item, n = ProposeItem(key, length, [chain[-1]], gamma + 1, sampling), gamma + 1
+                elif outcome < len(seconds):  # chain[:outcome] kept, the runner-up after it (greedy rows)
                     item, n = ProposeItem(key, start + outcome, [seconds[outcome]], gamma, GREEDY), gamma
                 else:
                     continue
@@ -190,13 +194,16 @@ class DraftProposer:
             if stop():
                 return
             guesses, picker = self._guess(rows, steps, stop, second=self.ahead.outcomes > 1)
+            width, q_ids, q_probs = picker.tables()
             for b, ((key, item, _), n, tokens) in enumerate(zip(rows, steps, guesses)):
                 plan = live[key]
                 start = plan.length - plan.gamma + 1
                 tokens, seconds = tokens[:n], picker.seconds(b)[:n]
                 if outcome is None:  # the bonus guess is appended; the rest is the tail
+                    drawn = len(tokens) * width  # the bonus guess's row is not sent: the target samples there
+                    q = (width, q_ids[b][width:drawn], q_probs[b][width:drawn]) if q_ids[b] else None
                     ready = Prepared(item.rollback_to, [*item.append, tokens[0]], tokens[1:], intact=start,
-                                     seconds=seconds[1:])
+                                     seconds=seconds[1:], sampling=item.sampling, q=q)
                 else:
                     ready = Prepared(item.rollback_to, item.append, tokens, whole=False, intact=start, seconds=seconds)
                     self.rewritten[key] = (start, plan.chain[: plan.gamma - 1])
@@ -256,14 +263,15 @@ class DraftProposer:
 
 
 class _Plan(NamedTuple):
-    """A greedy row of the latest call, to draft ahead from: the length it reported (the appended
-    tokens and every guess but the last), its γ, the chain it proposed, and the draft's runner-up
-    at each of its guesses."""
+    """A row of the latest call, to draft ahead from: the length it reported (the appended
+    tokens and every guess but the last), its γ, the chain it proposed, the draft's runner-up
+    at each of its guesses (greedy rows), and its sampling settings."""
 
     length: int
     gamma: int
     chain: list[int]
     seconds: list[int]
+    sampling: SamplingParams = GREEDY
 
 
 def _truncated_q(scores: Hidden, params: list[SamplingParams], support: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,8 +27,13 @@ the chain's start + k and appends r_{k+1}). The token draft's rounds write over 
 a hit on a round a later one wrote over, and a miss that rolls back inside the chain, have the
 chain's kept tokens fed again first (``DraftProposer``).
 
-Greedy rows only: a sampling row's guesses would be the same draws (their noise is keyed by
-position), but its q tables are not kept; a tree's branches are not prepared (a hit answers a chain).
+A sampling row works ahead on the whole chain only: the target keeps c_1..c_γ and its own draw
+at the next position equals the draft's draw there (both keyed by the request's seed and the
+position, so they often agree where p and q are alike). The prepared guesses are the draws a fresh
+round would make at those positions (the same keys), sent with the q each was drawn from, so the
+target's rule stays exact; they are answered only to an item with the very sampling settings the
+work assumed. A sampling row's other outcomes are not prepared (its correction is a draw from the
+residual, which no runner-up predicts), nor is a tree's branches (a hit answers a chain).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from specstream.data.propose import ProposeItem
+from specstream.data.sampling import GREEDY, SamplingParams
 
 
 @dataclass
@@ -50,7 +56,9 @@ class Prepared:
     ``whole``: it assumed the whole chain kept. ``cached``: the draft's cache still holds what this
     round's work wrote (a later outcome's work may have written over it); ``intact``: where the
     chain started, below which no outcome's work writes. ``seconds``: the draft's runner-up per
-    guess of the tail (for the outcomes of the round after it)."""
+    guess of the tail (for the outcomes of the round after it). ``sampling``: the settings the
+    tail was drawn with; a sampling round's ``q`` is (width, ids, probs), the q table of each guess
+    of the tail, ``width`` entries a guess, row-major (as ``Proposal.q_ids``/``q_probs``)."""
 
     rollback_to: int
     append: list[int]
@@ -59,9 +67,17 @@ class Prepared:
     cached: bool = True
     intact: int = 0
     seconds: list[int] = field(default_factory=list)
+    sampling: SamplingParams = GREEDY
+    q: tuple[int, list[int], list[float]] | None = None
 
     def answers(self, item: ProposeItem) -> bool:
-        return item.sampling.greedy and item.rollback_to == self.rollback_to and item.append == self.append
+        same = item.sampling.greedy and self.sampling.greedy or item.sampling == self.sampling
+        return same and item.rollback_to == self.rollback_to and item.append == self.append
+
+    def cut(self, gamma: int) -> Prepared:
+        """This round with its first ``gamma`` guesses (and their q rows) only."""
+        q = None if self.q is None else (self.q[0], self.q[1][: gamma * self.q[0]], self.q[2][: gamma * self.q[0]])
+        return dataclasses.replace(self, tail=self.tail[:gamma], seconds=self.seconds[:gamma], q=q)
 
 
 @dataclass
@@ -97,7 +113,7 @@ class Ahead:
         self.counts["hit"] += 1
         if not ready.whole:
             self.counts["hit_runner_up"] += 1
-        return dataclasses.replace(ready, tail=ready.tail[:gamma], seconds=ready.seconds[:gamma])
+        return ready.cut(gamma)
 
     def forget(self, key: Hashable) -> None:
         self.prepared.pop(key, None)

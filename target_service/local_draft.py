@@ -8,7 +8,7 @@ engine's forwards run too: torch work from a second thread would slow both down.
 
 Working ahead (``work_ahead`` "idle" or "normal", a draft model's; draft_service/work_ahead.py): once
 the engine has verified a pass (``after_verify``), the torch thread is free while the engine's event
-loop does the pass's host work, and the draft drafts the next round of its latest reply's greedy
+loop does the pass's host work, and the draft drafts the next round of its latest reply's
 chains there, on the same thread, stopping before its next forward as soon as any other call waits
 for the thread (the next proposal, a prefill). Not on a second thread: two OpenMP teams on the
 cores the target's forward fills slowed that forward 1.7-3.0x over five runs (docs/benchmarks.md,

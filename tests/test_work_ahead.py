@@ -5,8 +5,11 @@ outcomes, the rounds that follow a shorter kept part of the chain and the draft'
 - Greedy output with a draft that works ahead after every call (token draft, feature draft, prompt
   lookup in front) is the target's plain greedy output, with rounds answered from work ahead and
   rounds that missed.
-- A prepared round answers only the item it assumed: any other rollback, token, a sampling item or
-  another stream's key drafts afresh, with the very reply a draft that never worked ahead gives.
+- A prepared round answers only the item it assumed: any other rollback, token, sampling settings
+  or another stream's key drafts afresh, with the very reply a draft that never worked ahead gives.
+- Sampling rows work ahead on the whole chain: with a token draft the output is token for token
+  what it is without working ahead, with a feature draft under coupled verification plain
+  sampling's; a prepared round's q is sent with its guesses, cut to the item's γ.
 - A hit of the token draft is what it would have drafted afresh; a stop ends the work at its next
   forward, and what was drafted before it still answers.
 - The other outcomes: each is answered only to its own item, a token draft's hit is what it would
@@ -19,6 +22,7 @@ outcomes, the rounds that follow a shorter kept part of the chain and the draft'
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import threading
 import time
@@ -36,19 +40,22 @@ from specstream.data.sampling import SamplingParams
 from specstream.models.feature_draft import load_feature_draft
 from specstream.models.loader import load_model
 from specstream.serving.compute import run_at_idle_priority
+from specstream.serving.metrics import MALFORMED_CAUSES
 
 
 class _AheadAfterEveryCall:
     """A proposer that works ahead after every reply, as the draft service does between requests."""
 
-    def __init__(self, proposer) -> None:
+    def __init__(self, proposer, replies: list | None = None) -> None:
         self.proposer = proposer
+        self.replies = replies if replies is not None else []  # every reply sent
 
     def __getattr__(self, name):
         return getattr(self.proposer, name)
 
     def propose(self, items):
         out = self.proposer.propose(items)
+        self.replies.extend(out)
         self.proposer.work_ahead()
         return out
 
@@ -80,6 +87,89 @@ def test_greedy_with_a_draft_working_ahead_is_plain_greedy(model_zoo, feature_pa
     if gamma and outcomes > 1:  # and some answered the runner-up after a refused guess
         assert counts["hit_runner_up"] > 0, counts
     assert sum(f.stats.rejections for f in finals) > 0
+
+
+SAMPLING = [SamplingParams.from_settings(0.8, seed=11 + i) for i in range(4)]
+
+
+def test_sampling_with_a_token_draft_working_ahead_is_sampling_without_it(model_zoo) -> None:
+    """A token draft's prepared round of a sampling row holds the very draws and q a fresh round
+    makes (the same keys, the same cache), so the target samples exactly what it samples when the
+    draft never works ahead (itself tested against plain sampling in tests/test_sampling_exact.py),
+    token for token, with rounds answered from the work and rounds that missed."""
+    budgets = [30, 41, 25, 36]
+    runs, steps = {}, {}
+    for ahead in (False, True):
+        draft = _token_draft(model_zoo)
+        proposer = _AheadAfterEveryCall(draft) if ahead else draft
+        runs[ahead], _ = run_engine(model_zoo["target"], None, PROMPTS, gamma=2, max_new_tokens=budgets,
+                                    sampling=SAMPLING, proposer=proposer, config={"calibrate": False}, steps=steps)
+    assert runs[True] == runs[False]
+    counts = draft.ahead.counts
+    assert counts["prepared"] > 0 and counts["hit"] > 0 and counts["miss"] > 0, counts
+    assert _refused(steps) == 0  # every answer from the work was verified, none refused as malformed
+
+
+def test_coupled_sampling_with_a_feature_draft_working_ahead_is_plain_sampling(model_zoo, feature_pair) -> None:
+    """The feature draft drafts a sampling row's next round from its own predicted features, so its
+    draws and q differ from a fresh round's; coupled verification keeps plain sampling's output
+    token for token whatever is proposed, and Leviathan's rule is exact for any q the guesses were
+    drawn from, which the prepared round sends with them."""
+    budgets = [30, 41, 25, 36]
+    draft = _feature_draft(feature_pair)
+    coupled = {"calibrate": False, "speculative_sampling": "coupled"}
+    steps: dict = {}
+    got, _ = run_engine(model_zoo["target"], None, PROMPTS, gamma=2, max_new_tokens=budgets, sampling=SAMPLING,
+                        proposer=_AheadAfterEveryCall(draft), config=coupled, steps=steps)
+    plain, _ = run_engine(model_zoo["target"], None, PROMPTS, gamma=0, max_new_tokens=budgets, sampling=SAMPLING,
+                          config=coupled)
+    assert got == plain
+    counts = draft.ahead.counts
+    assert counts["prepared"] > 0 and counts["hit"] > 0, counts
+    assert _refused(steps) == 0  # a refused reply decodes plainly, which coupled output would not show
+    # Under Leviathan's rule a hit's guesses need the q they were drawn from (a sampling reply
+    # without one is verified as a deterministic draft's, q one-hot): every reply carries a q row
+    # per guess, and none is refused (a row that is no distribution or misses its guess: cause "q").
+    draft, steps = _feature_draft(feature_pair), {}
+    replies: list = []
+    run_engine(model_zoo["target"], None, PROMPTS, gamma=2, max_new_tokens=budgets, sampling=SAMPLING,
+               proposer=_AheadAfterEveryCall(draft, replies), config={"calibrate": False}, steps=steps)
+    assert draft.ahead.counts["hit"] > 0 and _refused(steps) == 0, draft.ahead.counts
+    assert all(r.q_width > 0 and len(r.q_probs) == len(r.tokens) * r.q_width for r in replies if r.tokens)
+
+
+def _refused(steps: dict) -> float:
+    """Draft replies the engine refused as malformed, every cause (its TargetMetrics, from run_engine)."""
+    registry = steps["metrics"].registry
+    return sum(registry.get_sample_value("specstream:draft_replies_malformed_total", {"cause": cause}) or 0.0
+               for cause in MALFORMED_CAUSES)
+
+
+def test_a_sampling_rows_prepared_round_answers_only_its_own_settings_with_the_q_it_drew_from(model_zoo) -> None:
+    prompt, params = [5, 6, 7, 8, 9], SAMPLING[0]
+    draft = _token_draft(model_zoo)
+    draft.ahead.outcomes = 3  # a sampling row prepares the whole chain's round only
+    reply = draft.propose([ProposeItem("s", 0, prompt, 3, params)])[0]
+    draft.work_ahead()
+    ready, = draft.ahead.prepared["s"]
+    assert ready.whole and ready.sampling == params and len(ready.q[1]) == len(ready.tail) * ready.q[0]
+    assumed = ProposeItem("s", reply.length, [reply.tokens[-1], ready.append[-1]], 2, params)
+    for variant in (dataclasses.replace(assumed, sampling=SamplingParams.from_settings(0.8, seed=99)),
+                    dataclasses.replace(assumed, sampling=SamplingParams.from_settings(0.9, seed=params.seed)),
+                    dataclasses.replace(assumed, sampling=SamplingParams())):
+        fresh, worked = _token_draft(model_zoo), _token_draft(model_zoo)
+        for d in (fresh, worked):
+            d.propose([ProposeItem("s", 0, prompt, 3, params)])
+        worked.work_ahead()
+        expected, got = fresh.propose([variant])[0], worked.propose([variant])[0]
+        assert (got.tokens, got.q_ids, got.q_probs) == (expected.tokens, expected.q_ids, expected.q_probs)
+        assert worked.ahead.counts["miss"] == 1 and worked.ahead.counts["hit"] == 0
+    fresh = _token_draft(model_zoo)
+    fresh.propose([ProposeItem("s", 0, prompt, 3, params)])
+    expected, got = fresh.propose([assumed])[0], draft.propose([assumed])[0]
+    assert draft.ahead.counts["hit"] == 1  # cut to the item's γ of 2, with its q rows
+    assert (got.tokens, got.q_width, got.q_ids, got.q_probs) == \
+        (expected.tokens, expected.q_width, expected.q_ids, expected.q_probs)
 
 
 @pytest.mark.parametrize(("kind", "outcomes"), [("token", 1), ("feature", 3)])

@@ -333,7 +333,7 @@ class DraftConfig:
     synthetic_oracle: str | None = None
     synthetic_alpha: float = 0.7
     synthetic_seed: int = 0
-    # After each reply, draft the next round of its greedy chains until the next request arrives
+    # After each reply, draft the next round of its chains until the next request arrives
     # (draft_service/work_ahead.py): "off", "idle" (at SCHED_IDLE: on cycles nothing else wants) or
     # "normal" (at the thread's priority). Off by default: on 2 shared cores it measured no faster
     # (docs/benchmarks.md, "Working ahead").

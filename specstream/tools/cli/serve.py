@@ -69,7 +69,7 @@ def _serve_process_flags(p: argparse.ArgumentParser) -> None:
     weights_flag(p)
     p.add_argument("--draft-threads", type=int, default=1, help="CPU threads of the draft model (0: one per core)")
     p.add_argument("--target-threads", type=int, default=0, help="CPU threads of the target model (0: one per core)")
-    work_ahead_flags(p, "the draft drafts the next round of greedy chains ahead: the draft service after each reply "
+    work_ahead_flags(p, "the draft drafts the next round of its chains ahead: the draft service after each reply "
                         "until the next request, a draft in the target (--colocate-draft) on its torch thread during "
                         "a pass's host work; at SCHED_IDLE (idle) or the thread's priority (normal)")
     p.add_argument("--log-dir", help="write each service's log here instead of the terminal")

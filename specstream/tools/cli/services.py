@@ -148,7 +148,7 @@ def _add_target(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-model", help="run the draft in this process instead of a draft service (no gRPC hop "
                                          "between the two models): a model reference; exclusive with --draft-url")
     proposer_flags(p, model_flag="--draft-model, in this process; with --proposer ngram no draft model is needed")
-    work_ahead_flags(p, "the draft in this process (--draft-model) drafts the next round of greedy chains on the "
+    work_ahead_flags(p, "the draft in this process (--draft-model) drafts the next round of its chains on the "
                         "torch thread while the target does a pass's host work: at SCHED_IDLE (idle) or the "
                         "thread's priority (normal)")
     gamma_flags(p)
@@ -217,7 +217,7 @@ def _add_draft(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compute-thread", action="store_true",
                    help="compute proposals on a worker thread, not the event loop's own (which saves a thread hop "
                         "a call; a draft working ahead always uses a worker)")
-    work_ahead_flags(p, "after each reply, draft the next round of greedy chains until the next request: at "
+    work_ahead_flags(p, "after each reply, draft the next round of its chains until the next request: at "
                         "SCHED_IDLE (idle) or the thread's priority (normal)")
     _memory_flags(p)
     p.set_defaults(func=cmd_draft)
