@@ -44,7 +44,7 @@ serve: $(STAMP)
 # must stay under 15 minutes on a fresh clone, its virtual environment built (~2 min) included.
 test: $(KERNELS_STAMP)
 	$(BIN)/python tools/gen_protos.py --check
-	$(BIN)/python -m pytest -q -n 3 --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -rs -n 3 --dist loadfile --durations=15
 
 test-fast: $(KERNELS_STAMP)
 	$(BIN)/python -m pytest -q -m "not integration"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hardware import NEEDS_Q4_NATIVE
 
 from specstream.models.loader import load_model
 from specstream.models.random_init import write_random_checkpoint
@@ -14,8 +15,9 @@ CONFIG = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hi
           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
 
 
-@pytest.mark.parametrize("dtype, weights, matmul", [("float32", "dense", "native"), ("bfloat16", "int4-rtn", "native"),
-                                                    ("bfloat16", "int4-rtn", "int4"), ("bfloat16", "int4-rtn", "dense")])
+@pytest.mark.parametrize("dtype, weights, matmul", [
+    ("float32", "dense", "native"),
+    *[pytest.param("bfloat16", "int4-rtn", matmul, marks=NEEDS_Q4_NATIVE) for matmul in ("native", "int4", "dense")]])
 def test_the_static_cache_forward_gives_the_served_logits(tmp_path, dtype, weights, matmul) -> None:
     """A prefill, then decode steps and a verify window over the static cache, against the served
     model over its own cache: float32 to float rounding; bfloat16 to a few of its steps (the

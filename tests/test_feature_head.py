@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from hardware import NEEDS_Q4_NATIVE
 
 from specstream.models.feature_head import FeatureHead, HeadSpec
 
@@ -318,6 +319,7 @@ def test_a_served_bfloat16_head_attends_in_the_native_op_as_torch_does(monkeypat
     assert native_drafts == torch_drafts
 
 
+@NEEDS_Q4_NATIVE
 def test_a_served_4_bit_head_runs_its_layer_as_one_native_call_as_op_by_op_does() -> None:
     """Served in bfloat16 with 4-bit projections, the head's layer runs as one call of the native op
     that runs the target's decoder layers (``LayerStack``: q and kv fused into one qkv); its outputs

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from hardware import NEEDS_Q4_NATIVE
 from test_models import assert_verify_equals_steps
 
 from kernels.int4 import (
@@ -19,7 +20,6 @@ from kernels.int4 import (
     q4_dense,
     q4_linear,
     q4_linear_reference,
-    q4_native,
     rtn_parts,
     unpack_codes,
 )
@@ -99,8 +99,7 @@ def test_every_row_is_the_same_bits_however_many_rows_the_call_has(dtype: torch.
         assert torch.equal(part, full[start : start + rows]), f"{rows} rows from {start}"
 
 
-needs_native = pytest.mark.skipif(not q4_native(torch.bfloat16),
-                                  reason="the native 4-bit kernel needs the native library and AVX-512 BF16")
+needs_native = NEEDS_Q4_NATIVE
 
 
 def test_native_layout_round_trips() -> None:

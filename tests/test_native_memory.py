@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
+from hardware import NEEDS_NATIVE_BF16
 
 from specstream.data.config import MemoryConfig
 from specstream.serving.native_memory import KERNEL_CACHE_VARIABLES, HeapTrimmer, bound_kernel_caches
@@ -54,6 +55,7 @@ def _grown_mb(capacity: str) -> float:
     return float(out.stdout.strip())
 
 
+@NEEDS_NATIVE_BF16
 @pytest.mark.skipif(not GLIBC, reason="mallinfo2 and malloc_trim are glibc's")
 def test_the_kernel_cache_cap_stops_memory_growing_with_new_shapes():
     default = _grown_mb("default")

@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+from hardware import NEEDS_Q4_NATIVE
 
 from kernels import native
 from specstream.models.loader import load_model
@@ -107,6 +108,7 @@ def test_each_tree_node_is_the_chain_through_it(llama_dir, dtype, native_on, mon
     assert sum(_check_trees(model, seed, batch=3, nodes=12, exact=native_on) for seed in range(3)) > 0
 
 
+@NEEDS_Q4_NATIVE
 def test_a_4bit_model_on_the_whole_stack_op_too(llama_dir) -> None:
     model = load_model(llama_dir, dtype="bfloat16", weights="int4-rtn")
     assert model.native_runs(torch.bfloat16)[0][1] is not None  # the whole-stack op serves

@@ -18,7 +18,9 @@ from collections import Counter
 
 import pytest
 import torch
+from hardware import NEEDS_Q4_NATIVE
 
+from kernels.int4 import q4_native
 from specstream.models.loader import load_model
 from specstream.models.registry import MODELS, PAIRS, pair_refs, resolve_model
 from specstream.text.tokenizer import TextTokenizer
@@ -112,6 +114,7 @@ def test_4_bit_serving_is_as_close_to_the_file_as_dequantized_bfloat16(real) -> 
     assert min(top1.values()) >= 0.95, top1
 
 
+@NEEDS_Q4_NATIVE
 def test_the_fused_layers_give_the_bits_of_the_layers_op_by_op_on_the_real_file(real, monkeypatch) -> None:
     """The default (bfloat16, 4-bit) runs each decoder layer as one native call; op by op it must
     give the same logits bit for bit: prefills of the 8 prompts, then decode steps and verify windows
@@ -353,9 +356,9 @@ def test_a_prompt_prefilled_in_chunks_gets_the_cache_of_one_prefill() -> None:
 
     target, draft, dtype = pair_refs("smollm2")
     models = BenchModels.from_refs(target, draft, dtype, "smollm2")
-    model = models.load("target")  # as served on CPU: bfloat16, 4-bit matrices
+    model = models.load("target")  # as served on this CPU: bfloat16 with 4-bit matrices where the kernel runs
     prompts = models.prompts(24)
-    assert model.weights.startswith("int4")
+    assert model.weights.startswith("int4") == q4_native(torch.bfloat16), model.weights
     with torch.inference_mode():
         for prompt in (prompts[19], *prompts[:3]):
             ids = torch.tensor([prompt])
