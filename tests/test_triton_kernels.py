@@ -272,9 +272,21 @@ def test_fused_cut_thresholds_equal_the_reference(vocab, monkeypatch):
     with use("triton"):
         got = cut_thresholds(hidden, params)
         tiles = lm_head(hidden)  # the logits as the fused head computes them (float32 sums in its order)
-    # Within a unit in the last place: in the interpreter a tile's dot products are a numpy matmul,
-    # whose float32 sums BLAS orders by the tile's shape, and the n-best pass's tiles are not lm_head's.
-    _assert_close(got, cut_thresholds_reference(tiles, params), "threshold from hidden states", atol=0, rtol=2e-7)
+    # A threshold is one of the row's scores. In the interpreter a tile's dot products are a numpy
+    # matmul, whose float32 sums BLAS orders by the tile's shape (and by the CPU's vector width), and
+    # the n-best pass's tiles are not lm_head's: the two scores of a token differ by up to the
+    # bound of two summation orders (within a unit in the last place with AVX-512 BLAS here).
+    want = cut_thresholds_reference(tiles, params)
+    _assert_close(got, want, "threshold from hidden states", atol=0, rtol=1.0)  # -inf in the same rows
+    finite = torch.isfinite(want)
+    assert ((got - want)[finite].abs() <= _orders_bound(hidden)[finite]).all(), _differences(got, want)
+
+
+def _orders_bound(hidden: Hidden) -> torch.Tensor:
+    """[rows]: how far two float32 sums of a row's score, in different orders, can differ at most:
+    2 K u max over the row's tokens of sum_k |h_k w_k| (K products, u = 2^-24 each way)."""
+    states, weight = hidden.states.double().abs(), hidden.head.weight.double().abs()
+    return (2 * states.shape[-1] * 2.0**-24 * (states @ weight.T).max(dim=-1).values).float()  # [rows]
 
 
 def _race_counts(logits: torch.Tensor, params: SamplingParams, draws: int, sampler=None) -> Counter:
@@ -496,9 +508,24 @@ def test_the_drafts_truncated_q_from_the_kernels_is_the_torch_one():
         ids, q = _truncated_q(hidden, params, 16)
         logits = lm_head(hidden)
     want_ids, want_q = truncate(process_logits(logits, params), 16)
-    live = want_q > 0
-    _assert_same(ids[live], want_ids[live], "q ids")
-    _assert_close(q, want_q, "q", atol=1e-6, rtol=1e-5)
+    # The kernel's scores and lm_head's differ by up to the bound of two summation orders
+    # (_orders_bound); a token whose score lies that close to its row's cut may be kept by one and
+    # cut by the other, and then each renormalises over its own set. Rows with no such flip must
+    # agree; a flipped token must lie at the cut; over the tokens both keep, q agrees renormalised.
+    bound = _orders_bound(hidden)
+    threshold = cut_thresholds_reference(logits, params)  # [rows]
+    flipped = 0
+    for r in range(len(params)):
+        got_ids, ref_ids = set(ids[r][q[r] > 0].tolist()), set(want_ids[r][want_q[r] > 0].tolist())
+        both = sorted(got_ids & ref_ids)
+        for token in got_ids ^ ref_ids:
+            flipped += 1
+            assert abs(logits[r, token] - threshold[r]) <= 2 * bound[r], (r, token)
+        kept, ref_kept = torch.isin(ids[r], torch.tensor(both)), torch.isin(want_ids[r], torch.tensor(both))
+        _assert_same(ids[r][kept], want_ids[r][ref_kept], f"q ids, row {r}")
+        mine, ref = q[r][kept], want_q[r][ref_kept]
+        _assert_close(mine / mine.sum(), ref / ref.sum(), f"q, row {r}", atol=1e-6, rtol=1e-5)
+    assert flipped <= 2  # a near-tie at a cut is rare: not a way around the check
 
 
 def test_the_engine_reports_the_same_logprobs_through_triton_and_torch(sampling_pair):
