@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from draft_service.proposer import GREEDY, _Picker, node_tables
+from draft_service.proposer import GREEDY, _Picker, node_tables, q_rows
 from draft_service.work_ahead import Ahead, Prepared
 from kernels.lm_head import Hidden
 from specstream.data.propose import FEATURE_DTYPE, Proposal, ProposeItem, features_expected
@@ -208,12 +208,9 @@ class FeatureProposer:
                                                self.draft.rows, choose, forced=forced, stop=stop)
                 if len(tokens) > appended:
                     seconds = picker.seconds(0)[appended - len(forced):]  # chosen guesses only
-                    width, q_ids, q_probs = picker.tables()
-                    q = (width, q_ids[0][appended * width : len(tokens) * width],
-                         q_probs[0][appended * width : len(tokens) * width]) if q_ids[0] else None
                     self.ahead.keep(key, Prepared(plan.length, tokens[:appended], tokens[appended:],
                                                   whole=outcome is None, seconds=seconds, sampling=plan.sampling,
-                                                  q=q))
+                                                  q=q_rows(picker.tables(), 0, appended, len(tokens))))
 
     def read_features(self, item: ProposeItem) -> tuple[torch.Tensor | None, str]:
         """The item's features [count, input_width] bfloat16, or why they cannot be read: the field and its value."""

@@ -194,16 +194,15 @@ class DraftProposer:
             if stop():
                 return
             guesses, picker = self._guess(rows, steps, stop, second=self.ahead.outcomes > 1)
-            width, q_ids, q_probs = picker.tables()
+            tables = picker.tables()
             for b, ((key, item, _), n, tokens) in enumerate(zip(rows, steps, guesses)):
                 plan = live[key]
                 start = plan.length - plan.gamma + 1
                 tokens, seconds = tokens[:n], picker.seconds(b)[:n]
                 if outcome is None:  # the bonus guess is appended; the rest is the tail
-                    drawn = len(tokens) * width  # the bonus guess's row is not sent: the target samples there
-                    q = (width, q_ids[b][width:drawn], q_probs[b][width:drawn]) if q_ids[b] else None
+                    # The bonus guess's q row is not sent: the target samples there.
                     ready = Prepared(item.rollback_to, [*item.append, tokens[0]], tokens[1:], intact=start,
-                                     seconds=seconds[1:], sampling=item.sampling, q=q)
+                                     seconds=seconds[1:], sampling=item.sampling, q=q_rows(tables, b, 1, len(tokens)))
                 else:
                     ready = Prepared(item.rollback_to, item.append, tokens, whole=False, intact=start, seconds=seconds)
                     self.rewritten[key] = (start, plan.chain[: plan.gamma - 1])
@@ -284,6 +283,16 @@ def _truncated_q(scores: Hidden, params: list[SamplingParams], support: int) -> 
     inv_t = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32, device=values.device)
     scaled = torch.where(values >= threshold[:, None], values * inv_t[:, None], float("-inf"))  # [s, K]
     return ids, torch.softmax(scaled, dim=-1)
+
+
+def q_rows(tables: tuple[int, list[list[int]], list[list[float]]], b: int, first: int, stop: int
+           ) -> tuple[int, list[int], list[float]] | None:
+    """Row b's q rows of guesses first..stop-1 as (width, ids, probs), from ``_Picker.tables()``;
+    None for a greedy row."""
+    width, ids, probs = tables
+    if not ids[b]:
+        return None
+    return width, ids[b][first * width : stop * width], probs[b][first * width : stop * width]
 
 
 def node_tables(ids: list[int], probs: list[float], width: int, tokens: list[int], parents: list[int]

@@ -71,7 +71,7 @@ class Prepared:
     q: tuple[int, list[int], list[float]] | None = None
 
     def answers(self, item: ProposeItem) -> bool:
-        same = item.sampling.greedy and self.sampling.greedy or item.sampling == self.sampling
+        same = (item.sampling.greedy and self.sampling.greedy) or item.sampling == self.sampling
         return same and item.rollback_to == self.rollback_to and item.append == self.append
 
     def cut(self, gamma: int) -> Prepared:
