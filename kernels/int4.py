@@ -8,12 +8,14 @@ by one of two kernels; ``q4_linear_reference`` is the torch reference beside the
 ``rtn_parts`` rounds a dense matrix to such parts (for drafts, whose rounding only moves α).
 
 The two kernels:
-- bfloat16 activations on a CPU with AVX-512 BF16, with the native library built (kernels/native.py):
-  ``q4_matmul`` in kernels/csrc/cpu_ops.cpp, weight-stationary: each block's codes are formed once
-  per call and applied to every row, so a verify over a few positions reads the weights once (ATen's
-  kernel takes rows 4 at a time and forms the weights again for every 4). ``native_layout`` is its
-  packing. Measured on 2 cores (3072 x 576): 38 / 56 / 93 / 216 us at 1 / 4 / 8 / 16 rows, against
-  ATen's 74 / 102 / 194 / 422 (``specstream bench step`` shows both in a whole forward).
+- the native one, with the native library built (kernels/native.py): ``q4_matmul`` in
+  kernels/csrc/cpu_ops.cpp, for bfloat16 activations on a CPU with AVX-512 BF16 and for float32
+  activations on one with AVX2, FMA and F16C (``q4_native``). Weight-stationary: each block's codes
+  are formed once per call and applied to every row, so a verify over a few positions reads the
+  weights once (ATen's kernel takes rows 4 at a time and forms the weights again for every 4).
+  ``native_layout`` is its packing. Measured on 2 cores (3072 x 576, bfloat16, AVX-512): 38 / 56 /
+  93 / 216 us at 1 / 4 / 8 / 16 rows, against ATen's 74 / 102 / 194 / 422 (``specstream bench step``
+  shows both in a whole forward).
 - otherwise ATen's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``).
 
 Why: at batch 1 a decode step on a CPU reads every weight once, so its time is the weights' bytes
@@ -21,8 +23,9 @@ over memory bandwidth. A Q4_1 model dequantized to bfloat16 reads 16 bits a weig
 blocks it reads ~5 (4 bits + a scale and a min per 32), the same bytes llama.cpp reads.
 
 Exactness: the native kernel sums each block as ``d * Σ q x + m * Σ x`` in float32 with the file's
-scale and min exact (the codes are exact in bfloat16, each product q x exact in float32): the
-dequantized matrix's dot product up to the order of float32 additions. ATen's kernel computes each
+scale and min exact (the codes are exact in bfloat16 and float32; with bfloat16 inputs each product
+q x is exact in float32, with float32 inputs each is one fused multiply-add): the dequantized
+matrix's dot product up to the order and rounding of float32 additions. ATen's kernel computes each
 weight as ``(code - 8) * scale + zero`` with ``zero = min + 8 * scale`` in the activation dtype: in
 float32 bit-identical to ggml's ``d * q + m``; in bfloat16 the scale and zero are rounded to
 bfloat16 first. In both, each output row depends only on its own input row, however many rows the
@@ -54,12 +57,14 @@ _TILE = 16  # output features per tile of the native kernel (its vector lanes)
 
 
 def q4_native(dtype: torch.dtype) -> bool:
-    """Whether matrices for activations of ``dtype`` go to the native kernel: bfloat16, the native
-    library built, and a CPU with AVX-512 BF16."""
-    if dtype != torch.bfloat16:
+    """Whether matrices for activations of ``dtype`` go to the native kernel: the native library
+    built, and bfloat16 on a CPU with AVX-512 BF16 or float32 on one with AVX2, FMA and F16C."""
+    if dtype not in (torch.bfloat16, torch.float32):
         return False
     library = native.library()
-    return library is not None and library.has_avx512_bf16()
+    if library is None:
+        return False
+    return library.has_avx512_bf16() if dtype == torch.bfloat16 else library.has_avx2_fma()
 
 
 def native_layout(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor

@@ -10,10 +10,14 @@ import torch
 from kernels.int4 import q4_native
 from specstream.models.registry import resolve_dtype
 
-# The native 4-bit kernel (kernels/int4.py): bfloat16 activations, the native library, AVX-512 BF16.
-# Elsewhere 4-bit matrices are served in ATen's layout, and a model served "auto" is dense float32.
+# The native 4-bit kernel (kernels/int4.py) for bfloat16 activations: the native library, AVX-512 BF16.
+# Elsewhere bfloat16 4-bit matrices are served in ATen's layout.
 NEEDS_Q4_NATIVE = pytest.mark.skipif(not q4_native(torch.bfloat16),
                                      reason="the native 4-bit kernel needs the native library and AVX-512 BF16")
+# The native 4-bit kernel for float32 activations: the native library, AVX2, FMA and F16C. Elsewhere a
+# model served "auto" in float32 is dense.
+NEEDS_Q4_NATIVE_F32 = pytest.mark.skipif(not q4_native(torch.float32),
+                                         reason="the float32 4-bit kernel needs the native library and AVX2, FMA, F16C")
 
 # bfloat16 matmuls that run natively (AVX-512 BF16 or AMX; what resolve_dtype("auto") picks
 # bfloat16 for): oneDNN builds and caches a kernel per shape for them.

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from hardware import NEEDS_Q4_NATIVE
+from hardware import NEEDS_Q4_NATIVE, NEEDS_Q4_NATIVE_F32
 from test_models import assert_verify_equals_steps
 
 from kernels.int4 import (
@@ -20,6 +20,7 @@ from kernels.int4 import (
     q4_dense,
     q4_linear,
     q4_linear_reference,
+    q4_native,
     rtn_parts,
     unpack_codes,
 )
@@ -131,6 +132,29 @@ def test_native_kernel_matches_the_dense_matrix_for_1_to_16_rows(kind: str, shap
         assert (got.float() - want).abs().max() <= 2 ** -8 * want.abs().max() + 1e-6, rows
 
 
+@NEEDS_Q4_NATIVE_F32
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("shape", [(16, 32), (48, 96), (80, 160), (3072, 576), (576, 1536)])
+def test_native_float32_kernel_matches_the_dense_matrix_for_1_to_16_rows(kind: str, shape: tuple[int, int]) -> None:
+    """The float32 kernel (AVX2) against float64 products with the file's exact values, within the
+    bound of K float32 roundings, for every row count it meets in a verify (its passes of 4 rows and
+    their tails), odd shapes included; and every row the same bits as the row alone."""
+    codes, scale, minimum, raw = _parts(kind, shape, seed=5)
+    w = Q4Weight.from_parts(codes, scale, minimum, torch.float32)
+    assert w.native
+    dense = dequantize(raw, kind, shape, "w").double()  # [N, K] ggml's values
+    steps = (codes.double() * scale.double().repeat_interleave(GROUP, 1)).abs()  # [N, K] |d q|
+    mins = minimum.double().repeat_interleave(GROUP, 1).abs()  # [N, K] |m|
+    x = torch.randn(16, shape[1])
+    want = x.double() @ dense.T  # [16, N]
+    bound = 2 * (shape[1] + 2) * 2.0 ** -24 * (x.double().abs() @ (steps + mins).T)  # [16, N]
+    alone = torch.cat([q4_linear(x[i : i + 1], w) for i in range(16)])  # [16, N]
+    for rows in range(1, 17):
+        got = q4_linear(x[:rows], w)
+        assert got.dtype == torch.float32 and torch.equal(got, alone[:rows]), rows
+        assert ((got.double() - want[:rows]).abs() <= bound[:rows]).all(), rows
+
+
 @needs_native
 def test_both_kernels_serve_bfloat16_and_agree() -> None:
     codes, scale, minimum, _ = _parts("Q4_1", (576, 1536), seed=6)
@@ -195,10 +219,14 @@ def test_an_untied_output_layer_runs_in_4_bits_when_it_fits(tmp_path) -> None:
     assert (model.output_head.logits(normed) - expected).abs().max().item() < 1e-5
 
 
-def test_auto_picks_int4_for_bfloat16_on_cpu_and_dense_for_float32(q4_checkpoint) -> None:
+def test_auto_picks_int4_for_bfloat16_on_cpu_and_for_float32_where_the_native_kernel_takes_it(q4_checkpoint) -> None:
     out, _ = q4_checkpoint
     assert load_model(out, "bfloat16", weights="auto").weights.startswith("int4")
-    assert load_model(out, "float32", weights="auto").weights == "dense"
+    float32 = load_model(out, "float32", weights="auto")
+    if q4_native(torch.float32):  # AVX2: the native kernel; elsewhere ATen's, slower than dense in float32
+        assert float32.weights == "int4 (14 matrices)" and float32.layers[0].qkv_w.native
+    else:
+        assert float32.weights == "dense"
 
 
 def test_bfloat16_int4_logits_are_as_close_to_the_file_as_dense_bfloat16(q4_checkpoint) -> None:
@@ -287,7 +315,7 @@ def test_a_draft_is_rounded_to_4_bits_by_auto_and_a_target_refuses_it(tmp_path) 
     assert draft.weights == "int4-rtn (9 matrices)"  # 2 layers x 4 fused projections + the head
     assert isinstance(draft.lm_head, Q4Weight)
     assert load_model(path, "bfloat16", weights="auto").weights == "dense"  # not a draft: never rounded
-    assert load_model(path, "float32", weights="auto", draft=True).weights == "dense"
+    assert load_model(path, "float32", weights="auto", draft=True).weights == "dense"  # rounded in bfloat16 only
     dense = load_model(path, "bfloat16", weights="dense")
     ids = list(range(5, 25))
     # Rounding moves the logits a little relative to their spread, not arbitrarily.

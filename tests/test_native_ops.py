@@ -107,12 +107,13 @@ def test_native_attention_matches_the_torch_path(tmp_path, dtype, window) -> Non
     assert (native_out - torch_out).abs().max().item() < tol * max(1.0, torch_out.abs().max().item())
 
 
-@pytest.mark.parametrize("dtype, weights, int8", [("float32", "dense", False), ("bfloat16", "dense", False),
-                                                  ("bfloat16", "int4-rtn", False), ("bfloat16", "int4-rtn", True)])
+@pytest.mark.parametrize("dtype, weights, int8", [("float32", "dense", False), ("float32", "int4-rtn", False),
+                                                  ("bfloat16", "dense", False), ("bfloat16", "int4-rtn", False),
+                                                  ("bfloat16", "int4-rtn", True)])
 def test_a_rows_logits_are_the_same_bits_alone_in_a_verify_window_and_in_a_batch(tmp_path, monkeypatch, dtype,
                                                                                    weights, int8) -> None:
-    """The model with the ops it serves with (the native attention; float32 dense; bfloat16 dense
-    with the 8-bit output layer; bfloat16 4-bit; and the 4-bit layers with 8-bit activations that
+    """The model with the ops it serves with (the native attention; float32 dense and 4-bit; bfloat16
+    dense with the 8-bit output layer; bfloat16 4-bit; and the 4-bit layers with 8-bit activations that
     `bench step` measures): a position computed in a decode step, inside a verify window of 2..16
     positions, and beside 1..32 other sequences gives the same logits, bit for bit."""
     from specstream.models import llama

@@ -52,6 +52,12 @@ bool has_avx512_vnni() {
   return yes;
 }
 
+bool has_avx2_fma() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
+  return yes;
+}
+
 constexpr int kTile = 8;  // rows per pass over a weight row (their accumulators stay in registers)
 
 // ---------------------------------------------------------------------------------------------------
@@ -75,6 +81,40 @@ void q8_rows_avx512(const int8_t* codes, const float* d, const float* x, int64_t
     }
   }
   for (int r = 0; r < R; ++r) out[r * N] = _mm512_reduce_add_ps(acc[r]);
+}
+
+// AVX2: the generic path's 16 lanes as two vectors of 8, each lane the same operations (x q, a fused
+// x q + s, a fused d s + acc), then the 16 lanes summed in index order: the generic path's bits.
+template <int R>
+__attribute__((target("avx2,fma")))
+void q8_rows_avx2(const int8_t* codes, const float* d, const float* x, int64_t blocks, int64_t K, float* out,
+                  int64_t N) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* c = codes + kBlock * b;
+    __m256 q[4];  // codes 0..7, 8..15, 16..23, 24..31
+    for (int i = 0; i < 4; ++i) {
+      q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * i))));
+    }
+    const __m256 scale = _mm256_set1_ps(d[b]);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * K + kBlock * b;
+      for (int h = 0; h < 2; ++h) {
+        const __m256 s = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16 + 8 * h), q[2 + h],
+                                         _mm256_mul_ps(_mm256_loadu_ps(xb + 8 * h), q[h]));
+        acc[r][h] = _mm256_fmadd_ps(scale, s, acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float lanes[16];
+    _mm256_storeu_ps(lanes, acc[r][0]);
+    _mm256_storeu_ps(lanes + 8, acc[r][1]);
+    float total = 0.0f;
+    for (float v : lanes) total += v;
+    out[r * N] = total;
+  }
 }
 
 // bfloat16 activations: each block's weights are formed once, w = d * q in float32 (exact: a half
@@ -120,6 +160,7 @@ constexpr Q8RowsBf16 kQ8RowsBf16[] = {q8_rows_bf16<1>, q8_rows_bf16<2>, q8_rows_
                                       q8_rows_bf16<5>, q8_rows_bf16<6>, q8_rows_bf16<7>, q8_rows_bf16<8>};
 constexpr Q8Rows kQ8Rows[] = {q8_rows_avx512<1>, q8_rows_avx512<2>, q8_rows_avx512<3>, q8_rows_avx512<4>,
                               q8_rows_avx512<5>, q8_rows_avx512<6>, q8_rows_avx512<7>, q8_rows_avx512<8>};
+constexpr Q8Rows kQ8RowsAvx2[] = {q8_rows_avx2<1>, q8_rows_avx2<2>, q8_rows_avx2<3>, q8_rows_avx2<4>};
 
 float q8_dot_generic(const int8_t* codes, const float* d, const float* x, int64_t blocks) {
   float lanes[16] = {0};
@@ -150,7 +191,7 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const float* xp = bf16 ? nullptr : xin.data_ptr<float>();
   const uint16_t* xh = bf16 ? reinterpret_cast<const uint16_t*>(xin.data_ptr<at::BFloat16>()) : nullptr;
   float* op = out.data_ptr<float>();
-  const bool wide = has_avx512();
+  const bool wide = has_avx512(), avx2 = !wide && has_avx2_fma();
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       for (int64_t r0 = 0; r0 < M; r0 += kTile) {
@@ -161,6 +202,13 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Ten
         }
         if (wide) {
           kQ8Rows[rows - 1](cp + n * K, dp + n * blocks, xp + r0 * K, blocks, K, op + r0 * N + n, N);
+          continue;
+        }
+        if (avx2) {  // four rows at a time: their 8 accumulators and a block's codes fit the registers
+          for (int64_t r1 = r0; r1 < r0 + rows; r1 += 4) {
+            const int64_t four = std::min<int64_t>(4, r0 + rows - r1);
+            kQ8RowsAvx2[four - 1](cp + n * K, dp + n * blocks, xp + r1 * K, blocks, K, op + r1 * N + n, N);
+          }
           continue;
         }
         for (int64_t r = r0; r < r0 + rows; ++r) {
@@ -398,8 +446,132 @@ void q4_tiles(const Q4Call& c, int64_t begin, int64_t end) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Q4_1 with float32 activations, on any x86-64 CPU with AVX2, FMA and F16C: the same native layout,
+// 8 lanes a vector, so a tile's 16 features are two vectors per row.
+//
+// A chunk's 32 bytes hold features 0..7 in their first 16 (bytes 2 i + j) and 8..15 in the others.
+// The low nibbles, then the high ones, are masked out and each 16-byte half shuffled to its even
+// bytes (j = 0) then its odd ones (j = 1): inputs k0 and k0 + 1 from the low nibbles, k0 + 2 and
+// k0 + 3 from the high. Each 8 codes widen to 8 floats (exact: integers 0..15), once per call for
+// every row of it; each row then takes them by fused multiply-adds against its inputs broadcast to
+// every lane: s = Σ q x per block, in the order c = 0..7, j = 0..3. A block ends with y += d s,
+// then y += m Σx (Σx: the row's sum over the block, by a fixed sequence of vector additions), as
+// the bfloat16 kernel. Everything a row's output sees is fixed by its own inputs: the same bits
+// whatever the number of rows. Four rows share a pass (their 8 accumulators and a chunk's codes fit
+// the 16 vector registers).
+
+constexpr int kTileF32 = 4;  // rows per pass of the float32 kernel
+
+template <int R>
+__attribute__((target("avx2,fma,f16c")))
+void q4_tile_f32(const uint16_t* d, const uint16_t* m, const uint8_t* w, const float* x, const float* xsum,
+                 int64_t blocks, int64_t K, float* out, int64_t N) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  // In each 16-byte half: its even bytes, then its odd ones.
+  const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                         0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  __m256 y[R][2];
+  for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256 s[R][2];
+    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_ps();
+    const uint8_t* wb = w + kQ4TileBytes * b;
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
+      // [features 0..7 | 8..15] x [k0 + j per half]: nibbles (j: byte order of each half)
+      const __m256i nib[2] = {_mm256_shuffle_epi8(_mm256_and_si256(v, low4), split),
+                              _mm256_shuffle_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), split)};
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m256i half = nib[j >> 1];
+        const __m128i a = _mm256_castsi256_si128(half), z = _mm256_extracti128_si256(half, 1);
+        const __m128i first = (j & 1) ? _mm_srli_si128(a, 8) : a, second = (j & 1) ? _mm_srli_si128(z, 8) : z;
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(first));   // features 0..7
+        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(second));  // features 8..15
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const __m256 xj = _mm256_broadcast_ss(x + r * K + kBlock * b + 4 * c + j);
+          s[r][0] = _mm256_fmadd_ps(w0, xj, s[r][0]);
+          s[r][1] = _mm256_fmadd_ps(w1, xj, s[r][1]);
+        }
+      }
+    }
+    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + kQ4Tile * b)));
+    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + kQ4Tile * b + 8)));
+    const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + kQ4Tile * b)));
+    const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + kQ4Tile * b + 8)));
+    for (int r = 0; r < R; ++r) {
+      const __m256 sum = _mm256_set1_ps(xsum[r * blocks + b]);
+      y[r][0] = _mm256_fmadd_ps(m0, sum, _mm256_fmadd_ps(d0, s[r][0], y[r][0]));
+      y[r][1] = _mm256_fmadd_ps(m1, sum, _mm256_fmadd_ps(d1, s[r][1], y[r][1]));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * N, y[r][0]);
+    _mm256_storeu_ps(out + r * N + 8, y[r][1]);
+  }
+}
+
+using Q4TileF32 = void (*)(const uint16_t*, const uint16_t*, const uint8_t*, const float*, const float*, int64_t,
+                           int64_t, float*, int64_t);
+constexpr Q4TileF32 kQ4TilesF32[] = {q4_tile_f32<1>, q4_tile_f32<2>, q4_tile_f32<3>, q4_tile_f32<4>};
+
+// Each row's sum over each block of 32 inputs: four vectors of 8, added pairwise, then the 8 lanes
+// in a fixed order.
+__attribute__((target("avx2,fma")))
+void q4_block_sums_f32(const float* x, int64_t M, int64_t K, float* xsum) {
+  const int64_t blocks = K / kBlock;
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = x + r * K + kBlock * b;
+      const __m256 v = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                                     _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
+      const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+      const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+      xsum[r * blocks + b] = _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
+    }
+  }
+}
+
+// x [M, K] float32 @ the native layout's Q4_1 matrix -> [M, N] float32; threads split the tiles.
+at::Tensor q4_matmul_f32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m) {
+  TORCH_CHECK(has_avx2_fma(), "q4_matmul: float32 activations need AVX2, FMA and F16C (kernels/int4.py checks "
+              "q4_native first)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "q4_matmul: x [M, K] float32");
+  const at::Tensor xin = x.contiguous();
+  const int64_t M = xin.size(0), K = xin.size(1), blocks = K / kBlock, tiles = d.size(0), N = tiles * kQ4Tile;
+  TORCH_CHECK(K % kBlock == 0 && codes.scalar_type() == at::kByte && codes.numel() == N * K / 2,
+              "q4_matmul: codes of [N, K] in the native layout, K a multiple of 32");
+  TORCH_CHECK(d.sizes() == at::IntArrayRef({tiles, blocks, kQ4Tile}) && m.sizes() == d.sizes() &&
+              d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf, "q4_matmul: d, m [N/16, K/32, 16] float16");
+  std::vector<float> xsum(M * blocks);
+  const float* xp = xin.data_ptr<float>();
+  q4_block_sums_f32(xp, M, K, xsum.data());
+  at::Tensor out = at::empty({M, N}, xin.options());
+  float* op = out.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t r0 = 0; r0 < M; r0 += kTileF32) {
+        const int64_t rows = std::min<int64_t>(kTileF32, M - r0);
+        kQ4TilesF32[rows - 1](dp + t * blocks * kQ4Tile, mp + t * blocks * kQ4Tile, cp + t * blocks * kQ4TileBytes,
+                              xp + r0 * K, xsum.data() + r0 * blocks, blocks, K, op + r0 * N + t * kQ4Tile, N);
+      }
+    }
+  });
+  return out;
+}
+
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
                      bool int8) {
+  if (x.scalar_type() == at::kFloat) {
+    TORCH_CHECK(!int8, "q4_matmul: 8-bit activations are for bfloat16 inputs");
+    return q4_matmul_f32(x, codes, d, m);
+  }
   const at::Tensor xin = x.contiguous();
   Q4Scratch scratch;
   at::Tensor out;
@@ -451,6 +623,41 @@ float dot_generic(const float* q, const T* k, int64_t D) {
   float total = 0.0f;
   for (float v : lanes) total += v;
   return total;
+}
+
+// AVX2: 8 values of a row as float32, and the generic paths below computed 8 lanes at a time — the
+// same fused multiply-adds on the same lanes and the lanes summed in index order, so the same bits
+// as the generic paths (D a multiple of 16).
+template <typename T>
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  }
+}
+
+template <typename T>
+__attribute__((target("avx2,fma")))
+float dot_avx2(const float* q, const T* k, int64_t D) {
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();  // lanes 0..7 and 8..15 of dot_generic
+  for (int64_t i = 0; i < D; i += 16) {
+    lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), lo);
+    hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8(k + i + 8), hi);
+  }
+  float lanes[16];
+  _mm256_storeu_ps(lanes, lo);
+  _mm256_storeu_ps(lanes + 8, hi);
+  float total = 0.0f;
+  for (float v : lanes) total += v;
+  return total;
+}
+
+template <typename T>
+__attribute__((target("avx2,fma")))
+void axpy_avx2(float w, const T* v, float* out, int64_t D) {
+  const __m256 scale = _mm256_set1_ps(w);
+  for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(out + i, _mm256_fmadd_ps(scale, load8(v + i), _mm256_loadu_ps(out + i)));
 }
 
 // out[0..D) += w * v[0..D), in float32.
@@ -594,7 +801,8 @@ struct Attention {
   const int64_t *depth, *path;
   int64_t kv_len, B, T_, width, L, Hq, Hkv, D, window;
   float scale;
-  bool wide;
+  bool wide;  // the AVX-512 paths (D a multiple of 16)
+  bool avx2;  // else the AVX2 paths: the generic paths' bits (D a multiple of 16)
 
   T* cache_at(T* cache, int64_t slot, int64_t head, int64_t pos) const { return cache + ((slot * Hkv + head) * L + pos) * D; }
 
@@ -645,7 +853,8 @@ struct Attention {
         const int64_t j = rows.at(i - lo);
         const int64_t slot = sources != nullptr ? sources[b * kv_len + j] : slots[b];
         const T* k = cache_at(kc, slot, g, j);
-        const float s = (wide ? dot_avx512(q.data(), k, D) : dot_generic(q.data(), k, D)) * scale;
+        const float s = (wide ? dot_avx512(q.data(), k, D) : avx2 ? dot_avx2(q.data(), k, D)
+                                                                   : dot_generic(q.data(), k, D)) * scale;
         weights[i - lo] = s;
         top = std::max(top, s);
       }
@@ -659,7 +868,13 @@ struct Attention {
         const int64_t j = rows.at(i - lo);
         const int64_t slot = sources != nullptr ? sources[b * kv_len + j] : slots[b];
         const T* v = cache_at(vc, slot, g, j);
-        if (wide) axpy_avx512(weights[i - lo], v, acc.data(), D); else axpy_generic(weights[i - lo], v, acc.data(), D);
+        if (wide) {
+          axpy_avx512(weights[i - lo], v, acc.data(), D);
+        } else if (avx2) {
+          axpy_avx2(weights[i - lo], v, acc.data(), D);
+        } else {
+          axpy_generic(weights[i - lo], v, acc.data(), D);
+        }
       }
       for (int64_t i = 0; i < D; ++i) store_value(dst + i, acc[i] / total);
     }
@@ -679,7 +894,8 @@ struct AttentionCall {
             sin_table.data_ptr<T>(), out.data_ptr<T>(), slots.data(), starts.data(),
             sources.defined() ? sources.data_ptr<int64_t>() : nullptr, depth.empty() ? nullptr : depth.data(),
             path.empty() ? nullptr : path.data(), kv_len, qkv.size(0), qkv.size(1), qkv.size(2),
-            k_cache.size(2), Hq, Hkv, D, window, static_cast<float>(scale), has_avx512() && D % 16 == 0};
+            k_cache.size(2), Hq, Hkv, D, window, static_cast<float>(scale), has_avx512() && D % 16 == 0,
+            !has_avx512() && has_avx2_fma() && D % 16 == 0};
   }
 };
 
@@ -1256,7 +1472,8 @@ std::vector<at::Tensor> race_candidates(const at::Tensor& probs, const at::Tenso
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("q4_matmul", &q4_matmul, "x [M, K] bfloat16 @ Q4_1 codes in the native layout -> [M, N] bfloat16",
+  module.def("q4_matmul", &q4_matmul,
+             "x [M, K] bfloat16 (float32) @ Q4_1 codes in the native layout -> [M, N] bfloat16 (float32)",
              pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("d"), pybind11::arg("m"),
              pybind11::arg("int8") = false);
   module.def("q8_matmul", &q8_matmul, "x [M, K] @ Q8_0 codes [N, K] (d [N, K/32]) -> [M, N] float32");
@@ -1270,6 +1487,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
                           std::vector<int64_t>, bool>())
       .def("forward", &LayerStack::forward);
   module.def("attention", &attention, "RoPE, the cache write and attention over each row's own keys, for one layer");
+  module.def("has_avx2_fma", &has_avx2_fma, "whether float32 activations take the native 4-bit and 8-bit paths");
   module.def("has_avx512", &has_avx512, "whether the AVX-512 paths run on this CPU");
   module.def("has_avx512_bf16", &has_avx512_bf16, "whether bfloat16 activations take the dot-product path");
   module.def("has_avx512_vnni", &has_avx512_vnni, "whether 8-bit activations can take the integer dot-product path");

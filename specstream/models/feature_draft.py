@@ -138,7 +138,9 @@ def load_feature_draft(path: str | Path, resolve: Callable[[str], Path], dtype: 
                              f"trained with (specstream.target.sha256 {digest[:16]}...): a different target model")
     rows = out[head.output_ids].contiguous()  # [N, H]
     torch_dtype = DTYPES[dtype]
-    int4 = weights in ("int4", "int4-rtn") or (weights == "auto" and q4_native(torch_dtype))
+    # auto rounds the head to 4 bits in bfloat16 only, as load_model rounds a dense draft
+    int4 = weights in ("int4", "int4-rtn") or (weights == "auto" and torch_dtype == torch.bfloat16
+                                               and q4_native(torch_dtype))
     swapped = head.serve(torch_dtype, int4, parts)
     served_rows = Q4Weight.from_parts(*rtn_parts(rows), torch_dtype) if int4 and Q4Weight.fits(*rows.shape) \
         else rows.to(torch_dtype)

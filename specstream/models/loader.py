@@ -29,7 +29,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kernels import native
-from kernels.int4 import Q4_FILE, unpack_codes
+from kernels.int4 import Q4_FILE, q4_native, unpack_codes
 from specstream.data.config import WEIGHT_FORMATS
 from specstream.models.base import CausalLM
 from specstream.models.config import CONFIG_PARSERS, ModelConfig, ModelLoadError, parse_config
@@ -327,11 +327,16 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
             f"{own.describe}: unexpected tensor(s) {shown} not used by {config.architecture} "
             f"as configured in config.json (num_hidden_layers={config.num_layers})"
         )
-    # auto: the int4 kernel is vectorised for bfloat16; in float32 it is slower than dense matmuls.
-    fast = torch_dtype == torch.bfloat16 and torch.device(device).type == "cpu"
+    # auto: the checkpoint's own 4-bit matrices wherever a 4-bit kernel beats dense matmuls: bfloat16
+    # on a CPU, and float32 on one the native kernel serves (AVX2; ATen's kernel is slower than dense
+    # matmuls in float32). A dense draft is rounded to 4 bits in bfloat16 only: in float32 rounding
+    # would move its acceptance for a gain not measured.
+    cpu = torch.device(device).type == "cpu"
+    bf16 = cpu and torch_dtype == torch.bfloat16
     served = weights
     if weights == "auto":
-        served = "int4" if fast and q4_file.is_file() else "int4-rtn" if fast and draft else "dense"
+        own = q4_file.is_file() and (bf16 or (cpu and q4_native(torch_dtype)))
+        served = "int4" if own else "int4-rtn" if bf16 and draft else "dense"
     swapped = (_use_q4(model, q4_file) if served == "int4" else model.quantize_int4() if served == "int4-rtn"
                else 0)
     if swapped == 0 and weights in ("int4", "int4-rtn"):  # asked for; auto falls back to dense quietly
