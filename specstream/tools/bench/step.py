@@ -373,20 +373,25 @@ def _measure(models: BenchModels, progress: Progress) -> dict:
                              threads: on_torch_thread(read_bandwidth_gbs, threads)}
     data["bound_ms"] = data["bytes"]["total"] / data["bandwidth_gbs"][threads] / 1e6
     progress.update()
-    progress.phase("step: our forward, fused, op by op, with 8-bit activations and on ATen's int4 kernel")
-    variants = {"ours": (model, True), "ours_op_by_op": (model, False)}
+    progress.phase("step: our forward, fused, op by op, with 8-bit activations, on ATen's int4 kernel and dense")
+    variants = {"ours": (model, True)}
+    if _fused(model):
+        variants["ours_op_by_op"] = (model, False)
     int8 = models.load("target")
     if _int8_ready(int8):
         variants["ours_int8_activations"] = (int8, True, True)
     old = models.load("target")
-    if on_torch_thread(with_aten_int4, old):
+    # how a bfloat16 step ran before our kernel; in float32 ATen's kernel never served (dense did)
+    if model.dtype == torch.bfloat16 and on_torch_thread(with_aten_int4, old):
         variants["ours_aten_int4"] = (old, False)
+    dense = on_torch_thread(load_model, models.target, dtype=models.dtype, resolve=resolve_model, weights="dense")
+    if not model.weights.startswith("dense"):
+        variants["dense"] = (dense, True)
     data.update(on_torch_thread(forward_curves, variants))
     del old
     progress.update()
     progress.phase("step: logits against the file's exact values")
     exact = on_torch_thread(load_model, models.target, dtype="float32", resolve=resolve_model, weights="dense")
-    dense = on_torch_thread(load_model, models.target, dtype=models.dtype, resolve=resolve_model, weights="dense")
     prompts = models.prompts(ACCURACY_PROMPTS)
     checked = {"dense": (dense, True), "ours": (model, True),
                **({"ours_int8_activations": variants["ours_int8_activations"]}
@@ -416,11 +421,15 @@ def _measure(models: BenchModels, progress: Progress) -> dict:
     return data
 
 
+def _fused(model) -> bool:
+    """Whether some of ``model``'s layers run as one native call (bfloat16 on the native 4-bit kernel)."""
+    return any(stack is not None for _, stack in model.native_runs(model.dtype))
+
+
 def _int8_ready(model) -> bool:
     """Whether ``model`` runs native layers that can take 8-bit activations (AVX-512 VNNI)."""
     library = native.library()
-    return (library is not None and library.has_avx512_vnni()
-            and any(stack is not None for _, stack in model.native_runs(model.dtype)))
+    return library is not None and library.has_avx512_vnni() and _fused(model)
 
 
 def _measure_peer(models: BenchModels, data: dict, progress: Progress) -> None:
@@ -500,14 +509,18 @@ def tables(data: dict, markdown: bool = False) -> str:
     peer = data.get("llama_cpp") or {}
     old = data.get("ours_aten_int4") or {}
     int8 = data.get("ours_int8_activations") or {}
-    ops = data["ours_op_by_op"]
-    rows = [[n, data["ours"][n], data["verify_over_step"][n], TARGETS.get(n, "-"), ops[n],
+    ops = data.get("ours_op_by_op") or {}
+    dense = data.get("dense") or {}
+    rows = [[n, data["ours"][n], data["verify_over_step"][n], TARGETS.get(n, "-"), *([ops[n]] if ops else []),
              *([int8[n], int8[n] / int8[1]] if int8 else []),
              *([old[n], old[n] / old[1]] if old else []),
+             *([dense[n], dense[n] / data["ours"][n]] if dense else []),
              *([peer[n], data["llama_cpp_verify_over_step"][n]] if peer else [])] for n in data["ours"]]
-    headers = ["positions", "ours ms", "÷ step", "target", "op by op ms",
+    headers = ["positions", "ours ms", "÷ step", "target", *(["op by op ms"] if ops else []),
                *(["8-bit activations ms", "÷ step"] if int8 else []),
-               *(["ATen int4 ms", "÷ step"] if old else []), *(["llama.cpp ms", "÷ step"] if peer else [])]
+               *(["ATen int4 ms", "÷ step"] if old else []),
+               *([f"dense {data['dtype']} ms", "÷ ours"] if dense else []),
+               *(["llama.cpp ms", "÷ step"] if peer else [])]
     names = {"dense": f"dense {data['dtype']}", "ours": "ours, as served", "ours_int8_activations":
              "ours, 8-bit activations", "llama_cpp": "llama.cpp"}
     accuracy = [[names.get(k, k), a["mean_abs"], a["max_abs"], a["top1_agree"]]
@@ -545,7 +558,10 @@ def _plot(data: dict, path: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     series: dict[str, Callable[[], dict]] = {"ours": lambda: data["ours"]}
-    series["ours, layers op by op"] = lambda: data["ours_op_by_op"]
+    if data.get("ours_op_by_op"):
+        series["ours, layers op by op"] = lambda: data["ours_op_by_op"]
+    if data.get("dense"):
+        series[f"dense {data['dtype']}"] = lambda: data["dense"]
     for matmul, c in (data.get("compiled") or {}).items():
         series[f"torch.compile, static cache ({matmul})"] = lambda c=c: {int(n): ms for n, ms in c["compiled"].items()}
     if data.get("ours_int8_activations"):
