@@ -54,14 +54,17 @@ def with_kept_layers(final: torch.Tensor, kept: list[torch.Tensor], eps: float) 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm with transformers' rounding: normalise in float32, round to x's dtype, then scale.
-    bfloat16 on CPU takes the native op where it is built (kernels/csrc/cpu_ops.cpp): the very
-    arithmetic of the native decoder layer, so a model gives the same bits op by op and fused."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)  # one fused op on the fp32 path
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and weight.dtype == torch.bfloat16:
+    On CPU, bfloat16 and float32 without gradients take the native op where it is built
+    (kernels/csrc/cpu_ops.cpp): one call instead of the ~8 ops torch dispatches for it, and in
+    bfloat16 the very arithmetic of the native decoder layer, so a model gives the same bits op by
+    op and fused."""
+    if (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and weight.dtype == x.dtype
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         library = native.library()
         if library is not None:
             return library.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one fused op on the fp32 path
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
