@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from hardware import NEEDS_Q4_NATIVE
+from hardware import NEEDS_Q4_NATIVE, NEEDS_Q4_NATIVE_F32
 
 from kernels import native
 from kernels.int4 import Q4Weight
@@ -211,15 +211,16 @@ def test_native_rms_norm_matches_the_torch_formula_and_keeps_rows_apart() -> Non
     assert torch.equal(torch.cat([library.rms_norm(x[i:i + 1], weight, 1e-5) for i in range(40)]), got)
 
 
-@NEEDS_Q4_NATIVE
-def test_the_fused_layer_gives_the_bits_of_the_layer_op_by_op(tmp_path, monkeypatch) -> None:
-    """A bfloat16 model with 4-bit projections runs each layer as one native call; op by op
-    (``FUSED_LAYERS`` off) it must give the same logits bit for bit: in a prefill, decode steps,
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=NEEDS_Q4_NATIVE),
+                                   pytest.param(torch.float32, marks=NEEDS_Q4_NATIVE_F32)], ids=str)
+def test_the_fused_layer_gives_the_bits_of_the_layer_op_by_op(tmp_path, monkeypatch, dtype) -> None:
+    """A bfloat16 or float32 model with 4-bit projections runs each layer as one native call; op by
+    op (``FUSED_LAYERS`` off) it must give the same logits bit for bit: in a prefill, decode steps,
     verify windows of 2..16, rows of different lengths together, and after a rollback."""
     from specstream.models import llama
 
-    model = _tiny_model(tmp_path, "bfloat16", "int4-rtn", num_hidden_layers=3)
-    assert all(layer.native_weights(torch.bfloat16) is not None for layer in model.layers)
+    model = _tiny_model(tmp_path, str(dtype).removeprefix("torch."), "int4-rtn", num_hidden_layers=3)
+    assert all(layer.native_weights(dtype) is not None for layer in model.layers)
     gen = torch.Generator().manual_seed(13)
     prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (9, 14, 20)]
 
@@ -235,13 +236,13 @@ def test_the_fused_layer_gives_the_bits_of_the_layer_op_by_op(tmp_path, monkeypa
         return out
 
     gen.manual_seed(14)
-    runs = model.native_runs(torch.bfloat16)
+    runs = model.native_runs(dtype)
     assert len(runs) == 1 and runs[0][1].layers == (0, 1, 2)  # all three layers in one call
     fused = run()
-    assert model.native_runs(torch.bfloat16) is runs  # built once, kept between forwards
+    assert model.native_runs(dtype) is runs  # built once, kept between forwards
     monkeypatch.setattr(llama, "FUSED_LAYERS", False)
-    assert model.layers[0].native_weights(torch.bfloat16) is None
-    assert [stack for _, stack in model.native_runs(torch.bfloat16)] == [None]
+    assert model.layers[0].native_weights(dtype) is None
+    assert [stack for _, stack in model.native_runs(dtype)] == [None]
     gen.manual_seed(14)
     op_by_op = run()
     assert all(torch.equal(a, b) for a, b in zip(fused, op_by_op))
@@ -251,8 +252,8 @@ def test_the_fused_layer_gives_the_bits_of_the_layer_op_by_op(tmp_path, monkeypa
     # reference here is the model with that same matrix, op by op).
     monkeypatch.setattr(llama, "FUSED_LAYERS", True)
     middle = model.layers[1]
-    middle.o_w = Q4Weight.from_parts(*middle.o_w.parts(), torch.bfloat16, use_native=False)
-    assert [(list(layers), stack is None) for layers, stack in model.native_runs(torch.bfloat16)] == \
+    middle.o_w = Q4Weight.from_parts(*middle.o_w.parts(), dtype, use_native=False)
+    assert [(list(layers), stack is None) for layers, stack in model.native_runs(dtype)] == \
         [([0], False), ([1], True), ([2], False)]
     gen.manual_seed(14)
     mixed = run()

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <algorithm>
 #include <type_traits>
 #include <utility>
@@ -535,44 +536,63 @@ void q4_block_sums_f32(const float* x, int64_t M, int64_t K, float* xsum) {
   }
 }
 
-// x [M, K] float32 @ the native layout's Q4_1 matrix -> [M, N] float32; threads split the tiles.
-at::Tensor q4_matmul_f32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m) {
+// One float32 call's operands (`q4_matmul` and `LayerStack`): x [M, K] rows, each row's block sums,
+// the weight in the native layout, out [M, N].
+struct Q4CallF32 {
+  const float* x;
+  float* xsum;  // [M, K/32]
+  const uint8_t* codes;
+  const uint16_t* d;
+  const uint16_t* m;
+  int64_t M, K, blocks, tiles, N;
+  float* out;
+};
+
+Q4CallF32 q4_call_f32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
+                      std::vector<float>& xsum, at::Tensor& out) {
   TORCH_CHECK(has_avx2_fma(), "q4_matmul: float32 activations need AVX2, FMA and F16C (kernels/int4.py checks "
               "q4_native first)");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "q4_matmul: x [M, K] float32");
-  const at::Tensor xin = x.contiguous();
-  const int64_t M = xin.size(0), K = xin.size(1), blocks = K / kBlock, tiles = d.size(0), N = tiles * kQ4Tile;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "q4_matmul: x [M, K] float32");
+  const int64_t M = x.size(0), K = x.size(1), blocks = K / kBlock, tiles = d.size(0), N = tiles * kQ4Tile;
   TORCH_CHECK(K % kBlock == 0 && codes.scalar_type() == at::kByte && codes.numel() == N * K / 2,
               "q4_matmul: codes of [N, K] in the native layout, K a multiple of 32");
   TORCH_CHECK(d.sizes() == at::IntArrayRef({tiles, blocks, kQ4Tile}) && m.sizes() == d.sizes() &&
               d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf, "q4_matmul: d, m [N/16, K/32, 16] float16");
-  std::vector<float> xsum(M * blocks);
-  const float* xp = xin.data_ptr<float>();
-  q4_block_sums_f32(xp, M, K, xsum.data());
-  at::Tensor out = at::empty({M, N}, xin.options());
-  float* op = out.data_ptr<float>();
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
-  const uint16_t* mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      for (int64_t r0 = 0; r0 < M; r0 += kTileF32) {
-        const int64_t rows = std::min<int64_t>(kTileF32, M - r0);
-        kQ4TilesF32[rows - 1](dp + t * blocks * kQ4Tile, mp + t * blocks * kQ4Tile, cp + t * blocks * kQ4TileBytes,
-                              xp + r0 * K, xsum.data() + r0 * blocks, blocks, K, op + r0 * N + t * kQ4Tile, N);
-      }
+  xsum.resize(M * blocks);
+  if (!out.defined()) out = at::empty({M, N}, x.options());
+  TORCH_CHECK(out.sizes() == at::IntArrayRef({M, N}) && out.is_contiguous() && out.scalar_type() == at::kFloat,
+              "q4_matmul: out [M, N] float32");
+  return {x.data_ptr<float>(), xsum.data(), codes.data_ptr<uint8_t>(),
+          reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>()),
+          M, K, blocks, tiles, N, out.data_ptr<float>()};
+}
+
+void q4_prepare(const Q4CallF32& c) { q4_block_sums_f32(c.x, c.M, c.K, c.xsum); }
+
+// Output tiles [begin, end) of 16 features for every row: a thread's share.
+void q4_tiles(const Q4CallF32& c, int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end; ++t) {
+    for (int64_t r0 = 0; r0 < c.M; r0 += kTileF32) {
+      const int64_t rows = std::min<int64_t>(kTileF32, c.M - r0);
+      kQ4TilesF32[rows - 1](c.d + t * c.blocks * kQ4Tile, c.m + t * c.blocks * kQ4Tile,
+                            c.codes + t * c.blocks * kQ4TileBytes, c.x + r0 * c.K, c.xsum + r0 * c.blocks, c.blocks,
+                            c.K, c.out + r0 * c.N + t * kQ4Tile, c.N);
     }
-  });
-  return out;
+  }
 }
 
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
                      bool int8) {
-  if (x.scalar_type() == at::kFloat) {
-    TORCH_CHECK(!int8, "q4_matmul: 8-bit activations are for bfloat16 inputs");
-    return q4_matmul_f32(x, codes, d, m);
-  }
   const at::Tensor xin = x.contiguous();
+  if (x.scalar_type() == at::kFloat) {  // AVX2: x [M, K] float32 -> [M, N] float32
+    TORCH_CHECK(!int8, "q4_matmul: 8-bit activations are for bfloat16 inputs");
+    std::vector<float> xsum;
+    at::Tensor out;
+    const Q4CallF32 call = q4_call_f32(xin, codes, d, m, xsum, out);
+    q4_prepare(call);
+    at::parallel_for(0, call.tiles, 1, [&](int64_t begin, int64_t end) { q4_tiles(call, begin, end); });
+    return out;
+  }
   Q4Scratch scratch;
   at::Tensor out;
   const Q4Call call = q4_call(xin, codes, d, m, int8, scratch, out);
@@ -976,13 +996,15 @@ at::Tensor attention(const at::Tensor& qkv, at::Tensor k_cache, at::Tensor v_cac
 
 
 // ---------------------------------------------------------------------------------------------------
-// Llama decoder layers in one call, for bfloat16 activations and 4-bit projections on the native
-// kernel (specstream/models/llama.py, `_LlamaLayer.native_weights`, decides when): the ~20 small
-// torch ops a layer dispatches one by one from Python (two RMS norms, the residual adds, the split
-// of the fused projections) cost more than its matrix products on a small model. Each step keeps the eager layer's rounding (specstream/models/
-// llama.py): RMS norm normalised in float32 and rounded to bfloat16 before the weight's product; the
-// residual adds, the activation and its product with `up` rounded to bfloat16 as torch does; every
-// row computed on its own, so the layer stays batch-invariant.
+// Llama decoder layers in one call, for bfloat16 or float32 activations and 4-bit projections on
+// the native kernel (specstream/models/llama.py, `_LlamaLayer.native_weights`, decides when): the ~20
+// small torch ops a layer dispatches one by one from Python (two RMS norms, the residual adds, the
+// split of the fused projections) cost more than its matrix products on a small model. Each step
+// keeps the eager layer's rounding (specstream/models/llama.py): in bfloat16, RMS norm normalised in
+// float32 and rounded to bfloat16 before the weight's product, the residual adds, the activation and
+// its product with `up` rounded to bfloat16 as torch does; in float32, the native RMS norm and
+// float32 adds, as the eager layer computes them; every row computed on its own, so the layer stays
+// batch-invariant.
 
 inline uint16_t to_bf16(float f) {  // round to nearest even, as torch converts
   uint32_t bits;
@@ -1055,29 +1077,70 @@ std::pair<int64_t, int64_t> share(int64_t n, int tid, int team) {
 // sixth of a step on a small model. Every element is computed exactly as the phase-by-phase ops
 // compute it (specstream/models/llama.py's layer), so the result is the same bits.
 //
-// Each layer's operands: input norm, post-attention norm (bfloat16 [H]), then qkv, o, gate_up, down,
-// each as (codes, d, m) in the native layout: 14 tensors.
-class LayerStack {
+// Each layer's operands: input norm, post-attention norm ([H], the activations' dtype), then qkv, o,
+// gate_up, down, each as (codes, d, m) in the native layout: 14 tensors. Activations are bfloat16
+// (AVX-512 BF16) or float32 (AVX2): `Act` below names what differs between them.
+template <typename E>
+struct Act;
+
+template <>
+struct Act<uint16_t> {  // bfloat16: rounded after every step, as torch rounds
+  using Call = Q4Call;
+  using Scratch = Q4Scratch;
+  using Cache = at::BFloat16;
+  static constexpr at::ScalarType kType = at::kBFloat16;
+  static float load(uint16_t v) { return bf16_to_float(v); }
+  static uint16_t store(float f) { return to_bf16(f); }
+  static uint16_t* data(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+  static Call call(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, bool int8,
+                   Scratch& scratch, at::Tensor& out) {
+    return q4_call(x, codes, d, m, int8, scratch, out);
+  }
+  static void rms(const uint16_t* x, const uint16_t* w, int64_t H, double eps, uint16_t* out) {
+    rms_row(x, w, H, eps, out);
+  }
+};
+
+template <>
+struct Act<float> {  // float32
+  using Call = Q4CallF32;
+  using Scratch = std::vector<float>;
+  using Cache = float;
+  static constexpr at::ScalarType kType = at::kFloat;
+  static float load(float v) { return v; }
+  static float store(float f) { return f; }
+  static float* data(const at::Tensor& t) { return t.data_ptr<float>(); }
+  static Call call(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, bool int8,
+                   Scratch& scratch, at::Tensor& out) {
+    TORCH_CHECK(!int8, "LayerStack: 8-bit activations are for bfloat16 layers");
+    return q4_call_f32(x, codes, d, m, scratch, out);
+  }
+  static void rms(const float* x, const float* w, int64_t H, double eps, float* out) { rms_row_f32(x, w, H, eps, out); }
+};
+
+template <typename E>
+class LayerStackOf {
+  using A = Act<E>;
  public:
-  LayerStack(std::vector<std::vector<at::Tensor>> layers, double eps, int64_t num_heads, int64_t num_kv_heads,
-             int64_t head_dim, double scale, std::vector<int64_t> windows, bool int8)
+  LayerStackOf(std::vector<std::vector<at::Tensor>> layers, double eps, int64_t num_heads, int64_t num_kv_heads,
+               int64_t head_dim, double scale, std::vector<int64_t> windows, bool int8)
       : layers_(std::move(layers)), eps_(eps), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
         head_dim_(head_dim), scale_(scale), windows_(std::move(windows)), int8_(int8) {
     TORCH_CHECK(!layers_.empty() && windows_.size() == layers_.size(), "LayerStack: one window per layer");
     for (const auto& l : layers_) {
       TORCH_CHECK(l.size() == 14, "LayerStack: 2 norms and 4 projections as (codes, d, m) per layer");
-      TORCH_CHECK(l[0].scalar_type() == at::kBFloat16 && l[1].scalar_type() == at::kBFloat16 && l[0].is_contiguous() &&
-                  l[1].is_contiguous() && l[0].numel() == l[1].numel(), "LayerStack: norm weights [H] bfloat16");
+      TORCH_CHECK(l[0].scalar_type() == A::kType && l[1].scalar_type() == A::kType && l[0].is_contiguous() &&
+                  l[1].is_contiguous() && l[0].numel() == l[1].numel(), "LayerStack: norm weights [H] of the activations' dtype");
     }
   }
 
-  // x [B, T, H] bfloat16; k, v: each layer's cache; the rest as `attention` takes them. -> [B, T, H]
+  // x [B, T, H] (bfloat16 or float32, as the norms); k, v: each layer's cache; the rest as `attention` takes them. -> [B, T, H]
   at::Tensor forward(const at::Tensor& x, const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v,
                      const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& slots,
                      const at::Tensor& starts, const c10::optional<at::Tensor>& sources,
                      const c10::optional<at::Tensor>& parents) const {
     const int64_t L = layers_.size();
-    TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16, "LayerStack: x [B, T, H] bfloat16");
+    TORCH_CHECK(x.dim() == 3 && x.scalar_type() == A::kType, "LayerStack: x [B, T, H] of the norms' dtype");
     TORCH_CHECK(int64_t(k.size()) == L && int64_t(v.size()) == L, "LayerStack: a cache per layer");
     const int64_t B = x.size(0), T_ = x.size(1), H = x.size(2), M = B * T_;
     TORCH_CHECK(layers_[0][0].numel() == H, "LayerStack: norm weights of ", H);
@@ -1087,16 +1150,16 @@ class LayerStack {
     at::Tensor outs[2] = {at::empty({M, H}, opts), at::empty({M, H}, opts)};
     AttentionCall attn_call;
     at::Tensor qkv, hidden, gate_up, act, down;
-    Q4Scratch sums[4];
+    typename A::Scratch sums[4];
     std::vector<Layer> work;
     for (int64_t l = 0; l < L; ++l) {
       const auto& w = layers_[l];
       Layer layer;
-      layer.x = bf16_data(l == 0 ? rows : outs[(l - 1) % 2]);
-      layer.out = bf16_data(outs[l % 2]);
-      layer.in_w = bf16_data(w[0]);
-      layer.post_w = bf16_data(w[1]);
-      layer.qkv = q4_call(normed, w[2], w[3], w[4], int8_, sums[0], qkv);
+      layer.x = A::data(l == 0 ? rows : outs[(l - 1) % 2]);
+      layer.out = A::data(outs[l % 2]);
+      layer.in_w = A::data(w[0]);
+      layer.post_w = A::data(w[1]);
+      layer.qkv = A::call(normed, w[2], w[3], w[4], int8_, sums[0], qkv);
       const at::Tensor qkv3 = qkv.view({B, T_, qkv.size(1)});
       if (l == 0) {
         attn_call = attention_call(qkv3, k[0], v[0], cos_table, sin_table, slots, starts, sources, parents,
@@ -1107,20 +1170,20 @@ class LayerStack {
                     v[l].scalar_type() == k[0].scalar_type(), "LayerStack: every layer's cache like the first's");
       }
       at::Tensor kl = k[l], vl = v[l];
-      layer.attn = attn_call.bind<at::BFloat16>(qkv3, kl, vl, cos_table, sin_table, num_heads_, num_kv_heads_,
+      layer.attn = attn_call.bind<typename A::Cache>(qkv3, kl, vl, cos_table, sin_table, num_heads_, num_kv_heads_,
                                                 head_dim_, scale_, windows_[l]);
-      layer.o = q4_call(attn_call.out.view({M, attn_call.out.size(2)}), w[5], w[6], w[7], int8_, sums[1], hidden);
+      layer.o = A::call(attn_call.out.view({M, attn_call.out.size(2)}), w[5], w[6], w[7], int8_, sums[1], hidden);
       TORCH_CHECK(hidden.size(1) == H, "LayerStack: o_proj gives ", hidden.size(1), " features, not ", H);
-      layer.gate_up = q4_call(normed2, w[8], w[9], w[10], int8_, sums[2], gate_up);
+      layer.gate_up = A::call(normed2, w[8], w[9], w[10], int8_, sums[2], gate_up);
       const int64_t I = gate_up.size(1) / 2;
       if (!act.defined()) act = at::empty({M, I}, opts);
       TORCH_CHECK(act.size(1) == I, "LayerStack: every layer's intermediate size like the first's");
-      layer.down = q4_call(act, w[11], w[12], w[13], int8_, sums[3], down);
+      layer.down = A::call(act, w[11], w[12], w[13], int8_, sums[3], down);
       TORCH_CHECK(down.size(1) == H, "LayerStack: down_proj gives ", down.size(1), " features, not ", H);
       work.push_back(layer);
     }
-    Shared shared{M, H, B * T_, B * T_ * num_heads_, eps_, bf16_data(normed), bf16_data(normed2), bf16_data(hidden),
-                  bf16_data(down), gate_up, act};
+    Shared shared{M, H, B * T_, B * T_ * num_heads_, eps_, A::data(normed), A::data(normed2), A::data(hidden),
+                  A::data(down), gate_up, act};
     const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
 #pragma omp parallel num_threads(threads)
     {
@@ -1132,15 +1195,15 @@ class LayerStack {
 
  private:
   struct Layer {
-    const uint16_t *x, *in_w, *post_w;
-    uint16_t* out;
-    Q4Call qkv, o, gate_up, down;
-    Attention<at::BFloat16> attn;
+    const E *x, *in_w, *post_w;
+    E* out;
+    typename A::Call qkv, o, gate_up, down;
+    Attention<typename A::Cache> attn;
   };
   struct Shared {  // the scratch every layer reuses
     int64_t M, H, positions, heads;
     double eps;
-    uint16_t *normed, *normed2, *hidden, *down;
+    E *normed, *normed2, *hidden, *down;
     at::Tensor gate_up, act;
   };
 
@@ -1149,7 +1212,7 @@ class LayerStack {
     const int64_t M = s.M, H = s.H, I = s.act.size(1);
 #pragma omp single
     {
-      for (int64_t r = 0; r < M; ++r) rms_row(l.x + r * H, l.in_w, H, s.eps, s.normed + r * H);
+      for (int64_t r = 0; r < M; ++r) A::rms(l.x + r * H, l.in_w, H, s.eps, s.normed + r * H);
       q4_prepare(l.qkv);
     }  // (a single ends at a barrier)
     auto [q0, q1] = share(l.qkv.tiles, tid, team);
@@ -1168,8 +1231,8 @@ class LayerStack {
 #pragma omp barrier
 #pragma omp single
     {
-      for (int64_t i = 0; i < M * H; ++i) s.hidden[i] = to_bf16(bf16_to_float(s.hidden[i]) + bf16_to_float(l.x[i]));  // o + x
-      for (int64_t r = 0; r < M; ++r) rms_row(s.hidden + r * H, l.post_w, H, s.eps, s.normed2 + r * H);
+      for (int64_t i = 0; i < M * H; ++i) s.hidden[i] = A::store(A::load(s.hidden[i]) + A::load(l.x[i]));  // o + x
+      for (int64_t r = 0; r < M; ++r) A::rms(s.hidden + r * H, l.post_w, H, s.eps, s.normed2 + r * H);
       q4_prepare(l.gate_up);
     }
     auto [g0, g1] = share(l.gate_up.tiles, tid, team);
@@ -1188,7 +1251,7 @@ class LayerStack {
     q4_tiles(l.down, d0, d1);
 #pragma omp barrier
 #pragma omp single
-    for (int64_t i = 0; i < M * H; ++i) l.out[i] = to_bf16(bf16_to_float(s.down[i]) + bf16_to_float(s.hidden[i]));  // down + hidden
+    for (int64_t i = 0; i < M * H; ++i) l.out[i] = A::store(A::load(s.down[i]) + A::load(s.hidden[i]));  // down + hidden
   }
 
   std::vector<std::vector<at::Tensor>> layers_;
@@ -1197,6 +1260,34 @@ class LayerStack {
   double scale_;
   std::vector<int64_t> windows_;
   bool int8_;  // 8-bit activations in the projections (q4_tile_i8)
+};
+
+// The stack as Python builds it: its activations' dtype is its norms' (bfloat16 or float32).
+class LayerStack {
+ public:
+  LayerStack(std::vector<std::vector<at::Tensor>> layers, double eps, int64_t num_heads, int64_t num_kv_heads,
+             int64_t head_dim, double scale, std::vector<int64_t> windows, bool int8) {
+    TORCH_CHECK(!layers.empty() && !layers[0].empty(), "LayerStack: at least one layer");
+    if (layers[0][0].scalar_type() == at::kFloat) {
+      f32_ = std::make_unique<LayerStackOf<float>>(std::move(layers), eps, num_heads, num_kv_heads, head_dim, scale,
+                                                   std::move(windows), int8);
+    } else {
+      bf16_ = std::make_unique<LayerStackOf<uint16_t>>(std::move(layers), eps, num_heads, num_kv_heads, head_dim,
+                                                       scale, std::move(windows), int8);
+    }
+  }
+
+  at::Tensor forward(const at::Tensor& x, const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v,
+                     const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& slots,
+                     const at::Tensor& starts, const c10::optional<at::Tensor>& sources,
+                     const c10::optional<at::Tensor>& parents) const {
+    return f32_ ? f32_->forward(x, k, v, cos_table, sin_table, slots, starts, sources, parents)
+                : bf16_->forward(x, k, v, cos_table, sin_table, slots, starts, sources, parents);
+  }
+
+ private:
+  std::unique_ptr<LayerStackOf<float>> f32_;
+  std::unique_ptr<LayerStackOf<uint16_t>> bf16_;
 };
 
 // ---------------------------------------------------------------------------------------------------

@@ -171,7 +171,7 @@ class CacheBatch:
 
     def native_layers(self, x: torch.Tensor, stack: NativeStack, rope: tuple[torch.Tensor, torch.Tensor]
                       ) -> torch.Tensor:
-        """Llama decoder layers in one native CPU call (``NativeStack``): x [B, T, H] bfloat16;
+        """Llama decoder layers in one native CPU call (``NativeStack``): x [B, T, H] bfloat16 or float32;
         their attention is ``native_attention``'s. Returns [B, T, H]."""
         k, v = self.cache.k, self.cache.v
         return stack.op.forward(x, [k[i] for i in stack.layers], [v[i] for i in stack.layers], rope[0], rope[1],

@@ -215,11 +215,12 @@ class _LlamaLayer(nn.Module):
 
     def native_weights(self, dtype: torch.dtype) -> list[torch.Tensor] | None:
         """The four projections' operands for the native layers (kernels/csrc/cpu_ops.cpp,
-        ``LayerStack``) when this layer is what they compute: bfloat16, every projection 4-bit on
-        the native kernel, no biases, SiLU; else None (the layer runs op by op). ``FUSED_LAYERS``
-        False turns it off (the op-by-op path is the reference)."""
+        ``LayerStack``) when this layer is what they compute: bfloat16 or float32, every projection
+        4-bit on the native kernel, no biases, SiLU; else None (the layer runs op by op).
+        ``FUSED_LAYERS`` False turns it off (the op-by-op path is the reference)."""
         projections = (self.qkv_w, self.o_w, self.gate_up_w, self.down_w)
-        if not (FUSED_LAYERS and dtype == torch.bfloat16 and self.act is F.silu
+        if not (FUSED_LAYERS and dtype in (torch.bfloat16, torch.float32) and self.act is F.silu
+                and self.input_norm.dtype == dtype
                 and all(isinstance(w, Q4Weight) and w.native for w in projections)
                 and self.qkv_b is None and self.o_b is None and self.gate_up_b is None and self.down_b is None):
             return None
@@ -373,7 +374,8 @@ class LlamaForCausalLM(CausalLM):
         start = 0
         for end in range(1, len(plans) + 1):  # a run ends where the next layer differs in being native
             if end == len(plans) or (plans[end] is None) != (plans[start] is None) or end in cuts:
-                stack = NativeStack.build(plans[start:end], INT8_ACTIVATIONS) if plans[start] is not None else None
+                int8 = INT8_ACTIVATIONS and dtype == torch.bfloat16  # the integer kernel takes bfloat16 inputs
+                stack = NativeStack.build(plans[start:end], int8) if plans[start] is not None else None
                 runs.append((range(start, end), stack))
                 start = end
         self._native_runs[cuts] = (key, runs)

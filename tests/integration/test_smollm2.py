@@ -18,7 +18,7 @@ from collections import Counter
 
 import pytest
 import torch
-from hardware import NEEDS_Q4_NATIVE
+from hardware import NEEDS_Q4_NATIVE, NEEDS_Q4_NATIVE_F32
 
 from kernels.int4 import q4_native
 from specstream.models.loader import load_model
@@ -114,17 +114,18 @@ def test_4_bit_serving_is_as_close_to_the_file_as_dequantized_bfloat16(real) -> 
     assert min(top1.values()) >= 0.95, top1
 
 
-@NEEDS_Q4_NATIVE
-def test_the_fused_layers_give_the_bits_of_the_layers_op_by_op_on_the_real_file(real, monkeypatch) -> None:
-    """The default (bfloat16, 4-bit) runs each decoder layer as one native call; op by op it must
-    give the same logits bit for bit: prefills of the 8 prompts, then decode steps and verify windows
-    of 2, 4, 8 and 16 positions over rows of different lengths together, each window rolled back
-    before the next; so greedy tokens are the same too."""
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=NEEDS_Q4_NATIVE),
+                                   pytest.param("float32", marks=NEEDS_Q4_NATIVE_F32)])
+def test_the_fused_layers_give_the_bits_of_the_layers_op_by_op_on_the_real_file(real, monkeypatch, dtype) -> None:
+    """The default (4-bit, in bfloat16 with AVX-512 BF16, in float32 with AVX2) runs each decoder
+    layer as one native call; op by op it must give the same logits bit for bit: prefills of the 8
+    prompts, then decode steps and verify windows of 2, 4, 8 and 16 positions over rows of different
+    lengths together, each window rolled back before the next; so greedy tokens are the same too."""
     from specstream.models import llama
 
     directory, tok, _, _ = real
-    model = load_model(directory, "bfloat16", weights="auto")
-    assert all(layer.native_weights(torch.bfloat16) is not None for layer in model.layers)
+    model = load_model(directory, dtype, weights="auto")
+    assert all(layer.native_weights(model.dtype) is not None for layer in model.layers)
     prompts = _prompts(tok)
 
     def run() -> list[torch.Tensor]:

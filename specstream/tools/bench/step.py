@@ -422,14 +422,15 @@ def _measure(models: BenchModels, progress: Progress) -> dict:
 
 
 def _fused(model) -> bool:
-    """Whether some of ``model``'s layers run as one native call (bfloat16 on the native 4-bit kernel)."""
+    """Whether some of ``model``'s layers run as one native call (4-bit projections on the native kernel)."""
     return any(stack is not None for _, stack in model.native_runs(model.dtype))
 
 
 def _int8_ready(model) -> bool:
-    """Whether ``model`` runs native layers that can take 8-bit activations (AVX-512 VNNI)."""
+    """Whether ``model`` runs native layers that can take 8-bit activations (bfloat16, AVX-512 VNNI)."""
     library = native.library()
-    return library is not None and library.has_avx512_vnni() and _fused(model)
+    return (library is not None and library.has_avx512_vnni() and model.dtype == torch.bfloat16
+            and _fused(model))
 
 
 def _measure_peer(models: BenchModels, data: dict, progress: Progress) -> None:
