@@ -25,6 +25,6 @@ def stack_factory(tmp_path_factory):
         return stack
 
     yield start
-    for stack in stacks:
-        codes = stack.stop()
-        assert all(code == 0 for code in codes.values()), f"unclean exit: {codes}"
+    codes = [stack.stop() for stack in stacks]  # every stack, before any verdict: none is left running
+    for code in codes:
+        assert all(c == 0 for c in code.values()), f"unclean exit: {code}"
