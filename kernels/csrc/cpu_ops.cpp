@@ -645,9 +645,9 @@ float dot_generic(const float* q, const T* k, int64_t D) {
   return total;
 }
 
-// AVX2: 8 values of a row as float32, and the generic paths below computed 8 lanes at a time — the
-// same fused multiply-adds on the same lanes and the lanes summed in index order, so the same bits
-// as the generic paths (D a multiple of 16).
+// AVX2: 8 values of a row as float32, and the generic paths (dot_generic above, axpy_generic below)
+// computed 8 lanes at a time: the same fused multiply-adds on the same lanes and the lanes summed in
+// index order, so the same bits as the generic paths (D a multiple of 16).
 template <typename T>
 __attribute__((target("avx2,fma"), always_inline)) inline __m256 load8(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
