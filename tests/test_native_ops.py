@@ -211,6 +211,21 @@ def test_native_rms_norm_matches_the_torch_formula_and_keeps_rows_apart() -> Non
     assert torch.equal(torch.cat([library.rms_norm(x[i:i + 1], weight, 1e-5) for i in range(40)]), got)
 
 
+def test_native_float32_rms_norm_matches_torchs_and_keeps_rows_apart() -> None:
+    """The float32 op (models/base.py serves it in place of F.rms_norm on a CPU): torch's values up
+    to the order of the sum of squares and 1/sqrt against rsqrt (a few units in the last place)."""
+    library = native.library()
+    gen = torch.Generator().manual_seed(16)
+    x = torch.randn(40, 576, generator=gen) * 3
+    weight = torch.randn(576, generator=gen)
+    got = library.rms_norm(x, weight, 1e-5)
+    want = torch.nn.functional.rms_norm(x, weight.shape, weight, 1e-5)
+    assert got.dtype == torch.float32 and ((got - want).abs() <= 4e-6 * want.abs() + 1e-7).all()
+    assert torch.equal(torch.cat([library.rms_norm(x[i:i + 1], weight, 1e-5) for i in range(40)]), got)
+    with pytest.raises(RuntimeError, match="both bfloat16 or both float32"):
+        library.rms_norm(x, weight.to(torch.bfloat16), 1e-5)
+
+
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=NEEDS_Q4_NATIVE),
                                    pytest.param(torch.float32, marks=NEEDS_Q4_NATIVE_F32)], ids=str)
 def test_the_fused_layer_gives_the_bits_of_the_layer_op_by_op(tmp_path, monkeypatch, dtype) -> None:

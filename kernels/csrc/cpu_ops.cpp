@@ -581,23 +581,25 @@ void q4_tiles(const Q4CallF32& c, int64_t begin, int64_t end) {
   }
 }
 
+// One call on its own: the rows' preparation, then the tiles split between threads.
+template <typename Call>
+void q4_run(const Call& call) {
+  q4_prepare(call);
+  at::parallel_for(0, call.tiles, 1, [&](int64_t begin, int64_t end) { q4_tiles(call, begin, end); });
+}
+
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
                      bool int8) {
   const at::Tensor xin = x.contiguous();
+  at::Tensor out;
   if (x.scalar_type() == at::kFloat) {  // AVX2: x [M, K] float32 -> [M, N] float32
     TORCH_CHECK(!int8, "q4_matmul: 8-bit activations are for bfloat16 inputs");
     std::vector<float> xsum;
-    at::Tensor out;
-    const Q4CallF32 call = q4_call_f32(xin, codes, d, m, xsum, out);
-    q4_prepare(call);
-    at::parallel_for(0, call.tiles, 1, [&](int64_t begin, int64_t end) { q4_tiles(call, begin, end); });
+    q4_run(q4_call_f32(xin, codes, d, m, xsum, out));
     return out;
   }
   Q4Scratch scratch;
-  at::Tensor out;
-  const Q4Call call = q4_call(xin, codes, d, m, int8, scratch, out);
-  q4_prepare(call);
-  at::parallel_for(0, call.tiles, 1, [&](int64_t begin, int64_t end) { q4_tiles(call, begin, end); });
+  q4_run(q4_call(xin, codes, d, m, int8, scratch, out));
   return out;
 }
 
@@ -1028,9 +1030,6 @@ void rms_row(const uint16_t* x, const uint16_t* w, int64_t H, double eps, uint16
   }
 }
 
-const uint16_t* bf16_data(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
-uint16_t* bf16_data(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
-
 // One row of H float32 values: the sum of squares in index order, then w * (x * inv); one call in
 // place of the ~8 ops torch's float32 RMS norm dispatches (on a slow 2-core CPU ~20 us a call, against 2-7).
 void rms_row_f32(const float* x, const float* w, int64_t H, double eps, float* out) {
@@ -1040,28 +1039,6 @@ void rms_row_f32(const float* x, const float* w, int64_t H, double eps, float* o
   for (int64_t i = 0; i < H; ++i) out[i] = w[i] * (x[i] * inv);
 }
 
-at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  const bool f32 = x.scalar_type() == at::kFloat;
-  TORCH_CHECK(x.dim() == 2 && (f32 || x.scalar_type() == at::kBFloat16) && weight.scalar_type() == x.scalar_type() &&
-              weight.numel() == x.size(1), "rms_norm: x [M, H] and weight [H], both bfloat16 or both float32");
-  const at::Tensor xin = x.contiguous(), win = weight.contiguous();
-  const int64_t M = xin.size(0), H = xin.size(1);
-  at::Tensor out = at::empty({M, H}, xin.options());
-  if (f32) {
-    const float *xp = xin.data_ptr<float>(), *wp = win.data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {  // rows on their own: batch-invariant
-      for (int64_t r = begin; r < end; ++r) rms_row_f32(xp + r * H, wp, H, eps, op + r * H);
-    });
-    return out;
-  }
-  const uint16_t *xp = bf16_data(xin), *wp = bf16_data(win);
-  uint16_t* op = bf16_data(out);
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {  // rows on their own: batch-invariant
-    for (int64_t r = begin; r < end; ++r) rms_row(xp + r * H, wp, H, eps, op + r * H);
-  });
-  return out;
-}
 
 // The share of n items that thread `tid` of a team of `team` takes: contiguous, fixed by (n, team).
 std::pair<int64_t, int64_t> share(int64_t n, int tid, int team) {
@@ -1117,6 +1094,28 @@ struct Act<float> {  // float32
   }
   static void rms(const float* x, const float* w, int64_t H, double eps, float* out) { rms_row_f32(x, w, H, eps, out); }
 };
+
+// RMS norm of rows (the op models/base.py calls): each row on its own, so batch-invariant.
+template <typename E>
+at::Tensor rms_norm_of(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  using A = Act<E>;
+  const at::Tensor xin = x.contiguous(), win = weight.contiguous();
+  const int64_t M = xin.size(0), H = xin.size(1);
+  at::Tensor out = at::empty({M, H}, xin.options());
+  const E *xp = A::data(xin), *wp = A::data(win);
+  E* op = A::data(out);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) A::rms(xp + r * H, wp, H, eps, op + r * H);
+  });
+  return out;
+}
+
+at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const bool f32 = x.scalar_type() == at::kFloat;
+  TORCH_CHECK(x.dim() == 2 && (f32 || x.scalar_type() == at::kBFloat16) && weight.scalar_type() == x.scalar_type() &&
+              weight.numel() == x.size(1), "rms_norm: x [M, H] and weight [H], both bfloat16 or both float32");
+  return f32 ? rms_norm_of<float>(x, weight, eps) : rms_norm_of<uint16_t>(x, weight, eps);
+}
 
 template <typename E>
 class LayerStackOf {
