@@ -277,7 +277,7 @@ def test_the_pipeline_writes_a_loadable_draft_and_its_card(feature_pair, tmp_pat
     again = load_feature_draft(out, Path)
     # Stored in the 4 bits a CPU serves it with: each matrix the int4 kernel takes is the round-to-
     # nearest of its bfloat16 values, the others are those values.
-    from kernels.int4 import Q4Weight, q4_dense, rtn_parts
+    from kernels.int4 import Q4Weight, q4_dense, q4_native, rtn_parts
 
     rounded = 0
     for name in source.head.matrices:
@@ -286,6 +286,15 @@ def test_the_pipeline_writes_a_loadable_draft_and_its_card(feature_pair, tmp_pat
             w, rounded = q4_dense(*rtn_parts(w), torch.float32), rounded + 1
         assert torch.equal(getattr(again.head, name).weight, w), name
     assert rounded >= 4
+    # weights="auto" serves those very blocks where the 4-bit kernel takes the activations' dtype
+    # (float32: AVX2), and the dense values elsewhere.
+    served = load_feature_draft(out, Path, dtype="float32", weights="auto")
+    assert served.weights.startswith("int4") == q4_native(torch.float32), served.weights
+    if q4_native(torch.float32):
+        for name in source.head.matrices:
+            kept = served.head._served[name]
+            if isinstance(kept, Q4Weight):
+                assert torch.equal(q4_dense(*kept.parts(), torch.float32), again.head.state_dict()[f"{name}.weight"])
     item = ProposeItem("k", 0, PROMPTS[1], 3, features=_features(len(PROMPTS[1]) - 1, 64), feature_width=64)
     assert len(FeatureProposer(again, 2, 64).propose([item])[0].tokens) == 3
     log = {"response_tokens": 1234, "generate_minutes": 1.0, "features_minutes": 0.5,

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from hardware import NEEDS_Q4_NATIVE
+from hardware import NEEDS_Q4_NATIVE, NEEDS_Q4_NATIVE_F32
 
 from specstream.models.feature_head import FeatureHead, HeadSpec
 
@@ -257,12 +257,12 @@ def test_aligned_training_counts_a_step_only_where_the_earlier_steps_chose_the_a
 
 
 def _serve_rounds(head, spec, slot, feats, tokens, embed16, rows) -> tuple[torch.Tensor, list[list[int]]]:
-    """Four rounds of serving one sequence in ``slot`` of a fresh bfloat16 cache: extend over the
-    features of positions up to 17, 18, 23 and 40, then draft 3 guesses -> (the outputs of every
-    extend [40, H], each round's guesses)."""
+    """Four rounds of serving one sequence in ``slot`` of a fresh cache in the features' dtype:
+    extend over the features of positions up to 17, 18, 23 and 40, then draft 3 guesses -> (the
+    outputs of every extend [40, H], each round's guesses)."""
     from specstream.models.feature_head import HeadCache
 
-    cache = HeadCache(spec, slots=3, max_len=64, dtype=torch.bfloat16)
+    cache = HeadCache(spec, slots=3, max_len=64, dtype=feats.dtype)
     outs, drafted, at = [], [], 0
     with torch.no_grad():
         for end in (17, 18, 23, 40):
@@ -273,11 +273,16 @@ def _serve_rounds(head, spec, slot, feats, tokens, embed16, rows) -> tuple[torch
     return torch.cat(outs), drafted
 
 
-def test_a_served_bfloat16_head_attends_in_the_native_op_as_torch_does(monkeypatch) -> None:
-    """Served in bfloat16, the head's attention runs in the native op the target's layers use (RoPE
-    at head position + 1, the cache write, attention over positions <= each one's): its outputs over
-    rounds of extend and draft are torch's attention's within bfloat16 rounding, and it drafts the
-    same tokens."""
+# The dtypes a head is served in, and how close two ways of computing its layer must agree in each.
+SERVED = [pytest.param(torch.bfloat16, 0.03, id="bfloat16"), pytest.param(torch.float32, 1e-4, id="float32")]
+
+
+@pytest.mark.parametrize(("dtype", "tol"), SERVED)
+def test_a_served_head_attends_in_the_native_op_as_torch_does(monkeypatch, dtype, tol) -> None:
+    """Served in bfloat16 or float32, the head's attention runs in the native op the target's
+    layers use (RoPE at head position + 1, the cache write, attention over positions <= each one's):
+    its outputs over rounds of extend and draft are torch's attention's within the dtype's rounding,
+    and it drafts the same tokens."""
     from kernels import native
 
     assert native.library() is not None  # built by `make test` (tests/test_native_ops.py)
@@ -288,11 +293,11 @@ def test_a_served_bfloat16_head_attends_in_the_native_op_as_torch_does(monkeypat
         p.data.mul_(0.5)
     embed = torch.randn(30, 64, generator=torch.Generator().manual_seed(13))  # [V, H]
     rows = embed[head.output_ids]
-    head.serve(torch.bfloat16, int4=False)
+    head.serve(dtype, int4=False)
     gen = torch.Generator().manual_seed(12)
-    feats = torch.randn(40, 64, generator=gen).to(torch.bfloat16)
+    feats = torch.randn(40, 64, generator=gen).to(dtype)
     tokens = torch.randint(0, 30, (41,), generator=gen)
-    embed16 = embed.to(torch.bfloat16)
+    embed16 = embed.to(dtype)
 
     real, calls = native.library(), []
 
@@ -306,7 +311,7 @@ def test_a_served_bfloat16_head_attends_in_the_native_op_as_torch_does(monkeypat
 
     def rounds(native_op: bool):
         monkeypatch.setattr(native, "library", (lambda: Spy()) if native_op else (lambda: None))
-        out = _serve_rounds(head, spec, 2, feats, tokens, embed16, rows.to(torch.bfloat16))
+        out = _serve_rounds(head, spec, 2, feats, tokens, embed16, rows.to(dtype))
         monkeypatch.undo()
         return out
 
@@ -315,16 +320,18 @@ def test_a_served_bfloat16_head_attends_in_the_native_op_as_torch_does(monkeypat
     torch_out, torch_drafts = rounds(False)
     assert len(calls) == 12
     assert native_out.abs().max() > 0.5
-    torch.testing.assert_close(native_out, torch_out, rtol=0.03, atol=0.03)
+    torch.testing.assert_close(native_out, torch_out, rtol=tol, atol=tol)
     assert native_drafts == torch_drafts
 
 
-@NEEDS_Q4_NATIVE
-def test_a_served_4_bit_head_runs_its_layer_as_one_native_call_as_op_by_op_does() -> None:
-    """Served in bfloat16 with 4-bit projections, the head's layer runs as one call of the native op
-    that runs the target's decoder layers (``LayerStack``: q and kv fused into one qkv); its outputs
-    over rounds of extend and draft are the op-by-op path's within bfloat16 rounding (its norms take
-    bfloat16 weights), and it drafts the same tokens. Unserved, or served dense, it has no such call."""
+@pytest.mark.parametrize(("dtype", "tol"), [pytest.param(*p.values, marks=mark, id=p.id)
+                                            for p, mark in zip(SERVED, (NEEDS_Q4_NATIVE, NEEDS_Q4_NATIVE_F32))])
+def test_a_served_4_bit_head_runs_its_layer_as_one_native_call_as_op_by_op_does(dtype, tol) -> None:
+    """Served in bfloat16 or float32 with 4-bit projections, the head's layer runs as one call of
+    the native op that runs the target's decoder layers (``LayerStack``: q and kv fused into one
+    qkv); its outputs over rounds of extend and draft are the op-by-op path's within the dtype's
+    rounding (in bfloat16 its norms take bfloat16 weights), and it drafts the same tokens.
+    Unserved, or served dense, it has no such call."""
     from kernels import native
     from kernels.int4 import Q4Weight
 
@@ -335,11 +342,11 @@ def test_a_served_4_bit_head_runs_its_layer_as_one_native_call_as_op_by_op_does(
     for p in head.parameters():
         p.data.mul_(0.5)
     embed = torch.randn(30, 64, generator=torch.Generator().manual_seed(23))  # [V, H]
-    rows = embed[head.output_ids].to(torch.bfloat16)
+    rows = embed[head.output_ids].to(dtype)
     assert head._stack is None
-    head.serve(torch.bfloat16, int4=False)
+    head.serve(dtype, int4=False)
     assert head._stack is None  # dense matrices: op by op
-    assert head.serve(torch.bfloat16, int4=True) == 6 and isinstance(head._served["q"], Q4Weight)
+    assert head.serve(dtype, int4=True) == 6 and isinstance(head._served["q"], Q4Weight)
     stack, calls = head._stack, []
     assert stack is not None
 
@@ -349,9 +356,9 @@ def test_a_served_4_bit_head_runs_its_layer_as_one_native_call_as_op_by_op_does(
             return stack.forward(*args)
 
     gen = torch.Generator().manual_seed(22)
-    feats = torch.randn(40, 64, generator=gen).to(torch.bfloat16)
+    feats = torch.randn(40, 64, generator=gen).to(dtype)
     tokens = torch.randint(0, 30, (41,), generator=gen)
-    embed16 = embed.to(torch.bfloat16)
+    embed16 = embed.to(dtype)
 
     def rounds(layer):
         head._stack = layer
@@ -361,5 +368,5 @@ def test_a_served_4_bit_head_runs_its_layer_as_one_native_call_as_op_by_op_does(
     assert calls == [17, 1, 1, 1, 1, 1, 5, 1, 1, 17, 1, 1]  # an extend and two drafting steps a round
     by_op, op_drafts = rounds(None)
     assert native_out.abs().max() > 0.5
-    torch.testing.assert_close(native_out, by_op, rtol=0.03, atol=0.03)
+    torch.testing.assert_close(native_out, by_op, rtol=tol, atol=tol)
     assert native_drafts == op_drafts

@@ -101,9 +101,10 @@ def load_feature_draft(path: str | Path, resolve: Callable[[str], Path], dtype: 
                        weights: str = "dense") -> FeatureDraft:
     """The head at ``path`` with the parts of the target it reads; ``resolve`` turns the recorded
     target reference into its checkpoint directory. Served with ``dtype`` activations; ``weights``
-    "auto" rounds its matrices and output rows to 4 bits where the int4 kernel serves bfloat16 (as
-    a token draft is served), "int4" / "int4-rtn" always, "dense" never. Errors name the file and
-    the field."""
+    "auto" serves its matrices and output rows in 4 bits where the int4 kernel serves ``dtype``
+    (bfloat16 with AVX-512 BF16, float32 with AVX2): the shipped head's own stored blocks, a
+    dense one's rounded to nearest; "int4" / "int4-rtn" always, "dense" never. Errors name the
+    file and the field."""
     root = Path(path)
     ours = _ours(root)
     where = root / "config.json"
@@ -138,9 +139,7 @@ def load_feature_draft(path: str | Path, resolve: Callable[[str], Path], dtype: 
                              f"trained with (specstream.target.sha256 {digest[:16]}...): a different target model")
     rows = out[head.output_ids].contiguous()  # [N, H]
     torch_dtype = DTYPES[dtype]
-    # auto rounds the head to 4 bits in bfloat16 only, as load_model rounds a dense draft
-    int4 = weights in ("int4", "int4-rtn") or (weights == "auto" and torch_dtype == torch.bfloat16
-                                               and q4_native(torch_dtype))
+    int4 = weights in ("int4", "int4-rtn") or (weights == "auto" and q4_native(torch_dtype))
     swapped = head.serve(torch_dtype, int4, parts)
     served_rows = Q4Weight.from_parts(*rtn_parts(rows), torch_dtype) if int4 and Q4Weight.fits(*rows.shape) \
         else rows.to(torch_dtype)

@@ -107,7 +107,7 @@ class FeatureHead(nn.Module):
         self._served: dict[str, torch.Tensor | Q4Weight] | None = None  # serve(): the matrices as served
         self._stack: object | None = None  # serve(): the layer as one native call (_native_stack), where it can be
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # _rope(): (cos, sin) [n, D]
-        # _native_tables(): (cos, sin) [n, D] bfloat16 shifted by one row, and the float table they came from
+        # _native_tables(): (cos, sin) [n, D] in the activations' dtype shifted by one row, and the float table they came from
         self._native_rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -139,17 +139,18 @@ class FeatureHead(nn.Module):
         attention, MLP and residuals in one OpenMP region), where it is served in bfloat16 with
         every projection 4-bit on the native kernel (q and kv fused into one qkv, the target's
         layout); else None (the layer runs op by op). One call instead of ~20 ops: a drafting step
-        cost ~0.5 ms inside a serving target on 2 CPU cores, mostly per-op overhead. Its norms take
-        the weights rounded to bfloat16, as the target's do."""
+        cost ~0.5 ms inside a serving target on 2 CPU cores, mostly per-op overhead. It serves
+        float32 heads as well (the float32 4-bit kernel, AVX2): op by op, torch's float32 matrices
+        of a few rows cost ~4x one row's time on an AMD CPU (MKL's small-matrix path), a drafting
+        step ~10 ms. Its norms take the weights in the activations' dtype, as the target's do."""
         library = native.library()
         served = self._served or {}
         names = ("q", "kv", "o", "gate_up", "down")
-        if library is None or dtype != torch.bfloat16 or not all(
+        if library is None or dtype not in (torch.bfloat16, torch.float32) or not all(
                 isinstance(served.get(n), Q4Weight) and served[n].native for n in names):
             return None
         qkv = Q4Weight.from_parts(*(torch.cat(pair) for pair in zip(served["q"].parts(), served["kv"].parts())), dtype)
-        operands = [self.input_norm.detach().to(torch.bfloat16).contiguous(),
-                    self.post_norm.detach().to(torch.bfloat16).contiguous()]
+        operands = [self.input_norm.detach().to(dtype).contiguous(), self.post_norm.detach().to(dtype).contiguous()]
         for w in (qkv, served["o"], served["gate_up"], served["down"]):
             operands += [w.packed, w.d, w.m]
         s = self.spec
@@ -260,28 +261,29 @@ class FeatureHead(nn.Module):
         return torch.stack(all_logits), torch.stack(all_tokens)
 
     # -- incremental, as a draft serves -------------------------------------------------------------
-    def _native_tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The RoPE tables [>= n, D] in bfloat16 shifted by one row (row i: position i + 1), as the
-        native attention op reads them for head positions."""
+    def _native_tables(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE tables [>= n, D] in ``dtype`` (the activations') shifted by one row (row i:
+        position i + 1), as the native attention op reads them for head positions."""
         cos, sin = self._rope(n + 1, torch.device("cpu"))
         kept = self._native_rope
-        if kept is None or kept[0].shape[0] < n or kept[2] is not cos:
-            kept = self._native_rope = (cos[1:].to(torch.bfloat16).contiguous(),
-                                        sin[1:].to(torch.bfloat16).contiguous(), cos)
+        if kept is None or kept[0].shape[0] < n or kept[2] is not cos or kept[0].dtype != dtype:
+            kept = self._native_rope = (cos[1:].to(dtype).contiguous(), sin[1:].to(dtype).contiguous(), cos)
         return kept[0], kept[1]
 
     def _attend_native(self, x: torch.Tensor, cache: HeadCache, slot: int, start: int) -> torch.Tensor | None:
         """``_attend_cached`` in the native CPU op the target's layers use (RoPE, the cache write and
-        attention over each position's keys, kernels/csrc/cpu_ops.cpp), for bfloat16 served heads:
-        torch's attention for one query cost ~0.2-0.4 ms a layer. None where it does not apply."""
+        attention over each position's keys, kernels/csrc/cpu_ops.cpp), for bfloat16 and float32
+        served heads: torch's attention for one query cost ~0.2-0.4 ms a layer. None where it does
+        not apply."""
         s = self.spec
-        if self._served is None or x.dtype != torch.bfloat16 or cache.k.dtype != torch.bfloat16 or x.device.type != "cpu":
+        if (self._served is None or x.dtype not in (torch.bfloat16, torch.float32) or cache.k.dtype != x.dtype
+                or x.device.type != "cpu"):
             return None
         library = native.library()
         if library is None:
             return None
         n = x.shape[0]
-        cos, sin = self._native_tables(start + n)
+        cos, sin = self._native_tables(start + n, x.dtype)
         if self._stack is not None:  # the whole layer in one call
             out = self._stack.forward(x[None].contiguous(), [cache.k], [cache.v], cos, sin, torch.tensor([slot]),
                                       torch.tensor([start]), None, None)  # [1, n, H]
