@@ -90,9 +90,12 @@ def test_a_stopped_draft_stalls_streams_by_one_deadline_and_speculation_resumes_
         # fault is the same one (they overlap in time): the target waited on the stopped draft once,
         # for one deadline, and then decoded without it. (Not each stream's longest silence: on a
         # loaded machine another pause of the target's process can outlast it, elsewhere in a stream;
-        # and not any silence near the floor: a loaded machine's shorter pause can come first.)
+        # and not any silence much shorter than the floor: a loaded machine's shorter pause can come
+        # first.) Half the floor: a request asked early leaves before the pass ahead of it has sent
+        # its tokens, so a stream's silence can fall short of the deadline by that pass's host work
+        # and hops (on a loaded machine tens of ms: the floor itself was once missed that way).
         floor = TargetConfig.draft_deadline_floor_s
-        stalls = [next(((a, b) for a, b in itertools.pairwise(s) if b > seen["at"] and b - a >= floor), None)
+        stalls = [next(((a, b) for a, b in itertools.pairwise(s) if b > seen["at"] and b - a >= floor / 2), None)
                   for s in seen["stamps"]]
         assert None not in stalls, f"a stream with no silence of a deadline after the fault: {stalls}"
         gaps = sorted(b - a for s in seen["stamps"] for a, b in itertools.pairwise(s))
