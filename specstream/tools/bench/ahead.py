@@ -11,12 +11,16 @@ starts (the default), and in where the draft computes (its event loop's thread, 
 worker: ``--compute-thread``, as a draft working ahead does). Every request goes to each stack in
 turn (the order alternating per request), so a slow stretch of the machine falls on all of them:
 each row is a ratio to the stack with neither (the defaults) at the same threads and γ, in the
-same run. Batch 1.
+same run. Batch 1; greedy, or sampled at one temperature (seeded per prompt: a draft working ahead
+for a sampling row guesses with the noise it would use when asked, so at a fixed γ every stack
+emits the same tokens).
 
 Per row: tokens/s, the draft's hit rate (items answered from a prepared round over the items
 that had one) and the share of its hits on a runner-up's round, and the target engine's own
 per-pass time (its compute, waiting for the draft, host work). Every row's token ids must equal
-the stack without work ahead's (greedy).
+the stack without work ahead's: greedy at every γ, sampled at every fixed γ (under ``auto`` the γ
+schedule decides which noise settles a position, so a sampled text may differ there: not checked,
+and the JSON says so).
 """
 
 from __future__ import annotations
@@ -64,9 +68,10 @@ def planned_generations(n_prompts: int, gammas: list, settings: list[Setting] = 
 
 
 def served(models: BenchModels, gammas: list[int | str], n_prompts: int, max_new_tokens: int,
-           progress: Progress, settings: list[Setting] = SETTINGS) -> tuple[dict, list[list]]:
+           progress: Progress, settings: list[Setting] = SETTINGS, temperature: float = 0.0) -> tuple[dict, list[list]]:
     """Runs every γ ("auto": the controller; 0: plain) on every setting (each one's defaults among
-    them); returns the JSON entry and the table's rows."""
+    them), greedy or sampled at ``temperature`` (seed: the prompt's index); returns the JSON entry
+    and the table's rows."""
     prompts = models.prompts(n_prompts)
     with contextlib.ExitStack() as stacks:
         running = {}
@@ -75,12 +80,14 @@ def served(models: BenchModels, gammas: list[int | str], n_prompts: int, max_new
             logs = stacks.enter_context(tempfile.TemporaryDirectory())
             running[setting] = stacks.enter_context(Stack(_spec(models, logs, setting)))
         progress.phase(f"overlap: served, {len(settings)} stacks interleaved")
-        runs = _interleaved(running, prompts, gammas, max_new_tokens, progress)
+        runs = _interleaved(running, prompts, gammas, max_new_tokens, progress, temperature)
     rows, entries = [], {}
-    for gamma in gammas:
+    checked = [g for g in gammas if temperature == 0 or g != "auto"]
+    for gamma in checked:
         check_runs_match(f"work ahead (gamma {gamma})", "the same stack without work ahead",
                          runs[(gamma, settings[0])]["token_ids"],
                          {_name(s): runs[(gamma, s)]["token_ids"] for s in settings[1:]})
+    for gamma in gammas:
         for setting in settings:
             r = runs[(gamma, setting)]
             r["x_without"] = r["tokens_per_s"] / runs[(gamma, setting.defaults)]["tokens_per_s"]
@@ -94,7 +101,7 @@ def served(models: BenchModels, gammas: list[int | str], n_prompts: int, max_new
                          parts.get("host", "-")])
             entries[f"gamma {gamma}, {_name(setting)}"] = {k: v for k, v in r.items() if k != "token_ids"}
     return {"settings": [_name(s) for s in settings], "compared": [_name(s) for s in settings if s != s.defaults],
-            "gammas": gammas, "prompts": len(prompts),
+            "gammas": gammas, "prompts": len(prompts), "temperature": temperature, "tokens_checked_for": checked,
             "max_new_tokens": max_new_tokens, "rows": entries,
             "table_markdown": report.markdown_table(HEADERS, rows)}, rows
 
@@ -117,7 +124,7 @@ def _spec(models: BenchModels, logs: str, setting: Setting) -> StackSpec:
 
 
 def _interleaved(running: dict, prompts: list[list[int]], gammas: list, max_new_tokens: int,
-                 progress: Progress) -> dict:
+                 progress: Progress, temperature: float) -> dict:
     from specstream_client import Client
 
     settings = list(running)
@@ -137,7 +144,8 @@ def _interleaved(running: dict, prompts: list[list[int]], gammas: list, max_new_
                     before, ahead = read_counters(target[s]), _ahead(draft[s])
                     began = time.perf_counter()
                     reply = clients[s].generate(prompt, max_new_tokens=max_new_tokens, ignore_eos=True,
-                                                speculation=gamma or "off")
+                                                speculation=gamma or "off",
+                                                **({"temperature": temperature, "seed": i} if temperature else {}))
                     t["seconds"] += time.perf_counter() - began
                     t["tokens"] += len(reply.token_ids)
                     t["token_ids"].append(list(reply.token_ids))
@@ -176,5 +184,6 @@ def plot(path: Path, label: str, entry: dict) -> None:
     gammas = [str(g) for g in entry["gammas"]]
     series = {name: (gammas, [entry["rows"][f"gamma {g}, {name}"]["x_without"] for g in entry["gammas"]])
               for name in entry["compared"]}
-    report.plot_lines(path, f"Working ahead / asking early, served, batch 1, {label}", "gamma",
+    kind = f"sampled at T={entry['temperature']:g}" if entry.get("temperature") else "greedy"
+    report.plot_lines(path, f"Working ahead / asking early, served, batch 1, {kind}, {label}", "gamma",
                       "tokens/s over the defaults", series, hline=1.0)

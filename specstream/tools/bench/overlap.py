@@ -54,7 +54,11 @@ def overlapped_pass_ms(v: float, v_busy: float, d: float, d_busy: float) -> floa
 
 def run(models: BenchModels, out_dir: Path, gammas: list[int] | None = None, seconds: float = 2.0,
         quiet: bool = False, served_prompts: int = 4, max_new_tokens: int = 96,
-        served_settings: list[ahead.Setting] = ahead.SETTINGS) -> dict:
+        served_settings: list[ahead.Setting] = ahead.SETTINGS, temperature: float = 0.0) -> dict:
+    """``temperature``: the served part's requests, greedy (0) or sampled (the alone and
+    side-by-side timings are of greedy calls either way)."""
+    if not 0.0 <= temperature <= 100.0:
+        raise ValueError(f"bench overlap: temperature={temperature}: the served part samples at one temperature in [0, 100]")
     gammas = gammas or [1, 2, 4]
     ctx = mp.get_context("spawn")
     to_target, to_draft, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -114,10 +118,10 @@ def run(models: BenchModels, out_dir: Path, gammas: list[int] | None = None, sec
     with Progress(ahead.planned_generations(served_prompts, served_gammas, served_settings), "generations",
                   "overlap, served", quiet=quiet) as progress:
         data["served"], served_rows = ahead.served(models, served_gammas, served_prompts, max_new_tokens, progress,
-                                                   served_settings)
-    print("\nserved, batch 1: the target asking early, the draft working ahead (x defaults: over the stack with "
-          "neither at the same target threads and gamma, requests interleaved)\n" + report.table(ahead.HEADERS, served_rows),
-          flush=True)
+                                                   served_settings, temperature)
+    print(f"\nserved, batch 1, {'greedy' if not temperature else f'sampled at T={temperature:g}'}: the target asking "
+          "early, the draft working ahead (x defaults: over the stack with neither at the same target threads and "
+          "gamma, requests interleaved)\n" + report.table(ahead.HEADERS, served_rows), flush=True)
     ahead.plot(out_dir / "ahead.png", models.label, data["served"])
     report.write_json(out_dir / "overlap.json", data)
     report.plot_stacked(out_dir / "overlap.png", f"A pass, sequential and overlapped, {models.label}", "ms",

@@ -134,8 +134,12 @@ def _step(args: argparse.Namespace, out: Path) -> None:
 def _overlap(args: argparse.Namespace, out: Path) -> None:
     from specstream.tools.bench import overlap
 
+    temperatures = _numbers(args.temperatures, float) or [0.0]
+    if len(temperatures) != 1:
+        raise SystemExit(f"bench overlap: --temperatures {args.temperatures}: the served part takes one temperature")
     overlap.run(bench_models(args), out, gammas=_numbers(args.gammas), quiet=args.quiet,
-                served_prompts=args.prompts or 4, max_new_tokens=args.max_new_tokens or 96)
+                served_prompts=args.prompts or 4, max_new_tokens=args.max_new_tokens or 96,
+                temperature=temperatures[0])
 
 
 # `specstream bench KIND`: KIND's entry, called with the flags and --out (made beforehand).
@@ -185,7 +189,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 128; gamma 48")
     p.add_argument("--gammas", help="comma-separated gamma values (default: latency 0,1,2,3,4,6,8; sampling 0,2,4,6)")
     p.add_argument("--alphas", help="comma-separated acceptance rates (synthetic)")
-    p.add_argument("--temperatures", help="comma-separated temperatures, 0 = greedy (sampling; default 0,0.7,1.0)")
+    p.add_argument("--temperatures", help="comma-separated temperatures, 0 = greedy (sampling; default 0,0.7,1.0); "
+                                          "overlap: one, its served part's (default 0)")
     p.add_argument("--workloads", help="throughput: comma-separated, of short,long (default short); "
                                        "gamma: of code,chat,repetitive,sampled,mix (default all)")
     proposer_flags(p, model_flag="--draft or the --models pair's; latency, sampling, throughput: what our "
