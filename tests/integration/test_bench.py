@@ -403,26 +403,23 @@ def test_bench_overlap_times_each_side_alone_and_side_by_side(model_zoo, tmp_pat
     assert set(json_data["gammas"]) == {"1", "3"} and (tmp_path / "overlap.png").stat().st_size > 1000
 
 
-def test_bench_overlaps_served_part_samples_and_checks_every_fixed_gamma(model_zoo):
-    """The served part sampled (`bench overlap --temperatures 1`): seeded requests, the stack working
-    ahead on three outcomes emitting the defaults' tokens at every fixed γ (checked, or the run
-    fails), and `auto` named as not checked (greedy, it is)."""
+def test_bench_overlaps_served_part_samples_and_compares_the_stacks_that_guess_alike(model_zoo):
+    """The served part sampled (`bench overlap --temperatures 1`): seeded requests; at every fixed γ
+    the stack asking early emits the defaults' tokens (compared, or the run fails), while the stack
+    working ahead, whose prepared rounds may be other draws, and `auto` are named as not compared."""
     from specstream.tools.bench import ahead
     from specstream.tools.bench.models import BenchModels
     from specstream.tools.progress import Progress
 
     models = BenchModels("zoo", model_zoo["target"], model_zoo["partial"], "float32")
-    settings = [ahead.Setting(), ahead.Setting("normal", outcomes=3)]
-    runs = {}
-    for temperature in (0.0, 1.0):
-        with Progress(ahead.planned_generations(1, [1, "auto"], settings), "generations", "test", quiet=True) as p:
-            runs[temperature], _ = ahead.served(models, [1, "auto"], 1, 16, p, settings, temperature)
-    sampled = runs[1.0]
-    assert sampled["temperature"] == 1.0 and sampled["tokens_checked_for"] == [1]
-    assert runs[0.0]["tokens_checked_for"] == [1, "auto"]
-    working = sampled["rows"][f"gamma 1, {ahead._name(settings[1])}"]
+    settings = [ahead.Setting(), ahead.Setting(early=True), ahead.Setting("normal", outcomes=3)]
+    with Progress(ahead.planned_generations(1, [1, "auto"], settings), "generations", "test", quiet=True) as progress:
+        sampled, _ = ahead.served(models, [1, "auto"], 1, 16, progress, settings, temperature=1.0)
+    assert sampled["temperature"] == 1.0
+    assert sampled["tokens_checked"] == {"gammas": [1], "stacks": [ahead._name(settings[1])]}
+    working = sampled["rows"][f"gamma 1, {ahead._name(settings[2])}"]
     assert working["prepared_per_pass"] > 0 and working["hits"] + working["misses"] > 0
-    assert sampled["rows"]["gamma 1, " + ahead._name(settings[0])]["tokens_per_s"] > 0
+    assert sampled["rows"]["gamma 1, " + ahead._name(settings[1])]["tokens_per_s"] > 0
 
 
 def test_an_overlapped_pass_runs_both_at_their_shared_speed_until_the_first_ends():
