@@ -32,6 +32,7 @@ import statistics
 import time
 from pathlib import Path
 
+from specstream.data.sampling import SamplingParams
 from specstream.tools.bench import ahead, report
 from specstream.tools.bench.latency import display
 from specstream.tools.bench.models import BenchModels
@@ -57,8 +58,7 @@ def run(models: BenchModels, out_dir: Path, gammas: list[int] | None = None, sec
         served_settings: list[ahead.Setting] = ahead.SETTINGS, temperature: float = 0.0) -> dict:
     """``temperature``: the served part's requests, greedy (0) or sampled (the alone and
     side-by-side timings are of greedy calls either way)."""
-    if not 0.0 <= temperature <= 100.0:
-        raise ValueError(f"bench overlap: temperature={temperature}: the served part samples at one temperature in [0, 100]")
+    SamplingParams(temperature=temperature)  # a bad one is refused now, naming it, not after the stacks start
     gammas = gammas or [1, 2, 4]
     ctx = mp.get_context("spawn")
     to_target, to_draft, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
