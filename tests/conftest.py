@@ -118,7 +118,7 @@ def _random_feature_draft(target_dir: Path, out: Path) -> Path:
     from specstream.models.feature_draft import save_feature_draft
     from specstream.models.feature_head import FeatureHead
     from specstream.models.loader import read_config
-    from specstream.tools.distill.feature import _spec
+    from tools.distill.feature import _spec
 
     config = read_config(target_dir)
     torch.manual_seed(4)
@@ -130,7 +130,7 @@ def _random_feature_draft(target_dir: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def pki(tmp_path_factory: pytest.TempPathFactory):
-    """Throwaway certificates (specstream/tools/certs.py): `pki.dir` holds a stack's files from one CA
+    """Throwaway certificates (tools/certs.py): `pki.dir` holds a stack's files from one CA
     (ca.crt, {gateway,target,draft,client}.crt/.key, api-tokens, internal-token); `pki.other` the
     same from another CA, whose certificates every server here must refuse."""
     from pki import Pki

@@ -19,7 +19,7 @@ PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 9], [40, 41], [9, 10, 11, 12, 13, 14]]
 def train_feature_pair(model_zoo, out: Path, extra_layers: tuple[int, ...] = ()) -> dict[str, Path]:
     """A tiny feature draft of the zoo's target, trained on its greedy answers to the tests'
     prompts; with ``extra_layers`` it reads those layers too (EAGLE-3's fusion)."""
-    from specstream.tools.distill.feature import FeatureConfig, _spec, head_loss
+    from tools.distill.feature import FeatureConfig, _spec, head_loss
 
     target_dir = model_zoo["target"]
     target = load_model(target_dir)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from specstream.tools.certs import Authority, issue, make_authority, write_file, write_stack_files
+from tools.certs import Authority, issue, make_authority, write_file, write_stack_files
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""`specstream bench beam` (specstream/tools/bench/beam.py) end to end on a tiny random checkpoint, in-process.
+"""`specstream bench beam` (tools/bench/beam.py) end to end on a tiny random checkpoint, in-process.
 
 Timings depend on the machine, so this checks what must hold whatever they are: every request was
 decoded within its own budget and ends on a stop id or at that budget; variable width expands
@@ -28,9 +28,9 @@ STREAMING = ("VAR-STREAM ε=1/3", "VAR-STR-FIFO ε=1/3")
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory):
     from specstream.text.tokenizer import BOS_TOKEN, EOS_TOKEN, build_byte_level_tokenizer, save_tokenizer_files
-    from specstream.tools.bench import beam
-    from specstream.tools.bench.models import BenchModels
-    from specstream.tools.progress import Progress
+    from tools.bench import beam
+    from tools.bench.models import BenchModels
+    from tools.progress import Progress
 
     shown: list[Progress] = []
 
@@ -55,7 +55,7 @@ def result(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_writes_the_table_json_and_plots(result):
-    from specstream.tools.bench import beam
+    from tools.bench import beam
 
     out, returned, data, _ = result
     assert data["device"] and data["requests"] == REQUESTS

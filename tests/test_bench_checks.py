@@ -1,4 +1,4 @@
-"""The benchmarks' checks on their own results (specstream.tools.bench.checks): each passes on matching
+"""The benchmarks' checks on their own results (tools.bench.checks): each passes on matching
 data, fails on mismatching data naming what differed, and still fails under `python -O`; and the
 benchmarks that compare token ids (latency, sampling, synthetic) stop on a mismatch. No models:
 the stack and the sweeps are replaced by fakes."""
@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from specstream.tools.bench.checks import BenchmarkError, check_runs_match, check_same_tokens, require, token_difference
-from specstream.tools.bench.hf import MODES, runnable_modes
+from tools.bench.checks import BenchmarkError, check_runs_match, check_same_tokens, require, token_difference
+from tools.bench.hf import MODES, runnable_modes
 
 
 def test_require():
@@ -90,7 +90,7 @@ def test_checks_still_fail_under_python_O():
     script = textwrap.dedent("""
         import sys
         assert False, "not stripped"  # stripped under -O: reaching the next line proves -O is on
-        from specstream.tools.bench.checks import BenchmarkError, check_runs_match, check_same_tokens, require
+        from tools.bench.checks import BenchmarkError, check_runs_match, check_same_tokens, require
         caught = []
         for check in (lambda: require(False, "counts"),
                       lambda: check_same_tokens("gamma 2", [[1, 2, 3]], [[1, 9, 3]]),
@@ -109,7 +109,7 @@ def test_checks_still_fail_under_python_O():
         result.stdout + result.stderr
     assert result.returncode == 1
     assert result.stderr.rstrip().splitlines()[-1] == (
-        "specstream.tools.bench.checks.BenchmarkError: gamma 2: prompt 0: first difference at generated position 1: "
+        "tools.bench.checks.BenchmarkError: gamma 2: prompt 0: first difference at generated position 1: "
         "token 9, expected 2 (3 tokens, expected 3)")
 
 
@@ -167,7 +167,7 @@ def _patch_stack(monkeypatch, module) -> None:
 
 
 def test_latency_stops_when_a_gamma_changes_the_output(monkeypatch, tmp_path):
-    from specstream.tools.bench import latency
+    from tools.bench import latency
 
     _patch_stack(monkeypatch, latency)
     monkeypatch.setattr(latency, "sweep", _fake_sweep({0: PLAIN, 2: PLAIN, 4: CHANGED}))
@@ -180,7 +180,7 @@ def test_latency_stops_when_a_gamma_changes_the_output(monkeypatch, tmp_path):
 
 
 def test_latency_checks_the_gamma_controller_too(monkeypatch, tmp_path):
-    from specstream.tools.bench import latency
+    from tools.bench import latency
 
     _patch_stack(monkeypatch, latency)
     monkeypatch.setattr(latency, "sweep", _fake_sweep({0: PLAIN, 2: PLAIN, "auto": CHANGED}))
@@ -199,7 +199,7 @@ def _patch_sampling_sweep(monkeypatch, sampling, outputs: dict[float, dict]) -> 
 
 
 def test_sampling_stops_when_a_greedy_gamma_changes_the_output(monkeypatch, tmp_path):
-    from specstream.tools.bench import sampling
+    from tools.bench import sampling
 
     _patch_stack(monkeypatch, sampling)
     outputs = {0.0: {0: PLAIN, 2: CHANGED}, 1.0: {0: PLAIN, 2: CHANGED}}
@@ -211,7 +211,7 @@ def test_sampling_stops_when_a_greedy_gamma_changes_the_output(monkeypatch, tmp_
 
 
 def test_sampling_checks_the_gamma_controller_at_t0_too(monkeypatch, tmp_path):
-    from specstream.tools.bench import sampling
+    from tools.bench import sampling
 
     _patch_stack(monkeypatch, sampling)
     outputs = {0.0: {0: PLAIN, 2: PLAIN, "auto": CHANGED}}
@@ -225,7 +225,7 @@ def test_sampling_checks_the_gamma_controller_at_t0_too(monkeypatch, tmp_path):
 
 def test_sampling_checks_auto_stacks_own_plain_decoding_at_t0(monkeypatch, tmp_path):
     """The second stack's plain decoding must give the sweep's stack's greedy tokens too."""
-    from specstream.tools.bench import sampling
+    from tools.bench import sampling
 
     _patch_stack(monkeypatch, sampling)
     outputs = {0.0: {0: PLAIN, 2: PLAIN, "auto plain": CHANGED}}
@@ -236,7 +236,7 @@ def test_sampling_checks_auto_stacks_own_plain_decoding_at_t0(monkeypatch, tmp_p
 
 
 def test_latency_reports_when_every_gamma_matches(monkeypatch, tmp_path):
-    from specstream.tools.bench import latency
+    from tools.bench import latency
 
     _patch_stack(monkeypatch, latency)
     monkeypatch.setattr(latency, "sweep", _fake_sweep({0: PLAIN, 2: [list(r) for r in PLAIN]}))
@@ -248,7 +248,7 @@ def test_latency_reports_when_every_gamma_matches(monkeypatch, tmp_path):
 def test_sampling_does_not_compare_sampled_tokens(monkeypatch, tmp_path):
     """At T > 0 speculative sampling keeps the distribution, not a seed's tokens: different
     tokens there are no error, while T = 0 still has to match."""
-    from specstream.tools.bench import sampling
+    from tools.bench import sampling
 
     _patch_stack(monkeypatch, sampling)
     outputs = {0.0: {0: PLAIN, 2: PLAIN}, 1.0: {0: PLAIN, 2: CHANGED}}
@@ -269,7 +269,7 @@ def test_sampling_does_not_compare_sampled_tokens(monkeypatch, tmp_path):
 
 
 def test_synthetic_stops_when_an_alpha_changes_the_output(monkeypatch, tmp_path):
-    from specstream.tools.bench import synthetic
+    from tools.bench import synthetic
 
     _patch_stack(monkeypatch, synthetic)
     monkeypatch.setattr(synthetic, "build_target", lambda path, *a, **k: path)
@@ -281,7 +281,7 @@ def test_synthetic_stops_when_an_alpha_changes_the_output(monkeypatch, tmp_path)
         synthetic.run(tmp_path, alphas=[0.5], gammas=[2], n_prompts=2, max_new_tokens=3)
 
 
-# Their progress (specstream.tools.progress): the total each plans is the work it then does. The fakes
+# Their progress (tools.progress): the total each plans is the work it then does. The fakes
 # count one generation per (γ, prompt) as the real sweep does; off a terminal the last line on stderr
 # says how far the run got.
 
@@ -302,7 +302,7 @@ def _last_progress(err: str, unit: str = "generations") -> tuple[int, int]:
 
 
 def test_latency_progress_counts_every_generation_it_plans(monkeypatch, tmp_path, capsys):
-    from specstream.tools.bench import latency
+    from tools.bench import latency
 
     _patch_stack(monkeypatch, latency)
     monkeypatch.setattr(latency, "measure_costs", lambda *a, **k: COSTS | {"weights": "int4"})
@@ -321,7 +321,7 @@ def test_latency_progress_counts_every_generation_it_plans(monkeypatch, tmp_path
 
 
 def test_sampling_and_synthetic_progress_reach_their_totals(monkeypatch, tmp_path, capsys):
-    from specstream.tools.bench import sampling, synthetic
+    from tools.bench import sampling, synthetic
 
     _patch_stack(monkeypatch, sampling)
     monkeypatch.setattr(sampling, "sweep", _fake_sweep({0: PLAIN}))
@@ -358,7 +358,7 @@ def test_the_benchmarks_stop_under_python_O():
 def test_bench_gamma_keeps_the_rows_it_does_not_measure_of_the_same_configuration(tmp_path):
     import json
 
-    from specstream.tools.bench.gamma import _other_rows
+    from tools.bench.gamma import _other_rows
 
     data = {"model": "m", "dtype": "bfloat16", "max_new_tokens": 48, "settings": ["γ=0", "ours"]}
     path = tmp_path / "gamma.json"
@@ -373,7 +373,7 @@ def test_bench_gamma_keeps_the_rows_it_does_not_measure_of_the_same_configuratio
 def test_latency_checks_its_tree_rows_and_puts_them_beside_the_chains(monkeypatch, tmp_path):
     """bench latency's tree stacks (--gamma-policy fixed --tree-branches B) are checked against plain
     decoding like every other sweep, and each row is scored against the chain at its γ."""
-    from specstream.tools.bench import latency
+    from tools.bench import latency
 
     _patch_stack(monkeypatch, latency)
     specs: list[dict] = []

@@ -1,7 +1,7 @@
-"""The benchmarks' batch-1 sweep (specstream.tools.bench.latency.sweep) over a fake client: rounds
+"""The benchmarks' batch-1 sweep (tools.bench.latency.sweep) over a fake client: rounds
 run the γ list again in reverse every other round and pool each γ's generations and metrics;
 routed settings go to another stack and read its metrics; and the nonsense prompt set
-(specstream.tools.bench.prompts)."""
+(tools.bench.prompts)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import ClassVar
 
 import pytest
 
-from specstream.tools.bench import latency
-from specstream.tools.bench.models import BenchModels
-from specstream.tools.bench.prompts import SYLLABLES, nonsense_texts
+from tools.bench import latency
+from tools.bench.models import BenchModels
+from tools.bench.prompts import SYLLABLES, nonsense_texts
 
 
 class _FakeClient:

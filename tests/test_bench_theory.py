@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specstream.tools.bench.theory import expected_speedup, expected_tokens_per_pass
+from tools.bench.theory import expected_speedup, expected_tokens_per_pass
 
 
 def test_worked_value():

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from specstream.tools.bench import throughput
-from specstream.tools.bench.checks import BenchmarkError
-from specstream.tools.bench.throughput import Pass, Setting
-from specstream.tools.cli import build_parser
+from tools.bench import throughput
+from tools.bench.checks import BenchmarkError
+from tools.bench.throughput import Pass, Setting
+from tools.cli import build_parser
 
 SETTING = Setting(4, "topup", 1.0, "all", 0)
 REQUESTS = [([1, 2, 3], 4), ([4, 5], 2), ([6], 1), ([7, 8, 9, 10], 3)]
@@ -210,8 +210,8 @@ def test_fronts_flag():
 
 
 def test_bench_command_passes_fronts_and_repeats_on(monkeypatch, tmp_path):
-    import specstream.tools.cli as cli
-    import specstream.tools.cli.bench as bench_cli
+    import tools.cli as cli
+    import tools.cli.bench as bench_cli
 
     seen = {}
     monkeypatch.setattr(bench_cli, "bench_models", lambda args: "models")

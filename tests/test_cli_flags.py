@@ -22,10 +22,10 @@ import pytest
 from fake_gateway import serve_generation
 
 from specstream.data.config import GAMMA_POLICIES, DraftConfig, ModelSpec, TargetConfig
-from specstream.tools.cli import build_parser, main
-from specstream.tools.cli.serve import _stack_spec
-from specstream.tools.cli.services import _draft_config, _gateway_config, _target_config
-from specstream.tools.launcher import StackSpec, command_lines
+from tools.cli import build_parser, main
+from tools.cli.serve import _stack_spec
+from tools.cli.services import _draft_config, _gateway_config, _target_config
+from tools.launcher import StackSpec, command_lines
 from specstream_pb import common_pb2, generation_pb2, generation_pb2_grpc
 
 ADDRESSES = {"draft": "127.0.0.1:7001", "target": "127.0.0.1:7002", "target-1": "127.0.0.1:7003",
@@ -312,8 +312,8 @@ def test_serve_tls_dir_is_made_when_empty_and_refused_when_incomplete(tmp_path, 
     err = capsys.readouterr().err
     assert "tls_dir=" in err and "must hold gateway.crt" in err and "internal-token" in err
     assert not (partial / "gateway.crt").exists()  # a directory with files of its own is never written to
-    from specstream.tools.cli.serve import _ensure_tls_dir
-    from specstream.tools.launcher import StackSecurity
+    from tools.cli.serve import _ensure_tls_dir
+    from tools.launcher import StackSecurity
 
     made = tmp_path / "new"
     assert _ensure_tls_dir(str(made)) and not _ensure_tls_dir(str(made))
@@ -349,7 +349,7 @@ def test_services_read_their_security_settings_from_the_environment(pki, monkeyp
 
 def test_serve_children_take_security_from_their_flags_only(monkeypatch) -> None:
     # Every variable the services' security flags read is one the launcher keeps from its children.
-    from specstream.tools.launcher import SERVICE_SECURITY_ENV, _child_env
+    from tools.launcher import SERVICE_SECURITY_ENV, _child_env
 
     subcommands = build_parser()._subparsers._group_actions[0].choices
     read = set()
@@ -459,12 +459,12 @@ def _no_stack(*args: Any, **kwargs: Any) -> Iterator[SimpleNamespace]:
 
 # (argv, the module and attribute of the entry point the command calls)
 QUIET_ENTRY_POINTS = [
-    *[(["bench", kind], f"specstream.tools.bench.{kind}", "run")
+    *[(["bench", kind], f"tools.bench.{kind}", "run")
       for kind in ("latency", "sampling", "synthetic", "throughput", "profile", "gamma", "kernels", "beam")],
-    (["experiment"], "specstream.tools.experiment", "run"),
-    (["train-draft"], "specstream.tools.distill.pipeline", "main"),
-    (["fuzz"], "specstream.tools.reliability.fuzz", "fuzz"),
-    (["soak"], "specstream.tools.reliability.soak", "soak"),
+    (["experiment"], "tools.experiment", "run"),
+    (["train-draft"], "tools.distill.pipeline", "main"),
+    (["fuzz"], "tools.reliability.fuzz", "fuzz"),
+    (["soak"], "tools.reliability.soak", "soak"),
 ]
 
 
@@ -473,10 +473,10 @@ QUIET_ENTRY_POINTS = [
                          isinstance(v, list) else None)
 def test_quiet_reaches_the_long_running_tools(argv: list[str], module: str, entry: str, quiet: bool, tmp_path,
                                               monkeypatch) -> None:
-    import specstream.tools.cli.bench as bench_cli
-    import specstream.tools.cli.reliability as reliability_cli
-    import specstream.tools.cli.train as train_cli
-    from specstream.tools.reliability import runner
+    import tools.cli.bench as bench_cli
+    import tools.cli.reliability as reliability_cli
+    import tools.cli.train as train_cli
+    from tools.reliability import runner
 
     # No models loaded, no stack started: the entry point stops the command once it is called.
     for namespace in (bench_cli, reliability_cli):
@@ -493,9 +493,9 @@ def test_quiet_reaches_the_long_running_tools(argv: list[str], module: str, entr
 
 @pytest.mark.parametrize("quiet", [False, True])
 def test_quiet_reaches_every_fault_scenario(quiet: bool, tmp_path, monkeypatch) -> None:
-    import specstream.tools.cli.reliability as reliability_cli
-    from specstream.tools.reliability import FAULT_SCENARIOS
-    from specstream.tools.reliability.faults import RUNNERS
+    import tools.cli.reliability as reliability_cli
+    from tools.reliability import FAULT_SCENARIOS
+    from tools.reliability.faults import RUNNERS
 
     monkeypatch.setattr(reliability_cli, "bench_models", lambda args: SimpleNamespace(label="stand-in"))
     seen: list[tuple[str, bool]] = []

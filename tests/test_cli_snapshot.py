@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-import specstream.tools.cli as cli
-from specstream.tools.cli import build_parser
+import tools.cli as cli
+from tools.cli import build_parser
 
 SNAPSHOT = Path(__file__).parent / "data" / "cli_flags.json"
 
@@ -84,7 +84,7 @@ def test_each_subcommand_runs_its_own_function(parser) -> None:
     funcs = {name: sub.get_default("func") for name, sub in subparsers(parser).items()}
     for name, func in funcs.items():
         assert func.__name__ == "cmd_" + name.replace("-", "_"), name
-        assert func.__module__.startswith("specstream.tools.cli."), (name, func.__module__)
+        assert func.__module__.startswith("tools.cli."), (name, func.__module__)
     assert len(set(funcs.values())) == len(funcs)  # no two subcommands share one
 
 

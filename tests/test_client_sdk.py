@@ -690,7 +690,7 @@ def test_async_unreachable_is_unavailable() -> None:
 
 
 def test_cli_generate_sampling_flags(url: str, fake: FakeGeneration, capsys: pytest.CaptureFixture[str]) -> None:
-    from specstream.tools.cli import main
+    from tools.cli import main
 
     flags = ["--temperature", "0.5", "--top-k", "7", "--top-p", "0.75", "--seed", "42", "--logprobs", "3"]
     assert main(["generate", "--url", url, "--json", *flags, "hi"]) == 0
@@ -802,7 +802,7 @@ def test_results_without_beams_have_no_sequences(client: Client, fake: FakeGener
 
 
 def test_cli_generate_beam_flags(url: str, beams: FakeGeneration, capsys: pytest.CaptureFixture[str]) -> None:
-    from specstream.tools.cli import main
+    from tools.cli import main
 
     flags = ["--num-beams", "5", "--num-return", "3", "--length-penalty", "0.5", "--early-stopping", "never",
              "--beam-threshold", "1.5", "--max-candidates-per-parent", "2"]
@@ -883,7 +883,7 @@ def test_model_info_reports_a_chat_template(client: Client, fake: FakeGeneration
 
 
 def test_cli_chat_builds_a_conversation(url: str, fake: FakeGeneration, capsys: pytest.CaptureFixture[str]) -> None:
-    from specstream.tools.cli import main
+    from tools.cli import main
 
     assert main(["chat", "--url", url, "--system", "Be terse.", "--max-new-tokens", "9", "What is 2+2?"]) == 0
     req = fake.requests[-1]

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from specstream.data.config import ServerConfig, ServerSecurity
 from specstream.serving.grpc_server import ServiceServer
-from specstream.tools.cli import main
+from tools.cli import main
 from specstream_client import AsyncClient, Client, PermissionDenied, Unauthenticated, Unavailable
 from specstream_client._credentials import Credentials
 from specstream_pb import common_pb2, generation_pb2, generation_pb2_grpc

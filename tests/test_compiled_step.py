@@ -1,4 +1,4 @@
-"""The compiled decode step that `bench step --compiled` measures (specstream/tools/bench/compiled.py):
+"""The compiled decode step that `bench step --compiled` measures (tools/bench/compiled.py):
 the static-cache forward gives the served model's logits, eager and compiled."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from hardware import NEEDS_Q4_NATIVE
 
 from specstream.models.loader import load_model
 from specstream.models.random_init import write_random_checkpoint
-from specstream.tools.bench.compiled import StaticDecoder, compiled_curve
+from tools.bench.compiled import StaticDecoder, compiled_curve
 
 CONFIG = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}

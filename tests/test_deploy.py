@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from gateway.discovery import split_host_port
-from specstream.tools.cli import build_parser
+from tools.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specstream.tools.distill.data import TOP_K, Record, load_records, save_records
-from specstream.tools.distill.prompts import build_prompts
+from tools.distill.data import TOP_K, Record, load_records, save_records
+from tools.distill.prompts import build_prompts
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_records_round_trip_through_one_safetensors_file(tmp_path) -> None:
 
 
 def test_output_vocabulary_keeps_the_most_frequent_first_choices_and_the_end_tokens() -> None:
-    from specstream.tools.distill.train import choose_output_vocab
+    from tools.distill.train import choose_output_vocab
 
     records = [_record(0, [50, 50, 50, 60]), _record(1, [50, 70])]
     vocab = choose_output_vocab(records, 3, always=[2], vocab_size=200)
@@ -61,7 +61,7 @@ def test_output_vocabulary_keeps_the_most_frequent_first_choices_and_the_end_tok
 
 
 def test_the_teacher_is_restricted_to_the_draft_vocabulary_and_renormalised() -> None:
-    from specstream.tools.distill.train import _examples
+    from tools.distill.train import _examples
 
     vocab = torch.tensor([3, 5, 7])
     index = torch.full((100,), -1, dtype=torch.int64)
@@ -102,8 +102,8 @@ def _progress_lines(err: str, unit: str) -> list[tuple[int, int]]:
 def test_generate_and_train_show_their_progress_to_the_end(tiny_target, tmp_path, capsys) -> None:
     """train-draft's stages count what they do: each prompt answered, each optimiser step; off a
     terminal as plain lines on stderr, while their own lines stay on stdout."""
-    from specstream.tools.distill.data import generate_responses
-    from specstream.tools.distill.train import train_draft
+    from tools.distill.data import generate_responses
+    from tools.distill.train import train_draft
 
     prompts = [{"id": i, "split": "held_out" if i % 4 == 0 else "train",
                 "messages": [{"role": "user", "content": f"question {i}: what is {i} + {i}?"}]} for i in range(12)]

@@ -121,7 +121,7 @@ def test_the_target_service_refuses_a_vocabulary_subset_model(sampling_pair, tmp
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "specstream.tools.cli", "target", "--model", str(sampling_pair["draft_subset"]),
+    result = subprocess.run([sys.executable, "-m", "tools.cli", "target", "--model", str(sampling_pair["draft_subset"]),
                              "--port", "0", "--dtype", "float32"], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "can only serve as a draft" in result.stderr
@@ -131,7 +131,7 @@ def test_the_card_states_measured_acceptance_and_the_proposer_reports_it(drafts,
     """config.json "specstream"."acceptance" (what `record_acceptance` writes after measuring) reaches
     the proposer, and from it DraftInfo; a value that is no rate is refused naming the field."""
     from draft_service.server import draft_info
-    from specstream.tools.distill.measure import record_acceptance
+    from tools.distill.measure import record_acceptance
 
     card = tmp_path / "card"
     card.mkdir()

@@ -1,10 +1,10 @@
-"""The everyday prompt set (specstream/tools/distill/everyday.py): held out by subject, in every domain."""
+"""The everyday prompt set (tools/distill/everyday.py): held out by subject, in every domain."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 
-from specstream.tools.distill.everyday import DOMAINS, everyday_prompts
+from tools.distill.everyday import DOMAINS, everyday_prompts
 
 
 def test_held_out_subjects_never_appear_in_training_and_every_domain_has_some() -> None:
@@ -35,8 +35,8 @@ def test_the_shipped_everyday_set_is_what_the_pipeline_builds_and_benchmarks_sen
     import gzip
     import json
 
-    from specstream.tools.bench.models import PROMPT_SETS, chat_prompts
-    from specstream.tools.distill.feature import FeatureConfig
+    from tools.bench.models import PROMPT_SETS, chat_prompts
+    from tools.distill.feature import FeatureConfig
 
     with gzip.open(PROMPT_SETS["everyday"], "rt", encoding="utf-8") as fh:
         shipped = [json.loads(line) for line in fh]

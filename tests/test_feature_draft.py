@@ -266,7 +266,7 @@ def test_the_pipeline_writes_a_loadable_draft_and_its_card(feature_pair, tmp_pat
 
     from safetensors.torch import save_file
 
-    from specstream.tools.distill.feature import export_head, read_head, write_card
+    from tools.distill.feature import export_head, read_head, write_card
 
     source = load_feature_draft(feature_pair["draft"], Path)
     head_path = tmp_path / "head.safetensors"
@@ -383,9 +383,9 @@ def test_the_pipeline_trains_and_measures_a_fused_aligned_variant_on_part_of_the
     measures it per domain."""
     from safetensors.torch import load_file
 
-    from specstream.tools.distill.data import Record, save_records
-    from specstream.tools.distill.feature import FeatureConfig, main
-    from specstream.tools.distill.pipeline import write_prompts
+    from tools.distill.data import Record, save_records
+    from tools.distill.feature import FeatureConfig, main
+    from tools.distill.pipeline import write_prompts
 
     target, work = model_zoo["target"], tmp_path / "work"
     prompts, records = [], []
@@ -409,7 +409,7 @@ def test_the_pipeline_trains_and_measures_a_fused_aligned_variant_on_part_of_the
     # --head-vocab: the same weights scoring the tokens the training answers start with most often
     from collections import Counter
 
-    from specstream.tools.distill.feature import read_head
+    from tools.distill.feature import read_head
 
     full, narrow = read_head(work / "head.safetensors", records), read_head(work / "head.safetensors", records, 5)
     counts = Counter(t for r in records if r.split == "train" for t in r.response)
@@ -426,10 +426,10 @@ def test_the_benchmarks_run_a_feature_draft_and_give_transformers_the_token_draf
     assisted rows); the draft's cost is a guess as it serves, and the γ benchmark's proposers run it."""
     import dataclasses
 
-    from specstream.tools.bench.costs import measure_costs
-    from specstream.tools.bench.gamma import _Models
-    from specstream.tools.bench.hf import runnable_modes
-    from specstream.tools.bench.models import BenchModels
+    from tools.bench.costs import measure_costs
+    from tools.bench.gamma import _Models
+    from tools.bench.hf import runnable_modes
+    from tools.bench.models import BenchModels
 
     models = BenchModels("tiny", feature_pair["target"], feature_pair["draft"], "float32")
     assert models.feature_draft and models.assistant is None

@@ -72,12 +72,12 @@ def test_chain_with_given_tokens_feeds_them() -> None:
 
 
 def test_a_few_training_steps_on_a_tiny_target_lower_the_loss(tmp_path) -> None:
-    """The training stage's loss (specstream.tools.distill.feature.head_loss: KL to the target over
+    """The training stage's loss (tools.distill.feature.head_loss: KL to the target over
     the head's vocabulary, STEPS drafting steps on its own features) on a tiny random target's real
     features of a few sequences: 30 AdamW steps lower it."""
     from specstream.models.loader import load_model
     from specstream.models.random_init import write_random_checkpoint
-    from specstream.tools.distill.feature import FeatureConfig, _spec, head_loss
+    from tools.distill.feature import FeatureConfig, _spec, head_loss
 
     config = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}
@@ -235,7 +235,7 @@ def test_a_target_keeps_the_layers_a_feature_draft_reads_without_changing_its_ou
 def test_aligned_training_counts_a_step_only_where_the_earlier_steps_chose_the_answer() -> None:
     """GRIFFIN's token alignment (FeatureConfig.aligned): from a start whose first guess is not the
     answer's token, the deeper steps add nothing to the loss; step 1 always counts."""
-    from specstream.tools.distill.feature import STEPS, FeatureConfig, head_loss
+    from tools.distill.feature import STEPS, FeatureConfig, head_loss
 
     head, embed, rows = _head(9)
     gen = torch.Generator().manual_seed(10)

@@ -9,8 +9,8 @@ import pytest
 
 from gateway.discovery import resolve_targets, split_host_port
 from specstream.data.config import GatewayConfig
-from specstream.tools.cli import build_parser
-from specstream.tools.cli.services import _gateway_config
+from tools.cli import build_parser
+from tools.cli.services import _gateway_config
 
 
 def fake_dns(table: dict[str, list[tuple[int, str]]]):

@@ -25,7 +25,7 @@ from specstream.data.engine import TargetInfo
 from specstream.data.errors import InvalidArgumentError
 from specstream.serving.grpc_server import ServiceServer
 from specstream.serving.metrics import GatewayMetrics
-from specstream.tools.reliability.input_cost import prompt_gaps, random_words
+from tools.reliability.input_cost import prompt_gaps, random_words
 from specstream_pb import generation_pb2, generation_pb2_grpc, target_pb2_grpc
 
 CONTEXT = 200_000  # tokens the scripted target reports: a maximal prompt takes ~1 s to tokenize here

@@ -34,7 +34,7 @@ from specstream.data.config import GatewayConfig, ServerSecurity
 from specstream.serving.auth import TokenSet
 from specstream.serving.metrics import GatewayMetrics
 from specstream.serving.tls import ServerCertificates
-from specstream.tools.certs import serial_of
+from tools.certs import serial_of
 from specstream_pb import target_pb2_grpc
 
 

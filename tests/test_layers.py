@@ -15,7 +15,7 @@ import pytest
 import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("specstream", "kernels", "gateway", "target_service", "draft_service", "client/specstream_client",
+PACKAGES = ("tools", "specstream", "kernels", "gateway", "target_service", "draft_service", "client/specstream_client",
             "client/specstream_pb")
 
 
@@ -55,9 +55,9 @@ def _add(path: Path, code: str) -> None:
 BREAKS = {
     # A core module reaching up to a tool, inside a function: function-level imports count.
     "upwards, in a function": ("specstream/data/config.py",
-                               "def _parser():\n    from specstream.tools.cli import build_parser\n\n"
+                               "def _parser():\n    from tools.cli import build_parser\n\n"
                                "    return build_parser()",
-                               r"specstream\.data\.config -> specstream\.tools\.cli"),
+                               r"specstream\.data\.config -> tools\.cli"),
     # One service importing another.
     "sideways, between services": ("gateway/router.py", "import target_service.engine  # noqa: E402",
                                    r"gateway\.router -> target_service\.engine"),

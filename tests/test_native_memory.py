@@ -18,8 +18,8 @@ from hardware import NEEDS_NATIVE_BF16
 
 from specstream.data.config import MemoryConfig
 from specstream.serving.native_memory import KERNEL_CACHE_VARIABLES, HeapTrimmer, bound_kernel_caches
-from specstream.tools.cli import build_parser
-from specstream.tools.cli.services import _draft_config, _target_config
+from tools.cli import build_parser
+from tools.cli.services import _draft_config, _target_config
 
 GLIBC = HeapTrimmer(1.0).available
 

@@ -25,7 +25,7 @@ from specstream.data.config import DraftConfig, ModelSpec
 from specstream.data.propose import ProposeItem
 from specstream.data.sampling import GREEDY, SamplingParams
 from specstream.models.loader import load_model
-from specstream.tools.cli import build_parser
+from tools.cli import build_parser
 
 A, B, C, D, E, F = 11, 12, 13, 14, 15, 16
 

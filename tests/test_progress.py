@@ -1,4 +1,4 @@
-"""The long-running commands' progress (specstream/tools/progress.py): a tqdm bar on a terminal, plain
+"""The long-running commands' progress (tools/progress.py): a tqdm bar on a terminal, plain
 lines elsewhere or when quiet (at most one per interval between phases), the time left from the
 rate so far, and the command's own output kept on stdout around a bar. A fake clock and fake
 streams: nothing here waits."""
@@ -13,7 +13,7 @@ import threading
 import pytest
 from tqdm import tqdm
 
-from specstream.tools.progress import Progress, clock_text
+from tools.progress import Progress, clock_text
 
 
 class Clock:

@@ -31,7 +31,7 @@ from specstream.data.errors import PermissionDeniedError, UnauthenticatedError
 from specstream.serving.auth import TokenSet, read_tokens
 from specstream.serving.channels import open_blocking_channel, open_channel
 from specstream.serving.grpc_server import ServiceServer
-from specstream.tools.certs import serial_of
+from tools.certs import serial_of
 from specstream_pb import generation_pb2, generation_pb2_grpc
 
 SERVICE = "specstream.v1.Generation"
@@ -422,7 +422,7 @@ def test_sighup_reloads_certificate_client_ca_and_tokens(pki, tmp_path: Path) ->
 def test_a_new_token_never_starts_with_a_dash_which_a_command_line_would_read_as_a_flag(monkeypatch) -> None:
     import secrets
 
-    from specstream.tools import certs
+    from tools import certs
 
     drawn = iter(["-leading-dash", "_fine-token"])
     monkeypatch.setattr(secrets, "token_urlsafe", lambda n: next(drawn))

@@ -1,4 +1,4 @@
-"""The supervisor (specstream/tools/supervisor.py) on stand-in child processes: a dead child is started
+"""The supervisor (tools/supervisor.py) on stand-in child processes: a dead child is started
 again after its delay, the delay doubles with each crash up to the cap and is forgiven once the
 child stays up; the final child's exit ends supervision with its code; nothing is restarted after
 `stop`. (The real stack under supervision: tests/integration/test_draft_faults.py.)"""
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from specstream.data.config import RestartPolicy
-from specstream.tools.supervisor import Supervisor
+from tools.supervisor import Supervisor
 
 
 def _sleeper() -> subprocess.Popen:

@@ -8,7 +8,7 @@ a hang costs that step only, and the rest still run), within `BUDGET_S` of wall 
 2. the kernel tests on CUDA (no interpreter): every Triton kernel against its torch reference;
 3. the three services on `--device cuda` in bfloat16, a ~1B random-init target built there and the
    synthetic-α draft: speculative greedy = plain greedy on 8 prompts, a γ sweep with `auto`, and
-   throughput at 32 slots, static against top-up (specstream/tools/bench/device_check.py);
+   throughput at 32 slots, static against top-up (tools/bench/device_check.py);
 4. `bench kernels` on CUDA: fused against unfused output layer at vocab 32k, 128k and 152k, hidden
    2048 and 4096, rows 1-64, and the fused verification's time against its bandwidth bound;
 5. the real SmolLM2 pair, where its GGUF file is installed on that machine (it is ~98 MB: more than
@@ -81,12 +81,12 @@ STEPS = (
           "kernels.speculative", "kernels.verify", "kernels.random", "kernels.dispatch")),
     Step("stack", "the three services on CUDA in bfloat16 (~1B random target, synthetic draft): speculative = "
          "plain greedy, γ sweep and auto, static vs top-up at n=32", 260, 90,
-         ("specstream.tools.bench.device_check", "specstream.tools.cli", "target_service.server", "draft_service.server",
+         ("tools.bench.device_check", "tools.cli", "target_service.server", "draft_service.server",
           "gateway.server", "specstream_client"), "device_check.json"),
     Step("bench-kernels", "fused vs unfused output layer (vocab 32k-152k, hidden 2048/4096, rows 1, 4, 16, 64) and the "
-         "fused verification against its bandwidth bound", 200, 45, ("specstream.tools.bench.kernels",), "kernels.json"),
+         "fused verification against its bandwidth bound", 200, 45, ("tools.bench.kernels",), "kernels.json"),
     Step("smollm2", "the real SmolLM2 pair on CUDA: speculative = plain greedy, γ sweep", 90, 20,
-         ("specstream.tools.bench.device_check", "specstream.models.registry")),
+         ("tools.bench.device_check", "specstream.models.registry")),
 )
 
 
@@ -168,7 +168,7 @@ def _junit_counts(path: Path) -> dict:
 
 
 def step_bench_kernels(out: Path) -> dict:
-    from specstream.tools.bench import kernels
+    from tools.bench import kernels
 
     data = kernels.run(out, "cuda", vocabs=(32_000, 128_256, 151_936), rows=(1, 4, 16, 64),
                        hiddens=(2048, 4096), models=None)
@@ -183,7 +183,7 @@ def step_bench_kernels(out: Path) -> dict:
 
 
 def step_stack(out: Path) -> dict:
-    from specstream.tools.bench import device_check
+    from tools.bench import device_check
 
     return device_check.run(out, "cuda")
 
@@ -196,8 +196,8 @@ def step_smollm2(out: Path) -> dict:
     except Exception as exc:
         return {"skipped": f"the SmolLM2 GGUF file is not installed here ({exc}); at ~98 MB it does not fit in "
                            "the 64 MiB that travel with the tree"}
-    from specstream.tools.bench import device_check
-    from specstream.tools.bench.models import BenchModels
+    from tools.bench import device_check
+    from tools.bench.models import BenchModels
 
     pair = PAIRS["smollm2"]  # its token draft: a feature draft runs on the CPU only
     models = BenchModels.from_refs(pair.target, pair.token_draft or pair.draft, "bfloat16", "smollm2",

@@ -1,7 +1,7 @@
 """Configuration of the three services: dataclasses validated in one place.
 
 Every limit is a field with a comment; `__post_init__` rejects bad values with a ValueError that
-quotes them. The CLI builds these from flags and environment variables (`specstream.tools.cli`); nothing
+quotes them. The CLI builds these from flags and environment variables (`tools.cli`); nothing
 here reads the environment.
 """
 
@@ -391,7 +391,7 @@ class StallConfig:
 
 @dataclass
 class RestartPolicy:
-    """How `specstream serve` restarts a draft or target process that exited (specstream/tools/supervisor.py)."""
+    """How `specstream serve` restarts a draft or target process that exited (tools/supervisor.py)."""
 
     initial_delay_s: float = 0.5  # wait this long before the first restart after a crash
     max_delay_s: float = 10.0  # each further crash doubles the wait, up to this

@@ -16,7 +16,7 @@ must be the one recorded at training time (as a token draft's shared embedding i
 ``target.layers`` are the target layers whose features the head reads (num_hidden_layers: the final,
 normed hidden state), which the draft service reports in GetInfo.
 
-What it does not know: serving (draft_service/feature.py), training (specstream.tools.distill.feature).
+What it does not know: serving (draft_service/feature.py), training (tools.distill.feature).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Weights: ``fuse`` [H, 2H], the layer's norms, q/k/v, o, gate/up and down in tran
 shapes, and ``output_ids`` (the vocabulary rows the head scores). The target's embedding is not
 stored: it is passed in (``embed``), as the draft service reads it from the target's checkpoint.
 
-What it does not know: the cache of a serving engine, tokenisation, training (specstream.tools.distill.feature).
+What it does not know: the cache of a serving engine, tokenisation, training (tools.distill.feature).
 """
 
 from __future__ import annotations

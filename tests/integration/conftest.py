@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specstream.tools.launcher import Stack, StackSpec
+from tools.launcher import Stack, StackSpec
 
 
 def pytest_collection_modifyitems(items) -> None:

@@ -87,7 +87,7 @@ def test_bad_beam_requests_name_the_field(stack, field, kwargs):
 
 def test_cli_prints_the_n_best(stack, in_process):
     tokenizer, want = in_process
-    out = subprocess.run([sys.executable, "-m", "specstream.tools.cli", "generate", "--url", stack.gateway_address,
+    out = subprocess.run([sys.executable, "-m", "tools.cli", "generate", "--url", stack.gateway_address,
                           "--max-new-tokens", "12", "--ignore-eos", "--num-beams", "4", "--num-return", "3",
                           PROMPTS[0]], capture_output=True, text=True, timeout=120, check=True)
     ranks = [line for line in out.stdout.splitlines() if line.startswith("#")]

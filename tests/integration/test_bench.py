@@ -4,7 +4,7 @@ What they measure (tokens/s, α, speedups) depends on the machine, so these test
 hold whatever the timings: the counts the services report agree with each other (every request
 used its whole budget; a target pass yields its accepted proposals plus one token), each derived
 number is the one computed from the numbers it is reported next to, and each "best" is the fastest
-of three or more candidates. The benchmarks' own exactness checks (specstream.tools.bench.checks) stop a
+of three or more candidates. The benchmarks' own exactness checks (tools.bench.checks) stop a
 run whose speculative tokens differ from plain decoding; tests/test_bench_checks.py shows they do.
 """
 
@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from specstream.tools.bench.theory import expected_speedup, expected_tokens_per_pass
+from tools.bench.theory import expected_speedup, expected_tokens_per_pass
 
 PROMPTS, BUDGET = 2, 12
 
@@ -67,7 +67,7 @@ def fastest(by_gamma: dict[str, dict]) -> int:
 
 
 def progress_end(err: str, unit: str) -> tuple[int, int]:
-    """(done, total) of the last progress line on stderr (specstream.tools.progress: off a terminal,
+    """(done, total) of the last progress line on stderr (tools.progress: off a terminal,
     plain lines), counted in ``unit``."""
     done, total = re.findall(rf"(\d+)/(\d+) {unit} \(", err)[-1]
     return int(done), int(total)
@@ -75,7 +75,7 @@ def progress_end(err: str, unit: str) -> tuple[int, int]:
 
 def test_bench_latency_writes_json_and_plots(model_zoo, tmp_path):
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "specstream.tools.cli", "bench", "latency", "--target",
+    result = subprocess.run([sys.executable, "-m", "tools.cli", "bench", "latency", "--target",
                              str(model_zoo["target"]), "--draft", str(model_zoo["partial"]), "--prompts", str(PROMPTS),
                              "--max-new-tokens", str(BUDGET), "--gammas", "0,1,2", "--dtype", "float32",
                              "--proposer", "ngram+model", "--ngram-min", "2", "--out", str(out)],
@@ -131,7 +131,7 @@ def test_bench_latency_writes_json_and_plots(model_zoo, tmp_path):
 
 def test_bench_sampling_writes_json_and_plot(model_zoo, tmp_path):
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "specstream.tools.cli", "bench", "sampling", "--target",
+    result = subprocess.run([sys.executable, "-m", "tools.cli", "bench", "sampling", "--target",
                              str(model_zoo["target"]), "--draft", str(model_zoo["partial"]), "--prompts", str(PROMPTS),
                              "--max-new-tokens", str(BUDGET), "--gammas", "0,1,2", "--temperatures", "0,1.0",
                              "--dtype", "float32", "--out", str(out), "--no-trees", "--prompt-set", "nonsense"],
@@ -175,7 +175,7 @@ def test_bench_sampling_writes_json_and_plot(model_zoo, tmp_path):
 
 
 def test_bench_synthetic_on_a_small_target(tmp_path):
-    from specstream.tools.bench import synthetic
+    from tools.bench import synthetic
 
     shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "max_position_embeddings": 512, "tie_word_embeddings": True}
@@ -194,9 +194,9 @@ def test_bench_synthetic_on_a_small_target(tmp_path):
 
 
 def test_bench_throughput_reports_occupancy_and_ratios(model_zoo, tmp_path, capsys):
-    from specstream.tools.bench import throughput
-    from specstream.tools.bench.models import BenchModels
-    from specstream.tools.bench.throughput import Setting
+    from tools.bench import throughput
+    from tools.bench.models import BenchModels
+    from tools.bench.throughput import Setting
 
     n = 2
     settings = [Setting(n, "static", 1.0, "all", 0), Setting(n, "topup", 1.0, "all", 0),
@@ -222,8 +222,8 @@ def test_bench_throughput_reports_occupancy_and_ratios(model_zoo, tmp_path, caps
 
 
 def test_bench_profile_splits_a_step_into_its_parts(model_zoo, tmp_path, capsys):
-    from specstream.tools.bench import profile
-    from specstream.tools.bench.models import BenchModels
+    from tools.bench import profile
+    from tools.bench.models import BenchModels
 
     vocab = json.loads((model_zoo["target"] / "config.json").read_text())["vocab_size"]
     data = profile.run(BenchModels("zoo", model_zoo["target"], model_zoo["partial"], "float32"), tmp_path)
@@ -245,8 +245,8 @@ def test_bench_profile_splits_a_step_into_its_parts(model_zoo, tmp_path, capsys)
 
 
 def test_bench_kernels_times_the_output_layer_and_a_steps_share(model_zoo, tmp_path, capsys):
-    from specstream.tools.bench import kernels as kernel_bench
-    from specstream.tools.bench.models import BenchModels
+    from tools.bench import kernels as kernel_bench
+    from tools.bench.models import BenchModels
 
     models = BenchModels("zoo", model_zoo["target"], model_zoo["partial"], "float32")
     data = kernel_bench.run(tmp_path, "cpu", vocabs=(123, 300), rows=(1, 8), hiddens=(32,), models=models)
@@ -263,7 +263,7 @@ def test_bench_kernels_times_the_output_layer_and_a_steps_share(model_zoo, tmp_p
 def test_bench_kernels_fused_columns_run_through_the_dispatcher(tmp_path):
     """What a CUDA run adds (fused ops, the verification against its bandwidth bound), run here by
     Triton's interpreter at tiny sizes: the code path works; the timings mean nothing on a CPU."""
-    from specstream.tools.bench import kernels as kernel_bench
+    from tools.bench import kernels as kernel_bench
 
     data = kernel_bench.run(tmp_path, "cpu", vocabs=(123,), rows=(1,), hiddens=(32,), fused=True, verify_shape=(2, 2))
     [size] = data["sizes"]
@@ -274,8 +274,8 @@ def test_bench_kernels_fused_columns_run_through_the_dispatcher(tmp_path):
 
 
 def test_bench_gamma_compares_policies_and_proposers(model_zoo, tmp_path, capsys):
-    from specstream.tools.bench import gamma
-    from specstream.tools.bench.models import BenchModels
+    from tools.bench import gamma
+    from tools.bench.models import BenchModels
 
     models = BenchModels("zoo", model_zoo["target"], model_zoo["partial"], "float32")
     data = gamma.run(models, tmp_path, [1, 2], n_prompts=2, max_new_tokens=8, names=["code", "repetitive", "mix"],
@@ -311,9 +311,9 @@ def test_bench_gamma_compares_policies_and_proposers(model_zoo, tmp_path, capsys
 def test_bench_throughput_through_both_fronts_on_real_processes(model_zoo, tmp_path):
     """The same requests through the gRPC SDK and the `openai` client against one stack; the run
     itself checks both fronts return the same greedy tokens (BenchmarkError otherwise)."""
-    from specstream.tools.bench import throughput
-    from specstream.tools.bench.models import BenchModels
-    from specstream.tools.bench.throughput import Setting
+    from tools.bench import throughput
+    from tools.bench.models import BenchModels
+    from tools.bench.throughput import Setting
 
     models = BenchModels("zoo", model_zoo["target"], model_zoo["partial"], "float32")
     setting = Setting(2, "topup", 1.0, "all", 2)
@@ -333,8 +333,8 @@ def goals_met(data: dict, goal: str) -> bool:
 
 
 def test_bench_step_measures_the_bound_the_verify_curve_and_the_host_work(model_zoo, tmp_path, capsys):
-    from specstream.tools.bench import step
-    from specstream.tools.bench.models import BenchModels
+    from tools.bench import step
+    from tools.bench.models import BenchModels
 
     data = step.run(BenchModels("zoo", model_zoo["target"], None, "float32"), tmp_path)
     assert data["bytes"]["total"] == sum(v for k, v in data["bytes"].items() if k != "total") > 0
@@ -372,8 +372,8 @@ def test_bench_overlap_times_each_side_alone_and_side_by_side(model_zoo, tmp_pat
     each alone and while the other runs back to back, in two processes; the passes it derives follow
     from what it measured. Then the served stacks with and without the draft working ahead: every
     setting at every γ, the working ones preparing rounds, with the output of the one without."""
-    from specstream.tools.bench import ahead, overlap
-    from specstream.tools.bench.models import BenchModels
+    from tools.bench import ahead, overlap
+    from tools.bench.models import BenchModels
 
     models = BenchModels("zoo", model_zoo["target"], model_zoo["partial"], "float32")
     # Of the nine: the defaults, and a stack that asks early and works ahead on three outcomes a
@@ -407,9 +407,9 @@ def test_bench_overlaps_served_part_samples_and_compares_the_stacks_that_guess_a
     """The served part sampled (`bench overlap --temperatures 1`): seeded requests; at every fixed γ
     the stack asking early emits the defaults' tokens (compared, or the run fails), while the stack
     working ahead, whose prepared rounds may be other draws, and `auto` are named as not compared."""
-    from specstream.tools.bench import ahead
-    from specstream.tools.bench.models import BenchModels
-    from specstream.tools.progress import Progress
+    from tools.bench import ahead
+    from tools.bench.models import BenchModels
+    from tools.progress import Progress
 
     models = BenchModels("zoo", model_zoo["target"], model_zoo["partial"], "float32")
     settings = [ahead.Setting(), ahead.Setting(early=True), ahead.Setting("normal", outcomes=3)]
@@ -423,7 +423,7 @@ def test_bench_overlaps_served_part_samples_and_compares_the_stacks_that_guess_a
 
 
 def test_an_overlapped_pass_runs_both_at_their_shared_speed_until_the_first_ends():
-    from specstream.tools.bench.overlap import overlapped_pass_ms
+    from tools.bench.overlap import overlapped_pass_ms
 
     # The draft (2 ms, 4 beside the target) ends first, at 4 ms: the target did 4/10 of its 5 ms meanwhile.
     assert overlapped_pass_ms(5.0, 10.0, 2.0, 4.0) == same(4.0 + 0.6 * 5.0)

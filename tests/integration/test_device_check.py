@@ -1,4 +1,4 @@
-"""The stack step of `make gpu-check` (specstream/tools/bench/device_check.py) rehearsed on a CPU with a
+"""The stack step of `make gpu-check` (tools/bench/device_check.py) rehearsed on a CPU with a
 tiny random target: the code a GPU machine's ten minutes depend on runs here first."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specstream.tools.bench import device_check
+from tools.bench import device_check
 
 pytestmark = pytest.mark.integration
 

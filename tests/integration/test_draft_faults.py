@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from specstream.data.config import RestartPolicy, StallConfig, TargetConfig
-from specstream.tools.launcher import wait_healthy
+from tools.launcher import wait_healthy
 from specstream_client import AsyncClient, Client, Unavailable
 
 PROMPTS = ["def main():", "The weather", "x = 1", "import os", "Hello, world", "for i in range(3):", "She said",
@@ -152,7 +152,7 @@ def test_a_killed_target_is_restarted_and_the_gateway_serves_again(supervised):
 
 def _serve(model_zoo, tmp_path) -> tuple[subprocess.Popen, str, list[str]]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "specstream.tools.cli", "serve", "--target", str(model_zoo["target"]),
+    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "serve", "--target", str(model_zoo["target"]),
                              "--draft", str(model_zoo["partial"]), "--port", "0", "--max-seq-len", "512",
                              "--log-dir", str(tmp_path / "logs")], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
@@ -169,7 +169,7 @@ def _serve(model_zoo, tmp_path) -> tuple[subprocess.Popen, str, list[str]]:
 
 def _child(proc: subprocess.Popen, service: str) -> psutil.Process:
     for child in psutil.Process(proc.pid).children():
-        if child.cmdline()[3:4] == [service]:  # python -m specstream.tools.cli <service> ...
+        if child.cmdline()[3:4] == [service]:  # python -m tools.cli <service> ...
             return child
     raise AssertionError(f"no {service} process under serve")
 

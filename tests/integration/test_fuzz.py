@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from specstream.tools.reliability.fuzz import INVALID, OK, Case, Outcome, fuzz
+from tools.reliability.fuzz import INVALID, OK, Case, Outcome, fuzz
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_a_hostile_draft_costs_nothing_but_plain_passes(model_zoo, tmp_path) -> 
     from specstream.serving.metrics import MALFORMED_CAUSES
 
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "specstream.tools.cli", "fuzz", "--draft-side", "--target",
+    result = subprocess.run([sys.executable, "-m", "tools.cli", "fuzz", "--draft-side", "--target",
                              str(model_zoo["target"]), "--draft", str(model_zoo["partial"]), "--dtype", "float32",
                              "--cases", "48", "--corrupt", "0.4", "--concurrency", "4", "--seed", "3", "--quiet",
                              "--out", str(out)], capture_output=True, text=True, timeout=300)

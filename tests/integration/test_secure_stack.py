@@ -31,8 +31,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specstream.data.config import ChannelSecurity
 from specstream.serving.channels import open_blocking_channel
-from specstream.tools.certs import issue, make_authority, serial_of, write_file
-from specstream.tools.launcher import StackSecurity, free_port, wait_healthy
+from tools.certs import issue, make_authority, serial_of, write_file
+from tools.launcher import StackSecurity, free_port, wait_healthy
 from specstream_client import AsyncClient, Client, PermissionDenied, Unauthenticated, Unavailable
 from specstream_pb import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -305,7 +305,7 @@ def test_sighup_serves_new_certificates_to_new_connections(stack, tls_dir, pki) 
 
 
 def _start(args: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "specstream.tools.cli", *args], stdout=log.open("ab"),
+    return subprocess.Popen([sys.executable, "-m", "tools.cli", *args], stdout=log.open("ab"),
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -362,7 +362,7 @@ def test_the_internal_token_alone_guards_draft_and_target(model_zoo, tmp_path) -
 def test_serve_tls_dir_makes_its_files_prints_how_to_call_and_passes_sighup_on(model_zoo, tmp_path) -> None:
     directory = tmp_path / "tls"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "specstream.tools.cli", "serve", "--target", str(model_zoo["target"]),
+    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "serve", "--target", str(model_zoo["target"]),
                              "--draft", str(model_zoo["same"]), "--port", "0", "--max-seq-len", "256",
                              "--no-calibrate", "--tls-dir", str(directory), "--log-dir", str(tmp_path / "logs")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -28,7 +28,7 @@ def test_serve_with_default_models_then_sigint(tmp_path):
     """No model flags: SmolLM2 with its shipped draft (converted into a fresh model cache); health,
     reflection on the gateway and off on target and draft, lossless output, clean Ctrl-C."""
     env = {**os.environ, "SPECSTREAM_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "specstream.tools.cli", "serve", "--port", "0", "--max-seq-len", "512",
+    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "serve", "--port", "0", "--max-seq-len", "512",
                              "--log-dir", str(tmp_path / "logs")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env)
     try:

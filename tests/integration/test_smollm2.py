@@ -329,7 +329,7 @@ def test_bad_messages_get_invalid_argument_naming_the_field(smollm2_stack) -> No
 
 
 def test_specstream_chat_cli(smollm2_stack) -> None:
-    result = subprocess.run([sys.executable, "-m", "specstream.tools.cli", "chat", "--url", smollm2_stack.gateway_address,
+    result = subprocess.run([sys.executable, "-m", "tools.cli", "chat", "--url", smollm2_stack.gateway_address,
                              "--system", "You are terse.", "--max-new-tokens", "32", "--gamma", "4",
                              "What is 2 + 2?"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -353,7 +353,7 @@ def test_a_prompt_prefilled_in_chunks_gets_the_cache_of_one_prefill() -> None:
     the same K/V and last hidden state, bit for bit, as prefilling it at once: attention over a row
     whose trailing keys are masked must not round differently. A held-out chat prompt whose
     14 + 22 split once differed at layer 8 (a float32 softmax summed in a length-dependent order)."""
-    from specstream.tools.bench.models import BenchModels
+    from tools.bench.models import BenchModels
 
     target, draft, dtype = pair_refs("smollm2")
     models = BenchModels.from_refs(target, draft, dtype, "smollm2")

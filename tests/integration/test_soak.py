@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from specstream.tools.reliability.soak import slope_per_minute, soak
+from tools.reliability.soak import slope_per_minute, soak
 
 
 def test_slope_is_least_squares_per_minute() -> None:

@@ -188,7 +188,7 @@ def test_deadline_frees_the_sequence(partial_stack):
 
 def test_cli_generate_gamma_0_and_4_identical(partial_stack):
     def run(*flags):
-        out = subprocess.run([sys.executable, "-m", "specstream.tools.cli", "generate", "--url", partial_stack.gateway_address,
+        out = subprocess.run([sys.executable, "-m", "tools.cli", "generate", "--url", partial_stack.gateway_address,
                               "--json", "--max-new-tokens", "32", *flags, "def main():"],
                              capture_output=True, text=True, timeout=120, check=True)
         return json.loads(out.stdout)
@@ -246,7 +246,7 @@ def test_gateway_reports_target_loss(stack_factory, model_zoo):
 
 def test_cli_sampling_is_reproducible_and_speculates(partial_stack):
     def run(*flags):
-        out = subprocess.run([sys.executable, "-m", "specstream.tools.cli", "generate", "--url", partial_stack.gateway_address,
+        out = subprocess.run([sys.executable, "-m", "tools.cli", "generate", "--url", partial_stack.gateway_address,
                               "--json", "--max-new-tokens", "32", "--ignore-eos", "--gamma", "4", *flags, "def main():"],
                              capture_output=True, text=True, timeout=120, check=True)
         return json.loads(out.stdout)
@@ -308,8 +308,8 @@ def test_a_port_taken_before_its_process_binds_it_restarts_the_stack_on_new_port
     services on it."""
     import socket
 
-    from specstream.tools import launcher
-    from specstream.tools.launcher import Stack, StackSpec
+    from tools import launcher
+    from tools.launcher import Stack, StackSpec
 
     held = socket.socket()
     held.bind(("127.0.0.1", 0))

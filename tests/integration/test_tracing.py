@@ -60,8 +60,8 @@ def test_one_trace_per_request_across_the_three_services(stack_factory, model_zo
 
 
 def test_experiment_breaks_requests_down_from_real_traces(model_zoo, tmp_path):
-    from specstream.tools import experiment
-    from specstream.tools.bench.models import BenchModels
+    from tools import experiment
+    from tools.bench.models import BenchModels
 
     models = BenchModels("zoo", model_zoo["target"], model_zoo["partial"], "float32")
     data = experiment.run(models, tmp_path, workload="single")
