@@ -63,8 +63,8 @@ def model_zoo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def feature_pair(model_zoo, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The zoo's target and a tiny feature draft of it (tests/feature_pair.py)."""
-    from feature_pair import train_feature_pair
+    """The zoo's target and a tiny feature draft of it (tests/support/feature_pair.py)."""
+    from tests.support.feature_pair import train_feature_pair
 
     return train_feature_pair(model_zoo, tmp_path_factory.mktemp("feature") / "draft")
 
@@ -133,6 +133,6 @@ def pki(tmp_path_factory: pytest.TempPathFactory):
     """Throwaway certificates (tools/certs.py): `pki.dir` holds a stack's files from one CA
     (ca.crt, {gateway,target,draft,client}.crt/.key, api-tokens, internal-token); `pki.other` the
     same from another CA, whose certificates every server here must refuse."""
-    from pki import Pki
+    from tests.support.pki import Pki
 
     return Pki.make(tmp_path_factory.mktemp("pki"))

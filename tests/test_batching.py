@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_harness import naive_greedy, run_engine
+from tests.support.engine_harness import naive_greedy, run_engine
 
 from specstream.data.sampling import SamplingParams
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import load_hf_model, make_hf_checkpoint
+from tests.support.checkpoints import load_hf_model, make_hf_checkpoint
 
 from draft_service.proposer import DraftProposer
 from specstream.data.config import ModelSpec, TargetConfig

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 import pytest
-from checkpoints import make_hf_checkpoint
+from tests.support.checkpoints import make_hf_checkpoint
 
 K, REQUESTS = 3, 8
 STREAMING = ("VAR-STREAM ε=1/3", "VAR-STR-FIFO ε=1/3")

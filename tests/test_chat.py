@@ -12,7 +12,7 @@ from specstream.text.chat import ChatError, ChatTemplate
 from specstream.text.tokenizer import TextTokenizer
 from specstream_client._request import build_chat_request
 from specstream_pb import generation_pb2, target_pb2
-from tests.gguf_files import CHATML, chatml_tokenizer
+from tests.support.gguf_files import CHATML, chatml_tokenizer
 
 STRICT = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
           "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"

@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 import pytest
-from fake_gateway import serve_generation
+from tests.support.fake_gateway import serve_generation
 
 from specstream.data.config import GAMMA_POLICIES, DraftConfig, ModelSpec, TargetConfig
 from tools.cli import build_parser, main

@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
-from fake_gateway import serve_generation
+from tests.support.fake_gateway import serve_generation
 
 from specstream_client import AsyncClient, Client, GenerateOptions, GenerateOptionsDict
 from specstream_client._request import build_chat_request, build_generate_request

@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 import pytest
-from fake_gateway import serve_generation
+from tests.support.fake_gateway import serve_generation
 
 from specstream_client import (
     AsyncClient,

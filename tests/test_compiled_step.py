@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hardware import NEEDS_Q4_NATIVE
+from tests.support.hardware import NEEDS_Q4_NATIVE
 
 from specstream.models.loader import load_model
 from specstream.models.random_init import write_random_checkpoint

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from engine_harness import run_engine
+from tests.support.engine_harness import run_engine
 
 from specstream.models.defaults import SHIPPED, default_model_dirs
 from specstream.models.loader import load_model

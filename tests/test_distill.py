@@ -83,7 +83,7 @@ CHAT = ("{% for message in messages %}{{ message['role'] + ': ' + message['conte
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random 2-layer Llama with a byte-level tokenizer and a chat template: a target to distil from."""
-    from checkpoints import make_hf_checkpoint
+    from tests.support.checkpoints import make_hf_checkpoint
 
     from specstream.text.tokenizer import BOS_TOKEN, EOS_TOKEN, build_byte_level_tokenizer, save_tokenizer_files
 

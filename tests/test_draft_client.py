@@ -13,7 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from engine_harness import run_engine, speculation
+from tests.support.engine_harness import run_engine, speculation
 
 from draft_service.proposer import DraftProposer
 from draft_service.server import DraftServicer

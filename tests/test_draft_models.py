@@ -16,7 +16,7 @@ from specstream.data.propose import ProposeItem
 from specstream.data.sampling import SamplingParams
 from specstream.models.config import ModelLoadError
 from specstream.models.loader import embedding_sha256, load_model
-from tests.engine_harness import run_engine
+from tests.support.engine_harness import run_engine
 
 SUBSET = [0, 1, 2, *range(3, 300, 3)]  # 102 of the 300 tokens, EOS (1) among them
 

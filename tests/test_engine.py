@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from engine_harness import speculation
+from tests.support.engine_harness import speculation
 
 from draft_service.proposer import DraftProposer
 from specstream.data.config import ModelSpec, TargetConfig

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_harness import naive_greedy, run_engine
+from tests.support.engine_harness import naive_greedy, run_engine
 
 from specstream.text.tokenizer import TextTokenizer
 

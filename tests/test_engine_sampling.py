@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from engine_harness import naive_greedy, run_engine
+from tests.support.engine_harness import naive_greedy, run_engine
 
 from draft_service.proposer import DraftProposer
 from kernels.processing import process_logits

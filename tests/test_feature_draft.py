@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_harness import naive_greedy, run_engine, speculation
-from feature_pair import PROMPTS, train_feature_pair
+from tests.support.engine_harness import naive_greedy, run_engine, speculation
+from tests.support.feature_pair import PROMPTS, train_feature_pair
 
 from draft_service.combined import NgramPlusModelProposer
 from draft_service.feature import FeatureProposer
@@ -243,8 +243,7 @@ class _Forgetful(LocalDraft):
 
 
 def test_a_draft_that_lost_its_state_gets_every_feature_again_and_drafts_on(feature_pair, monkeypatch) -> None:
-    import engine_harness
-
+    from tests.support import engine_harness
     target = feature_pair["target"]
     draft = _Forgetful(_proposer(feature_pair), after=6)
     monkeypatch.setattr(engine_harness, "LocalDraft", lambda proposer, **kwargs: draft)
@@ -328,8 +327,7 @@ class _Recording(LocalDraft):
 def test_a_sync_larger_than_a_call_goes_in_parts(feature_pair, monkeypatch) -> None:
     """With room for 4 features a call, a prompt's features go over several steps (those rows guess
     nothing until their draft holds everything), no call carries more, and the output is plain."""
-    import engine_harness
-
+    from tests.support import engine_harness
     import target_service.drafting as drafting
 
     monkeypatch.setattr(drafting, "FEATURE_BYTES_PER_CALL", 4 * 64 * 2)
@@ -347,8 +345,7 @@ def test_a_sync_larger_than_a_call_goes_in_parts(feature_pair, monkeypatch) -> N
 def test_a_refused_sequence_decodes_without_the_draft_and_is_not_resent(feature_pair, monkeypatch) -> None:
     """A draft that refuses a sequence's features once: that sequence goes on plainly (no more items
     for it), the others keep drafting, and every output is plain greedy."""
-    import engine_harness
-
+    from tests.support import engine_harness
     class Refusing(_Recording):
         async def propose(self, step, items, traceparent="", item_traceparents=None):
             replies = await super().propose(step, items, traceparent, item_traceparents)

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from hardware import NEEDS_Q4_NATIVE, NEEDS_Q4_NATIVE_F32
+from tests.support.hardware import NEEDS_Q4_NATIVE, NEEDS_Q4_NATIVE_F32
 
 from specstream.models.feature_head import FeatureHead, HeadSpec
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
-from scripted_target import MODEL, TT, StreamingTarget
+from tests.support.scripted_target import MODEL, TT, StreamingTarget
 
 from gateway.router import Router
 from gateway.server import SERVICE_NAME, GenerationServicer

@@ -16,8 +16,8 @@ from specstream.models.gguf import GGUFFile, convert_gguf
 from specstream.models.gguf_dequant import DEQUANTIZERS, dequantize
 from specstream.models.loader import load_model
 from specstream.text.tokenizer import TextTokenizer
-from tests.checkpoints import load_hf_model, make_hf_checkpoint
-from tests.gguf_files import CHATML, chatml_tokenizer, permute, write_gguf
+from tests.support.checkpoints import load_hf_model, make_hf_checkpoint
+from tests.support.gguf_files import CHATML, chatml_tokenizer, permute, write_gguf
 
 gguf = pytest.importorskip("gguf")
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import grpc
 import openai
 import pytest
-from scripted_target import MODEL, REPLY, TOKENS, TT, StreamingTarget
+from tests.support.scripted_target import MODEL, REPLY, TOKENS, TT, StreamingTarget
 
 from gateway.http.app import build_app
 from gateway.http.server import HttpServer

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from hardware import NEEDS_Q4_NATIVE, NEEDS_Q4_NATIVE_F32
+from tests.support.hardware import NEEDS_Q4_NATIVE, NEEDS_Q4_NATIVE_F32
 from test_models import assert_verify_equals_steps
 
 from kernels.int4 import (
@@ -30,8 +30,8 @@ from specstream.models.config import ModelLoadError
 from specstream.models.gguf import convert_gguf
 from specstream.models.gguf_dequant import dequantize, q4_parts
 from specstream.models.loader import load_model
-from tests.checkpoints import make_hf_checkpoint
-from tests.gguf_files import chatml_tokenizer, write_gguf
+from tests.support.checkpoints import make_hf_checkpoint
+from tests.support.gguf_files import chatml_tokenizer, write_gguf
 
 gguf = pytest.importorskip("gguf")
 

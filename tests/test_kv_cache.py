@@ -185,7 +185,7 @@ def test_attention_through_a_forked_slot_equals_a_copied_one() -> None:
     prefix was copied; writing inside the shared prefix is refused."""
     import tempfile
 
-    from checkpoints import make_hf_checkpoint
+    from tests.support.checkpoints import make_hf_checkpoint
 
     from specstream.models.loader import load_model
 

@@ -14,7 +14,7 @@ import math
 import re
 
 import pytest
-from engine_harness import naive_greedy, speculation
+from tests.support.engine_harness import naive_greedy, speculation
 
 from draft_service.proposer import DraftProposer
 from specstream.data.config import ModelSpec, TargetConfig

@@ -1,6 +1,6 @@
 """specstream.models against transformers: parity, KV-cache decoding, loading formats and load errors.
 
-Every model here is a tiny random-init transformers checkpoint (tests/checkpoints.py) whose logits have
+Every model here is a tiny random-init transformers checkpoint (tests/support/checkpoints.py) whose logits have
 std ~0.8, so the 1e-4 parity bound is tight relative to the signal.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from checkpoints import load_hf_model, make_hf_checkpoint
+from tests.support.checkpoints import load_hf_model, make_hf_checkpoint
 from safetensors.torch import load_file, save_file
 
 from specstream.models.base import CausalLM

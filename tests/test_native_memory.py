@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
-from hardware import NEEDS_NATIVE_BF16
+from tests.support.hardware import NEEDS_NATIVE_BF16
 
 from specstream.data.config import MemoryConfig
 from specstream.serving.native_memory import KERNEL_CACHE_VARIABLES, HeapTrimmer, bound_kernel_caches

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from hardware import NEEDS_Q4_NATIVE, NEEDS_Q4_NATIVE_F32
+from tests.support.hardware import NEEDS_Q4_NATIVE, NEEDS_Q4_NATIVE_F32
 
 from kernels import native
 from kernels.int4 import Q4Weight

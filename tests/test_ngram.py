@@ -12,7 +12,7 @@ import random
 from collections import Counter
 
 import pytest
-from engine_harness import run_engine
+from tests.support.engine_harness import run_engine
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

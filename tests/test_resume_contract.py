@@ -9,7 +9,7 @@ In-process engine, tiny random models (tests/conftest.py)."""
 from __future__ import annotations
 
 import pytest
-from engine_harness import run_engine
+from tests.support.engine_harness import run_engine
 
 from gateway.resume import continuation
 from specstream.data.engine import SequenceRequest

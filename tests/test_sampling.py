@@ -18,7 +18,7 @@ from collections import Counter
 
 import pytest
 import torch
-from chi_square import goodness_of_fit_p_value
+from tests.support.chi_square import goodness_of_fit_p_value
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

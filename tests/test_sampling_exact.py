@@ -40,7 +40,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from chi_square import _chi2_sf, goodness_of_fit_p_value, two_sample_p_value
+from tests.support.chi_square import _chi2_sf, goodness_of_fit_p_value, two_sample_p_value
 
 SAMPLES = 4_000
 PROMPT = [5, 9, 17, 3, 22]
@@ -55,14 +55,14 @@ AUTO_THRESHOLD = 1e-5  # the automatic-γ comparisons: random per run (see the m
 
 
 # ----- sampling, in worker processes (two cores: two workers) ---------------------------------
-def _init_worker(tests_dir: str) -> None:
-    sys.path.insert(0, tests_dir)
+def _init_worker(root: str) -> None:
+    sys.path.insert(0, root)  # the repository: tests.support
     torch.set_num_threads(1)
 
 
 def _generate(job: dict) -> list[list[int]]:
     """Runs SAMPLES sequences of one configuration through the engine; returns their tokens."""
-    from engine_harness import run_engine
+    from tests.support.engine_harness import run_engine
 
     from specstream.data.sampling import SamplingParams
     from specstream.models.loader import load_model
@@ -158,7 +158,7 @@ def samples(sampling_pair) -> dict[tuple, list[list[int]]]:
     jobs = _jobs(sampling_pair)
     order = sorted(jobs, key=lambda key: -jobs[key]["max_new_tokens"] * (1 + jobs[key]["gamma"]))  # longest first
     with ProcessPoolExecutor(2, mp_context=get_context("spawn"), initializer=_init_worker,
-                             initargs=(str(Path(__file__).parent),)) as pool:
+                             initargs=(str(Path(__file__).parent.parent),)) as pool:
         futures = {key: pool.submit(_generate, jobs[key]) for key in order}
         return {key: future.result() for key, future in futures.items()}
 

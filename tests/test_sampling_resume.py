@@ -9,7 +9,7 @@ pinned (docs/architecture.md §7.1)."""
 from __future__ import annotations
 
 import pytest
-from engine_harness import run_engine
+from tests.support.engine_harness import run_engine
 
 from specstream.data.sampling import SamplingParams
 

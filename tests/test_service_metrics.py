@@ -10,7 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from engine_harness import speculation
+from tests.support.engine_harness import speculation
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 

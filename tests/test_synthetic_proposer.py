@@ -6,7 +6,7 @@ import asyncio
 import math
 
 import pytest
-from engine_harness import run_engine, speculation
+from tests.support.engine_harness import run_engine, speculation
 
 from draft_service.synthetic import SyntheticProposer
 from specstream.data.config import ModelSpec, TargetConfig

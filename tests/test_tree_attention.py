@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from hardware import NEEDS_Q4_NATIVE
+from tests.support.hardware import NEEDS_Q4_NATIVE
 
 from kernels import native
 from specstream.models.loader import load_model
@@ -93,7 +93,7 @@ def llama_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def window_dir(tmp_path_factory):
-    from checkpoints import make_hf_checkpoint  # a Mistral with a window shorter than the prefixes
+    from tests.support.checkpoints import make_hf_checkpoint  # a Mistral with a window shorter than the prefixes
 
     return make_hf_checkpoint(tmp_path_factory.mktemp("tree") / "mistral", "mistral", vocab_size=96, seed=12)
 
@@ -124,7 +124,7 @@ def test_sliding_window_trees(window_dir, native_on, monkeypatch) -> None:
 
 
 def test_gpt2_trees(tmp_path) -> None:
-    from checkpoints import make_hf_checkpoint
+    from tests.support.checkpoints import make_hf_checkpoint
 
     model = load_model(make_hf_checkpoint(tmp_path / "gpt2", "gpt2", vocab_size=96, seed=13), dtype="float32")
     assert _check_trees(model, seed=6, batch=2, nodes=10, exact=False) > 0  # the torch path: no native GPT-2

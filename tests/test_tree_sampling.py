@@ -18,7 +18,7 @@ from collections import Counter
 
 import pytest
 import torch
-from chi_square import goodness_of_fit_p_value
+from tests.support.chi_square import goodness_of_fit_p_value
 
 from kernels.random import SAMPLE, gumbel, race, row_keys
 from kernels.tree_sampling import tree_speculative_verify, tree_speculative_verify_reference

@@ -10,7 +10,7 @@ import random
 from collections.abc import Hashable
 
 import pytest
-from engine_harness import run_engine
+from tests.support.engine_harness import run_engine
 from test_tree_attention import random_tree
 
 from specstream.data.propose import Proposal, ProposeItem

@@ -17,7 +17,7 @@ from collections import Counter
 
 import pytest
 import torch
-from chi_square import goodness_of_fit_p_value
+from tests.support.chi_square import goodness_of_fit_p_value
 
 from kernels.argmax import best_token, best_token_reference
 from kernels.cuts import cut_thresholds, cut_thresholds_reference
@@ -444,7 +444,7 @@ def test_speculative_verify_keeps_the_target_distribution():
 
 @pytest.mark.parametrize("gamma", (0, 3, None), ids=("off", "fixed-3", "auto"))
 def test_the_engine_decodes_the_same_greedy_tokens_through_triton_and_torch(model_zoo, gamma):
-    from engine_harness import naive_greedy, run_engine
+    from tests.support.engine_harness import naive_greedy, run_engine
 
     prompts = [[5, 9, 17, 3], [200, 1, 1, 1, 44, 7], [7] * 20]
     with use("torch"):
@@ -461,8 +461,8 @@ def test_the_engine_samples_the_same_distribution_through_triton_and_torch(sampl
     """Tokens 2 and 3 of each generation (settled by speculative steps at γ = 3: acceptance,
     residual and bonus draws) through the Triton kernels and through the torch ops, other seeds:
     a two-sample chi-square test (p < 1e-4 fails; counted in the module's false-alarm rate)."""
-    from chi_square import two_sample_p_value
-    from engine_harness import run_engine
+    from tests.support.chi_square import two_sample_p_value
+    from tests.support.engine_harness import run_engine
 
     draws, prompt = 1000, [5, 9, 17, 3, 22]
 
@@ -482,7 +482,7 @@ def test_the_engine_samples_the_same_distribution_through_triton_and_torch(sampl
 def test_coupled_speculative_sampling_through_the_kernels_is_plain_sampling(sampling_pair):
     """Coupled verification on the Triton backend (the fused sampler at every position of the
     window, the draft's q from the fused n-best pass): the plain sampled tokens, token for token."""
-    from engine_harness import run_engine
+    from tests.support.engine_harness import run_engine
 
     prompt = [5, 9, 17, 3, 22]
     params = [SamplingParams(temperature=1.0, top_k=8 if i % 2 else 0, seed=70 + i) for i in range(6)]
@@ -529,7 +529,7 @@ def test_the_drafts_truncated_q_from_the_kernels_is_the_torch_one():
 
 
 def test_the_engine_reports_the_same_logprobs_through_triton_and_torch(sampling_pair):
-    from engine_harness import run_engine
+    from tests.support.engine_harness import run_engine
 
     prompts = [[5, 9, 17, 3], [1, 2, 3]]
     sampling = [SamplingParams(), SamplingParams(temperature=0.9, top_k=6, seed=4)]

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 import pytest
-from engine_harness import naive_greedy, run_engine
-from feature_pair import PROMPTS
+from tests.support.engine_harness import naive_greedy, run_engine
+from tests.support.feature_pair import PROMPTS
 
 from draft_service.combined import NgramPlusModelProposer
 from draft_service.feature import FeatureProposer

@@ -1,7 +1,7 @@
 """OTLP export from the three real processes to a real receiver, over gRPC and over HTTP/protobuf.
 
 No collector binary is to be had in a test (no image registry, none on PyPI), so the receivers are
-tests/otlp_receiver.py: the OTLP TraceService (gRPC) and `POST /v1/traces` (HTTP), decoding what
+tests/support/otlp_receiver.py: the OTLP TraceService (gRPC) and `POST /v1/traces` (HTTP), decoding what
 the exporters send with the `opentelemetry-proto` messages. The services get nothing but the
 standard variables, as deploy/ gives them (docs/observability.md): endpoint, protocol, headers and
 resource attributes. One request with a caller's W3C traceparent must arrive as one trace with
@@ -16,7 +16,7 @@ import time
 import pytest
 
 from specstream_client import Client
-from tests.otlp_receiver import GrpcReceiver, HttpReceiver, ReceivedSpan
+from tests.support.otlp_receiver import GrpcReceiver, HttpReceiver, ReceivedSpan
 
 TRACE, PARENT = "5b8efff798038103d269b633813fc60c", "eee19b7ec3c1b174"
 SERVICES = {"specstream-gateway", "specstream-target", "specstream-draft"}

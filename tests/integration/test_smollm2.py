@@ -18,7 +18,7 @@ from collections import Counter
 
 import pytest
 import torch
-from hardware import NEEDS_Q4_NATIVE, NEEDS_Q4_NATIVE_F32
+from tests.support.hardware import NEEDS_Q4_NATIVE, NEEDS_Q4_NATIVE_F32
 
 from kernels.int4 import q4_native
 from specstream.models.loader import load_model

@@ -1,7 +1,7 @@
 """Test helpers: tiny GGUF files written with the ``gguf`` package's own writer and quantizers.
 
 Contract: ``write_gguf(path, hf_dir, ...)`` turns a tiny Hugging Face Llama/Qwen2 checkpoint (see
-``tests/checkpoints.py``) and a byte-level BPE tokenizer into a GGUF file the way llama.cpp's
+``tests/support/checkpoints.py``) and a byte-level BPE tokenizer into a GGUF file the way llama.cpp's
 ``convert_hf_to_gguf.py`` lays it out: llama.cpp tensor names, Q/K rows permuted for Llama, norms in
 F32 and matrices in ``qtype``, ``{arch}.*`` hyperparameters and ``tokenizer.ggml.*`` metadata.
 ``metadata`` overrides or removes (value None) keys; ``tensors`` renames/replaces them (to build

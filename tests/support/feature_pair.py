@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from engine_harness import naive_greedy
+from tests.support.engine_harness import naive_greedy
 
 from specstream.models.feature_draft import save_feature_draft
 from specstream.models.feature_head import FeatureHead
