@@ -29,8 +29,8 @@ def build_proposer(config: DraftConfig) -> Proposer:
     if config.synthetic_oracle:
         return SyntheticProposer.from_file(config.synthetic_oracle, config.synthetic_alpha, config.synthetic_seed)
     proposer = PROPOSERS[config.proposer](config)
-    if hasattr(proposer, "ahead"):  # a draft model: more than one outcome only when it works ahead
-        proposer.ahead.outcomes = config.work_ahead_outcomes  # (its runner-ups are kept only then)
+    # A draft model keeps its runner-ups (more than one outcome) only when it works ahead.
+    proposer.prepare_outcomes(config.work_ahead_outcomes)
     return proposer
 
 

@@ -22,22 +22,23 @@ model the slice its catch-up needs. Items whose features the model cannot read a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 
 from draft_service.ngram import SOURCE as NGRAM
 from draft_service.ngram import NgramIndex, NgramProposer
 from draft_service.proposer import DraftProposer
 from specstream.data.propose import SOURCE as MODEL
-from specstream.data.propose import Proposal, ProposeItem, features_expected
+from specstream.data.propose import Proposal, ProposeItem, Proposer, features_expected, without_masked
 
 
-class NgramPlusModelProposer:
+class NgramPlusModelProposer(Proposer):
     def __init__(self, model: DraftProposer, max_slots: int, min_n: int = 1, max_n: int = 4) -> None:
         self.model = model
         self.ngram = NgramProposer(max_slots, model.max_len, min_n, max_n)
         self.model_len: dict[Hashable, int] = {}  # leading tokens of the history the model's cache holds
-        self.feature_width = getattr(model, "feature_width", 0)
-        self.feature_layers = getattr(model, "feature_layers", ())
+        self.feature_width = model.feature_width
+        self.feature_layers = model.feature_layers
+        self.works_ahead = model.works_ahead
         self.features: dict[Hashable, bytearray] = {}  # a feature draft's: the target's features held
         self.model_asked = False  # by the latest call: only then has the model a round to work ahead on
 
@@ -52,7 +53,7 @@ class NgramPlusModelProposer:
     @property
     def acceptance(self) -> dict[tuple[str, bool], float]:
         """The model's card's α (lookup's rows have no card: the target starts them at its own prior)."""
-        return dict(getattr(self.model, "acceptance", {}))
+        return dict(self.model.acceptance)
 
     @property
     def max_len(self) -> int:
@@ -90,13 +91,15 @@ class NgramPlusModelProposer:
             if self.feature_width:
                 self._keep_features(item)
             gamma = min(item.gamma, self.max_len - len(sequence))
-            out[i].tokens, out[i].parents = sequence.proposal(gamma, item.branches if item.sampling.greedy else 0)
+            out[i].tokens, out[i].parents = without_masked(
+                item, *sequence.proposal(gamma, item.branches if item.sampling.greedy else 0))
             out[i].length = len(sequence)
             if out[i].tokens or gamma <= 0:
                 continue
             # held <= rollback_to < len(sequence): the catch-up is never empty.
             model_items.append(ProposeItem(item.key, held, sequence.tokens[held:], gamma, item.sampling,
-                                           branches=item.branches,
+                                           branches=item.branches, masked_ids=item.masked_ids,
+                                           masked_until=item.masked_until,
                                            **(self._catch_up(item.key, held, len(sequence)) if self.feature_width
                                               else {})))
             asked.append((i, sequence))
@@ -117,6 +120,13 @@ class NgramPlusModelProposer:
     @property
     def ahead(self):
         return self.model.ahead
+
+    @property
+    def ahead_counts(self) -> Mapping[str, int]:
+        return self.model.ahead_counts
+
+    def prepare_outcomes(self, outcomes: int) -> None:
+        self.model.prepare_outcomes(outcomes)
 
     def _keep_features(self, item: ProposeItem) -> None:
         """Keeps the item's features: positions max(rollback_to - 1, 0).. replace what was held."""

@@ -32,7 +32,7 @@ import torch
 from draft_service.proposer import GREEDY, _Picker, node_tables, q_rows
 from draft_service.work_ahead import Ahead, Prepared
 from kernels.lm_head import Hidden
-from specstream.data.propose import FEATURE_DTYPE, Proposal, ProposeItem, features_expected
+from specstream.data.propose import FEATURE_DTYPE, Proposal, ProposeItem, Proposer, features_expected
 from specstream.data.sampling import SamplingParams
 from specstream.models.feature_draft import FeatureDraft
 from specstream.models.feature_head import HeadCache
@@ -40,7 +40,17 @@ from specstream.models.feature_head import HeadCache
 SOURCE = "model"  # statistics are per draft service: one model answers, whatever its kind
 
 
-class FeatureProposer:
+class FeatureProposer(Proposer):
+
+    works_ahead = True
+
+    @property
+    def ahead_counts(self) -> dict[str, int]:
+        return self.ahead.counts
+
+    def prepare_outcomes(self, outcomes: int) -> None:
+        self.ahead.outcomes = outcomes
+
     def __init__(self, draft: FeatureDraft, max_slots: int, max_seq_len: int, q_support: int = 256) -> None:
         if q_support < 1:
             raise ValueError(f"q_support={q_support!r}: must be >= 1")
@@ -134,7 +144,8 @@ class FeatureProposer:
             out[b].tokens, out[b].parents = picker.tree(b, chain)
             guessed.append((b, gamma))
             seconds = picker.seconds(b)[: len(chain)] if item.sampling.greedy else []
-            self.plans[item.key] = _Plan(n, chain, gamma, last, seconds, item.sampling)
+            if not item.masked_ids:  # rounds drafted ahead mask nothing (min_tokens' first tokens draft afresh)
+                self.plans[item.key] = _Plan(n, chain, gamma, last, seconds, item.sampling)
         width, q_ids, q_probs = picker.tables()
         for b, gamma in guessed:
             if q_ids[b]:

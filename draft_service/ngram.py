@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from specstream.data.propose import Proposal, ProposeItem
+from specstream.data.propose import Proposal, ProposeItem, Proposer, without_masked
 
 SOURCE = "ngram"  # Proposal.source of this proposer's guesses
 # Reported as the vocabulary size: ids are copied back whatever they are, so the target need not
@@ -119,7 +119,7 @@ class NgramIndex:
         return chain + others, (list(range(len(chain))) + [0] * len(others)) if others else []
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Prompt-lookup proposals (module docstring) for up to `max_slots` sequences of up to
     `max_len` tokens each; the same interface and protocol errors as DraftProposer."""
 
@@ -156,6 +156,7 @@ class NgramProposer:
                 continue
             gamma = min(item.gamma, self.max_len - len(sequence))
             tokens, parents = sequence.proposal(gamma, item.branches if item.sampling.greedy else 0)
+            tokens, parents = without_masked(item, tokens, parents)  # lookup's guesses draw nothing at random
             out.append(Proposal(tokens, len(sequence), source=SOURCE, parents=parents))
         return out
 

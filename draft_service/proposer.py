@@ -43,14 +43,24 @@ from kernels.lm_head import Hidden
 from kernels.nbest import MAX_K, top_scores
 from kernels.processing import process_logits, truncate
 from kernels.random import SAMPLE, gumbel, race, row_keys
-from specstream.data.propose import SOURCE, Proposal, ProposeItem, chain_length
+from specstream.data.propose import SOURCE, Proposal, ProposeItem, Proposer, chain_length
 from specstream.data.sampling import SamplingParams
 from specstream.models.base import CausalLM
 
 GREEDY = SamplingParams()
 
 
-class DraftProposer:
+class DraftProposer(Proposer):
+
+    works_ahead = True
+
+    @property
+    def ahead_counts(self) -> dict[str, int]:
+        return self.ahead.counts
+
+    def prepare_outcomes(self, outcomes: int) -> None:
+        self.ahead.outcomes = outcomes
+
     def __init__(self, model: CausalLM, max_slots: int, max_seq_len: int, q_support: int = 256) -> None:
         if q_support < 1:
             raise ValueError(f"q_support={q_support!r}: must be >= 1")
@@ -133,7 +143,8 @@ class DraftProposer:
             out[i].length = item.rollback_to + len(item.append) + gamma - 1
             self.cache.set_length(slot, out[i].length)
             seconds = picker.seconds(b)[:gamma] if item.sampling.greedy else []
-            self.plans[item.key] = _Plan(out[i].length, gamma, tokens[:gamma], seconds, item.sampling)
+            if not item.masked_ids:  # rounds drafted ahead mask nothing (min_tokens' first tokens draft afresh)
+                self.plans[item.key] = _Plan(out[i].length, gamma, tokens[:gamma], seconds, item.sampling)
         return out
 
     def _answer_prepared(self, item: ProposeItem, out: Proposal,
@@ -324,10 +335,13 @@ class _Picker:
         # ahead on the other outcomes, draft_service/work_ahead.py).
         self.keep = [max(item.branches, int(second)) if item.sampling.greedy else item.branches for item in items]
         self.runners_up: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in items]
+        # Guess j of a row lands at position rollback_to + len(append) + j of its sequence.
+        self.starts = [item.first_guess for item in items]
+        # min_tokens: the ids each row masks where its guesses land before the item's masked_until.
+        self.masks = [(item.masked_ids, item.masked_until) for item in items]
+        self._columns: dict[int, int] | None = None  # token id -> logit column (a subset head's)
         if not self.sampling:
             return
-        # Guess j of a row lands at position rollback_to + len(append) + j of its sequence.
-        self.starts = [items[b].rollback_to + len(items[b].append) for b in range(len(items))]
         self.q_ids = torch.zeros(len(items), steps, support, dtype=torch.int64, device=device)  # [B, G, K]
         self.q_probs = torch.zeros(len(items), steps, support, dtype=torch.float32, device=device)  # [B, G, K]
 
@@ -336,8 +350,11 @@ class _Picker:
         tokens [b]. On the Triton backend greedy rows take the fused 1-best and sampling rows their
         truncated q from the fused n-best (a support wider than its 64 builds their logits); on the
         torch backend every row's logits are built."""
-        if kernels.backend(scores.states) == "torch":
+        masked = self._masked(members, step)  # [(i, columns)]: rows that may not guess some ids here
+        if kernels.backend(scores.states) == "torch" or masked:
             logits = scores.logits()  # [b, V or N]
+            for i, columns in masked:  # processed as the target processes its own: those ids get no mass
+                logits[i, columns] = float("-inf")
             tokens = kernels.argmax(logits)  # [b] logit columns
         else:
             logits = None
@@ -367,6 +384,21 @@ class _Picker:
         self.q_ids[rows, step, :width] = ids
         self.q_probs[rows, step, :width] = q
         return tokens
+
+    def _masked(self, members: list[int], step: int) -> list[tuple[int, list[int]]]:
+        """(i, logit columns) for each row members[i] whose guess ``step`` lands where the target
+        masks some ids (ProposeItem.masked_at); ids a subset head cannot guess need no column."""
+        out = []
+        for i, b in enumerate(members):
+            ids, until = self.masks[b]
+            if ids and self.starts[b] + step < until:
+                if self.output_ids is None:
+                    out.append((i, sorted(ids)))
+                    continue
+                if self._columns is None:
+                    self._columns = {int(t): c for c, t in enumerate(self.output_ids.tolist())}
+                out.append((i, sorted(self._columns[t] for t in ids if t in self._columns)))
+        return out
 
     def _keep_runners_up(self, scores: Hidden, logits: torch.Tensor | None, members: list[int]) -> None:
         """For the rows that may branch: this guess's best branches + 1 tokens and log-probabilities."""

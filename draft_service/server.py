@@ -20,9 +20,9 @@ import grpc
 
 from draft_service import tracing
 from draft_service.build import build_proposer
-from draft_service.wire import item_from_pb, proposal_to_pb
 from specstream.data.config import DraftConfig
-from specstream.data.propose import Proposer
+from specstream.data.propose import DraftInfo, Proposer
+from specstream.data.propose_wire import info_to_pb, item_from_pb, proposal_to_pb
 from specstream.serving.compute import InlineExecutor, compute_executor, run_at_idle_priority
 from specstream.serving.grpc_server import ServiceServer
 from specstream.serving.metrics import DraftMetrics
@@ -42,7 +42,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         self._compute = compute  # the one thread that does all torch work
         # DraftConfig.work_ahead, where the proposer can ("off" where it cannot); requests read on
         # any stream so far: work ahead stops at its next forward once one more has arrived.
-        self.work_ahead = work_ahead if hasattr(proposer, "work_ahead") else "off"
+        self.work_ahead = work_ahead if proposer.works_ahead else "off"
         self._requests = 0
 
     async def Speculate(self, request_iterator, context: grpc.aio.ServicerContext):  # noqa: N802
@@ -77,7 +77,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     def _propose(self, items: list) -> list:
         proposals = self.proposer.propose(items)
         if self.work_ahead != "off":
-            self.metrics.observe_ahead(self.proposer.ahead.counts)
+            self.metrics.observe_ahead(self.proposer.ahead_counts)
         return proposals
 
     def _work_ahead(self, seen: int) -> None:
@@ -89,25 +89,14 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
 
         if not arrived():
             run_at_idle_priority(lambda: self.proposer.work_ahead(arrived), self.work_ahead == "idle")
-            self.metrics.observe_ahead(self.proposer.ahead.counts)
+            self.metrics.observe_ahead(self.proposer.ahead_counts)
 
     async def GetInfo(self, request, context):  # noqa: N802
-        return draft_info(self.proposer)
+        return info_to_pb(DraftInfo.of(self.proposer))
 
     def reply(self, item: draft_pb2.ProposeItem, proposal) -> draft_pb2.Proposal:
         """The wire form of the proposer's answer to ``item`` (a fuzzing probe overrides it)."""
         return proposal_to_pb(item.seq_id, proposal)
-
-
-def draft_info(proposer: Proposer) -> draft_pb2.DraftInfo:
-    """What a draft service says of its proposer (`GetInfo`)."""
-    return draft_pb2.DraftInfo(model_name=proposer.name, vocab_size=proposer.vocab_size,
-                               max_context_length=proposer.max_len, held_sequences=proposer.held,
-                               free_slots=proposer.free_slots,
-                               feature_layers=list(getattr(proposer, "feature_layers", ())),
-                               feature_width=getattr(proposer, "feature_width", 0),
-                               acceptance=[draft_pb2.MeasuredAcceptance(source=source, greedy=greedy, alpha=alpha)
-                                           for (source, greedy), alpha in getattr(proposer, "acceptance", {}).items()])
 
 
 async def serve(config: DraftConfig) -> None:

@@ -12,23 +12,14 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Hashable
-from dataclasses import dataclass
 from pathlib import Path
 
-from specstream.data.propose import Proposal, ProposeItem
+from specstream.data.propose import Proposal, ProposeItem, Proposer
 
 SOURCE = "synthetic"  # Proposal.source of this proposer's guesses
 
 
-@dataclass(frozen=True)
-class OracleInfo:
-    """What GetInfo reports for the synthetic proposer."""
-
-    name: str
-    vocab_size: int
-
-
-class SyntheticProposer:
+class SyntheticProposer(Proposer):
     def __init__(self, oracle: list[list[int]], vocab_size: int, alpha: float, seed: int = 0,
                  max_len: int = 1 << 20) -> None:
         if not 0.0 <= alpha <= 1.0:

@@ -24,6 +24,7 @@ the gateway's Prometheus metrics.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Iterable
 
@@ -39,11 +40,11 @@ from specstream.text.tokenizer import IncrementalDetokenizer, TextTokenizer
 from specstream_pb import common_pb2, generation_pb2
 
 
-async def stream_chunks(req: ValidRequest, router: Router, tokenizer: TextTokenizer, eos_ids: tuple[int, ...],
+async def stream_chunks(req: ValidRequest, router: Router, tokenizer: TextTokenizer,
                         metrics: GatewayMetrics) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
     span = _request_span(req)
     # The target's spans join this trace.
-    sequence = req.to_sequence(eos_ids, traceparent=telemetry.traceparent_of(span) or req.traceparent)
+    sequence = dataclasses.replace(req.sequence, traceparent=telemetry.traceparent_of(span) or req.sequence.traceparent)
     try:
         ticket = router.submit(sequence)  # OverloadedError / UnavailableError: not admitted
     except Exception as exc:
@@ -54,6 +55,7 @@ async def stream_chunks(req: ValidRequest, router: Router, tokenizer: TextTokeni
     ticket.on_resume = lambda why: _resumed(span, observer, len(ticket.generated), why)
     detok = tokenizer.detokenizer(req.prompt_ids)
     stop = StopStringMatcher(req.stop) if req.stop else None
+    unmatched = sequence.min_tokens  # tokens whose text no stop string may end in (min_tokens)
     timings = common_pb2.Timings()
     completion, first = 0, True
     try:
@@ -73,7 +75,7 @@ async def stream_chunks(req: ValidRequest, router: Router, tokenizer: TextTokeni
                 if event.logprobs:
                     chunk.logprobs.append(logprob_to_pb(event.logprobs[i]))
                 text = detok.push([token])
-                if stop is not None:
+                if stop is not None and completion + i >= unmatched:
                     text, matched = stop.push(text)
                 chunk.text += text
                 if matched:
@@ -114,13 +116,14 @@ async def stream_chunks(req: ValidRequest, router: Router, tokenizer: TextTokeni
 
 def _request_span(req: ValidRequest):
     """The request's span (gen_ai semantic conventions), a child of the caller's traceparent."""
+    sequence, sampling = req.sequence, req.sequence.sampling
     return telemetry.tracer("specstream.gateway").start_span(
-        "gen_ai.generate", context=telemetry.context_from(req.traceparent), kind=telemetry.SpanKind.SERVER,
+        "gen_ai.generate", context=telemetry.context_from(sequence.traceparent), kind=telemetry.SpanKind.SERVER,
         attributes={"gen_ai.operation.name": "chat" if req.chat else "text_completion",
                     "gen_ai.request.model": req.model,
-                    "gen_ai.request.max_tokens": req.max_new_tokens,
-                    "gen_ai.request.temperature": req.temperature, "gen_ai.request.top_p": req.top_p,
-                    "gen_ai.request.top_k": req.top_k, "gen_ai.request.seed": str(req.seed),
+                    "gen_ai.request.max_tokens": sequence.max_new_tokens,
+                    "gen_ai.request.temperature": sampling.temperature, "gen_ai.request.top_p": sampling.top_p,
+                    "gen_ai.request.top_k": sampling.top_k, "gen_ai.request.seed": str(sampling.seed),
                     "specstream.request_id": req.request_id, "gen_ai.usage.input_tokens": len(req.prompt_ids)})
 
 
@@ -163,10 +166,10 @@ def _flush(detok: IncrementalDetokenizer, stop: StopStringMatcher | None) -> tup
     return (text, True) if matched else (text + stop.flush(), False)
 
 
-async def generate(req: ValidRequest, router: Router, tokenizer: TextTokenizer, eos_ids: tuple[int, ...],
+async def generate(req: ValidRequest, router: Router, tokenizer: TextTokenizer,
                    metrics: GatewayMetrics) -> generation_pb2.GenerateResponse:
     response = generation_pb2.GenerateResponse(request_id=req.request_id)
-    async for chunk in stream_chunks(req, router, tokenizer, eos_ids, metrics):
+    async for chunk in stream_chunks(req, router, tokenizer, metrics):
         response.text += chunk.text
         response.token_ids.extend(chunk.token_ids)
         response.logprobs.extend(chunk.logprobs)

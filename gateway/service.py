@@ -56,7 +56,7 @@ class Gateway:
         self.info = info  # what every replica serves (gateway.server.common_info)
         self.tokenizer = tokenizer
         self.limits = Limits.build(config, info)
-        self.eos_ids = tuple(sorted(set(info.eos_token_ids) | set(tokenizer.eos_token_ids)))
+        self.eos_ids = tuple(sorted(set(info.eos_token_ids) | set(tokenizer.eos_token_ids)))  # as validate adds them
         # Admitted requests, by id(): each holds one of `max_in_flight` places from `admit` until
         # `release` (the reference keeps its id unique while it is held).
         self._held: dict[int, ValidRequest] = {}
@@ -106,14 +106,13 @@ class Gateway:
         """The request's chunks (deltas; the last has finish_reason, usage, stats and timings).
         Counts as in flight until the iteration ends; leaving early cancels it on the target."""
         try:
-            async for chunk in pipeline.stream_chunks(valid, self.router, self.tokenizer, self.eos_ids,
-                                                      self.metrics):
+            async for chunk in pipeline.stream_chunks(valid, self.router, self.tokenizer, self.metrics):
                 yield chunk
         finally:
             self.release(valid)
 
     async def generate(self, valid: ValidRequest) -> generation_pb2.GenerateResponse:
         try:
-            return await pipeline.generate(valid, self.router, self.tokenizer, self.eos_ids, self.metrics)
+            return await pipeline.generate(valid, self.router, self.tokenizer, self.metrics)
         finally:
             self.release(valid)

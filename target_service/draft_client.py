@@ -28,10 +28,11 @@ import grpc
 
 from specstream.data.config import ChannelSecurity
 from specstream.data.propose import Proposal, ProposeItem
+from specstream.data.propose_wire import info_from_pb, item_to_pb, proposal_from_pb
 from specstream.serving.channels import open_channel
-from specstream_pb import common_pb2, draft_pb2, draft_pb2_grpc
+from specstream_pb import draft_pb2, draft_pb2_grpc
 from target_service.draft_deadline import DraftDeadline, Shape
-from target_service.drafting import feature_refusal
+from target_service.drafting import DraftSource, feature_refusal
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,9 @@ MAX_RETRY_S = 30.0  # reconnection attempts after failures in a row are spaced o
 _RPC_ERRORS = (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError)
 
 
-class DraftClient:
+class DraftClient(DraftSource):
+    asks_early = True  # proposals compute in the draft's process: the next pass's can start early
+
     def __init__(self, url: str, timeout_s: float, retry_s: float, options: list | None = None,
                  security: ChannelSecurity | None = None, deadline: DraftDeadline | None = None,
                  target_layers: int = 0, target_width: int = 0) -> None:
@@ -99,7 +102,12 @@ class DraftClient:
             log.log(logging.DEBUG if wait_for_ready else logging.WARNING, "draft %s unavailable: %s", self.url,
                     exc.code().name)
             return False
-        refused = feature_refusal(list(info.feature_layers), info.feature_width, self.target_layers, self.target_width)
+        ignored: list[str] = []
+        info = info_from_pb(info, ignored)
+        for entry in ignored:  # untrusted input: said, then left out
+            log.warning("draft %s: DraftInfo.acceptance entry %s ignored: needs a source and an alpha between 0 "
+                        "and 1", self.url, entry)
+        refused = feature_refusal(info.feature_layers, info.feature_width, self.target_layers, self.target_width)
         if refused:  # never connected: the engine decodes plainly; said once per reason
             if refused != self.refused:
                 log.error("draft %s (%s) refused: %s", self.url, info.model_name, refused)
@@ -108,8 +116,8 @@ class DraftClient:
         self.refused = ""
         self.model_name, self.vocab_size = info.model_name, info.vocab_size
         self.max_context_length = info.max_context_length
-        self.feature_layers, self.feature_width = tuple(info.feature_layers), info.feature_width
-        self.acceptance = measured_acceptance(info, self.url)
+        self.feature_layers, self.feature_width = info.feature_layers, info.feature_width
+        self.acceptance = dict(info.acceptance)
         return True
 
     async def ready(self) -> bool:
@@ -132,7 +140,7 @@ class DraftClient:
                       item_traceparents: list[str] | None = None,
                       sent: asyncio.Event | None = None) -> list[Proposal] | None:
         parents = item_traceparents or [""] * len(items)
-        batch = draft_pb2.ProposeBatch(step=step, items=[_item_to_pb(it, tp) for it, tp in zip(items, parents)])
+        batch = draft_pb2.ProposeBatch(step=step, items=[item_to_pb(it, tp) for it, tp in zip(items, parents)])
         shape = Shape(depth=max((it.gamma for it in items), default=0), proposals=sum(it.gamma for it in items),
                       fed=sum(len(it.append) for it in items))
         response = await self._exchange(draft_pb2.ProposeRequest(propose=batch, traceparent=traceparent), shape, sent)
@@ -141,7 +149,7 @@ class DraftClient:
         if len(response.proposals) != len(items):
             self._fail(f"answered {len(response.proposals)} proposals for {len(items)} items")
             return None
-        return [_proposal_from_pb(p) for p in response.proposals]
+        return [proposal_from_pb(p) for p in response.proposals]
 
     async def release(self, keys: list[int]) -> None:
         if keys and self.connected:
@@ -265,32 +273,3 @@ class DraftClient:
         if call is not None:
             call.cancel()
         await self._channel.close()
-
-
-def _item_to_pb(item: ProposeItem, traceparent: str) -> draft_pb2.ProposeItem:
-    p = item.sampling
-    sampling = common_pb2.Sampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
-    features = {"features": item.features, "feature_width": item.feature_width,
-                "feature_dtype": item.feature_dtype} if item.feature_width else {}
-    return draft_pb2.ProposeItem(seq_id=item.key, rollback_to=item.rollback_to, append_token_ids=item.append,
-                                 gamma=item.gamma, sampling=sampling, traceparent=traceparent,
-                                 branches=item.branches, **features)
-
-
-def _proposal_from_pb(pb: draft_pb2.Proposal) -> Proposal:
-    return Proposal(list(pb.token_ids), pb.length, pb.q_width, list(pb.q_ids), list(pb.q_probs),
-                    **({"source": pb.proposer} if pb.proposer else {}), error=pb.error, key=pb.seq_id,
-                    parents=list(pb.parents))
-
-
-def measured_acceptance(info: draft_pb2.DraftInfo, url: str) -> dict[tuple[str, bool], float]:
-    """DraftInfo.acceptance as {(source, greedy): α}: untrusted input, so an entry without a source
-    or with α not strictly between 0 and 1 is left out (logged); a repeated one, the last counts."""
-    out = {}
-    for entry in info.acceptance:
-        if not entry.source or not 0.0 < entry.alpha < 1.0:  # NaN fails both comparisons
-            log.warning("draft %s: DraftInfo.acceptance entry (source=%r, greedy=%s, alpha=%r) ignored: needs a "
-                        "source and an alpha between 0 and 1", url, entry.source, entry.greedy, entry.alpha)
-            continue
-        out[(entry.source, entry.greedy)] = entry.alpha
-    return out

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from target_service.gamma import LinearFit
+from target_service.linear_fit import LinearFit
 
 
 @dataclass(frozen=True)

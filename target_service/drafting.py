@@ -28,11 +28,12 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Protocol
 
-from specstream.data.propose import Proposal, ProposeItem, chain_length, features_expected
+from specstream.data.propose import NO_ACCEPTANCE, Proposal, ProposeItem, chain_length, features_expected
 from specstream.data.sampling import GREEDY
 from specstream.serving import metrics
 from target_service import tracing
@@ -51,7 +52,8 @@ FEATURE_BYTES_PER_CALL = 4 << 20
 
 
 class DraftSource(Protocol):
-    """A proposer the engine can ask for guesses.
+    """A proposer the engine can ask for guesses. A source subclasses this class, so the optional
+    capabilities at the end default to "not this one".
 
     Contract:
     - ``propose(step, items, traceparent, item_traceparents)`` returns one ``Proposal`` per item, in
@@ -66,24 +68,33 @@ class DraftSource(Protocol):
     - ``ready()`` is True when a propose can be attempted now; it must not block on a dead source.
     - ``watch(callback)``: ``callback()`` is called whenever ``connected`` changes.
     - ``vocab_size`` / ``max_context_length``: the ids and the sequence length it can take.
-    - ``feature_layers`` / ``feature_width`` (optional, default () and 0): the target layers a
-      draft that reads the target's features reads (the last: the final, normed hidden state) and
-      its numbers per position (the hidden size per layer); () and 0 for a token draft.
+
+    Optional:
+    - ``feature_layers`` / ``feature_width``: the target layers a draft that reads the target's
+      features reads (the last: the final, normed hidden state) and its numbers per position (the
+      hidden size per layer); () and 0 for a token draft.
+    - ``acceptance``: the α its draft's card states per (Proposal.source, greedy), the γ
+      controller's priors (DraftInfo.acceptance).
+    - ``asks_early`` and ``start_propose``: a source whose proposals compute apart from the engine
+      (another process) can be asked for the next pass before this pass's host work
+      (``TargetConfig.draft_early``); ``start_propose`` returns once the request is out.
+    - ``after_verify(engine_waiting)``: the engine has verified a pass and does its host work now;
+      a source on the engine's own torch thread may work ahead until ``engine_waiting()``.
+      ``ahead_counts``: that work's running counts (prepared, hit, miss, ...).
     """
 
     model_name: str
     url: str
     vocab_size: int
     max_context_length: int
+    epoch: int
+    connected: bool
+    held_sequences: int
 
-    @property
-    def epoch(self) -> int: ...
-
-    @property
-    def connected(self) -> bool: ...
-
-    @property
-    def held_sequences(self) -> int: ...
+    feature_layers: tuple[int, ...] = ()
+    feature_width: int = 0
+    acceptance: Mapping[tuple[str, bool], float] = NO_ACCEPTANCE
+    asks_early: bool = False
 
     async def ready(self) -> bool: ...
 
@@ -95,6 +106,19 @@ class DraftSource(Protocol):
     async def release(self, keys: list[int]) -> None: ...
 
     async def close(self) -> None: ...
+
+    async def start_propose(self, step: int, items: list[ProposeItem], traceparent: str = "",
+                            item_traceparents: list[str] | None = None) -> asyncio.Future:
+        """``propose``, started: its answer to await (a source that ``asks_early`` returns once
+        the request is out)."""
+        return asyncio.ensure_future(self.propose(step, items, traceparent, item_traceparents))
+
+    def after_verify(self, engine_waiting: Callable[[], bool]) -> None:
+        """Nothing by default (see the contract)."""
+
+    @property
+    def ahead_counts(self) -> Mapping[str, int]:
+        return MappingProxyType({})
 
 
 def feature_refusal(layers: list[int] | tuple[int, ...], width: int, target_layers: int, target_width: int) -> str:
@@ -259,12 +283,32 @@ class Drafting:
     @property
     def feature_width(self) -> int:
         """Numbers per position the draft reads (0: a token draft, or none)."""
-        return getattr(self.source, "feature_width", 0) if self.source is not None else 0
+        return self.source.feature_width if self.source is not None else 0
 
     @property
     def keep_layers(self) -> tuple[int, ...]:
         """The target layers before the last whose outputs the draft reads (``CausalLM.hidden``'s keep)."""
-        return tuple(getattr(self.source, "feature_layers", ())[:-1]) if self.feature_width else ()
+        return tuple(self.source.feature_layers[:-1]) if self.feature_width else ()
+
+    @property
+    def acceptance(self) -> Mapping[tuple[str, bool], float]:
+        """The α the draft's card states, for the controller's priors (none without a draft)."""
+        return self.source.acceptance if self.source is not None else NO_ACCEPTANCE
+
+    @property
+    def asks_early(self) -> bool:
+        return self.source is not None and self.source.asks_early
+
+    @property
+    def ahead_counts(self) -> Mapping[str, int]:
+        """The draft's work ahead, its running counts (empty without it)."""
+        return self.source.ahead_counts if self.source is not None else MappingProxyType({})
+
+    def after_verify(self, engine_waiting: Callable[[], bool]) -> None:
+        """The engine verified a pass and does its host work: the draft may work ahead meanwhile
+        (``DraftSource.after_verify``)."""
+        if self.source is not None:
+            self.source.after_verify(engine_waiting)
 
     @property
     def connected(self) -> bool:
@@ -323,7 +367,7 @@ class Drafting:
         await self.drop_early()
         plan = await self._plan(rows)
         task = None
-        if plan.items:  # a source that can be asked early has start_propose (the engine checks)
+        if plan.items:
             task = await self.source.start_propose(step, plan.items, traceparent,
                                                    [tracing.sequence_traceparent(rows[i]) for i in plan.sent])
         self._early = _Early(_keys(rows), self.source.epoch if self.source else -1, plan, task)
@@ -338,7 +382,7 @@ class Drafting:
 
     async def _plan(self, rows: list[Sequence]) -> _Plan:
         """The controller's γ per row and the items to send (none: nothing to ask)."""
-        plan = _Plan([VerifyRow(s.sampling, len(s.tokens), logprobs=s.logprobs) for s in rows])
+        plan = _Plan([s.verify_row() for s in rows])
         self.fed = 0
         source = self.source
         if source is None:
@@ -359,8 +403,10 @@ class Drafting:
             if not append:
                 continue  # a feature draft's (re)sync that does not fit this call: the next ones
             budget -= len(features.get("features", b""))
+            row = plan.checks[i]  # the ids its guesses may not be, and until where (min_tokens)
             plan.items.append(ProposeItem(seq.seq_id, held.length, append, gamma, seq.sampling,
-                                          branches=branches[i] if gamma else 0, **features))
+                                          branches=branches[i] if gamma else 0, masked_ids=row.masked_ids,
+                                          masked_until=row.masked_until, **features))
             plan.sent.append(i)
             self.fed += len(append)
         plan.fed = self.fed
@@ -451,7 +497,7 @@ class Drafting:
             seconds = time.perf_counter() - started
             if not replies or replies[0].length == 0:
                 break
-            self.controller.costs.observe_draft(depth, depth, len(item.append), seconds)
+            self.controller.observe_draft_timing(depth, depth, len(item.append), seconds)
             held, timed = min(replies[0].length, upto), timed + 1
         await source.release([_TIMING_KEY])
         return timed
@@ -463,7 +509,7 @@ class Drafting:
         counted by cause in ``malformed_replies`` and logged once per cause. A reply in which the
         draft says it could not read what it was sent (``Proposal.error``) ends this sequence's
         drafting (its features are dropped)."""
-        row = VerifyRow(seq.sampling, len(seq.tokens), logprobs=seq.logprobs, source=reply.source)
+        row = seq.verify_row(reply.source)
         if reply.error:  # the draft could not read what it was sent: this sequence decodes without it
             field_name = reply.error.split("=")[0].split(":")[0]
             if not self.refusals[field_name]:

@@ -33,16 +33,10 @@ import torch
 from kernels.lm_head import Hidden
 from kernels.nbest import MAX_K, topk_logprobs, topk_logprobs_reference
 from specstream.data.batch_stats import BatchStats
-from specstream.data.beam import check_combination
 from specstream.data.config import TargetConfig
-from specstream.data.engine import EngineMessage, Load, SequenceEvent, SequenceRequest
-from specstream.data.errors import (
-    AlreadyExistsError,
-    InternalError,
-    InvalidArgumentError,
-    SpecstreamError,
-    UnavailableError,
-)
+from specstream.data.engine import EngineMessage, Load, SequenceEvent, SequenceRequest, TargetInfo
+from specstream.data.errors import AlreadyExistsError, InternalError, SpecstreamError, UnavailableError
+from specstream.data.request_rules import RequestLimits, check_request
 from specstream.models.base import CausalLM
 from specstream.serving import telemetry
 from specstream.serving.compute import torch_thread
@@ -87,13 +81,12 @@ class Engine:
     def __init__(self, model: CausalLM, config: TargetConfig, draft: DraftSource | None,
                  compute: ThreadPoolExecutor | None = None, metrics: TargetMetrics | None = None,
                  controller: GammaController | None = None) -> None:
-        refused = feature_refusal(getattr(draft, "feature_layers", ()), getattr(draft, "feature_width", 0),
-                                  model.config.num_layers, model.config.hidden_size)
+        refused = feature_refusal(draft.feature_layers, draft.feature_width, model.config.num_layers,
+                                  model.config.hidden_size) if draft is not None else ""
         if refused:  # a draft in this process; one behind gRPC is checked when it connects (DraftClient)
             raise ValueError(f"draft {draft.model_name}: {refused}")
         self.model = model
         self.config = config
-        self.draft = draft
         self.controller = controller or GammaController(config.gamma_policy, config.default_gamma, config.max_gamma)
         # Trees only where each node's scores are exactly the chain's (else greedy could differ from plain).
         branches = config.tree_branches if model.exact_trees else 0
@@ -111,9 +104,9 @@ class Engine:
             samples = self._compute.submit(verify_costs, model, self.cache,
                                            min(config.max_gamma, self.max_len - 1) + 1).result()
             for positions, seconds in samples:
-                self.controller.costs.observe_verify(positions, seconds)
+                self.controller.observe_verify_timing(positions, seconds)
             extra = self._compute.submit(sampled_verify_extra, model, self.cache).result() if samples else 0.0
-            self.controller.costs.seed_sampled(extra)
+            self.controller.observe_sampled_timing(extra)
             log.info("timed %d verify shapes (1..%d positions) and a sampling row's verification (+%.2f ms) "
                      "in %.2f s for the γ controller", len(samples), max((p for p, _ in samples), default=0),
                      extra * 1e3, time.perf_counter() - started)
@@ -149,6 +142,14 @@ class Engine:
         """prompt + max_new_tokens must fit; the rest of a slot is headroom for γ+1 proposals."""
         return self.max_len - self.config.max_gamma - 1
 
+    def info(self) -> TargetInfo:
+        """What this target serves and its load now (``Target.GetInfo``)."""
+        source = self.drafting.source
+        return TargetInfo(model_name=self.model.config.name, vocab_size=self.model.config.vocab_size,
+                          max_context_length=self.max_context_length, max_gamma=self.config.max_gamma,
+                          default_gamma=self.config.default_gamma, eos_token_ids=list(self.model.config.eos_token_ids),
+                          draft_model_name=source.model_name if source is not None else "", load=self.load())
+
     def load(self) -> Load:
         return Load(max_slots=self.config.max_slots, free_slots=self.cache.num_free, running=len(self.running),
                     queued=len(self.waiting), draft_sequences=self.drafting.held_sequences,
@@ -160,7 +161,7 @@ class Engine:
         """The draft (re)connected or went away: the γ controller starts its pools from what a
         connected draft's card states (DraftInfo.acceptance), and the gateways hear of it."""
         if self.drafting.connected:
-            self.controller.set_priors(getattr(self.draft, "acceptance", {}))
+            self.controller.set_priors(self.drafting.acceptance)
         self._report_load()
 
     def _report_load(self) -> None:
@@ -200,54 +201,31 @@ class Engine:
         self._wake.set()
 
     def _validate(self, conn: Connection, req: SequenceRequest) -> tuple[int, int]:
-        """(γ, max γ) of a valid request: γ is AUTO_GAMMA when the controller decides."""
-        vocab = self.model.config.vocab_size
+        """(γ, max γ) of a valid request (specstream/data/request_rules.py, as the gateway checked
+        it): γ is AUTO_GAMMA when the controller decides."""
         if (conn, req.id) in self.by_request:
             raise AlreadyExistsError("id", req.id, "already running on this connection")
-        if not req.prompt_token_ids:
-            raise InvalidArgumentError("prompt_token_ids", [], "must not be empty")
-        bad = next((t for t in req.prompt_token_ids if t >= vocab), None)
-        if bad is not None:
-            raise InvalidArgumentError("prompt_token_ids", bad, f"token id must be < vocab size {vocab}")
-        if req.max_new_tokens < 1:
-            raise InvalidArgumentError("max_new_tokens", req.max_new_tokens, "must be >= 1")
-        if req.logprobs is not None and not 0 <= req.logprobs <= vocab:
-            raise InvalidArgumentError("top_logprobs", req.logprobs, f"must be in 0..vocab size {vocab}")
-        total = len(req.prompt_token_ids) + req.max_new_tokens
-        if total > self.max_context_length:
-            raise InvalidArgumentError("max_new_tokens", req.max_new_tokens,
-                                       f"prompt ({len(req.prompt_token_ids)}) + max_new_tokens exceeds "
-                                       f"the context length {self.max_context_length}")
-        if req.beam is not None:
-            self._validate_beam(req)
+        check_request(req, self.limits)
+        spec = req.speculation
+        if req.beam is not None or spec.mode == "off":
             return 0, 0
-        spec, limit = req.speculation, self.config.max_gamma
-        if spec.mode == "auto":
-            if not 0 <= spec.max_gamma <= limit:
-                raise InvalidArgumentError("speculation.max_gamma", spec.max_gamma, f"must be in 0..{limit} (0: {limit})")
-            return AUTO_GAMMA, spec.max_gamma or limit
-        if spec.mode == "off":
-            return 0, 0
-        if spec.mode == "fixed" and 1 <= spec.gamma <= limit:
-            return spec.gamma, spec.gamma
         if spec.mode == "fixed":
-            raise InvalidArgumentError("speculation.gamma", spec.gamma, f"must be in 1..{limit}")
-        raise InvalidArgumentError("speculation.mode", spec.mode, "unknown speculation mode")
+            return spec.gamma, spec.gamma
+        return AUTO_GAMMA, spec.max_gamma or self.config.max_gamma
 
-    def _validate_beam(self, req: SequenceRequest) -> None:
-        """The options validated themselves (specstream/data/beam.py); here: what this engine
-        can hold, and greedy only."""
-        widest = min(self.config.max_slots, self.config.batch_rows)
-        if req.beam.num_beams > widest:
-            raise InvalidArgumentError("beam.num_beams", req.beam.num_beams,
-                                       f"must be <= {widest} (this target's slots and rows per step)")
-        check_combination(temperature=req.sampling.temperature, top_k=req.sampling.top_k, top_p=req.sampling.top_p,
-                          fixed_speculation=req.speculation.mode == "fixed", logprobs=req.logprobs is not None)
+    @property
+    def limits(self) -> RequestLimits:
+        """What a request must fit here: the model's vocabulary, a slot's context, the γ limit and,
+        for a beam, the slots and rows one step can give it."""
+        vocab = self.model.config.vocab_size
+        return RequestLimits(vocab_size=vocab, max_context_length=self.max_context_length,
+                             max_new_tokens=self.max_context_length, max_gamma=self.config.max_gamma,
+                             max_top_logprobs=vocab, max_beams=min(self.config.max_slots, self.config.batch_rows))
 
     async def time_draft(self) -> None:
         """Times the draft for the γ controller before the first request, as the constructor timed
         the verify forward (``Drafting.time_draft``); nothing with ``calibrate`` off or no draft."""
-        if not self.config.calibrate or self.draft is None:
+        if not self.config.calibrate or self.drafting.source is None:
             return
         started = time.perf_counter()
         try:
@@ -257,7 +235,7 @@ class Engine:
             return
         if calls:
             log.info("timed the draft over %d propose calls in %.2f s for the γ controller (a guess costs %.2f of a step)",
-                     calls, time.perf_counter() - started, self.controller.costs.draft_ratio())
+                     calls, time.perf_counter() - started, self.controller.draft_ratio())
 
     # ----- the loop ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -389,7 +367,7 @@ class Engine:
                 verdicts[i] = self._beam_candidates(hidden[i, :1], group[i][0])
             done = [i for i in done if group[i][0].beam is None]
             if done:
-                rows = [VerifyRow(group[i][0].sampling, group[i][0].prompt_len, logprobs=group[i][0].logprobs) for i in done]
+                rows = [group[i][0].verify_row() for i in done]
                 for i, verdict in zip(done, settle(Hidden(hidden[done, 0], self.model.output_head), rows)):
                     verdicts[i] = verdict
         return verdicts
@@ -417,9 +395,8 @@ class Engine:
         self.metrics.observe_step(len(rows) + hypotheses)
         verdicts, candidates = await self._run_compute(self._verify_compute, rows, checks, beams)
         verified = time.perf_counter()
-        if hasattr(self.drafting.source, "after_verify"):  # a draft in this process may work ahead meanwhile
-            self.metrics.observe_ahead(self.drafting.source.ahead_counts)
-            self.drafting.source.after_verify(self._computing)
+        self.metrics.observe_ahead(self.drafting.ahead_counts)
+        self.drafting.after_verify(self._computing)  # a draft in this process may work ahead meanwhile
         for seq, check, verdict in zip(rows, checks, verdicts):
             self._accept(seq, check, verdict)
             self._touched.append(seq)
@@ -439,7 +416,7 @@ class Engine:
             await self.drafting.propose_early(rows, self.step_count + 1,
                                               telemetry.traceparent_of(span) if span.is_recording() else "")
         self.metrics.observe_gammas([c.chain for c in checks], [len(c.proposals) - c.chain for c in checks])
-        self.metrics.observe_controller(self.controller.pooled(), self.controller.costs.terms(),
+        self.metrics.observe_controller(self.controller.pooled(), self.controller.cost_terms(),
                                         self.controller.predicted_s, step_s)
         tracing.end_step(span, checks, verdicts, verified - drafted, self.controller.predicted_s, step_s,
                          [s.width for s in beams])
@@ -450,7 +427,7 @@ class Engine:
         goes on, nothing waits to be admitted or cancelled, no beam runs: anything else would change
         its rows). A draft in this process (``LocalDraft``) is never asked early: it runs on the
         engine's own torch thread, so nothing would overlap (measured slower: docs/benchmarks.md)."""
-        return (self.config.draft_early and hasattr(self.drafting.source, "start_propose") and not beams
+        return (self.config.draft_early and self.drafting.asks_early and not beams
                 and not self.waiting
                 and not self._cancels and len(rows) == len(self.running)
                 and all(s.finish_reason is None for s in rows))

@@ -18,31 +18,32 @@ cores the target's forward fills slowed that forward 1.7-3.0x over five runs (do
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
-from specstream.data.propose import Proposal, ProposeItem
+from specstream.data.propose import Proposal, ProposeItem, Proposer
 from specstream.serving.compute import run_at_idle_priority, torch_thread
+from target_service.drafting import DraftSource
 
 
-class LocalDraft:
+class LocalDraft(DraftSource):
     url = "in-process"
     epoch = 1  # the proposer's state is never lost
     connected = True
 
-    def __init__(self, proposer, compute: ThreadPoolExecutor | None = None, work_ahead: str = "off") -> None:
+    def __init__(self, proposer: Proposer, compute: ThreadPoolExecutor | None = None, work_ahead: str = "off") -> None:
         self.proposer = proposer
         self._compute = compute or torch_thread()
-        self.work_ahead = work_ahead if hasattr(proposer, "work_ahead") else "off"
+        self.work_ahead = work_ahead if proposer.works_ahead else "off"
         self._calls = 0  # this draft's calls submitted to the torch thread and not done
         self._replied = False  # a reply since the work last ran: its chains are the next round's
         self.model_name = proposer.name
         self.max_context_length = proposer.max_len
         self.vocab_size = proposer.vocab_size
         # A feature draft's: the engine checks them against its model when it is built.
-        self.feature_layers = tuple(getattr(proposer, "feature_layers", ()))
-        self.feature_width = getattr(proposer, "feature_width", 0)
-        self.acceptance = dict(getattr(proposer, "acceptance", {}))  # its card's α per (source, greedy)
+        self.feature_layers = tuple(proposer.feature_layers)
+        self.feature_width = proposer.feature_width
+        self.acceptance = dict(proposer.acceptance)  # its card's α per (source, greedy)
 
     @property
     def held_sequences(self) -> int:
@@ -64,9 +65,9 @@ class LocalDraft:
         await self._call(self.proposer.release, keys)
 
     @property
-    def ahead_counts(self) -> dict[str, int]:
+    def ahead_counts(self) -> Mapping[str, int]:
         """The work's running counts (prepared, hit, miss, ...; empty unless it works ahead)."""
-        return self.proposer.ahead.counts if self.work_ahead != "off" else {}
+        return self.proposer.ahead_counts if self.work_ahead != "off" else {}
 
     def after_verify(self, engine_waiting: Callable[[], bool]) -> None:
         """The engine has verified a pass and does its host work now: with ``work_ahead``, the torch

@@ -24,8 +24,10 @@ from specstream.data.engine import (
     SequenceStats,
     TokenLogprob,
 )
+from specstream.data.propose import SOURCE
 from specstream.data.sampling import GREEDY, SamplingParams
 from target_service.beam import BeamSearch
+from target_service.settle import VerifyRow
 
 
 @dataclass(eq=False)  # identity semantics: sequences are hashed by object
@@ -42,6 +44,7 @@ class Sequence:
     max_gamma: int = 0  # the most the controller may pick (auto)
     sampling: SamplingParams = GREEDY
     logprobs: int | None = None  # None: not requested; n: with the n most likely alternatives
+    min_tokens: int = 0  # the stop ids are masked until this many tokens are generated
     traceparent: str = ""
     arrival: float = field(default_factory=time.monotonic)
     slot: int | None = None
@@ -95,6 +98,7 @@ class Sequence:
             max_gamma=max_gamma,
             sampling=req.sampling,
             logprobs=req.logprobs,
+            min_tokens=req.min_tokens,
             traceparent=req.traceparent,
             beam=(BeamSearch(req.beam, req.max_new_tokens, frozenset(req.stop_token_ids), frozenset(req.eos_token_ids))
                   if req.beam is not None else None),
@@ -129,6 +133,19 @@ class Sequence:
             self.pending.extend(best.token_ids)
             self.max_token = max(self.tokens)
         self.finish_reason = best.finish_reason if best is not None else "length"
+
+    @property
+    def masked_until(self) -> int:
+        """No stop id may land at a position before this one (min_tokens): prompt + min_tokens."""
+        return self.prompt_len + self.min_tokens
+
+    def verify_row(self, source: str = SOURCE) -> VerifyRow:
+        """The row this pass verifies for the sequence, before any proposal: its sampling
+        settings, the position its first token lands at and, while min_tokens is not reached,
+        the stop ids masked there."""
+        masked = self.stop_ids if len(self.tokens) < self.masked_until else frozenset()
+        return VerifyRow(self.sampling, len(self.tokens), logprobs=self.logprobs, source=source, masked_ids=masked,
+                         masked_until=self.masked_until if masked else 0)
 
     @property
     def generated(self) -> int:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import grpc
 
 from specstream.data.config import DraftConfig, TargetConfig
-from specstream.data.engine_wire import load_to_pb, message_to_pb, request_from_pb
+from specstream.data.engine_wire import info_to_pb, message_to_pb, request_from_pb
 from specstream.data.errors import SpecstreamError
 from specstream.data.propose import Proposer
 from specstream.models.config import ModelLoadError
@@ -73,17 +73,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         self.engine.submit(conn, accepted)
 
     async def GetInfo(self, request, context):  # noqa: N802
-        engine = self.engine
-        return target_pb2.TargetInfo(
-            model_name=engine.model.config.name,
-            draft_model_name=engine.draft.model_name if engine.draft else "",
-            vocab_size=engine.model.config.vocab_size,
-            max_context_length=engine.max_context_length,
-            max_gamma=engine.config.max_gamma,
-            default_gamma=engine.config.default_gamma,
-            eos_token_ids=list(engine.model.config.eos_token_ids),
-            load=load_to_pb(engine.load()),
-        )
+        return info_to_pb(self.engine.info())
 
 
 async def serve(config: TargetConfig, build_proposer: Callable[[DraftConfig], Proposer] | None = None) -> None:

@@ -83,6 +83,10 @@ class VerifyRow:
     # A tree: per proposal, its parent node, 0 being the row's last committed token and i + 1
     # proposal i (each parent before its child; a sampled row's siblings in the order drawn). Empty: a chain.
     parents: list[int] = field(default_factory=list)
+    # min_tokens: these ids (the sequence's stop ids) get no probability at a node whose token
+    # would land before position masked_until (prompt + min_tokens), greedy and sampled alike.
+    masked_ids: frozenset[int] = frozenset()
+    masked_until: int = 0
 
     @property
     def chain(self) -> int:
@@ -124,10 +128,14 @@ def settle(target: torch.Tensor | Hidden, rows: list[VerifyRow], coupled: bool =
     batch = len(rows)
     if isinstance(target, Hidden):
         positions = target.states.shape[0] // batch
-        if kernels.backend(target.states) == "torch":
-            target = target.logits().view(batch, positions, -1)  # [B, G+1, V]
+        masked = _masked(rows, positions)
+        if kernels.backend(target.states) == "torch" or masked:  # a mask needs the logits: no fused path
+            target = _mask(target.logits().view(batch, positions, -1), masked)  # [B, G+1, V]
     else:
         positions = target.shape[1]
+        masked = _masked(rows, positions)
+        if masked:
+            target = _mask(target.clone(), masked)
     gamma = positions - 1
     device = target.states.device if isinstance(target, Hidden) else target.device
     draft = torch.tensor([r.proposals + [-1] * (gamma - len(r.proposals)) for r in rows],
@@ -173,6 +181,24 @@ def settle(target: torch.Tensor | Hidden, rows: list[VerifyRow], coupled: bool =
     # The pass's one host sync: every result in one flat transfer.
     flat = torch.cat([t.double().flatten() for t in parts]).tolist()
     return _unpack(flat, rows, wanted, positions, top_n)
+
+
+def _masked(rows: list[VerifyRow], positions: int) -> list[tuple[int, int, int]]:
+    """(row, node, token id) for every id a row masks at a node (``VerifyRow.masked_ids``): the
+    node's emitted token lands at position + its depth, masked there while before masked_until."""
+    return [(b, j, token) for b, row in enumerate(rows) if row.masked_ids and row.position < row.masked_until
+            for j, depth in enumerate(_offsets(row, positions)) if row.position + depth < row.masked_until
+            for token in sorted(row.masked_ids)]
+
+
+def _mask(logits: torch.Tensor, masked: list[tuple[int, int, int]]) -> torch.Tensor:
+    """logits [B, G+1, V], in place, with each masked (row, node, id) at -inf: the argmax and the
+    processed p alike never give the id that node (min_tokens; Leviathan's rule against q stays
+    exact for any q, and p is the target's own processed distribution)."""
+    if masked:
+        index = torch.tensor(masked, dtype=torch.int64, device=logits.device)  # [M, 3]
+        logits[index[:, 0], index[:, 1], index[:, 2]] = float("-inf")
+    return logits
 
 
 def _keys(rows: list[VerifyRow], positions: int, coupled: bool, device: torch.device | str) -> torch.Tensor:

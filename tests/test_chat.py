@@ -79,16 +79,16 @@ def test_messages_are_rendered_and_end_at_the_end_of_turn_token() -> None:
     valid = _chat([("system", "Be brief."), ("user", "Hi")])
     text = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert valid.prompt_ids == _TOK.encode(text, add_special_tokens=False).ids
-    assert valid.chat and valid.end_of_turn == _TOK.token_to_id("<|im_end|>")
-    seq = valid.to_sequence(eos_ids=(0,))
+    seq = valid.sequence
+    assert valid.chat and _TOK.token_to_id("<|im_end|>") in seq.eos_token_ids
     assert set(seq.eos_token_ids) == {0, 2} and set(seq.stop_token_ids) >= {0, 2}
-    assert not set(_chat([("user", "Hi")], ignore_eos=True).to_sequence(eos_ids=(0,)).eos_token_ids)
+    assert not set(_chat([("user", "Hi")], ignore_eos=True).sequence.eos_token_ids)
 
 
 def test_a_text_prompt_does_not_stop_at_the_end_of_turn() -> None:
     req = generation_pb2.GenerateRequest(prompt="hello", max_new_tokens=8)
     valid = validate(req, LIMITS, CHAT_TT)
-    assert not valid.chat and list(valid.to_sequence(eos_ids=(0,)).eos_token_ids) == [0]
+    assert not valid.chat and list(valid.sequence.eos_token_ids) == [0]
 
 
 @pytest.mark.parametrize(("messages", "field", "reason"), [

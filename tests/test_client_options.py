@@ -44,6 +44,7 @@ SAMPLE: dict[str, Any] = {
     "early_stopping": "never",
     "beam_threshold": 1.5,
     "max_candidates_per_parent": 3,
+    "min_tokens": 4,
 }
 # Every option set at once: max_gamma goes with automatic speculation only, so twice.
 COMBINED = [{**SAMPLE, "speculation": "auto"}, {k: v for k, v in SAMPLE.items() if k != "max_gamma"}]
@@ -197,6 +198,7 @@ def test_every_entry_point_sends_every_option(served: tuple[Recorder, str], meth
     assert req.max_new_tokens == 9
     assert list(req.stop) == ["\n", "END"] and list(req.stop_token_ids) == [2, 7] and req.ignore_eos
     assert (req.temperature, req.top_k, req.top_p, req.seed) == (0.5, 40, pytest.approx(0.9), 12345)
+    assert req.min_tokens == 4
     assert req.logprobs and req.top_logprobs == 2
     assert req.request_id == "req-sample" and req.traceparent == SAMPLE["traceparent"]
 

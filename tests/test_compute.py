@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from specstream.data.propose import Proposal, ProposeItem
+from specstream.data.propose import Proposal, ProposeItem, Proposer
 from specstream.serving.compute import on_torch_thread, torch_thread
 from target_service.local_draft import LocalDraft
 
@@ -20,7 +20,7 @@ def test_on_torch_thread_always_runs_on_the_one_shared_thread_and_nests() -> Non
     assert on_torch_thread(lambda: on_torch_thread(threading.get_ident)) == first
 
 
-class _RecordingProposer:
+class _RecordingProposer(Proposer):
     """A proposer that notes which thread each call ran on."""
 
     name, max_len, vocab_size, held = "recording", 64, 10, 0

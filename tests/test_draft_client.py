@@ -25,6 +25,7 @@ from specstream_pb import draft_pb2_grpc
 from target_service.connection import Connection
 from target_service.draft_client import DraftClient
 from target_service.draft_deadline import DraftDeadline
+from target_service.drafting import DraftSource
 from target_service.engine import Engine
 
 PROMPTS = [[0, 5, 6], [1, 2, 3, 4], [7, 8], [9, 10, 11, 12, 13]]
@@ -224,10 +225,11 @@ def test_the_next_pass_is_asked_for_as_soon_as_a_pass_is_verified(model_zoo):
     assert early.get("used", 0) >= passes - 3 and early.get("dropped", 0) == 0, (early, passes)
 
 
-class _Source:
+class _Source(DraftSource):
     """A draft source whose answers are set by the test: `early` to the request sent early, `late`
     to any other; `epoch` as a DraftClient's."""
 
+    asks_early = True
     url, model_name, vocab_size, max_context_length, connected, held_sequences = "test", "test", 300, 256, True, 0
 
     def __init__(self, early: list[int], late: list[int]) -> None:

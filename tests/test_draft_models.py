@@ -130,7 +130,8 @@ def test_the_target_service_refuses_a_vocabulary_subset_model(sampling_pair, tmp
 def test_the_card_states_measured_acceptance_and_the_proposer_reports_it(drafts, tmp_path) -> None:
     """config.json "specstream"."acceptance" (what `record_acceptance` writes after measuring) reaches
     the proposer, and from it DraftInfo; a value that is no rate is refused naming the field."""
-    from draft_service.server import draft_info
+    from specstream.data.propose import DraftInfo
+    from specstream.data.propose_wire import info_to_pb
     from tools.distill.measure import record_acceptance
 
     card = tmp_path / "card"
@@ -144,7 +145,7 @@ def test_the_card_states_measured_acceptance_and_the_proposer_reports_it(drafts,
     record_acceptance(card, 0.41, 0.3)
     proposer = DraftProposer(load_model(card, resolve=_resolver(drafts)), 2, 64)
     assert proposer.acceptance == {("model", True): 0.41, ("model", False): 0.3}
-    info = draft_info(proposer)
+    info = info_to_pb(DraftInfo.of(proposer))
     assert sorted((e.source, e.greedy, round(e.alpha, 6)) for e in info.acceptance) == \
         [("model", False, 0.3), ("model", True, 0.41)]
     config = json.loads((card / "config.json").read_text())

@@ -21,13 +21,13 @@ from tests.support.feature_pair import PROMPTS, train_feature_pair
 
 from draft_service.combined import NgramPlusModelProposer
 from draft_service.feature import FeatureProposer
-from draft_service.wire import item_from_pb
 from specstream.data.propose import ProposeItem
 from specstream.data.sampling import SamplingParams
 from specstream.models.feature_draft import load_feature_draft
 from specstream.models.loader import load_model
 from specstream_pb import draft_pb2
-from target_service.draft_client import DraftClient, _item_to_pb
+from specstream.data.propose_wire import item_from_pb, item_to_pb
+from target_service.draft_client import DraftClient
 from target_service.drafting import feature_refusal
 from target_service.engine import feature_bytes
 from target_service.local_draft import LocalDraft
@@ -58,7 +58,7 @@ def test_features_cross_the_wire_bit_for_bit() -> None:
     bits[0, :4] = torch.tensor([0, -2**15, 1, 0x7F80], dtype=torch.int16)  # +0, -0, a subnormal, +inf
     hidden = bits.view(torch.bfloat16)
     item = ProposeItem(42, 3, [1, 2, 3, 4, 5, 6, 7], 4, features=feature_bytes(hidden), feature_width=width)
-    wire = _item_to_pb(item, "").SerializeToString()
+    wire = item_to_pb(item, "").SerializeToString()
     got = item_from_pb(("stream", 42), draft_pb2.ProposeItem.FromString(wire))
     assert (got.feature_width, got.feature_dtype) == (width, "bfloat16")
     decoded = torch.frombuffer(bytearray(got.features), dtype=torch.bfloat16).view(7, width)

@@ -547,7 +547,7 @@ def test_a_verify_cost_in_blocks_is_learnt():
 
 def test_one_unlucky_verify_sample_fades():
     """A size measured once, slowly (a pause in that forward), is tried again later."""
-    from target_service.gamma import CostModel
+    from target_service.cost_model import CostModel
 
     costs = CostModel()
     for _ in range(50):
@@ -564,7 +564,7 @@ def test_one_unlucky_verify_sample_fades():
 def test_a_pause_in_a_measured_step_counts_little():
     """A pause during a forward of a size measured many times (the plain step) must not make that
     size look dear: it would make every guess look cheap beside it."""
-    from target_service.gamma import CostModel
+    from target_service.cost_model import CostModel
 
     costs = CostModel()
     for _ in range(50):

@@ -143,7 +143,7 @@ async def test_the_callers_stream_crosses_a_move_without_a_seam(before_stop_end)
     router = Router([a, b], max_queue=10)
     request = validate(generation_pb2.GenerateRequest(prompt="# x", max_new_tokens=len(ids), stop=["STOP"]), LIMITS, TT)
     metrics = GatewayMetrics()
-    stream = stream_chunks(request, router, TT, (1,), metrics)
+    stream = stream_chunks(request, router, TT, metrics)
     chunks = []
     reader = asyncio.ensure_future(_collect(stream, chunks))
     await asyncio.sleep(0)
@@ -176,7 +176,7 @@ async def test_a_started_request_with_no_replica_left_fails_unavailable_to_the_c
     a = replica("a", max_slots=1)
     router = Router([a], max_queue=10)
     request = validate(generation_pb2.GenerateRequest(prompt="# x", max_new_tokens=8), LIMITS, TT)
-    stream = stream_chunks(request, router, TT, (1,), GatewayMetrics())
+    stream = stream_chunks(request, router, TT, GatewayMetrics())
     reader = asyncio.ensure_future(anext(stream))
     await asyncio.sleep(0)
     (ticket_id,) = written(a)[0]

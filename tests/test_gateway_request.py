@@ -82,7 +82,7 @@ def _request(**fields) -> ValidRequest:
 
 def _stream(req: ValidRequest, target: FakeTarget) -> list[generation_pb2.GenerateStreamResponse]:
     async def main():
-        return [chunk async for chunk in stream_chunks(req, target, TT, (1,), GatewayMetrics())]
+        return [chunk async for chunk in stream_chunks(req, target, TT, GatewayMetrics())]
 
     return asyncio.run(main())
 
@@ -126,7 +126,7 @@ def test_events_without_logprobs_add_none():
 def test_unary_concatenates_logprobs_and_returns_the_seed():
     req = _request(temperature=1.0, stop=["STOP"], logprobs=True)
     target = FakeTarget(_events(4, with_logprobs=True))
-    response = asyncio.run(generate(req, target, TT, (1,), GatewayMetrics()))
+    response = asyncio.run(generate(req, target, TT, GatewayMetrics()))
     assert list(response.token_ids) == IDS[:STOP_END]
     assert [_plain(lp) for lp in response.logprobs] == LOGPROBS[:STOP_END]
     assert response.seed == req.seed == target.submitted[0].sampling.seed
@@ -138,7 +138,7 @@ def test_unary_concatenates_logprobs_and_returns_the_seed():
 def test_the_gateway_picked_seed_is_returned():
     req = _request()  # no seed: the gateway picked one
     target = FakeTarget(_events(4, with_logprobs=False))
-    response = asyncio.run(generate(req, target, TT, (1,), GatewayMetrics()))
+    response = asyncio.run(generate(req, target, TT, GatewayMetrics()))
     assert response.seed == req.seed == target.submitted[0].sampling.seed
     assert len(response.logprobs) == 0
 
@@ -160,7 +160,7 @@ def test_an_error_event_reaches_the_caller_as_its_own_class_after_the_tokens_bef
     chunks = []
 
     async def main():
-        async for chunk in stream_chunks(_request(), target, TT, (1,), GatewayMetrics()):
+        async for chunk in stream_chunks(_request(), target, TT, GatewayMetrics()):
             chunks.append(chunk)
 
     with pytest.raises(OverloadedError, match="the target is full") as info:
@@ -172,7 +172,7 @@ def test_an_error_event_reaches_the_caller_as_its_own_class_after_the_tokens_bef
 def test_queue_seconds_adds_the_gateway_wait_to_the_targets():
     events = _events(4, with_logprobs=False)
     events[0].queue_seconds = 0.25  # the target reports its own wait on the first event
-    response = asyncio.run(generate(_request(), FakeTarget(events, gateway_wait=1.5), TT, (1,), GatewayMetrics()))
+    response = asyncio.run(generate(_request(), FakeTarget(events, gateway_wait=1.5), TT, GatewayMetrics()))
     assert response.timings.queue_seconds == pytest.approx(1.75)
 
 
@@ -182,7 +182,7 @@ def test_metrics_count_what_the_caller_got(step):
 
     async def main():
         req = _request(stop=["STOP"])
-        return [c async for c in stream_chunks(req, FakeTarget(_events(step, False)), TT, (1,), metrics)]
+        return [c async for c in stream_chunks(req, FakeTarget(_events(step, False)), TT, metrics)]
 
     chunks = asyncio.run(main())
     final, r = chunks[-1], metrics.registry

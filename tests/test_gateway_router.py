@@ -299,7 +299,7 @@ async def test_a_caller_that_leaves_while_queued_leaves_the_queue(leave):
     router = Router([a], max_queue=10, backlog=0)
     submit(router, 1)  # holds the only place
     request = validate(generation_pb2.GenerateRequest(prompt="hi", max_new_tokens=4), LIMITS, TT)
-    first_chunk = anext(stream_chunks(request, router, TT, (1,), GatewayMetrics()))
+    first_chunk = anext(stream_chunks(request, router, TT, GatewayMetrics()))
     if leave == "deadline":
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(first_chunk, timeout=0.05)

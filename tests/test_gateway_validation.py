@@ -3,6 +3,7 @@ the gateway picks, and what reaches the target's SequenceRequest."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import grpc
@@ -18,7 +19,7 @@ from specstream.text.tokenizer import TextTokenizer, build_byte_level_tokenizer
 from specstream_pb import common_pb2, generation_pb2
 
 TT = TextTokenizer(build_byte_level_tokenizer(), eos_token_ids=[1], bos_token_id=0)
-INFO = TargetInfo(vocab_size=TT.vocab_size, max_context_length=256, max_gamma=8, default_gamma=4)
+INFO = TargetInfo(vocab_size=TT.vocab_size, max_context_length=256, max_gamma=8, default_gamma=4, eos_token_ids=[1])
 LIMITS = Limits.build(GatewayConfig("t:1", "m"), INFO)
 
 
@@ -79,7 +80,7 @@ def test_good_sampling_fields_pass(fields):
 
 def test_sequence_request_carries_the_sampling_settings():
     valid = _validate(temperature=0.7, top_k=40, top_p=0.9, seed=2**64 - 1, logprobs=True, top_logprobs=5)
-    seq = valid.to_sequence(eos_ids=(1,))
+    seq = valid.sequence
     assert seq.sampling.temperature == pytest.approx(0.7)
     assert seq.sampling.top_k == 40
     assert seq.sampling.top_p == pytest.approx(0.9)
@@ -88,7 +89,7 @@ def test_sequence_request_carries_the_sampling_settings():
 
 
 def test_defaults_reach_the_target_as_greedy_with_top_p_1():
-    seq = _validate().to_sequence(eos_ids=(1,))
+    seq = _validate().sequence
     assert seq.sampling.greedy and seq.sampling.top_k == 0
     assert seq.sampling.top_p == 1.0  # unset means off, not 0
     assert seq.logprobs is None  # not requested
@@ -96,19 +97,24 @@ def test_defaults_reach_the_target_as_greedy_with_top_p_1():
     assert seq.stop_token_ids == seq.eos_token_ids == frozenset({1})
 
 
-def test_ignore_eos_and_the_chat_end_of_turn_set_the_stop_ids():
-    assert _validate(ignore_eos=True, stop_token_ids=[9]).to_sequence(eos_ids=(1, 2)).stop_token_ids == {9}
-    valid = _validate(stop_token_ids=[9])
-    valid.end_of_turn = 5  # as a chat request's template sets it
-    seq = valid.to_sequence(eos_ids=(1, 2), traceparent="00-" + "ab" * 16 + "-" + "cd" * 8 + "-01")
-    assert seq.stop_token_ids == {1, 2, 5, 9} and seq.eos_token_ids == {1, 2, 5}
-    assert seq.traceparent.startswith("00-abab") and seq.id == valid.request_id
+def test_ignore_eos_and_the_eos_ids_set_the_stop_ids():
+    """The target's EOS ids and the tokenizer's end generation and report as "eos", unless
+    ignore_eos (a chat's end of turn joins them: tests/test_chat.py)."""
+    two_eos = Limits.build(GatewayConfig("t:1", "m"), dataclasses.replace(INFO, eos_token_ids=[1, 2]))
+    quiet = validate(generation_pb2.GenerateRequest(prompt="x", max_new_tokens=4, ignore_eos=True, stop_token_ids=[9]),
+                     two_eos, TT)
+    assert quiet.sequence.stop_token_ids == {9} and not quiet.sequence.eos_token_ids
+    valid = validate(generation_pb2.GenerateRequest(prompt="x", max_new_tokens=4, stop_token_ids=[9],
+                                                    traceparent="00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"), two_eos, TT)
+    seq = valid.sequence
+    assert seq.stop_token_ids == {1, 2, 9} and seq.eos_token_ids == {1, 2}
+    assert seq.traceparent.startswith("00-abab") and seq.id == valid.request_id and not valid.chat
 
 
 def test_seed_zero_is_kept_and_an_unset_seed_is_picked():
     assert _validate(temperature=1.0, seed=0).seed == 0
     valid = _validate(temperature=1.0)
-    assert valid.to_sequence(eos_ids=(1,)).sampling.seed == valid.seed
+    assert valid.sequence.sampling.seed == valid.seed
     picked = {_validate(temperature=1.0).seed for _ in range(8)}
     assert all(0 <= s < 2**64 for s in picked)
     # 64 random bits: eight draws colliding has probability ~ 28 / 2**64.
@@ -128,9 +134,9 @@ def test_max_gamma_is_checked_against_the_mode_and_the_limit(fields, message):
 
 def test_max_gamma_reaches_the_target_with_auto():
     validated = _validate(speculation=dict(mode=0, max_gamma=3))
-    assert validated.speculation == Speculation("auto", gamma=0, max_gamma=3)
+    assert validated.sequence.speculation == Speculation("auto", gamma=0, max_gamma=3)
     fixed = _validate(speculation=dict(mode=2, gamma=5))
-    assert fixed.to_sequence(eos_ids=(1,)).speculation == Speculation("fixed", gamma=5)
+    assert fixed.sequence.speculation == Speculation("fixed", gamma=5)
 
 
 # -- beam search -----------------------------------------------------------------------------------------------
@@ -189,25 +195,25 @@ def test_a_beam_with_stop_strings_says_they_are_not_supported():
     dict(early_stopping=common_pb2.EARLY_STOPPING_NEVER),
 ])
 def test_beam_option_bounds_are_inclusive(fields):
-    beam = _validate(beam=_beam(**fields)).beam
+    beam = _validate(beam=_beam(**fields)).sequence.beam
     assert isinstance(beam, BeamOptions) and beam.num_beams == fields.get("num_beams", 3)
 
 
 @pytest.mark.parametrize("mode", [common_pb2.SPECULATION_MODE_AUTO, common_pb2.SPECULATION_MODE_OFF])
 def test_a_beam_accepts_automatic_or_no_speculation(mode):
-    assert _validate(beam=_beam(), speculation=common_pb2.Speculation(mode=mode)).beam.num_beams == 3
+    assert _validate(beam=_beam(), speculation=common_pb2.Speculation(mode=mode)).sequence.beam.num_beams == 3
 
 
 def test_beam_options_reach_the_target():
     beam = _beam(num_return_sequences=2, length_penalty=0.0, early_stopping=common_pb2.EARLY_STOPPING_FIRST_K,
                  beam_threshold=1.5, max_candidates_per_parent=2)
     seq = _validate(beam=beam, speculation=common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_OFF),
-                    stop_token_ids=[7]).to_sequence((1,))
+                    stop_token_ids=[7]).sequence
     assert seq.beam == BeamOptions(num_beams=3, num_return_sequences=2, length_penalty=0.0, early_stopping="first_k",
                                    beam_threshold=1.5, max_candidates_per_parent=2)
     wire = request_to_pb(seq).beam
     assert wire.HasField("length_penalty") and wire.length_penalty == 0.0  # set to 0, not unset
     assert seq.stop_token_ids == {1, 7} and seq.speculation.mode == "off"
-    assert _validate().to_sequence((1,)).beam is None
+    assert _validate().sequence.beam is None
     top_p_one = _validate(beam=_beam(), top_p=1.0)  # an explicit top_p of 1 is "off": allowed
-    assert top_p_one.beam.num_beams == 3
+    assert top_p_one.sequence.beam.num_beams == 3

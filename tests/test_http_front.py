@@ -186,7 +186,8 @@ def test_parameters_reach_the_target_as_sent() -> None:
             await front.client.completions.create(
                 model=MODEL, prompt=[[5, 6, 7]], max_tokens=3, temperature=0.5, top_p=0.9, seed=11, stop=["zz"],
                 logprobs=1, user="u",
-                extra_body={"top_k": 7, "speculation": 3, "stop_token_ids": [9], "ignore_eos": True, "unknown": 1})
+                extra_body={"top_k": 7, "speculation": 3, "stop_token_ids": [9], "ignore_eos": True, "min_tokens": 2,
+                            "unknown": 1})
             await front.client.chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=2, temperature=0,
                 stop="x", extra_body={"speculation": "auto", "max_gamma": 2})
@@ -200,7 +201,7 @@ def test_parameters_reach_the_target_as_sent() -> None:
     assert first.sampling.top_p == pytest.approx(0.9)
     assert first.logprobs == 1
     assert first.stop_token_ids == {9} and not first.eos_token_ids  # ignore_eos: EOS is neither
-    assert first.speculation.mode == "fixed" and first.speculation.gamma == 3
+    assert first.speculation.mode == "fixed" and first.speculation.gamma == 3 and first.min_tokens == 2
     assert chat.max_new_tokens == 2 and chat.sampling.temperature == 0.0
     assert chat.speculation.mode == "auto" and chat.speculation.max_gamma == 2
     assert off.speculation.mode == "off" and off.sampling.top_k == 0  # vLLM's top_k=-1: no cut
@@ -236,6 +237,8 @@ BAD = [  # (endpoint, body changes, the param the 400 must name)
     ("completions", {"speculation": "off", "max_gamma": 3}, "max_gamma"),
     ("completions", {"max_gamma": 99}, "max_gamma"),
     ("completions", {"stop_token_ids": [10**6]}, "stop_token_ids"),
+    ("completions", {"min_tokens": 5}, "min_tokens"),  # more than max_tokens
+    ("completions", {"min_tokens": -1}, "min_tokens"),
     ("completions", {"stream_options": {"include_usage": "yes please"}}, "stream_options.include_usage"),
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
     ("completions", {"speculation": True}, "speculation"),  # not γ = 1

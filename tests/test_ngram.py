@@ -20,7 +20,7 @@ from draft_service.build import PROPOSERS
 from draft_service.combined import NgramPlusModelProposer
 from draft_service.ngram import ANY_ID, NgramIndex, NgramProposer
 from draft_service.proposer import DraftProposer
-from draft_service.wire import proposal_to_pb
+from specstream.data.propose_wire import proposal_to_pb
 from specstream.data.config import DraftConfig, ModelSpec
 from specstream.data.propose import ProposeItem
 from specstream.data.sampling import GREEDY, SamplingParams

@@ -117,7 +117,7 @@ def test_what_the_gateway_sends_for_a_beam_request_is_what_the_engine_gets() -> 
                                  early_stopping=common_pb2.EARLY_STOPPING_FIRST_K, max_candidates_per_parent=2)
     public = generation_pb2.GenerateRequest(prompt="x = ", max_new_tokens=6, beam=beam, stop_token_ids=[7],
                                             speculation=common_pb2.Speculation(mode=common_pb2.SPECULATION_MODE_AUTO))
-    sent = request_to_pb(validate(public, limits, TT).to_sequence((1,)))
+    sent = request_to_pb(validate(public, limits, TT).sequence)
     req = request_from_pb(_through_bytes(sent))
     assert req.beam == BeamOptions(num_beams=4, num_return_sequences=2, length_penalty=0.0, early_stopping="first_k",
                                    beam_threshold=math.inf, max_candidates_per_parent=2)

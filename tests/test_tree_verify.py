@@ -13,7 +13,7 @@ import pytest
 from tests.support.engine_harness import run_engine
 from test_tree_attention import random_tree
 
-from specstream.data.propose import Proposal, ProposeItem
+from specstream.data.propose import Proposal, ProposeItem, Proposer
 from specstream.data.sampling import SamplingParams
 from target_service.settle import tree_path
 
@@ -46,7 +46,7 @@ def test_tree_path_keeps_the_first_matching_child_at_every_node() -> None:
     assert {0, 1, 2, 3} <= kept  # paths of several lengths, none among them
 
 
-class RandomTrees:
+class RandomTrees(Proposer):
     """A test proposer: random tree shapes over the target's true continuation (``oracle``: prompt
     + plain greedy output), each node right with probability ``right`` when its path so far is."""
 

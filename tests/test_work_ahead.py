@@ -35,7 +35,7 @@ from tests.support.feature_pair import PROMPTS
 from draft_service.combined import NgramPlusModelProposer
 from draft_service.feature import FeatureProposer
 from draft_service.proposer import DraftProposer
-from specstream.data.propose import ProposeItem, features_expected
+from specstream.data.propose import ProposeItem, Proposer, features_expected
 from specstream.data.sampling import SamplingParams
 from specstream.models.feature_draft import load_feature_draft
 from specstream.models.loader import load_model
@@ -212,10 +212,10 @@ class _WholeWork:
         self.proposer.work_ahead()
 
 
-class _Work:
+class _Work(Proposer):
     """A proposer stand-in whose work drafts until told to stop (at most 200 forwards), counting."""
 
-    name, max_len, vocab_size, held = "work", 64, 32, 0
+    name, max_len, vocab_size, held, works_ahead = "work", 64, 32, 0, True
 
     def __init__(self) -> None:
         self.forwards = 0

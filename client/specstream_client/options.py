@@ -66,6 +66,10 @@ def _int32(name: str, value: Any) -> int:
     return check_int(name, value, INT32_MIN, INT32_MAX, "int32")
 
 
+def _uint32(name: str, value: Any) -> int:
+    return check_int(name, value, 0, UINT32_MAX, "uint32")
+
+
 def _uint64(name: str, value: Any) -> int:
     return check_int(name, value, 0, UINT64_MAX, "uint64")
 
@@ -168,6 +172,9 @@ class GenerateOptions:
     beam_threshold: float | None = _option(None, _optional(check_float))
     # With num_beams: at most this many hypotheses extend one parent per step (1..num_beams). None: num_beams.
     max_candidates_per_parent: int | None = _option(None, _optional(_int32))
+    # EOS, stop_token_ids and stop strings cannot end generation before this many tokens
+    # (0..max_new_tokens; 0: off). Not with num_beams.
+    min_tokens: int = _option(0, _uint32)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -193,6 +200,7 @@ class GenerateOptions:
             top_logprobs=self.top_logprobs,
             request_id=self.request_id or "",
             traceparent=self.traceparent or "",
+            min_tokens=self.min_tokens,
         )
         if self.top_p is not None:  # unset means 1 (off); only a set value is sent
             req.top_p = self.top_p
@@ -249,6 +257,7 @@ class GenerateOptionsDict(TypedDict, total=False):
     early_stopping: bool | str | None
     beam_threshold: float | None
     max_candidates_per_parent: int | None
+    min_tokens: int
 
 
 _BEAM_OPTIONS = ("num_beams", "num_return_sequences", "length_penalty", "early_stopping", "beam_threshold",

@@ -1,6 +1,6 @@
 """The OpenAI request bodies the HTTP front accepts (pydantic), named and typed as OpenAI's API
 reference has them, plus the extensions clients send through `extra_body` (vLLM's `top_k`,
-`ignore_eos`, `stop_token_ids`; our `speculation` and `max_gamma`).
+`ignore_eos`, `stop_token_ids`, `min_tokens`; our `speculation` and `max_gamma`).
 
 Only the JSON types are checked here (a string where a number belongs is a 400 naming the field;
 an explicit `null` is the same as leaving an optional field out, as OpenAI treats it);
@@ -31,6 +31,7 @@ class Extensions(BaseModel):
     top_k: int | None = None  # vLLM's: sample among the k most likely tokens (0, -1 or None: off)
     ignore_eos: bool | None = None  # vLLM's: keep generating past the end-of-sequence token
     stop_token_ids: list[int] | None = None  # vLLM's: stop at any of these token ids
+    min_tokens: int | None = None  # vLLM's: EOS, stop ids and stop strings cannot end it before this many tokens
     # Ours: "auto" (the server's γ controller; the default), "off" (plain decoding) or a fixed γ (0 = off).
     # Strict: JSON true is not γ = 1, nor "3" a number.
     speculation: StrictStr | StrictInt | None = None

@@ -55,6 +55,8 @@ def to_generate_request(body: Body, traceparent: str = "") -> generation_pb2.Gen
         req.stop.extend(body.stop)
     req.stop_token_ids.extend(_int("stop_token_ids", t, 0, UINT32) for t in body.stop_token_ids or ())
     req.ignore_eos = bool(body.ignore_eos)
+    if body.min_tokens is not None:
+        req.min_tokens = _int("min_tokens", body.min_tokens, 0, UINT32)
     req.temperature = 1.0 if body.temperature is None else body.temperature
     if body.top_p is not None:
         req.top_p = body.top_p

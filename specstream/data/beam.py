@@ -1,9 +1,9 @@
 """A request's beam-search options, validated in one place (the gateway and the target engine
 both build them here; field names are as the public request spells them, ``beam.num_beams``).
 
-Beam search is greedy only: ``check_combination`` refuses sampling, fixed speculation, logprobs
-and stop strings beside it, naming the field. The engine adds the one limit only it knows
-(num_beams against its slots and rows per step). ``from_pb`` reads the ``specstream.v1.BeamSearch``
+Beam search is greedy only: ``check_combination`` refuses sampling, fixed speculation, logprobs,
+stop strings and min_tokens beside it, naming the field (specstream/data/request_rules.py calls
+it, with the one limit only a target knows: num_beams against its slots and rows per step). ``from_pb`` reads the ``specstream.v1.BeamSearch``
 message at the edges. Knows nothing about models or engines.
 """
 
@@ -75,7 +75,7 @@ class BeamOptions:
 
 
 def check_combination(*, temperature: float, top_k: int = 0, top_p: float = 1.0, fixed_speculation: bool = False,
-                      logprobs: bool = False, stop_strings: int = 0) -> None:
+                      logprobs: bool = False, stop_strings: int = 0, min_tokens: int = 0) -> None:
     """Beam search combines with greedy decoding only: anything else beside `beam` is
     INVALID_ARGUMENT naming it (speculation auto and off are fine: beams do not speculate)."""
     if temperature != 0.0:
@@ -91,3 +91,5 @@ def check_combination(*, temperature: float, top_k: int = 0, top_p: float = 1.0,
     if stop_strings:
         raise InvalidArgumentError("stop", f"<{stop_strings} strings>",
                                    "stop strings are not supported with beam; use stop_token_ids")
+    if min_tokens:
+        raise InvalidArgumentError("min_tokens", min_tokens, "not supported with beam")

@@ -3,7 +3,7 @@
 ``specstream/data/engine_wire.py``, used only where a message crosses the wire).
 
 In: a ``SequenceRequest`` per generation (token ids, budget, stop ids, speculation and sampling
-settings). Out: one ``EngineMessage`` per connection per step, carrying a ``SequenceEvent`` for
+settings), checked by specstream/data/request_rules.py wherever it is built or received. Out: one ``EngineMessage`` per connection per step, carrying a ``SequenceEvent`` for
 every sequence that produced something (new tokens, log-probabilities, cumulative counters, and
 finally the finish reason or an error), plus the engine's ``Load``. A target describes itself
 (model, limits, load) as a ``TargetInfo``.
@@ -21,10 +21,11 @@ from specstream.data.beam import BeamOptions, EarlyStopping
 from specstream.data.errors import SpecstreamError
 from specstream.data.sampling import GREEDY, SamplingParams
 
-__all__ = ["BeamHypothesis", "BeamOptions", "EarlyStopping", "EngineMessage", "FinishReason", "Load",
-           "SequenceEvent", "SequenceRequest", "SequenceStats", "Speculation", "TargetInfo", "TokenLogprob"]
+__all__ = ["SPECULATION_MODES", "BeamHypothesis", "BeamOptions", "EarlyStopping", "EngineMessage", "FinishReason",
+           "Load", "SequenceEvent", "SequenceRequest", "SequenceStats", "Speculation", "TargetInfo", "TokenLogprob"]
 
 SpeculationMode = Literal["auto", "off", "fixed"]
+SPECULATION_MODES: tuple[SpeculationMode, ...] = ("auto", "off", "fixed")
 FinishReason = Literal["length", "stop", "eos", "cancelled", "error"]
 
 
@@ -60,6 +61,8 @@ class SequenceRequest:
     logprobs: int | None = None  # None: not requested; n: with the n most likely alternatives
     traceparent: str = ""
     beam: BeamOptions | None = None  # beam search (greedy only: no sampling, speculation or logprobs)
+    # EOS and the other stop ids are masked (cannot be generated) until this many tokens exist.
+    min_tokens: int = 0
 
 
 @dataclass

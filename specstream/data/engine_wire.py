@@ -67,7 +67,8 @@ _EARLY_STOPPING_PB = {"heuristic": common_pb2.EARLY_STOPPING_HEURISTIC, "first_k
 def speculation_from_pb(pb: common_pb2.Speculation) -> Speculation:
     mode = _MODES.get(pb.mode)
     if mode is None:
-        raise InvalidArgumentError("speculation.mode", pb.mode, "unknown speculation mode")
+        raise InvalidArgumentError("speculation.mode", pb.mode,
+                                   f"unknown mode; use one of {list(common_pb2.SpeculationMode.keys())}")
     return Speculation(mode, pb.gamma, pb.max_gamma)
 
 
@@ -111,6 +112,7 @@ def request_from_pb(pb: target_pb2.SequenceRequest) -> SequenceRequest:
         logprobs=pb.top_logprobs if pb.logprobs else None,
         traceparent=pb.traceparent,
         beam=BeamOptions.from_pb(pb.beam) if pb.HasField("beam") else None,
+        min_tokens=pb.min_tokens,
     )
 
 
@@ -119,7 +121,8 @@ def request_to_pb(request: SequenceRequest) -> target_pb2.SequenceRequest:
         id=request.id, prompt_token_ids=request.prompt_token_ids, max_new_tokens=request.max_new_tokens,
         stop_token_ids=sorted(request.stop_token_ids), eos_token_ids=sorted(request.eos_token_ids),
         speculation=speculation_to_pb(request.speculation), sampling=sampling_to_pb(request.sampling),
-        logprobs=request.logprobs is not None, top_logprobs=request.logprobs or 0, traceparent=request.traceparent)
+        logprobs=request.logprobs is not None, top_logprobs=request.logprobs or 0, traceparent=request.traceparent,
+        min_tokens=request.min_tokens)
     if request.beam is not None:
         pb.beam.CopyFrom(beam_to_pb(request.beam))
     return pb

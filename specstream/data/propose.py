@@ -11,13 +11,15 @@ Plain data: no torch.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Protocol
 
 from specstream.data.sampling import GREEDY, SamplingParams
 
-__all__ = ["FEATURE_DTYPE", "SOURCE", "Proposal", "ProposeItem", "Proposer", "chain_length", "features_expected"]
+__all__ = ["FEATURE_DTYPE", "NO_ACCEPTANCE", "SOURCE", "DraftInfo", "Proposal", "ProposeItem", "Proposer",
+           "chain_length", "features_expected", "without_masked"]
 
 FEATURE_DTYPE = "bfloat16"  # how features travel: 2 bytes a number (the only encoding)
 
@@ -37,6 +39,42 @@ class ProposeItem:
     feature_dtype: str = FEATURE_DTYPE
     # Greedy items: up to this many more guesses as branches beside the chain (Proposal.parents).
     branches: int = 0
+    # min_tokens: the ids the target masks (the sequence's stop ids) at every position before
+    # masked_until (prompt + min_tokens); sent only while a guess can land there. A guess of one
+    # there is always refused, so proposers mask them too (``masked_at``, ``without_masked``).
+    masked_ids: frozenset[int] = frozenset()
+    masked_until: int = 0
+
+    @property
+    def first_guess(self) -> int:
+        """The position in the sequence of the item's first guess."""
+        return self.rollback_to + len(self.append)
+
+    def masked_at(self, position: int) -> frozenset[int]:
+        """The ids no guess at ``position`` may be (empty past masked_until)."""
+        return self.masked_ids if position < self.masked_until else frozenset()
+
+
+def without_masked(item: ProposeItem, tokens: list[int], parents: list[int]) -> tuple[list[int], list[int]]:
+    """A deterministic proposal (tokens, parents: a tree, or [] for a chain) for ``item`` less
+    every guess the target is sure to refuse (an id masked at its position) and the guesses
+    under it. Only for guesses that do not depend on random draws: cutting a sampled guess
+    would change the distribution its row is verified against."""
+    if not item.masked_ids or item.first_guess >= item.masked_until:
+        return tokens, parents
+    tree = parents or list(range(len(tokens)))
+    kept = {0: 0}  # node -> its number among the kept (node 0: the sequence's last token)
+    depth = {0: 0}
+    out_tokens: list[int] = []
+    out_parents: list[int] = []
+    for i, (token, parent) in enumerate(zip(tokens, tree)):
+        if parent not in kept or token in item.masked_at(item.first_guess + depth[parent]):
+            continue
+        depth[i + 1] = depth[parent] + 1
+        kept[i + 1] = len(out_tokens) + 1
+        out_tokens.append(token)
+        out_parents.append(kept[parent])
+    return out_tokens, out_parents if parents else []
 
 
 def chain_length(parents: list[int], count: int) -> int:
@@ -79,8 +117,12 @@ class Proposal:
     parents: list[int] = field(default_factory=list)
 
 
+NO_ACCEPTANCE: Mapping[tuple[str, bool], float] = MappingProxyType({})
+
+
 class Proposer(Protocol):
-    """What the draft servicer and an in-process draft need of a proposer.
+    """What the draft servicer and an in-process draft need of a proposer. A proposer subclasses
+    this class, so the optional capabilities below default to "not this one".
 
     `propose` answers each item with one Proposal, in order: the sequence `item.key` is cut to its
     first `rollback_to` tokens, `append` is added, then up to `gamma` tokens are guessed (fewer,
@@ -90,28 +132,55 @@ class Proposer(Protocol):
     `release` forgets sequences (unknown keys are ignored).
     """
 
-    @property
-    def name(self) -> str: ...  # what GetInfo reports as the draft's model
+    name: str  # what GetInfo reports as the draft's model
+    vocab_size: int  # the target speculates only on sequences whose ids are all below it
+    max_len: int  # tokens it can hold per sequence
+    held: int  # sequences it holds state for
+    free_slots: int  # further sequences it can take
 
-    @property
-    def vocab_size(self) -> int: ...  # the target speculates only on sequences whose ids are all below it
-
-    @property
-    def max_len(self) -> int: ...  # tokens it can hold per sequence
-
-    @property
-    def held(self) -> int: ...  # sequences it holds state for
-
-    @property
-    def free_slots(self) -> int: ...  # further sequences it can take
-
-    # A proposer that reads the target's features sets ``feature_layers`` (target layers, counted
-    # from 1, ascending; num_hidden_layers, the final normed state, comes last; earlier ones are
-    # each RMS-normalized) and ``feature_width`` (numbers per position: the hidden size per layer);
-    # a token proposer has neither (read with getattr, default () and 0).
-    # A proposer whose draft's card states measured acceptance rates sets ``acceptance``:
-    # {(Proposal.source, greedy): α} (read with getattr, default {}; DraftInfo.acceptance).
+    # A proposer that reads the target's features: the target layers it reads (counted from 1,
+    # ascending; num_hidden_layers, the final normed state, comes last; earlier ones are each
+    # RMS-normalized) and its numbers per position (the hidden size per layer). () and 0: tokens only.
+    feature_layers: tuple[int, ...] = ()
+    feature_width: int = 0
+    # Measured acceptance rates its draft's card states, {(Proposal.source, greedy): α} (DraftInfo.acceptance).
+    acceptance: Mapping[tuple[str, bool], float] = NO_ACCEPTANCE
+    # Whether ``work_ahead`` drafts anything (a draft model's next round: draft_service/work_ahead.py).
+    works_ahead: bool = False
 
     def propose(self, items: list[ProposeItem]) -> list[Proposal]: ...
 
     def release(self, keys: list[Hashable]) -> None: ...
+
+    def work_ahead(self, stop: Callable[[], bool]) -> None:
+        """Drafts the next round of the latest call's rows until ``stop()``; nothing by default."""
+
+    def prepare_outcomes(self, outcomes: int) -> None:
+        """How many outcomes of each chain ``work_ahead`` prepares (DraftConfig.work_ahead_outcomes)."""
+
+    @property
+    def ahead_counts(self) -> Mapping[str, int]:
+        """The work ahead's running counts (prepared, hit, miss, ...); empty without it."""
+        return MappingProxyType({})
+
+
+@dataclass
+class DraftInfo:
+    """What a draft service says of its proposer (``Draft.GetInfo``; the wire forms are in
+    specstream/data/propose_wire.py)."""
+
+    model_name: str = ""
+    vocab_size: int = 0
+    max_context_length: int = 0  # tokens it can hold per sequence
+    held_sequences: int = 0
+    free_slots: int = 0
+    feature_layers: tuple[int, ...] = ()
+    feature_width: int = 0
+    acceptance: Mapping[tuple[str, bool], float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, proposer: Proposer) -> DraftInfo:
+        return cls(model_name=proposer.name, vocab_size=proposer.vocab_size, max_context_length=proposer.max_len,
+                   held_sequences=proposer.held, free_slots=proposer.free_slots,
+                   feature_layers=tuple(proposer.feature_layers), feature_width=proposer.feature_width,
+                   acceptance=dict(proposer.acceptance))

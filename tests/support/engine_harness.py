@@ -33,13 +33,13 @@ def run_engine(target: Path, draft: Path | None, prompts: list[list[int]], gamma
                sampling: list[SamplingParams] | None = None, logprobs: int | None = None,
                max_seq_len: int = 512, proposer=None, config: dict | None = None,
                steps: dict | None = None, device: str = "cpu",
-               work_ahead: str = "off") -> tuple[list[list[int]], list[SequenceEvent]]:
+               work_ahead: str = "off", min_tokens: int = 0) -> tuple[list[list[int]], list[SequenceEvent]]:
     """Returns each prompt's generated tokens and its final event (finish reason, stats, and the
     log-probabilities of all its tokens when `logprobs` is given). `sampling`: one per prompt
     (default greedy); `proposer` replaces the draft model's proposer (e.g. a wrapped one);
     `draft` may be a feature draft; `config` overrides TargetConfig fields (batching policy...); `steps`, when given, receives the
     engine's BatchStats and TargetMetrics and, per request id, the steps whose events carried its tokens; `device`: where
-    both models run (float32); `work_ahead`: the in-process draft's (LocalDraft)."""
+    both models run (float32); `work_ahead`: the in-process draft's (LocalDraft); `min_tokens`: every request's."""
     model = load_model(target, device=device)
     if proposer is None and draft and is_feature_draft(draft):
         proposer = FeatureProposer(load_feature_draft(draft, Path), max(16, max_slots), max_seq_len)
@@ -53,7 +53,7 @@ def run_engine(target: Path, draft: Path | None, prompts: list[list[int]], gamma
     budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
 
     requests = [SequenceRequest(str(i), list(p), budget, frozenset(stop_ids), frozenset(eos_ids), speculation(gamma),
-                                params, logprobs)
+                                params, logprobs, min_tokens=min_tokens)
                 for i, (p, params, budget) in enumerate(zip(prompts, sampling, budgets))]
     results = run_requests(engine, requests, timeout_s=60)
     finals = []

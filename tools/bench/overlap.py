@@ -203,7 +203,7 @@ def _draft_side(spec: dict, commands, results) -> None:
     torch.set_num_threads(1)  # as the draft service runs it
     proposer = build_proposer(DraftConfig(ModelSpec(spec["draft"], spec["dtype"]), max_slots=2,
                                           max_seq_len=CONTEXT + 64))
-    width = getattr(proposer, "feature_width", 0)
+    width = proposer.feature_width
 
     def item(rollback: int, count: int, gamma: int) -> ProposeItem:
         features = {"features": bytes(2 * width * (count - (rollback == 0))), "feature_width": width} if width else {}

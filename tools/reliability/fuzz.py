@@ -142,6 +142,8 @@ def _valid(rng: random.Random, lim: Limits) -> generation_pb2.GenerateRequest:
     if rng.random() < 0.3:
         req.request_id = _text(rng, 1, 32)
     req.ignore_eos = rng.random() < 0.3
+    if rng.random() < 0.3:
+        req.min_tokens = rng.randint(0, req.max_new_tokens)
     return req
 
 
@@ -183,6 +185,7 @@ def _invalid_mutations(lim: Limits) -> list[tuple[str, Callable[[generation_pb2.
             r.speculation.Clear()
             r.temperature, r.top_k, r.logprobs, r.top_logprobs = 0.0, 0, False, 0
             r.ClearField("top_p")
+            r.min_tokens = 0
             del r.stop[:]
             r.beam.CopyFrom(common_pb2.BeamSearch(num_beams=2, **values))
         return apply
@@ -203,6 +206,7 @@ def _invalid_mutations(lim: Limits) -> list[tuple[str, Callable[[generation_pb2.
         ("stop[0]", lambda r, rng: (r.ClearField("stop"), r.stop.append(""))),
         ("stop[0]", lambda r, rng: (r.ClearField("stop"), r.stop.append("x" * (lim.max_stop_chars + 1)))),
         ("stop_token_ids[0]", lambda r, rng: (r.ClearField("stop_token_ids"), stop_ids(r, rng))),
+        ("min_tokens", lambda r, rng: setattr(r, "min_tokens", r.max_new_tokens + rng.randint(1, 2**20))),
         ("request_id", set_("request_id", lambda rng: "r" * rng.randint(lim.max_request_id_chars + 1, 4096))),
         ("traceparent", set_("traceparent", lambda rng: _text(rng, 1, 60))),
         ("prompt", lambda r, rng: setattr(r, "prompt", "")),
@@ -276,6 +280,7 @@ HTTP_INVALID: list[tuple[str, bool | None, Callable[[random.Random, Limits], obj
     ("logit_bias", None, lambda rng, lim: {"5": 10}),
     ("speculation", None, lambda rng, lim: rng.choice(["sometimes", True, lim.max_gamma + 1, "3"])),
     ("top_k", None, lambda rng, lim: rng.randint(-100, -2)),
+    ("min_tokens", None, lambda rng, lim: rng.choice([-rng.randint(1, 10**6), 3 + rng.randint(0, 10**6)])),
     ("logprobs", False, lambda rng, lim: rng.choice([lim.max_top_logprobs + 1, "yes"])),
     ("prompt", False, lambda rng, lim: rng.choice(["", [], [lim.vocab_size + rng.randint(0, 9)], None, ["a", "b"]])),
     ("best_of", False, lambda rng, lim: rng.randint(2, 10)),
