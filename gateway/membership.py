@@ -12,9 +12,11 @@ headless Service lists one address per ready pod, so the HPA's new pods appear t
 
 A resolution that fails (the name does not resolve right now) changes nothing: a DNS hiccup must
 not drain every replica. IP-literal entries always resolve to themselves, so their replicas stay.
+Each change to the set of replicas is passed on to the router's `recheck_serving` (the gateway's
+health may have changed).
 
-Knows nothing about gRPC or tokens: replicas are made by `make_replica` and judged by the
-router's `Replica` protocol plus `drain` and `close`.
+Knows nothing about gRPC or tokens: replicas are made by `make_replica` and used through the
+`Replica` protocol (gateway/ticket.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from collections.abc import Awaitable, Callable
 
 from gateway.discovery import Resolver, resolve_targets
 from gateway.router import Router
-from gateway.target_client import TargetClient
+from gateway.ticket import Replica
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +36,11 @@ DRAIN_POLL_S = 0.1  # how often a draining replica is checked for its last reque
 
 
 class Membership:
-    def __init__(self, entries: list[str], router: Router, make_replica: Callable[[str], Awaitable[TargetClient]],
-                 on_change: Callable[[], Awaitable[None]], interval_s: float,
-                 getaddrinfo: Resolver = socket.getaddrinfo) -> None:
+    def __init__(self, entries: list[str], router: Router, make_replica: Callable[[str], Awaitable[Replica]],
+                 interval_s: float, getaddrinfo: Resolver = socket.getaddrinfo) -> None:
         self.entries = entries
         self.router = router
         self.make_replica = make_replica  # a started, checked replica for an address; raises if it cannot be
-        self.on_change = on_change  # the set of replicas changed (the gateway's health may have)
         self.interval_s = interval_s
         self._getaddrinfo = getaddrinfo
         self._starting: dict[str, asyncio.Task[None]] = {}  # address -> its replica being started
@@ -92,13 +92,13 @@ class Membership:
             self._starting.pop(address, None)
         self.router.add(replica)
         log.info("target %s added (%d replica(s))", address, len(self.router.replicas))
-        await self.on_change()
+        await self.router.recheck_serving()
 
-    async def _remove_when_idle(self, replica: TargetClient) -> None:
+    async def _remove_when_idle(self, replica: Replica) -> None:
         while replica.outstanding:
             await asyncio.sleep(DRAIN_POLL_S)
         self._draining.pop(replica.url, None)
         self.router.remove(replica)
         log.info("target %s drained and removed (%d replica(s) left)", replica.url, len(self.router.replicas))
         await replica.close()
-        await self.on_change()
+        await self.router.recheck_serving()

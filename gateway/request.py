@@ -52,7 +52,7 @@ async def stream_chunks(req: ValidRequest, router: Router, tokenizer: TextTokeni
         span.end()
         raise
     observer = metrics.request()
-    ticket.on_resume = lambda why: _resumed(span, observer, len(ticket.generated), why)
+    ticket.watcher = _ResumeWatcher(span, observer)
     detok = tokenizer.detokenizer(req.prompt_ids)
     stop = StopStringMatcher(req.stop) if req.stop else None
     unmatched = sequence.min_tokens  # tokens whose text no stop string may end in (min_tokens)
@@ -127,10 +127,15 @@ def _request_span(req: ValidRequest):
                     "specstream.request_id": req.request_id, "gen_ai.usage.input_tokens": len(req.prompt_ids)})
 
 
-def _resumed(span, observer: RequestObserver, tokens: int, why: str) -> None:
-    """The request's replica was lost after `tokens` tokens; it continues on another one."""
-    observer.resumed()
-    span.add_event("resumed", {"specstream.reason": why, "specstream.tokens_before": tokens})
+class _ResumeWatcher:
+    """The ticket's `TicketWatcher` (gateway/ticket.py): each resume is a span event and a metric."""
+
+    def __init__(self, span, observer: RequestObserver) -> None:
+        self.span, self.observer = span, observer
+
+    def resumed(self, why: str, tokens_before: int) -> None:
+        self.observer.resumed()
+        self.span.add_event("resumed", {"specstream.reason": why, "specstream.tokens_before": tokens_before})
 
 
 def _finish_span(span, chunk: generation_pb2.GenerateStreamResponse, resumes: int) -> None:

@@ -30,6 +30,11 @@ more, everything queued fails with UNAVAILABLE: a request is lost only when no r
 **Membership.** Replicas may be added and removed while the gateway runs (gateway/membership.py
 re-resolves DNS); a removed replica must have nothing outstanding.
 
+**Owner.** The router is the `ReplicaOwner` (gateway/ticket.py) of every replica it is given: a
+replica calls `pump` when it may have room, `take_back` with what it hands back, and
+`recheck_serving` when its `routable` may have changed, which the router passes on to
+`on_serving_changed` (the gateway's health follows `serving`).
+
 Knows nothing about tokens, text, gRPC streams or protobuf.
 """
 
@@ -38,55 +43,33 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Sequence
 
-from gateway.ticket import Ticket
-from specstream.data.engine import Load, SequenceRequest
+from gateway.ticket import Replica, Ticket
+from specstream.data.engine import SequenceRequest
 from specstream.data.errors import OverloadedError, UnavailableError
 
 
-class Replica(Protocol):
-    """What the router reads and calls on a replica (`gateway.target_client.TargetClient`)."""
-
-    url: str
-    load: Load
-    sent_since_load: int
-    routed: int
-    on_capacity: Callable[[], None]
-    on_handback: Callable[[list[Ticket], str], None]
-
-    @property
-    def routable(self) -> bool: ...
-
-    @property
-    def outstanding(self) -> int: ...
-
-    def submit(self, ticket: Ticket) -> None: ...
-
-    def cancel(self, ticket: Ticket) -> bool: ...
-
-
 class Router:
+    """The `ReplicaOwner` of its replicas."""
+
     def __init__(self, replicas: Sequence[Replica], max_queue: int, backlog: int | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_serving_changed: Callable[[], Awaitable[None]] | None = None) -> None:
         assert replicas, "a router needs at least one replica"
         self.replicas = list(replicas)
         self.max_queue = max_queue
         self.backlog = backlog  # None: each replica's own max_slots
         self._clock = clock
+        self._on_serving_changed = on_serving_changed  # awaited whenever `serving` may have changed
         self._waiting: deque[Ticket] = deque()
         self._numbers = itertools.count()
         for replica in self.replicas:
-            self._hook(replica)
-
-    def _hook(self, replica: Replica) -> None:
-        replica.on_capacity = self.pump
-        replica.on_handback = self.take_back
+            replica.attach(self)
 
     def add(self, replica: Replica) -> None:
         """A new replica; it takes requests once it is routable."""
-        self._hook(replica)
+        replica.attach(self)
         self.replicas.append(replica)
         self.pump()
 
@@ -160,6 +143,12 @@ class Router:
             self._fail_waiting(f"no target replica is serving ({why})")
         else:
             self.pump()
+
+    async def recheck_serving(self) -> None:
+        """A replica's `routable` may have changed, or the set of replicas did: tells
+        `on_serving_changed`, which reads `serving`."""
+        if self._on_serving_changed is not None:
+            await self._on_serving_changed()
 
     def _choose(self) -> Replica | None:
         best, best_key = None, None

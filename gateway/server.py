@@ -2,7 +2,9 @@
 (gateway/http/) when `http_port` is set, both over one `Gateway` core (gateway/service.py).
 
 Thin: admission, validation and the request pipeline are the core's. Health is SERVING while at
-least one target replica is routable (connected, serving, not declared hung, not draining).
+least one target replica is routable (connected, serving, not declared hung, not draining): the
+router passes each change on (`Router(on_serving_changed=...)`), once the first replicas are all
+routable.
 Replicas come from the target entries, re-resolved every `target_resolve_interval_s`
 (gateway/membership.py); one added later must serve what the first ones serve (`check_joins`).
 Both fronts share the gRPC server's certificates and tokens (`ServiceServer.certificates`,
@@ -14,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -126,15 +127,13 @@ def _target_client(config: GatewayConfig, address: str) -> TargetClient:
                         stall=config.stall, security=config.target_security)
 
 
-def _follow_dns(config: GatewayConfig, router: Router, info: TargetInfo,
-                on_state: Callable[[], Awaitable[None]]) -> asyncio.Task[None] | None:
+def _follow_dns(config: GatewayConfig, router: Router, info: TargetInfo) -> asyncio.Task[None] | None:
     """Re-resolves the target entries every `target_resolve_interval_s` (None: never)."""
     if config.target_resolve_interval_s == 0:
         return None
 
     async def join(address: str) -> TargetClient:
         replica = _target_client(config, address)
-        replica.on_state = on_state
         try:
             await replica.start(timeout_s=config.connect_timeout_s)
             check_joins(info, replica)
@@ -143,8 +142,7 @@ def _follow_dns(config: GatewayConfig, router: Router, info: TargetInfo,
             raise
         return replica
 
-    membership = Membership(config.target_addresses, router, join, on_state,
-                            interval_s=config.target_resolve_interval_s)
+    membership = Membership(config.target_addresses, router, join, interval_s=config.target_resolve_interval_s)
     return asyncio.create_task(membership.run(), name="target-membership")
 
 
@@ -154,7 +152,19 @@ async def serve(config: GatewayConfig) -> None:
     replicas = [_target_client(config, a) for a in addresses]
     await asyncio.gather(*(r.start(timeout_s=config.connect_timeout_s) for r in replicas))
     info = common_info(replicas)
-    router = Router(replicas, max_queue=config.max_queue, backlog=config.replica_backlog)
+    # Health follows the replicas only once all the configured ones are routable (_wait_routable
+    # below): until then the gateway is NOT_SERVING, however many already are.
+    health_follows = False
+    health_lock = asyncio.Lock()
+
+    async def follow_replicas() -> None:  # NOT_SERVING while no replica can take requests
+        if not health_follows:
+            return
+        async with health_lock:  # reads the state inside, so concurrent changes end in the latest one
+            await server.set_serving(router.serving)
+
+    router = Router(replicas, max_queue=config.max_queue, backlog=config.replica_backlog,
+                    on_serving_changed=follow_replicas)
     metrics = GatewayMetrics()
     gateway = Gateway(config, router, info, tokenizer, metrics)
     metrics.watch_requests(in_flight=lambda: gateway.in_flight, queued=lambda: router.queued)
@@ -176,16 +186,9 @@ async def serve(config: GatewayConfig) -> None:
     if http is not None:
         await http.start()
     await _wait_routable(replicas, config.connect_timeout_s)
-    health_lock = asyncio.Lock()
-
-    async def follow_replicas() -> None:  # NOT_SERVING while no replica can take requests
-        async with health_lock:  # reads the state inside, so concurrent changes end in the latest one
-            await server.set_serving(router.serving)
-
-    for replica in replicas:
-        replica.on_state = follow_replicas
+    health_follows = True
     await follow_replicas()
-    resolving = _follow_dns(config, router, info, follow_replicas)
+    resolving = _follow_dns(config, router, info)
     log.info("gateway serving on %s%s -> %d target replica(s) %s (%s)", server.address,
              f" (HTTP on {http.address})" if http else "", len(replicas), ", ".join(addresses), info.model_name)
 

@@ -26,7 +26,10 @@ finish there, or move like the rest if the target ends them with UNAVAILABLE (it
 ran out). A *draining* replica (its address left DNS: gateway/membership.py) likewise gets
 nothing new and hands back what has not started, and finishes what has.
 
-Knows nothing about routing policy: the router sets `on_capacity` and `on_handback`.
+The client is a `Replica` (gateway/ticket.py) and reports to the `ReplicaOwner` it is attached to
+(the router) by name: `pump` when it may have room, `take_back` with the requests it hands back,
+`recheck_serving` when `routable` may have changed. Before it is attached (while it starts) there
+is nobody to tell and nothing of the owner's on it. Knows nothing about routing policy.
 """
 
 from __future__ import annotations
@@ -35,12 +38,12 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.ticket import Ticket
+from gateway.ticket import ReplicaOwner, Ticket
 from gateway.watchdog import StepWatchdog
 from specstream.data.batch_stats import BatchStats
 from specstream.data.config import ChannelSecurity, StallConfig
@@ -80,9 +83,7 @@ class TargetClient:
         self.connected = False  # the Connect stream is up: the target has answered on it
         self.serving = False  # the target reports SERVING on grpc.health.v1
         self.draining = False  # its address left DNS: finish what runs, take nothing new
-        self.on_capacity: Callable[[], None] = lambda: None  # the replica may have room now
-        self.on_handback: Callable[[list[Ticket], str], None] = lambda tickets, why: None  # route these elsewhere
-        self.on_state: Callable[[], Awaitable[None]] | None = None  # `routable` may have changed
+        self._owner: ReplicaOwner | None = None  # the router, once attached
         # Ids on the stream are ours, not the caller's: a cancelled request's late events can
         # never reach a new request that reuses its public id.
         self._ids = itertools.count(1)
@@ -96,6 +97,11 @@ class TargetClient:
     def outstanding(self) -> int:
         """The gateway's requests on this replica that have not finished."""
         return len(self._tickets)
+
+    def attach(self, owner: ReplicaOwner) -> None:
+        """From now on it tells `owner` of room, hand-backs and state changes."""
+        assert self._owner in (None, owner), f"{self.url} already reports to another owner"
+        self._owner = owner
 
     async def start(self, timeout_s: float) -> None:
         """Waits for the target to answer GetInfo, then keeps a Connect stream and a health watch
@@ -135,8 +141,8 @@ class TargetClient:
         if draining:
             self._take_back_unstarted(f"target {self.url} is draining")
         else:
-            self.on_capacity()
-        await self._notify_state()
+            self._room_freed()
+        await self._routable_changed()
 
     def _track(self, stream_id: str, ticket: Ticket) -> None:
         if not self._tickets:
@@ -163,7 +169,7 @@ class TargetClient:
             if self.connected:
                 log.warning("target %s stream lost (%s); retrying every %.1fs", self.url, why, self.retry_s)
             self._lose(f"target {self.url} connection lost ({why})")
-            await self._notify_state()
+            await self._routable_changed()
             await asyncio.sleep(self.retry_s * min(2 ** self._stalls_in_a_row, MAX_STALL_BACKOFF))
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> str:
@@ -175,7 +181,7 @@ class TargetClient:
                 if not self.connected:
                     self.connected = True
                     self._on_message(message)
-                    await self._notify_state()
+                    await self._routable_changed()
                 else:
                     self._on_message(message)
             return "stream ended"
@@ -225,7 +231,7 @@ class TargetClient:
                 self._move([ticket], f"target {self.url}: {event.error}")
                 continue
             ticket.deliver(event)
-        self.on_capacity()
+        self._room_freed()
 
     def _lose(self, why: str) -> None:
         """The stream is gone (the target cancels everything it had from it): every request goes
@@ -270,7 +276,7 @@ class TargetClient:
         self._stalls_in_a_row += 1
         call, self._call = self._call, None
         self._lose(f"target {self.url} hung (nothing for {silence:.1f}s, deadline {deadline:.1f}s)")
-        call.cancel()  # its reader then notifies `on_state` and reconnects
+        call.cancel()  # its reader then tells the owner `routable` changed, and reconnects
         return True
 
     # ----- health ------------------------------------------------------------------------------
@@ -292,11 +298,11 @@ class TargetClient:
             return
         self.serving = serving
         if serving:
-            self.on_capacity()
+            self._room_freed()
         else:
             log.info("target %s is not serving; moving its unstarted requests elsewhere", self.url)
             self._take_back_unstarted(f"target {self.url} is not serving")
-        await self._notify_state()
+        await self._routable_changed()
 
     def _take_back_unstarted(self, why: str) -> None:
         """Cancels every request that has not started here and hands it back. An event already on
@@ -312,11 +318,19 @@ class TargetClient:
             ticket.replica = None
             ticket.dispatched_at = None
         self.requeued += unstarted
-        self.on_handback(tickets, why)
+        if self._owner is not None:
+            self._owner.take_back(tickets, why)
+        else:
+            assert not tickets, f"{self.url} holds requests but reports to nobody"
 
-    async def _notify_state(self) -> None:
-        if self.on_state is not None:
-            await self.on_state()
+    # ----- telling the owner -------------------------------------------------------------------
+    def _room_freed(self) -> None:
+        if self._owner is not None:
+            self._owner.pump()
+
+    async def _routable_changed(self) -> None:
+        if self._owner is not None:
+            await self._owner.recheck_serving()
 
     async def close(self) -> None:
         for task in self._tasks:

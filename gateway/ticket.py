@@ -1,31 +1,95 @@
-"""A request's place in the gateway from admission to its last event.
+"""A request's place in the gateway from admission to its last event, and the two sides it moves
+between: the `Replica` it is sent to and the `ReplicaOwner` (the router) a replica hands it back to.
 
 The request pipeline reads the ticket's `events`; the router and the replica it is sent to write
 them. The queue stays the same when the router moves the request to another replica — before it
 started there, or after (its *continuation*, gateway/resume.py, picks up after the tokens already
 received) — so a move is invisible to the reader: the events read as one sequence's, with stats
-counting every attempt. Requests and events are the engine's plain messages
-(specstream/data/engine.py). Knows nothing about routing policy, gRPC streams or protobuf.
+counting every attempt; the reader hears of each resume through its `TicketWatcher`. Requests and
+events are the engine's plain messages (specstream/data/engine.py).
+
+**Losing a replica**, as named calls: the replica (gateway/target_client.py's TargetClient) is
+attached to its owner once (`Replica.attach`), and then tells it `pump` when it may have room,
+`take_back` with the requests it can no longer run (the started ones resumed first, `Ticket.resume`,
+which tells the ticket's watcher `resumed`), and `recheck_serving` when its `routable` may have
+changed. The protocols are declared here, beside the ticket, because each names the other: the
+ticket records its replica, and a replica takes and hands back tickets.
+
+Knows nothing about routing policy, gRPC streams or protobuf.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from gateway.resume import continuation, merge_stats
-from specstream.data.engine import SequenceEvent, SequenceRequest, SequenceStats
+from specstream.data.engine import Load, SequenceEvent, SequenceRequest, SequenceStats
 from specstream.data.errors import SpecstreamError
 
 
+class ReplicaOwner(Protocol):
+    """Who a replica reports to (gateway/router.py's Router). A replica calls these from its own
+    stream, health and watchdog tasks and from `drain`, never from inside the owner's own calls to
+    it (`submit`, `cancel`): the owner is never re-entered."""
+
+    def pump(self) -> None:
+        """The replica may have room now (a request finished or was cancelled, a Load report came,
+        it serves again or stopped draining): send what waits while some replica has room."""
+
+    def take_back(self, tickets: list[Ticket], why: str) -> None:
+        """Requests the replica can no longer run (`why`: what happened to it), each either not
+        started or already resumed (asking for its continuation), and none of them on the replica
+        any more: send them elsewhere. Also called with none when the replica stops taking new
+        requests, since what waits may then have nowhere left to go."""
+
+    async def recheck_serving(self) -> None:
+        """The replica's `routable` may have changed (its stream came up or went down, its health
+        or draining changed): whether any replica is routable may have."""
+
+
 class Replica(Protocol):
-    """Where a ticket was sent (gateway/target_client.py's TargetClient): the router cancels it there."""
+    """A target replica as the router, the membership and tickets use it (gateway/target_client.py's
+    TargetClient; tests play it with the same class, its stream never opened). Until `attach` it
+    reports to nobody."""
+
+    url: str  # its address, as configured or resolved
+    load: Load  # its latest Load report (no room while it reports none)
+    sent_since_load: int  # requests submitted after `load` arrived, which it cannot count yet
+    routed: int  # requests ever sent here
+
+    @property
+    def routable(self) -> bool:
+        """New requests may go here."""
+
+    @property
+    def outstanding(self) -> int:
+        """The gateway's requests on this replica that have not finished."""
+
+    def attach(self, owner: ReplicaOwner) -> None:
+        """From now on it tells `owner` of room, hand-backs and state changes (once, by its router)."""
+
+    def submit(self, ticket: Ticket) -> None:
+        """Runs the ticket's request here (it becomes the ticket's `replica`); only while `routable`."""
 
     def cancel(self, ticket: Ticket) -> bool:
         """Cancels the ticket's sequence if the replica still holds it; whether it did."""
+
+    async def drain(self, draining: bool = True) -> None:
+        """Takes nothing new and hands back what has not started (True), or takes requests again."""
+
+    async def close(self) -> None:
+        """Stops its tasks and closes its connection."""
+
+
+class TicketWatcher(Protocol):
+    """Hears of a ticket's moves (the request pipeline, gateway/request.py: its trace and metrics)."""
+
+    def resumed(self, why: str, tokens_before: int) -> None:
+        """The ticket's replica was lost (`why`) after `tokens_before` tokens had arrived; it
+        continues on another one."""
 
 
 @dataclass(eq=False)
@@ -42,8 +106,7 @@ class Ticket:
     done: bool = False  # its last event is out (finished, failed or cancelled)
     generated: list[int] = field(default_factory=list)  # token ids received so far, on every replica
     resumes: int = 0  # times it was moved after it had started
-    # Called with the reason each time it is resumed (the request pipeline's trace and metrics).
-    on_resume: Callable[[str], None] = lambda why: None
+    watcher: TicketWatcher | None = None  # told of each resume (the request pipeline's trace and metrics)
     # The admitted request (`request` as it was admitted).
     original: SequenceRequest = field(init=False)
     # Speculation stats (cumulative) of the attempts on replicas that were lost, and of the current one.
@@ -90,7 +153,8 @@ class Ticket:
             return False
         self.request = continuation(self.original, self.generated)
         self.resumes += 1
-        self.on_resume(why)
+        if self.watcher is not None:
+            self.watcher.resumed(why, tokens_before=len(self.generated))
         return True
 
     def fail(self, error: SpecstreamError) -> None:

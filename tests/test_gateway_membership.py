@@ -30,8 +30,8 @@ class Scenario:
         self.started: list[str] = []
         self.closed: list[str] = []
         self.changes = 0
-        self.router = Router([self._replica(f"{ip}:7") for ip in ips], max_queue=10)
-        self.membership = Membership(["dns:///targets:7"], self.router, self._make, self._changed, interval_s=60,
+        self.router = Router([self._replica(f"{ip}:7") for ip in ips], max_queue=10, on_serving_changed=self._changed)
+        self.membership = Membership(["dns:///targets:7"], self.router, self._make, interval_s=60,
                                      getaddrinfo=self._resolve)
 
     def _resolve(self, *args, **kwargs):
