@@ -26,7 +26,7 @@ from specstream.data.config import GatewayConfig
 from specstream.data.engine import SequenceRequest, TargetInfo
 from specstream.data.engine_wire import speculation_from_pb
 from specstream.data.errors import InvalidArgumentError
-from specstream.data.request_rules import RequestLimits, check_request
+from specstream.data.request_rules import RequestLimits, check_request, check_stop_ids
 from specstream.data.sampling import SamplingParams
 from specstream.text.chat import ChatError
 from specstream.text.tokenizer import TextTokenizer
@@ -135,6 +135,8 @@ def _stop_ids(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: Te
     """The request's stop ids and, unless ignore_eos, the EOS ids (the target's and the
     tokenizer's, and a chat's end of turn) among them: what ends generation, and what of it
     reports as "eos"."""
+    # Checked as written before the EOS ids join them, so an error's index is the client's.
+    check_stop_ids(req.stop_token_ids, limits.request)
     eos = set(limits.eos_token_ids) | set(tokenizer.eos_token_ids)
     # A template whose end of turn is not one token (rare) ends on EOS only.
     if chat and tokenizer.end_of_turn_id is not None:

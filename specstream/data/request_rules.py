@@ -48,7 +48,7 @@ def check_request(req: SequenceRequest, limits: RequestLimits, prompt_field: str
     check_prompt(req.prompt_token_ids, limits, prompt_field)
     check_budget(req.max_new_tokens, len(req.prompt_token_ids), limits)
     check_min_tokens(req.min_tokens, req.max_new_tokens)
-    check_stop_ids(req.stop_token_ids, limits)
+    check_stop_ids(sorted(req.stop_token_ids), limits)
     check_speculation(req.speculation, limits)
     check_logprobs(req.logprobs, limits)
     if req.beam is not None:
@@ -87,7 +87,8 @@ def check_min_tokens(min_tokens: int, max_new_tokens: int) -> None:
 
 
 def check_stop_ids(ids: Iterable[int], limits: RequestLimits) -> None:
-    for i, token in enumerate(sorted(ids)):
+    """Every id in the vocabulary; the index in the message counts ``ids`` as given."""
+    for i, token in enumerate(ids):
         if not 0 <= token < limits.vocab_size:
             raise InvalidArgumentError(f"stop_token_ids[{i}]", token, f"token id must be < vocab size {limits.vocab_size}")
 
