@@ -1,4 +1,4 @@
-"""The target engine loop (design §3): admit → propose → verify → accept → commit → emit.
+"""The target engine loop (docs/architecture.md §4): admit → propose → verify → accept → commit → emit.
 
 Every running sequence advances once per step: the draft service proposes up to γ tokens per
 sequence, ONE target forward scores all of them (rows of different lengths and γ side by side),
@@ -107,9 +107,8 @@ class Engine:
                 self.controller.observe_verify_timing(positions, seconds)
             extra = self._compute.submit(sampled_verify_extra, model, self.cache).result() if samples else 0.0
             self.controller.observe_sampled_timing(extra)
-            log.info("timed %d verify shapes (1..%d positions) and a sampling row's verification (+%.2f ms) "
-                     "in %.2f s for the γ controller", len(samples), max((p for p, _ in samples), default=0),
-                     extra * 1e3, time.perf_counter() - started)
+            log.info("timed %d verify shapes and a sampling row's verification (+%.2f ms) in %.2f s for the γ "
+                     "controller", len(samples), extra * 1e3, time.perf_counter() - started)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.by_request: dict[tuple[Connection, str], Sequence] = {}
@@ -427,14 +426,12 @@ class Engine:
         goes on, nothing waits to be admitted or cancelled, no beam runs: anything else would change
         its rows). A draft in this process (``LocalDraft``) is never asked early: it runs on the
         engine's own torch thread, so nothing would overlap (measured slower: docs/benchmarks.md)."""
-        return (self.config.draft_early and self.drafting.asks_early and not beams
-                and not self.waiting
-                and not self._cancels and len(rows) == len(self.running)
-                and all(s.finish_reason is None for s in rows))
+        return (self.config.draft_early and self.drafting.asks_early and not beams and not self.waiting
+                and not self._cancels and len(rows) == len(self.running) and all(s.finish_reason is None for s in rows))
 
     def _verify_compute(self, rows: list[Sequence], checks: list[VerifyRow], beams: list[Sequence]
                         ) -> tuple[list[Verdict], list[tuple[torch.Tensor, torch.Tensor]]]:
-        """ONE forward over every row's [last token, proposals...] (design §3) and every running
+        """ONE forward over every row's [last token, proposals...] (docs/architecture.md §4) and every running
         beam hypothesis' last token, then verification, and each beam's best candidates."""
         began_call = time.perf_counter()
         try:
