@@ -4,7 +4,7 @@ processes on the default model pair (SmolLM2-135M-Instruct + its draft), with th
 
 Checked: completions and chat, unary and streamed (deltas concatenate to the unary text, usage
 and the speculative-decoding metrics right), greedy through HTTP equals greedy through gRPC and
-plain target decoding token for token, bad input -> 400 naming `param`, unknown model -> 404,
+plain target decoding token for token (and so under `min_tokens`), bad input -> 400 naming `param`, unknown model -> 404,
 overload -> 429 with Retry-After, a disconnected client's sequences cancelled on the target, the
 server carrying on after all of it, and the caller's `traceparent` header as the root of one
 trace across the three services.
@@ -140,6 +140,29 @@ def test_greedy_through_http_equals_greedy_through_grpc_and_plain_decoding(stack
             assert http.choices[0].model_extra["token_ids"] == plain.token_ids
             assert http.choices[0].message.content == plain.text
             assert http.usage.prompt_tokens == plain.usage.prompt_tokens  # the same chat template
+
+
+def test_min_tokens_through_http_and_grpc_with_speculation_equals_plain_decoding(stack, client) -> None:
+    """A reply that ends on its end of turn early, asked again with min_tokens past that end: the
+    end of turn is masked until then, through the openai client and the SDK, speculative and plain
+    alike, token for token."""
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    with Client(stack.gateway_address, timeout=300) as grpc_client:
+        free = grpc_client.chat(messages, max_new_tokens=64, speculation="off")
+        assert free.finish_reason == "eos" and free.usage.completion_tokens < 40, free
+        floor = free.usage.completion_tokens + 8
+        plain = grpc_client.chat(messages, max_new_tokens=64, min_tokens=floor, speculation="off")
+        grpc_auto = grpc_client.chat(messages, max_new_tokens=64, min_tokens=floor)
+    http = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=64, temperature=0,
+                                          extra_body={"min_tokens": floor, "speculation": 4,
+                                                      "return_token_ids": True})
+    assert plain.usage.completion_tokens >= floor
+    # Up to the end of turn the masked reply is the free one; after it, something else.
+    shared = free.usage.completion_tokens - 1
+    assert plain.token_ids[:shared] == free.token_ids[:shared] and plain.token_ids != free.token_ids
+    assert grpc_auto.token_ids == plain.token_ids == http.choices[0].model_extra["token_ids"]
+    assert http.choices[0].message.content == plain.text
+    assert http.usage.completion_tokens == plain.usage.completion_tokens
 
 
 def test_bad_input_gets_openai_errors_and_the_server_carries_on(stack, client) -> None:
