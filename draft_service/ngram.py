@@ -86,16 +86,12 @@ class NgramIndex:
             assert not self._undo and not self._latest
         del self.tokens[length:]
 
-    def lookup(self, gamma: int) -> list[int]:
-        """Up to `gamma` guesses after the latest earlier occurrence of the longest suffix that
-        has one (module docstring); [] when none has."""
-        return self.proposal(gamma, 0)[0]
-
     def proposal(self, gamma: int, branches: int) -> tuple[list[int], list[int]]:
-        """(tokens, parents): ``lookup``'s chain, then up to ``branches`` other first guesses as
-        children of the root: the token after the latest earlier occurrence of each shorter suffix
-        (longest first) where it differs from the chain's first and the branches before it
-        (parents empty when there are none)."""
+        """(tokens, parents): the chain, up to `gamma` guesses after the latest earlier occurrence of
+        the longest suffix that has one (module docstring; none when none has), then up to
+        ``branches`` other first guesses as children of the root: the token after the latest earlier
+        occurrence of each shorter suffix (longest first) where it differs from the chain's first and
+        the branches before it (parents empty when there are none)."""
         size = len(self.tokens)
         suffixes = range(min(self.max_n, size - 1), self.min_n - 1, -1)
         match = next(((n, start) for n in suffixes if (start := self._latest.get(tuple(self.tokens[size - n:])))

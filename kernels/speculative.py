@@ -115,39 +115,6 @@ def _normalise(q_probs: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, q / total.clamp(min=1e-300), q)
 
 
-def speculative_verify_reference(p, q_ids, q_probs, draft, num_draft, u_accept, keys):
-    """Algorithm 1 written out row by row and token by token; `speculative_verify` must match it
-    token for token given the same uniforms and keys."""
-    assert u_accept.dtype == torch.float64, "uniforms must be float64"
-    batch, positions, vocab = p.shape
-    q = torch.zeros(batch, max(positions - 1, 0), vocab, dtype=torch.float64, device=p.device)  # [B, G, V]
-    if positions > 1:
-        q.scatter_add_(2, q_ids.long(), _normalise(q_probs))
-    p = p.double()
-    accepted, emitted = [], []
-    for b in range(batch):
-        n = int(num_draft[b])
-        k = 0
-        while k < n:
-            x = int(draft[b, k])
-            p_x, q_x = float(p[b, k, x]), float(q[b, k, x])
-            if q_x <= 0.0:  # q rules its own proposal out: verify it as a point mass
-                q[b, k] = 0.0
-                q[b, k, x] = q_x = 1.0
-            if float(u_accept[b, k]) * q_x < p_x:
-                k += 1
-                continue
-            break
-        if k < n:
-            residual = (p[b, k] - q[b, k]).clamp(min=0.0)  # [V]
-            dist = residual if float(residual.sum()) > _EMPTY_RESIDUAL else p[b, k]
-        else:
-            dist = p[b, n]  # every proposal accepted: the bonus token from p_{γ+1}
-        accepted.append(k)
-        emitted.append(int(race(dist[None], keys[b, k : k + 1])[0]))
-    return torch.tensor(accepted, dtype=torch.int64), torch.tensor(emitted, dtype=torch.int64)
-
-
 def speculative_verify_fused(target: Scores, q_ids: torch.Tensor, q_probs: torch.Tensor, draft: torch.Tensor,
                              num_draft: torch.Tensor, temperature: torch.Tensor, threshold: torch.Tensor,
                              keys: torch.Tensor, u_accept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

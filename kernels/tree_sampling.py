@@ -33,8 +33,8 @@ one row, as a chain does.
 Randomness: one acceptance uniform per child (float64, as in kernels/speculative.py) and one race
 key per node for the token drawn there when no child is accepted; the caller keys both
 (target_service/settle.py). The torch path is the only one: trees run where the target's forward
-is the native CPU one (target_service/engine.py). ``tree_speculative_verify_reference`` walks the
-tree as the algorithm reads, node by node with Python floats; the two agree token for token.
+is the native CPU one (target_service/engine.py). The tests' oracle (tests/support/verify_oracle.py)
+walks the tree as the algorithm reads, node by node with Python floats; the two agree token for token.
 """
 
 from __future__ import annotations
@@ -105,39 +105,3 @@ def _support(ids: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torc
     support, inverse = torch.unique(ids.long()[mass], return_inverse=True)
     q = torch.zeros(support.numel(), dtype=torch.float64, device=probs.device).scatter_add_(0, inverse, probs[mass])
     return support, q / q.sum().clamp(min=1e-300)
-
-
-def tree_speculative_verify_reference(p: torch.Tensor, tokens: list[int], parents: list[int], q_ids: torch.Tensor,
-                                      q_probs: torch.Tensor, u_accept: torch.Tensor, keys: torch.Tensor
-                                      ) -> tuple[list[int], list[int]]:
-    """The algorithm walked node by node (module docstring): (the kept path's nodes, the tokens
-    emitted). ``tree_speculative_verify`` must give the same tokens along the same path."""
-    children: list[list[int]] = [[] for _ in range(p.shape[0])]
-    for i, parent in enumerate(parents):
-        children[parent].append(i)
-    q = _dense_q(q_ids, q_probs, p.shape[-1])
-    path, emitted, node = [], [], 0
-    while True:
-        p_i, q_i = p[node].double().clone(), q[children[node][0]].clone() if children[node] else None
-        for i in children[node]:
-            x = tokens[i]
-            if float(u_accept[i]) * float(q_i[x]) < float(p_i[x]):
-                path.append(i + 1)
-                emitted.append(x)
-                node = i + 1
-                break
-            residual = (p_i - q_i).clamp(min=0.0)
-            if float(residual.sum()) > _EMPTY_RESIDUAL:
-                p_i = residual / residual.sum()
-            q_i[x] = 0.0
-            q_i = q_i / max(float(q_i.sum()), 1e-300)
-        else:
-            emitted.append(int(race(p_i[None], keys[node : node + 1])[0]))
-            return path, emitted
-
-
-def _dense_q(q_ids: torch.Tensor, q_probs: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[N, V] float64: each sparse q row scattered and normalised to what the draft sampled from."""
-    q = q_probs.double()
-    q = q / q.sum(dim=-1, keepdim=True).clamp(min=1e-300)
-    return torch.zeros(q.shape[0], vocab, dtype=torch.float64, device=q.device).scatter_add_(1, q_ids.long(), q)

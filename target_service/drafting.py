@@ -35,7 +35,6 @@ from typing import Protocol
 
 from specstream.data.propose import NO_ACCEPTANCE, Proposal, ProposeItem, chain_length, features_expected
 from specstream.data.sampling import GREEDY
-from specstream.serving import metrics
 from target_service import tracing
 from target_service.gamma import GammaController, RowView
 from target_service.sequence import Sequence
@@ -43,7 +42,7 @@ from target_service.settle import Verdict, VerifyRow
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MALFORMED_CAUSES", "DraftSource", "Drafting", "feature_refusal", "malformed"]
+__all__ = ["DraftSource", "Drafting", "feature_refusal", "malformed"]
 
 _TIMING_KEY = 0  # the start-up timing's sequence: the engine numbers requests' sequences from 1
 # A feature draft's features per propose call, at most: far below the gRPC message limit (64 MiB),
@@ -142,8 +141,6 @@ def feature_refusal(layers: list[int] | tuple[int, ...], width: int, target_laye
     return ""
 
 
-# Why a draft's reply is refused for its row (``malformed``), as metrics label them.
-MALFORMED_CAUSES = metrics.MALFORMED_CAUSES
 _Q_SUM_TOLERANCE = 1e-3  # a q row's probabilities sum to 1 within this (float32 rounding of a softmax)
 
 

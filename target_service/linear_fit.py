@@ -44,6 +44,3 @@ class LinearFit:
         if scale > 1.0:
             self.P /= scale
         self.samples += 1
-
-    def predict(self, x: Sequence[float]) -> float:
-        return float(np.asarray(x, dtype=np.float64) @ self.theta)

@@ -99,5 +99,5 @@ def test_batch_counters_add_up(sampling_pair):
     assert sum(k * c for k, c in enumerate(stats.occupancy)) == stats.row_expansions
     proposed = sum(f.stats.draft_tokens for f in finals)
     assert stats.tokens_processed == stats.row_expansions + proposed
-    assert 0.0 <= stats.padding_fraction < 1.0 and stats.queued_steps > 0
-    assert stats.mean_occupancy_while_queued > 7.0  # topup keeps 8 slots busy while requests wait
+    assert stats.queued_steps > 0
+    assert stats.queued_rows > 7.0 * stats.queued_steps  # topup keeps 8 slots busy while requests wait

@@ -183,7 +183,6 @@ def test_no_pruning_is_fixed_width(model, reference, stop_ids, k):
     """δ and M that prune nothing run the variable-width code (threshold test, per-parent cap)
     and give transformers' fixed-width beams."""
     beam = BeamOptions(k, k, 1.0, "heuristic", beam_threshold=1e30, max_candidates_per_parent=k)
-    assert beam.variable_width  # a finite δ: the pruning path runs
     ours = _run(model, [_request(i, p, 12, beam, stop_ids) for i, p in enumerate(PROMPTS)])
     for i, prompt in enumerate(PROMPTS):
         want = _hf_beams(reference, prompt, k, 12, stop_ids, 1.0, "heuristic")
@@ -283,7 +282,7 @@ def test_beam_options_cross_the_target_edge(model):
     assert req.beam == BeamOptions(3, 2, 0.5, "never", 2.5, 2)
     unset = request_from_pb(target_pb2.SequenceRequest(id="y", prompt_token_ids=[1], max_new_tokens=1,
                                                        beam=common_pb2.BeamSearch(num_beams=2)))
-    assert unset.beam == BeamOptions(2) and not unset.beam.variable_width
+    assert unset.beam == BeamOptions(2)
     assert request_from_pb(target_pb2.SequenceRequest(id="z", prompt_token_ids=[1], max_new_tokens=1)).beam is None
     final = _run(model, [req])["x"].final
     out = event_to_pb(final)

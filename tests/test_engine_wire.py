@@ -181,7 +181,6 @@ def test_a_load_crosses_the_wire_with_every_batch_counter() -> None:
     back = load_from_pb(_through_bytes(load_to_pb(LOAD)))
     assert back == LOAD
     assert back.batch.occupancy == [0, 0, 0, 1, 1] and back.batch.padded_tokens == 3 * 5 - 12 + 4 * 2 - 8
-    assert back.batch.mean_occupancy == LOAD.batch.mean_occupancy == 3.5
 
 
 def test_the_targets_info_crosses_the_wire_with_or_without_its_load() -> None:

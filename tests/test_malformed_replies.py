@@ -22,7 +22,8 @@ from specstream.data.engine import SequenceRequest
 from specstream.data.propose import Proposal, ProposeItem
 from specstream.data.sampling import SamplingParams
 from specstream.models.loader import load_model
-from target_service.drafting import MALFORMED_CAUSES, malformed
+from specstream.serving.metrics import MALFORMED_CAUSES
+from target_service.drafting import malformed
 from target_service.engine import Engine
 from target_service.inprocess import run_requests
 from target_service.local_draft import LocalDraft

@@ -19,6 +19,7 @@ from collections import Counter
 import pytest
 import torch
 from tests.support.chi_square import goodness_of_fit_p_value
+from tests.support.verify_oracle import speculative_verify_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +27,7 @@ from kernels.processing import process_logits, truncate
 import kernels.random as random_ops
 from kernels import native
 from kernels.random import ACCEPT, RESIDUAL, SAMPLE, gumbel, race, row_keys, uniform, uniform_table, uniforms
-from kernels.speculative import _normalise, speculative_accept, speculative_verify, speculative_verify_reference
+from kernels.speculative import _normalise, speculative_accept, speculative_verify
 from specstream.data.sampling import SamplingParams
 
 THRESHOLD = 1e-3

@@ -120,7 +120,7 @@ class _PointMassProposer:
 def _verify_with_wrong_residual(p, q_ids, q_probs, draft, num_draft, u_accept, keys):
     """A classic bug: after a rejection, sample from p instead of norm(max(0, p - q))."""
     from kernels.random import race
-    from kernels.speculative import speculative_verify_reference
+    from tests.support.verify_oracle import speculative_verify_reference
     accepted, _ = speculative_verify_reference(p, q_ids, q_probs, draft, num_draft, u_accept, keys)
     rows = torch.arange(p.shape[0])
     return accepted, race(p.double()[rows, accepted], keys[rows, accepted])

@@ -31,7 +31,7 @@ from specstream.data.errors import PermissionDeniedError, UnauthenticatedError
 from specstream.serving.auth import TokenSet, read_tokens
 from specstream.serving.channels import open_blocking_channel, open_channel
 from specstream.serving.grpc_server import ServiceServer
-from tools.certs import serial_of
+from tests.support.pki import serial_of
 from specstream_pb import generation_pb2, generation_pb2_grpc
 
 SERVICE = "specstream.v1.Generation"

@@ -60,7 +60,6 @@ def test_every_beam_field_crosses_the_edge() -> None:
     req = request_from_pb(_through_bytes(_sequence_pb(beam)))
     assert req.beam == BeamOptions(num_beams=6, num_return_sequences=4, length_penalty=-0.5, early_stopping="never",
                                    beam_threshold=2.25, max_candidates_per_parent=3)
-    assert req.beam.variable_width
     assert (req.id, req.prompt_token_ids, req.max_new_tokens, req.speculation.mode) == ("s1", [5, 6, 7], 9, "off")
 
 
@@ -68,7 +67,6 @@ def test_unset_beam_fields_take_the_wire_defaults() -> None:
     req = request_from_pb(_through_bytes(_sequence_pb(common_pb2.BeamSearch(num_beams=3))))
     assert req.beam == BeamOptions(num_beams=3, num_return_sequences=1, length_penalty=1.0,
                                    early_stopping="heuristic", beam_threshold=math.inf, max_candidates_per_parent=0)
-    assert not req.beam.variable_width  # fixed width: transformers' beam search
     # A length_penalty set to 0 is 0 (no normalisation), not "unset".
     zero = request_from_pb(_sequence_pb(common_pb2.BeamSearch(num_beams=3, length_penalty=0.0)))
     assert zero.beam is not None and zero.beam.length_penalty == 0.0

@@ -19,9 +19,10 @@ from collections import Counter
 import pytest
 import torch
 from tests.support.chi_square import goodness_of_fit_p_value
+from tests.support.verify_oracle import tree_speculative_verify_reference
 
 from kernels.random import SAMPLE, gumbel, race, row_keys
-from kernels.tree_sampling import tree_speculative_verify, tree_speculative_verify_reference
+from kernels.tree_sampling import tree_speculative_verify
 from specstream.data.sampling import SamplingParams
 from target_service.settle import VerifyRow, settle, tree_path
 

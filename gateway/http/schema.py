@@ -12,7 +12,7 @@ instead of silently changing what the model would have produced.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
@@ -92,6 +92,3 @@ class ChatCompletionRequest(_Common):
     tool_choice: Any = None  # only "none"
     response_format: dict[str, Any] | None = None  # only {"type": "text"}
     parallel_tool_calls: bool | None = None  # accepted and ignored (no tools)
-
-
-Endpoint = Literal["completions", "chat"]

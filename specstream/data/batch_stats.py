@@ -41,19 +41,6 @@ class BatchStats:
         self.admitted += 1
         self.queue_seconds += queue_seconds
 
-    @property
-    def mean_occupancy(self) -> float:
-        return self.row_expansions / self.steps if self.steps else 0.0
-
-    @property
-    def mean_occupancy_while_queued(self) -> float:
-        return self.queued_rows / self.queued_steps if self.queued_steps else 0.0
-
-    @property
-    def padding_fraction(self) -> float:
-        total = self.tokens_processed + self.padded_tokens
-        return self.padded_tokens / total if total else 0.0
-
     def snapshot(self) -> BatchStats:
         """A copy that later steps do not change."""
         copy = _copy.copy(self)

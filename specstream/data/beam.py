@@ -56,10 +56,6 @@ class BeamOptions:
             raise InvalidArgumentError("beam.max_candidates_per_parent", self.max_candidates_per_parent,
                                        f"must be in 0..num_beams ({self.num_beams}); 0 = num_beams")
 
-    @property
-    def variable_width(self) -> bool:
-        return self.beam_threshold != math.inf or 0 < self.max_candidates_per_parent < self.num_beams
-
     @classmethod
     def from_pb(cls, pb) -> BeamOptions:
         """A `BeamSearch` message -> options: unset length_penalty is 1, unset beam_threshold

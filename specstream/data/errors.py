@@ -102,8 +102,8 @@ def from_status(code: grpc.StatusCode, message: str) -> SpecstreamError:
     Only the code and the text cross the wire, not the values that made the text: a rebuilt
     InvalidArgumentError or AlreadyExistsError has `field` and `value` None (its message still
     names them) and, for the former, the whole message as `reason`."""
-    cls = _CLASS_OF.get(code)
-    if cls is None:
+    cls = error_class(code)
+    if cls is RemoteError:
         return RemoteError(code, message)
     error = cls.__new__(cls)  # not cls(...): those two classes build their message from the values
     Exception.__init__(error, message)

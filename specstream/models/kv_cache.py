@@ -196,6 +196,3 @@ class KVCache:
                 self.v[layer][dst, :, :n].copy_(self.v[layer][src, :, :n])
         self._set_sources(dst, None)
         self._lengths[dst] = n
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)

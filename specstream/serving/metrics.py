@@ -38,8 +38,8 @@ FINISH_REASONS = ("length", "stop", "eos")
 # The parts of a decode pass (TargetMetrics.pass_seconds): the target's compute call, waiting for
 # the draft, and the engine's host work around them.
 PASS_PARTS = ("target", "draft", "host")
-# Why a draft's reply is refused for its row (target_service/drafting.py's MALFORMED_CAUSES, which
-# this module cannot import: the gateway imports it without the target's code).
+# Why a draft's reply is refused for its row (target_service/drafting.py's `malformed`), kept here
+# rather than there: the gateway imports this module without the target's code.
 MALFORMED_CAUSES = ("seq_id", "tokens", "token_id", "length", "q", "tree")
 
 

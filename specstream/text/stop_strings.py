@@ -45,20 +45,6 @@ class StopStringMatcher:
         )
         self._held = ""
         self._matched = False
-        self._matched_stop: str | None = None
-
-    @property
-    def stops(self) -> tuple[str, ...]:
-        return self._stops
-
-    @property
-    def matched(self) -> bool:
-        return self._matched
-
-    @property
-    def matched_stop(self) -> str | None:
-        """The stop string that matched, or None."""
-        return self._matched_stop
 
     @property
     def held(self) -> str:
@@ -79,17 +65,15 @@ class StopStringMatcher:
         # found here ends inside the new text.
         best_end = -1
         best_start = -1
-        best_stop = ""
         for s in self._stops:
             start = buf.find(s)
             if start < 0:
                 continue
             end = start + len(s)
             if best_end < 0 or end < best_end or (end == best_end and start < best_start):
-                best_end, best_start, best_stop = end, start, s
+                best_end, best_start = end, start
         if best_end >= 0:
             self._matched = True
-            self._matched_stop = best_stop
             self._held = ""
             return buf[:best_start], True
         keep = self._held_suffix_len(buf)

@@ -31,7 +31,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specstream.data.config import ChannelSecurity
 from specstream.serving.channels import open_blocking_channel
-from tools.certs import issue, make_authority, serial_of, write_file
+from tests.support.pki import serial_of
+from tools.certs import issue, make_authority, write_file
 from tools.launcher import StackSecurity, free_port, wait_healthy
 from specstream_client import AsyncClient, Client, PermissionDenied, Unauthenticated, Unavailable
 from specstream_pb import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc

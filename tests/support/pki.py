@@ -37,3 +37,12 @@ class Pki:
         write_file(out / f"{stem}.crt", cert)
         write_file(out / f"{stem}.key", key, private=True)
         return str(out / f"{stem}.crt"), str(out / f"{stem}.key")
+
+
+def serial_of(cert_pem: bytes) -> int:
+    """A PEM certificate's serial number (DER works too: what `getpeercert(binary_form=True)` gives)."""
+    from cryptography import x509
+
+    if cert_pem.lstrip().startswith(b"-----"):
+        return x509.load_pem_x509_certificate(cert_pem).serial_number
+    return x509.load_der_x509_certificate(cert_pem).serial_number
