@@ -1,4 +1,4 @@
-"""Everything the target engine does with a draft (design §3, §6): deciding how many tokens each
+"""Everything the target engine does with a draft (docs/architecture.md §4 and §4.1): deciding how many tokens each
 row asks for, keeping the draft's copy of each sequence in sync, building the propose items,
 checking the replies, and releasing sequences that ended.
 

@@ -1,4 +1,4 @@
-"""Per-run batching counters of the target engine (design §4's report): steps, row expansions,
+"""Per-run batching counters of the target engine (docs/architecture.md §10, "Batching policies"): steps, row expansions,
 tokens processed, padding, batch occupancy (mean and histogram, overall and while requests were
 waiting) and queue time. Cumulative since the service started; specstream/data/engine_wire.py writes them as protobuf."""
 
