@@ -1,6 +1,7 @@
-"""Per-run batching counters of the target engine (docs/architecture.md §10, "Batching policies"): steps, row expansions,
-tokens processed, padding, batch occupancy (mean and histogram, overall and while requests were
-waiting) and queue time. Cumulative since the service started; specstream/data/engine_wire.py writes them as protobuf."""
+"""Per-run batching counters of the target engine (docs/architecture.md §10, "Batching policies"):
+steps, row expansions, tokens processed, padding, batch occupancy (mean and histogram, overall and
+while requests were waiting) and queue time. Cumulative since the service started;
+specstream/data/engine_wire.py writes them as protobuf."""
 
 from __future__ import annotations
 
