@@ -18,7 +18,7 @@ draw x ~ q by an exponential race with the noise the target's own plain sample a
 uses (key (seed, absolute position, SAMPLE), kernels/random.py): x is an exact sample from q, and
 where q is close to p it is the very token the target would sample (what coupled verification
 accepts). The cut q is returned with each guess, so the target verifies against exactly the
-distribution that was sampled (design §5).
+distribution that was sampled (docs/architecture.md §7.1).
 A draft that predicts over a subset of the vocabulary (``model.output_token_ids``) has its
 columns mapped back to token ids before anything leaves here.
 Knows nothing about gRPC or about the target: keys are opaque.

@@ -1,4 +1,4 @@
-"""The draft's spans (design §9): one per propose batch, a child of the target's step span, and
+"""The draft's spans (docs/architecture.md §9, Tracing): one per propose batch, a child of the target's step span, and
 one per sequence in it, a child of that sequence's span on the target, so the draft's share of a
 request shows in the request's own trace. Both carry the batch's real start and end times. With
 tracing off (no traceparents in the message) nothing is created."""

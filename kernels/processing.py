@@ -2,7 +2,7 @@
 
 The torch reference of the cuts the fused sampling ops make (kernels/sample.py reads its cut off
 an n-best pass): logits -> probabilities, one ``SamplingParams`` per row. The target's p and the
-draft's q must come from this same processing (design §5). ``truncate`` cuts a distribution to its
+draft's q must come from this same processing (docs/architecture.md §7.1). ``truncate`` cuts a distribution to its
 K most likely tokens, renormalised: the sparse q a draft sends.
 """
 
@@ -85,6 +85,6 @@ def _nucleus_threshold(probs: torch.Tensor, nucleus: torch.Tensor) -> torch.Tens
 def truncate(probs: torch.Tensor, support: int) -> tuple[torch.Tensor, torch.Tensor]:
     """probs [..., V] -> (ids [..., K], probs [..., K]) of the K = min(support, V) most likely tokens,
     renormalised, most likely first (zeros at the end where fewer than K have mass). Sampling from
-    the result samples from exactly the distribution it describes (design §5)."""
+    the result samples from exactly the distribution it describes (docs/architecture.md §7.1)."""
     top, ids = torch.topk(probs, min(support, probs.shape[-1]), dim=-1)  # [..., K]
     return ids, top / top.sum(dim=-1, keepdim=True)

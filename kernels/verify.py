@@ -1,4 +1,4 @@
-"""Greedy verification of draft proposals against one target forward pass (design §5).
+"""Greedy verification of draft proposals against one target forward pass (docs/architecture.md §7).
 
 Row b proposed `num_draft[b]` tokens (padded to G with any id). The target scored γ+1 positions:
 position j predicts the token after draft token j (position 0 follows the row's last committed

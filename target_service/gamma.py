@@ -1,4 +1,4 @@
-"""The γ controller (design §6): how many tokens each row asks the draft for, every step.
+"""The γ controller (docs/architecture.md §4.1): how many tokens each row asks the draft for, every step.
 
 Policies for ``speculation=auto`` rows (``--gamma-policy``):
 - ``goodput`` (the default): per sequence, an acceptance estimate α̂ (discounted Beta posterior,

@@ -1,4 +1,4 @@
-"""Batching policy of the target engine (design §4): when to admit waiting sequences, and which
+"""Batching policy of the target engine (docs/architecture.md §4, Admit): when to admit waiting sequences, and which
 running rows to expand in a step.
 
 - `static` (VAR-BATCH, the baseline): admit a batch only once the previous one has drained.

@@ -157,7 +157,7 @@ class Sequence:
 
     def append(self, new_tokens: list[int], logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None) -> None:
         """Commits tokens (with their log-probabilities when the request asked), cut at the first
-        stop id (kept) or at the budget (design §5: EOS, stop or max_new_tokens inside an
+        stop id (kept) or at the budget (docs/architecture.md §7: EOS, stop or max_new_tokens inside an
         accepted run end the sequence there)."""
         for i, tok in enumerate(new_tokens[: self.remaining]):
             self.tokens.append(tok)

@@ -1,4 +1,4 @@
-"""Settling one target pass: which proposals stand and which token follows, per row (design §5).
+"""Settling one target pass: which proposals stand and which token follows, per row (docs/architecture.md §7).
 
 Greedy rows keep the longest prefix matching the target's argmax. A row may propose a tree
 (``VerifyRow.parents``): the target scored every node in one forward (each node's scores are

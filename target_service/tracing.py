@@ -1,4 +1,4 @@
-"""The target's spans (design §9): one per sequence, one per engine step.
+"""The target's spans (docs/architecture.md §9, Tracing): one per sequence, one per engine step.
 
 A sequence's span is a child of the gateway's request span (the `traceparent` in its
 SequenceRequest) and records the phases as events: admitted (with the queue time), prefilled,

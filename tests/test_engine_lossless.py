@@ -1,5 +1,5 @@
 """Losslessness in one process: speculative greedy output == plain target greedy output, token
-for token, for 20 prompts x gamma in {1, 2, 4, 8} x three kinds of draft (design §5)."""
+for token, for 20 prompts x gamma in {1, 2, 4, 8} x three kinds of draft (docs/architecture.md §7)."""
 
 from __future__ import annotations
 

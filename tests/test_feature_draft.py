@@ -214,7 +214,7 @@ def test_a_draft_reading_several_layers_is_exact_in_both_layouts(fused_pair, lay
 
 def test_coupled_sampling_with_the_feature_draft_is_plain_sampling(feature_pair) -> None:
     """Sampled items get q from the head (processed and cut as the token draft's); with coupled
-    verification the output is plain sampling's, token for token (design §5)."""
+    verification the output is plain sampling's, token for token (docs/architecture.md §7.1)."""
     target = feature_pair["target"]
     sampling = [SamplingParams.from_settings(0.8, top_p=0.95, seed=s) for s in range(len(PROMPTS))]
     config = {"speculative_sampling": "coupled"}

@@ -1,7 +1,7 @@
 """Sampling math: logits processing, counter-based uniforms, the race sampler, and speculative-
 sampling verification.
 
-The central property (design §5, Leviathan et al. Thm 3.5): one speculative step emits a token
+The central property (docs/architecture.md §7.1, Leviathan et al. Thm 3.5): one speculative step emits a token
 distributed exactly as p, whatever q is: min(p, q) + (1 - sum min(p, q)) * norm(max(0, p - q)) = p.
 Checked on the implementation itself (the acceptance half, `speculative_accept`, which returns the
 distribution the emitted token is drawn from), for hypothesis-generated p and q including disjoint

@@ -1,4 +1,4 @@
-"""Keeps `specstream serve`'s draft and target processes running (design §10b).
+"""Keeps `specstream serve`'s draft and target processes running (docs/architecture.md §9, Supervision).
 
 A thread polls the children every `poll_s`. A draft or target that exited is started again on its
 old address with its old arguments, after a delay: `initial_delay_s` after its first crash, twice

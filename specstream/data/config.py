@@ -43,7 +43,7 @@ def _check_file(name: str, path: str | None) -> None:
 
 @dataclass
 class ServerSecurity:
-    """Who may call a server (design §10b). All off by default. The files are read at start and
+    """Who may call a server (docs/architecture.md §9.1). All off by default. The files are read at start and
     again on SIGHUP (specstream/serving/tls.py, specstream/serving/auth.py); grpc.health.v1 stays open to every
     caller that completes the TLS handshake, so that probes work."""
 
@@ -259,7 +259,7 @@ class TargetConfig:
     draft_security: ChannelSecurity = field(default_factory=lambda: ChannelSecurity("draft_security"))
     torch_threads: int = 0  # CPU threads for the model (0: torch's default, one per core)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
-    # Batching (design §4; target_service/scheduler.py).
+    # Batching (docs/architecture.md §4; target_service/scheduler.py).
     policy: str = "topup"  # "static": fill, run until all finish; "topup": refill as rows finish
     refill_threshold: float = 1.0  # topup's ε: refill once running <= ε * max_batch (1: every step)
     max_batch: int = 0  # rows expanded per step; 0: max_slots

@@ -2,7 +2,7 @@
 the gateway, the target reading them off the wire, a tool): temperature, top-k, top-p and the seed.
 
 Speculative sampling is exact only if the target's p and the draft's q come from the SAME
-processing of their logits (design §5), so both services process them with the request's
+processing of their logits (docs/architecture.md §7.1), so both services process them with the request's
 `SamplingParams` (kernels/processing.py); the seed keys every random draw (kernels/random.py).
 Plain data: no torch. `from_pb` reads the `specstream.v1.Sampling` message at the edge.
 """

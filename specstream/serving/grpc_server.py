@@ -4,7 +4,7 @@ Each server gets: the configured message-size and keepalive options, `grpc.healt
 until the service says it is ready), server reflection when `reflection` is on, `ErrorInterceptor`,
 the one place where exceptions become gRPC status codes, and, when `metrics_port` is set, the
 service's Prometheus registry on HTTP `/metrics` (from `start()` until the end of `serve_forever`).
-With `security` (design §10b): TLS or mTLS on its port (specstream/serving/tls.py), `AuthInterceptor` in
+With `security` (docs/architecture.md §9.1): TLS or mTLS on its port (specstream/serving/tls.py), `AuthInterceptor` in
 front of every method but health (specstream/serving/auth.py), and SIGHUP reloading the certificate, key,
 client CA and token files for new handshakes and calls. Knows nothing about models or requests.
 """

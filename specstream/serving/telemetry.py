@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing for the three services (design §9): setup, export, context in messages.
+"""OpenTelemetry tracing for the three services (docs/architecture.md §9, Tracing): setup, export, context in messages.
 
 `configure(service, trace_file)` installs a tracer provider when tracing is asked for:
 - the standard variables: `OTEL_TRACES_EXPORTER=otlp` (or an `OTEL_EXPORTER_OTLP_ENDPOINT` /

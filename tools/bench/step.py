@@ -1,7 +1,7 @@
 """`specstream bench step`: one decode step against the machine's limit, and what a verify costs.
 
-On a memory-bound device a decode step costs the bytes it reads over the memory bandwidth
-(design §3b), so this benchmark measures, in one run:
+On a memory-bound device a decode step costs the bytes it reads over the memory bandwidth, so this
+benchmark measures, in one run:
 
 - the bytes a 1-token step of the served target reads: every weight of every layer and the output
   layer as the model holds them (4-bit blocks, int8 blocks or dense), plus the KV cache it attends

@@ -112,7 +112,7 @@ def gamma_flags(p: argparse.ArgumentParser) -> None:
 
 
 def batching_flags(p: argparse.ArgumentParser) -> None:
-    """Batching policy of the target engine (design §4; target_service/scheduler.py)."""
+    """Batching policy of the target engine (docs/architecture.md §4; target_service/scheduler.py)."""
     p.add_argument("--policy", choices=["static", "topup"], default="topup",
                    help="static: fill a batch and run it to completion; topup: refill freed slots")
     p.add_argument("--refill-threshold", type=float, default=1.0,
