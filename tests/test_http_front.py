@@ -7,6 +7,7 @@ target streams a fixed text, one token per step, and records what it is sent and
 these tests can check what the three real processes cannot cheaply: a client that disconnects
 cancels its sequence on the target (streamed and unary), an error after the first chunk arrives
 as an `error` event, overload is 429 with Retry-After, and the translation of every parameter.
+The harness: tests/support/http_front.py; bearer tokens and HTTPS: tests/test_http_front_security.py.
 The model itself, through the three real processes: tests/integration/test_openai_api.py.
 """
 
@@ -15,108 +16,14 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import ssl
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
-import grpc
 import openai
 import pytest
-from tests.support.scripted_target import MODEL, REPLY, TOKENS, TT, StreamingTarget
 
 from gateway.http.app import build_app
 from gateway.http.server import HttpServer
-from gateway.router import Router
-from gateway.service import Gateway
-from gateway.target_client import TargetClient
-from specstream.data.config import GatewayConfig, ServerSecurity
-from specstream.serving.auth import TokenSet
-from specstream.serving.metrics import GatewayMetrics
-from specstream.serving.tls import ServerCertificates
-from tools.certs import serial_of
-from specstream_pb import target_pb2_grpc
-
-
-@dataclass
-class Front:
-    target: StreamingTarget
-    gateway: Gateway
-    url: str  # http://127.0.0.1:port
-    client: openai.AsyncOpenAI
-    target_server: grpc.aio.Server
-
-
-@asynccontextmanager
-async def served(max_in_flight: int = 8, max_body_bytes: int = 1 << 20,
-                 ready=None, tokens: TokenSet | None = None, certificates: ServerCertificates | None = None,
-                 client_context: ssl.SSLContext | None = None) -> AsyncIterator[Front]:
-    """`tokens`/`certificates`: the front asks for a bearer token / serves HTTPS; `client_context`:
-    how the openai client connects then (its CA, its certificate)."""
-    target = StreamingTarget()
-    target_server = grpc.aio.server()
-    target_pb2_grpc.add_TargetServicer_to_server(target, target_server)
-    port = target_server.add_insecure_port("127.0.0.1:0")
-    await target_server.start()
-    replica = TargetClient(f"127.0.0.1:{port}", retry_s=0.1)
-    await replica.start(timeout_s=10)
-    metrics = GatewayMetrics()
-    gateway = Gateway(GatewayConfig(replica.url, MODEL, max_in_flight=max_in_flight), Router([replica], max_queue=8),
-                      replica.info, TT, metrics)
-    http = HttpServer(build_app(gateway, metrics.registry, ready=ready, max_body_bytes=max_body_bytes, tokens=tokens),
-                      "127.0.0.1", 0, grace_s=1.0, certificates=certificates)
-    await http.start()
-    for _ in range(500):
-        if replica.routable:
-            break
-        await asyncio.sleep(0.01)
-    scheme = "https" if certificates else "http"
-    tls = {"http_client": openai.DefaultAsyncHttpxClient(verify=client_context)} if client_context else {}
-    client = openai.AsyncOpenAI(base_url=f"{scheme}://{http.address}/v1", api_key="none", max_retries=0, timeout=30,
-                                **tls)
-    try:
-        yield Front(target, gateway, f"{scheme}://{http.address}", client, target_server)
-    finally:
-        await client.close()
-        await http.stop()
-        await replica.close()
-        await target_server.stop(None)
-
-
-async def _raw(url: str, path: str, body: bytes | None, method: str = "POST",
-               headers: dict[str, str] | None = None, tls: ssl.SSLContext | None = None) -> tuple[int, dict, bytes]:
-    """One HTTP/1.1 request on a fresh connection: (status, headers, body); over TLS with `tls`."""
-    host, port = url.partition("://")[2].split(":")
-    reader, writer = await asyncio.open_connection(host, int(port), ssl=tls)
-    head = f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
-    head += "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
-    if body is not None:
-        head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-    writer.write(head.encode() + b"\r\n" + (body or b""))
-    await writer.drain()
-    data = await reader.read()
-    writer.close()
-    header, _, payload = data.partition(b"\r\n\r\n")
-    lines = header.decode().split("\r\n")
-    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
-    if headers.get("transfer-encoding") == "chunked":
-        payload = _unchunk(payload)
-    return int(lines[0].split()[1]), headers, payload
-
-
-def _unchunk(data: bytes) -> bytes:
-    out = b""
-    while data:
-        size, _, rest = data.partition(b"\r\n")
-        n = int(size, 16)
-        if n == 0:
-            break
-        out, data = out + rest[:n], rest[n + 2:]
-    return out
-
-
-def run(coro):
-    return asyncio.run(coro)
+from tests.support.http_front import raw_http, run, served
+from tests.support.scripted_target import MODEL, REPLY, TOKENS, TT
 
 
 def test_completions_unary_and_streamed_agree_with_usage_and_speculation_metrics() -> None:
@@ -271,7 +178,7 @@ def test_every_bad_parameter_is_a_400_naming_it_and_nothing_reaches_the_target()
         async with served() as front:
             for endpoint, changes, _ in BAD:
                 path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
-                results.append(await _raw(front.url, path, json.dumps(_body(endpoint, changes)).encode()))
+                results.append(await raw_http(front.url, path, json.dumps(_body(endpoint, changes)).encode()))
             ok = await front.client.completions.create(model=MODEL, prompt="hi", max_tokens=2)  # carries on
             return results, front.target.requests, ok
 
@@ -306,16 +213,16 @@ def test_the_openai_client_raises_bad_request_with_the_param() -> None:
 def test_malformed_bodies_and_unknown_routes_get_openai_errors() -> None:
     async def main():
         async with served() as front:
-            return [await _raw(front.url, "/v1/completions", b'{"model": "scripted", "prompt": '),
-                    await _raw(front.url, "/v1/completions", b"[1, 2]"),
-                    await _raw(front.url, "/v1/completions", b'{"prompt": "hi"}'),
-                    await _raw(front.url, "/v1/embeddings", b"{}"),
-                    await _raw(front.url, "/v1/completions", None, method="GET"),
-                    await _raw(front.url, "/v1/models", None, method="GET"),
-                    await _raw(front.url, f"/v1/models/{MODEL}", None, method="GET"),
-                    await _raw(front.url, "/v1/models/other", None, method="GET"),
-                    await _raw(front.url, "/health", None, method="GET"),
-                    await _raw(front.url, "/metrics", None, method="GET")]
+            return [await raw_http(front.url, "/v1/completions", b'{"model": "scripted", "prompt": '),
+                    await raw_http(front.url, "/v1/completions", b"[1, 2]"),
+                    await raw_http(front.url, "/v1/completions", b'{"prompt": "hi"}'),
+                    await raw_http(front.url, "/v1/embeddings", b"{}"),
+                    await raw_http(front.url, "/v1/completions", None, method="GET"),
+                    await raw_http(front.url, "/v1/models", None, method="GET"),
+                    await raw_http(front.url, f"/v1/models/{MODEL}", None, method="GET"),
+                    await raw_http(front.url, "/v1/models/other", None, method="GET"),
+                    await raw_http(front.url, "/health", None, method="GET"),
+                    await raw_http(front.url, "/metrics", None, method="GET")]
 
     (json_bad, not_object, no_model, route, method, models, card, other, health, metrics) = run(main())
     assert json_bad[0] == 400 and json.loads(json_bad[2])["error"]["code"] == "invalid_json"
@@ -335,7 +242,7 @@ def test_an_error_after_the_first_chunk_is_an_error_event_then_done() -> None:
     async def main():
         async with served() as front:
             body = json.dumps({"model": MODEL, "prompt": "FAIL", "max_tokens": 8, "stream": True}).encode()
-            raw = await _raw(front.url, "/v1/completions", body)
+            raw = await raw_http(front.url, "/v1/completions", body)
             stream = await front.client.completions.create(model=MODEL, prompt="FAIL", max_tokens=8, stream=True)
             texts = []
             with pytest.raises(openai.APIError) as failed:
@@ -387,7 +294,7 @@ def test_overload_is_429_with_retry_after_and_the_server_carries_on() -> None:
         async with served(max_in_flight=1) as front:
             stream = await front.client.completions.create(model=MODEL, prompt="SLOW", max_tokens=3, stream=True)
             body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
-            refused = await _raw(front.url, "/v1/completions", body)
+            refused = await raw_http(front.url, "/v1/completions", body)
             with pytest.raises(openai.RateLimitError) as limited:
                 await front.client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
             text = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
@@ -418,15 +325,15 @@ def test_the_http_server_takes_a_free_port_and_refuses_a_taken_one() -> None:
 def test_without_a_serving_replica_requests_get_503_and_health_says_so() -> None:
     async def main():
         async with served() as front:
-            before = await _raw(front.url, "/health", None, method="GET")
+            before = await raw_http(front.url, "/health", None, method="GET")
             await front.target_server.stop(None)  # the gateway's only replica is gone
             for _ in range(500):
                 if not front.gateway.serving:
                     break
                 await asyncio.sleep(0.01)
             body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
-            return before, await _raw(front.url, "/health", None, method="GET"), \
-                await _raw(front.url, "/v1/completions", body)
+            return before, await raw_http(front.url, "/health", None, method="GET"), \
+                await raw_http(front.url, "/v1/completions", body)
 
     before, health, refused = run(main())
     assert before[0] == 200
@@ -504,9 +411,9 @@ def test_explicit_nulls_are_the_defaults_and_max_completion_tokens_wins() -> Non
             nulls = {"stream": None, "stream_options": None, "echo": None, "logprobs": None, "ignore_eos": None,
                      "return_token_ids": None, "seed": None, "stop": None, "temperature": None, "top_p": None,
                      "speculation": None, "n": None, "user": None}
-            completion = await _raw(front.url, "/v1/completions",
+            completion = await raw_http(front.url, "/v1/completions",
                                     json.dumps(_body("completions", nulls | {"max_tokens": 3})).encode())
-            chat = await _raw(front.url, "/v1/chat/completions", json.dumps(_body("chat", nulls | {
+            chat = await raw_http(front.url, "/v1/chat/completions", json.dumps(_body("chat", nulls | {
                 "max_tokens": 9, "max_completion_tokens": 2, "top_logprobs": None})).encode())
             return completion, chat, front.target.requests
 
@@ -546,8 +453,8 @@ def test_while_shutting_down_health_and_new_requests_get_503() -> None:
             before = await front.client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
             stopping.set()
             body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
-            return before, await _raw(front.url, "/health", None, method="GET"), \
-                await _raw(front.url, "/v1/completions", body), front.target.requests
+            return before, await raw_http(front.url, "/health", None, method="GET"), \
+                await raw_http(front.url, "/v1/completions", body), front.target.requests
 
     before, health, refused, requests = run(main())
     assert before.usage.completion_tokens == 2 and health[0] == 503
@@ -556,128 +463,3 @@ def test_while_shutting_down_health_and_new_requests_get_503() -> None:
 
 
 # ---- security: bearer tokens and HTTPS -------------------------------------------------------------
-
-
-def _token_file(tmp_path, *tokens: str) -> TokenSet:
-    path = tmp_path / "api-tokens"
-    path.write_text("# the API's tokens\n" + "\n".join(tokens) + "\n")
-    return TokenSet(str(path))
-
-
-def test_tokens_guard_every_route_but_health_and_metrics_with_openai_errors(tmp_path) -> None:
-    async def go():
-        async with served(tokens=_token_file(tmp_path, "sk-right", "sk-second")) as front:
-            body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2}).encode()
-            for method, path, payload in (("GET", "/v1/models", None), ("POST", "/v1/completions", body),
-                                          ("GET", "/v1", None), ("GET", "/openapi.json", None),
-                                          ("GET", "/docs", None), ("GET", "/nowhere", None)):
-                status, headers, data = await _raw(front.url, path, payload, method)
-                assert status == 401, (path, data)
-                assert headers["www-authenticate"] == "Bearer"
-                error = json.loads(data)["error"]
-                assert (error["type"], error["code"], error["param"]) == ("authentication_error", "invalid_api_key",
-                                                                          None)
-                assert "Bearer" in error["message"]
-                status, _, data = await _raw(front.url, path, payload, method, {"Authorization": "Bearer sk-wrong"})
-                assert status == 403, (path, data)
-                assert json.loads(data)["error"]["type"] == "permission_error" and "sk-wrong" not in data.decode()
-                status, _, _ = await _raw(front.url, path, payload, method, {"Authorization": "Basic c2stcmlnaHQ="})
-                assert status == 401
-            assert front.target.requests == []  # refused before anything reached the target
-            status, _, data = await _raw(front.url, "/health", None, "GET")
-            assert (status, json.loads(data)) == (200, {"status": "ok"})  # probes send no token
-            status, _, _ = await _raw(front.url, "/metrics", None, "GET")
-            assert status == 200  # as on the metrics port: counters only
-            status, _, data = await _raw(front.url, "/v1/completions", body, "POST",
-                                         {"Authorization": "Bearer sk-second"})
-            assert status == 200 and json.loads(data)["choices"][0]["text"] == REPLY[:len(TT.decode(TOKENS[:2]))]
-            # The openai client sends its api_key as the bearer token (always: 401 is for raw callers).
-            with pytest.raises(openai.PermissionDeniedError):
-                await front.client.models.list()  # api_key "none"
-            wrong = front.client.with_options(api_key="sk-wrong")
-            with pytest.raises(openai.PermissionDeniedError):
-                await wrong.completions.create(model=MODEL, prompt="x", max_tokens=2)
-            right = front.client.with_options(api_key="sk-right")
-            completion = await right.completions.create(model=MODEL, prompt="x", max_tokens=3)
-            assert completion.choices[0].text == TT.decode(TOKENS[:3])
-
-    run(go())
-
-
-def _client_context(pki, certificate: bool = False) -> ssl.SSLContext:
-    context = ssl.create_default_context(cafile=pki.path("ca.crt"))
-    if certificate:
-        context.load_cert_chain(pki.path("client.crt"), pki.path("client.key"))
-    return context
-
-
-def _served_serial(address: str) -> int:
-    host, port = address.partition("://")[2].split(":")
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
-    with socket.create_connection((host, int(port)), timeout=5) as sock, context.wrap_socket(sock) as tls:
-        return serial_of(tls.getpeercert(binary_form=True))
-
-
-def test_https_serves_the_gateways_certificate_and_follows_reloads(pki, tmp_path) -> None:
-    cert, key = pki.issue_files("http-before", "specstream-gateway", serial=3001)
-    (tmp_path / "tls.crt").write_bytes(open(cert, "rb").read())
-    (tmp_path / "tls.key").write_bytes(open(key, "rb").read())
-    certificates = ServerCertificates(ServerSecurity(cert_file=str(tmp_path / "tls.crt"),
-                                                     key_file=str(tmp_path / "tls.key")))
-
-    async def go():
-        async with served(certificates=certificates, client_context=_client_context(pki)) as front:
-            assert front.url.startswith("https://")
-            completion = await front.client.completions.create(model=MODEL, prompt="x", max_tokens=3)
-            assert completion.choices[0].text == TT.decode(TOKENS[:3])
-            with pytest.raises((ConnectionError, asyncio.IncompleteReadError, ValueError, IndexError)):
-                await _raw(front.url, "/health", None, "GET")  # plaintext HTTP to the HTTPS port
-            untrusting = ssl.create_default_context(cafile=pki.other_path("ca.crt"))
-            with pytest.raises(ssl.SSLError):
-                await _raw(front.url, "/health", None, "GET", tls=untrusting)
-            assert await asyncio.to_thread(_served_serial, front.url) == 3001
-            new_cert, new_key = pki.issue_files("http-after", "specstream-gateway", serial=3002)
-            (tmp_path / "tls.crt").write_bytes(open(new_cert, "rb").read())
-            (tmp_path / "tls.key").write_bytes(open(new_key, "rb").read())
-            assert certificates.reload()
-            assert await asyncio.to_thread(_served_serial, front.url) == 3002
-            status, _, _ = await _raw(front.url, "/health", None, "GET", tls=_client_context(pki))
-            assert status == 200
-
-    run(go())
-
-
-def test_https_with_a_client_ca_requires_a_client_certificate_from_it(pki, tmp_path) -> None:
-    client_ca = tmp_path / "client-ca.crt"
-    client_ca.write_bytes(open(pki.path("ca.crt"), "rb").read())
-    certificates = ServerCertificates(ServerSecurity(cert_file=pki.path("gateway.crt"),
-                                                     key_file=pki.path("gateway.key"), client_ca_file=str(client_ca)))
-
-    async def status(front: Front, context: ssl.SSLContext) -> int | str:
-        try:
-            return (await _raw(front.url, "/health", None, "GET", tls=context))[0]
-        except (ssl.SSLError, ConnectionError, asyncio.IncompleteReadError, IndexError):  # refused in the handshake
-            return "refused"
-
-    async def go():
-        async with served(certificates=certificates, client_context=_client_context(pki, certificate=True)) as front:
-            completion = await front.client.completions.create(model=MODEL, prompt="x", max_tokens=2)
-            assert completion.choices[0].text == TT.decode(TOKENS[:2])
-            assert await status(front, _client_context(pki)) == "refused"  # no client certificate
-            assert await status(front, _other_client_context(pki)) == "refused"  # one from another CA
-            assert await status(front, _client_context(pki, certificate=True)) == 200
-            # A reloaded client CA bundle decides new handshakes.
-            client_ca.write_bytes(open(pki.other_path("ca.crt"), "rb").read())
-            assert certificates.reload()
-            assert await status(front, _client_context(pki, certificate=True)) == "refused"
-            assert await status(front, _other_client_context(pki)) == 200
-
-    run(go())
-
-
-def _other_client_context(pki) -> ssl.SSLContext:
-    """Trusts the server, presents a certificate from the other CA."""
-    context = ssl.create_default_context(cafile=pki.path("ca.crt"))
-    context.load_cert_chain(pki.other_path("client.crt"), pki.other_path("client.key"))
-    return context

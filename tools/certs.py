@@ -110,18 +110,6 @@ def issue(authority: Authority, common_name: str, dns_names: tuple[str, ...] = (
     return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
 
 
-# Only tests/test_http_front.py still imports this from here (tests/support/pki.py has it): delete
-# this copy once that test imports tests.support.pki's.
-def serial_of(cert_pem: bytes) -> int:
-    """A PEM certificate's serial number (DER works too)."""
-    _crypto()
-    from cryptography import x509
-
-    if cert_pem.lstrip().startswith(b"-----"):
-        return x509.load_pem_x509_certificate(cert_pem).serial_number
-    return x509.load_der_x509_certificate(cert_pem).serial_number
-
-
 def peer_name(role: str) -> str:
     """The name a role's certificate carries for the allow-lists: `specstream-<role>`."""
     return f"specstream-{role}"
