@@ -39,9 +39,9 @@ serve: $(STAMP)
 	$(BIN)/specstream serve
 
 # Three workers (pytest-xdist), a test file each at a time: much of the suite waits on processes
-# starting and on loopback RPCs. On 2 cores, in one evening: two workers 14.0 min twice (the cores
-# 7% idle), three 12.4 and 13.7 (1-2% idle). The slowest tests are listed at the end: the suite
-# must stay under 15 minutes on a fresh clone, its virtual environment built (~2 min) included.
+# starting and on loopback RPCs, and three kept the cores busier than two (docs/benchmarks.md,
+# "The test suite"). The slowest tests are listed at the end: the suite must stay under 15 minutes
+# on a fresh clone, its virtual environment built included.
 test: $(KERNELS_STAMP)
 	$(BIN)/python tools/gen_protos.py --check
 	$(BIN)/python -m pytest -q -rs -n 3 --dist loadfile --durations=15

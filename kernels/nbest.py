@@ -102,7 +102,7 @@ def topk_logprobs_reference(scores: Scores, k: int, running: torch.Tensor | None
 def stable_topk(x: torch.Tensor, k: int) -> torch.Tensor:
     """Ids [N, k] of each row's k largest values, best first and the lower id first among equal
     values (what a stable sort of the whole row gives, at the cost of a top-k: a sort of a
-    49k-token row is ~60x slower). NaN is not expected."""
+    49k-token row is much slower, docs/benchmarks.md, "Figures behind design choices"). NaN is not expected."""
     kth = torch.topk(x, k, dim=1).values[:, -1:]  # [N, 1]
     above = x > kth  # [N, V]: all of these are in
     tied = x == kth  # [N, V]: the lowest ids of these fill the rest

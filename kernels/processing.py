@@ -56,7 +56,8 @@ def process_logits(logits: torch.Tensor, params: SamplingParams | Sequence[Sampl
     return probs
 
 
-_NUCLEUS_SEARCH = 256  # top-p looks among this many most likely tokens first (a full sort is 10x slower)
+# Top-p looks among this many most likely tokens first (a full sort is much slower: docs/benchmarks.md).
+_NUCLEUS_SEARCH = 256
 
 
 def _nucleus_threshold(probs: torch.Tensor, nucleus: torch.Tensor) -> torch.Tensor:

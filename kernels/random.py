@@ -158,8 +158,9 @@ def uniform_table(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _uniform_table_numpy(keys: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """The same bits in wrapping uint32 arithmetic: ~10x less memory traffic than int64 tensors
-    with masks, which is what makes a race over a 49,152-token row cheap on a CPU (~0.3 ms)."""
+    """The same bits in wrapping uint32 arithmetic: far less memory traffic than int64 tensors
+    with masks, which is what makes a race over a 49,152-token row cheap on a CPU
+    (docs/benchmarks.md, "Figures behind design choices")."""
     u32 = np.uint32
     keys = keys.astype(np.int64)
     lo = (keys & _MASK32).astype(u32)[:, None]  # [N, 1]

@@ -54,8 +54,9 @@ class CostModel:
     # rows with a poor α then draft less than the others, which is what separates the two terms.
     # A catch-up step is hundreds of tokens fed against a few proposals, so the fed term takes
     # nearly all of it. The sampled term is learnt slowly (a prior worth ~10 samples): a new
-    # sampling row's first call also catches up, and a free term took that whole (12.7 ms per
-    # sampled guess after a few steps, against ~0.3 ms once learnt slowly).
+    # sampling row's first call also catches up, and a free term took that whole (tens of times
+    # dearer per sampled guess than once learnt slowly: docs/benchmarks.md, "Figures behind design
+    # choices").
     RESIDUAL_WEIGHT = 0.3  # of the newest sample in a size's correction
     # Per decode step a size goes unmeasured, its correction fades by this factor (~100 steps to
     # 1/e): one unlucky sample (a pause during the forward) must not rule a size out for good.

@@ -160,21 +160,20 @@ class GammaController:
         # an idle row adds that share of a plain step's predicted seconds to a credit, and such a
         # probe waits until the credit covers what it is predicted to add to its step (the draft's
         # call, catching up on the tokens the row's draft has not seen, and the wider verify), then
-        # spends it. Through a draft service on SmolLM2 a probe cost ~11 ms at a request's first
-        # (the draft reads the prompt's and ~30 tokens' features) and ~6 ms later, against a
-        # ~6.5 ms plain pass: at 2-3 a 96-token request, ~5% of the time on text no draft predicts
-        # (nonsense sampled at T = 1.5). The credit is kept across requests (a probe of the next
+        # spends it. A request's first probe costs more than later ones (the draft reads the prompt's
+        # features), and either is of the order of a plain pass (docs/benchmarks.md, "Figures behind
+        # design choices"). The credit is kept across requests (a probe of the next
         # request may spend what this one saved), up to what MAX_BACKOFF's longest wait earns; a
         # probe dearer than that goes when the credit is full and leaves a debt. A row near paying
-        # is probed every due step as before: budgeting those too ran 0.03-0.11 below the
-        # unbudgeted controller on bench gamma's chat workload, in four same-hour pairs.
+        # is probed every due step as before: budgeting those too ran below the unbudgeted
+        # controller on bench gamma's chat workload (docs/benchmarks.md, "Figures behind design choices").
         self.probe_share = probe_share
         self._probe_credit = 0.0
         # Speculate only for a predicted gain of at least this share over the plain step: the
         # predictions are estimates (an α from a few passes, step times that drift by ±10% on a
         # shared machine, optimism while exploring), and a marginal predicted gain is as likely a
-        # loss. Measured through the draft service on SmolLM2 (2 cores, everyday chat, α ≈ 0.5):
-        # steps with proposals took 5-15% longer than predicted, and automatic γ ran at 0.85× plain.
+        # loss: steps with proposals ran longer than predicted, and without this margin automatic γ
+        # ran slower than plain (docs/benchmarks.md, "Figures behind design choices").
         self.min_gain = min_gain
         self._since_probe = 0
         self.costs = CostModel()

@@ -11,8 +11,8 @@ the engine has verified a pass (``after_verify``), the torch thread is free whil
 loop does the pass's host work, and the draft drafts the next round of its latest reply's
 chains there, on the same thread, stopping before its next forward as soon as any other call waits
 for the thread (the next proposal, a prefill). Not on a second thread: two OpenMP teams on the
-cores the target's forward fills slowed that forward 1.7-3.0x over five runs (docs/benchmarks.md,
-"Overlap on two cores").
+cores the target's forward fills slowed that forward severalfold (docs/benchmarks.md, "Overlap
+on two cores").
 """
 
 from __future__ import annotations

@@ -344,8 +344,9 @@ class DraftConfig:
     work_ahead_outcomes: int = 1
     MAX_WORK_AHEAD_OUTCOMES: ClassVar[int] = 16
     # Compute proposals on the event loop's own thread (the one torch thread: no hop to a worker and
-    # back, 0.11-0.34 ms a call here). A draft that works ahead always uses a worker thread (its loop
-    # must read the next request while it works); False: a worker thread regardless.
+    # back; docs/benchmarks.md, "Figures behind design choices"). A draft that works ahead always
+    # uses a worker thread (its loop must read the next request while it works); False: a worker
+    # thread regardless.
     compute_on_loop: bool = True
 
     def __post_init__(self) -> None:

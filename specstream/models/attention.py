@@ -46,7 +46,8 @@ class NativeLayer:
 class NativeStack:
     """Consecutive Llama layers as one native call (kernels/csrc/cpu_ops.cpp, ``LayerStack``): one
     OpenMP parallel region per forward for all of them, where a call per layer cost a Python call
-    and ~5 forks and joins each (~0.9 ms of a 6 ms step on a 30-layer model)."""
+    and ~5 forks and joins each (a sizeable share of a step on a 30-layer model: docs/benchmarks.md,
+    "Figures behind design choices")."""
 
     layers: tuple[int, ...]  # the cache layers they read and write
     op: object  # the library's LayerStack
@@ -323,7 +324,8 @@ def _attention_over_cache(
     promise that (in bfloat16 a row changes with the number of rows and with where the key count
     ends inside a vector block); batched matmuls (each score a dot product over D, each output a
     product over the keys in order) and a row-wise float64 softmax do. It is also faster than the
-    fused kernel for batches of sequences, and slower by ~0.1 ms per layer for a single one.
+    fused kernel for batches of sequences, and slower for a single one (docs/benchmarks.md, "Figures
+    behind design choices").
     q [B, Hkv, R, D], keys/values [B, Hkv, L, D], mask [B or 1, 1, R, L] (True = attend) -> [B, Hkv, R, D]."""
     scores = torch.matmul(q, keys.transpose(-1, -2)).float().mul_(scale)  # [B, Hkv, R, L]
     if mask is not None:

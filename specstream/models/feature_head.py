@@ -138,11 +138,12 @@ class FeatureHead(nn.Module):
         (kernels/csrc/cpu_ops.cpp, ``LayerStack``: norm, projections, RoPE, the cache write,
         attention, MLP and residuals in one OpenMP region), where it is served in bfloat16 with
         every projection 4-bit on the native kernel (q and kv fused into one qkv, the target's
-        layout); else None (the layer runs op by op). One call instead of ~20 ops: a drafting step
-        cost ~0.5 ms inside a serving target on 2 CPU cores, mostly per-op overhead. It serves
-        float32 heads as well (the float32 4-bit kernel, AVX2): op by op, torch's float32 matrices
-        of a few rows cost ~4x one row's time on an AMD CPU (MKL's small-matrix path), a drafting
-        step ~10 ms. Its norms take the weights in the activations' dtype, as the target's do."""
+        layout); else None (the layer runs op by op). One call instead of ~20 ops, whose per-op
+        overhead dominated a drafting step inside a serving target. It serves float32 heads as well
+        (the float32 4-bit kernel, AVX2): op by op, torch's float32 matrices of a few rows cost
+        several times one row's time on an AMD CPU (MKL's small-matrix path); figures in
+        docs/benchmarks.md, "Figures behind design choices". Its norms take the weights in the
+        activations' dtype, as the target's do."""
         library = native.library()
         served = self._served or {}
         names = ("q", "kv", "o", "gate_up", "down")
@@ -273,7 +274,8 @@ class FeatureHead(nn.Module):
     def _attend_native(self, x: torch.Tensor, cache: HeadCache, slot: int, start: int) -> torch.Tensor | None:
         """``_attend_cached`` in the native CPU op the target's layers use (RoPE, the cache write and
         attention over each position's keys, kernels/csrc/cpu_ops.cpp), for bfloat16 and float32
-        served heads: torch's attention for one query cost ~0.2-0.4 ms a layer. None where it does
+        served heads, where torch's attention for one query was dear (docs/benchmarks.md, "Figures
+        behind design choices"). None where it does
         not apply."""
         s = self.spec
         if (self._served is None or x.dtype not in (torch.bfloat16, torch.float32) or cache.k.dtype != x.dtype

@@ -362,7 +362,8 @@ class LlamaForCausalLM(CausalLM):
         ``INT8_ACTIVATIONS`` are the same objects (a swapped matrix builds them anew). Checked every
         forward, so only what can be swapped is compared: the four matrices, plain attributes. The
         norms are parameters, only ever updated in place (which the stacks see: they hold the same
-        tensors), and reading 60 of them through ``nn.Module.__getattr__`` cost ~70 µs a forward.
+        tensors), and reading 60 of them through ``nn.Module.__getattr__`` a forward was measurable
+        (docs/benchmarks.md, "Figures behind design choices").
         """
         key = (dtype, FUSED_LAYERS, INT8_ACTIVATIONS, *(t for layer in self.layers for t in (
             layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)))

@@ -3,14 +3,13 @@
 A service's event loop must keep serving gRPC while a model runs, so forwards go to a worker
 thread; and ALL torch work (loading the model, allocating the cache, every forward) goes to that
 same thread, because on a small CPU, OpenMP thread teams started from two threads compete for the
-cores and every forward gets much slower (measured here: 7.4 ms vs 11.8 ms per decode step; on
-SmolLM2 with 4-bit weights 18.5 ms vs 38 ms, and the first thread's forwards slow down too once a
-second one has run any).
+cores and every forward gets much slower, the first thread's too once a second one has run any
+(docs/benchmarks.md, "Figures behind design choices").
 
 A service makes its own with ``compute_executor``; a service whose event loop thread may be its
 torch thread (the draft service, unless it works ahead: its loop has nothing else to do while a
 proposal is computed) takes an ``InlineExecutor``, which runs each call at once on the calling
-thread: the hop to a worker and back cost 0.11–0.34 ms of every draft call. Code that drives models inside one process
+thread, saving the hop to a worker and back on every draft call. Code that drives models inside one process
 (in-process engines, in-process drafts, benchmarks, training) uses ``torch_thread()``, the
 process's shared one, for loading and running alike, and ``on_torch_thread(fn)`` to call a function
 there and wait for it. ``run_at_idle_priority`` runs optional work (a draft working ahead) on the

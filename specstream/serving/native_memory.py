@@ -15,7 +15,7 @@ Two things made a target's and a draft's resident memory grow for as long as the
   bigger than any before leaves a high-water mark the process never gives back (a draft jumped by
   560 MB once, 8 minutes into a soak). ``HeapTrimmer`` calls glibc's ``malloc_trim`` every few
   seconds on the service's torch thread, between forwards, so nothing allocates while it runs:
-  1–2 ms each time on SmolLM2, and the resident size follows what is really in use. On a C library
+  a millisecond or two each time on SmolLM2, and the resident size follows what is really in use. On a C library
   without ``malloc_trim`` (musl, macOS) it does nothing and says so once.
 """
 
