@@ -1,10 +1,12 @@
-"""The native CPU library (kernels/csrc/cpu_ops.cpp): built with torch's C++ extension tools the first
+"""The native CPU library (kernels/csrc/: one .cpp per op, cpu_ops.h what they share, cpu_ops.cpp the
+Python bindings; SOURCES below): built as ONE library with torch's C++ extension tools the first
 time a process asks for it, then loaded from torch's extension cache (TORCH_EXTENSIONS_DIR, by
 default ~/.cache/torch_extensions: a second start loads it in a fraction of a second).
 
 ``library()`` returns the loaded module, or None where it cannot be built (no C++ compiler, a
 build error: the reason is logged once), so callers fall back to their torch path. Building takes
-about 30 s on 2 cores; ``SPECSTREAM_NATIVE=0`` turns the library off (the torch paths serve).
+a while (docs/benchmarks.md), hence once per cache; ``SPECSTREAM_NATIVE=0`` turns the library off
+(the torch paths serve).
 
 What it does not know: when an op should use it (kernels/int4.py, kernels/int8.py and the models decide).
 """
@@ -20,7 +22,19 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+CSRC = Path(__file__).parent / "csrc"
+# One library from these files, each op's file named by its op. cpu_ops.h, which they all include, is
+# no source of its own: ninja, run at each process's first load, rebuilds the files that include it
+# when it changes (its depfiles), though torch's version hash covers these sources only.
+SOURCES = [CSRC / name for name in (
+    "cpu_ops.cpp",  # the Python module: every op's binding
+    "q8_matmul.cpp",
+    "q4_matmul.cpp",
+    "attention.cpp",
+    "layer_stack.cpp",
+    "greedy_verify.cpp",
+    "race_candidates.cpp",
+)]
 NAME = "specstream_cpu_ops"
 # -O3 for the compiler's own vectorisation of the generic paths; no implicit fused multiply-adds
 # (-ffp-contract=off): the compiler would fuse in some places and not others, and a row's bits would
@@ -58,7 +72,8 @@ def _build() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         _put_ninja_on_path()
-        module = load(name=NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
+        module = load(name=NAME, sources=[str(path) for path in SOURCES], extra_cflags=CFLAGS,
+                      extra_ldflags=LDFLAGS, verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means: serve with the torch paths
         log.warning("native CPU ops unavailable (%s: %s); the torch paths serve", type(exc).__name__, exc)
         return None

@@ -1,0 +1,369 @@
+// Attention over the slot KV cache (`attention`, specstream/models/attention.py), for every forward of a
+// model (prefill, decode, verify); `LayerStack` (layer_stack.cpp) runs its two passes in its own
+// parallel region.
+//
+// For each row b and its T new positions p = start[b] + t: RoPE on the query and key heads, the key
+// and value written into the cache at p (in the cache's dtype), then for every query head
+// softmax(q · k_j * scale) · v over exactly its keys j in [lo, p] (lo: the sliding window's start)
+// — never over masked ones — in index order, in float32, rounded to the activations' dtype once at
+// the end. A position's output therefore depends only on its query, its keys and values: not on T,
+// the other rows, or how many keys the batch's longest row has (which changed the last bits of a
+// float32 softmax over masked keys in the torch path).
+
+#include "cpu_ops.h"
+
+namespace cpu_ops {
+namespace {
+
+inline float load_value(const float* p) { return *p; }
+inline float load_value(const at::BFloat16* p) { return static_cast<float>(*p); }
+inline void store_value(float* p, float v) { *p = v; }
+inline void store_value(at::BFloat16* p, float v) { *p = static_cast<at::BFloat16>(v); }
+
+// 16 values of a row as float32 (bfloat16 widened exactly).
+template <typename T>
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
+}
+
+// Dot product over D values in a fixed order: 16 lanes over the vector, then the lanes summed.
+template <typename T>
+__attribute__((target("avx512f,avx512bw")))
+float dot_avx512(const float* q, const T* k, int64_t D) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k + i), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+
+template <typename T>
+float dot_generic(const float* q, const T* k, int64_t D) {
+  float lanes[16] = {0};
+  for (int64_t i = 0; i < D; ++i) lanes[i % 16] = std::fma(q[i], load_value(k + i), lanes[i % 16]);
+  float total = 0.0f;
+  for (float v : lanes) total += v;
+  return total;
+}
+
+// AVX2: 8 values of a row as float32, and the generic paths (dot_generic above, axpy_generic below)
+// computed 8 lanes at a time: the same fused multiply-adds on the same lanes and the lanes summed in
+// index order, so the same bits as the generic paths (D a multiple of 16).
+template <typename T>
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  }
+}
+
+template <typename T>
+__attribute__((target("avx2,fma")))
+float dot_avx2(const float* q, const T* k, int64_t D) {
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();  // lanes 0..7 and 8..15 of dot_generic
+  for (int64_t i = 0; i < D; i += 16) {
+    lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), lo);
+    hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8(k + i + 8), hi);
+  }
+  float lanes[16];
+  _mm256_storeu_ps(lanes, lo);
+  _mm256_storeu_ps(lanes + 8, hi);
+  float total = 0.0f;
+  for (float v : lanes) total += v;
+  return total;
+}
+
+template <typename T>
+__attribute__((target("avx2,fma")))
+void axpy_avx2(float w, const T* v, float* out, int64_t D) {
+  const __m256 scale = _mm256_set1_ps(w);
+  for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(out + i, _mm256_fmadd_ps(scale, load8(v + i), _mm256_loadu_ps(out + i)));
+}
+
+// out[0..D) += w * v[0..D), in float32.
+template <typename T>
+__attribute__((target("avx512f,avx512bw")))
+void axpy_avx512(float w, const T* v, float* out, int64_t D) {
+  const __m512 scale = _mm512_set1_ps(w);
+  for (int64_t i = 0; i < D; i += 16) _mm512_storeu_ps(out + i, _mm512_fmadd_ps(scale, load16(v + i), _mm512_loadu_ps(out + i)));
+}
+
+template <typename T>
+void axpy_generic(float w, const T* v, float* out, int64_t D) {
+  for (int64_t i = 0; i < D; ++i) out[i] = std::fma(w, load_value(v + i), out[i]);
+}
+
+// RoPE as transformers applies it: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1),
+// computed in float32 from the row's values and the tables' (in the model's dtype).
+template <typename T>
+void rope(const T* x, const T* cos, const T* sin, int64_t D, float* out) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < D; ++i) {
+    const float rotated = i < half ? -load_value(x + i + half) : load_value(x + i - half);
+    out[i] = load_value(x + i) * load_value(cos + i) + rotated * load_value(sin + i);
+  }
+}
+
+// exp over 16 lanes: x = n ln2 + r (Cody-Waite, two parts of ln 2), e^r by its degree-7 Taylor
+// polynomial (|r| <= ln2 / 2: relative error under 2e-7), times 2^n. A fixed sequence of operations,
+// so the same inputs give the same bits wherever they are computed.
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));  // below: e^x underflows to 0 anyway
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Where key j of a query's window lies in its slot: lo + j for the first `head` keys (all of a
+// chain's; a tree node's prefix), then base + tail[j - head] (a tree node's ancestors, root first,
+// as offsets from the row's start). No list is built per query: the prefix stays a range.
+struct KeyRows {
+  int64_t lo, head = INT64_MAX, base = 0;
+  const int64_t* tail = nullptr;
+  int64_t at(int64_t j) const { return j < head ? lo + j : base + tail[j - head]; }
+};
+
+// One query head at one position over its keys, D = 16 NV, a slot's keys and values contiguous (no
+// shared prefix): the AVX-512 path of step 2 below. Key j of the n = pos + 1 - lo it reads is the
+// slot's position `keys.at(j)` (KeyRows: a chain's lo + j; a tree node's prefix, then its
+// ancestors, so a node at depth d reads its keys in the order a chain's position d does). The
+// query in registers; scores one key at a time (16 lanes over D, then the lanes summed), their
+// exponentials 16 at a time (exp512), the weighted values into NV accumulators held in registers.
+template <typename T, int NV>
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void attend_avx512(const float* q, const T* keys, const T* values, int64_t lo, int64_t pos, float scale,
+                   std::vector<float>& weights, T* dst, const KeyRows& rows) {
+  __m512 qv[NV];
+  for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(q + 16 * v);
+  const int64_t n = pos + 1 - lo;
+  weights.resize((n + 15) / 16 * 16);
+  // Scores four keys at a time: four dot products of 16 lanes, their lanes summed together by one
+  // shuffle-and-add tree (the last group padded with zero vectors), so every key's score takes the
+  // same operations wherever it falls.
+  __m128 top4 = _mm_set1_ps(-INFINITY);
+  const __m128 scale4 = _mm_set1_ps(scale);
+  for (int64_t j = 0; j < n; j += 4) {
+    __m512 a[4];
+    for (int r = 0; r < 4; ++r) {
+      if (j + r < n) {
+        const T* k = keys + rows.at(j + r) * 16 * NV;
+        a[r] = _mm512_mul_ps(qv[0], load16(k));
+        for (int v = 1; v < NV; ++v) a[r] = _mm512_fmadd_ps(qv[v], load16(k + 16 * v), a[r]);
+      } else {
+        a[r] = _mm512_setzero_ps();
+      }
+    }
+    const __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+    const __m512 t23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+    const __m512d t01d = _mm512_castps_pd(t01), t23d = _mm512_castps_pd(t23);
+    const __m512 u = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(t01d, t23d)),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(t01d, t23d)));  // 4 keys per 128-bit lane
+    const __m512 v2 = _mm512_add_ps(u, _mm512_shuffle_f32x4(u, u, 0x4E));
+    const __m512 v4 = _mm512_add_ps(v2, _mm512_shuffle_f32x4(v2, v2, 0xB1));
+    const __m128 s4 = _mm_mul_ps(_mm512_castps512_ps128(v4), scale4);  // keys j..j+3
+    const int live = int(std::min<int64_t>(4, n - j));
+    const __mmask8 mask = __mmask8((1u << live) - 1);
+    _mm_mask_storeu_ps(weights.data() + j, mask, s4);
+    top4 = _mm_mask_max_ps(top4, mask, top4, s4);
+  }
+  top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+  top4 = _mm_max_ps(top4, _mm_shuffle_ps(top4, top4, 0x55));
+  const float top = _mm_cvtss_f32(top4);
+  const __m512 top_v = _mm512_set1_ps(top);
+  __m512 sums = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 live = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, weights.data() + j), top_v));
+    _mm512_mask_storeu_ps(weights.data() + j, live, e);
+    sums = _mm512_mask_add_ps(sums, live, sums, e);
+  }
+  const float total = _mm512_reduce_add_ps(sums);
+  __m512 out[NV];
+  for (int v = 0; v < NV; ++v) out[v] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const T* val = values + rows.at(j) * 16 * NV;
+    const __m512 w = _mm512_set1_ps(weights[j]);
+    for (int v = 0; v < NV; ++v) out[v] = _mm512_fmadd_ps(w, load16(val + 16 * v), out[v]);
+  }
+  const __m512 inv = _mm512_set1_ps(total);
+  for (int v = 0; v < NV; ++v) {
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, _mm512_div_ps(out[v], inv));
+    for (int i = 0; i < 16; ++i) store_value(dst + 16 * v + i, lanes[i]);
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void Attention<T>::write(int64_t begin, int64_t end) const {  // 1. This forward's keys (with RoPE) and values into the cache.
+  std::vector<float> rotated(D);
+  for (int64_t bt = begin; bt < end; ++bt) {
+    const int64_t b = bt / T_, pos = starts[b] + bt % T_, at = depth != nullptr ? starts[b] + depth[bt] : pos;
+    const T* row = x + bt * width;
+    for (int64_t g = 0; g < Hkv; ++g) {
+      rope(row + (Hq + g) * D, ct + at * D, st + at * D, D, rotated.data());
+      T* k = cache_at(kc, slots[b], g, pos);
+      for (int64_t i = 0; i < D; ++i) store_value(k + i, rotated[i]);
+      const T* v = row + (Hq + Hkv + g) * D;
+      std::copy(v, v + D, cache_at(vc, slots[b], g, pos));
+    }
+  }
+}
+
+template <typename T>
+void Attention<T>::attend(int64_t begin, int64_t end) const {  // 2. Every query head over its keys.
+  const int64_t group = Hq / Hkv;
+  std::vector<float> q(D), acc(D), weights;
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t h = item % Hq, bt = item / Hq, b = bt / T_, g = h / group;
+    const int64_t pos = starts[b] + (depth != nullptr ? depth[bt] : bt % T_);  // the query's position
+    rope(x + bt * width + h * D, ct + pos * D, st + pos * D, D, q.data());
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+    KeyRows rows{lo};
+    if (depth != nullptr) {  // the prefix in [lo, start), then the ancestors at depth >= lo - start
+      const int64_t first = std::max<int64_t>(0, lo - starts[b]);
+      rows.head = std::max<int64_t>(0, starts[b] - lo);
+      rows.base = starts[b];
+      rows.tail = path + bt * T_ + first;
+    }
+    T* dst = o + bt * Hq * D + h * D;
+    if (wide && sources == nullptr && (D == 64 || D == 128)) {
+      const T* keys = cache_at(kc, slots[b], g, 0);
+      const T* values = cache_at(vc, slots[b], g, 0);
+      if (D == 64) {
+        attend_avx512<T, 4>(q.data(), keys, values, lo, pos, scale, weights, dst, rows);
+      } else {
+        attend_avx512<T, 8>(q.data(), keys, values, lo, pos, scale, weights, dst, rows);
+      }
+      continue;
+    }
+    weights.resize(pos + 1 - lo);
+    float top = -INFINITY;
+    for (int64_t i = lo; i <= pos; ++i) {
+      const int64_t j = rows.at(i - lo);
+      const int64_t slot = sources != nullptr ? sources[b * kv_len + j] : slots[b];
+      const T* k = cache_at(kc, slot, g, j);
+      const float s = (wide ? dot_avx512(q.data(), k, D) : avx2 ? dot_avx2(q.data(), k, D)
+                                                                 : dot_generic(q.data(), k, D)) * scale;
+      weights[i - lo] = s;
+      top = std::max(top, s);
+    }
+    float total = 0.0f;
+    for (float& w : weights) {
+      w = std::exp(w - top);
+      total += w;
+    }
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t i = lo; i <= pos; ++i) {
+      const int64_t j = rows.at(i - lo);
+      const int64_t slot = sources != nullptr ? sources[b * kv_len + j] : slots[b];
+      const T* v = cache_at(vc, slot, g, j);
+      if (wide) {
+        axpy_avx512(weights[i - lo], v, acc.data(), D);
+      } else if (avx2) {
+        axpy_avx2(weights[i - lo], v, acc.data(), D);
+      } else {
+        axpy_generic(weights[i - lo], v, acc.data(), D);
+      }
+    }
+    for (int64_t i = 0; i < D; ++i) store_value(dst + i, acc[i] / total);
+  }
+}
+
+template struct Attention<float>;
+template struct Attention<at::BFloat16>;
+
+AttentionCall attention_call(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& slots,
+                             const at::Tensor& starts, const c10::optional<at::Tensor>& sources,
+                             const c10::optional<at::Tensor>& parents, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous(), "attention: qkv [B, T, (Hq + 2 Hkv) * D], contiguous");
+  TORCH_CHECK(qkv.size(2) == (num_heads + 2 * num_kv_heads) * head_dim, "attention: qkv width ", qkv.size(2));
+  TORCH_CHECK(num_heads % num_kv_heads == 0 && head_dim % 2 == 0, "attention: heads and head_dim");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+              k_cache.size(1) == num_kv_heads && k_cache.size(3) == head_dim && v_cache.sizes() == k_cache.sizes(),
+              "attention: caches [slots, Hkv, max_len, D], contiguous");
+  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && cos_table.scalar_type() == qkv.scalar_type() &&
+              sin_table.scalar_type() == qkv.scalar_type() && cos_table.is_contiguous() && sin_table.is_contiguous(),
+              "attention: qkv, caches and RoPE tables share one dtype");
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16,
+              "attention: float32 or bfloat16, got ", qkv.scalar_type());
+  const int64_t B = qkv.size(0), T_ = qkv.size(1);
+  AttentionCall call;
+  call.slots.assign(slots.data_ptr<int64_t>(), slots.data_ptr<int64_t>() + B);
+  call.starts.assign(starts.data_ptr<int64_t>(), starts.data_ptr<int64_t>() + B);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(call.starts[b] + T_ <= k_cache.size(2) && call.starts[b] + T_ <= cos_table.size(0),
+                "attention: positions past the cache or the RoPE tables");
+  }
+  if (sources.has_value()) {
+    call.sources = sources->contiguous();
+    call.kv_len = call.sources.size(1);
+  }
+  if (parents.has_value()) {  // a tree: each node's parent, before it; the root (node 0) has none (-1)
+    const at::Tensor p = parents->contiguous();
+    TORCH_CHECK(p.scalar_type() == at::kLong && p.dim() == 2 && p.size(0) == B && p.size(1) == T_,
+                "attention: parents [B, T] int64");
+    const int64_t* up = p.data_ptr<int64_t>();
+    call.depth.assign(B * T_, 0);
+    call.path.assign(B * T_ * T_, 0);
+    for (int64_t bt = 0; bt < B * T_; ++bt) {
+      const int64_t t = bt % T_, parent = up[bt];
+      TORCH_CHECK(t == 0 ? parent == -1 : (parent >= 0 && parent < t), "attention: node ", t, " of row ", bt / T_,
+                  " has parent ", parent, " (the root's is -1, every other node's is an earlier node)");
+      if (t > 0) {
+        const int64_t from = bt - t + parent;  // the parent's (b, t) index
+        call.depth[bt] = call.depth[from] + 1;
+        std::copy(call.path.begin() + from * T_, call.path.begin() + from * T_ + call.depth[from] + 1,
+                  call.path.begin() + bt * T_);
+      }
+      call.path[bt * T_ + call.depth[bt]] = t;
+    }
+  }
+  call.out = at::empty({B, T_, num_heads * head_dim}, qkv.options());
+  return call;
+}
+
+namespace {
+
+template <typename T>
+void attention_run(const Attention<T>& a) {
+  at::parallel_for(0, a.B * a.T_, 1, [&](int64_t begin, int64_t end) { a.write(begin, end); });
+  at::parallel_for(0, a.B * a.T_ * a.Hq, 1, [&](int64_t begin, int64_t end) { a.attend(begin, end); });
+}
+
+}  // namespace
+
+at::Tensor attention(const at::Tensor& qkv, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& cos_table,
+                     const at::Tensor& sin_table, const at::Tensor& slots, const at::Tensor& starts,
+                     const c10::optional<at::Tensor>& sources, const c10::optional<at::Tensor>& parents,
+                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                     double scale, int64_t window) {
+  AttentionCall call = attention_call(qkv, k_cache, v_cache, cos_table, sin_table, slots, starts, sources, parents,
+                                      num_heads, num_kv_heads, head_dim);
+  if (qkv.scalar_type() == at::kFloat) {
+    attention_run(call.bind<float>(qkv, k_cache, v_cache, cos_table, sin_table, num_heads, num_kv_heads, head_dim,
+                                   scale, window));
+  } else {
+    attention_run(call.bind<at::BFloat16>(qkv, k_cache, v_cache, cos_table, sin_table, num_heads, num_kv_heads,
+                                          head_dim, scale, window));
+  }
+  return call.out;
+}
+
+}  // namespace cpu_ops

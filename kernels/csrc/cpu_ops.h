@@ -1,0 +1,220 @@
+// The native CPU library's shared declarations: one library built from the .cpp files beside this
+// one (kernels/native.py lists them), one file per op, bound to Python in cpu_ops.cpp. Here: the CPU
+// feature checks, the block constants, each op's entry point, and the pieces of the 4-bit matmul
+// (q4_matmul.cpp) and of attention (attention.cpp) that the decoder-layer stack (layer_stack.cpp) runs
+// inside its own parallel region. kernels/int4.py, kernels/int8.py, kernels/verify.py,
+// kernels/random.py, specstream/models/attention.py and specstream/models/base.py call the ops, each
+// beside its torch reference.
+//
+// Batch invariance: every output element is computed by one fixed sequence of operations over its
+// own inputs, whatever the number of rows in the call and however the work is split between threads
+// (threads split the output features, never a reduction). So a row's result is the same bits alone,
+// as one of γ+1 verify positions, or beside other sequences' rows: greedy speculation reproduces
+// plain decoding only then.
+//
+// Weights stay in GGUF's blocks of 32: Q4_1 (a 4-bit code per weight, a float scale d and minimum m per
+// block: w = d * q + m) and Q8_0 (an int8 code per weight, a scale d per block: w = d * q). A block's
+// contribution to a dot product is d * Σ x_i q_i (+ m * Σ x_i): the codes are exact in float32, so
+// this is the dequantized matrix's dot product up to the order of float32 additions.
+
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <algorithm>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace cpu_ops {
+
+constexpr int64_t kBlock = 32;
+constexpr int kTile = 8;  // rows per pass over a weight row (their accumulators stay in registers)
+
+// Which vector paths this CPU runs (each asked once per process).
+inline bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  return yes;
+}
+
+inline bool has_avx512_bf16() {
+  static const bool yes = has_avx512() && __builtin_cpu_supports("avx512bf16");
+  return yes;
+}
+
+inline bool has_avx512_vnni() {
+  static const bool yes = has_avx512() && __builtin_cpu_supports("avx512vnni");
+  return yes;
+}
+
+inline bool has_avx2_fma() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
+  return yes;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Each op's entry point (bound to Python in cpu_ops.cpp).
+
+// q8_matmul.cpp: x [M, K] @ Q8_0 codes [N, K] (d [N, K/32]) -> [M, N] float32.
+at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d);
+
+// q4_matmul.cpp: x [M, K] bfloat16 (float32) @ Q4_1 codes in the native layout -> [M, N] bfloat16 (float32).
+at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
+                     bool int8);
+
+// attention.cpp: RoPE, the cache write and attention over each row's own keys, for one layer.
+at::Tensor attention(const at::Tensor& qkv, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& cos_table,
+                     const at::Tensor& sin_table, const at::Tensor& slots, const at::Tensor& starts,
+                     const c10::optional<at::Tensor>& sources, const c10::optional<at::Tensor>& parents,
+                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                     double scale, int64_t window);
+
+// layer_stack.cpp: RMS norm of bfloat16 or float32 rows [M, H], each row on its own.
+at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// layer_stack.cpp: Llama decoder layers in one parallel region per forward.
+template <typename E>
+class LayerStackOf;
+
+// The stack as Python builds it: its activations' dtype is its norms' (bfloat16 or float32).
+class LayerStack {
+ public:
+  LayerStack(std::vector<std::vector<at::Tensor>> layers, double eps, int64_t num_heads, int64_t num_kv_heads,
+             int64_t head_dim, double scale, std::vector<int64_t> windows, bool int8);
+  ~LayerStack();  // where LayerStackOf is complete (layer_stack.cpp)
+
+  at::Tensor forward(const at::Tensor& x, const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v,
+                     const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& slots,
+                     const at::Tensor& starts, const c10::optional<at::Tensor>& sources,
+                     const c10::optional<at::Tensor>& parents) const;
+
+ private:
+  std::unique_ptr<LayerStackOf<float>> f32_;
+  std::unique_ptr<LayerStackOf<uint16_t>> bf16_;
+};
+
+// greedy_verify.cpp: each row's argmax of CPU float32 logits and the accepted prefix of the proposals.
+std::vector<at::Tensor> greedy_verify(const at::Tensor& logits, const at::Tensor& draft, const at::Tensor& num_draft);
+
+// race_candidates.cpp: per row, the one column that can win its exponential race, or the candidates
+// where several can.
+std::vector<at::Tensor> race_candidates(const at::Tensor& probs, const at::Tensor& keys,
+                                        const c10::optional<at::Tensor>& ids);
+
+// ---------------------------------------------------------------------------------------------------
+// The 4-bit matmul's calls in pieces (q4_matmul.cpp), for `q4_matmul` and `LayerStack`: the checked
+// operands, the rows' preparation (serial), then the output tiles (a thread's share each).
+
+// A call's per-row scratch: each row's sum per block, and for 8-bit activations its codes and scales.
+struct Q4Scratch {
+  std::vector<float> xsum, xd;  // [M, K/32]
+  std::vector<int8_t> xq;       // [M, K], each group of 4 in the order k0, k0 + 2, k0 + 1, k0 + 3
+};
+
+// One call's operands: x [M, K] bfloat16 rows, the scratch, the weight in the native layout.
+struct Q4Call {
+  const uint16_t* x;
+  float* xsum;  // [M, K/32]
+  float* xd;    // [M, K/32] (int8 only)
+  int8_t* xq;   // [M, K] (int8 only)
+  bool int8;
+  const uint8_t* codes;
+  const uint16_t* d;
+  const uint16_t* m;
+  int64_t M, K, blocks, tiles, N;
+  uint16_t* out;  // [M, N] bfloat16
+};
+
+Q4Call q4_call(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, bool int8,
+               Q4Scratch& scratch, at::Tensor& out);
+
+// One float32 call's operands (`q4_matmul` and `LayerStack`): x [M, K] rows, each row's block sums,
+// the weight in the native layout, out [M, N].
+struct Q4CallF32 {
+  const float* x;
+  float* xsum;  // [M, K/32]
+  const uint8_t* codes;
+  const uint16_t* d;
+  const uint16_t* m;
+  int64_t M, K, blocks, tiles, N;
+  float* out;
+};
+
+Q4CallF32 q4_call_f32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
+                      std::vector<float>& xsum, at::Tensor& out);
+
+// Before any tile: each row's sum over each block of 32 inputs (the minimum's term), and for 8-bit
+// activations each block's scale and codes (q4_matmul.cpp says how).
+__attribute__((target("avx512f,avx512bw")))
+void q4_prepare(const Q4Call& c);
+void q4_prepare(const Q4CallF32& c);
+
+// Output tiles [begin, end) of 16 features for every row: a thread's share.
+void q4_tiles(const Q4Call& c, int64_t begin, int64_t end);
+void q4_tiles(const Q4CallF32& c, int64_t begin, int64_t end);
+
+// ---------------------------------------------------------------------------------------------------
+// One layer's attention over the cache (attention.cpp, for `attention` and `LayerStack`), in two
+// passes a thread team can share: `write` the new keys and values (items: the B T new positions), then
+// `attend` (items: every query head at every new position). The second reads what the first wrote:
+// all of `write` must finish before `attend` starts.
+template <typename T>
+struct Attention {
+  const T* x;  // qkv [B, T, (Hq + 2 Hkv) D]
+  T *kc, *vc;  // caches [slots, Hkv, L, D]
+  const T *ct, *st;  // RoPE tables [positions, D]
+  T* o;  // out [B, T, Hq D]
+  const int64_t* slots;
+  const int64_t* starts;
+  const int64_t* sources;  // [B, kv_len] slot of each key, or null: the row's own slot
+  // A tree (null: a chain): node t of row b sits in the cache at starts[b] + t but at position
+  // starts[b] + depth[b T + t] (its RoPE), and reads the prefix and its ancestors, whose offsets
+  // from starts[b] are path[(b T + t) T + 0 .. depth] (the root 0 first, itself last).
+  const int64_t *depth, *path;
+  int64_t kv_len, B, T_, width, L, Hq, Hkv, D, window;
+  float scale;
+  bool wide;  // the AVX-512 paths (D a multiple of 16)
+  bool avx2;  // else the AVX2 paths: the generic paths' bits (D a multiple of 16)
+
+  T* cache_at(T* cache, int64_t slot, int64_t head, int64_t pos) const { return cache + ((slot * Hkv + head) * L + pos) * D; }
+
+  void write(int64_t begin, int64_t end) const;   // 1. This forward's keys (with RoPE) and values into the cache.
+  void attend(int64_t begin, int64_t end) const;  // 2. Every query head over its keys.
+};
+
+// Instantiated in attention.cpp, for the two activation dtypes.
+extern template struct Attention<float>;
+extern template struct Attention<at::BFloat16>;
+
+// The checked operands of one layer's attention (`attention` and `LayerStack`); `out` is allocated.
+struct AttentionCall {
+  std::vector<int64_t> slots, starts, depth, path;  // depth, path: a tree's (Attention), empty for chains
+  at::Tensor sources, out;
+  int64_t kv_len = 0;
+
+  template <typename T>
+  Attention<T> bind(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& cos_table,
+                    const at::Tensor& sin_table, int64_t Hq, int64_t Hkv, int64_t D, double scale, int64_t window) {
+    return {qkv.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), cos_table.data_ptr<T>(),
+            sin_table.data_ptr<T>(), out.data_ptr<T>(), slots.data(), starts.data(),
+            sources.defined() ? sources.data_ptr<int64_t>() : nullptr, depth.empty() ? nullptr : depth.data(),
+            path.empty() ? nullptr : path.data(), kv_len, qkv.size(0), qkv.size(1), qkv.size(2),
+            k_cache.size(2), Hq, Hkv, D, window, static_cast<float>(scale), has_avx512() && D % 16 == 0,
+            !has_avx512() && has_avx2_fma() && D % 16 == 0};
+  }
+};
+
+AttentionCall attention_call(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& slots,
+                             const at::Tensor& starts, const c10::optional<at::Tensor>& sources,
+                             const c10::optional<at::Tensor>& parents, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim);
+
+}  // namespace cpu_ops

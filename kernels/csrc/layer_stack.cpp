@@ -1,0 +1,305 @@
+// The Llama decoder-layer stack (`LayerStack`, specstream/models/attention.py and llama.py) and the
+// RMS norm of rows (`rms_norm`, specstream/models/base.py), which shares its rounding.
+//
+// Llama decoder layers in one call, for bfloat16 or float32 activations and 4-bit projections on
+// the native kernel (specstream/models/llama.py, `_LlamaLayer.native_weights`, decides when): the ~20
+// small torch ops a layer dispatches one by one from Python (two RMS norms, the residual adds, the
+// split of the fused projections) cost more than its matrix products on a small model. Each step
+// keeps the eager layer's rounding (specstream/models/llama.py): in bfloat16, RMS norm normalised in
+// float32 and rounded to bfloat16 before the weight's product, the residual adds, the activation and
+// its product with `up` rounded to bfloat16 as torch does; in float32, the native RMS norm and
+// float32 adds, as the eager layer computes them; every row computed on its own, so the layer stays
+// batch-invariant.
+
+#include <omp.h>
+
+#include "cpu_ops.h"
+
+namespace cpu_ops {
+namespace {
+
+float bf16_to_float(uint16_t h) {
+  const uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t to_bf16(float f) {  // round to nearest even, as torch converts
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((bits >> 16) | 0x40);  // NaN stays NaN
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return uint16_t(bits >> 16);
+}
+
+// One row of H values: normalised in float32, rounded to bfloat16, times the weight, rounded again.
+void rms_row(const uint16_t* x, const uint16_t* w, int64_t H, double eps, uint16_t* out) {
+  float total = 0.0f;
+  for (int64_t i = 0; i < H; ++i) {
+    const float v = bf16_to_float(x[i]);
+    total += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(total / float(H) + float(eps));
+  for (int64_t i = 0; i < H; ++i) {
+    const float normed = bf16_to_float(to_bf16(bf16_to_float(x[i]) * inv));
+    out[i] = to_bf16(bf16_to_float(w[i]) * normed);
+  }
+}
+
+// One row of H float32 values: the sum of squares in index order, then w * (x * inv); one call in
+// place of the ~8 ops torch's float32 RMS norm dispatches, and the cheaper for it (docs/benchmarks.md).
+void rms_row_f32(const float* x, const float* w, int64_t H, double eps, float* out) {
+  float total = 0.0f;
+  for (int64_t i = 0; i < H; ++i) total += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(total / float(H) + float(eps));
+  for (int64_t i = 0; i < H; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+
+// The share of n items that thread `tid` of a team of `team` takes: contiguous, fixed by (n, team).
+std::pair<int64_t, int64_t> share(int64_t n, int tid, int team) {
+  const int64_t chunk = (n + team - 1) / team, begin = std::min<int64_t>(n, tid * chunk);
+  return {begin, std::min<int64_t>(n, begin + chunk)};
+}
+
+// A stack of Llama decoder layers run in ONE OpenMP parallel region per forward: the team splits each
+// projection's output tiles and attention's positions and heads, and meets at a barrier between
+// phases; the small serial parts (norms, residual adds, block sums, the activation) run on the calling
+// thread while the others wait. A parallel region per phase cost a fork and a join each (~5 per layer,
+// 150 per step on a 30-layer model) and a Python call per layer its own overhead: together a sizeable
+// share of a step on a small model (docs/benchmarks.md). Every element is computed exactly as the
+// phase-by-phase ops compute it (specstream/models/llama.py's layer), so the result is the same bits.
+//
+// Each layer's operands: input norm, post-attention norm ([H], the activations' dtype), then qkv, o,
+// gate_up, down, each as (codes, d, m) in the native layout: 14 tensors. Activations are bfloat16
+// (AVX-512 BF16) or float32 (AVX2): `Act` below names what differs between them.
+template <typename E>
+struct Act;
+
+template <>
+struct Act<uint16_t> {  // bfloat16: rounded after every step, as torch rounds
+  using Call = Q4Call;
+  using Scratch = Q4Scratch;
+  using Cache = at::BFloat16;
+  static constexpr at::ScalarType kType = at::kBFloat16;
+  static float load(uint16_t v) { return bf16_to_float(v); }
+  static uint16_t store(float f) { return to_bf16(f); }
+  static uint16_t* data(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+  static Call call(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, bool int8,
+                   Scratch& scratch, at::Tensor& out) {
+    return q4_call(x, codes, d, m, int8, scratch, out);
+  }
+  static void rms(const uint16_t* x, const uint16_t* w, int64_t H, double eps, uint16_t* out) {
+    rms_row(x, w, H, eps, out);
+  }
+};
+
+template <>
+struct Act<float> {  // float32
+  using Call = Q4CallF32;
+  using Scratch = std::vector<float>;
+  using Cache = float;
+  static constexpr at::ScalarType kType = at::kFloat;
+  static float load(float v) { return v; }
+  static float store(float f) { return f; }
+  static float* data(const at::Tensor& t) { return t.data_ptr<float>(); }
+  static Call call(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, bool int8,
+                   Scratch& scratch, at::Tensor& out) {
+    TORCH_CHECK(!int8, "LayerStack: 8-bit activations are for bfloat16 layers");
+    return q4_call_f32(x, codes, d, m, scratch, out);
+  }
+  static void rms(const float* x, const float* w, int64_t H, double eps, float* out) { rms_row_f32(x, w, H, eps, out); }
+};
+
+// RMS norm of rows (the op models/base.py calls): each row on its own, so batch-invariant.
+template <typename E>
+at::Tensor rms_norm_of(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  using A = Act<E>;
+  const at::Tensor xin = x.contiguous(), win = weight.contiguous();
+  const int64_t M = xin.size(0), H = xin.size(1);
+  at::Tensor out = at::empty({M, H}, xin.options());
+  const E *xp = A::data(xin), *wp = A::data(win);
+  E* op = A::data(out);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) A::rms(xp + r * H, wp, H, eps, op + r * H);
+  });
+  return out;
+}
+
+}  // namespace
+
+at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const bool f32 = x.scalar_type() == at::kFloat;
+  TORCH_CHECK(x.dim() == 2 && (f32 || x.scalar_type() == at::kBFloat16) && weight.scalar_type() == x.scalar_type() &&
+              weight.numel() == x.size(1), "rms_norm: x [M, H] and weight [H], both bfloat16 or both float32");
+  return f32 ? rms_norm_of<float>(x, weight, eps) : rms_norm_of<uint16_t>(x, weight, eps);
+}
+
+template <typename E>
+class LayerStackOf {
+  using A = Act<E>;
+ public:
+  LayerStackOf(std::vector<std::vector<at::Tensor>> layers, double eps, int64_t num_heads, int64_t num_kv_heads,
+               int64_t head_dim, double scale, std::vector<int64_t> windows, bool int8)
+      : layers_(std::move(layers)), eps_(eps), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
+        head_dim_(head_dim), scale_(scale), windows_(std::move(windows)), int8_(int8) {
+    TORCH_CHECK(!layers_.empty() && windows_.size() == layers_.size(), "LayerStack: one window per layer");
+    for (const auto& l : layers_) {
+      TORCH_CHECK(l.size() == 14, "LayerStack: 2 norms and 4 projections as (codes, d, m) per layer");
+      TORCH_CHECK(l[0].scalar_type() == A::kType && l[1].scalar_type() == A::kType && l[0].is_contiguous() &&
+                  l[1].is_contiguous() && l[0].numel() == l[1].numel(), "LayerStack: norm weights [H] of the activations' dtype");
+    }
+  }
+
+  // x [B, T, H] (bfloat16 or float32, as the norms); k, v: each layer's cache; the rest as `attention` takes them. -> [B, T, H]
+  at::Tensor forward(const at::Tensor& x, const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v,
+                     const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& slots,
+                     const at::Tensor& starts, const c10::optional<at::Tensor>& sources,
+                     const c10::optional<at::Tensor>& parents) const {
+    const int64_t L = layers_.size();
+    TORCH_CHECK(x.dim() == 3 && x.scalar_type() == A::kType, "LayerStack: x [B, T, H] of the norms' dtype");
+    TORCH_CHECK(int64_t(k.size()) == L && int64_t(v.size()) == L, "LayerStack: a cache per layer");
+    const int64_t B = x.size(0), T_ = x.size(1), H = x.size(2), M = B * T_;
+    TORCH_CHECK(layers_[0][0].numel() == H, "LayerStack: norm weights of ", H);
+    const auto opts = x.options();
+    const at::Tensor rows = x.reshape({M, H}).contiguous();
+    at::Tensor normed = at::empty({M, H}, opts), normed2 = at::empty({M, H}, opts);
+    at::Tensor outs[2] = {at::empty({M, H}, opts), at::empty({M, H}, opts)};
+    AttentionCall attn_call;
+    at::Tensor qkv, hidden, gate_up, act, down;
+    typename A::Scratch sums[4];
+    std::vector<Layer> work;
+    for (int64_t l = 0; l < L; ++l) {
+      const auto& w = layers_[l];
+      Layer layer;
+      layer.x = A::data(l == 0 ? rows : outs[(l - 1) % 2]);
+      layer.out = A::data(outs[l % 2]);
+      layer.in_w = A::data(w[0]);
+      layer.post_w = A::data(w[1]);
+      layer.qkv = A::call(normed, w[2], w[3], w[4], int8_, sums[0], qkv);
+      const at::Tensor qkv3 = qkv.view({B, T_, qkv.size(1)});
+      if (l == 0) {
+        attn_call = attention_call(qkv3, k[0], v[0], cos_table, sin_table, slots, starts, sources, parents,
+                                   num_heads_, num_kv_heads_, head_dim_);
+      } else {
+        TORCH_CHECK(k[l].sizes() == k[0].sizes() && v[l].sizes() == k[0].sizes() && k[l].is_contiguous() &&
+                    v[l].is_contiguous() && k[l].scalar_type() == k[0].scalar_type() &&
+                    v[l].scalar_type() == k[0].scalar_type(), "LayerStack: every layer's cache like the first's");
+      }
+      at::Tensor kl = k[l], vl = v[l];
+      layer.attn = attn_call.bind<typename A::Cache>(qkv3, kl, vl, cos_table, sin_table, num_heads_, num_kv_heads_,
+                                                head_dim_, scale_, windows_[l]);
+      layer.o = A::call(attn_call.out.view({M, attn_call.out.size(2)}), w[5], w[6], w[7], int8_, sums[1], hidden);
+      TORCH_CHECK(hidden.size(1) == H, "LayerStack: o_proj gives ", hidden.size(1), " features, not ", H);
+      layer.gate_up = A::call(normed2, w[8], w[9], w[10], int8_, sums[2], gate_up);
+      const int64_t I = gate_up.size(1) / 2;
+      if (!act.defined()) act = at::empty({M, I}, opts);
+      TORCH_CHECK(act.size(1) == I, "LayerStack: every layer's intermediate size like the first's");
+      layer.down = A::call(act, w[11], w[12], w[13], int8_, sums[3], down);
+      TORCH_CHECK(down.size(1) == H, "LayerStack: down_proj gives ", down.size(1), " features, not ", H);
+      work.push_back(layer);
+    }
+    Shared shared{M, H, B * T_, B * T_ * num_heads_, eps_, A::data(normed), A::data(normed2), A::data(hidden),
+                  A::data(down), gate_up, act};
+    const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+#pragma omp parallel num_threads(threads)
+    {
+      const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+      for (const Layer& layer : work) run(layer, shared, tid, team);
+    }
+    return outs[(L - 1) % 2].view({B, T_, H});
+  }
+
+ private:
+  struct Layer {
+    const E *x, *in_w, *post_w;
+    E* out;
+    typename A::Call qkv, o, gate_up, down;
+    Attention<typename A::Cache> attn;
+  };
+  struct Shared {  // the scratch every layer reuses
+    int64_t M, H, positions, heads;
+    double eps;
+    E *normed, *normed2, *hidden, *down;
+    at::Tensor gate_up, act;
+  };
+
+  // One layer's phases; every thread of the team calls it (the barriers need them all).
+  static void run(const Layer& l, const Shared& s, int tid, int team) {
+    const int64_t M = s.M, H = s.H, I = s.act.size(1);
+#pragma omp single
+    {
+      for (int64_t r = 0; r < M; ++r) A::rms(l.x + r * H, l.in_w, H, s.eps, s.normed + r * H);
+      q4_prepare(l.qkv);
+    }  // (a single ends at a barrier)
+    auto [q0, q1] = share(l.qkv.tiles, tid, team);
+    q4_tiles(l.qkv, q0, q1);
+#pragma omp barrier
+    auto [w0, w1] = share(s.positions, tid, team);
+    l.attn.write(w0, w1);
+#pragma omp barrier
+    auto [a0, a1] = share(s.heads, tid, team);
+    l.attn.attend(a0, a1);
+#pragma omp barrier
+#pragma omp single
+    q4_prepare(l.o);
+    auto [o0, o1] = share(l.o.tiles, tid, team);
+    q4_tiles(l.o, o0, o1);
+#pragma omp barrier
+#pragma omp single
+    {
+      for (int64_t i = 0; i < M * H; ++i) s.hidden[i] = A::store(A::load(s.hidden[i]) + A::load(l.x[i]));  // o + x
+      for (int64_t r = 0; r < M; ++r) A::rms(s.hidden + r * H, l.post_w, H, s.eps, s.normed2 + r * H);
+      q4_prepare(l.gate_up);
+    }
+    auto [g0, g1] = share(l.gate_up.tiles, tid, team);
+    q4_tiles(l.gate_up, g0, g1);
+#pragma omp barrier
+#pragma omp master
+    {
+      // As torch: silu(gate) * up, by ATen's own kernels, on the calling thread: it carries the
+      // caller's thread-local state (inference mode), which the team's other threads do not.
+      at::Tensor act = s.act;
+      at::mul_out(act, at::silu(s.gate_up.narrow(1, 0, I)), s.gate_up.narrow(1, I, I));
+      q4_prepare(l.down);
+    }
+#pragma omp barrier
+    auto [d0, d1] = share(l.down.tiles, tid, team);
+    q4_tiles(l.down, d0, d1);
+#pragma omp barrier
+#pragma omp single
+    for (int64_t i = 0; i < M * H; ++i) l.out[i] = A::store(A::load(s.down[i]) + A::load(s.hidden[i]));  // down + hidden
+  }
+
+  std::vector<std::vector<at::Tensor>> layers_;
+  double eps_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double scale_;
+  std::vector<int64_t> windows_;
+  bool int8_;  // 8-bit activations in the projections (q4_tile_i8)
+};
+
+LayerStack::LayerStack(std::vector<std::vector<at::Tensor>> layers, double eps, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, double scale, std::vector<int64_t> windows, bool int8) {
+  TORCH_CHECK(!layers.empty() && !layers[0].empty(), "LayerStack: at least one layer");
+  if (layers[0][0].scalar_type() == at::kFloat) {
+    f32_ = std::make_unique<LayerStackOf<float>>(std::move(layers), eps, num_heads, num_kv_heads, head_dim, scale,
+                                                 std::move(windows), int8);
+  } else {
+    bf16_ = std::make_unique<LayerStackOf<uint16_t>>(std::move(layers), eps, num_heads, num_kv_heads, head_dim,
+                                                     scale, std::move(windows), int8);
+  }
+}
+
+LayerStack::~LayerStack() = default;
+
+at::Tensor LayerStack::forward(const at::Tensor& x, const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v,
+                               const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& slots,
+                               const at::Tensor& starts, const c10::optional<at::Tensor>& sources,
+                               const c10::optional<at::Tensor>& parents) const {
+  return f32_ ? f32_->forward(x, k, v, cos_table, sin_table, slots, starts, sources, parents)
+              : bf16_->forward(x, k, v, cos_table, sin_table, slots, starts, sources, parents);
+}
+
+}  // namespace cpu_ops

@@ -1,0 +1,356 @@
+// The 4-bit matmul (`q4_matmul`, kernels/int4.py): x [M, K] @ Q4_1 codes in kernels/int4.py's native
+// layout, by three kernels: bfloat16 activations (AVX-512 BF16), 8-bit activations from bfloat16 ones
+// (opt-in, AVX-512 VNNI) and float32 activations (AVX2). `LayerStack` (layer_stack.cpp) runs its calls'
+// pieces, declared in cpu_ops.h, inside its own parallel region.
+
+#include "cpu_ops.h"
+
+namespace cpu_ops {
+namespace {
+
+// ---------------------------------------------------------------------------------------------------
+// Q4_1 with bfloat16 activations: a weight-stationary kernel whose lanes are 16 output features.
+//
+// Layout (kernels/int4.py ``native_layout``): per tile of 16 output features t and block of 32 inputs b,
+// 256 bytes: 8 chunks of 32 bytes, chunk c covering inputs k0 = 32 b + 4 c .. k0 + 3; byte 2 i + j of a
+// chunk holds feature i's code for input k0 + j in its low nibble and for k0 + 2 + j in its high one.
+// d and m [T, B, 16] float16 (the file's half-precision scale and minimum), widened to float32 exactly.
+//
+// A chunk's 32 bytes widen to 32 words; a table lookup (vpermw reads the low 5 bits of each word) turns
+// the low nibbles, then the high ones, into the codes as bfloat16 (exact: integers 0..15): 64 weights
+// formed with four instructions, once for every row of the call. Each row then takes them in two
+// dot-product instructions against its inputs (k0, k0 + 1) and (k0 + 2, k0 + 3) broadcast to every lane:
+// s += q x exactly per product, summed in float32. A block ends with y += d s, then y += m Σx (Σx: the
+// row's sum over the block in float32, by a fixed sequence of vector additions). Everything a row's output sees is fixed by its
+// own inputs: the same bits whatever the number of rows.
+
+constexpr int64_t kQ4Tile = 16;                   // output features per tile: the lanes
+constexpr int64_t kQ4TileBytes = kQ4Tile * kBlock / 2;  // one tile's codes for one block
+
+// bfloat16 of the codes 0..15, twice (word j holds code j & 15): exact, small integers.
+alignas(64) constexpr uint16_t kCodeBf16[32] = {
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512bf16,f16c")))
+void q4_tile_bf16(const uint16_t* d, const uint16_t* m, const uint8_t* w, const uint16_t* x, const float* xsum,
+                  int64_t blocks, int64_t K, uint16_t* out, int64_t N) {
+  const __m512i lut = _mm512_load_si512(kCodeBf16);
+  __m512 y[R];
+  for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
+    const uint8_t* wb = w + kQ4TileBytes * b;
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c)));
+      const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(v, lut);
+      const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), lut);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const uint16_t* xr = x + r * K + kBlock * b + 4 * c;
+        int32_t pair0, pair1;
+        std::memcpy(&pair0, xr, 4);
+        std::memcpy(&pair1, xr + 2, 4);
+        s[r] = _mm512_dpbf16_ps(s[r], lo, (__m512bh)_mm512_set1_epi32(pair0));
+        s[r] = _mm512_dpbf16_ps(s[r], hi, (__m512bh)_mm512_set1_epi32(pair1));
+      }
+    }
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + kQ4Tile * b)));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + kQ4Tile * b)));
+    for (int r = 0; r < R; ++r) {
+      y[r] = _mm512_fmadd_ps(dv, s[r], y[r]);
+      y[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[r * blocks + b]), y[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * N), (__m256i)_mm512_cvtneps_pbh(y[r]));
+  }
+}
+
+using Q4Tile = void (*)(const uint16_t*, const uint16_t*, const uint8_t*, const uint16_t*, const float*, int64_t,
+                        int64_t, uint16_t*, int64_t);
+constexpr Q4Tile kQ4Tiles[] = {q4_tile_bf16<1>, q4_tile_bf16<2>, q4_tile_bf16<3>, q4_tile_bf16<4>,
+                               q4_tile_bf16<5>, q4_tile_bf16<6>, q4_tile_bf16<7>, q4_tile_bf16<8>};
+
+// ---------------------------------------------------------------------------------------------------
+// Q4_1 with 8-bit activations (opt-in: `activations="int8"`): the same native layout, integer dot
+// products four codes at a time (AVX-512 VNNI), as llama.cpp multiplies its 4-bit blocks.
+//
+// Each row's block of 32 inputs is quantised once per call, from its own values only: a scale
+// dx = max|x| / 127 and codes qx = nearest integer of x / dx (|qx| <= 127), stored in the order the
+// weight lanes want (below). A chunk's 32 bytes widen to 32 words; (v | v << 4) & 0x0F0F puts byte
+// 2 i + j's two codes into the two bytes of word 2 i + j, so lane i (words 2 i, 2 i + 1) holds
+// feature i's codes for inputs k0, k0 + 2, k0 + 1, k0 + 3: one instruction pair forms 64 weights as
+// bytes, and each row takes them in ONE dot-product instruction (64 products, summed exactly in
+// int32) against its four codes in that order. A block ends with y += (d dx) s, then y += m Σx (Σx in
+// float32 from the bfloat16 inputs, as the bfloat16 kernel). The weights' arithmetic is exact; the
+// activations are rounded to 8 bits per block of 32 (the error `bench step` and the tests measure).
+
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512bf16,avx512vnni,f16c")))
+void q4_tile_i8(const uint16_t* d, const uint16_t* m, const uint8_t* w, const int8_t* xq, const float* xd,
+                const float* xsum, int64_t blocks, int64_t K, uint16_t* out, int64_t N) {
+  const __m512i nibbles = _mm512_set1_epi16(0x0F0F);
+  __m512 y[R];
+  for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+    const uint8_t* wb = w + kQ4TileBytes * b;
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c)));
+      const __m512i q = _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(v, 4), nibbles, 0xA8);  // (v | v << 4) & 0x0F0F
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xq + r * K + kBlock * b + 4 * c, 4);
+        s[r] = _mm512_dpbusd_epi32(s[r], q, _mm512_set1_epi32(four));
+      }
+    }
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + kQ4Tile * b)));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + kQ4Tile * b)));
+    for (int r = 0; r < R; ++r) {
+      const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(xd[r * blocks + b]));
+      y[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(s[r]), y[r]);
+      y[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[r * blocks + b]), y[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * N), (__m256i)_mm512_cvtneps_pbh(y[r]));
+  }
+}
+
+using Q4TileI8 = void (*)(const uint16_t*, const uint16_t*, const uint8_t*, const int8_t*, const float*, const float*,
+                          int64_t, int64_t, uint16_t*, int64_t);
+constexpr Q4TileI8 kQ4TilesI8[] = {q4_tile_i8<1>, q4_tile_i8<2>, q4_tile_i8<3>, q4_tile_i8<4>,
+                                   q4_tile_i8<5>, q4_tile_i8<6>, q4_tile_i8<7>, q4_tile_i8<8>};
+
+// ---------------------------------------------------------------------------------------------------
+// Q4_1 with float32 activations, on any x86-64 CPU with AVX2, FMA and F16C: the same native layout,
+// 8 lanes a vector, so a tile's 16 features are two vectors per row.
+//
+// A chunk's 32 bytes hold features 0..7 in their first 16 (bytes 2 i + j) and 8..15 in the others.
+// The low nibbles, then the high ones, are masked out and each 16-byte half shuffled to its even
+// bytes (j = 0) then its odd ones (j = 1): inputs k0 and k0 + 1 from the low nibbles, k0 + 2 and
+// k0 + 3 from the high. Each 8 codes widen to 8 floats (exact: integers 0..15), once per call for
+// every row of it; each row then takes them by fused multiply-adds against its inputs broadcast to
+// every lane: s = Σ q x per block, in the order c = 0..7, j = 0..3. A block ends with y += d s,
+// then y += m Σx (Σx: the row's sum over the block, by a fixed sequence of vector additions), as
+// the bfloat16 kernel. Everything a row's output sees is fixed by its own inputs: the same bits
+// whatever the number of rows. Four rows share a pass (their 8 accumulators and a chunk's codes fit
+// the 16 vector registers).
+
+constexpr int kTileF32 = 4;  // rows per pass of the float32 kernel
+
+template <int R>
+__attribute__((target("avx2,fma,f16c")))
+void q4_tile_f32(const uint16_t* d, const uint16_t* m, const uint8_t* w, const float* x, const float* xsum,
+                 int64_t blocks, int64_t K, float* out, int64_t N) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  // In each 16-byte half: its even bytes, then its odd ones.
+  const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                         0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  __m256 y[R][2];
+  for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256 s[R][2];
+    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_ps();
+    const uint8_t* wb = w + kQ4TileBytes * b;
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
+      // [features 0..7 | 8..15] x [k0 + j per half]: nibbles (j: byte order of each half)
+      const __m256i nib[2] = {_mm256_shuffle_epi8(_mm256_and_si256(v, low4), split),
+                              _mm256_shuffle_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), split)};
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m256i half = nib[j >> 1];
+        const __m128i a = _mm256_castsi256_si128(half), z = _mm256_extracti128_si256(half, 1);
+        const __m128i first = (j & 1) ? _mm_srli_si128(a, 8) : a, second = (j & 1) ? _mm_srli_si128(z, 8) : z;
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(first));   // features 0..7
+        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(second));  // features 8..15
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const __m256 xj = _mm256_broadcast_ss(x + r * K + kBlock * b + 4 * c + j);
+          s[r][0] = _mm256_fmadd_ps(w0, xj, s[r][0]);
+          s[r][1] = _mm256_fmadd_ps(w1, xj, s[r][1]);
+        }
+      }
+    }
+    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + kQ4Tile * b)));
+    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + kQ4Tile * b + 8)));
+    const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + kQ4Tile * b)));
+    const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + kQ4Tile * b + 8)));
+    for (int r = 0; r < R; ++r) {
+      const __m256 sum = _mm256_set1_ps(xsum[r * blocks + b]);
+      y[r][0] = _mm256_fmadd_ps(m0, sum, _mm256_fmadd_ps(d0, s[r][0], y[r][0]));
+      y[r][1] = _mm256_fmadd_ps(m1, sum, _mm256_fmadd_ps(d1, s[r][1], y[r][1]));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * N, y[r][0]);
+    _mm256_storeu_ps(out + r * N + 8, y[r][1]);
+  }
+}
+
+using Q4TileF32 = void (*)(const uint16_t*, const uint16_t*, const uint8_t*, const float*, const float*, int64_t,
+                           int64_t, float*, int64_t);
+constexpr Q4TileF32 kQ4TilesF32[] = {q4_tile_f32<1>, q4_tile_f32<2>, q4_tile_f32<3>, q4_tile_f32<4>};
+
+// Each row's sum over each block of 32 inputs: four vectors of 8, added pairwise, then the 8 lanes
+// in a fixed order.
+__attribute__((target("avx2,fma")))
+void q4_block_sums_f32(const float* x, int64_t M, int64_t K, float* xsum) {
+  const int64_t blocks = K / kBlock;
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = x + r * K + kBlock * b;
+      const __m256 v = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                                     _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
+      const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+      const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+      xsum[r * blocks + b] = _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
+    }
+  }
+}
+
+// One call on its own: the rows' preparation, then the tiles split between threads.
+template <typename Call>
+void q4_run(const Call& call) {
+  q4_prepare(call);
+  at::parallel_for(0, call.tiles, 1, [&](int64_t begin, int64_t end) { q4_tiles(call, begin, end); });
+}
+
+}  // namespace
+
+Q4Call q4_call(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, bool int8,
+               Q4Scratch& scratch, at::Tensor& out) {
+  TORCH_CHECK(has_avx512_bf16(), "q4_matmul: needs AVX-512 BF16 (kernels/int4.py checks q4_native first)");
+  TORCH_CHECK(!int8 || has_avx512_vnni(), "q4_matmul: 8-bit activations need AVX-512 VNNI");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "q4_matmul: x [M, K] bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), blocks = K / kBlock, tiles = d.size(0), N = tiles * kQ4Tile;
+  TORCH_CHECK(K % kBlock == 0 && codes.scalar_type() == at::kByte && codes.numel() == N * K / 2,
+              "q4_matmul: codes of [N, K] in the native layout, K a multiple of 32");
+  TORCH_CHECK(d.sizes() == at::IntArrayRef({tiles, blocks, kQ4Tile}) && m.sizes() == d.sizes() &&
+              d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf, "q4_matmul: d, m [N/16, K/32, 16] float16");
+  scratch.xsum.resize(M * blocks);
+  if (int8) {
+    scratch.xd.resize(M * blocks);
+    scratch.xq.resize(M * K);
+  }
+  if (!out.defined()) out = at::empty({M, N}, x.options());
+  TORCH_CHECK(out.sizes() == at::IntArrayRef({M, N}) && out.is_contiguous() && out.scalar_type() == at::kBFloat16,
+              "q4_matmul: out [M, N] bfloat16");
+  return {reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), scratch.xsum.data(), scratch.xd.data(),
+          scratch.xq.data(), int8, codes.data_ptr<uint8_t>(),
+          reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>()),
+          M, K, blocks, tiles, N, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())};
+}
+
+// Each row's sum over each block of 32 inputs (the minimum's term), and for 8-bit activations each
+// block's scale and codes: before any tile. A block's 32 values as two vectors of 16 floats;
+// their sum and largest magnitude by fixed sequences of vector operations (the same bits wherever the
+// row is computed); codes x / dx rounded to the nearest integer (ties to even), then put in the order
+// k0, k0 + 2, k0 + 1, k0 + 3 of each group of four that the weight lanes hold.
+__attribute__((target("avx512f,avx512bw")))
+void q4_prepare(const Q4Call& c) {
+  // Bytes of a 16-byte group in the order 0, 2, 1, 3 of every four.
+  const __m256i order = _mm256_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15,
+                                         0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+  for (int64_t r = 0; r < c.M; ++r) {
+    for (int64_t b = 0; b < c.blocks; ++b) {
+      const uint16_t* xb = c.x + r * c.K + kBlock * b;
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb))), 16));
+      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))), 16));
+      c.xsum[r * c.blocks + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+      if (!c.int8) continue;
+      const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const float dx = top / 127.0f;
+      c.xd[r * c.blocks + b] = dx;
+      __m256i codes = _mm256_setzero_si256();
+      if (dx != 0.0f) {
+        const __m512 div = _mm512_set1_ps(dx);
+        const __m128i qlo = _mm512_cvtepi32_epi8(_mm512_cvt_roundps_epi32(_mm512_div_ps(lo, div),
+                                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const __m128i qhi = _mm512_cvtepi32_epi8(_mm512_cvt_roundps_epi32(_mm512_div_ps(hi, div),
+                                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        codes = _mm256_shuffle_epi8(_mm256_inserti128_si256(_mm256_castsi128_si256(qlo), qhi, 1), order);
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c.xq + r * c.K + kBlock * b), codes);
+    }
+  }
+}
+
+// Output tiles [begin, end) of 16 features for every row: a thread's share.
+void q4_tiles(const Q4Call& c, int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end; ++t) {
+    for (int64_t r0 = 0; r0 < c.M; r0 += kTile) {
+      const int64_t rows = std::min<int64_t>(kTile, c.M - r0);
+      const uint16_t *d = c.d + t * c.blocks * kQ4Tile, *m = c.m + t * c.blocks * kQ4Tile;
+      const uint8_t* w = c.codes + t * c.blocks * kQ4TileBytes;
+      uint16_t* out = c.out + r0 * c.N + t * kQ4Tile;
+      if (c.int8) {
+        kQ4TilesI8[rows - 1](d, m, w, c.xq + r0 * c.K, c.xd + r0 * c.blocks, c.xsum + r0 * c.blocks, c.blocks, c.K,
+                             out, c.N);
+      } else {
+        kQ4Tiles[rows - 1](d, m, w, c.x + r0 * c.K, c.xsum + r0 * c.blocks, c.blocks, c.K, out, c.N);
+      }
+    }
+  }
+}
+
+Q4CallF32 q4_call_f32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
+                      std::vector<float>& xsum, at::Tensor& out) {
+  TORCH_CHECK(has_avx2_fma(), "q4_matmul: float32 activations need AVX2, FMA and F16C (kernels/int4.py checks "
+              "q4_native first)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "q4_matmul: x [M, K] float32");
+  const int64_t M = x.size(0), K = x.size(1), blocks = K / kBlock, tiles = d.size(0), N = tiles * kQ4Tile;
+  TORCH_CHECK(K % kBlock == 0 && codes.scalar_type() == at::kByte && codes.numel() == N * K / 2,
+              "q4_matmul: codes of [N, K] in the native layout, K a multiple of 32");
+  TORCH_CHECK(d.sizes() == at::IntArrayRef({tiles, blocks, kQ4Tile}) && m.sizes() == d.sizes() &&
+              d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf, "q4_matmul: d, m [N/16, K/32, 16] float16");
+  xsum.resize(M * blocks);
+  if (!out.defined()) out = at::empty({M, N}, x.options());
+  TORCH_CHECK(out.sizes() == at::IntArrayRef({M, N}) && out.is_contiguous() && out.scalar_type() == at::kFloat,
+              "q4_matmul: out [M, N] float32");
+  return {x.data_ptr<float>(), xsum.data(), codes.data_ptr<uint8_t>(),
+          reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>()),
+          M, K, blocks, tiles, N, out.data_ptr<float>()};
+}
+
+void q4_prepare(const Q4CallF32& c) { q4_block_sums_f32(c.x, c.M, c.K, c.xsum); }
+
+// Output tiles [begin, end) of 16 features for every row: a thread's share.
+void q4_tiles(const Q4CallF32& c, int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end; ++t) {
+    for (int64_t r0 = 0; r0 < c.M; r0 += kTileF32) {
+      const int64_t rows = std::min<int64_t>(kTileF32, c.M - r0);
+      kQ4TilesF32[rows - 1](c.d + t * c.blocks * kQ4Tile, c.m + t * c.blocks * kQ4Tile,
+                            c.codes + t * c.blocks * kQ4TileBytes, c.x + r0 * c.K, c.xsum + r0 * c.blocks, c.blocks,
+                            c.K, c.out + r0 * c.N + t * kQ4Tile, c.N);
+    }
+  }
+}
+
+at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
+                     bool int8) {
+  const at::Tensor xin = x.contiguous();
+  at::Tensor out;
+  if (x.scalar_type() == at::kFloat) {  // AVX2: x [M, K] float32 -> [M, N] float32
+    TORCH_CHECK(!int8, "q4_matmul: 8-bit activations are for bfloat16 inputs");
+    std::vector<float> xsum;
+    q4_run(q4_call_f32(xin, codes, d, m, xsum, out));
+    return out;
+  }
+  Q4Scratch scratch;
+  q4_run(q4_call(xin, codes, d, m, int8, scratch, out));
+  return out;
+}
+
+}  // namespace cpu_ops

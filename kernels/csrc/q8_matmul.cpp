@@ -1,0 +1,176 @@
+// The 8-bit matmul (`q8_matmul`, kernels/int8.py): x [M, K] @ Q8_0 codes [N, K] -> [M, N] float32, for
+// bfloat16 rows (AVX-512 BF16), float32 rows (AVX-512 or AVX2) and a generic path for any CPU.
+
+#include "cpu_ops.h"
+
+namespace cpu_ops {
+namespace {
+
+// Activations as float32 rows.
+at::Tensor as_float_rows(const at::Tensor& x) {
+  return x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Q8_0: codes [N, K] int8, d [N, K/32] float32.
+
+template <int R>
+__attribute__((target("avx512f,avx512bw")))
+void q8_rows_avx512(const int8_t* codes, const float* d, const float* x, int64_t blocks, int64_t K, float* out,
+                    int64_t N) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* c = codes + kBlock * b;
+    __m512 q_lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
+    __m512 q_hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16))));
+    __m512 scale = _mm512_set1_ps(d[b]);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * K + kBlock * b;
+      __m512 s = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), q_hi, _mm512_mul_ps(_mm512_loadu_ps(xb), q_lo));
+      acc[r] = _mm512_fmadd_ps(scale, s, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * N] = _mm512_reduce_add_ps(acc[r]);
+}
+
+// AVX2: the generic path's 16 lanes as two vectors of 8, each lane the same operations (x q, a fused
+// x q + s, a fused d s + acc), then the 16 lanes summed in index order: the generic path's bits.
+template <int R>
+__attribute__((target("avx2,fma")))
+void q8_rows_avx2(const int8_t* codes, const float* d, const float* x, int64_t blocks, int64_t K, float* out,
+                  int64_t N) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* c = codes + kBlock * b;
+    __m256 q[4];  // codes 0..7, 8..15, 16..23, 24..31
+    for (int i = 0; i < 4; ++i) {
+      q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * i))));
+    }
+    const __m256 scale = _mm256_set1_ps(d[b]);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * K + kBlock * b;
+      for (int h = 0; h < 2; ++h) {
+        const __m256 s = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16 + 8 * h), q[2 + h],
+                                         _mm256_mul_ps(_mm256_loadu_ps(xb + 8 * h), q[h]));
+        acc[r][h] = _mm256_fmadd_ps(scale, s, acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float lanes[16];
+    _mm256_storeu_ps(lanes, acc[r][0]);
+    _mm256_storeu_ps(lanes + 8, acc[r][1]);
+    float total = 0.0f;
+    for (float v : lanes) total += v;
+    out[r * N] = total;
+  }
+}
+
+// bfloat16 activations: each block's weights are formed once, w = d * q in float32 (exact: a half
+// scale times an 8-bit code) rounded to bfloat16 — the very values of the dense bfloat16 matrix
+// dequantized from the same blocks — then each row takes the block's 32 products in one dot-product
+// instruction. Two accumulators per row (even and odd blocks), in the same order for every row.
+__attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) inline
+__m512bh q8_block_bf16(const int8_t* codes, float d) {
+  __m512 scale = _mm512_set1_ps(d);
+  __m512 lo = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)))));
+  __m512 hi = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16)))));
+  return _mm512_cvtne2ps_pbh(hi, lo);  // weights 0..31 in order
+}
+
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+void q8_rows_bf16(const int8_t* codes, const float* d, const uint16_t* x, int64_t blocks, int64_t K, float* out,
+                  int64_t N) {
+  __m512 even[R], odd[R];
+  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    __m512bh w0 = q8_block_bf16(codes + kBlock * b, d[b]);
+    __m512bh w1 = q8_block_bf16(codes + kBlock * (b + 1), d[b + 1]);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const uint16_t* xr = x + r * K + kBlock * b;
+      even[r] = _mm512_dpbf16_ps(even[r], (__m512bh)_mm512_loadu_si512(xr), w0);
+      odd[r] = _mm512_dpbf16_ps(odd[r], (__m512bh)_mm512_loadu_si512(xr + kBlock), w1);
+    }
+  }
+  if (b < blocks) {
+    __m512bh w0 = q8_block_bf16(codes + kBlock * b, d[b]);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) even[r] = _mm512_dpbf16_ps(even[r], (__m512bh)_mm512_loadu_si512(x + r * K + kBlock * b), w0);
+  }
+  for (int r = 0; r < R; ++r) out[r * N] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+}
+
+using Q8Rows = void (*)(const int8_t*, const float*, const float*, int64_t, int64_t, float*, int64_t);
+using Q8RowsBf16 = void (*)(const int8_t*, const float*, const uint16_t*, int64_t, int64_t, float*, int64_t);
+constexpr Q8RowsBf16 kQ8RowsBf16[] = {q8_rows_bf16<1>, q8_rows_bf16<2>, q8_rows_bf16<3>, q8_rows_bf16<4>,
+                                      q8_rows_bf16<5>, q8_rows_bf16<6>, q8_rows_bf16<7>, q8_rows_bf16<8>};
+constexpr Q8Rows kQ8Rows[] = {q8_rows_avx512<1>, q8_rows_avx512<2>, q8_rows_avx512<3>, q8_rows_avx512<4>,
+                              q8_rows_avx512<5>, q8_rows_avx512<6>, q8_rows_avx512<7>, q8_rows_avx512<8>};
+constexpr Q8Rows kQ8RowsAvx2[] = {q8_rows_avx2<1>, q8_rows_avx2<2>, q8_rows_avx2<3>, q8_rows_avx2<4>};
+
+float q8_dot_generic(const int8_t* codes, const float* d, const float* x, int64_t blocks) {
+  float lanes[16] = {0};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* c = codes + kBlock * b;
+    const float* xb = x + kBlock * b;
+    for (int i = 0; i < 16; ++i) {
+      float s = xb[i] * float(c[i]);
+      s = std::fma(xb[16 + i], float(c[16 + i]), s);
+      lanes[i] = std::fma(d[b], s, lanes[i]);
+    }
+  }
+  float total = 0.0f;
+  for (float v : lanes) total += v;
+  return total;
+}
+
+}  // namespace
+
+at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && codes.scalar_type() == at::kChar, "q8_matmul: x [M, K], codes [N, K] int8");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), blocks = K / kBlock;
+  TORCH_CHECK(codes.size(1) == K && K % kBlock == 0, "q8_matmul: codes [N, K] with K = ", K, " a multiple of 32");
+  TORCH_CHECK(d.sizes() == at::IntArrayRef({N, blocks}) && d.scalar_type() == at::kFloat, "q8_matmul: d [N, K/32] float32");
+  const bool bf16 = x.scalar_type() == at::kBFloat16 && has_avx512_bf16();
+  at::Tensor xin = bf16 ? x.contiguous() : as_float_rows(x);
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const float* dp = d.data_ptr<float>();
+  const float* xp = bf16 ? nullptr : xin.data_ptr<float>();
+  const uint16_t* xh = bf16 ? reinterpret_cast<const uint16_t*>(xin.data_ptr<at::BFloat16>()) : nullptr;
+  float* op = out.data_ptr<float>();
+  const bool wide = has_avx512(), avx2 = !wide && has_avx2_fma();
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t r0 = 0; r0 < M; r0 += kTile) {
+        const int64_t rows = std::min<int64_t>(kTile, M - r0);
+        if (bf16) {
+          kQ8RowsBf16[rows - 1](cp + n * K, dp + n * blocks, xh + r0 * K, blocks, K, op + r0 * N + n, N);
+          continue;
+        }
+        if (wide) {
+          kQ8Rows[rows - 1](cp + n * K, dp + n * blocks, xp + r0 * K, blocks, K, op + r0 * N + n, N);
+          continue;
+        }
+        if (avx2) {  // four rows at a time: their 8 accumulators and a block's codes fit the registers
+          for (int64_t r1 = r0; r1 < r0 + rows; r1 += 4) {
+            const int64_t four = std::min<int64_t>(4, r0 + rows - r1);
+            kQ8RowsAvx2[four - 1](cp + n * K, dp + n * blocks, xp + r1 * K, blocks, K, op + r1 * N + n, N);
+          }
+          continue;
+        }
+        for (int64_t r = r0; r < r0 + rows; ++r) {
+          op[r * N + n] = q8_dot_generic(cp + n * K, dp + n * blocks, xp + r * K, blocks);
+        }
+      }
+    }
+  });
+  return out;  // float32 logits
+}
+
+}  // namespace cpu_ops
