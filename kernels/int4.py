@@ -9,7 +9,7 @@ by one of two kernels; ``q4_linear_reference`` is the torch reference beside the
 
 The two kernels:
 - the native one, with the native library built (kernels/native.py): ``q4_matmul`` in
-  kernels/csrc/cpu_ops.cpp, for bfloat16 activations on a CPU with AVX-512 BF16 and for float32
+  kernels/csrc/q4_matmul.cpp, for bfloat16 activations on a CPU with AVX-512 BF16 and for float32
   activations on one with AVX2, FMA and F16C (``q4_native``). Weight-stationary: each block's codes
   are formed once per call and applied to every row, so a verify over a few positions reads the
   weights once (ATen's kernel takes rows 4 at a time and forms the weights again for every 4).
@@ -70,7 +70,7 @@ def q4_native(dtype: torch.dtype) -> bool:
 def native_layout(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """codes [N, K] uint8 0..15, scale and min [N, K/GROUP] -> the native kernel's operands
-    (kernels/csrc/cpu_ops.cpp, "Q4_1 with bfloat16 activations"): per tile of 16 features and block
+    (kernels/csrc/q4_matmul.cpp, "Q4_1 with bfloat16 activations"): per tile of 16 features and block
     of 32 inputs, 8 chunks of 32 bytes, byte 2i+j of chunk c holding feature i's codes for inputs
     4c+j (low nibble) and 4c+2+j (high); and d, m [N/16, K/32, 16] float16 (GGUF's scales and mins
     are half precision; ``rtn_parts`` rounds its own to it)."""

@@ -4,7 +4,7 @@ block of 32 (w = d * q), read at 8.5 bits a weight instead of bfloat16's 16.
 Contract: ``Q8Weight.from_exact(dense)`` recovers the blocks from a float32 matrix whose every block
 IS a Q8_0 block (what converting a GGUF file's Q8_0 tensor to float32 gives: d * q exactly), or
 returns None when some block is not; ``q8_linear(x, w)`` is x @ wᵀ in float32 through the native
-CPU kernel (kernels/csrc/cpu_ops.cpp), which forms each block's weights once per call and reads
+CPU kernel (kernels/csrc/q8_matmul.cpp), which forms each block's weights once per call and reads
 them for every row; ``q8_linear_reference`` is the torch reference beside it (and serves when the
 native library is off).
 

@@ -236,7 +236,7 @@ _BLOCK, _GRAIN = 64, 32768
 
 def _race_candidates(probs: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None = None
                      ) -> torch.Tensor | None:
-    """``race`` through the native library's log-free bounds (kernels/csrc/cpu_ops.cpp,
+    """``race`` through the native library's log-free bounds (kernels/csrc/race_candidates.cpp,
     ``race_candidates``): a row where one column can win gets it with no noise computed at all (most
     rows); the columns of a row where several can are scored here. None without the library (or
     for a table it does not take)."""

@@ -7,7 +7,7 @@ accepted run is the target's own argmax there (the correction, or the bonus toke
 proposal was accepted). Since accepted proposals equal the target's argmax, a row emits exactly
 `target_tokens[b, : num_accepted[b] + 1]`.
 
-On CPU float32 logits the native library does it in one call (kernels/csrc/cpu_ops.cpp,
+On CPU float32 logits the native library does it in one call (kernels/csrc/greedy_verify.cpp,
 ``greedy_verify``: the argmax by torch.argmax's rule, first largest, NaN above all), not the five
 torch ops of the reference. On the Triton backend each row's 1-best comes from the fused row pass
 (kernels/row_pass.py: the vocabulary split across programs), reading logits or the hidden states

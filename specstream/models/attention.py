@@ -44,7 +44,7 @@ class NativeLayer:
 
 @dataclass(frozen=True)
 class NativeStack:
-    """Consecutive Llama layers as one native call (kernels/csrc/cpu_ops.cpp, ``LayerStack``): one
+    """Consecutive Llama layers as one native call (kernels/csrc/layer_stack.cpp, ``LayerStack``): one
     OpenMP parallel region per forward for all of them, where a call per layer cost a Python call
     and ~5 forks and joins each (a sizeable share of a step on a 30-layer model: docs/benchmarks.md,
     "Figures behind design choices")."""

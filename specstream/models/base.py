@@ -55,7 +55,7 @@ def with_kept_layers(final: torch.Tensor, kept: list[torch.Tensor], eps: float) 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm with transformers' rounding: normalise in float32, round to x's dtype, then scale.
     On CPU, bfloat16 and float32 without gradients take the native op where it is built
-    (kernels/csrc/cpu_ops.cpp): one call instead of the ~8 ops torch dispatches for it, and in
+    (kernels/csrc/layer_stack.cpp): one call instead of the ~8 ops torch dispatches for it, and in
     bfloat16 the very arithmetic of the native decoder layer, so a model gives the same bits op by
     op and fused."""
     if (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and weight.dtype == x.dtype

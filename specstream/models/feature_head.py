@@ -135,7 +135,7 @@ class FeatureHead(nn.Module):
 
     def _native_stack(self, dtype: torch.dtype) -> object | None:
         """The layer as one call of the native op that runs the target's decoder layers
-        (kernels/csrc/cpu_ops.cpp, ``LayerStack``: norm, projections, RoPE, the cache write,
+        (kernels/csrc/layer_stack.cpp, ``LayerStack``: norm, projections, RoPE, the cache write,
         attention, MLP and residuals in one OpenMP region), where it is served in bfloat16 with
         every projection 4-bit on the native kernel (q and kv fused into one qkv, the target's
         layout); else None (the layer runs op by op). One call instead of ~20 ops, whose per-op
@@ -273,7 +273,7 @@ class FeatureHead(nn.Module):
 
     def _attend_native(self, x: torch.Tensor, cache: HeadCache, slot: int, start: int) -> torch.Tensor | None:
         """``_attend_cached`` in the native CPU op the target's layers use (RoPE, the cache write and
-        attention over each position's keys, kernels/csrc/cpu_ops.cpp), for bfloat16 and float32
+        attention over each position's keys, kernels/csrc/attention.cpp), for bfloat16 and float32
         served heads, where torch's attention for one query was dear (docs/benchmarks.md, "Figures
         behind design choices"). None where it does
         not apply."""

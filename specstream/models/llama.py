@@ -62,7 +62,7 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 # it off to measure the op-by-op path beside it.
 FUSED_LAYERS = True
 # Whether the native layers round their projections' inputs to 8 bits per block of 32 (integer dot
-# products, kernels/csrc/cpu_ops.cpp ``q4_tile_i8``): faster for verify windows, but ~4x the logit
+# products, kernels/csrc/q4_matmul.cpp ``q4_tile_i8``): faster for verify windows, but ~4x the logit
 # error of the bfloat16 path on SmolLM2 (docs/benchmarks.md, "Decoding at the hardware's limit"). Off:
 # `bench step` measures it beside the served path; nothing serves it.
 INT8_ACTIVATIONS = False
@@ -214,7 +214,7 @@ class _LlamaLayer(nn.Module):
                            self.num_kv_heads, self.head_dim, self.scale, self.window or 0)
 
     def native_weights(self, dtype: torch.dtype) -> list[torch.Tensor] | None:
-        """The four projections' operands for the native layers (kernels/csrc/cpu_ops.cpp,
+        """The four projections' operands for the native layers (kernels/csrc/layer_stack.cpp,
         ``LayerStack``) when this layer is what they compute: bfloat16 or float32, every projection
         4-bit on the native kernel, no biases, SiLU; else None (the layer runs op by op).
         ``FUSED_LAYERS`` False turns it off (the op-by-op path is the reference)."""

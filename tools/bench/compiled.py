@@ -1,6 +1,6 @@
 """gpt-fast's recipe for a compiled decode step, measured beside the served one (`bench step --compiled`).
 
-The served target runs its layers as one native call (kernels/csrc/cpu_ops.cpp, ``LayerStack``).
+The served target runs its layers as one native call (kernels/csrc/layer_stack.cpp, ``LayerStack``).
 The other way to remove the ~20 small ops a layer dispatches is a compiler: a static KV cache whose
 positions are tensors (the served cache keeps its bookkeeping in Python integers, which dynamo
 guards on: it recompiled at every new position), the whole forward as one function of
