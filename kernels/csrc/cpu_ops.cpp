@@ -1,6 +1,8 @@
 // The native CPU library's Python module: every op's binding, in one place (kernels/native.py builds
 // this file with the per-op .cpp files beside it into one library; cpu_ops.h declares what they share).
 
+#include <torch/extension.h>
+
 #include "cpu_ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {

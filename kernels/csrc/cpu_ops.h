@@ -19,8 +19,11 @@
 
 #pragma once
 
-#include <torch/extension.h>
+// ATen's tensor and the few ops the kernels call, not <torch/extension.h> (pybind11 and torch's whole
+// C++ front end): every op's file parses this header, and only cpu_ops.cpp binds to Python.
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <immintrin.h>
 #include <cmath>

@@ -11,6 +11,8 @@
 // float32 adds, as the eager layer computes them; every row computed on its own, so the layer stays
 // batch-invariant.
 
+#include <ATen/ops/mul.h>
+#include <ATen/ops/silu.h>
 #include <omp.h>
 
 #include "cpu_ops.h"
