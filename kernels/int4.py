@@ -13,9 +13,9 @@ The two kernels:
   activations on one with AVX2, FMA and F16C (``q4_native``). Weight-stationary: each block's codes
   are formed once per call and applied to every row, so a verify over a few positions reads the
   weights once (ATen's kernel takes rows 4 at a time and forms the weights again for every 4).
-  ``native_layout`` is its packing. Measured on 2 cores (3072 x 576, bfloat16, AVX-512): 38 / 56 /
-  93 / 216 us at 1 / 4 / 8 / 16 rows, against ATen's 74 / 102 / 194 / 422 (``specstream bench step``
-  shows both in a whole forward).
+  ``native_layout`` is its packing. It measured faster than ATen's kernel at every row count from 1
+  to 16 (docs/benchmarks.md, "Figures behind design choices"; ``specstream bench step`` shows both
+  in a whole forward).
 - otherwise ATen's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``).
 
 Why: at batch 1 a decode step on a CPU reads every weight once, so its time is the weights' bytes

@@ -2,8 +2,9 @@
 
 The γ controller prices every choice with the engine's own verify cost (target_service/gamma.py,
 ``CostModel``). Learnt online only, a new server knows nothing: its first steps either explore
-deep (a γ of 10 at batch 8 once cost ~10 plain steps on SmolLM2) or guess, and at batch sizes
-where speculation rarely pays it takes many steps to find out. Kernels also work in blocks (the CPU
+deep (a γ of 10 at batch 8 once cost several plain steps on SmolLM2: docs/benchmarks.md, "Figures
+behind design choices") or guess, and at batch sizes where speculation rarely pays it takes many
+steps to find out. Kernels also work in blocks (the CPU
 int4 kernel takes rows 4 at a time), a staircase an online fit learns one size at a time. So the
 engine times one forward per shape here, at start-up, and the controller starts from those.
 

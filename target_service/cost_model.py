@@ -20,16 +20,17 @@ class CostModel:
     forward + verification); positions = rows × (depth + 1): the forward is one rectangle, so a row
     with fewer proposals than the deepest is padded and costs as much as if it had proposed;
     sampled_rows = the sampling rows that proposed, each of which settles by Leviathan's rule (its
-    p at every position, its q's support, the residual) where a greedy row takes an argmax: on 2
-    CPU cores ~1.5 ms more than a greedy row at γ = 1, as much as two more positions. r is a
-    per-size correction (an EMA of what the line missed at that size, once measured): kernels work
-    in blocks, so the true cost is a staircase — the CPU int4 kernel takes rows 4 at a time, and on
-    SmolLM2 a verify over 4 positions costs 1.06× a step, over 5 1.3× — which a line alone smooths
-    away, making the first position of a new block look cheap for ever. Sizes never measured get the line;
+    p at every position, its q's support, the residual) where a greedy row takes an argmax: on a
+    small CPU as much as a couple more positions (docs/benchmarks.md, "Figures behind design
+    choices"). r is a per-size correction (an EMA of what the line missed at that size, once
+    measured): kernels work in blocks, so the true cost is a staircase — the CPU int4 kernel takes
+    rows 4 at a time, so on SmolLM2 a verify over 5 positions costs much more than one over 4 (same
+    section) — which a line alone smooths away, making the first position of a new block look cheap
+    for ever. Sizes never measured get the line;
     draft(depth, proposals, fed, sampled) = d0 + d1·depth + d2·proposals + d3·fed + d4·sampled
     (depth = the largest γ: the draft's sequential forwards; proposals = Σγ; fed = the tokens the
     draft had to take in first; sampled = the proposals of sampling rows, each of which also builds
-    and sends its q: ~0.3 ms more than a greedy guess on 2 CPU cores), 0 when nothing is proposed;
+    and sends its q, so it costs more than a greedy guess), 0 when nothing is proposed;
     other = the rest of a step (an EMA). Slopes are clamped at 0 when predicting. The engine seeds
     the verify terms before its first request (target_service/calibration.py: one forward per step
     shape, and one sampling row's verification) and the draft terms once the draft is connected
@@ -40,8 +41,9 @@ class CostModel:
 
     The fed term keeps catch-up out of the price of a guess: a row's first proposal feeds the draft
     its whole prompt, and a row that sat at γ = 0 feeds everything since. Without the term one such
-    step (8 prompts of 150 tokens: ~40 ms) read as 36 ms per draft forward, γ = 0 then looked best
-    for every row, and no later step corrected it. A choice is priced with one token fed per
+    step (8 prompts of 150 tokens) read as a draft forward dearer than the target's whole step
+    (docs/benchmarks.md, "Figures behind design choices"), γ = 0 then looked best for every row,
+    and no later step corrected it. A choice is priced with one token fed per
     drafting row, what a row that drafts every step feeds."""
 
     # Prior variances over a noise of ~1 ms. Verify: the intercept takes the first sample whole and

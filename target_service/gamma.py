@@ -25,9 +25,10 @@ pays for it: the branch at depth j stands when the chain's first j guesses stood
 its (j+1)-th failed and the runner-up is the target's token, α^j (1 − α) β (β: how often a
 runner-up beside a failed guess was right, pooled over greedy rows and over sampled rows apart,
 from a prior of 0.3), each token
-worth the pass's seconds per token; the price is the measured verify curve's slope. On 2 CPU
-cores a position costs ~1 ms, and few branches pay. ``fixed`` gives every row that drafts all
-the branches allowed (``TargetConfig.tree_branches``); ``hf`` and ``leviathan`` chains.
+worth the pass's seconds per token; the price is the measured verify curve's slope. On a small
+CPU a position is dear, and few branches pay (docs/benchmarks.md, "Figures behind design
+choices"). ``fixed`` gives every row that drafts all the branches allowed
+(``TargetConfig.tree_branches``); ``hf`` and ``leviathan`` chains.
 Under goodput a request's fixed γ is a chain of γ: only speculation=auto rows branch.
 
 Knows nothing about models, tokens or gRPC: rows are ids with a few facts, costs are seconds.
@@ -170,8 +171,8 @@ class GammaController:
         self.probe_share = probe_share
         self._probe_credit = 0.0
         # Speculate only for a predicted gain of at least this share over the plain step: the
-        # predictions are estimates (an α from a few passes, step times that drift by ±10% on a
-        # shared machine, optimism while exploring), and a marginal predicted gain is as likely a
+        # predictions are estimates (an α from a few passes, step times that drift on a shared
+        # machine, optimism while exploring), and a marginal predicted gain is as likely a
         # loss: steps with proposals ran longer than predicted, and without this margin automatic γ
         # ran slower than plain (docs/benchmarks.md, "Figures behind design choices").
         self.min_gain = min_gain
@@ -423,9 +424,10 @@ class GammaController:
 
     def _goodput_one(self, gammas: list[int], row: RowView, limit: int, alpha: float) -> None:
         """``_goodput`` for a step of one row (batch 1, the latency case), in place: every depth up to
-        its limit, in as many predictions. The search's vector arithmetic cost 137 µs a step alone on 2
-        CPU cores (~0.3 ms inside the engine, 5% of a SmolLM2 step), paid on every step of an auto row
-        even when it decodes plainly; this costs 27 µs and chooses as the search would (tests/test_gamma.py)."""
+        its limit, in as many predictions. The search's vector arithmetic is a noticeable share of a
+        SmolLM2 step, paid on every step of an auto row even when it decodes plainly; this is several
+        times cheaper (docs/benchmarks.md, "Figures behind design choices") and chooses as the search
+        would (tests/test_gamma.py)."""
         costs = self.costs
         sampled = int(not row.greedy)
         plain_s = costs.step_s(1, 0, 0, 0)

@@ -12,8 +12,8 @@ and prints each kernel's bytes against the limit. Exit status 1 if one does not 
     TRITON_INTERPRET=0 python tools/kernel_resources.py [--arch 90] [--limit-kib K] [--dtypes bfloat16]
         [--only "greedy,n-best"] [--json FILE]
 
-All of them take 3-6 minutes on a 2-core machine (the sampling and verification variants ~1 minute
-each); the test runs the two quickest, whose tiles are the others' (the same head GEMM step).
+All of them take minutes on a small machine (docs/benchmarks.md, "Figures behind design choices");
+the test runs the two quickest, whose tiles are the others' (the same head GEMM step).
 
 It must run in a process of its own: the kernels' modules must be imported with the interpreter off.
 """

@@ -276,9 +276,10 @@ def command_lines(spec: StackSpec, target_model: str, addresses: dict[str, str],
 def _child_env() -> dict[str, str]:
     """The services' environment. On CPU the three processes share the cores and take turns
     (draft, then target): OpenMP threads that keep spinning after a forward steal the core the
-    other process needs next. A short spin (libgomp's GOMP_SPINCOUNT) measured 10-15% faster
-    speculative steps on 2 cores with no loss for plain decoding; a value set by the user wins.
-    The services' security variables are dropped: a stack is secured by `StackSpec.security` alone."""
+    other process needs next. A short spin (libgomp's GOMP_SPINCOUNT) measured faster speculative
+    steps with no loss for plain decoding (docs/benchmarks.md, "Figures behind design choices"); a
+    value set by the user wins. The services' security variables are dropped: a stack is secured by
+    `StackSpec.security` alone."""
     env = {name: value for name, value in os.environ.items() if name not in SERVICE_SECURITY_ENV}
     env.setdefault("GOMP_SPINCOUNT", "10000")
     return env

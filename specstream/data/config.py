@@ -207,7 +207,8 @@ class MemoryConfig:
     """Keeping a model service's native memory flat while it serves (specstream/serving/native_memory.py)."""
 
     # Entries kept by oneDNN's and ideep's shape-keyed kernel caches (default 1,024 each, which
-    # grew a target by 14 MB/min for minutes: decode shapes change every step).
+    # grew a target's memory for minutes: decode shapes change every step; docs/benchmarks.md,
+    # "Figures behind design choices").
     kernel_cache_capacity: int = 16
     heap_trim_interval_s: float = 10.0  # glibc malloc_trim on the torch thread this often; 0: never
 

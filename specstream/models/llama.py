@@ -62,9 +62,9 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 # it off to measure the op-by-op path beside it.
 FUSED_LAYERS = True
 # Whether the native layers round their projections' inputs to 8 bits per block of 32 (integer dot
-# products, kernels/csrc/q4_matmul.cpp ``q4_tile_i8``): faster for verify windows, but ~4x the logit
-# error of the bfloat16 path on SmolLM2 (docs/benchmarks.md, "Decoding at the hardware's limit"). Off:
-# `bench step` measures it beside the served path; nothing serves it.
+# products, kernels/csrc/q4_matmul.cpp ``q4_tile_i8``): faster for verify windows, but several times
+# the logit error of the bfloat16 path on SmolLM2 (docs/benchmarks.md, "Decoding at the hardware's
+# limit"). Off: `bench step` measures it beside the served path; nothing serves it.
 INT8_ACTIVATIONS = False
 
 

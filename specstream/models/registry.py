@@ -93,8 +93,9 @@ def resolve_model(ref: str | Path) -> Path:
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> str:
-    """``auto``: bfloat16 where matmuls run natively in it (2-3x less memory traffic than float32),
-    float32 elsewhere; any other value is returned as it is."""
+    """``auto``: bfloat16 where matmuls run natively in it (less memory traffic than float32, and
+    faster: docs/benchmarks.md, "Figures behind design choices"), float32 elsewhere; any other value
+    is returned as it is."""
     if dtype != "auto":
         return dtype
     import torch  # lazily: the gateway resolves references without torch

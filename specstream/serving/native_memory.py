@@ -6,17 +6,18 @@ Two things made a target's and a draft's resident memory grow for as long as the
 - **Kernel caches keyed by shape.** On a CPU, torch's bfloat16 matmuls go through oneDNN, which keeps
   a compiled primitive per operand shape, and ideep (torch's oneDNN wrapper) keeps its own cache of
   them; both hold up to 1,024 entries by default. Every decode step has new attention shapes (the
-  keys grow by a token), so both caches fill for a long time: +14 MB/min of malloc'd memory after
-  4 minutes of SmolLM2, still rising. Capped at 16 entries, the same load allocates nothing new
-  after its first minute and runs as fast (691 against 694 requests in 4 minutes).
+  keys grow by a token), so both caches fill for a long time: malloc'd memory still rose minutes
+  into a SmolLM2 run. Capped at 16 entries, the same load stops allocating after its first minute
+  and runs as fast (docs/benchmarks.md, "Figures behind design choices").
   ``bound_kernel_caches`` sets both capacities; each library reads its variable once, when it
   first builds a kernel, so it runs at start-up, before the model loads.
 - **Freed memory glibc keeps.** A forward's temporaries are freed into the heap, and a batch
-  bigger than any before leaves a high-water mark the process never gives back (a draft jumped by
-  560 MB once, 8 minutes into a soak). ``HeapTrimmer`` calls glibc's ``malloc_trim`` every few
-  seconds on the service's torch thread, between forwards, so nothing allocates while it runs:
-  a millisecond or two each time on SmolLM2, and the resident size follows what is really in use. On a C library
-  without ``malloc_trim`` (musl, macOS) it does nothing and says so once.
+  bigger than any before leaves a high-water mark the process never gives back (a draft's resident
+  size jumped once, minutes into a soak). ``HeapTrimmer`` calls glibc's ``malloc_trim`` every few
+  seconds on the service's torch thread, between forwards, so nothing allocates while it runs
+  (its cost: docs/benchmarks.md, "Figures behind design choices"), and the resident size follows
+  what is really in use. On a C library without ``malloc_trim`` (musl, macOS) it does nothing and
+  says so once.
 """
 
 from __future__ import annotations

@@ -333,8 +333,8 @@ def measure_offline(target_dir: Path, records: list[Record], features: dict, hea
 
 def costs_in_a_fresh_process(target_dir: Path, draft_dir: Path) -> dict:
     """``measure_feature_costs`` in a new interpreter: in this one, after the records, the target's
-    parts and the head were loaded (or engines ran), a target step timed 2-2.5x as slow as alone,
-    which would understate c as much."""
+    parts and the head were loaded (or engines ran), a target step timed a lot slower than alone
+    (docs/benchmarks.md, "Figures behind design choices"), which would understate c as much."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
