@@ -8,6 +8,8 @@ through its own kernel, whose rows are independent.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -31,6 +33,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Q4Weight | Q8Weight, bias: to
     for 2-3 rows and for the last 1-3 rows of 5-11 (checked: a row's bits matched across 1..300
     rows once padded). So rows are padded, with copies of the last one, to a multiple of
     ``_ROW_MULTIPLE`` for their dtype: then every row goes through the same kernel whatever the count.
+    That held on AMD CPUs, where MKL takes its generic kernels; on an Intel CPU with AVX-512 MKL's
+    float32 kernels round a row differently for every count below 16, and with two threads by how
+    the rows split, so MKL runs in its strict reproducible mode there and everywhere (``MKL_CBWR``
+    below), whose rows matched across 1..128 rows and 1 or 2 threads.
     x [..., K] -> [..., N]."""
     if isinstance(weight, Q4Weight):
         return q4_linear(x, weight, bias)
@@ -45,6 +51,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Q4Weight | Q8Weight, bias: to
         return F.linear(padded, weight, bias)[:rows].reshape(*x.shape[:-1], weight.shape[0])  # [..., N]
     return F.linear(x, weight, bias)
 
+
+# MKL's conditional numerical reproducibility, strict: each float32 GEMM row the same bits however many
+# rows the call has and however many threads share it, on the best code path MKL has for the CPU
+# (AUTO). MKL reads the variable at its first call, so this runs when the matmul's home is imported,
+# before any model computes. Its cost: docs/benchmarks.md, "Figures behind design choices". A value
+# the user set wins (and may give up the invariance; tests/test_native_ops.py says whether it holds).
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 # Rows the CPU matrix kernels of each dtype take together: other counts round some rows differently.
 _ROW_MULTIPLE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
