@@ -36,7 +36,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Q4Weight | Q8Weight, bias: to
     That held on AMD CPUs, where MKL takes its generic kernels; on an Intel CPU with AVX-512 MKL's
     float32 kernels round a row differently for every count below 16, and with two threads by how
     the rows split, so MKL runs in its strict reproducible mode there and everywhere (``MKL_CBWR``
-    below), whose rows matched across 1..128 rows and 1 or 2 threads.
+    below), whose rows matched across 1..128 rows and 1 or 2 threads. Likewise oneDNN's AMX kernels
+    for bfloat16 rows, so oneDNN stops at AVX-512 BF16 (``ONEDNN_MAX_CPU_ISA`` below).
     x [..., K] -> [..., N]."""
     if isinstance(weight, Q4Weight):
         return q4_linear(x, weight, bias)
@@ -58,6 +59,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Q4Weight | Q8Weight, bias: to
 # before any model computes. Its cost: docs/benchmarks.md, "Figures behind design choices". A value
 # the user set wins (and may give up the invariance; tests/test_native_ops.py says whether it holds).
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+# oneDNN (torch's bfloat16 and float16 matmuls on CPU) no higher than AVX-512 BF16: on a CPU with AMX
+# its AMX kernels block rows by the row count, so a bfloat16 row's bits changed with the verify width
+# and the batch (from 9 rows on at 1536 x 576); below AMX they do not, whatever the count. A no-op on
+# CPUs without AMX. It costs dense bfloat16 models the AMX speed of many-row calls (prefill); the
+# 4-bit layers and 8-bit output layer served by default do no oneDNN matmul. Figures:
+# docs/benchmarks.md, "Figures behind design choices". A value the user set wins.
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 
 # Rows the CPU matrix kernels of each dtype take together: other counts round some rows differently.
 _ROW_MULTIPLE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
