@@ -1,0 +1,178 @@
+"""Constraints (specstream/data/constraint.py) and their grammars on SmolLM2's real tokenizer
+(specstream/text/grammar.py, llguidance): a valid answer passes token by token and may end, an
+invalid one is cut where it breaks, masked random decoding always yields output its schema
+validates (``jsonschema``), rollback restores the mask, and bad constraints are refused naming the
+field and the compiler's reason."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from specstream.data.constraint import MAX_CHOICES, MAX_SOURCE_BYTES, Constraint
+from specstream.data.errors import InvalidArgumentError
+from specstream.models.registry import resolve_model
+from specstream.text.grammar import GrammarCompiler
+from specstream.text.tokenizer import TextTokenizer
+
+SCHEMAS = {
+    "flat": ({"type": "object", "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False},
+             {"name": "Ada Lovelace", "age": 36}),
+    "nested": ({"type": "object", "properties": {"user": {"type": "object", "properties": {
+                   "id": {"type": "integer"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                   "required": ["id", "zip"], "additionalProperties": False}},
+                "required": ["user"], "additionalProperties": False},
+               {"user": {"id": 7, "zip": "75001"}}),
+    "array": ({"type": "object", "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+                   "type": "object", "properties": {"sku": {"type": "string", "maxLength": 8},
+                                                     "qty": {"type": "integer", "minimum": 1}},
+                   "required": ["sku", "qty"], "additionalProperties": False}}},
+               "required": ["items"], "additionalProperties": False},
+              {"items": [{"sku": "A-1", "qty": 2}, {"sku": "B-22", "qty": 1}]}),
+    "enum": ({"type": "object", "properties": {"sentiment": {"enum": ["positive", "negative", "neutral"]}},
+              "required": ["sentiment"], "additionalProperties": False},
+             {"sentiment": "negative"}),
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> TextTokenizer:
+    return TextTokenizer.from_dir(resolve_model("smollm2"))
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer)
+
+
+def _ids(tokenizer: TextTokenizer, text: str) -> list[int]:
+    return tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def _walk(matcher, ids: list[int]) -> bool:
+    """Whether every token is in the mask of its position, each committed in turn."""
+    for token in ids:
+        if not matcher.allowed()[token]:
+            return False
+        assert matcher.consume([token]) == 1
+    return True
+
+
+@pytest.mark.parametrize("shape", sorted(SCHEMAS))
+def test_a_valid_answer_passes_token_by_token_and_may_end(tokenizer, compiler, shape) -> None:
+    schema, instance = SCHEMAS[shape]
+    matcher = compiler.compile(Constraint("json_schema", json.dumps(schema))).matcher()
+    assert _walk(matcher, _ids(tokenizer, json.dumps(instance, separators=(",", ":"))))
+    assert matcher.accepting
+    assert all(matcher.allowed()[e] for e in tokenizer.eos_token_ids)
+
+
+def test_an_invalid_answer_is_cut_where_it_breaks(tokenizer, compiler) -> None:
+    schema, _ = SCHEMAS["flat"]
+    matcher = compiler.compile(Constraint("json_schema", json.dumps(schema))).matcher()
+    good, bad = _ids(tokenizer, '{"name":"x","age":'), _ids(tokenizer, '"old"}')
+    assert matcher.consume(good + bad) == len(good)  # the string where an integer must be: refused
+    assert not matcher.allowed()[bad[0]]
+    assert not matcher.accepting
+
+
+@pytest.mark.parametrize("shape", sorted(SCHEMAS))
+def test_masked_random_decoding_always_gives_output_the_schema_validates(tokenizer, compiler, shape) -> None:
+    """Random logits, masked, sampled until the grammar lets EOS win: 20 answers per schema, every one
+    parsed and validated by jsonschema (no model: the mask alone must make it valid)."""
+    schema, _ = SCHEMAS[shape]
+    grammar = compiler.compile(Constraint("json_schema", json.dumps(schema)))
+    gen = torch.Generator().manual_seed(1)
+    eos = list(tokenizer.eos_token_ids)
+    for _ in range(20):
+        matcher, out = grammar.matcher(), []
+        for _ in range(400):
+            allowed = matcher.allowed()
+            logits = torch.randn(matcher.vocab_size, generator=gen)
+            logits[eos] += 4.0 if matcher.accepting else 0.0  # end soon once it may
+            token = int(torch.where(allowed, logits, -torch.inf).argmax())
+            if token in eos:
+                break
+            assert matcher.consume([token]) == 1
+            out.append(token)
+        else:
+            pytest.fail(f"{shape}: no end within 400 tokens: {tokenizer.decode(out)!r}")
+        jsonschema.validate(json.loads(tokenizer.decode(out)), schema)
+
+
+def test_rollback_restores_the_mask(tokenizer, compiler) -> None:
+    schema, instance = SCHEMAS["nested"]
+    matcher = compiler.compile(Constraint("json_schema", json.dumps(schema))).matcher()
+    ids = _ids(tokenizer, json.dumps(instance, separators=(",", ":")))
+    assert matcher.consume(ids[:4]) == 4
+    before = matcher.allowed()
+    assert matcher.consume(ids[4:9]) == 5
+    assert not torch.equal(matcher.allowed(), before)
+    matcher.rollback(5)
+    assert torch.equal(matcher.allowed(), before)
+    assert _walk(matcher, ids[4:]) and matcher.accepting
+
+
+def test_forced_tokens_are_what_the_grammar_allows_alone(tokenizer, compiler) -> None:
+    schema, _ = SCHEMAS["enum"]
+    matcher = compiler.compile(Constraint("json_schema", json.dumps(schema))).matcher()
+    forced = matcher.forced()
+    assert tokenizer.decode(forced) == '{"sentiment":"'  # one object, one required key: nothing to guess
+    assert matcher.consume(forced) == len(forced)
+    assert matcher.allowed().sum() > 1  # then the model chooses among the three
+
+
+@pytest.mark.parametrize("kind, source, good, bad", [
+    ("regex", r"[0-9]{3}-[0-9]{4}", "555-1234", "55a"),
+    ("grammar", 'start: "yes" | "no" | "maybe"', "maybe", "yep"),
+    ("choice", json.dumps(['po"s\\itive', "né gative", "x"]), "né gative", "ne"),
+    ("json_object", "", '{"any":[1,{"b":null}]}', "[1]"),
+])
+def test_each_kind_of_constraint(tokenizer, compiler, kind, source, good, bad) -> None:
+    grammar = compiler.compile(Constraint(kind, source))
+    matcher = grammar.matcher()
+    assert _walk(matcher, _ids(tokenizer, good)) and matcher.accepting
+    bad_ids = _ids(tokenizer, bad)
+    assert grammar.matcher().consume(bad_ids) < len(bad_ids) or not grammar.matcher().accepting
+
+
+def test_a_compiled_grammar_is_kept_by_its_source(compiler) -> None:
+    c = Constraint("regex", "a+b")
+    assert compiler.compile(c) is compiler.compile(Constraint("regex", "a+b"))
+
+
+@pytest.mark.parametrize("kind, source, field, reason", [
+    ("json_schema", '{"type": "strin"}', "constraint.json_schema", "strin"),
+    ("json_schema", '{"type": "string", "format": "weird"}', "constraint.json_schema", "weird"),
+    ("regex", "a(b", "constraint.regex", "unclosed group"),
+    ("grammar", "start: undefined_rule", "constraint.grammar", "undefined_rule"),
+])
+def test_the_compiler_refuses_a_bad_constraint_naming_the_field_and_its_reason(compiler, kind, source, field,
+                                                                               reason) -> None:
+    with pytest.raises(InvalidArgumentError) as err:
+        compiler.compile(Constraint(kind, source))
+    assert err.value.field == field and err.value.value == source
+    assert reason in err.value.reason, err.value.reason
+
+
+@pytest.mark.parametrize("kind, source, field, reason", [
+    ("xml", "<a/>", "constraint", "must be one of"),
+    ("json_schema", "", "constraint.json_schema", "must not be empty"),
+    ("json_schema", "[1, 2]", "constraint.json_schema", "must be a JSON object"),
+    ("json_schema", "{", "constraint.json_schema", "is not JSON"),
+    ("json_object", "{}", "constraint.json_object", "takes no source"),
+    ("choice", "[]", "constraint.choice", "non-empty strings"),
+    ("choice", '["a", ""]', "constraint.choice", "non-empty strings"),
+    ("choice", json.dumps(["c"] * (MAX_CHOICES + 1)), "constraint.choice", "non-empty strings"),
+    ("regex", "a" * (MAX_SOURCE_BYTES + 1), "constraint.regex", f"at most {MAX_SOURCE_BYTES} bytes"),
+])
+def test_a_constraint_checks_itself_when_built(kind, source, field, reason) -> None:
+    with pytest.raises(InvalidArgumentError) as err:
+        Constraint(kind, source)
+    assert err.value.field == field
+    assert re.search(re.escape(reason), err.value.reason), err.value.reason
