@@ -56,8 +56,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Q4Weight | Q8Weight, bias: to
 # MKL's conditional numerical reproducibility, strict: each float32 GEMM row the same bits however many
 # rows the call has and however many threads share it, on the best code path MKL has for the CPU
 # (AUTO). MKL reads the variable at its first call, so this runs when the matmul's home is imported,
-# before any model computes. Its cost: docs/benchmarks.md, "Figures behind design choices". A value
-# the user set wins (and may give up the invariance; tests/test_native_ops.py says whether it holds).
+# before any model computes. Its cost: docs/benchmarks.md, "Figures behind design choices"
+# (tools/row_invariance.py). A value the user set wins (and may give up the invariance;
+# tests/test_native_ops.py says whether it holds).
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 # oneDNN (torch's bfloat16 and float16 matmuls on CPU) no higher than AVX-512 BF16: on a CPU with AMX
 # its AMX kernels block rows by the row count, so a bfloat16 row's bits changed with the verify width

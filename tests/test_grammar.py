@@ -141,9 +141,13 @@ def test_each_kind_of_constraint(tokenizer, compiler, kind, source, good, bad) -
     assert grammar.matcher().consume(bad_ids) < len(bad_ids) or not grammar.matcher().accepting
 
 
-def test_a_compiled_grammar_is_kept_by_its_source(compiler) -> None:
-    c = Constraint("regex", "a+b")
-    assert compiler.compile(c) is compiler.compile(Constraint("regex", "a+b"))
+def test_a_compiled_grammar_is_kept_by_its_source_and_each_sequence_has_its_own_place(tokenizer, compiler) -> None:
+    grammar = compiler.compile(Constraint("regex", "a+b"))
+    assert grammar is compiler.compile(Constraint("regex", "a+b"))
+    one, other = grammar.matcher(), grammar.matcher()
+    ids = _ids(tokenizer, "aab")
+    assert one.consume(ids) == len(ids) and one.accepting
+    assert not other.accepting and _walk(other, ids) and other.accepting
 
 
 @pytest.mark.parametrize("kind, source, field, reason", [

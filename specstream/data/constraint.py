@@ -47,7 +47,7 @@ class Constraint:
             if not isinstance(_json(field, self.source), dict):
                 raise InvalidArgumentError(field, self.source, "must be a JSON object (a JSON schema)")
         elif self.kind == "choice":
-            self.choices  # noqa: B018 (checks them)
+            _ = self.choices  # parsed and checked
 
     @property
     def field(self) -> str:

@@ -1,11 +1,10 @@
 """A request's constraint (specstream/data/constraint.py) compiled against the model's tokenizer, and
 the per-sequence matcher that says which tokens may come next.
 
-The grammar library is llguidance: no dependencies, lazy compilation (a schema is ready in under a
-millisecond on SmolLM2's 49,152 tokens, so a hostile one costs little before its limits refuse it),
-a token mask in a few microseconds, forced tokens, ``validate_tokens`` and ``rollback`` for
-speculation, and work outside the GIL. xgrammar, the alternative, declares torch, transformers and
-triton and compiles eagerly.
+The grammar library is llguidance: no dependencies, lazy compilation (a hostile schema costs little
+before its limits refuse it), forced tokens, ``validate_tokens`` and ``rollback`` for speculation,
+and work outside the GIL. xgrammar, the alternative, declares torch, transformers and triton and
+compiles eagerly.
 
 Bounds: llguidance's parser limits (``LIMITS``) cap a grammar's size and the lexer work of its
 compilation and of each mask, so a costly schema or grammar is refused as an error, never left
@@ -44,16 +43,14 @@ JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 class Grammar:
-    """A compiled constraint: the llguidance grammar text and the tokenizer it runs on."""
+    """A compiled constraint: a matcher at its start, copied for every sequence (not compiled again)."""
 
-    def __init__(self, constraint: Constraint, text: str, tokenizer: llguidance.LLTokenizer) -> None:
-        self.constraint = constraint
-        self._text = text
-        self._tokenizer = tokenizer
+    def __init__(self, start: llguidance.LLMatcher, vocab_size: int) -> None:
+        self._start = start
+        self._vocab_size = vocab_size
 
     def matcher(self) -> Matcher:
-        return Matcher(llguidance.LLMatcher(self._tokenizer, self._text, log_level=0, limits=LIMITS),
-                       self._tokenizer.vocab_size)
+        return Matcher(self._start.deep_copy(), self._vocab_size)
 
 
 class Matcher:
@@ -121,11 +118,10 @@ class GrammarCompiler:
             if grammar is not None:
                 self._cache.move_to_end(constraint)
                 return grammar
-        text = _grammar_text(constraint)
-        probe = llguidance.LLMatcher(self._tokenizer, text, log_level=0, limits=LIMITS)
-        if probe.is_error():
-            raise InvalidArgumentError(constraint.field, constraint.source, probe.get_error())
-        grammar = Grammar(constraint, text, self._tokenizer)
+        start = llguidance.LLMatcher(self._tokenizer, _grammar_text(constraint), log_level=0, limits=LIMITS)
+        if start.is_error():
+            raise InvalidArgumentError(constraint.field, constraint.source, start.get_error())
+        grammar = Grammar(start, self._tokenizer.vocab_size)
         with self._lock:
             self._cache[constraint] = grammar
             while len(self._cache) > self._capacity:
