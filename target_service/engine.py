@@ -15,7 +15,10 @@ the γ per row the controller's (target_service/gamma.py), verification target_s
 batching target_service/scheduler.py's. Model forwards run on one worker thread so the event loop
 keeps serving the gRPC streams. For a draft that reads the target's features, the engine keeps each
 sequence's committed features (the hidden states of its prompt and of the positions each verify
-committed, as bfloat16 bytes: ``Sequence.features``), which Drafting sends with the items.
+committed, as bfloat16 bytes: ``Sequence.features``), which Drafting sends with the items. A
+constrained request holds its grammar's matcher; each pass cuts its proposals where the grammar
+refuses them and masks the target's scores at every position it verifies
+(target_service/grammar_rows.py), the masks filled beside the forward.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -35,17 +38,25 @@ from kernels.nbest import MAX_K, topk_logprobs, topk_logprobs_reference
 from specstream.data.batch_stats import BatchStats
 from specstream.data.config import TargetConfig
 from specstream.data.engine import EngineMessage, Load, SequenceEvent, SequenceRequest, TargetInfo
-from specstream.data.errors import AlreadyExistsError, InternalError, SpecstreamError, UnavailableError
+from specstream.data.errors import (
+    AlreadyExistsError,
+    InternalError,
+    InvalidArgumentError,
+    SpecstreamError,
+    UnavailableError,
+)
 from specstream.data.request_rules import RequestLimits, check_request
 from specstream.models.base import CausalLM
 from specstream.serving import telemetry
 from specstream.serving.compute import torch_thread
 from specstream.serving.metrics import TargetMetrics
+from specstream.text.grammar import GrammarCompiler, Matcher
 from target_service import tracing
 from target_service.calibration import sampled_verify_extra, verify_costs
 from target_service.connection import Connection
 from target_service.drafting import Drafting, DraftSource, feature_refusal
 from target_service.gamma import AUTO_GAMMA, GammaController
+from target_service.grammar_rows import GrammarMasks
 from target_service.scheduler import Scheduler
 from target_service.sequence import Sequence
 from target_service.settle import Verdict, VerifyRow, settle
@@ -80,13 +91,15 @@ def feature_bytes(hidden: torch.Tensor) -> bytes:
 class Engine:
     def __init__(self, model: CausalLM, config: TargetConfig, draft: DraftSource | None,
                  compute: ThreadPoolExecutor | None = None, metrics: TargetMetrics | None = None,
-                 controller: GammaController | None = None) -> None:
+                 controller: GammaController | None = None, grammars: GrammarCompiler | None = None) -> None:
         refused = feature_refusal(draft.feature_layers, draft.feature_width, model.config.num_layers,
                                   model.config.hidden_size) if draft is not None else ""
         if refused:  # a draft in this process; one behind gRPC is checked when it connects (DraftClient)
             raise ValueError(f"draft {draft.model_name}: {refused}")
         self.model = model
         self.config = config
+        self.grammars = grammars  # compiles constraints on the model's tokenizer (None: constraints refused)
+        self.masks = GrammarMasks()
         self.controller = controller or GammaController(config.gamma_policy, config.default_gamma, config.max_gamma)
         # Trees only where each node's scores are exactly the chain's (else greedy could differ from plain).
         branches = config.tree_branches if model.exact_trees else 0
@@ -181,10 +194,14 @@ class Engine:
         for req in requests:
             try:
                 gamma, max_gamma = self._validate(conn, req)
+                matcher = self._matcher(req)
             except SpecstreamError as exc:
                 self.reject(conn, req.id, exc)
                 continue
             seq = Sequence.from_request(next(self._seq_ids), conn, req, gamma, max_gamma)
+            seq.matcher = matcher
+            if matcher is not None:
+                self.metrics.constrained.labels(kind=req.constraint.kind).inc()
             seq.span = tracing.start_sequence(seq, req.traceparent)
             self.by_request[(conn, req.id)] = seq
             self.waiting.append(seq)
@@ -211,6 +228,16 @@ class Engine:
         if spec.mode == "fixed":
             return spec.gamma, spec.gamma
         return AUTO_GAMMA, spec.max_gamma or self.config.max_gamma
+
+    def _matcher(self, req: SequenceRequest) -> Matcher | None:
+        """A constrained request's matcher at its start (None: free text). The compiled grammar is
+        cached by its source, so a schema the service has seen costs a copy."""
+        if req.constraint is None:
+            return None
+        if self.grammars is None:
+            raise InvalidArgumentError(req.constraint.field, req.constraint.source,
+                                       "this target has no tokenizer to compile a constraint against")
+        return self.grammars.compile(req.constraint).matcher()
 
     @property
     def limits(self) -> RequestLimits:
@@ -366,7 +393,7 @@ class Engine:
                 verdicts[i] = self._beam_candidates(hidden[i, :1], group[i][0])
             done = [i for i in done if group[i][0].beam is None]
             if done:
-                rows = [group[i][0].verify_row() for i in done]
+                rows = [group[i][0].first_row() for i in done]
                 for i, verdict in zip(done, settle(Hidden(hidden[done, 0], self.model.output_head), rows)):
                     verdicts[i] = verdict
         return verdicts
@@ -385,6 +412,7 @@ class Engine:
         span = tracing.start_step(self.step_count, chosen)
         checks = await self.drafting.propose(rows, self.step_count,
                                              telemetry.traceparent_of(span) if span.is_recording() else "") if rows else []
+        masks = self.masks.start(rows, checks)  # constrained rows: proposals cut, masks filled beside the forward
         drafted = time.perf_counter()
         self._step_draft_s = drafted - started
         width = 1 + max((len(c.proposals) for c in checks), default=0)
@@ -392,7 +420,9 @@ class Engine:
         tokens = sum(1 + len(c.proposals) for c in checks) + hypotheses
         self.stats.record_step(len(rows) + hypotheses, width, tokens, len(self.waiting))
         self.metrics.observe_step(len(rows) + hypotheses)
-        verdicts, candidates = await self._run_compute(self._verify_compute, rows, checks, beams)
+        verdicts, candidates = await self._run_compute(self._verify_compute, rows, checks, beams, masks)
+        if masks is not None:
+            self.metrics.observe_grammar(self.masks.seconds, self.masks.dropped)
         verified = time.perf_counter()
         self.metrics.observe_ahead(self.drafting.ahead_counts)
         self.drafting.after_verify(self._computing)  # a draft in this process may work ahead meanwhile
@@ -429,18 +459,19 @@ class Engine:
         return (self.config.draft_early and self.drafting.asks_early and not beams and not self.waiting
                 and not self._cancels and len(rows) == len(self.running) and all(s.finish_reason is None for s in rows))
 
-    def _verify_compute(self, rows: list[Sequence], checks: list[VerifyRow], beams: list[Sequence]
-                        ) -> tuple[list[Verdict], list[tuple[torch.Tensor, torch.Tensor]]]:
+    def _verify_compute(self, rows: list[Sequence], checks: list[VerifyRow], beams: list[Sequence],
+                        masks: Future | None = None) -> tuple[list[Verdict], list[tuple[torch.Tensor, torch.Tensor]]]:
         """ONE forward over every row's [last token, proposals...] (docs/architecture.md §4) and every running
-        beam hypothesis' last token, then verification, and each beam's best candidates."""
+        beam hypothesis' last token, then verification, and each beam's best candidates. `masks`:
+        the constrained rows' grammar masks being filled (GrammarMasks.start), taken after the forward."""
         began_call = time.perf_counter()
         try:
-            return self._verify_rows(rows, checks, beams)
+            return self._verify_rows(rows, checks, beams, masks)
         finally:
             self._step_compute_s += time.perf_counter() - began_call
 
-    def _verify_rows(self, rows: list[Sequence], checks: list[VerifyRow], beams: list[Sequence]
-                     ) -> tuple[list[Verdict], list[tuple[torch.Tensor, torch.Tensor]]]:
+    def _verify_rows(self, rows: list[Sequence], checks: list[VerifyRow], beams: list[Sequence],
+                     masks: Future | None = None) -> tuple[list[Verdict], list[tuple[torch.Tensor, torch.Tensor]]]:
         gamma = max((len(c.proposals) for c in checks), default=0)
         # [B, G+1]: last committed token, proposals, zero padding (never read)
         input_ids = [[seq.tokens[-1], *c.proposals, *[0] * (gamma - len(c.proposals))] for seq, c in zip(rows, checks)]
@@ -468,6 +499,8 @@ class Engine:
             hidden = full if full.shape[-1] == self.model.config.hidden_size else \
                 full[..., -self.model.config.hidden_size:].contiguous()
             self._step_forward_s += time.perf_counter() - began
+            for i, mask in (masks.result() if masks is not None else {}).items():
+                checks[i].grammar_mask = mask
             # The output layer runs inside settlement: fused with it on the Triton backend.
             verdicts = settle(Hidden(hidden[: len(rows)].flatten(0, 1), self.model.output_head), checks,
                               coupled=self.config.speculative_sampling == "coupled") if rows else []
@@ -598,3 +631,4 @@ class Engine:
     def shutdown(self) -> None:
         self._fail_all(UnavailableError("the target service is shutting down"))
         self._compute.shutdown(wait=False)
+        self.masks.shutdown()

@@ -26,6 +26,7 @@ from specstream.data.engine import (
 )
 from specstream.data.propose import SOURCE
 from specstream.data.sampling import GREEDY, SamplingParams
+from specstream.text.grammar import Matcher
 from target_service.beam import BeamSearch
 from target_service.settle import VerifyRow
 
@@ -45,6 +46,8 @@ class Sequence:
     sampling: SamplingParams = GREEDY
     logprobs: int | None = None  # None: not requested; n: with the n most likely alternatives
     min_tokens: int = 0  # the stop ids are masked until this many tokens are generated
+    # A constrained request's place in its grammar, at the committed tokens (target_service/grammar_rows.py).
+    matcher: Matcher | None = None
     traceparent: str = ""
     arrival: float = field(default_factory=time.monotonic)
     slot: int | None = None
@@ -147,6 +150,14 @@ class Sequence:
         return VerifyRow(self.sampling, len(self.tokens), logprobs=self.logprobs, source=source, masked_ids=masked,
                          masked_until=self.masked_until if masked else 0)
 
+    def first_row(self) -> VerifyRow:
+        """The row of the prefill pass that gives the first token: ``verify_row`` with, for a
+        constrained sequence, the grammar's mask at the start."""
+        row = self.verify_row()
+        if self.matcher is not None:
+            row.grammar_mask = self.matcher.mask()[None]
+        return row
+
     @property
     def generated(self) -> int:
         return len(self.tokens) - self.prompt_len
@@ -158,7 +169,29 @@ class Sequence:
     def append(self, new_tokens: list[int], logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None) -> None:
         """Commits tokens (with their log-probabilities when the request asked), cut at the first
         stop id (kept) or at the budget (docs/architecture.md §7: EOS, stop or max_new_tokens inside an
-        accepted run end the sequence there)."""
+        accepted run end the sequence there). A constrained sequence's matcher takes them too; a
+        grammar that allows nothing more ends it ("stop"); one that is cut by the budget before it
+        may end stays "length"."""
+        if self.matcher is not None:
+            new_tokens = self._through_grammar(new_tokens)
+        self._commit(new_tokens, logprobs)
+        if self.matcher is not None and self.finish_reason is None and self.matcher.stopped:
+            self.finish_reason = "stop"
+
+    def _through_grammar(self, new_tokens: list[int]) -> list[int]:
+        """The tokens to commit, each taken by the matcher: up to the budget, a stop id, or the
+        grammar's end (a run verified past it, e.g. EOS as the bonus, is not the output)."""
+        assert self.matcher is not None
+        out = []
+        for tok in new_tokens[: self.remaining]:
+            if self.matcher.consume([tok]) != 1:  # the masks allowed every one
+                raise RuntimeError(f"sequence {self.seq_id}: its grammar refused committed token {tok}")
+            out.append(tok)
+            if tok in self.stop_ids or self.matcher.stopped:
+                break
+        return out
+
+    def _commit(self, new_tokens: list[int], logprobs: list[tuple[float, list[tuple[int, float]]]] | None) -> None:
         for i, tok in enumerate(new_tokens[: self.remaining]):
             self.tokens.append(tok)
             self.pending.append(tok)

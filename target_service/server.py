@@ -24,6 +24,7 @@ from specstream.serving.compute import compute_executor
 from specstream.serving.grpc_server import ServiceServer
 from specstream.serving.metrics import TargetMetrics
 from specstream.serving.native_memory import HeapTrimmer, bound_kernel_caches
+from specstream.text.grammar import compiler_for
 from specstream_pb import target_pb2, target_pb2_grpc
 from target_service.connection import Connection
 from target_service.draft_client import DraftClient
@@ -102,7 +103,10 @@ async def serve(config: TargetConfig, build_proposer: Callable[[DraftConfig], Pr
         proposer = await asyncio.get_running_loop().run_in_executor(compute, build_proposer, config.colocated_draft)
         draft = LocalDraft(proposer, compute, config.colocated_draft.work_ahead)
     metrics = TargetMetrics(config.max_gamma, config.batch_rows)
-    engine = Engine(model, config, draft, compute, metrics)
+    grammars = compiler_for(resolve_model(spec.path))
+    if grammars is None:
+        log.warning("%s: no tokenizer.json beside the model: constrained requests are refused", spec.path)
+    engine = Engine(model, config, draft, compute, metrics, grammars=grammars)
     server = ServiceServer(config.server, [SERVICE_NAME], metrics.registry)
     target_pb2_grpc.add_TargetServicer_to_server(TargetServicer(engine), server.server)
     await server.start()

@@ -51,6 +51,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 import kernels
@@ -87,6 +88,10 @@ class VerifyRow:
     # would land before position masked_until (prompt + min_tokens), greedy and sampled alike.
     masked_ids: frozenset[int] = frozenset()
     masked_until: int = 0
+    # A constraint: per node (0 the last committed token, j proposal j - 1), the packed mask int32
+    # [len(proposals) + 1, W] of the tokens its grammar allows next (bit b of word w: token 32 w + b;
+    # ids past 32 W are refused); None: free text. Greedy and sampled alike never emit a refused id.
+    grammar_mask: np.ndarray | None = None
 
     @property
     def chain(self) -> int:
@@ -129,13 +134,14 @@ def settle(target: torch.Tensor | Hidden, rows: list[VerifyRow], coupled: bool =
     if isinstance(target, Hidden):
         positions = target.states.shape[0] // batch
         masked = _masked(rows, positions)
-        if kernels.backend(target.states) == "torch" or masked:  # a mask needs the logits: no fused path
-            target = _mask(target.logits().view(batch, positions, -1), masked)  # [B, G+1, V]
+        constrained = any(r.grammar_mask is not None for r in rows)
+        if kernels.backend(target.states) == "torch" or masked or constrained:  # a mask needs the logits
+            target = _mask(target.logits().view(batch, positions, -1), masked, rows)  # [B, G+1, V]
     else:
         positions = target.shape[1]
         masked = _masked(rows, positions)
-        if masked:
-            target = _mask(target.clone(), masked)
+        if masked or any(r.grammar_mask is not None for r in rows):
+            target = _mask(target.clone(), masked, rows)
     gamma = positions - 1
     device = target.states.device if isinstance(target, Hidden) else target.device
     draft = torch.tensor([r.proposals + [-1] * (gamma - len(r.proposals)) for r in rows],
@@ -191,14 +197,29 @@ def _masked(rows: list[VerifyRow], positions: int) -> list[tuple[int, int, int]]
             for token in sorted(row.masked_ids)]
 
 
-def _mask(logits: torch.Tensor, masked: list[tuple[int, int, int]]) -> torch.Tensor:
-    """logits [B, G+1, V], in place, with each masked (row, node, id) at -inf: the argmax and the
-    processed p alike never give the id that node (min_tokens; Leviathan's rule against q stays
-    exact for any q, and p is the target's own processed distribution)."""
+def _mask(logits: torch.Tensor, masked: list[tuple[int, int, int]], rows: list[VerifyRow]) -> torch.Tensor:
+    """logits [B, G+1, V], in place, with each masked (row, node, id) at -inf, and every id a row's
+    grammar refuses at a node: the argmax and the processed p alike never give it there
+    (min_tokens, constraints; Leviathan's rule against q stays exact for any q, and p is the
+    target's own processed distribution under the same request)."""
     if masked:
         index = torch.tensor(masked, dtype=torch.int64, device=logits.device)  # [M, 3]
         logits[index[:, 0], index[:, 1], index[:, 2]] = float("-inf")
+    vocab = logits.shape[-1]
+    for b, row in enumerate(rows):
+        if row.grammar_mask is not None:
+            nodes = row.grammar_mask.shape[0]
+            logits[b, :nodes].masked_fill_(~_allowed(row.grammar_mask, vocab).to(logits.device), float("-inf"))
     return logits
+
+
+def _allowed(bits: np.ndarray, vocab: int) -> torch.Tensor:
+    """Packed masks int32 [N, W] -> bool [N, vocab] (ids past 32 W: False)."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((torch.from_numpy(bits)[..., None] >> shifts) & 1).view(bits.shape[0], -1).bool()  # [N, 32 W]
+    if allowed.shape[1] >= vocab:
+        return allowed[:, :vocab]
+    return torch.cat([allowed, allowed.new_zeros(bits.shape[0], vocab - allowed.shape[1])], dim=1)
 
 
 def _keys(rows: list[VerifyRow], positions: int, coupled: bool, device: torch.device | str) -> torch.Tensor:

@@ -10,13 +10,14 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
 from specstream.data.constraint import MAX_CHOICES, MAX_SOURCE_BYTES, Constraint
 from specstream.data.errors import InvalidArgumentError
 from specstream.models.registry import resolve_model
-from specstream.text.grammar import GrammarCompiler
+from specstream.text.grammar import GrammarCompiler, fill_masks, unpack
 from specstream.text.tokenizer import TextTokenizer
 
 SCHEMAS = {
@@ -95,7 +96,7 @@ def test_masked_random_decoding_always_gives_output_the_schema_validates(tokeniz
             allowed = matcher.allowed()
             logits = torch.randn(matcher.vocab_size, generator=gen)
             logits[eos] += 4.0 if matcher.accepting else 0.0  # end soon once it may
-            token = int(torch.where(allowed, logits, -torch.inf).argmax())
+            token = int(torch.where(torch.from_numpy(allowed), logits, -torch.inf).argmax())
             if token in eos:
                 break
             assert matcher.consume([token]) == 1
@@ -112,10 +113,34 @@ def test_rollback_restores_the_mask(tokenizer, compiler) -> None:
     assert matcher.consume(ids[:4]) == 4
     before = matcher.allowed()
     assert matcher.consume(ids[4:9]) == 5
-    assert not torch.equal(matcher.allowed(), before)
+    assert not np.array_equal(matcher.allowed(), before)
     matcher.rollback(5)
-    assert torch.equal(matcher.allowed(), before)
+    assert np.array_equal(matcher.allowed(), before)
     assert _walk(matcher, ids[4:]) and matcher.accepting
+
+
+def test_batch_masks_equal_the_masks_step_by_step_and_leave_the_matchers_where_they_were(tokenizer, compiler) -> None:
+    """fill_masks: the k+1 masks of several rows' guesses in one call are each the mask a matcher
+    shows after consuming the guesses one by one; no matcher moves."""
+    rows, expected = [], []
+    for shape in ("flat", "nested", "array"):
+        schema, instance = SCHEMAS[shape]
+        grammar = compiler.compile(Constraint("json_schema", json.dumps(schema)))
+        ids = _ids(tokenizer, json.dumps(instance, separators=(",", ":")))
+        matcher, walker = grammar.matcher(), grammar.matcher()
+        assert matcher.consume(ids[:2]) == 2 and walker.consume(ids[:2]) == 2
+        guesses = ids[2:7]
+        assert matcher.valid_prefix(guesses) == len(guesses)
+        steps = [walker.allowed()]
+        for token in guesses:
+            assert walker.consume([token]) == 1
+            steps.append(walker.allowed())
+        rows.append((matcher, guesses))
+        expected.append((np.stack(steps), matcher.allowed()))
+    for (matcher, _), masks, (steps, before) in zip(rows, fill_masks(rows), expected):
+        assert masks.shape[0] == steps.shape[0]
+        assert np.array_equal(unpack(masks, matcher.vocab_size), steps)
+        assert np.array_equal(matcher.allowed(), before)
 
 
 def test_forced_tokens_are_what_the_grammar_allows_alone(tokenizer, compiler) -> None:

@@ -192,3 +192,23 @@ class BatchStats(_message.Message):
     queue_seconds: float
     occupancy: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, policy: _Optional[str] = ..., max_batch: _Optional[int] = ..., steps: _Optional[int] = ..., row_expansions: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., padded_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., queued_steps: _Optional[int] = ..., queued_rows: _Optional[int] = ..., admitted: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., occupancy: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Constraint(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "grammar", "choice")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    grammar: str
+    choice: Choices
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ...) -> None: ...
+
+class Choices(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...

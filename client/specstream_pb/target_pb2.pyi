@@ -23,7 +23,7 @@ class Submit(_message.Message):
     def __init__(self, requests: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ...) -> None: ...
 
 class SequenceRequest(_message.Message):
-    __slots__ = ("id", "prompt_token_ids", "max_new_tokens", "stop_token_ids", "eos_token_ids", "speculation", "sampling", "logprobs", "top_logprobs", "traceparent", "beam", "min_tokens")
+    __slots__ = ("id", "prompt_token_ids", "max_new_tokens", "stop_token_ids", "eos_token_ids", "speculation", "sampling", "logprobs", "top_logprobs", "traceparent", "beam", "min_tokens", "constraint")
     ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class SequenceRequest(_message.Message):
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     BEAM_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
@@ -48,7 +49,8 @@ class SequenceRequest(_message.Message):
     traceparent: str
     beam: _common_pb2.BeamSearch
     min_tokens: int
-    def __init__(self, id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[_common_pb2.Speculation, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., traceparent: _Optional[str] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., min_tokens: _Optional[int] = ...) -> None: ...
+    constraint: _common_pb2.Constraint
+    def __init__(self, id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[_common_pb2.Speculation, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., traceparent: _Optional[str] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., min_tokens: _Optional[int] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("ids",)

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 
 from specstream.data.errors import InvalidArgumentError
+from specstream_pb import common_pb2
 
 __all__ = ["CONSTRAINT_KINDS", "MAX_CHOICES", "MAX_SOURCE_BYTES", "Constraint"]
 
@@ -48,6 +49,27 @@ class Constraint:
                 raise InvalidArgumentError(field, self.source, "must be a JSON object (a JSON schema)")
         elif self.kind == "choice":
             _ = self.choices  # parsed and checked
+
+    @classmethod
+    def from_pb(cls, pb: common_pb2.Constraint) -> Constraint | None:
+        """The wire form (every hop's), None when no kind is set; checks itself as built."""
+        kind = pb.WhichOneof("kind")
+        if kind is None:
+            return None
+        if kind == "json_object":
+            if not pb.json_object:
+                raise InvalidArgumentError("constraint.json_object", False, "set it true, or leave the constraint out")
+            return cls("json_object")
+        if kind == "choice":
+            return cls("choice", json.dumps(list(pb.choice.choices)))
+        return cls(kind, getattr(pb, kind))
+
+    def to_pb(self) -> common_pb2.Constraint:
+        if self.kind == "json_object":
+            return common_pb2.Constraint(json_object=True)
+        if self.kind == "choice":
+            return common_pb2.Constraint(choice=common_pb2.Choices(choices=self.choices))
+        return common_pb2.Constraint(**{self.kind: self.source})
 
     @property
     def field(self) -> str:

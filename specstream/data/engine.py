@@ -18,6 +18,7 @@ from typing import Literal
 
 from specstream.data.batch_stats import BatchStats
 from specstream.data.beam import BeamOptions, EarlyStopping
+from specstream.data.constraint import Constraint
 from specstream.data.errors import SpecstreamError
 from specstream.data.sampling import GREEDY, SamplingParams
 
@@ -63,6 +64,7 @@ class SequenceRequest:
     beam: BeamOptions | None = None  # beam search (greedy only: no sampling, speculation or logprobs)
     # EOS and the other stop ids are masked (cannot be generated) until this many tokens exist.
     min_tokens: int = 0
+    constraint: Constraint | None = None  # what the generated tokens must match (None: free text)
 
 
 @dataclass

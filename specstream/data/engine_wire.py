@@ -20,6 +20,7 @@ import math
 
 from specstream.data.batch_stats import BatchStats
 from specstream.data.beam import BeamOptions
+from specstream.data.constraint import Constraint
 from specstream.data.engine import (
     BeamHypothesis,
     EngineMessage,
@@ -113,6 +114,7 @@ def request_from_pb(pb: target_pb2.SequenceRequest) -> SequenceRequest:
         traceparent=pb.traceparent,
         beam=BeamOptions.from_pb(pb.beam) if pb.HasField("beam") else None,
         min_tokens=pb.min_tokens,
+        constraint=Constraint.from_pb(pb.constraint) if pb.HasField("constraint") else None,
     )
 
 
@@ -125,6 +127,8 @@ def request_to_pb(request: SequenceRequest) -> target_pb2.SequenceRequest:
         min_tokens=request.min_tokens)
     if request.beam is not None:
         pb.beam.CopyFrom(beam_to_pb(request.beam))
+    if request.constraint is not None:
+        pb.constraint.CopyFrom(request.constraint.to_pb())
     return pb
 
 

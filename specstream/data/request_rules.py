@@ -24,7 +24,7 @@ from specstream.data.errors import InvalidArgumentError
 from specstream.data.sampling import SamplingParams
 
 __all__ = ["RequestLimits", "check_beam", "check_budget", "check_logprobs", "check_min_tokens", "check_prompt",
-           "check_request", "check_speculation", "check_stop_ids"]
+           "check_constraint", "check_request", "check_speculation", "check_stop_ids"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,8 @@ def check_request(req: SequenceRequest, limits: RequestLimits, prompt_field: str
     check_logprobs(req.logprobs, limits)
     if req.beam is not None:
         check_beam(req, limits, stop_strings, asked)
+    if req.constraint is not None:
+        check_constraint(req)
 
 
 def check_prompt(ids: list[int], limits: RequestLimits, field: str = "prompt_token_ids") -> None:
@@ -132,3 +134,15 @@ def check_beam(req: SequenceRequest, limits: RequestLimits, stop_strings: int = 
     check_combination(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                       fixed_speculation=req.speculation.mode == "fixed", logprobs=req.logprobs is not None,
                       stop_strings=stop_strings, min_tokens=req.min_tokens)
+
+
+def check_constraint(req: SequenceRequest) -> None:
+    """A constrained request (its ``Constraint`` checked itself; the grammar compiles where the
+    tokenizer is) is one sequence whose end the grammar decides: no beam, no min_tokens."""
+    assert req.constraint is not None
+    if req.beam is not None:
+        raise InvalidArgumentError("beam", req.beam.num_beams, f"cannot be combined with {req.constraint.field}")
+    if req.min_tokens:
+        raise InvalidArgumentError("min_tokens", req.min_tokens,
+                                   f"cannot be combined with {req.constraint.field} (the grammar decides where "
+                                   "the output may end)")

@@ -193,6 +193,17 @@ class TargetMetrics:
                                          ["cause"], registry=r)
         for cause in MALFORMED_CAUSES:  # exported at 0 from the start
             self.malformed_replies.labels(cause=cause)
+        # Constrained requests (target_service/grammar_rows.py).
+        self.constrained = Counter(f"{PREFIX}constrained_requests", "Requests admitted with a constraint, by kind "
+                                   "(json_schema, json_object, regex, grammar, choice).", ["kind"], registry=r)
+        self.grammar_mask = Histogram(f"{PREFIX}grammar_mask_seconds", "Time to fill the grammar masks of a decode "
+                                      "pass's constrained rows (all their positions, on a thread beside the "
+                                      "forward).", buckets=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3),
+                                      registry=r)
+        self.grammar_cut = Counter(f"{PREFIX}grammar_cut_draft_tokens", "Proposals cut before verification because "
+                                   "the request's grammar refuses them (or a token before them).", registry=r)
+        self.forced_tokens = Counter(f"{PREFIX}grammar_forced_tokens", "Tokens proposed because the request's "
+                                     "grammar allows nothing else (no model guessed them).", registry=r)
         # Beam search (target_service/beam.py).
         self.beam_width = Histogram(f"{PREFIX}beam_width", "Running hypotheses of a beam request at each step it is "
                                     "expanded (variable width prunes below num_beams).",
@@ -213,6 +224,12 @@ class TargetMetrics:
         for g, b in zip(gammas, branches):
             if g:
                 self.branches.observe(b)
+
+    def observe_grammar(self, mask_seconds: float, cut: int) -> None:
+        """A decode pass with constrained rows: the time of their masks, proposals the grammar cut."""
+        self.grammar_mask.observe(mask_seconds)
+        if cut:
+            self.grammar_cut.inc(cut)
 
     def observe_branch_tokens(self, kept: int) -> None:
         if kept:

@@ -12,8 +12,14 @@ running; the source's own size is bounded before it gets here (``MAX_SOURCE_BYTE
 
 ``GrammarCompiler(tokenizer).compile(constraint)`` -> ``Grammar`` (compiled once, cached by its
 source); ``grammar.matcher()`` -> ``Matcher``, one per sequence: ``allowed()`` the mask of the next
-position, ``consume(tokens)`` commits the tokens it accepts, ``rollback(n)`` takes the last n back,
-``forced()`` the tokens the grammar allows alone from here.
+position, ``valid_prefix(tokens)`` how many of some guesses it accepts, ``consume(tokens)`` commits
+the tokens it accepts, ``rollback(n)`` takes the last n back, ``forced()`` the tokens the grammar
+allows alone from here. ``fill_masks`` fills the masks of a whole batch of speculative rows (after
+the committed tokens and after each valid guess) in one call, off the GIL on llguidance's threads.
+
+Masks are packed bits (``int32 [rows, ceil(V / 32)]``, bit j of word w: token 32 w + j), as the
+library writes them; ``unpack`` turns them into booleans. No torch here: the gateway compiles
+constraints to refuse bad ones before any work, and it does not load torch.
 """
 
 from __future__ import annotations
@@ -21,17 +27,17 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from pathlib import Path
 
 import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
-import torch
 
 from specstream.data.constraint import Constraint
 from specstream.data.errors import InvalidArgumentError
 from specstream.text.tokenizer import TextTokenizer
 
-__all__ = ["JSON_OPTIONS", "LIMITS", "Grammar", "GrammarCompiler", "Matcher"]
+__all__ = ["JSON_OPTIONS", "LIMITS", "Grammar", "GrammarCompiler", "Matcher", "compiler_for", "fill_masks", "mask_words", "unpack"]
 
 # llguidance's defaults (lexer fuel ~50k/ms at compilation, ~14k/ms a mask), with error messages
 # that name the reason but not the parser's state.
@@ -40,6 +46,44 @@ LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 # until its budget ends (the answer never closing), and which hides the structure that is forced
 # (after ``{`` the one required key follows with no choice). A schema's own "x-guidance" wins.
 JSON_OPTIONS = {"whitespace_flexible": False}
+_EXECUTOR = llguidance.LLExecutor()  # llguidance's thread pool: a batch's masks in parallel, off the GIL
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words in one packed mask."""
+    return (vocab_size + 31) // 32
+
+
+def unpack(bits: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Packed masks int32 [..., W] -> bool [..., vocab_size]."""
+    flat = (bits[..., None] >> np.arange(32, dtype=np.int32)) & 1  # [..., W, 32]
+    return flat.reshape(*bits.shape[:-1], -1)[..., :vocab_size].astype(bool)
+
+
+def fill_masks(rows: list[tuple[Matcher, list[int]]]) -> list[np.ndarray]:
+    """Per (matcher, guesses), the packed masks int32 [len(guesses) + 1, W] of the position after
+    the committed tokens and after each guess, the matcher left where it was. Every guess must be
+    one the grammar accepts (``Matcher.valid_prefix``). One call for the batch: llguidance fills
+    them on its own threads without the GIL, so the target's forward can run meanwhile."""
+    if not rows:
+        return []
+    words = mask_words(rows[0][0].vocab_size)
+    counts = [len(guesses) + 1 for _, guesses in rows]
+    out = np.zeros((sum(counts), words), dtype=np.int32)
+    drafted, plain, at = [], [], 0
+    for (matcher, guesses), count in zip(rows, counts):
+        if guesses:
+            drafted.append((matcher._m, at, list(guesses)))
+        else:
+            plain.append((matcher._m, at))
+        at += count
+    if drafted:
+        _EXECUTOR.unsafe_compute_mask_ptr_with_draft_token(drafted, out.ctypes.data, words * 4, out.shape[0])
+    if plain:
+        _EXECUTOR.unsafe_compute_mask_ptr(plain, out.ctypes.data, words * 4, out.shape[0])
+    for matcher, _ in rows:
+        matcher._check()
+    return np.split(out, np.cumsum(counts)[:-1])
 
 
 class Grammar:
@@ -59,15 +103,22 @@ class Matcher:
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
         self._m = matcher
         self.vocab_size = vocab_size
-        self._bits = llg_numpy.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
-        self._shifts = np.arange(32, dtype=np.int32)
+        self._bits = llg_numpy.allocate_token_bitmask(1, vocab_size)  # [1, W] int32
 
-    def allowed(self) -> torch.Tensor:
-        """The tokens the grammar allows at the next position (EOS where it may end) -> bool [V]."""
+    def mask(self) -> np.ndarray:
+        """The packed mask int32 [W] of the next position."""
         llg_numpy.fill_next_token_bitmask(self._m, self._bits, 0)
         self._check()
-        bits = (self._bits[0, :, None] >> self._shifts) & 1  # [ceil(V / 32), 32]
-        return torch.from_numpy(bits.reshape(-1)[: self.vocab_size].astype(bool))
+        return self._bits[0].copy()
+
+    def allowed(self) -> np.ndarray:
+        """The tokens the grammar allows at the next position (EOS where it may end) -> bool [V]."""
+        return unpack(self.mask(), self.vocab_size)
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the grammar accepts from here (nothing committed)."""
+        known = next((i for i, t in enumerate(tokens) if not 0 <= t < self.vocab_size), len(tokens))
+        return self._m.validate_tokens(tokens[:known]) if known else 0
 
     def consume(self, tokens: list[int]) -> int:
         """Commits the longest prefix of ``tokens`` the grammar accepts; how many that was."""
@@ -105,8 +156,10 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: TextTokenizer, capacity: int = 64) -> None:
         hf = tokenizer.tokenizer
-        self._tokenizer = llguidance.LLTokenizer(hf.to_str(), n_vocab=tokenizer.vocab_size,
-                                                 eos_token=list(tokenizer.eos_token_ids))
+        # What may end the output where the grammar lets it: the EOS ids and a chat's end of turn.
+        ends = list(dict.fromkeys([*tokenizer.eos_token_ids, *([tokenizer.end_of_turn_id]
+                                                             if tokenizer.end_of_turn_id is not None else [])]))
+        self._tokenizer = llguidance.LLTokenizer(hf.to_str(), n_vocab=tokenizer.vocab_size, eos_token=ends)
         self._cache: OrderedDict[Constraint, Grammar] = OrderedDict()
         self._capacity = capacity
         self._lock = threading.Lock()
@@ -127,6 +180,13 @@ class GrammarCompiler:
             while len(self._cache) > self._capacity:
                 self._cache.popitem(last=False)
         return grammar
+
+
+def compiler_for(model_dir: str | Path) -> GrammarCompiler | None:
+    """The compiler for a model directory's tokenizer; None (constraints refused) without one."""
+    if not (Path(model_dir) / "tokenizer.json").is_file():
+        return None
+    return GrammarCompiler(TextTokenizer.from_dir(model_dir))
 
 
 def _grammar_text(c: Constraint) -> str:

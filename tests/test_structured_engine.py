@@ -1,0 +1,221 @@
+"""Constrained decoding in the target engine, exact under speculation (target_service/grammar_rows.py).
+
+Plain constrained decoding is checked against an independent loop (full recomputation, the
+grammar's mask on the logits, argmax); every speculative path (drafts that always, sometimes and
+almost never agree, fixed and controlled γ, a model-free proposer) must give the same tokens
+under the same constraint; sampled output must keep the masked distribution: coupled verification
+token for token, Leviathan's rule by two-sample chi-square per position with a false-alarm rate
+of 1e-3 each. The zoo's byte-level tokenizer is the grammar's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+
+import jsonschema
+import pytest
+import torch
+
+from draft_service.ngram import NgramProposer
+from specstream.data.constraint import Constraint
+from specstream.data.sampling import SamplingParams
+from specstream.models.loader import load_model
+from specstream.text.grammar import compiler_for
+from specstream.text.tokenizer import TextTokenizer
+from tests.support.chi_square import two_sample_p_value
+from tests.support.engine_harness import run_engine
+
+THRESHOLD = 1e-3  # per chi-square comparison: the chance a correct engine fails one
+MAX_NEW = 24
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"},
+                                           "tag": {"enum": ["red", "green", "blue"]}},
+          "required": ["n", "ok", "tag"], "additionalProperties": False}
+CONSTRAINTS = {
+    "regex": Constraint("regex", r"[a-z]{2,6}( [a-z]{2,6}){0,3}"),
+    "choice": Constraint("choice", json.dumps(["alpha", "beta", "gamma", "delta"])),
+    "json_schema": Constraint("json_schema", json.dumps(SCHEMA)),
+    "grammar": Constraint("grammar", 'start: "(" NUM ("," NUM)* ")"\nNUM: /[0-9]{1,3}/'),
+}
+PROMPTS = [[0, 72, 101, 108, 108, 111], [0, 40, 41, 42], [0, 120, 121, 122, 97, 98], [0, 49, 50, 51, 52, 53, 54],
+           [0, 33], [0, 100, 101, 102, 103, 104, 105, 106, 107]]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_zoo) -> TextTokenizer:
+    return TextTokenizer.from_dir(model_zoo["target"])
+
+
+@pytest.fixture(scope="module")
+def plain(model_zoo):
+    """Constrained plain greedy decoding per constraint: (tokens, finish reasons)."""
+    out = {}
+    for name, constraint in CONSTRAINTS.items():
+        tokens, finals = run_engine(model_zoo["target"], None, PROMPTS, 0, MAX_NEW, stop_ids=[1], eos_ids=[1],
+                                    constraint=constraint)
+        out[name] = tokens, [f.finish_reason for f in finals]
+    return out
+
+
+@torch.inference_mode()
+def _reference(target, constraint: Constraint, prompt: list[int]) -> list[int]:
+    """Greedy decoding by full recomputation, the grammar's mask on the logits, until EOS, the
+    grammar's end or the budget: independent of the engine."""
+    model = load_model(target)
+    matcher = compiler_for(target).compile(constraint).matcher()
+    tokens = list(prompt)
+    while len(tokens) - len(prompt) < MAX_NEW and not matcher.stopped:
+        cache = model.new_cache(1, len(tokens) + 1)
+        logits = model(torch.tensor([tokens]), cache, torch.tensor([0]), torch.tensor([0]))[0, -1]
+        allowed = torch.zeros(logits.shape[0], dtype=torch.bool)
+        allowed[: matcher.vocab_size] = torch.from_numpy(matcher.allowed())
+        token = int(torch.where(allowed, logits, float("-inf")).argmax())
+        tokens.append(token)
+        if token == 1:
+            break
+        assert matcher.consume([token]) == 1
+    return tokens[len(prompt):]
+
+
+def _valid(name: str, text: str) -> bool:
+    if name == "regex":
+        return re.fullmatch(CONSTRAINTS[name].source, text) is not None
+    if name == "choice":
+        return text in CONSTRAINTS[name].choices
+    if name == "json_schema":
+        jsonschema.validate(json.loads(text), SCHEMA)
+        return True
+    return re.fullmatch(r"\([0-9]{1,3}(,[0-9]{1,3})*\)", text) is not None
+
+
+@pytest.mark.parametrize("name", list(CONSTRAINTS))
+def test_plain_constrained_decoding_is_the_masked_argmax_and_ends_valid(model_zoo, tokenizer, plain, name):
+    tokens, reasons = plain[name]
+    for prompt, got in list(zip(PROMPTS, tokens))[::2]:
+        assert got == _reference(model_zoo["target"], CONSTRAINTS[name], prompt)
+    finished = 0
+    for got, reason in zip(tokens, reasons):
+        text = tokenizer.decode([t for t in got if t != 1])
+        if reason in ("stop", "eos"):  # the grammar ended it (or let EOS win): the whole output is valid
+            assert _valid(name, text), (name, text)
+            finished += 1
+        else:  # the budget cut it: a prefix the grammar accepts, reported as "length"
+            assert reason == "length" and len(got) == MAX_NEW
+            assert compiler_for(model_zoo["target"]).compile(CONSTRAINTS[name]).matcher().consume(got) == len(got)
+    if name in ("choice", "regex"):  # short languages: every answer ends inside the budget
+        assert finished == len(PROMPTS)
+
+
+@pytest.mark.parametrize("draft_kind", ["same", "partial", "unrelated"])
+@pytest.mark.parametrize("gamma", [3, None])
+@pytest.mark.parametrize("name", list(CONSTRAINTS))
+def test_speculative_greedy_equals_constrained_plain(model_zoo, plain, name, draft_kind, gamma):
+    tokens, finals = run_engine(model_zoo["target"], model_zoo[draft_kind], PROMPTS, gamma, MAX_NEW, stop_ids=[1],
+                                eos_ids=[1], constraint=CONSTRAINTS[name],
+                                config={"calibrate": False, "gamma_policy": "fixed", "default_gamma": 3})
+    want, reasons = plain[name]
+    assert tokens == want
+    assert [f.finish_reason for f in finals] == reasons
+    if draft_kind == "same":
+        # The draft is the target without the mask: a guess the grammar allows is the masked argmax
+        # too, so every proposal left after the cut is accepted, unless the output ends inside the run.
+        assert sum(f.stats.rejections for f in finals) <= sum(r != "length" for r in reasons)
+        if name == "regex":  # elsewhere the free argmax is rarely the grammar's (`{`, `(`, a choice's letter)
+            assert sum(f.stats.accepted_tokens for f in finals) > 0
+
+
+def test_a_tree_and_a_model_free_proposer_give_the_same_tokens(model_zoo, plain):
+    """Trees are cut to their chain for constrained rows; prompt lookup's point masses are cut
+    at their first refused token."""
+    for name in ("regex", "json_schema"):
+        tree, _ = run_engine(model_zoo["target"], model_zoo["partial"], PROMPTS, 3, MAX_NEW, stop_ids=[1],
+                             eos_ids=[1], constraint=CONSTRAINTS[name],
+                             config={"calibrate": False, "tree_branches": 2})
+        lookup, _ = run_engine(model_zoo["target"], None, PROMPTS, 3, MAX_NEW, stop_ids=[1], eos_ids=[1],
+                               constraint=CONSTRAINTS[name], proposer=NgramProposer(32, 512))
+        assert tree == lookup == plain[name][0]
+
+
+def test_mixed_batch_free_rows_are_untouched(model_zoo, plain):
+    """Constrained and free rows side by side: each row gets what it gets alone."""
+    free, _ = run_engine(model_zoo["target"], None, PROMPTS, 0, MAX_NEW, stop_ids=[1], eos_ids=[1])
+    mixed = [CONSTRAINTS["regex"] if i % 2 else None for i in range(len(PROMPTS))]
+    tokens, _ = run_engine(model_zoo["target"], model_zoo["partial"], PROMPTS, 3, MAX_NEW, stop_ids=[1], eos_ids=[1],
+                           constraint=mixed, config={"calibrate": False})
+    for i, got in enumerate(tokens):
+        assert got == (plain["regex"][0][i] if i % 2 else free[i])
+
+
+def test_a_target_without_a_tokenizer_refuses_a_constraint_naming_it(model_zoo):
+    from target_service.connection import Connection
+    from target_service.engine import Engine
+    from specstream.data.config import ModelSpec, TargetConfig
+    from specstream.data.engine import SequenceRequest
+
+    engine = Engine(load_model(model_zoo["target"]), TargetConfig(model=ModelSpec(str(model_zoo["target"])),
+                                                                  calibrate=False), None)
+    conn = Connection()
+    engine.submit(conn, [SequenceRequest("r", [0, 5], 4, constraint=CONSTRAINTS["regex"])])
+    [event] = conn.outbox.get_nowait().events
+    assert event.finish_reason == "error"
+    assert event.error.field == "constraint.regex" and "no tokenizer" in str(event.error)
+
+
+# ----- sampled --------------------------------------------------------------------------------------------
+SAMPLES = 1500
+# sampling_pair's 32-token models read as the first 32 ids of a byte tokenizer without merges: ids 8..16
+# are the characters ' to /, one token each. The draft puts mass where the target has little
+# (tests/conftest.py) and most of it on ids this grammar refuses, so most sampled guesses are cut.
+SYMBOLS = Constraint("regex", "['-/]{6}")
+
+
+@pytest.fixture(scope="module")
+def symbol_pair(sampling_pair, tmp_path_factory):
+    import shutil
+
+    from specstream.text.tokenizer import BOS_TOKEN, EOS_TOKEN, build_byte_level_tokenizer, save_tokenizer_files
+
+    root = tmp_path_factory.mktemp("symbol_pair")
+    tok = build_byte_level_tokenizer(vocab_size=258)
+    for name in ("target", "draft"):
+        shutil.copytree(sampling_pair[name], root / name)
+        save_tokenizer_files(tok, root / name, bos=BOS_TOKEN, eos=EOS_TOKEN)
+    return {"target": root / "target", "draft": root / "draft", "tokenizer": TextTokenizer.from_dir(root / "target")}
+
+
+def _sampled(pair, draft, gamma, seeds, coupled=False) -> list[str]:
+    params = [SamplingParams(temperature=1.0, seed=s) for s in seeds]
+    config = {"calibrate": False, **({"speculative_sampling": "coupled"} if coupled else {})}
+    tokens, finals = run_engine(pair["target"], pair[draft] if draft else None, [[5, 9, 17, 3, 22]] * len(seeds),
+                                gamma, 7, stop_ids=[1, 31], eos_ids=[1, 31], sampling=params, max_slots=64,
+                                constraint=SYMBOLS, config=config)
+    texts = [pair["tokenizer"].decode(t) for t in tokens]
+    assert all(f.finish_reason == "stop" and re.fullmatch("['-/]{6}", text) for text, f in zip(texts, finals))
+    return texts
+
+
+@pytest.fixture(scope="module")
+def sampled_plain(symbol_pair):
+    return _sampled(symbol_pair, None, 0, range(SAMPLES))
+
+
+def test_coupled_speculative_sampling_equals_constrained_plain_sampling(symbol_pair, sampled_plain):
+    spec = _sampled(symbol_pair, "draft", 3, range(300), coupled=True)
+    assert spec == sampled_plain[:300]
+
+
+def test_leviathan_speculative_sampling_keeps_the_constrained_distribution(symbol_pair, sampled_plain):
+    """The draft knows nothing of the grammar: a refused guess is kept as the row's last proposal,
+    rejected with certainty, and the residual is sampled. Every answer is in the language; each
+    character's marginal, and the pair of the second and third, match plain's (two-sample
+    chi-square, false alarm 1e-3 each)."""
+    spec = _sampled(symbol_pair, "draft", 3, range(1 << 20, (1 << 20) + SAMPLES))
+
+    def cells(texts: list[str]) -> list[Counter]:
+        return [Counter(t[i] for t in texts) for i in range(6)] + [Counter(t[1:3] for t in texts)]
+
+    assert len(cells(sampled_plain)[0]) >= 4  # the constrained distribution is not a point mass
+    for i, (a, b) in enumerate(zip(cells(spec), cells(sampled_plain))):
+        p_value = two_sample_p_value(a, b)
+        assert p_value > THRESHOLD, (i, p_value)
