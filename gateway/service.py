@@ -30,6 +30,7 @@ from specstream.data.config import GatewayConfig
 from specstream.data.engine import TargetInfo
 from specstream.data.errors import OverloadedError
 from specstream.serving.metrics import GatewayMetrics
+from specstream.text.grammar import GrammarCompiler
 from specstream.text.tokenizer import TextTokenizer
 from specstream_pb import generation_pb2
 
@@ -55,6 +56,7 @@ class Gateway:
         self.metrics = metrics
         self.info = info  # what every replica serves (gateway.server.common_info)
         self.tokenizer = tokenizer
+        self.grammars = GrammarCompiler(tokenizer)  # refuses a bad constraint before any target sees it
         self.limits = Limits.build(config, info)
         self.eos_ids = tuple(sorted(set(info.eos_token_ids) | set(tokenizer.eos_token_ids)))  # as validate adds them
         # Admitted requests, by id(): each holds one of `max_in_flight` places from `admit` until
@@ -90,7 +92,8 @@ class Gateway:
         self._validating += 1
         try:
             valid = await asyncio.get_running_loop().run_in_executor(self._workers, functools.partial(
-                validate, request, self.limits, self.tokenizer, fill_max_new_tokens=fill_max_new_tokens))
+                validate, request, self.limits, self.tokenizer, fill_max_new_tokens=fill_max_new_tokens,
+                grammars=self.grammars))
         finally:
             self._validating -= 1
         valid.model = self.model_name

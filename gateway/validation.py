@@ -23,12 +23,14 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from specstream.data.beam import BeamOptions
 from specstream.data.config import GatewayConfig
+from specstream.data.constraint import Constraint
 from specstream.data.engine import SequenceRequest, TargetInfo
 from specstream.data.engine_wire import speculation_from_pb
 from specstream.data.errors import InvalidArgumentError
 from specstream.data.request_rules import RequestLimits, check_request, check_stop_ids
 from specstream.data.sampling import SamplingParams
 from specstream.text.chat import ChatError
+from specstream.text.grammar import GrammarCompiler
 from specstream.text.tokenizer import TextTokenizer
 from specstream_pb import generation_pb2
 
@@ -101,9 +103,12 @@ class ValidRequest:
 
 
 def validate(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: TextTokenizer,
-             fill_max_new_tokens: bool = False) -> ValidRequest:
+             fill_max_new_tokens: bool = False, grammars: GrammarCompiler | None = None) -> ValidRequest:
     """`fill_max_new_tokens`: a max_new_tokens of 0 means as many as the context and the limit
-    allow after the prompt (the HTTP front's unset max_tokens); otherwise 0 is refused."""
+    allow after the prompt (the HTTP front's unset max_tokens); otherwise 0 is refused.
+    `grammars`: compiles a constraint here, so a bad schema, regex or grammar is refused (naming
+    the field and the compiler's reason) before any target sees it; the compiled grammar is not
+    sent, the constraint's source is."""
     received = time.monotonic()
     _reject_unknown_fields(req, "request")
     if len(req.request_id) > limits.max_request_id_chars:
@@ -125,8 +130,11 @@ def validate(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: Tex
         **_stop_ids(req, limits, tokenizer, chat), speculation=speculation_from_pb(req.speculation),
         sampling=asked.effective(), logprobs=req.top_logprobs if req.logprobs else None,
         traceparent=req.traceparent, beam=BeamOptions.from_pb(req.beam) if req.HasField("beam") else None,
-        min_tokens=req.min_tokens)
+        min_tokens=req.min_tokens,
+        constraint=Constraint.from_pb(req.constraint) if req.HasField("constraint") else None)
     check_request(sequence, limits.request, prompt_field, stop_strings=len(req.stop), asked=asked)
+    if sequence.constraint is not None and grammars is not None:
+        grammars.compile(sequence.constraint)
     return ValidRequest(sequence, stop=list(req.stop), received=received, chat=chat)
 
 

@@ -45,9 +45,16 @@ SAMPLE: dict[str, Any] = {
     "beam_threshold": 1.5,
     "max_candidates_per_parent": 3,
     "min_tokens": 4,
+    "json_schema": {"type": "object"},
+    "json_object": True,
+    "regex": "[a-z]+",
+    "choice": ["a", "b"],
+    "grammar": 'start: "x"',
 }
-# Every option set at once: max_gamma goes with automatic speculation only, so twice.
-COMBINED = [{**SAMPLE, "speculation": "auto"}, {k: v for k, v in SAMPLE.items() if k != "max_gamma"}]
+# Every option set at once: max_gamma goes with automatic speculation only, so twice; the five
+# constraints exclude each other, so regex stands for them.
+_ONE_CONSTRAINT = {k: v for k, v in SAMPLE.items() if k not in ("json_schema", "json_object", "choice", "grammar")}
+COMBINED = [{**_ONE_CONSTRAINT, "speculation": "auto"}, {k: v for k, v in _ONE_CONSTRAINT.items() if k != "max_gamma"}]
 
 # (name, the input it takes) of every public entry point that sends a GenerateRequest.
 ENTRY_POINTS = [
@@ -199,6 +206,7 @@ def test_every_entry_point_sends_every_option(served: tuple[Recorder, str], meth
     assert list(req.stop) == ["\n", "END"] and list(req.stop_token_ids) == [2, 7] and req.ignore_eos
     assert (req.temperature, req.top_k, req.top_p, req.seed) == (0.5, 40, pytest.approx(0.9), 12345)
     assert req.min_tokens == 4
+    assert req.constraint.WhichOneof("kind") == "regex" and req.constraint.regex == "[a-z]+"
     assert req.logprobs and req.top_logprobs == 2
     assert req.request_id == "req-sample" and req.traceparent == SAMPLE["traceparent"]
 

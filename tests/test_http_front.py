@@ -161,7 +161,15 @@ BAD = [  # (endpoint, body changes, the param the 400 must name)
     ("chat", {"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat", {"tool_choice": "required"}, "tool_choice"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"response_format": {"type": "xml"}}, "response_format.type"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}},
+     "response_format.json_schema.name"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format"),  # the compiler's reason
+    ("completions", {"guided_regex": "(unclosed"}, "guided_regex"),
+    ("completions", {"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ("completions", {"guided_choice": []}, "guided_choice"),
+    ("chat", {"guided_grammar": "start: undefined_rule"}, "guided_grammar"),
     ("chat", {"model": 5}, "model"),
 ]
 

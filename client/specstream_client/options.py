@@ -27,6 +27,7 @@ deadline (``timeout`` is an argument of each call, not a request field).
 from __future__ import annotations
 
 import difflib
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypedDict
@@ -104,6 +105,21 @@ def _early_stopping(name: str, value: Any) -> bool | str:
     raise ValueError(f"{name} must be False/'heuristic', True/'first_k' or 'never', got {value!r}")
 
 
+def _json_schema(name: str, value: Any) -> str:
+    """A schema as a mapping (sent as its JSON text, key order kept) or as JSON text."""
+    if isinstance(value, Mapping):
+        return json.dumps(dict(value))
+    return check_str(name, value)
+
+
+def _choices(name: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a sequence of strings, got {type(value).__name__}")
+    for item in value:
+        check_str(name, item)
+    return tuple(value)
+
+
 def _max_gamma(name: str, value: Any) -> int:
     cap = check_int(name, value, 0, UINT32_MAX, "uint32")
     if cap == 0:
@@ -175,10 +191,23 @@ class GenerateOptions:
     # EOS, stop_token_ids and stop strings cannot end generation before this many tokens
     # (0..max_new_tokens; 0: off). Not with num_beams.
     min_tokens: int = _option(0, _uint32)
+    # Structured output, at most one of the five: the text is JSON valid against this JSON schema
+    # (a mapping, or its JSON text), any JSON object, a full match of this regular expression,
+    # one of these strings, or a sentence of this Lark grammar. The server compiles it against the
+    # model's tokenizer (a bad one is INVALID_ARGUMENT with the compiler's reason); generation ends
+    # where the constraint is complete ("stop"), or with "length" if the budget ends it first.
+    json_schema: Mapping[str, Any] | str | None = _option(None, _optional(_json_schema))
+    json_object: bool = _option(False, check_bool)
+    regex: str | None = _option(None, _optional(check_str))
+    choice: Sequence[str] | None = _option(None, _optional(_choices))
+    grammar: str | None = _option(None, _optional(check_str))
 
     def __post_init__(self) -> None:
         for f in fields(self):
             object.__setattr__(self, f.name, f.metadata["check"](f.name, getattr(self, f.name)))
+        constrained = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(constrained) > 1:
+            raise ValueError(f"{constrained[1]} cannot be combined with {constrained[0]}: one constraint per request")
         if self.max_gamma is not None and self.speculation != "auto":
             raise ValueError(
                 f"max_gamma={self.max_gamma} caps automatic speculation and needs speculation='auto', "
@@ -209,6 +238,12 @@ class GenerateOptions:
         if any(getattr(self, name) is not None for name in _BEAM_OPTIONS):
             # A beam option without num_beams is sent too: the server names num_beams as missing.
             req.beam.CopyFrom(self._beam_pb())
+        for name in _CONSTRAINTS:
+            value = getattr(self, name)
+            if name == "choice" and value is not None:
+                req.constraint.choice.choices.extend(value)
+            elif value not in (None, False):
+                setattr(req.constraint, name, value)
         return req
 
     def _beam_pb(self) -> common_pb2.BeamSearch:
@@ -258,8 +293,14 @@ class GenerateOptionsDict(TypedDict, total=False):
     beam_threshold: float | None
     max_candidates_per_parent: int | None
     min_tokens: int
+    json_schema: Mapping[str, Any] | str | None
+    json_object: bool
+    regex: str | None
+    choice: Sequence[str] | None
+    grammar: str | None
 
 
+_CONSTRAINTS = ("json_schema", "json_object", "regex", "choice", "grammar")  # the oneof of GenerateRequest.constraint
 _BEAM_OPTIONS = ("num_beams", "num_return_sequences", "length_penalty", "early_stopping", "beam_threshold",
                  "max_candidates_per_parent")
 _NAMES = tuple(f.name for f in fields(GenerateOptions))

@@ -1,6 +1,7 @@
 """The OpenAI request bodies the HTTP front accepts (pydantic), named and typed as OpenAI's API
 reference has them, plus the extensions clients send through `extra_body` (vLLM's `top_k`,
-`ignore_eos`, `stop_token_ids`, `min_tokens`; our `speculation` and `max_gamma`).
+`ignore_eos`, `stop_token_ids`, `min_tokens`, `guided_json` / `guided_regex` / `guided_choice` /
+`guided_grammar`; our `speculation` and `max_gamma`).
 
 Only the JSON types are checked here (a string where a number belongs is a 400 naming the field;
 an explicit `null` is the same as leaving an optional field out, as OpenAI treats it);
@@ -37,6 +38,12 @@ class Extensions(BaseModel):
     speculation: StrictStr | StrictInt | None = None
     max_gamma: int | None = None  # with speculation "auto": this request's cap on γ
     return_token_ids: bool | None = None  # vLLM's: each choice (and stream chunk) also carries its `token_ids`
+    # vLLM's structured outputs (at most one, and not with response_format): the output matches a JSON
+    # schema (an object, or its JSON text), a regular expression, one of some strings, a Lark grammar.
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
 
 class _Common(Extensions):
@@ -90,5 +97,6 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
     tools: list[Any] | None = None  # not supported
     tool_choice: Any = None  # only "none"
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+    # {"type": "text"}, {"type": "json_object"}, or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
+    response_format: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # accepted and ignored (no tools)

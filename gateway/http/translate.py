@@ -13,6 +13,7 @@ max_tokens 16, chat: as many tokens as fit. Knows nothing about HTTP status code
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -64,7 +65,59 @@ def to_generate_request(body: Body, traceparent: str = "") -> generation_pb2.Gen
     if body.seed is not None:
         req.seed = _int("seed", body.seed, 0, UINT64)
     req.speculation.CopyFrom(_speculation(body))
+    constraint = _constraint(body)
+    if constraint is not None:
+        req.constraint.CopyFrom(constraint)
     return req
+
+
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _constraint(body: Body) -> common_pb2.Constraint | None:
+    """What the output must match: OpenAI's response_format (chat) or one of vLLM's guided_*
+    fields; at most one of them. The JSON schema goes on as its JSON text (key order kept: it is
+    the order the model writes the properties in); strict is how every schema is honoured here."""
+    given = [name for name in (*GUIDED, "response_format") if getattr(body, name, None) is not None]
+    fmt = getattr(body, "response_format", None)
+    if fmt is not None and fmt.get("type", "text") == "text":
+        given.remove("response_format")
+    if len(given) > 1:
+        raise InvalidArgumentError(given[1], "<set>", f"cannot be combined with {given[0]}")
+    if not given:
+        return None
+    name = given[0]
+    if name == "response_format":
+        return _response_format(fmt)
+    value = getattr(body, name)
+    if name == "guided_json":
+        return common_pb2.Constraint(json_schema=value if isinstance(value, str) else json.dumps(value))
+    if name == "guided_choice":
+        return common_pb2.Constraint(choice=common_pb2.Choices(choices=value))
+    return common_pb2.Constraint(**{GUIDED[name]: value})
+
+
+def _response_format(fmt: dict[str, Any]) -> common_pb2.Constraint:
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return common_pb2.Constraint(json_object=True)
+    if kind != "json_schema":
+        raise InvalidArgumentError("response_format.type", kind, "must be text, json_object or json_schema")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise InvalidArgumentError("response_format.json_schema", spec, "must be an object with name and schema")
+    name = spec.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidArgumentError("response_format.json_schema.name", name, "must be a non-empty string")
+    schema = spec.get("schema")
+    if schema is None:  # OpenAI allows it out: any JSON object
+        return common_pb2.Constraint(json_object=True)
+    if not isinstance(schema, dict):
+        raise InvalidArgumentError("response_format.json_schema.schema", schema, "must be a JSON schema (an object)")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise InvalidArgumentError("response_format.json_schema.strict", strict, "must be true or false")
+    return common_pb2.Constraint(json_schema=json.dumps(schema))
 
 
 def fills_max_new_tokens(body: Body) -> bool:
@@ -90,6 +143,9 @@ def param_name(field: str, body: Body) -> str:
         return "max_gamma"
     if head in ("stop", "stop_token_ids", "speculation"):
         return head
+    if head == "constraint":  # the parameter that carried it
+        given = [name for name in GUIDED if getattr(body, name, None) is not None]
+        return given[0] if given else "response_format"
     return field  # messages[2].role, temperature, top_p, top_k, seed, logprobs: the same names
 
 
@@ -113,12 +169,10 @@ def _refuse_unsupported(body: Body) -> None:
              "echo with logprobs is not supported (prompt log-probabilities are not computed)"),
         ]
     else:
-        fmt = (body.response_format or {}).get("type", "text")
         checks += [
             ("tools", f"<{len(body.tools or [])} tools>", not body.tools, "tool calling is not supported"),
             ("tool_choice", body.tool_choice, body.tool_choice in (None, "none"),
              "tool calling is not supported (tool_choice 'none' only)"),
-            ("response_format", body.response_format, fmt == "text", "only the 'text' response format is supported"),
         ]
     for param, value, ok, reason in checks:
         if not ok:
