@@ -1,6 +1,8 @@
 """Building the proposer a ``DraftConfig`` names: the draft model (a token draft, or a feature draft
 that reads the target's features), prompt-lookup n-grams, both, or the synthetic benchmark proposer. The draft service builds its proposer here, and so does a target
-that runs its draft in its own process (``TargetConfig.colocated_draft``).
+that runs its draft in its own process (``TargetConfig.colocated_draft``). A draft model gets a
+grammar compiler on its tokenizer (a feature draft's: its target's), so that it drafts constrained
+sequences from their masked distribution.
 
 What it does not know: gRPC, which process it is in. It loads on the calling thread: call it on
 the thread that will run the proposer (``specstream.serving.compute``).
@@ -20,6 +22,7 @@ from specstream.data.propose import Proposer
 from specstream.models.feature_draft import is_feature_draft, load_feature_draft
 from specstream.models.loader import load_model
 from specstream.models.registry import resolve_dtype, resolve_model
+from specstream.text.grammar import compiler_for
 
 __all__ = ["PROPOSERS", "build_proposer"]
 
@@ -43,10 +46,12 @@ def _draft_model(config: DraftConfig) -> DraftProposer | FeatureProposer:
             raise ValueError(f"model.device={spec.device!r}: a feature draft ({spec.path}) runs on the CPU only")
         draft = load_feature_draft(resolve_model(spec.path), resolve_model, resolve_dtype(spec.dtype, spec.device),
                                    spec.weights)
-        return FeatureProposer(draft, config.max_slots, config.max_seq_len, config.q_support)
+        return FeatureProposer(draft, config.max_slots, config.max_seq_len, config.q_support,
+                               compiler_for(draft.target_dir) if draft.target_dir else None)
     model = load_model(resolve_model(spec.path), dtype=resolve_dtype(spec.dtype, spec.device), device=spec.device,
                        resolve=resolve_model, weights=spec.weights, draft=True)
-    return DraftProposer(model, config.max_slots, config.max_seq_len, config.q_support)
+    return DraftProposer(model, config.max_slots, config.max_seq_len, config.q_support,
+                         compiler_for(resolve_model(spec.path)))
 
 
 # DraftConfig.proposer -> how to build it (the keys are DraftConfig.PROPOSERS).

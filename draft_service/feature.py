@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from draft_service.grammar_state import DraftGrammars
 from draft_service.proposer import GREEDY, _Picker, node_tables, q_rows
 from draft_service.work_ahead import Ahead, Prepared
 from kernels.lm_head import Hidden
@@ -36,6 +37,7 @@ from specstream.data.propose import FEATURE_DTYPE, Proposal, ProposeItem, Propos
 from specstream.data.sampling import SamplingParams
 from specstream.models.feature_draft import FeatureDraft
 from specstream.models.feature_head import HeadCache
+from specstream.text.grammar import GrammarCompiler
 
 SOURCE = "model"  # statistics are per draft service: one model answers, whatever its kind
 
@@ -51,10 +53,12 @@ class FeatureProposer(Proposer):
     def prepare_outcomes(self, outcomes: int) -> None:
         self.ahead.outcomes = outcomes
 
-    def __init__(self, draft: FeatureDraft, max_slots: int, max_seq_len: int, q_support: int = 256) -> None:
+    def __init__(self, draft: FeatureDraft, max_slots: int, max_seq_len: int, q_support: int = 256,
+                 grammars: GrammarCompiler | None = None) -> None:
         if q_support < 1:
             raise ValueError(f"q_support={q_support!r}: must be >= 1")
         self.draft = draft
+        self.grammars = DraftGrammars(grammars)  # constrained sequences' matchers (None compiler: unmasked)
         self.q_support = q_support
         self.max_len = max_seq_len
         self.width = draft.head.spec.input_width  # H per target layer it reads
@@ -107,6 +111,7 @@ class FeatureProposer(Proposer):
             self.plans.pop(key, None)
             self.ahead.forget(key)
             self.unread.pop(key, None)
+            self.grammars.release([key])
             if slot is not None:
                 self._free.append(slot)
 
@@ -133,8 +138,10 @@ class FeatureProposer(Proposer):
             n = item.rollback_to + len(item.append)
             self.lengths[item.key] = out[b].length = n
             last = self._extend(item, slot, features)
+            picker.grammars[b] = self.grammars.sync(item)
             gamma = min(item.gamma, self.max_len - n)
             if last is None or gamma <= 0:
+                self.grammars.hold(item.key, n)
                 continue
 
             def choose(g: torch.Tensor, step: int, b: int = b) -> int:
@@ -142,9 +149,11 @@ class FeatureProposer(Proposer):
 
             chain = self.draft.head.draft(self.cache, slot, last, gamma, self.draft.embed, self.draft.rows, choose)
             out[b].tokens, out[b].parents = picker.tree(b, chain)
+            self.grammars.hold(item.key, n)  # the head holds the appended tokens, not its guesses
             guessed.append((b, gamma))
             seconds = picker.seconds(b)[: len(chain)] if item.sampling.greedy else []
-            if not item.masked_ids:  # rounds drafted ahead mask nothing (min_tokens' first tokens draft afresh)
+            # Rounds drafted ahead mask nothing: min_tokens' first tokens and constrained rows draft afresh.
+            if not item.masked_ids and picker.grammars[b] is None:
                 self.plans[item.key] = _Plan(n, chain, gamma, last, seconds, item.sampling)
         width, q_ids, q_probs = picker.tables()
         for b, gamma in guessed:

@@ -21,6 +21,8 @@ accepts). The cut q is returned with each guess, so the target verifies against 
 distribution that was sampled (docs/architecture.md §7.1).
 A draft that predicts over a subset of the vocabulary (``model.output_token_ids``) has its
 columns mapped back to token ids before anything leaves here.
+A constrained sequence's guesses are drawn from the logits its grammar masks, greedy and sampled
+alike (its matcher: draft_service/grammar_state.py); such rows are never drafted ahead.
 Knows nothing about gRPC or about the target: keys are opaque.
 
 What every proposer speaks (`ProposeItem` in, `Proposal` out, the `Proposer` protocol) is plain
@@ -35,9 +37,11 @@ from collections import defaultdict
 from collections.abc import Callable, Hashable
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 import kernels
+from draft_service.grammar_state import DraftGrammars, GrammarRow, allowed_rows
 from draft_service.work_ahead import Ahead, Prepared
 from kernels.lm_head import Hidden
 from kernels.nbest import MAX_K, top_scores
@@ -46,6 +50,7 @@ from kernels.random import SAMPLE, gumbel, race, row_keys
 from specstream.data.propose import SOURCE, Proposal, ProposeItem, Proposer, chain_length
 from specstream.data.sampling import SamplingParams
 from specstream.models.base import CausalLM
+from specstream.text.grammar import GrammarCompiler
 
 GREEDY = SamplingParams()
 
@@ -61,10 +66,12 @@ class DraftProposer(Proposer):
     def prepare_outcomes(self, outcomes: int) -> None:
         self.ahead.outcomes = outcomes
 
-    def __init__(self, model: CausalLM, max_slots: int, max_seq_len: int, q_support: int = 256) -> None:
+    def __init__(self, model: CausalLM, max_slots: int, max_seq_len: int, q_support: int = 256,
+                 grammars: GrammarCompiler | None = None) -> None:
         if q_support < 1:
             raise ValueError(f"q_support={q_support!r}: must be >= 1")
         self.model = model
+        self.grammars = DraftGrammars(grammars)  # constrained sequences' matchers (None compiler: unmasked)
         self.q_support = q_support  # bounds the size of each q on the wire, whatever the vocabulary
         self.max_len = min(max_seq_len, model.config.max_position_embeddings)
         self.cache = model.new_cache(max_slots, self.max_len)
@@ -105,13 +112,14 @@ class DraftProposer(Proposer):
             self.plans.pop(key, None)
             self.ahead.forget(key)
             self.rewritten.pop(key, None)
+            self.grammars.release([key])
             if slot is not None:
                 self.cache.free(slot)
 
     @torch.inference_mode()
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         out = [Proposal([], 0) for _ in items]
-        rows, gammas = [], []
+        rows, gammas, grammars = [], [], []
         self.plans = {}
         for i, item in enumerate(items):
             rewritten = self.rewritten.pop(item.key, None)
@@ -125,13 +133,16 @@ class DraftProposer(Proposer):
             if slot is None:
                 continue
             out[i].length = item.rollback_to  # the appended tokens are only fed when guessing
+            grammar = self.grammars.sync(item)
             gamma = min(item.gamma, self.max_len - item.rollback_to - len(item.append))
             if gamma > 0:
                 rows.append((i, item, slot))
                 gammas.append(gamma)
+                grammars.append(grammar)
         if not rows:
+            self._hold_grammars(items, out)
             return out
-        guesses, picker = self._guess(rows, gammas, second=self.ahead.outcomes > 1)
+        guesses, picker = self._guess(rows, gammas, second=self.ahead.outcomes > 1, grammars=grammars)
         width, q_ids, q_probs = picker.tables()
         for b, ((i, item, slot), gamma, tokens) in enumerate(zip(rows, gammas, guesses)):
             out[i].tokens, out[i].parents = picker.tree(b, tokens[:gamma])
@@ -143,9 +154,16 @@ class DraftProposer(Proposer):
             out[i].length = item.rollback_to + len(item.append) + gamma - 1
             self.cache.set_length(slot, out[i].length)
             seconds = picker.seconds(b)[:gamma] if item.sampling.greedy else []
-            if not item.masked_ids:  # rounds drafted ahead mask nothing (min_tokens' first tokens draft afresh)
+            # Rounds drafted ahead mask nothing: min_tokens' first tokens and constrained rows draft afresh.
+            if not item.masked_ids and grammars[b] is None:
                 self.plans[item.key] = _Plan(out[i].length, gamma, tokens[:gamma], seconds, item.sampling)
+        self._hold_grammars(items, out)
         return out
+
+    def _hold_grammars(self, items: list[ProposeItem], out: list[Proposal]) -> None:
+        """The constrained sequences' matchers rolled back to the tokens the draft holds."""
+        for item, reply in zip(items, out):
+            self.grammars.hold(item.key, reply.length)
 
     def _answer_prepared(self, item: ProposeItem, out: Proposal,
                          rewritten: tuple[int, list[int]] | None) -> bool:
@@ -236,15 +254,18 @@ class DraftProposer(Proposer):
         return slot
 
     def _guess(self, rows: list[tuple[Hashable, ProposeItem, int]], gammas: list[int],
-               stop: Callable[[], bool] | None = None, second: bool = False) -> tuple[list[list[int]], _Picker]:
+               stop: Callable[[], bool] | None = None, second: bool = False,
+               grammars: list[GrammarRow | None] | None = None) -> tuple[list[list[int]], _Picker]:
         """Appends each row's tokens, then decodes max(gammas) tokens for all rows at once;
         returns each row's guesses and the picker that chose them (the q tables of sampling rows,
         the runner-ups of rows that may branch). When ``stop()`` turns true, fewer: the guesses
-        made before it."""
+        made before it. ``grammars``: per row its matcher (constrained rows guess masked)."""
         batch, steps = len(rows), max(gammas)
         device = self.model.device
         picker = _Picker([item for _, item, _ in rows], steps, self.q_support, device, self.model.output_token_ids,
                          second)
+        if grammars is not None:
+            picker.grammars = list(grammars)
         head = self.model.output_head
         first = torch.empty(batch, dtype=torch.int64, device=device)  # [B]
         by_len: dict[int, list[int]] = defaultdict(list)
@@ -339,6 +360,9 @@ class _Picker:
         self.starts = [item.first_guess for item in items]
         # min_tokens: the ids each row masks where its guesses land before the item's masked_until.
         self.masks = [(item.masked_ids, item.masked_until) for item in items]
+        # Constrained rows: the draft's matcher of each (draft_service/grammar_state.py), which masks
+        # its guesses and takes each one it picks; None: free text.
+        self.grammars: list[GrammarRow | None] = [None] * len(items)
         self._columns: dict[int, int] | None = None  # token id -> logit column (a subset head's)
         if not self.sampling:
             return
@@ -351,10 +375,14 @@ class _Picker:
         truncated q from the fused n-best (a support wider than its 64 builds their logits); on the
         torch backend every row's logits are built."""
         masked = self._masked(members, step)  # [(i, columns)]: rows that may not guess some ids here
-        if kernels.backend(scores.states) == "torch" or masked:
+        constrained = any(self.grammars[b] is not None for b in members)
+        if kernels.backend(scores.states) == "torch" or masked or constrained:
             logits = scores.logits()  # [b, V or N]
             for i, columns in masked:  # processed as the target processes its own: those ids get no mass
                 logits[i, columns] = float("-inf")
+            refused = self._refused(members, logits.shape[-1]) if constrained else None  # [b, V or N] or None
+            if refused is not None:
+                logits.masked_fill_(refused.to(logits.device), float("-inf"))
             tokens = kernels.argmax(logits)  # [b] logit columns
         else:
             logits = None
@@ -364,7 +392,7 @@ class _Picker:
         self._keep_runners_up(scores, logits, members)
         local = [i for i, b in enumerate(members) if not self.params[b].greedy]
         if not local:
-            return tokens
+            return self._feed(members, tokens)
         rows = [members[i] for i in local]
         # q lives on the draft's columns (a subset of the vocabulary is fine: the target verifies
         # against exactly the q that was sampled from, whatever its support).
@@ -383,6 +411,35 @@ class _Picker:
         width = ids.shape[1]
         self.q_ids[rows, step, :width] = ids
         self.q_probs[rows, step, :width] = q
+        return self._feed(members, tokens)
+
+    def _refused(self, members: list[int], width: int) -> torch.Tensor | None:
+        """bool [b, width] (logit columns): what the grammars of the constrained rows among
+        ``members`` refuse at their next guess; None when no row is masked here."""
+        chosen = [(i, self.grammars[b]) for i, b in enumerate(members) if self.grammars[b] is not None]
+        if not chosen:
+            return None
+        allowed = allowed_rows([row for _, row in chosen])
+        if all(a is None for a in allowed):
+            return None
+        refused = np.zeros((len(members), width), dtype=bool)
+        ids = self.output_ids.cpu().numpy() if self.output_ids is not None else np.arange(width)  # column -> token id
+        for (i, _), ok in zip(chosen, allowed):
+            if ok is None:
+                continue
+            row = ~(ok[np.minimum(ids, len(ok) - 1)] & (ids < len(ok)))
+            if not row.all():  # a subset head that holds none of the allowed ids guesses unmasked
+                refused[i] = row
+        return torch.from_numpy(refused) if refused.any() else None
+
+    def _feed(self, members: list[int], tokens: torch.Tensor) -> torch.Tensor:
+        """The constrained rows' matchers take the guesses just picked (``tokens`` [b], returned)."""
+        fed = [(i, self.grammars[b]) for i, b in enumerate(members) if self.grammars[b] is not None]
+        if fed:
+            picked = tokens.tolist()
+            for i, row in fed:
+                if row.live:
+                    row.take([picked[i]])
         return tokens
 
     def _masked(self, members: list[int], step: int) -> list[tuple[int, list[int]]]:

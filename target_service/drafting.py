@@ -48,6 +48,9 @@ _TIMING_KEY = 0  # the start-up timing's sequence: the engine numbers requests' 
 # A feature draft's features per propose call, at most: far below the gRPC message limit (64 MiB),
 # 3,640 positions of SmolLM2 (1,152 bytes each). A longer (re)sync takes several steps.
 FEATURE_BYTES_PER_CALL = 4 << 20
+# Forced tokens a constrained row proposes in one pass, at most (a long forced run, a schema's
+# fixed text, goes over a few passes: each is one verify position).
+MAX_FORCED = 16
 
 
 class DraftSource(Protocol):
@@ -232,10 +235,11 @@ def _not_drawn_together(tokens: list[int], parents: list[int], width: int, ids: 
 
 @dataclass
 class _Plan:
-    """One propose call's worth: per row its check (filled from the reply) and γ; the items sent
-    for the rows ``sent``; the tokens they feed."""
+    """One propose call's worth: per row its check (filled from the reply), its forced tokens and
+    γ; the items sent for the rows ``sent``; the tokens they feed."""
 
     checks: list[VerifyRow]
+    forced: list[list[int]] = field(default_factory=list)
     gammas: list[int] = field(default_factory=list)
     items: list[ProposeItem] = field(default_factory=list)
     sent: list[int] = field(default_factory=list)
@@ -251,6 +255,23 @@ class _Early:
     epoch: int
     plan: _Plan
     task: asyncio.Future | None
+
+
+def _after_forced(forced: list[int], row: VerifyRow) -> VerifyRow:
+    """``row`` (the draft's guesses, made after ``forced`` went into its context) with the forced
+    tokens before its proposals: point masses in a sampled row's q table (probability 1, padding 0)."""
+    if not forced:
+        return row
+    n = len(forced)
+    if row.q_width:
+        pad = [0] * (row.q_width - 1)
+        row.q_ids = [i for t in forced for i in (t, *pad)] + list(row.q_ids)
+        row.q_probs = [p for _ in forced for p in (1.0, *pad)] + list(row.q_probs)
+    row.proposals = [*forced, *row.proposals]
+    row.parents = [*range(n), *(p + n for p in row.parents)] if row.parents else []
+    row.drafted += n
+    row.forced = n
+    return row
 
 
 def _keys(rows: list[Sequence]) -> list[tuple[int, int]]:
@@ -269,6 +290,7 @@ class Drafting:
     controller: GammaController
     vocab_size: int  # the target's: proposals at or past it are cut
     tree_branches: int = 0  # the most branches a row may add to its chain (0: chains only)
+    forced_tokens: bool = True  # constrained rows propose their grammar's forced tokens first
     fed: int = 0  # tokens the last propose call fed the draft before it guessed (for the cost model)
     refusals: Counter = field(default_factory=Counter)  # items the draft refused, by field
     malformed_replies: Counter = field(default_factory=Counter)  # replies refused as malformed, by cause
@@ -381,11 +403,18 @@ class Drafting:
         """The controller's γ per row and the items to send (none: nothing to ask)."""
         plan = _Plan([s.verify_row() for s in rows])
         self.fed = 0
+        plan.forced = [self._forced(s) for s in rows]
+        for check, forced in zip(plan.checks, plan.forced):
+            check.proposals, check.forced = list(forced), len(forced)
         source = self.source
         if source is None:
             return plan
         views = [RowView(s.seq_id, s.gamma, s.max_gamma, s.sampling.greedy, self._unfed(s, source.epoch)) for s in rows]
-        plan.gammas = self.controller.choose(views, self.caps(rows))
+        # After forced tokens a token draft guesses on from them (they go in its context); a feature
+        # draft cannot (no target features exist for them yet): their row asks it for nothing.
+        caps = [0 if forced and self.feature_width else max(0, cap - len(forced))
+                for cap, forced in zip(self.caps(rows), plan.forced)]
+        plan.gammas = self.controller.choose(views, caps)
         branches = self.controller.branches(views, plan.gammas, self.tree_branches)
         asked = [i for i, g in enumerate(plan.gammas) if g > 0]
         if not asked or not await source.ready():
@@ -397,10 +426,13 @@ class Drafting:
             if held.epoch != source.epoch:  # a fresh stream holds nothing
                 held.length, held.epoch = 0, source.epoch
             append, gamma, features = self._with_features(seq, held.length, plan.gammas[i], budget)
+            append = append + plan.forced[i] if append else append
             if not append:
                 continue  # a feature draft's (re)sync that does not fit this call: the next ones
             budget -= len(features.get("features", b""))
             row = plan.checks[i]  # the ids its guesses may not be, and until where (min_tokens)
+            if seq.matcher is not None and held.length == 0:  # the draft's own matcher starts here
+                features.update(constraint=seq.constraint, constraint_start=seq.prompt_len)
             plan.items.append(ProposeItem(seq.seq_id, held.length, append, gamma, seq.sampling,
                                           branches=branches[i] if gamma else 0, masked_ids=row.masked_ids,
                                           masked_until=row.masked_until, **features))
@@ -408,6 +440,13 @@ class Drafting:
             self.fed += len(append)
         plan.fed = self.fed
         return plan
+
+    def _forced(self, seq: Sequence) -> list[int]:
+        """A constrained sequence's forced tokens (the grammar allows nothing else there), when it
+        speculates (γ not 0), up to ``MAX_FORCED`` and its budget less the target's own last token."""
+        if seq.matcher is None or not seq.gamma or not self.forced_tokens:
+            return []
+        return seq.matcher.forced()[: max(0, min(MAX_FORCED, seq.remaining - 1))]
 
     def _unfed(self, seq: Sequence, epoch: int) -> int:
         """Tokens of ``seq`` the draft has not taken in (all of them on a fresh stream)."""
@@ -421,7 +460,7 @@ class Drafting:
         checks = plan.checks
         for i, item, reply in zip(plan.sent, plan.items, replies):
             seq = rows[i]
-            checks[i] = self._check(seq, reply, plan.gammas[i], item)
+            checks[i] = _after_forced(plan.forced[i], self._check(seq, reply, plan.gammas[i], item))
             # Beyond the context the draft holds its own guesses; `settle` keeps the part the target
             # agreed with. It cannot hold more than it was sent and guessed (a malformed length: 0).
             most = item.rollback_to + len(item.append) + len(reply.tokens)
@@ -540,7 +579,9 @@ class Drafting:
         held = self._held.get(seq.seq_id)
         if held is not None:
             held.length = min(held.length, check.position + agreed)
-        self.controller.observe(seq.seq_id, check.source, seq.sampling.greedy, chain, agreed)
+        if agreed >= check.forced:  # the controller scores the draft's guesses, not the grammar's
+            self.controller.observe(seq.seq_id, check.source, seq.sampling.greedy, chain - check.forced,
+                                    agreed - check.forced)
         if agreed < chain and agreed in check.parents[chain:]:  # a branch stood beside the failed guess
             self.controller.observe_branch(verdict.accepted > agreed, seq.sampling.greedy)
 

@@ -106,7 +106,8 @@ class Engine:
         if config.tree_branches and not branches:
             log.info("tree_branches=%d: chains only, this model's forward is not the native CPU one",
                      config.tree_branches)
-        self.drafting = Drafting(draft, self.controller, model.config.vocab_size, tree_branches=branches)
+        self.drafting = Drafting(draft, self.controller, model.config.vocab_size, tree_branches=branches,
+                                 forced_tokens=config.forced_tokens)
         self.max_len = min(config.max_seq_len, model.config.max_position_embeddings)
         # All torch work belongs on this one thread (see specstream.serving.compute).
         self._compute = compute or torch_thread()
@@ -422,7 +423,7 @@ class Engine:
         self.metrics.observe_step(len(rows) + hypotheses)
         verdicts, candidates = await self._run_compute(self._verify_compute, rows, checks, beams, masks)
         if masks is not None:
-            self.metrics.observe_grammar(self.masks.seconds, self.masks.dropped)
+            self.metrics.observe_grammar(self.masks.seconds, self.masks.dropped, sum(c.forced for c in checks))
         verified = time.perf_counter()
         self.metrics.observe_ahead(self.drafting.ahead_counts)
         self.drafting.after_verify(self._computing)  # a draft in this process may work ahead meanwhile

@@ -24,6 +24,7 @@ from specstream.data.engine import (
     SequenceStats,
     TokenLogprob,
 )
+from specstream.data.constraint import Constraint
 from specstream.data.propose import SOURCE
 from specstream.data.sampling import GREEDY, SamplingParams
 from specstream.text.grammar import Matcher
@@ -48,6 +49,7 @@ class Sequence:
     min_tokens: int = 0  # the stop ids are masked until this many tokens are generated
     # A constrained request's place in its grammar, at the committed tokens (target_service/grammar_rows.py).
     matcher: Matcher | None = None
+    constraint: Constraint | None = None  # its source, sent to the draft with the sequence's first item
     traceparent: str = ""
     arrival: float = field(default_factory=time.monotonic)
     slot: int | None = None
@@ -102,6 +104,7 @@ class Sequence:
             sampling=req.sampling,
             logprobs=req.logprobs,
             min_tokens=req.min_tokens,
+            constraint=req.constraint,
             traceparent=req.traceparent,
             beam=(BeamSearch(req.beam, req.max_new_tokens, frozenset(req.stop_token_ids), frozenset(req.eos_token_ids))
                   if req.beam is not None else None),

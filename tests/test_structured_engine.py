@@ -125,6 +125,54 @@ def test_speculative_greedy_equals_constrained_plain(model_zoo, plain, name, dra
             assert sum(f.stats.accepted_tokens for f in finals) > 0
 
 
+@pytest.mark.parametrize("name", list(CONSTRAINTS))
+def test_a_grammar_aware_draft_is_kept_where_a_free_one_is_cut(model_zoo, plain, name):
+    """The draft is the target itself: drafting from its masked distribution it guesses the
+    target's masked argmax, so no guess is ever rejected (a pass may end inside the run where the
+    output ends); the same draft unmasked has its guesses cut by the grammar. Both give
+    constrained plain output."""
+    runs = {}
+    for aware in (True, False):
+        tokens, finals = run_engine(model_zoo["target"], model_zoo["same"], PROMPTS, 3, MAX_NEW, stop_ids=[1],
+                                    eos_ids=[1], constraint=CONSTRAINTS[name], grammar_draft=aware,
+                                    config={"calibrate": False, "forced_tokens": False})
+        assert tokens == plain[name][0]
+        runs[aware] = finals
+    assert sum(f.stats.rejections for f in runs[True]) == 0
+    kept = {aware: sum(f.stats.accepted_tokens for f in finals) for aware, finals in runs.items()}
+    generated = sum(len(t) for t in plain[name][0])
+    assert kept[True] >= generated * 2 // 3  # 3 of every 4 tokens a pass, but for the ends of answers
+    assert kept[True] > kept[False]
+
+
+def test_the_constraint_travels_to_the_draft_with_the_first_item():
+    from specstream.data.propose import ProposeItem
+    from specstream.data.propose_wire import item_from_pb, item_to_pb
+
+    item = ProposeItem(3, 0, [7, 8, 9], 4, constraint=CONSTRAINTS["choice"], constraint_start=2)
+    assert item_from_pb(3, item_to_pb(item)) == item
+    free = ProposeItem(3, 5, [7], 4)
+    assert item_from_pb(3, item_to_pb(free)) == free and not item_to_pb(free).HasField("constraint")
+
+
+@pytest.mark.parametrize("gamma", [3, None])
+def test_forced_tokens_alone_give_constrained_plain_output(model_zoo, plain, gamma):
+    """No draft at all: a JSON schema's forced text (braces, keys, quotes) is proposed and
+    accepted, and the output is constrained plain decoding's; without forced tokens nothing is."""
+    steps: dict = {}
+    tokens, finals = run_engine(model_zoo["target"], None, PROMPTS, gamma, MAX_NEW, stop_ids=[1], eos_ids=[1],
+                                constraint=CONSTRAINTS["json_schema"], steps=steps,
+                                config={"calibrate": False, "gamma_policy": "fixed", "default_gamma": 3})
+    assert tokens == plain["json_schema"][0]
+    forced = steps["metrics"].registry.get_sample_value("specstream:grammar_forced_tokens_total")
+    accepted = sum(f.stats.accepted_tokens for f in finals)
+    assert forced >= len(PROMPTS) and accepted >= len(PROMPTS)  # at least `{"n":` of each answer
+    assert accepted <= forced  # nothing else proposed anything
+    off, finals = run_engine(model_zoo["target"], None, PROMPTS, gamma, MAX_NEW, stop_ids=[1], eos_ids=[1],
+                             constraint=CONSTRAINTS["json_schema"], config={"calibrate": False, "forced_tokens": False})
+    assert off == tokens and sum(f.stats.accepted_tokens for f in finals) == 0
+
+
 def test_a_tree_and_a_model_free_proposer_give_the_same_tokens(model_zoo, plain):
     """Trees are cut to their chain for constrained rows; prompt lookup's point masses are cut
     at their first refused token."""
@@ -168,6 +216,9 @@ SAMPLES = 1500
 # are the characters ' to /, one token each. The draft puts mass where the target has little
 # (tests/conftest.py) and most of it on ids this grammar refuses, so most sampled guesses are cut.
 SYMBOLS = Constraint("regex", "['-/]{6}")
+# Two free symbols, two forced commas, two free: the forced ones are point masses before the
+# draft's sampled guesses (with q) in one row.
+FORCED_SYMBOLS = Constraint("regex", "['-/]{2},,['-/]{2}")
 
 
 @pytest.fixture(scope="module")
@@ -184,14 +235,14 @@ def symbol_pair(sampling_pair, tmp_path_factory):
     return {"target": root / "target", "draft": root / "draft", "tokenizer": TextTokenizer.from_dir(root / "target")}
 
 
-def _sampled(pair, draft, gamma, seeds, coupled=False) -> list[str]:
+def _sampled(pair, draft, gamma, seeds, coupled=False, constraint=SYMBOLS, aware=True, steps=None) -> list[str]:
     params = [SamplingParams(temperature=1.0, seed=s) for s in seeds]
     config = {"calibrate": False, **({"speculative_sampling": "coupled"} if coupled else {})}
     tokens, finals = run_engine(pair["target"], pair[draft] if draft else None, [[5, 9, 17, 3, 22]] * len(seeds),
                                 gamma, 7, stop_ids=[1, 31], eos_ids=[1, 31], sampling=params, max_slots=64,
-                                constraint=SYMBOLS, config=config)
+                                constraint=constraint, config=config, grammar_draft=aware, steps=steps)
     texts = [pair["tokenizer"].decode(t) for t in tokens]
-    assert all(f.finish_reason == "stop" and re.fullmatch("['-/]{6}", text) for text, f in zip(texts, finals))
+    assert all(f.finish_reason == "stop" and re.fullmatch(constraint.source, text) for text, f in zip(texts, finals))
     return texts
 
 
@@ -205,12 +256,18 @@ def test_coupled_speculative_sampling_equals_constrained_plain_sampling(symbol_p
     assert spec == sampled_plain[:300]
 
 
-def test_leviathan_speculative_sampling_keeps_the_constrained_distribution(symbol_pair, sampled_plain):
-    """The draft knows nothing of the grammar: a refused guess is kept as the row's last proposal,
-    rejected with certainty, and the residual is sampled. Every answer is in the language; each
-    character's marginal, and the pair of the second and third, match plain's (two-sample
-    chi-square, false alarm 1e-3 each)."""
-    spec = _sampled(symbol_pair, "draft", 3, range(1 << 20, (1 << 20) + SAMPLES))
+@pytest.mark.parametrize("aware", [False, True])
+def test_leviathan_speculative_sampling_keeps_the_constrained_distribution(symbol_pair, sampled_plain, aware):
+    """A draft that knows nothing of the grammar: a refused guess is kept as the row's last
+    proposal, rejected with certainty, and the residual is sampled. A grammar-aware draft: its
+    guesses are drawn from its masked, renormalised q, which is what it sends. Every answer is in
+    the language; each character's marginal, and the pair of the second and third, match plain's
+    (two-sample chi-square, false alarm 1e-3 each)."""
+    steps: dict = {}
+    spec = _sampled(symbol_pair, "draft", 3, range(1 << 20, (1 << 20) + SAMPLES), aware=aware, steps=steps)
+    # The masked draft guesses nothing the grammar refuses; the free one mostly does (the fixture's draft).
+    cut = steps["metrics"].registry.get_sample_value("specstream:grammar_cut_draft_tokens_total")
+    assert cut == 0 if aware else cut > SAMPLES
 
     def cells(texts: list[str]) -> list[Counter]:
         return [Counter(t[i] for t in texts) for i in range(6)] + [Counter(t[1:3] for t in texts)]
@@ -219,3 +276,32 @@ def test_leviathan_speculative_sampling_keeps_the_constrained_distribution(symbo
     for i, (a, b) in enumerate(zip(cells(spec), cells(sampled_plain))):
         p_value = two_sample_p_value(a, b)
         assert p_value > THRESHOLD, (i, p_value)
+
+
+def test_forced_tokens_before_sampled_guesses_keep_the_constrained_distribution(symbol_pair):
+    """Forced commas (point masses) go into the draft's context and before its guesses with q:
+    each free character's marginal matches plain's (two-sample chi-square, false alarm 1e-3 each),
+    and coupled verification gives plain's very text."""
+    plain = _sampled(symbol_pair, None, 0, range(SAMPLES), constraint=FORCED_SYMBOLS)
+    spec = _sampled(symbol_pair, "draft", 3, range(1 << 21, (1 << 21) + SAMPLES), constraint=FORCED_SYMBOLS)
+    for i in (0, 1, 4, 5):
+        a, b = Counter(t[i] for t in spec), Counter(t[i] for t in plain)
+        assert len(b) >= 3  # not a point mass
+        p_value = two_sample_p_value(a, b)
+        assert p_value > THRESHOLD, (i, p_value)
+    coupled = _sampled(symbol_pair, "draft", 3, range(300), coupled=True, constraint=FORCED_SYMBOLS)
+    assert coupled == plain[:300]
+
+
+def test_a_feature_draft_drafts_from_its_masked_distribution(feature_pair, model_zoo, plain):
+    """The feature draft (a head over the target's features) holds its own matcher too: its
+    guesses are never cut by the grammar, the free head's are; both give constrained plain output."""
+    cut = {}
+    for aware in (True, False):
+        steps: dict = {}
+        tokens, _ = run_engine(feature_pair["target"], feature_pair["draft"], PROMPTS, 3, MAX_NEW, stop_ids=[1],
+                               eos_ids=[1], constraint=CONSTRAINTS["json_schema"], grammar_draft=aware, steps=steps,
+                               config={"calibrate": False, "forced_tokens": aware})
+        assert tokens == plain["json_schema"][0]
+        cut[aware] = steps["metrics"].registry.get_sample_value("specstream:grammar_cut_draft_tokens_total")
+    assert cut[True] == 0 < cut[False]

@@ -234,6 +234,9 @@ class TargetConfig:
     # Only where the target's forward is the native CPU one (bit-exact trees); 0: chains only. A
     # row's chain and branches together stay within max_gamma (the slot's headroom past its budget).
     tree_branches: int = 4
+    # A constrained request that speculates proposes its grammar's forced tokens (the text the
+    # grammar allows alone: a schema's braces, keys, quotes) before any draft guess, at no model cost.
+    forced_tokens: bool = True
     # Time verify forwards of each step shape at start-up for the γ controller's cost model
     # (target_service/calibration.py; a few seconds at most).
     calibrate: bool = True

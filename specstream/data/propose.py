@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
+from specstream.data.constraint import Constraint
 from specstream.data.sampling import GREEDY, SamplingParams
 
 __all__ = ["FEATURE_DTYPE", "NO_ACCEPTANCE", "SOURCE", "DraftInfo", "Proposal", "ProposeItem", "Proposer",
@@ -44,6 +45,11 @@ class ProposeItem:
     # there is always refused, so proposers mask them too (``masked_at``, ``without_masked``).
     masked_ids: frozenset[int] = frozenset()
     masked_until: int = 0
+    # A constrained sequence's constraint, on its items with rollback_to 0 (the draft holds nothing
+    # of it): the grammar reads its tokens from position constraint_start (the prompt's length) on,
+    # and the draft guesses from its distribution masked by it (draft_service/grammar_state.py).
+    constraint: Constraint | None = None
+    constraint_start: int = 0
 
     @property
     def first_guess(self) -> int:

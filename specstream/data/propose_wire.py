@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
+from specstream.data.constraint import Constraint
 from specstream.data.propose import FEATURE_DTYPE, DraftInfo, Proposal, ProposeItem
 from specstream.data.sampling import SamplingParams
 from specstream_pb import common_pb2, draft_pb2
@@ -24,6 +25,8 @@ def item_to_pb(item: ProposeItem, traceparent: str = "") -> draft_pb2.ProposeIte
     p = item.sampling
     features = {"features": item.features, "feature_width": item.feature_width,
                 "feature_dtype": item.feature_dtype} if item.feature_width else {}
+    if item.constraint is not None:
+        features.update(constraint=item.constraint.to_pb(), constraint_start=item.constraint_start)
     return draft_pb2.ProposeItem(
         seq_id=item.key, rollback_to=item.rollback_to, append_token_ids=item.append, gamma=item.gamma,
         sampling=common_pb2.Sampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed),
@@ -40,7 +43,9 @@ def item_from_pb(key: Hashable, pb: draft_pb2.ProposeItem) -> ProposeItem:
     dtype = pb.feature_dtype if pb.feature_width else FEATURE_DTYPE
     return ProposeItem(key, pb.rollback_to, list(pb.append_token_ids), pb.gamma, SamplingParams.from_pb(pb.sampling),
                        features=pb.features, feature_width=pb.feature_width, feature_dtype=dtype,
-                       branches=pb.branches, masked_ids=frozenset(pb.masked_token_ids), masked_until=pb.masked_until)
+                       branches=pb.branches, masked_ids=frozenset(pb.masked_token_ids), masked_until=pb.masked_until,
+                       constraint=Constraint.from_pb(pb.constraint) if pb.HasField("constraint") else None,
+                       constraint_start=pb.constraint_start)
 
 
 def proposal_to_pb(seq_id: int, proposal: Proposal) -> draft_pb2.Proposal:

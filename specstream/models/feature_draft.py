@@ -55,6 +55,7 @@ class FeatureDraft:
     dtype: torch.dtype = torch.float32  # the activations' when serving
     weights: str = "dense"  # what was served: "dense" or "int4 (N matrices)"
     acceptance: tuple[tuple[bool, float], ...] = ()  # its card's measured α per kind (card_acceptance)
+    target_dir: Path | None = None  # the target's checkpoint (its tokenizer is the head's)
 
     @property
     def vocab_size(self) -> int:
@@ -146,7 +147,7 @@ def load_feature_draft(path: str | Path, resolve: Callable[[str], Path], dtype: 
     swapped += isinstance(served_rows, Q4Weight)
     return FeatureDraft(str(ours.get("name") or root.name), head, embed.to(torch.bfloat16), rows, layers,
                         OutputHead(served_rows), torch_dtype, f"int4 ({swapped} matrices)" if swapped else "dense",
-                        acceptance)
+                        acceptance, Path(resolve(ref)))
 
 
 def _dense_state(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:

@@ -225,11 +225,14 @@ class TargetMetrics:
             if g:
                 self.branches.observe(b)
 
-    def observe_grammar(self, mask_seconds: float, cut: int) -> None:
-        """A decode pass with constrained rows: the time of their masks, proposals the grammar cut."""
+    def observe_grammar(self, mask_seconds: float, cut: int, forced: int) -> None:
+        """A decode pass with constrained rows: the time of their masks, proposals the grammar cut,
+        forced tokens proposed."""
         self.grammar_mask.observe(mask_seconds)
         if cut:
             self.grammar_cut.inc(cut)
+        if forced:
+            self.forced_tokens.inc(forced)
 
     def observe_branch_tokens(self, kept: int) -> None:
         if kept:

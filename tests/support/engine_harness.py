@@ -36,7 +36,7 @@ def run_engine(target: Path, draft: Path | None, prompts: list[list[int]], gamma
                max_seq_len: int = 512, proposer=None, config: dict | None = None,
                steps: dict | None = None, device: str = "cpu",
                work_ahead: str = "off", min_tokens: int = 0,
-               constraint: Constraint | list[Constraint | None] | None = None
+               constraint: Constraint | list[Constraint | None] | None = None, grammar_draft: bool = True
                ) -> tuple[list[list[int]], list[SequenceEvent]]:
     """Returns each prompt's generated tokens and its final event (finish reason, stats, and the
     log-probabilities of all its tokens when `logprobs` is given). `sampling`: one per prompt
@@ -46,10 +46,13 @@ def run_engine(target: Path, draft: Path | None, prompts: list[list[int]], gamma
     both models run (float32); `work_ahead`: the in-process draft's (LocalDraft); `min_tokens`: every request's;
     `constraint`: every request's, or one per prompt (compiled on the target directory's tokenizer)."""
     model = load_model(target, device=device)
+    # A draft model drafts constrained requests from its masked distribution unless `grammar_draft` is False.
+    grammars = compiler_for(target) if constraint is not None and grammar_draft else None
     if proposer is None and draft and is_feature_draft(draft):
-        proposer = FeatureProposer(load_feature_draft(draft, Path), max(16, max_slots), max_seq_len)
+        proposer = FeatureProposer(load_feature_draft(draft, Path), max(16, max_slots), max_seq_len, grammars=grammars)
     elif proposer is None and draft:
-        proposer = DraftProposer(load_model(draft, device=device), max_slots=max(16, max_slots), max_seq_len=max_seq_len)
+        proposer = DraftProposer(load_model(draft, device=device), max_slots=max(16, max_slots), max_seq_len=max_seq_len,
+                                 grammars=grammars)
     local = LocalDraft(proposer, work_ahead=work_ahead) if proposer else None
     engine = Engine(model, TargetConfig(model=ModelSpec(str(target), device=device), max_slots=max_slots,
                                         max_seq_len=max_seq_len,

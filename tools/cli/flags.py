@@ -105,6 +105,9 @@ def gamma_flags(p: argparse.ArgumentParser) -> None:
                         "speculation=auto takes as many as the measured verify cost says pay (a fixed gamma stays "
                         "a chain), under fixed every drafting request all of them, hf and leviathan none; 0: "
                         "chains only")
+    p.add_argument("--no-forced-tokens", action="store_true",
+                   help="constrained requests do not propose their grammar's forced tokens (the text it allows "
+                        "alone: a JSON schema's braces, keys and quotes); only the draft's guesses are verified")
     p.add_argument("--draft-early", action="store_true",
                    help="ask the draft service for a pass as soon as the pass before is verified (when the next "
                         "pass decodes the same requests), so the draft works during the host work between passes "

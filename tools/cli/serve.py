@@ -166,6 +166,7 @@ def _stack_spec(args: argparse.Namespace):
                      target_replicas=args.replicas, metrics=args.metrics,
                      extra_target_args=[*_batching_args(args), "--speculative-sampling", args.speculative_sampling,
                                         "--tree-branches", str(args.tree_branches),
+                                        *(["--no-forced-tokens"] if args.no_forced_tokens else []),
                                         *(["--draft-early"] if args.draft_early else [])],
                      work_ahead=args.work_ahead, work_ahead_outcomes=args.work_ahead_outcomes,
                      trace_file=os.path.abspath(args.trace_file) if args.trace_file else None,

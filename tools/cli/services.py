@@ -170,6 +170,7 @@ def _target_config(args: argparse.Namespace) -> TargetConfig:
                         max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len,
                         default_gamma=args.gamma, max_gamma=args.max_gamma, gamma_policy=args.gamma_policy,
                         speculative_sampling=args.speculative_sampling, tree_branches=args.tree_branches,
+                        forced_tokens=not args.no_forced_tokens,
                         calibrate=not args.no_calibrate, draft_url=args.draft_url,
                         draft_timeout_s=args.draft_timeout, draft_deadline_floor_s=args.draft_deadline_floor,
                         draft_deadline_factor=args.draft_deadline_factor, draft_retry_s=args.draft_retry,
