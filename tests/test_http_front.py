@@ -114,6 +114,8 @@ def test_parameters_reach_the_target_as_sent() -> None:
     assert off.speculation.mode == "off" and off.sampling.top_k == 0  # vLLM's top_k=-1: no cut
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
 BAD = [  # (endpoint, body changes, the param the 400 must name)
     ("completions", {"max_tokens": 0}, "max_tokens"),
     ("completions", {"max_tokens": 10_000}, "max_tokens"),
@@ -159,8 +161,20 @@ BAD = [  # (endpoint, body changes, the param the 400 must name)
     ("chat", {"max_tokens": 100_000}, "max_tokens"),
     ("chat", {"top_logprobs": 3}, "top_logprobs"),  # without logprobs
     ("chat", {"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("chat", {"tool_choice": "required"}, "tool_choice"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    ("chat", {"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]},
+     "tools[0].function.parameters"),  # the compiler's reason
+    ("chat", {"tools": [TOOL, TOOL]}, "tools[1].function.name"),
+    ("chat", {"tool_choice": "required"}, "tool_choice"),  # no tools
+    ("chat", {"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+    ("chat", {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice.function.name"),
+    ("chat", {"tools": [TOOL], "response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"messages": [{"role": "user", "content": "hi", "tool_calls": [{"function": {"name": "f"}}]}]},
+     "messages[0].tool_calls"),
+    ("chat", {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
     ("chat", {"response_format": {"type": "xml"}}, "response_format.type"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}},
      "response_format.json_schema.name"),

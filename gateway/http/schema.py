@@ -7,7 +7,7 @@ Only the JSON types are checked here (a string where a number belongs is a 400 n
 an explicit `null` is the same as leaving an optional field out, as OpenAI treats it);
 ranges and limits are checked once, for both fronts, by gateway/validation.py. Unknown fields are
 ignored, as OpenAI ignores them. Fields that OpenAI defines but this server cannot honour exactly
-(penalties, logit_bias, tools, n > 1, ...) are declared so that translate.py can refuse them by name
+(penalties, logit_bias, n > 1, ...) are declared so that translate.py can refuse them by name
 instead of silently changing what the model would have produced.
 """
 
@@ -85,6 +85,10 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None  # accepted and ignored
+    # An assistant's earlier calls ([{"id", "type": "function", "function": {"name", "arguments"}}]),
+    # written back into the conversation as it writes them (gateway/http/tool_calls.py).
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None  # a tool message's: accepted (the result follows its call)
 
 
 class ChatCompletionRequest(_Common):
@@ -95,8 +99,9 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None  # None (both): as many as fit the context and the limit
     logprobs: bool | None = None  # None: false
     top_logprobs: int | None = None
-    tools: list[Any] | None = None  # not supported
-    tool_choice: Any = None  # only "none"
+    # [{"type": "function", "function": {"name", "description", "parameters"}}] (gateway/http/tool_calls.py)
+    tools: list[Any] | None = None
+    tool_choice: Any = None  # "none", "auto" (the default with tools), "required", or {"type": "function", ...}
     # {"type": "text"}, {"type": "json_object"}, or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
     response_format: dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # accepted and ignored (no tools)
+    parallel_tool_calls: bool | None = None  # None: true (several calls in one answer)

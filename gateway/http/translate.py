@@ -17,6 +17,7 @@ import json
 import time
 from typing import Any
 
+from gateway.http import tool_calls
 from gateway.http.schema import ChatCompletionRequest, CompletionRequest
 from specstream.data.errors import InvalidArgumentError
 from specstream.text.tokenizer import TextTokenizer
@@ -77,13 +78,20 @@ GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice"
 def _constraint(body: Body) -> common_pb2.Constraint | None:
     """What the output must match: OpenAI's response_format (chat) or one of vLLM's guided_*
     fields; at most one of them. The JSON schema goes on as its JSON text (key order kept: it is
-    the order the model writes the properties in); strict is how every schema is honoured here."""
+    the order the model writes the properties in); strict is how every schema is honoured here.
+    A chat with tools: the tool-call grammar (gateway/http/tool_calls.py); with tool_choice
+    "none", a format given beside it instead."""
     given = [name for name in (*GUIDED, "response_format") if getattr(body, name, None) is not None]
     fmt = getattr(body, "response_format", None)
     if fmt is not None and fmt.get("type", "text") == "text":
         given.remove("response_format")
     if len(given) > 1:
         raise InvalidArgumentError(given[1], "<set>", f"cannot be combined with {given[0]}")
+    tools = tool_calls.tools_constraint(body) if isinstance(body, ChatCompletionRequest) else None
+    if tools is not None and (not given or tool_calls.tool_choice(body, tool_calls.offered(body)) != "none"):
+        if given:
+            raise InvalidArgumentError(given[0], "<set>", "cannot be combined with tools unless tool_choice is 'none'")
+        return tools.to_pb()
     if not given:
         return None
     name = given[0]
@@ -144,6 +152,8 @@ def param_name(field: str, body: Body) -> str:
     if head in ("stop", "stop_token_ids", "speculation"):
         return head
     if head == "constraint":  # the parameter that carried it
+        if isinstance(body, ChatCompletionRequest) and body.tools and body.tool_choice != "none":
+            return "tools"
         given = [name for name in GUIDED if getattr(body, name, None) is not None]
         return given[0] if given else "response_format"
     return field  # messages[2].role, temperature, top_p, top_k, seed, logprobs: the same names
@@ -167,12 +177,6 @@ def _refuse_unsupported(body: Body) -> None:
             ("suffix", body.suffix, not body.suffix, "suffix (insertion) is not supported"),
             ("echo", body.echo, not (body.echo and body.logprobs is not None),
              "echo with logprobs is not supported (prompt log-probabilities are not computed)"),
-        ]
-    else:
-        checks += [
-            ("tools", f"<{len(body.tools or [])} tools>", not body.tools, "tool calling is not supported"),
-            ("tool_choice", body.tool_choice, body.tool_choice in (None, "none"),
-             "tool calling is not supported (tool_choice 'none' only)"),
         ]
     for param, value, ok, reason in checks:
         if not ok:
@@ -202,15 +206,8 @@ def _set_prompt(req: generation_pb2.GenerateRequest, prompt: Any) -> None:
 
 def _set_messages(req: generation_pb2.GenerateRequest, body: ChatCompletionRequest) -> None:
     req.messages.SetInParent()
-    for i, message in enumerate(body.messages):
-        content = message.content
-        if isinstance(content, list):
-            for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
-                    raise InvalidArgumentError(f"messages[{i}].content[{j}].type", part.type,
-                                               "only text parts are supported")
-            content = "".join(part.text for part in content)
-        req.messages.messages.add(role=CHAT_ROLES.get(message.role, message.role), content=content or "")
+    for role, content in tool_calls.conversation(body):
+        req.messages.messages.add(role=CHAT_ROLES.get(role, role), content=content)
 
 
 def _speculation(body: Body) -> common_pb2.Speculation:
@@ -368,6 +365,9 @@ class ChatEncoder(_Encoder):
                  include_usage: bool) -> None:
         super().__init__(body, request_id, tokenizer, include_usage)
         self.role_sent = False  # OpenAI's first delta carries the role
+        # With tools the model may call: its answer read for calls (gateway/http/tool_calls.py).
+        tools = tool_calls.offered(body)
+        self.calls = tool_calls.ToolAnswer() if tools and tool_calls.tool_choice(body, tools) != "none" else None
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         token = self._token(token_id)
@@ -388,14 +388,25 @@ class ChatEncoder(_Encoder):
             self.role_sent = True
             out.append({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None})
-        if pb.text or pb.token_ids:
-            out.append(self._with_ids({"index": 0, "delta": {"content": pb.text},
-                                       "logprobs": self._logprobs(pb.logprobs), "finish_reason": None}, pb))
+        reason = FINISH_REASONS.get(pb.finish_reason)
+        if self.calls is None:
+            delta, called = {"content": pb.text}, []
+        else:  # content outside the calls; each call whole when its closing tag arrives
+            text, called = self.calls.delta(pb.text, final=bool(pb.finish_reason))
+            delta, reason = {"content": text}, self.calls.finish_reason(reason)
+        if pb.text or pb.token_ids or delta["content"]:
+            out.append(self._with_ids({"index": 0, "delta": delta, "logprobs": self._logprobs(pb.logprobs),
+                                       "finish_reason": None}, pb))
+        if called:
+            out.append({"index": 0, "delta": {"tool_calls": called}, "logprobs": None, "finish_reason": None})
         if pb.finish_reason:
-            out.append({"index": 0, "delta": {}, "logprobs": None,
-                        "finish_reason": FINISH_REASONS.get(pb.finish_reason)})
+            out.append({"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason})
         return out
 
     def _choice(self, pb):
-        return {"index": 0, "message": {"role": "assistant", "content": pb.text},
-                "logprobs": self._logprobs(pb.logprobs), "finish_reason": FINISH_REASONS.get(pb.finish_reason)}
+        reason = FINISH_REASONS.get(pb.finish_reason)
+        if self.calls is None:
+            message = {"role": "assistant", "content": pb.text}
+        else:
+            message, reason = self.calls.message(pb.text), self.calls.finish_reason(reason)
+        return {"index": 0, "message": message, "logprobs": self._logprobs(pb.logprobs), "finish_reason": reason}

@@ -1,0 +1,137 @@
+"""Tool calling as text (specstream/text/tools.py) on SmolLM2's real tokenizer: the grammar of each
+tool_choice lets through what it should and refuses the rest, masked random decoding under it
+always yields calls whose arguments their tool's schema validates (``jsonschema``), a required
+call's opening is forced, and the parser reads calls back however the text is chunked."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import pytest
+import torch
+
+from specstream.models.registry import resolve_model
+from specstream.text.grammar import GrammarCompiler
+from specstream.text.tokenizer import TextTokenizer
+from specstream.text.tools import Tool, ToolCall, ToolCallParser, render_calls, tool_constraint, tools_system_text
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+       "required": ["a", "b"], "additionalProperties": False}
+TOOLS = [Tool("get_weather", "The weather in a city", json.dumps(WEATHER)), Tool("add", "a + b", json.dumps(ADD))]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+CALL = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris","unit":"celsius"}}\n</tool_call>'
+CALL2 = '<tool_call>\n{"name":"add","arguments":{"a":2,"b":3}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> TextTokenizer:
+    return TextTokenizer.from_dir(resolve_model("smollm2"))
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer)
+
+
+def _passes(tokenizer, compiler, choice: str, text: str, parallel: bool = True) -> bool:
+    """Whether the whole text is accepted and the answer may end there."""
+    matcher = compiler.compile(tool_constraint(TOOLS, choice, parallel)).matcher()
+    ids = tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+    return matcher.consume(ids) == len(ids) and matcher.accepting
+
+
+@pytest.mark.parametrize("choice, text, ok", [
+    ("required", CALL, True),
+    ("required", f"{CALL}\n{CALL2}", True),
+    ("required", "The weather is fine.", False),
+    ("required", "Sure. " + CALL, False),
+    ("required", CALL.replace('"celsius"', '"kelvin"'), False),  # not in the enum
+    ("required", CALL.replace("get_weather", "get_time"), False),  # no such tool
+    ("auto", "The weather is fine.", True),
+    ("auto", "Let me look. " + CALL, True),
+    ("auto", f"{CALL}\n{CALL2}", True),
+    ("auto", 'x <tool_call>\n{"name":"add"}', False),  # a started call must be well formed
+    ("auto", "x <tool_call>\n" + '{"name":"add","arguments":{"a":1}}\n</tool_call>', False),  # b missing
+    ("none", "No tools today.", True),
+    ("none", "Here: " + CALL, False),
+    ("add", CALL2, True),
+    ("add", CALL, False),  # only the named function
+])
+def test_each_tool_choice_lets_through_what_it_should(tokenizer, compiler, choice, text, ok) -> None:
+    assert _passes(tokenizer, compiler, choice, text) is ok
+
+
+def test_parallel_tool_calls_false_allows_one_call(tokenizer, compiler) -> None:
+    assert _passes(tokenizer, compiler, "required", CALL, parallel=False)
+    assert not _passes(tokenizer, compiler, "required", f"{CALL}\n{CALL2}", parallel=False)
+    assert not _passes(tokenizer, compiler, "auto", f"{CALL}\n{CALL2}", parallel=False)
+
+
+def test_a_named_calls_opening_is_forced(tokenizer, compiler) -> None:
+    """Nothing is the model's to choose before the first argument's value: all of it is forced (up
+    to the first key: the tokens after it depend on how the value starts)."""
+    matcher = compiler.compile(tool_constraint(TOOLS, "get_weather")).matcher()
+    assert tokenizer.decode(matcher.forced()) == '<tool_call>\n{"name":"get_weather","arguments":{"city'
+
+
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_masked_random_decoding_gives_calls_their_schema_validates(tokenizer, compiler, choice) -> None:
+    """Random logits, masked, until the grammar lets EOS win (under "auto", after some text and a
+    call's opening tag): every call read back names a tool and its arguments validate against that
+    tool's schema (no model: the mask alone makes it so)."""
+    grammar = compiler.compile(tool_constraint(TOOLS, choice))
+    gen = torch.Generator().manual_seed(2)
+    eos = list(tokenizer.eos_token_ids)
+    opening = tokenizer.tokenizer.encode("Let me see. <tool_call>", add_special_tokens=False).ids
+    for _ in range(12):
+        matcher, out = grammar.matcher(), opening if choice == "auto" else []
+        assert matcher.consume(out) == len(out)
+        for _ in range(600):
+            allowed = torch.from_numpy(matcher.allowed())
+            logits = torch.randn(matcher.vocab_size, generator=gen)
+            logits[eos] += 6.0 if matcher.accepting else 0.0  # end soon once it may
+            token = int(torch.where(allowed, logits, -torch.inf).argmax())
+            if token in eos:
+                break
+            assert matcher.consume([token]) == 1
+            out = out + [token]
+        else:
+            pytest.fail(f"no end within 600 tokens: {tokenizer.decode(out)!r}")
+        parser = ToolCallParser()
+        parser.feed(tokenizer.decode(out))
+        assert parser.calls
+        for call in parser.calls:
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+
+def test_the_parser_reads_the_same_however_the_text_is_chunked() -> None:
+    text = f"Let me check.\n{CALL}\n{CALL2}"
+    whole = ToolCallParser()
+    content, calls = whole.feed(text)
+    assert (content + whole.finish(), [(c.name, c.arguments) for c in calls]) == (
+        "Let me check.", [("get_weather", '{"city":"Paris","unit":"celsius"}'), ("add", '{"a":2,"b":3}')])
+    rng = random.Random(0)
+    for _ in range(50):
+        parser, pieces, at = ToolCallParser(), [], 0
+        while at < len(text):
+            step = rng.randint(1, 9)
+            pieces.append(parser.feed(text[at:at + step]))
+            at += step
+        assert "".join(c for c, _ in pieces) + parser.finish() == "Let me check."
+        assert [(c.name, c.arguments) for _, cs in pieces for c in cs] == [(c.name, c.arguments) for c in calls]
+    unfinished = ToolCallParser()
+    assert unfinished.feed("Hi <tool_c") == ("Hi ", [])  # a possible tag is held back
+    assert unfinished.feed('all>\n{"name":"add"') == ("", [])
+    assert unfinished.finish() == '<tool_call>\n{"name":"add"'  # cut by its budget: given back as written
+
+
+def test_earlier_calls_are_written_as_the_model_writes_them() -> None:
+    calls = [ToolCall("get_weather", '{"city": "Paris", "unit": "celsius"}', "call_1"), ToolCall("add", '{"a":2,"b":3}')]
+    assert render_calls(calls) == f"{CALL}\n{CALL2}"
+    text = tools_system_text(TOOLS)
+    assert all(json.dumps(t.spec()) in text for t in TOOLS) and "<tool_call>" in text
