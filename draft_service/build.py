@@ -46,12 +46,12 @@ def _draft_model(config: DraftConfig) -> DraftProposer | FeatureProposer:
             raise ValueError(f"model.device={spec.device!r}: a feature draft ({spec.path}) runs on the CPU only")
         draft = load_feature_draft(resolve_model(spec.path), resolve_model, resolve_dtype(spec.dtype, spec.device),
                                    spec.weights)
-        return FeatureProposer(draft, config.max_slots, config.max_seq_len, config.q_support,
-                               compiler_for(draft.target_dir) if draft.target_dir else None)
+        grammars = compiler_for(draft.target_dir) if draft.target_dir and config.grammar_draft else None
+        return FeatureProposer(draft, config.max_slots, config.max_seq_len, config.q_support, grammars)
     model = load_model(resolve_model(spec.path), dtype=resolve_dtype(spec.dtype, spec.device), device=spec.device,
                        resolve=resolve_model, weights=spec.weights, draft=True)
     return DraftProposer(model, config.max_slots, config.max_seq_len, config.q_support,
-                         compiler_for(resolve_model(spec.path)))
+                         compiler_for(resolve_model(spec.path)) if config.grammar_draft else None)
 
 
 # DraftConfig.proposer -> how to build it (the keys are DraftConfig.PROPOSERS).

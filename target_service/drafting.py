@@ -373,7 +373,7 @@ class Drafting:
             self._keep_lengths(early.plan, replies)
         plan = await self._plan(rows)
         if not plan.items:
-            return plan.checks
+            return self._take(rows, plan, None)
         replies = await self.source.propose(step, plan.items, traceparent,
                                             [tracing.sequence_traceparent(rows[i]) for i in plan.sent])
         return self._take(rows, plan, replies)
@@ -454,7 +454,12 @@ class Drafting:
         return len(seq.tokens) - (held.length if held is not None and held.epoch == epoch else 0)
 
     def _take(self, rows: list[Sequence], plan: _Plan, replies: list[Proposal] | None) -> list[VerifyRow]:
-        """The plan's checks with the draft's replies (None: it failed, the rows decode plainly)."""
+        """The plan's checks with the draft's replies (None: none asked, or it failed: the rows
+        verify their forced tokens alone, or decode plainly)."""
+        answered = set(plan.sent) if replies is not None else set()
+        for i, forced in enumerate(plan.forced):
+            if forced and i not in answered:  # a proposal like the draft's (an answered row counts its own below)
+                rows[i].draft_tokens += len(forced)
         if replies is None:
             return plan.checks
         checks = plan.checks

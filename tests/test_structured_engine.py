@@ -168,6 +168,7 @@ def test_forced_tokens_alone_give_constrained_plain_output(model_zoo, plain, gam
     accepted = sum(f.stats.accepted_tokens for f in finals)
     assert forced >= len(PROMPTS) and accepted >= len(PROMPTS)  # at least `{"n":` of each answer
     assert accepted <= forced  # nothing else proposed anything
+    assert sum(f.stats.draft_tokens for f in finals) == forced  # forced tokens count as proposals (α <= 1)
     off, finals = run_engine(model_zoo["target"], None, PROMPTS, gamma, MAX_NEW, stop_ids=[1], eos_ids=[1],
                              constraint=CONSTRAINTS["json_schema"], config={"calibrate": False, "forced_tokens": False})
     assert off == tokens and sum(f.stats.accepted_tokens for f in finals) == 0

@@ -181,6 +181,7 @@ class StackSpec:
     metrics: bool = False  # each process serves Prometheus /metrics on a free port (Stack.metrics_addresses)
     # Each target runs the draft (draft_model / proposer) in its own process: no draft service.
     colocate_draft: bool = False
+    grammar_draft: bool = DraftConfig.grammar_draft  # the draft masks constrained guesses by their grammar
     security: StackSecurity | None = None  # TLS and tokens on every hop; None: plaintext, no tokens
     # Restart a draft or target process that exits, by this policy (`serve` sets it); None: a process
     # that exits stays down (what tests that kill processes on purpose expect).
@@ -238,7 +239,8 @@ def command_lines(spec: StackSpec, target_model: str, addresses: dict[str, str],
     common = ["--host", spec.host, "--dtype", spec.dtype, "--device", spec.device, "--max-seq-len",
               str(spec.max_seq_len), *tracing]
     lines: dict[str, list[str]] = {}
-    proposer = ["--proposer", spec.proposer, "--ngram-max", str(spec.ngram_max), "--ngram-min", str(spec.ngram_min)]
+    proposer = ["--proposer", spec.proposer, "--ngram-max", str(spec.ngram_max), "--ngram-min", str(spec.ngram_min),
+                *([] if spec.grammar_draft else ["--no-grammar-draft"])]
 
     def draft_model(flag: str) -> list[str]:
         return [flag, spec.draft_model] if spec.draft_model else []

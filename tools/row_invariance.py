@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from tools.bench.report import cpu_name
+
 # (dtype, variable, values): "ours" is what kernels/linear.py sets, the rest what it could have left.
 SETTINGS = {
     "float32": ("MKL_CBWR", {"MKL default": "AUTO", "ours (strict)": "AUTO,STRICT"}),
@@ -28,17 +30,6 @@ SETTINGS = {
                                         "ours (AVX-512 BF16)": "AVX512_CORE_BF16"}),
 }
 ROWS = (1, 2, 4, 8, 16, 64, 256)
-
-
-def _cpu() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
-    isa = "AVX-512 BF16" if "avx512_bf16" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return f"{name} ({isa}{', AMX' if 'amx_bf16' in flags else ''})"
 
 
 def measure(dtype: str, shapes: list[tuple[int, int]], max_rows: int = 128) -> dict:
@@ -79,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(args.one[0], shapes, args.max_rows)))
         return 0
     root = Path(__file__).resolve().parent.parent
-    results = {"cpu": _cpu(), "threads": 1, "settings": {}}
+    results = {"cpu": cpu_name(), "threads": 1, "settings": {}}
     print(f"{results['cpu']}, one torch thread; µs a call at {'/'.join(map(str, ROWS))} rows")
     for dtype, (variable, values) in SETTINGS.items():
         for label, value in values.items():

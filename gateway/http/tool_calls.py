@@ -28,7 +28,7 @@ from specstream.text.tools import (
     tools_system_text,
 )
 
-__all__ = ["MAX_TOOLS", "ToolAnswer", "conversation", "offered", "tool_choice", "tools_constraint"]
+__all__ = ["MAX_TOOLS", "ToolAnswer", "calls_tools", "conversation", "grammar", "offered", "tool_choice"]
 
 MAX_TOOLS = 128  # OpenAI's own limit on a request's tools
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
@@ -102,23 +102,24 @@ def tool_choice(body: ChatCompletionRequest, tools: list[Tool]) -> str:
     return choice
 
 
-def tools_constraint(body: ChatCompletionRequest) -> Constraint | None:
-    """The grammar of a body with tools (None without any). tool_choice "none" leaves the
-    answer free, but for the call format."""
-    tools = offered(body)
-    if not tools:
-        tool_choice(body, tools)  # a choice that needs tools is refused
-        return None
+def grammar(body: ChatCompletionRequest, tools: list[Tool], choice: str) -> Constraint:
+    """The grammar the answer must match with these (checked) tools and choice: "none" leaves it
+    free, but for the call format."""
     parallel = True if body.parallel_tool_calls is None else body.parallel_tool_calls
-    return tool_constraint(tools, tool_choice(body, tools), parallel)
+    return tool_constraint(tools, choice, parallel)
 
 
-def conversation(body: ChatCompletionRequest) -> list[tuple[str, str]]:
-    """The messages as (role, content) for the chat template: the tools' description joins the
-    system message (one is put first where there is none), an assistant's earlier calls are
-    written as it writes them, a tool's result is a ``tool`` message."""
+def calls_tools(body: ChatCompletionRequest) -> bool:
+    """Whether the answer of a body (already checked) is read for calls: tools with a tool_choice
+    other than "none"."""
+    return bool(body.tools) and body.tool_choice != "none"
+
+
+def conversation(body: ChatCompletionRequest, tools: list[Tool]) -> list[tuple[str, str]]:
+    """The messages as (role, content) for the chat template: the (checked) tools' description
+    joins the system message (one is put first where there is none), an assistant's earlier calls
+    are written as it writes them, a tool's result is a ``tool`` message."""
     out = [(m.role, _content(i, m)) for i, m in enumerate(body.messages)]
-    tools = offered(body)
     if tools:
         text = tools_system_text(tools)
         if out and out[0][0] in ("system", "developer"):

@@ -38,13 +38,15 @@ def to_generate_request(body: Body, traceparent: str = "") -> generation_pb2.Gen
     OpenAI parameter) for what only an OpenAI body can get wrong."""
     _refuse_unsupported(body)
     req = generation_pb2.GenerateRequest(traceparent=traceparent)
+    tools: list = []
     if isinstance(body, CompletionRequest):
         _set_prompt(req, body.prompt)
         req.max_new_tokens = _int("max_tokens", body.max_tokens, 1, INT32) if body.max_tokens is not None else 0
         if body.logprobs is not None:
             req.logprobs, req.top_logprobs = True, _int("logprobs", body.logprobs, 0, INT32)
     else:
-        _set_messages(req, body)
+        tools = tool_calls.offered(body)  # checked once, here
+        _set_messages(req, body, tools)
         chosen = _max_tokens_param(body)
         value = getattr(body, chosen)
         req.max_new_tokens = _int(chosen, value, 1, INT32) if value is not None else 0
@@ -66,7 +68,7 @@ def to_generate_request(body: Body, traceparent: str = "") -> generation_pb2.Gen
     if body.seed is not None:
         req.seed = _int("seed", body.seed, 0, UINT64)
     req.speculation.CopyFrom(_speculation(body))
-    constraint = _constraint(body)
+    constraint = _constraint(body, tools)
     if constraint is not None:
         req.constraint.CopyFrom(constraint)
     return req
@@ -75,7 +77,7 @@ def to_generate_request(body: Body, traceparent: str = "") -> generation_pb2.Gen
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
-def _constraint(body: Body) -> common_pb2.Constraint | None:
+def _constraint(body: Body, tools: list) -> common_pb2.Constraint | None:
     """What the output must match: OpenAI's response_format (chat) or one of vLLM's guided_*
     fields; at most one of them. The JSON schema goes on as its JSON text (key order kept: it is
     the order the model writes the properties in); strict is how every schema is honoured here.
@@ -87,11 +89,12 @@ def _constraint(body: Body) -> common_pb2.Constraint | None:
         given.remove("response_format")
     if len(given) > 1:
         raise InvalidArgumentError(given[1], "<set>", f"cannot be combined with {given[0]}")
-    tools = tool_calls.tools_constraint(body) if isinstance(body, ChatCompletionRequest) else None
-    if tools is not None and (not given or tool_calls.tool_choice(body, tool_calls.offered(body)) != "none"):
-        if given:
-            raise InvalidArgumentError(given[0], "<set>", "cannot be combined with tools unless tool_choice is 'none'")
-        return tools.to_pb()
+    if isinstance(body, ChatCompletionRequest):
+        choice = tool_calls.tool_choice(body, tools)
+        if tools and (not given or choice != "none"):
+            if given:
+                raise InvalidArgumentError(given[0], "<set>", "cannot be combined with tools unless tool_choice is 'none'")
+            return tool_calls.grammar(body, tools, choice).to_pb()
     if not given:
         return None
     name = given[0]
@@ -152,7 +155,7 @@ def param_name(field: str, body: Body) -> str:
     if head in ("stop", "stop_token_ids", "speculation"):
         return head
     if head == "constraint":  # the parameter that carried it
-        if isinstance(body, ChatCompletionRequest) and body.tools and body.tool_choice != "none":
+        if isinstance(body, ChatCompletionRequest) and tool_calls.calls_tools(body):
             return "tools"
         given = [name for name in GUIDED if getattr(body, name, None) is not None]
         return given[0] if given else "response_format"
@@ -204,9 +207,9 @@ def _set_prompt(req: generation_pb2.GenerateRequest, prompt: Any) -> None:
         req.prompt_token_ids.ids.extend(_int("prompt", t, 0, UINT32) for t in prompt)
 
 
-def _set_messages(req: generation_pb2.GenerateRequest, body: ChatCompletionRequest) -> None:
+def _set_messages(req: generation_pb2.GenerateRequest, body: ChatCompletionRequest, tools: list) -> None:
     req.messages.SetInParent()
-    for role, content in tool_calls.conversation(body):
+    for role, content in tool_calls.conversation(body, tools):
         req.messages.messages.add(role=CHAT_ROLES.get(role, role), content=content)
 
 
@@ -366,8 +369,7 @@ class ChatEncoder(_Encoder):
         super().__init__(body, request_id, tokenizer, include_usage)
         self.role_sent = False  # OpenAI's first delta carries the role
         # With tools the model may call: its answer read for calls (gateway/http/tool_calls.py).
-        tools = tool_calls.offered(body)
-        self.calls = tool_calls.ToolAnswer() if tools and tool_calls.tool_choice(body, tools) != "none" else None
+        self.calls = tool_calls.ToolAnswer() if tool_calls.calls_tools(body) else None
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         token = self._token(token_id)

@@ -331,6 +331,10 @@ class DraftConfig:
     # Sampling: q is cut to this many most likely tokens (and renormalised) before it is sampled
     # and sent, so a proposal's size on the wire never grows with the vocabulary. Wider keeps more
     # of q, hence more acceptance (demo pair, T=1: alpha 0.64 at 64, 0.73 at 256, 0.80 uncut).
+    # A constrained sequence's guesses drawn from the draft's distribution masked by its grammar
+    # (draft_service/grammar_state.py); False: guessed unmasked, the target cutting what the
+    # grammar refuses (how vLLM drafts under a grammar; a baseline for benchmarks).
+    grammar_draft: bool = True
     q_support: int = 256
     # Benchmarks only: replay the target's greedy continuations from this file, each token
     # corrupted with probability 1 - synthetic_alpha (draft_service/synthetic.py).

@@ -441,3 +441,32 @@ def test_an_overlapped_pass_runs_both_at_their_shared_speed_until_the_first_ends
         v_busy, d_busy = v * rng.uniform(1, 3), d * rng.uniform(1, 3)
         o = overlapped_pass_ms(v, v_busy, d, d_busy)
         assert max(v, d) - 1e-9 <= o <= max(v_busy, d_busy) + 1e-9, (v, v_busy, d, d_busy, o)
+
+
+def test_bench_structured_writes_json_and_plot_and_checks_every_row_against_constrained_plain(tmp_path):
+    """On the default pair, two short workloads: every constrained row's tokens equal constrained
+    plain's (the benchmark stops otherwise), each answer is checked against its constraint, and the
+    derived numbers follow from the ones beside them."""
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "tools.cli", "bench", "structured", "--workloads",
+                             "json-enum,choice", "--max-new-tokens", "40", "--out", str(out), "--quiet"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads((out / "structured.json").read_text())
+    assert (out / "structured.png").stat().st_size > 0
+    assert set(data["workloads"]) == {"json-enum", "choice"} and data["cpu"]
+    for name, workload in data["workloads"].items():
+        rows = workload["rows"]
+        plain = rows["constrained plain"]
+        for row, r in rows.items():
+            if row.startswith("llama.cpp"):
+                continue
+            assert r["vs_constrained_plain"] == same(r["tokens_per_s"] / plain["tokens_per_s"]), (name, row)
+            if row != "unconstrained plain":
+                assert r["equals_constrained_plain"] is True and r["valid"] == 1.0, (name, row)
+        assert rows["constrained plain"]["alpha"] is None  # nothing proposed without speculation
+    # The enum JSON's keys and quotes are forced: proposed at no cost, always accepted.
+    enum = data["workloads"]["json-enum"]
+    assert 0 < enum["forced_share"] < 1
+    assert enum["rows"]["+ forced tokens only"]["tokens_per_pass"] > 1.0
+    assert 0 < enum["rows"]["+ grammar-aware draft (ours)"]["alpha"] <= 1

@@ -142,11 +142,22 @@ def _overlap(args: argparse.Namespace, out: Path) -> None:
                 temperature=temperatures[0])
 
 
+def _structured(args: argparse.Namespace, out: Path) -> None:
+    from tools.bench import structured
+
+    names = args.workloads.split(",") if args.workloads else None
+    known = {w.name: w for w in structured.WORKLOADS}
+    if names and any(n not in known for n in names):
+        raise ValueError(f"--workloads={args.workloads!r}: structured takes a comma-separated list of {', '.join(known)}")
+    structured.run(bench_models(args), out, max_new_tokens=args.max_new_tokens or 96, repeats=max(args.repeats, 1),
+                   quiet=args.quiet, workloads=[known[n] for n in names] if names else None)
+
+
 # `specstream bench KIND`: KIND's entry, called with the flags and --out (made beforehand).
 BENCHES: dict[str, Callable[[argparse.Namespace, Path], None]] = {
     "latency": _latency, "sampling": _sampling, "synthetic": _synthetic, "throughput": _throughput,
     "profile": _profile, "gamma": _gamma, "kernels": _kernels, "beam": _beam, "step": _step,
-    "overlap": _overlap,
+    "overlap": _overlap, "structured": _structured,
 }
 
 
@@ -182,7 +193,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "per engine step, a noisy neighbour, and (when installed) llama.cpp; "
                         "overlap: the target's verify and the draft's propose call alone and side by side, "
                         "what drafting while the target verifies could save (--gammas, default 1,2,4), and the "
-                        "draft service working ahead as served (--prompts, default 4; --max-new-tokens, default 96)")
+                        "draft service working ahead as served (--prompts, default 4; --max-new-tokens, default 96); "
+                        "structured: JSON schemas, a tool call, choice and regex, constrained plain against forced "
+                        "tokens, a draft cut at the grammar's first refusal and our grammar-aware draft, and (when "
+                        "installed) llama.cpp's JSON-schema mode (--max-new-tokens, default 96; --repeats: each "
+                        "request timed on its fastest of this many)")
     pair_flags(p, dtype_help="default: the --models pair's")
     p.add_argument("--out", default="bench-results", help="directory for JSON and PNG output")
     p.add_argument("--prompts", type=int, default=None, help="prompts per workload (default 8; gamma 4)")
@@ -192,7 +207,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperatures", help="comma-separated temperatures, 0 = greedy (sampling; default 0,0.7,1.0); "
                                           "overlap: one, its served part's (default 0)")
     p.add_argument("--workloads", help="throughput: comma-separated, of short,long (default short); "
-                                       "gamma: of code,chat,repetitive,sampled,mix (default all)")
+                                       "gamma: of code,chat,repetitive,sampled,mix (default all); structured: of "
+                                       "json-flat,json-nested,json-array,json-enum,tool-call,choice,regex-date "
+                                       "(default all)")
     proposer_flags(p, model_flag="--draft or the --models pair's; latency, sampling, throughput: what our "
                                  "speculative runs propose with", pair=True)
     p.add_argument("--proposers", help="gamma: comma-separated, of model,ngram,ngram+model (default all)")

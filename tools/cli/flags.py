@@ -76,6 +76,13 @@ def proposer_flags(p: argparse.ArgumentParser, model_flag: str, pair: bool = Fal
                                               f"{DraftConfig.ngram_min})" if pair else ""))
 
 
+def grammar_draft_flag(p: argparse.ArgumentParser) -> None:
+    """Whether a draft masks constrained requests' guesses by their grammar (DraftConfig.grammar_draft)."""
+    p.add_argument("--no-grammar-draft", action="store_true",
+                   help="the draft guesses constrained requests' tokens unmasked (the target cuts what their "
+                        "grammar refuses) instead of from its distribution masked by their grammar")
+
+
 def gamma_flags(p: argparse.ArgumentParser) -> None:
     """The target's speculation settings (γ: target_service/gamma.py; verification of sampled
     proposals: target_service/settle.py); `serve` passes them on to its targets."""

@@ -24,6 +24,7 @@ from tools.cli.flags import (
     gamma_flags,
     http_port_flag,
     int_in,
+    grammar_draft_flag,
     proposer_flags,
     weights_flag,
     work_ahead_flags,
@@ -42,6 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="run the draft inside each target process instead of as its own service: no gRPC hop "
                         "per step (faster on one machine); the draft then shares the target's threads")
     proposer_flags(p, model_flag="--draft or the --models pair's", pair=True)
+    grammar_draft_flag(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="gateway port (0: pick a free one)")
     http_port_flag(p)
@@ -163,7 +165,7 @@ def _stack_spec(args: argparse.Namespace):
                      max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len, dtype=dtype,
                      weights=args.weights, colocate_draft=args.colocate_draft, log_dir=args.log_dir,
                      draft_threads=args.draft_threads, target_threads=args.target_threads,
-                     target_replicas=args.replicas, metrics=args.metrics,
+                     target_replicas=args.replicas, metrics=args.metrics, grammar_draft=not args.no_grammar_draft,
                      extra_target_args=[*_batching_args(args), "--speculative-sampling", args.speculative_sampling,
                                         "--tree-branches", str(args.tree_branches),
                                         *(["--no-forced-tokens"] if args.no_forced_tokens else []),

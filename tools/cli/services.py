@@ -32,6 +32,7 @@ from tools.cli.flags import (
     env,
     gamma_flags,
     http_port_flag,
+    grammar_draft_flag,
     proposer_flags,
     weights_flag,
     work_ahead_flags,
@@ -148,6 +149,7 @@ def _add_target(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-model", help="run the draft in this process instead of a draft service (no gRPC hop "
                                          "between the two models): a model reference; exclusive with --draft-url")
     proposer_flags(p, model_flag="--draft-model, in this process; with --proposer ngram no draft model is needed")
+    grammar_draft_flag(p)
     work_ahead_flags(p, "the draft in this process (--draft-model) drafts the next round of its chains on the "
                         "torch thread while the target does a pass's host work: at SCHED_IDLE (idle) or the "
                         "thread's priority (normal)")
@@ -193,7 +195,8 @@ def _colocated_draft(args: argparse.Namespace) -> DraftConfig | None:
     model = ModelSpec(args.draft_model, args.dtype, args.device) if args.draft_model else None
     return DraftConfig(model=model, proposer=args.proposer, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
                        max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len,
-                       work_ahead=args.work_ahead, work_ahead_outcomes=args.work_ahead_outcomes)
+                       work_ahead=args.work_ahead, work_ahead_outcomes=args.work_ahead_outcomes,
+                       grammar_draft=not args.no_grammar_draft)
 
 
 def _batching_config(args: argparse.Namespace) -> dict:
@@ -208,6 +211,7 @@ def _add_draft(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("draft", help="run the draft-model service")
     _model_flags(p, required=False)
     proposer_flags(p, model_flag="--model")
+    grammar_draft_flag(p)
     p.add_argument("--synthetic-oracle", help="benchmarks: replay greedy continuations from this JSON file "
                                               "instead of running a model")
     p.add_argument("--synthetic-alpha", type=float, default=0.7, help="benchmarks: acceptance rate to simulate")
@@ -238,7 +242,7 @@ def _draft_config(args: argparse.Namespace) -> DraftConfig:
                        synthetic_oracle=args.synthetic_oracle, synthetic_alpha=args.synthetic_alpha,
                        proposer=args.proposer, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
                        work_ahead=args.work_ahead, work_ahead_outcomes=args.work_ahead_outcomes,
-                       compute_on_loop=not args.compute_thread)
+                       compute_on_loop=not args.compute_thread, grammar_draft=not args.no_grammar_draft)
 
 
 # --- gateway ----------------------------------------------------------------------------------------------

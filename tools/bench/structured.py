@@ -1,0 +1,332 @@
+"""`specstream bench structured`: structured outputs and tool calls, plain and speculative.
+
+Workloads (greedy chat requests on the served pair): JSON extraction into a schema of four shapes
+(flat, nested, array, enum), a tool call (the function's arguments; tool_choice "required" and
+parallel_tool_calls false, as the HTTP front sends them: specstream/text/tools.py), classification by `choice`, and a regex field.
+Rows, each on the same requests through the real processes:
+
+- unconstrained plain: no constraint, no speculation (what the constraint costs is this row's
+  tokens/s against the next one's);
+- constrained plain: the constraint, no speculation (the reference every speculative row's tokens
+  must equal);
+- + forced tokens only: no draft at all, the grammar's forced tokens proposed (γ 4);
+- + draft cut at the first invalid token (vLLM's way): the draft service guessing unmasked, the
+  target cutting its guesses where the grammar refuses them, no forced tokens;
+- + grammar-aware draft (ours): forced tokens and the draft guessing from its masked distribution;
+- peer: llama.cpp's JSON-schema mode (llama-cpp-python's `response_format` with the schema, its
+  GBNF grammar) on the target's GGUF file and the same cores, for the JSON workloads, when
+  `make peer` installed it.
+
+Per row and workload: tokens/s, the share of forced tokens in the answers, α (draft guesses
+accepted / proposed, forced tokens included), tokens per target pass, the share of answers valid
+against their schema / regex / choices (`jsonschema` for JSON), and that the tokens equal
+constrained plain's (a row whose tokens differ stops the run: tools/bench/checks.py). Prints a table, writes ``structured.json`` and ``structured.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specstream.data.constraint import Constraint
+from specstream.text.grammar import GrammarCompiler
+from specstream.text.tools import Tool, ToolCallParser, tool_constraint, tools_system_text
+from tools.bench import report
+from tools.bench.checks import check_same_tokens
+from tools.bench.apart import run_apart
+from tools.bench.latency import display, llama_cpp_available
+from tools.bench.models import BenchModels
+from tools.launcher import Stack, StackSpec
+from tools.progress import Progress
+
+__all__ = ["WORKLOADS", "Workload", "run"]
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                           "city": {"type": "string", "maxLength": 40}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+ORDER = {"type": "object", "properties": {
+    "customer": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                                  "email": {"type": "string", "maxLength": 60}},
+                 "required": ["name", "email"], "additionalProperties": False},
+    "shipping": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                  "express": {"type": "boolean"}},
+                 "required": ["city", "express"], "additionalProperties": False}},
+    "required": ["customer", "shipping"], "additionalProperties": False}
+ITEMS = {"type": "object", "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 4, "items": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                     "quantity": {"type": "integer", "minimum": 1, "maximum": 99}},
+    "required": ["name", "quantity"], "additionalProperties": False}}},
+    "required": ["items"], "additionalProperties": False}
+TICKET = {"type": "object", "properties": {
+    "category": {"enum": ["billing", "shipping", "technical", "other"]},
+    "priority": {"enum": ["low", "medium", "high"]},
+    "sentiment": {"enum": ["positive", "neutral", "negative"]}},
+    "required": ["category", "priority", "sentiment"], "additionalProperties": False}
+WEATHER = Tool("get_weather", "The current weather in a city", json.dumps({
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}))
+FLIGHTS = Tool("search_flights", "Flights between two cities on a date", json.dumps({
+    "type": "object", "properties": {"origin": {"type": "string", "maxLength": 40},
+                                     "destination": {"type": "string", "maxLength": 40},
+                                     "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}},
+    "required": ["origin", "destination", "date"], "additionalProperties": False}))
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    constraint: Constraint
+    questions: tuple[str, ...]
+    schema_heavy: bool = False  # JSON whose structure the schema forces (the issue's 2x goal is on these)
+    schema: dict | None = None  # JSON workloads: what the answer validates against (and the peer's schema)
+    tools: tuple[Tool, ...] = ()
+    system: str = ""
+
+    def messages(self, question: str) -> list[dict[str, str]]:
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return [*system, {"role": "user", "content": question}]
+
+    def valid(self, text: str) -> bool:
+        """Whether an answer matches its constraint (JSON: parsed and validated by jsonschema)."""
+        import jsonschema
+
+        try:
+            if self.tools:
+                parser = ToolCallParser()
+                content, _ = parser.feed(text)
+                schemas = {t.name: json.loads(t.parameters) for t in self.tools}
+                for call in parser.calls:
+                    jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+                return bool(parser.calls) and not (content + parser.finish()).strip()
+            if self.schema is not None:
+                jsonschema.validate(json.loads(text), self.schema)
+                return True
+            if self.constraint.kind == "choice":
+                return text in self.constraint.choices
+            return re.fullmatch(self.constraint.source, text) is not None
+        except (ValueError, KeyError, jsonschema.ValidationError):
+            return False
+
+
+def _json(name: str, schema: dict, questions: tuple[str, ...]) -> Workload:
+    return Workload(name, Constraint("json_schema", json.dumps(schema)), questions, True, schema)
+
+
+WORKLOADS = [
+    _json("json-flat", PERSON, ("Extract the person as JSON: Marie Curie, 66, lived in Paris.",
+                                "Extract the person as JSON: Alan Turing was 41 and lived in Manchester.")),
+    _json("json-nested", ORDER, ("Extract the order as JSON: Jane Doe (jane@example.com) wants express shipping "
+                                 "to Berlin.",
+                                 "Extract the order as JSON: Tom Lee, tom.lee@mail.com, standard delivery to Oslo.")),
+    _json("json-array", ITEMS, ("List the shopping items as JSON: two apples, a loaf of bread and six eggs.",
+                                "List the items as JSON: 3 notebooks, 1 stapler.")),
+    _json("json-enum", TICKET, ("Classify this support ticket as JSON: 'I was charged twice this month, please fix "
+                                "it now!'",
+                                "Classify this support ticket as JSON: 'The app crashes when I open settings.'")),
+    # One call (parallel_tool_calls false): SmolLM2-135M given the choice repeats its call until the budget ends.
+    Workload("tool-call", tool_constraint([WEATHER, FLIGHTS], "required", parallel=False),
+             ("What's the weather like in Rome right now?", "Find me a flight from Paris to Tokyo on 2026-03-14."),
+             True, tools=(WEATHER, FLIGHTS), system=tools_system_text([WEATHER, FLIGHTS])),
+    Workload("choice", Constraint("choice", json.dumps(["positive", "negative", "neutral"])),
+             ("Sentiment of 'I love this phone, the battery lasts forever' (positive, negative or neutral)?",
+              "Sentiment of 'The delivery was late and the box was damaged' (positive, negative or neutral)?")),
+    Workload("regex-date", Constraint("regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}"),
+             ("On what date did Apollo 11 land on the Moon? Answer as YYYY-MM-DD.",
+              "When was the Berlin Wall opened? Answer as YYYY-MM-DD.")),
+]
+
+# (row, constraint on, speculation, stack): the stacks are "plain" (no draft), "cut" (the draft
+# unmasked, no forced tokens) and "ours" (the defaults).
+ROWS = [("unconstrained plain", False, "off", "plain"), ("constrained plain", True, "off", "plain"),
+        ("+ forced tokens only", True, 4, "plain"), ("+ draft cut at first invalid (vLLM's way)", True, "auto", "cut"),
+        ("+ grammar-aware draft (ours)", True, "auto", "ours")]
+HEADERS = ["workload", "row", "tok/s", "vs constrained plain", "forced share", "alpha", "tokens/pass", "valid",
+           "= constrained plain"]
+
+
+@dataclass
+class _Measured:
+    tokens: int = 0
+    seconds: float = 0.0
+    passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    valid: int = 0
+    answers: list[list[int]] = field(default_factory=list)
+
+
+def run(models: BenchModels, out_dir: Path, max_new_tokens: int = 96, repeats: int = 2, quiet: bool = False,
+        workloads: list[Workload] | None = None) -> dict:
+    """``repeats``: each request is sent this many times and timed on the fastest (the first run
+    of a request also pays its grammar's first compilation)."""
+    workloads = workloads or WORKLOADS
+    tokenizer = models.tokenizer()
+    compiler = GrammarCompiler(tokenizer)
+    for w in workloads:  # a workload's constraint must compile on this tokenizer before any stack starts
+        compiler.compile(w.constraint)
+    fields = models.stack_fields()
+    stacks = {"plain": dict(models.stack_fields(speculative=False)),
+              "cut": {**fields, "grammar_draft": False, "extra_target_args": ["--no-forced-tokens"]},
+              "ours": fields}
+    measured: dict[tuple[str, str], _Measured] = {}
+    total = len(ROWS) * sum(len(w.questions) for w in workloads)
+    with Progress(total, "answers", "structured", quiet=quiet) as progress:
+        for stack_name, stack_fields in stacks.items():
+            rows = [r for r in ROWS if r[3] == stack_name]
+            progress.phase(f"structured: stack '{stack_name}' starting")
+            with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(**stack_fields, max_gamma=16,
+                                                                        log_dir=logs)) as stack:
+                from specstream_client import Client
+
+                with Client(stack.gateway_address, timeout=600) as client:
+                    for row, constrained, speculation, _ in rows:
+                        progress.phase(f"structured: {row}")
+                        for w in workloads:
+                            m = measured[(w.name, row)] = _Measured()
+                            for question in w.questions:
+                                _ask(client, w, question, constrained, speculation, max_new_tokens, repeats, m)
+                                progress.update()
+    peer = _llama_cpp(models, [w for w in workloads if w.schema is not None], max_new_tokens, repeats)
+    return _report(models, workloads, measured, peer, compiler, out_dir, max_new_tokens)
+
+
+def _ask(client, w: Workload, question: str, constrained: bool, speculation, max_new_tokens: int, repeats: int,
+         m: _Measured) -> None:
+    kwargs = {"max_new_tokens": max_new_tokens, "speculation": speculation}
+    if constrained:
+        c = w.constraint
+        kwargs |= ({"json_schema": c.source} if c.kind == "json_schema" else
+                   {"choice": c.choices} if c.kind == "choice" else {c.kind: c.source})
+    best = None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = client.chat(w.messages(question), **kwargs)
+        seconds = time.perf_counter() - start
+        if best is None or seconds < best[0]:
+            best = (seconds, result)
+    seconds, result = best
+    m.tokens += len(result.token_ids)
+    m.seconds += seconds
+    m.passes += result.stats.target_passes
+    m.drafted += result.stats.draft_tokens
+    m.accepted += result.stats.accepted_tokens
+    m.valid += w.valid(result.text) and result.finish_reason in ("eos", "stop")
+    m.answers.append(result.token_ids)
+
+
+def _forced_share(compiler: GrammarCompiler, w: Workload, answers: list[list[int]]) -> float:
+    """Of the answers' tokens, the share the grammar allowed alone at their position."""
+    forced = total = 0
+    grammar = compiler.compile(w.constraint)
+    for answer in answers:
+        matcher = grammar.matcher()
+        for token in answer:
+            ahead = matcher.forced()
+            forced += bool(ahead) and ahead[0] == token
+            total += 1
+            if matcher.consume([token]) != 1:
+                break
+    return forced / total if total else 0.0
+
+
+def _llama_cpp(models: BenchModels, workloads: list[Workload], max_new_tokens: int, repeats: int) -> dict | None:
+    if not workloads or not llama_cpp_available(models):
+        print("llama.cpp: not installed (make peer)" if models.gguf is not None
+              else "llama.cpp: the target has no GGUF file to run", flush=True)
+        return None
+    jobs = [{"name": w.name, "schema": w.schema, "messages": [w.messages(q) for q in w.questions]} for w in workloads]
+    return run_apart(llama_cpp_json_runs, gguf=str(models.gguf), jobs=jobs, max_new_tokens=max_new_tokens,
+                     repeats=repeats)
+
+
+def llama_cpp_json_runs(gguf: str, jobs: list[dict], max_new_tokens: int, repeats: int) -> dict:
+    """llama.cpp's JSON-schema mode, greedy, in a process of its own: per workload tokens/s (the
+    fastest of ``repeats`` per request) and how many answers the schema validates."""
+    import jsonschema
+    from llama_cpp import Llama  # optional: installed by `make peer`
+
+    llm = Llama(model_path=gguf, n_ctx=2048, n_threads=os.cpu_count(), verbose=False)
+    out = {}
+    for job in jobs:
+        tokens, seconds, valid = 0, 0.0, 0
+        for messages in job["messages"]:
+            best = None
+            for _ in range(repeats):
+                start = time.perf_counter()
+                reply = llm.create_chat_completion(messages=messages, temperature=0.0, top_k=1,
+                                                   max_tokens=max_new_tokens,
+                                                   response_format={"type": "json_object", "schema": job["schema"]})
+                elapsed = time.perf_counter() - start
+                if best is None or elapsed < best[0]:
+                    best = (elapsed, reply)
+            elapsed, reply = best
+            tokens += reply["usage"]["completion_tokens"]
+            seconds += elapsed
+            try:
+                jsonschema.validate(json.loads(reply["choices"][0]["message"]["content"]), job["schema"])
+                valid += 1
+            except (ValueError, jsonschema.ValidationError):
+                pass
+        out[job["name"]] = {"tokens_per_s": tokens / seconds, "tokens": tokens, "valid": valid,
+                            "answers": len(job["messages"])}
+    return out
+
+
+def _report(models: BenchModels, workloads: list[Workload], measured: dict[tuple[str, str], _Measured],
+            peer: dict | None, compiler: GrammarCompiler, out_dir: Path, max_new_tokens: int) -> dict:
+    rows, data = [], {"models": models.label, "target": display(models.target), "draft": display(models.draft),
+                      "cpu": report.cpu_name(), "max_new_tokens": max_new_tokens, "workloads": {}}
+    for w in workloads:
+        plain = measured[(w.name, "constrained plain")]
+        plain_rate = plain.tokens / plain.seconds
+        entry = data["workloads"][w.name] = {"constraint": w.constraint.kind, "schema_heavy": w.schema_heavy,
+                                             "forced_share": _forced_share(compiler, w, plain.answers), "rows": {}}
+        for row, constrained, _, _ in ROWS:
+            m = measured[(w.name, row)]
+            if constrained:  # greedy: every constrained row's tokens are constrained plain's, or the run stops
+                check_same_tokens(f"{w.name}, {row}", plain.answers, m.answers)
+            rate = m.tokens / m.seconds
+            r = entry["rows"][row] = {
+                "tokens_per_s": rate, "vs_constrained_plain": rate / plain_rate, "tokens": m.tokens,
+                "alpha": m.accepted / m.drafted if m.drafted else None,
+                "tokens_per_pass": m.tokens / m.passes if m.passes else None,
+                "valid": m.valid / len(m.answers) if constrained else None,
+                "equals_constrained_plain": m.answers == plain.answers if constrained else None}
+            rows.append([w.name, row, rate, r["vs_constrained_plain"], entry["forced_share"] if constrained else None,
+                         r["alpha"], r["tokens_per_pass"], r["valid"], r["equals_constrained_plain"]])
+        if peer and w.name in peer:
+            p = peer[w.name]
+            entry["rows"]["llama.cpp JSON-schema mode"] = {**p, "vs_constrained_plain": p["tokens_per_s"] / plain_rate}
+            ours = entry["rows"]["+ grammar-aware draft (ours)"]["tokens_per_s"]
+            entry["ours_vs_llama_cpp"] = ours / p["tokens_per_s"]
+            rows.append([w.name, "peer: llama.cpp JSON-schema mode", p["tokens_per_s"],
+                         p["tokens_per_s"] / plain_rate, None, None, None, p["valid"] / p["answers"], None])
+    heavy = [w.name for w in workloads if w.schema_heavy]
+
+    def mean(key: str, row: str, names: list[str]) -> float | None:
+        values = [data["workloads"][n]["rows"][row][key] for n in names if row in data["workloads"][n]["rows"]]
+        return sum(values) / len(values) if values else None
+
+    data["schema_heavy_speedup"] = mean("vs_constrained_plain", "+ grammar-aware draft (ours)", heavy)
+    data["constrained_vs_unconstrained_plain"] = mean("vs_constrained_plain", "unconstrained plain", heavy)
+    if peer:
+        data["ours_vs_llama_cpp"] = [data["workloads"][n].get("ours_vs_llama_cpp") for n in heavy
+                                     if "ours_vs_llama_cpp" in data["workloads"][n]]
+    print(f"structured outputs, {models.label} on {data['cpu']} (greedy, {max_new_tokens} new tokens at most)")
+    print(report.table(HEADERS, rows), flush=True)
+    print(f"schema-heavy workloads, ours vs constrained plain: {data['schema_heavy_speedup']:.2f}x (mean)")
+    data["table_markdown"] = report.markdown_table(HEADERS, rows)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report.write_json(out_dir / "structured.json", data)
+    bars = {f"{w.name}: {row.split(' (')[0]}": data["workloads"][w.name]["rows"][row]["tokens_per_s"]
+            for w in workloads for row in ("constrained plain", "+ grammar-aware draft (ours)")}
+    report.plot_bars(out_dir / "structured.png", f"structured outputs, {models.label} ({data['cpu']})",
+                     "tokens/s", bars)
+    return data
