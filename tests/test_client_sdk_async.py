@@ -196,6 +196,35 @@ def test_cli_generate_sampling_flags(url: str, fake: FakeGeneration, capsys: pyt
         assert bad[0] in capsys.readouterr().err
 
 
+def test_cli_constraint_flags(url: str, fake: FakeGeneration, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--json-schema and --grammar read their file, --regex, --choice (repeated) and --json-object go
+    on the request as its constraint; two at once, or a file that is not there, are refused."""
+    from tools.cli import main
+
+    schema = tmp_path / "person.json"
+    schema.write_text('{"type": "object", "properties": {"name": {"type": "string"}}}')
+    grammar = tmp_path / "yes.lark"
+    grammar.write_text('start: "yes" | "no"')
+    cases = [(["--json-schema", str(schema)], "json_schema", schema.read_text()),
+             (["--grammar", str(grammar)], "grammar", grammar.read_text()),
+             (["--regex", "[0-9]+"], "regex", "[0-9]+"),
+             (["--json-object"], "json_object", True)]
+    for flags, kind, value in cases:
+        assert main(["chat", "--url", url, *flags, "hi"]) == 0
+        req = fake.requests[-1]
+        assert req.constraint.WhichOneof("kind") == kind and getattr(req.constraint, kind) == value
+    assert main(["generate", "--url", url, "--choice", "red", "--choice", "blue", "hi"]) == 0
+    assert list(fake.requests[-1].constraint.choice.choices) == ["red", "blue"]
+    assert main(["generate", "--url", url, "hi"]) == 0 and not fake.requests[-1].HasField("constraint")
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["generate", "--url", url, "--regex", "a", "--choice", "b", "hi"])
+    assert "not allowed with argument" in capsys.readouterr().err
+    count = len(fake.requests)
+    assert main(["generate", "--url", url, "--json-schema", str(tmp_path / "missing.json"), "hi"]) == 2
+    assert "missing.json" in capsys.readouterr().err and len(fake.requests) == count
+
+
 # --- beam search -----------------------------------------------------------------------------------------
 
 

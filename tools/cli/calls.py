@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from specstream.data.config import ChannelSecurity
 from tools.cli.flags import env, int_in
@@ -94,7 +95,19 @@ def _call_flags(p: argparse.ArgumentParser, default_max_new_tokens: int) -> None
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--json", action="store_true", help="print the whole response as JSON")
+    _constraint_flags(p)
     _beam_search_flags(p)
+
+
+def _constraint_flags(p: argparse.ArgumentParser) -> None:
+    """What the output must match (at most one; the server compiles it and names what is wrong)."""
+    out = p.add_argument_group("structured output (at most one)").add_mutually_exclusive_group()
+    out.add_argument("--json-schema", metavar="FILE", help="the output is JSON this schema (a JSON file) validates")
+    out.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    out.add_argument("--regex", metavar="RE", help="the output matches this regular expression, whole")
+    out.add_argument("--choice", action="append", metavar="TEXT",
+                     help="the output is one of these strings (repeat the flag for each)")
+    out.add_argument("--grammar", metavar="FILE", help="the output is a sentence of this Lark grammar (a file)")
 
 
 def _beam_search_flags(p: argparse.ArgumentParser) -> None:
@@ -134,7 +147,11 @@ def _call(args: argparse.Namespace, messages: list[dict[str, str]] | None) -> in
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    options = _call_options(args)
+    try:
+        options = _call_options(args)
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         client = Client(args.url, **_client_credentials(args))
     except (ValueError, TypeError) as exc:
@@ -175,7 +192,23 @@ def _call_options(args: argparse.Namespace) -> dict:
                 logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0,
                 num_beams=args.num_beams, num_return_sequences=args.num_return, length_penalty=args.length_penalty,
                 early_stopping=args.early_stopping, beam_threshold=args.beam_threshold,
-                max_candidates_per_parent=args.max_candidates_per_parent)
+                max_candidates_per_parent=args.max_candidates_per_parent, **_constraint_options(args))
+
+
+def _constraint_options(args: argparse.Namespace) -> dict:
+    """The SDK's constraint keyword from the flags (files read here; their text is checked by the
+    SDK and the server, which name what is wrong)."""
+    if args.json_schema:
+        return {"json_schema": Path(args.json_schema).read_text(encoding="utf-8")}
+    if args.grammar:
+        return {"grammar": Path(args.grammar).read_text(encoding="utf-8")}
+    if args.json_object:
+        return {"json_object": True}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice:
+        return {"choice": args.choice}
+    return {}
 
 
 def _client_credentials(args: argparse.Namespace) -> dict:
