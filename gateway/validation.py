@@ -24,6 +24,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from specstream.data.beam import BeamOptions
 from specstream.data.config import GatewayConfig
 from specstream.data.constraint import Constraint
+from specstream.data.penalties import Penalties
 from specstream.data.engine import SequenceRequest, TargetInfo
 from specstream.data.engine_wire import speculation_from_pb
 from specstream.data.errors import InvalidArgumentError
@@ -131,7 +132,8 @@ def validate(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: Tex
         sampling=asked.effective(), logprobs=req.top_logprobs if req.logprobs else None,
         traceparent=req.traceparent, beam=BeamOptions.from_pb(req.beam) if req.HasField("beam") else None,
         min_tokens=req.min_tokens,
-        constraint=Constraint.from_pb(req.constraint) if req.HasField("constraint") else None)
+        constraint=Constraint.from_pb(req.constraint) if req.HasField("constraint") else None,
+        penalties=Penalties.from_pb(req.penalties) if req.HasField("penalties") else None)
     check_request(sequence, limits.request, prompt_field, stop_strings=len(req.stop), asked=asked)
     if sequence.constraint is not None and grammars is not None:
         grammars.compile(sequence.constraint)

@@ -25,6 +25,7 @@ from specstream.data.engine import (
     TokenLogprob,
 )
 from specstream.data.constraint import Constraint
+from specstream.data.penalties import Penalties
 from specstream.data.propose import SOURCE
 from specstream.data.sampling import GREEDY, SamplingParams
 from specstream.text.grammar import Matcher
@@ -50,6 +51,7 @@ class Sequence:
     # A constrained request's place in its grammar, at the committed tokens (target_service/grammar_rows.py).
     matcher: Matcher | None = None
     constraint: Constraint | None = None  # its source, sent to the draft with the sequence's first item
+    penalties: Penalties | None = None  # applied at every verified position (target_service/penalties.py)
     traceparent: str = ""
     arrival: float = field(default_factory=time.monotonic)
     slot: int | None = None
@@ -105,6 +107,7 @@ class Sequence:
             logprobs=req.logprobs,
             min_tokens=req.min_tokens,
             constraint=req.constraint,
+            penalties=req.penalties,
             traceparent=req.traceparent,
             beam=(BeamSearch(req.beam, req.max_new_tokens, frozenset(req.stop_token_ids), frozenset(req.eos_token_ids))
                   if req.beam is not None else None),
@@ -151,7 +154,8 @@ class Sequence:
         the stop ids masked there."""
         masked = self.stop_ids if len(self.tokens) < self.masked_until else frozenset()
         return VerifyRow(self.sampling, len(self.tokens), logprobs=self.logprobs, source=source, masked_ids=masked,
-                         masked_until=self.masked_until if masked else 0)
+                         masked_until=self.masked_until if masked else 0, penalties=self.penalties,
+                         history=tuple(self.tokens) if self.penalties is not None else (), output_start=self.prompt_len)
 
     def first_row(self) -> VerifyRow:
         """The row of the prefill pass that gives the first token: ``verify_row`` with, for a

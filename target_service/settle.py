@@ -59,8 +59,10 @@ from kernels.cuts import cut_thresholds
 from kernels.lm_head import Hidden
 from kernels.processing import process_logits
 from kernels.random import ACCEPT, RESIDUAL, SAMPLE, SIBLING, race, row_keys, uniform, uniforms
+from specstream.data.penalties import Penalties
 from specstream.data.propose import chain_length
 from specstream.data.sampling import SamplingParams
+from target_service.penalties import penalize
 
 
 @dataclass
@@ -95,6 +97,11 @@ class VerifyRow:
     # Leading proposals that are the grammar's forced tokens (target_service/drafting.py), not a
     # model's guesses: point masses, priced by no draft.
     forced: int = 0
+    # Penalties (target_service/penalties.py): applied at each node with the counts of its position:
+    # the committed tokens (``history``, the output from ``output_start`` on) and the path's proposals.
+    penalties: Penalties | None = None
+    history: Sequence[int] = ()
+    output_start: int = 0
 
     @property
     def chain(self) -> int:
@@ -137,13 +144,13 @@ def settle(target: torch.Tensor | Hidden, rows: list[VerifyRow], coupled: bool =
     if isinstance(target, Hidden):
         positions = target.states.shape[0] // batch
         masked = _masked(rows, positions)
-        constrained = any(r.grammar_mask is not None for r in rows)
+        constrained = any(r.grammar_mask is not None or r.penalties is not None for r in rows)
         if kernels.backend(target.states) == "torch" or masked or constrained:  # a mask needs the logits
             target = _mask(target.logits().view(batch, positions, -1), masked, rows)  # [B, G+1, V]
     else:
         positions = target.shape[1]
         masked = _masked(rows, positions)
-        if masked or any(r.grammar_mask is not None for r in rows):
+        if masked or any(r.grammar_mask is not None or r.penalties is not None for r in rows):
             target = _mask(target.clone(), masked, rows)
     gamma = positions - 1
     device = target.states.device if isinstance(target, Hidden) else target.device
@@ -204,7 +211,9 @@ def _mask(logits: torch.Tensor, masked: list[tuple[int, int, int]], rows: list[V
     """logits [B, G+1, V], in place, with each masked (row, node, id) at -inf, and every id a row's
     grammar refuses at a node: the argmax and the processed p alike never give it there
     (min_tokens, constraints; Leviathan's rule against q stays exact for any q, and p is the
-    target's own processed distribution under the same request)."""
+    target's own processed distribution under the same request). Penalties first, at every node
+    (target_service/penalties.py)."""
+    penalize(logits, rows)
     if masked:
         index = torch.tensor(masked, dtype=torch.int64, device=logits.device)  # [M, 3]
         logits[index[:, 0], index[:, 1], index[:, 2]] = float("-inf")

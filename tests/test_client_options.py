@@ -50,6 +50,10 @@ SAMPLE: dict[str, Any] = {
     "regex": "[a-z]+",
     "choice": ["a", "b"],
     "grammar": 'start: "x"',
+    "presence_penalty": 0.5,
+    "frequency_penalty": -0.25,
+    "repetition_penalty": 1.25,
+    "logit_bias": {7: 2.5, "9": -100.0},
 }
 # Every option set at once: max_gamma goes with automatic speculation only, so twice; the five
 # constraints exclude each other, so regex stands for them.

@@ -120,6 +120,17 @@ def _choices(name: str, value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _logit_bias(name: str, value: Any) -> dict[int, float]:
+    """token id -> bias; ids as ints or as OpenAI's strings of digits (ranges: the server's)."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{name} must be a mapping of token id to bias, got {type(value).__name__}")
+    out = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        out[check_int(f"{name} key", token, 0, UINT32_MAX, "uint32")] = check_float(f"{name}[{key}]", bias)
+    return out
+
+
 def _max_gamma(name: str, value: Any) -> int:
     cap = check_int(name, value, 0, UINT32_MAX, "uint32")
     if cap == 0:
@@ -201,6 +212,14 @@ class GenerateOptions:
     regex: str | None = _option(None, _optional(check_str))
     choice: Sequence[str] | None = _option(None, _optional(_choices))
     grammar: str | None = _option(None, _optional(check_str))
+    # Adjustments of the logits at every position, as OpenAI's and vLLM's (ranges: the server's):
+    # presence_penalty and frequency_penalty (-2..2) over the generated tokens, repetition_penalty
+    # ((0, 2]; 1: off) over the prompt's and the generated tokens, logit_bias {token id: -100..100}.
+    # Exact under speculation. Not with num_beams.
+    presence_penalty: float = _option(0.0, check_float)
+    frequency_penalty: float = _option(0.0, check_float)
+    repetition_penalty: float = _option(1.0, check_float)
+    logit_bias: Mapping[int, float] | None = _option(None, _optional(_logit_bias))
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -208,6 +227,8 @@ class GenerateOptions:
         constrained = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
         if len(constrained) > 1:
             raise ValueError(f"{constrained[1]} cannot be combined with {constrained[0]}: one constraint per request")
+        if self.repetition_penalty == 0:  # the wire's 0 means "off": refused here rather than ignored
+            raise ValueError("repetition_penalty must be in (0, 2] (1: off), got 0")
         if self.max_gamma is not None and self.speculation != "auto":
             raise ValueError(
                 f"max_gamma={self.max_gamma} caps automatic speculation and needs speculation='auto', "
@@ -244,6 +265,11 @@ class GenerateOptions:
                 req.constraint.choice.choices.extend(value)
             elif value not in (None, False):
                 setattr(req.constraint, name, value)
+        if self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias:
+            req.penalties.CopyFrom(common_pb2.Penalties(
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                repetition_penalty=0.0 if self.repetition_penalty == 1.0 else self.repetition_penalty,
+                logit_bias=self.logit_bias or {}))
         return req
 
     def _beam_pb(self) -> common_pb2.BeamSearch:
@@ -298,6 +324,10 @@ class GenerateOptionsDict(TypedDict, total=False):
     regex: str | None
     choice: Sequence[str] | None
     grammar: str | None
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: Mapping[int, float] | None
 
 
 _CONSTRAINTS = ("json_schema", "json_object", "regex", "choice", "grammar")  # the oneof of GenerateRequest.constraint

@@ -23,7 +23,7 @@ class Submit(_message.Message):
     def __init__(self, requests: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ...) -> None: ...
 
 class SequenceRequest(_message.Message):
-    __slots__ = ("id", "prompt_token_ids", "max_new_tokens", "stop_token_ids", "eos_token_ids", "speculation", "sampling", "logprobs", "top_logprobs", "traceparent", "beam", "min_tokens", "constraint")
+    __slots__ = ("id", "prompt_token_ids", "max_new_tokens", "stop_token_ids", "eos_token_ids", "speculation", "sampling", "logprobs", "top_logprobs", "traceparent", "beam", "min_tokens", "constraint", "penalties")
     ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class SequenceRequest(_message.Message):
     BEAM_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    PENALTIES_FIELD_NUMBER: _ClassVar[int]
     id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
@@ -50,7 +51,8 @@ class SequenceRequest(_message.Message):
     beam: _common_pb2.BeamSearch
     min_tokens: int
     constraint: _common_pb2.Constraint
-    def __init__(self, id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[_common_pb2.Speculation, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., traceparent: _Optional[str] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., min_tokens: _Optional[int] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ...) -> None: ...
+    penalties: _common_pb2.Penalties
+    def __init__(self, id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[_common_pb2.Speculation, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., traceparent: _Optional[str] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., min_tokens: _Optional[int] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., penalties: _Optional[_Union[_common_pb2.Penalties, _Mapping]] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("ids",)

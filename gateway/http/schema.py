@@ -1,13 +1,13 @@
 """The OpenAI request bodies the HTTP front accepts (pydantic), named and typed as OpenAI's API
 reference has them, plus the extensions clients send through `extra_body` (vLLM's `top_k`,
-`ignore_eos`, `stop_token_ids`, `min_tokens`, `guided_json` / `guided_regex` / `guided_choice` /
+`ignore_eos`, `stop_token_ids`, `min_tokens`, `repetition_penalty`, `guided_json` / `guided_regex` / `guided_choice` /
 `guided_grammar`; our `speculation` and `max_gamma`).
 
 Only the JSON types are checked here (a string where a number belongs is a 400 naming the field;
 an explicit `null` is the same as leaving an optional field out, as OpenAI treats it);
 ranges and limits are checked once, for both fronts, by gateway/validation.py. Unknown fields are
 ignored, as OpenAI ignores them. Fields that OpenAI defines but this server cannot honour exactly
-(penalties, logit_bias, n > 1, ...) are declared so that translate.py can refuse them by name
+(n > 1, best_of, suffix, ...) are declared so that translate.py can refuse them by name
 instead of silently changing what the model would have produced.
 """
 
@@ -38,6 +38,7 @@ class Extensions(BaseModel):
     speculation: StrictStr | StrictInt | None = None
     max_gamma: int | None = None  # with speculation "auto": this request's cap on γ
     return_token_ids: bool | None = None  # vLLM's: each choice (and stream chunk) also carries its `token_ids`
+    repetition_penalty: float | None = None  # vLLM's: (0, 2], 1 off; over the prompt's and the generated tokens
     # vLLM's structured outputs (at most one, and not with response_format): the output matches a JSON
     # schema (an object, or its JSON text), a regular expression, one of some strings, a Lark grammar.
     guided_json: dict[str, Any] | StrictStr | None = None
@@ -55,9 +56,9 @@ class _Common(Extensions):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float | None = None  # only 0
-    frequency_penalty: float | None = None  # only 0
-    logit_bias: dict[str, float] | None = None  # only empty
+    presence_penalty: float | None = None  # -2..2, over the generated tokens
+    frequency_penalty: float | None = None  # -2..2, per occurrence among the generated tokens
+    logit_bias: dict[str, float] | None = None  # token id (a string of digits) -> -100..100
     user: str | None = None  # accepted and ignored
 
 

@@ -68,6 +68,9 @@ def to_generate_request(body: Body, traceparent: str = "") -> generation_pb2.Gen
     if body.seed is not None:
         req.seed = _int("seed", body.seed, 0, UINT64)
     req.speculation.CopyFrom(_speculation(body))
+    penalties = _penalties(body)
+    if penalties is not None:
+        req.penalties.CopyFrom(penalties)
     constraint = _constraint(body, tools)
     if constraint is not None:
         req.constraint.CopyFrom(constraint)
@@ -131,6 +134,23 @@ def _response_format(fmt: dict[str, Any]) -> common_pb2.Constraint:
     return common_pb2.Constraint(json_schema=json.dumps(schema))
 
 
+def _penalties(body: Body) -> common_pb2.Penalties | None:
+    """presence_penalty, frequency_penalty, logit_bias (keys: token ids as strings of digits) and
+    vLLM's repetition_penalty; their ranges are validation's (specstream/data/penalties.py)."""
+    bias = {}
+    for key, value in (body.logit_bias or {}).items():
+        if not key.isdigit() or int(key) > UINT32:
+            raise InvalidArgumentError("logit_bias", key, "keys must be token ids (strings of digits)")
+        bias[int(key)] = value
+    if body.repetition_penalty is not None and body.repetition_penalty == 0:  # the wire's 0 means "off"
+        raise InvalidArgumentError("repetition_penalty", 0, "must be in (0, 2] (1: off)")
+    if not (body.presence_penalty or body.frequency_penalty or bias or body.repetition_penalty not in (None, 1.0)):
+        return None
+    return common_pb2.Penalties(presence_penalty=body.presence_penalty or 0.0,
+                                frequency_penalty=body.frequency_penalty or 0.0,
+                                repetition_penalty=body.repetition_penalty or 0.0, logit_bias=bias)
+
+
 def fills_max_new_tokens(body: Body) -> bool:
     """No token budget given (an explicit null; a completion left out gets OpenAI's 16): as many
     tokens as fit the context and the server's limit."""
@@ -154,6 +174,8 @@ def param_name(field: str, body: Body) -> str:
         return "max_gamma"
     if head in ("stop", "stop_token_ids", "speculation"):
         return head
+    if head == "penalties":  # penalties.presence_penalty, penalties.logit_bias[5], ...
+        return field.split(".", 1)[1].split("[", 1)[0]
     if head == "constraint":  # the parameter that carried it
         if isinstance(body, ChatCompletionRequest) and tool_calls.calls_tools(body):
             return "tools"
@@ -167,10 +189,6 @@ def _refuse_unsupported(body: Body) -> None:
     since ignoring them would change the output the caller asked for."""
     checks: list[tuple[str, Any, bool, str]] = [
         ("n", body.n, body.n in (None, 1), "only n=1 is supported; send several requests (with different seeds)"),
-        ("presence_penalty", body.presence_penalty, not body.presence_penalty, "penalties are not supported (0 only)"),
-        ("frequency_penalty", body.frequency_penalty, not body.frequency_penalty,
-         "penalties are not supported (0 only)"),
-        ("logit_bias", body.logit_bias, not body.logit_bias, "logit_bias is not supported"),
         ("stream_options", "<set>", body.stream_options is None or bool(body.stream),
          "stream_options is only allowed when stream is true"),
     ]

@@ -19,6 +19,7 @@ from typing import Literal
 from specstream.data.batch_stats import BatchStats
 from specstream.data.beam import BeamOptions, EarlyStopping
 from specstream.data.constraint import Constraint
+from specstream.data.penalties import Penalties
 from specstream.data.errors import SpecstreamError
 from specstream.data.sampling import GREEDY, SamplingParams
 
@@ -65,6 +66,7 @@ class SequenceRequest:
     # EOS and the other stop ids are masked (cannot be generated) until this many tokens exist.
     min_tokens: int = 0
     constraint: Constraint | None = None  # what the generated tokens must match (None: free text)
+    penalties: Penalties | None = None  # logit_bias, repetition, frequency, presence (None: none)
 
 
 @dataclass

@@ -21,6 +21,7 @@ import math
 from specstream.data.batch_stats import BatchStats
 from specstream.data.beam import BeamOptions
 from specstream.data.constraint import Constraint
+from specstream.data.penalties import Penalties
 from specstream.data.engine import (
     BeamHypothesis,
     EngineMessage,
@@ -115,6 +116,7 @@ def request_from_pb(pb: target_pb2.SequenceRequest) -> SequenceRequest:
         beam=BeamOptions.from_pb(pb.beam) if pb.HasField("beam") else None,
         min_tokens=pb.min_tokens,
         constraint=Constraint.from_pb(pb.constraint) if pb.HasField("constraint") else None,
+        penalties=Penalties.from_pb(pb.penalties) if pb.HasField("penalties") else None,
     )
 
 
@@ -129,6 +131,8 @@ def request_to_pb(request: SequenceRequest) -> target_pb2.SequenceRequest:
         pb.beam.CopyFrom(beam_to_pb(request.beam))
     if request.constraint is not None:
         pb.constraint.CopyFrom(request.constraint.to_pb())
+    if request.penalties is not None:
+        pb.penalties.CopyFrom(request.penalties.to_pb())
     return pb
 
 

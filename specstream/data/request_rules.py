@@ -24,7 +24,7 @@ from specstream.data.errors import InvalidArgumentError
 from specstream.data.sampling import SamplingParams
 
 __all__ = ["RequestLimits", "check_beam", "check_budget", "check_logprobs", "check_min_tokens", "check_prompt",
-           "check_constraint", "check_request", "check_speculation", "check_stop_ids"]
+           "check_constraint", "check_penalties", "check_request", "check_speculation", "check_stop_ids"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,8 @@ def check_request(req: SequenceRequest, limits: RequestLimits, prompt_field: str
         check_beam(req, limits, stop_strings, asked)
     if req.constraint is not None:
         check_constraint(req)
+    if req.penalties is not None:
+        check_penalties(req, limits)
 
 
 def check_prompt(ids: list[int], limits: RequestLimits, field: str = "prompt_token_ids") -> None:
@@ -134,6 +136,15 @@ def check_beam(req: SequenceRequest, limits: RequestLimits, stop_strings: int = 
     check_combination(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                       fixed_speculation=req.speculation.mode == "fixed", logprobs=req.logprobs is not None,
                       stop_strings=stop_strings, min_tokens=req.min_tokens)
+
+
+def check_penalties(req: SequenceRequest, limits: RequestLimits) -> None:
+    """Penalties (their ranges checked as built) name tokens of the vocabulary, and apply to one
+    sequence: no beam."""
+    assert req.penalties is not None
+    req.penalties.check_ids(limits.vocab_size)
+    if req.beam is not None:
+        raise InvalidArgumentError("beam", req.beam.num_beams, "cannot be combined with penalties or logit_bias")
 
 
 def check_constraint(req: SequenceRequest) -> None:

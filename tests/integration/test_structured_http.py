@@ -124,3 +124,22 @@ def test_a_bad_tool_is_a_400_naming_it_and_the_server_carries_on(client) -> None
     assert refused.value.body["param"] == "tools[0].function.parameters"
     ok = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0)
     assert ok.choices[0].finish_reason == "length"
+
+
+def test_penalties_and_logit_bias_under_speculation_equal_plain_decoding(client) -> None:
+    """OpenAI's presence/frequency penalties and logit_bias, and vLLM's repetition_penalty, through
+    the draft service: the same tokens as plain decoding under the same request, and not the free
+    answer's."""
+    messages = [{"role": "user", "content": "List five fruits, one per line."}]
+    free = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=48,
+                                          extra_body={"speculation": "off", "return_token_ids": True})
+    banned = free.choices[0].model_extra["token_ids"][2]  # a token the free answer uses early
+    answers = {}
+    for speculation in (4, "off"):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=0, max_tokens=48, presence_penalty=0.5,
+            frequency_penalty=0.75, logit_bias={str(banned): -100},
+            extra_body={"speculation": speculation, "repetition_penalty": 1.25, "return_token_ids": True})
+        answers[speculation] = reply.choices[0].model_extra["token_ids"]
+    assert answers[4] == answers["off"] != free.choices[0].model_extra["token_ids"]
+    assert banned not in answers["off"]

@@ -11,6 +11,7 @@ from draft_service.feature import FeatureProposer
 from draft_service.proposer import DraftProposer
 from specstream.data.config import ModelSpec, TargetConfig
 from specstream.data.constraint import Constraint
+from specstream.data.penalties import Penalties
 from specstream.data.engine import SequenceEvent, SequenceRequest, Speculation
 from specstream.data.sampling import SamplingParams
 from specstream.models.feature_draft import is_feature_draft, load_feature_draft
@@ -36,8 +37,8 @@ def run_engine(target: Path, draft: Path | None, prompts: list[list[int]], gamma
                max_seq_len: int = 512, proposer=None, config: dict | None = None,
                steps: dict | None = None, device: str = "cpu",
                work_ahead: str = "off", min_tokens: int = 0,
-               constraint: Constraint | list[Constraint | None] | None = None, grammar_draft: bool = True
-               ) -> tuple[list[list[int]], list[SequenceEvent]]:
+               constraint: Constraint | list[Constraint | None] | None = None, grammar_draft: bool = True,
+               penalties: Penalties | None = None) -> tuple[list[list[int]], list[SequenceEvent]]:
     """Returns each prompt's generated tokens and its final event (finish reason, stats, and the
     log-probabilities of all its tokens when `logprobs` is given). `sampling`: one per prompt
     (default greedy); `proposer` replaces the draft model's proposer (e.g. a wrapped one);
@@ -63,7 +64,7 @@ def run_engine(target: Path, draft: Path | None, prompts: list[list[int]], gamma
 
     constraints = constraint if isinstance(constraint, list) else [constraint] * len(prompts)
     requests = [SequenceRequest(str(i), list(p), budget, frozenset(stop_ids), frozenset(eos_ids), speculation(gamma),
-                                params, logprobs, min_tokens=min_tokens, constraint=c)
+                                params, logprobs, min_tokens=min_tokens, constraint=c, penalties=penalties)
                 for i, (p, params, budget, c) in enumerate(zip(prompts, sampling, budgets, constraints))]
     results = run_requests(engine, requests, timeout_s=60)
     finals = []

@@ -276,8 +276,11 @@ HTTP_INVALID: list[tuple[str, bool | None, Callable[[random.Random, Limits], obj
     ("n", None, lambda rng, lim: rng.randint(2, 100)),
     ("seed", None, lambda rng, lim: rng.choice([-rng.randint(1, 10**9), "s"])),
     ("stop", None, lambda rng, lim: rng.choice([[""], ["x"] * (lim.max_stop_strings + 1), 5])),
-    ("presence_penalty", None, lambda rng, lim: rng.uniform(0.1, 2.0)),
-    ("logit_bias", None, lambda rng, lim: {"5": 10}),
+    ("presence_penalty", None, lambda rng, lim: rng.choice([rng.uniform(2.01, 50), -rng.uniform(2.01, 50)])),
+    ("frequency_penalty", None, lambda rng, lim: rng.choice([rng.uniform(2.01, 50), -rng.uniform(2.01, 50)])),
+    ("repetition_penalty", None, lambda rng, lim: rng.choice([0, -rng.uniform(0.01, 5), rng.uniform(2.01, 50)])),
+    ("logit_bias", None, lambda rng, lim: rng.choice([{"5": rng.uniform(100.5, 10**6)}, {"five": 1},
+                                                      {str(lim.vocab_size + rng.randint(0, 99)): 1}])),
     ("speculation", None, lambda rng, lim: rng.choice(["sometimes", True, lim.max_gamma + 1, "3"])),
     ("top_k", None, lambda rng, lim: rng.randint(-100, -2)),
     ("min_tokens", None, lambda rng, lim: rng.choice([-rng.randint(1, 10**6), 3 + rng.randint(0, 10**6)])),
@@ -289,8 +292,12 @@ HTTP_INVALID: list[tuple[str, bool | None, Callable[[random.Random, Limits], obj
     ("messages[0].role", True, lambda rng, lim: [{"role": _text(rng, 1, 8) + "!", "content": "hi"}]),
     ("max_completion_tokens", True, lambda rng, lim: rng.choice([0, lim.max_new_tokens + 1])),
     ("top_logprobs", True, lambda rng, lim: rng.randint(1, 5)),  # without logprobs
-    ("tools", True, lambda rng, lim: [{"type": "function", "function": {"name": "f"}}]),
-    ("response_format", True, lambda rng, lim: {"type": "json_object"}),
+    ("tools[0].function.name", True, lambda rng, lim: [{"type": "function", "function": {
+        "name": rng.choice(["", "a b", "x" * 65, _text(rng, 1, 8) + "!"])}}]),
+    ("tools[0].function.parameters", True, lambda rng, lim: [{"type": "function", "function": {
+        "name": "f", "parameters": rng.choice([{"type": "nope"}, {"type": "object", "properties": {"a": 5}}])}}]),
+    ("tool_choice", True, lambda rng, lim: rng.choice(["required", "sometimes"])),  # without tools
+    ("response_format.type", True, lambda rng, lim: {"type": rng.choice(["xml", "yaml", ""])}),
 ]
 
 
@@ -341,7 +348,7 @@ def make_cases(seed: int, count: int, lim: Limits, http: bool) -> list[Case]:
                 options = [m for m in HTTP_INVALID if m[1] is None or m[1] == chat]
                 param, _, bad = rng.choice(options)
                 value = bad(rng, lim)
-                key = "messages" if param.startswith("messages") else param
+                key = param.split("[", 1)[0].split(".", 1)[0]  # the body's field: messages, tools, ...
                 body[key] = value
                 if key == "max_completion_tokens":
                     body.pop("max_tokens", None)
