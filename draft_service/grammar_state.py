@@ -26,7 +26,7 @@ import numpy as np
 
 from specstream.data.errors import InvalidArgumentError
 from specstream.data.propose import ProposeItem
-from specstream.text.grammar import GrammarCompiler, Matcher, fill_masks, unpack
+from specstream.text.grammar import GrammarCompiler, GrammarError, Matcher, fill_masks, unpack
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,13 @@ class GrammarRow:
         self.live = True  # False once a guess went past where the grammar ends (this round only)
 
     def take(self, tokens: list[int]) -> bool:
-        """Feeds ``tokens``; False (and nothing more is fed) when the grammar refuses one."""
-        n = self.matcher.consume(tokens) if tokens else 0
+        """Feeds ``tokens``; False (and nothing more is fed) when the grammar refuses one, or its
+        matcher fails (llguidance's limits)."""
+        try:
+            n = self.matcher.consume(tokens) if tokens else 0
+        except GrammarError:  # its place is lost: the sequence is drafted unmasked from now on
+            self.live = False
+            return False
         self.consumed += n
         if n < len(tokens):
             self.live = False
@@ -53,7 +58,7 @@ class GrammarRow:
     def hold(self, length: int) -> bool:
         """Rolls back to the first ``length`` tokens of the sequence; False when it holds fewer."""
         keep = max(0, length - self.start)
-        if keep > self.consumed:
+        if keep > self.consumed or self.matcher.failed is not None:
             return False
         self.matcher.rollback(self.consumed - keep)
         self.consumed = keep

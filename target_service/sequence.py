@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from opentelemetry.trace import INVALID_SPAN
 
 from specstream.data.engine import (
@@ -25,10 +26,11 @@ from specstream.data.engine import (
     TokenLogprob,
 )
 from specstream.data.constraint import Constraint
+from specstream.data.errors import InvalidArgumentError
 from specstream.data.penalties import Penalties
 from specstream.data.propose import SOURCE
 from specstream.data.sampling import GREEDY, SamplingParams
-from specstream.text.grammar import Matcher
+from specstream.text.grammar import GrammarError, Matcher, mask_words
 from target_service.beam import BeamSearch
 from target_service.settle import VerifyRow
 
@@ -162,7 +164,10 @@ class Sequence:
         constrained sequence, the grammar's mask at the start."""
         row = self.verify_row()
         if self.matcher is not None:
-            row.grammar_mask = self.matcher.mask()[None]
+            try:
+                row.grammar_mask = self.matcher.mask()[None]
+            except GrammarError:  # refuses nothing: the sequence ends with an error when it commits
+                row.grammar_mask = np.full((1, mask_words(self.matcher.vocab_size)), -1, dtype=np.int32)
         return row
 
     @property
@@ -180,7 +185,15 @@ class Sequence:
         grammar that allows nothing more ends it ("stop"); one that is cut by the budget before it
         may end stays "length"."""
         if self.matcher is not None:
-            new_tokens = self._through_grammar(new_tokens)
+            try:
+                new_tokens = self._through_grammar(new_tokens)
+            except GrammarError as err:  # llguidance's limits reached here: this sequence ends, not the batch
+                assert self.constraint is not None
+                self.finish_reason = "error"
+                self.error = InvalidArgumentError(self.constraint.field, "<source>",
+                                                  f"the grammar went past its parser's limits after "
+                                                  f"{self.generated} tokens: {err}")
+                return
         self._commit(new_tokens, logprobs)
         if self.matcher is not None and self.finish_reason is None and self.matcher.stopped:
             self.finish_reason = "stop"
@@ -191,7 +204,11 @@ class Sequence:
         assert self.matcher is not None
         out = []
         for tok in new_tokens[: self.remaining]:
-            if self.matcher.consume([tok]) != 1:  # the masks allowed every one
+            if self.matcher.failed is not None:
+                raise GrammarError(self.matcher.failed)
+            if self.matcher.consume([tok]) != 1:  # the masks allowed every one, unless the matcher failed
+                if self.matcher.failed is not None:
+                    raise GrammarError(self.matcher.failed)
                 raise RuntimeError(f"sequence {self.seq_id}: its grammar refused committed token {tok}")
             out.append(tok)
             if tok in self.stop_ids or self.matcher.stopped:

@@ -180,6 +180,7 @@ def test_a_compiled_grammar_is_kept_by_its_source_and_each_sequence_has_its_own_
     ("json_schema", '{"type": "string", "format": "weird"}', "constraint.json_schema", "weird"),
     ("regex", "a(b", "constraint.regex", "unclosed group"),
     ("grammar", "start: undefined_rule", "constraint.grammar", "undefined_rule"),
+    ("grammar", "start: r0\nr0: r0 r0", "constraint.grammar", "allows no output"),  # compiles, but its language is empty
 ])
 def test_the_compiler_refuses_a_bad_constraint_naming_the_field_and_its_reason(compiler, kind, source, field,
                                                                                reason) -> None:

@@ -4,7 +4,8 @@ With the default pair (SmolLM2-135M-Instruct and its distilled draft) the demo c
 question goes through the model's chat template, once with speculation off and once with automatic
 speculation (the γ controller picks γ per step; a fixed ``--gamma N`` instead if asked), greedy (the
 answers must be token-identical) and then sampled with a seed; it prints the answers, the draft's
-acceptance α, the γ the controller chose and the measured speedups. A sampled seed reproduces its
+acceptance α, the γ the controller chose and the measured speedups; then one JSON-schema question and one tool call, constrained (the answer is
+checked against its schema) and compared the same way. A sampled seed reproduces its
 text when the γ schedule is the same (off, or a fixed γ); under ``auto`` the schedule follows the
 measured costs, so only the distribution is guaranteed, and the demo reports whether repeats matched. A pair without a
 chat template (``--models demo-small``) gets code-completion prompts instead. Then the greedy
@@ -27,6 +28,18 @@ QUESTIONS = [
     "Explain what a hash table is in two sentences.",
     "What does the `grep` command do on Linux? Give one example.",
 ]
+
+# Structured outputs (chat models): a JSON-schema answer and a tool call (specstream/text/tools.py's format).
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                           "city": {"type": "string", "maxLength": 40}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+JSON_QUESTION = "Extract the person as JSON: Marie Curie was 66 and lived in Paris."
+WEATHER = {"name": "get_weather", "description": "The current weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}
+TOOL_QUESTION = "What's the weather like in Rome right now?"
 
 CODE_PROMPTS = [
     "def fibonacci(n):\n",
@@ -61,6 +74,7 @@ def run_demo(pair: str = "smollm2", max_new_tokens: int = 160, gamma: int | str 
                 print(f"--- sampling: {_settings()}, seed = question number, gamma={gamma} ---\n")
                 sampled = [_compare(call, p, max_new_tokens, gamma, repeats, {**SAMPLING, "seed": i},
                                     show=i == 0) for i, p in enumerate(prompts[:2])]
+                structured = _structured(client, max_new_tokens, gamma, repeats) if chat else []
         colocated = []
         if draft is not None:
             with Stack(StackSpec(str(target), draft, dtype=dtype, colocate_draft=True, **proposing,
@@ -71,13 +85,47 @@ def run_demo(pair: str = "smollm2", max_new_tokens: int = 160, gamma: int | str 
                 call = _chat(client) if chat else _complete(client)
                 call(prompts[0], 8, "off", {})  # warm-up
                 colocated = [_compare(call, p, max_new_tokens, gamma, repeats, {}, show=False) for p in prompts]
-    identical = all(same for _, same in greedy + colocated)
+    identical = all(same for _, same in greedy + colocated + structured)
     print(f"greedy, draft service: mean speedup over speculation=off {_mean(greedy):.2f}x")
+    if structured:
+        print(f"structured (a JSON schema, a tool call), draft service: speedups "
+              f"{', '.join(f'{s:.2f}x' for s, _ in structured)}")
     if colocated:
         print(f"greedy, draft colocated in the target: mean speedup over speculation=off {_mean(colocated):.2f}x")
     print(f"all greedy answers token-identical to plain decoding: {identical}")
     print(f"sampled ({_settings()}), draft service: mean speedup {_mean(sampled):.2f}x")
     return 0 if identical else 1
+
+
+def _structured(client, max_new_tokens: int, gamma, repeats: int) -> list[tuple[float, bool]]:
+    """A JSON-schema question and a required tool call, off against ``gamma``, greedy; each answer
+    parsed and checked against its schema (a wrong one fails the demo)."""
+    import json
+
+    import jsonschema
+
+    from specstream.text.tools import Tool, ToolCallParser, tool_constraint, tools_system_text
+
+    print("--- structured outputs: a JSON schema and a tool call (greedy) ---\n")
+    results = [_compare(_chat(client), JSON_QUESTION, max_new_tokens, gamma, repeats, {"json_schema": PERSON})]
+    answer = client.chat([{"role": "user", "content": JSON_QUESTION}], max_new_tokens=max_new_tokens,
+                         json_schema=PERSON)
+    jsonschema.validate(json.loads(answer.text), PERSON)
+    tool = Tool(WEATHER["name"], WEATHER["description"], json.dumps(WEATHER["parameters"]))
+    system = tools_system_text([tool])
+    grammar = tool_constraint([tool], "required", parallel=False).source
+
+    def call_tool(prompt: str, max_new: int, speculation, sampling: dict):
+        return client.chat([{"role": "system", "content": system}, {"role": "user", "content": prompt}],
+                           max_new_tokens=max_new, speculation=speculation, grammar=grammar, **sampling)
+
+    results.append(_compare(call_tool, TOOL_QUESTION, max_new_tokens, gamma, repeats, {}))
+    parser = ToolCallParser()
+    parser.feed(call_tool(TOOL_QUESTION, max_new_tokens, "off", {}).text)
+    for made in parser.calls:
+        jsonschema.validate(json.loads(made.arguments), WEATHER["parameters"])
+    print(f"  the call: {[(c.name, c.arguments) for c in parser.calls]} (its arguments valid against the schema)\n")
+    return results
 
 
 def _mean(results: list[tuple[float, bool]]) -> float:
@@ -105,16 +153,17 @@ def _compare(call, prompt: str, max_new_tokens: int, gamma: int, repeats: int, s
     """(speedup of γ over off, whether the token ids are identical), after printing the answer."""
     plain, spec = _median_runs(call, prompt, max_new_tokens, ("off", gamma), repeats, sampling)
     same = spec.token_ids == plain.token_ids
+    sampled = bool(sampling.get("temperature"))  # `sampling` may also hold a constraint
     speedup = _tps(spec) / _tps(plain)
     if show:
         print("> " + "\n> ".join(prompt.splitlines()))
         print("  " + "\n  ".join(spec.text.strip()[:600].splitlines()[:12]))
-    verdict = ("tokens identical" if same else "DIFFERENT (bug!)") if not sampling else (
+    verdict = ("tokens identical" if same else "DIFFERENT (bug!)") if not sampled else (
         "same text as plain sampling" if same else "a different sample (the γ schedule differs)")
     print(f"  [gamma={gamma}{_chosen(spec)}: {_tps(spec):6.1f} tok/s, alpha {spec.stats.alpha:.2f}, mean accepted "
           f"length {spec.stats.mean_accepted_length:.2f} | off: {_tps(plain):6.1f} tok/s | speedup {speedup:.2f}x | "
           f"{len(spec.token_ids)} tokens, {verdict}]\n")
-    return speedup, same or bool(sampling)
+    return speedup, same or sampled
 
 
 def _chosen(result) -> str:
@@ -137,7 +186,8 @@ def _median_runs(call, prompt: str, max_new_tokens: int, settings: tuple, repeat
             runs[i].append(call(prompt, max_new_tokens, speculation, sampling))
     for speculation, each in zip(settings, runs):
         # Greedy output never varies; a seed's text varies only with the γ schedule (auto).
-        if any(r.token_ids != each[0].token_ids for r in each) and (not sampling or speculation != "auto"):
+        if any(r.token_ids != each[0].token_ids for r in each) and (not sampling.get("temperature")
+                                                                    or speculation != "auto"):
             raise RuntimeError("a seeded or greedy output varied between runs")
     return [sorted(each, key=_tps)[len(each) // 2] for each in runs]
 

@@ -16,6 +16,8 @@ position, ``valid_prefix(tokens)`` how many of some guesses it accepts, ``consum
 the tokens it accepts, ``rollback(n)`` takes the last n back, ``forced()`` the tokens the grammar
 allows alone from here. ``fill_masks`` fills the masks of a whole batch of speculative rows (after
 the committed tokens and after each valid guess) in one call, off the GIL on llguidance's threads.
+A matcher that reaches llguidance's limits mid-output fails (``failed``, ``GrammarError``) without
+failing the batch: its sequence ends with an error when it commits (target_service/sequence.py).
 
 Masks are packed bits (``int32 [rows, ceil(V / 32)]``, bit j of word w: token 32 w + j), as the
 library writes them; ``unpack`` turns them into booleans. No torch here: the gateway compiles
@@ -37,7 +39,7 @@ from specstream.data.constraint import Constraint
 from specstream.data.errors import InvalidArgumentError
 from specstream.text.tokenizer import TextTokenizer
 
-__all__ = ["JSON_OPTIONS", "LIMITS", "Grammar", "GrammarCompiler", "Matcher", "compiler_for", "fill_masks", "mask_words", "unpack"]
+__all__ = ["JSON_OPTIONS", "LIMITS", "Grammar", "GrammarCompiler", "GrammarError", "Matcher", "compiler_for", "fill_masks", "mask_words", "unpack"]
 
 # llguidance's defaults (lexer fuel ~50k/ms at compilation, ~14k/ms a mask), with error messages
 # that name the reason but not the parser's state.
@@ -81,9 +83,17 @@ def fill_masks(rows: list[tuple[Matcher, list[int]]]) -> list[np.ndarray]:
         _EXECUTOR.unsafe_compute_mask_ptr_with_draft_token(drafted, out.ctypes.data, words * 4, out.shape[0])
     if plain:
         _EXECUTOR.unsafe_compute_mask_ptr(plain, out.ctypes.data, words * 4, out.shape[0])
-    for matcher, _ in rows:
-        matcher._check()
-    return np.split(out, np.cumsum(counts)[:-1])
+    masks = np.split(out, np.cumsum(counts)[:-1])
+    for (matcher, _), mask in zip(rows, masks):
+        if matcher.failed is not None:  # it ends with an error when its tokens are committed; its masks refuse nothing
+            mask[:] = -1
+    return masks
+
+
+class GrammarError(RuntimeError):
+    """A matcher that can go no further: llguidance's parser limits reached at this point of the
+    output (a grammar costlier than its first positions showed). The sequence ends with an error;
+    the others in its batch go on."""
 
 
 class Grammar:
@@ -146,9 +156,14 @@ class Matcher:
         """Whether the grammar allows nothing more (only EOS, or it has ended)."""
         return self._m.is_stopped()
 
+    @property
+    def failed(self) -> str | None:
+        """Why the matcher can go no further (a parser limit reached mid-output), or None."""
+        return self._m.get_error() if self._m.is_error() else None
+
     def _check(self) -> None:
         if self._m.is_error():
-            raise RuntimeError(f"grammar matcher: {self._m.get_error()}")
+            raise GrammarError(f"grammar matcher: {self._m.get_error()}")
 
 
 class GrammarCompiler:
@@ -175,6 +190,14 @@ class GrammarCompiler:
         if start.is_error():
             raise InvalidArgumentError(constraint.field, constraint.source, start.get_error())
         grammar = Grammar(start, self._tokenizer.vocab_size)
+        first = grammar.matcher()  # its first mask, once: a grammar that allows no output at all is refused here
+        try:
+            allowed = first.mask()
+        except RuntimeError as err:
+            raise InvalidArgumentError(constraint.field, constraint.source,
+                                       f"allows no output with this tokenizer ({err})") from None
+        if not allowed.any():
+            raise InvalidArgumentError(constraint.field, constraint.source, "allows no output with this tokenizer")
         with self._lock:
             self._cache[constraint] = grammar
             while len(self._cache) > self._capacity:

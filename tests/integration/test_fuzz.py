@@ -6,16 +6,24 @@ at scale on the default model (docs/reliability.md)."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import pytest
 
 from tools.reliability.fuzz import INVALID, OK, Case, Outcome, fuzz
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 @pytest.fixture(scope="module")
-def stack(stack_factory, model_zoo):
-    return stack_factory(model_zoo["target"], model_zoo["partial"], http_port=0,
-                         extra_gateway_args=["--max-new-tokens-limit", "4"])
+def stack(stack_factory, model_zoo, tmp_path_factory):
+    """The tiny target with a chat template (ChatML), so chats and tools are fuzzed too."""
+    target = tmp_path_factory.mktemp("fuzz") / "target"
+    shutil.copytree(model_zoo["target"], target)
+    (target / "chat_template.jinja").write_text(CHATML)
+    return stack_factory(target, model_zoo["partial"], http_port=0, extra_gateway_args=["--max-new-tokens-limit", "4"])
 
 
 def test_thousands_of_fuzzed_requests_get_the_right_codes_and_crash_nothing(stack, capsys) -> None:
@@ -23,8 +31,11 @@ def test_thousands_of_fuzzed_requests_get_the_right_codes_and_crash_nothing(stac
     assert report.cases == 3000 and report.crashes == 0 and report.wrong == 0, report.examples
     assert report.serving_after
     # every kind ran, and the invalid ones were refused, not served
-    assert set(report.by_kind) == {"grpc-invalid", "grpc-valid", "grpc-bytes", "http-invalid", "http-valid",
-                                   "http-bytes"}
+    assert set(report.by_kind) == {"grpc-invalid", "grpc-valid", "grpc-bytes", "grpc-constraint", "http-invalid",
+                                   "http-valid", "http-bytes", "http-tools"}
+    # random constraints and tools were both served and refused
+    assert report.outcomes["grpc-constraint OK"] > 0 and report.outcomes["grpc-constraint INVALID_ARGUMENT"] > 0
+    assert report.outcomes["http-tools 200"] > 0 and report.outcomes["http-tools 400"] > 0
     assert report.outcomes.get("grpc-invalid OK", 0) == report.outcomes.get("http-invalid 200", 0) == 0
     assert report.outcomes["grpc-valid OK"] == report.by_kind["grpc-valid"]
     assert stack.alive()  # no process died

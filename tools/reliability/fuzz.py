@@ -8,8 +8,12 @@ front. Every case carries its oracle, so "a wrong code" is checked, not only "no
 - **grpc-bytes**: random bytes, and valid requests truncated, bit-flipped or with an unknown field
   -> served or INVALID_ARGUMENT (bytes that happen to parse are validated like any request),
   never another code.
+- **grpc-constraint**: a valid request with a random constraint (tools/reliability/fuzz_constraints.py:
+  JSON schemas of random shapes, regexes, Lark grammars, choices; about a third broken on
+  purpose) -> served, or INVALID_ARGUMENT naming `constraint.<kind>`.
 - **http-invalid** / **http-valid** / **http-bytes**: the same for `/v1/completions` and
   `/v1/chat/completions` (400 naming `param`, 404 for another model, 200; undecodable bodies 400).
+- **http-tools**: a chat with random tools, tool_choice and parallel_tool_calls -> 200 or 400.
 
 A crash is a process gone (connection refused, UNAVAILABLE), UNKNOWN or INTERNAL from gRPC, a 5xx
 from HTTP, or a stack that no longer serves afterwards. Served requests are short: run the gateway
@@ -31,11 +35,13 @@ from dataclasses import asdict, dataclass, field
 import grpc
 
 from tools.progress import Progress
+from tools.reliability.fuzz_constraints import random_constraint, random_tools_body
 from specstream_pb import common_pb2, generation_pb2
 
 OK = "OK"
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.name
-KINDS = ("grpc-invalid", "grpc-valid", "grpc-bytes", "http-invalid", "http-valid", "http-bytes")
+GRPC_KINDS = ("grpc-invalid", "grpc-valid", "grpc-bytes", "grpc-constraint")
+KINDS = (*GRPC_KINDS, "http-invalid", "http-valid", "http-bytes", "http-tools")
 
 
 @dataclass(frozen=True)
@@ -144,6 +150,11 @@ def _valid(rng: random.Random, lim: Limits) -> generation_pb2.GenerateRequest:
     req.ignore_eos = rng.random() < 0.3
     if rng.random() < 0.3:
         req.min_tokens = rng.randint(0, req.max_new_tokens)
+    if rng.random() < 0.2:
+        req.penalties.CopyFrom(common_pb2.Penalties(
+            presence_penalty=rng.uniform(-2, 2), frequency_penalty=rng.uniform(-2, 2),
+            repetition_penalty=rng.choice([0.0, rng.uniform(0.05, 2.0)]),
+            logit_bias={rng.randrange(lim.vocab_size): rng.uniform(-100, 100) for _ in range(rng.randint(0, 4))}))
     return req
 
 
@@ -193,6 +204,12 @@ def _invalid_mutations(lim: Limits) -> list[tuple[str, Callable[[generation_pb2.
     def stop_ids(r, rng):
         r.stop_token_ids.append(rng.randint(lim.vocab_size, 2**32 - 1))
 
+    def set_constraint(kind: str, value: Callable[[random.Random], str]):
+        def apply(r, rng):
+            r.min_tokens = 0  # a constraint refuses min_tokens beside it: the constraint is what is broken
+            setattr(r.constraint, kind, value(rng))
+        return apply
+
     cases = [
         ("max_new_tokens", set_("max_new_tokens", lambda rng: rng.choice([0, rng.randint(-2**31, -1)]))),
         ("max_new_tokens", set_("max_new_tokens", lambda rng: rng.randint(lim.max_new_tokens + 1, 2**31 - 1))),
@@ -222,6 +239,18 @@ def _invalid_mutations(lim: Limits) -> list[tuple[str, Callable[[generation_pb2.
         ("beam.num_return_sequences", beam(num_return_sequences=3)),
         ("beam.early_stopping", beam(early_stopping=99)),
         ("temperature", lambda r, rng: (beam()(r, rng), setattr(r, "temperature", 0.5))),
+        ("constraint.json_schema", set_constraint("json_schema", lambda rng: rng.choice(["{", "[1]", '{"type": "strin"}']))),
+        ("constraint.regex", set_constraint("regex", lambda rng: rng.choice(["(", "[z-a]", "a{5,2}"]))),
+        ("constraint.grammar", set_constraint("grammar", lambda rng: rng.choice(["start: nowhere", "start: (", "x"]))),
+        ("constraint.choice", lambda r, rng: (setattr(r, "min_tokens", 0), r.constraint.choice.SetInParent())),
+        ("penalties.presence_penalty", lambda r, rng: r.penalties.CopyFrom(common_pb2.Penalties(
+            presence_penalty=rng.choice([_bad_float(rng, -2.0, 2.0), rng.uniform(2.01, 100)])))),
+        ("penalties.frequency_penalty", lambda r, rng: r.penalties.CopyFrom(common_pb2.Penalties(
+            frequency_penalty=_bad_float(rng, -2.0, 2.0)))),
+        ("penalties.repetition_penalty", lambda r, rng: r.penalties.CopyFrom(common_pb2.Penalties(
+            repetition_penalty=rng.choice([-rng.uniform(0.01, 5), rng.uniform(2.01, 100)])))),
+        (f"penalties.logit_bias[{lim.vocab_size}]", lambda r, rng: r.penalties.CopyFrom(common_pb2.Penalties(
+            logit_bias={lim.vocab_size: 1.0}))),
     ]
     if lim.chat:
         cases += [
@@ -304,7 +333,7 @@ HTTP_INVALID: list[tuple[str, bool | None, Callable[[random.Random, Limits], obj
 def make_cases(seed: int, count: int, lim: Limits, http: bool) -> list[Case]:
     """`count` cases, the same for the same seed and limits."""
     rng = random.Random(seed)
-    kinds = KINDS if http else KINDS[:3]
+    kinds = [k for k in (KINDS if http else GRPC_KINDS) if lim.chat or k != "http-tools"]
     mutations = _invalid_mutations(lim)
     cases = []
     for _ in range(count):
@@ -312,6 +341,16 @@ def make_cases(seed: int, count: int, lim: Limits, http: bool) -> list[Case]:
         stream = rng.random() < 0.3
         if kind == "grpc-valid":
             cases.append(Case(kind, _valid(rng, lim).SerializeToString(), frozenset([OK]), stream=stream))
+        elif kind == "grpc-constraint":
+            req = _valid(rng, lim)
+            req.min_tokens = 0  # not with a constraint
+            which, value = random_constraint(rng)
+            if which == "choice":
+                req.constraint.choice.choices.extend(value)
+            else:
+                setattr(req.constraint, which, value)
+            cases.append(Case(kind, req.SerializeToString(), frozenset([OK, INVALID]), f"constraint.{which}",
+                              stream=stream))
         elif kind == "grpc-invalid":
             req = _valid(rng, lim)
             name, breaks = rng.choice(mutations)
@@ -335,10 +374,13 @@ def make_cases(seed: int, count: int, lim: Limits, http: bool) -> list[Case]:
             expected = frozenset([INVALID]) if how == "unknown" else frozenset([OK, INVALID])
             cases.append(Case(kind, data, expected, field_named, stream=stream))
         else:
-            chat = lim.chat and rng.random() < 0.5
+            chat = lim.chat and (kind == "http-tools" or rng.random() < 0.5)
             path = "/v1/chat/completions" if chat else "/v1/completions"
             body = _http_body(rng, lim, chat)
-            if kind == "http-valid":
+            if kind == "http-tools":
+                body |= random_tools_body(rng)
+                cases.append(Case(kind, json.dumps(body).encode(), frozenset(["200", "400"]), path=path))
+            elif kind == "http-valid":
                 cases.append(Case(kind, json.dumps(body).encode(), frozenset(["200"]), path=path))
             elif kind == "http-invalid":
                 if rng.random() < 0.08:
