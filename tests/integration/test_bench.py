@@ -462,6 +462,7 @@ def test_bench_structured_writes_json_and_plot_and_checks_every_row_against_cons
             if row.startswith("llama.cpp"):
                 continue
             assert r["vs_constrained_plain"] == same(r["tokens_per_s"] / plain["tokens_per_s"]), (name, row)
+            assert r["decode_tokens_per_s"] is None or r["decode_tokens_per_s"] > 0, (name, row)
             if row != "unconstrained plain":
                 assert r["equals_constrained_plain"] is True and r["valid"] == 1.0, (name, row)
         assert rows["constrained plain"]["alpha"] is None  # nothing proposed without speculation
