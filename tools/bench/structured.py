@@ -13,9 +13,11 @@ Rows, each on the same requests through the real processes:
 - + draft cut at the first invalid token (vLLM's way): the draft service guessing unmasked, the
   target cutting its guesses where the grammar refuses them, no forced tokens;
 - + grammar-aware draft (ours): forced tokens and the draft guessing from its masked distribution;
-- peer: llama.cpp's JSON-schema mode (llama-cpp-python's `response_format` with the schema, its
+- the same with the draft in the target's process (`serve --colocate-draft`);
+- peers: llama.cpp's JSON-schema mode (llama-cpp-python's `response_format` with the schema, its
   GBNF grammar) on the target's GGUF file and the same cores, for the JSON workloads, when
-  `make peer` installed it.
+  `make peer` installed it; and transformers `generate()` on the same checkpoint (dense, the
+  pair's dtype) with the same llguidance grammar as a logits processor, every workload.
 
 Per row and workload: tokens/s, the share of forced tokens in the answers, α (draft guesses
 accepted / proposed, forced tokens included), tokens per target pass, the share of answers valid
@@ -34,11 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specstream.data.constraint import Constraint
+from specstream.serving.compute import on_torch_thread
 from specstream.text.grammar import GrammarCompiler
 from specstream.text.tools import Tool, ToolCallParser, tool_constraint, tools_system_text
 from tools.bench import report
-from tools.bench.checks import check_same_tokens
 from tools.bench.apart import run_apart
+from tools.bench.checks import check_same_tokens
 from tools.bench.latency import display, llama_cpp_available
 from tools.bench.models import BenchModels
 from tools.launcher import Stack, StackSpec
@@ -143,10 +146,12 @@ WORKLOADS = [
 ]
 
 # (row, constraint on, speculation, stack): the stacks are "plain" (no draft), "cut" (the draft
-# unmasked, no forced tokens) and "ours" (the defaults).
+# unmasked, no forced tokens), "ours" (the defaults) and "colocated" (the defaults, the draft in
+# the target's process).
 ROWS = [("unconstrained plain", False, "off", "plain"), ("constrained plain", True, "off", "plain"),
         ("+ forced tokens only", True, 4, "plain"), ("+ draft cut at first invalid (vLLM's way)", True, "auto", "cut"),
-        ("+ grammar-aware draft (ours)", True, "auto", "ours")]
+        ("+ grammar-aware draft (ours)", True, "auto", "ours"),
+        ("+ grammar-aware draft, colocated", True, "auto", "colocated")]
 HEADERS = ["workload", "row", "tok/s", "vs constrained plain", "decode tok/s", "forced share", "alpha", "tokens/pass",
            "valid", "= constrained plain"]
 
@@ -176,7 +181,7 @@ def run(models: BenchModels, out_dir: Path, max_new_tokens: int = 96, repeats: i
     fields = models.stack_fields()
     stacks = {"plain": dict(models.stack_fields(speculative=False)),
               "cut": {**fields, "grammar_draft": False, "extra_target_args": ["--no-forced-tokens"]},
-              "ours": fields}
+              "ours": fields, "colocated": {**fields, "colocate_draft": True}}
     measured: dict[tuple[str, str], _Measured] = {}
     total = len(ROWS) * sum(len(w.questions) for w in workloads)
     with Progress(total, "answers", "structured", quiet=quiet) as progress:
@@ -196,7 +201,8 @@ def run(models: BenchModels, out_dir: Path, max_new_tokens: int = 96, repeats: i
                                 _ask(client, w, question, constrained, speculation, max_new_tokens, repeats, m)
                                 progress.update()
     peer = _llama_cpp(models, [w for w in workloads if w.schema is not None], max_new_tokens, repeats)
-    return _report(models, workloads, measured, peer, compiler, out_dir, max_new_tokens)
+    hf = on_torch_thread(_hf_constrained, models, workloads, compiler, max_new_tokens)
+    return _report(models, workloads, measured, peer, hf, compiler, out_dir, max_new_tokens)
 
 
 def _ask(client, w: Workload, question: str, constrained: bool, speculation, max_new_tokens: int, repeats: int,
@@ -283,8 +289,58 @@ def llama_cpp_json_runs(gguf: str, jobs: list[dict], max_new_tokens: int, repeat
     return out
 
 
+def _hf_constrained(models: BenchModels, workloads: list[Workload], compiler: GrammarCompiler,
+                    max_new_tokens: int) -> dict:
+    """transformers `generate()`, greedy, with each workload's grammar masking its logits at every
+    step (llguidance, through our matcher: the same grammar text and tokenizer), on the torch thread."""
+    import torch
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    class GrammarMask(LogitsProcessor):
+        def __init__(self, matcher, prompt_len: int) -> None:
+            self.matcher, self.prompt_len, self.fed = matcher, prompt_len, 0
+
+        def __call__(self, input_ids, scores):
+            new = input_ids[0, self.prompt_len:].tolist()
+            self.matcher.consume(new[self.fed:])
+            self.fed = len(new)
+            allowed = torch.from_numpy(self.matcher.allowed())
+            scores[0, : len(allowed)].masked_fill_(~allowed, float("-inf"))
+            scores[0, len(allowed):] = float("-inf")
+            return scores
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # its weight-loading bar would land in the table's output
+    tokenizer = models.tokenizer()
+    ends = list(dict.fromkeys([*tokenizer.eos_token_ids, *([tokenizer.end_of_turn_id]
+                                                         if tokenizer.end_of_turn_id is not None else [])]))
+    model = AutoModelForCausalLM.from_pretrained(models.target, dtype=getattr(torch, models.dtype)).eval()
+    out = {}
+    with torch.inference_mode():
+        for w in workloads:
+            grammar = compiler.compile(w.constraint)
+            tokens, seconds, valid = 0, 0.0, 0
+            for question in w.questions:
+                prompt = tokenizer.encode_chat(w.messages(question))
+                ids = torch.tensor([prompt])
+                start = time.perf_counter()
+                generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                           do_sample=False, eos_token_id=ends, pad_token_id=ends[0],
+                                           logits_processor=LogitsProcessorList([GrammarMask(grammar.matcher(),
+                                                                                             len(prompt))]))
+                seconds += time.perf_counter() - start
+                new = generated[0, len(prompt):].tolist()
+                ended = bool(new) and new[-1] in ends
+                tokens += len(new)
+                valid += ended and w.valid(tokenizer.decode(new[:-1]))
+            out[w.name] = {"tokens_per_s": tokens / seconds, "tokens": tokens, "valid": valid,
+                           "answers": len(w.questions), "dtype": models.dtype}
+    return out
+
+
 def _report(models: BenchModels, workloads: list[Workload], measured: dict[tuple[str, str], _Measured],
-            peer: dict | None, compiler: GrammarCompiler, out_dir: Path, max_new_tokens: int) -> dict:
+            peer: dict | None, hf: dict, compiler: GrammarCompiler, out_dir: Path, max_new_tokens: int) -> dict:
     rows, data = [], {"models": models.label, "target": display(models.target), "draft": display(models.draft),
                       "cpu": report.cpu_name(), "max_new_tokens": max_new_tokens, "workloads": {}}
     for w in workloads:
@@ -314,6 +370,11 @@ def _report(models: BenchModels, workloads: list[Workload], measured: dict[tuple
             entry["ours_vs_llama_cpp"] = ours / p["tokens_per_s"]
             rows.append([w.name, "peer: llama.cpp JSON-schema mode", p["tokens_per_s"],
                          p["tokens_per_s"] / plain_rate, None, None, None, None, p["valid"] / p["answers"], None])
+        h = hf[w.name]
+        entry["rows"]["transformers + llguidance"] = {**h, "vs_constrained_plain": h["tokens_per_s"] / plain_rate}
+        entry["ours_vs_transformers"] = entry["rows"]["+ grammar-aware draft (ours)"]["tokens_per_s"] / h["tokens_per_s"]
+        rows.append([w.name, f"peer: transformers + llguidance ({h['dtype']})", h["tokens_per_s"],
+                     h["tokens_per_s"] / plain_rate, None, None, None, None, h["valid"] / h["answers"], None])
     heavy = [w.name for w in workloads if w.schema_heavy]
 
     def mean(key: str, row: str, names: list[str]) -> float | None:
@@ -329,6 +390,7 @@ def _report(models: BenchModels, workloads: list[Workload], measured: dict[tuple
               if data["workloads"][n]["rows"]["unconstrained plain"]["decode_tokens_per_s"]
               and data["workloads"][n]["rows"]["constrained plain"]["decode_tokens_per_s"]]
     data["constrained_vs_unconstrained_decode"] = sum(decode) / len(decode) if decode else None
+    data["ours_vs_transformers"] = [data["workloads"][n]["ours_vs_transformers"] for n in heavy]
     if peer:
         data["ours_vs_llama_cpp"] = [data["workloads"][n].get("ours_vs_llama_cpp") for n in heavy
                                      if "ours_vs_llama_cpp" in data["workloads"][n]]
