@@ -16,9 +16,9 @@ import torch
 
 from specstream.data.constraint import MAX_CHOICES, MAX_SOURCE_BYTES, Constraint
 from specstream.data.errors import InvalidArgumentError
-from specstream.models.registry import resolve_model
-from specstream.text.grammar import GrammarCompiler, fill_masks, unpack
+from specstream.text.grammar import fill_masks, unpack
 from specstream.text.tokenizer import TextTokenizer
+from tests.support.smollm2_grammar import compiler, tokenizer  # noqa: F401 - fixtures
 
 SCHEMAS = {
     "flat": ({"type": "object", "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"}},
@@ -39,16 +39,6 @@ SCHEMAS = {
               "required": ["sentiment"], "additionalProperties": False},
              {"sentiment": "negative"}),
 }
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> TextTokenizer:
-    return TextTokenizer.from_dir(resolve_model("smollm2"))
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer)
 
 
 def _ids(tokenizer: TextTokenizer, text: str) -> list[int]:

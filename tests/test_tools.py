@@ -12,10 +12,8 @@ import jsonschema
 import pytest
 import torch
 
-from specstream.models.registry import resolve_model
-from specstream.text.grammar import GrammarCompiler
-from specstream.text.tokenizer import TextTokenizer
 from specstream.text.tools import Tool, ToolCall, ToolCallParser, render_calls, tool_constraint, tools_system_text
+from tests.support.smollm2_grammar import compiler, tokenizer  # noqa: F401 - fixtures
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -26,16 +24,6 @@ TOOLS = [Tool("get_weather", "The weather in a city", json.dumps(WEATHER)), Tool
 SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 CALL = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris","unit":"celsius"}}\n</tool_call>'
 CALL2 = '<tool_call>\n{"name":"add","arguments":{"a":2,"b":3}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> TextTokenizer:
-    return TextTokenizer.from_dir(resolve_model("smollm2"))
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer)
 
 
 def _passes(tokenizer, compiler, choice: str, text: str, parallel: bool = True) -> bool:
