@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from opentelemetry.trace import INVALID_SPAN
 
 from specstream.data.engine import (
@@ -27,11 +26,11 @@ from specstream.data.engine import (
 )
 from specstream.data.constraint import Constraint
 from specstream.data.errors import InvalidArgumentError
-from specstream.data.penalties import Penalties
 from specstream.data.propose import SOURCE
 from specstream.data.sampling import GREEDY, SamplingParams
-from specstream.text.grammar import GrammarError, Matcher, mask_words
+from specstream.text.grammar import GrammarError, Matcher
 from target_service.beam import BeamSearch
+from target_service.penalties import PenaltyState
 from target_service.settle import VerifyRow
 
 
@@ -53,7 +52,8 @@ class Sequence:
     # A constrained request's place in its grammar, at the committed tokens (target_service/grammar_rows.py).
     matcher: Matcher | None = None
     constraint: Constraint | None = None  # its source, sent to the draft with the sequence's first item
-    penalties: Penalties | None = None  # applied at every verified position (target_service/penalties.py)
+    # Its penalties with the committed tokens' counts, applied at every verified position (target_service/penalties.py).
+    penalties: PenaltyState | None = None
     traceparent: str = ""
     arrival: float = field(default_factory=time.monotonic)
     slot: int | None = None
@@ -109,7 +109,7 @@ class Sequence:
             logprobs=req.logprobs,
             min_tokens=req.min_tokens,
             constraint=req.constraint,
-            penalties=req.penalties,
+            penalties=PenaltyState(req.penalties, req.prompt_token_ids) if req.penalties is not None else None,
             traceparent=req.traceparent,
             beam=(BeamSearch(req.beam, req.max_new_tokens, frozenset(req.stop_token_ids), frozenset(req.eos_token_ids))
                   if req.beam is not None else None),
@@ -156,18 +156,14 @@ class Sequence:
         the stop ids masked there."""
         masked = self.stop_ids if len(self.tokens) < self.masked_until else frozenset()
         return VerifyRow(self.sampling, len(self.tokens), logprobs=self.logprobs, source=source, masked_ids=masked,
-                         masked_until=self.masked_until if masked else 0, penalties=self.penalties,
-                         history=tuple(self.tokens) if self.penalties is not None else (), output_start=self.prompt_len)
+                         masked_until=self.masked_until if masked else 0, penalties=self.penalties)
 
     def first_row(self) -> VerifyRow:
         """The row of the prefill pass that gives the first token: ``verify_row`` with, for a
         constrained sequence, the grammar's mask at the start."""
         row = self.verify_row()
         if self.matcher is not None:
-            try:
-                row.grammar_mask = self.matcher.mask()[None]
-            except GrammarError:  # refuses nothing: the sequence ends with an error when it commits
-                row.grammar_mask = np.full((1, mask_words(self.matcher.vocab_size)), -1, dtype=np.int32)
+            row.grammar_mask = self.matcher.mask()[None]
         return row
 
     @property
@@ -204,8 +200,6 @@ class Sequence:
         assert self.matcher is not None
         out = []
         for tok in new_tokens[: self.remaining]:
-            if self.matcher.failed is not None:
-                raise GrammarError(self.matcher.failed)
             if self.matcher.consume([tok]) != 1:  # the masks allowed every one, unless the matcher failed
                 if self.matcher.failed is not None:
                     raise GrammarError(self.matcher.failed)
@@ -223,6 +217,8 @@ class Sequence:
                 chosen, top = logprobs[i]
                 self.pending_logprobs.append(TokenLogprob(tok, chosen, top))
             self.max_token = max(self.max_token, tok)
+            if self.penalties is not None:
+                self.penalties.take(tok)
             if tok in self.stop_ids:
                 self.finish_reason = "eos" if tok in self.eos_ids else "stop"
                 return

@@ -59,10 +59,9 @@ from kernels.cuts import cut_thresholds
 from kernels.lm_head import Hidden
 from kernels.processing import process_logits
 from kernels.random import ACCEPT, RESIDUAL, SAMPLE, SIBLING, race, row_keys, uniform, uniforms
-from specstream.data.penalties import Penalties
 from specstream.data.propose import chain_length
 from specstream.data.sampling import SamplingParams
-from target_service.penalties import penalize
+from target_service.penalties import PenaltyState, penalize
 
 
 @dataclass
@@ -97,11 +96,9 @@ class VerifyRow:
     # Leading proposals that are the grammar's forced tokens (target_service/drafting.py), not a
     # model's guesses: point masses, priced by no draft.
     forced: int = 0
-    # Penalties (target_service/penalties.py): applied at each node with the counts of its position:
-    # the committed tokens (``history``, the output from ``output_start`` on) and the path's proposals.
-    penalties: Penalties | None = None
-    history: Sequence[int] = ()
-    output_start: int = 0
+    # Penalties with the committed tokens' counts (target_service/penalties.py): applied at each node
+    # with those and the path's proposals.
+    penalties: PenaltyState | None = None
 
     @property
     def chain(self) -> int:
@@ -144,13 +141,12 @@ def settle(target: torch.Tensor | Hidden, rows: list[VerifyRow], coupled: bool =
     if isinstance(target, Hidden):
         positions = target.states.shape[0] // batch
         masked = _masked(rows, positions)
-        constrained = any(r.grammar_mask is not None or r.penalties is not None for r in rows)
-        if kernels.backend(target.states) == "torch" or masked or constrained:  # a mask needs the logits
+        if kernels.backend(target.states) == "torch" or masked or _processed(rows):  # a mask needs the logits
             target = _mask(target.logits().view(batch, positions, -1), masked, rows)  # [B, G+1, V]
     else:
         positions = target.shape[1]
         masked = _masked(rows, positions)
-        if masked or any(r.grammar_mask is not None or r.penalties is not None for r in rows):
+        if masked or _processed(rows):
             target = _mask(target.clone(), masked, rows)
     gamma = positions - 1
     device = target.states.device if isinstance(target, Hidden) else target.device
@@ -197,6 +193,11 @@ def settle(target: torch.Tensor | Hidden, rows: list[VerifyRow], coupled: bool =
     # The pass's one host sync: every result in one flat transfer.
     flat = torch.cat([t.double().flatten() for t in parts]).tolist()
     return _unpack(flat, rows, wanted, positions, top_n)
+
+
+def _processed(rows: list[VerifyRow]) -> bool:
+    """Whether a row's logits change before settling: a grammar's mask, or penalties."""
+    return any(r.grammar_mask is not None or r.penalties is not None for r in rows)
 
 
 def _masked(rows: list[VerifyRow], positions: int) -> list[tuple[int, int, int]]:

@@ -25,7 +25,7 @@ from specstream.data.penalties import MAX_LOGIT_BIAS, Penalties
 from specstream.data.sampling import SamplingParams
 from specstream.models.loader import load_model
 from specstream_client.options import GenerateOptions
-from target_service.penalties import node_paths, penalize
+from target_service.penalties import PenaltyState, node_paths, penalize
 from tests.support.chi_square import two_sample_p_value
 from tests.support.engine_harness import run_engine
 
@@ -89,9 +89,12 @@ def test_each_node_sees_its_own_positions_counts():
     assert node_paths([5, 6, 7], [], 4) == [[], [5], [5, 6], [5, 6, 7]]
     assert node_paths([5, 6, 8], [0, 1, 0], 4) == [[], [5], [5, 6], [8]]
 
-    class Row:
-        proposals, parents, history, output_start = [5, 6], [], (9, 5, 2, 5), 2
-        penalties = Penalties(presence=0.5, frequency=1.0, repetition=2.0, logit_bias=((6, 3.0),))
+    class Row:  # prompt 9, 5; output so far 2, 5
+        proposals, parents = [5, 6], []
+        penalties = PenaltyState(Penalties(presence=0.5, frequency=1.0, repetition=2.0, logit_bias=((6, 3.0),)), [9, 5])
+
+    for token in (2, 5):
+        Row.penalties.take(token)
 
     logits = torch.randn(1, 3, 12)
     got = logits.clone()

@@ -85,7 +85,7 @@ def fill_masks(rows: list[tuple[Matcher, list[int]]]) -> list[np.ndarray]:
         _EXECUTOR.unsafe_compute_mask_ptr(plain, out.ctypes.data, words * 4, out.shape[0])
     masks = np.split(out, np.cumsum(counts)[:-1])
     for (matcher, _), mask in zip(rows, masks):
-        if matcher.failed is not None:  # it ends with an error when its tokens are committed; its masks refuse nothing
+        if matcher.failed is not None:  # refuses nothing, as Matcher.mask
             mask[:] = -1
     return masks
 
@@ -116,9 +116,11 @@ class Matcher:
         self._bits = llg_numpy.allocate_token_bitmask(1, vocab_size)  # [1, W] int32
 
     def mask(self) -> np.ndarray:
-        """The packed mask int32 [W] of the next position."""
+        """The packed mask int32 [W] of the next position; a failed matcher's (``failed``) refuses
+        nothing, as in ``fill_masks``: its sequence ends with an error when it commits."""
         llg_numpy.fill_next_token_bitmask(self._m, self._bits, 0)
-        self._check()
+        if self.failed is not None:
+            self._bits[0] = -1
         return self._bits[0].copy()
 
     def allowed(self) -> np.ndarray:
@@ -191,13 +193,11 @@ class GrammarCompiler:
             raise InvalidArgumentError(constraint.field, constraint.source, start.get_error())
         grammar = Grammar(start, self._tokenizer.vocab_size)
         first = grammar.matcher()  # its first mask, once: a grammar that allows no output at all is refused here
-        try:
-            allowed = first.mask()
-        except RuntimeError as err:
+        allowed = first.mask()
+        if first.failed is not None or not allowed.any():
+            reason = f" ({first.failed})" if first.failed is not None else ""
             raise InvalidArgumentError(constraint.field, constraint.source,
-                                       f"allows no output with this tokenizer ({err})") from None
-        if not allowed.any():
-            raise InvalidArgumentError(constraint.field, constraint.source, "allows no output with this tokenizer")
+                                       f"allows no output with this tokenizer{reason}")
         with self._lock:
             self._cache[constraint] = grammar
             while len(self._cache) > self._capacity:
