@@ -18,6 +18,12 @@ A feature draft (draft_service/feature.py) keeps no guesses, and it reads the ta
 every position it catches up on: the target sends each position's feature once, with its token,
 so this proposer keeps them (``features``, the bytes of positions 0..len(history)-2) and hands the
 model the slice its catch-up needs. Items whose features the model cannot read are refused whole.
+
+A constrained sequence (its first item carries ``constraint``) is drafted by the model alone: the
+model guesses from its distribution masked by the grammar (draft_service/grammar_state.py), while
+lookup's copies are unmasked and the target cuts them at the first token the grammar refuses. The
+model gets the constraint on its first item for the sequence, and every item's forced tokens
+(``ProposeItem.forced``) to guess on from; the history holds only what the model holds.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from draft_service.ngram import SOURCE as NGRAM
 from draft_service.ngram import NgramIndex, NgramProposer
 from draft_service.proposer import DraftProposer
 from specstream.data.propose import SOURCE as MODEL
+from specstream.data.constraint import Constraint
 from specstream.data.propose import Proposal, ProposeItem, Proposer, features_expected, without_masked
 
 
@@ -40,6 +47,8 @@ class NgramPlusModelProposer(Proposer):
         self.feature_layers = model.feature_layers
         self.works_ahead = model.works_ahead
         self.features: dict[Hashable, bytearray] = {}  # a feature draft's: the target's features held
+        # Constrained sequences: (constraint, its start) from their first item, for the model's first.
+        self.constraints: dict[Hashable, tuple[Constraint, int]] = {}
         self.model_asked = False  # by the latest call: only then has the model a round to work ahead on
 
     @property
@@ -73,6 +82,7 @@ class NgramPlusModelProposer(Proposer):
         for key in keys:
             self.model_len.pop(key, None)
             self.features.pop(key, None)
+            self.constraints.pop(key, None)
 
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         out = [Proposal([], 0, source=NGRAM) for _ in items]
@@ -90,23 +100,31 @@ class NgramPlusModelProposer(Proposer):
             held = self.model_len[item.key] = min(self.model_len.get(item.key, 0), item.rollback_to)
             if self.feature_width:
                 self._keep_features(item)
-            gamma = min(item.gamma, self.max_len - len(sequence))
-            out[i].tokens, out[i].parents = without_masked(
-                item, *sequence.proposal(gamma, item.branches if item.sampling.greedy else 0))
+            if item.rollback_to == 0:  # a sequence's first item (again, on a new stream)
+                self.constraints.pop(item.key, None)
+                if item.constraint is not None:
+                    self.constraints[item.key] = (item.constraint, item.constraint_start)
+            constrained = self.constraints.get(item.key)
+            gamma = min(item.gamma, self.max_len - len(sequence) - len(item.forced))
             out[i].length = len(sequence)
+            if constrained is None and not item.forced:
+                out[i].tokens, out[i].parents = without_masked(
+                    item, *sequence.proposal(gamma, item.branches if item.sampling.greedy else 0))
             if out[i].tokens or gamma <= 0:
                 continue
+            grammar = {"constraint": constrained[0], "constraint_start": constrained[1]} \
+                if constrained is not None and held == 0 else {}
             # held <= rollback_to < len(sequence): the catch-up is never empty.
             model_items.append(ProposeItem(item.key, held, sequence.tokens[held:], gamma, item.sampling,
                                            branches=item.branches, masked_ids=item.masked_ids,
-                                           masked_until=item.masked_until,
+                                           masked_until=item.masked_until, forced=item.forced, **grammar,
                                            **(self._catch_up(item.key, held, len(sequence)) if self.feature_width
                                               else {})))
             asked.append((i, sequence))
         self.model_asked = bool(model_items)
         if model_items:
             for (i, sequence), reply in zip(asked, self.model.propose(model_items)):
-                self._take(items[i].key, sequence, reply)
+                self._take(items[i], sequence, reply)
                 out[i] = reply
         return out
 
@@ -142,14 +160,15 @@ class NgramPlusModelProposer(Proposer):
         features = bytes(self.features[key][start * row:(start + features_expected(held, length - held)) * row])
         return {"features": features, "feature_width": self.feature_width}
 
-    def _take(self, key: Hashable, sequence: NgramIndex, reply: Proposal) -> None:
+    def _take(self, item: ProposeItem, sequence: NgramIndex, reply: Proposal) -> None:
         """Records what the model now holds; `reply` then reports what both sides hold."""
-        # The guesses the model holds: all but the last (a token draft), none (a feature draft).
+        # What the model holds past the history: the forced tokens and its guesses but the last (a
+        # token draft), nothing (a feature draft).
         fed = reply.length - len(sequence)
-        if reply.tokens and fed > 0:
-            sequence.extend(reply.tokens[:fed])
+        if fed > 0:
+            sequence.extend([*item.forced, *reply.tokens][:fed])
             assert reply.length == len(sequence), (reply.length, len(sequence))
         # With no guesses the model holds at most the history (0: it dropped the sequence).
-        self.model_len[key] = reply.length
+        self.model_len[item.key] = reply.length
         reply.length = len(sequence)
         reply.source = MODEL

@@ -9,6 +9,9 @@ Its last output predicts f_{n-1}, whose scores give the first guess; further gue
 its own predicted features (``FeatureHead.draft``). Guesses are never kept: their positions used
 predicted features, and the next item brings the true ones, so ``Proposal.length`` is
 rollback_to + len(append) and the target resends the tokens it accepts with their features.
+A constrained item's forced tokens (``ProposeItem.forced``: what its grammar allows alone next)
+go in the same way, ahead of the guesses: the head feeds them its own predicted features, as if
+they were guesses it had made, and drafts on from them; they are not kept either.
 
 Greedy items guess the argmax and sampling items draw x ~ q, with q the head's distribution
 processed and cut exactly as the token draft's is (draft_service/proposer.py ``_Picker``), q sent
@@ -138,22 +141,26 @@ class FeatureProposer(Proposer):
             n = item.rollback_to + len(item.append)
             self.lengths[item.key] = out[b].length = n
             last = self._extend(item, slot, features)
-            picker.grammars[b] = self.grammars.sync(item)
-            gamma = min(item.gamma, self.max_len - n)
+            grammar = picker.grammars[b] = self.grammars.sync(item)
+            lead = item.forced  # fed with the head's own features, as its guesses are: not held
+            gamma = min(item.gamma, self.max_len - n - len(lead))
             if last is None or gamma <= 0:
                 self.grammars.hold(item.key, n)
                 continue
+            if grammar is not None:
+                grammar.take(lead)  # a refused one: this round guesses unmasked
 
-            def choose(g: torch.Tensor, step: int, b: int = b) -> int:
-                return int(picker.pick(Hidden(g[None], self.output), [b], step)[0])
+            def choose(g: torch.Tensor, step: int, b: int = b, skip: int = len(lead)) -> int:
+                return int(picker.pick(Hidden(g[None], self.output), [b], step - skip)[0])
 
-            chain = self.draft.head.draft(self.cache, slot, last, gamma, self.draft.embed, self.draft.rows, choose)
+            chain = self.draft.head.draft(self.cache, slot, last, len(lead) + gamma, self.draft.embed,
+                                          self.draft.rows, choose, forced=lead)[len(lead):]
             out[b].tokens, out[b].parents = picker.tree(b, chain)
             self.grammars.hold(item.key, n)  # the head holds the appended tokens, not its guesses
             guessed.append((b, gamma))
             seconds = picker.seconds(b)[: len(chain)] if item.sampling.greedy else []
             # Rounds drafted ahead mask nothing: min_tokens' first tokens and constrained rows draft afresh.
-            if not item.masked_ids and picker.grammars[b] is None:
+            if not item.masked_ids and grammar is None and not lead:
                 self.plans[item.key] = _Plan(n, chain, gamma, last, seconds, item.sampling)
         width, q_ids, q_probs = picker.tables()
         for b, gamma in guessed:
@@ -270,7 +277,7 @@ class FeatureProposer(Proposer):
                 return None
             slot = self.slots[item.key] = self._free.pop()
         if item.rollback_to > held or not item.append or item.rollback_to + len(item.append) > self.max_len \
-                or max(item.append) >= self.vocab_size:
+                or max(item.append) >= self.vocab_size or max(item.forced, default=0) >= self.vocab_size:
             self.release([item.key])
             return None
         self.cache.length[slot] = max(item.rollback_to - 1, 0)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from specstream.data.propose import Proposal, ProposeItem, Proposer, without_masked
+from specstream.data.propose import Proposal, ProposeItem, Proposer, with_forced_appended, without_masked
 
 SOURCE = "ngram"  # Proposal.source of this proposer's guesses
 # Reported as the vocabulary size: ids are copied back whatever they are, so the target need not
@@ -146,6 +146,7 @@ class NgramProposer(Proposer):
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         out = []
         for item in items:
+            item = with_forced_appended(item)  # forced tokens are held as context: lookup goes on from them
             sequence = self.sync(item)
             if sequence is None:
                 out.append(Proposal([], 0, source=SOURCE))

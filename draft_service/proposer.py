@@ -47,7 +47,7 @@ from kernels.lm_head import Hidden
 from kernels.nbest import MAX_K, top_scores
 from kernels.processing import process_logits, truncate
 from kernels.random import SAMPLE, gumbel, race, row_keys
-from specstream.data.propose import SOURCE, Proposal, ProposeItem, Proposer, chain_length
+from specstream.data.propose import SOURCE, Proposal, ProposeItem, Proposer, chain_length, with_forced_appended
 from specstream.data.sampling import SamplingParams
 from specstream.models.base import CausalLM
 from specstream.text.grammar import GrammarCompiler
@@ -121,6 +121,8 @@ class DraftProposer(Proposer):
         out = [Proposal([], 0) for _ in items]
         rows, gammas, grammars = [], [], []
         self.plans = {}
+        # A constrained row's forced tokens go into the context, held as the appended tokens are.
+        items = [with_forced_appended(item) for item in items]
         for i, item in enumerate(items):
             rewritten = self.rewritten.pop(item.key, None)
             if self._answer_prepared(item, out[i], rewritten):

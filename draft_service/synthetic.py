@@ -14,7 +14,7 @@ import random
 from collections.abc import Hashable
 from pathlib import Path
 
-from specstream.data.propose import Proposal, ProposeItem, Proposer
+from specstream.data.propose import Proposal, ProposeItem, Proposer, with_forced_appended
 
 SOURCE = "synthetic"  # Proposal.source of this proposer's guesses
 
@@ -52,7 +52,7 @@ class SyntheticProposer(Proposer):
             self._truth.pop(key, None)
 
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
-        return [self._one(item) for item in items]
+        return [self._one(with_forced_appended(item)) for item in items]
 
     def _one(self, item: ProposeItem) -> Proposal:
         context = self._context.get(item.key)

@@ -71,7 +71,7 @@ class Prepared:
     q: tuple[int, list[int], list[float]] | None = None
 
     def answers(self, item: ProposeItem) -> bool:
-        if item.masked_ids:  # drafted without masks: an item that masks ids is drafted afresh
+        if item.masked_ids or item.forced:  # drafted without masks, or from the item's own tokens: afresh
             return False
         same = (item.sampling.greedy and self.sampling.greedy) or item.sampling == self.sampling
         return same and item.rollback_to == self.rollback_to and item.append == self.append

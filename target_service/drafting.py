@@ -61,8 +61,8 @@ class DraftSource(Protocol):
     - ``propose(step, items, traceparent, item_traceparents)`` returns one ``Proposal`` per item, in
       order, or None when the source failed this time (the engine then decodes plainly for a step).
       For each item the source first keeps ``item.rollback_to`` tokens of what it holds for
-      ``item.key``, appends ``item.append``, then guesses up to ``item.gamma`` tokens (fewer, even
-      none, is allowed); ``Proposal.length`` says how many leading tokens it now holds. Sampled
+      ``item.key``, appends ``item.append``, then guesses up to ``item.gamma`` tokens after
+      ``item.forced`` (a constrained row's forced tokens; fewer guesses, even none, are allowed); ``Proposal.length`` says how many leading tokens it now holds. Sampled
       items (``item.sampling`` not greedy) come with the q each guess was drawn from, or none
       (point masses) from deterministic proposers; ``Proposal.source`` names the proposer.
     - ``epoch`` changes whenever the source's state was lost (a new stream): then it holds nothing.
@@ -169,7 +169,7 @@ def malformed(reply: Proposal, item: ProposeItem, gamma: int, vocab_size: int, g
     bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
     if bad is not None:
         return "token_id", f"Proposal.token_ids holds {bad}, outside the target's vocabulary of {vocab_size}"
-    most = item.rollback_to + len(item.append) + len(tokens)
+    most = item.first_guess + len(tokens)
     if reply.length > most:
         return "length", (f"Proposal.length={reply.length}: more than the {most} tokens it was sent and "
                           "guessed")
@@ -410,10 +410,8 @@ class Drafting:
         if source is None:
             return plan
         views = [RowView(s.seq_id, s.gamma, s.max_gamma, s.sampling.greedy, self._unfed(s, source.epoch)) for s in rows]
-        # After forced tokens a token draft guesses on from them (they go in its context); a feature
-        # draft cannot (no target features exist for them yet): their row asks it for nothing.
-        caps = [0 if forced and self.feature_width else max(0, cap - len(forced))
-                for cap, forced in zip(self.caps(rows), plan.forced)]
+        # After forced tokens the draft guesses on from them (ProposeItem.forced): they take room in the cap.
+        caps = [max(0, cap - len(forced)) for cap, forced in zip(self.caps(rows), plan.forced)]
         plan.gammas = self.controller.choose(views, caps)
         branches = self.controller.branches(views, plan.gammas, self.tree_branches)
         asked = [i for i, g in enumerate(plan.gammas) if g > 0]
@@ -426,16 +424,17 @@ class Drafting:
             if held.epoch != source.epoch:  # a fresh stream holds nothing
                 held.length, held.epoch = 0, source.epoch
             append, gamma, features = self._with_features(seq, held.length, plan.gammas[i], budget)
-            append = append + plan.forced[i] if append else append
             if not append:
                 continue  # a feature draft's (re)sync that does not fit this call: the next ones
             budget -= len(features.get("features", b""))
             row = plan.checks[i]  # the ids its guesses may not be, and until where (min_tokens)
             if seq.matcher is not None and held.length == 0:  # the draft's own matcher starts here
                 features.update(constraint=seq.constraint, constraint_start=seq.prompt_len)
+            # A constrained row verifies a chain (its masks follow one path): it asks for no branches.
             plan.items.append(ProposeItem(seq.seq_id, held.length, append, gamma, seq.sampling,
-                                          branches=branches[i] if gamma else 0, masked_ids=row.masked_ids,
-                                          masked_until=row.masked_until, **features))
+                                          branches=branches[i] if gamma and seq.matcher is None else 0,
+                                          masked_ids=row.masked_ids,
+                                          masked_until=row.masked_until, forced=plan.forced[i], **features))
             plan.sent.append(i)
             self.fed += len(append)
         plan.fed = self.fed
@@ -468,7 +467,7 @@ class Drafting:
             checks[i] = _after_forced(plan.forced[i], self._check(seq, reply, plan.gammas[i], item))
             # Beyond the context the draft holds its own guesses; `settle` keeps the part the target
             # agreed with. It cannot hold more than it was sent and guessed (a malformed length: 0).
-            most = item.rollback_to + len(item.append) + len(reply.tokens)
+            most = item.first_guess + len(reply.tokens)
             self._held[seq.seq_id].length = reply.length if reply.length <= most else 0
             seq.draft_tokens += checks[i].chain  # branches apart
         return checks

@@ -13,8 +13,8 @@ Before the forward, ``cut`` keeps each row's proposals up to the first one its g
   makes the emitted token's distribution p. Dropping it would sample from p after a draw of q
   that was conditioned away, and bias the output.
 
-A tree is cut to its chain first: constrained rows verify chains (the masks follow one path).
-Then ``GrammarMasks.start`` fills, for the whole batch in one llguidance call off the GIL, the
+Constrained rows verify chains (the masks follow one path): the drafting asks them for no
+branches, and a reply with a tree nobody asked for is refused as malformed. ``GrammarMasks.start`` fills, for the whole batch in one llguidance call off the GIL, the
 packed mask of each row's position after its last committed token and after each valid proposal
 (the node after a kept refused token allows everything: it is never reached). ``settle`` puts the
 target's logits at −inf where a mask refuses (target_service/settle.py), greedy and sampled alike.
@@ -38,10 +38,7 @@ __all__ = ["GrammarMasks", "cut"]
 def cut(seq: Sequence, row: VerifyRow) -> int:
     """Cuts ``row``'s proposals to what ``seq``'s grammar allows (module docstring), in place; how
     many of those left the grammar accepts (all, or all but a kept refused last one)."""
-    assert seq.matcher is not None
-    if row.parents:  # a tree: its chain only
-        _truncate(row, row.chain)
-        row.parents = []
+    assert seq.matcher is not None and not row.parents, "constrained rows verify chains"
     valid = seq.matcher.valid_prefix(row.proposals)
     keep = valid + 1 if valid < len(row.proposals) and row.q_width and not row.params.greedy else valid
     _truncate(row, keep)
@@ -75,10 +72,10 @@ class GrammarMasks:
             return None
         jobs, self.dropped = [], 0
         for i in chosen:
-            before, chain = len(checks[i].proposals), checks[i].chain
+            before = len(checks[i].proposals)
             valid = cut(rows[i], checks[i])
             self.dropped += before - len(checks[i].proposals)
-            rows[i].draft_tokens -= chain - len(checks[i].proposals)  # counted as the draft answered
+            rows[i].draft_tokens -= before - len(checks[i].proposals)  # counted as the draft answered
             jobs.append((rows[i].matcher, checks[i].proposals[:valid]))
         return self._pool.submit(self._fill, chosen, jobs, [len(checks[i].proposals) for i in chosen])
 

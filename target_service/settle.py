@@ -61,6 +61,7 @@ from kernels.processing import process_logits
 from kernels.random import ACCEPT, RESIDUAL, SAMPLE, SIBLING, race, row_keys, uniform, uniforms
 from specstream.data.propose import chain_length
 from specstream.data.sampling import SamplingParams
+from specstream.text.grammar import unpack
 from target_service.penalties import PenaltyState, penalize
 
 
@@ -222,17 +223,12 @@ def _mask(logits: torch.Tensor, masked: list[tuple[int, int, int]], rows: list[V
     for b, row in enumerate(rows):
         if row.grammar_mask is not None:
             nodes = row.grammar_mask.shape[0]
-            logits[b, :nodes].masked_fill_(~_allowed(row.grammar_mask, vocab).to(logits.device), float("-inf"))
+            refused = ~unpack(row.grammar_mask, vocab)  # [nodes, V]
+            if logits.device.type == "cpu":  # numpy's one thread: torch's would wake its pool for 49k floats
+                np.copyto(logits[b, :nodes].numpy(), -np.inf, where=refused)
+            else:
+                logits[b, :nodes].masked_fill_(torch.from_numpy(refused).to(logits.device), float("-inf"))
     return logits
-
-
-def _allowed(bits: np.ndarray, vocab: int) -> torch.Tensor:
-    """Packed masks int32 [N, W] -> bool [N, vocab] (ids past 32 W: False)."""
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((torch.from_numpy(bits)[..., None] >> shifts) & 1).view(bits.shape[0], -1).bool()  # [N, 32 W]
-    if allowed.shape[1] >= vocab:
-        return allowed[:, :vocab]
-    return torch.cat([allowed, allowed.new_zeros(bits.shape[0], vocab - allowed.shape[1])], dim=1)
 
 
 def _keys(rows: list[VerifyRow], positions: int, coupled: bool, device: torch.device | str) -> torch.Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -149,8 +150,8 @@ def test_the_constraint_travels_to_the_draft_with_the_first_item():
     from specstream.data.propose import ProposeItem
     from specstream.data.propose_wire import item_from_pb, item_to_pb
 
-    item = ProposeItem(3, 0, [7, 8, 9], 4, constraint=CONSTRAINTS["choice"], constraint_start=2)
-    assert item_from_pb(3, item_to_pb(item)) == item
+    item = ProposeItem(3, 0, [7, 8, 9], 4, constraint=CONSTRAINTS["choice"], constraint_start=2, forced=[11, 12])
+    assert item_from_pb(3, item_to_pb(item)) == item and item.first_guess == 5
     free = ProposeItem(3, 5, [7], 4)
     assert item_from_pb(3, item_to_pb(free)) == free and not item_to_pb(free).HasField("constraint")
 
@@ -306,3 +307,43 @@ def test_a_feature_draft_drafts_from_its_masked_distribution(feature_pair, model
         assert tokens == plain["json_schema"][0]
         cut[aware] = steps["metrics"].registry.get_sample_value("specstream:grammar_cut_draft_tokens_total")
     assert cut[True] == 0 < cut[False]
+
+
+class _Recorder:
+    """A proposer that passes every call through, keeping the items it was asked."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.items = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, items):
+        replies = self.inner.propose(items)
+        self.items += list(zip(items, replies))
+        return replies
+
+
+@pytest.mark.parametrize("lookup", [False, True])
+def test_a_feature_draft_guesses_on_after_forced_tokens(feature_pair, model_zoo, plain, lookup):
+    """A pass with forced tokens asks the feature draft too (ProposeItem.forced): it feeds them its
+    own features and guesses on from its masked distribution, so no guess is ever cut. Served as
+    the pair serves it, behind prompt lookup, a constrained row is drafted by the model alone (the
+    constraint reaches it) and lookup's unmasked copies are never sent. Constrained plain output."""
+    from draft_service.combined import NgramPlusModelProposer
+    from draft_service.feature import FeatureProposer
+    from specstream.models.feature_draft import load_feature_draft
+
+    model = FeatureProposer(load_feature_draft(feature_pair["draft"], Path), 16, 512,
+                            grammars=compiler_for(feature_pair["target"]))
+    recorder = _Recorder(NgramPlusModelProposer(model, 16, min_n=1) if lookup else model)
+    steps: dict = {}
+    tokens, _ = run_engine(feature_pair["target"], None, PROMPTS, 3, MAX_NEW, stop_ids=[1], eos_ids=[1],
+                           constraint=CONSTRAINTS["json_schema"], proposer=recorder, steps=steps,
+                           config={"calibrate": False, "gamma_policy": "fixed", "default_gamma": 3})
+    assert tokens == plain["json_schema"][0]
+    assert steps["metrics"].registry.get_sample_value("specstream:grammar_cut_draft_tokens_total") == 0
+    after_forced = [(item, reply) for item, reply in recorder.items if item.forced and item.gamma]
+    assert after_forced and any(reply.tokens for _, reply in after_forced)
+    for item, reply in after_forced:  # the feature draft holds what was committed, not the forced tokens
+        assert reply.length == item.rollback_to + len(item.append) and reply.source == "model"

@@ -12,7 +12,7 @@ Plain data: no torch.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Protocol
 
@@ -20,7 +20,7 @@ from specstream.data.constraint import Constraint
 from specstream.data.sampling import GREEDY, SamplingParams
 
 __all__ = ["FEATURE_DTYPE", "NO_ACCEPTANCE", "SOURCE", "DraftInfo", "Proposal", "ProposeItem", "Proposer",
-           "chain_length", "features_expected", "without_masked"]
+           "chain_length", "features_expected", "with_forced_appended", "without_masked"]
 
 FEATURE_DTYPE = "bfloat16"  # how features travel: 2 bytes a number (the only encoding)
 
@@ -50,15 +50,29 @@ class ProposeItem:
     # and the draft guesses from its distribution masked by it (draft_service/grammar_state.py).
     constraint: Constraint | None = None
     constraint_start: int = 0
+    # A constrained sequence's forced tokens after ``append``: what its grammar allows alone there,
+    # proposed already by the target (not committed). The draft guesses on from them: its guesses
+    # land after them and are the only tokens it sends back. It may hold them as it holds its own
+    # guesses (a token draft, which takes them as context: ``with_forced_appended``), or not (a
+    # feature draft, which has no target features for them and feeds them its own).
+    forced: list[int] = field(default_factory=list)
 
     @property
     def first_guess(self) -> int:
         """The position in the sequence of the item's first guess."""
-        return self.rollback_to + len(self.append)
+        return self.rollback_to + len(self.append) + len(self.forced)
 
     def masked_at(self, position: int) -> frozenset[int]:
         """The ids no guess at ``position`` may be (empty past masked_until)."""
         return self.masked_ids if position < self.masked_until else frozenset()
+
+
+def with_forced_appended(item: ProposeItem) -> ProposeItem:
+    """``item`` with its forced tokens appended, for a proposer that takes them in as context and
+    holds them (its ``Proposal.length`` then counts them, as it counts its own guesses)."""
+    if not item.forced:
+        return item
+    return replace(item, append=[*item.append, *item.forced], forced=[])
 
 
 def without_masked(item: ProposeItem, tokens: list[int], parents: list[int]) -> tuple[list[int], list[int]]:
@@ -131,8 +145,8 @@ class Proposer(Protocol):
     this class, so the optional capabilities below default to "not this one".
 
     `propose` answers each item with one Proposal, in order: the sequence `item.key` is cut to its
-    first `rollback_to` tokens, `append` is added, then up to `gamma` tokens are guessed (fewer,
-    even none, is allowed). `Proposal.length` is how many leading tokens of the sequence the
+    first `rollback_to` tokens, `append` is added, then up to `gamma` tokens are guessed after
+    `forced` (fewer, even none, is allowed). `Proposal.length` is how many leading tokens of the sequence the
     proposer now holds; the target sends everything after it next time. A key it holds nothing
     for, or a `rollback_to` beyond what it holds, gets length 0 and its state dropped.
     `release` forgets sequences (unknown keys are ignored).

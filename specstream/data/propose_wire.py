@@ -31,7 +31,7 @@ def item_to_pb(item: ProposeItem, traceparent: str = "") -> draft_pb2.ProposeIte
         seq_id=item.key, rollback_to=item.rollback_to, append_token_ids=item.append, gamma=item.gamma,
         sampling=common_pb2.Sampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed),
         traceparent=traceparent, branches=item.branches, masked_token_ids=sorted(item.masked_ids),
-        masked_until=item.masked_until, **features)
+        masked_until=item.masked_until, forced_token_ids=item.forced, **features)
 
 
 def item_from_pb(key: Hashable, pb: draft_pb2.ProposeItem) -> ProposeItem:
@@ -45,7 +45,7 @@ def item_from_pb(key: Hashable, pb: draft_pb2.ProposeItem) -> ProposeItem:
                        features=pb.features, feature_width=pb.feature_width, feature_dtype=dtype,
                        branches=pb.branches, masked_ids=frozenset(pb.masked_token_ids), masked_until=pb.masked_until,
                        constraint=Constraint.from_pb(pb.constraint) if pb.HasField("constraint") else None,
-                       constraint_start=pb.constraint_start)
+                       constraint_start=pb.constraint_start, forced=list(pb.forced_token_ids))
 
 
 def proposal_to_pb(seq_id: int, proposal: Proposal) -> draft_pb2.Proposal:

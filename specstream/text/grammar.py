@@ -57,9 +57,13 @@ def mask_words(vocab_size: int) -> int:
 
 
 def unpack(bits: np.ndarray, vocab_size: int) -> np.ndarray:
-    """Packed masks int32 [..., W] -> bool [..., vocab_size]."""
-    flat = (bits[..., None] >> np.arange(32, dtype=np.int32)) & 1  # [..., W, 32]
-    return flat.reshape(*bits.shape[:-1], -1)[..., :vocab_size].astype(bool)
+    """Packed masks int32 [..., W] -> bool [..., vocab_size] (ids past 32 W: False). One pass of
+    numpy's bit unpacking over the words' little-endian bytes (bit j of word w: byte 4w + j // 8)."""
+    octets = np.ascontiguousarray(bits, dtype="<i4").view(np.uint8)  # [..., 4 W]
+    flat = np.unpackbits(octets, axis=-1, bitorder="little").view(bool)  # [..., 32 W]
+    if flat.shape[-1] >= vocab_size:
+        return flat[..., :vocab_size]
+    return np.concatenate([flat, np.zeros((*flat.shape[:-1], vocab_size - flat.shape[-1]), dtype=bool)], axis=-1)
 
 
 def fill_masks(rows: list[tuple[Matcher, list[int]]]) -> list[np.ndarray]:
