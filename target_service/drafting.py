@@ -36,7 +36,7 @@ from typing import Protocol
 from specstream.data.propose import NO_ACCEPTANCE, Proposal, ProposeItem, chain_length, features_expected
 from specstream.data.sampling import GREEDY
 from target_service import tracing
-from target_service.gamma import GammaController, RowView
+from target_service.gamma import GammaController, RowView, pooled_source
 from target_service.sequence import Sequence
 from target_service.settle import Verdict, VerifyRow
 
@@ -409,7 +409,8 @@ class Drafting:
         source = self.source
         if source is None:
             return plan
-        views = [RowView(s.seq_id, s.gamma, s.max_gamma, s.sampling.greedy, self._unfed(s, source.epoch)) for s in rows]
+        views = [RowView(s.seq_id, s.gamma, s.max_gamma, s.sampling.greedy, self._unfed(s, source.epoch),
+                         s.matcher is not None) for s in rows]
         # After forced tokens the draft guesses on from them (ProposeItem.forced): they take room in the cap.
         caps = [max(0, cap - len(forced)) for cap, forced in zip(self.caps(rows), plan.forced)]
         plan.gammas = self.controller.choose(views, caps)
@@ -584,7 +585,8 @@ class Drafting:
         if held is not None:
             held.length = min(held.length, check.position + agreed)
         if agreed >= check.forced:  # the controller scores the draft's guesses, not the grammar's
-            self.controller.observe(seq.seq_id, check.source, seq.sampling.greedy, chain - check.forced,
+            self.controller.observe(seq.seq_id, pooled_source(check.source, seq.matcher is not None),
+                                    seq.sampling.greedy, chain - check.forced,
                                     agreed - check.forced)
         if agreed < chain and agreed in check.parents[chain:]:  # a branch stood beside the failed guess
             self.controller.observe_branch(verdict.accepted > agreed, seq.sampling.greedy)

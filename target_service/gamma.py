@@ -15,6 +15,11 @@ Policies for ``speculation=auto`` rows (``--gamma-policy``):
   all accepted, −1 otherwise (never below 1).
 - ``leviathan``: per row, the batch-1 optimum argmax_γ (1 − α^(γ+1)) / ((1 − α)(γc + 1)) from the
   row's α̂ and the measured c = draft time per proposal / time of a one-token step.
+Constrained rows (a grammar masks their output) are pooled apart from free text: their
+proposer's name gains ``+grammar`` (``pooled_source``), since a draft guessing from a masked
+distribution on a schema's values accepts at another rate than on prose, and the forced tokens
+before its guesses are not counted (the drafting scores the draft's own guesses). A constrained
+pool starts from ``prior_alpha``: no draft card states a constrained α.
 Rows with ``speculation=fixed`` get their γ; ``off`` rows get 0. Every choice is capped by the
 row's caps (budget, draft context: target_service/drafting.py) and its request's ``max_gamma``.
 
@@ -44,7 +49,8 @@ import numpy as np
 from specstream.data.config import GAMMA_POLICIES as POLICIES
 from target_service.cost_model import CostModel
 
-__all__ = ["AUTO_GAMMA", "POLICIES", "GammaController", "RowView", "expected_tokens", "leviathan_gamma"]
+__all__ = ["AUTO_GAMMA", "POLICIES", "GammaController", "RowView", "expected_tokens", "leviathan_gamma",
+           "pooled_source"]
 
 AUTO_GAMMA = -1  # a row's requested γ under speculation=auto
 BRANCH_PRIOR = 0.3  # β before any branch was verified: a runner-up beside a refused guess is right
@@ -64,6 +70,12 @@ class RowView:
     # row it never drafted for, else the tokens committed since it last did; a feature draft reads
     # the target's features of each): a row idle for long, or new, costs its first guess more.
     unfed: int = 1
+    constrained: bool = False  # a grammar masks its output: its acceptance is pooled apart
+
+
+def pooled_source(source: str, constrained: bool) -> str:
+    """The name a proposer's acceptance is learnt under: apart for constrained rows."""
+    return f"{source}+grammar" if constrained else source
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -342,9 +354,9 @@ class GammaController:
         if not auto:
             return gammas
         limits = {i: max(0, min(caps[i], rows[i].max_gamma or self.max_gamma, self.max_gamma)) for i in auto}
-        alphas = {i: self._optimistic_alpha(rows[i].seq_id, rows[i].greedy, len(rows)) for i in auto}
         for i in auto:  # a probe whose pass was never verified (the draft was away) is forgotten
-            self._rows.setdefault(rows[i].seq_id, _RowState()).probing = None
+            self._rows.setdefault(rows[i].seq_id, _RowState(pooled_source("model", rows[i].constrained))).probing = None
+        alphas = {i: self._optimistic_alpha(rows[i].seq_id, rows[i].greedy, len(rows)) for i in auto}
         if self.policy == "fixed" or not self.costs.ready and self.policy != "hf":
             # Before the first measured step: the configured γ (it also gives the cost model a sample).
             for i in auto:

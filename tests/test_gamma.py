@@ -15,7 +15,7 @@ import statistics
 
 import pytest
 
-from target_service.gamma import AUTO_GAMMA, GammaController, RowView
+from target_service.gamma import AUTO_GAMMA, GammaController, RowView, pooled_source
 from tests.support.gamma_sim import MAX_GAMMA, SimulatedEngine, analytic_optimum
 
 
@@ -154,6 +154,26 @@ def test_a_new_rows_first_choice_starts_from_the_drafts_stated_acceptance():
     assert first_choice({("model", True): 0.2}) == 0
     assert first_choice({("model", True): 0.2}, greedy=False) > 0  # a sampled row: no stated prior
     assert first_choice({("ngram", True): 0.2}) > 0  # another proposer's prior
+
+
+def test_constrained_rows_learn_their_acceptance_apart_from_free_text():
+    """A draft refused on prose but right under a grammar (or the other way round): each kind of
+    row is chosen from its own pool (``pooled_source``), so a new constrained row drafts after
+    constrained rows were kept, while a new free row, after free rows were refused, does not."""
+    controller = GammaController(max_gamma=MAX_GAMMA, explore=0.0)
+    controller.set_priors({("model", True): 0.5})
+    for depth in (0, 1, 2, 0):  # measured steps: the verify is flat, a guess costs half a step
+        controller.observe_step(1, depth, depth, 0.01, 0.005 * depth, 0.0)
+    for seq_id in range(1, 21):  # finished rows: free ones refused, constrained ones kept
+        constrained = seq_id % 2 == 0
+        controller.choose([RowView(seq_id, AUTO_GAMMA, MAX_GAMMA, True, constrained=constrained)], [MAX_GAMMA])
+        for _ in range(10):
+            controller.observe(seq_id, pooled_source("model", constrained), True, 3, 3 if constrained else 0)
+        controller.forget(seq_id)
+    assert controller.pooled_alpha("model+grammar", True) > 0.9 > 0.1 > controller.pooled_alpha("model", True)
+    free = controller.choose([RowView(100, AUTO_GAMMA, MAX_GAMMA, True)], [MAX_GAMMA])[0]
+    constrained = controller.choose([RowView(101, AUTO_GAMMA, MAX_GAMMA, True, constrained=True)], [MAX_GAMMA])[0]
+    assert free == 0 < constrained
 
 
 def test_probes_of_a_row_far_from_paying_grow_rare():
