@@ -410,7 +410,7 @@ class Drafting:
         if source is None:
             return plan
         views = [RowView(s.seq_id, s.gamma, s.max_gamma, s.sampling.greedy, self._unfed(s, source.epoch),
-                         s.matcher is not None) for s in rows]
+                         s.matcher is not None, len(forced)) for s, forced in zip(rows, plan.forced)]
         # After forced tokens the draft guesses on from them (ProposeItem.forced): they take room in the cap.
         caps = [max(0, cap - len(forced)) for cap, forced in zip(self.caps(rows), plan.forced)]
         plan.gammas = self.controller.choose(views, caps)

@@ -436,12 +436,14 @@ class Engine:
             self._advance_beam(seq, values, ids)
             self._touched.append(seq)
         proposals = tokens - len(rows) - hypotheses
-        draft_s = drafted - started if proposals else 0.0
-        other_s = time.perf_counter() - verified + (0.0 if proposals else drafted - started)
+        forced = sum(c.forced for c in checks)  # the grammar's: verified, but no draft guessed them
+        draft_depth = max((c.chain - c.forced for c in checks), default=0)
+        draft_s = drafted - started if proposals > forced else 0.0
+        other_s = time.perf_counter() - verified + (0.0 if proposals > forced else drafted - started)
         step_s = time.perf_counter() - started
         sampled = [len(c.proposals) for seq, c in zip(rows, checks) if not seq.sampling.greedy and c.proposals]
         self.controller.observe_step(len(rows) + hypotheses, width - 1, proposals, verified - drafted, draft_s, other_s,
-                                     self.drafting.fed, sum(sampled), len(sampled))
+                                     self.drafting.fed, sum(sampled), len(sampled), (forced, draft_depth))
         if self._next_pass_is(rows, beams):  # the next pass's draft call starts before this pass's host work
             await self.drafting.propose_early(rows, self.step_count + 1,
                                               telemetry.traceparent_of(span) if span.is_recording() else "")

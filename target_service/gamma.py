@@ -19,7 +19,10 @@ Constrained rows (a grammar masks their output) are pooled apart from free text:
 proposer's name gains ``+grammar`` (``pooled_source``), since a draft guessing from a masked
 distribution on a schema's values accepts at another rate than on prose, and the forced tokens
 before its guesses are not counted (the drafting scores the draft's own guesses). A constrained
-pool starts from ``prior_alpha``: no draft card states a constrained α.
+pool starts from ``prior_alpha``: no draft card states a constrained α. At batch 1 a row's forced
+tokens (``RowView.forced``) are priced too: the pass verifies them with or without guesses, so
+guesses must pay for the draft's call and their positions against a pass that already commits
+1 + forced tokens (a batch of several rows is chosen as if it had none).
 Rows with ``speculation=fixed`` get their γ; ``off`` rows get 0. Every choice is capped by the
 row's caps (budget, draft context: target_service/drafting.py) and its request's ``max_gamma``.
 
@@ -71,6 +74,9 @@ class RowView:
     # the target's features of each): a row idle for long, or new, costs its first guess more.
     unfed: int = 1
     constrained: bool = False  # a grammar masks its output: its acceptance is pooled apart
+    # The grammar's forced tokens it proposes this pass, before any guess: certain tokens that widen
+    # the verify and that the draft's guesses follow (priced at batch 1: ``_goodput_one``).
+    forced: int = 0
 
 
 def pooled_source(source: str, constrained: bool) -> str:
@@ -261,12 +267,17 @@ class GammaController:
                 row.backoff = min(row.backoff + 1, MAX_BACKOFF)
 
     def observe_step(self, rows: int, depth: int, proposals: int, verify_s: float, draft_s: float,
-                     other_s: float, fed: int = 0, sampled: int = 0, sampled_rows: int = 0) -> None:
+                     other_s: float, fed: int = 0, sampled: int = 0, sampled_rows: int = 0,
+                     forced: tuple[int, int] = (0, 0)) -> None:
         """A decode step's measured times (seconds) and its size: `rows` rows, the deepest with
         `depth` proposals, `proposals` in all (`sampled` of them from the `sampled_rows` sampling
-        rows that proposed), `fed` tokens the draft took in before guessing."""
-        self.costs.observe(rows * (depth + 1), depth, proposals, verify_s, draft_s, other_s, fed, sampled,
-                           sampled_rows)
+        rows that proposed), `fed` tokens the draft took in before guessing. ``forced``: (the
+        grammar's forced tokens among the proposals, the draft's deepest chain of guesses after
+        them): they widen the verify, but the draft did not guess them, so its cost is learnt from
+        its own guesses alone (a pass of forced tokens only teaches it nothing)."""
+        forced_tokens, draft_depth = forced
+        self.costs.observe(rows * (depth + 1), draft_depth if forced_tokens else depth, proposals - forced_tokens,
+                           verify_s, draft_s, other_s, fed, sampled, sampled_rows)
 
     def observe_verify_timing(self, positions: int, seconds: float) -> None:
         """A verify forward over ``positions`` timed apart (the engine's start-up calibration)."""
@@ -442,14 +453,16 @@ class GammaController:
         would (tests/test_gamma.py)."""
         costs = self.costs
         sampled = int(not row.greedy)
-        plain_s = costs.step_s(1, 0, 0, 0)
+        forced = row.forced  # certain tokens ahead of the guesses: the plain pass verifies them too
+        plain_s = costs.verify_s(1 + forced) + costs.other_s
         best, best_s = 0, plain_s
-        plain_rate = best_rate = 1.0 / plain_s
-        tokens, term = 1.0, 1.0  # E(γ) = Σ_{k=0..γ} α^k
+        plain_rate = best_rate = (1.0 + forced) / plain_s
+        tokens, term = 1.0 + forced, 1.0  # forced + E(γ), E(γ) = Σ_{k=0..γ} α^k
         for depth in range(1, limit + 1):
             term *= alpha
             tokens += term
-            step_s = costs.step_s(1, depth, depth, 1, sampled * depth, sampled)
+            step_s = (costs.verify_s(1 + forced + depth, sampled)
+                      + costs.draft_s(forced + depth, depth, 1, sampled * depth) + costs.other_s)
             if tokens / step_s > best_rate * (1.0 + 1e-9):
                 best, best_s, best_rate = depth, step_s, tokens / step_s
         if best and best_rate < plain_rate * (1.0 + self.min_gain):  # a marginal gain: none

@@ -176,6 +176,17 @@ def test_constrained_rows_learn_their_acceptance_apart_from_free_text():
     assert free == 0 < constrained
 
 
+def test_forced_tokens_are_priced_at_batch_one():
+    """A constrained row's forced tokens are certain and free to propose, so the guesses after them
+    add fewer tokens to the pass in proportion: where a draft call costs a fifth of a step, α = 0.6
+    pays for guesses on a free row and not after a few forced tokens."""
+    controller = GammaController(max_gamma=MAX_GAMMA, explore=0.0)
+    for depth in (0, 1, 2, 4, 8, 0, 3):  # a 10 ms step, 0.5 ms more a position; a call 2 ms, 1 ms a guess
+        controller.observe_step(1, depth, depth, 0.010 + 0.0005 * depth, (0.002 + 0.001 * depth) if depth else 0.0, 0.0)
+    chosen = [controller.choose([RowView(1, AUTO_GAMMA, MAX_GAMMA, True, forced=f)], [MAX_GAMMA])[0] for f in (0, 6)]
+    assert chosen[0] > 0 == chosen[1]
+
+
 def test_probes_of_a_row_far_from_paying_grow_rare():
     """At α = 0.1 with a guess costing half a step, a probe costs far more than it wins: after a
     few refused probes a row waits 16 × 2^3 idle steps for the next one (16 without the back-off:

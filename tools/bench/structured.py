@@ -5,10 +5,11 @@ Workloads (greedy chat requests on the served pair): JSON extraction into a sche
 parallel_tool_calls false, as the HTTP front sends them: specstream/text/tools.py), classification by `choice`, and a regex field.
 Rows, each on the same requests through the real processes:
 
-- unconstrained plain: no constraint, no speculation (what the constraint costs is this row's
-  tokens/s against the next one's);
 - constrained plain: the constraint, no speculation (the reference every speculative row's tokens
   must equal);
+- unconstrained plain: no constraint, no speculation, each answer as many tokens long as
+  constrained plain's (``ignore_eos``): what the constraint costs is constrained plain's decode
+  speed against this row's, on answers of the same length from the same prompts;
 - + forced tokens only: no draft at all, the grammar's forced tokens proposed (γ 4);
 - + draft cut at the first invalid token (vLLM's way): the draft service guessing unmasked, the
   target cutting its guesses where the grammar refuses them, no forced tokens;
@@ -148,7 +149,7 @@ WORKLOADS = [
 # (row, constraint on, speculation, stack): the stacks are "plain" (no draft), "cut" (the draft
 # unmasked, no forced tokens), "ours" (the defaults) and "colocated" (the defaults, the draft in
 # the target's process).
-ROWS = [("unconstrained plain", False, "off", "plain"), ("constrained plain", True, "off", "plain"),
+ROWS = [("constrained plain", True, "off", "plain"), ("unconstrained plain", False, "off", "plain"),
         ("+ forced tokens only", True, 4, "plain"), ("+ draft cut at first invalid (vLLM's way)", True, "auto", "cut"),
         ("+ grammar-aware draft (ours)", True, "auto", "ours"),
         ("+ grammar-aware draft, colocated", True, "auto", "colocated")]
@@ -193,12 +194,18 @@ def run(models: BenchModels, out_dir: Path, max_new_tokens: int = 96, repeats: i
                 from specstream_client import Client
 
                 with Client(stack.gateway_address, timeout=600) as client:
+                    for w in workloads:  # untimed: a fresh stack's first passes (and each grammar's compile) are slower
+                        for constrained in (True, False):
+                            _ask(client, w, w.questions[0], constrained, "off", 8, 1, _Measured())
                     for row, constrained, speculation, _ in rows:
                         progress.phase(f"structured: {row}")
                         for w in workloads:
                             m = measured[(w.name, row)] = _Measured()
-                            for question in w.questions:
-                                _ask(client, w, question, constrained, speculation, max_new_tokens, repeats, m)
+                            # unconstrained plain: as many tokens as each constrained plain answer
+                            lengths = [len(a) for a in measured[(w.name, "constrained plain")].answers] \
+                                if not constrained else [None] * len(w.questions)
+                            for question, length in zip(w.questions, lengths):
+                                _ask(client, w, question, constrained, speculation, max_new_tokens, repeats, m, length)
                                 progress.update()
     peer = _llama_cpp(models, [w for w in workloads if w.schema is not None], max_new_tokens, repeats)
     hf = on_torch_thread(_hf_constrained, models, workloads, compiler, max_new_tokens)
@@ -206,8 +213,11 @@ def run(models: BenchModels, out_dir: Path, max_new_tokens: int = 96, repeats: i
 
 
 def _ask(client, w: Workload, question: str, constrained: bool, speculation, max_new_tokens: int, repeats: int,
-         m: _Measured) -> None:
+         m: _Measured, length: int | None = None) -> None:
+    """``length``: the answer is exactly this many tokens (its end-of-turn ignored)."""
     kwargs = {"max_new_tokens": max_new_tokens, "speculation": speculation}
+    if length is not None:
+        kwargs |= {"max_new_tokens": length, "ignore_eos": True}
     if constrained:
         c = w.constraint
         kwargs |= ({"json_schema": c.source} if c.kind == "json_schema" else
@@ -384,7 +394,7 @@ def _report(models: BenchModels, workloads: list[Workload], measured: dict[tuple
     data["schema_heavy_speedup"] = mean("vs_constrained_plain", "+ grammar-aware draft (ours)", heavy)
     # The constraint's own cost, like for like: decode speed (tokens after the first, per second of
     # the server's time after it) of constrained plain against unconstrained plain, whose answers
-    # are other texts of other lengths (their tokens/s also differs by how the prefill is spread).
+    # are other texts of the same lengths.
     decode = [data["workloads"][n]["rows"]["constrained plain"]["decode_tokens_per_s"]
               / data["workloads"][n]["rows"]["unconstrained plain"]["decode_tokens_per_s"] for n in heavy
               if data["workloads"][n]["rows"]["unconstrained plain"]["decode_tokens_per_s"]
