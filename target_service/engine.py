@@ -37,6 +37,7 @@ from kernels.lm_head import Hidden
 from kernels.nbest import MAX_K, topk_logprobs, topk_logprobs_reference
 from specstream.data.batch_stats import BatchStats
 from specstream.data.config import TargetConfig
+from specstream.data.constraint import Constraint
 from specstream.data.engine import EngineMessage, Load, SequenceEvent, SequenceRequest, TargetInfo
 from specstream.data.errors import (
     AlreadyExistsError,
@@ -50,7 +51,7 @@ from specstream.models.base import CausalLM
 from specstream.serving import telemetry
 from specstream.serving.compute import torch_thread
 from specstream.serving.metrics import TargetMetrics
-from specstream.text.grammar import GrammarCompiler, Matcher
+from specstream.text.grammar import Grammar, GrammarCompiler
 from target_service import tracing
 from target_service.calibration import sampled_verify_extra, verify_costs
 from target_service.connection import Connection
@@ -124,6 +125,8 @@ class Engine:
             log.info("timed %d verify shapes and a sampling row's verification (+%.2f ms) in %.2f s for the γ "
                      "controller", len(samples), extra * 1e3, time.perf_counter() - started)
         self.waiting: deque[Sequence] = deque()
+        self.compiling: set[Sequence] = set()  # constrained sequences whose grammar is compiling (_compile)
+        self._compiler = ThreadPoolExecutor(2, thread_name_prefix="grammar-compile")
         self.running: list[Sequence] = []
         self.by_request: dict[tuple[Connection, str], Sequence] = {}
         self.connections: set[Connection] = set()
@@ -165,7 +168,7 @@ class Engine:
 
     def load(self) -> Load:
         return Load(max_slots=self.config.max_slots, free_slots=self.cache.num_free, running=len(self.running),
-                    queued=len(self.waiting), draft_sequences=self.drafting.held_sequences,
+                    queued=len(self.waiting) + len(self.compiling), draft_sequences=self.drafting.held_sequences,
                     draft_connected=self.drafting.connected, batch=self.stats.snapshot(),
                     draft_model=self.drafting.model_name)
 
@@ -195,17 +198,57 @@ class Engine:
         for req in requests:
             try:
                 gamma, max_gamma = self._validate(conn, req)
-                matcher = self._matcher(req)
+                grammar = self._grammar(req)
             except SpecstreamError as exc:
                 self.reject(conn, req.id, exc)
                 continue
             seq = Sequence.from_request(next(self._seq_ids), conn, req, gamma, max_gamma)
-            seq.matcher = matcher
-            if matcher is not None:
-                self.metrics.constrained.labels(kind=req.constraint.kind).inc()
             seq.span = tracing.start_sequence(seq, req.traceparent)
             self.by_request[(conn, req.id)] = seq
-            self.waiting.append(seq)
+            if req.constraint is not None and grammar is None:
+                self._compile(seq, req.constraint)
+            else:
+                self._queue(seq, grammar)
+        self._wake.set()
+
+    def _queue(self, seq: Sequence, grammar: Grammar | None) -> None:
+        if grammar is not None:
+            seq.matcher = grammar.matcher()
+            self.metrics.constrained.labels(kind=seq.constraint.kind).inc()
+        self.waiting.append(seq)
+
+    def _grammar(self, req: SequenceRequest) -> Grammar | None:
+        """A constrained request's compiled grammar if this service has it (cached by its source, so
+        a schema seen before costs a copy of its matcher); None for free text or one not compiled yet."""
+        if req.constraint is None:
+            return None
+        if self.grammars is None:
+            raise InvalidArgumentError(req.constraint.field, req.constraint.source,
+                                       "this target has no tokenizer to compile a constraint against")
+        return self.grammars.cached(req.constraint)
+
+    def _compile(self, seq: Sequence, constraint: Constraint) -> None:
+        """Compiles a constraint on the compiler's threads (llguidance works without the GIL), so
+        other streams never wait for it; the sequence queues once it is compiled, or ends with the
+        compiler's reason. A cancel meanwhile ends it as if it were queued (``_retire``)."""
+        self.compiling.add(seq)
+        future = asyncio.get_running_loop().run_in_executor(self._compiler, self.grammars.compile, constraint)
+        future.add_done_callback(lambda done: self._compiled(seq, done))
+
+    def _compiled(self, seq: Sequence, done: asyncio.Future) -> None:
+        if seq not in self.compiling:  # cancelled or failed meanwhile: already ended
+            return
+        self.compiling.discard(seq)
+        error = done.exception() if not done.cancelled() else UnavailableError("the target service is shutting down")
+        if error is None:
+            self._queue(seq, done.result())
+        else:
+            if not isinstance(error, SpecstreamError):
+                log.error("compiling sequence %d's constraint failed", seq.seq_id, exc_info=error)
+                error = InternalError("internal error compiling the constraint")
+            self.by_request.pop((seq.conn, seq.request_id), None)
+            tracing.finish_sequence(seq, str(error))
+            self.reject(seq.conn, seq.request_id, error)
         self._wake.set()
 
     def reject(self, conn: Connection, request_id: str, error: SpecstreamError) -> None:
@@ -229,16 +272,6 @@ class Engine:
         if spec.mode == "fixed":
             return spec.gamma, spec.gamma
         return AUTO_GAMMA, spec.max_gamma or self.config.max_gamma
-
-    def _matcher(self, req: SequenceRequest) -> Matcher | None:
-        """A constrained request's matcher at its start (None: free text). The compiled grammar is
-        cached by its source, so a schema the service has seen costs a copy."""
-        if req.constraint is None:
-            return None
-        if self.grammars is None:
-            raise InvalidArgumentError(req.constraint.field, req.constraint.source,
-                                       "this target has no tokenizer to compile a constraint against")
-        return self.grammars.compile(req.constraint).matcher()
 
     @property
     def limits(self) -> RequestLimits:
@@ -578,10 +611,12 @@ class Engine:
         """Frees the slots and draft state of sequences that ended this step."""
         done = [s for s in self.running if s.finish_reason is not None]
         done += [s for s in self.waiting if s.finish_reason is not None]
+        done += [s for s in self.compiling if s.finish_reason is not None]
         if not done:
             return
         self.running = [s for s in self.running if s.finish_reason is None]
         self.waiting = deque(s for s in self.waiting if s.finish_reason is None)
+        self.compiling = {s for s in self.compiling if s.finish_reason is None}
         for seq in done:
             tracing.finish_sequence(seq)
             self._free_slots(seq)
@@ -595,7 +630,7 @@ class Engine:
 
     def _fail_all(self, error: SpecstreamError) -> None:
         """Ends every sequence with `error` (a failed step, or shutdown)."""
-        failed = [*self.running, *self.waiting]
+        failed = [*self.running, *self.waiting, *self.compiling]
         for seq in failed:
             tracing.finish_sequence(seq, str(error))
             self._free_slots(seq)
@@ -603,7 +638,7 @@ class Engine:
             seq.finish_reason, seq.error = "error", error
             self._touched.append(seq)
             self.by_request.pop((seq.conn, seq.request_id), None)
-        self.running, self.waiting = [], deque()
+        self.running, self.waiting, self.compiling = [], deque(), set()
         if failed:
             self._emit()
             task = asyncio.create_task(self.drafting.release(failed))
@@ -634,4 +669,5 @@ class Engine:
     def shutdown(self) -> None:
         self._fail_all(UnavailableError("the target service is shutting down"))
         self._compute.shutdown(wait=False)
+        self._compiler.shutdown(wait=False, cancel_futures=True)
         self.masks.shutdown()

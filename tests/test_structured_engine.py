@@ -212,6 +212,74 @@ def test_a_target_without_a_tokenizer_refuses_a_constraint_naming_it(model_zoo):
     assert event.error.field == "constraint.regex" and "no tokenizer" in str(event.error)
 
 
+class _SlowCompiler:
+    """The target's compiler, taking ``seconds`` longer to compile each constraint (in the caller's
+    thread, as a costly schema would); a grammar compiled once is cached, as the real one's."""
+
+    def __init__(self, compiler, seconds: float) -> None:
+        self._compiler, self.seconds, self.threads = compiler, seconds, set()
+
+    def cached(self, constraint):
+        return self._compiler.cached(constraint)
+
+    def compile(self, constraint):
+        import threading
+        import time
+
+        self.threads.add(threading.current_thread().name)
+        time.sleep(self.seconds)
+        return self._compiler.compile(constraint)
+
+
+def test_a_constraint_compiles_off_the_event_loop_while_other_streams_run(model_zoo, plain):
+    """A slow compile holds up only its own request: a free request submitted with it runs to its end
+    meanwhile, a cancel during the compile ends that request, a compiler error ends its request naming
+    the field, and the compiled request then decodes exactly as constrained plain."""
+    import asyncio
+    import time
+
+    from specstream.data.config import ModelSpec, TargetConfig
+    from specstream.data.engine import SequenceRequest
+    from target_service.connection import Connection
+    from target_service.engine import Engine
+
+    slow = _SlowCompiler(compiler_for(model_zoo["target"]), seconds=1.0)
+    engine = Engine(load_model(model_zoo["target"]), TargetConfig(model=ModelSpec(str(model_zoo["target"])),
+                                                                  calibrate=False, max_gamma=8), None, grammars=slow)
+
+    async def main():
+        loop = asyncio.create_task(engine.run())
+        conn = Connection()
+        engine.attach(conn)
+        started = time.monotonic()
+        engine.submit(conn, [
+            SequenceRequest("c", PROMPTS[0], MAX_NEW, frozenset([1]), frozenset([1]), constraint=CONSTRAINTS["regex"]),
+            SequenceRequest("x", PROMPTS[1], MAX_NEW, constraint=CONSTRAINTS["choice"]),
+            SequenceRequest("bad", PROMPTS[2], MAX_NEW, constraint=Constraint("regex", "(unclosed")),
+            SequenceRequest("f", PROMPTS[3], MAX_NEW),
+        ])
+        assert {s.request_id for s in engine.compiling} == {"c", "x", "bad"} and engine.load().queued == 4
+        engine.cancel(conn, ["x"])
+        tokens, ended = {}, {}
+        while len(ended) < 4:
+            message = await asyncio.wait_for(conn.outbox.get(), 30)
+            for event in message.events:
+                tokens.setdefault(event.id, []).extend(event.token_ids)
+                if event.finish_reason is not None:
+                    ended[event.id] = (event.finish_reason, event.error, time.monotonic() - started)
+        loop.cancel()
+        return tokens, ended
+
+    tokens, ended = asyncio.run(main())
+    assert ended["f"][0] == "length" and ended["f"][2] < slow.seconds  # ran while the others compiled
+    assert ended["x"][0] == "cancelled" and ended["x"][2] < slow.seconds
+    assert ended["bad"][0] == "error" and ended["bad"][2] >= slow.seconds
+    assert ended["bad"][1].field == "constraint.regex" and ended["bad"][1].code.name == "INVALID_ARGUMENT"
+    assert tokens["c"] == plain["regex"][0][0] and ended["c"][2] >= slow.seconds
+    assert slow.threads and all(name.startswith("grammar-compile") for name in slow.threads)
+    assert not engine.compiling and not engine.by_request
+
+
 # ----- sampled --------------------------------------------------------------------------------------------
 SAMPLES = 1500
 # sampling_pair's 32-token models read as the first 32 ids of a byte tokenizer without merges: ids 8..16

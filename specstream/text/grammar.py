@@ -11,8 +11,8 @@ compilation and of each mask, so a costly schema or grammar is refused as an err
 running; the source's own size is bounded before it gets here (``MAX_SOURCE_BYTES``).
 
 ``GrammarCompiler(tokenizer).compile(constraint)`` -> ``Grammar`` (compiled once, cached by its
-source); ``grammar.matcher()`` -> ``Matcher``, one per sequence: ``allowed()`` the mask of the next
-position, ``valid_prefix(tokens)`` how many of some guesses it accepts, ``consume(tokens)`` commits
+source; ``cached(constraint)`` looks without compiling); ``grammar.matcher()`` -> ``Matcher``, one
+per sequence: ``allowed()`` the mask of the next position, ``valid_prefix(tokens)`` how many of some guesses it accepts, ``consume(tokens)`` commits
 the tokens it accepts, ``rollback(n)`` takes the last n back, ``forced()`` the tokens the grammar
 allows alone from here. ``fill_masks`` fills the masks of a whole batch of speculative rows (after
 the committed tokens and after each valid guess) in one call, off the GIL on llguidance's threads.
@@ -185,13 +185,21 @@ class GrammarCompiler:
         self._capacity = capacity
         self._lock = threading.Lock()
 
-    def compile(self, constraint: Constraint) -> Grammar:
-        """Raises InvalidArgumentError naming the constraint's field and the compiler's reason."""
+    def cached(self, constraint: Constraint) -> Grammar | None:
+        """The grammar if it is compiled already (costs nothing), else None."""
         with self._lock:
             grammar = self._cache.get(constraint)
             if grammar is not None:
                 self._cache.move_to_end(constraint)
-                return grammar
+            return grammar
+
+    def compile(self, constraint: Constraint) -> Grammar:
+        """Raises InvalidArgumentError naming the constraint's field and the compiler's reason.
+        Thread-safe; llguidance compiles without the GIL, so callers on an event loop run it in a
+        thread (target_service/engine.py ``_compile``)."""
+        grammar = self.cached(constraint)
+        if grammar is not None:
+            return grammar
         start = llguidance.LLMatcher(self._tokenizer, _grammar_text(constraint), log_level=0, limits=LIMITS)
         if start.is_error():
             raise InvalidArgumentError(constraint.field, constraint.source, start.get_error())
