@@ -2,7 +2,9 @@
 queued), turn per-step token events into text chunks (incremental detokenization + stop strings),
 and finish with usage, stats, timings and the seed used (and, for a beam request, its n best
 hypotheses, each detokenized; the engine reports a beam only when its search ends, so
-`GenerateStream` sends it as one chunk). Log-probabilities come from the target,
+`GenerateStream` sends it as one chunk). With tools, the text is read for calls (gateway/tools.py
+`CallReader`): each chunk's text is what the model wrote outside them, each call comes whole in the
+chunk where it closes, and an answer that ends after calls finishes with TOOL_CALLS. Log-probabilities come from the target,
 one per token; they are passed through in step with the token ids (and cut with them at a stop
 string), never computed here. The engine's plain events (specstream/data/engine.py) come in; the
 public response messages both fronts serve (`GenerateStreamResponse`) go out.
@@ -29,6 +31,7 @@ import time
 from collections.abc import AsyncIterator, Iterable
 
 from gateway.router import Router
+from gateway.tools import CallReader
 from gateway.validation import ValidRequest
 from specstream.data.engine import BeamHypothesis
 from specstream.data.engine_wire import finish_reason_to_pb, hypothesis_to_pb, logprob_to_pb, stats_to_pb
@@ -56,6 +59,7 @@ async def stream_chunks(req: ValidRequest, router: Router, tokenizer: TextTokeni
     detok = tokenizer.detokenizer(req.prompt_ids)
     stop = StopStringMatcher(req.stop) if req.stop else None
     unmatched = sequence.min_tokens  # tokens whose text no stop string may end in (min_tokens)
+    calls = CallReader() if req.reads_calls else None  # the text outside calls, and each call whole
     timings = common_pb2.Timings()
     completion, first = 0, True
     try:
@@ -92,9 +96,14 @@ async def stream_chunks(req: ValidRequest, router: Router, tokenizer: TextTokeni
             if matched:
                 finish = "stop"
                 router.cancel(ticket)
+            if calls is not None:
+                chunk.text, made = calls.feed(chunk.text, final=finish is not None)
+                chunk.tool_calls.extend(made)
             if finish is not None:
                 timings.total_seconds = now - req.received
                 chunk.finish_reason = finish_reason_to_pb(finish)
+                if calls is not None and calls.called and finish in ("stop", "eos"):
+                    chunk.finish_reason = common_pb2.FINISH_REASON_TOOL_CALLS
                 chunk.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=completion))
                 chunk.stats.CopyFrom(stats_to_pb(event.stats))
                 chunk.timings.CopyFrom(timings)
@@ -178,6 +187,7 @@ async def generate(req: ValidRequest, router: Router, tokenizer: TextTokenizer,
         response.text += chunk.text
         response.token_ids.extend(chunk.token_ids)
         response.logprobs.extend(chunk.logprobs)
+        response.tool_calls.extend(chunk.tool_calls)
         if chunk.finish_reason:
             response.finish_reason = chunk.finish_reason
             response.usage.CopyFrom(chunk.usage)

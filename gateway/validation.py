@@ -7,7 +7,8 @@ sampling and speculation settings resolved), which every request rule then check
 (specstream/data/request_rules.py: the same functions the target engine runs on what it is
 sent). What only the public encoding can get wrong is checked here alone: unknown fields, the
 request id, stop strings, chat messages, the prompt's characters, `top_logprobs` without
-`logprobs`, the traceparent. An unset seed is picked here, so it can be returned.
+`logprobs`, the traceparent, and tools (gateway/tools.py: they become the chat's system text and
+the request's constraint). An unset seed is picked here, so it can be returned.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
+from gateway.tools import ToolRequest, conversation, read_tools
 from specstream.data.beam import BeamOptions
 from specstream.data.config import GatewayConfig
 from specstream.data.constraint import Constraint
@@ -88,6 +90,7 @@ class ValidRequest:
     received: float  # time.monotonic() at receipt
     chat: bool = False  # the prompt came as `messages`, rendered with the chat template
     model: str = ""  # the served model's name (set by the servicer; for traces)
+    reads_calls: bool = False  # tools offered with a tool_choice other than "none": the answer is read for calls
 
     @property
     def request_id(self) -> str:
@@ -118,7 +121,10 @@ def validate(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: Tex
     _check_logprobs_pair(req)
     if req.traceparent and not TRACEPARENT.match(req.traceparent):
         raise InvalidArgumentError("traceparent", req.traceparent, "not a W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>)")
-    prompt_field, prompt_ids = _prompt_ids(req, limits, tokenizer)
+    for i, tool in enumerate(req.tools):
+        _reject_unknown_fields(tool, f"tools[{i}]")
+    tools = read_tools(req)
+    prompt_field, prompt_ids = _prompt_ids(req, limits, tokenizer, tools)
     max_new_tokens = req.max_new_tokens
     if fill_max_new_tokens and max_new_tokens == 0:
         max_new_tokens = min(limits.max_new_tokens, limits.max_context_length - len(prompt_ids))
@@ -132,12 +138,19 @@ def validate(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: Tex
         sampling=asked.effective(), logprobs=req.top_logprobs if req.logprobs else None,
         traceparent=req.traceparent, beam=BeamOptions.from_pb(req.beam) if req.HasField("beam") else None,
         min_tokens=req.min_tokens,
-        constraint=Constraint.from_pb(req.constraint) if req.HasField("constraint") else None,
+        constraint=_constraint(req, tools),
         penalties=Penalties.from_pb(req.penalties) if req.HasField("penalties") else None)
     check_request(sequence, limits.request, prompt_field, stop_strings=len(req.stop), asked=asked)
     if sequence.constraint is not None and grammars is not None:
         grammars.compile(sequence.constraint)
-    return ValidRequest(sequence, stop=list(req.stop), received=received, chat=chat)
+    return ValidRequest(sequence, stop=list(req.stop), received=received, chat=chat,
+                        reads_calls=tools is not None and tools.reads_calls)
+
+
+def _constraint(req: generation_pb2.GenerateRequest, tools: ToolRequest | None) -> Constraint | None:
+    """The request's constraint, or with tools the tool-call grammar (gateway/tools.py)."""
+    given = Constraint.from_pb(req.constraint) if req.HasField("constraint") else None
+    return given if tools is None else tools.constraint(given)
 
 
 def _stop_ids(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: TextTokenizer,
@@ -169,7 +182,8 @@ def _reject_unknown_fields(message: Message, path: str) -> None:
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
-def _chat_ids(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: TextTokenizer) -> list[int]:
+def _chat_ids(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: TextTokenizer,
+              tools: ToolRequest | None) -> list[int]:
     messages = req.messages.messages
     if tokenizer.chat_template is None:
         raise InvalidArgumentError("messages", f"<{len(messages)} messages>",
@@ -180,24 +194,28 @@ def _chat_ids(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: Te
         raise InvalidArgumentError("messages", f"<{len(messages)} messages>", f"at most {limits.max_messages} allowed")
     for i, m in enumerate(messages):
         _reject_unknown_fields(m, f"messages[{i}]")
+        for j, call in enumerate(m.tool_calls):
+            _reject_unknown_fields(call, f"messages[{i}].tool_calls[{j}]")
         if m.role not in CHAT_ROLES:
             raise InvalidArgumentError(f"messages[{i}].role", m.role, f"must be one of {list(CHAT_ROLES)}")
-    _check_prompt_chars("messages", sum(len(m.content) for m in messages), limits.prompt_chars(tokenizer), limits)
+    written = conversation(list(messages), tools)
+    _check_prompt_chars("messages", sum(len(m["content"]) for m in written), limits.prompt_chars(tokenizer), limits)
     try:
-        return tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in messages])
+        return tokenizer.encode_chat(written)
     except ChatError as exc:
         raise InvalidArgumentError("messages", f"<{len(messages)} messages>",
                                    f"the model's chat template rejected them: {exc}") from exc
 
 
-def _prompt_ids(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: TextTokenizer) -> tuple[str, list[int]]:
+def _prompt_ids(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: TextTokenizer,
+                tools: ToolRequest | None) -> tuple[str, list[int]]:
     """(the field the prompt came in, its token ids): text is refused when it is too long to fit
     before it is tokenized; the ids' own rules are the request rules' (check_prompt)."""
     kind = req.WhichOneof("input")
     if kind is None:
         raise InvalidArgumentError("prompt", "", "must be set (text prompt, prompt_token_ids or messages)")
     if kind == "messages":
-        return kind, _chat_ids(req, limits, tokenizer)
+        return kind, _chat_ids(req, limits, tokenizer, tools)
     if kind == "prompt":
         if not req.prompt:
             raise InvalidArgumentError("prompt", req.prompt, "must not be empty")

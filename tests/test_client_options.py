@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import json
 import typing
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -54,6 +55,10 @@ SAMPLE: dict[str, Any] = {
     "frequency_penalty": -0.25,
     "repetition_penalty": 1.25,
     "logit_bias": {7: 2.5, "9": -100.0},
+    "tools": [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+              {"type": "function", "function": {"name": "noop", "description": "does nothing"}}],
+    "tool_choice": "required",
+    "parallel_tool_calls": False,
 }
 # Every option set at once: max_gamma goes with automatic speculation only, so twice; the five
 # constraints exclude each other, so regex stands for them.
@@ -213,6 +218,29 @@ def test_every_entry_point_sends_every_option(served: tuple[Recorder, str], meth
     assert req.constraint.WhichOneof("kind") == "regex" and req.constraint.regex == "[a-z]+"
     assert req.logprobs and req.top_logprobs == 2
     assert req.request_id == "req-sample" and req.traceparent == SAMPLE["traceparent"]
+    assert [(t.name, t.description, t.parameters) for t in req.tools] == [
+        ("get_weather", "", '{"type": "object", "properties": {"city": {"type": "string"}}}'),
+        ("noop", "does nothing", "")]
+    assert req.tool_choice == "required" and req.HasField("parallel_tool_calls") and not req.parallel_tool_calls
+
+
+def test_earlier_tool_calls_go_back_in_either_form() -> None:
+    from specstream_client import ToolCall
+
+    made = ToolCall("call_1", "get_weather", '{"city":"Paris"}')
+    for call in (made, {"id": "call_1", "name": "get_weather", "arguments": {"city": "Paris"}},
+                 {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}):
+        req = build_chat_request([{"role": "user", "content": "weather?"},
+                                  {"role": "assistant", "content": None, "tool_calls": [call]},
+                                  {"role": "tool", "tool_call_id": "call_1", "content": "21C"}])
+        assistant, tool = req.messages.messages[1], req.messages.messages[2]
+        assert assistant.content == "" and [(c.id, c.name, json.loads(c.arguments)) for c in assistant.tool_calls] == [
+            ("call_1", "get_weather", {"city": "Paris"})]
+        assert tool.tool_call_id == "call_1" and tool.content == "21C"
+    with pytest.raises(TypeError, match=r"messages\[0\].tool_calls\[0\]\['name'\]"):
+        build_chat_request([{"role": "assistant", "content": "", "tool_calls": [{"arguments": "{}"}]}])
+    with pytest.raises(ValueError, match=r"tools\[0\] has unsupported keys \['parms'\]"):
+        GenerateOptions(tools=[{"name": "f", "parms": {}}])
 
 
 # --- the options object ----------------------------------------------------------------------------------

@@ -123,3 +123,97 @@ def test_earlier_calls_are_written_as_the_model_writes_them() -> None:
     assert render_calls(calls) == f"{CALL}\n{CALL2}"
     text = tools_system_text(TOOLS)
     assert all(json.dumps(t.spec()) in text for t in TOOLS) and "<tool_call>" in text
+
+
+# ----- a public request's tools (gateway/tools.py, through gateway/validation.py: both fronts) -------------
+def _chat_request(messages=None, **fields):
+    from specstream_pb import generation_pb2
+
+    req = generation_pb2.GenerateRequest(max_new_tokens=32, **fields)
+    req.messages.SetInParent()
+    for message in messages or [{"role": "user", "content": "Weather in Paris?"}]:
+        req.messages.messages.add(**message)
+    return req
+
+
+def _grpc_tools(*tools):
+    from specstream_pb import generation_pb2
+
+    return [generation_pb2.Tool(name=t.name, description=t.description, parameters=t.parameters) for t in tools]
+
+
+@pytest.fixture(scope="module")
+def limits(tokenizer):
+    from gateway.validation import Limits
+    from specstream.data.config import GatewayConfig
+    from specstream.data.engine import TargetInfo
+
+    info = TargetInfo(vocab_size=tokenizer.vocab_size, max_context_length=2048, max_gamma=8, default_gamma=4,
+                      eos_token_ids=list(tokenizer.eos_token_ids))
+    return Limits.build(GatewayConfig("t:1", "m"), info)
+
+
+@pytest.mark.parametrize("fields, messages, field", [
+    (dict(tools=_grpc_tools(Tool("a b"))), None, "tools[0].name"),
+    (dict(tools=_grpc_tools(TOOLS[0], TOOLS[0])), None, "tools[1].name"),
+    (dict(tools=_grpc_tools(Tool("f", "", '{"type": "nope"}'))), None, "tools[0].parameters"),  # the compiler's reason
+    (dict(tools=_grpc_tools(Tool("f", "", "{not json"))), None, "tools[0].parameters"),
+    (dict(tools=_grpc_tools(Tool("f", "", "[1]"))), None, "tools[0].parameters"),
+    (dict(tools=_grpc_tools(*TOOLS), tool_choice="sometimes"), None, "tool_choice"),
+    (dict(tools=_grpc_tools(*TOOLS), tool_choice="get_time"), None, "tool_choice"),
+    (dict(tool_choice="required"), None, "tool_choice"),  # no tools
+    (dict(tools=_grpc_tools(*TOOLS), constraint={"json_object": True}), None, "constraint"),
+    (dict(), [{"role": "user", "content": "hi", "tool_calls": [{"name": "add", "arguments": "{}"}]}],
+     "messages[0].tool_calls"),
+    (dict(), [{"role": "assistant", "content": "", "tool_calls": [{"name": "", "arguments": "{}"}]}],
+     "messages[0].tool_calls[0].name"),
+])
+def test_a_requests_bad_tools_are_refused_naming_the_field(tokenizer, limits, fields, messages, field) -> None:
+    from gateway.validation import validate
+    from specstream.data.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError) as info:
+        validate(_chat_request(messages, **fields), limits, tokenizer)
+    assert info.value.field == field, str(info.value)
+
+
+def test_tools_on_a_text_prompt_are_refused(tokenizer, limits) -> None:
+    from gateway.validation import validate
+    from specstream.data.errors import InvalidArgumentError
+    from specstream_pb import generation_pb2
+
+    with pytest.raises(InvalidArgumentError, match="need a chat") as info:
+        validate(generation_pb2.GenerateRequest(prompt="hi", max_new_tokens=4, tools=_grpc_tools(*TOOLS)), limits, tokenizer)
+    assert info.value.field == "tools"
+
+
+def test_a_requests_tools_become_the_system_text_and_the_constraint(tokenizer, limits, compiler) -> None:
+    from gateway.validation import validate
+
+    earlier = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "name": "get_weather",
+                                                                    "arguments": '{"city": "Paris", "unit": "celsius"}'}]},
+               {"role": "tool", "content": '{"temperature": 21}', "tool_call_id": "call_1"}]
+    valid = validate(_chat_request(earlier, tools=_grpc_tools(*TOOLS), tool_choice="add", parallel_tool_calls=False),
+                     limits, tokenizer, grammars=compiler)
+    assert valid.reads_calls and valid.sequence.constraint == tool_constraint(TOOLS, "add", parallel=False)
+    prompt = tokenizer.decode(valid.prompt_ids)
+    assert tools_system_text(TOOLS) in prompt and CALL in prompt  # the earlier call, as the model writes it
+    # tool_choice "none": the answer is not read for calls, and a format given beside the tools is kept.
+    quiet = validate(_chat_request(tools=_grpc_tools(*TOOLS), tool_choice="none", constraint={"json_object": True}),
+                     limits, tokenizer)
+    assert not quiet.reads_calls and quiet.sequence.constraint.kind == "json_object"
+    auto = validate(_chat_request(tools=_grpc_tools(*TOOLS)), limits, tokenizer)
+    assert auto.reads_calls and auto.sequence.constraint == tool_constraint(TOOLS, "auto")
+
+
+def test_the_call_reader_gives_content_and_whole_calls_as_the_answer_streams() -> None:
+    from gateway.tools import CallReader
+
+    reader, text = CallReader(), f"Let me check.\n{CALL}\n{CALL2}"
+    pieces = [reader.feed(text[at:at + 7], final=at + 7 >= len(text)) for at in range(0, len(text), 7)]
+    assert "".join(content for content, _ in pieces) == "Let me check."
+    calls = [call for _, made in pieces for call in made]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "unit": "celsius"}),
+                                                                  ("add", {"a": 2, "b": 3})]
+    assert reader.called and len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)

@@ -37,6 +37,7 @@ from .types import (
     StreamChunk,
     Timings,
     TokenLogprob,
+    ToolCall,
     Usage,
 )
 
@@ -61,6 +62,7 @@ __all__ = [
     "StreamChunk",
     "Timings",
     "TokenLogprob",
+    "ToolCall",
     "Unauthenticated",
     "Unavailable",
     "Usage",

@@ -12,13 +12,15 @@ What it does not know: the server's limits and its tokenizer, and the call (dead
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from specstream_pb import generation_pb2
 
 from ._wire import check_token_ids
 from .options import GenerateOptions, resolve_options
+from .types import ToolCall
 
 if TYPE_CHECKING:
     # For type checkers only: typing_extensions is not a runtime dependency of the SDK (grpcio and
@@ -48,13 +50,15 @@ def build_generate_request(
 
 
 def build_chat_request(
-    messages: Sequence[Mapping[str, str]],
+    messages: Sequence[Mapping[str, Any]],
     options: GenerateOptions | None = None,
     **overrides: Unpack[GenerateOptionsDict],
 ) -> generation_pb2.GenerateRequest:
     """The request for ``chat``/``chat_stream``: ``messages`` is a sequence of
-    ``{"role": ..., "content": ...}`` mappings; roles and template rules are the server's to check.
-    Options as in ``build_generate_request``."""
+    ``{"role": ..., "content": ...}`` mappings; an assistant's may hold its earlier ``tool_calls``
+    (``ToolCall`` results, ``{"id", "name", "arguments"}`` or OpenAI's ``{"id", "function": {...}}``;
+    its content may then be None) and a tool's the ``tool_call_id`` it answers. Roles and template
+    rules are the server's to check. Options as in ``build_generate_request``."""
     if isinstance(messages, str | bytes | bytearray | Mapping) or not isinstance(messages, Sequence):
         raise TypeError(f"messages must be a sequence of {{'role': str, 'content': str}} mappings, "
                         f"got {type(messages).__name__}")
@@ -63,12 +67,35 @@ def build_chat_request(
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise TypeError(f"messages[{i}] must be a mapping with 'role' and 'content', got {message!r}")
-        extra = set(message) - {"role", "content"}
+        extra = set(message) - {"role", "content", "tool_calls", "tool_call_id"}
         if extra:
-            raise ValueError(f"messages[{i}] has unsupported keys {sorted(extra)} (only 'role' and 'content')")
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                raise TypeError(f"messages[{i}][{key!r}] must be a str, got {message.get(key)!r}")
-        chat.messages.add(role=message["role"], content=message["content"])
+            raise ValueError(f"messages[{i}] has unsupported keys {sorted(extra)} "
+                             "(only 'role', 'content', 'tool_calls' and 'tool_call_id')")
+        calls = [_call(f"messages[{i}].tool_calls[{j}]", c) for j, c in enumerate(message.get("tool_calls") or ())]
+        content = message.get("content")
+        if content is None and calls:
+            content = ""
+        for key, value in (("role", message.get("role")), ("content", content),
+                           ("tool_call_id", message.get("tool_call_id", ""))):
+            if not isinstance(value, str):
+                raise TypeError(f"messages[{i}][{key!r}] must be a str, got {value!r}")
+        chat.messages.add(role=message["role"], content=content, tool_calls=calls,
+                          tool_call_id=message.get("tool_call_id", ""))
     req.messages.CopyFrom(chat)  # selects the `messages` member of the input oneof
     return req
+
+
+def _call(at: str, call: Any) -> generation_pb2.ToolCall:
+    """An earlier call: a ``ToolCall`` (a result's), or a mapping in either form."""
+    if isinstance(call, ToolCall):
+        return generation_pb2.ToolCall(id=call.id, name=call.name, arguments=call.arguments)
+    if not isinstance(call, Mapping):
+        raise TypeError(f"{at} must be a ToolCall or a mapping with name and arguments, got {call!r}")
+    function = call.get("function") if isinstance(call.get("function"), Mapping) else call
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, Mapping):
+        arguments = json.dumps(dict(arguments))
+    for key, value in (("name", function.get("name")), ("arguments", arguments), ("id", call.get("id", ""))):
+        if not isinstance(value, str):
+            raise TypeError(f"{at}[{key!r}] must be a str, got {value!r}")
+    return generation_pb2.ToolCall(id=call.get("id", ""), name=function["name"], arguments=arguments)

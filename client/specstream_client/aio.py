@@ -127,7 +127,7 @@ class AsyncClient(ClientBase):
 
     async def chat(
         self,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         options: GenerateOptions | None = None,
         *,
         timeout: float | None = None,
@@ -138,7 +138,7 @@ class AsyncClient(ClientBase):
 
     def chat_stream(
         self,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         options: GenerateOptions | None = None,
         *,
         timeout: float | None = None,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.message import Message
@@ -132,21 +132,21 @@ class Client(ClientBase):
 
     def chat(
         self,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         options: GenerateOptions | None = None,
         *,
         timeout: float | None = None,
         **overrides: Unpack[GenerateOptionsDict],
     ) -> GenerateResult:
         """The assistant's reply to a conversation: ``messages`` is a list of ``{"role", "content"}``
-        mappings (roles "system", "user", "assistant"), rendered by the server with the model's
-        chat template; generation stops at the template's end-of-turn token. Options and
-        ``timeout`` as in ``generate``. A model without a chat template answers InvalidArgument."""
+        mappings (roles "system", "user", "assistant", "tool"; an assistant's may carry its earlier
+        ``tool_calls``), rendered by the server with the model's chat template; generation stops
+        at the template's end-of-turn token. Options and ``timeout`` as in ``generate``. A model without a chat template answers InvalidArgument."""
         return self._unary(GENERATE, build_chat_request(messages, options, **overrides), timeout)
 
     def chat_stream(
         self,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         options: GenerateOptions | None = None,
         *,
         timeout: float | None = None,

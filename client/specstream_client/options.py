@@ -131,6 +131,30 @@ def _logit_bias(name: str, value: Any) -> dict[int, float]:
     return out
 
 
+def _tools(name: str, value: Any) -> tuple[tuple[str, str, str], ...]:
+    """Functions the model may call, each ``{"name", "description", "parameters"}`` (parameters: a
+    JSON schema as a mapping or its JSON text; left out: no arguments) or OpenAI's
+    ``{"type": "function", "function": {...}}``; stored as (name, description, parameters' text)."""
+    if isinstance(value, str | Mapping) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a sequence of function mappings, got {type(value).__name__}")
+    out = []
+    for i, tool in enumerate(value):
+        at = f"{name}[{i}]"
+        if not isinstance(tool, Mapping):
+            raise TypeError(f"{at} must be a mapping with name, description and parameters, got {tool!r}")
+        if tool.get("type") == "function" and isinstance(tool.get("function"), Mapping):
+            tool, at = tool["function"], f"{at}.function"
+        extra = set(tool) - {"name", "description", "parameters"}
+        if extra:
+            raise ValueError(f"{at} has unsupported keys {sorted(extra)} (name, description, parameters)")
+        parameters = tool.get("parameters")
+        text = json.dumps(dict(parameters)) if isinstance(parameters, Mapping) else \
+            check_str(f"{at}.parameters", parameters) if parameters is not None else ""
+        out.append((check_str(f"{at}.name", tool.get("name")), check_str(f"{at}.description", tool.get("description", "")),
+                    text))
+    return tuple(out)
+
+
 def _max_gamma(name: str, value: Any) -> int:
     cap = check_int(name, value, 0, UINT32_MAX, "uint32")
     if cap == 0:
@@ -220,6 +244,14 @@ class GenerateOptions:
     frequency_penalty: float = _option(0.0, check_float)
     repetition_penalty: float = _option(1.0, check_float)
     logit_bias: Mapping[int, float] | None = _option(None, _optional(_logit_bias))
+    # Tool calling, with chat only: the functions the model may call (see ``_tools`` for their
+    # form); its calls come back as ``.tool_calls`` (outside ``.text``), each call's arguments
+    # valid against its function's parameters, and an answer that ends after calls finishes with
+    # "tool_calls". tool_choice: "auto" (the default with tools), "none", "required", or one
+    # function's name; parallel_tool_calls (None: True): several calls in one answer.
+    tools: Sequence[Mapping[str, Any]] | None = _option(None, _optional(_tools))
+    tool_choice: str | None = _option(None, _optional(check_str))
+    parallel_tool_calls: bool | None = _option(None, _optional(check_bool))
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -270,6 +302,12 @@ class GenerateOptions:
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 repetition_penalty=0.0 if self.repetition_penalty == 1.0 else self.repetition_penalty,
                 logit_bias=self.logit_bias or {}))
+        for name, description, parameters in self.tools or ():
+            req.tools.add(name=name, description=description, parameters=parameters)
+        if self.tool_choice is not None:
+            req.tool_choice = self.tool_choice
+        if self.parallel_tool_calls is not None:
+            req.parallel_tool_calls = self.parallel_tool_calls
         return req
 
     def _beam_pb(self) -> common_pb2.BeamSearch:
@@ -328,6 +366,9 @@ class GenerateOptionsDict(TypedDict, total=False):
     frequency_penalty: float
     repetition_penalty: float
     logit_bias: Mapping[int, float] | None
+    tools: Sequence[Mapping[str, Any]] | None
+    tool_choice: str | None
+    parallel_tool_calls: bool | None
 
 
 _CONSTRAINTS = ("json_schema", "json_object", "regex", "choice", "grammar")  # the oneof of GenerateRequest.constraint

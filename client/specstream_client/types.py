@@ -2,7 +2,7 @@
 
 Contract: ``from_pb`` constructors copy everything the client needs out of the generated messages,
 so callers never touch protobuf. Finish reasons are lower-case strings: "length", "stop", "eos",
-"cancelled", "error"; a response that (wrongly) carries none gives "unspecified" in a
+"cancelled", "error", "tool_calls" (the answer ended after calling tools); a response that (wrongly) carries none gives "unspecified" in a
 ``GenerateResult`` and ``None`` in a non-final ``StreamChunk``; an enum value newer than this SDK
 gives "unknown". ``logprobs`` is a list aligned 1:1 with ``token_ids`` when the request asked for
 logprobs, and empty otherwise; ``seed`` is the seed the server used (chosen by it when the request
@@ -17,6 +17,7 @@ unary result and as ``None`` in a stream chunk).
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -32,6 +33,7 @@ __all__ = [
     "StreamChunk",
     "Timings",
     "TokenLogprob",
+    "ToolCall",
     "Usage",
     "finish_reason_name",
 ]
@@ -42,6 +44,7 @@ FINISH_REASONS: dict[int, str] = {
     common_pb2.FINISH_REASON_EOS: "eos",
     common_pb2.FINISH_REASON_CANCELLED: "cancelled",
     common_pb2.FINISH_REASON_ERROR: "error",
+    common_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 
 
@@ -185,6 +188,28 @@ class BeamSequence:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A call the model made (with ``tools``): the function's name and its arguments as a JSON
+    object's text, valid against the function's parameters. Pass it back in an assistant message's
+    ``tool_calls`` with the result in a ``tool`` message."""
+
+    id: str
+    name: str
+    arguments: str
+
+    @classmethod
+    def from_pb(cls, msg: generation_pb2.ToolCall) -> ToolCall:
+        return cls(id=msg.id, name=msg.name, arguments=msg.arguments)
+
+    def parsed_arguments(self) -> Any:
+        """The arguments as Python values."""
+        return json.loads(self.arguments)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "name": self.name, "arguments": self.arguments}
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateResult:
     request_id: str
     text: str
@@ -196,6 +221,7 @@ class GenerateResult:
     seed: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     sequences: list[BeamSequence] = field(default_factory=list)  # beam search: the n best, best first
+    tool_calls: list[ToolCall] = field(default_factory=list)  # with tools: the calls made (outside ``text``)
 
     @classmethod
     def from_pb(cls, msg: generation_pb2.GenerateResponse) -> GenerateResult:
@@ -210,10 +236,12 @@ class GenerateResult:
             seed=msg.seed,
             logprobs=[TokenLogprob.from_pb(lp) for lp in msg.logprobs],
             sequences=[BeamSequence.from_pb(b) for b in msg.sequences],
+            tool_calls=[ToolCall.from_pb(c) for c in msg.tool_calls],
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: nested dicts, stats with acceptance_rate; "logprobs" only when there are any."""
+        """JSON-ready: nested dicts, stats with acceptance_rate; "logprobs", "sequences" and
+        "tool_calls" only when there are any."""
         d: dict[str, Any] = {
             "request_id": self.request_id,
             "text": self.text,
@@ -228,6 +256,8 @@ class GenerateResult:
             d["logprobs"] = [lp.to_dict() for lp in self.logprobs]
         if self.sequences:
             d["sequences"] = [b.to_dict() for b in self.sequences]
+        if self.tool_calls:
+            d["tool_calls"] = [c.to_dict() for c in self.tool_calls]
         return d
 
 
@@ -247,6 +277,7 @@ class StreamChunk:
     seed: int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     sequences: list[BeamSequence] = field(default_factory=list)  # beam search, final chunk: the n best
+    tool_calls: list[ToolCall] = field(default_factory=list)  # with tools: the calls that closed in this chunk
 
     @classmethod
     def from_pb(cls, msg: generation_pb2.GenerateStreamResponse) -> StreamChunk:
@@ -263,6 +294,7 @@ class StreamChunk:
             seed=msg.seed if finish_reason is not None else None,
             logprobs=[TokenLogprob.from_pb(lp) for lp in msg.logprobs],
             sequences=[BeamSequence.from_pb(b) for b in msg.sequences],
+            tool_calls=[ToolCall.from_pb(c) for c in msg.tool_calls],
         )
 
     @property
@@ -285,6 +317,8 @@ class StreamChunk:
             d["logprobs"] = [lp.to_dict() for lp in self.logprobs]
         if self.sequences:
             d["sequences"] = [b.to_dict() for b in self.sequences]
+        if self.tool_calls:
+            d["tool_calls"] = [c.to_dict() for c in self.tool_calls]
         return d
 
 

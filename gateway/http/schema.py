@@ -87,7 +87,7 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None  # accepted and ignored
     # An assistant's earlier calls ([{"id", "type": "function", "function": {"name", "arguments"}}]),
-    # written back into the conversation as it writes them (gateway/http/tool_calls.py).
+    # written back into the conversation as it writes them (gateway/tools.py).
     tool_calls: list[Any] | None = None
     tool_call_id: str | None = None  # a tool message's: accepted (the result follows its call)
 

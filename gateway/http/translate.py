@@ -25,7 +25,8 @@ from specstream_pb import common_pb2, generation_pb2
 
 UINT32, INT32, UINT64 = 2**32 - 1, 2**31 - 1, 2**64 - 1
 FINISH_REASONS = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
-                  common_pb2.FINISH_REASON_EOS: "stop", common_pb2.FINISH_REASON_CANCELLED: "abort"}
+                  common_pb2.FINISH_REASON_EOS: "stop", common_pb2.FINISH_REASON_CANCELLED: "abort",
+                  common_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls"}
 CHAT_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
 
 Body = CompletionRequest | ChatCompletionRequest
@@ -38,15 +39,14 @@ def to_generate_request(body: Body, traceparent: str = "") -> generation_pb2.Gen
     OpenAI parameter) for what only an OpenAI body can get wrong."""
     _refuse_unsupported(body)
     req = generation_pb2.GenerateRequest(traceparent=traceparent)
-    tools: list = []
     if isinstance(body, CompletionRequest):
         _set_prompt(req, body.prompt)
         req.max_new_tokens = _int("max_tokens", body.max_tokens, 1, INT32) if body.max_tokens is not None else 0
         if body.logprobs is not None:
             req.logprobs, req.top_logprobs = True, _int("logprobs", body.logprobs, 0, INT32)
     else:
-        tools = tool_calls.offered(body)  # checked once, here
-        _set_messages(req, body, tools)
+        _set_messages(req, body)
+        tool_calls.set_tools(req, body)
         chosen = _max_tokens_param(body)
         value = getattr(body, chosen)
         req.max_new_tokens = _int(chosen, value, 1, INT32) if value is not None else 0
@@ -71,7 +71,7 @@ def to_generate_request(body: Body, traceparent: str = "") -> generation_pb2.Gen
     penalties = _penalties(body)
     if penalties is not None:
         req.penalties.CopyFrom(penalties)
-    constraint = _constraint(body, tools)
+    constraint = _constraint(body)
     if constraint is not None:
         req.constraint.CopyFrom(constraint)
     return req
@@ -80,24 +80,18 @@ def to_generate_request(body: Body, traceparent: str = "") -> generation_pb2.Gen
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
-def _constraint(body: Body, tools: list) -> common_pb2.Constraint | None:
+def _constraint(body: Body) -> common_pb2.Constraint | None:
     """What the output must match: OpenAI's response_format (chat) or one of vLLM's guided_*
     fields; at most one of them. The JSON schema goes on as its JSON text (key order kept: it is
     the order the model writes the properties in); strict is how every schema is honoured here.
-    A chat with tools: the tool-call grammar (gateway/http/tool_calls.py); with tool_choice
-    "none", a format given beside it instead."""
+    Tools bring their own grammar (gateway/tools.py), which a format given beside them may replace
+    only with tool_choice "none"."""
     given = [name for name in (*GUIDED, "response_format") if getattr(body, name, None) is not None]
     fmt = getattr(body, "response_format", None)
     if fmt is not None and fmt.get("type", "text") == "text":
         given.remove("response_format")
     if len(given) > 1:
         raise InvalidArgumentError(given[1], "<set>", f"cannot be combined with {given[0]}")
-    if isinstance(body, ChatCompletionRequest):
-        choice = tool_calls.tool_choice(body, tools)
-        if tools and (not given or choice != "none"):
-            if given:
-                raise InvalidArgumentError(given[0], "<set>", "cannot be combined with tools unless tool_choice is 'none'")
-            return tool_calls.grammar(body, tools, choice).to_pb()
     if not given:
         return None
     name = given[0]
@@ -164,6 +158,9 @@ def _max_tokens_param(body: ChatCompletionRequest) -> str:
 def param_name(field: str, body: Body) -> str:
     """The OpenAI parameter behind a field of `GenerateRequest` that validation named."""
     head = field.split("[", 1)[0].split(".", 1)[0]
+    named = tool_calls.param_name(field, body) if isinstance(body, ChatCompletionRequest) else None
+    if named is not None:
+        return named
     if head == "max_new_tokens":
         return "max_tokens" if isinstance(body, CompletionRequest) else _max_tokens_param(body)
     if head in ("prompt", "prompt_token_ids"):
@@ -177,10 +174,10 @@ def param_name(field: str, body: Body) -> str:
     if head == "penalties":  # penalties.presence_penalty, penalties.logit_bias[5], ...
         return field.split(".", 1)[1].split("[", 1)[0]
     if head == "constraint":  # the parameter that carried it
-        if isinstance(body, ChatCompletionRequest) and tool_calls.calls_tools(body):
-            return "tools"
-        given = [name for name in GUIDED if getattr(body, name, None) is not None]
-        return given[0] if given else "response_format"
+        given = [name for name in (*GUIDED, "response_format") if getattr(body, name, None) is not None]
+        if given:
+            return given[0]
+        return "tools" if isinstance(body, ChatCompletionRequest) and body.tools else "response_format"
     return field  # messages[2].role, temperature, top_p, top_k, seed, logprobs: the same names
 
 
@@ -225,10 +222,20 @@ def _set_prompt(req: generation_pb2.GenerateRequest, prompt: Any) -> None:
         req.prompt_token_ids.ids.extend(_int("prompt", t, 0, UINT32) for t in prompt)
 
 
-def _set_messages(req: generation_pb2.GenerateRequest, body: ChatCompletionRequest, tools: list) -> None:
+def _set_messages(req: generation_pb2.GenerateRequest, body: ChatCompletionRequest) -> None:
     req.messages.SetInParent()
-    for role, content in tool_calls.conversation(body, tools):
-        req.messages.messages.add(role=CHAT_ROLES.get(role, role), content=content)
+    for i, message in enumerate(body.messages):
+        content = message.content
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise InvalidArgumentError(f"messages[{i}].content[{j}].type", part.type, "only text parts are supported")
+            content = "".join(part.text for part in content)
+        req.messages.messages.add(
+            role=CHAT_ROLES.get(message.role, message.role), content=content or "",
+            tool_calls=[tool_calls.earlier_call(f"messages[{i}].tool_calls[{j}]", c)
+                        for j, c in enumerate(message.tool_calls or [])],
+            tool_call_id=message.tool_call_id or "")
 
 
 def _speculation(body: Body) -> common_pb2.Speculation:
@@ -386,8 +393,7 @@ class ChatEncoder(_Encoder):
                  include_usage: bool) -> None:
         super().__init__(body, request_id, tokenizer, include_usage)
         self.role_sent = False  # OpenAI's first delta carries the role
-        # With tools the model may call: its answer read for calls (gateway/http/tool_calls.py).
-        self.calls = tool_calls.ToolAnswer() if tool_calls.calls_tools(body) else None
+        self.calls_sent = 0  # tool calls streamed so far (each delta entry's index)
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         token = self._token(token_id)
@@ -408,25 +414,21 @@ class ChatEncoder(_Encoder):
             self.role_sent = True
             out.append({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None})
-        reason = FINISH_REASONS.get(pb.finish_reason)
-        if self.calls is None:
-            delta, called = {"content": pb.text}, []
-        else:  # content outside the calls; each call whole when its closing tag arrives
-            text, called = self.calls.delta(pb.text, final=bool(pb.finish_reason))
-            delta, reason = {"content": text}, self.calls.finish_reason(reason)
-        if pb.text or pb.token_ids or delta["content"]:
-            out.append(self._with_ids({"index": 0, "delta": delta, "logprobs": self._logprobs(pb.logprobs),
-                                       "finish_reason": None}, pb))
-        if called:
+        if pb.text or pb.token_ids:  # with tools, the text outside the calls (gateway/tools.py)
+            out.append(self._with_ids({"index": 0, "delta": {"content": pb.text},
+                                       "logprobs": self._logprobs(pb.logprobs), "finish_reason": None}, pb))
+        if pb.tool_calls:  # each call whole, in the chunk where it closed
+            called = [{"index": self.calls_sent + k, **tool_calls.call_out(c)} for k, c in enumerate(pb.tool_calls)]
+            self.calls_sent += len(called)
             out.append({"index": 0, "delta": {"tool_calls": called}, "logprobs": None, "finish_reason": None})
         if pb.finish_reason:
-            out.append({"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason})
+            out.append({"index": 0, "delta": {}, "logprobs": None, "finish_reason": FINISH_REASONS.get(pb.finish_reason)})
         return out
 
     def _choice(self, pb):
-        reason = FINISH_REASONS.get(pb.finish_reason)
-        if self.calls is None:
-            message = {"role": "assistant", "content": pb.text}
-        else:
-            message, reason = self.calls.message(pb.text), self.calls.finish_reason(reason)
-        return {"index": 0, "message": message, "logprobs": self._logprobs(pb.logprobs), "finish_reason": reason}
+        message = {"role": "assistant", "content": pb.text}
+        if pb.tool_calls:  # content null where only calls were written, as OpenAI
+            message = {"role": "assistant", "content": pb.text.strip() or None,
+                       "tool_calls": [tool_calls.call_out(c) for c in pb.tool_calls]}
+        return {"index": 0, "message": message, "logprobs": self._logprobs(pb.logprobs),
+                "finish_reason": FINISH_REASONS.get(pb.finish_reason)}

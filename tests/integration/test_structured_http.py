@@ -2,11 +2,12 @@
 (SmolLM2-135M-Instruct + its draft), with the official `openai` package as the client: a JSON
 schema answer that `jsonschema` validates, equal token for token to constrained plain decoding (and
 to the SDK's over gRPC); tool calls, unary and streamed, whose arguments their function's schema
-validates, with `finish_reason: "tool_calls"`; a tool's result sent back in the conversation; the
-server carrying on after a bad tool."""
+validates, with `finish_reason: "tool_calls"`, over HTTP and with the SDK over gRPC (sync and
+async); a tool's result sent back in the conversation; the server carrying on after a bad tool."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import jsonschema
@@ -14,7 +15,7 @@ import openai
 import pytest
 
 from specstream.models.registry import PAIRS
-from specstream_client import Client
+from specstream_client import AsyncClient, Client, InvalidArgument
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
@@ -96,6 +97,45 @@ def test_a_forced_tool_call_unary_and_streamed(client, tool_choice) -> None:
     assert reason == "tool_calls" and content == ""
     assert [(c["name"], c["arguments"]) for c in calls] == replies["off"]
     assert all(c["id"].startswith("call_") for c in calls)
+
+
+def test_tool_calls_over_grpc_with_the_sdk_sync_and_async_unary_and_streamed(stack, client) -> None:
+    """The SDK's tools (gRPC): the same call as the HTTP front's, unary and streamed, with and
+    without speculation; the call goes back in the conversation as a ToolCall."""
+    over_http = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                               temperature=0, max_tokens=80).choices[0].message.tool_calls
+    expected = [(c.function.name, c.function.arguments) for c in over_http]
+    with Client(stack.gateway_address, timeout=300) as sdk:
+        for speculation in (4, "off"):
+            result = sdk.chat(ASK, max_new_tokens=80, tools=TOOLS, tool_choice="required", speculation=speculation)
+            assert result.finish_reason == "tool_calls" and result.text == ""
+            assert [(c.name, c.arguments) for c in result.tool_calls] == expected
+        chunks = list(sdk.chat_stream(ASK, max_new_tokens=80, tools=[t["function"] for t in TOOLS],
+                                      tool_choice="required"))
+        assert chunks[-1].finish_reason == "tool_calls" and "".join(c.text for c in chunks) == ""
+        streamed = [call for chunk in chunks for call in chunk.tool_calls]
+        assert [(c.name, c.arguments) for c in streamed] == expected and streamed[0].id.startswith("call_")
+        named = sdk.chat(ASK, max_new_tokens=80, tools=TOOLS, tool_choice="get_weather")  # one call, that one
+        assert [(c.name, c.arguments) for c in named.tool_calls] == expected[:1]
+        for call in streamed:
+            jsonschema.validate(call.parsed_arguments(), WEATHER)
+        answer = sdk.chat([*ASK, {"role": "assistant", "content": None, "tool_calls": streamed},
+                           {"role": "tool", "tool_call_id": streamed[0].id, "content": '{"temperature": 21}'}],
+                          max_new_tokens=24, tools=TOOLS, tool_choice="none")
+        assert answer.text and not answer.tool_calls and answer.finish_reason in ("eos", "length")
+
+    async def main():
+        async with AsyncClient(stack.gateway_address, timeout=300) as sdk:
+            result = await sdk.chat(ASK, max_new_tokens=80, tools=TOOLS, tool_choice="required")
+            chunks = [chunk async for chunk in sdk.chat_stream(ASK, max_new_tokens=80, tools=TOOLS,
+                                                               tool_choice="required")]
+            return result, chunks
+
+    result, chunks = asyncio.run(main())
+    assert [(c.name, c.arguments) for c in result.tool_calls] == expected and result.finish_reason == "tool_calls"
+    assert [(c.name, c.arguments) for chunk in chunks for c in chunk.tool_calls] == expected
+    with Client(stack.gateway_address, timeout=300) as sdk, pytest.raises(InvalidArgument, match=r"tools\[0\].name"):
+        sdk.chat(ASK, max_new_tokens=8, tools=[{"name": "no spaces allowed"}])
 
 
 def test_a_tool_result_goes_back_into_the_conversation(client) -> None:
