@@ -31,11 +31,12 @@ def test_thousands_of_fuzzed_requests_get_the_right_codes_and_crash_nothing(stac
     assert report.cases == 3000 and report.crashes == 0 and report.wrong == 0, report.examples
     assert report.serving_after
     # every kind ran, and the invalid ones were refused, not served
-    assert set(report.by_kind) == {"grpc-invalid", "grpc-valid", "grpc-bytes", "grpc-constraint", "http-invalid",
-                                   "http-valid", "http-bytes", "http-tools"}
+    assert set(report.by_kind) == {"grpc-invalid", "grpc-valid", "grpc-bytes", "grpc-constraint", "grpc-tools",
+                                   "http-invalid", "http-valid", "http-bytes", "http-tools"}
     # random constraints and tools were both served and refused
     assert report.outcomes["grpc-constraint OK"] > 0 and report.outcomes["grpc-constraint INVALID_ARGUMENT"] > 0
     assert report.outcomes["http-tools 200"] > 0 and report.outcomes["http-tools 400"] > 0
+    assert report.outcomes["grpc-tools OK"] > 0 and report.outcomes["grpc-tools INVALID_ARGUMENT"] > 0
     assert report.outcomes.get("grpc-invalid OK", 0) == report.outcomes.get("http-invalid 200", 0) == 0
     assert report.outcomes["grpc-valid OK"] == report.by_kind["grpc-valid"]
     assert stack.alive()  # no process died

@@ -11,6 +11,9 @@ front. Every case carries its oracle, so "a wrong code" is checked, not only "no
 - **grpc-constraint**: a valid request with a random constraint (tools/reliability/fuzz_constraints.py:
   JSON schemas of random shapes, regexes, Lark grammars, choices; about a third broken on
   purpose) -> served, or INVALID_ARGUMENT naming `constraint.<kind>`.
+- **grpc-tools**: a chat with random tools (the http-tools body's, in the request's own fields),
+  tool_choice, parallel_tool_calls and sometimes an assistant's earlier call -> served or
+  INVALID_ARGUMENT.
 - **http-invalid** / **http-valid** / **http-bytes**: the same for `/v1/completions` and
   `/v1/chat/completions` (400 naming `param`, 404 for another model, 200; undecodable bodies 400).
 - **http-tools**: a chat with random tools, tool_choice and parallel_tool_calls -> 200 or 400.
@@ -40,7 +43,7 @@ from specstream_pb import common_pb2, generation_pb2
 
 OK = "OK"
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.name
-GRPC_KINDS = ("grpc-invalid", "grpc-valid", "grpc-bytes", "grpc-constraint")
+GRPC_KINDS = ("grpc-invalid", "grpc-valid", "grpc-bytes", "grpc-constraint", "grpc-tools")
 KINDS = (*GRPC_KINDS, "http-invalid", "http-valid", "http-bytes", "http-tools")
 
 
@@ -333,7 +336,7 @@ HTTP_INVALID: list[tuple[str, bool | None, Callable[[random.Random, Limits], obj
 def make_cases(seed: int, count: int, lim: Limits, http: bool) -> list[Case]:
     """`count` cases, the same for the same seed and limits."""
     rng = random.Random(seed)
-    kinds = [k for k in (KINDS if http else GRPC_KINDS) if lim.chat or k != "http-tools"]
+    kinds = [k for k in (KINDS if http else GRPC_KINDS) if lim.chat or k not in ("http-tools", "grpc-tools")]
     mutations = _invalid_mutations(lim)
     cases = []
     for _ in range(count):
@@ -351,6 +354,8 @@ def make_cases(seed: int, count: int, lim: Limits, http: bool) -> list[Case]:
                 setattr(req.constraint, which, value)
             cases.append(Case(kind, req.SerializeToString(), frozenset([OK, INVALID]), f"constraint.{which}",
                               stream=stream))
+        elif kind == "grpc-tools":
+            cases.append(Case(kind, _with_tools(rng, lim).SerializeToString(), frozenset([OK, INVALID]), stream=stream))
         elif kind == "grpc-invalid":
             req = _valid(rng, lim)
             name, breaks = rng.choice(mutations)
@@ -410,6 +415,35 @@ def make_cases(seed: int, count: int, lim: Limits, http: bool) -> list[Case]:
                     data = bytes(flipped)
                 cases.append(Case(kind, data, frozenset(["200", "400", "404"]), None, path))
     return cases
+
+
+def _with_tools(rng: random.Random, lim: Limits) -> generation_pb2.GenerateRequest:
+    """A valid chat request given random tools (tools/reliability/fuzz_constraints.py's, some
+    broken), tool_choice and parallel_tool_calls, sometimes after an earlier call of one of them."""
+    req = _valid(rng, lim)
+    req.min_tokens = 0  # not with a constraint
+    req.ClearField("constraint")
+    req.messages.SetInParent()
+    if not req.messages.messages:
+        req.messages.messages.add(role="user", content=_text(rng, 1))
+    body = random_tools_body(rng)
+    for tool in body.get("tools", []):
+        function = tool["function"]
+        req.tools.add(name=function["name"], description=function.get("description", ""),
+                      parameters=json.dumps(function["parameters"]))
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        choice = (choice.get("function") or {}).get("name", choice.get("type", ""))
+    if choice is not None:
+        req.tool_choice = str(choice)
+    if "parallel_tool_calls" in body:
+        req.parallel_tool_calls = body["parallel_tool_calls"]
+    if req.tools and rng.random() < 0.3:
+        call = generation_pb2.ToolCall(id="call_1", name=rng.choice(req.tools).name,
+                                       arguments=rng.choice(['{"arg":1}', "{}", "not json"]))
+        req.messages.messages.add(role=rng.choice(["assistant", "assistant", "user"]), tool_calls=[call])
+        req.messages.messages.add(role="tool", tool_call_id="call_1", content=_text(rng, 1))
+    return req
 
 
 def _expected_param(param: str, value: object) -> str:
