@@ -23,7 +23,9 @@ A constrained sequence (its first item carries ``constraint``) is drafted by the
 model guesses from its distribution masked by the grammar (draft_service/grammar_state.py), while
 lookup's copies are unmasked and the target cuts them at the first token the grammar refuses. The
 model gets the constraint on its first item for the sequence, and every item's forced tokens
-(``ProposeItem.forced``) to guess on from; the history holds only what the model holds.
+(``ProposeItem.forced``) to guess on from; the history holds only what the model holds. A
+penalised sequence's penalties go to the model on its first item the same way (lookup's copies
+are not penalised: the target verifies them against its penalised p, as any guess).
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from draft_service.ngram import SOURCE as NGRAM
 from draft_service.ngram import NgramIndex, NgramProposer
 from draft_service.proposer import DraftProposer
 from specstream.data.propose import SOURCE as MODEL
-from specstream.data.constraint import Constraint
 from specstream.data.propose import Proposal, ProposeItem, Proposer, features_expected, without_masked
 
 
@@ -47,8 +48,9 @@ class NgramPlusModelProposer(Proposer):
         self.feature_layers = model.feature_layers
         self.works_ahead = model.works_ahead
         self.features: dict[Hashable, bytearray] = {}  # a feature draft's: the target's features held
-        # Constrained sequences: (constraint, its start) from their first item, for the model's first.
-        self.constraints: dict[Hashable, tuple[Constraint, int]] = {}
+        # Constrained and penalised sequences: their first item's constraint, penalties and
+        # output_start, for the model's first item.
+        self.firsts: dict[Hashable, dict] = {}
         self.model_asked = False  # by the latest call: only then has the model a round to work ahead on
 
     @property
@@ -82,7 +84,7 @@ class NgramPlusModelProposer(Proposer):
         for key in keys:
             self.model_len.pop(key, None)
             self.features.pop(key, None)
-            self.constraints.pop(key, None)
+            self.firsts.pop(key, None)
 
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         out = [Proposal([], 0, source=NGRAM) for _ in items]
@@ -101,10 +103,12 @@ class NgramPlusModelProposer(Proposer):
             if self.feature_width:
                 self._keep_features(item)
             if item.rollback_to == 0:  # a sequence's first item (again, on a new stream)
-                self.constraints.pop(item.key, None)
-                if item.constraint is not None:
-                    self.constraints[item.key] = (item.constraint, item.constraint_start)
-            constrained = self.constraints.get(item.key)
+                self.firsts.pop(item.key, None)
+                if item.constraint is not None or item.penalties is not None:
+                    self.firsts[item.key] = {"constraint": item.constraint, "penalties": item.penalties,
+                                             "output_start": item.output_start}
+            first = self.firsts.get(item.key, {})
+            constrained = first.get("constraint")
             gamma = min(item.gamma, self.max_len - len(sequence) - len(item.forced))
             out[i].length = len(sequence)
             if constrained is None and not item.forced:
@@ -112,8 +116,7 @@ class NgramPlusModelProposer(Proposer):
                     item, *sequence.proposal(gamma, item.branches if item.sampling.greedy else 0))
             if out[i].tokens or gamma <= 0:
                 continue
-            grammar = {"constraint": constrained[0], "constraint_start": constrained[1]} \
-                if constrained is not None and held == 0 else {}
+            grammar = first if held == 0 else {}  # the model's first item: its constraint and penalties
             # held <= rollback_to < len(sequence): the catch-up is never empty.
             model_items.append(ProposeItem(item.key, held, sequence.tokens[held:], gamma, item.sampling,
                                            branches=item.branches, masked_ids=item.masked_ids,

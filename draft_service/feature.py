@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from draft_service.grammar_state import DraftGrammars
+from draft_service.penalty_state import DraftPenalties
 from draft_service.proposer import GREEDY, _Picker, node_tables, q_rows
 from draft_service.work_ahead import Ahead, Prepared
 from kernels.lm_head import Hidden
@@ -62,6 +63,7 @@ class FeatureProposer(Proposer):
             raise ValueError(f"q_support={q_support!r}: must be >= 1")
         self.draft = draft
         self.grammars = DraftGrammars(grammars)  # constrained sequences' matchers (None compiler: unmasked)
+        self.penalties = DraftPenalties()  # penalised sequences' counts
         self.q_support = q_support
         self.max_len = max_seq_len
         self.width = draft.head.spec.input_width  # H per target layer it reads
@@ -115,6 +117,7 @@ class FeatureProposer(Proposer):
             self.ahead.forget(key)
             self.unread.pop(key, None)
             self.grammars.release([key])
+            self.penalties.release([key])
             if slot is not None:
                 self._free.append(slot)
 
@@ -124,6 +127,7 @@ class FeatureProposer(Proposer):
         out = [Proposal([], 0, source=SOURCE) for _ in items]
         picker = _Picker(items, max((item.gamma for item in items), default=0), self.q_support,
                          self.draft.rows.device, self.draft.head.output_ids, second=self.ahead.outcomes > 1)
+        picker.vocab = self.vocab_size
         guessed = []
         self.plans = {}
         for b, item in enumerate(items):
@@ -142,13 +146,17 @@ class FeatureProposer(Proposer):
             self.lengths[item.key] = out[b].length = n
             last = self._extend(item, slot, features)
             grammar = picker.grammars[b] = self.grammars.sync(item)
+            penalty = picker.penalties[b] = self.penalties.sync(item)
             lead = item.forced  # fed with the head's own features, as its guesses are: not held
             gamma = min(item.gamma, self.max_len - n - len(lead))
             if last is None or gamma <= 0:
                 self.grammars.hold(item.key, n)
+                self.penalties.hold(item.key, n)
                 continue
             if grammar is not None:
                 grammar.take(lead)  # a refused one: this round guesses unmasked
+            if penalty is not None:
+                penalty.take(lead)
 
             def choose(g: torch.Tensor, step: int, b: int = b, skip: int = len(lead)) -> int:
                 return int(picker.pick(Hidden(g[None], self.output), [b], step - skip)[0])
@@ -157,10 +165,12 @@ class FeatureProposer(Proposer):
                                           self.draft.rows, choose, forced=lead)[len(lead):]
             out[b].tokens, out[b].parents = picker.tree(b, chain)
             self.grammars.hold(item.key, n)  # the head holds the appended tokens, not its guesses
+            self.penalties.hold(item.key, n)
             guessed.append((b, gamma))
             seconds = picker.seconds(b)[: len(chain)] if item.sampling.greedy else []
-            # Rounds drafted ahead mask nothing: min_tokens' first tokens and constrained rows draft afresh.
-            if not item.masked_ids and grammar is None and not lead:
+            # Rounds drafted ahead mask and penalise nothing: min_tokens' first tokens, constrained
+            # and penalised rows draft afresh.
+            if not item.masked_ids and grammar is None and penalty is None and not lead:
                 self.plans[item.key] = _Plan(n, chain, gamma, last, seconds, item.sampling)
         width, q_ids, q_probs = picker.tables()
         for b, gamma in guessed:

@@ -3,7 +3,7 @@ distribution (docs/architecture.md §7.5): a guess the grammar refuses is one th
 reject, and masking it moves the draft's mass onto tokens the target can keep.
 
 The constraint travels with a sequence's first item (``ProposeItem.constraint``, on an item with
-``rollback_to`` 0; ``constraint_start`` the position of the first token the grammar reads: the
+``rollback_to`` 0; ``output_start`` the position of the first token the grammar reads: the
 prompt's length). The draft compiles it on its own tokenizer (cached by source, as the target's)
 and keeps one matcher per sequence at the tokens it holds: each item rolls the matcher back to
 ``rollback_to``, feeds it the appended tokens, and each guess is drawn from the draft's logits
@@ -123,7 +123,7 @@ class DraftGrammars:
             log.warning("sequence %r drafts unmasked: this draft cannot compile its constraint: %s", item.key, err)
             self.unmasked += 1
             return None
-        return GrammarRow(grammar.matcher(), item.constraint_start)
+        return GrammarRow(grammar.matcher(), item.output_start)
 
     def _drop(self, key: Hashable, why: str) -> None:
         self.rows.pop(key, None)

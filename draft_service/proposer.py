@@ -42,6 +42,7 @@ import torch
 
 import kernels
 from draft_service.grammar_state import DraftGrammars, GrammarRow, allowed_rows
+from draft_service.penalty_state import DraftPenalties, PenaltyRow
 from draft_service.work_ahead import Ahead, Prepared
 from kernels.lm_head import Hidden
 from kernels.nbest import MAX_K, top_scores
@@ -72,6 +73,7 @@ class DraftProposer(Proposer):
             raise ValueError(f"q_support={q_support!r}: must be >= 1")
         self.model = model
         self.grammars = DraftGrammars(grammars)  # constrained sequences' matchers (None compiler: unmasked)
+        self.penalties = DraftPenalties()  # penalised sequences' counts
         self.q_support = q_support  # bounds the size of each q on the wire, whatever the vocabulary
         self.max_len = min(max_seq_len, model.config.max_position_embeddings)
         self.cache = model.new_cache(max_slots, self.max_len)
@@ -113,13 +115,14 @@ class DraftProposer(Proposer):
             self.ahead.forget(key)
             self.rewritten.pop(key, None)
             self.grammars.release([key])
+            self.penalties.release([key])
             if slot is not None:
                 self.cache.free(slot)
 
     @torch.inference_mode()
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         out = [Proposal([], 0) for _ in items]
-        rows, gammas, grammars = [], [], []
+        rows, gammas, grammars, penalties = [], [], [], []
         self.plans = {}
         # A constrained row's forced tokens go into the context, held as the appended tokens are.
         items = [with_forced_appended(item) for item in items]
@@ -136,15 +139,18 @@ class DraftProposer(Proposer):
                 continue
             out[i].length = item.rollback_to  # the appended tokens are only fed when guessing
             grammar = self.grammars.sync(item)
+            penalty = self.penalties.sync(item)
             gamma = min(item.gamma, self.max_len - item.rollback_to - len(item.append))
             if gamma > 0:
                 rows.append((i, item, slot))
                 gammas.append(gamma)
                 grammars.append(grammar)
+                penalties.append(penalty)
         if not rows:
             self._hold_grammars(items, out)
             return out
-        guesses, picker = self._guess(rows, gammas, second=self.ahead.outcomes > 1, grammars=grammars)
+        guesses, picker = self._guess(rows, gammas, second=self.ahead.outcomes > 1, grammars=grammars,
+                                      penalties=penalties)
         width, q_ids, q_probs = picker.tables()
         for b, ((i, item, slot), gamma, tokens) in enumerate(zip(rows, gammas, guesses)):
             out[i].tokens, out[i].parents = picker.tree(b, tokens[:gamma])
@@ -156,16 +162,19 @@ class DraftProposer(Proposer):
             out[i].length = item.rollback_to + len(item.append) + gamma - 1
             self.cache.set_length(slot, out[i].length)
             seconds = picker.seconds(b)[:gamma] if item.sampling.greedy else []
-            # Rounds drafted ahead mask nothing: min_tokens' first tokens and constrained rows draft afresh.
-            if not item.masked_ids and grammars[b] is None:
+            # Rounds drafted ahead mask and penalise nothing: min_tokens' first tokens, constrained
+            # and penalised rows draft afresh.
+            if not item.masked_ids and grammars[b] is None and penalties[b] is None:
                 self.plans[item.key] = _Plan(out[i].length, gamma, tokens[:gamma], seconds, item.sampling)
         self._hold_grammars(items, out)
         return out
 
     def _hold_grammars(self, items: list[ProposeItem], out: list[Proposal]) -> None:
-        """The constrained sequences' matchers rolled back to the tokens the draft holds."""
+        """The constrained sequences' matchers and the penalised ones' counts rolled back to the
+        tokens the draft holds."""
         for item, reply in zip(items, out):
             self.grammars.hold(item.key, reply.length)
+            self.penalties.hold(item.key, reply.length)
 
     def _answer_prepared(self, item: ProposeItem, out: Proposal,
                          rewritten: tuple[int, list[int]] | None) -> bool:
@@ -257,17 +266,21 @@ class DraftProposer(Proposer):
 
     def _guess(self, rows: list[tuple[Hashable, ProposeItem, int]], gammas: list[int],
                stop: Callable[[], bool] | None = None, second: bool = False,
-               grammars: list[GrammarRow | None] | None = None) -> tuple[list[list[int]], _Picker]:
+               grammars: list[GrammarRow | None] | None = None,
+               penalties: list[PenaltyRow | None] | None = None) -> tuple[list[list[int]], _Picker]:
         """Appends each row's tokens, then decodes max(gammas) tokens for all rows at once;
         returns each row's guesses and the picker that chose them (the q tables of sampling rows,
         the runner-ups of rows that may branch). When ``stop()`` turns true, fewer: the guesses
-        made before it. ``grammars``: per row its matcher (constrained rows guess masked)."""
+        made before it. ``grammars``: per row its matcher (constrained rows guess masked);
+        ``penalties``: per row its counts (penalised rows guess from penalised logits)."""
         batch, steps = len(rows), max(gammas)
         device = self.model.device
         picker = _Picker([item for _, item, _ in rows], steps, self.q_support, device, self.model.output_token_ids,
                          second)
         if grammars is not None:
             picker.grammars = list(grammars)
+        if penalties is not None:
+            picker.penalties, picker.vocab = list(penalties), self.vocab_size
         head = self.model.output_head
         first = torch.empty(batch, dtype=torch.int64, device=device)  # [B]
         by_len: dict[int, list[int]] = defaultdict(list)
@@ -365,6 +378,11 @@ class _Picker:
         # Constrained rows: the draft's matcher of each (draft_service/grammar_state.py), which masks
         # its guesses and takes each one it picks; None: free text.
         self.grammars: list[GrammarRow | None] = [None] * len(items)
+        # Penalised rows: the draft's count of each (draft_service/penalty_state.py), which penalises
+        # its logits as the target's are there and takes each guess it picks; None: no penalties.
+        # ``vocab``: the tokenizer's ids, over which the counts are kept.
+        self.penalties: list[PenaltyRow | None] = [None] * len(items)
+        self.vocab = 0
         self._columns: dict[int, int] | None = None  # token id -> logit column (a subset head's)
         if not self.sampling:
             return
@@ -378,8 +396,11 @@ class _Picker:
         torch backend every row's logits are built."""
         masked = self._masked(members, step)  # [(i, columns)]: rows that may not guess some ids here
         constrained = any(self.grammars[b] is not None for b in members)
-        if kernels.backend(scores.states) == "torch" or masked or constrained:
+        penalised = [(i, self.penalties[b]) for i, b in enumerate(members) if self.penalties[b] is not None]
+        if kernels.backend(scores.states) == "torch" or masked or constrained or penalised:
             logits = scores.logits()  # [b, V or N]
+            for i, row in penalised:  # first, as the target's settle: then min_tokens' and the grammar's masks
+                row.apply(logits[i], self.vocab, self.output_ids)
             for i, columns in masked:  # processed as the target processes its own: those ids get no mass
                 logits[i, columns] = float("-inf")
             refused = self._refused(members, logits.shape[-1]) if constrained else None  # [b, V or N] or None
@@ -435,13 +456,17 @@ class _Picker:
         return torch.from_numpy(refused) if refused.any() else None
 
     def _feed(self, members: list[int], tokens: torch.Tensor) -> torch.Tensor:
-        """The constrained rows' matchers take the guesses just picked (``tokens`` [b], returned)."""
+        """The constrained rows' matchers and the penalised rows' counts take the guesses just
+        picked (``tokens`` [b], returned)."""
         fed = [(i, self.grammars[b]) for i, b in enumerate(members) if self.grammars[b] is not None]
-        if fed:
+        counted = [(i, self.penalties[b]) for i, b in enumerate(members) if self.penalties[b] is not None]
+        if fed or counted:
             picked = tokens.tolist()
             for i, row in fed:
                 if row.live:
                     row.take([picked[i]])
+            for i, row in counted:
+                row.take([picked[i]])
         return tokens
 
     def _masked(self, members: list[int], step: int) -> list[tuple[int, list[int]]]:

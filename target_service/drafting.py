@@ -429,8 +429,11 @@ class Drafting:
                 continue  # a feature draft's (re)sync that does not fit this call: the next ones
             budget -= len(features.get("features", b""))
             row = plan.checks[i]  # the ids its guesses may not be, and until where (min_tokens)
-            if seq.matcher is not None and held.length == 0:  # the draft's own matcher starts here
-                features.update(constraint=seq.constraint, constraint_start=seq.prompt_len)
+            if held.length == 0:  # the draft holds nothing: its matcher and penalty counts start here
+                if seq.matcher is not None:
+                    features.update(constraint=seq.constraint, output_start=seq.prompt_len)
+                if seq.penalties is not None:
+                    features.update(penalties=seq.penalties.penalties, output_start=seq.prompt_len)
             # A constrained row verifies a chain (its masks follow one path): it asks for no branches.
             plan.items.append(ProposeItem(seq.seq_id, held.length, append, gamma, seq.sampling,
                                           branches=branches[i] if gamma and seq.matcher is None else 0,

@@ -5,14 +5,7 @@ tokens are committed) and the proposals on the node's path (a chain's first j fo
 node's ancestors). Plain decoding is the same call with one node and no proposals, so greedy
 speculative output equals plain output token for token, and a sampled row's p is the distribution
 plain decoding samples there (Leviathan's rule against the draft's q, whatever q was, keeps it).
-
-Order, the same at every node: logit_bias added; repetition_penalty on each token of the prompt
-and the output (a positive logit divided by it, any other multiplied); then frequency_penalty
-times the token's count in the output plus presence_penalty, subtracted. Each is a
-vocabulary-wide elementwise operation on the node's own row of logits (a token the penalty does
-not touch gets exactly its logit back), so a node's result does not depend on the others. This is
-the torch reference and the only implementation: penalties are rare, and they cost a few
-vocabulary-sized vector operations per penalised row and node.
+Each node's logits are penalised by kernels/penalties.py (the order, and the draft's same call).
 """
 
 from __future__ import annotations
@@ -21,6 +14,7 @@ from collections import Counter
 
 import torch
 
+from kernels.penalties import apply_penalties, count_vector, id_mask
 from specstream.data.penalties import Penalties
 
 __all__ = ["PenaltyState", "node_paths", "penalize"]
@@ -31,7 +25,7 @@ class PenaltyState:
 
     def __init__(self, penalties: Penalties, prompt: list[int]) -> None:
         self.penalties = penalties
-        self.prompt_ids = torch.tensor(sorted(set(prompt)), dtype=torch.int64)
+        self.prompt_ids = sorted(set(prompt))
         self.output: Counter[int] = Counter()
 
     def take(self, token: int) -> None:
@@ -55,30 +49,12 @@ def penalize(logits: torch.Tensor, rows: list) -> None:
         state: PenaltyState | None = row.penalties
         if state is None:
             continue
-        counts = torch.zeros(vocab, dtype=logits.dtype, device=device)  # the committed output's counts
-        if state.output:
-            ids = list(state.output)
-            counts[torch.tensor(ids, device=device)] = torch.tensor([state.output[t] for t in ids],
-                                                                    dtype=logits.dtype, device=device)
-        prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
-        prompt[state.prompt_ids.to(device)] = True
+        counts = count_vector(state.output, vocab, logits.dtype, device)  # the committed output's counts
+        prompt = id_mask(state.prompt_ids, vocab, device)
         nodes = min(len(row.proposals) + 1, logits.shape[1])
         for j, path in enumerate(node_paths(list(row.proposals), list(row.parents), nodes)):
             node = counts
             if path:
                 node = counts.index_add(0, torch.tensor(path, device=device),
                                         torch.ones(len(path), dtype=logits.dtype, device=device))
-            _apply(logits[b, j], state.penalties, node, prompt)
-
-
-def _apply(scores: torch.Tensor, p: Penalties, counts: torch.Tensor, prompt: torch.Tensor) -> None:
-    """One node's logits [V], in place, given its output counts [V] and the prompt's ids [V] bool."""
-    if p.logit_bias:
-        ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.int64, device=scores.device)
-        scores[ids] += torch.tensor([bias for _, bias in p.logit_bias], dtype=scores.dtype, device=scores.device)
-    present = counts > 0
-    if p.repetition != 1.0:
-        seen = prompt | present
-        scores.copy_(torch.where(seen, torch.where(scores > 0, scores / p.repetition, scores * p.repetition), scores))
-    if p.uses_counts:
-        scores.sub_(counts * p.frequency + present.to(scores.dtype) * p.presence)  # 0 where absent: unchanged
+            apply_penalties(logits[b, j], state.penalties, node, prompt)

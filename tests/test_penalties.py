@@ -8,7 +8,8 @@ direct computation; plain decoding against decoding by full recomputation with t
 penalties; greedy speculative output equals plain output token for token with each penalty on,
 for every draft and γ, and for a tree; sampled output under coupled verification equals plain's
 token for token, and under Leviathan's rule has plain's distribution (two-sample chi-square,
-false alarm 1e-3 per position).
+false alarm 1e-3 per position). The draft applies the same penalties (draft_service/penalty_state.py):
+a draft with the target's weights is never refused, and every draft counts exactly what it holds.
 """
 
 from __future__ import annotations
@@ -158,10 +159,12 @@ def test_speculative_greedy_equals_plain_with_each_penalty(model_zoo, prompts, p
     tokens, finals = run_engine(model_zoo["target"], model_zoo[draft], prompts, gamma=gamma, max_new_tokens=MAX_NEW,
                                 penalties=PENALTIES[name], config={"calibrate": False})
     assert tokens == plain[name]
-    # The draft guesses unpenalised; its guesses are kept where the penalty does not move the argmax
-    # (a +4 logit_bias on this tiny model's flat logits moves it nearly everywhere).
-    if draft == "same" and name != "logit_bias":
-        assert sum(f.stats.accepted_tokens for f in finals) > 0
+    # The draft penalises its own logits as the target does at each guess's position
+    # (draft_service/penalty_state.py): the target's own weights as the draft guess its penalised
+    # argmax every time, even where a +4 logit_bias moves it on this tiny model's flat logits.
+    if draft == "same":
+        assert sum(f.stats.rejections for f in finals) == 0
+        assert sum(f.stats.accepted_tokens for f in finals) == sum(f.stats.draft_tokens for f in finals) > 0
 
 
 def test_a_tree_gives_plain_output_with_penalties(model_zoo, prompts, plain):
@@ -209,3 +212,91 @@ def test_leviathan_speculative_sampling_keeps_the_penalised_distribution(samplin
                          sampling=params, max_slots=64)
     repeats = [sum(n - 1 for seq in runs for n in Counter(seq).values()) for runs in (free, sampled_plain)]
     assert repeats[1] < repeats[0] * 0.8  # the frequency penalty makes repeats rarer
+
+
+# ----- the draft's own penalties ----------------------------------------------------------------------------
+def test_the_draft_counts_what_it_holds_through_guesses_and_rollbacks():
+    from draft_service.penalty_state import DraftPenalties
+    from specstream.data.propose import ProposeItem
+
+    held, p = DraftPenalties(), PENALTIES["all"]
+    row = held.sync(ProposeItem("s", 0, [5, 6, 7, 9], 3, penalties=p, output_start=3))  # prompt 5 6 7, output 9
+    assert row.penalties == p and row.output == Counter({9: 1})
+    row.take([9, 4])  # two guesses picked
+    assert row.output == Counter({9: 2, 4: 1})
+    held.hold("s", 5)  # a token draft holds its guesses but the last
+    assert row.tokens == [5, 6, 7, 9, 9] and row.output == Counter({9: 2})
+    row = held.sync(ProposeItem("s", 4, [8], 3))  # the target kept none of them: rolled back, its token appended
+    assert row.tokens == [5, 6, 7, 9, 8] and row.output == Counter({9: 1, 8: 1})
+    assert held.sync(ProposeItem("s", 9, [1], 3)) is None and "s" not in held.rows  # past what it holds: dropped
+    assert held.sync(ProposeItem("t", 0, [5, 6], 3)) is None  # not penalised
+
+
+def test_a_subset_head_is_penalised_as_the_whole_vocabulary_is():
+    from kernels.penalties import apply_penalties, count_vector, id_mask
+
+    torch.manual_seed(0)
+    vocab, p = 50, PENALTIES["all"]
+    full = torch.randn(vocab)
+    columns = torch.tensor([3, 7, 0, 12, 40, 41, 9])  # a head over these ids, in its own order
+    counts, prompt = count_vector({3: 2, 12: 1, 8: 4}, vocab, torch.float32, full.device), id_mask([0, 40], vocab, full.device)
+    subset = full[columns].clone()
+    apply_penalties(full, p, counts, prompt)
+    apply_penalties(subset, p, counts, prompt, columns)
+    assert torch.equal(subset, full[columns])
+
+
+class _Holdings:
+    """A proposer passed through, keeping after each call, per penalised sequence, the tokens its
+    draft counts (``draft`` is the model proposer holding the ``penalties`` rows)."""
+
+    def __init__(self, inner, draft) -> None:
+        self.inner, self.draft, self.first, self.held = inner, draft, {}, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, items):
+        replies = self.inner.propose(items)
+        for item, reply in zip(items, replies):
+            if item.rollback_to == 0:
+                self.first[item.key] = item
+            row = self.draft.penalties.rows.get(item.key)
+            self.held.append((item, reply, list(row.tokens) if row is not None else None))
+        return replies
+
+
+@pytest.mark.parametrize("kind", ["token", "feature+lookup"])
+def test_the_draft_penalises_with_the_tokens_it_holds(model_zoo, feature_pair, prompts, plain, kind):
+    """The penalties reach the draft (through prompt lookup too) with the sequence's first item, and
+    after every call it counts exactly what it holds: the sequence's prompt and committed output,
+    then the guesses it keeps (a token draft's, but the last). Plain output, token for token."""
+    from pathlib import Path
+
+    from draft_service.combined import NgramPlusModelProposer
+    from draft_service.feature import FeatureProposer
+    from draft_service.proposer import DraftProposer
+    from specstream.models.feature_draft import load_feature_draft
+
+    if kind == "token":
+        draft = DraftProposer(load_model(model_zoo["partial"]), max_slots=16, max_seq_len=512)
+        proposer = _Holdings(draft, draft)
+    else:
+        draft = FeatureProposer(load_feature_draft(feature_pair["draft"], Path), 16, 512)
+        proposer = _Holdings(NgramPlusModelProposer(draft, 16, min_n=1), draft)
+    tokens, _ = run_engine(model_zoo["target"], None, prompts, 3, MAX_NEW, proposer=proposer,
+                           penalties=PENALTIES["all"], config={"calibrate": False})
+    assert tokens == plain["all"]
+    seq_prompts = {}
+    for key, item in proposer.first.items():
+        assert item.penalties == PENALTIES["all"]
+        seq_prompts[key] = item.append[: item.output_start]
+    assert sorted(map(tuple, seq_prompts.values())) == sorted(map(tuple, prompts))
+    counted = [(item, reply, held) for item, reply, held in proposer.held if held is not None]
+    assert counted
+    outputs = {tuple(p): out for p, out in zip(prompts, tokens)}
+    for item, reply, held in counted:
+        whole = seq_prompts[item.key] + outputs[tuple(seq_prompts[item.key])]
+        sent = item.rollback_to + len(item.append)  # committed: the sequence's own tokens
+        assert held == [*whole[:sent], *reply.tokens][: len(held)]
+        assert len(held) == reply.length or reply.source != "model"  # lookup's answers leave the model behind

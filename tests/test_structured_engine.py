@@ -146,11 +146,14 @@ def test_a_grammar_aware_draft_is_kept_where_a_free_one_is_cut(model_zoo, plain,
     assert kept[True] > kept[False]
 
 
-def test_the_constraint_travels_to_the_draft_with_the_first_item():
+def test_the_constraint_and_penalties_travel_to_the_draft_with_the_first_item():
     from specstream.data.propose import ProposeItem
     from specstream.data.propose_wire import item_from_pb, item_to_pb
 
-    item = ProposeItem(3, 0, [7, 8, 9], 4, constraint=CONSTRAINTS["choice"], constraint_start=2, forced=[11, 12])
+    from specstream.data.penalties import Penalties
+
+    item = ProposeItem(3, 0, [7, 8, 9], 4, constraint=CONSTRAINTS["choice"], output_start=2, forced=[11, 12],
+                       penalties=Penalties(presence=0.5, logit_bias=((4, -2.0),)))
     assert item_from_pb(3, item_to_pb(item)) == item and item.first_guess == 5
     free = ProposeItem(3, 5, [7], 4)
     assert item_from_pb(3, item_to_pb(free)) == free and not item_to_pb(free).HasField("constraint")

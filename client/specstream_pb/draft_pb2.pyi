@@ -27,7 +27,7 @@ class ProposeBatch(_message.Message):
     def __init__(self, step: _Optional[int] = ..., items: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ...) -> None: ...
 
 class ProposeItem(_message.Message):
-    __slots__ = ("seq_id", "rollback_to", "append_token_ids", "gamma", "sampling", "features", "feature_dtype", "feature_width", "branches", "masked_token_ids", "masked_until", "constraint", "constraint_start", "traceparent", "forced_token_ids")
+    __slots__ = ("seq_id", "rollback_to", "append_token_ids", "gamma", "sampling", "features", "feature_dtype", "feature_width", "branches", "masked_token_ids", "masked_until", "constraint", "output_start", "penalties", "traceparent", "forced_token_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_TO_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -40,7 +40,8 @@ class ProposeItem(_message.Message):
     MASKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MASKED_UNTIL_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
-    CONSTRAINT_START_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_START_FIELD_NUMBER: _ClassVar[int]
+    PENALTIES_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     FORCED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
@@ -55,10 +56,11 @@ class ProposeItem(_message.Message):
     masked_token_ids: _containers.RepeatedScalarFieldContainer[int]
     masked_until: int
     constraint: _common_pb2.Constraint
-    constraint_start: int
+    output_start: int
+    penalties: _common_pb2.Penalties
     traceparent: str
     forced_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., rollback_to: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., features: _Optional[bytes] = ..., feature_dtype: _Optional[str] = ..., feature_width: _Optional[int] = ..., branches: _Optional[int] = ..., masked_token_ids: _Optional[_Iterable[int]] = ..., masked_until: _Optional[int] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., constraint_start: _Optional[int] = ..., traceparent: _Optional[str] = ..., forced_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., rollback_to: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., features: _Optional[bytes] = ..., feature_dtype: _Optional[str] = ..., feature_width: _Optional[int] = ..., branches: _Optional[int] = ..., masked_token_ids: _Optional[_Iterable[int]] = ..., masked_until: _Optional[int] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., output_start: _Optional[int] = ..., penalties: _Optional[_Union[_common_pb2.Penalties, _Mapping]] = ..., traceparent: _Optional[str] = ..., forced_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Release(_message.Message):
     __slots__ = ("seq_ids",)

@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import Protocol
 
 from specstream.data.constraint import Constraint
+from specstream.data.penalties import Penalties
 from specstream.data.sampling import GREEDY, SamplingParams
 
 __all__ = ["FEATURE_DTYPE", "NO_ACCEPTANCE", "SOURCE", "DraftInfo", "Proposal", "ProposeItem", "Proposer",
@@ -46,10 +47,14 @@ class ProposeItem:
     masked_ids: frozenset[int] = frozenset()
     masked_until: int = 0
     # A constrained sequence's constraint, on its items with rollback_to 0 (the draft holds nothing
-    # of it): the grammar reads its tokens from position constraint_start (the prompt's length) on,
+    # of it): the grammar reads its tokens from position output_start (the prompt's length) on,
     # and the draft guesses from its distribution masked by it (draft_service/grammar_state.py).
     constraint: Constraint | None = None
-    constraint_start: int = 0
+    # A penalised sequence's penalties, on its items with rollback_to 0: the draft applies them at
+    # each guess as the target does there, counting the prompt (before output_start) and the output
+    # (from it on, its guesses included) (draft_service/penalty_state.py).
+    penalties: Penalties | None = None
+    output_start: int = 0  # with a constraint or penalties: the position of the first output token
     # A constrained sequence's forced tokens after ``append``: what its grammar allows alone there,
     # proposed already by the target (not committed). The draft guesses on from them: its guesses
     # land after them and are the only tokens it sends back. It may hold them as it holds its own

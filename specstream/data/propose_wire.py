@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from specstream.data.constraint import Constraint
+from specstream.data.penalties import Penalties
 from specstream.data.propose import FEATURE_DTYPE, DraftInfo, Proposal, ProposeItem
 from specstream.data.sampling import SamplingParams
 from specstream_pb import common_pb2, draft_pb2
@@ -26,7 +27,11 @@ def item_to_pb(item: ProposeItem, traceparent: str = "") -> draft_pb2.ProposeIte
     features = {"features": item.features, "feature_width": item.feature_width,
                 "feature_dtype": item.feature_dtype} if item.feature_width else {}
     if item.constraint is not None:
-        features.update(constraint=item.constraint.to_pb(), constraint_start=item.constraint_start)
+        features.update(constraint=item.constraint.to_pb())
+    if item.penalties is not None:
+        features.update(penalties=item.penalties.to_pb())
+    if item.constraint is not None or item.penalties is not None:
+        features.update(output_start=item.output_start)
     return draft_pb2.ProposeItem(
         seq_id=item.key, rollback_to=item.rollback_to, append_token_ids=item.append, gamma=item.gamma,
         sampling=common_pb2.Sampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed),
@@ -45,7 +50,8 @@ def item_from_pb(key: Hashable, pb: draft_pb2.ProposeItem) -> ProposeItem:
                        features=pb.features, feature_width=pb.feature_width, feature_dtype=dtype,
                        branches=pb.branches, masked_ids=frozenset(pb.masked_token_ids), masked_until=pb.masked_until,
                        constraint=Constraint.from_pb(pb.constraint) if pb.HasField("constraint") else None,
-                       constraint_start=pb.constraint_start, forced=list(pb.forced_token_ids))
+                       penalties=Penalties.from_pb(pb.penalties) if pb.HasField("penalties") else None,
+                       output_start=pb.output_start, forced=list(pb.forced_token_ids))
 
 
 def proposal_to_pb(seq_id: int, proposal: Proposal) -> draft_pb2.Proposal:
