@@ -19,10 +19,10 @@ Constrained rows (a grammar masks their output) are pooled apart from free text:
 proposer's name gains ``+grammar`` (``pooled_source``), since a draft guessing from a masked
 distribution on a schema's values accepts at another rate than on prose, and the forced tokens
 before its guesses are not counted (the drafting scores the draft's own guesses). A constrained
-pool starts from ``prior_alpha``: no draft card states a constrained α. At batch 1 a row's forced
-tokens (``RowView.forced``) are priced too: the pass verifies them with or without guesses, so
-guesses must pay for the draft's call and their positions against a pass that already commits
-1 + forced tokens (a batch of several rows is chosen as if it had none).
+pool starts from ``prior_alpha``: no draft card states a constrained α. A row's forced tokens
+(``RowView.forced``) are priced too: the pass verifies them with or without guesses, so guesses
+must pay for the draft's call and their positions against a pass that already commits 1 + forced
+tokens; in a batch the verify is padded to the deepest row's forced tokens and guesses.
 Rows with ``speculation=fixed`` get their γ; ``off`` rows get 0. Every choice is capped by the
 row's caps (budget, draft context: target_service/drafting.py) and its request's ``max_gamma``.
 
@@ -427,23 +427,33 @@ class GammaController:
                 self.costs.step_s(len(rows), 1, 1, max(rows[i].unfed, 1), sampling, sampling))
 
     def _nothing_pays(self, rows: list[RowView], auto: list[int], limits: dict[int, int], alphas: dict[int, float],
-                      fixed_expected: float, plain: tuple[int, int, int, int, int], plain_rate: float) -> bool:
-        """True when no γ vector can gain ``min_gain`` over the plain step (``plain``: its size,
-        the fixed rows' proposals only), by a bound that costs a few predictions instead of
-        ``_goodput``'s search: every auto row's most tokens (its limit) over the cheapest step in
-        which any auto row guesses (draft and verify costs never fall with size, bar the verify's
-        per-size corrections: every depth is tried). Most steps of a row that does not pay end here."""
-        tokens = fixed_expected + sum(expected_tokens(alphas[i], limits[i]) for i in auto)
-        depth, proposals, drafting, sampled, sampled_rows = plain
+                      fixed_expected: float, plain: tuple[int, int, int, int, int, int], plain_rate: float) -> bool:
+        """True when no γ vector can gain ``min_gain`` over the plain step (``plain``: its verify
+        depth, draft depth, the fixed rows' proposals and drafting rows), by a bound that costs a
+        few predictions instead of ``_goodput``'s search: every auto row's most tokens (its limit)
+        over the cheapest step in which any auto row guesses (draft and verify costs never fall
+        with size, bar the verify's per-size corrections: every depth is tried). Most steps of a
+        row that does not pay end here."""
+        tokens = fixed_expected + sum(rows[i].forced + expected_tokens(alphas[i], limits[i]) for i in auto)
+        verify_depth, draft_depth, proposals, drafting, sampled, sampled_rows = plain
         least = int(all(not rows[i].greedy for i in auto))  # a guessing auto row is a sampling one
         deepest = max(limits[i] for i in auto)
         if deepest == 0:
             return True
-        verify = min(self.costs.verify_s(len(rows) * (max(depth, d) + 1), sampled_rows + least)
+        lead = min(rows[i].forced for i in auto)  # a guess lands after its row's forced tokens
+        verify = min(self.costs.verify_s(len(rows) * (max(verify_depth, lead + d) + 1), sampled_rows + least)
                      for d in range(1, deepest + 1))
-        cheapest = (verify + self.costs.draft_s(max(depth, 1), proposals + 1, drafting + 1, sampled + least)
+        cheapest = (verify + self.costs.draft_s(max(draft_depth, lead + 1), proposals + 1, drafting + 1, sampled + least)
                     + self.costs.other_s)
         return tokens / cheapest < plain_rate * (1.0 + self.min_gain)
+
+    def _step_s(self, rows: int, verify_depth: int, draft_depth: int, proposals: int, drafting: int,
+                sampled: int, sampled_rows: int) -> float:
+        """``CostModel.step_s`` with the verify padded to ``verify_depth`` (forced tokens included)
+        and the draft run ``draft_depth`` deep (0: not asked)."""
+        costs = self.costs
+        return (costs.verify_s(rows * (verify_depth + 1), sampled_rows)
+                + costs.draft_s(draft_depth, proposals, drafting, sampled) + costs.other_s)
 
     def _goodput_one(self, gammas: list[int], row: RowView, limit: int, alpha: float) -> None:
         """``_goodput`` for a step of one row (batch 1, the latency case), in place: every depth up to
@@ -483,18 +493,24 @@ class GammaController:
         residual, whatever its γ): not a per-proposal price, so each depth is also tried with the
         sampling rows at γ = 0.
         Dinkelbach's iteration (λ ← the best goodput found) over every G converges in a few rounds;
-        G = 0 (nothing proposed) is always a candidate."""
+        G = 0 (nothing proposed) is always a candidate. A row's forced tokens (``RowView.forced``)
+        come first: certain tokens that every candidate verifies, its guesses landing after them,
+        so the verify is padded to the deepest row's forced + γ and the draft runs that deep."""
         costs = self.costs
         others = [i for i in range(len(rows)) if i not in limits]
-        fixed_expected = sum(expected_tokens(self.alpha(rows[i].seq_id, rows[i].greedy), gammas[i]) for i in others)
-        fixed_depth = max((gammas[i] for i in others), default=0)
+        fixed_expected = sum(rows[i].forced + expected_tokens(self.alpha(rows[i].seq_id, rows[i].greedy), gammas[i])
+                             for i in others)
+        # Verify depth: every row's forced tokens and guesses; draft depth: the drafting rows' only.
+        fixed_depth = max((rows[i].forced + gammas[i] for i in range(len(rows))), default=0)
+        fixed_draft_depth = max((rows[i].forced + gammas[i] for i in others if gammas[i] > 0), default=0)
         fixed_proposals = sum(gammas[i] for i in others)
         fixed_drafting = sum(1 for i in others if gammas[i] > 0)
         fixed_sampled = sum(gammas[i] for i in others if not rows[i].greedy)
         fixed_sampled_rows = sum(1 for i in others if gammas[i] > 0 and not rows[i].greedy)
-        plain = (fixed_depth, fixed_proposals, fixed_drafting, fixed_sampled, fixed_sampled_rows)
-        plain_s = costs.step_s(len(rows), *plain)
-        plain_rate = (fixed_expected + len(auto)) / plain_s
+        plain = (fixed_depth, fixed_draft_depth, fixed_proposals, fixed_drafting, fixed_sampled, fixed_sampled_rows)
+        forced = np.array([rows[i].forced for i in auto], dtype=np.int64)  # [A]
+        plain_s = self._step_s(len(rows), *plain)
+        plain_rate = (fixed_expected + len(auto) + int(forced.sum())) / plain_s
         if self._nothing_pays(rows, auto, limits, alphas, fixed_expected, plain, plain_rate):
             self.predicted_s = plain_s
             return
@@ -508,13 +524,12 @@ class GammaController:
                          (1.0 - alpha[:, None] ** (steps + 1)) / np.maximum(1.0 - alpha[:, None], 1e-12),
                          steps + 1.0)  # [A, L + 1]
         row_index = np.arange(len(auto))[:, None]  # [A, 1]
-        # (depth, proposals, drafting, sampled proposals, sampled rows) -> a step's seconds
-        seconds_at: dict[tuple[int, int, int, int, int], float] = {}
+        # (verify depth, draft depth, proposals, drafting, sampled proposals, sampled rows) -> a step's seconds
+        seconds_at: dict[tuple[int, int, int, int, int, int], float] = {}
 
-        def seconds(depth: int, proposals: int, drafting: int, sampled: int, sampled_rows: int) -> float:
-            key = (depth, proposals, drafting, sampled, sampled_rows)
+        def seconds(*key: int) -> float:
             if key not in seconds_at:
-                seconds_at[key] = costs.step_s(len(rows), *key)
+                seconds_at[key] = self._step_s(len(rows), *key)
             return seconds_at[key]
 
         best = np.zeros(len(auto), dtype=np.int64)
@@ -536,17 +551,21 @@ class GammaController:
             if (wanted * sampling).any() and (wanted * ~sampling).any():
                 options.append(wanted * ~sampling)  # the greedy rows draft, the sampling rows do not
             for option in options:
-                deepest = int(option.max(initial=0))
-                # The candidates: every row's wanted γ capped at a depth d = 1..deepest (deeper: the same vector)
-                grid = np.minimum(option[:, None], np.arange(1, deepest + 1))  # [A, D]
-                expected = fixed_expected + table[row_index, grid].sum(axis=0)  # [D]
+                deepest = int((forced + option).max(initial=0))
+                # The candidates: every row's wanted γ capped where its forced tokens and guesses
+                # reach a depth d = 1..deepest (deeper: the same vector)
+                grid = np.clip(np.minimum(option[:, None], np.arange(1, deepest + 1) - forced[:, None]), 0, None)  # [A, D]
+                expected = fixed_expected + int(forced.sum()) + table[row_index, grid].sum(axis=0)  # [D]
+                reach = forced[:, None] + grid  # [A, D]: each row's forced tokens and guesses
+                verify_depth = np.maximum(reach.max(axis=0), fixed_depth)  # [D]
+                draft_depth = np.maximum(np.where(grid > 0, reach, 0).max(axis=0), fixed_draft_depth)  # [D]
                 proposals = grid.sum(axis=0)  # [D]
                 sampled = fixed_sampled + (grid * sampling[:, None]).sum(axis=0)  # [D]
                 drafting = fixed_drafting + int(np.count_nonzero(option))
                 sampled_rows = fixed_sampled_rows + int(np.count_nonzero(option * sampling))
                 for d in range(deepest):
-                    step_s = seconds(max(fixed_depth, d + 1), fixed_proposals + int(proposals[d]), drafting,
-                                     int(sampled[d]), sampled_rows)
+                    step_s = seconds(int(verify_depth[d]), int(draft_depth[d]), fixed_proposals + int(proposals[d]),
+                                     drafting, int(sampled[d]), sampled_rows)
                     rate = float(expected[d]) / step_s
                     if rate > best_rate * (1.0 + 1e-9):
                         best, best_rate, best_s, found = grid[:, d], rate, step_s, True

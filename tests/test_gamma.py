@@ -15,7 +15,7 @@ import statistics
 
 import pytest
 
-from target_service.gamma import AUTO_GAMMA, GammaController, RowView, pooled_source
+from target_service.gamma import AUTO_GAMMA, GammaController, RowView, expected_tokens, pooled_source
 from tests.support.gamma_sim import MAX_GAMMA, SimulatedEngine, analytic_optimum
 
 
@@ -185,6 +185,39 @@ def test_forced_tokens_are_priced_at_batch_one():
         controller.observe_step(1, depth, depth, 0.010 + 0.0005 * depth, (0.002 + 0.001 * depth) if depth else 0.0, 0.0)
     chosen = [controller.choose([RowView(1, AUTO_GAMMA, MAX_GAMMA, True, forced=f)], [MAX_GAMMA])[0] for f in (0, 6)]
     assert chosen[0] > 0 == chosen[1]
+
+
+def test_forced_tokens_are_priced_in_a_batch():
+    """In a batch the verify is padded to the deepest row's forced tokens and guesses: two free rows
+    at α = 0.6 guess, two rows with 6 forced tokens each do not; each choice, mixed batches too, is
+    the best of every γ vector under the same costs (an exhaustive search)."""
+    import itertools
+
+    controller = GammaController(max_gamma=MAX_GAMMA, explore=0.0)
+    for rows, depth in ((1, 0), (2, 1), (2, 2), (1, 4), (2, 8), (2, 0), (1, 3), (2, 5)):
+        verify_s = 0.010 + 0.0005 * rows * (depth + 1)
+        controller.observe_step(rows, depth, rows * depth, verify_s, (0.001 + 0.0003 * rows * depth) if depth else 0.0,
+                                0.0)
+
+    def chosen(forced: tuple[int, int]) -> list[int]:
+        views = [RowView(k + 1, AUTO_GAMMA, MAX_GAMMA, True, forced=f) for k, f in enumerate(forced)]
+        gammas = controller.choose(views, [MAX_GAMMA] * 2)
+        alphas = [controller._optimistic_alpha(k + 1, True, 2) for k in range(2)]
+
+        def rate(vector) -> float:
+            reach = [f + g for f, g in zip(forced, vector)]
+            seconds = controller._step_s(2, max(reach), max((r for r, g in zip(reach, vector) if g), default=0),
+                                         sum(vector), sum(1 for g in vector if g), 0, 0)
+            return sum(f + expected_tokens(a, g) for f, a, g in zip(forced, alphas, vector)) / seconds
+
+        best = max(itertools.product(range(MAX_GAMMA + 1), repeat=2), key=rate)
+        assert rate(gammas) >= rate(best) * (1 - 1e-6) or rate(best) < rate((0, 0)) * (1 + controller.min_gain)
+        return gammas
+
+    assert all(chosen((0, 0)))
+    assert chosen((6, 6)) == [0, 0]
+    for mixed in ((0, 3), (0, 6), (2, 5)):
+        chosen(mixed)
 
 
 def test_probes_of_a_row_far_from_paying_grow_rare():
