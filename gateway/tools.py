@@ -102,23 +102,30 @@ def _parameters(field: str, text: str) -> str:
     return text
 
 
-def conversation(messages: list[generation_pb2.ChatMessage], tools: ToolRequest | None) -> list[dict[str, str]]:
-    """The messages as the chat template reads them: the tools' description joins the system
-    message (one is put first where there is none), an assistant's earlier calls are written as it
-    writes them, a tool's result is a ``tool`` message."""
-    out = [{"role": m.role, "content": _content(i, m)} for i, m in enumerate(messages)]
-    if tools is not None:
-        text = tools_system_text(tools.tools)
-        if out and out[0]["role"] == "system":
-            out[0]["content"] = f"{out[0]['content']}\n\n{text}" if out[0]["content"] else text
-        else:
-            out.insert(0, {"role": "system", "content": text})
-    return out
+def conversation(messages: list[generation_pb2.ChatMessage], tools: ToolRequest | None,
+                 native: bool = False) -> tuple[list[dict], list[dict] | None]:
+    """(the messages as the chat template reads them, the tools to hand it). ``native``: the
+    template renders tools and calls itself (``ChatTemplate.renders_tools``): it gets the tools as
+    OpenAI's entries and an assistant's earlier calls as OpenAI's ``tool_calls`` (arguments as
+    objects). Otherwise the server's default: the tools' description joins the system message
+    (one is put first where there is none) and earlier calls are written into the assistant's
+    content as the model writes them. A tool's result is a ``tool`` message either way."""
+    out = [_message(i, m, native) for i, m in enumerate(messages)]
+    if tools is None:
+        return out, None
+    if native:
+        return out, [tool.spec() for tool in tools.tools]
+    text = tools_system_text(tools.tools)
+    if out and out[0]["role"] == "system":
+        out[0]["content"] = f"{out[0]['content']}\n\n{text}" if out[0]["content"] else text
+    else:
+        out.insert(0, {"role": "system", "content": text})
+    return out, None
 
 
-def _content(i: int, message: generation_pb2.ChatMessage) -> str:
+def _message(i: int, message: generation_pb2.ChatMessage, native: bool) -> dict:
     if not message.tool_calls:
-        return message.content
+        return {"role": message.role, "content": message.content}
     if message.role != "assistant":
         raise InvalidArgumentError(f"messages[{i}].tool_calls", f"<{len(message.tool_calls)} calls>",
                                    "only an assistant message makes calls")
@@ -127,8 +134,20 @@ def _content(i: int, message: generation_pb2.ChatMessage) -> str:
         if not call.name:
             raise InvalidArgumentError(f"messages[{i}].tool_calls[{j}].name", call.name, "must not be empty")
         calls.append(ToolCall(call.name, call.arguments or "{}", call.id))
+    if native:
+        return {"role": "assistant", "content": message.content,
+                "tool_calls": [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c)}}
+                               for c in calls]}
     written = render_calls(calls)
-    return f"{message.content}\n{written}" if message.content else written
+    return {"role": "assistant", "content": f"{message.content}\n{written}" if message.content else written}
+
+
+def _arguments(call: ToolCall) -> object:
+    """An earlier call's arguments as templates read them (an object; its text where it is not JSON)."""
+    try:
+        return json.loads(call.arguments)
+    except ValueError:
+        return call.arguments
 
 
 class CallReader:

@@ -198,10 +198,11 @@ def _chat_ids(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: Te
             _reject_unknown_fields(call, f"messages[{i}].tool_calls[{j}]")
         if m.role not in CHAT_ROLES:
             raise InvalidArgumentError(f"messages[{i}].role", m.role, f"must be one of {list(CHAT_ROLES)}")
-    written = conversation(list(messages), tools)
-    _check_prompt_chars("messages", sum(len(m["content"]) for m in written), limits.prompt_chars(tokenizer), limits)
+    written, native_tools = conversation(list(messages), tools, native=tokenizer.chat_template.renders_tools)
+    chars = sum(len(m["content"]) for m in written) + sum(len(t.parameters) for t in (tools.tools if native_tools else ()))
+    _check_prompt_chars("messages", chars, limits.prompt_chars(tokenizer), limits)
     try:
-        return tokenizer.encode_chat(written)
+        return tokenizer.encode_chat(written, tools=native_tools)
     except ChatError as exc:
         raise InvalidArgumentError("messages", f"<{len(messages)} messages>",
                                    f"the model's chat template rejected them: {exc}") from exc

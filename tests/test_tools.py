@@ -217,3 +217,42 @@ def test_the_call_reader_gives_content_and_whole_calls_as_the_answer_streams() -
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "unit": "celsius"}),
                                                                   ("add", {"a": 2, "b": 3})]
     assert reader.called and len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+
+
+# A chat template with tool support in the <tool_call> format (Qwen2.5's layout, shortened): it
+# lists the tools and writes earlier calls itself.
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{{ messages[0]['content'] if messages[0]['role'] == 'system' else 'Helpful.' }}"
+    "\n\n# Tools (template)\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>"
+    "\nCall with <tool_call></tool_call> tags.<|im_end|>\n{% endif %}"
+    "{% for message in messages %}{% if message['role'] == 'system' and tools %}{% continue %}{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "{% for call in message.get('tool_calls', []) %}<tool_call>\n"
+    "{\"name\": \"{{ call.function.name }}\", \"arguments\": {{ call.function.arguments | tojson }}}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_with_tool_support_renders_the_tools_and_earlier_calls_itself(tokenizer, limits) -> None:
+    """Where the chat template writes tools in the <tool_call> format, the gateway hands it the
+    tools and earlier calls (OpenAI's form) instead of writing its default system text; SmolLM2's
+    template has no tool support, so it gets the default."""
+    from gateway.validation import validate
+    from specstream.text.chat import ChatTemplate
+    from specstream.text.tokenizer import TextTokenizer
+
+    assert not tokenizer.chat_template.renders_tools
+    native = TextTokenizer(tokenizer.tokenizer, eos_token_ids=tokenizer.eos_token_ids,
+                           chat_template=ChatTemplate(HERMES_TEMPLATE))
+    assert native.chat_template.renders_tools
+    earlier = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "name": "get_weather",
+                                                                    "arguments": '{"city":"Paris","unit":"celsius"}'}]},
+               {"role": "tool", "content": '{"temperature": 21}', "tool_call_id": "call_1"}]
+    valid = validate(_chat_request(earlier, tools=_grpc_tools(*TOOLS)), limits, native)
+    prompt = native.decode(valid.prompt_ids)
+    assert "# Tools (template)" in prompt and tools_system_text(TOOLS) not in prompt
+    assert all(json.dumps(t.spec(), ensure_ascii=False) in prompt for t in TOOLS)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>' in prompt
+    assert valid.sequence.constraint == tool_constraint(TOOLS, "auto")  # the answer is held to the same format
+    default = tokenizer.decode(validate(_chat_request(earlier, tools=_grpc_tools(*TOOLS)), limits, tokenizer).prompt_ids)
+    assert tools_system_text(TOOLS) in default and CALL in default

@@ -8,6 +8,8 @@ returns the prompt text, exactly as transformers' ``apply_chat_template(..., tok
 A template that raises for the given messages (e.g. "roles must alternate") gives ``ChatError``
 with the template's own message. ``end_of_turn`` is the text the template closes an assistant turn
 with (e.g. ``<|im_end|>``), found by rendering a probe conversation, so generation can stop there.
+``renders_tools``: the template writes a request's tools and earlier calls itself, in the
+``<tool_call>`` format (``render(..., tools=...)``).
 
 The sandbox: templates come with model files, so they are treated as untrusted code. The
 immutable sandbox refuses attribute access to Python internals and mutation of the passed-in
@@ -62,6 +64,7 @@ _PROBE = "\u2063probe\u2063"
 class ChatTemplate:
     def __init__(self, source: str, *, bos_token: str | None = None, eos_token: str | None = None) -> None:
         import jinja2
+        import jinja2.meta
 
         try:
             self._template = _environment().from_string(source)
@@ -70,13 +73,23 @@ class ChatTemplate:
         self.source = source
         self._special = {"bos_token": bos_token or "", "eos_token": eos_token or ""}
         self.end_of_turn = self._find_end_of_turn()
+        # Whether it writes a request's tools itself, in the tool-call format this server holds
+        # answers to (specstream/text/tools.py: Hermes' <tool_call> blocks, as Qwen2.5's does): it
+        # reads a ``tools`` variable and writes the call tag. Otherwise the tools are described in
+        # the system message by the server's default text.
+        variables = jinja2.meta.find_undeclared_variables(_environment().parse(source))
+        self.renders_tools = "tools" in variables and "<tool_call>" in source
 
-    def render(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
+        """``tools`` (OpenAI's ``tools`` entries) only for a template that ``renders_tools``; an
+        assistant message's ``tool_calls`` then as OpenAI's, with ``arguments`` as objects."""
         import jinja2
 
         try:
             return self._template.render(messages=[dict(m) for m in messages],
-                                         add_generation_prompt=add_generation_prompt, **self._special)
+                                         add_generation_prompt=add_generation_prompt,
+                                         **({"tools": tools} if tools else {}), **self._special)
         except jinja2.exceptions.TemplateError as exc:
             raise ChatError(str(exc)) from exc
         except Exception as exc:  # noqa: BLE001 - whatever a template does wrong is about these messages

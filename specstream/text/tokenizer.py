@@ -237,13 +237,14 @@ class TextTokenizer:
             template = _chat_template({**(tcfg or {}), "chat_template": jinja.read_text(encoding="utf-8")}, jinja)
         return cls(tok, eos_token_ids=eos, bos_token_id=bos, chat_template=template)
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], tools: list[dict] | None = None) -> list[int]:
         """The prompt ids of a conversation, ready for the assistant's reply: the template's text,
         encoded without the post-processor (the template writes any BOS it wants). ChatError when the
-        model has no chat template or the template rejects the messages."""
+        model has no chat template or the template rejects the messages. ``tools``: for a template
+        that renders them (``ChatTemplate.renders_tools``)."""
         if self.chat_template is None:
             raise ChatError("this model has no chat template")
-        text = self.chat_template.render(messages, add_generation_prompt=True)
+        text = self.chat_template.render(messages, add_generation_prompt=True, tools=tools)
         return self._encode(text, add_special_tokens=False)
 
     @property

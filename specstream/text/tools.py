@@ -1,7 +1,9 @@
 """Tool calling as text: how the tools a request offers are written into the conversation, the
 grammar that holds the answer to the tool-call format, and the parser that reads the calls back.
 
-The format (the default for a model whose chat template has no tool support, as SmolLM2's):
+The format (the default for a model whose chat template has no tool support, as SmolLM2's; a
+template that writes this format itself, as Qwen2.5's, is handed the tools instead:
+``ChatTemplate.renders_tools``, gateway/tools.py):
 the tools are listed in the system message, one JSON object a line inside ``<tools></tools>``,
 and the model calls one by writing a JSON object with its ``name`` and ``arguments`` inside
 ``<tool_call>`` tags, each tag on its own line, as Hermes-style and Qwen2.5 models are trained to::
