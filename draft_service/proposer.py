@@ -403,7 +403,7 @@ class _Picker:
                 row.apply(logits[i], self.vocab, self.output_ids)
             for i, columns in masked:  # processed as the target processes its own: those ids get no mass
                 logits[i, columns] = float("-inf")
-            refused = self._refused(members, logits) if constrained else None  # [b, V or N] or None
+            refused = self._refused(members, logits.shape[-1]) if constrained else None  # [b, V or N] or None
             if refused is not None:
                 logits.masked_fill_(refused.to(logits.device), float("-inf"))
             tokens = kernels.argmax(logits)  # [b] logit columns
@@ -436,14 +436,10 @@ class _Picker:
         self.q_probs[rows, step, :width] = q
         return self._feed(members, tokens)
 
-    def _refused(self, members: list[int], logits: torch.Tensor) -> torch.Tensor | None:
+    def _refused(self, members: list[int], width: int) -> torch.Tensor | None:
         """bool [b, width] (logit columns): what the grammars of the constrained rows among
-        ``members`` refuse at their next guess; None when no row is masked here. A greedy row
-        whose argmax its grammar accepts needs no mask (its masked argmax is the same; checking one
-        token costs the matcher microseconds, a mask a few hundred)."""
-        width = logits.shape[-1]
-        chosen = [(i, self.grammars[b]) for i, b in enumerate(members)
-                  if self.grammars[b] is not None and not self._argmax_kept(logits[i], self.grammars[b], b)]
+        ``members`` refuse at their next guess; None when no row is masked here."""
+        chosen = [(i, self.grammars[b]) for i, b in enumerate(members) if self.grammars[b] is not None]
         if not chosen:
             return None
         allowed = allowed_rows([row for _, row in chosen])
@@ -458,17 +454,6 @@ class _Picker:
             if not row.all():  # a subset head that holds none of the allowed ids guesses unmasked
                 refused[i] = row
         return torch.from_numpy(refused) if refused.any() else None
-
-    def _argmax_kept(self, scores: torch.Tensor, row: GrammarRow, b: int) -> bool:
-        """Whether greedy row b's argmax over ``scores`` [width] is a token its grammar accepts
-        next (a row past its grammar's end guesses unmasked anyway)."""
-        if not self.params[b].greedy or self.branches[b]:  # a sampled q, or branches, need the mask
-            return False
-        if not row.live or row.matcher.stopped:
-            return True
-        column = int(scores.argmax())
-        token = int(self.output_ids[column]) if self.output_ids is not None else column
-        return row.matcher.valid_prefix([token]) == 1
 
     def _feed(self, members: list[int], tokens: torch.Tensor) -> torch.Tensor:
         """The constrained rows' matchers and the penalised rows' counts take the guesses just

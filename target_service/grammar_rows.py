@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from specstream.text.grammar import Matcher, fill_masks, mask_words
+from specstream.text.grammar import fill_masks, mask_words
 from target_service.sequence import Sequence
 from target_service.settle import VerifyRow
 
@@ -56,39 +56,27 @@ def _truncate(row: VerifyRow, n: int) -> None:
 
 class GrammarMasks:
     """Fills constrained rows' masks on a thread of its own (llguidance's work runs without the GIL,
-    beside the forward on the compute thread). ``seconds``: the last pass's fill time (beside the
-    forward, and a ``LazyMask``'s after it); ``dropped``: proposals cut by the grammar in the last
-    ``start`` (the metrics')."""
+    beside the forward on the compute thread). ``seconds``: the last fill's time; ``dropped``:
+    proposals cut by the grammar in the last ``start`` (the metrics')."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         self.seconds = 0.0
         self.dropped = 0
-        self.filled_late = 0  # greedy rows whose argmax the grammar refused: masks filled after the forward
 
     def start(self, rows: list[Sequence], checks: list[VerifyRow]) -> Future | None:
         """Cuts every constrained row's proposals (``cut``) and starts filling their masks: a
-        future of ``{row index: int32 [len(proposals) + 1, W]}``, None when no row is constrained.
-        A greedy row with no log-probabilities asked gets a ``LazyMask`` instead (``VerifyRow.grammar_check``):
-        its masks are filled after the forward, only where the grammar refuses an argmax."""
-        constrained = [i for i, seq in enumerate(rows) if seq.matcher is not None]
-        if not constrained:
+        future of ``{row index: int32 [len(proposals) + 1, W]}``, None when no row is constrained."""
+        chosen = [i for i, seq in enumerate(rows) if seq.matcher is not None]
+        if not chosen:
             return None
-        chosen, jobs, self.dropped, self.seconds = [], [], 0, 0.0
-        for i in constrained:
+        jobs, self.dropped = [], 0
+        for i in chosen:
             before = len(checks[i].proposals)
             valid = cut(rows[i], checks[i])
             self.dropped += before - len(checks[i].proposals)
             rows[i].draft_tokens -= before - len(checks[i].proposals)  # counted as the draft answered
-            if checks[i].params.greedy and checks[i].logprobs is None:
-                checks[i].grammar_check = LazyMask(rows[i].matcher, checks[i].proposals, self)
-                continue
-            chosen.append(i)
             jobs.append((rows[i].matcher, checks[i].proposals[:valid]))
-        if not jobs:
-            done: Future = Future()
-            done.set_result({})
-            return done
         return self._pool.submit(self._fill, chosen, jobs, [len(checks[i].proposals) for i in chosen])
 
     def _fill(self, chosen: list[int], jobs: list, lengths: list[int]) -> dict[int, np.ndarray]:
@@ -99,29 +87,8 @@ class GrammarMasks:
             if n > len(valid):  # a kept refused token: the node after it is never reached
                 mask = np.concatenate([mask, np.full((1, mask_words(matcher.vocab_size)), -1, dtype=np.int32)])
             out[i] = mask
-        self.seconds += time.perf_counter() - began
+        self.seconds = time.perf_counter() - began
         return out
-
-
-class LazyMask:
-    """A greedy row's grammar, checked after the forward (``VerifyRow.grammar_check``,
-    target_service/settle.py): most of a constrained answer's argmax tokens are ones its grammar
-    accepts, and checking one token costs the matcher microseconds where a mask over the whole
-    vocabulary costs it a few hundred (and, filled beside the forward, slows the forward on the
-    same cores). Where an argmax is refused, the row's masks are filled then and applied."""
-
-    def __init__(self, matcher: Matcher, proposals: list[int], owner: GrammarMasks) -> None:
-        self.matcher, self.proposals, self.owner = matcher, list(proposals), owner
-
-    def accepts(self, tokens: list[int]) -> bool:
-        return self.matcher.valid_prefix(tokens) == len(tokens)
-
-    def masks(self) -> np.ndarray:
-        began = time.perf_counter()
-        (mask,) = fill_masks([(self.matcher, self.proposals)])
-        self.owner.seconds += time.perf_counter() - began
-        self.owner.filled_late += 1
-        return mask
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False)

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -64,14 +63,6 @@ from specstream.data.propose import chain_length
 from specstream.data.sampling import SamplingParams
 from specstream.text.grammar import unpack
 from target_service.penalties import PenaltyState, penalize
-
-
-class GrammarCheck(Protocol):
-    def accepts(self, tokens: list[int]) -> bool:
-        """Whether the grammar takes these tokens after the committed ones."""
-
-    def masks(self) -> np.ndarray:
-        """The packed masks int32 [len(proposals) + 1, W] of every node."""
 
 
 @dataclass
@@ -103,11 +94,6 @@ class VerifyRow:
     # [len(proposals) + 1, W] of the tokens its grammar allows next (bit b of word w: token 32 w + b;
     # ids past 32 W are refused); None: free text. Greedy and sampled alike never emit a refused id.
     grammar_mask: np.ndarray | None = None
-    # A greedy constrained row with no log-probabilities asked: its grammar checked after the
-    # forward instead (target_service/grammar_rows.py ``LazyMask``): each node's argmax stands where
-    # the grammar accepts it (the masked argmax is then the same), and the masks are filled only
-    # where it does not. None: ``grammar_mask`` holds them (or free text).
-    grammar_check: GrammarCheck | None = None
     # Leading proposals that are the grammar's forced tokens (target_service/drafting.py), not a
     # model's guesses: point masses, priced by no draft.
     forced: int = 0
@@ -212,7 +198,7 @@ def settle(target: torch.Tensor | Hidden, rows: list[VerifyRow], coupled: bool =
 
 def _processed(rows: list[VerifyRow]) -> bool:
     """Whether a row's logits change before settling: a grammar's mask, or penalties."""
-    return any(r.grammar_mask is not None or r.grammar_check is not None or r.penalties is not None for r in rows)
+    return any(r.grammar_mask is not None or r.penalties is not None for r in rows)
 
 
 def _masked(rows: list[VerifyRow], positions: int) -> list[tuple[int, int, int]]:
@@ -235,10 +221,6 @@ def _mask(logits: torch.Tensor, masked: list[tuple[int, int, int]], rows: list[V
         logits[index[:, 0], index[:, 1], index[:, 2]] = float("-inf")
     vocab = logits.shape[-1]
     for b, row in enumerate(rows):
-        if row.grammar_check is not None and row.grammar_mask is None:
-            if _argmax_kept(logits[b, : len(row.proposals) + 1], row):
-                continue
-            row.grammar_mask = row.grammar_check.masks()
         if row.grammar_mask is not None:
             nodes = row.grammar_mask.shape[0]
             refused = ~unpack(row.grammar_mask, vocab)  # [nodes, V]
@@ -247,20 +229,6 @@ def _mask(logits: torch.Tensor, masked: list[tuple[int, int, int]], rows: list[V
             else:
                 logits[b, :nodes].masked_fill_(torch.from_numpy(refused).to(logits.device), float("-inf"))
     return logits
-
-
-def _argmax_kept(scores: torch.Tensor, row: VerifyRow) -> bool:
-    """A greedy chain's nodes [N, V]: whether the grammar accepts the argmax of every node it can
-    reach (a node whose argmax is the proposal there passes on to the next; the first that differs,
-    or the last, emits its argmax). The proposals are ones the grammar accepts (``cut``), so then
-    the masked argmax of each of those nodes is the unmasked one (argmax takes the first of equal
-    maxima, masked or not) and nothing needs masking."""
-    best = (scores.numpy() if scores.device.type == "cpu" else scores.cpu().numpy()).argmax(-1).tolist()
-    for j, token in enumerate(best):
-        if j < len(row.proposals) and token == row.proposals[j]:
-            continue
-        return row.grammar_check.accepts([*row.proposals[:j], token])
-    return True
 
 
 def _keys(rows: list[VerifyRow], positions: int, coupled: bool, device: torch.device | str) -> torch.Tensor:
