@@ -196,3 +196,17 @@ def test_a_constraint_checks_itself_when_built(kind, source, field, reason) -> N
         Constraint(kind, source)
     assert err.value.field == field
     assert re.search(re.escape(reason), err.value.reason), err.value.reason
+
+
+def test_the_mask_is_stricter_than_validate_tokens_so_masks_decide(tokenizer, compiler) -> None:
+    """llguidance's validate_tokens takes tokens its mask refuses (a key's '":' where the mask allows
+    only the canonical '":"'): output is decided by the masks, never by checking a token alone
+    (target_service/grammar_rows.py fills every verified node's mask)."""
+    schema = {"type": "object", "properties": {"category": {"enum": ["billing", "bug"]}}, "required": ["category"],
+              "additionalProperties": False}
+    matcher = compiler.compile(Constraint("json_schema", json.dumps(schema))).matcher()
+    assert matcher.consume(_ids(tokenizer, '{"category')) == len(_ids(tokenizer, '{"category'))
+    short, canonical = tokenizer.tokenizer.token_to_id('":'), tokenizer.tokenizer.token_to_id('":"')
+    allowed = matcher.allowed()
+    assert allowed[canonical] and not allowed[short]
+    assert matcher.valid_prefix([short]) == 1
