@@ -14,6 +14,9 @@ Rows, each on the same requests through the real processes:
 - + draft cut at the first invalid token (vLLM's way): the draft service guessing unmasked, the
   target cutting its guesses where the grammar refuses them, no forced tokens;
 - + grammar-aware draft (ours): forced tokens and the draft guessing from its masked distribution;
+- constrained plain, sampled and + grammar-aware draft (ours), sampled: temperature 0.7, a seed per
+  question, the second compared with the first (Leviathan's rule keeps the distribution, not the
+  draws: only speed and validity are compared);
 - the same with the draft in the target's process (`serve --colocate-draft`);
 - peers: llama.cpp's JSON-schema mode (llama-cpp-python's `response_format` with the schema, its
   GBNF grammar) on the target's GGUF file and the same cores, for the JSON workloads, when
@@ -146,13 +149,20 @@ WORKLOADS = [
               "When was the Berlin Wall opened? Answer as YYYY-MM-DD.")),
 ]
 
-# (row, constraint on, speculation, stack): the stacks are "plain" (no draft), "cut" (the draft
-# unmasked, no forced tokens), "ours" (the defaults) and "colocated" (the defaults, the draft in
-# the target's process).
-ROWS = [("constrained plain", True, "off", "plain"), ("unconstrained plain", False, "off", "plain"),
-        ("+ forced tokens only", True, 4, "plain"), ("+ draft cut at first invalid (vLLM's way)", True, "auto", "cut"),
-        ("+ grammar-aware draft (ours)", True, "auto", "ours"),
-        ("+ grammar-aware draft, colocated", True, "auto", "colocated")]
+# (row, constraint on, speculation, stack, temperature): the stacks are "plain" (no draft), "cut"
+# (the draft unmasked, no forced tokens), "ours" (the defaults) and "colocated" (the defaults, the
+# draft in the target's process). Sampled rows (temperature > 0, a seed per question) are compared
+# with constrained plain sampled at the same temperature: their tokens are other draws of the same
+# distribution (Leviathan's rule; tests/test_structured_engine.py tests it), so only their speed and
+# validity are reported.
+SAMPLED_TEMPERATURE = 0.7
+ROWS = [("constrained plain", True, "off", "plain", 0.0), ("unconstrained plain", False, "off", "plain", 0.0),
+        ("+ forced tokens only", True, 4, "plain", 0.0),
+        ("constrained plain, sampled", True, "off", "plain", SAMPLED_TEMPERATURE),
+        ("+ draft cut at first invalid (vLLM's way)", True, "auto", "cut", 0.0),
+        ("+ grammar-aware draft (ours)", True, "auto", "ours", 0.0),
+        ("+ grammar-aware draft (ours), sampled", True, "auto", "ours", SAMPLED_TEMPERATURE),
+        ("+ grammar-aware draft, colocated", True, "auto", "colocated", 0.0)]
 HEADERS = ["workload", "row", "tok/s", "vs constrained plain", "decode tok/s", "forced share", "alpha", "tokens/pass",
            "valid", "= constrained plain"]
 
@@ -197,15 +207,16 @@ def run(models: BenchModels, out_dir: Path, max_new_tokens: int = 96, repeats: i
                     for w in workloads:  # untimed: a fresh stack's first passes (and each grammar's compile) are slower
                         for constrained in (True, False):
                             _ask(client, w, w.questions[0], constrained, "off", 8, 1, _Measured())
-                    for row, constrained, speculation, _ in rows:
+                    for row, constrained, speculation, _, temperature in rows:
                         progress.phase(f"structured: {row}")
                         for w in workloads:
                             m = measured[(w.name, row)] = _Measured()
                             # unconstrained plain: as many tokens as each constrained plain answer
                             lengths = [len(a) for a in measured[(w.name, "constrained plain")].answers] \
                                 if not constrained else [None] * len(w.questions)
-                            for question, length in zip(w.questions, lengths):
-                                _ask(client, w, question, constrained, speculation, max_new_tokens, repeats, m, length)
+                            for seed, (question, length) in enumerate(zip(w.questions, lengths)):
+                                _ask(client, w, question, constrained, speculation, max_new_tokens, repeats, m, length,
+                                     temperature, seed)
                                 progress.update()
     peer = _llama_cpp(models, [w for w in workloads if w.schema is not None], max_new_tokens, repeats)
     hf = on_torch_thread(_hf_constrained, models, workloads, compiler, max_new_tokens)
@@ -213,9 +224,12 @@ def run(models: BenchModels, out_dir: Path, max_new_tokens: int = 96, repeats: i
 
 
 def _ask(client, w: Workload, question: str, constrained: bool, speculation, max_new_tokens: int, repeats: int,
-         m: _Measured, length: int | None = None) -> None:
-    """``length``: the answer is exactly this many tokens (its end-of-turn ignored)."""
+         m: _Measured, length: int | None = None, temperature: float = 0.0, seed: int = 0) -> None:
+    """``length``: the answer is exactly this many tokens (its end-of-turn ignored); ``temperature``
+    > 0: sampled with ``seed``."""
     kwargs = {"max_new_tokens": max_new_tokens, "speculation": speculation}
+    if temperature:
+        kwargs |= {"temperature": temperature, "seed": seed}
     if length is not None:
         kwargs |= {"max_new_tokens": length, "ignore_eos": True}
     if constrained:
@@ -358,18 +372,22 @@ def _report(models: BenchModels, workloads: list[Workload], measured: dict[tuple
         plain_rate = plain.tokens / plain.seconds
         entry = data["workloads"][w.name] = {"constraint": w.constraint.kind, "schema_heavy": w.schema_heavy,
                                              "forced_share": _forced_share(compiler, w, plain.answers), "rows": {}}
-        for row, constrained, _, _ in ROWS:
+        sampled_plain = measured[(w.name, "constrained plain, sampled")]
+        for row, constrained, _, _, temperature in ROWS:
             m = measured[(w.name, row)]
-            if constrained:  # greedy: every constrained row's tokens are constrained plain's, or the run stops
+            greedy = constrained and not temperature
+            if greedy:  # every greedy constrained row's tokens are constrained plain's, or the run stops
                 check_same_tokens(f"{w.name}, {row}", plain.answers, m.answers)
             rate = m.tokens / m.seconds
+            # a sampled row against constrained plain sampled at its temperature
+            base = sampled_plain.tokens / sampled_plain.seconds if temperature else plain_rate
             r = entry["rows"][row] = {
-                "tokens_per_s": rate, "vs_constrained_plain": rate / plain_rate, "tokens": m.tokens,
+                "tokens_per_s": rate, "vs_constrained_plain": rate / base, "tokens": m.tokens,
                 "decode_tokens_per_s": m.decode_tokens / m.decode_seconds if m.decode_seconds > 0 else None,
                 "alpha": m.accepted / m.drafted if m.drafted else None,
                 "tokens_per_pass": m.tokens / m.passes if m.passes else None,
                 "valid": m.valid / len(m.answers) if constrained else None,
-                "equals_constrained_plain": m.answers == plain.answers if constrained else None}
+                "equals_constrained_plain": m.answers == plain.answers if greedy else None}
             rows.append([w.name, row, rate, r["vs_constrained_plain"], r["decode_tokens_per_s"],
                          entry["forced_share"] if constrained else None, r["alpha"], r["tokens_per_pass"], r["valid"],
                          r["equals_constrained_plain"]])
@@ -392,6 +410,7 @@ def _report(models: BenchModels, workloads: list[Workload], measured: dict[tuple
         return sum(values) / len(values) if values else None
 
     data["schema_heavy_speedup"] = mean("vs_constrained_plain", "+ grammar-aware draft (ours)", heavy)
+    data["schema_heavy_speedup_sampled"] = mean("vs_constrained_plain", "+ grammar-aware draft (ours), sampled", heavy)
     # The constraint's own cost, like for like: decode speed (tokens after the first, per second of
     # the server's time after it) of constrained plain against unconstrained plain, whose answers
     # are other texts of the same lengths.
@@ -406,7 +425,8 @@ def _report(models: BenchModels, workloads: list[Workload], measured: dict[tuple
                                      if "ours_vs_llama_cpp" in data["workloads"][n]]
     print(f"structured outputs, {models.label} on {data['cpu']} (greedy, {max_new_tokens} new tokens at most)")
     print(report.table(HEADERS, rows), flush=True)
-    print(f"schema-heavy workloads, ours vs constrained plain: {data['schema_heavy_speedup']:.2f}x (mean)")
+    print(f"schema-heavy workloads, ours vs constrained plain: {data['schema_heavy_speedup']:.2f}x (mean); "
+          f"sampled (T {SAMPLED_TEMPERATURE}): {data['schema_heavy_speedup_sampled']:.2f}x")
     if data["constrained_vs_unconstrained_decode"] is not None:
         print(f"schema-heavy workloads, constrained plain's decode speed vs unconstrained plain's: "
               f"{data['constrained_vs_unconstrained_decode']:.3f}x (mean)")
