@@ -210,3 +210,15 @@ def test_the_mask_is_stricter_than_validate_tokens_so_masks_decide(tokenizer, co
     allowed = matcher.allowed()
     assert allowed[canonical] and not allowed[short]
     assert matcher.valid_prefix([short]) == 1
+
+
+def test_bench_constraint_cost_times_or_refuses_each_case_on_the_real_tokenizer(compiler) -> None:
+    """`specstream bench constraint-cost`'s offline part: a costly case compiles within its limits
+    and its masks are timed; a broken one is refused with the compiler's reason, and timed too."""
+    from tools.bench.constraint_cost import CASES, Case, offline
+
+    nested = offline(compiler, next(c for c in CASES if c.name == "schema: nested 40 deep"))
+    assert nested["compiled"] and 0 < nested["compile_ms"] < 5000 and nested["first_mask_ms"] > 0 < nested["mask_ms"]
+    broken = offline(compiler, Case("broken", Constraint("regex", "(unclosed")))
+    assert broken["compiled"] is False and broken["compile_ms"] > 0 and broken["reason"]
+    assert offline(compiler, Case("none")) == {"source_kib": 0.0, "compiled": None, "compile_ms": None}

@@ -153,11 +153,17 @@ def _structured(args: argparse.Namespace, out: Path) -> None:
                    quiet=args.quiet, workloads=[known[n] for n in names] if names else None)
 
 
+def _constraint_cost(args: argparse.Namespace, out: Path) -> None:
+    from tools.bench import constraint_cost
+
+    constraint_cost.run(bench_models(args), out, quiet=args.quiet)
+
+
 # `specstream bench KIND`: KIND's entry, called with the flags and --out (made beforehand).
 BENCHES: dict[str, Callable[[argparse.Namespace, Path], None]] = {
     "latency": _latency, "sampling": _sampling, "synthetic": _synthetic, "throughput": _throughput,
     "profile": _profile, "gamma": _gamma, "kernels": _kernels, "beam": _beam, "step": _step,
-    "overlap": _overlap, "structured": _structured,
+    "overlap": _overlap, "structured": _structured, "constraint-cost": _constraint_cost,
 }
 
 
@@ -197,7 +203,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "structured: JSON schemas, a tool call, choice and regex, constrained plain against forced "
                         "tokens, a draft cut at the grammar's first refusal and our grammar-aware draft, and (when "
                         "installed) llama.cpp's JSON-schema mode (--max-new-tokens, default 96; --repeats: each "
-                        "request timed on its fastest of this many)")
+                        "request timed on its fastest of this many); "
+                        "constraint-cost: costly and hostile constraints and tool sets, compiled or refused on the "
+                        "served tokenizer (time, first mask, mask per token), and sent to a stack while greedy "
+                        "streams run (each case's answer, the streams' worst gap between chunks)")
     pair_flags(p, dtype_help="default: the --models pair's")
     p.add_argument("--out", default="bench-results", help="directory for JSON and PNG output")
     p.add_argument("--prompts", type=int, default=None, help="prompts per workload (default 8; gamma 4)")
