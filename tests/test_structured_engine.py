@@ -235,7 +235,7 @@ class _SlowCompiler:
 
 
 def test_a_constraint_compiles_off_the_event_loop_while_other_streams_run(model_zoo, plain):
-    """A slow compile holds up only its own request: a free request submitted with it runs to its end
+    """A slow compile (3 s) holds up only its own request: a free request submitted with it runs to its end
     meanwhile, a cancel during the compile ends that request, a compiler error ends its request naming
     the field, and the compiled request then decodes exactly as constrained plain."""
     import asyncio
@@ -246,7 +246,7 @@ def test_a_constraint_compiles_off_the_event_loop_while_other_streams_run(model_
     from target_service.connection import Connection
     from target_service.engine import Engine
 
-    slow = _SlowCompiler(compiler_for(model_zoo["target"]), seconds=1.0)
+    slow = _SlowCompiler(compiler_for(model_zoo["target"]), seconds=3.0)
     engine = Engine(load_model(model_zoo["target"]), TargetConfig(model=ModelSpec(str(model_zoo["target"])),
                                                                   calibrate=False, max_gamma=8), None, grammars=slow)
 
