@@ -25,7 +25,9 @@ Rows, each on the same requests through the real processes:
 
 Per row and workload: tokens/s, the share of forced tokens in the answers, α (draft guesses
 accepted / proposed, forced tokens included), tokens per target pass, the share of answers valid
-against their schema / regex / choices (`jsonschema` for JSON), and that the tokens equal
+against their schema / regex / choices (`jsonschema` for JSON; an answer the token budget cut,
+``finish_reason`` "length", is incomplete and counts as not valid: ``cut_by_budget`` in the JSON
+says how many), and that the tokens equal
 constrained plain's (a row whose tokens differ stops the run: tools/bench/checks.py). Prints a table, writes ``structured.json`` and ``structured.png``.
 """
 
@@ -175,6 +177,7 @@ class _Measured:
     drafted: int = 0
     accepted: int = 0
     valid: int = 0
+    cut: int = 0  # answers the token budget ended ("length"): incomplete, so not counted valid
     decode_tokens: int = 0  # tokens after each answer's first
     decode_seconds: float = 0.0  # the server's time after each answer's first token
     answers: list[list[int]] = field(default_factory=list)
@@ -250,6 +253,7 @@ def _ask(client, w: Workload, question: str, constrained: bool, speculation, max
     m.drafted += result.stats.draft_tokens
     m.accepted += result.stats.accepted_tokens
     m.valid += w.valid(result.text) and result.finish_reason in ("eos", "stop")
+    m.cut += result.finish_reason == "length"
     m.decode_tokens += len(result.token_ids) - 1
     m.decode_seconds += result.timings.total_seconds - result.timings.time_to_first_token_seconds
     m.answers.append(result.token_ids)
@@ -387,6 +391,7 @@ def _report(models: BenchModels, workloads: list[Workload], measured: dict[tuple
                 "alpha": m.accepted / m.drafted if m.drafted else None,
                 "tokens_per_pass": m.tokens / m.passes if m.passes else None,
                 "valid": m.valid / len(m.answers) if constrained else None,
+                "cut_by_budget": m.cut if constrained else None,
                 "equals_constrained_plain": m.answers == plain.answers if greedy else None}
             rows.append([w.name, row, rate, r["vs_constrained_plain"], r["decode_tokens_per_s"],
                          entry["forced_share"] if constrained else None, r["alpha"], r["tokens_per_pass"], r["valid"],
