@@ -104,27 +104,23 @@ def _structured(client, max_new_tokens: int, gamma, repeats: int) -> list[tuple[
 
     import jsonschema
 
-    from specstream.text.tools import Tool, ToolCallParser, tool_constraint, tools_system_text
-
     print("--- structured outputs: a JSON schema and a tool call (greedy) ---\n")
     results = [_compare(_chat(client), JSON_QUESTION, max_new_tokens, gamma, repeats, {"json_schema": PERSON})]
     answer = client.chat([{"role": "user", "content": JSON_QUESTION}], max_new_tokens=max_new_tokens,
                          json_schema=PERSON)
     jsonschema.validate(json.loads(answer.text), PERSON)
-    tool = Tool(WEATHER["name"], WEATHER["description"], json.dumps(WEATHER["parameters"]))
-    system = tools_system_text([tool])
-    grammar = tool_constraint([tool], "required", parallel=False).source
 
     def call_tool(prompt: str, max_new: int, speculation, sampling: dict):
-        return client.chat([{"role": "system", "content": system}, {"role": "user", "content": prompt}],
-                           max_new_tokens=max_new, speculation=speculation, grammar=grammar, **sampling)
+        return client.chat([{"role": "user", "content": prompt}], max_new_tokens=max_new, speculation=speculation,
+                           tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, **sampling)
 
     results.append(_compare(call_tool, TOOL_QUESTION, max_new_tokens, gamma, repeats, {}))
-    parser = ToolCallParser()
-    parser.feed(call_tool(TOOL_QUESTION, max_new_tokens, "off", {}).text)
-    for made in parser.calls:
-        jsonschema.validate(json.loads(made.arguments), WEATHER["parameters"])
-    print(f"  the call: {[(c.name, c.arguments) for c in parser.calls]} (its arguments valid against the schema)\n")
+    calls = call_tool(TOOL_QUESTION, max_new_tokens, "off", {}).tool_calls
+    if not calls:
+        raise SystemExit("demo: the tool call came back with no call")
+    for made in calls:
+        jsonschema.validate(made.parsed_arguments(), WEATHER["parameters"])
+    print(f"  the call: {[(c.name, c.arguments) for c in calls]} (its arguments valid against the schema)\n")
     return results
 
 
@@ -158,6 +154,8 @@ def _compare(call, prompt: str, max_new_tokens: int, gamma: int, repeats: int, s
     if show:
         print("> " + "\n> ".join(prompt.splitlines()))
         print("  " + "\n  ".join(spec.text.strip()[:600].splitlines()[:12]))
+        for made in spec.tool_calls:  # with tools: the calls, outside the text
+            print(f"  {made.name}({made.arguments})")
     verdict = ("tokens identical" if same else "DIFFERENT (bug!)") if not sampled else (
         "same text as plain sampling" if same else "a different sample (the γ schedule differs)")
     print(f"  [gamma={gamma}{_chosen(spec)}: {_tps(spec):6.1f} tok/s, alpha {spec.stats.alpha:.2f}, mean accepted "
