@@ -34,7 +34,7 @@ REQUEST_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5
                    30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
 PROPOSE_BUCKETS = (0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # Finish reasons exported from the start (at 0), so a rate() over them has a series from the first scrape.
-FINISH_REASONS = ("length", "stop", "eos")
+FINISH_REASONS = ("length", "stop", "eos", "tool_calls")
 # The parts of a decode pass (TargetMetrics.pass_seconds): the target's compute call, waiting for
 # the draft, and the engine's host work around them.
 PASS_PARTS = ("target", "draft", "host")
