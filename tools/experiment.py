@@ -153,5 +153,5 @@ def _plot(path: Path, rows: list[dict]) -> None:
                   yticks=range(len(COMPONENTS)), yticklabels=COMPONENTS)
     waterfall.invert_yaxis()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    report.save_figure(fig, path)
     plt.close(fig)

@@ -13,7 +13,7 @@ reference for what admitting any request costs the running streams. Two parts:
 - **served**: a stack with no draft runs greedy streams while every case is sent, one after the
   other, as a request of its own (a tool set as a chat with those tools); each case's answer
   (served, or INVALID_ARGUMENT) and time, and the worst gap between the running streams' chunks
-  while the cases were in against before (tools/reliability/input_cost.py ``stream_gaps``):
+  while the cases were in against before (tools/bench/stream_gaps.py):
   compiling happens off the gateway's and the target's event loops, so the streams should not
   notice.
 
@@ -39,7 +39,7 @@ from tools.bench.latency import display
 from tools.bench.models import BenchModels
 from tools.launcher import Stack, StackSpec
 from tools.progress import Progress
-from tools.reliability.input_cost import answer_of, stream_gaps
+from tools.bench.stream_gaps import answer_of, stream_gaps
 
 __all__ = ["CASES", "run"]
 
@@ -143,11 +143,11 @@ def _request(case: Case):
         if case.tools:
             tools = [{"name": t.name, "description": t.description, "parameters": json.loads(t.parameters)}
                      for t in case.tools]
-            return await answer_of(client.chat(messages, max_new_tokens=4, tools=tools, speculation="off"))
+            return await answer_of(client.chat(messages, max_new_tokens=4, tools=tools, speculation="off"), field=True)
         c = case.constraint
         option = {} if c is None else {"json_schema": c.source} if c.kind == "json_schema" else \
             {"choice": c.choices} if c.kind == "choice" else {c.kind: c.source}
-        return await answer_of(client.chat(messages, max_new_tokens=4, speculation="off", **option))
+        return await answer_of(client.chat(messages, max_new_tokens=4, speculation="off", **option), field=True)
     return send
 
 

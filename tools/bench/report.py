@@ -57,6 +57,19 @@ def pyplot(path: Path):
     return plt
 
 
+def save_figure(fig, path: Path) -> None:
+    """A plot as a PNG of at most 256 colours: a plot has few colours of its own (its antialiased
+    edges make the rest), and the palette file is about a third of the full-colour one, which
+    matters for the figures committed beside the docs (they travel with every checkout)."""
+    import io
+
+    from PIL import Image  # matplotlib's own dependency
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=120)
+    Image.open(buffer).convert("RGB").quantize(colors=256).save(path, format="PNG", optimize=True)
+
+
 def plot_lines(path: Path, title: str, xlabel: str, ylabel: str, series: dict[str, tuple[list, list]],
                hline: float | None = None) -> None:
     plt = pyplot(path)
@@ -75,7 +88,7 @@ def plot_lines(path: Path, title: str, xlabel: str, ylabel: str, series: dict[st
     else:
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -90,7 +103,7 @@ def plot_bars(path: Path, title: str, ylabel: str, bars: dict[str, float]) -> No
     ax.set(title=title, ylabel=ylabel)
     ax.tick_params(axis="x", labelrotation=15)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -107,5 +120,5 @@ def plot_stacked(path: Path, title: str, ylabel: str, columns: list[str], parts:
     ax.set(title=title, ylabel=ylabel)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)

@@ -580,5 +580,5 @@ def _plot(data: dict, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    report.save_figure(fig, path)
     plt.close(fig)

@@ -386,7 +386,7 @@ def _plot_occupancy(path: Path, results: dict, kind: str, front: str = "grpc") -
            ylabel="% of steps")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    report.save_figure(fig, path)
     plt.close(fig)
 
 
@@ -417,5 +417,5 @@ def _plot_fronts(path: Path, results: dict, kind: str) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    report.save_figure(fig, path)
     plt.close(fig)

@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from tools.bench.report import save_figure
 from tools.progress import Progress
 
 PROMPTS = [
@@ -176,5 +177,5 @@ def plot(path, report: SoakReport) -> None:
     for ax in (mem, lat):
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
