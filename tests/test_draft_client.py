@@ -149,7 +149,9 @@ def test_a_hung_draft_costs_one_deadline_then_plain_decoding_and_speculation_com
     # can miss its deadline too, which is the deadline's business, not this test's.)
     assert report["fallbacks"] == 1
     assert report["resume_s"] is not None and report["resume_s"] < 3.0
-    assert report["epochs"][1] == report["epochs"][0] + 1
+    # The stream came back (a new epoch). On a loaded machine an honest round trip after the
+    # release can miss its deadline too and reconnect once more: the deadline's business again.
+    assert report["epochs"][1] >= report["epochs"][0] + 1
     # Speculation came back for the sequences still running, and accepted tokens after it did.
     streams = sorted({key[0] for call in proposer.calls for key, _, _ in call})
     assert len(streams) >= 2, "nothing was proposed on a new stream"
