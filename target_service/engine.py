@@ -110,6 +110,8 @@ class Engine:
         self.drafting = Drafting(draft, self.controller, model.config.vocab_size, tree_branches=branches,
                                  forced_tokens=config.forced_tokens)
         self.max_len = min(config.max_seq_len, model.config.max_position_embeddings)
+        # Prompt tokens per prefill step (TargetConfig.prefill_chunk; 0: by the model's device).
+        self.prefill_chunk = config.prefill_chunk or (512 if str(model.device).startswith("cuda") else 128)
         # All torch work belongs on this one thread (see specstream.serving.compute).
         self._compute = compute or torch_thread()
         self._compute_calls = 0  # the engine's calls submitted to the torch thread and not done
@@ -370,10 +372,10 @@ class Engine:
             self.running.append(seq)  # before prefill: if it fails, _fail_all reports and frees it
 
     async def _prefill(self) -> None:
-        """Feeds up to `prefill_chunk` prompt tokens of admitted sequences, oldest first, so a long
+        """Feeds up to ``prefill_chunk`` prompt tokens of admitted sequences, oldest first, so a long
         prompt holds running rows up for one chunk per step, not its whole length. A sequence whose
         prompt is complete gets its first token. Chunks of equal length share one forward."""
-        budget = self.config.prefill_chunk
+        budget = self.prefill_chunk
         chunks: dict[int, list[tuple[Sequence, int]]] = {}
         for seq in self.running:
             todo = seq.prompt_len - seq.prefilled

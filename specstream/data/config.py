@@ -270,7 +270,10 @@ class TargetConfig:
     row_selection: str = "all"  # "all", "min_length" (VAR-STREAM) or "fifo" (VAR-STR-FIFO)
     min_length_slack: int = 0  # min_length: also expand rows at most this many tokens longer
     max_wait_steps: int = 8  # starvation bound: a row left out this many steps in a row goes next
-    prefill_chunk: int = 512  # prompt tokens prefilled per step, so a long prompt stalls no one long
+    # Prompt tokens prefilled per step, so a long prompt stalls no one long. 0: 128 on a CPU (a
+    # 512-token chunk held running streams ~0.7 s on 2 cores, a 128-token one ~0.23 s, for ~3% more
+    # time to the long prompt's first token: docs/reliability.md), 512 on a GPU.
+    prefill_chunk: int = 0
 
     def __post_init__(self) -> None:
         _check(self.max_slots >= 1, "max_slots", self.max_slots, ">= 1")
@@ -284,7 +287,7 @@ class TargetConfig:
                "'all', 'min_length' or 'fifo'")
         _check(self.min_length_slack >= 0, "min_length_slack", self.min_length_slack, ">= 0")
         _check(self.max_wait_steps >= 1, "max_wait_steps", self.max_wait_steps, ">= 1")
-        _check(self.prefill_chunk >= 1, "prefill_chunk", self.prefill_chunk, ">= 1")
+        _check(self.prefill_chunk >= 0, "prefill_chunk", self.prefill_chunk, ">= 0 (0: by device)")
         _check(self.max_gamma >= 0, "max_gamma", self.max_gamma, ">= 0")
         _check(0 <= self.default_gamma <= self.max_gamma, "default_gamma", self.default_gamma,
                f"in 0..max_gamma ({self.max_gamma})")

@@ -132,4 +132,6 @@ def batching_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--row-selection", choices=["all", "min_length", "fifo"], default="all")
     p.add_argument("--min-length-slack", type=int, default=0)
     p.add_argument("--max-wait-steps", type=int, default=8, help="starvation bound for row selection")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens prefilled per step")
+    p.add_argument("--prefill-chunk", type=int, default=0,
+                   help="prompt tokens prefilled per step, so a long prompt holds running streams up for one chunk "
+                        "at a time (default 0: 128 on a CPU, 512 on a GPU)")
