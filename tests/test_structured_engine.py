@@ -418,3 +418,22 @@ def test_a_feature_draft_guesses_on_after_forced_tokens(feature_pair, model_zoo,
     assert after_forced and any(reply.tokens for _, reply in after_forced)
     for item, reply in after_forced:  # the feature draft holds what was committed, not the forced tokens
         assert reply.length == item.rollback_to + len(item.append) and reply.source == "model"
+
+
+def test_a_constraint_submitted_with_no_event_loop_running_compiles_there(model_zoo):
+    """Driving the engine by hand (no loop running), submit compiles in place: the request queues
+    with its matcher, or ends with the compiler's reason."""
+    from specstream.data.config import ModelSpec, TargetConfig
+    from specstream.data.engine import SequenceRequest
+    from target_service.connection import Connection
+    from target_service.engine import Engine
+
+    engine = Engine(load_model(model_zoo["target"]), TargetConfig(model=ModelSpec(str(model_zoo["target"])),
+                                                                  calibrate=False), None,
+                    grammars=compiler_for(model_zoo["target"]))
+    conn = Connection()
+    engine.submit(conn, [SequenceRequest("ok", [0, 5], 4, constraint=CONSTRAINTS["regex"]),
+                         SequenceRequest("bad", [0, 5], 4, constraint=Constraint("regex", "(unclosed"))])
+    assert [s.request_id for s in engine.waiting] == ["ok"] and engine.waiting[0].matcher is not None
+    [event] = conn.outbox.get_nowait().events
+    assert event.id == "bad" and event.error.field == "constraint.regex" and not engine.compiling
