@@ -116,11 +116,11 @@ class NgramPlusModelProposer(Proposer):
                     item, *sequence.proposal(gamma, item.branches if item.sampling.greedy else 0))
             if out[i].tokens or gamma <= 0:
                 continue
-            grammar = first if held == 0 else {}  # the model's first item: its constraint and penalties
+            starts = first if held == 0 else {}  # the model's first item: its constraint and penalties
             # held <= rollback_to < len(sequence): the catch-up is never empty.
             model_items.append(ProposeItem(item.key, held, sequence.tokens[held:], gamma, item.sampling,
                                            branches=item.branches, masked_ids=item.masked_ids,
-                                           masked_until=item.masked_until, forced=item.forced, **grammar,
+                                           masked_until=item.masked_until, forced=item.forced, **starts,
                                            **(self._catch_up(item.key, held, len(sequence)) if self.feature_width
                                               else {})))
             asked.append((i, sequence))

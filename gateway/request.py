@@ -4,10 +4,11 @@ and finish with usage, stats, timings and the seed used (and, for a beam request
 hypotheses, each detokenized; the engine reports a beam only when its search ends, so
 `GenerateStream` sends it as one chunk). With tools, the text is read for calls (gateway/tools.py
 `CallReader`): each chunk's text is what the model wrote outside them, each call comes whole in the
-chunk where it closes, and an answer that ends after calls finishes with TOOL_CALLS. Log-probabilities come from the target,
-one per token; they are passed through in step with the token ids (and cut with them at a stop
-string), never computed here. The engine's plain events (specstream/data/engine.py) come in; the
-public response messages both fronts serve (`GenerateStreamResponse`) go out.
+chunk where it closes, and an answer that ends after calls finishes with TOOL_CALLS.
+Log-probabilities come from the target, one per token; they are passed through in step with the
+token ids (and cut with them at a stop string), never computed here. The engine's plain events
+(specstream/data/engine.py) come in; the public response messages both fronts serve
+(`GenerateStreamResponse`) go out.
 
 `Generate` and `GenerateStream` both consume `stream_chunks`, so their results agree by
 construction. Leaving early (client cancel, deadline, a stop string) cancels the sequence on the

@@ -21,7 +21,15 @@ import llguidance
 
 from specstream.data.constraint import MAX_SOURCE_BYTES, Constraint
 from specstream.data.errors import InvalidArgumentError
-from specstream.text.tools import TOOL_CHOICES, Tool, ToolCall, ToolCallParser, render_calls, tool_constraint, tools_system_text
+from specstream.text.tools import (
+    TOOL_CHOICES,
+    Tool,
+    ToolCall,
+    ToolCallParser,
+    render_calls,
+    tool_constraint,
+    tools_system_text,
+)
 from specstream_pb import generation_pb2
 
 __all__ = ["MAX_TOOLS", "CallReader", "ToolRequest", "conversation", "read_tools"]
@@ -49,7 +57,8 @@ class ToolRequest:
         the request gives instead (else text that never starts a call)."""
         if given is not None:
             if self.reads_calls:
-                raise InvalidArgumentError("constraint", "<set>", "cannot be combined with tools unless tool_choice is 'none'")
+                raise InvalidArgumentError("constraint", "<set>",
+                                           "cannot be combined with tools unless tool_choice is 'none'")
             return given
         return tool_constraint(self.tools, self.choice, self.parallel)
 
@@ -75,7 +84,8 @@ def read_tools(req: generation_pb2.GenerateRequest) -> ToolRequest | None:
         tools.append(Tool(tool.name, tool.description, _parameters(f"tools[{i}].parameters", tool.parameters)))
     choice = req.tool_choice or "auto"  # OpenAI's default where tools are offered
     if choice not in TOOL_CHOICES and choice not in names:
-        raise InvalidArgumentError("tool_choice", choice, f"must be one of {list(TOOL_CHOICES)} or the name of a tool in tools")
+        raise InvalidArgumentError("tool_choice", choice,
+                                   f"must be one of {list(TOOL_CHOICES)} or the name of a tool in tools")
     parallel = req.parallel_tool_calls if req.HasField("parallel_tool_calls") else True
     return ToolRequest(tools, choice, parallel)
 
@@ -135,9 +145,9 @@ def _message(i: int, message: generation_pb2.ChatMessage, native: bool) -> dict:
             raise InvalidArgumentError(f"messages[{i}].tool_calls[{j}].name", call.name, "must not be empty")
         calls.append(ToolCall(call.name, call.arguments or "{}", call.id))
     if native:
-        return {"role": "assistant", "content": message.content,
-                "tool_calls": [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c)}}
-                               for c in calls]}
+        written = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c)}}
+                   for c in calls]
+        return {"role": "assistant", "content": message.content, "tool_calls": written}
     written = render_calls(calls)
     return {"role": "assistant", "content": f"{message.content}\n{written}" if message.content else written}
 

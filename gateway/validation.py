@@ -199,7 +199,8 @@ def _chat_ids(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: Te
         if m.role not in CHAT_ROLES:
             raise InvalidArgumentError(f"messages[{i}].role", m.role, f"must be one of {list(CHAT_ROLES)}")
     written, native_tools = conversation(list(messages), tools, native=tokenizer.chat_template.renders_tools)
-    chars = sum(len(m["content"]) for m in written) + sum(len(t.parameters) for t in (tools.tools if native_tools else ()))
+    chars = sum(len(m["content"]) for m in written)  # the template's tool text: their schemas at least
+    chars += sum(len(t.parameters) for t in (tools.tools if native_tools else ()))
     _check_prompt_chars("messages", chars, limits.prompt_chars(tokenizer), limits)
     try:
         return tokenizer.encode_chat(written, tools=native_tools)

@@ -27,16 +27,11 @@ def apply_penalties(scores: torch.Tensor, p: Penalties, counts: torch.Tensor, pr
     """One position's logits [N], in place, given its output's counts [V] and the prompt's ids [V]
     bool, by token id. ``columns`` [N]: the token id of each logit column, for a head over a subset
     of the vocabulary (a draft's); None: column j is token j."""
+    if p.logit_bias:
+        bias = count_vector(dict(p.logit_bias), counts.shape[0], scores.dtype, scores.device)  # by token id
+        scores.add_(bias if columns is None else bias[columns])
     if columns is not None:
         counts, prompt = counts[columns], prompt[columns]
-    if p.logit_bias:
-        bias = torch.zeros(len(prompt) if columns is None else int(columns.max()) + 1, dtype=scores.dtype,
-                           device=scores.device)
-        kept = [(t, b) for t, b in p.logit_bias if t < bias.shape[0]]
-        if kept:
-            bias[torch.tensor([t for t, _ in kept], device=scores.device)] = torch.tensor(
-                [b for _, b in kept], dtype=scores.dtype, device=scores.device)
-        scores.add_(bias if columns is None else bias[columns])
     present = counts > 0
     if p.repetition != 1.0:
         seen = prompt | present
@@ -45,8 +40,8 @@ def apply_penalties(scores: torch.Tensor, p: Penalties, counts: torch.Tensor, pr
         scores.sub_(counts * p.frequency + present.to(scores.dtype) * p.presence)  # 0 where absent: unchanged
 
 
-def count_vector(counts: Mapping[int, int], vocab: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """token -> count as a [V] vector (ids past ``vocab`` dropped: no logit to penalise)."""
+def count_vector(counts: Mapping[int, float], vocab: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """token -> count (or bias) as a [V] vector (ids past ``vocab`` dropped: no logit to penalise)."""
     out = torch.zeros(vocab, dtype=dtype, device=device)
     ids = [t for t in counts if t < vocab]
     if ids:

@@ -62,7 +62,8 @@ class DraftSource(Protocol):
       order, or None when the source failed this time (the engine then decodes plainly for a step).
       For each item the source first keeps ``item.rollback_to`` tokens of what it holds for
       ``item.key``, appends ``item.append``, then guesses up to ``item.gamma`` tokens after
-      ``item.forced`` (a constrained row's forced tokens; fewer guesses, even none, are allowed); ``Proposal.length`` says how many leading tokens it now holds. Sampled
+      ``item.forced`` (a constrained row's forced tokens; fewer guesses, even none, are allowed);
+      ``Proposal.length`` says how many leading tokens it now holds. Sampled
       items (``item.sampling`` not greedy) come with the q each guess was drawn from, or none
       (point masses) from deterministic proposers; ``Proposal.source`` names the proposer.
     - ``epoch`` changes whenever the source's state was lost (a new stream): then it holds nothing.

@@ -234,20 +234,15 @@ class Engine:
         other streams never wait for it; the sequence queues once it is compiled, or ends with the
         compiler's reason. A cancel meanwhile ends it as if it were queued (``_retire``)."""
         self.compiling.add(seq)
+        future = self._compiler.submit(self.grammars.compile, constraint)
         try:
             loop = asyncio.get_running_loop()
-        except RuntimeError:  # called with no loop running (a test driving the engine by hand): compile here
-            done: Future = Future()
-            try:
-                done.set_result(self.grammars.compile(constraint))
-            except Exception as exc:  # noqa: BLE001 - handed to _compiled, as the executor's would be
-                done.set_exception(exc)
-            self._compiled(seq, done)
+        except RuntimeError:  # the engine driven by hand, no loop running: wait for it here
+            self._compiled(seq, future)
             return
-        future = loop.run_in_executor(self._compiler, self.grammars.compile, constraint)
-        future.add_done_callback(lambda done: self._compiled(seq, done))
+        future.add_done_callback(lambda done: loop.call_soon_threadsafe(self._compiled, seq, done))
 
-    def _compiled(self, seq: Sequence, done: asyncio.Future | Future) -> None:
+    def _compiled(self, seq: Sequence, done: Future) -> None:
         if seq not in self.compiling:  # cancelled or failed meanwhile: already ended
             return
         self.compiling.discard(seq)

@@ -443,8 +443,8 @@ class GammaController:
         lead = min(rows[i].forced for i in auto)  # a guess lands after its row's forced tokens
         verify = min(self.costs.verify_s(len(rows) * (max(verify_depth, lead + d) + 1), sampled_rows + least)
                      for d in range(1, deepest + 1))
-        cheapest = (verify + self.costs.draft_s(max(draft_depth, lead + 1), proposals + 1, drafting + 1, sampled + least)
-                    + self.costs.other_s)
+        draft = self.costs.draft_s(max(draft_depth, lead + 1), proposals + 1, drafting + 1, sampled + least)
+        cheapest = verify + draft + self.costs.other_s
         return tokens / cheapest < plain_rate * (1.0 + self.min_gain)
 
     def _step_s(self, rows: int, verify_depth: int, draft_depth: int, proposals: int, drafting: int,
@@ -554,7 +554,8 @@ class GammaController:
                 deepest = int((forced + option).max(initial=0))
                 # The candidates: every row's wanted γ capped where its forced tokens and guesses
                 # reach a depth d = 1..deepest (deeper: the same vector)
-                grid = np.clip(np.minimum(option[:, None], np.arange(1, deepest + 1) - forced[:, None]), 0, None)  # [A, D]
+                room = np.arange(1, deepest + 1) - forced[:, None]  # [A, D]: guesses that fit under depth d
+                grid = np.clip(np.minimum(option[:, None], room), 0, None)  # [A, D]
                 expected = fixed_expected + int(forced.sum()) + table[row_index, grid].sum(axis=0)  # [D]
                 reach = forced[:, None] + grid  # [A, D]: each row's forced tokens and guesses
                 verify_depth = np.maximum(reach.max(axis=0), fixed_depth)  # [D]

@@ -14,7 +14,8 @@ Before the forward, ``cut`` keeps each row's proposals up to the first one its g
   that was conditioned away, and bias the output.
 
 Constrained rows verify chains (the masks follow one path): the drafting asks them for no
-branches, and a reply with a tree nobody asked for is refused as malformed. ``GrammarMasks.start`` fills, for the whole batch in one llguidance call off the GIL, the
+branches, and a reply with a tree nobody asked for is refused as malformed. ``GrammarMasks.start``
+fills, for the whole batch in one llguidance call off the GIL, the
 packed mask of each row's position after its last committed token and after each valid proposal
 (the node after a kept refused token allows everything: it is never reached). ``settle`` puts the
 target's logits at −inf where a mask refuses (target_service/settle.py), greedy and sampled alike.

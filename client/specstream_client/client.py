@@ -141,7 +141,8 @@ class Client(ClientBase):
         """The assistant's reply to a conversation: ``messages`` is a list of ``{"role", "content"}``
         mappings (roles "system", "user", "assistant", "tool"; an assistant's may carry its earlier
         ``tool_calls``), rendered by the server with the model's chat template; generation stops
-        at the template's end-of-turn token. Options and ``timeout`` as in ``generate``. A model without a chat template answers InvalidArgument."""
+        at the template's end-of-turn token. Options and ``timeout`` as in ``generate``. A model
+        without a chat template answers InvalidArgument."""
         return self._unary(GENERATE, build_chat_request(messages, options, **overrides), timeout)
 
     def chat_stream(

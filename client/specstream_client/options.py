@@ -150,8 +150,8 @@ def _tools(name: str, value: Any) -> tuple[tuple[str, str, str], ...]:
         parameters = tool.get("parameters")
         text = json.dumps(dict(parameters)) if isinstance(parameters, Mapping) else \
             check_str(f"{at}.parameters", parameters) if parameters is not None else ""
-        out.append((check_str(f"{at}.name", tool.get("name")), check_str(f"{at}.description", tool.get("description", "")),
-                    text))
+        out.append((check_str(f"{at}.name", tool.get("name")),
+                    check_str(f"{at}.description", tool.get("description", "")), text))
     return tuple(out)
 
 

@@ -2,9 +2,10 @@
 
 Contract: ``from_pb`` constructors copy everything the client needs out of the generated messages,
 so callers never touch protobuf. Finish reasons are lower-case strings: "length", "stop", "eos",
-"cancelled", "error", "tool_calls" (the answer ended after calling tools); a response that (wrongly) carries none gives "unspecified" in a
-``GenerateResult`` and ``None`` in a non-final ``StreamChunk``; an enum value newer than this SDK
-gives "unknown". ``logprobs`` is a list aligned 1:1 with ``token_ids`` when the request asked for
+"cancelled", "error", "tool_calls" (the answer ended after calling tools); a response that
+(wrongly) carries none gives "unspecified" in a ``GenerateResult`` and ``None`` in a non-final
+``StreamChunk``; an enum value newer than this SDK gives "unknown". ``logprobs`` is a list aligned
+1:1 with ``token_ids`` when the request asked for
 logprobs, and empty otherwise; ``seed`` is the seed the server used (chosen by it when the request
 set none), on a ``GenerateResult`` and on the final ``StreamChunk``. A beam-search request's
 ``sequences`` are its n best hypotheses (``BeamSequence``), best first, on the result and on the

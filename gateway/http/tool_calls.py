@@ -15,7 +15,6 @@ import json
 from typing import Any
 
 from gateway.http.schema import ChatCompletionRequest
-from gateway.tools import MAX_TOOLS
 from specstream.data.errors import InvalidArgumentError
 from specstream_pb import generation_pb2
 
@@ -24,10 +23,7 @@ __all__ = ["call_out", "earlier_call", "param_name", "set_tools"]
 
 def set_tools(req: generation_pb2.GenerateRequest, body: ChatCompletionRequest) -> None:
     """The body's tools, tool_choice and parallel_tool_calls on the request."""
-    raw = body.tools or []
-    if len(raw) > MAX_TOOLS:  # before building them
-        raise InvalidArgumentError("tools", f"<{len(raw)} tools>", f"at most {MAX_TOOLS} allowed")
-    for i, entry in enumerate(raw):
+    for i, entry in enumerate(body.tools or []):  # their count and every rule: gateway/tools.py
         at = f"tools[{i}]"
         if not isinstance(entry, dict) or entry.get("type") != "function":
             raise InvalidArgumentError(f"{at}.type", entry.get("type") if isinstance(entry, dict) else entry,
@@ -49,8 +45,8 @@ def set_tools(req: generation_pb2.GenerateRequest, body: ChatCompletionRequest) 
         function = choice.get("function") if choice.get("type") == "function" else None
         choice = function.get("name") if isinstance(function, dict) else None
         if not isinstance(choice, str):
-            raise InvalidArgumentError("tool_choice", body.tool_choice,
-                                       "must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")
+            raise InvalidArgumentError("tool_choice", body.tool_choice, "must be 'none', 'auto', 'required' or "
+                                       "{'type': 'function', 'function': {'name': ...}}")
     elif choice is not None and not isinstance(choice, str):
         raise InvalidArgumentError("tool_choice", choice, "must be 'none', 'auto', 'required' or a function")
     if choice is not None:

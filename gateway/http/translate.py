@@ -229,7 +229,8 @@ def _set_messages(req: generation_pb2.GenerateRequest, body: ChatCompletionReque
         if isinstance(content, list):
             for j, part in enumerate(content):
                 if part.type != "text" or part.text is None:
-                    raise InvalidArgumentError(f"messages[{i}].content[{j}].type", part.type, "only text parts are supported")
+                    raise InvalidArgumentError(f"messages[{i}].content[{j}].type", part.type,
+                                               "only text parts are supported")
             content = "".join(part.text for part in content)
         req.messages.messages.add(
             role=CHAT_ROLES.get(message.role, message.role), content=content or "",
@@ -422,7 +423,8 @@ class ChatEncoder(_Encoder):
             self.calls_sent += len(called)
             out.append({"index": 0, "delta": {"tool_calls": called}, "logprobs": None, "finish_reason": None})
         if pb.finish_reason:
-            out.append({"index": 0, "delta": {}, "logprobs": None, "finish_reason": FINISH_REASONS.get(pb.finish_reason)})
+            reason = FINISH_REASONS.get(pb.finish_reason)
+            out.append({"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason})
         return out
 
     def _choice(self, pb):

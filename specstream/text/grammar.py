@@ -12,7 +12,8 @@ running; the source's own size is bounded before it gets here (``MAX_SOURCE_BYTE
 
 ``GrammarCompiler(tokenizer).compile(constraint)`` -> ``Grammar`` (compiled once, cached by its
 source; ``cached(constraint)`` looks without compiling); ``grammar.matcher()`` -> ``Matcher``, one
-per sequence: ``allowed()`` the mask of the next position, ``valid_prefix(tokens)`` how many of some guesses it accepts, ``consume(tokens)`` commits
+per sequence: ``allowed()`` the mask of the next position, ``valid_prefix(tokens)`` how many of some
+guesses it accepts, ``consume(tokens)`` commits
 the tokens it accepts, ``rollback(n)`` takes the last n back, ``forced()`` the tokens the grammar
 allows alone from here. ``fill_masks`` fills the masks of a whole batch of speculative rows (after
 the committed tokens and after each valid guess) in one call, off the GIL on llguidance's threads.

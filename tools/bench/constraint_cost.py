@@ -89,7 +89,8 @@ CASES = [
     Case("grammar: 1,500 rules", Constraint("grammar", "start: " + " | ".join(f'"t{i}" r{i}' for i in range(1500))
                                              + "\n" + "\n".join(f"r{i}: /[a-z]{{1,{i % 50 + 1}}}/"
                                                                 for i in range(1500)))),
-    Case("grammar: left recursion", Constraint("grammar", "start: e\ne: e \"+\" e | e \"*\" e | \"(\" e \")\" | /[0-9]+/")),
+    Case("grammar: left recursion",
+         Constraint("grammar", 'start: e\ne: e "+" e | e "*" e | "(" e ")" | /[0-9]+/')),
     Case("tools: 12 functions", tools=_tools(12)),
     Case("tools: 128 functions", tools=_tools(128)),  # their description alone outgrows a 2k context
 ]
@@ -177,5 +178,5 @@ def run(models: BenchModels, out_dir: Path, streams: int = 4, quiet: bool = Fals
     out_dir.mkdir(parents=True, exist_ok=True)
     report.write_json(out_dir / "constraint_cost.json", data)
     report.plot_bars(out_dir / "constraint_cost.png", f"compile (or refuse) time, {models.label} ({data['cpu']})",
-                     "ms", {name: entry["compile_ms"] for name, entry in cases.items() if entry["compile_ms"] is not None})
+                     "ms", {name: e["compile_ms"] for name, e in cases.items() if e["compile_ms"] is not None})
     return data
