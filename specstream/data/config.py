@@ -271,8 +271,8 @@ class TargetConfig:
     min_length_slack: int = 0  # min_length: also expand rows at most this many tokens longer
     max_wait_steps: int = 8  # starvation bound: a row left out this many steps in a row goes next
     # Prompt tokens prefilled per step, so a long prompt stalls no one long. 0: 128 on a CPU (a
-    # 512-token chunk held running streams ~0.7 s on 2 cores, a 128-token one ~0.23 s, for ~3% more
-    # time to the long prompt's first token: docs/reliability.md), 512 on a GPU.
+    # 512-token chunk held running streams ~0.85 s on 2 cores, a 128-token one ~0.22 s, the long
+    # prompt no slower for it: `bench constraint-cost`, docs/reliability.md), 512 on a GPU.
     prefill_chunk: int = 0
 
     def __post_init__(self) -> None:

@@ -13,9 +13,10 @@ reference for what admitting any request costs the running streams. Two parts:
 - **served**: a stack with no draft runs greedy streams while every case is sent, one after the
   other, as a request of its own (a tool set as a chat with those tools); each case's answer
   (served, or INVALID_ARGUMENT) and time, and the worst gap between the running streams' chunks
-  while the cases were in against before (tools/bench/stream_gaps.py):
-  compiling happens off the gateway's and the target's event loops, so the streams should not
-  notice.
+  while the cases were in against before (tools/bench/stream_gaps.py), once with the target's
+  default prefill chunk and once with 512-token chunks. Compiling happens off the gateway's and
+  the target's event loops, so the streams should not notice a constraint; a long prompt's
+  prefill they do, a chunk at a time.
 
 Prints a table, writes ``constraint_cost.json`` and ``constraint_cost.png``.
 """
@@ -27,7 +28,7 @@ import json
 import random
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specstream.data.constraint import Constraint
@@ -95,7 +96,7 @@ CASES = [
     Case("tools: 128 functions", tools=_tools(128)),  # their description alone outgrows a 2k context
 ]
 HEADERS = ["case", "source KiB", "compiled", "compile ms", "first mask ms", "mask ms/token", "served as",
-           "served ms", "worst gap ms", "why refused"]
+           "why refused"]  # and, per prefill chunk, the served ms and the streams' worst gap
 
 
 def _constraint(case: Case) -> Constraint | None:
@@ -152,29 +153,44 @@ def _request(case: Case):
     return send
 
 
-def run(models: BenchModels, out_dir: Path, streams: int = 4, quiet: bool = False) -> dict:
+def run(models: BenchModels, out_dir: Path, streams: int = 4, quiet: bool = False,
+        prefill_chunks: tuple[int, ...] = (0, 512)) -> dict:
+    """``prefill_chunks``: the served part once per target ``--prefill-chunk`` (0: the device's
+    default), so a long prompt's stall is seen beside the chunk that causes it."""
     tokenizer = models.tokenizer()
     compiler = GrammarCompiler(tokenizer)
     cases = {case.name: offline(compiler, case) for case in CASES}
-    with Progress(streams * 400, "tokens", "constraint-cost", quiet=quiet) as progress, \
-            tempfile.TemporaryDirectory() as logs, \
-            Stack(StackSpec(**models.stack_fields(speculative=False), log_dir=logs)) as stack:
-        gaps = asyncio.run(stream_gaps(stack.gateway_address, [_request(c) for c in CASES], streams=streams,
-                                       max_new_tokens=400, timeout=600, progress=progress))
+    served = {}
+    with Progress(len(prefill_chunks) * streams * 400, "tokens", "constraint-cost", quiet=quiet) as progress:
+        for chunk in prefill_chunks:
+            spec = StackSpec(**models.stack_fields(speculative=False), extra_target_args=["--prefill-chunk", str(chunk)])
+            with tempfile.TemporaryDirectory() as logs, Stack(replace(spec, log_dir=logs)) as stack:
+                served[chunk] = asyncio.run(stream_gaps(stack.gateway_address, [_request(c) for c in CASES],
+                                                        streams=streams, max_new_tokens=400, timeout=600,
+                                                        progress=progress))
     rows = []
-    for case, outcome, seconds, gap in zip(CASES, gaps.outcomes, gaps.seconds, gaps.worst_gap_ms_each):
-        entry = cases[case.name] | {"served_as": outcome, "served_ms": 1e3 * seconds, "worst_gap_ms": gap}
-        cases[case.name] = entry
+    for i, case in enumerate(CASES):
+        entry = cases[case.name]
+        entry["served"] = {str(chunk): {"as": gaps.outcomes[i], "ms": 1e3 * gaps.seconds[i],
+                                        "worst_gap_ms": gaps.worst_gap_ms_each[i]} for chunk, gaps in served.items()}
+        first = entry["served"][str(prefill_chunks[0])]
         rows.append([case.name, entry["source_kib"], entry["compiled"], entry["compile_ms"], entry.get("first_mask_ms"),
-                     entry.get("mask_ms"), outcome, entry["served_ms"], gap, (entry.get("reason") or "")[:60]])
+                     entry.get("mask_ms"), first["as"],
+                     *[x for chunk in prefill_chunks for x in (entry["served"][str(chunk)]["ms"],
+                                                              entry["served"][str(chunk)]["worst_gap_ms"])],
+                     (entry.get("reason") or "")[:60]])
+    headers = [*HEADERS[:7], *[f"{what} (chunk {chunk or 'default'})" for chunk in prefill_chunks
+                              for what in ("served ms", "worst gap ms")], HEADERS[-1]]
     data = {"models": models.label, "target": display(models.target), "cpu": report.cpu_name(), "cases": cases,
-            "streams": streams, "worst_gap_ms": gaps.worst_gap_ms, "baseline_worst_gap_ms": gaps.baseline_worst_gap_ms,
-            "gaps_during": len(gaps.gap_ms)}
+            "streams": streams, "prefill_chunks": list(prefill_chunks),
+            "baseline_worst_gap_ms": {str(c): g.baseline_worst_gap_ms for c, g in served.items()}}
     print(f"costly constraints, {models.label} on {data['cpu']}")
-    print(report.table(HEADERS, rows))
-    print(f"{streams} greedy streams meanwhile: worst gap between chunks {gaps.worst_gap_ms:.1f} ms while the cases "
-          f"were in ({len(gaps.gap_ms)} gaps), {gaps.baseline_worst_gap_ms:.1f} ms before", flush=True)
-    data["table_markdown"] = report.markdown_table(HEADERS, rows)
+    print(report.table(headers, rows))
+    for chunk, gaps in served.items():
+        print(f"prefill chunk {chunk or 'default'}: {streams} greedy streams meanwhile, worst gap between chunks "
+              f"{gaps.worst_gap_ms:.1f} ms while the cases were in, {gaps.baseline_worst_gap_ms:.1f} ms before",
+              flush=True)
+    data["table_markdown"] = report.markdown_table(headers, rows)
     out_dir.mkdir(parents=True, exist_ok=True)
     report.write_json(out_dir / "constraint_cost.json", data)
     report.plot_bars(out_dir / "constraint_cost.png", f"compile (or refuse) time, {models.label} ({data['cpu']})",
