@@ -62,7 +62,7 @@ async def stream_chunks(req: ValidRequest, router: Router, tokenizer: TextTokeni
     unmatched = sequence.min_tokens  # tokens whose text no stop string may end in (min_tokens)
     calls = CallReader() if req.reads_calls else None  # the text outside calls, and each call whole
     timings = common_pb2.Timings()
-    completion, first = 0, True
+    completion, first, cached = 0, True, 0
     try:
         while True:
             event = await ticket.events.get()
@@ -70,6 +70,7 @@ async def stream_chunks(req: ValidRequest, router: Router, tokenizer: TextTokeni
                 raise event.error or InternalError(f"sequence {event.id!r} ended with an error and no status")
             if first:  # the target reports its queue time on a sequence's first event
                 timings.queue_seconds = ticket.gateway_queue_seconds + (event.queue_seconds or 0.0)
+                cached = event.cached_tokens  # and the prompt tokens its prefix cache served
                 first = False
             if event.logprobs and len(event.logprobs) != len(event.token_ids):
                 raise InternalError(f"target sent {len(event.logprobs)} logprobs for {len(event.token_ids)} tokens")
@@ -105,7 +106,8 @@ async def stream_chunks(req: ValidRequest, router: Router, tokenizer: TextTokeni
                 chunk.finish_reason = finish_reason_to_pb(finish)
                 if calls is not None and calls.called and finish in ("stop", "eos"):
                     chunk.finish_reason = common_pb2.FINISH_REASON_TOOL_CALLS
-                chunk.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=completion))
+                chunk.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=completion,
+                                                      cached_tokens=cached))
                 chunk.stats.CopyFrom(stats_to_pb(event.stats))
                 chunk.timings.CopyFrom(timings)
                 chunk.seed = req.seed
@@ -152,6 +154,7 @@ def _finish_span(span, chunk: generation_pb2.GenerateStreamResponse, resumes: in
     span.set_attributes({
         "specstream.resumes": resumes,
         "gen_ai.usage.output_tokens": chunk.usage.completion_tokens,
+        "specstream.cached_tokens": chunk.usage.cached_tokens,
         "gen_ai.response.finish_reasons": [common_pb2.FinishReason.Name(chunk.finish_reason)],
         "specstream.time_to_first_chunk_s": chunk.timings.time_to_first_token_seconds,
         "specstream.queue_s": chunk.timings.queue_seconds,

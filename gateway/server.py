@@ -37,6 +37,11 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
+def _authorization(context: grpc.aio.ServicerContext) -> str | None:
+    """The caller's `authorization` metadata (its bearer token, checked by AuthInterceptor), if any."""
+    return next((value for key, value in context.invocation_metadata() or () if key == "authorization"), None)
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """The gRPC front: protobuf in, the gateway core, protobuf out."""
 
@@ -44,10 +49,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.gateway = gateway
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):  # noqa: N802
-        return await self.gateway.generate(await self.gateway.admit(request))
+        return await self.gateway.generate(await self.gateway.admit(request, authorization=_authorization(context)))
 
     async def GenerateStream(self, request, context: grpc.aio.ServicerContext):  # noqa: N802
-        async for chunk in self.gateway.stream(await self.gateway.admit(request)):
+        async for chunk in self.gateway.stream(await self.gateway.admit(request,
+                                                                        authorization=_authorization(context))):
             yield chunk
 
     async def GetModelInfo(self, request, context):  # noqa: N802

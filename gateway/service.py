@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from gateway import request as pipeline
 from gateway.router import Router
 from gateway.validation import Limits, ValidRequest, validate
+from specstream.data.prefix import caller_salt
 from specstream.data.config import GatewayConfig
 from specstream.data.engine import TargetInfo
 from specstream.data.errors import OverloadedError
@@ -79,13 +80,16 @@ class Gateway:
         """At least one replica can take requests."""
         return self.router.serving
 
-    async def admit(self, request: generation_pb2.GenerateRequest, fill_max_new_tokens: bool = False) -> ValidRequest:
+    async def admit(self, request: generation_pb2.GenerateRequest, fill_max_new_tokens: bool = False,
+                    authorization: str | None = None) -> ValidRequest:
         """Refuses the request when `max_in_flight` are being served (OverloadedError), else
         validates and tokenizes it on a worker thread (InvalidArgumentError naming the field). It
         holds a place from the check on, so requests arriving together cannot all pass the bound
         before any counts. `stream`/`generate` release the place when they end; a caller that
         admits and never calls them must `release` it. `fill_max_new_tokens`: max_new_tokens 0
-        means as many as fit (OpenAI's unset max_tokens)."""
+        means as many as fit (OpenAI's unset max_tokens). ``authorization``: the caller's bearer
+        token, when callers need one: its prompts are cached apart from other callers'
+        (specstream/data/prefix.py ``caller_salt``)."""
         if self.in_flight >= self.config.max_in_flight:
             raise OverloadedError(f"{self.in_flight} requests in flight (max_in_flight={self.config.max_in_flight}); "
                                   "retry later")
@@ -97,6 +101,8 @@ class Gateway:
         finally:
             self._validating -= 1
         valid.model = self.model_name
+        if authorization:
+            valid.sequence.cache_salt = caller_salt(authorization, valid.sequence.cache_salt)
         self._held[id(valid)] = valid  # no await since the check above: the place passes on to it
         return valid
 

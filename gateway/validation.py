@@ -139,7 +139,8 @@ def validate(req: generation_pb2.GenerateRequest, limits: Limits, tokenizer: Tex
         traceparent=req.traceparent, beam=BeamOptions.from_pb(req.beam) if req.HasField("beam") else None,
         min_tokens=req.min_tokens,
         constraint=_constraint(req, tools),
-        penalties=Penalties.from_pb(req.penalties) if req.HasField("penalties") else None)
+        penalties=Penalties.from_pb(req.penalties) if req.HasField("penalties") else None,
+        cache_salt=req.cache_salt)
     check_request(sequence, limits.request, prompt_field, stop_strings=len(req.stop), asked=asked)
     if sequence.constraint is not None and grammars is not None:
         grammars.compile(sequence.constraint)

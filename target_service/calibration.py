@@ -44,11 +44,12 @@ def shapes(max_slots: int, max_width: int, max_positions: int = 512) -> list[tup
     return sorted((s for s in out if s[0] * s[1] <= max_positions), key=lambda s: (s[0] * s[1], s[0]))
 
 
-def verify_costs(model: CausalLM, cache: KVCache, max_width: int, budget_s: float = 3.0,
+def verify_costs(model: CausalLM, cache: KVCache, max_width: int, max_rows: int = 0, budget_s: float = 3.0,
                  max_positions: int = 512) -> list[tuple[int, float]]:
     """(positions, seconds) per shape measured: one forward plus the argmax a greedy verification
-    takes. Uses free slots of ``cache`` and leaves them free; call on the model's torch thread."""
-    free = cache.num_free
+    takes, for up to ``max_rows`` rows (0: as many as there are free slots). Uses free slots of
+    ``cache`` and leaves them free; call on the model's torch thread."""
+    free = min(cache.num_free, max_rows or cache.num_free)
     slots = [cache.alloc() for _ in range(free)]
     try:
         out = []

@@ -18,7 +18,9 @@ sequence's committed features (the hidden states of its prompt and of the positi
 committed, as bfloat16 bytes: ``Sequence.features``), which Drafting sends with the items. A
 constrained request holds its grammar's matcher; each pass cuts its proposals where the grammar
 refuses them and masks the target's scores at every position it verifies
-(target_service/grammar_rows.py), the masks filled beside the forward.
+(target_service/grammar_rows.py), the masks filled beside the forward. A prompt that starts as a
+cached one did starts from its K/V (target_service/prefix_cache.py: the conversation's next turn
+takes over the slot of its last, a shared system prompt is forked) and prefills only the rest.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from specstream.data.errors import (
     SpecstreamError,
     UnavailableError,
 )
+from specstream.data.prefix import BLOCK, reusable_blocks
 from specstream.data.request_rules import RequestLimits, check_request
 from specstream.models.base import CausalLM
 from specstream.serving import telemetry
@@ -58,6 +61,7 @@ from target_service.connection import Connection
 from target_service.drafting import Drafting, DraftSource, feature_refusal
 from target_service.gamma import AUTO_GAMMA, GammaController
 from target_service.grammar_rows import GrammarMasks
+from target_service.prefix_cache import PrefixCache, capacity_for
 from target_service.scheduler import Scheduler
 from target_service.sequence import Sequence
 from target_service.settle import Verdict, VerifyRow, settle
@@ -115,11 +119,16 @@ class Engine:
         # All torch work belongs on this one thread (see specstream.serving.compute).
         self._compute = compute or torch_thread()
         self._compute_calls = 0  # the engine's calls submitted to the torch thread and not done
-        self.cache = self._compute.submit(model.new_cache, config.max_slots, self.max_len).result()
+        kept = capacity_for(config.prefix_cache_slots, config.max_slots, model, self.max_len)
+        self.cache = self._compute.submit(model.new_cache, config.max_slots + kept, self.max_len).result()
+        self.prefix = PrefixCache(self.cache, kept) if kept else None
+        if self.prefix is not None:
+            log.info("prefix cache: %d KV-cache slots of %d tokens beside the %d running ones", kept, self.max_len,
+                     config.max_slots)
         if config.calibrate and draft is not None:
             started = time.perf_counter()
             samples = self._compute.submit(verify_costs, model, self.cache,
-                                           min(config.max_gamma, self.max_len - 1) + 1).result()
+                                           min(config.max_gamma, self.max_len - 1) + 1, config.max_slots).result()
             for positions, seconds in samples:
                 self.controller.observe_verify_timing(positions, seconds)
             extra = self._compute.submit(sampled_verify_extra, model, self.cache).result() if samples else 0.0
@@ -169,7 +178,7 @@ class Engine:
                           draft_model_name=source.model_name if source is not None else "", load=self.load())
 
     def load(self) -> Load:
-        return Load(max_slots=self.config.max_slots, free_slots=self.cache.num_free, running=len(self.running),
+        return Load(max_slots=self.config.max_slots, free_slots=self._free_slots(), running=len(self.running),
                     queued=len(self.waiting) + len(self.compiling), draft_sequences=self.drafting.held_sequences,
                     draft_connected=self.drafting.connected, batch=self.stats.snapshot(),
                     draft_model=self.drafting.model_name)
@@ -353,7 +362,7 @@ class Engine:
         """Moves waiting sequences into free slots, oldest first, as many as the policy allows
         (target_service/scheduler.py); a beam takes its k slots at once. Every slot has room for
         prompt + max_new_tokens + γ + 1: `_validate` refused anything longer."""
-        free = self.cache.num_free
+        free = self._free_slots()
         needs = []
         for seq in itertools.islice(self.waiting, free + 1):  # nothing past these can fit
             needs.append(0 if seq.finish_reason is not None else seq.slots_needed)
@@ -365,16 +374,59 @@ class Engine:
                 self.by_request.pop((seq.conn, seq.request_id), None)
                 tracing.finish_sequence(seq)
                 continue
-            seq.slot = self.cache.alloc()
-            assert seq.slot is not None
+            self._place(seq)
             if seq.beam is not None:
-                seq.beam_slots = [seq.slot, *(self.cache.alloc() for _ in range(seq.beam.k - 1))]
+                seq.beam_slots = [seq.slot, *(self._alloc() for _ in range(seq.beam.k - 1))]
                 seq.hypothesis_slots = [seq.slot]
                 self.metrics.observe_beam_admission(refill)
             seq.queue_seconds = time.monotonic() - seq.arrival
             self.stats.record_admission(seq.queue_seconds)
             seq.span.add_event("admitted", {"specstream.queue_s": seq.queue_seconds})
             self.running.append(seq)  # before prefill: if it fails, _fail_all reports and frees it
+
+    def _free_slots(self) -> int:
+        """Slots new sequences may take now: within max_slots for running ones, and free in the KV
+        cache or kept by the prefix cache with no running sequence reading them."""
+        running = sum(len(s.beam_slots) or 1 for s in self.running)
+        spare = self.cache.num_free
+        if self.prefix is not None and spare < self.config.max_slots - running:
+            pinned = {src for s in self.running for slot in (s.beam_slots or [s.slot])
+                      for src in (self.cache.sources(slot) or ())}
+            spare += self.prefix.freeable(pinned)
+        return max(0, min(self.config.max_slots - running, spare))
+
+    def _alloc(self) -> int:
+        """A free slot, evicting cached prefixes while none is (``_free_slots`` said one would be)."""
+        slot = self.cache.alloc()
+        while slot is None and self.prefix is not None and self.prefix.evict():
+            slot = self.cache.alloc()
+        assert slot is not None, "admitted past the free slots"
+        return slot
+
+    def _feature_row(self, seq: Sequence) -> int:
+        """Bytes of one position's features when ``seq`` will draft with a feature draft (it then
+        keeps every position's), else 0."""
+        return self.drafting.feature_width * 2 if seq.beam is None and seq.gamma != 0 else 0
+
+    def _place(self, seq: Sequence) -> None:
+        """The sequence's slot, starting from the longest cached prefix of its prompt, if any."""
+        row = self._feature_row(seq)
+        hit = None
+        if self.prefix is not None:
+            hit = self.prefix.lookup(seq.tokens[:seq.prompt_len], seq.cache_salt, row)
+            self.metrics.observe_prefix(reusable_blocks(seq.prompt_len) * BLOCK, hit.length if hit else 0)
+        if hit is not None and hit.take_over:
+            seq.slot = self.prefix.take(hit)
+        else:
+            seq.slot = self._alloc()
+            if hit is not None:
+                self.cache.fork(hit.slot, seq.slot)
+        if hit is not None:
+            self.cache.set_length(seq.slot, hit.length)
+            seq.prefilled = seq.cached_tokens = hit.length
+            if row:
+                seq.features = bytearray(hit.features)
+            seq.span.set_attribute("specstream.cached_tokens", hit.length)
 
     async def _prefill(self) -> None:
         """Feeds up to ``prefill_chunk`` prompt tokens of admitted sequences, oldest first, so a long
@@ -386,7 +438,7 @@ class Engine:
             todo = seq.prompt_len - seq.prefilled
             if todo <= 0 or seq.finish_reason is not None:
                 continue
-            if seq.prefilled == 0 and seq.beam is None and seq.gamma != 0 and self.drafting.feature_width:
+            if seq.prefilled == 0 and self._feature_row(seq):
                 seq.features = bytearray()  # a feature draft reads every position's feature
             if budget == 0:
                 break
@@ -402,6 +454,9 @@ class Engine:
                 self.stats.prefill_tokens += length
                 if verdict is not None:  # the prompt is complete: its first token (a beam's first step)
                     seq.span.add_event("prefilled")
+                    if self.prefix is not None and seq.beam is None:  # others may fork it from now on
+                        self.prefix.add_live(seq.slot, seq.tokens[:seq.prompt_len], seq.cache_salt, seq.features,
+                                             self._feature_row(seq))
                     seq.target_passes += 1
                     seq.last_expanded = self.step_count
                     if seq.beam is not None:
@@ -626,12 +681,22 @@ class Engine:
         self.compiling = {s for s in self.compiling if s.finish_reason is None}
         for seq in done:
             tracing.finish_sequence(seq)
-            self._free_slots(seq)
+            self._release_slots(seq, keep=True)
             self.by_request.pop((seq.conn, seq.request_id), None)
+        if self.prefix is not None:
+            self.metrics.prefix_slots.set(self.prefix.retained)
         await self.drafting.release(done)
 
-    def _free_slots(self, seq: Sequence) -> None:
-        for slot in seq.beam_slots or ([seq.slot] if seq.slot is not None else []):
+    def _release_slots(self, seq: Sequence, keep: bool) -> None:
+        """Frees a sequence's slots; with ``keep``, the prefix cache may keep its one slot's K/V instead."""
+        slots = seq.beam_slots or ([seq.slot] if seq.slot is not None else [])
+        for slot in slots:
+            if self.prefix is not None:
+                self.prefix.drop(slot)
+                if keep and seq.beam is None and self.prefix.retire(
+                        slot, seq.tokens[:self.cache.length(slot)], seq.cache_salt, seq.features,
+                        self._feature_row(seq)):
+                    continue
             self.cache.free(slot)
         seq.slot, seq.beam_slots, seq.hypothesis_slots = None, [], []
 
@@ -640,7 +705,7 @@ class Engine:
         failed = [*self.running, *self.waiting, *self.compiling]
         for seq in failed:
             tracing.finish_sequence(seq, str(error))
-            self._free_slots(seq)
+            self._release_slots(seq, keep=False)
             seq.pending, seq.pending_logprobs = [], []
             seq.finish_reason, seq.error = "error", error
             self._touched.append(seq)

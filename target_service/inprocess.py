@@ -28,6 +28,7 @@ class Finished:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     final: SequenceEvent | None = None  # the last event: finish reason, stats, error
     steps: list[int] = field(default_factory=list)  # engine steps whose events carried its tokens
+    cached_tokens: int = 0  # prompt tokens the prefix cache served (reported on its first event)
 
     @property
     def finish_reason(self) -> FinishReason | None:
@@ -55,6 +56,7 @@ async def generate(engine: Engine, requests: list[SequenceRequest], timeout_s: f
                 if event.token_ids:
                     result.steps.append(message.step)
                 result.token_ids.extend(event.token_ids)
+                result.cached_tokens += event.cached_tokens
                 result.logprobs.extend(event.logprobs)
                 if event.finish_reason is not None:
                     result.final = event

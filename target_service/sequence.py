@@ -61,6 +61,8 @@ class Sequence:
     error: Exception | None = None  # with finish_reason "error"
     queue_seconds: float | None = None  # set at admission, reported once
     prefilled: int = 0  # prompt tokens in the cache so far (chunked prefill)
+    cache_salt: str = ""  # shares cached prefixes only with the same salt (target_service/prefix_cache.py)
+    cached_tokens: int = 0  # prompt tokens the prefix cache served, reported once
     last_expanded: int = 0  # the engine step that last advanced this sequence (starvation bound)
     span: Any = INVALID_SPAN  # its tracing span (target_service/tracing.py); non-recording unless tracing
     # For a draft that reads the target's features: the bytes (bfloat16) of the target's features of
@@ -111,6 +113,7 @@ class Sequence:
             constraint=req.constraint,
             penalties=PenaltyState(req.penalties, req.prompt_token_ids) if req.penalties is not None else None,
             traceparent=req.traceparent,
+            cache_salt=req.cache_salt,
             beam=(BeamSearch(req.beam, req.max_new_tokens, frozenset(req.stop_token_ids), frozenset(req.eos_token_ids))
                   if req.beam is not None else None),
         )
@@ -260,6 +263,7 @@ class Sequence:
     def event(self) -> SequenceEvent:
         """The step's event: new tokens since the last one, and the finish reason once ended."""
         event = SequenceEvent(self.request_id, self.pending, self.pending_logprobs, self.finish_reason,
-                              self.stats(), self.error, self.queue_seconds, self.sequences)
+                              self.stats(), self.error, self.queue_seconds, self.cached_tokens, self.sequences)
         self.pending, self.pending_logprobs, self.queue_seconds, self.sequences = [], [], None, []
+        self.cached_tokens = 0
         return event

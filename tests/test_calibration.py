@@ -105,7 +105,7 @@ def test_an_engine_with_a_draft_starts_with_measured_verify_costs(model_zoo):
     # Until the draft has proposed, a draft forward is priced below a one-position verify, and
     # deeper drafting costs more.
     assert 0.0 < costs.draft_s(1, 1) < costs.verify_s(1) and costs.draft_s(2, 2) > costs.draft_s(1, 1)
-    assert engine.cache.num_free == 2
+    assert engine.cache.num_free == engine.cache.num_slots == 2 + engine.prefix.capacity
     off = Engine(model, TargetConfig(model=config.model, max_slots=2, max_seq_len=128, max_gamma=4, calibrate=False),
                  draft)
     assert off.controller.costs.verify.samples == 0

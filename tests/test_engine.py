@@ -62,7 +62,7 @@ def test_cancel_while_queued_frees_the_id(model_zoo):
         engine.submit(conn, [_request("b")])  # the id is free again
         final = await _until_finished(conn, {"b"})
         assert final["b"].finish_reason == "length"
-        assert engine.by_request == {} and engine.cache.num_free == 1
+        assert engine.by_request == {} and engine.load().free_slots == 1
         task.cancel()
 
     asyncio.run(main())
@@ -197,7 +197,7 @@ def test_prefill_failure_fails_only_that_request_and_frees_its_slot(model_zoo):
         final = await _until_finished(conn, {"a"})
         assert final["a"].finish_reason == "error" and "internal error" in str(final["a"].error)
         assert final["a"].error.code.name == "INTERNAL"
-        assert engine.cache.num_free == 1 and engine.by_request == {}
+        assert engine.load().free_slots == 1 and engine.by_request == {}
         engine.submit(conn, [_request("a")])  # the id and the slot are usable again
         final = await _until_finished(conn, {"a"})
         assert final["a"].finish_reason == "length"

@@ -252,6 +252,9 @@ class GenerateOptions:
     tools: Sequence[Mapping[str, Any]] | None = _option(None, _optional(_tools))
     tool_choice: str | None = _option(None, _optional(check_str))
     parallel_tool_calls: bool | None = _option(None, _optional(check_bool))
+    # Prompts reuse the server's cached K/V of an earlier prompt's prefix only under the same salt
+    # (at most 256 characters; None: the default, shared by every caller of the same token).
+    cache_salt: str | None = _option(None, _optional(check_str))
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -308,6 +311,8 @@ class GenerateOptions:
             req.tool_choice = self.tool_choice
         if self.parallel_tool_calls is not None:
             req.parallel_tool_calls = self.parallel_tool_calls
+        if self.cache_salt is not None:
+            req.cache_salt = self.cache_salt
         return req
 
     def _beam_pb(self) -> common_pb2.BeamSearch:
@@ -369,6 +374,7 @@ class GenerateOptionsDict(TypedDict, total=False):
     tools: Sequence[Mapping[str, Any]] | None
     tool_choice: str | None
     parallel_tool_calls: bool | None
+    cache_salt: str | None
 
 
 _CONSTRAINTS = ("json_schema", "json_object", "regex", "choice", "grammar")  # the oneof of GenerateRequest.constraint

@@ -60,10 +60,12 @@ def finish_reason_name(value: int) -> str | None:
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt tokens, those the server's prefix cache served (not recomputed)
 
     @classmethod
     def from_pb(cls, msg: common_pb2.Usage) -> Usage:
-        return cls(prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens)
+        return cls(prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,
+                   cached_tokens=msg.cached_tokens)
 
     @property
     def total_tokens(self) -> int:

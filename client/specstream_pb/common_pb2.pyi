@@ -142,12 +142,14 @@ class SpeculationStats(_message.Message):
     def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., target_passes: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., rejections: _Optional[int] = ..., gamma_histogram: _Optional[_Iterable[int]] = ..., alpha_estimate: _Optional[float] = ..., beam_expansions: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., branch_histogram: _Optional[_Iterable[int]] = ..., branch_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_seconds", "time_to_first_token_seconds", "total_seconds")

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from specstream_pb import common_pb2 as specstream_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecstream/v1/target.proto\x12\rspecstream.v1\x1a\x1aspecstream/v1/common.proto\"j\n\x0eGatewayMessage\x12\'\n\x06submit\x18\x01 \x01(\x0b\x32\x15.specstream.v1.SubmitH\x00\x12\'\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x15.specstream.v1.CancelH\x00\x42\x06\n\x04kind\":\n\x06Submit\x12\x30\n\x08requests\x18\x01 \x03(\x0b\x32\x1e.specstream.v1.SequenceRequest\"\xb0\x03\n\x0fSequenceRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12/\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1a.specstream.v1.Speculation\x12)\n\x08sampling\x18\x07 \x01(\x0b\x32\x17.specstream.v1.Sampling\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\r\x12\x13\n\x0btraceparent\x18\x0f \x01(\t\x12\'\n\x04\x62\x65\x61m\x18\x10 \x01(\x0b\x32\x19.specstream.v1.BeamSearch\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12-\n\nconstraint\x18\x11 \x01(\x0b\x32\x19.specstream.v1.Constraint\x12+\n\tpenalties\x18\x12 \x01(\x0b\x32\x18.specstream.v1.Penalties\"\x15\n\x06\x43\x61ncel\x12\x0b\n\x03ids\x18\x01 \x03(\t\"Y\n\rTargetMessage\x12%\n\x06\x65vents\x18\x01 \x01(\x0b\x32\x15.specstream.v1.Events\x12!\n\x04load\x18\x02 \x01(\x0b\x32\x13.specstream.v1.Load\"D\n\x06\x45vents\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12,\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x1c.specstream.v1.SequenceEvent\"\xb5\x02\n\rSequenceEvent\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x32\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.specstream.v1.FinishReason\x12.\n\x05stats\x18\x04 \x01(\x0b\x32\x1f.specstream.v1.SpeculationStats\x12+\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x1c.specstream.v1.SequenceError\x12\x15\n\rqueue_seconds\x18\x06 \x01(\x01\x12-\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1b.specstream.v1.TokenLogprob\x12.\n\tsequences\x18\x08 \x03(\x0b\x32\x1b.specstream.v1.BeamSequence\"\xbf\x01\n\x04Load\x12\x11\n\tmax_slots\x18\x01 \x01(\r\x12\x12\n\nfree_slots\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0e\n\x06queued\x18\x04 \x01(\r\x12\x17\n\x0f\x64raft_sequences\x18\x05 \x01(\r\x12\x17\n\x0f\x64raft_connected\x18\x06 \x01(\x08\x12(\n\x05\x62\x61tch\x18\x07 \x01(\x0b\x32\x19.specstream.v1.BatchStats\x12\x13\n\x0b\x64raft_model\x18\x08 \x01(\t\"\x13\n\x11TargetInfoRequest\"\xce\x01\n\nTargetInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x18\n\x10\x64raft_model_name\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1a\n\x12max_context_length\x18\x04 \x01(\r\x12\x11\n\tmax_gamma\x18\x05 \x01(\r\x12\x15\n\rdefault_gamma\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12!\n\x04load\x18\x08 \x01(\x0b\x32\x13.specstream.v1.Load2\x9c\x01\n\x06Target\x12J\n\x07\x43onnect\x12\x1d.specstream.v1.GatewayMessage\x1a\x1c.specstream.v1.TargetMessage(\x01\x30\x01\x12\x46\n\x07GetInfo\x12 .specstream.v1.TargetInfoRequest\x1a\x19.specstream.v1.TargetInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecstream/v1/target.proto\x12\rspecstream.v1\x1a\x1aspecstream/v1/common.proto\"j\n\x0eGatewayMessage\x12\'\n\x06submit\x18\x01 \x01(\x0b\x32\x15.specstream.v1.SubmitH\x00\x12\'\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x15.specstream.v1.CancelH\x00\x42\x06\n\x04kind\":\n\x06Submit\x12\x30\n\x08requests\x18\x01 \x03(\x0b\x32\x1e.specstream.v1.SequenceRequest\"\xc4\x03\n\x0fSequenceRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12/\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1a.specstream.v1.Speculation\x12)\n\x08sampling\x18\x07 \x01(\x0b\x32\x17.specstream.v1.Sampling\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\r\x12\x13\n\x0btraceparent\x18\x0f \x01(\t\x12\'\n\x04\x62\x65\x61m\x18\x10 \x01(\x0b\x32\x19.specstream.v1.BeamSearch\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12-\n\nconstraint\x18\x11 \x01(\x0b\x32\x19.specstream.v1.Constraint\x12+\n\tpenalties\x18\x12 \x01(\x0b\x32\x18.specstream.v1.Penalties\x12\x12\n\ncache_salt\x18\x13 \x01(\t\"\x15\n\x06\x43\x61ncel\x12\x0b\n\x03ids\x18\x01 \x03(\t\"Y\n\rTargetMessage\x12%\n\x06\x65vents\x18\x01 \x01(\x0b\x32\x15.specstream.v1.Events\x12!\n\x04load\x18\x02 \x01(\x0b\x32\x13.specstream.v1.Load\"D\n\x06\x45vents\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12,\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x1c.specstream.v1.SequenceEvent\"\xcc\x02\n\rSequenceEvent\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x32\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.specstream.v1.FinishReason\x12.\n\x05stats\x18\x04 \x01(\x0b\x32\x1f.specstream.v1.SpeculationStats\x12+\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x1c.specstream.v1.SequenceError\x12\x15\n\rqueue_seconds\x18\x06 \x01(\x01\x12-\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1b.specstream.v1.TokenLogprob\x12.\n\tsequences\x18\x08 \x03(\x0b\x32\x1b.specstream.v1.BeamSequence\x12\x15\n\rcached_tokens\x18\t \x01(\r\"\xbf\x01\n\x04Load\x12\x11\n\tmax_slots\x18\x01 \x01(\r\x12\x12\n\nfree_slots\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0e\n\x06queued\x18\x04 \x01(\r\x12\x17\n\x0f\x64raft_sequences\x18\x05 \x01(\r\x12\x17\n\x0f\x64raft_connected\x18\x06 \x01(\x08\x12(\n\x05\x62\x61tch\x18\x07 \x01(\x0b\x32\x19.specstream.v1.BatchStats\x12\x13\n\x0b\x64raft_model\x18\x08 \x01(\t\"\x13\n\x11TargetInfoRequest\"\xce\x01\n\nTargetInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x18\n\x10\x64raft_model_name\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1a\n\x12max_context_length\x18\x04 \x01(\r\x12\x11\n\tmax_gamma\x18\x05 \x01(\r\x12\x15\n\rdefault_gamma\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12!\n\x04load\x18\x08 \x01(\x0b\x32\x13.specstream.v1.Load2\x9c\x01\n\x06Target\x12J\n\x07\x43onnect\x12\x1d.specstream.v1.GatewayMessage\x1a\x1c.specstream.v1.TargetMessage(\x01\x30\x01\x12\x46\n\x07GetInfo\x12 .specstream.v1.TargetInfoRequest\x1a\x19.specstream.v1.TargetInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,21 +38,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SUBMIT']._serialized_start=181
   _globals['_SUBMIT']._serialized_end=239
   _globals['_SEQUENCEREQUEST']._serialized_start=242
-  _globals['_SEQUENCEREQUEST']._serialized_end=674
-  _globals['_CANCEL']._serialized_start=676
-  _globals['_CANCEL']._serialized_end=697
-  _globals['_TARGETMESSAGE']._serialized_start=699
-  _globals['_TARGETMESSAGE']._serialized_end=788
-  _globals['_EVENTS']._serialized_start=790
-  _globals['_EVENTS']._serialized_end=858
-  _globals['_SEQUENCEEVENT']._serialized_start=861
-  _globals['_SEQUENCEEVENT']._serialized_end=1170
-  _globals['_LOAD']._serialized_start=1173
-  _globals['_LOAD']._serialized_end=1364
-  _globals['_TARGETINFOREQUEST']._serialized_start=1366
-  _globals['_TARGETINFOREQUEST']._serialized_end=1385
-  _globals['_TARGETINFO']._serialized_start=1388
-  _globals['_TARGETINFO']._serialized_end=1594
-  _globals['_TARGET']._serialized_start=1597
-  _globals['_TARGET']._serialized_end=1753
+  _globals['_SEQUENCEREQUEST']._serialized_end=694
+  _globals['_CANCEL']._serialized_start=696
+  _globals['_CANCEL']._serialized_end=717
+  _globals['_TARGETMESSAGE']._serialized_start=719
+  _globals['_TARGETMESSAGE']._serialized_end=808
+  _globals['_EVENTS']._serialized_start=810
+  _globals['_EVENTS']._serialized_end=878
+  _globals['_SEQUENCEEVENT']._serialized_start=881
+  _globals['_SEQUENCEEVENT']._serialized_end=1213
+  _globals['_LOAD']._serialized_start=1216
+  _globals['_LOAD']._serialized_end=1407
+  _globals['_TARGETINFOREQUEST']._serialized_start=1409
+  _globals['_TARGETINFOREQUEST']._serialized_end=1428
+  _globals['_TARGETINFO']._serialized_start=1431
+  _globals['_TARGETINFO']._serialized_end=1637
+  _globals['_TARGET']._serialized_start=1640
+  _globals['_TARGET']._serialized_end=1796
 # @@protoc_insertion_point(module_scope)

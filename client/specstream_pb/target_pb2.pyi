@@ -23,7 +23,7 @@ class Submit(_message.Message):
     def __init__(self, requests: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ...) -> None: ...
 
 class SequenceRequest(_message.Message):
-    __slots__ = ("id", "prompt_token_ids", "max_new_tokens", "stop_token_ids", "eos_token_ids", "speculation", "sampling", "logprobs", "top_logprobs", "traceparent", "beam", "min_tokens", "constraint", "penalties")
+    __slots__ = ("id", "prompt_token_ids", "max_new_tokens", "stop_token_ids", "eos_token_ids", "speculation", "sampling", "logprobs", "top_logprobs", "traceparent", "beam", "min_tokens", "constraint", "penalties", "cache_salt")
     ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class SequenceRequest(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     PENALTIES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
@@ -52,7 +53,8 @@ class SequenceRequest(_message.Message):
     min_tokens: int
     constraint: _common_pb2.Constraint
     penalties: _common_pb2.Penalties
-    def __init__(self, id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[_common_pb2.Speculation, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., traceparent: _Optional[str] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., min_tokens: _Optional[int] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., penalties: _Optional[_Union[_common_pb2.Penalties, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[_common_pb2.Speculation, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., traceparent: _Optional[str] = ..., beam: _Optional[_Union[_common_pb2.BeamSearch, _Mapping]] = ..., min_tokens: _Optional[int] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., penalties: _Optional[_Union[_common_pb2.Penalties, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("ids",)
@@ -77,7 +79,7 @@ class Events(_message.Message):
     def __init__(self, step: _Optional[int] = ..., events: _Optional[_Iterable[_Union[SequenceEvent, _Mapping]]] = ...) -> None: ...
 
 class SequenceEvent(_message.Message):
-    __slots__ = ("id", "token_ids", "finish_reason", "stats", "error", "queue_seconds", "logprobs", "sequences")
+    __slots__ = ("id", "token_ids", "finish_reason", "stats", "error", "queue_seconds", "logprobs", "sequences", "cached_tokens")
     ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +88,7 @@ class SequenceEvent(_message.Message):
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
@@ -94,7 +97,8 @@ class SequenceEvent(_message.Message):
     queue_seconds: float
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     sequences: _containers.RepeatedCompositeFieldContainer[_common_pb2.BeamSequence]
-    def __init__(self, id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stats: _Optional[_Union[_common_pb2.SpeculationStats, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.SequenceError, _Mapping]] = ..., queue_seconds: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., sequences: _Optional[_Iterable[_Union[_common_pb2.BeamSequence, _Mapping]]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stats: _Optional[_Union[_common_pb2.SpeculationStats, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.SequenceError, _Mapping]] = ..., queue_seconds: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., sequences: _Optional[_Iterable[_Union[_common_pb2.BeamSequence, _Mapping]]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Load(_message.Message):
     __slots__ = ("max_slots", "free_slots", "running", "queued", "draft_sequences", "draft_connected", "batch", "draft_model")

@@ -240,7 +240,8 @@ def build_app(gateway: Gateway, registry: CollectorRegistry | None = None,
             if body.model != gateway.model_name:
                 raise model_not_found(body.model, gateway.model_name)
             pb = translate.to_generate_request(body, telemetry.traceparent_of(span) or caller)
-            valid = await gateway.admit(pb, fill_max_new_tokens=translate.fills_max_new_tokens(body))
+            valid = await gateway.admit(pb, fill_max_new_tokens=translate.fills_max_new_tokens(body),
+                                        authorization=request.headers.get("authorization"))
             encoder = encoder_of(valid)
             if not body.stream:
                 response: generation_pb2.GenerateResponse = await _unless_gone(request, gateway.generate(valid))

@@ -45,6 +45,7 @@ class Extensions(BaseModel):
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
+    cache_salt: StrictStr | None = None  # vLLM's: prompts share cached prefixes only with the same salt
 
 
 class _Common(Extensions):

@@ -68,6 +68,7 @@ def to_generate_request(body: Body, traceparent: str = "") -> generation_pb2.Gen
     if body.seed is not None:
         req.seed = _int("seed", body.seed, 0, UINT64)
     req.speculation.CopyFrom(_speculation(body))
+    req.cache_salt = body.cache_salt or ""
     penalties = _penalties(body)
     if penalties is not None:
         req.penalties.CopyFrom(penalties)
@@ -257,7 +258,8 @@ def _speculation(body: Body) -> common_pb2.Speculation:
 
 def usage(pb: common_pb2.Usage) -> dict[str, int]:
     return {"prompt_tokens": pb.prompt_tokens, "completion_tokens": pb.completion_tokens,
-            "total_tokens": pb.prompt_tokens + pb.completion_tokens}
+            "total_tokens": pb.prompt_tokens + pb.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": pb.cached_tokens}}
 
 
 def metrics(stats: common_pb2.SpeculationStats, timings: common_pb2.Timings) -> dict[str, Any]:

@@ -136,16 +136,29 @@ struct KeyRows {
   int64_t at(int64_t j) const { return j < head ? lo + j : base + tail[j - head]; }
 };
 
-// One query head at one position over its keys, D = 16 NV, a slot's keys and values contiguous (no
-// shared prefix): the AVX-512 path of step 2 below. Key j of the n = pos + 1 - lo it reads is the
-// slot's position `keys.at(j)` (KeyRows: a chain's lo + j; a tree node's prefix, then its
-// ancestors, so a node at depth d reads its keys in the order a chain's position d does). The
-// query in registers; scores one key at a time (16 lanes over D, then the lanes summed), their
-// exponentials 16 at a time (exp512), the weighted values into NV accumulators held in registers.
+// Where one kv head's vector of position p lies: in the row's own slot, or, for a position a shared
+// prefix holds (KVCache.fork, the prefix cache), in the slot `src[p]` names. The same arithmetic
+// reads either, so a position's output has the same bits whichever slot holds its keys.
+template <typename T>
+struct SlotRows {
+  const T* own;         // the row's slot at position 0 (of this head)
+  const T* first;       // slot 0 at position 0 (of this head)
+  const int64_t* src;   // [kv_len] the slot of each position, or null: all in `own`
+  int64_t slot_stride;  // elements from one slot to the next
+  int64_t D;
+  const T* at(int64_t p) const { return (src == nullptr ? own : first + src[p] * slot_stride) + p * D; }
+};
+
+// One query head at one position over its keys, D = 16 NV: the AVX-512 path of step 2 below. Key j
+// of the n = pos + 1 - lo it reads is position `rows.at(j)` (KeyRows: a chain's lo + j; a tree
+// node's prefix, then its ancestors, so a node at depth d reads its keys in the order a chain's
+// position d does), found where SlotRows says. The query in registers; scores one key at a time
+// (16 lanes over D, then the lanes summed), their exponentials 16 at a time (exp512), the weighted
+// values into NV accumulators held in registers.
 template <typename T, int NV>
 __attribute__((target("avx512f,avx512bw,avx512vl")))
-void attend_avx512(const float* q, const T* keys, const T* values, int64_t lo, int64_t pos, float scale,
-                   std::vector<float>& weights, T* dst, const KeyRows& rows) {
+void attend_avx512(const float* q, const SlotRows<T>& keys, const SlotRows<T>& values, int64_t lo, int64_t pos,
+                   float scale, std::vector<float>& weights, T* dst, const KeyRows& rows) {
   __m512 qv[NV];
   for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(q + 16 * v);
   const int64_t n = pos + 1 - lo;
@@ -159,7 +172,7 @@ void attend_avx512(const float* q, const T* keys, const T* values, int64_t lo, i
     __m512 a[4];
     for (int r = 0; r < 4; ++r) {
       if (j + r < n) {
-        const T* k = keys + rows.at(j + r) * 16 * NV;
+        const T* k = keys.at(rows.at(j + r));
         a[r] = _mm512_mul_ps(qv[0], load16(k));
         for (int v = 1; v < NV; ++v) a[r] = _mm512_fmadd_ps(qv[v], load16(k + 16 * v), a[r]);
       } else {
@@ -194,7 +207,7 @@ void attend_avx512(const float* q, const T* keys, const T* values, int64_t lo, i
   __m512 out[NV];
   for (int v = 0; v < NV; ++v) out[v] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    const T* val = values + rows.at(j) * 16 * NV;
+    const T* val = values.at(rows.at(j));
     const __m512 w = _mm512_set1_ps(weights[j]);
     for (int v = 0; v < NV; ++v) out[v] = _mm512_fmadd_ps(w, load16(val + 16 * v), out[v]);
   }
@@ -241,9 +254,10 @@ void Attention<T>::attend(int64_t begin, int64_t end) const {  // 2. Every query
       rows.tail = path + bt * T_ + first;
     }
     T* dst = o + bt * Hq * D + h * D;
-    if (wide && sources == nullptr && (D == 64 || D == 128)) {
-      const T* keys = cache_at(kc, slots[b], g, 0);
-      const T* values = cache_at(vc, slots[b], g, 0);
+    if (wide && (D == 64 || D == 128)) {
+      const int64_t* src = sources != nullptr ? sources + b * kv_len : nullptr;
+      const SlotRows<T> keys{cache_at(kc, slots[b], g, 0), cache_at(kc, 0, g, 0), src, Hkv * L * D, D};
+      const SlotRows<T> values{cache_at(vc, slots[b], g, 0), cache_at(vc, 0, g, 0), src, Hkv * L * D, D};
       if (D == 64) {
         attend_avx512<T, 4>(q.data(), keys, values, lo, pos, scale, weights, dst, rows);
       } else {

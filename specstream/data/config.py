@@ -274,9 +274,16 @@ class TargetConfig:
     # 512-token chunk held running streams ~0.85 s on 2 cores, a 128-token one ~0.22 s, the long
     # prompt no slower for it: `bench constraint-cost`, docs/reliability.md), 512 on a GPU.
     prefill_chunk: int = 0
+    # The prefix cache (target_service/prefix_cache.py): KV-cache slots, beyond max_slots, that keep
+    # finished sequences' K/V for prompts that start the same way (a conversation's next turn, an
+    # agent's system prompt and tools). -1: as many as max_slots, fewer where a quarter of the
+    # memory available at start-up would not hold them; 0: no prefix cache.
+    prefix_cache_slots: int = -1
 
     def __post_init__(self) -> None:
         _check(self.max_slots >= 1, "max_slots", self.max_slots, ">= 1")
+        _check(self.prefix_cache_slots >= -1, "prefix_cache_slots", self.prefix_cache_slots,
+               ">= -1 (-1: by memory, 0: off)")
         _check(self.max_seq_len >= 8, "max_seq_len", self.max_seq_len, ">= 8")
         _check(self.model.weights != "int4-rtn", "weights", self.model.weights,
                "the checkpoint's own ('auto', 'dense' or 'int4') for a target: rounding would change its output")

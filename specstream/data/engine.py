@@ -67,6 +67,9 @@ class SequenceRequest:
     min_tokens: int = 0
     constraint: Constraint | None = None  # what the generated tokens must match (None: free text)
     penalties: Penalties | None = None  # logit_bias, repetition, frequency, presence (None: none)
+    # Prompts share cached K/V only with prompts of the same salt (specstream/data/prefix.py); the
+    # gateway adds the caller's identity when callers need tokens.
+    cache_salt: str = ""
 
 
 @dataclass
@@ -102,6 +105,7 @@ class SequenceEvent:
     stats: SequenceStats = field(default_factory=SequenceStats)
     error: SpecstreamError | None = None  # with finish_reason "error"; its class gives the status
     queue_seconds: float | None = None  # arrival -> admission, on the first event after admission
+    cached_tokens: int = 0  # prompt tokens the prefix cache served, on the first event after admission
     # Beam requests: no tokens until the last event, which carries the best hypothesis' tokens in
     # `token_ids` and the n best in `sequences`, best first.
     sequences: list[BeamHypothesis] = field(default_factory=list)

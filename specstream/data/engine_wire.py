@@ -117,6 +117,7 @@ def request_from_pb(pb: target_pb2.SequenceRequest) -> SequenceRequest:
         min_tokens=pb.min_tokens,
         constraint=Constraint.from_pb(pb.constraint) if pb.HasField("constraint") else None,
         penalties=Penalties.from_pb(pb.penalties) if pb.HasField("penalties") else None,
+        cache_salt=pb.cache_salt,
     )
 
 
@@ -126,7 +127,7 @@ def request_to_pb(request: SequenceRequest) -> target_pb2.SequenceRequest:
         stop_token_ids=sorted(request.stop_token_ids), eos_token_ids=sorted(request.eos_token_ids),
         speculation=speculation_to_pb(request.speculation), sampling=sampling_to_pb(request.sampling),
         logprobs=request.logprobs is not None, top_logprobs=request.logprobs or 0, traceparent=request.traceparent,
-        min_tokens=request.min_tokens)
+        min_tokens=request.min_tokens, cache_salt=request.cache_salt)
     if request.beam is not None:
         pb.beam.CopyFrom(beam_to_pb(request.beam))
     if request.constraint is not None:
@@ -199,7 +200,7 @@ def event_to_pb(event: SequenceEvent) -> target_pb2.SequenceEvent:
     pb = target_pb2.SequenceEvent(
         id=event.id, token_ids=event.token_ids, stats=stats_to_pb(event.stats),
         logprobs=[logprob_to_pb(lp) for lp in event.logprobs],
-        sequences=[hypothesis_to_pb(h) for h in event.sequences])
+        sequences=[hypothesis_to_pb(h) for h in event.sequences], cached_tokens=event.cached_tokens)
     if event.finish_reason is not None:
         pb.finish_reason = _FINISH_PB[event.finish_reason]
     if event.error is not None:
@@ -218,7 +219,7 @@ def event_from_pb(pb: target_pb2.SequenceEvent) -> SequenceEvent:
     return SequenceEvent(
         id=pb.id, token_ids=list(pb.token_ids), logprobs=[logprob_from_pb(lp) for lp in pb.logprobs],
         finish_reason=finish, stats=stats_from_pb(pb.stats), error=error, queue_seconds=pb.queue_seconds or None,
-        sequences=[hypothesis_from_pb(s) for s in pb.sequences])
+        cached_tokens=pb.cached_tokens, sequences=[hypothesis_from_pb(s) for s in pb.sequences])
 
 
 # --- load and info ----------------------------------------------------------------------------------------

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 from specstream.data.beam import check_combination
 from specstream.data.engine import SPECULATION_MODES, SequenceRequest, Speculation
 from specstream.data.errors import InvalidArgumentError
+from specstream.data.prefix import MAX_SALT_CHARS
 from specstream.data.sampling import SamplingParams
 
 __all__ = ["RequestLimits", "check_beam", "check_budget", "check_logprobs", "check_min_tokens", "check_prompt",
-           "check_constraint", "check_penalties", "check_request", "check_speculation", "check_stop_ids"]
+           "check_cache_salt", "check_constraint", "check_penalties", "check_request", "check_speculation", "check_stop_ids"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,13 @@ def check_request(req: SequenceRequest, limits: RequestLimits, prompt_field: str
         check_constraint(req)
     if req.penalties is not None:
         check_penalties(req, limits)
+    check_cache_salt(req.cache_salt)
+
+
+def check_cache_salt(salt: str) -> None:
+    """A salt is a name, not a payload: at most MAX_SALT_CHARS characters."""
+    if len(salt) > MAX_SALT_CHARS:
+        raise InvalidArgumentError("cache_salt", f"<{len(salt)} characters>", f"longer than {MAX_SALT_CHARS} characters")
 
 
 def check_prompt(ids: list[int], limits: RequestLimits, field: str = "prompt_token_ids") -> None:

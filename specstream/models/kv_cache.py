@@ -119,6 +119,10 @@ class KVCache:
         """The slot's source table (position p < len: K/V in slot table[p]); None when it reads only itself."""
         return self._sources[slot]
 
+    def has_readers(self, slot: int) -> bool:
+        """Whether other slots' tables read positions of this one."""
+        return bool(self._readers[slot])
+
     @property
     def shared(self) -> bool:
         """Whether any slot reads positions from another (attention then gathers per position)."""

@@ -204,6 +204,13 @@ class TargetMetrics:
                                    "the request's grammar refuses them (or a token before them).", registry=r)
         self.forced_tokens = Counter(f"{PREFIX}grammar_forced_tokens", "Tokens proposed because the request's "
                                      "grammar allows nothing else (no model guessed them).", registry=r)
+        # The prefix cache (target_service/prefix_cache.py), by vLLM's names: tokens, not requests.
+        self.prefix_queries = Counter(f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                                      "(the full blocks before each admitted prompt's last token).", registry=r)
+        self.prefix_hits = Counter(f"{PREFIX}prefix_cache_hits", "Prompt tokens served from the prefix cache "
+                                   "(not prefilled).", registry=r)
+        self.prefix_slots = Gauge(f"{PREFIX}prefix_cache_slots", "KV-cache slots holding finished sequences' "
+                                  "prefixes for reuse.", registry=r)
         # Beam search (target_service/beam.py).
         self.beam_width = Histogram(f"{PREFIX}beam_width", "Running hypotheses of a beam request at each step it is "
                                     "expanded (variable width prunes below num_beams).",
@@ -224,6 +231,12 @@ class TargetMetrics:
         for g, b in zip(gammas, branches):
             if g:
                 self.branches.observe(b)
+
+    def observe_prefix(self, queried: int, hit: int) -> None:
+        """An admitted prompt: its reusable tokens and those the prefix cache served."""
+        self.prefix_queries.inc(queried)
+        if hit:
+            self.prefix_hits.inc(hit)
 
     def observe_grammar(self, mask_seconds: float, cut: int, forced: int) -> None:
         """A decode pass with constrained rows: the time of their masks, proposals the grammar cut,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -87,7 +88,11 @@ def test_chat_streamed_deltas_concatenate_to_the_unary_reply(client) -> None:
     assert "Paris" in text and unary.choices[0].finish_reason == "stop"  # ended on <|im_end|>
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert chunks[-1].choices == [] and chunks[-1].usage == unary.usage
+    assert chunks[-1].choices == []
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == \
+        (unary.usage.prompt_tokens, unary.usage.completion_tokens)
+    # The stream's prompt is the unary call's: the target's prefix cache served its full blocks.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (unary.usage.prompt_tokens - 1) // 16 * 16
     assert unary.usage.completion_tokens < 48 and unary.usage.prompt_tokens > 10
     assert unary.usage.total_tokens == unary.usage.prompt_tokens + unary.usage.completion_tokens
     spec = unary.model_extra["metrics"]["speculative_decoding"]
@@ -102,6 +107,31 @@ def test_chat_streamed_deltas_concatenate_to_the_unary_reply(client) -> None:
     assert sum(streamed["num_accepted_tokens_per_pos"]) == streamed["num_accepted_tokens"]
     assert streamed["target_passes"] >= 1 and chunks[-1].model_extra["metrics"]["speculative_decoding"] == streamed
     assert unary.model_extra["metrics"]["timings"]["total_seconds"] > 0
+
+
+def test_a_repeated_conversation_is_served_from_the_prefix_cache_only_under_its_salt(stack, client) -> None:
+    """The next turn reports its cached prompt tokens (usage.prompt_tokens_details, as OpenAI's),
+    a request with vLLM's cache_salt shares nothing with it, and both answer the same; the target
+    counts the queries and hits by vLLM's metric names."""
+    first = [{"role": "system", "content": "You answer travel questions in one short sentence."},
+             {"role": "user", "content": QUESTIONS[0]}]
+    one = client.chat.completions.create(model=MODEL, messages=first, max_tokens=24, temperature=0)
+    second = [*first, {"role": "assistant", "content": one.choices[0].message.content},
+              {"role": "user", "content": "And of Italy?"}]
+    cached = client.chat.completions.create(model=MODEL, messages=second, max_tokens=24, temperature=0)
+    salted = client.chat.completions.create(model=MODEL, messages=second, max_tokens=24, temperature=0,
+                                            extra_body={"cache_salt": "another tenant"})
+    assert cached.usage.prompt_tokens_details.cached_tokens >= one.usage.prompt_tokens // 16 * 16 > 0
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    assert cached.choices[0].message.content == salted.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL, messages=second, max_tokens=4,
+                                       extra_body={"cache_salt": "s" * 257})
+    assert bad.value.body["param"] == "cache_salt"
+    _, _, body = _get(f"http://{stack.metrics_addresses['target']}/metrics")
+    hits = float(re.search(rb"^specstream:prefix_cache_hits_total (\S+)$", body, re.M).group(1))
+    queries = float(re.search(rb"^specstream:prefix_cache_queries_total (\S+)$", body, re.M).group(1))
+    assert queries >= hits >= cached.usage.prompt_tokens_details.cached_tokens
 
 
 def test_seeded_sampled_completions_stream_what_the_unary_call_returns(client) -> None:

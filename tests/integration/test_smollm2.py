@@ -234,6 +234,29 @@ def test_chat_through_the_three_processes_speculative_equals_plain(smollm2_stack
         assert "".join(c.text for c in streamed) == short.text and streamed[-1].finish_reason == "eos"
 
 
+def _next_turn_from_the_cache_is_the_next_turn_without_it(client, **options) -> None:
+    """A conversation's second turn starts from the cache (the first turn's prompt and answer,
+    kept by the target) and gives the tokens it gives under another salt, which never hits."""
+    first = [{"role": "user", "content": CHAT[0]}]
+    one = client.chat(first, max_new_tokens=40, **options)
+    second = [*first, {"role": "assistant", "content": one.text}, {"role": "user", "content": "Now in one sentence."}]
+    cached = client.chat(second, max_new_tokens=40, **options)
+    fresh = client.chat(second, max_new_tokens=40, cache_salt=f"fresh {time.monotonic()}", **options)
+    assert fresh.usage.cached_tokens == 0
+    assert cached.usage.cached_tokens >= one.usage.prompt_tokens // 16 * 16 > 0, (cached.usage, one.usage)
+    assert cached.usage.prompt_tokens == fresh.usage.prompt_tokens
+    assert cached.token_ids == fresh.token_ids and cached.text == fresh.text
+
+
+def test_a_conversation_turn_from_the_prefix_cache_is_exact(smollm2_stack) -> None:
+    from specstream_client import Client
+
+    with Client(smollm2_stack.gateway_address, timeout=300) as client:
+        _next_turn_from_the_cache_is_the_next_turn_without_it(client)  # the default: speculation auto
+        _next_turn_from_the_cache_is_the_next_turn_without_it(client, speculation=3, temperature=0.8, seed=11)
+        _next_turn_from_the_cache_is_the_next_turn_without_it(client, speculation="off")
+
+
 def test_a_draft_colocated_in_the_target_is_exact_too(stack_factory) -> None:
     """serve --colocate-draft: no draft process; the target runs the pair's feature draft itself,
     reading the features where its own forward leaves them."""
@@ -245,6 +268,7 @@ def test_a_draft_colocated_in_the_target_is_exact_too(stack_factory) -> None:
     with Client(stack.gateway_address, timeout=300) as client:
         assert client.model_info().draft_model == "smollm2-135m-feature"
         _speculative_chat_is_plain_and_accepted(client, gamma=3)
+        _next_turn_from_the_cache_is_the_next_turn_without_it(client, speculation=3)
 
 
 def _speculative_chat_is_plain_and_accepted(client, gamma: int) -> None:

@@ -95,6 +95,8 @@ def _call_flags(p: argparse.ArgumentParser, default_max_new_tokens: int) -> None
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--json", action="store_true", help="print the whole response as JSON")
+    p.add_argument("--cache-salt", default=None, metavar="SALT",
+                   help="reuse cached prompt prefixes only of requests with this salt (at most 256 characters)")
     _constraint_flags(p)
     _beam_search_flags(p)
 
@@ -192,7 +194,8 @@ def _call_options(args: argparse.Namespace) -> dict:
                 logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0,
                 num_beams=args.num_beams, num_return_sequences=args.num_return, length_penalty=args.length_penalty,
                 early_stopping=args.early_stopping, beam_threshold=args.beam_threshold,
-                max_candidates_per_parent=args.max_candidates_per_parent, **_constraint_options(args))
+                max_candidates_per_parent=args.max_candidates_per_parent, cache_salt=args.cache_salt,
+                **_constraint_options(args))
 
 
 def _constraint_options(args: argparse.Namespace) -> dict:
@@ -266,7 +269,8 @@ def _print_stats(stats, usage, timings, seed: int | None = None) -> None:
     tps = usage.completion_tokens / timings.total_seconds if timings.total_seconds else 0.0
     print(f"-- {usage.completion_tokens} tokens in {timings.total_seconds:.3f}s ({tps:.1f} tok/s); "
           f"draft proposed {stats.draft_tokens}, accepted {stats.accepted_tokens}; "
-          f"{stats.target_passes} target passes, mean accepted length {stats.mean_accepted_length:.2f}"
+          f"{stats.target_passes} target passes, mean accepted length {stats.mean_accepted_length:.2f}; "
+          f"{usage.cached_tokens} of {usage.prompt_tokens} prompt tokens cached"
           + (f"; {stats.beam_expansions} beam expansions" if stats.beam_expansions else "")
           + (f"; seed {seed}" if seed is not None else ""), file=sys.stderr)
 

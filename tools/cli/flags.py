@@ -135,3 +135,8 @@ def batching_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=0,
                    help="prompt tokens prefilled per step, so a long prompt holds running streams up for one chunk "
                         "at a time (default 0: 128 on a CPU, 512 on a GPU)")
+    p.add_argument("--prefix-cache-slots", type=int, default=-1,
+                   help="KV-cache slots, beside --max-slots, that keep finished sequences' K/V for prompts that "
+                        "start the same way (a conversation's next turn, a shared system prompt); each holds "
+                        "--max-seq-len tokens (default -1: as many as --max-slots where a quarter of the "
+                        "available memory holds them; 0: no prefix cache)")

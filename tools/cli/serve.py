@@ -198,7 +198,7 @@ def _batching_args(args: argparse.Namespace) -> list[str]:
     return ["--policy", args.policy, "--refill-threshold", str(args.refill_threshold), "--max-batch",
             str(args.max_batch), "--row-selection", args.row_selection, "--min-length-slack",
             str(args.min_length_slack), "--max-wait-steps", str(args.max_wait_steps), "--prefill-chunk",
-            str(args.prefill_chunk)]
+            str(args.prefill_chunk), "--prefix-cache-slots", str(args.prefix_cache_slots)]
 
 
 def _serve_security(args: argparse.Namespace):

@@ -202,7 +202,8 @@ def _colocated_draft(args: argparse.Namespace) -> DraftConfig | None:
 def _batching_config(args: argparse.Namespace) -> dict:
     return dict(policy=args.policy, refill_threshold=args.refill_threshold, max_batch=args.max_batch,
                 row_selection=args.row_selection, min_length_slack=args.min_length_slack,
-                max_wait_steps=args.max_wait_steps, prefill_chunk=args.prefill_chunk)
+                max_wait_steps=args.max_wait_steps, prefill_chunk=args.prefill_chunk,
+                prefix_cache_slots=args.prefix_cache_slots)
 
 
 # --- draft ------------------------------------------------------------------------------------------------

@@ -1,0 +1,283 @@
+"""The target's prefix cache (target_service/prefix_cache.py): what it keeps, what it shares, and
+that a sequence served from it gives exactly the tokens and draws it gives with the cache off."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from draft_service.feature import FeatureProposer
+from draft_service.proposer import DraftProposer
+from specstream.data.config import ModelSpec, TargetConfig
+from specstream.data.engine import SequenceRequest
+from specstream.data.errors import InvalidArgumentError
+from specstream.data.prefix import BLOCK, MAX_SALT_CHARS, block_keys, caller_salt, reusable_blocks
+from specstream.data.request_rules import check_cache_salt
+from specstream.data.sampling import GREEDY, SamplingParams
+from specstream.models.feature_draft import load_feature_draft
+from specstream.models.kv_cache import KVCache
+from specstream.models.loader import load_model
+from target_service.engine import Engine
+from target_service.inprocess import generate
+from target_service.local_draft import LocalDraft
+from target_service.prefix_cache import PrefixCache
+from tests.support.engine_harness import speculation
+
+ROW = 4  # bytes of one position's features in the unit tests
+
+
+def _kv(slots: int = 6) -> KVCache:
+    return KVCache(num_layers=1, num_slots=slots, num_kv_heads=1, max_len=128, head_dim=2, dtype=torch.float32)
+
+
+def _retired(kv: KVCache, prefix: PrefixCache, tokens: list[int], salt: str = "", features: bool = True) -> int:
+    slot = kv.alloc()
+    kv.set_length(slot, len(tokens))
+    assert prefix.retire(slot, tokens, salt, bytearray(len(tokens) * ROW) if features else None, ROW)
+    return slot
+
+
+# ----- keys and rules ------------------------------------------------------------------------------------
+
+def test_block_keys_chain_every_token_before_them_and_the_salt():
+    tokens = list(range(50))
+    keys = block_keys(tokens)
+    assert len(keys) == 50 // BLOCK and len(set(keys)) == len(keys)
+    assert block_keys(tokens[:40]) == keys[:2]  # a key names its whole prefix, whatever follows
+    changed = block_keys([99, *tokens[1:]])
+    assert all(a != b for a, b in zip(keys, changed))  # the first token changes every later key
+    assert all(a != b for a, b in zip(keys, block_keys(tokens, "tenant-a")))
+    assert block_keys(tokens, "tenant-a") != block_keys(tokens, "tenant-b")
+    assert reusable_blocks(33) == 2 and reusable_blocks(32) == 1 and reusable_blocks(1) == 0  # the last token is computed
+
+
+def test_a_salt_is_bounded_and_a_token_salts_its_callers_apart():
+    check_cache_salt("x" * MAX_SALT_CHARS)
+    with pytest.raises(InvalidArgumentError) as err:
+        check_cache_salt("x" * (MAX_SALT_CHARS + 1))
+    assert err.value.field == "cache_salt" and "257 characters" in str(err.value)
+    assert caller_salt(None, "s") == "s" and caller_salt("", "s") == "s"
+    a, b = caller_salt("Bearer one", ""), caller_salt("Bearer two", "")
+    assert a != b and a != "" and len(a) == 64  # a digest: the token itself never travels on
+    assert caller_salt("Bearer one", "x") != a  # the request's own salt still counts
+
+
+# ----- the cache's own bookkeeping -------------------------------------------------------------------------
+
+def test_a_finished_prompt_is_found_by_its_full_blocks_and_only_under_its_salt():
+    kv = _kv()
+    prefix = PrefixCache(kv, capacity=2)
+    tokens = list(range(100, 150))  # 50 tokens: 3 full blocks
+    slot = _retired(kv, prefix, tokens, salt="a")
+    assert prefix.lookup(tokens + [7], "b") is None  # another salt never hits
+    hit = prefix.lookup(tokens + [7], "a", ROW)
+    assert (hit.slot, hit.length, hit.take_over) == (slot, 48, True)  # its next turn takes the slot over
+    assert hit.features == bytes(48 * ROW)
+    hit = prefix.lookup(tokens[:20] + [1, 2, 3], "a")
+    assert (hit.length, hit.take_over) == (16, False)  # a shorter match forks: the entry keeps its tail
+    assert prefix.lookup(tokens[:16], "a") is None  # the last token is always computed: no full block before it
+    assert prefix.lookup([5, *tokens[1:]], "a") is None
+    assert (prefix.queries, prefix.hits, prefix.hit_tokens) == (5, 2, 64)
+
+
+def test_a_key_is_a_lookup_not_a_proof_tokens_are_compared():
+    kv = _kv()
+    prefix = PrefixCache(kv, capacity=2)
+    tokens = list(range(40))
+    slot = _retired(kv, prefix, tokens)
+    prefix.entries[slot].tokens[3] = 999  # as if another prompt had the same keys (a collision)
+    assert prefix.lookup(tokens + [1], "") is None
+
+
+def test_a_sequence_that_needs_features_only_reuses_an_entry_that_kept_them():
+    kv = _kv()
+    prefix = PrefixCache(kv, capacity=2)
+    tokens = list(range(40))
+    _retired(kv, prefix, tokens, features=False)
+    assert prefix.lookup(tokens + [1], "", ROW) is None  # recomputed, never drafted without features
+    assert prefix.lookup(tokens + [1], "").length == 32
+
+
+def test_the_least_recently_used_is_evicted_and_one_read_by_others_last():
+    kv = _kv(slots=6)
+    prefix = PrefixCache(kv, capacity=2)
+    a = _retired(kv, prefix, [1] * 40)
+    b = _retired(kv, prefix, [2] * 40)
+    reader = kv.alloc()
+    kv.fork(a, reader)  # a running sequence reads a's positions
+    assert prefix.lookup([1] * 40 + [3], "").slot == a  # a is now the most recent too
+    c = _retired(kv, prefix, [3] * 40)  # over capacity: b goes (a is read and more recent)
+    assert set(prefix.entries) == {a, c} and not kv.is_allocated(b)
+    assert prefix.freeable(pinned={a}) == 1 and prefix.freeable(pinned=set()) == 2
+    assert prefix.evict() and set(prefix.entries) == {a}  # c: read by no one
+    assert prefix.evict() and not prefix.entries
+    assert kv.num_free == 6 - 2  # a is held back by the KV cache while its reader runs
+    kv.free(reader)
+    assert kv.num_free == 6
+
+
+def test_a_running_prompt_is_forked_never_taken_over():
+    kv = _kv()
+    prefix = PrefixCache(kv, capacity=1)
+    slot = kv.alloc()
+    tokens = list(range(40))
+    kv.set_length(slot, 40)
+    prefix.add_live(slot, tokens, "", None, 0)
+    hit = prefix.lookup(tokens + [5], "")
+    assert (hit.slot, hit.length, hit.take_over) == (slot, 32, False)
+    assert prefix.retained == 0 and not prefix.evict()  # a running sequence's slot is its own
+    prefix.drop(slot)
+    assert prefix.lookup(tokens + [5], "") is None
+
+
+# ----- reading a shared prefix: the bits of a contiguous read ------------------------------------------------
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prefix_read_through_a_source_table_gives_the_bits_of_its_own_copy(tmp_path, monkeypatch, native, head_dim,
+                                                                            dtype):
+    """A forked slot reads its first positions from the slot that holds them. The native attention
+    reads them with the arithmetic of its own slot's (the AVX-512 path included, which serves head
+    sizes 64 and 128), so a prompt continued from a cached prefix gets the logits of one prefilled
+    alone, bit for bit; so does the torch path."""
+    from specstream.models.random_init import write_random_checkpoint
+
+    monkeypatch.setenv("SPECSTREAM_NATIVE", native)
+    write_random_checkpoint(tmp_path, {"vocab_size": 256, "hidden_size": 2 * head_dim, "intermediate_size": 256,
+                                       "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                       "max_position_embeddings": 256}, seed=4)
+    model = load_model(tmp_path, dtype=dtype)
+    prompt = torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(1))  # [1, 70]
+    cache = model.new_cache(3, 128)
+
+    def logits(slot: int, start: int, ids: torch.Tensor) -> torch.Tensor:
+        return model(ids, cache, torch.tensor([slot]), torch.tensor([start]))[0]  # [T, V]
+
+    with torch.inference_mode():
+        alone = logits(cache.alloc(), 0, prompt)
+        holder = cache.alloc()
+        logits(holder, 0, prompt[:, :32])
+        cache.set_length(holder, 32)
+        forked = cache.alloc()
+        cache.fork(holder, forked)
+        continued = logits(forked, 32, prompt[:, 32:])
+    assert cache.sources(forked) == [holder] * 32
+    assert torch.equal(continued, alone[32:])
+
+
+# ----- the engine: hits, and the same tokens as without them ------------------------------------------------
+
+def _engine(target: Path, draft: Path | None, kept: int, feature: bool = False) -> Engine:
+    model = load_model(target)
+    proposer = None
+    if draft is not None:
+        proposer = (FeatureProposer(load_feature_draft(draft, Path), 16, 512) if feature
+                    else DraftProposer(load_model(draft), max_slots=16, max_seq_len=512))
+    config = TargetConfig(model=ModelSpec(str(target)), max_slots=4, max_seq_len=512, max_gamma=8,
+                          prefix_cache_slots=kept, calibrate=False)
+    return Engine(model, config, LocalDraft(proposer) if proposer else None)
+
+
+def _request(rid: str, prompt: list[int], gamma: int | None, sampling: SamplingParams = GREEDY,
+             max_new: int = 12, salt: str = "") -> SequenceRequest:
+    return SequenceRequest(rid, list(prompt), max_new, speculation=speculation(gamma), sampling=sampling,
+                           cache_salt=salt)
+
+
+def _conversation(engine: Engine, gamma: int | None, sampled: bool) -> list[tuple[list[int], int]]:
+    """Requests a chat application and an agent send, in order, on one engine: each one's tokens
+    and cached prompt tokens. Turn 2 continues turn 1 (a take-over), a request shares only turn
+    1's first blocks (a fork from a kept slot), and a prompt arrives while another with the same
+    start runs (a fork from a running sequence); a salted one shares nothing."""
+    rng = random.Random(3)
+    vocab = engine.model.config.vocab_size
+    system = [rng.randrange(2, vocab) for _ in range(37)]
+    turn1 = system + [rng.randrange(2, vocab) for _ in range(9)]
+
+    def sampling(i: int) -> SamplingParams:
+        return SamplingParams(temperature=0.9, top_k=40, seed=100 + i) if sampled else GREEDY
+
+    async def main():
+        loop = asyncio.create_task(engine.run())
+        out = []
+
+        async def one(rid: int, prompt: list[int], salt: str = "") -> list[int]:
+            [done] = await generate(engine, [_request(str(rid), prompt, gamma, sampling(rid), salt=salt)], 60)
+            out.append((done.token_ids, done.cached_tokens))
+            return done.token_ids
+
+        try:
+            answer = await one(1, turn1)
+            await one(2, turn1 + answer + [rng.randrange(2, vocab) for _ in range(5)])
+            await one(3, system[:34] + [rng.randrange(2, vocab) for _ in range(6)])
+            long_running = asyncio.create_task(one(4, system + [7] * 30))
+            while not any(s.request_id == "4" and s.generated for s in engine.running):
+                await asyncio.sleep(0.001)
+            await one(5, system + [7] * 30 + [8])  # forks 4's prompt while 4 runs
+            await long_running
+            await one(6, turn1, salt="other tenant")
+        finally:
+            loop.cancel()
+        return out
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("draft, gamma, sampled", [(None, 0, False), ("same", 3, False), ("partial", None, False),
+                                                   ("partial", 2, True), (None, 0, True), ("feature", 3, False),
+                                                   ("feature", 2, True), ("feature", None, False)])
+def test_served_from_the_cache_gives_the_tokens_and_draws_of_no_cache(model_zoo, feature_pair, draft, gamma, sampled):
+    """Exactness, bit for bit: the same requests in the same order, with the cache (hits of every
+    kind) and without it, give the same tokens, greedy and seeded sampling, plain and speculative
+    (sampled at a fixed γ: under γ=auto the controller's choices follow measured times, and a
+    sampled run's draws follow the proposals, with or without a cache)."""
+    feature = draft == "feature"
+    target = feature_pair["target"] if feature else model_zoo["target"]
+    draft_dir = feature_pair["draft"] if feature else (model_zoo[draft] if draft else None)
+    cached = _conversation(_engine(target, draft_dir, kept=4, feature=feature), gamma, sampled)
+    fresh = _conversation(_engine(target, draft_dir, kept=0, feature=feature), gamma, sampled)
+    assert [tokens for tokens, _ in cached] == [tokens for tokens, _ in fresh]
+    assert all(n == 0 for _, n in fresh)
+    hits = [n for _, n in cached]
+    assert hits[0] == 0 and hits[1] >= 48 and hits[2] == 32 and hits[4] == 64 and hits[5] == 0, hits
+
+
+def test_distinct_prompts_in_a_row_keep_the_slots_bounded_and_nothing_leaks(model_zoo):
+    """Sixty prompts, half of them sharing their first 40 tokens, some cancelled, on an engine with 4 running and 3 kept slots: the
+    cache keeps at most 3, every other slot is free again, and the engine's books balance."""
+    engine = _engine(model_zoo["target"], model_zoo["partial"], kept=3)
+    rng = random.Random(5)
+    vocab = engine.model.config.vocab_size
+    shared = [rng.randrange(2, vocab) for _ in range(40)]  # half the prompts start alike: forks too
+
+    async def main():
+        loop = asyncio.create_task(engine.run())
+        try:
+            for batch in range(15):
+                requests = [_request(f"{batch}-{i}", (shared if i % 2 else []) + [rng.randrange(2, vocab) for _ in
+                                                                    range(rng.randint(17, 90))],
+                                     None, max_new=rng.randint(1, 10)) for i in range(4)]
+                work = asyncio.create_task(generate(engine, requests, 60))
+                if batch % 3 == 0:
+                    await asyncio.sleep(0.001)
+                    for conn in list(engine.connections):
+                        engine.cancel(conn, [requests[0].id])
+                await work
+                assert engine.prefix.retained <= 3
+                assert engine.cache.num_free + engine.prefix.retained == engine.cache.num_slots
+            assert not engine.running and engine.load().free_slots == 4
+            engine.prefix.clear()  # what is kept is all that holds slots
+            assert engine.cache.num_free == engine.cache.num_slots and not engine.cache.shared
+        finally:
+            loop.cancel()
+
+    asyncio.run(main())
+    registry = engine.metrics.registry
+    assert registry.get_sample_value("specstream:prefix_cache_hits_total") >= 32
+    assert registry.get_sample_value("specstream:prefix_cache_queries_total") > \
+        registry.get_sample_value("specstream:prefix_cache_hits_total")
