@@ -204,11 +204,11 @@ def _conversation(engine: Engine, gamma: int | None, sampled: bool) -> list[tupl
 
     async def main():
         loop = asyncio.create_task(engine.run())
-        out = []
+        out = {}  # by request: 4 and 5 run side by side and may finish in either order
 
         async def one(rid: int, prompt: list[int], salt: str = "") -> list[int]:
             [done] = await generate(engine, [_request(str(rid), prompt, gamma, sampling(rid), salt=salt)], 60)
-            out.append((done.token_ids, done.cached_tokens))
+            out[rid] = (done.token_ids, done.cached_tokens)
             return done.token_ids
 
         try:
@@ -223,7 +223,7 @@ def _conversation(engine: Engine, gamma: int | None, sampled: bool) -> list[tupl
             await one(6, turn1, salt="other tenant")
         finally:
             loop.cancel()
-        return out
+        return [out[rid] for rid in sorted(out)]
 
     return asyncio.run(main())
 

@@ -219,7 +219,7 @@ def run(models: BenchModels, out_dir: Path, max_new_tokens: int = 96, repeats: i
                                 if not constrained else [None] * len(w.questions)
                             for seed, (question, length) in enumerate(zip(w.questions, lengths)):
                                 _ask(client, w, question, constrained, speculation, max_new_tokens, repeats, m, length,
-                                     temperature, seed)
+                                     temperature, seed, salt=row)
                                 progress.update()
     peer = _llama_cpp(models, [w for w in workloads if w.schema is not None], max_new_tokens, repeats)
     hf = on_torch_thread(_hf_constrained, models, workloads, compiler, max_new_tokens)
@@ -227,9 +227,11 @@ def run(models: BenchModels, out_dir: Path, max_new_tokens: int = 96, repeats: i
 
 
 def _ask(client, w: Workload, question: str, constrained: bool, speculation, max_new_tokens: int, repeats: int,
-         m: _Measured, length: int | None = None, temperature: float = 0.0, seed: int = 0) -> None:
+         m: _Measured, length: int | None = None, temperature: float = 0.0, seed: int = 0, salt: str = "") -> None:
     """``length``: the answer is exactly this many tokens (its end-of-turn ignored); ``temperature``
-    > 0: sampled with ``seed``."""
+    > 0: sampled with ``seed``. Each run is salted with ``salt`` and its number, so the target's
+    prefix cache serves it what it shares with the earlier requests of its row and run (the chat
+    template's system prompt, a tool list), never its own earlier run."""
     kwargs = {"max_new_tokens": max_new_tokens, "speculation": speculation}
     if temperature:
         kwargs |= {"temperature": temperature, "seed": seed}
@@ -240,9 +242,9 @@ def _ask(client, w: Workload, question: str, constrained: bool, speculation, max
         kwargs |= ({"json_schema": c.source} if c.kind == "json_schema" else
                    {"choice": c.choices} if c.kind == "choice" else {c.kind: c.source})
     best = None
-    for _ in range(repeats):
+    for run in range(repeats):
         start = time.perf_counter()
-        result = client.chat(w.messages(question), **kwargs)
+        result = client.chat(w.messages(question), cache_salt=f"{salt} {run}", **kwargs)
         seconds = time.perf_counter() - start
         if best is None or seconds < best[0]:
             best = (seconds, result)
@@ -286,17 +288,23 @@ def _llama_cpp(models: BenchModels, workloads: list[Workload], max_new_tokens: i
 
 def llama_cpp_json_runs(gguf: str, jobs: list[dict], max_new_tokens: int, repeats: int) -> dict:
     """llama.cpp's JSON-schema mode, greedy, in a process of its own: per workload tokens/s (the
-    fastest of ``repeats`` per request) and how many answers the schema validates."""
+    fastest of ``repeats`` per request) and how many answers the schema validates. Each run starts
+    from a context holding the request before it, as each of ours finds the prefix cache."""
     import jsonschema
     from llama_cpp import Llama  # optional: installed by `make peer`
 
     llm = Llama(model_path=gguf, n_ctx=2048, n_threads=os.cpu_count(), verbose=False)
-    out = {}
+    out, previous = {}, None
     for job in jobs:
         tokens, seconds, valid = 0, 0.0, 0
         for messages in job["messages"]:
             best = None
             for _ in range(repeats):
+                # As our runs: the context holds the request before this one (its prompt cache reuses
+                # what they share: the system prompt), never this request's own earlier run.
+                llm.reset()
+                if previous is not None:
+                    llm.create_chat_completion(messages=previous, max_tokens=1)
                 start = time.perf_counter()
                 reply = llm.create_chat_completion(messages=messages, temperature=0.0, top_k=1,
                                                    max_tokens=max_new_tokens,
@@ -305,6 +313,7 @@ def llama_cpp_json_runs(gguf: str, jobs: list[dict], max_new_tokens: int, repeat
                 if best is None or elapsed < best[0]:
                     best = (elapsed, reply)
             elapsed, reply = best
+            previous = messages
             tokens += reply["usage"]["completion_tokens"]
             seconds += elapsed
             try:

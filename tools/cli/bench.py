@@ -159,11 +159,17 @@ def _constraint_cost(args: argparse.Namespace, out: Path) -> None:
     constraint_cost.run(bench_models(args), out, quiet=args.quiet)
 
 
+def _prefix(args: argparse.Namespace, out: Path) -> None:
+    from tools.bench import prefix
+
+    prefix.run(bench_models(args), out, quiet=args.quiet)
+
+
 # `specstream bench KIND`: KIND's entry, called with the flags and --out (made beforehand).
 BENCHES: dict[str, Callable[[argparse.Namespace, Path], None]] = {
     "latency": _latency, "sampling": _sampling, "synthetic": _synthetic, "throughput": _throughput,
     "profile": _profile, "gamma": _gamma, "kernels": _kernels, "beam": _beam, "step": _step,
-    "overlap": _overlap, "structured": _structured, "constraint-cost": _constraint_cost,
+    "overlap": _overlap, "structured": _structured, "constraint-cost": _constraint_cost, "prefix": _prefix,
 }
 
 
@@ -206,7 +212,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "request timed on its fastest of this many); "
                         "constraint-cost: costly and hostile constraints and tool sets, compiled or refused on the "
                         "served tokenizer (time, first mask, mask per token), and sent to a stack while greedy "
-                        "streams run (each case's answer, the streams' worst gap between chunks)")
+                        "streams run (each case's answer, the streams' worst gap between chunks); "
+                        "prefix: a conversation's turns and an agent's calls with one long system prompt, time to "
+                        "first token with the prefix cache off and on, and (when installed) llama.cpp with its prompt "
+                        "cache and without")
     pair_flags(p, dtype_help="default: the --models pair's")
     p.add_argument("--out", default="bench-results", help="directory for JSON and PNG output")
     p.add_argument("--prompts", type=int, default=None, help="prompts per workload (default 8; gamma 4)")

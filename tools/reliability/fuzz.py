@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
+from specstream.data.prefix import MAX_SALT_CHARS
 from tools.progress import Progress
 from tools.reliability.fuzz_constraints import random_constraint, random_tools_body
 from specstream_pb import common_pb2, generation_pb2
@@ -154,6 +155,8 @@ def _valid(rng: random.Random, lim: Limits) -> generation_pb2.GenerateRequest:
     if rng.random() < 0.3:
         req.min_tokens = rng.randint(0, req.max_new_tokens)
     if rng.random() < 0.2:
+        req.cache_salt = _text(rng, 0, MAX_SALT_CHARS)
+    if rng.random() < 0.2:
         req.penalties.CopyFrom(common_pb2.Penalties(
             presence_penalty=rng.uniform(-2, 2), frequency_penalty=rng.uniform(-2, 2),
             repetition_penalty=rng.choice([0.0, rng.uniform(0.05, 2.0)]),
@@ -254,6 +257,7 @@ def _invalid_mutations(lim: Limits) -> list[tuple[str, Callable[[generation_pb2.
             repetition_penalty=rng.choice([-rng.uniform(0.01, 5), rng.uniform(2.01, 100)])))),
         (f"penalties.logit_bias[{lim.vocab_size}]", lambda r, rng: r.penalties.CopyFrom(common_pb2.Penalties(
             logit_bias={lim.vocab_size: 1.0}))),
+        ("cache_salt", lambda r, rng: setattr(r, "cache_salt", _text(rng, MAX_SALT_CHARS + 1, 4 * MAX_SALT_CHARS))),
     ]
     if lim.chat:
         cases += [
@@ -314,6 +318,7 @@ HTTP_INVALID: list[tuple[str, bool | None, Callable[[random.Random, Limits], obj
     ("logit_bias", None, lambda rng, lim: rng.choice([{"5": rng.uniform(100.5, 10**6)}, {"five": 1},
                                                       {str(lim.vocab_size + rng.randint(0, 99)): 1}])),
     ("speculation", None, lambda rng, lim: rng.choice(["sometimes", True, lim.max_gamma + 1, "3"])),
+    ("cache_salt", None, lambda rng, lim: rng.choice([_text(rng, MAX_SALT_CHARS + 1, 2 * MAX_SALT_CHARS), 5, ["s"]])),
     ("top_k", None, lambda rng, lim: rng.randint(-100, -2)),
     ("min_tokens", None, lambda rng, lim: rng.choice([-rng.randint(1, 10**6), 3 + rng.randint(0, 10**6)])),
     ("logprobs", False, lambda rng, lim: rng.choice([lim.max_top_logprobs + 1, "yes"])),
