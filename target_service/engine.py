@@ -346,6 +346,8 @@ class Engine:
         await self._apply_cancels()
         await self._admit()
         await self._prefill()
+        if self._step_prefilled and self._touched:
+            self._emit()  # a prompt's first token goes out now, not after this step's decode pass
         if self.running:
             await self._decode()
         await self._retire()

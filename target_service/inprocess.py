@@ -53,8 +53,8 @@ async def generate(engine: Engine, requests: list[SequenceRequest], timeout_s: f
                 raise RuntimeError("the engine closed the connection")
             for event in message.events:
                 result = results[event.id]
-                if event.token_ids:
-                    result.steps.append(message.step)
+                if event.token_ids and (not result.steps or result.steps[-1] != message.step):
+                    result.steps.append(message.step)  # a step may send a prompt's first token early
                 result.token_ids.extend(event.token_ids)
                 result.cached_tokens += event.cached_tokens
                 result.logprobs.extend(event.logprobs)
