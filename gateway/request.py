@@ -112,7 +112,7 @@ async def stream_chunks(req: ValidRequest, router: Router, tokenizer: TextTokeni
                 chunk.timings.CopyFrom(timings)
                 chunk.seed = req.seed
                 chunk.sequences.extend(_beam_sequences(tokenizer, req.prompt_ids, event.sequences))
-                observer.finished(chunk)
+                observer.finished(chunk, ticket.replica.url if ticket.replica is not None else "")
                 _finish_span(span, chunk, ticket.resumes)
                 yield chunk
                 return

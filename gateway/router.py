@@ -16,8 +16,11 @@ report has reached the gateway and a Submit has come back. How much a replica ho
 as their last events arrive. The Load term also counts other gateways' requests; `sent_since_load`
 adds what was sent after that report, so a burst between two reports cannot oversubscribe it.
 
-**Choice.** Of the routable replicas (stream up, SERVING) with room, the one with the smallest
-`in_use / capacity`; ties go to the one sent the fewest requests, so a trickle alternates.
+**Choice.** Of the routable replicas (stream up, SERVING) with room, the one believed to hold the
+longest prefix of the request's prompt in its prefix cache (gateway/prefix_routing.py: the blocks
+this gateway routed there), unless it holds more than `imbalance` requests above the least loaded
+one; otherwise, and when none holds any, the one with the smallest `in_use / capacity`, ties to the
+one sent the fewest requests, so a trickle alternates.
 
 **Moves.** A replica that loses its stream or is declared hung hands back every request it held:
 those that had not started (no event yet) as they were, those that had as their continuations
@@ -45,6 +48,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 
+from gateway.prefix_routing import PrefixRouting
 from gateway.ticket import Replica, Ticket
 from specstream.data.engine import SequenceRequest
 from specstream.data.errors import OverloadedError, UnavailableError
@@ -55,7 +59,9 @@ class Router:
 
     def __init__(self, replicas: Sequence[Replica], max_queue: int, backlog: int | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 on_serving_changed: Callable[[], Awaitable[None]] | None = None) -> None:
+                 on_serving_changed: Callable[[], Awaitable[None]] | None = None,
+                 prefixes: PrefixRouting | None = None) -> None:
+        """``prefixes``: cache-aware choice (None: by load alone)."""
         assert replicas, "a router needs at least one replica"
         self.replicas = list(replicas)
         self.max_queue = max_queue
@@ -64,6 +70,7 @@ class Router:
         self._on_serving_changed = on_serving_changed  # awaited whenever `serving` may have changed
         self._waiting: deque[Ticket] = deque()
         self._numbers = itertools.count()
+        self.prefixes = prefixes
         for replica in self.replicas:
             replica.attach(self)
 
@@ -77,6 +84,8 @@ class Router:
         """Forgets a replica that holds none of our requests (drained, or lost)."""
         assert replica.outstanding == 0, f"{replica.url} still holds {replica.outstanding} requests"
         self.replicas.remove(replica)
+        if self.prefixes is not None:
+            self.prefixes.forget(replica.url)
         if not self.serving:
             self._fail_waiting("no target replica is serving")
 
@@ -106,7 +115,7 @@ class Router:
                                    "retry later")
         ticket = Ticket(request, number=next(self._numbers), enqueued_at=self._clock())
         if not self._waiting:  # FIFO: nobody may overtake a queued request
-            replica = self._choose()
+            replica = self._choose(ticket)
             if replica is not None:
                 self._send(ticket, replica)
                 return ticket
@@ -129,7 +138,7 @@ class Router:
     def pump(self) -> None:
         """Sends queued requests, oldest first, while some replica has room."""
         while self._waiting:
-            replica = self._choose()
+            replica = self._choose(self._waiting[0])
             if replica is None:
                 return
             self._send(self._waiting.popleft(), replica)
@@ -150,21 +159,26 @@ class Router:
         if self._on_serving_changed is not None:
             await self._on_serving_changed()
 
-    def _choose(self) -> Replica | None:
-        best, best_key = None, None
-        for replica in self.replicas:
-            if not replica.routable:
-                continue
-            capacity, used = self.capacity(replica), self.in_use(replica)
-            if used >= capacity:
-                continue
-            key = (used / capacity, replica.routed)
-            if best_key is None or key < best_key:
-                best, best_key = replica, key
+    def _choose(self, ticket: Ticket) -> Replica | None:
+        room = [r for r in self.replicas if r.routable and self.in_use(r) < self.capacity(r)]
+        if not room:
+            return None
+
+        def load(replica: Replica) -> tuple[float, int]:
+            return self.in_use(replica) / self.capacity(replica), replica.routed
+
+        if self.prefixes is None:
+            return min(room, key=load)
+        if ticket.prefix_keys is None or ticket.prefix_keys[0] is not ticket.request:  # new, or a continuation
+            ticket.prefix_keys = (ticket.request, self.prefixes.keys(ticket.request))
+        best, ticket.expected_cached = self.prefixes.choose(room, ticket.prefix_keys[1], lambda r: r.url, load,
+                                                            self.in_use)
         return best
 
     def _send(self, ticket: Ticket, replica: Replica) -> None:
         ticket.dispatched_at = self._clock()
+        if self.prefixes is not None and ticket.prefix_keys is not None:
+            self.prefixes.routed(replica.url, ticket.prefix_keys[1])
         replica.submit(ticket)
 
     def _fail_waiting(self, why: str) -> None:

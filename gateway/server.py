@@ -21,6 +21,7 @@ import grpc
 
 from gateway.discovery import resolve_targets
 from gateway.membership import Membership
+from gateway.prefix_routing import PrefixRouting
 from gateway.router import Router
 from gateway.service import Gateway
 from gateway.target_client import TargetClient
@@ -170,7 +171,9 @@ async def serve(config: GatewayConfig) -> None:
             await server.set_serving(router.serving)
 
     router = Router(replicas, max_queue=config.max_queue, backlog=config.replica_backlog,
-                    on_serving_changed=follow_replicas)
+                    on_serving_changed=follow_replicas,
+                    prefixes=PrefixRouting(imbalance=config.prefix_routing_imbalance)
+                    if config.prefix_routing_imbalance >= 0 else None)
     metrics = GatewayMetrics()
     gateway = Gateway(config, router, info, tokenizer, metrics)
     metrics.watch_requests(in_flight=lambda: gateway.in_flight, queued=lambda: router.queued)

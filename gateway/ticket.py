@@ -107,6 +107,10 @@ class Ticket:
     generated: list[int] = field(default_factory=list)  # token ids received so far, on every replica
     resumes: int = 0  # times it was moved after it had started
     watcher: TicketWatcher | None = None  # told of each resume (the request pipeline's trace and metrics)
+    # Cache-aware routing (gateway/prefix_routing.py): the request its prompt's block keys were
+    # computed for, and them; the prompt tokens the chosen replica was believed to hold.
+    prefix_keys: tuple[SequenceRequest, list[bytes]] | None = None
+    expected_cached: int = 0
     # The admitted request (`request` as it was admitted).
     original: SequenceRequest = field(init=False)
     # Speculation stats (cumulative) of the attempts on replicas that were lost, and of the current one.

@@ -440,6 +440,10 @@ class GatewayConfig:
     # engine can refill a freed slot the very next step without a round trip to the gateway.
     # None: as many as its max_slots (gateway/router.py).
     replica_backlog: int | None = None
+    # Cache-aware routing (gateway/prefix_routing.py): a request goes to the replica believed to
+    # hold the longest prefix of its prompt, unless that one holds more than this many requests
+    # above the least loaded replica. -1: by load alone.
+    prefix_routing_imbalance: int = 4
     max_stop_strings: int = 16  # per request
     max_stop_string_chars: int = 128  # per stop string
     max_request_id_chars: int = 128
@@ -485,6 +489,8 @@ class GatewayConfig:
         _check(self.max_queue >= 0, "max_queue", self.max_queue, ">= 0")
         _check(self.replica_backlog is None or self.replica_backlog >= 0, "replica_backlog", self.replica_backlog,
                "None or >= 0")
+        _check(self.prefix_routing_imbalance >= -1, "prefix_routing_imbalance", self.prefix_routing_imbalance,
+               ">= -1 (-1: by load alone)")
         _check(self.max_stop_strings >= 0, "max_stop_strings", self.max_stop_strings, ">= 0")
         _check(self.max_stop_string_chars >= 1, "max_stop_string_chars", self.max_stop_string_chars, ">= 1")
         _check(self.max_top_logprobs >= 0, "max_top_logprobs", self.max_top_logprobs, ">= 0")

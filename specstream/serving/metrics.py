@@ -86,6 +86,12 @@ class GatewayMetrics:
         self.resumed = Counter(f"{PREFIX}requests_resumed",
                                "Requests moved to another target replica after they had started there (the replica's "
                                "stream broke or it stopped stepping); each move counts.", registry=r)
+        # Per replica: what its prefix cache served of the prompts this gateway sent it.
+        self.replica_prompt_tokens = Counter(f"{PREFIX}replica_prompt_tokens", "Prompt tokens of finished requests, "
+                                             "by the target replica that served them.", ["replica"], registry=r)
+        self.replica_cached_tokens = Counter(f"{PREFIX}replica_cached_tokens", "Of those, the tokens the replica's "
+                                             "prefix cache served (its hit rate: this over replica_prompt_tokens).",
+                                             ["replica"], registry=r)
         for reason in FINISH_REASONS:
             self.success.labels(finish_reason=reason)
 
@@ -124,11 +130,15 @@ class RequestObserver:
         """The request continues on another replica after its own was lost."""
         self._metrics.resumed.inc()
 
-    def finished(self, chunk: generation_pb2.GenerateStreamResponse) -> None:
-        """The final chunk (with finish_reason, usage and timings) is about to go to the caller."""
+    def finished(self, chunk: generation_pb2.GenerateStreamResponse, replica: str = "") -> None:
+        """The final chunk (with finish_reason, usage and timings) is about to go to the caller;
+        ``replica``: the one that served it (its label on the per-replica counters)."""
         m, timings = self._metrics, chunk.timings
         m.success.labels(finish_reason=finish_reason_label(chunk.finish_reason)).inc()
         m.prompt_tokens.inc(chunk.usage.prompt_tokens)
+        if replica:
+            m.replica_prompt_tokens.labels(replica=replica).inc(chunk.usage.prompt_tokens)
+            m.replica_cached_tokens.labels(replica=replica).inc(chunk.usage.cached_tokens)
         m.ttft.observe(timings.time_to_first_token_seconds)
         m.e2e.observe(timings.total_seconds)
         m.queue.observe(timings.queue_seconds)

@@ -78,10 +78,11 @@ def test_a_burst_beyond_slots_and_queue_is_refused_at_once_and_the_rest_is_exact
 
 @pytest.fixture(scope="module")
 def replica_pair(stack_factory, model_zoo):
-    """Two targets of one slot each (a backlog of one more), one shared draft, one gateway; a target
-    stopped with SIGTERM gets 2 s for its running requests."""
+    """Two targets of one slot each (a backlog of one more) and two kept for their prefix caches,
+    one shared draft, one gateway; a target stopped with SIGTERM gets 2 s for its running requests."""
     return stack_factory(model_zoo["target"], model_zoo["partial"], max_slots=1, target_replicas=2,
-                         extra_target_args=["--grace", "2"], extra_gateway_args=["--expose-replica-addresses"])
+                         extra_target_args=["--grace", "2", "--prefix-cache-slots", "2"],
+                         extra_gateway_args=["--expose-replica-addresses"])
 
 
 def test_two_replicas_share_the_traffic_exactly(replica_pair):
@@ -101,6 +102,32 @@ def test_two_replicas_share_the_traffic_exactly(replica_pair):
     assert after.free_slots == 2 and after.running_sequences == 0 and after.draft_connected
     reference = asyncio.run(_reference(replica_pair.gateway_address, prompts, 24, at_once=len(prompts)))
     assert [r.token_ids for r in results] == reference
+
+
+def test_each_conversation_goes_back_to_the_replica_holding_its_history(replica_pair):
+    """Two conversations, their turns interleaved, on two replicas: cache-aware routing sends every
+    turn where its history is cached, so every turn after a conversation's first is served from
+    the prefix cache (turn 1 of each is a miss); routed by load, turns would land where their
+    history is not."""
+    openers = ["In the beginning the universe was created, and this made a lot of people angry. ",
+               "It was a bright cold day in April, and the clocks were striking thirteen. Winston "]
+
+    async def main():
+        async with AsyncClient(replica_pair.gateway_address, timeout=120) as client:
+            prompts, cached = list(openers), [[], []]
+            for turn in range(4):
+                for c in range(2):
+                    reply = await client.generate(prompts[c], max_new_tokens=8, speculation="off",
+                                                  cache_salt="routing test")
+                    cached[c].append((reply.usage.cached_tokens, reply.usage.prompt_tokens))
+                    prompts[c] += reply.text + f" Then {turn}: "
+            return cached
+
+    cached = asyncio.run(main())
+    for turns in cached:
+        assert turns[0][0] == 0, turns  # a salt of its own: nothing before it
+        for (hit, _), (_, earlier_prompt) in zip(turns[1:], turns):
+            assert hit >= (earlier_prompt - 16) // 16 * 16 > 0, turns  # the last turn's prompt, at least
 
 
 def test_killing_a_replica_loses_no_request(replica_pair):

@@ -288,6 +288,10 @@ def _gateway_replica_flags(p: argparse.ArgumentParser) -> None:
     """How the gateway finds its target replicas and tells a hung or lost one."""
     p.add_argument("--replica-backlog", type=int, default=None,
                    help="requests a replica may hold waiting beyond its slots (default: its max_slots)")
+    p.add_argument("--prefix-routing-imbalance", type=int, default=4,
+                   help="cache-aware routing: a request goes to the replica believed to hold the longest prefix "
+                        "of its prompt unless it holds more than this many requests above the least loaded one "
+                        "(-1: route by load alone)")
     p.add_argument("--target-resolve-interval", type=float, default=10.0,
                    help="seconds between DNS resolutions of the target entries: new addresses become replicas, "
                         "replicas whose address is gone are drained (0: resolve once, at startup)")
@@ -316,6 +320,7 @@ def _gateway_config(args: argparse.Namespace) -> GatewayConfig:
                          server=_server_config(args), max_new_tokens_limit=args.max_new_tokens_limit,
                          max_in_flight=args.max_in_flight, max_queue=args.max_queue,
                          replica_backlog=args.replica_backlog, max_messages=args.max_messages,
+                         prefix_routing_imbalance=args.prefix_routing_imbalance,
                          max_prompt_chars=args.max_prompt_chars, tokenize_threads=args.tokenize_threads,
                          expose_replica_addresses=args.expose_replica_addresses,
                          http_port=args.http_port, target_keepalive_time_s=args.target_keepalive_time,
