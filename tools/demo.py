@@ -177,11 +177,13 @@ def _settings() -> str:
 def _median_runs(call, prompt: str, max_new_tokens: int, settings: tuple, repeats: int, sampling: dict) -> list:
     """Each setting's median run (by tokens/s) of `repeats`, the settings taking turns (off, auto,
     off, auto, ...): a shared machine's speed drifts over seconds, and runs of one setting back to
-    back would each see a different part of the drift."""
+    back would each see a different part of the drift. Each run has a cache salt of its own, so
+    none starts from the prefix cache an earlier one filled: they compare decoding, cold."""
     runs: list[list] = [[] for _ in settings]
-    for _ in range(repeats):
+    for r in range(repeats):
         for i, speculation in enumerate(settings):
-            runs[i].append(call(prompt, max_new_tokens, speculation, sampling))
+            runs[i].append(call(prompt, max_new_tokens, speculation,
+                                {**sampling, "cache_salt": f"demo {prompt[:32]} {speculation} {r}"}))
     for speculation, each in zip(settings, runs):
         # Greedy output never varies; a seed's text varies only with the γ schedule (auto).
         if any(r.token_ids != each[0].token_ids for r in each) and (not sampling.get("temperature")
