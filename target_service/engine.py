@@ -379,6 +379,7 @@ class Engine:
             self._place(seq)
             if seq.beam is not None:
                 seq.beam_slots = [seq.slot, *(self._alloc() for _ in range(seq.beam.k - 1))]
+                assert None not in seq.beam_slots, "admitted past the free slots"
                 seq.hypothesis_slots = [seq.slot]
                 self.metrics.observe_beam_admission(refill)
             seq.queue_seconds = time.monotonic() - seq.arrival
@@ -397,12 +398,12 @@ class Engine:
             spare += self.prefix.freeable(pinned)
         return max(0, min(self.config.max_slots - running, spare))
 
-    def _alloc(self) -> int:
-        """A free slot, evicting cached prefixes while none is (``_free_slots`` said one would be)."""
+    def _alloc(self, keep: int | None = None) -> int | None:
+        """A free slot, evicting cached prefixes (but the one in slot ``keep``) while none is; None
+        when that frees none."""
         slot = self.cache.alloc()
-        while slot is None and self.prefix is not None and self.prefix.evict():
+        while slot is None and self.prefix is not None and self.prefix.evict(keep):
             slot = self.cache.alloc()
-        assert slot is not None, "admitted past the free slots"
         return slot
 
     def _feature_row(self, seq: Sequence) -> int:
@@ -416,13 +417,21 @@ class Engine:
         hit = None
         if self.prefix is not None:
             hit = self.prefix.lookup(seq.tokens[:seq.prompt_len], seq.cache_salt, row)
-            self.metrics.observe_prefix(reusable_blocks(seq.prompt_len) * BLOCK, hit.length if hit else 0)
+        if hit is not None and not hit.take_over and not self.cache.num_free and self.prefix.can_take(hit.slot):
+            hit.take_over = True  # room would be made by evicting it: continue in it instead
         if hit is not None and hit.take_over:
             seq.slot = self.prefix.take(hit)
         else:
-            seq.slot = self._alloc()
+            # The hit's slot is not evicted to make room (its K/V would be freed before the fork);
+            # when nothing else frees one, the prefix is recomputed in whatever slot frees.
+            seq.slot = self._alloc(keep=hit.slot if hit is not None else None)
+            if seq.slot is None:
+                hit, seq.slot = None, self._alloc()
+            assert seq.slot is not None, "admitted past the free slots"
             if hit is not None:
                 self.cache.fork(hit.slot, seq.slot)
+        if self.prefix is not None:
+            self.metrics.observe_prefix(reusable_blocks(seq.prompt_len) * BLOCK, hit.length if hit else 0)
         if hit is not None:
             self.cache.set_length(seq.slot, hit.length)
             seq.prefilled = seq.cached_tokens = hit.length

@@ -159,9 +159,15 @@ class PrefixCache:
         if entry is not None:
             self._unindex(entry)
 
-    def evict(self) -> bool:
-        """Frees the least recently used finished slot, one read by no other first; False when none is kept."""
-        kept = [e for e in self.entries.values() if not e.live]
+    def can_take(self, slot: int) -> bool:
+        """Whether a hit on ``slot`` may take it over: a finished sequence's, read by no other slot."""
+        entry = self.entries.get(slot)
+        return entry is not None and not entry.live and not self.kv.has_readers(slot)
+
+    def evict(self, keep: int | None = None) -> bool:
+        """Frees the least recently used finished slot (but ``keep``), one read by no other first;
+        False when there is none."""
+        kept = [e for e in self.entries.values() if not e.live and e.slot != keep]
         if not kept:
             return False
         victim = min(kept, key=lambda e: (self.kv.has_readers(e.slot), e.used))

@@ -281,3 +281,36 @@ def test_distinct_prompts_in_a_row_keep_the_slots_bounded_and_nothing_leaks(mode
     assert registry.get_sample_value("specstream:prefix_cache_hits_total") >= 32
     assert registry.get_sample_value("specstream:prefix_cache_queries_total") > \
         registry.get_sample_value("specstream:prefix_cache_hits_total")
+
+
+def test_with_no_free_slot_a_hit_on_a_kept_forked_slot_is_taken_over_not_evicted(model_zoo):
+    """One running slot and one kept: the second prompt forks the first's kept slot, which is then
+    evicted for it and held while read; the third hits the second's kept slot when no slot is
+    free. It takes that slot over (evicting it and forking from it would read a freed slot), and
+    every answer is the one without a cache."""
+    rng = random.Random(9)
+    vocab = 250
+    base = [rng.randrange(2, vocab) for _ in range(32)]
+    prompts = [base + [rng.randrange(2, vocab) for _ in range(n)] for n in (30, 28, 20)]
+
+    def answers(kept: int) -> list[tuple[list[int], int]]:
+        model = load_model(model_zoo["target"])
+        engine = Engine(model, TargetConfig(model=ModelSpec(str(model_zoo["target"])), max_slots=1, max_seq_len=256,
+                                            prefix_cache_slots=kept, calibrate=False), None)
+
+        async def main():
+            loop = asyncio.create_task(engine.run())
+            try:
+                out = []
+                for i, prompt in enumerate(prompts):
+                    [done] = await generate(engine, [_request(str(i), prompt, 0)], 60)
+                    out.append((done.token_ids, done.cached_tokens))
+                return out
+            finally:
+                loop.cancel()
+
+        return asyncio.run(main())
+
+    cached, fresh = answers(1), answers(0)
+    assert [t for t, _ in cached] == [t for t, _ in fresh]
+    assert [n for _, n in cached] == [0, 32, 32]
