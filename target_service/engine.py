@@ -371,15 +371,18 @@ class Engine:
         quota = self.scheduler.admissions(sum(s.width for s in self.running), free, needs)
         refill = bool(self.running)
         for _ in range(quota):
-            seq = self.waiting.popleft()
+            seq = self.waiting[0]
             if seq.finish_reason is not None:  # cancelled while queued: nothing to free but the id
+                self.waiting.popleft()
                 self.by_request.pop((seq.conn, seq.request_id), None)
                 tracing.finish_sequence(seq)
                 continue
-            self._place(seq)
+            # Room is counted again for each: a hit admitted just before may pin a kept slot that
+            # was counted as one eviction could free.
+            if self._free_slots() < seq.slots_needed or not self._place(seq):
+                break  # it waits, first in line, for the next step
+            self.waiting.popleft()
             if seq.beam is not None:
-                seq.beam_slots = [seq.slot, *(self._alloc() for _ in range(seq.beam.k - 1))]
-                assert None not in seq.beam_slots, "admitted past the free slots"
                 seq.hypothesis_slots = [seq.slot]
                 self.metrics.observe_beam_admission(refill)
             seq.queue_seconds = time.monotonic() - seq.arrival
@@ -411,8 +414,20 @@ class Engine:
         keeps every position's), else 0."""
         return self.drafting.feature_width * 2 if seq.beam is None and seq.gamma != 0 else 0
 
-    def _place(self, seq: Sequence) -> None:
-        """The sequence's slot, starting from the longest cached prefix of its prompt, if any."""
+    def _kept_features(self, seq: Sequence) -> tuple[bytearray | None, int]:
+        """What the prefix cache keeps of a sequence's features, and their bytes a position: none
+        unless they are every position's but the last at the attached draft's width (a draft that
+        reconnected with another width leaves bytes of the old one until Drafting drops them)."""
+        row = self._feature_row(seq)
+        # Every position's but the last, or (a prefill just done, its first token not yet appended) all.
+        if seq.features is None or not row or len(seq.features) not in ((len(seq.tokens) - 1) * row,
+                                                                         len(seq.tokens) * row):
+            return None, 0
+        return seq.features, row
+
+    def _place(self, seq: Sequence) -> bool:
+        """The sequence's slot (a beam's k), starting from the longest cached prefix of its prompt,
+        if any; False (nothing taken) when no slot can be had."""
         row = self._feature_row(seq)
         hit = None
         if self.prefix is not None:
@@ -427,9 +442,18 @@ class Engine:
             seq.slot = self._alloc(keep=hit.slot if hit is not None else None)
             if seq.slot is None:
                 hit, seq.slot = None, self._alloc()
-            assert seq.slot is not None, "admitted past the free slots"
+            if seq.slot is None:
+                return False
             if hit is not None:
                 self.cache.fork(hit.slot, seq.slot)
+        if seq.beam is not None:
+            seq.beam_slots = [seq.slot, *(self._alloc() for _ in range(seq.beam.k - 1))]
+            if None in seq.beam_slots:
+                for slot in seq.beam_slots:
+                    if slot is not None:
+                        self.cache.free(slot)
+                seq.slot, seq.beam_slots = None, []
+                return False
         if self.prefix is not None:
             self.metrics.observe_prefix(reusable_blocks(seq.prompt_len) * BLOCK, hit.length if hit else 0)
         if hit is not None:
@@ -438,6 +462,7 @@ class Engine:
             if row:
                 seq.features = bytearray(hit.features)
             seq.span.set_attribute("specstream.cached_tokens", hit.length)
+        return True
 
     async def _prefill(self) -> None:
         """Feeds up to ``prefill_chunk`` prompt tokens of admitted sequences, oldest first, so a long
@@ -466,8 +491,8 @@ class Engine:
                 if verdict is not None:  # the prompt is complete: its first token (a beam's first step)
                     seq.span.add_event("prefilled")
                     if self.prefix is not None and seq.beam is None:  # others may fork it from now on
-                        self.prefix.add_live(seq.slot, seq.tokens[:seq.prompt_len], seq.cache_salt, seq.features,
-                                             self._feature_row(seq))
+                        self.prefix.add_live(seq.slot, seq.tokens[:seq.prompt_len], seq.cache_salt,
+                                             *self._kept_features(seq))
                     seq.target_passes += 1
                     seq.last_expanded = self.step_count
                     if seq.beam is not None:
@@ -705,8 +730,7 @@ class Engine:
             if self.prefix is not None:
                 self.prefix.drop(slot)
                 if keep and seq.beam is None and self.prefix.retire(
-                        slot, seq.tokens[:self.cache.length(slot)], seq.cache_salt, seq.features,
-                        self._feature_row(seq)):
+                        slot, seq.tokens[:self.cache.length(slot)], seq.cache_salt, *self._kept_features(seq)):
                     continue
             self.cache.free(slot)
         seq.slot, seq.beam_slots, seq.hypothesis_slots = None, [], []

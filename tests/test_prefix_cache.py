@@ -314,3 +314,41 @@ def test_with_no_free_slot_a_hit_on_a_kept_forked_slot_is_taken_over_not_evicted
     cached, fresh = answers(1), answers(0)
     assert [t for t, _ in cached] == [t for t, _ in fresh]
     assert [n for _, n in cached] == [0, 32, 32]
+
+
+def test_room_is_counted_again_for_each_admission_when_a_hit_pins_a_kept_slot(model_zoo):
+    """Two running slots and one kept: a finished prompt is kept while forked by the next, then
+    two requests arrive together, the first forking the kept slot (pinning it), the second needing
+    the slot its eviction was counted to free. The second waits a step instead of failing the
+    batch, and both answer as without a cache."""
+    rng = random.Random(1)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(2, 250) for _ in range(n)]
+
+    base = tokens(32)
+    first, second, other = base + tokens(16), base + tokens(30), tokens(40)
+    forking = second[:48] + tokens(10)
+
+    def answers(kept: int) -> list[tuple[list[int], str]]:
+        model = load_model(model_zoo["target"])
+        engine = Engine(model, TargetConfig(model=ModelSpec(str(model_zoo["target"])), max_slots=2, max_seq_len=256,
+                                            prefix_cache_slots=kept, calibrate=False), None)
+
+        async def main():
+            loop = asyncio.create_task(engine.run())
+            try:
+                done = []
+                for i, prompt in enumerate((first, second)):
+                    done += await generate(engine, [_request(str(i), prompt, 0, max_new=30)], 60)
+                done += await generate(engine, [_request("x", forking, 0, max_new=5),
+                                                _request("y", other, 0, max_new=5)], 60)
+                return [(d.token_ids, d.finish_reason) for d in done]
+            finally:
+                loop.cancel()
+
+        return asyncio.run(main())
+
+    cached = answers(1)
+    assert [reason for _, reason in cached] == ["length"] * 4
+    assert cached == answers(0)
