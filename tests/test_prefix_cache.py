@@ -172,13 +172,13 @@ def test_a_prefix_read_through_a_source_table_gives_the_bits_of_its_own_copy(tmp
 
 # ----- the engine: hits, and the same tokens as without them ------------------------------------------------
 
-def _engine(target: Path, draft: Path | None, kept: int, feature: bool = False) -> Engine:
+def _engine(target: Path, draft: Path | None, kept: int, feature: bool = False, max_slots: int = 4) -> Engine:
     model = load_model(target)
     proposer = None
     if draft is not None:
         proposer = (FeatureProposer(load_feature_draft(draft, Path), 16, 512) if feature
                     else DraftProposer(load_model(draft), max_slots=16, max_seq_len=512))
-    config = TargetConfig(model=ModelSpec(str(target)), max_slots=4, max_seq_len=512, max_gamma=8,
+    config = TargetConfig(model=ModelSpec(str(target)), max_slots=max_slots, max_seq_len=512, max_gamma=8,
                           prefix_cache_slots=kept, calibrate=False)
     return Engine(model, config, LocalDraft(proposer) if proposer else None)
 
@@ -187,6 +187,19 @@ def _request(rid: str, prompt: list[int], gamma: int | None, sampling: SamplingP
              max_new: int = 12, salt: str = "") -> SequenceRequest:
     return SequenceRequest(rid, list(prompt), max_new, speculation=speculation(gamma), sampling=sampling,
                            cache_salt=salt)
+
+
+def _in_order(engine: Engine, batches: list[list[SequenceRequest]]) -> list:
+    """Each batch submitted together once the one before has finished; every request's result."""
+
+    async def main():
+        loop = asyncio.create_task(engine.run())
+        try:
+            return [done for batch in batches for done in await generate(engine, batch, 60)]
+        finally:
+            loop.cancel()
+
+    return asyncio.run(main())
 
 
 def _conversation(engine: Engine, gamma: int | None, sampled: bool) -> list[tuple[list[int], int]]:
@@ -294,22 +307,9 @@ def test_with_no_free_slot_a_hit_on_a_kept_forked_slot_is_taken_over_not_evicted
     prompts = [base + [rng.randrange(2, vocab) for _ in range(n)] for n in (30, 28, 20)]
 
     def answers(kept: int) -> list[tuple[list[int], int]]:
-        model = load_model(model_zoo["target"])
-        engine = Engine(model, TargetConfig(model=ModelSpec(str(model_zoo["target"])), max_slots=1, max_seq_len=256,
-                                            prefix_cache_slots=kept, calibrate=False), None)
-
-        async def main():
-            loop = asyncio.create_task(engine.run())
-            try:
-                out = []
-                for i, prompt in enumerate(prompts):
-                    [done] = await generate(engine, [_request(str(i), prompt, 0)], 60)
-                    out.append((done.token_ids, done.cached_tokens))
-                return out
-            finally:
-                loop.cancel()
-
-        return asyncio.run(main())
+        done = _in_order(_engine(model_zoo["target"], None, kept, max_slots=1),
+                         [[_request(str(i), prompt, 0)] for i, prompt in enumerate(prompts)])
+        return [(d.token_ids, d.cached_tokens) for d in done]
 
     cached, fresh = answers(1), answers(0)
     assert [t for t, _ in cached] == [t for t, _ in fresh]
@@ -331,23 +331,10 @@ def test_room_is_counted_again_for_each_admission_when_a_hit_pins_a_kept_slot(mo
     forking = second[:48] + tokens(10)
 
     def answers(kept: int) -> list[tuple[list[int], str]]:
-        model = load_model(model_zoo["target"])
-        engine = Engine(model, TargetConfig(model=ModelSpec(str(model_zoo["target"])), max_slots=2, max_seq_len=256,
-                                            prefix_cache_slots=kept, calibrate=False), None)
-
-        async def main():
-            loop = asyncio.create_task(engine.run())
-            try:
-                done = []
-                for i, prompt in enumerate((first, second)):
-                    done += await generate(engine, [_request(str(i), prompt, 0, max_new=30)], 60)
-                done += await generate(engine, [_request("x", forking, 0, max_new=5),
-                                                _request("y", other, 0, max_new=5)], 60)
-                return [(d.token_ids, d.finish_reason) for d in done]
-            finally:
-                loop.cancel()
-
-        return asyncio.run(main())
+        done = _in_order(_engine(model_zoo["target"], None, kept, max_slots=2),
+                         [[_request("0", first, 0, max_new=30)], [_request("1", second, 0, max_new=30)],
+                          [_request("x", forking, 0, max_new=5), _request("y", other, 0, max_new=5)]])
+        return [(d.token_ids, d.finish_reason) for d in done]
 
     cached = answers(1)
     assert [reason for _, reason in cached] == ["length"] * 4
