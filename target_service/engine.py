@@ -698,12 +698,17 @@ class Engine:
         self.drafting.settle(seq, check, verdict)
         if seq.gamma == AUTO_GAMMA:
             seq.alpha_estimate = self.controller.alpha(seq.seq_id, seq.sampling.greedy)
-        if verdict.path and seq.finish_reason is None:
+        if verdict.path:
             # A tree: the accepted nodes' K/V move to where a chain would have written them.
             self.cache.keep_path(seq.slot, ctx_len - 1, [0, *verdict.path])
-        if seq.finish_reason is None:
-            # Commit (or roll back): the newest token is not in the cache yet, everything before is.
-            self.cache.set_length(seq.slot, len(seq.tokens) - 1)
+        # Commit (or roll back): the newest token is not in the cache yet, everything before is. So
+        # too when the sequence ended here: the prefix cache may keep what it holds.
+        self.cache.set_length(seq.slot, len(seq.tokens) - 1)
+        row = self._feature_row(seq)
+        if seq.features is not None and row:
+            # A stop id or the budget may end the run inside its accepted guesses: the features of
+            # the positions after it were computed, but they are not the sequence's.
+            del seq.features[(len(seq.tokens) - 1) * row:]
 
     async def _retire(self) -> None:
         """Frees the slots and draft state of sequences that ended this step."""

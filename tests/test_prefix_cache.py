@@ -25,7 +25,8 @@ from target_service.engine import Engine
 from target_service.inprocess import generate
 from target_service.local_draft import LocalDraft
 from target_service.prefix_cache import PrefixCache
-from tests.support.engine_harness import speculation
+from tests.support.engine_harness import naive_greedy, speculation
+from tests.support.feature_pair import PROMPTS as FEATURE_PROMPTS
 
 ROW = 4  # bytes of one position's features in the unit tests
 
@@ -339,3 +340,35 @@ def test_room_is_counted_again_for_each_admission_when_a_hit_pins_a_kept_slot(mo
     cached = answers(1)
     assert [reason for _, reason in cached] == ["length"] * 4
     assert cached == answers(0)
+
+
+def test_a_turn_that_stops_inside_an_accepted_run_is_kept_with_its_features(feature_pair):
+    """A stop id inside a run of accepted guesses ends the sequence there: the features of the
+    guesses after it were computed, but they are not the sequence's. Only the committed positions'
+    are kept, so a feature draft's next turn of the conversation is served from the cache (before,
+    the turn was kept without features, and the next one missed)."""
+    engine = _engine(feature_pair["target"], feature_pair["draft"], kept=8, feature=True)
+    # The draft was trained on the target's greedy answers to these prompts: its guesses are accepted.
+    starts = [prompt + naive_greedy(feature_pair["target"], prompt, 44) for prompt in FEATURE_PROMPTS]
+
+    async def main():
+        loop = asyncio.create_task(engine.run())
+        try:
+            out = []
+            for i, text in enumerate(starts):
+                prompt, stop = text[:20], text[20 + 4 + i]  # a stop id a few tokens into the answer
+                first = _request(f"a{i}", prompt, 3, max_new=16)
+                first.stop_token_ids = frozenset({stop})
+                [one] = await generate(engine, [first], 60)
+                [two] = await generate(engine, [_request(f"b{i}", prompt + one.token_ids + [3, 4, 5], 3)], 60)
+                out.append((one, two))
+            return out
+        finally:
+            loop.cancel()
+
+    turns = asyncio.run(main())
+    assert all(one.finish_reason == "stop" for one, _ in turns)
+    assert sum(one.final.stats.accepted_tokens for one, _ in turns) > 0  # guesses were accepted
+    for one, two in turns:
+        kept = (20 + len(one.token_ids) - 1) // BLOCK * BLOCK  # every committed position's full blocks
+        assert two.cached_tokens == kept, (one.token_ids, one.final.stats, two.cached_tokens)
