@@ -1,5 +1,6 @@
 """Building the proposer a ``DraftConfig`` names: the draft model (a token draft, or a feature draft
-that reads the target's features), prompt-lookup n-grams, both, or the synthetic benchmark proposer. The draft service builds its proposer here, and so does a target
+that reads the target's features), prompt-lookup n-grams or suffix drafting, either with the model,
+or the synthetic benchmark proposer. The draft service builds its proposer here, and so does a target
 that runs its draft in its own process (``TargetConfig.colocated_draft``). A draft model gets a
 grammar compiler on its tokenizer (a feature draft's: its target's), so that it drafts constrained
 sequences from their masked distribution.
@@ -16,6 +17,7 @@ from draft_service.combined import NgramPlusModelProposer
 from draft_service.feature import FeatureProposer
 from draft_service.ngram import NgramProposer
 from draft_service.proposer import DraftProposer
+from draft_service.suffix import SuffixProposer
 from draft_service.synthetic import SyntheticProposer
 from specstream.data.config import DraftConfig
 from specstream.data.propose import Proposer
@@ -60,4 +62,15 @@ PROPOSERS: dict[str, Callable[[DraftConfig], Proposer]] = {
     "ngram": lambda config: NgramProposer(config.max_slots, config.max_seq_len, config.ngram_min, config.ngram_max),
     "ngram+model": lambda config: NgramPlusModelProposer(_draft_model(config), config.max_slots, config.ngram_min,
                                                          config.ngram_max),
+    "suffix": lambda config: _suffix(config, config.max_seq_len),
+    "suffix+model": lambda config: _suffix_and_model(config),
 }
+
+
+def _suffix(config: DraftConfig, max_len: int) -> SuffixProposer:
+    return SuffixProposer(config.max_slots, max_len, config.ngram_min, config.ngram_max, config.suffix_capacity)
+
+
+def _suffix_and_model(config: DraftConfig) -> NgramPlusModelProposer:
+    model = _draft_model(config)
+    return NgramPlusModelProposer(model, config.max_slots, lookup=_suffix(config, model.max_len))

@@ -1,8 +1,10 @@
-"""Prompt lookup where it matches, the draft model elsewhere: chosen per sequence, every step.
+"""Prompt lookup (or suffix drafting) where it matches, the draft model elsewhere: chosen per
+sequence, every step.
 
-Each item goes to the n-gram lookup first (draft_service/ngram.py); the items it has no guesses
-for are answered by ONE `DraftProposer.propose` call over all of them, so the model's forwards
-stay batched. Each Proposal's `source` says which of the two made it ("ngram" or "model").
+Each item goes to the model-free proposer first (draft_service/ngram.py, or draft_service/suffix.py
+for "suffix+model"); the items it has no guesses for are answered by ONE `DraftProposer.propose`
+call over all of them, so the model's forwards stay batched. Each Proposal's `source` says which
+of the two made it ("ngram" or "suffix", or "model"). Below, "the n-gram side" is either.
 
 The model's KV cache is brought up to date lazily. The n-gram side holds every sequence's tokens;
 per sequence we remember how many leading ones the model's cache holds (`model_len`, cut to
@@ -32,17 +34,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping
 
-from draft_service.ngram import SOURCE as NGRAM
 from draft_service.ngram import NgramIndex, NgramProposer
 from draft_service.proposer import DraftProposer
+from draft_service.suffix import SuffixProposer, SuffixSequence
 from specstream.data.propose import SOURCE as MODEL
 from specstream.data.propose import Proposal, ProposeItem, Proposer, features_expected, without_masked
 
 
 class NgramPlusModelProposer(Proposer):
-    def __init__(self, model: DraftProposer, max_slots: int, min_n: int = 1, max_n: int = 4) -> None:
+    def __init__(self, model: DraftProposer, max_slots: int, min_n: int = 1, max_n: int = 4,
+                 lookup: NgramProposer | SuffixProposer | None = None) -> None:
+        """``lookup``: the model-free side (prompt lookup of ``min_n``..``max_n``-grams when None)."""
         self.model = model
-        self.ngram = NgramProposer(max_slots, model.max_len, min_n, max_n)
+        self.ngram = lookup if lookup is not None else NgramProposer(max_slots, model.max_len, min_n, max_n)
         self.model_len: dict[Hashable, int] = {}  # leading tokens of the history the model's cache holds
         self.feature_width = model.feature_width
         self.feature_layers = model.feature_layers
@@ -87,8 +91,8 @@ class NgramPlusModelProposer(Proposer):
             self.firsts.pop(key, None)
 
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
-        out = [Proposal([], 0, source=NGRAM) for _ in items]
-        asked: list[tuple[int, NgramIndex]] = []
+        out = [Proposal([], 0, source=self.ngram.name) for _ in items]
+        asked: list[tuple[int, NgramIndex | SuffixSequence]] = []
         model_items: list[ProposeItem] = []
         for i, item in enumerate(items):
             if self.feature_width and (error := self.model.feature_error(item)):
@@ -163,7 +167,7 @@ class NgramPlusModelProposer(Proposer):
         features = bytes(self.features[key][start * row:(start + features_expected(held, length - held)) * row])
         return {"features": features, "feature_width": self.feature_width}
 
-    def _take(self, item: ProposeItem, sequence: NgramIndex, reply: Proposal) -> None:
+    def _take(self, item: ProposeItem, sequence: NgramIndex | SuffixSequence, reply: Proposal) -> None:
         """Records what the model now holds; `reply` then reports what both sides hold."""
         # What the model holds past the history: the forced tokens and its guesses but the last (a
         # token draft), nothing (a feature draft).

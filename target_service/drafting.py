@@ -431,10 +431,11 @@ class Drafting:
             budget -= len(features.get("features", b""))
             row = plan.checks[i]  # the ids its guesses may not be, and until where (min_tokens)
             if held.length == 0:  # the draft holds nothing: its matcher and penalty counts start here
+                features.update(output_start=seq.prompt_len, cache_salt=seq.cache_salt)
                 if seq.matcher is not None:
-                    features.update(constraint=seq.constraint, output_start=seq.prompt_len)
+                    features.update(constraint=seq.constraint)
                 if seq.penalties is not None:
-                    features.update(penalties=seq.penalties.penalties, output_start=seq.prompt_len)
+                    features.update(penalties=seq.penalties.penalties)
             # A constrained row verifies a chain (its masks follow one path): it asks for no branches.
             plan.items.append(ProposeItem(seq.seq_id, held.length, append, gamma, seq.sampling,
                                           branches=branches[i] if gamma and seq.matcher is None else 0,

@@ -14,9 +14,9 @@ lengths, rejections and residual draws all happen (acceptance ~0.65 per token).
 False-alarm rate: every comparison is a chi-square test that fails when p < 1e-3, so for an exact
 implementation each fails with probability 1e-3 over the choice of seeds; this file makes
 9 first-pair + 27 last-pair speculative comparisons + 6 with automatic γ + 2 point-mass + 2
-vocabulary-subset + 2 feature-draft + 3 sampled-tree (first pair, last pair, 3-token sequences)
-comparisons + 9 goodness-of-fit checks = 60 distinct tests, at most 6.0% together (union bound)
-for seeds drawn at random. The seeds are fixed, so the outcome of 54 of them is deterministic and CI never flakes on them. The 6 with automatic γ run Hugging Face's
+suffix-drafting + 2 vocabulary-subset + 2 feature-draft + 3 sampled-tree (first pair, last pair,
+3-token sequences) comparisons + 9 goodness-of-fit checks = 62 distinct tests, at most 6.2%
+together (union bound) for seeds drawn at random. The seeds are fixed, so the outcome of 56 of them is deterministic and CI never flakes on them. The 6 with automatic γ run Hugging Face's
 rule (γ per row from what it accepted: it varies by row and step, and is fixed by the seeds too;
 the goodput policy picks γ from measured step times, and on a loaded machine once kept one γ for a
 whole run, which this test cannot use). They fail at p < 1e-5 (AUTO_THRESHOLD): 6e-5 for the six
@@ -70,6 +70,9 @@ def _generate(job: dict) -> list[list[int]]:
     proposer = None
     if job["gamma"] and job.get("variant") == "point_mass":
         proposer = _PointMassProposer(load_model(job["draft"]), max_slots=2048, max_seq_len=24)
+    if job.get("variant") == "suffix":  # suffix drafting: later rows draft from earlier rows' outputs too
+        from draft_service.suffix import SuffixProposer
+        proposer = SuffixProposer(2048, 24)
     if job.get("variant") == "wrong_residual":
         import kernels
         kernels.speculative_verify = _verify_with_wrong_residual
@@ -85,7 +88,7 @@ def _generate(job: dict) -> list[list[int]]:
         config = {"gamma_policy": "fixed", "tree_branches": 3}
     tokens, finals = run_engine(job["target"], job["draft"] if job["gamma"] or auto else None,
                                 [PROMPT] * job["samples"], None if auto else job["gamma"], job["max_new_tokens"],
-                                max_slots=64 if auto else 2048, sampling=params, max_seq_len=24, proposer=proposer,
+                                max_slots=64 if auto or job.get("variant") == "suffix" else 2048, sampling=params, max_seq_len=24, proposer=proposer,
                                 config=config)
     assert all(f.finish_reason == "length" for f in finals)  # the token budget, nothing else
     if auto:  # the controller really varied γ (not one fixed value, not all zero)
@@ -138,6 +141,8 @@ def _jobs(pair: dict[str, Path]) -> dict[tuple, dict]:
                     base, temperature=temperature, filter=filt, gamma=gamma, max_new_tokens=gamma + 2, seed=SPEC_SEED)
     jobs[("point_mass", 1.0, "none", 3)] = dict(base, temperature=1.0, filter={}, gamma=3, max_new_tokens=5,
                                                 seed=SPEC_SEED, variant="point_mass")
+    jobs[("suffix", 1.0, "none", 3)] = dict(base, temperature=1.0, filter={}, gamma=3, max_new_tokens=5,
+                                            seed=SPEC_SEED, variant="suffix")
     jobs[("wrong_residual", 1.0, "none", 1)] = dict(base, temperature=1.0, filter={}, gamma=1, max_new_tokens=3,
                                                     seed=SPEC_SEED, variant="wrong_residual")
     for temperature in TEMPERATURES:
@@ -209,6 +214,16 @@ def test_automatic_gamma_keeps_the_distribution(samples, temperature):
 def test_model_free_proposals_are_point_masses(samples):
     """Proposals that come without q (an n-gram style proposer) are verified as point masses."""
     spec = samples[("point_mass", 1.0, "none", 3)]
+    reference = samples[("reference", 1.0, "none")]
+    first = two_sample_p_value(_pairs(spec, 1), _pairs(reference, 1))
+    last = two_sample_p_value(_pairs(spec, 4), _pairs(reference, 4))
+    assert first > THRESHOLD and last > THRESHOLD, (first, last)
+
+
+def test_suffix_drafting_keeps_the_distribution(samples):
+    """Suffix drafting's guesses (draft_service/suffix.py: from the row's own tokens and from the
+    outputs of the rows that finished before it, 64 rows at a time) keep the target's distribution."""
+    spec = samples[("suffix", 1.0, "none", 3)]
     reference = samples[("reference", 1.0, "none")]
     first = two_sample_p_value(_pairs(spec, 1), _pairs(reference, 1))
     last = two_sample_p_value(_pairs(spec, 4), _pairs(reference, 4))

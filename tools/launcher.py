@@ -5,7 +5,7 @@ are N target processes, named `target`, `target-1`, ..., `target-{N-1}`, all beh
 gateway and all sharing the one draft process (the draft keys its state per stream, so targets
 cannot see each other's sequences; its `max_slots` bounds the sequences of all of them together).
 There is a draft process when there is something to propose with: a draft model, the synthetic
-oracle, or `proposer = "ngram"` (prompt lookup, no model) — unless `colocate_draft`, where each
+oracle, or a model-free `proposer` ("ngram": prompt lookup; "suffix") — unless `colocate_draft`, where each
 target runs the draft in its own process (`specstream target --draft-model`) and none starts.
 Waits until each process answers `grpc.health.v1` with SERVING; stopping sends SIGTERM (graceful)
 and escalates to SIGKILL only after a grace period. With `metrics`, each process also serves
@@ -149,7 +149,7 @@ class StackSecurity:
 @dataclass
 class StackSpec:
     target_model: str  # model reference: name, .gguf file or checkpoint directory
-    # Draft model reference. None: no draft service (plain decoding), unless `proposer` is "ngram"
+    # Draft model reference. None: no draft service (plain decoding), unless `proposer` is model-free
     # or `synthetic` is set, which need no model.
     draft_model: str | None
     gateway_port: int = 0  # 0 picks a free port
@@ -159,9 +159,10 @@ class StackSpec:
     max_gamma: int = 16  # the targets' limit on γ, per request and for the controller
     gamma_policy: str = TargetConfig.gamma_policy  # the targets' γ controller for speculation=auto
     calibrate: bool = TargetConfig.calibrate  # the targets time their verify forwards at start-up
-    proposer: str = DraftConfig.proposer  # the draft's: "model", "ngram" (no draft_model) or "ngram+model"
+    proposer: str = DraftConfig.proposer  # the draft's (DraftConfig.PROPOSERS; "ngram" and "suffix" take no draft_model)
     ngram_max: int = DraftConfig.ngram_max  # prompt lookup tries n = ngram_max down to ngram_min
     ngram_min: int = DraftConfig.ngram_min
+    suffix_capacity: int = DraftConfig.suffix_capacity  # tokens of earlier outputs suffix drafting keeps
     max_slots: int = 8  # per target replica
     target_replicas: int = 1  # target processes behind the gateway
     max_seq_len: int = 2048
@@ -201,10 +202,10 @@ class StackSpec:
         if not 1 <= self.work_ahead_outcomes <= DraftConfig.MAX_WORK_AHEAD_OUTCOMES:
             raise ValueError(f"work_ahead_outcomes={self.work_ahead_outcomes!r}: must be in "
                              f"[1, {DraftConfig.MAX_WORK_AHEAD_OUTCOMES}]")
-        if self.proposer == "ngram" and self.draft_model:
-            raise ValueError(f"draft_model={self.draft_model!r}: proposer 'ngram' uses no draft model")
-        if self.proposer == "ngram+model" and not self.draft_model:
-            raise ValueError("draft_model=None: proposer 'ngram+model' needs a draft model")
+        if self.proposer in DraftConfig.MODEL_FREE and self.draft_model:
+            raise ValueError(f"draft_model={self.draft_model!r}: proposer {self.proposer!r} uses no draft model")
+        if self.proposer.endswith("+model") and not self.draft_model:
+            raise ValueError(f"draft_model=None: proposer {self.proposer!r} needs a draft model")
         if self.colocate_draft and self.synthetic:
             raise ValueError("colocate_draft: the synthetic benchmark proposer runs as a draft service only")
 
@@ -216,7 +217,7 @@ class StackSpec:
     @property
     def drafts(self) -> bool:
         """Whether anything proposes: a draft model, n-grams or the synthetic proposer."""
-        return bool(self.draft_model or self.synthetic or self.proposer == "ngram")
+        return bool(self.draft_model or self.synthetic or self.proposer in DraftConfig.MODEL_FREE)
 
 
 def target_names(replicas: int) -> list[str]:
@@ -240,6 +241,7 @@ def command_lines(spec: StackSpec, target_model: str, addresses: dict[str, str],
               str(spec.max_seq_len), *tracing]
     lines: dict[str, list[str]] = {}
     proposer = ["--proposer", spec.proposer, "--ngram-max", str(spec.ngram_max), "--ngram-min", str(spec.ngram_min),
+                "--suffix-capacity", str(spec.suffix_capacity),
                 *([] if spec.grammar_draft else ["--no-grammar-draft"])]
 
     def draft_model(flag: str) -> list[str]:

@@ -27,7 +27,7 @@ class ProposeBatch(_message.Message):
     def __init__(self, step: _Optional[int] = ..., items: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ...) -> None: ...
 
 class ProposeItem(_message.Message):
-    __slots__ = ("seq_id", "rollback_to", "append_token_ids", "gamma", "sampling", "features", "feature_dtype", "feature_width", "branches", "masked_token_ids", "masked_until", "constraint", "output_start", "penalties", "traceparent", "forced_token_ids")
+    __slots__ = ("seq_id", "rollback_to", "append_token_ids", "gamma", "sampling", "features", "feature_dtype", "feature_width", "branches", "masked_token_ids", "masked_until", "constraint", "output_start", "penalties", "traceparent", "forced_token_ids", "cache_salt")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_TO_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class ProposeItem(_message.Message):
     PENALTIES_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     FORCED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     rollback_to: int
     append_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -60,7 +61,8 @@ class ProposeItem(_message.Message):
     penalties: _common_pb2.Penalties
     traceparent: str
     forced_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., rollback_to: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., features: _Optional[bytes] = ..., feature_dtype: _Optional[str] = ..., feature_width: _Optional[int] = ..., branches: _Optional[int] = ..., masked_token_ids: _Optional[_Iterable[int]] = ..., masked_until: _Optional[int] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., output_start: _Optional[int] = ..., penalties: _Optional[_Union[_common_pb2.Penalties, _Mapping]] = ..., traceparent: _Optional[str] = ..., forced_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, seq_id: _Optional[int] = ..., rollback_to: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., features: _Optional[bytes] = ..., feature_dtype: _Optional[str] = ..., feature_width: _Optional[int] = ..., branches: _Optional[int] = ..., masked_token_ids: _Optional[_Iterable[int]] = ..., masked_until: _Optional[int] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., output_start: _Optional[int] = ..., penalties: _Optional[_Union[_common_pb2.Penalties, _Mapping]] = ..., traceparent: _Optional[str] = ..., forced_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class Release(_message.Message):
     __slots__ = ("seq_ids",)

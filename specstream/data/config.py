@@ -320,13 +320,15 @@ class TargetConfig:
 
 @dataclass
 class DraftConfig:
-    # What proposes: the draft model; prompt-lookup n-grams (no model); or n-grams where they match
-    # and the model elsewhere (draft_service/build.py PROPOSERS builds each).
-    PROPOSERS: ClassVar[tuple[str, ...]] = ("model", "ngram", "ngram+model")
+    # What proposes: the draft model; prompt-lookup n-grams (no model); suffix drafting, from the
+    # sequence and earlier outputs of its salt (no model); or either of those where it matches and
+    # the model elsewhere (draft_service/build.py PROPOSERS builds each).
+    PROPOSERS: ClassVar[tuple[str, ...]] = ("model", "ngram", "ngram+model", "suffix", "suffix+model")
+    MODEL_FREE: ClassVar[tuple[str, ...]] = ("ngram", "suffix")  # the proposers that need no model
     # work_ahead: not at all, at SCHED_IDLE, at the compute thread's own priority
     WORK_AHEAD: ClassVar[tuple[str, ...]] = ("off", "idle", "normal")
 
-    model: ModelSpec | None  # None with proposer "ngram" or with synthetic_oracle
+    model: ModelSpec | None  # None with a MODEL_FREE proposer or with synthetic_oracle
     server: ServerConfig = field(default_factory=ServerConfig)
     proposer: str = "model"  # one of PROPOSERS
     # Prompt lookup copies what followed the latest earlier occurrence of the sequence's last n
@@ -334,6 +336,9 @@ class DraftConfig:
     # makes "ngram+model" trust fewer, longer matches and ask the model more often.
     ngram_max: int = 4
     ngram_min: int = 1
+    # Suffix drafting (draft_service/suffix.py) matches the same n-grams, and keeps this many tokens
+    # of earlier outputs (over all salts; the oldest output goes first) to draft from. 0: none.
+    suffix_capacity: int = 65536
     max_slots: int = 64  # sequences whose KV state the draft holds at once
     max_seq_len: int = 2048  # per slot; capped by the model
     torch_threads: int = 0  # CPU threads for the model (0: torch's default, one per core)
@@ -376,9 +381,10 @@ class DraftConfig:
                self.work_ahead_outcomes, "1 unless the draft works ahead (work_ahead 'idle' or 'normal')")
         _check(self.synthetic_oracle is None or self.proposer == "model", "proposer", self.proposer,
                "'model' (the default) with synthetic_oracle, which replaces the model")
-        needs_model = self.proposer != "ngram" and self.synthetic_oracle is None
+        needs_model = self.proposer not in self.MODEL_FREE and self.synthetic_oracle is None
         _check((self.model is not None) == needs_model, "model", self.model,
-               "given unless synthetic_oracle is or proposer is 'ngram' (and not with them)")
+               "given unless synthetic_oracle is or proposer is 'ngram' or 'suffix' (and not with them)")
+        _check(self.suffix_capacity >= 0, "suffix_capacity", self.suffix_capacity, ">= 0")
         _check(1 <= self.ngram_min <= self.ngram_max <= 32, "ngram_min", (self.ngram_min, self.ngram_max),
                "with ngram_max: 1 <= ngram_min <= ngram_max <= 32")
         _check(0.0 <= self.synthetic_alpha <= 1.0, "synthetic_alpha", self.synthetic_alpha, "in [0, 1]")

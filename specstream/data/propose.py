@@ -54,7 +54,10 @@ class ProposeItem:
     # each guess as the target does there, counting the prompt (before output_start) and the output
     # (from it on, its guesses included) (draft_service/penalty_state.py).
     penalties: Penalties | None = None
-    output_start: int = 0  # with a constraint or penalties: the position of the first output token
+    output_start: int = 0  # on items with rollback_to 0: the position of the first output token (the prompt's length)
+    # On items with rollback_to 0: the sequence's cache salt (SequenceRequest.cache_salt). A proposer
+    # that drafts from other sequences' outputs (draft_service/suffix.py) uses only those of its salt.
+    cache_salt: str = ""
     # A constrained sequence's forced tokens after ``append``: what its grammar allows alone there,
     # proposed already by the target (not committed). The draft guesses on from them: its guesses
     # land after them and are the only tokens it sends back. It may hold them as it holds its own

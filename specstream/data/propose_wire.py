@@ -30,13 +30,12 @@ def item_to_pb(item: ProposeItem, traceparent: str = "") -> draft_pb2.ProposeIte
         features.update(constraint=item.constraint.to_pb())
     if item.penalties is not None:
         features.update(penalties=item.penalties.to_pb())
-    if item.constraint is not None or item.penalties is not None:
-        features.update(output_start=item.output_start)
     return draft_pb2.ProposeItem(
         seq_id=item.key, rollback_to=item.rollback_to, append_token_ids=item.append, gamma=item.gamma,
         sampling=common_pb2.Sampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed),
         traceparent=traceparent, branches=item.branches, masked_token_ids=sorted(item.masked_ids),
-        masked_until=item.masked_until, forced_token_ids=item.forced, **features)
+        masked_until=item.masked_until, forced_token_ids=item.forced, output_start=item.output_start,
+        cache_salt=item.cache_salt, **features)
 
 
 def item_from_pb(key: Hashable, pb: draft_pb2.ProposeItem) -> ProposeItem:
@@ -51,7 +50,7 @@ def item_from_pb(key: Hashable, pb: draft_pb2.ProposeItem) -> ProposeItem:
                        branches=pb.branches, masked_ids=frozenset(pb.masked_token_ids), masked_until=pb.masked_until,
                        constraint=Constraint.from_pb(pb.constraint) if pb.HasField("constraint") else None,
                        penalties=Penalties.from_pb(pb.penalties) if pb.HasField("penalties") else None,
-                       output_start=pb.output_start, forced=list(pb.forced_token_ids))
+                       output_start=pb.output_start, cache_salt=pb.cache_salt, forced=list(pb.forced_token_ids))
 
 
 def proposal_to_pb(seq_id: int, proposal: Proposal) -> draft_pb2.Proposal:

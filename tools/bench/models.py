@@ -66,6 +66,7 @@ class BenchModels:
     proposer: str = DraftConfig.proposer
     ngram_max: int = DraftConfig.ngram_max
     ngram_min: int = DraftConfig.ngram_min
+    suffix_capacity: int = DraftConfig.suffix_capacity
     device: str = "cpu"  # where the target (and a draft model) run: "cpu", "cuda", ...
     # Benchmarks of system overhead: (oracle file, alpha) of the synthetic proposer, in place of a draft.
     synthetic: tuple[str, float] | None = None
@@ -77,16 +78,17 @@ class BenchModels:
     def from_refs(cls, target: str, draft: str | None, dtype: str, label: str, weights: str = "auto",
                   proposer: str = DraftConfig.proposer, ngram_max: int = DraftConfig.ngram_max,
                   ngram_min: int = DraftConfig.ngram_min, prompt_set: str = "draft",
-                  token_draft: str | None = None) -> BenchModels:
+                  token_draft: str | None = None, suffix_capacity: int = DraftConfig.suffix_capacity) -> BenchModels:
         gguf = MODELS[target].path() if target in MODELS else Path(target) if target.endswith(".gguf") else None
         return cls(label, resolve_model(target), resolve_model(draft) if draft else None, resolve_dtype(dtype), gguf,
-                   weights, proposer, ngram_max, ngram_min, prompt_set=prompt_set,
+                   weights, proposer, ngram_max, ngram_min, suffix_capacity, prompt_set=prompt_set,
                    token_draft=resolve_model(token_draft) if token_draft else None)
 
     @property
     def proposing(self) -> dict:
         """StackSpec's proposer fields for our speculative runs."""
-        return {"proposer": self.proposer, "ngram_max": self.ngram_max, "ngram_min": self.ngram_min}
+        return {"proposer": self.proposer, "ngram_max": self.ngram_max, "ngram_min": self.ngram_min,
+                "suffix_capacity": self.suffix_capacity}
 
     def stack_fields(self, speculative: bool = True) -> dict:
         """StackSpec's fields for a stack serving these models: plain decoding, or with
@@ -96,7 +98,8 @@ class BenchModels:
         if speculative and self.synthetic:
             return fields | {"synthetic": self.synthetic}
         if speculative:
-            return fields | {"draft_model": str(self.require_draft()), **self.proposing}
+            draft = None if self.proposer in DraftConfig.MODEL_FREE else str(self.require_draft())
+            return fields | {"draft_model": draft, **self.proposing}
         return fields
 
     @property
@@ -104,8 +107,9 @@ class BenchModels:
         """How tables name what proposes: "our draft", or with the n-gram range it tries first."""
         if self.proposer == "model":
             return "our draft"
-        lookup = f"prompt lookup (n={self.ngram_max}..{self.ngram_min})"
-        return lookup if self.proposer == "ngram" else f"{lookup}, else our draft"
+        kind = "prompt lookup" if self.proposer.startswith("ngram") else "suffix drafting"
+        lookup = f"{kind} (n={self.ngram_max}..{self.ngram_min})"
+        return lookup if self.proposer in DraftConfig.MODEL_FREE else f"{lookup}, else our draft"
 
     def require_draft(self) -> Path:
         """The draft directory; a benchmark of speculation without one is a usage error."""

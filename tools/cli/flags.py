@@ -68,12 +68,17 @@ def proposer_flags(p: argparse.ArgumentParser, model_flag: str, pair: bool = Fal
     pair.chosen_proposer."""
     p.add_argument("--proposer", default=None if pair else DraftConfig.proposer, choices=DraftConfig.PROPOSERS,
                    help=f"model: the draft model ({model_flag}); ngram: prompt lookup, copying what followed the "
-                        "latest earlier occurrence of the last n tokens (no model); ngram+model: n-grams where "
-                        "they match, the model elsewhere" + (" (default: the --models pair's)" if pair else ""))
+                        "latest earlier occurrence of the last n tokens (no model); suffix: suffix drafting, from "
+                        "the sequence and earlier outputs under the same cache salt, as far as the matches' "
+                        "counts trust them (no model); ngram+model, suffix+model: either where it matches, the "
+                        "model elsewhere" + (" (default: the --models pair's)" if pair else ""))
     p.add_argument("--ngram-max", type=int, default=DraftConfig.ngram_max, help="prompt lookup tries n from this ...")
     p.add_argument("--ngram-min", type=int, default=None if pair else DraftConfig.ngram_min,
                    help="... down to this" + (f" (default: the --models pair's with its proposer, else "
                                               f"{DraftConfig.ngram_min})" if pair else ""))
+    p.add_argument("--suffix-capacity", type=int, default=DraftConfig.suffix_capacity,
+                   help="tokens of earlier outputs suffix drafting keeps to draft from, over all cache salts "
+                        "(the oldest output goes first; 0: none)")
 
 
 def grammar_draft_flag(p: argparse.ArgumentParser) -> None:

@@ -67,5 +67,6 @@ def bench_models(args: argparse.Namespace):
     pair = PAIRS[args.models] if args.target is None else None
     return BenchModels.from_refs(target, draft, dtype, args.models if args.target is None else Path(target).name,
                                  weights=args.weights, proposer=proposer, ngram_max=args.ngram_max, ngram_min=ngram_min,
+                                 suffix_capacity=args.suffix_capacity,
                                  prompt_set=getattr(args, "prompt_set", "draft"),
                                  token_draft=pair.token_draft if pair else None)

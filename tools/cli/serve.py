@@ -152,16 +152,17 @@ def _stop(stack, signalled: bool) -> int:
 def _stack_spec(args: argparse.Namespace):
     from tools.launcher import StackSpec
 
-    # The draft's own check of the n-gram range, here so that it fails before any process starts.
+    # The draft's own check of the n-gram range and suffix capacity, here so that it fails before any process starts.
     proposer, ngram_min = chosen_proposer(args)
-    DraftConfig(None, proposer="ngram", ngram_max=args.ngram_max, ngram_min=ngram_min)
+    DraftConfig(None, proposer="ngram", ngram_max=args.ngram_max, ngram_min=ngram_min,
+                suffix_capacity=args.suffix_capacity)
     target, draft, dtype = chosen_models(args)
     draft, proposer = _serve_draft(args, draft, proposer)
     return StackSpec(target_model=target, draft_model=draft, gateway_port=args.port, http_port=args.http_port,
                      host=args.host,
                      gamma=args.gamma, max_gamma=args.max_gamma, gamma_policy=args.gamma_policy,
                      calibrate=not args.no_calibrate, proposer=proposer, ngram_max=args.ngram_max,
-                     ngram_min=ngram_min,
+                     ngram_min=ngram_min, suffix_capacity=args.suffix_capacity,
                      max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len, dtype=dtype,
                      weights=args.weights, colocate_draft=args.colocate_draft, log_dir=args.log_dir,
                      draft_threads=args.draft_threads, target_threads=args.target_threads,
@@ -184,12 +185,12 @@ def _serve_draft(args: argparse.Namespace, draft: str | None, proposer: str) -> 
         if args.proposer not in (None, "model"):
             raise ValueError(f"--no-draft runs no draft service; --proposer {args.proposer} needs one")
         return None, "model"
-    if proposer == "ngram":
+    if proposer in DraftConfig.MODEL_FREE:
         if args.draft:
-            raise ValueError(f"--draft {args.draft}: --proposer ngram uses no draft model")
+            raise ValueError(f"--draft {args.draft}: --proposer {proposer} uses no draft model")
         return None, proposer  # the pair's draft model is not needed
-    if proposer == "ngram+model" and draft is None:
-        raise ValueError("--proposer ngram+model needs a draft model (--draft)")
+    if proposer.endswith("+model") and draft is None:
+        raise ValueError(f"--proposer {proposer} needs a draft model (--draft)")
     return draft, proposer
 
 

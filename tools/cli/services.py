@@ -194,7 +194,7 @@ def _colocated_draft(args: argparse.Namespace) -> DraftConfig | None:
                          "(--draft-model, --proposer), not both")
     model = ModelSpec(args.draft_model, args.dtype, args.device) if args.draft_model else None
     return DraftConfig(model=model, proposer=args.proposer, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
-                       max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len,
+                       suffix_capacity=args.suffix_capacity, max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len,
                        work_ahead=args.work_ahead, work_ahead_outcomes=args.work_ahead_outcomes,
                        grammar_draft=not args.no_grammar_draft)
 
@@ -242,7 +242,7 @@ def _draft_config(args: argparse.Namespace) -> DraftConfig:
                        memory=_memory_config(args),
                        synthetic_oracle=args.synthetic_oracle, synthetic_alpha=args.synthetic_alpha,
                        proposer=args.proposer, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
-                       work_ahead=args.work_ahead, work_ahead_outcomes=args.work_ahead_outcomes,
+                       suffix_capacity=args.suffix_capacity, work_ahead=args.work_ahead, work_ahead_outcomes=args.work_ahead_outcomes,
                        compute_on_loop=not args.compute_thread, grammar_draft=not args.no_grammar_draft)
 
 
