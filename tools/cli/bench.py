@@ -165,11 +165,18 @@ def _prefix(args: argparse.Namespace, out: Path) -> None:
     prefix.run(bench_models(args), out, quiet=args.quiet)
 
 
+def _agent(args: argparse.Namespace, out: Path) -> None:
+    from tools.bench import agent_loop
+
+    agent_loop.run(bench_models(args), out, quiet=args.quiet)
+
+
 # `specstream bench KIND`: KIND's entry, called with the flags and --out (made beforehand).
 BENCHES: dict[str, Callable[[argparse.Namespace, Path], None]] = {
     "latency": _latency, "sampling": _sampling, "synthetic": _synthetic, "throughput": _throughput,
     "profile": _profile, "gamma": _gamma, "kernels": _kernels, "beam": _beam, "step": _step,
     "overlap": _overlap, "structured": _structured, "constraint-cost": _constraint_cost, "prefix": _prefix,
+    "agent": _agent,
 }
 
 
@@ -215,7 +222,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "streams run (each case's answer, the streams' worst gap between chunks); "
                         "prefix: a conversation's turns and an agent's calls with one long system prompt, time to "
                         "first token with the prefix cache off and on, and (when installed) llama.cpp with its prompt "
-                        "cache and without")
+                        "cache and without; "
+                        "agent: an agent loop re-sending its growing tool-using transcript, tokens per second with "
+                        "plain decoding, prompt lookup, suffix drafting (with the prefix cache off too), suffix "
+                        "drafting + model and the pair's proposer")
     pair_flags(p, dtype_help="default: the --models pair's")
     p.add_argument("--out", default="bench-results", help="directory for JSON and PNG output")
     p.add_argument("--prompts", type=int, default=None, help="prompts per workload (default 8; gamma 4)")
