@@ -62,6 +62,11 @@ class NgramPlusModelProposer(Proposer):
         return f"{self.ngram.name}+{self.model.name}"
 
     @property
+    def lookup(self) -> str:
+        """The lookup asked first (Proposer.lookup): it alone answers ``lookup_only`` items."""
+        return self.ngram.name
+
+    @property
     def vocab_size(self) -> int:
         return self.model.vocab_size  # the model cannot read ids past its own vocabulary
 
@@ -118,7 +123,7 @@ class NgramPlusModelProposer(Proposer):
             if constrained is None and not item.forced:
                 out[i].tokens, out[i].parents = without_masked(
                     item, *sequence.proposal(gamma, item.branches if item.sampling.greedy else 0))
-            if out[i].tokens or gamma <= 0:
+            if out[i].tokens or gamma <= 0 or item.lookup_only:
                 continue
             starts = first if held == 0 else {}  # the model's first item: its constraint and penalties
             # held <= rollback_to < len(sequence): the catch-up is never empty.

@@ -77,6 +77,7 @@ class DraftClient(DraftSource):
         self.feature_width = 0
         self.refused = ""
         self.acceptance: dict[tuple[str, bool], float] = {}  # the draft card's α per (source, greedy)
+        self.lookup = ""  # the model-free lookup it asks first (DraftInfo.lookup)
 
     @property
     def connected(self) -> bool:
@@ -118,6 +119,7 @@ class DraftClient(DraftSource):
         self.max_context_length = info.max_context_length
         self.feature_layers, self.feature_width = info.feature_layers, info.feature_width
         self.acceptance = dict(info.acceptance)
+        self.lookup = info.lookup
         return True
 
     async def ready(self) -> bool:

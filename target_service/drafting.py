@@ -36,7 +36,7 @@ from typing import Protocol
 from specstream.data.propose import NO_ACCEPTANCE, Proposal, ProposeItem, chain_length, features_expected
 from specstream.data.sampling import GREEDY
 from target_service import tracing
-from target_service.gamma import GammaController, RowView, pooled_source
+from target_service.gamma import AUTO_GAMMA, GammaController, RowView, pooled_source
 from target_service.sequence import Sequence
 from target_service.settle import Verdict, VerifyRow
 
@@ -48,6 +48,8 @@ _TIMING_KEY = 0  # the start-up timing's sequence: the engine numbers requests' 
 # A feature draft's features per propose call, at most: far below the gRPC message limit (64 MiB),
 # 3,640 positions of SmolLM2 (1,152 bytes each). A longer (re)sync takes several steps.
 FEATURE_BYTES_PER_CALL = 4 << 20
+# The most steps a row waits between lookup-only asks that find nothing (``Drafting._lookup_only``).
+LOOKUP_WAIT_MAX = 16
 # Forced tokens a constrained row proposes in one pass, at most (a long forced run, a schema's
 # fixed text, goes over a few passes: each is one verify position).
 MAX_FORCED = 16
@@ -78,6 +80,8 @@ class DraftSource(Protocol):
       hidden size per layer); () and 0 for a token draft.
     - ``acceptance``: the α its draft's card states per (Proposal.source, greedy), the γ
       controller's priors (DraftInfo.acceptance).
+    - ``lookup``: the Proposal.source of a model-free lookup the draft asks before its model, which
+      alone answers ``ProposeItem.lookup_only`` items (DraftInfo.lookup; "": none).
     - ``asks_early`` and ``start_propose``: a source whose proposals compute apart from the engine
       (another process) can be asked for the next pass before this pass's host work
       (``TargetConfig.draft_early``); ``start_propose`` returns once the request is out.
@@ -98,6 +102,7 @@ class DraftSource(Protocol):
     feature_width: int = 0
     acceptance: Mapping[tuple[str, bool], float] = NO_ACCEPTANCE
     asks_early: bool = False
+    lookup: str = ""  # the model-free lookup it asks before its model (DraftInfo.lookup)
 
     async def ready(self) -> bool: ...
 
@@ -283,6 +288,10 @@ def _keys(rows: list[Sequence]) -> list[tuple[int, int]]:
 class _Held:
     length: int = 0  # leading tokens the draft holds that agree with the sequence
     epoch: int = -1  # the draft stream `length` refers to
+    # Lookup-only asks (``Drafting._lookup_only``): how many in a row found nothing, and the steps
+    # to let pass before the next (doubling with each miss, up to LOOKUP_WAIT_MAX).
+    lookup_misses: int = 0
+    lookup_wait: int = 0
 
 
 @dataclass
@@ -416,6 +425,7 @@ class Drafting:
         caps = [max(0, cap - len(forced)) for cap, forced in zip(self.caps(rows), plan.forced)]
         plan.gammas = self.controller.choose(views, caps)
         branches = self.controller.branches(views, plan.gammas, self.tree_branches)
+        lookup_only = self._lookup_only(rows, views, plan.gammas, caps, source)
         asked = [i for i, g in enumerate(plan.gammas) if g > 0]
         if not asked or not await source.ready():
             return plan
@@ -439,12 +449,33 @@ class Drafting:
             # A constrained row verifies a chain (its masks follow one path): it asks for no branches.
             plan.items.append(ProposeItem(seq.seq_id, held.length, append, gamma, seq.sampling,
                                           branches=branches[i] if gamma and seq.matcher is None else 0,
-                                          masked_ids=row.masked_ids,
-                                          masked_until=row.masked_until, forced=plan.forced[i], **features))
+                                          masked_ids=row.masked_ids, masked_until=row.masked_until,
+                                          forced=plan.forced[i], lookup_only=i in lookup_only, **features))
             plan.sent.append(i)
             self.fed += len(append)
         plan.fed = self.fed
         return plan
+
+    def _lookup_only(self, rows: list[Sequence], views: list[RowView], gammas: list[int], caps: list[int],
+                     source: DraftSource) -> set[int]:
+        """The rows to ask the draft's lookup alone (``ProposeItem.lookup_only``), their γ set in
+        ``gammas``: under speculation=auto, free text, given γ 0 by the controller, and not waiting
+        after lookup-only asks that found nothing (each miss doubles the wait, up to LOOKUP_WAIT_MAX
+        steps: a lookup that never matches costs a propose call now and then, not every step)."""
+        if not source.lookup:
+            return set()
+        chosen = set()
+        for i, (seq, view) in enumerate(zip(rows, views)):
+            if gammas[i] or view.gamma != AUTO_GAMMA or view.constrained or not caps[i]:
+                continue
+            held = self._held.setdefault(seq.seq_id, _Held())
+            if held.lookup_wait:
+                held.lookup_wait -= 1
+                continue
+            gammas[i] = self.controller.lookup_gamma(views, gammas, i, source.lookup, caps[i])
+            if gammas[i]:
+                chosen.add(i)
+        return chosen
 
     def _forced(self, seq: Sequence) -> list[int]:
         """A constrained sequence's forced tokens (the grammar allows nothing else there), when it
@@ -474,7 +505,11 @@ class Drafting:
             # Beyond the context the draft holds its own guesses; `settle` keeps the part the target
             # agreed with. It cannot hold more than it was sent and guessed (a malformed length: 0).
             most = item.first_guess + len(reply.tokens)
-            self._held[seq.seq_id].length = reply.length if reply.length <= most else 0
+            held = self._held[seq.seq_id]
+            held.length = reply.length if reply.length <= most else 0
+            if item.lookup_only:
+                held.lookup_misses = 0 if reply.tokens else held.lookup_misses + 1
+                held.lookup_wait = min(LOOKUP_WAIT_MAX, (1 << held.lookup_misses) - 1)
             seq.draft_tokens += checks[i].chain  # branches apart
         return checks
 

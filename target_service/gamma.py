@@ -227,10 +227,11 @@ class GammaController:
         `prior_strength` observations at the pooled estimate of its proposer and kind."""
         return self._posterior(seq_id, greedy)[0]
 
-    def _posterior(self, seq_id: int, greedy: bool) -> tuple[float, float]:
-        """(mean, standard deviation) of the row's Beta posterior over α."""
+    def _posterior(self, seq_id: int, greedy: bool, source: str | None = None) -> tuple[float, float]:
+        """(mean, standard deviation) of the row's Beta posterior over α: of ``source``'s guesses,
+        by default the proposer that answered it last."""
         row = self._rows.get(seq_id)
-        source = row.source if row else "model"
+        source = source or (row.source if row else "model")
         prior = self.pooled_alpha(source, greedy)
         counts = row.counts.get(source) if row else None
         hits = counts.hits if counts else 0.0
@@ -238,6 +239,32 @@ class GammaController:
         a = hits + self.prior_strength * prior
         b = misses + self.prior_strength * (1.0 - prior)
         return a / (a + b), math.sqrt(a * b / ((a + b) ** 2 * (a + b + 1.0)))
+
+    def lookup_gamma(self, rows: list[RowView], gammas: list[int], i: int, source: str, cap: int) -> int:
+        """γ for asking row ``i``'s model-free lookup alone (``ProposeItem.lookup_only``) in a step
+        whose γ vector ``gammas`` gave it none: a row that a draft model answered last is priced
+        by that model's α, and one priced out is never asked again, so the lookup in front of the
+        model (prompt lookup, suffix drafting; ``source`` names it) would go unheard however well
+        it matches. The depth up to ``cap`` whose expected tokens at the lookup's α for this row
+        (its own counts over the lookup's pool) best pay for the verify positions it adds to the
+        step (the other rows counted at one token each: a lower bound); 0 unless that beats the
+        step without it by ``min_gain``, and before the step costs are measured."""
+        if cap <= 0 or not self.costs.ready or self.policy not in ("goodput", "leviathan"):
+            return 0
+        row = rows[i]
+        alpha = self._posterior(row.seq_id, row.greedy, source)[0]
+        costs, n, depth, sampled = self.costs, len(rows), max(gammas, default=0), int(not row.greedy)
+        base_verify = costs.verify_s(n * (depth + 1), sampled)
+        step_s = self.predicted_s or base_verify + costs.other_s
+        best, best_rate = 0, n / step_s
+        tokens, term = float(n), 1.0
+        for g in range(1, cap + 1):
+            term *= alpha
+            tokens += term
+            added = max(0.0, costs.verify_s(n * (max(depth, g) + 1), sampled) - base_verify)
+            if tokens / (step_s + added) > best_rate * (1.0 + 1e-9):
+                best, best_rate = g, tokens / (step_s + added)
+        return best if best_rate >= n / step_s * (1.0 + self.min_gain) else 0
 
     def _optimistic_alpha(self, seq_id: int, greedy: bool, rows: int) -> float:
         """The estimate the choice uses: the mean plus `explore` / `rows` standard deviations. A

@@ -44,6 +44,7 @@ class LocalDraft(DraftSource):
         self.feature_layers = tuple(proposer.feature_layers)
         self.feature_width = proposer.feature_width
         self.acceptance = dict(proposer.acceptance)  # its card's α per (source, greedy)
+        self.lookup = proposer.lookup  # the model-free lookup it asks first ("": none)
 
     @property
     def held_sequences(self) -> int:

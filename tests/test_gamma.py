@@ -421,3 +421,30 @@ def test_catching_up_is_not_read_as_the_price_of_a_guess():
     settled = [statistics.mean(g) for g in chosen[50:]]
     assert statistics.mean(settled) >= 2.0, chosen[40:50]
     assert controller.costs.draft_s(1, 1) == pytest.approx(0.0024, rel=0.5), controller.costs.terms()
+
+
+def test_a_row_priced_out_by_its_model_still_gets_its_lookup_asked_where_it_pays():
+    """A row whose draft model guesses badly gets γ 0; ``lookup_gamma`` prices asking the
+    model-free lookup in front of it alone, at the lookup's α: as deep as it may where verify
+    positions cost nothing, not at all where each costs a whole step, and less as the row's own
+    lookup guesses fail. Nothing before the step costs are measured."""
+    assert GammaController(max_gamma=MAX_GAMMA).lookup_gamma([RowView(0, AUTO_GAMMA, MAX_GAMMA, True)], [0], 0,
+                                                              "ngram", 8) == 0
+    flat = SimulatedEngine(GammaController(max_gamma=MAX_GAMMA), 1, verify=lambda positions: 1.0,
+                           draft=lambda depth, proposals: 0.5 * depth)
+    steep = SimulatedEngine(GammaController(max_gamma=MAX_GAMMA), 1, verify=lambda positions: 1.0 * positions,
+                            draft=lambda depth, proposals: 0.5 * depth)
+    gentle = SimulatedEngine(GammaController(max_gamma=MAX_GAMMA), 1, verify=lambda positions: 1.0 + 0.1 * positions,
+                             draft=lambda depth, proposals: 0.5 * depth)
+    for sim in (flat, steep, gentle):
+        for _ in range(200):
+            sim.step(0.05)  # the model: priced out
+        assert sim.chosen[-1] == [0]
+    view = [RowView(0, AUTO_GAMMA, MAX_GAMMA, True)]
+    assert flat.controller.lookup_gamma(view, [0], 0, "ngram", 8) == 8
+    assert steep.controller.lookup_gamma(view, [0], 0, "ngram", 8) == 0
+    at_prior = gentle.controller.lookup_gamma(view, [0], 0, "ngram", 8)
+    assert at_prior > 0
+    for _ in range(30):  # this row's lookup guesses fail
+        gentle.controller.observe(0, "ngram", True, 4, 0)
+    assert gentle.controller.lookup_gamma(view, [0], 0, "ngram", 8) < at_prior

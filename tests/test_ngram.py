@@ -391,3 +391,35 @@ def test_get_info_names_the_proposers(model_zoo):
     draft = DraftProposer(load_model(model_zoo["partial"]), 4, 512)
     both = info(NgramPlusModelProposer(draft, 4))
     assert (both.model_name, both.vocab_size) == (f"ngram+{draft.name}", draft.vocab_size)
+
+
+class _ItemRecording:
+    """Combined proposals, remembering each call's items and how many the model was asked in it."""
+
+    def __init__(self, inner: NgramPlusModelProposer, model: _CountingDraft) -> None:
+        self.inner, self.model, self.calls = inner, model, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, items):
+        before = len(self.model.asked)
+        out = self.inner.propose(items)
+        self.calls.append((items, len(self.model.asked) - before))
+        return out
+
+
+def test_a_row_the_model_is_priced_out_of_still_gets_its_lookup_asked(model_zoo):
+    """Behind prompt lookup, a draft model that guesses nothing right (`unrelated`) is soon priced
+    out of every row (γ 0); the target then asks the lookup alone (ProposeItem.lookup_only), which
+    never asks the model, where the text repeats itself. Greedy output stays plain decoding's."""
+    plain, _ = run_engine(model_zoo["target"], None, PROMPTS, 0, 48)
+    model = _CountingDraft(load_model(model_zoo["unrelated"]), 16, 512)
+    proposer = _ItemRecording(NgramPlusModelProposer(model, 16), model)
+    assert proposer.lookup == "ngram"
+    spec, finals = run_engine(model_zoo["target"], None, PROMPTS, None, 48, proposer=proposer)
+    assert spec == plain
+    lookup_only = [asked for items, asked in proposer.calls if all(item.lookup_only for item in items)]
+    assert lookup_only, "no call asked the lookup alone"
+    assert not any(lookup_only), "the model was asked in a lookup-only call"
+    assert sum(f.stats.accepted_tokens for f in finals) > 0

@@ -58,6 +58,10 @@ class ProposeItem:
     # On items with rollback_to 0: the sequence's cache salt (SequenceRequest.cache_salt). A proposer
     # that drafts from other sequences' outputs (draft_service/suffix.py) uses only those of its salt.
     cache_salt: str = ""
+    # Only to a proposer that asks a model-free lookup first (Proposer.lookup): guess with that
+    # lookup alone, never the model (no guesses where it has none). The target asks so for a row
+    # its γ controller gives nothing, priced by the model that answered it last (target_service/drafting.py).
+    lookup_only: bool = False
     # A constrained sequence's forced tokens after ``append``: what its grammar allows alone there,
     # proposed already by the target (not committed). The draft guesses on from them: its guesses
     # land after them and are the only tokens it sends back. It may hold them as it holds its own
@@ -175,6 +179,9 @@ class Proposer(Protocol):
     acceptance: Mapping[tuple[str, bool], float] = NO_ACCEPTANCE
     # Whether ``work_ahead`` drafts anything (a draft model's next round: draft_service/work_ahead.py).
     works_ahead: bool = False
+    # A proposer that asks a model-free lookup before its model: the lookup's Proposal.source, and
+    # it answers ``ProposeItem.lookup_only`` items from the lookup alone. "": none.
+    lookup: str = ""
 
     def propose(self, items: list[ProposeItem]) -> list[Proposal]: ...
 
@@ -205,10 +212,11 @@ class DraftInfo:
     feature_layers: tuple[int, ...] = ()
     feature_width: int = 0
     acceptance: Mapping[tuple[str, bool], float] = field(default_factory=dict)
+    lookup: str = ""  # Proposer.lookup
 
     @classmethod
     def of(cls, proposer: Proposer) -> DraftInfo:
         return cls(model_name=proposer.name, vocab_size=proposer.vocab_size, max_context_length=proposer.max_len,
                    held_sequences=proposer.held, free_slots=proposer.free_slots,
                    feature_layers=tuple(proposer.feature_layers), feature_width=proposer.feature_width,
-                   acceptance=dict(proposer.acceptance))
+                   acceptance=dict(proposer.acceptance), lookup=proposer.lookup)
