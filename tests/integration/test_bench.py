@@ -82,7 +82,7 @@ def test_bench_latency_writes_json_and_plots(model_zoo, tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads((out / "latency.json").read_text())
-    assert data["proposer"] == {"proposer": "ngram+model", "ngram_max": 4, "ngram_min": 2}
+    assert data["proposer"] == {"proposer": "ngram+model", "ngram_max": 4, "ngram_min": 2, "suffix_capacity": 65536}
     assert set(data["gammas"]) == {"0", "1", "2"}
     check_costs(data["costs"], set(data["gammas"]))
     check_sweep(data["gammas"], data["costs"])

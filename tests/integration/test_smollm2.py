@@ -307,7 +307,9 @@ def test_suffix_drafting_through_the_three_processes_is_exact_and_keeps_salts_ap
     of it accepted), while under another salt the draft has no earlier answer to draw on."""
     from specstream_client import Client
 
-    stack = stack_factory(PAIRS["smollm2"].target, None, dtype="auto", gamma=4, proposer="suffix", calibrate=False)
+    # γ 4 every pass (the fixed policy): what is measured is the proposer's guesses, not the controller's pricing.
+    stack = stack_factory(PAIRS["smollm2"].target, None, dtype="auto", gamma=4, proposer="suffix", calibrate=False,
+                          gamma_policy="fixed")
     messages = [{"role": "user", "content": CHAT[0]}]
     with Client(stack.gateway_address, timeout=300) as client:
         assert client.model_info().draft_model == "suffix"
