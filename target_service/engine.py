@@ -48,7 +48,7 @@ from specstream.data.errors import (
     SpecstreamError,
     UnavailableError,
 )
-from specstream.data.prefix import BLOCK, reusable_blocks
+from specstream.data.prefix import BLOCK, block_keys, reusable_blocks
 from specstream.data.request_rules import RequestLimits, check_request
 from specstream.models.base import CausalLM
 from specstream.serving import telemetry
@@ -377,6 +377,8 @@ class Engine:
                 self.by_request.pop((seq.conn, seq.request_id), None)
                 tracing.finish_sequence(seq)
                 continue
+            if self._awaits_a_prefill(seq):
+                break  # it waits, first in line, to fork that prompt rather than compute it again
             # Room is counted again for each: a hit admitted just before may pin a kept slot that
             # was counted as one eviction could free.
             if self._free_slots() < seq.slots_needed or not self._place(seq):
@@ -389,6 +391,32 @@ class Engine:
             self.stats.record_admission(seq.queue_seconds)
             seq.span.add_event("admitted", {"specstream.queue_s": seq.queue_seconds})
             self.running.append(seq)  # before prefill: if it fails, _fail_all reports and frees it
+
+    def _awaits_a_prefill(self, seq: Sequence) -> bool:
+        """Whether ``seq`` waits for a running sequence still prefilling at least half of its
+        prompt's full blocks (the same blocks under the same salt: agents' calls sent together
+        with one system prompt, a request's ``n`` samples): once that prefill is done, ``seq``
+        forks its prompt from the prefix cache instead of computing it a second time."""
+        if self.prefix is None or not self.prefix.capacity or seq.beam is not None:
+            return False
+        mine = self._prompt_keys(seq)
+        for other in self.running:
+            if other.beam is not None or other.prefilled >= other.prompt_len or other.finish_reason is not None:
+                continue
+            shared = 0
+            for a, b in zip(mine, self._prompt_keys(other)):
+                if a != b:
+                    break
+                shared += 1
+            if shared and 2 * shared >= len(mine):
+                return True
+        return False
+
+    @staticmethod
+    def _prompt_keys(seq: Sequence) -> list[bytes]:
+        if seq.prompt_keys is None:
+            seq.prompt_keys = block_keys(seq.tokens[:seq.prompt_len], seq.cache_salt, reusable_blocks(seq.prompt_len))
+        return seq.prompt_keys
 
     def _free_slots(self) -> int:
         """Slots new sequences may take now: within max_slots for running ones, and free in the KV

@@ -63,6 +63,7 @@ class Sequence:
     prefilled: int = 0  # prompt tokens in the cache so far (chunked prefill)
     cache_salt: str = ""  # shares cached prefixes only with the same salt (target_service/prefix_cache.py)
     cached_tokens: int = 0  # prompt tokens the prefix cache served, reported once
+    prompt_keys: list[bytes] | None = None  # its prompt's full blocks' keys (specstream/data/prefix.py), once asked
     last_expanded: int = 0  # the engine step that last advanced this sequence (starvation bound)
     span: Any = INVALID_SPAN  # its tracing span (target_service/tracing.py); non-recording unless tracing
     # For a draft that reads the target's features: the bytes (bfloat16) of the target's features of

@@ -372,3 +372,28 @@ def test_a_turn_that_stops_inside_an_accepted_run_is_kept_with_its_features(feat
     for one, two in turns:
         kept = (20 + len(one.token_ids) - 1) // BLOCK * BLOCK  # every committed position's full blocks
         assert two.cached_tokens == kept, (one.token_ids, one.final.stats, two.cached_tokens)
+
+
+@pytest.mark.parametrize("draft, gamma", [(None, 0), ("feature", 3)])
+def test_requests_sent_together_with_one_prompt_prefill_it_once(model_zoo, feature_pair, draft, gamma):
+    """One batch: a request sharing only the first block of a 72-token prompt, then three with
+    that prompt (agents' calls sent together, or a request's samples). The first two are admitted
+    at once (a quarter of a prompt in common is not worth waiting for) and both prefill; the last
+    two wait for the prompt's prefill and fork its four full blocks (8 tokens each left to
+    compute). The same tokens as with no cache, greedy and seeded sampling."""
+    target = feature_pair["target"] if draft else model_zoo["target"]
+    draft_dir = feature_pair["draft"] if draft else None
+    rng = random.Random(11)
+    vocab = load_model(target).config.vocab_size
+    prompt = [rng.randrange(2, vocab) for _ in range(72)]
+    other = prompt[:16] + [rng.randrange(2, vocab) for _ in range(56)]
+    batch = [_request(str(i), p, gamma, SamplingParams(temperature=0.8, seed=i) if i == 2 else GREEDY)
+             for i, p in enumerate([other, prompt, prompt, prompt])]
+    cached_engine = _engine(target, draft_dir, kept=4, feature=bool(draft))
+    cached = _in_order(cached_engine, [batch])
+    fresh_engine = _engine(target, draft_dir, kept=0, feature=bool(draft))
+    fresh = _in_order(fresh_engine, [batch])
+    assert [d.token_ids for d in cached] == [d.token_ids for d in fresh]
+    assert [d.cached_tokens for d in cached] == [0, 0, 64, 64]
+    assert cached_engine.stats.prefill_tokens == 72 + 72 + 8 + 8
+    assert fresh_engine.stats.prefill_tokens == 4 * 72
