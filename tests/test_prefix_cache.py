@@ -261,38 +261,58 @@ def test_served_from_the_cache_gives_the_tokens_and_draws_of_no_cache(model_zoo,
     assert hits[0] == 0 and hits[1] >= 48 and hits[2] == 32 and hits[4] == 64 and hits[5] == 0, hits
 
 
-def test_distinct_prompts_in_a_row_keep_the_slots_bounded_and_nothing_leaks(model_zoo):
-    """Sixty prompts, half of them sharing their first 40 tokens, some cancelled, on an engine with 4 running and 3 kept slots: the
-    cache keeps at most 3, every other slot is free again, and the engine's books balance."""
+def test_a_thousand_distinct_prompts_keep_the_cache_bounded_and_nothing_leaks(model_zoo):
+    """1,000 prompts of 17-130 tokens in batches of 4, half of them sharing their first 40 tokens,
+    one in three batches with a request cancelled while it runs, and one engine step that fails
+    (its sequences end with an error, as a target's do when a replica fails them over), on an
+    engine with 4 running and 3 kept slots: the cache never keeps more than 3 slots nor indexes
+    more blocks than they hold, every other slot is free again after each batch, and at the end
+    the engine's books balance."""
     engine = _engine(model_zoo["target"], model_zoo["partial"], kept=3)
     rng = random.Random(5)
     vocab = engine.model.config.vocab_size
     shared = [rng.randrange(2, vocab) for _ in range(40)]  # half the prompts start alike: forks too
+    failed_batch = 101
+    real_prefill = engine._prefill_compute
+
+    def failing_prefill(*args):
+        if failing_prefill.armed:
+            failing_prefill.armed = False
+            raise RuntimeError("an injected failure")
+        return real_prefill(*args)
+
+    failing_prefill.armed = False
+    engine._prefill_compute = failing_prefill
+    most_blocks = 3 * (engine.max_len // BLOCK)
 
     async def main():
         loop = asyncio.create_task(engine.run())
+        errors = 0
         try:
-            for batch in range(15):
+            for batch in range(250):
                 requests = [_request(f"{batch}-{i}", (shared if i % 2 else []) + [rng.randrange(2, vocab) for _ in
                                                                     range(rng.randint(17, 90))],
-                                     None, max_new=rng.randint(1, 10)) for i in range(4)]
+                                     None, max_new=rng.randint(1, 4)) for i in range(4)]
+                failing_prefill.armed = batch == failed_batch
                 work = asyncio.create_task(generate(engine, requests, 60))
                 if batch % 3 == 0:
                     await asyncio.sleep(0.001)
                     for conn in list(engine.connections):
                         engine.cancel(conn, [requests[0].id])
-                await work
-                assert engine.prefix.retained <= 3
+                errors += sum(d.finish_reason == "error" for d in await work)
+                assert engine.prefix.retained <= 3 and len(engine.prefix.index) <= most_blocks
                 assert engine.cache.num_free + engine.prefix.retained == engine.cache.num_slots
+            assert errors > 0  # the injected failure ended the sequences of its step
             assert not engine.running and engine.load().free_slots == 4
             engine.prefix.clear()  # what is kept is all that holds slots
             assert engine.cache.num_free == engine.cache.num_slots and not engine.cache.shared
+            assert not engine.prefix.entries and not engine.prefix.index
         finally:
             loop.cancel()
 
     asyncio.run(main())
     registry = engine.metrics.registry
-    assert registry.get_sample_value("specstream:prefix_cache_hits_total") >= 32
+    assert registry.get_sample_value("specstream:prefix_cache_hits_total") >= 400
     assert registry.get_sample_value("specstream:prefix_cache_queries_total") > \
         registry.get_sample_value("specstream:prefix_cache_hits_total")
 
