@@ -127,7 +127,9 @@ BAD = [  # (endpoint, body changes, the param the 400 must name)
     ("completions", {"seed": -1}, "seed"),
     ("completions", {"stop": [""]}, "stop"),
     ("completions", {"stop": ["x"] * 40}, "stop"),
-    ("completions", {"n": 2}, "n"),
+    ("completions", {"n": 17}, "n"),
+    ("completions", {"n": 0}, "n"),
+    ("chat", {"n": 2, "temperature": 0}, "n"),  # n identical answers
     ("completions", {"best_of": 3}, "best_of"),
     ("completions", {"logprobs": 500}, "logprobs"),
     ("completions", {"echo": True, "logprobs": 1}, "echo"),
@@ -489,3 +491,37 @@ def test_while_shutting_down_health_and_new_requests_get_503() -> None:
 
 
 # ---- security: bearer tokens and HTTPS -------------------------------------------------------------
+
+
+def test_n_choices_are_sent_together_with_their_own_seeds_unary_and_streamed() -> None:
+    """n=3: three requests reach the target, with the body's seed + 0, 1, 2; the response has three
+    choices (indices 0-2) and usage counts the prompt once and every choice's tokens; streamed,
+    each choice's chunks carry its index and concatenate to its unary text, and include_usage
+    sends one usage chunk for the three."""
+    async def main():
+        async with served() as front:
+            unary = await front.client.completions.create(model=MODEL, prompt="Capital?", max_tokens=5, n=3,
+                                                          seed=40)
+            sent = list(front.target.requests)
+            stream = await front.client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Capital?"}], max_tokens=4, n=2, stream=True,
+                stream_options={"include_usage": True})
+            chunks = [chunk async for chunk in stream]
+            return unary, sent, chunks
+
+    unary, sent, chunks = run(main())
+    assert [r.sampling.seed for r in sent] == [40, 41, 42]
+    assert [c.index for c in unary.choices] == [0, 1, 2]
+    assert all(c.text == unary.choices[0].text and c.text for c in unary.choices)
+    assert unary.usage.completion_tokens == 3 * 5
+    assert unary.usage.total_tokens == unary.usage.prompt_tokens + 15
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts[0] == texts[1] == REPLY[:len(texts[0])] and texts[0]
+    finished = [choice.index for chunk in chunks for choice in chunk.choices if choice.finish_reason]
+    assert sorted(finished) == [0, 1]
+    tails = [chunk for chunk in chunks if chunk.usage is not None]
+    assert len(tails) == 1 and tails[0] is chunks[-1] and tails[0].usage.completion_tokens == 2 * 4
+    assert len({chunk.id for chunk in chunks}) == 1

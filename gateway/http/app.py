@@ -229,7 +229,7 @@ def build_app(gateway: Gateway, registry: CollectorRegistry | None = None,
                         "gen_ai.request.model": body.model, "specstream.stream": bool(body.stream)})
         caller = request.headers.get("traceparent", "") if telemetry.context_from(
             request.headers.get("traceparent", "")) else ""
-        status, streaming, valid = 200, False, None
+        status, streaming, admitted = 200, False, []
 
         def param_of(field: str) -> str:
             return translate.param_name(field, body)
@@ -240,21 +240,35 @@ def build_app(gateway: Gateway, registry: CollectorRegistry | None = None,
             if body.model != gateway.model_name:
                 raise model_not_found(body.model, gateway.model_name)
             pb = translate.to_generate_request(body, telemetry.traceparent_of(span) or caller)
-            valid = await gateway.admit(pb, fill_max_new_tokens=translate.fills_max_new_tokens(body),
-                                        authorization=request.headers.get("authorization"))
-            encoder = encoder_of(valid)
+            for sample in translate.samples(body, pb):  # n > 1: one request a choice, sent together
+                admitted.append(await gateway.admit(sample, fill_max_new_tokens=translate.fills_max_new_tokens(body),
+                                                    authorization=request.headers.get("authorization")))
+            encoders = [encoder_of(valid) for valid in admitted]
+            if len(encoders) > 1:
+                translate.for_choices(encoders)
             if not body.stream:
-                response: generation_pb2.GenerateResponse = await _unless_gone(request, gateway.generate(valid))
-                return JSONResponse(encoder.response(response))
-            chunks = gateway.stream(valid)
-            first = await _unless_gone(request, chunks.__anext__())
+                responses = await _unless_gone(request, _all([gateway.generate(valid) for valid in admitted]))
+                if len(responses) == 1:
+                    return JSONResponse(encoders[0].response(responses[0]))
+                return JSONResponse(translate.samples_response(encoders, responses))
+            streams = [gateway.stream(valid) for valid in admitted]
+            try:
+                firsts = await _unless_gone(request, _all([chunks.__anext__() for chunks in streams]))
+            except BaseException:
+                for chunks in streams:
+                    await chunks.aclose()
+                raise
             streaming = True
 
-            def closed(admitted=valid) -> None:
-                gateway.release(admitted)  # also when the response never started its body
+            def closed(done=tuple(admitted)) -> None:
+                for valid in done:
+                    gateway.release(valid)  # also when the response never started its body
                 span.end()
 
-            return EventStream(_events(encoder, first, chunks, param_of), on_close=closed)
+            if len(streams) == 1:
+                return EventStream(_events(encoders[0], firsts[0], streams[0], param_of), on_close=closed)
+            return EventStream(_choice_events(encoders, firsts, streams, param_of, _include_usage(body)),
+                               on_close=closed)
         except ClientGone:
             status = 499
             return Response(status_code=499)
@@ -269,7 +283,7 @@ def build_app(gateway: Gateway, registry: CollectorRegistry | None = None,
             elif status >= 400:
                 span.set_attribute("error.type", str(status))
             if not streaming:
-                if valid is not None:  # admitted, then refused, gone or answered whole
+                for valid in admitted:  # admitted, then refused, gone or answered whole
                     gateway.release(valid)
                 span.end()
 
@@ -296,6 +310,67 @@ def build_app(gateway: Gateway, registry: CollectorRegistry | None = None,
 
 def _include_usage(body: translate.Body) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
+
+
+async def _all(works: list[Awaitable[T]]) -> list[T]:
+    """Every result, in order; when one fails, the others are cancelled and its error raised."""
+    tasks = [asyncio.ensure_future(work) for work in works]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def _choice_events(encoders: list, firsts: list[generation_pb2.GenerateStreamResponse],
+                         streams: list[AsyncIterator[generation_pb2.GenerateStreamResponse]],
+                         param_of: Callable[[str], str], include_usage: bool) -> AsyncIterator[str]:
+    """The SSE body of a request's ``n`` choices: each choice's chunks (its own index) as they
+    come, then with include_usage one usage chunk for them all, then `[DONE]`; an error of any
+    choice ends the stream as in ``_events``."""
+    queue: asyncio.Queue = asyncio.Queue()
+    last: list[generation_pb2.GenerateStreamResponse | None] = [None] * len(streams)
+
+    async def pump(i: int) -> None:
+        try:
+            async for chunk in streams[i]:
+                await queue.put((i, chunk, None))
+            await queue.put((i, None, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the stream's reader
+            await queue.put((i, None, exc))
+
+    pumps = []
+    try:
+        for i, first in enumerate(firsts):
+            for out in encoders[i].chunks(first):
+                yield _json_event(out)
+            last[i] = first if first.finish_reason else None
+        pumps = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
+        running = len(pumps)
+        while running:
+            i, chunk, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if chunk is None:
+                running -= 1
+                continue
+            for out in encoders[i].chunks(chunk):
+                yield _json_event(out)
+            if chunk.finish_reason:
+                last[i] = chunk
+        if include_usage and all(last):
+            yield _json_event(encoders[0].usage_tail(last[0], translate.samples_usage([c.usage for c in last])))
+    except Exception as exc:  # noqa: BLE001 - the status line is gone: reported in the stream
+        yield _json_event(from_exception(exc, param_of).body())
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        for chunks in streams:
+            await chunks.aclose()
+    yield "data: [DONE]\n\n"
 
 
 async def _events(encoder, first: generation_pb2.GenerateStreamResponse,

@@ -24,6 +24,7 @@ from specstream.text.tokenizer import TextTokenizer
 from specstream_pb import common_pb2, generation_pb2
 
 UINT32, INT32, UINT64 = 2**32 - 1, 2**31 - 1, 2**64 - 1
+MAX_SAMPLES = 16  # the most choices (n) one request may ask for
 FINISH_REASONS = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
                   common_pb2.FINISH_REASON_EOS: "stop", common_pb2.FINISH_REASON_CANCELLED: "abort",
                   common_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls"}
@@ -186,7 +187,7 @@ def _refuse_unsupported(body: Body) -> None:
     """OpenAI parameters this server does not implement: refused by name rather than ignored,
     since ignoring them would change the output the caller asked for."""
     checks: list[tuple[str, Any, bool, str]] = [
-        ("n", body.n, body.n in (None, 1), "only n=1 is supported; send several requests (with different seeds)"),
+        ("n", body.n, body.n is None or 1 <= body.n <= MAX_SAMPLES, f"must be in 1..{MAX_SAMPLES}"),
         ("stream_options", "<set>", body.stream_options is None or bool(body.stream),
          "stream_options is only allowed when stream is true"),
     ]
@@ -200,6 +201,27 @@ def _refuse_unsupported(body: Body) -> None:
     for param, value, ok, reason in checks:
         if not ok:
             raise InvalidArgumentError(param, value, reason)
+
+
+def samples(body: Body, req: generation_pb2.GenerateRequest) -> list[generation_pb2.GenerateRequest]:
+    """The request of each of the body's ``n`` choices: ``req`` itself for one; for several, copies
+    whose seeds are the body's ``seed`` + i (each its own seed from the gateway when it gave none).
+    They are sent together: the target prefills their prompt once and the others fork it
+    (docs/architecture.md §5.1). ``n`` > 1 with temperature 0 is refused (n identical answers)."""
+    n = body.n or 1
+    if n == 1:
+        return [req]
+    if req.temperature == 0:
+        raise InvalidArgumentError("n", n, "with temperature 0 every choice would be the same answer: set a "
+                                           "temperature above 0, or n=1")
+    out = []
+    for i in range(n):
+        copy = generation_pb2.GenerateRequest()
+        copy.CopyFrom(req)
+        if req.HasField("seed"):
+            copy.seed = (req.seed + i) % (UINT64 + 1)
+        out.append(copy)
+    return out
 
 
 def _int(param: str, value: int, low: int, high: int) -> int:
@@ -300,6 +322,7 @@ class _Encoder:
 
     def __init__(self, body: Body, request_id: str, tokenizer: TextTokenizer, include_usage: bool) -> None:
         self.body = body
+        self.index = 0  # the choice this encoder writes (``n``: one encoder per choice, see ``for_choices``)
         self.id = self.id_prefix + request_id
         self.created = int(time.time())
         self.tokenizer = tokenizer
@@ -335,9 +358,7 @@ class _Encoder:
         self._finish(outs[-1], pb)
         if not self.include_usage:
             return outs
-        tail = {**self._head(self.chunk_object_name), "choices": [], "usage": usage(pb.usage)}
-        self._finish(tail, pb)
-        return [*outs, tail]
+        return [*outs, self.usage_tail(pb, usage(pb.usage))]
 
     def response(self, pb: generation_pb2.GenerateResponse) -> dict[str, Any]:
         out = self._head(self.object_name)
@@ -346,12 +367,43 @@ class _Encoder:
         self._finish(out, pb)
         return out
 
+    def usage_tail(self, pb, counted: dict[str, int]) -> dict[str, Any]:
+        """include_usage's last chunk: no choices, ``counted`` usage, the metrics and seed of ``pb``."""
+        tail = {**self._head(self.chunk_object_name), "choices": [], "usage": counted}
+        self._finish(tail, pb)
+        return tail
+
     def _deltas(self, pb: generation_pb2.GenerateStreamResponse) -> list[dict[str, Any]]:
         """The choices of the stream chunks for one core chunk (the last one is the core's)."""
         raise NotImplementedError
 
     def _choice(self, pb: generation_pb2.GenerateResponse) -> dict[str, Any]:
         raise NotImplementedError
+
+
+def for_choices(encoders: list[_Encoder]) -> list[_Encoder]:
+    """One encoder per choice of a request with ``n`` > 1, writing into one response: the first's
+    id, each its own index; none writes a usage chunk of its own (``samples_usage`` is the one)."""
+    for i, encoder in enumerate(encoders):
+        encoder.index, encoder.id, encoder.include_usage = i, encoders[0].id, False
+    return encoders
+
+
+def samples_usage(usages: list[common_pb2.Usage]) -> dict[str, Any]:
+    """The usage of a request's choices: the prompt once (it was prefilled once), the first's
+    cached tokens, every choice's completion tokens."""
+    counted = usage(usages[0])
+    counted["completion_tokens"] = sum(u.completion_tokens for u in usages)
+    counted["total_tokens"] = counted["prompt_tokens"] + counted["completion_tokens"]
+    return counted
+
+
+def samples_response(encoders: list[_Encoder], pbs: list[generation_pb2.GenerateResponse]) -> dict[str, Any]:
+    """The response of a request's ``n`` choices (``for_choices`` encoders): the first's metrics and seed."""
+    out = encoders[0].response(pbs[0])
+    out["choices"] = [encoder._with_ids(encoder._choice(pb), pb) for encoder, pb in zip(encoders, pbs)]
+    out["usage"] = samples_usage([pb.usage for pb in pbs])
+    return out
 
 
 class CompletionEncoder(_Encoder):
@@ -380,11 +432,12 @@ class CompletionEncoder(_Encoder):
         if not pb.text and not pb.token_ids and not pb.finish_reason and not self.echo:
             return []
         text, self.echo = self.echo + pb.text, ""
-        return [self._with_ids({"index": 0, "text": text, "logprobs": self._logprobs(pb.token_ids, pb.logprobs),
+        return [self._with_ids({"index": self.index, "text": text,
+                                "logprobs": self._logprobs(pb.token_ids, pb.logprobs),
                                 "finish_reason": FINISH_REASONS.get(pb.finish_reason)}, pb)]
 
     def _choice(self, pb):
-        return {"index": 0, "text": self.echo + pb.text, "logprobs": self._logprobs(pb.token_ids, pb.logprobs),
+        return {"index": self.index, "text": self.echo + pb.text, "logprobs": self._logprobs(pb.token_ids, pb.logprobs),
                 "finish_reason": FINISH_REASONS.get(pb.finish_reason)}
 
 
@@ -415,18 +468,18 @@ class ChatEncoder(_Encoder):
         out = []
         if not self.role_sent:
             self.role_sent = True
-            out.append({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            out.append({"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None})
         if pb.text or pb.token_ids:  # with tools, the text outside the calls (gateway/tools.py)
-            out.append(self._with_ids({"index": 0, "delta": {"content": pb.text},
+            out.append(self._with_ids({"index": self.index, "delta": {"content": pb.text},
                                        "logprobs": self._logprobs(pb.logprobs), "finish_reason": None}, pb))
         if pb.tool_calls:  # each call whole, in the chunk where it closed
             called = [{"index": self.calls_sent + k, **tool_calls.call_out(c)} for k, c in enumerate(pb.tool_calls)]
             self.calls_sent += len(called)
-            out.append({"index": 0, "delta": {"tool_calls": called}, "logprobs": None, "finish_reason": None})
+            out.append({"index": self.index, "delta": {"tool_calls": called}, "logprobs": None, "finish_reason": None})
         if pb.finish_reason:
             reason = FINISH_REASONS.get(pb.finish_reason)
-            out.append({"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason})
+            out.append({"index": self.index, "delta": {}, "logprobs": None, "finish_reason": reason})
         return out
 
     def _choice(self, pb):
@@ -434,5 +487,5 @@ class ChatEncoder(_Encoder):
         if pb.tool_calls:  # content null where only calls were written, as OpenAI
             message = {"role": "assistant", "content": pb.text.strip() or None,
                        "tool_calls": [tool_calls.call_out(c) for c in pb.tool_calls]}
-        return {"index": 0, "message": message, "logprobs": self._logprobs(pb.logprobs),
+        return {"index": self.index, "message": message, "logprobs": self._logprobs(pb.logprobs),
                 "finish_reason": FINISH_REASONS.get(pb.finish_reason)}

@@ -134,6 +134,31 @@ def test_a_repeated_conversation_is_served_from_the_prefix_cache_only_under_its_
     assert queries >= hits >= cached.usage.prompt_tokens_details.cached_tokens
 
 
+def test_n_choices_are_the_requests_of_seeds_seed_plus_i_and_share_one_prefill(stack, client) -> None:
+    """n=3 at a fixed γ: each choice is token for token the single request with seed 5 + i (sent
+    apart, under another salt), and the three requests, sent together, prefilled their prompt once:
+    the target's prefix cache served the other two their prompt's full blocks."""
+    def hits() -> float:
+        _, _, body = _get(f"http://{stack.metrics_addresses['target']}/metrics")
+        return float(re.search(rb"^specstream:prefix_cache_hits_total (\S+)$", body, re.M).group(1))
+
+    prompt = (PROMPTS[2] + " the baker, the smith, the teacher and the tailor met at the well every morning to "
+              "talk about the weather, the harvest and the travellers who had come through the night before. One")
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=0.9)
+    before = hits()
+    many = client.completions.create(**kwargs, n=3, seed=5,
+                                     extra_body={"speculation": 4, "cache_salt": "n", "return_token_ids": True})
+    shared = hits() - before
+    ones = [client.completions.create(**kwargs, seed=5 + i, extra_body={"speculation": 4, "cache_salt": f"one {i}",
+                                                                         "return_token_ids": True})
+            for i in range(3)]
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.model_extra["token_ids"] for c in many.choices] == [o.choices[0].model_extra["token_ids"] for o in ones]
+    assert len({c.text for c in many.choices}) > 1  # three seeds, not one answer three times
+    assert many.usage.completion_tokens == sum(o.usage.completion_tokens for o in ones)
+    assert shared >= 2 * ((many.usage.prompt_tokens - 1) // 16 * 16) > 0
+
+
 def test_seeded_sampled_completions_stream_what_the_unary_call_returns(client) -> None:
     # A fixed γ: the seed keys the draws of one run's sequence of accept/reject decisions, and γ=auto
     # chooses per step from measured costs, so a re-run may draw differently (the same distribution).
@@ -197,7 +222,7 @@ def test_min_tokens_through_http_and_grpc_with_speculation_equals_plain_decoding
 
 def test_bad_input_gets_openai_errors_and_the_server_carries_on(stack, client) -> None:
     cases = [(dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"), (dict(top_p=2), "top_p"),
-             (dict(n=3), "n"), (dict(logprobs=1000), "logprobs"), (dict(stop=[""]), "stop"),
+             (dict(n=17), "n"), (dict(logprobs=1000), "logprobs"), (dict(stop=[""]), "stop"),
              (dict(extra_body={"speculation": "sometimes"}), "speculation"),
              (dict(max_tokens=100_000), "max_tokens")]
     for kwargs, param in cases:

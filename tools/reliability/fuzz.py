@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
+from gateway.http.translate import MAX_SAMPLES
 from specstream.data.prefix import MAX_SALT_CHARS
 from tools.progress import Progress
 from tools.reliability.fuzz_constraints import random_constraint, random_tools_body
@@ -309,7 +310,7 @@ HTTP_INVALID: list[tuple[str, bool | None, Callable[[random.Random, Limits], obj
                                                         "many", 1.5, [1]])),
     ("temperature", None, lambda rng, lim: rng.choice([-rng.uniform(0.01, 10), "hot", [0.5]])),
     ("top_p", None, lambda rng, lim: rng.choice([0, rng.uniform(1.01, 100), -1, "all"])),
-    ("n", None, lambda rng, lim: rng.randint(2, 100)),
+    ("n", None, lambda rng, lim: rng.choice([0, -rng.randint(1, 9), rng.randint(MAX_SAMPLES + 1, 100), "two"])),
     ("seed", None, lambda rng, lim: rng.choice([-rng.randint(1, 10**9), "s"])),
     ("stop", None, lambda rng, lim: rng.choice([[""], ["x"] * (lim.max_stop_strings + 1), 5])),
     ("presence_penalty", None, lambda rng, lim: rng.choice([rng.uniform(2.01, 50), -rng.uniform(2.01, 50)])),
