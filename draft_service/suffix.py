@@ -32,8 +32,9 @@ Knows nothing about gRPC, the target or tokenizers: keys are opaque, tokens are 
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Hashable
+from itertools import islice
 
 from draft_service.ngram import ANY_ID
 from specstream.data.propose import Proposal, ProposeItem, Proposer, with_forced_appended, without_masked
@@ -81,7 +82,7 @@ class Corpus:
     def __init__(self, capacity: int, min_n: int, max_n: int) -> None:
         self.capacity, self.min_n, self.max_n = capacity, min_n, max_n
         self.outputs: OrderedDict[int, tuple[str, list[int]]] = OrderedDict()  # id -> (salt, tokens)
-        self.after: dict[str, dict[tuple[int, ...], list[tuple[int, int]]]] = {}  # salt -> gram -> occurrences
+        self.after: dict[str, dict[tuple[int, ...], deque[tuple[int, int]]]] = {}  # salt -> gram -> occurrences
         self.tokens = 0
         self._next = 0
 
@@ -96,11 +97,11 @@ class Corpus:
         self.tokens += len(tokens)
         index = self.after.setdefault(salt, {})
         for gram, end in self._grams(tokens):
-            index.setdefault(gram, []).append((doc, end))
+            index.setdefault(gram, deque()).append((doc, end))
 
     def occurrences(self, salt: str, gram: tuple[int, ...]) -> list[tuple[list[int], int]]:
         """(output tokens, position after the gram) of the latest MAX_CANDIDATES occurrences."""
-        found = self.after.get(salt, {}).get(gram, [])[-MAX_CANDIDATES:]
+        found = list(islice(reversed(self.after.get(salt, {}).get(gram, ())), MAX_CANDIDATES))[::-1]
         return [(self.outputs[doc][1], end) for doc, end in found]
 
     def _grams(self, tokens: list[int]):
@@ -114,7 +115,7 @@ class Corpus:
         index = self.after[salt]
         for gram, _ in self._grams(tokens):
             occurrences = index[gram]
-            occurrences.pop(0)  # the oldest output's occurrences come first, in the order added
+            occurrences.popleft()  # the oldest output's occurrences come first, in the order added
             if not occurrences:
                 del index[gram]
         if not index:
@@ -123,11 +124,14 @@ class Corpus:
 
 class SuffixSequence(_Occurrences):
     """One sequence as the suffix proposer holds it: its tokens and their index, its salt's corpus
-    and where its output starts (what the corpus gets when it is released)."""
+    and where its output starts (what the corpus gets when it is released: its committed output)."""
 
     def __init__(self, min_n: int, max_n: int, corpus: Corpus, salt: str, output_start: int) -> None:
         super().__init__(min_n, max_n)
         self.corpus, self.salt, self.output_start = corpus, salt, output_start
+        # Leading tokens the target has committed (it appended them): past them, guesses held
+        # as context (a draft model's, forced tokens) that may yet be rejected.
+        self.confirmed = 0
 
     def proposal(self, gamma: int, branches: int) -> tuple[list[int], list[int]]:
         """(tokens, parents) as the module docstring says: a chain whose length the candidates'
@@ -214,20 +218,22 @@ class SuffixProposer(Proposer):
         return self.max_slots - len(self.sequences)
 
     def release(self, keys: list[Hashable]) -> None:
-        """Forgets the sequences; what each output so far joins its salt's corpus."""
+        """Forgets the sequences; the output each had committed so far joins its salt's corpus."""
         for key in keys:
             sequence = self.sequences.pop(key, None)
             if sequence is not None and self.corpus.capacity:
-                self.corpus.add(sequence.salt, sequence.tokens[sequence.output_start:])
+                self.corpus.add(sequence.salt, sequence.tokens[sequence.output_start:sequence.confirmed])
 
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         out = []
         for item in items:
+            committed = item.rollback_to + len(item.append)
             item = with_forced_appended(item)  # forced tokens are held as context: matching goes on from them
             sequence = self.sync(item)
             if sequence is None:
                 out.append(Proposal([], 0, source=SOURCE))
                 continue
+            sequence.confirmed = committed
             gamma = min(item.gamma, self.max_len - len(sequence))
             tokens, parents = sequence.proposal(gamma, item.branches if item.sampling.greedy else 0)
             tokens, parents = without_masked(item, tokens, parents)
@@ -250,4 +256,5 @@ class SuffixProposer(Proposer):
             return None
         sequence.truncate(item.rollback_to)
         sequence.extend(item.append)
+        sequence.confirmed = len(sequence)  # what the target appended is committed
         return sequence

@@ -507,8 +507,8 @@ class Drafting:
             most = item.first_guess + len(reply.tokens)
             held = self._held[seq.seq_id]
             held.length = reply.length if reply.length <= most else 0
-            if item.lookup_only:
-                held.lookup_misses = 0 if reply.tokens else held.lookup_misses + 1
+            if item.lookup_only and item.gamma:  # (a feature resync asks for no guesses: no miss)
+                held.lookup_misses = 0 if reply.tokens else min(held.lookup_misses + 1, 5)
                 held.lookup_wait = min(LOOKUP_WAIT_MAX, (1 << held.lookup_misses) - 1)
             seq.draft_tokens += checks[i].chain  # branches apart
         return checks

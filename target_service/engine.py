@@ -370,7 +370,10 @@ class Engine:
             needs.append(0 if seq.finish_reason is not None else seq.slots_needed)
         quota = self.scheduler.admissions(sum(s.width for s in self.running), free, needs)
         refill = bool(self.running)
+        deferred = []  # waiting for a prefill they will fork: those behind them go first meanwhile
         for _ in range(quota):
+            if not self.waiting:
+                break
             seq = self.waiting[0]
             if seq.finish_reason is not None:  # cancelled while queued: nothing to free but the id
                 self.waiting.popleft()
@@ -378,7 +381,8 @@ class Engine:
                 tracing.finish_sequence(seq)
                 continue
             if self._awaits_a_prefill(seq):
-                break  # it waits, first in line, to fork that prompt rather than compute it again
+                deferred.append(self.waiting.popleft())  # it forks that prompt rather than compute it again
+                continue
             # Room is counted again for each: a hit admitted just before may pin a kept slot that
             # was counted as one eviction could free.
             if self._free_slots() < seq.slots_needed or not self._place(seq):
@@ -391,25 +395,31 @@ class Engine:
             self.stats.record_admission(seq.queue_seconds)
             seq.span.add_event("admitted", {"specstream.queue_s": seq.queue_seconds})
             self.running.append(seq)  # before prefill: if it fails, _fail_all reports and frees it
+        self.waiting.extendleft(reversed(deferred))  # first in line again, in their order
 
     def _awaits_a_prefill(self, seq: Sequence) -> bool:
         """Whether ``seq`` waits for a running sequence still prefilling at least half of its
         prompt's full blocks (the same blocks under the same salt: agents' calls sent together
         with one system prompt, a request's ``n`` samples): once that prefill is done, ``seq``
-        forks its prompt from the prefix cache instead of computing it a second time."""
+        forks its prompt from the prefix cache instead of computing it a second time. Not for
+        blocks the other was served from the cache itself (they are there now), nor when ``seq``
+        needs features the other will not keep. Those behind it in line are admitted meanwhile."""
         if self.prefix is None or not self.prefix.capacity or seq.beam is not None:
             return False
         mine = self._prompt_keys(seq)
+        needs_features = self._feature_row(seq) > 0
         for other in self.running:
             if other.beam is not None or other.prefilled >= other.prompt_len or other.finish_reason is not None:
                 continue
+            if needs_features and not self._feature_row(other):
+                continue  # its prompt will be kept without the features this one needs
             shared = 0
             for a, b in zip(mine, self._prompt_keys(other)):
                 if a != b:
                     break
                 shared += 1
-            if shared and 2 * shared >= len(mine):
-                return True
+            if shared and 2 * shared >= len(mine) and other.cached_tokens < shared * BLOCK:
+                return True  # (blocks the other was itself served from the cache are there already)
         return False
 
     @staticmethod
@@ -733,9 +743,10 @@ class Engine:
         # too when the sequence ended here: the prefix cache may keep what it holds.
         self.cache.set_length(seq.slot, len(seq.tokens) - 1)
         row = self._feature_row(seq)
-        if seq.features is not None and row:
+        if seq.features is not None and row and len(seq.features) == (ctx_len + k) * row:
             # A stop id or the budget may end the run inside its accepted guesses: the features of
-            # the positions after it were computed, but they are not the sequence's.
+            # the positions after it were computed, but they are not the sequence's. (Any other
+            # count, a draft that reconnected with another width, is left for Drafting to refuse.)
             del seq.features[(len(seq.tokens) - 1) * row:]
 
     async def _retire(self) -> None:

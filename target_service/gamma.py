@@ -249,9 +249,10 @@ class GammaController:
         (its own counts over the lookup's pool) best pay for the verify positions it adds to the
         step (the other rows counted at one token each: a lower bound); 0 unless that beats the
         step without it by ``min_gain``, and before the step costs are measured."""
+        row = rows[i]
+        cap = min(cap, row.max_gamma or self.max_gamma, self.max_gamma)  # as `choose` limits a row
         if cap <= 0 or not self.costs.ready or self.policy not in ("goodput", "leviathan"):
             return 0
-        row = rows[i]
         alpha = self._posterior(row.seq_id, row.greedy, source)[0]
         costs, n, depth, sampled = self.costs, len(rows), max(gammas, default=0), int(not row.greedy)
         base_verify = costs.verify_s(n * (depth + 1), sampled)

@@ -442,6 +442,8 @@ def test_a_row_priced_out_by_its_model_still_gets_its_lookup_asked_where_it_pays
         assert sim.chosen[-1] == [0]
     view = [RowView(0, AUTO_GAMMA, MAX_GAMMA, True)]
     assert flat.controller.lookup_gamma(view, [0], 0, "ngram", 8) == 8
+    capped = [RowView(0, AUTO_GAMMA, 4, True)]  # the request's max_gamma bounds the lookup as it bounds the model
+    assert flat.controller.lookup_gamma(capped, [0], 0, "ngram", 8) == 4
     assert steep.controller.lookup_gamma(view, [0], 0, "ngram", 8) == 0
     at_prior = gentle.controller.lookup_gamma(view, [0], 0, "ngram", 8)
     assert at_prior > 0

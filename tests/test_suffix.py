@@ -129,7 +129,7 @@ def test_the_corpus_is_bounded_and_evicts_its_oldest_outputs_exactly():
                 if owner == s:
                     for gram, ends in _brute_index(toks, 1, 4).items():
                         brute.setdefault(gram, []).extend((doc, end) for end in ends)
-            assert corpus.after[s] == brute
+            assert {gram: list(found) for gram, found in corpus.after[s].items()} == brute
     while corpus.outputs:
         corpus._evict()
     assert corpus.after == {} and corpus.tokens == 0
@@ -162,6 +162,16 @@ def test_a_new_stream_starts_the_sequence_over_without_adding_it_to_the_corpus()
     assert proposer.corpus.tokens == 0 and proposer.held == 1
     proposer.release(["s"])
     assert list(proposer.corpus.outputs.values()) == [("", [B, C, D])]
+
+
+def test_only_committed_tokens_join_the_corpus():
+    """Forced tokens (and a model's guesses behind suffix+model) are held as context but may yet be
+    refused: a released sequence gives the corpus what the target had appended, no more."""
+    proposer = SuffixProposer(2, 100)
+    proposer.propose([_first([A, B, C], output_start=1, forced=[D, E])])
+    assert proposer.sequences["s"].tokens == [A, B, C, D, E]
+    proposer.release(["s"])
+    assert list(proposer.corpus.outputs.values()) == [("", [B, C])]
 
 
 def test_the_salt_and_output_start_travel_on_the_wire():

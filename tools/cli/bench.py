@@ -165,6 +165,12 @@ def _prefix(args: argparse.Namespace, out: Path) -> None:
     prefix.run(bench_models(args), out, quiet=args.quiet)
 
 
+def _samples(args: argparse.Namespace, out: Path) -> None:
+    from tools.bench import samples
+
+    samples.run(bench_models(args), out, quiet=args.quiet)
+
+
 def _routing(args: argparse.Namespace, out: Path) -> None:
     from tools.bench import routing
 
@@ -182,7 +188,7 @@ BENCHES: dict[str, Callable[[argparse.Namespace, Path], None]] = {
     "latency": _latency, "sampling": _sampling, "synthetic": _synthetic, "throughput": _throughput,
     "profile": _profile, "gamma": _gamma, "kernels": _kernels, "beam": _beam, "step": _step,
     "overlap": _overlap, "structured": _structured, "constraint-cost": _constraint_cost, "prefix": _prefix,
-    "agent": _agent, "routing": _routing,
+    "agent": _agent, "routing": _routing, "samples": _samples,
 }
 
 
@@ -233,7 +239,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "plain decoding, prompt lookup, suffix drafting (with the prefix cache off too), suffix "
                         "drafting + model and the pair's proposer; "
                         "routing: two target replicas, 16 conversations interleaved, the gateway's cache-aware "
-                        "routing against load-only routing (hit rate, cached tokens, time to first token)")
+                        "routing against load-only routing (hit rate, cached tokens, time to first token); "
+                        "samples: n=4 samples of one long prompt in one HTTP request, against 4 requests at once "
+                        "and 4 in a row")
     pair_flags(p, dtype_help="default: the --models pair's")
     p.add_argument("--out", default="bench-results", help="directory for JSON and PNG output")
     p.add_argument("--prompts", type=int, default=None, help="prompts per workload (default 8; gamma 4)")
