@@ -409,10 +409,16 @@ class _ItemRecording:
         return out
 
 
-def test_a_row_the_model_is_priced_out_of_still_gets_its_lookup_asked(model_zoo):
-    """Behind prompt lookup, a draft model that guesses nothing right (`unrelated`) is soon priced
-    out of every row (γ 0); the target then asks the lookup alone (ProposeItem.lookup_only), which
-    never asks the model, where the text repeats itself. Greedy output stays plain decoding's."""
+def test_a_row_the_model_is_priced_out_of_still_gets_its_lookup_asked(model_zoo, monkeypatch):
+    """Behind prompt lookup, a row the controller gives γ 0 (here every row, every step: the
+    pricing itself, which follows measured times, is tests/test_gamma.py's) gets its lookup asked
+    alone (ProposeItem.lookup_only, at the γ ``lookup_gamma`` gives), which never asks the model.
+    Greedy output stays plain decoding's, and the lookup's guesses are accepted where the text
+    repeats itself."""
+    from target_service.gamma import GammaController
+
+    monkeypatch.setattr(GammaController, "choose", lambda self, rows, caps: [0] * len(rows))
+    monkeypatch.setattr(GammaController, "lookup_gamma", lambda self, rows, gammas, i, source, cap: min(cap, 4))
     plain, _ = run_engine(model_zoo["target"], None, PROMPTS, 0, 48)
     model = _CountingDraft(load_model(model_zoo["unrelated"]), 16, 512)
     proposer = _ItemRecording(NgramPlusModelProposer(model, 16), model)
