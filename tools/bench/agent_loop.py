@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import json
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
+from specstream.data.config import DraftConfig
 from tools.bench import report
 from tools.bench.latency import display
 from tools.bench.models import BenchModels
-from tools.bench.prefix import AGENT_REQUESTS, AGENT_SYSTEM
+from tools.bench.prefix import AGENT_REQUESTS, AGENT_SYSTEM, timed_chat
 from tools.launcher import Stack, StackSpec
 from tools.progress import Progress
 
@@ -92,7 +92,7 @@ def _row(models: BenchModels, proposer: str | None, kept: int, progress: Progres
     fields = models.stack_fields(speculative=proposer is not None)
     if proposer:
         fields = {**fields, "proposer": proposer,
-                  "draft_model": None if proposer in ("ngram", "suffix") else str(models.require_draft())}
+                  "draft_model": None if proposer in DraftConfig.MODEL_FREE else str(models.require_draft())}
     spec = StackSpec(**fields, max_seq_len=MAX_SEQ_LEN, extra_target_args=["--prefix-cache-slots", str(kept)])
     from specstream_client import Client
 
@@ -103,20 +103,8 @@ def _row(models: BenchModels, proposer: str | None, kept: int, progress: Progres
         for workload in WORKLOADS:
             calls: list[dict] = out.setdefault(workload, [])
             for _ in range(CALLS):
-                started, first, tokens, text, last = time.perf_counter(), None, [], "", None
-                for chunk in client.chat_stream(_messages(workload, [c["text"] for c in calls]),
-                                                max_new_tokens=MAX_NEW_TOKENS, cache_salt=workload):
-                    if first is None and chunk.token_ids:
-                        first = time.perf_counter() - started
-                    tokens += chunk.token_ids
-                    text += chunk.text
-                    last = chunk
-                stats = last.stats
-                calls.append({"ttft_s": first, "total_s": time.perf_counter() - started, "token_ids": tokens,
-                              "text": text, "prompt_tokens": last.usage.prompt_tokens,
-                              "cached_tokens": last.usage.cached_tokens,
-                              "accepted": stats.accepted_tokens if stats else 0,
-                              "passes": stats.target_passes if stats else 0})
+                calls.append(timed_chat(client, _messages(workload, [c["text"] for c in calls]), MAX_NEW_TOKENS,
+                                        cache_salt=workload))
                 progress.update()
     return out
 

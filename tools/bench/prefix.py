@@ -101,18 +101,21 @@ def _agent_messages() -> list[list[dict]]:
     return [[{"role": "system", "content": AGENT_SYSTEM}, {"role": "user", "content": r}] for r in AGENT_REQUESTS]
 
 
-def _ours(client, messages: list[dict]) -> dict:
-    """One streamed chat call, timed by the client."""
+def timed_chat(client, messages: list[dict], max_new_tokens: int = MAX_NEW_TOKENS, **options) -> dict:
+    """One streamed chat call (the SDK's ``chat_stream``), timed by the client: time to the first
+    token and in all, the tokens and text, usage, and the speculation counts."""
     started = time.perf_counter()
     first, tokens, text, last = None, [], "", None
-    for chunk in client.chat_stream(messages, max_new_tokens=MAX_NEW_TOKENS):
+    for chunk in client.chat_stream(messages, max_new_tokens=max_new_tokens, **options):
         if first is None and chunk.token_ids:
             first = time.perf_counter() - started
         tokens += chunk.token_ids
         text += chunk.text
         last = chunk
+    stats = last.stats
     return {"ttft_s": first, "total_s": time.perf_counter() - started, "token_ids": tokens, "text": text,
-            "prompt_tokens": last.usage.prompt_tokens, "cached_tokens": last.usage.cached_tokens}
+            "prompt_tokens": last.usage.prompt_tokens, "cached_tokens": last.usage.cached_tokens,
+            "accepted": stats.accepted_tokens if stats else 0, "passes": stats.target_passes if stats else 0}
 
 
 def _serve(models: BenchModels, kept: int, workloads: dict, progress: Progress) -> dict:
@@ -130,7 +133,7 @@ def _serve(models: BenchModels, kept: int, workloads: dict, progress: Progress) 
             for i in range(len(calls) if calls is not None else TURNS):
                 messages = calls[i] if calls is not None else \
                     _conversation_messages([r["text"] for r in results])[i]
-                results.append({**_ours(client, messages), "messages": messages})
+                results.append({**timed_chat(client, messages), "messages": messages})
                 progress.update()
             out[name] = results
     return out

@@ -22,13 +22,13 @@ from __future__ import annotations
 import random
 import statistics
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
 from tools.bench import report
 from tools.bench.latency import display
 from tools.bench.models import BenchModels
+from tools.bench.prefix import timed_chat
 from tools.launcher import Stack, StackSpec
 from tools.progress import Progress
 
@@ -67,16 +67,9 @@ def _row(models: BenchModels, imbalance: int, order: list[list[int]], progress: 
         for turn, conversations in enumerate(order):
             for c in conversations:
                 messages = [*history[c], {"role": "user", "content": QUESTIONS[turn]}]
-                started, first, tokens, text, last = time.perf_counter(), None, [], "", None
-                for chunk in client.chat_stream(messages, max_new_tokens=MAX_NEW_TOKENS):
-                    if first is None and chunk.token_ids:
-                        first = time.perf_counter() - started
-                    tokens += chunk.token_ids
-                    text += chunk.text
-                    last = chunk
-                history[c] = [*messages, {"role": "assistant", "content": text}]
-                calls.append({"conversation": c, "turn": turn, "ttft_s": first, "token_ids": tokens,
-                              "prompt_tokens": last.usage.prompt_tokens, "cached_tokens": last.usage.cached_tokens})
+                call = timed_chat(client, messages, MAX_NEW_TOKENS)
+                history[c] = [*messages, {"role": "assistant", "content": call["text"]}]
+                calls.append({"conversation": c, "turn": turn, **call})
                 progress.update()
         after = _per_replica(stack)
     return {"calls": calls, "per_replica": {name: after[name] - before.get(name, 0) for name in after}}
