@@ -49,11 +49,13 @@ def _draft_model(config: DraftConfig) -> DraftProposer | FeatureProposer:
         draft = load_feature_draft(resolve_model(spec.path), resolve_model, resolve_dtype(spec.dtype, spec.device),
                                    spec.weights)
         grammars = compiler_for(draft.target_dir) if draft.target_dir and config.grammar_draft else None
-        return FeatureProposer(draft, config.max_slots, config.max_seq_len, config.q_support, grammars)
+        return FeatureProposer(draft, config.max_slots, config.max_seq_len, config.q_support, grammars,
+                               config.prefix_cache_slots)
     model = load_model(resolve_model(spec.path), dtype=resolve_dtype(spec.dtype, spec.device), device=spec.device,
                        resolve=resolve_model, weights=spec.weights, draft=True)
     return DraftProposer(model, config.max_slots, config.max_seq_len, config.q_support,
-                         compiler_for(resolve_model(spec.path)) if config.grammar_draft else None)
+                         compiler_for(resolve_model(spec.path)) if config.grammar_draft else None,
+                         config.prefix_cache_slots)
 
 
 # DraftConfig.proposer -> how to build it (the keys are DraftConfig.PROPOSERS).

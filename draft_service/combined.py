@@ -51,9 +51,13 @@ class NgramPlusModelProposer(Proposer):
         self.feature_width = model.feature_width
         self.feature_layers = model.feature_layers
         self.works_ahead = model.works_ahead
-        self.features: dict[Hashable, bytearray] = {}  # a feature draft's: the target's features held
-        # Constrained and penalised sequences: their first item's constraint, penalties and
-        # output_start, for the model's first item.
+        # A feature draft's: the target's features held, from position feature_base on (a first
+        # item's cached_prefix, claimed, brings none before it: the model restores those itself).
+        self.features: dict[Hashable, bytearray] = {}
+        self.feature_base: dict[Hashable, int] = {}
+        self.claims: dict[Hashable, int] = {}  # a first item's cached_prefix, for the model's first item
+        # Every sequence's first item's constraint, penalties, output_start and cache salt, for the
+        # model's first item (its prefix cache restores what it holds by itself: never a claim).
         self.firsts: dict[Hashable, dict] = {}
         self.model_asked = False  # by the latest call: only then has the model a round to work ahead on
 
@@ -69,6 +73,10 @@ class NgramPlusModelProposer(Proposer):
     @property
     def vocab_size(self) -> int:
         return self.model.vocab_size  # the model cannot read ids past its own vocabulary
+
+    @property
+    def prefix_cache(self) -> bool:
+        return self.model.prefix_cache
 
     @property
     def acceptance(self) -> dict[tuple[str, bool], float]:
@@ -93,6 +101,8 @@ class NgramPlusModelProposer(Proposer):
         for key in keys:
             self.model_len.pop(key, None)
             self.features.pop(key, None)
+            self.feature_base.pop(key, None)
+            self.claims.pop(key, None)
             self.firsts.pop(key, None)
 
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
@@ -112,10 +122,9 @@ class NgramPlusModelProposer(Proposer):
             if self.feature_width:
                 self._keep_features(item)
             if item.rollback_to == 0:  # a sequence's first item (again, on a new stream)
-                self.firsts.pop(item.key, None)
-                if item.constraint is not None or item.penalties is not None:
-                    self.firsts[item.key] = {"constraint": item.constraint, "penalties": item.penalties,
-                                             "output_start": item.output_start}
+                self.claims[item.key] = item.cached_prefix
+                self.firsts[item.key] = {"constraint": item.constraint, "penalties": item.penalties,
+                                         "output_start": item.output_start, "cache_salt": item.cache_salt}
             first = self.firsts.get(item.key, {})
             constrained = first.get("constraint")
             gamma = min(item.gamma, self.max_len - len(sequence) - len(item.forced))
@@ -125,18 +134,25 @@ class NgramPlusModelProposer(Proposer):
                     item, *sequence.proposal(gamma, item.branches if item.sampling.greedy else 0))
             if out[i].tokens or gamma <= 0 or item.lookup_only:
                 continue
-            starts = first if held == 0 else {}  # the model's first item: its constraint and penalties
+            # The model's first item: its constraint, penalties, salt, and the target's claim.
+            starts = {**first, "cached_prefix": self.claims.pop(item.key, 0)} if held == 0 else {}
+            catch_up = {}
+            if self.feature_width:
+                catch_up = self._catch_up(item.key, held, starts.get("cached_prefix", 0), len(sequence))
+                if catch_up is None:  # features it no longer has: the target resends the sequence whole
+                    self.release([item.key])
+                    out[i] = Proposal([], 0, source=MODEL)
+                    continue
             # held <= rollback_to < len(sequence): the catch-up is never empty.
             model_items.append(ProposeItem(item.key, held, sequence.tokens[held:], gamma, item.sampling,
                                            branches=item.branches, masked_ids=item.masked_ids,
                                            masked_until=item.masked_until, forced=item.forced, **starts,
-                                           **(self._catch_up(item.key, held, len(sequence)) if self.feature_width
-                                              else {})))
+                                           **catch_up))
             asked.append((i, sequence))
         self.model_asked = bool(model_items)
         if model_items:
-            for (i, sequence), reply in zip(asked, self.model.propose(model_items)):
-                self._take(items[i], sequence, reply)
+            for (i, sequence), model_item, reply in zip(asked, model_items, self.model.propose(model_items)):
+                self._take(items[i], model_item, sequence, reply)
                 out[i] = reply
         return out
 
@@ -159,21 +175,36 @@ class NgramPlusModelProposer(Proposer):
         self.model.prepare_outcomes(outcomes)
 
     def _keep_features(self, item: ProposeItem) -> None:
-        """Keeps the item's features: positions max(rollback_to - 1, 0).. replace what was held."""
+        """Keeps the item's features: those of positions from max(rollback_to + cached_prefix - 1, 0)
+        on replace what was held there (all of it on a first item, or one resent from before what was kept)."""
         row = self.feature_width * 2
         held = self.features.setdefault(item.key, bytearray())
-        del held[max(item.rollback_to - 1, 0) * row:]
+        start, base = max(item.rollback_to + item.cached_prefix - 1, 0), self.feature_base.get(item.key, 0)
+        if item.rollback_to == 0 or start < base:
+            held.clear()
+            self.feature_base[item.key] = base = start
+        del held[(start - base) * row:]
         held += item.features
 
-    def _catch_up(self, key: Hashable, held: int, length: int) -> dict:
-        """The features of a model item from ``held`` tokens to ``length``."""
+    def _catch_up(self, key: Hashable, held: int, cached: int, length: int) -> dict | None:
+        """The features of a model item from ``held`` tokens (and ``cached`` it is expected to hold
+        besides) to ``length``; None when they are not all kept here."""
         row = self.feature_width * 2
-        start = max(held - 1, 0)
-        features = bytes(self.features[key][start * row:(start + features_expected(held, length - held)) * row])
-        return {"features": features, "feature_width": self.feature_width}
+        start = max(held + cached - 1, 0) - self.feature_base.get(key, 0)
+        if start < 0:
+            return None
+        count = features_expected(held + cached, length - held - cached)
+        return {"features": bytes(self.features[key][start * row:(start + count) * row]),
+                "feature_width": self.feature_width}
 
-    def _take(self, item: ProposeItem, sequence: NgramIndex | SuffixSequence, reply: Proposal) -> None:
-        """Records what the model now holds; `reply` then reports what both sides hold."""
+    def _take(self, item: ProposeItem, model_item: ProposeItem, sequence: NgramIndex | SuffixSequence,
+              reply: Proposal) -> None:
+        """Records what the model now holds; `reply` then reports what both sides hold (what the
+        model holds, where it met only part of a claimed prefix: the target sends the rest)."""
+        if reply.length < model_item.cached_prefix:
+            self.model_len[item.key] = reply.length
+            reply.source = MODEL
+            return
         # What the model holds past the history: the forced tokens and its guesses but the last (a
         # token draft), nothing (a feature draft).
         fed = reply.length - len(sequence)

@@ -34,10 +34,11 @@ import torch
 
 from draft_service.grammar_state import DraftGrammars
 from draft_service.penalty_state import DraftPenalties
+from draft_service.prefix_state import DraftPrefixes, resumed
 from draft_service.proposer import GREEDY, _Picker, node_tables, q_rows
 from draft_service.work_ahead import Ahead, Prepared
 from kernels.lm_head import Hidden
-from specstream.data.propose import FEATURE_DTYPE, Proposal, ProposeItem, Proposer, features_expected
+from specstream.data.propose import FEATURE_DTYPE, Proposal, ProposeItem, Proposer
 from specstream.data.sampling import SamplingParams
 from specstream.models.feature_draft import FeatureDraft
 from specstream.models.feature_head import HeadCache
@@ -58,7 +59,9 @@ class FeatureProposer(Proposer):
         self.ahead.outcomes = outcomes
 
     def __init__(self, draft: FeatureDraft, max_slots: int, max_seq_len: int, q_support: int = 256,
-                 grammars: GrammarCompiler | None = None) -> None:
+                 grammars: GrammarCompiler | None = None, prefix_slots: int = -1) -> None:
+        """``prefix_slots``: released sequences' slots kept for their prefixes (draft_service/prefix_state.py),
+        at most; -1: all of ``max_slots`` that are idle, 0: none."""
         if q_support < 1:
             raise ValueError(f"q_support={q_support!r}: must be >= 1")
         self.draft = draft
@@ -68,7 +71,7 @@ class FeatureProposer(Proposer):
         self.max_len = max_seq_len
         self.width = draft.head.spec.input_width  # H per target layer it reads
         self.cache = HeadCache(draft.head.spec, max_slots, max_seq_len, dtype=draft.dtype)
-        self._free = list(range(max_slots - 1, -1, -1))
+        self.prefixes = DraftPrefixes(self.cache, max_slots if prefix_slots < 0 else prefix_slots, lag=1)
         self.slots: dict[Hashable, int] = {}
         self.lengths: dict[Hashable, int] = {}  # tokens held per sequence (head positions: one fewer)
         self.output = draft.output
@@ -99,7 +102,11 @@ class FeatureProposer(Proposer):
 
     @property
     def free_slots(self) -> int:
-        return len(self._free)
+        return self.cache.num_free + self.prefixes.retained  # kept slots are evicted when needed
+
+    @property
+    def prefix_cache(self) -> bool:
+        return self.prefixes.cache is not None
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -112,14 +119,16 @@ class FeatureProposer(Proposer):
     def release(self, keys: list[Hashable]) -> None:
         for key in keys:
             slot = self.slots.pop(key, None)
+            unread = self.unread.pop(key, None)
+            # The head holds the target's features up to the tokens it was sent, but where an answer
+            # from a prepared round left them unread (its own predicted ones stand there).
+            held = unread[0].rollback_to if unread is not None else self.lengths.get(key, 0)
             self.lengths.pop(key, None)
             self.plans.pop(key, None)
             self.ahead.forget(key)
-            self.unread.pop(key, None)
             self.grammars.release([key])
             self.penalties.release([key])
-            if slot is not None:
-                self._free.append(slot)
+            self.prefixes.release(key, slot, held)
 
     # ----- proposing -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -139,12 +148,18 @@ class FeatureProposer(Proposer):
             if self._answer_prepared(item, features, out[b]):
                 continue
             self._read_unread(item.key, item.rollback_to)
-            slot = self._sync(item)
+            slot, held = self._sync(item)
             if slot is None:
+                continue
+            if held < item.rollback_to + item.cached_prefix:  # fewer cached than the target expects
+                self._restored_in_part(item, slot, held, out[b])
                 continue
             n = item.rollback_to + len(item.append)
             self.lengths[item.key] = out[b].length = n
-            last = self._extend(item, slot, features)
+            if item.rollback_to == 0:  # a first item: from the cached prefix it continues, if any
+                features = features[features.shape[0] - resumed(item, held).feature_count:]
+            last = self._extend(resumed(item, held) if item.rollback_to == 0 else item, slot, features)
+            self.prefixes.took(item.key, slot, item.rollback_to, item.append, item.output_start)
             grammar = picker.grammars[b] = self.grammars.sync(item)
             penalty = picker.penalties[b] = self.penalties.sync(item)
             lead = item.forced  # fed with the head's own features, as its guesses are: not held
@@ -179,6 +194,19 @@ class FeatureProposer(Proposer):
                 out[b].q_ids, out[b].q_probs = node_tables(q_ids[b], q_probs[b], width, out[b].tokens, out[b].parents)
         return out
 
+    def _restored_in_part(self, item: ProposeItem, slot: int, held: int, out: Proposal) -> None:
+        """A first item whose ``cached_prefix`` the draft holds only ``held`` tokens of: it keeps
+        those and guesses nothing (the target sends the rest, with its features, next time), or,
+        holding none of it, drops the sequence (the target resends it whole)."""
+        if held == 0:
+            self.release([item.key])
+            return
+        self.lengths[item.key] = out.length = held
+        self.prefixes.took(item.key, slot, 0, item.append[:held])
+        for state in (self.grammars, self.penalties):
+            state.sync(item)
+            state.hold(item.key, held)
+
     def _answer_prepared(self, item: ProposeItem, features: torch.Tensor, out: Proposal) -> bool:
         """Answers ``item`` from the round drafted ahead for it, if it is exactly the one assumed;
         its features are kept unread until the work (or the sequence's next item) reads them."""
@@ -187,6 +215,7 @@ class FeatureProposer(Proposer):
             return False
         self.unread[item.key] = (item, features)
         self.lengths[item.key] = out.length = item.rollback_to + len(item.append)
+        self.prefixes.took(item.key, self.slots[item.key], item.rollback_to, item.append)
         out.tokens = ready.tail
         if ready.q is not None:
             out.q_width, out.q_ids, out.q_probs = ready.q
@@ -254,7 +283,7 @@ class FeatureProposer(Proposer):
         error = self.feature_error(item)
         if error:
             return None, error
-        count = features_expected(item.rollback_to, len(item.append))
+        count = item.feature_count
         features = torch.frombuffer(bytearray(item.features), dtype=torch.bfloat16).view(count, self.width) \
             if count else torch.empty(0, self.width, dtype=torch.bfloat16)
         return features, ""
@@ -268,30 +297,38 @@ class FeatureProposer(Proposer):
         if item.feature_width != self.width:
             return (f"ProposeItem.feature_width={item.feature_width}: this draft reads features of {self.width} "
                     "numbers (the target's hidden size per layer it reads)")
-        count = features_expected(item.rollback_to, len(item.append))
+        count = item.feature_count
         if len(item.features) != count * self.width * 2:
             return (f"ProposeItem.features: {len(item.features)} bytes for sequence {item.key} (rollback_to="
-                    f"{item.rollback_to}, {len(item.append)} tokens appended); expected {count} features of "
+                    f"{item.rollback_to}, {len(item.append)} tokens appended, cached_prefix={item.cached_prefix}); "
+                    f"expected {count} features of "
                     f"{self.width} bfloat16 numbers = {count * self.width * 2} bytes")
         if ((np.frombuffer(item.features, dtype=np.uint16) & _EXPONENT) == _EXPONENT).any():
             return f"ProposeItem.features: sequence {item.key} has numbers that are not finite (NaN or inf)"
         return ""
 
-    def _sync(self, item: ProposeItem) -> int | None:
-        """The sequence's slot, rolled back to ``rollback_to``; None when its state is gone, the item
-        cannot be held, or no slot is free (the target then resends it whole)."""
-        slot = self.slots.get(item.key)
-        held = self.lengths.get(item.key, 0)
-        if slot is None:
-            if item.rollback_to != 0 or not self._free:
-                return None
-            slot = self.slots[item.key] = self._free.pop()
-        if item.rollback_to > held or not item.append or item.rollback_to + len(item.append) > self.max_len \
-                or max(item.append) >= self.vocab_size or max(item.forced, default=0) >= self.vocab_size:
+    def _sync(self, item: ProposeItem) -> tuple[int | None, int]:
+        """The sequence's slot rolled back to ``rollback_to``, and how many of its tokens the slot
+        holds now (a first item: those of a cached prefix restored, draft_service/prefix_state.py);
+        (None, 0) when its state is gone, the item cannot be held, or no slot is free (the target
+        then resends it whole)."""
+        if not item.append or item.rollback_to + len(item.append) > self.max_len \
+                or max(item.append) >= self.vocab_size or max(item.forced, default=0) >= self.vocab_size \
+                or item.cached_prefix >= max(len(item.append), 1) or (item.cached_prefix and item.rollback_to):
             self.release([item.key])
-            return None
-        self.cache.length[slot] = max(item.rollback_to - 1, 0)
-        return slot
+            return None, 0
+        if item.rollback_to == 0:  # a (re)start: what it held is kept for what it shares
+            self.release([item.key])
+            slot, held = self.prefixes.restore(item)
+            if slot is not None:
+                self.slots[item.key] = slot
+            return slot, held
+        slot = self.slots.get(item.key)
+        if slot is None or item.rollback_to > self.lengths.get(item.key, 0):
+            self.release([item.key])
+            return None, 0
+        self.cache.length[slot] = item.rollback_to - 1
+        return slot, item.rollback_to
 
     def _extend(self, item: ProposeItem, slot: int, features: torch.Tensor) -> torch.Tensor | None:
         """The head's positions for the item's features [count, H]; its last output [H] (None: no

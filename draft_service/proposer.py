@@ -43,6 +43,7 @@ import torch
 import kernels
 from draft_service.grammar_state import DraftGrammars, GrammarRow, allowed_rows
 from draft_service.penalty_state import DraftPenalties, PenaltyRow
+from draft_service.prefix_state import DraftPrefixes, resumed
 from draft_service.work_ahead import Ahead, Prepared
 from kernels.lm_head import Hidden
 from kernels.nbest import MAX_K, top_scores
@@ -68,7 +69,9 @@ class DraftProposer(Proposer):
         self.ahead.outcomes = outcomes
 
     def __init__(self, model: CausalLM, max_slots: int, max_seq_len: int, q_support: int = 256,
-                 grammars: GrammarCompiler | None = None) -> None:
+                 grammars: GrammarCompiler | None = None, prefix_slots: int = -1) -> None:
+        """``prefix_slots``: released sequences' slots kept for their prefixes (draft_service/prefix_state.py),
+        at most; -1: all of ``max_slots`` that are idle, 0: none."""
         if q_support < 1:
             raise ValueError(f"q_support={q_support!r}: must be >= 1")
         self.model = model
@@ -77,6 +80,7 @@ class DraftProposer(Proposer):
         self.q_support = q_support  # bounds the size of each q on the wire, whatever the vocabulary
         self.max_len = min(max_seq_len, model.config.max_position_embeddings)
         self.cache = model.new_cache(max_slots, self.max_len)
+        self.prefixes = DraftPrefixes(self.cache, max_slots if prefix_slots < 0 else prefix_slots)
         self.slots: dict[Hashable, int] = {}
         # Working ahead (draft_service/work_ahead.py): the chains of the latest call, as
         # (reported length, γ, the chain, its runner-up per guess) per sequence; the next rounds
@@ -106,25 +110,33 @@ class DraftProposer(Proposer):
 
     @property
     def free_slots(self) -> int:
-        return self.cache.num_free
+        return self.cache.num_free + self.prefixes.retained  # kept slots are evicted when needed
+
+    @property
+    def prefix_cache(self) -> bool:
+        return self.prefixes.cache is not None
 
     def release(self, keys: list[Hashable]) -> None:
         for key in keys:
             slot = self.slots.pop(key, None)
             self.plans.pop(key, None)
             self.ahead.forget(key)
-            self.rewritten.pop(key, None)
+            rewritten = self.rewritten.pop(key, None)
             self.grammars.release([key])
             self.penalties.release([key])
-            if slot is not None:
-                self.cache.free(slot)
+            # The cache holds the tokens the target sent, as far as it was fed and not written over.
+            held = 0 if slot is None else min(len(self.prefixes.tokens.get(key, ())), self.cache.length(slot),
+                                              rewritten[0] if rewritten is not None else self.max_len)
+            self.prefixes.release(key, slot, held)
 
     @torch.inference_mode()
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         out = [Proposal([], 0) for _ in items]
         rows, gammas, grammars, penalties = [], [], [], []
         self.plans = {}
-        # A constrained row's forced tokens go into the context, held as the appended tokens are.
+        # A constrained row's forced tokens go into the context, held as the appended tokens are
+        # (but not as tokens the target sent: a cached prefix never ends in them).
+        forced = [len(item.forced) for item in items]
         items = [with_forced_appended(item) for item in items]
         for i, item in enumerate(items):
             rewritten = self.rewritten.pop(item.key, None)
@@ -134,12 +146,22 @@ class DraftProposer(Proposer):
                 start, held = rewritten  # feed the chain's kept tokens again, then the item's
                 item = dataclasses.replace(item, rollback_to=start,
                                            append=[*held[: item.rollback_to - start], *item.append])
-            slot = self._sync(item)
+            slot, held = self._sync(item)
             if slot is None:
                 continue
-            out[i].length = item.rollback_to  # the appended tokens are only fed when guessing
             grammar = self.grammars.sync(item)
             penalty = self.penalties.sync(item)
+            if held < item.rollback_to + item.cached_prefix:  # fewer cached than the target expects
+                if held == 0:
+                    self.release([item.key])  # the target resends it whole
+                    continue
+                out[i].length = held  # kept; the target sends the rest next time
+                self.prefixes.took(item.key, slot, 0, item.append[:held])
+                continue
+            if item.rollback_to == 0:  # a first item: from the cached prefix it continues, if any
+                item = resumed(item, held)
+            out[i].length = item.rollback_to  # the appended tokens are only fed when guessing
+            self.prefixes.took(item.key, slot, item.rollback_to, [])
             gamma = min(item.gamma, self.max_len - item.rollback_to - len(item.append))
             if gamma > 0:
                 rows.append((i, item, slot))
@@ -161,6 +183,8 @@ class DraftProposer(Proposer):
             # Holds the appended tokens and every guess but the last (which was never fed).
             out[i].length = item.rollback_to + len(item.append) + gamma - 1
             self.cache.set_length(slot, out[i].length)
+            self.prefixes.took(item.key, slot, item.rollback_to, item.append[:len(item.append) - forced[i]],
+                               item.output_start)
             seconds = picker.seconds(b)[:gamma] if item.sampling.greedy else []
             # Rounds drafted ahead mask and penalise nothing: min_tokens' first tokens, constrained
             # and penalised rows draft afresh.
@@ -185,6 +209,7 @@ class DraftProposer(Proposer):
         if ready is None:
             return False
         slot = self.slots[item.key]
+        self.prefixes.took(item.key, slot, item.rollback_to, item.append)  # never forced: see work_ahead
         out.tokens = ready.tail
         if ready.q is not None:
             out.q_width, out.q_ids, out.q_probs = ready.q
@@ -249,20 +274,27 @@ class DraftProposer(Proposer):
                 if ready.tail:
                     self.ahead.keep(key, ready)
 
-    def _sync(self, item: ProposeItem) -> int | None:
-        """Rolls the sequence back to `rollback_to`; None when its state is gone or no slot is free."""
-        slot = self.slots.get(item.key)
-        if slot is None:
-            if item.rollback_to != 0 or (slot := self.cache.alloc()) is None:
-                return None
-            self.slots[item.key] = slot
-        if item.rollback_to > self.cache.length(slot) or not item.append \
-                or item.rollback_to + len(item.append) > self.max_len \
-                or max(item.append) >= self.model.config.vocab_size:
+    def _sync(self, item: ProposeItem) -> tuple[int | None, int]:
+        """The sequence's slot rolled back to ``rollback_to``, and how many of its tokens the slot
+        holds now (a first item: those of a cached prefix restored, draft_service/prefix_state.py);
+        (None, 0) when its state is gone, the item cannot be held, or no slot is free."""
+        if not item.append or item.rollback_to + len(item.append) > self.max_len \
+                or max(item.append) >= self.model.config.vocab_size \
+                or item.cached_prefix >= len(item.append) or (item.cached_prefix and item.rollback_to):
             self.release([item.key])
-            return None
+            return None, 0
+        if item.rollback_to == 0:  # a (re)start: what it held is kept for what it shares
+            self.release([item.key])
+            slot, held = self.prefixes.restore(item)
+            if slot is not None:
+                self.slots[item.key] = slot
+            return slot, held
+        slot = self.slots.get(item.key)
+        if slot is None or item.rollback_to > self.cache.length(slot):
+            self.release([item.key])
+            return None, 0
         self.cache.set_length(slot, item.rollback_to)
-        return slot
+        return slot, item.rollback_to
 
     def _guess(self, rows: list[tuple[Hashable, ProposeItem, int]], gammas: list[int],
                stop: Callable[[], bool] | None = None, second: bool = False,

@@ -78,6 +78,7 @@ class DraftClient(DraftSource):
         self.refused = ""
         self.acceptance: dict[tuple[str, bool], float] = {}  # the draft card's α per (source, greedy)
         self.lookup = ""  # the model-free lookup it asks first (DraftInfo.lookup)
+        self.prefix_cache = False  # it keeps released sequences' state (DraftInfo.prefix_cache)
 
     @property
     def connected(self) -> bool:
@@ -120,6 +121,7 @@ class DraftClient(DraftSource):
         self.feature_layers, self.feature_width = info.feature_layers, info.feature_width
         self.acceptance = dict(info.acceptance)
         self.lookup = info.lookup
+        self.prefix_cache = info.prefix_cache
         return True
 
     async def ready(self) -> bool:

@@ -82,6 +82,9 @@ class DraftSource(Protocol):
       controller's priors (DraftInfo.acceptance).
     - ``lookup``: the Proposal.source of a model-free lookup the draft asks before its model, which
       alone answers ``ProposeItem.lookup_only`` items (DraftInfo.lookup; "": none).
+    - ``prefix_cache``: the draft keeps released sequences' state for their prefixes, so a feature
+      draft is sent no features for the prefix the target's own cache served
+      (``ProposeItem.cached_prefix``; DraftInfo.prefix_cache).
     - ``asks_early`` and ``start_propose``: a source whose proposals compute apart from the engine
       (another process) can be asked for the next pass before this pass's host work
       (``TargetConfig.draft_early``); ``start_propose`` returns once the request is out.
@@ -103,6 +106,7 @@ class DraftSource(Protocol):
     acceptance: Mapping[tuple[str, bool], float] = NO_ACCEPTANCE
     asks_early: bool = False
     lookup: str = ""  # the model-free lookup it asks before its model (DraftInfo.lookup)
+    prefix_cache: bool = False  # it keeps released sequences' state (DraftInfo.prefix_cache)
 
     async def ready(self) -> bool: ...
 
@@ -292,6 +296,7 @@ class _Held:
     # to let pass before the next (doubling with each miss, up to LOOKUP_WAIT_MAX).
     lookup_misses: int = 0
     lookup_wait: int = 0
+    claimed: bool = False  # its cached prefix was claimed (ProposeItem.cached_prefix): once per stream
 
 
 @dataclass
@@ -306,6 +311,10 @@ class Drafting:
     malformed_replies: Counter = field(default_factory=Counter)  # replies refused as malformed, by cause
     on_malformed: Callable[[str], None] | None = None  # called with the cause of each (metrics)
     early: Counter = field(default_factory=Counter)  # early requests: "used" by their step, or "dropped"
+    # A feature draft's prefix cache (``_cached_prefix``), in tokens: claimed (expected to be held),
+    # restored (held: their features were not sent), and the feature bytes that saved.
+    draft_prefix: Counter = field(default_factory=Counter)
+    on_draft_prefix: Callable[[int, int, int], None] | None = None  # (claimed, restored, bytes saved) per item (metrics)
     _held: dict[int, _Held] = field(default_factory=dict)
     _early: _Early | None = None
 
@@ -434,14 +443,15 @@ class Drafting:
             seq = rows[i]
             held = self._held.setdefault(seq.seq_id, _Held())
             if held.epoch != source.epoch:  # a fresh stream holds nothing
-                held.length, held.epoch = 0, source.epoch
-            append, gamma, features = self._with_features(seq, held.length, plan.gammas[i], budget)
+                held.length, held.epoch, held.claimed = 0, source.epoch, False
+            cached = self._cached_prefix(seq, held, source)
+            append, gamma, features = self._with_features(seq, held.length, plan.gammas[i], budget, cached)
             if not append:
                 continue  # a feature draft's (re)sync that does not fit this call: the next ones
             budget -= len(features.get("features", b""))
             row = plan.checks[i]  # the ids its guesses may not be, and until where (min_tokens)
             if held.length == 0:  # the draft holds nothing: its matcher and penalty counts start here
-                features.update(output_start=seq.prompt_len, cache_salt=seq.cache_salt)
+                features.update(output_start=seq.prompt_len, cache_salt=seq.cache_salt, cached_prefix=cached)
                 if seq.matcher is not None:
                     features.update(constraint=seq.constraint)
                 if seq.penalties is not None:
@@ -477,6 +487,16 @@ class Drafting:
                 chosen.add(i)
         return chosen
 
+    def _cached_prefix(self, seq: Sequence, held: _Held, source: DraftSource) -> int:
+        """The tokens a feature draft that keeps prefixes is expected to hold already of a sequence
+        it holds nothing of: those the target's own prefix cache served it, the first time it is sent
+        on this stream (a draft that holds fewer says so; the next items send the rest). 0: none, and
+        for a token draft, which has every token and restores what it holds by itself."""
+        if held.length or held.claimed or not self.feature_width or not source.prefix_cache:
+            return 0
+        held.claimed = True
+        return seq.reused if seq.reused < len(seq.tokens) else 0
+
     def _forced(self, seq: Sequence) -> list[int]:
         """A constrained sequence's forced tokens (the grammar allows nothing else there), when it
         speculates (γ not 0), up to ``MAX_FORCED`` and its budget less the target's own last token."""
@@ -507,11 +527,19 @@ class Drafting:
             most = item.first_guess + len(reply.tokens)
             held = self._held[seq.seq_id]
             held.length = reply.length if reply.length <= most else 0
+            if item.cached_prefix:
+                self._count_prefix(item.cached_prefix, min(held.length, item.cached_prefix))
             if item.lookup_only and item.gamma:  # (a feature resync asks for no guesses: no miss)
                 held.lookup_misses = 0 if reply.tokens else min(held.lookup_misses + 1, 5)
                 held.lookup_wait = min(LOOKUP_WAIT_MAX, (1 << held.lookup_misses) - 1)
             seq.draft_tokens += checks[i].chain  # branches apart
         return checks
+
+    def _count_prefix(self, claimed: int, restored: int) -> None:
+        saved = restored * 2 * self.feature_width
+        self.draft_prefix.update(claimed=claimed, restored=restored, bytes_saved=saved)
+        if self.on_draft_prefix is not None:
+            self.on_draft_prefix(claimed, restored, saved)
 
     def _keep_lengths(self, plan: _Plan, replies: list[Proposal] | None) -> None:
         """What the draft holds after an answer that is not verified, for the sequences still here:
@@ -519,12 +547,16 @@ class Drafting:
         always appends at least the sequence's newest token; the draft's guesses may be wrong)."""
         for item, reply in zip(plan.items, replies or []):
             held = self._held.get(item.key)
-            if held is not None:
-                held.length = min(reply.length, item.rollback_to)
+            if held is not None:  # (a first item's cached prefix, restored, is held)
+                held.length = min(reply.length, item.rollback_to + item.cached_prefix)
+                if item.cached_prefix:
+                    self._count_prefix(item.cached_prefix, held.length)
 
-    def _with_features(self, seq: Sequence, held: int, gamma: int, budget: int) -> tuple[list[int], int, dict]:
-        """(append, γ, the item's feature fields) for a row whose draft holds ``held`` tokens. A
-        feature draft gets the features of positions max(held - 1, 0)..len(tokens)-2; when they do
+    def _with_features(self, seq: Sequence, held: int, gamma: int, budget: int,
+                       cached: int = 0) -> tuple[list[int], int, dict]:
+        """(append, γ, the item's feature fields) for a row whose draft holds ``held`` tokens (and is
+        expected to hold ``cached`` more from its prefix cache: their features are not sent). A
+        feature draft gets the features of positions max(held + cached - 1, 0)..len(tokens)-2; when they do
         not fit the call's remaining ``budget`` of bytes (a long prompt, a resync after a new
         stream), the row sends the part that fits and guesses nothing this step (γ 0), so no call
         outgrows the message limit and the sync completes over a few steps; nothing fits: no item."""
@@ -538,13 +570,13 @@ class Drafting:
                       seq.seq_id)
             seq.features = None
             return [], 0, {}
-        count, room = features_expected(held, len(append)), budget // row
+        count, room = features_expected(held + cached, len(append) - cached), budget // row
         if count > room:
             if room == 0:
                 return [], 0, {}
             count, gamma = room, 0
-            append = append[:count + (held == 0)]
-        start = max(held - 1, 0)
+            append = append[:cached + count + (held + cached == 0)]
+        start = max(held + cached - 1, 0)
         return append, gamma, {"features": bytes(seq.features[start * row:(start + count) * row]),
                                "feature_width": width}
 

@@ -19,7 +19,7 @@ committed, as bfloat16 bytes: ``Sequence.features``), which Drafting sends with 
 constrained request holds its grammar's matcher; each pass cuts its proposals where the grammar
 refuses them and masks the target's scores at every position it verifies
 (target_service/grammar_rows.py), the masks filled beside the forward. A prompt that starts as a
-cached one did starts from its K/V (target_service/prefix_cache.py: the conversation's next turn
+cached one did starts from its K/V (specstream/models/prefix_cache.py: the conversation's next turn
 takes over the slot of its last, a shared system prompt is forked) and prefills only the rest.
 """
 
@@ -61,7 +61,7 @@ from target_service.connection import Connection
 from target_service.drafting import Drafting, DraftSource, feature_refusal
 from target_service.gamma import AUTO_GAMMA, GammaController
 from target_service.grammar_rows import GrammarMasks
-from target_service.prefix_cache import PrefixCache, capacity_for
+from specstream.models.prefix_cache import PrefixCache, capacity_for
 from target_service.scheduler import Scheduler
 from target_service.sequence import Sequence
 from target_service.settle import Verdict, VerifyRow, settle
@@ -158,6 +158,7 @@ class Engine:
         self.metrics = metrics or TargetMetrics(config.max_gamma, config.batch_rows)
         self.metrics.watch_sequences(running=lambda: len(self.running), waiting=lambda: len(self.waiting))
         self.drafting.on_malformed = self.metrics.observe_malformed
+        self.drafting.on_draft_prefix = self.metrics.observe_draft_prefix
         self._background: set[asyncio.Task] = set()
         if draft is not None:  # the gateway learns of a draft (re)connecting without waiting for a step
             draft.watch(self._draft_changed)
@@ -496,7 +497,7 @@ class Engine:
             self.metrics.observe_prefix(reusable_blocks(seq.prompt_len) * BLOCK, hit.length if hit else 0)
         if hit is not None:
             self.cache.set_length(seq.slot, hit.length)
-            seq.prefilled = seq.cached_tokens = hit.length
+            seq.prefilled = seq.cached_tokens = seq.reused = hit.length
             if row:
                 seq.features = bytearray(hit.features)
             seq.span.set_attribute("specstream.cached_tokens", hit.length)

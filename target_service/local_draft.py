@@ -45,6 +45,7 @@ class LocalDraft(DraftSource):
         self.feature_width = proposer.feature_width
         self.acceptance = dict(proposer.acceptance)  # its card's α per (source, greedy)
         self.lookup = proposer.lookup  # the model-free lookup it asks first ("": none)
+        self.prefix_cache = proposer.prefix_cache  # it keeps released sequences' state
 
     @property
     def held_sequences(self) -> int:

@@ -61,8 +61,9 @@ class Sequence:
     error: Exception | None = None  # with finish_reason "error"
     queue_seconds: float | None = None  # set at admission, reported once
     prefilled: int = 0  # prompt tokens in the cache so far (chunked prefill)
-    cache_salt: str = ""  # shares cached prefixes only with the same salt (target_service/prefix_cache.py)
+    cache_salt: str = ""  # shares cached prefixes only with the same salt (specstream/models/prefix_cache.py)
     cached_tokens: int = 0  # prompt tokens the prefix cache served, reported once
+    reused: int = 0  # prompt tokens the prefix cache served (kept: the draft is told, ProposeItem.cached_prefix)
     prompt_keys: list[bytes] | None = None  # its prompt's full blocks' keys (specstream/data/prefix.py), once asked
     last_expanded: int = 0  # the engine step that last advanced this sequence (starvation bound)
     span: Any = INVALID_SPAN  # its tracing span (target_service/tracing.py); non-recording unless tracing

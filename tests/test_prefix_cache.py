@@ -1,4 +1,4 @@
-"""The target's prefix cache (target_service/prefix_cache.py): what it keeps, what it shares, and
+"""The target's prefix cache (specstream/models/prefix_cache.py): what it keeps, what it shares, and
 that a sequence served from it gives exactly the tokens and draws it gives with the cache off."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from specstream.models.loader import load_model
 from target_service.engine import Engine
 from target_service.inprocess import generate
 from target_service.local_draft import LocalDraft
-from target_service.prefix_cache import PrefixCache
+from specstream.models.prefix_cache import PrefixCache
 from tests.support.engine_harness import naive_greedy, speculation
 from tests.support.feature_pair import PROMPTS as FEATURE_PROMPTS
 
@@ -176,9 +176,10 @@ def test_a_prefix_read_through_a_source_table_gives_the_bits_of_its_own_copy(tmp
 def _engine(target: Path, draft: Path | None, kept: int, feature: bool = False, max_slots: int = 4) -> Engine:
     model = load_model(target)
     proposer = None
+    draft_kept = -1 if kept else 0  # the cache off: the draft's too
     if draft is not None:
-        proposer = (FeatureProposer(load_feature_draft(draft, Path), 16, 512) if feature
-                    else DraftProposer(load_model(draft), max_slots=16, max_seq_len=512))
+        proposer = (FeatureProposer(load_feature_draft(draft, Path), 16, 512, prefix_slots=draft_kept) if feature
+                    else DraftProposer(load_model(draft), max_slots=16, max_seq_len=512, prefix_slots=draft_kept))
     config = TargetConfig(model=ModelSpec(str(target)), max_slots=max_slots, max_seq_len=512, max_gamma=8,
                           prefix_cache_slots=kept, calibrate=False)
     return Engine(model, config, LocalDraft(proposer) if proposer else None)
@@ -246,19 +247,28 @@ def _conversation(engine: Engine, gamma: int | None, sampled: bool) -> list[tupl
                                                    ("partial", 2, True), (None, 0, True), ("feature", 3, False),
                                                    ("feature", 2, True), ("feature", None, False)])
 def test_served_from_the_cache_gives_the_tokens_and_draws_of_no_cache(model_zoo, feature_pair, draft, gamma, sampled):
-    """Exactness, bit for bit: the same requests in the same order, with the cache (hits of every
-    kind) and without it, give the same tokens, greedy and seeded sampling, plain and speculative
-    (sampled at a fixed γ: under γ=auto the controller's choices follow measured times, and a
-    sampled run's draws follow the proposals, with or without a cache)."""
+    """Exactness, bit for bit: the same requests in the same order, with the caches (the target's
+    and the draft's: hits of every kind) and without them, give the same tokens, greedy and seeded
+    sampling, plain and speculative (sampled at a fixed γ: under γ=auto the controller's choices
+    follow measured times, and a sampled run's draws follow the proposals, with or without a
+    cache). With the caches, the draft continued cached prefixes: a feature draft was sent no
+    features for them."""
     feature = draft == "feature"
     target = feature_pair["target"] if feature else model_zoo["target"]
     draft_dir = feature_pair["draft"] if feature else (model_zoo[draft] if draft else None)
-    cached = _conversation(_engine(target, draft_dir, kept=4, feature=feature), gamma, sampled)
+    engine = _engine(target, draft_dir, kept=4, feature=feature)
+    cached = _conversation(engine, gamma, sampled)
     fresh = _conversation(_engine(target, draft_dir, kept=0, feature=feature), gamma, sampled)
     assert [tokens for tokens, _ in cached] == [tokens for tokens, _ in fresh]
     assert all(n == 0 for _, n in fresh)
     hits = [n for _, n in cached]
     assert hits[0] == 0 and hits[1] >= 48 and hits[2] == 32 and hits[4] == 64 and hits[5] == 0, hits
+    if draft is not None and gamma:  # (under γ=auto whether a row drafts follows measured times)
+        proposer = engine.drafting.source.proposer
+        assert proposer.prefixes.cache.hits >= 2, "turn 2 and the fork of a running prompt restore the draft's state"
+        if feature:
+            counts = engine.drafting.draft_prefix
+            assert counts["restored"] >= 48 and counts["bytes_saved"] == counts["restored"] * 2 * proposer.feature_width
 
 
 def test_a_thousand_distinct_prompts_keep_the_cache_bounded_and_nothing_leaks(model_zoo):

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from specstream_pb import common_pb2 as specstream_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specstream/v1/draft.proto\x12\rspecstream.v1\x1a\x1aspecstream/v1/common.proto\"\x88\x01\n\x0eProposeRequest\x12.\n\x07propose\x18\x01 \x01(\x0b\x32\x1b.specstream.v1.ProposeBatchH\x00\x12)\n\x07release\x18\x02 \x01(\x0b\x32\x16.specstream.v1.ReleaseH\x00\x12\x13\n\x0btraceparent\x18\x0f \x01(\tB\x06\n\x04kind\"G\n\x0cProposeBatch\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12)\n\x05items\x18\x02 \x03(\x0b\x32\x1a.specstream.v1.ProposeItem\"\xd2\x03\n\x0bProposeItem\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x13\n\x0brollback_to\x18\x02 \x01(\r\x12\x18\n\x10\x61ppend_token_ids\x18\x03 \x03(\r\x12\r\n\x05gamma\x18\x04 \x01(\r\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.specstream.v1.Sampling\x12\x10\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0c\x12\x15\n\rfeature_dtype\x18\x07 \x01(\t\x12\x15\n\rfeature_width\x18\x08 \x01(\r\x12\x10\n\x08\x62ranches\x18\t \x01(\r\x12\x18\n\x10masked_token_ids\x18\n \x03(\r\x12\x14\n\x0cmasked_until\x18\x0b \x01(\r\x12-\n\nconstraint\x18\x0c \x01(\x0b\x32\x19.specstream.v1.Constraint\x12\x14\n\x0coutput_start\x18\r \x01(\r\x12+\n\tpenalties\x18\x11 \x01(\x0b\x32\x18.specstream.v1.Penalties\x12\x13\n\x0btraceparent\x18\x0f \x01(\t\x12\x18\n\x10\x66orced_token_ids\x18\x10 \x03(\r\x12\x12\n\ncache_salt\x18\x12 \x01(\t\x12\x13\n\x0blookup_only\x18\x13 \x01(\x08\"\x1a\n\x07Release\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"c\n\x0fProposeResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12*\n\tproposals\x18\x02 \x03(\x0b\x32\x17.specstream.v1.Proposal\x12\x16\n\x0eheld_sequences\x18\x03 \x01(\r\"\xa0\x01\n\x08Proposal\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\x12\x0f\n\x07q_width\x18\x04 \x01(\r\x12\r\n\x05q_ids\x18\x05 \x03(\r\x12\x0f\n\x07q_probs\x18\x06 \x03(\x02\x12\x10\n\x08proposer\x18\x07 \x01(\t\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x0f\n\x07parents\x18\t \x03(\r\"\x12\n\x10\x44raftInfoRequest\"\xf1\x01\n\tDraftInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x16\n\x0eheld_sequences\x18\x04 \x01(\r\x12\x12\n\nfree_slots\x18\x05 \x01(\r\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x06 \x03(\r\x12\x15\n\rfeature_width\x18\x07 \x01(\r\x12\x35\n\nacceptance\x18\x08 \x03(\x0b\x32!.specstream.v1.MeasuredAcceptance\x12\x0e\n\x06lookup\x18\t \x01(\t\"C\n\x12MeasuredAcceptance\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0e\n\x06greedy\x18\x02 \x01(\x08\x12\r\n\x05\x61lpha\x18\x03 \x01(\x01\x32\x9d\x01\n\x05\x44raft\x12N\n\tSpeculate\x12\x1d.specstream.v1.ProposeRequest\x1a\x1e.specstream.v1.ProposeResponse(\x01\x30\x01\x12\x44\n\x07GetInfo\x12\x1f.specstream.v1.DraftInfoRequest\x1a\x18.specstream.v1.DraftInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specstream/v1/draft.proto\x12\rspecstream.v1\x1a\x1aspecstream/v1/common.proto\"\x88\x01\n\x0eProposeRequest\x12.\n\x07propose\x18\x01 \x01(\x0b\x32\x1b.specstream.v1.ProposeBatchH\x00\x12)\n\x07release\x18\x02 \x01(\x0b\x32\x16.specstream.v1.ReleaseH\x00\x12\x13\n\x0btraceparent\x18\x0f \x01(\tB\x06\n\x04kind\"G\n\x0cProposeBatch\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12)\n\x05items\x18\x02 \x03(\x0b\x32\x1a.specstream.v1.ProposeItem\"\xe9\x03\n\x0bProposeItem\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x13\n\x0brollback_to\x18\x02 \x01(\r\x12\x18\n\x10\x61ppend_token_ids\x18\x03 \x03(\r\x12\r\n\x05gamma\x18\x04 \x01(\r\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.specstream.v1.Sampling\x12\x10\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0c\x12\x15\n\rfeature_dtype\x18\x07 \x01(\t\x12\x15\n\rfeature_width\x18\x08 \x01(\r\x12\x10\n\x08\x62ranches\x18\t \x01(\r\x12\x18\n\x10masked_token_ids\x18\n \x03(\r\x12\x14\n\x0cmasked_until\x18\x0b \x01(\r\x12-\n\nconstraint\x18\x0c \x01(\x0b\x32\x19.specstream.v1.Constraint\x12\x14\n\x0coutput_start\x18\r \x01(\r\x12+\n\tpenalties\x18\x11 \x01(\x0b\x32\x18.specstream.v1.Penalties\x12\x13\n\x0btraceparent\x18\x0f \x01(\t\x12\x18\n\x10\x66orced_token_ids\x18\x10 \x03(\r\x12\x12\n\ncache_salt\x18\x12 \x01(\t\x12\x13\n\x0blookup_only\x18\x13 \x01(\x08\x12\x15\n\rcached_prefix\x18\x14 \x01(\r\"\x1a\n\x07Release\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"c\n\x0fProposeResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12*\n\tproposals\x18\x02 \x03(\x0b\x32\x17.specstream.v1.Proposal\x12\x16\n\x0eheld_sequences\x18\x03 \x01(\r\"\xa0\x01\n\x08Proposal\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\x12\x0f\n\x07q_width\x18\x04 \x01(\r\x12\r\n\x05q_ids\x18\x05 \x03(\r\x12\x0f\n\x07q_probs\x18\x06 \x03(\x02\x12\x10\n\x08proposer\x18\x07 \x01(\t\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x0f\n\x07parents\x18\t \x03(\r\"\x12\n\x10\x44raftInfoRequest\"\x87\x02\n\tDraftInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x16\n\x0eheld_sequences\x18\x04 \x01(\r\x12\x12\n\nfree_slots\x18\x05 \x01(\r\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x06 \x03(\r\x12\x15\n\rfeature_width\x18\x07 \x01(\r\x12\x35\n\nacceptance\x18\x08 \x03(\x0b\x32!.specstream.v1.MeasuredAcceptance\x12\x0e\n\x06lookup\x18\t \x01(\t\x12\x14\n\x0cprefix_cache\x18\n \x01(\x08\"C\n\x12MeasuredAcceptance\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0e\n\x06greedy\x18\x02 \x01(\x08\x12\r\n\x05\x61lpha\x18\x03 \x01(\x01\x32\x9d\x01\n\x05\x44raft\x12N\n\tSpeculate\x12\x1d.specstream.v1.ProposeRequest\x1a\x1e.specstream.v1.ProposeResponse(\x01\x30\x01\x12\x44\n\x07GetInfo\x12\x1f.specstream.v1.DraftInfoRequest\x1a\x18.specstream.v1.DraftInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,19 +38,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROPOSEBATCH']._serialized_start=211
   _globals['_PROPOSEBATCH']._serialized_end=282
   _globals['_PROPOSEITEM']._serialized_start=285
-  _globals['_PROPOSEITEM']._serialized_end=751
-  _globals['_RELEASE']._serialized_start=753
-  _globals['_RELEASE']._serialized_end=779
-  _globals['_PROPOSERESPONSE']._serialized_start=781
-  _globals['_PROPOSERESPONSE']._serialized_end=880
-  _globals['_PROPOSAL']._serialized_start=883
-  _globals['_PROPOSAL']._serialized_end=1043
-  _globals['_DRAFTINFOREQUEST']._serialized_start=1045
-  _globals['_DRAFTINFOREQUEST']._serialized_end=1063
-  _globals['_DRAFTINFO']._serialized_start=1066
-  _globals['_DRAFTINFO']._serialized_end=1307
-  _globals['_MEASUREDACCEPTANCE']._serialized_start=1309
-  _globals['_MEASUREDACCEPTANCE']._serialized_end=1376
-  _globals['_DRAFT']._serialized_start=1379
-  _globals['_DRAFT']._serialized_end=1536
+  _globals['_PROPOSEITEM']._serialized_end=774
+  _globals['_RELEASE']._serialized_start=776
+  _globals['_RELEASE']._serialized_end=802
+  _globals['_PROPOSERESPONSE']._serialized_start=804
+  _globals['_PROPOSERESPONSE']._serialized_end=903
+  _globals['_PROPOSAL']._serialized_start=906
+  _globals['_PROPOSAL']._serialized_end=1066
+  _globals['_DRAFTINFOREQUEST']._serialized_start=1068
+  _globals['_DRAFTINFOREQUEST']._serialized_end=1086
+  _globals['_DRAFTINFO']._serialized_start=1089
+  _globals['_DRAFTINFO']._serialized_end=1352
+  _globals['_MEASUREDACCEPTANCE']._serialized_start=1354
+  _globals['_MEASUREDACCEPTANCE']._serialized_end=1421
+  _globals['_DRAFT']._serialized_start=1424
+  _globals['_DRAFT']._serialized_end=1581
 # @@protoc_insertion_point(module_scope)

@@ -27,7 +27,7 @@ class ProposeBatch(_message.Message):
     def __init__(self, step: _Optional[int] = ..., items: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ...) -> None: ...
 
 class ProposeItem(_message.Message):
-    __slots__ = ("seq_id", "rollback_to", "append_token_ids", "gamma", "sampling", "features", "feature_dtype", "feature_width", "branches", "masked_token_ids", "masked_until", "constraint", "output_start", "penalties", "traceparent", "forced_token_ids", "cache_salt", "lookup_only")
+    __slots__ = ("seq_id", "rollback_to", "append_token_ids", "gamma", "sampling", "features", "feature_dtype", "feature_width", "branches", "masked_token_ids", "masked_until", "constraint", "output_start", "penalties", "traceparent", "forced_token_ids", "cache_salt", "lookup_only", "cached_prefix")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_TO_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class ProposeItem(_message.Message):
     FORCED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_ONLY_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PREFIX_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     rollback_to: int
     append_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -64,7 +65,8 @@ class ProposeItem(_message.Message):
     forced_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
     lookup_only: bool
-    def __init__(self, seq_id: _Optional[int] = ..., rollback_to: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., features: _Optional[bytes] = ..., feature_dtype: _Optional[str] = ..., feature_width: _Optional[int] = ..., branches: _Optional[int] = ..., masked_token_ids: _Optional[_Iterable[int]] = ..., masked_until: _Optional[int] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., output_start: _Optional[int] = ..., penalties: _Optional[_Union[_common_pb2.Penalties, _Mapping]] = ..., traceparent: _Optional[str] = ..., forced_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lookup_only: _Optional[bool] = ...) -> None: ...
+    cached_prefix: int
+    def __init__(self, seq_id: _Optional[int] = ..., rollback_to: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., features: _Optional[bytes] = ..., feature_dtype: _Optional[str] = ..., feature_width: _Optional[int] = ..., branches: _Optional[int] = ..., masked_token_ids: _Optional[_Iterable[int]] = ..., masked_until: _Optional[int] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., output_start: _Optional[int] = ..., penalties: _Optional[_Union[_common_pb2.Penalties, _Mapping]] = ..., traceparent: _Optional[str] = ..., forced_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lookup_only: _Optional[bool] = ..., cached_prefix: _Optional[int] = ...) -> None: ...
 
 class Release(_message.Message):
     __slots__ = ("seq_ids",)
@@ -109,7 +111,7 @@ class DraftInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_context_length", "held_sequences", "free_slots", "feature_layers", "feature_width", "acceptance", "lookup")
+    __slots__ = ("model_name", "vocab_size", "max_context_length", "held_sequences", "free_slots", "feature_layers", "feature_width", "acceptance", "lookup", "prefix_cache")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +121,7 @@ class DraftInfo(_message.Message):
     FEATURE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_context_length: int
@@ -128,7 +131,8 @@ class DraftInfo(_message.Message):
     feature_width: int
     acceptance: _containers.RepeatedCompositeFieldContainer[MeasuredAcceptance]
     lookup: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., held_sequences: _Optional[int] = ..., free_slots: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., feature_width: _Optional[int] = ..., acceptance: _Optional[_Iterable[_Union[MeasuredAcceptance, _Mapping]]] = ..., lookup: _Optional[str] = ...) -> None: ...
+    prefix_cache: bool
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., held_sequences: _Optional[int] = ..., free_slots: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., feature_width: _Optional[int] = ..., acceptance: _Optional[_Iterable[_Union[MeasuredAcceptance, _Mapping]]] = ..., lookup: _Optional[str] = ..., prefix_cache: _Optional[bool] = ...) -> None: ...
 
 class MeasuredAcceptance(_message.Message):
     __slots__ = ("source", "greedy", "alpha")

@@ -274,7 +274,7 @@ class TargetConfig:
     # 512-token chunk held running streams ~0.85 s on 2 cores, a 128-token one ~0.22 s, the long
     # prompt no slower for it: `bench constraint-cost`, docs/reliability.md), 512 on a GPU.
     prefill_chunk: int = 0
-    # The prefix cache (target_service/prefix_cache.py): KV-cache slots, beyond max_slots, that keep
+    # The prefix cache (specstream/models/prefix_cache.py): KV-cache slots, beyond max_slots, that keep
     # finished sequences' K/V for prompts that start the same way (a conversation's next turn, an
     # agent's system prompt and tools). -1: as many as max_slots, fewer where a quarter of the
     # memory available at start-up would not hold them; 0: no prefix cache.
@@ -339,6 +339,10 @@ class DraftConfig:
     # Suffix drafting (draft_service/suffix.py) matches the same n-grams, and keeps this many tokens
     # of earlier outputs (over all salts; the oldest output goes first) to draft from. 0: none.
     suffix_capacity: int = 65536
+    # The draft's prefix cache (draft_service/prefix_state.py): released sequences' slots kept for
+    # their prefixes, at most. -1: every idle one of max_slots (evicted when a sequence needs it, so
+    # it costs no memory); 0: none (then the target sends every position's features).
+    prefix_cache_slots: int = -1
     max_slots: int = 64  # sequences whose KV state the draft holds at once
     max_seq_len: int = 2048  # per slot; capped by the model
     torch_threads: int = 0  # CPU threads for the model (0: torch's default, one per core)
@@ -385,6 +389,7 @@ class DraftConfig:
         _check((self.model is not None) == needs_model, "model", self.model,
                "given unless synthetic_oracle is or proposer is 'ngram' or 'suffix' (and not with them)")
         _check(self.suffix_capacity >= 0, "suffix_capacity", self.suffix_capacity, ">= 0")
+        _check(self.prefix_cache_slots >= -1, "prefix_cache_slots", self.prefix_cache_slots, ">= -1 (-1: max_slots, 0: off)")
         _check(1 <= self.ngram_min <= self.ngram_max <= 32, "ngram_min", (self.ngram_min, self.ngram_max),
                "with ngram_max: 1 <= ngram_min <= ngram_max <= 32")
         _check(0.0 <= self.synthetic_alpha <= 1.0, "synthetic_alpha", self.synthetic_alpha, "in [0, 1]")

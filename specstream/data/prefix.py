@@ -3,7 +3,7 @@ chain over every token before it and the request's cache salt.
 
 Block i's key is ``blake2b(key of block i-1, tokens of block i)``, the chain starting from the
 salt, so a key names the whole prefix up to the end of its block, and two requests with different
-salts never share a key. The target's prefix cache (target_service/prefix_cache.py) indexes the
+salts never share a key. The target's prefix cache (specstream/models/prefix_cache.py) indexes the
 blocks it holds by these keys; the gateway's cache-aware routing can compute the same keys without
 the model (this module imports no torch). A key is a lookup, never a proof: whoever reuses a
 prefix compares its tokens and salt first, so a collision costs a miss, never a wrong token.

@@ -62,6 +62,13 @@ class ProposeItem:
     # lookup alone, never the model (no guesses where it has none). The target asks so for a row
     # its γ controller gives nothing, priced by the model that answered it last (target_service/drafting.py).
     lookup_only: bool = False
+    # On items with rollback_to 0, to a draft that keeps prefixes (DraftInfo.prefix_cache): how many
+    # leading tokens of ``append`` the target expects it to hold already, from an earlier sequence
+    # under the same cache salt (a multiple of specstream.data.prefix.BLOCK; the target's own prefix
+    # cache had them). A feature draft gets no features for them (``feature_count``). A draft that
+    # holds fewer (m) restores those, guesses nothing and answers length m; the target sends the rest
+    # next time (draft_service/prefix_state.py).
+    cached_prefix: int = 0
     # A constrained sequence's forced tokens after ``append``: what its grammar allows alone there,
     # proposed already by the target (not committed). The draft guesses on from them: its guesses
     # land after them and are the only tokens it sends back. It may hold them as it holds its own
@@ -73,6 +80,12 @@ class ProposeItem:
     def first_guess(self) -> int:
         """The position in the sequence of the item's first guess."""
         return self.rollback_to + len(self.append) + len(self.forced)
+
+    @property
+    def feature_count(self) -> int:
+        """How many features the item carries for a feature draft (``features_expected``): none for
+        the ``cached_prefix`` tokens the draft is expected to hold."""
+        return features_expected(self.rollback_to + self.cached_prefix, len(self.append) - self.cached_prefix)
 
     def masked_at(self, position: int) -> frozenset[int]:
         """The ids no guess at ``position`` may be (empty past masked_until)."""
@@ -182,6 +195,8 @@ class Proposer(Protocol):
     # A proposer that asks a model-free lookup before its model: the lookup's Proposal.source, and
     # it answers ``ProposeItem.lookup_only`` items from the lookup alone. "": none.
     lookup: str = ""
+    # Whether it keeps released sequences' state to continue their prefixes from (ProposeItem.cached_prefix).
+    prefix_cache: bool = False
 
     def propose(self, items: list[ProposeItem]) -> list[Proposal]: ...
 
@@ -213,10 +228,12 @@ class DraftInfo:
     feature_width: int = 0
     acceptance: Mapping[tuple[str, bool], float] = field(default_factory=dict)
     lookup: str = ""  # Proposer.lookup
+    prefix_cache: bool = False  # Proposer.prefix_cache
 
     @classmethod
     def of(cls, proposer: Proposer) -> DraftInfo:
         return cls(model_name=proposer.name, vocab_size=proposer.vocab_size, max_context_length=proposer.max_len,
                    held_sequences=proposer.held, free_slots=proposer.free_slots,
                    feature_layers=tuple(proposer.feature_layers), feature_width=proposer.feature_width,
-                   acceptance=dict(proposer.acceptance), lookup=proposer.lookup)
+                   acceptance=dict(proposer.acceptance), lookup=proposer.lookup,
+                   prefix_cache=proposer.prefix_cache)

@@ -35,7 +35,7 @@ def item_to_pb(item: ProposeItem, traceparent: str = "") -> draft_pb2.ProposeIte
         sampling=common_pb2.Sampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed),
         traceparent=traceparent, branches=item.branches, masked_token_ids=sorted(item.masked_ids),
         masked_until=item.masked_until, forced_token_ids=item.forced, output_start=item.output_start,
-        cache_salt=item.cache_salt, lookup_only=item.lookup_only, **features)
+        cache_salt=item.cache_salt, lookup_only=item.lookup_only, cached_prefix=item.cached_prefix, **features)
 
 
 def item_from_pb(key: Hashable, pb: draft_pb2.ProposeItem) -> ProposeItem:
@@ -51,7 +51,7 @@ def item_from_pb(key: Hashable, pb: draft_pb2.ProposeItem) -> ProposeItem:
                        constraint=Constraint.from_pb(pb.constraint) if pb.HasField("constraint") else None,
                        penalties=Penalties.from_pb(pb.penalties) if pb.HasField("penalties") else None,
                        output_start=pb.output_start, cache_salt=pb.cache_salt, forced=list(pb.forced_token_ids),
-                       lookup_only=pb.lookup_only)
+                       lookup_only=pb.lookup_only, cached_prefix=pb.cached_prefix)
 
 
 def proposal_to_pb(seq_id: int, proposal: Proposal) -> draft_pb2.Proposal:
@@ -72,7 +72,7 @@ def info_to_pb(info: DraftInfo) -> draft_pb2.DraftInfo:
     return draft_pb2.DraftInfo(
         model_name=info.model_name, vocab_size=info.vocab_size, max_context_length=info.max_context_length,
         held_sequences=info.held_sequences, free_slots=info.free_slots, feature_layers=list(info.feature_layers),
-        feature_width=info.feature_width, lookup=info.lookup,
+        feature_width=info.feature_width, lookup=info.lookup, prefix_cache=info.prefix_cache,
         acceptance=[draft_pb2.MeasuredAcceptance(source=source, greedy=greedy, alpha=alpha)
                     for (source, greedy), alpha in info.acceptance.items()])
 
@@ -91,4 +91,4 @@ def info_from_pb(pb: draft_pb2.DraftInfo, ignored: list[str] | None = None) -> D
     return DraftInfo(model_name=pb.model_name, vocab_size=pb.vocab_size, max_context_length=pb.max_context_length,
                      held_sequences=pb.held_sequences, free_slots=pb.free_slots,
                      feature_layers=tuple(pb.feature_layers), feature_width=pb.feature_width, acceptance=acceptance,
-                     lookup=pb.lookup)
+                     lookup=pb.lookup, prefix_cache=pb.prefix_cache)

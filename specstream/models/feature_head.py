@@ -86,6 +86,39 @@ class HeadCache:
         self.v = torch.zeros_like(self.k)
         self.length = [0] * slots
         self.max_len = max_len
+        self._free = list(range(slots - 1, -1, -1))
+
+    # Slots are owned from ``alloc`` to ``free``, as the KV cache's are (specstream/models/kv_cache.py),
+    # so a prefix cache (specstream/models/prefix_cache.py) can keep and evict them. Nothing is shared:
+    # a cached prefix is copied (``copy_prefix``), so no slot is ever read by another.
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        """A free slot, holding nothing (None: all are taken)."""
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self.length[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot in self._free:
+            raise ValueError(f"HeadCache: slot {slot} is already free")
+        self._free.append(slot)
+
+    def has_readers(self, slot: int) -> bool:
+        return False
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """dst gets src's first n positions and length n; src is unchanged."""
+        if not 0 <= n <= self.length[src]:
+            raise ValueError(f"HeadCache: copy_prefix n={n} out of range [0, length(src={src})={self.length[src]}]")
+        if src != dst:
+            self.k[dst, :, :n].copy_(self.k[src, :, :n])
+            self.v[dst, :, :n].copy_(self.v[src, :, :n])
+        self.length[dst] = n
 
 
 class FeatureHead(nn.Module):

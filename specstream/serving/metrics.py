@@ -214,11 +214,19 @@ class TargetMetrics:
                                    "the request's grammar refuses them (or a token before them).", registry=r)
         self.forced_tokens = Counter(f"{PREFIX}grammar_forced_tokens", "Tokens proposed because the request's "
                                      "grammar allows nothing else (no model guessed them).", registry=r)
-        # The prefix cache (target_service/prefix_cache.py), by vLLM's names: tokens, not requests.
+        # The prefix cache (specstream/models/prefix_cache.py), by vLLM's names: tokens, not requests.
         self.prefix_queries = Counter(f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
                                       "(the full blocks before each admitted prompt's last token).", registry=r)
         self.prefix_hits = Counter(f"{PREFIX}prefix_cache_hits", "Prompt tokens served from the prefix cache "
                                    "(not prefilled).", registry=r)
+        # A feature draft's prefix cache (target_service/drafting.py ``_cached_prefix``).
+        self.draft_prefix_queries = Counter(f"{PREFIX}draft_prefix_cache_queries", "Prompt tokens the target's "
+                                            "prefix cache served that a feature draft was expected to hold too "
+                                            "(their features not sent).", registry=r)
+        self.draft_prefix_hits = Counter(f"{PREFIX}draft_prefix_cache_hits", "Of draft_prefix_cache_queries, the "
+                                         "tokens the draft held (the rest were sent on its next call).", registry=r)
+        self.draft_prefix_bytes = Counter(f"{PREFIX}draft_prefix_feature_bytes_saved", "Feature bytes not sent to "
+                                          "the draft because it held the prefix.", registry=r)
         self.prefix_slots = Gauge(f"{PREFIX}prefix_cache_slots", "KV-cache slots holding finished sequences' "
                                   "prefixes for reuse.", registry=r)
         # Beam search (target_service/beam.py).
@@ -247,6 +255,11 @@ class TargetMetrics:
         self.prefix_queries.inc(queried)
         if hit:
             self.prefix_hits.inc(hit)
+
+    def observe_draft_prefix(self, claimed: int, restored: int, saved_bytes: int) -> None:
+        self.draft_prefix_queries.inc(claimed)
+        self.draft_prefix_hits.inc(restored)
+        self.draft_prefix_bytes.inc(saved_bytes)
 
     def observe_grammar(self, mask_seconds: float, cut: int, forced: int) -> None:
         """A decode pass with constrained rows: the time of their masks, proposals the grammar cut,

@@ -186,7 +186,7 @@ def smollm2_stack(stack_factory):
     pair = PAIRS["smollm2"]  # served as `specstream serve` serves it: prompt lookup, then the draft
     started = time.monotonic()
     stack = stack_factory(pair.target, pair.draft, dtype="auto", gamma=4, proposer=pair.proposer,
-                          ngram_min=pair.ngram_min)
+                          ngram_min=pair.ngram_min, metrics=True)
     stack.first_answer_s = _first_answer_s(stack, started)
     return stack
 
@@ -248,13 +248,29 @@ def _next_turn_from_the_cache_is_the_next_turn_without_it(client, **options) -> 
     assert cached.token_ids == fresh.token_ids and cached.text == fresh.text
 
 
+def _target_metric(stack, name: str) -> float:
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{stack.metrics_addresses['target']}/metrics", timeout=30) as reply:
+        body = reply.read()
+    return float(re.search(rb"^specstream:" + name.encode() + rb" (\S+)$", body, re.M).group(1))
+
+
 def test_a_conversation_turn_from_the_prefix_cache_is_exact(smollm2_stack) -> None:
+    """... and the feature draft service continued the cached turn from its own kept state: the
+    target sent it no features for the prefix (draft_service/prefix_state.py)."""
     from specstream_client import Client
 
+    before = _target_metric(smollm2_stack, "draft_prefix_cache_hits_total")
     with Client(smollm2_stack.gateway_address, timeout=300) as client:
+        assert client.model_info().draft_model.endswith("smollm2-135m-feature")  # behind prompt lookup
         _next_turn_from_the_cache_is_the_next_turn_without_it(client)  # the default: speculation auto
         _next_turn_from_the_cache_is_the_next_turn_without_it(client, speculation=3, temperature=0.8, seed=11)
         _next_turn_from_the_cache_is_the_next_turn_without_it(client, speculation="off")
+    restored = _target_metric(smollm2_stack, "draft_prefix_cache_hits_total") - before
+    assert restored >= 16, restored  # the sampled turn at γ=3 at least: its whole first turn, less a block at most
+    assert _target_metric(smollm2_stack, "draft_prefix_feature_bytes_saved_total") >= restored * 1152
 
 
 def test_a_draft_colocated_in_the_target_is_exact_too(stack_factory) -> None:

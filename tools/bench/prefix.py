@@ -82,8 +82,8 @@ AGENT_REQUESTS = ["Find me a flight from Paris to Rome on 2026-04-12.", "What's 
                   "Any cheap pizza places near the Pantheon?", "Trains from Rome to Naples after 9am?",
                   "Are there Uffizi tickets for two on Friday?", "Translate 'where is the station' into Italian."]
 MAX_NEW_TOKENS = 48
-HEADERS = ["workload", "row", "ttft ms (mean after the 1st)", "vs cache off", "total s", "cached tokens / prompt",
-           "= cache off"]
+HEADERS = ["workload", "row", "ttft ms (mean after the 1st)", "vs cache off", "2nd token ms", "total s",
+           "cached tokens / prompt", "draft features not sent / call", "= cache off"]
 
 
 def _conversation_messages(answers: list[str]) -> list[list[dict]]:
@@ -105,23 +105,29 @@ def timed_chat(client, messages: list[dict], max_new_tokens: int = MAX_NEW_TOKEN
     """One streamed chat call (the SDK's ``chat_stream``), timed by the client: time to the first
     token and in all, the tokens and text, usage, and the speculation counts."""
     started = time.perf_counter()
-    first, tokens, text, last = None, [], "", None
+    first, second, tokens, text, last = None, None, [], "", None
     for chunk in client.chat_stream(messages, max_new_tokens=max_new_tokens, **options):
+        if chunk.token_ids and first is not None and second is None:
+            second = time.perf_counter() - started
         if first is None and chunk.token_ids:
             first = time.perf_counter() - started
         tokens += chunk.token_ids
         text += chunk.text
         last = chunk
     stats = last.stats
-    return {"ttft_s": first, "total_s": time.perf_counter() - started, "token_ids": tokens, "text": text,
+    return {"ttft_s": first, "second_s": second, "total_s": time.perf_counter() - started, "token_ids": tokens,
+            "text": text,
             "prompt_tokens": last.usage.prompt_tokens, "cached_tokens": last.usage.cached_tokens,
             "accepted": stats.accepted_tokens if stats else 0, "passes": stats.target_passes if stats else 0}
 
 
 def _serve(models: BenchModels, kept: int, workloads: dict, progress: Progress) -> dict:
-    """Every workload's calls on one stack with ``--prefix-cache-slots kept``; the conversation
-    takes ``workloads["conversation"]`` as its messages, or builds them from its own answers."""
-    spec = StackSpec(**models.stack_fields(), extra_target_args=["--prefix-cache-slots", str(kept)])
+    """Every workload's calls on one stack with ``--prefix-cache-slots kept`` (the target's and the
+    draft's); the conversation takes ``workloads["conversation"]`` as its messages, or builds them
+    from its own answers. Each call also gets the feature bytes the draft's cache saved it (the
+    target's metrics)."""
+    spec = StackSpec(**models.stack_fields(), extra_target_args=["--prefix-cache-slots", str(kept)],
+                     extra_draft_args=["--prefix-cache-slots", str(kept)], metrics=True)
     out = {}
     from specstream_client import Client
 
@@ -133,10 +139,22 @@ def _serve(models: BenchModels, kept: int, workloads: dict, progress: Progress) 
             for i in range(len(calls) if calls is not None else TURNS):
                 messages = calls[i] if calls is not None else \
                     _conversation_messages([r["text"] for r in results])[i]
+                saved = _bytes_saved(stack)
                 results.append({**timed_chat(client, messages), "messages": messages})
+                results[-1]["feature_bytes_saved"] = _bytes_saved(stack) - saved
                 progress.update()
             out[name] = results
     return out
+
+
+def _bytes_saved(stack: Stack) -> float:
+    """The target's specstream:draft_prefix_feature_bytes_saved_total."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{stack.metrics_addresses['target']}/metrics", timeout=30) as reply:
+        body = reply.read()
+    return float(re.search(rb"^specstream:draft_prefix_feature_bytes_saved_total (\S+)$", body, re.M).group(1))
 
 
 def _llama_cpp(gguf: str, prompts: dict[str, list[list[int]]], max_new_tokens: int) -> dict:
@@ -194,9 +212,14 @@ def run(models: BenchModels, out_dir: Path, quiet: bool = False) -> dict:
             prompt_tokens = sum(c["prompt_tokens"] for c in calls)
             cached = sum(c["cached_tokens"] for c in calls)
             ttft = _mean_after_first(calls)
+            second = statistics.mean(c["second_s"] - c["ttft_s"] for c in calls[1:] if c["second_s"] is not None)
+            saved = statistics.mean(c["feature_bytes_saved"] for c in calls[1:])
             entry[row] = {"ttft_ms": 1e3 * ttft, "total_s": sum(c["total_s"] for c in calls), "cached_tokens": cached,
-                          "prompt_tokens": prompt_tokens, "per_call_ttft_ms": [1e3 * c["ttft_s"] for c in calls]}
-            rows.append([name, row, 1e3 * ttft, base / ttft, entry[row]["total_s"], f"{cached} / {prompt_tokens}",
+                          "prompt_tokens": prompt_tokens, "per_call_ttft_ms": [1e3 * c["ttft_s"] for c in calls],
+                          "second_token_ms": 1e3 * second, "feature_bytes_saved_per_call": saved,
+                          "per_call_feature_bytes_saved": [c["feature_bytes_saved"] for c in calls]}
+            rows.append([name, row, 1e3 * ttft, base / ttft, 1e3 * second, entry[row]["total_s"],
+                         f"{cached} / {prompt_tokens}", f"{saved / 1e6:.2f} MB",
                          row == "ours, cache off" or calls == on[name]])
             series[f"{name}: {row}"] = (list(range(1, len(calls) + 1)), entry[row]["per_call_ttft_ms"])
         for mode, label in (("kept", "llama.cpp, prompt cache"), ("reset", "llama.cpp, reset")):
@@ -206,7 +229,7 @@ def run(models: BenchModels, out_dir: Path, quiet: bool = False) -> dict:
             ttft = _mean_after_first(calls)
             entry[label] = {"ttft_ms": 1e3 * ttft, "total_s": sum(c["total_s"] for c in calls),
                             "per_call_ttft_ms": [1e3 * c["ttft_s"] for c in calls]}
-            rows.append([name, label, 1e3 * ttft, base / ttft, entry[label]["total_s"], None, None])
+            rows.append([name, label, 1e3 * ttft, base / ttft, None, entry[label]["total_s"], None, None, None])
             series[f"{name}: {label}"] = (list(range(1, len(calls) + 1)), entry[label]["per_call_ttft_ms"])
         entry["prompt_tokens_per_call"] = [len(p) for p in prompts[name]]
         data["workloads"][name] = entry

@@ -171,6 +171,7 @@ def _stack_spec(args: argparse.Namespace):
                                         "--tree-branches", str(args.tree_branches),
                                         *(["--no-forced-tokens"] if args.no_forced_tokens else []),
                                         *(["--draft-early"] if args.draft_early else [])],
+                     extra_draft_args=["--prefix-cache-slots", str(args.prefix_cache_slots)],  # off on both, or on
                      work_ahead=args.work_ahead, work_ahead_outcomes=args.work_ahead_outcomes,
                      trace_file=os.path.abspath(args.trace_file) if args.trace_file else None,
                      security=_serve_security(args),

@@ -196,7 +196,7 @@ def _colocated_draft(args: argparse.Namespace) -> DraftConfig | None:
     return DraftConfig(model=model, proposer=args.proposer, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
                        suffix_capacity=args.suffix_capacity, max_slots=max(args.max_slots, args.max_batch), max_seq_len=args.max_seq_len,
                        work_ahead=args.work_ahead, work_ahead_outcomes=args.work_ahead_outcomes,
-                       grammar_draft=not args.no_grammar_draft)
+                       grammar_draft=not args.no_grammar_draft, prefix_cache_slots=args.prefix_cache_slots)
 
 
 def _batching_config(args: argparse.Namespace) -> dict:
@@ -218,6 +218,10 @@ def _add_draft(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--synthetic-alpha", type=float, default=0.7, help="benchmarks: acceptance rate to simulate")
     _server_flags(p, 50053)
     p.add_argument("--max-slots", type=int, default=64)
+    p.add_argument("--prefix-cache-slots", type=int, default=DraftConfig.prefix_cache_slots,
+                   help="finished sequences' slots kept so that a prompt that starts the same way continues "
+                        "from their state (default -1: every idle one of --max-slots, evicted when needed; "
+                        "0: none, and the target sends a feature draft every position's features)")
     p.add_argument("--q-support", type=int, default=256,
                    help="sampling: q is cut to this many most likely tokens before it is sampled and sent")
     p.add_argument("--compute-thread", action="store_true",
@@ -243,7 +247,8 @@ def _draft_config(args: argparse.Namespace) -> DraftConfig:
                        synthetic_oracle=args.synthetic_oracle, synthetic_alpha=args.synthetic_alpha,
                        proposer=args.proposer, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
                        suffix_capacity=args.suffix_capacity, work_ahead=args.work_ahead, work_ahead_outcomes=args.work_ahead_outcomes,
-                       compute_on_loop=not args.compute_thread, grammar_draft=not args.no_grammar_draft)
+                       compute_on_loop=not args.compute_thread, grammar_draft=not args.no_grammar_draft,
+                       prefix_cache_slots=args.prefix_cache_slots)
 
 
 # --- gateway ----------------------------------------------------------------------------------------------

@@ -1,4 +1,8 @@
-"""The target's prefix cache: a new sequence starts from K/V already computed for the same prefix.
+"""A prefix cache: a new sequence starts from K/V already computed for the same prefix.
+
+The target keeps one over its KV cache (specstream/models/kv_cache.py), and each draft model one
+over its own (draft_service/prefix_state.py: a token draft's KV cache, a feature head's cache,
+whose slots are never read by another, so a draft copies a prefix where the target forks it).
 
 What is cached: the slots of finished sequences (``retire``), kept with the tokens whose K/V they
 hold, and the prompts of running ones (``add_live``, once their prefill is done). What is shared:
@@ -27,8 +31,10 @@ Exactness: our forwards are row-invariant (a position's K/V and features are the
 prefill chunk, a decode step or a verify window), so a sequence served from the cache gives the
 tokens and draws it gives with the cache off (tests/test_prefix_cache.py).
 
-What it does not know: sequences, requests or the draft. The engine (target_service/engine.py)
-calls it at admission, after a prefill and at retirement, on its event loop between forwards.
+What it does not know: sequences, requests, or whose cache it is. The target's engine
+(target_service/engine.py) calls it at admission, after a prefill and at retirement, on its event
+loop between forwards; a draft calls it from its proposer, between its forwards. ``kv`` needs only
+``has_readers(slot)`` and ``free(slot)``.
 """
 
 from __future__ import annotations
