@@ -221,3 +221,36 @@ def test_behind_prompt_lookup_a_claimed_prefix_is_restored_and_one_held_in_part_
     assert (reply.tokens, reply.length, reply.error) == ([], kept, "")
     reply = over.round()
     assert reply.error == "" and reply.source == "model" and reply.tokens and over.held == len(longer)
+
+
+def test_the_claim_and_the_capability_cross_the_wire():
+    from specstream.data.propose import DraftInfo
+    from specstream.data.propose_wire import info_from_pb, info_to_pb, item_from_pb, item_to_pb
+    from specstream_pb import draft_pb2
+
+    item = ProposeItem(3, 0, list(range(40)), 4, features=bytes(2 * 8 * 8), feature_width=8, cached_prefix=32,
+                       cache_salt="s", output_start=40)
+    back = item_from_pb(3, draft_pb2.ProposeItem.FromString(item_to_pb(item).SerializeToString()))
+    assert back == item and back.feature_count == 8
+    info = DraftInfo(model_name="d", vocab_size=10, prefix_cache=True)
+    assert info_from_pb(draft_pb2.DraftInfo.FromString(info_to_pb(info).SerializeToString())) == info
+
+
+@pytest.mark.parametrize("kind", ["token", "feature"])
+def test_a_claim_that_cannot_be_met_drops_the_sequence_and_others_are_unaffected(kind, model_zoo, feature_pair):
+    """A claim on an item that rolls back to a held position, or covering every appended token, is
+    no valid claim: that sequence gets length 0 (the target resends it whole); the item beside it
+    is answered as ever."""
+    proposer = _proposer(kind, model_zoo, feature_pair)
+    width = proposer.feature_width
+    good = _Target(proposer, width, "good", PROMPT)
+    good.round()
+    held = _Target(proposer, width, "held", PROMPT)
+    held.round()
+    bad_rollback = held.item()
+    bad_rollback.cached_prefix = BLOCK
+    whole = _Target(proposer, width, "whole", PROMPT[:32]).item()
+    whole.cached_prefix, whole.features = 32, b""
+    replies = proposer.propose([bad_rollback, whole, good.item()])
+    assert [r.length for r in replies[:2]] == [0, 0] and not replies[0].tokens and not replies[1].tokens
+    assert replies[2].length > 0 and replies[2].error == ""
