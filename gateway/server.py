@@ -50,11 +50,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.gateway = gateway
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):  # noqa: N802
-        return await self.gateway.generate(await self.gateway.admit(request, authorization=_authorization(context)))
+        return await self.gateway.generate_samples(
+            await self.gateway.admit_samples(request, authorization=_authorization(context)))
 
     async def GenerateStream(self, request, context: grpc.aio.ServicerContext):  # noqa: N802
-        async for chunk in self.gateway.stream(await self.gateway.admit(request,
-                                                                        authorization=_authorization(context))):
+        valids = await self.gateway.admit_samples(request, authorization=_authorization(context))
+        async for chunk in self.gateway.stream_samples(valids):
             yield chunk
 
     async def GetModelInfo(self, request, context):  # noqa: N802

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from gateway import request as pipeline
+from gateway import samples
 from gateway.router import Router
 from gateway.validation import Limits, ValidRequest, validate
 from specstream.data.prefix import caller_salt
@@ -106,6 +107,20 @@ class Gateway:
         self._held[id(valid)] = valid  # no await since the check above: the place passes on to it
         return valid
 
+    async def admit_samples(self, request: generation_pb2.GenerateRequest, fill_max_new_tokens: bool = False,
+                            authorization: str | None = None) -> list[ValidRequest]:
+        """``admit`` for each of the request's ``n`` samples (gateway/samples.py: InvalidArgumentError
+        naming ``n`` where it breaks the rule); each holds a place. One refused: none is held."""
+        admitted: list[ValidRequest] = []
+        try:
+            for sample in samples.split(request):
+                admitted.append(await self.admit(sample, fill_max_new_tokens, authorization))
+        except BaseException:
+            for valid in admitted:
+                self.release(valid)
+            raise
+        return admitted
+
     def release(self, valid: ValidRequest) -> None:
         """Gives back the place `admit` held for `valid`; idempotent."""
         if self._held.get(id(valid)) is valid:
@@ -125,3 +140,19 @@ class Gateway:
             return await pipeline.generate(valid, self.router, self.tokenizer, self.metrics)
         finally:
             self.release(valid)
+
+    async def generate_samples(self, valids: list[ValidRequest]) -> generation_pb2.GenerateResponse:
+        """One response for a request's samples (``admit_samples``): the first's, with every one in
+        ``samples`` (none for a single one); one failed: the others are cancelled."""
+        responses = await samples.gather([self.generate(valid) for valid in valids])
+        return responses[0] if len(responses) == 1 else samples.response(responses)
+
+    async def stream_samples(self, valids: list[ValidRequest]) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        """The chunks of a request's samples as they come, each with its sample's ``index``."""
+        if len(valids) == 1:
+            async for chunk in self.stream(valids[0]):
+                yield chunk
+            return
+        async for i, chunk in samples.interleaved([self.stream(valid) for valid in valids]):
+            chunk.index = i
+            yield chunk

@@ -60,6 +60,7 @@ SAMPLE: dict[str, Any] = {
     "tool_choice": "required",
     "parallel_tool_calls": False,
     "cache_salt": "tenant-7",
+    "n": 3,
 }
 # Every option set at once: max_gamma goes with automatic speculation only, so twice; the five
 # constraints exclude each other, so regex stands for them.
@@ -223,7 +224,7 @@ def test_every_entry_point_sends_every_option(served: tuple[Recorder, str], meth
         ("get_weather", "", '{"type": "object", "properties": {"city": {"type": "string"}}}'),
         ("noop", "does nothing", "")]
     assert req.tool_choice == "required" and req.HasField("parallel_tool_calls") and not req.parallel_tool_calls
-    assert req.cache_salt == "tenant-7"
+    assert req.cache_salt == "tenant-7" and req.n == 3
 
 
 def test_earlier_tool_calls_go_back_in_either_form() -> None:

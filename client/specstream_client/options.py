@@ -255,6 +255,10 @@ class GenerateOptions:
     # Prompts reuse the server's cached K/V of an earlier prompt's prefix only under the same salt
     # (at most 256 characters; None: the default, shared by every caller of the same token).
     cache_salt: str | None = _option(None, _optional(check_str))
+    # Samples of the prompt (1..16; more than 1 needs a temperature above 0, and not num_beams): n
+    # answers drawn with seeds seed + i, prefilled once on the server. The result's ``.samples``
+    # has them all (its text is the first's); a stream's chunks say whose they are (``.index``).
+    n: int = _option(1, _uint32)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -313,6 +317,8 @@ class GenerateOptions:
             req.parallel_tool_calls = self.parallel_tool_calls
         if self.cache_salt is not None:
             req.cache_salt = self.cache_salt
+        if self.n != 1:  # 0 is sent too: the server names n
+            req.n = self.n
         return req
 
     def _beam_pb(self) -> common_pb2.BeamSearch:
@@ -375,6 +381,7 @@ class GenerateOptionsDict(TypedDict, total=False):
     tool_choice: str | None
     parallel_tool_calls: bool | None
     cache_salt: str | None
+    n: int
 
 
 _CONSTRAINTS = ("json_schema", "json_object", "regex", "choice", "grammar")  # the oneof of GenerateRequest.constraint

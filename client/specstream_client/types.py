@@ -28,6 +28,7 @@ __all__ = [
     "BeamSequence",
     "FINISH_REASONS",
     "GenerateResult",
+    "Sample",
     "Logprob",
     "ModelInfo",
     "SpeculationStats",
@@ -213,6 +214,40 @@ class ToolCall:
 
 
 @dataclass(frozen=True, slots=True)
+class Sample:
+    """One of a request's ``n`` samples: its answer, usage (the shared prompt, its own completion
+    tokens), speculation counts and seed (the request's seed + index)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage = field(default_factory=Usage)
+    stats: SpeculationStats = field(default_factory=SpeculationStats)
+    seed: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    @classmethod
+    def from_pb(cls, msg: generation_pb2.Sample) -> Sample:
+        return cls(index=msg.index, text=msg.text, token_ids=list(msg.token_ids),
+                   finish_reason=finish_reason_name(msg.finish_reason) or "unspecified", usage=Usage.from_pb(msg.usage),
+                   stats=SpeculationStats.from_pb(msg.stats), seed=msg.seed,
+                   logprobs=[TokenLogprob.from_pb(lp) for lp in msg.logprobs],
+                   tool_calls=[ToolCall.from_pb(c) for c in msg.tool_calls])
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"index": self.index, "text": self.text, "token_ids": list(self.token_ids),
+                             "finish_reason": self.finish_reason, "usage": asdict(self.usage),
+                             "stats": self.stats.to_dict(), "seed": self.seed}
+        if self.logprobs:
+            d["logprobs"] = [lp.to_dict() for lp in self.logprobs]
+        if self.tool_calls:
+            d["tool_calls"] = [c.to_dict() for c in self.tool_calls]
+        return d
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateResult:
     request_id: str
     text: str
@@ -225,6 +260,9 @@ class GenerateResult:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     sequences: list[BeamSequence] = field(default_factory=list)  # beam search: the n best, best first
     tool_calls: list[ToolCall] = field(default_factory=list)  # with tools: the calls made (outside ``text``)
+    # n > 1: every sample, by index (text, token_ids... above are the first's; usage counts the
+    # prompt once and every sample's completion tokens).
+    samples: list[Sample] = field(default_factory=list)
 
     @classmethod
     def from_pb(cls, msg: generation_pb2.GenerateResponse) -> GenerateResult:
@@ -240,11 +278,12 @@ class GenerateResult:
             logprobs=[TokenLogprob.from_pb(lp) for lp in msg.logprobs],
             sequences=[BeamSequence.from_pb(b) for b in msg.sequences],
             tool_calls=[ToolCall.from_pb(c) for c in msg.tool_calls],
+            samples=[Sample.from_pb(s) for s in msg.samples],
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: nested dicts, stats with acceptance_rate; "logprobs", "sequences" and
-        "tool_calls" only when there are any."""
+        """JSON-ready: nested dicts, stats with acceptance_rate; "logprobs", "sequences",
+        "tool_calls" and "samples" only when there are any."""
         d: dict[str, Any] = {
             "request_id": self.request_id,
             "text": self.text,
@@ -261,6 +300,8 @@ class GenerateResult:
             d["sequences"] = [b.to_dict() for b in self.sequences]
         if self.tool_calls:
             d["tool_calls"] = [c.to_dict() for c in self.tool_calls]
+        if self.samples:
+            d["samples"] = [s.to_dict() for s in self.samples]
         return d
 
 
@@ -268,7 +309,8 @@ class GenerateResult:
 class StreamChunk:
     """One streamed delta. ``logprobs`` belong to this chunk's ``token_ids`` (empty unless
     requested). ``finish_reason``/``usage``/``stats``/``timings``/``seed`` are set on the last
-    chunk only (None before)."""
+    chunk only (None before). With n > 1, ``index`` says whose sample a chunk is part of: each
+    sample's chunks come in order, interleaved with the others', and each sample's last chunk is final."""
 
     request_id: str
     text: str
@@ -281,6 +323,7 @@ class StreamChunk:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     sequences: list[BeamSequence] = field(default_factory=list)  # beam search, final chunk: the n best
     tool_calls: list[ToolCall] = field(default_factory=list)  # with tools: the calls that closed in this chunk
+    index: int = 0  # n > 1: the sample this chunk is part of
 
     @classmethod
     def from_pb(cls, msg: generation_pb2.GenerateStreamResponse) -> StreamChunk:
@@ -298,6 +341,7 @@ class StreamChunk:
             logprobs=[TokenLogprob.from_pb(lp) for lp in msg.logprobs],
             sequences=[BeamSequence.from_pb(b) for b in msg.sequences],
             tool_calls=[ToolCall.from_pb(c) for c in msg.tool_calls],
+            index=msg.index,
         )
 
     @property
@@ -316,6 +360,8 @@ class StreamChunk:
             "timings": asdict(self.timings) if self.timings is not None else None,
             "seed": self.seed,
         }
+        if self.index:
+            d["index"] = self.index
         if self.logprobs:
             d["logprobs"] = [lp.to_dict() for lp in self.logprobs]
         if self.sequences:

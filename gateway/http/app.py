@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway import samples
 from gateway.http import translate
 from gateway.http.errors import ApiError, from_exception, from_validation, model_not_found
 from gateway.http.schema import ChatCompletionRequest, CompletionRequest
@@ -240,20 +241,21 @@ def build_app(gateway: Gateway, registry: CollectorRegistry | None = None,
             if body.model != gateway.model_name:
                 raise model_not_found(body.model, gateway.model_name)
             pb = translate.to_generate_request(body, telemetry.traceparent_of(span) or caller)
-            for sample in translate.samples(body, pb):  # n > 1: one request a choice, sent together
-                admitted.append(await gateway.admit(sample, fill_max_new_tokens=translate.fills_max_new_tokens(body),
-                                                    authorization=request.headers.get("authorization")))
+            # n > 1: one request a choice, sent together (gateway/samples.py)
+            admitted = await gateway.admit_samples(pb, fill_max_new_tokens=translate.fills_max_new_tokens(body),
+                                                   authorization=request.headers.get("authorization"))
             encoders = [encoder_of(valid) for valid in admitted]
             if len(encoders) > 1:
                 translate.for_choices(encoders)
             if not body.stream:
-                responses = await _unless_gone(request, _all([gateway.generate(valid) for valid in admitted]))
+                responses = await _unless_gone(request, samples.gather([gateway.generate(valid)
+                                                                        for valid in admitted]))
                 if len(responses) == 1:
                     return JSONResponse(encoders[0].response(responses[0]))
                 return JSONResponse(translate.samples_response(encoders, responses))
             streams = [gateway.stream(valid) for valid in admitted]
             try:
-                firsts = await _unless_gone(request, _all([chunks.__anext__() for chunks in streams]))
+                firsts = await _unless_gone(request, samples.gather([chunks.__anext__() for chunks in streams]))
             except BaseException:
                 for chunks in streams:
                     await chunks.aclose()
@@ -312,50 +314,19 @@ def _include_usage(body: translate.Body) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
 
-async def _all(works: list[Awaitable[T]]) -> list[T]:
-    """Every result, in order; when one fails, the others are cancelled and its error raised."""
-    tasks = [asyncio.ensure_future(work) for work in works]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
 async def _choice_events(encoders: list, firsts: list[generation_pb2.GenerateStreamResponse],
                          streams: list[AsyncIterator[generation_pb2.GenerateStreamResponse]],
                          param_of: Callable[[str], str], include_usage: bool) -> AsyncIterator[str]:
     """The SSE body of a request's ``n`` choices: each choice's chunks (its own index) as they
     come, then with include_usage one usage chunk for them all, then `[DONE]`; an error of any
     choice ends the stream as in ``_events``."""
-    queue: asyncio.Queue = asyncio.Queue()
     last: list[generation_pb2.GenerateStreamResponse | None] = [None] * len(streams)
-
-    async def pump(i: int) -> None:
-        try:
-            async for chunk in streams[i]:
-                await queue.put((i, chunk, None))
-            await queue.put((i, None, None))
-        except Exception as exc:  # noqa: BLE001 - handed to the stream's reader
-            await queue.put((i, None, exc))
-
-    pumps = []
     try:
         for i, first in enumerate(firsts):
             for out in encoders[i].chunks(first):
                 yield _json_event(out)
             last[i] = first if first.finish_reason else None
-        pumps = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
-        running = len(pumps)
-        while running:
-            i, chunk, exc = await queue.get()
-            if exc is not None:
-                raise exc
-            if chunk is None:
-                running -= 1
-                continue
+        async for i, chunk in samples.interleaved(streams):
             for out in encoders[i].chunks(chunk):
                 yield _json_event(out)
             if chunk.finish_reason:
@@ -365,9 +336,6 @@ async def _choice_events(encoders: list, firsts: list[generation_pb2.GenerateStr
     except Exception as exc:  # noqa: BLE001 - the status line is gone: reported in the stream
         yield _json_event(from_exception(exc, param_of).body())
     finally:
-        for task in pumps:
-            task.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
         for chunks in streams:
             await chunks.aclose()
     yield "data: [DONE]\n\n"

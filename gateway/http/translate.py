@@ -17,6 +17,7 @@ import json
 import time
 from typing import Any
 
+from gateway import samples
 from gateway.http import tool_calls
 from gateway.http.schema import ChatCompletionRequest, CompletionRequest
 from specstream.data.errors import InvalidArgumentError
@@ -24,7 +25,6 @@ from specstream.text.tokenizer import TextTokenizer
 from specstream_pb import common_pb2, generation_pb2
 
 UINT32, INT32, UINT64 = 2**32 - 1, 2**31 - 1, 2**64 - 1
-MAX_SAMPLES = 16  # the most choices (n) one request may ask for
 FINISH_REASONS = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
                   common_pb2.FINISH_REASON_EOS: "stop", common_pb2.FINISH_REASON_CANCELLED: "abort",
                   common_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls"}
@@ -40,6 +40,8 @@ def to_generate_request(body: Body, traceparent: str = "") -> generation_pb2.Gen
     OpenAI parameter) for what only an OpenAI body can get wrong."""
     _refuse_unsupported(body)
     req = generation_pb2.GenerateRequest(traceparent=traceparent)
+    if body.n is not None:  # its rule, for both fronts: gateway/samples.py
+        req.n = _int("n", body.n, 1, UINT32)
     if isinstance(body, CompletionRequest):
         _set_prompt(req, body.prompt)
         req.max_new_tokens = _int("max_tokens", body.max_tokens, 1, INT32) if body.max_tokens is not None else 0
@@ -187,7 +189,6 @@ def _refuse_unsupported(body: Body) -> None:
     """OpenAI parameters this server does not implement: refused by name rather than ignored,
     since ignoring them would change the output the caller asked for."""
     checks: list[tuple[str, Any, bool, str]] = [
-        ("n", body.n, body.n is None or 1 <= body.n <= MAX_SAMPLES, f"must be in 1..{MAX_SAMPLES}"),
         ("stream_options", "<set>", body.stream_options is None or bool(body.stream),
          "stream_options is only allowed when stream is true"),
     ]
@@ -201,27 +202,6 @@ def _refuse_unsupported(body: Body) -> None:
     for param, value, ok, reason in checks:
         if not ok:
             raise InvalidArgumentError(param, value, reason)
-
-
-def samples(body: Body, req: generation_pb2.GenerateRequest) -> list[generation_pb2.GenerateRequest]:
-    """The request of each of the body's ``n`` choices: ``req`` itself for one; for several, copies
-    whose seeds are the body's ``seed`` + i (each its own seed from the gateway when it gave none).
-    They are sent together: the target prefills their prompt once and the others fork it
-    (docs/architecture.md §5.1). ``n`` > 1 with temperature 0 is refused (n identical answers)."""
-    n = body.n or 1
-    if n == 1:
-        return [req]
-    if req.temperature == 0:
-        raise InvalidArgumentError("n", n, "with temperature 0 every choice would be the same answer: set a "
-                                           "temperature above 0, or n=1")
-    out = []
-    for i in range(n):
-        copy = generation_pb2.GenerateRequest()
-        copy.CopyFrom(req)
-        if req.HasField("seed"):
-            copy.seed = (req.seed + i) % (UINT64 + 1)
-        out.append(copy)
-    return out
 
 
 def _int(param: str, value: int, low: int, high: int) -> int:
@@ -390,12 +370,8 @@ def for_choices(encoders: list[_Encoder]) -> list[_Encoder]:
 
 
 def samples_usage(usages: list[common_pb2.Usage]) -> dict[str, Any]:
-    """The usage of a request's choices: the prompt once (it was prefilled once), the first's
-    cached tokens, every choice's completion tokens."""
-    counted = usage(usages[0])
-    counted["completion_tokens"] = sum(u.completion_tokens for u in usages)
-    counted["total_tokens"] = counted["prompt_tokens"] + counted["completion_tokens"]
-    return counted
+    """The usage of a request's choices (gateway/samples.py ``usage``), as OpenAI writes it."""
+    return usage(samples.usage(usages))
 
 
 def samples_response(encoders: list[_Encoder], pbs: list[generation_pb2.GenerateResponse]) -> dict[str, Any]:

@@ -433,3 +433,45 @@ def test_a_prompt_prefilled_in_chunks_gets_the_cache_of_one_prefill() -> None:
                 assert torch.equal(parts, whole), f"prompt of {len(prompt)} tokens split at {split}"
                 for layer in range(model.config.num_layers):
                     assert torch.equal(cache.k[layer][1, :, :len(prompt)], cache.k[layer][0, :, :len(prompt)])
+
+
+def test_n_samples_over_grpc_are_the_single_requests_of_their_seeds_sync_async_and_streamed(smollm2_stack) -> None:
+    """GenerateRequest.n through the SDK (sync and async): sample i is token for token the single
+    request with seed + i (sent apart under another salt), usage counts the prompt once, the
+    prompt was prefilled once (the prefix cache served the others), a stream's chunks carry their
+    sample's index and concatenate to its unary answer; n past the limit, at temperature 0 or with
+    beams is INVALID_ARGUMENT naming n."""
+    import asyncio
+
+    from specstream_client import AsyncClient, Client, InvalidArgument
+
+    prompt = [{"role": "user", "content": CHAT[0]}]
+    kwargs = dict(max_new_tokens=16, temperature=0.9, seed=21, speculation=3)
+    hits = "prefix_cache_hits_total"
+    with Client(smollm2_stack.gateway_address, timeout=300) as client:
+        before = _target_metric(smollm2_stack, hits)
+        many = client.chat(prompt, n=3, cache_salt="n over grpc", **kwargs)
+        shared = _target_metric(smollm2_stack, hits) - before
+        ones = [client.chat(prompt, **{**kwargs, "seed": 21 + i}, cache_salt=f"one {i}") for i in range(3)]
+        streamed = list(client.chat_stream(prompt, n=3, cache_salt="n streamed", **kwargs))
+        for bad, reason in ((dict(n=17), "1..16"), (dict(n=2, temperature=0.0), "temperature 0"),
+                            (dict(n=2, num_beams=2, temperature=0.0), "beam")):
+            with pytest.raises(InvalidArgument) as err:
+                client.chat(prompt, max_new_tokens=4, **bad)
+            assert err.value.details.startswith("n=") and reason in err.value.details, err.value
+    assert [s.index for s in many.samples] == [0, 1, 2] and [s.seed for s in many.samples] == [21, 22, 23]
+    assert [s.token_ids for s in many.samples] == [o.token_ids for o in ones]
+    assert many.token_ids == ones[0].token_ids and len({tuple(s.token_ids) for s in many.samples}) > 1
+    assert many.usage.prompt_tokens == ones[0].usage.prompt_tokens
+    assert many.usage.completion_tokens == sum(o.usage.completion_tokens for o in ones)
+    assert shared >= 2 * ((many.usage.prompt_tokens - 1) // 16 * 16) > 0
+    for i, sample in enumerate(many.samples):
+        mine = [c for c in streamed if c.index == i]
+        assert [t for c in mine for t in c.token_ids] == sample.token_ids and mine[-1].is_final
+        assert sum(c.is_final for c in mine) == 1
+
+    async def async_samples():
+        async with AsyncClient(smollm2_stack.gateway_address, timeout=300) as client:
+            return await client.chat(prompt, n=2, cache_salt="n async", **kwargs)
+
+    assert [s.token_ids for s in asyncio.run(async_samples()).samples] == [o.token_ids for o in ones[:2]]

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
-from gateway.http.translate import MAX_SAMPLES
+from gateway.samples import MAX_SAMPLES
 from specstream.data.prefix import MAX_SALT_CHARS
 from tools.progress import Progress
 from tools.reliability.fuzz_constraints import random_constraint, random_tools_body
@@ -259,6 +259,8 @@ def _invalid_mutations(lim: Limits) -> list[tuple[str, Callable[[generation_pb2.
         (f"penalties.logit_bias[{lim.vocab_size}]", lambda r, rng: r.penalties.CopyFrom(common_pb2.Penalties(
             logit_bias={lim.vocab_size: 1.0}))),
         ("cache_salt", lambda r, rng: setattr(r, "cache_salt", _text(rng, MAX_SALT_CHARS + 1, 4 * MAX_SALT_CHARS))),
+        ("n", lambda r, rng: setattr(r, "n", rng.randint(MAX_SAMPLES + 1, 2**32 - 1))),
+        ("n", lambda r, rng: (setattr(r, "temperature", 0.0), setattr(r, "n", rng.randint(2, MAX_SAMPLES)))),
     ]
     if lim.chat:
         cases += [
