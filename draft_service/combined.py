@@ -21,13 +21,16 @@ every position it catches up on: the target sends each position's feature once, 
 so this proposer keeps them (``features``, the bytes of positions 0..len(history)-2) and hands the
 model the slice its catch-up needs. Items whose features the model cannot read are refused whole.
 
-A constrained sequence (its first item carries ``constraint``) is drafted by the model alone: the
-model guesses from its distribution masked by the grammar (draft_service/grammar_state.py), while
-lookup's copies are unmasked and the target cuts them at the first token the grammar refuses. The
-model gets the constraint on its first item for the sequence, and every item's forced tokens
-(``ProposeItem.forced``) to guess on from; the history holds only what the model holds. A
-penalised sequence's penalties go to the model on its first item the same way (lookup's copies
-are not penalised: the target verifies them against its penalised p, as any guess).
+A constrained sequence (its first item carries ``constraint``) is looked up too, from after its
+forced tokens (``ProposeItem.forced``, taken as context for the lookup and not held, since a
+feature model has no features for them yet: the target sends them once committed): a JSON
+answer copies names, places and addresses from its prompt. Lookup's copies are unmasked, and the
+target cuts them at the first token the grammar refuses (target_service/grammar_rows.py: exact, as
+for any guess). Where lookup has nothing, the model guesses from its distribution masked by the
+grammar (draft_service/grammar_state.py): it gets the constraint on its first item for the
+sequence, and every item's forced tokens to guess on from. A penalised sequence's penalties go to
+the model on its first item the same way (lookup's copies are not penalised: the target verifies
+them against its penalised p, as any guess).
 """
 
 from __future__ import annotations
@@ -126,12 +129,13 @@ class NgramPlusModelProposer(Proposer):
                 self.firsts[item.key] = {"constraint": item.constraint, "penalties": item.penalties,
                                          "output_start": item.output_start, "cache_salt": item.cache_salt}
             first = self.firsts.get(item.key, {})
-            constrained = first.get("constraint")
             gamma = min(item.gamma, self.max_len - len(sequence) - len(item.forced))
+            if gamma > 0:  # lookup from after the forced tokens (context for the lookup only: not held)
+                sequence.extend(item.forced)
+                branches = item.branches if item.sampling.greedy and first.get("constraint") is None else 0
+                out[i].tokens, out[i].parents = without_masked(item, *sequence.proposal(gamma, branches))
+                sequence.truncate(len(sequence) - len(item.forced))
             out[i].length = len(sequence)
-            if constrained is None and not item.forced:
-                out[i].tokens, out[i].parents = without_masked(
-                    item, *sequence.proposal(gamma, item.branches if item.sampling.greedy else 0))
             if out[i].tokens or gamma <= 0 or item.lookup_only:
                 continue
             # The model's first item: its constraint, penalties, salt, and the target's claim.

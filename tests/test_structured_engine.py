@@ -398,9 +398,11 @@ class _Recorder:
 @pytest.mark.parametrize("lookup", [False, True])
 def test_a_feature_draft_guesses_on_after_forced_tokens(feature_pair, model_zoo, plain, lookup):
     """A pass with forced tokens asks the feature draft too (ProposeItem.forced): it feeds them its
-    own features and guesses on from its masked distribution, so no guess is ever cut. Served as
-    the pair serves it, behind prompt lookup, a constrained row is drafted by the model alone (the
-    constraint reaches it) and lookup's unmasked copies are never sent. Constrained plain output."""
+    own features and guesses on from its masked distribution, so no guess of it is ever cut. Served
+    as the pair serves it, behind prompt lookup, a constrained row is looked up first, from after its
+    forced tokens (lookup's unmasked copies, which the target cuts where the grammar refuses them),
+    and drafted by the model (the constraint reaches it) where lookup has nothing. Constrained plain
+    output either way."""
     from draft_service.combined import NgramPlusModelProposer
     from draft_service.feature import FeatureProposer
     from specstream.models.feature_draft import load_feature_draft
@@ -413,11 +415,15 @@ def test_a_feature_draft_guesses_on_after_forced_tokens(feature_pair, model_zoo,
                            constraint=CONSTRAINTS["json_schema"], proposer=recorder, steps=steps,
                            config={"calibrate": False, "gamma_policy": "fixed", "default_gamma": 3})
     assert tokens == plain["json_schema"][0]
-    assert steps["metrics"].registry.get_sample_value("specstream:grammar_cut_draft_tokens_total") == 0
+    cut = steps["metrics"].registry.get_sample_value("specstream:grammar_cut_draft_tokens_total")
     after_forced = [(item, reply) for item, reply in recorder.items if item.forced and item.gamma]
-    assert after_forced and any(reply.tokens for _, reply in after_forced)
-    for item, reply in after_forced:  # the feature draft holds what was committed, not the forced tokens
-        assert reply.length == item.rollback_to + len(item.append) and reply.source == "model"
+    assert after_forced and any(reply.tokens and reply.source == "model" for _, reply in after_forced)
+    for item, reply in after_forced:  # the draft holds what was committed, not the forced tokens
+        assert reply.length == item.rollback_to + len(item.append) and reply.source in ("model", "ngram")
+    looked_up = [reply for _, reply in after_forced if reply.source == "ngram" and reply.tokens]
+    assert bool(looked_up) == lookup
+    if not lookup:  # the masked model's guesses are never cut (lookup's copies may be)
+        assert cut == 0
 
 
 def test_a_constraint_submitted_with_no_event_loop_running_compiles_there(model_zoo):
