@@ -450,3 +450,35 @@ def test_a_row_priced_out_by_its_model_still_gets_its_lookup_asked_where_it_pays
     for _ in range(30):  # this row's lookup guesses fail
         gentle.controller.observe(0, "ngram", True, 4, 0)
     assert gentle.controller.lookup_gamma(view, [0], 0, "ngram", 8) < at_prior
+
+
+def test_a_row_a_self_limiting_proposer_answered_gets_its_limit_alone_and_no_wider_verify_in_a_batch():
+    """Suffix drafting ends its chains where its own confidence does: a row it answered, given any
+    γ, asks up to its limit at batch 1 (the proposer decides how far), and in a step shared with
+    other rows up to the deepest γ already verified there (a longer chain would pad every row).
+    Prompt lookup's rows keep the γ the controller priced; nothing changes before costs are measured."""
+    from target_service.gamma import SELF_LIMITING
+
+    assert "suffix" in SELF_LIMITING and "ngram" not in SELF_LIMITING
+    gentle = lambda positions: 1.0 + 0.1 * positions  # noqa: E731
+    one = SimulatedEngine(GammaController(max_gamma=MAX_GAMMA), 1, verify=gentle, draft=lambda d, p: 0.0)
+    for _ in range(60):
+        one.step(0.7)
+    view = [RowView(0, AUTO_GAMMA, MAX_GAMMA, True)]
+    priced = one.controller.choose(view, [MAX_GAMMA])[0]
+    assert 0 < priced < MAX_GAMMA
+    one.controller.observe(0, "ngram", True, 4, 3)  # answered by prompt lookup: priced as before
+    assert one.controller.choose(view, [MAX_GAMMA])[0] < MAX_GAMMA
+    one.controller.observe(0, "suffix", True, 4, 3)
+    assert one.controller.choose(view, [MAX_GAMMA])[0] == MAX_GAMMA
+    assert one.controller.choose([RowView(0, AUTO_GAMMA, 6, True)], [MAX_GAMMA])[0] == 6  # the request's cap
+    assert one.controller.lookup_gamma(view, [0], 0, "suffix", 9) == 9
+
+    two = SimulatedEngine(GammaController(max_gamma=MAX_GAMMA), 2, verify=gentle, draft=lambda d, p: 0.0)
+    for _ in range(60):
+        two.step(0.7)
+    views = [RowView(i, AUTO_GAMMA, MAX_GAMMA, True) for i in range(2)]
+    before = two.controller.choose(views, [MAX_GAMMA] * 2)
+    two.controller.observe(0, "suffix", True, 4, 3)
+    after = two.controller.choose(views, [MAX_GAMMA] * 2)
+    assert after[0] >= before[0] and max(after) == max(before) < MAX_GAMMA

@@ -1,6 +1,6 @@
 """`specstream bench agent`: what each proposer gains on agent traffic, which repeats itself.
 
-Two workloads, each under a cache salt of its own (so suffix drafting draws on each one's outputs only):
+Three workloads, each under a cache salt of its own (so suffix drafting draws on each one's outputs only):
 
 - **transcript**: an agent framework's loop replaying a tool-using transcript. One system prompt
   (the instructions and the descriptions of the travel tools of tools/bench/prefix.py), one task,
@@ -8,7 +8,10 @@ Two workloads, each under a cache salt of its own (so suffix drafting draws on e
   model, and after it the tool's JSON result) and the model writes its next step;
 - **calls**: independent calls with that system prompt and one request each (prefix.py's
   ``AGENT_REQUESTS``): nothing of an earlier answer is in the next prompt, so prompt lookup has
-  only the prompt to copy from, and suffix drafting has the earlier answers too.
+  only the prompt to copy from, and suffix drafting has the earlier answers too;
+- **rerun**: the transcript's loop run again by the same tenant after it ran once (a retried or
+  scheduled workflow, the same job for the next item): the best case for suffix drafting, whose
+  corpus holds the first run's answers, while prompt lookup sees only this run's transcript.
 
 The answers are the model's own greedy ones (speculation is lossless: every row answers the
 same, checked; a difference stops the run), so every row sends the same prompts.
@@ -18,8 +21,10 @@ unless the row says so, the three processes, gRPC streams timed by the client): 
 prompt lookup (``--proposer ngram``); suffix drafting (``suffix``), also with the prefix cache
 off; suffix drafting before the draft model (``suffix+model``); and the pair's own proposer. Per
 row and workload: generated tokens per second over all calls (their tokens over their whole time,
-time to first token included), the ratio to plain decoding and to prompt lookup, the mean time to
-first token, and the guesses the target accepted per pass. Prints a table, writes ``agent.json``
+time to first token included), the ratio to plain decoding and to prompt lookup; the same for
+decoding alone (the tokens after each call's first over the time after it: what a proposer can
+change, the prefill left out); the mean time to first token, and the guesses the target accepted
+per pass. Prints a table, writes ``agent.json``
 and ``agent.png`` (each call's tokens per second, per row).
 """
 
@@ -67,8 +72,9 @@ ROWS = [  # (label, proposer: None for plain decoding, prefix cache slots)
     ("suffix drafting + model", "suffix+model", -1),
     ("the pair's proposer", "", -1),  # "": the pair's own (its draft model)
 ]
-WORKLOADS = ("transcript", "calls")
-HEADERS = ["workload", "row", "tok/s", "vs plain", "vs prompt lookup", "ttft ms", "accepted / pass", "= plain"]
+WORKLOADS = ("transcript", "calls", "rerun")
+HEADERS = ["workload", "row", "tok/s", "vs plain", "vs prompt lookup", "decode tok/s", "decode vs plain",
+           "decode vs lookup", "ttft ms", "accepted / pass", "= plain"]
 
 
 def _transcript(answers: list[str]) -> list[dict]:
@@ -81,7 +87,7 @@ def _transcript(answers: list[str]) -> list[dict]:
 
 
 def _messages(workload: str, answers: list[str]) -> list[dict]:
-    if workload == "transcript":
+    if workload in ("transcript", "rerun"):
         return _transcript(answers)
     request = AGENT_REQUESTS[len(answers) % len(AGENT_REQUESTS)]
     return [{"role": "system", "content": AGENT_SYSTEM}, {"role": "user", "content": request}]
@@ -102,15 +108,21 @@ def _row(models: BenchModels, proposer: str | None, kept: int, progress: Progres
         client.chat([{"role": "user", "content": "Hi"}], max_new_tokens=2, cache_salt="warm-up")  # not timed
         for workload in WORKLOADS:
             calls: list[dict] = out.setdefault(workload, [])
+            salt = "transcript" if workload == "rerun" else workload  # the same tenant runs it again
             for _ in range(CALLS):
                 calls.append(timed_chat(client, _messages(workload, [c["text"] for c in calls]), MAX_NEW_TOKENS,
-                                        cache_salt=workload))
+                                        cache_salt=salt))
                 progress.update()
     return out
 
 
 def _speed(calls: list[dict]) -> float:
     return sum(len(c["token_ids"]) for c in calls) / sum(c["total_s"] for c in calls)
+
+
+def _decode_speed(calls: list[dict]) -> float:
+    """The tokens after each call's first over the time after it: decoding alone, the prefill left out."""
+    return sum(len(c["token_ids"]) - 1 for c in calls) / sum(c["total_s"] - c["ttft_s"] for c in calls)
 
 
 def run(models: BenchModels, out_dir: Path, quiet: bool = False) -> dict:
@@ -129,6 +141,7 @@ def run(models: BenchModels, out_dir: Path, quiet: bool = False) -> dict:
             "max_new_tokens": MAX_NEW_TOKENS, "pair_proposer": models.proposer, "workloads": {}}
     for workload in WORKLOADS:
         base, lookup = _speed(plain[workload]), _speed(results["prompt lookup"][workload])
+        decode_base, decode_lookup = _decode_speed(plain[workload]), _decode_speed(results["prompt lookup"][workload])
         entry = data["workloads"][workload] = {"rows": {}, "answers": [c["text"] for c in plain[workload]],
                                                "prompt_tokens": [c["prompt_tokens"] for c in plain[workload]]}
         for label, workloads in results.items():
@@ -137,9 +150,13 @@ def run(models: BenchModels, out_dir: Path, quiet: bool = False) -> dict:
             passes = sum(c["passes"] for c in calls)
             accepted = sum(c["accepted"] for c in calls) / passes if passes else 0.0
             ttft = sum(c["ttft_s"] for c in calls) / len(calls)
-            rows.append([workload, label, tps, tps / base, tps / lookup, 1e3 * ttft, accepted,
+            decode = _decode_speed(calls)
+            rows.append([workload, label, tps, tps / base, tps / lookup, decode, decode / decode_base,
+                         decode / decode_lookup, 1e3 * ttft, accepted,
                          all(a["token_ids"] == b["token_ids"] for a, b in zip(plain[workload], calls))])
             entry["rows"][label] = {"tokens_per_s": tps, "vs_plain": tps / base, "vs_prompt_lookup": tps / lookup,
+                                    "decode_tokens_per_s": decode, "decode_vs_plain": decode / decode_base,
+                                    "decode_vs_prompt_lookup": decode / decode_lookup,
                                     "ttft_ms": 1e3 * ttft, "accepted_per_pass": accepted,
                                     "per_call_tokens_per_s": [len(c["token_ids"]) / c["total_s"] for c in calls],
                                     "cached_tokens": [c["cached_tokens"] for c in calls],
