@@ -19,6 +19,13 @@ answer exactly as without it (checked: a difference stops the run).
 Per row: time to first token (the mean over the calls after the first: the first is a miss for
 everyone), the whole time of the calls, and for ours the prompt tokens the cache served. Prints a
 table, writes ``prefix.json`` and ``prefix.png`` (time to first token per call).
+
+**Pressure** (ours, cache off and on): ``PRESSURE_PROMPTS`` distinct prompts sent one after another
+(none shares more than the chat template's opening with another: each is a miss past it, and with
+the cache on every finished one is kept until evicted), while streams of ``STREAM_TOKENS`` tokens run beside them, one after
+another. Per row: the running streams' gaps between tokens (median, 99th percentile, max), the
+prompts' time to first token, and the target's resident memory before and after. The cache must
+add no latency cliff and keep memory bounded.
 """
 
 from __future__ import annotations
@@ -82,8 +89,14 @@ AGENT_REQUESTS = ["Find me a flight from Paris to Rome on 2026-04-12.", "What's 
                   "Any cheap pizza places near the Pantheon?", "Trains from Rome to Naples after 9am?",
                   "Are there Uffizi tickets for two on Friday?", "Translate 'where is the station' into Italian."]
 MAX_NEW_TOKENS = 48
+PRESSURE_PROMPTS = 1000  # distinct prompts of the pressure run
+STREAM_TOKENS = 256  # each running stream's tokens in the pressure run
 HEADERS = ["workload", "row", "ttft ms (mean after the 1st)", "vs cache off", "2nd token ms", "total s",
            "cached tokens / prompt", "draft features not sent / call", "= cache off"]
+
+
+PRESSURE_HEADERS = ["row", "stream gap ms p50", "p99", "max", "prompt ttft ms (median)", "target RSS MiB before",
+                    "after"]
 
 
 def _conversation_messages(answers: list[str]) -> list[list[dict]]:
@@ -157,6 +170,60 @@ def _bytes_saved(stack: Stack) -> float:
     return float(re.search(rb"^specstream:draft_prefix_feature_bytes_saved_total (\S+)$", body, re.M).group(1))
 
 
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def _pressure(models: BenchModels, kept: int, progress: Progress) -> dict:
+    """The pressure run on a stack with ``--prefix-cache-slots kept`` (target and draft)."""
+    import threading
+
+    from specstream_client import Client
+
+    spec = StackSpec(**models.stack_fields(), extra_target_args=["--prefix-cache-slots", str(kept)],
+                     extra_draft_args=["--prefix-cache-slots", str(kept)])
+    gaps: list[float] = []
+    done = threading.Event()
+    with tempfile.TemporaryDirectory() as logs, Stack(replace(spec, log_dir=logs)) as stack, \
+            Client(stack.gateway_address, timeout=600) as client:
+        client.chat([{"role": "user", "content": "Hi"}], max_new_tokens=2, cache_salt="warm-up")  # not timed
+        pid = stack.procs["target"].pid
+        before = _rss_mib(pid)
+
+        def streams() -> None:  # one running stream after another until the prompts are all sent
+            k = 0
+            while not done.is_set():
+                k += 1
+                last = None
+                for chunk in client.chat_stream([{"role": "user", "content": f"Tell me a long story, number {k}."}],
+                                                max_new_tokens=STREAM_TOKENS, ignore_eos=True):
+                    now = time.perf_counter()
+                    if last is not None and chunk.token_ids:
+                        gaps.append((now - last) / len(chunk.token_ids))
+                    last = now if chunk.token_ids else last
+
+        runner = threading.Thread(target=streams, daemon=True)
+        runner.start()
+        ttfts = []
+        for i in range(PRESSURE_PROMPTS):
+            words = " ".join(f"item-{i}-{j}" for j in range(12))  # distinct from the template's opening on
+            started = time.perf_counter()
+            for chunk in client.chat_stream([{"role": "user", "content": f"{i}: {words}"}], max_new_tokens=1):
+                if chunk.token_ids:
+                    ttfts.append(time.perf_counter() - started)
+                    break
+            if i % 100 == 99:
+                progress.update(100)
+        done.set()
+        runner.join()
+        after = _rss_mib(pid)
+    gaps.sort()
+    return {"gap_ms_p50": 1e3 * gaps[len(gaps) // 2], "gap_ms_p99": 1e3 * gaps[int(0.99 * (len(gaps) - 1))],
+            "gap_ms_max": 1e3 * gaps[-1], "gaps": len(gaps), "ttft_ms_median": 1e3 * statistics.median(ttfts),
+            "rss_mib_before": before, "rss_mib_after": after}
+
+
 def _llama_cpp(gguf: str, prompts: dict[str, list[list[int]]], max_new_tokens: int) -> dict:
     """What llama.cpp runs in its own process: each workload's prompts in order, with one context
     kept across them (its prompt cache: the common prefix with the previous prompt is reused) and
@@ -189,10 +256,11 @@ def _mean_after_first(rows: list[dict]) -> float:
 
 def run(models: BenchModels, out_dir: Path, quiet: bool = False) -> dict:
     tokenizer = models.tokenizer()
-    with Progress(4 * TURNS, "calls", "prefix", quiet=quiet) as progress:
+    with Progress(4 * TURNS + 2 * PRESSURE_PROMPTS, "calls", "prefix", quiet=quiet) as progress:
         off = _serve(models, 0, {"conversation": None, "agent": _agent_messages()}, progress)
         messages = {name: [r["messages"] for r in rows] for name, rows in off.items()}
         on = _serve(models, -1, messages, progress)
+        pressure = {"ours, cache off": _pressure(models, 0, progress), "ours, prefix cache": _pressure(models, -1, progress)}
     for name in off:
         for i, (a, b) in enumerate(zip(off[name], on[name])):
             if a["token_ids"] != b["token_ids"]:
@@ -238,6 +306,12 @@ def run(models: BenchModels, out_dir: Path, quiet: bool = False) -> dict:
           f"-{max(max(v) for v in (e['prompt_tokens_per_call'] for e in data['workloads'].values()))} tokens")
     print(report.table(HEADERS, rows))
     data["table_markdown"] = report.markdown_table(HEADERS, rows)
+    pressure_rows = [[row, p["gap_ms_p50"], p["gap_ms_p99"], p["gap_ms_max"], p["ttft_ms_median"], p["rss_mib_before"],
+                      p["rss_mib_after"]] for row, p in pressure.items()]
+    print(f"pressure: {PRESSURE_PROMPTS} distinct prompts one after another, streams of {STREAM_TOKENS} tokens beside them")
+    print(report.table(PRESSURE_HEADERS, pressure_rows))
+    data["pressure"] = {"prompts": PRESSURE_PROMPTS, "stream_tokens": STREAM_TOKENS, "rows": pressure,
+                        "table_markdown": report.markdown_table(PRESSURE_HEADERS, pressure_rows)}
     out_dir.mkdir(parents=True, exist_ok=True)
     report.write_json(out_dir / "prefix.json", data)
     report.plot_lines(out_dir / "prefix.png", f"time to first token per call, {models.label} ({data['cpu']})",
