@@ -227,6 +227,8 @@ class FeatureProposer(Proposer):
         roll back to ``rollback_to`` keeps); the head's last output, or None."""
         unread = self.unread.pop(key, None)
         if unread is None or rollback_to <= unread[0].rollback_to:
+            if unread is not None:  # its positions past the roll back hold the head's own predictions
+                self.lengths[key] = min(self.lengths.get(key, 0), unread[0].rollback_to)
             return None  # nothing held, or every unread position is rolled back anyway
         item, features = unread
         slot = self.slots[key]

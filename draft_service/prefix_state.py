@@ -60,7 +60,7 @@ class DraftPrefixes:
         self.slots = slots
         self.cache = PrefixCache(slots, capacity) if capacity else None
         self.lag = lag
-        self.tokens: dict[Hashable, list[int]] = {}  # per held sequence: the tokens the target sent it
+        self.tokens: dict[Hashable, list[int]] = {}  # per held sequence: the tokens its slot holds the state of
         self.salts: dict[Hashable, str] = {}
 
     @property

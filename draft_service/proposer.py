@@ -134,9 +134,7 @@ class DraftProposer(Proposer):
         out = [Proposal([], 0) for _ in items]
         rows, gammas, grammars, penalties = [], [], [], []
         self.plans = {}
-        # A constrained row's forced tokens go into the context, held as the appended tokens are
-        # (but not as tokens the target sent: a cached prefix never ends in them).
-        forced = [len(item.forced) for item in items]
+        # A constrained row's forced tokens go into the context, held as the appended tokens are.
         items = [with_forced_appended(item) for item in items]
         for i, item in enumerate(items):
             rewritten = self.rewritten.pop(item.key, None)
@@ -183,8 +181,8 @@ class DraftProposer(Proposer):
             # Holds the appended tokens and every guess but the last (which was never fed).
             out[i].length = item.rollback_to + len(item.append) + gamma - 1
             self.cache.set_length(slot, out[i].length)
-            self.prefixes.took(item.key, slot, item.rollback_to, item.append[:len(item.append) - forced[i]],
-                               item.output_start)
+            # What the cache holds, its own guesses included: a position's K/V is its tokens' whoever chose them.
+            self.prefixes.took(item.key, slot, item.rollback_to, [*item.append, *tokens[:gamma - 1]], item.output_start)
             seconds = picker.seconds(b)[:gamma] if item.sampling.greedy else []
             # Rounds drafted ahead mask and penalise nothing: min_tokens' first tokens, constrained
             # and penalised rows draft afresh.
@@ -209,16 +207,17 @@ class DraftProposer(Proposer):
         if ready is None:
             return False
         slot = self.slots[item.key]
-        self.prefixes.took(item.key, slot, item.rollback_to, item.append)  # never forced: see work_ahead
         out.tokens = ready.tail
         if ready.q is not None:
             out.q_width, out.q_ids, out.q_probs = ready.q
         # Held then: the appended tokens and every prepared guess but the last.
         out.length = item.rollback_to + len(item.append) + len(ready.tail) - 1
+        self.prefixes.took(item.key, slot, item.rollback_to, [*item.append, *ready.tail[:-1]])
         if not ready.cached:
             if rewritten is None or rewritten[0] != ready.intact:  # nothing to feed it from: hold the chain's start
                 out.length = ready.intact
                 self.cache.set_length(slot, out.length)
+                self.prefixes.took(item.key, slot, out.length, [])
                 return True
             start, held = rewritten
             tokens = [*held[: item.rollback_to - start], *item.append, *ready.tail[:-1]]

@@ -55,8 +55,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def GenerateStream(self, request, context: grpc.aio.ServicerContext):  # noqa: N802
         valids = await self.gateway.admit_samples(request, authorization=_authorization(context))
-        async for chunk in self.gateway.stream_samples(valids):
-            yield chunk
+        try:
+            async for chunk in self.gateway.stream_samples(valids):
+                yield chunk
+        finally:  # also for samples whose streams never began (their own release never ran)
+            for valid in valids:
+                self.gateway.release(valid)
 
     async def GetModelInfo(self, request, context):  # noqa: N802
         gateway = self.gateway

@@ -144,7 +144,11 @@ class Gateway:
     async def generate_samples(self, valids: list[ValidRequest]) -> generation_pb2.GenerateResponse:
         """One response for a request's samples (``admit_samples``): the first's, with every one in
         ``samples`` (none for a single one); one failed: the others are cancelled."""
-        responses = await samples.gather([self.generate(valid) for valid in valids])
+        try:
+            responses = await samples.gather([self.generate(valid) for valid in valids])
+        finally:  # also for a sample cancelled before its task began (its own release never ran)
+            for valid in valids:
+                self.release(valid)
         return responses[0] if len(responses) == 1 else samples.response(responses)
 
     async def stream_samples(self, valids: list[ValidRequest]) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:

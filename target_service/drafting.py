@@ -36,7 +36,7 @@ from typing import Protocol
 from specstream.data.propose import NO_ACCEPTANCE, Proposal, ProposeItem, chain_length, features_expected
 from specstream.data.sampling import GREEDY
 from target_service import tracing
-from target_service.gamma import AUTO_GAMMA, GammaController, RowView, pooled_source
+from target_service.gamma import AUTO_GAMMA, SELF_LIMITING, GammaController, RowView, pooled_source
 from target_service.sequence import Sequence
 from target_service.settle import Verdict, VerifyRow
 
@@ -432,6 +432,9 @@ class Drafting:
                          s.matcher is not None, len(forced)) for s, forced in zip(rows, plan.forced)]
         # After forced tokens the draft guesses on from them (ProposeItem.forced): they take room in the cap.
         caps = [max(0, cap - len(forced)) for cap, forced in zip(self.caps(rows), plan.forced)]
+        # A lookup with a model behind it (suffix+model) is no self-limiting proposer: the model
+        # would be asked at the γ meant as the lookup's cap.
+        self.controller.self_limiting = SELF_LIMITING if not source.lookup else frozenset()
         plan.gammas = self.controller.choose(views, caps)
         branches = self.controller.branches(views, plan.gammas, self.tree_branches)
         lookup_only = self._lookup_only(rows, views, plan.gammas, caps, source)
@@ -447,6 +450,7 @@ class Drafting:
             cached = self._cached_prefix(seq, held, source)
             append, gamma, features = self._with_features(seq, held.length, plan.gammas[i], budget, cached)
             if not append:
+                held.claimed = held.claimed and not cached  # not sent: its claim goes with the next
                 continue  # a feature draft's (re)sync that does not fit this call: the next ones
             budget -= len(features.get("features", b""))
             row = plan.checks[i]  # the ids its guesses may not be, and until where (min_tokens)

@@ -201,6 +201,9 @@ class GammaController:
         # loss: steps with proposals ran longer than predicted, and without this margin automatic γ
         # ran slower than plain (docs/benchmarks.md, "Figures behind design choices").
         self.min_gain = min_gain
+        # The sources whose γ is a cap (SELF_LIMITING), unless a model stands behind them: a draft
+        # asks its model where the lookup has nothing, at the γ it was sent (Drafting sets this).
+        self.self_limiting: frozenset[str] = SELF_LIMITING
         self._since_probe = 0
         self.costs = CostModel()
         self._rows: dict[int, _RowState] = {}
@@ -274,7 +277,7 @@ class GammaController:
                 best, best_rate = g, tokens / (step_s + added)
         if best_rate < n / step_s * (1.0 + self.min_gain):
             return 0
-        return cap if source in SELF_LIMITING and n == 1 else best  # γ a cap, as in ``choose``
+        return cap if source in SELF_LIMITING and n == 1 else best  # γ a cap, as in ``choose`` (never the model's here)
 
     def _optimistic_alpha(self, seq_id: int, greedy: bool, rows: int) -> float:
         """The estimate the choice uses: the mean plus `explore` / `rows` standard deviations. A
@@ -500,7 +503,7 @@ class GammaController:
         proposer gets its limit, alone in its step, else the deepest γ of the step's rows."""
         deepest = max(gammas, default=0)
         for i in auto:
-            if gammas[i] > 0 and self._rows[rows[i].seq_id].source in SELF_LIMITING:
+            if gammas[i] > 0 and self._rows[rows[i].seq_id].source in self.self_limiting:
                 gammas[i] = limits[i] if len(rows) == 1 else max(gammas[i], min(deepest, limits[i]))
 
     def _goodput_one(self, gammas: list[int], row: RowView, limit: int, alpha: float) -> None:

@@ -254,3 +254,33 @@ def test_a_claim_that_cannot_be_met_drops_the_sequence_and_others_are_unaffected
     replies = proposer.propose([bad_rollback, whole, good.item()])
     assert [r.length for r in replies[:2]] == [0, 0] and not replies[0].tokens and not replies[1].tokens
     assert replies[2].length > 0 and replies[2].error == ""
+
+
+def test_a_token_drafts_kept_state_includes_the_guesses_the_target_accepted(model_zoo, feature_pair):
+    """The target rolls a token draft back to what it agreed, accepted guesses included (they are
+    never sent again): the kept slot's tokens are what its cache holds, so the next turn restores
+    the whole first turn, and proposes bit for bit what a fresh prefill does."""
+    on, off = (_proposer("token", model_zoo, feature_pair, kept=k) for k in (-1, 0))
+
+    def turn(proposer, key: str, prompt: list[int], rounds: int) -> tuple[list[int], list[Proposal]]:
+        tokens, held, replies = list(prompt), 0, []
+        for r in range(rounds):
+            first_item = {"output_start": len(prompt)} if held == 0 else {}
+            [reply] = proposer.propose([ProposeItem(key, held, tokens[held:], 4, GREEDY, **first_item)])
+            replies.append(reply)
+            kept = reply.tokens[:2] if r % 2 else reply.tokens[:1]  # the target accepts some guesses
+            held = min(reply.length, len(tokens) + len(kept))  # agreed: what was sent and the accepted guesses
+            tokens += [*kept, 7 + r % 5]
+        return tokens, replies
+
+    first, _ = turn(on, "turn1", PROMPT, 8)
+    on.release(["turn1"])
+    second = first + [9, 8, 7]
+    cached = on.prefixes.cache.hit_tokens
+    _, with_cache = turn(on, "turn2", second, 4)
+    restored = on.prefixes.cache.hit_tokens - cached
+    assert restored >= (len(first) - 8) // BLOCK * BLOCK > len(PROMPT) // BLOCK * BLOCK, (restored, len(first))
+    turn(off, "turn1", PROMPT, 8)
+    off.release(["turn1"])
+    _, without = turn(off, "turn2", second, 4)
+    _same(with_cache, without)
