@@ -564,3 +564,22 @@ def test_sdk_imports_without_torch() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"
+
+
+def test_cli_n_samples_are_sent_and_printed_each_under_its_number(url: str, fake: FakeGeneration,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from tools.cli import main
+
+    response = generation_pb2.GenerateResponse()
+    response.CopyFrom(fake.response)
+    for i, text in enumerate(["first answer", "second\nanswer"]):
+        response.samples.add(index=i, text=text, seed=5 + i)
+    fake.response = response
+    assert main(["generate", "--url", url, "--n", "2", "--temperature", "0.8", "--seed", "5", "hi"]) == 0
+    assert fake.requests[-1].n == 2
+    out = capsys.readouterr().out
+    assert "#0  seed 5\n    first answer\n#1  seed 6\n    second\n    answer\n" in out
+    assert main(["generate", "--url", url, "hi"]) == 0 and not fake.requests[-1].n  # one: n not sent
+    with pytest.raises(SystemExit):
+        main(["generate", "--url", url, "--n", "0", "hi"])
+    assert "--n" in capsys.readouterr().err

@@ -97,6 +97,9 @@ def _call_flags(p: argparse.ArgumentParser, default_max_new_tokens: int) -> None
     p.add_argument("--json", action="store_true", help="print the whole response as JSON")
     p.add_argument("--cache-salt", default=None, metavar="SALT",
                    help="reuse cached prompt prefixes only of requests with this salt (at most 256 characters)")
+    p.add_argument("--n", type=int_in("--n", 1, 2**32 - 1), default=1, metavar="N",
+                   help="N samples of the prompt (up to 16; above 1 needs --temperature above 0), with seeds "
+                        "seed + i, prefilled once; each is printed under its number")
     _constraint_flags(p)
     _beam_search_flags(p)
 
@@ -194,7 +197,7 @@ def _call_options(args: argparse.Namespace) -> dict:
                 logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0,
                 num_beams=args.num_beams, num_return_sequences=args.num_return, length_penalty=args.length_penalty,
                 early_stopping=args.early_stopping, beam_threshold=args.beam_threshold,
-                max_candidates_per_parent=args.max_candidates_per_parent, cache_salt=args.cache_salt,
+                max_candidates_per_parent=args.max_candidates_per_parent, cache_salt=args.cache_salt, n=args.n,
                 **_constraint_options(args))
 
 
@@ -229,14 +232,18 @@ def _beam_flags(args: argparse.Namespace) -> list[tuple[str, object]]:
 
 def _print_stream(args: argparse.Namespace, stream) -> None:
     """Text as it arrives (or each chunk as a JSON line), then the n-best list and the stats."""
-    last = None
+    last, samples = None, {}
     for chunk in stream:
         if args.json:
             print(json.dumps(chunk.to_dict()), flush=True)
+        elif args.n > 1:  # samples interleave: each is printed whole when it ends
+            samples[chunk.index] = samples.get(chunk.index, "") + chunk.text
+            if chunk.is_final:
+                _print_sample(chunk.index, chunk.seed, samples[chunk.index])
         elif not chunk.sequences:  # a beam's one chunk is printed as its n-best list
             print(chunk.text, end="", flush=True)
         last = chunk
-    if args.json:
+    if args.json or samples:
         return
     if last is not None and last.sequences:
         _print_beams(last.sequences)
@@ -252,9 +259,18 @@ def _print_result(args: argparse.Namespace, result) -> None:
     elif result.sequences:
         _print_beams(result.sequences)
         _print_stats(result.stats, result.usage, result.timings)
+    elif result.samples:
+        for sample in result.samples:
+            _print_sample(sample.index, sample.seed, sample.text)
+        _print_stats(result.stats, result.usage, result.timings)
     else:
         print(result.text)
         _print_stats(result.stats, result.usage, result.timings, result.seed if args.temperature > 0 else None)
+
+
+def _print_sample(index: int, seed: int | None, text: str) -> None:
+    print(f"#{index}  seed {seed}")
+    print("    " + text.replace("\n", "\n    "), flush=True)
 
 
 def _print_beams(sequences) -> None:
