@@ -159,7 +159,7 @@ class FeatureProposer(Proposer):
             if item.rollback_to == 0:  # a first item: from the cached prefix it continues, if any
                 features = features[features.shape[0] - resumed(item, held).feature_count:]
             last = self._extend(resumed(item, held) if item.rollback_to == 0 else item, slot, features)
-            self.prefixes.took(item.key, slot, item.rollback_to, item.append, item.output_start)
+            self.prefixes.took(item.key, slot, item.rollback_to, item.append)
             grammar = picker.grammars[b] = self.grammars.sync(item)
             penalty = picker.penalties[b] = self.penalties.sync(item)
             lead = item.forced  # fed with the head's own features, as its guesses are: not held

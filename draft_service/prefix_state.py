@@ -62,6 +62,7 @@ class DraftPrefixes:
         self.lag = lag
         self.tokens: dict[Hashable, list[int]] = {}  # per held sequence: the tokens its slot holds the state of
         self.salts: dict[Hashable, str] = {}
+        self.prompts: dict[Hashable, int] = {}  # per held sequence whose prompt is not offered yet: its length
 
     @property
     def retained(self) -> int:
@@ -80,6 +81,7 @@ class DraftPrefixes:
         (a multiple of BLOCK, leaving at least one token to take in; its length is set to them)."""
         self.salts[item.key] = item.cache_salt
         self.tokens[item.key] = []
+        self.prompts[item.key] = item.output_start
         hit = self.cache.lookup(item.append, item.cache_salt) if self.cache is not None and self.cache.entries \
             else None
         if hit is None:
@@ -96,11 +98,11 @@ class DraftPrefixes:
             self.slots.copy_prefix(hit.slot, slot, positions)
         return slot, hit.length
 
-    def took(self, key: Hashable, slot: int, rollback_to: int, appended: list[int], output_start: int = 0) -> None:
+    def took(self, key: Hashable, slot: int, rollback_to: int, appended: list[int]) -> None:
         """The sequence's slot now holds the state of its first ``rollback_to`` tokens and then
-        ``appended``. A running sequence's prompt (``output_start`` tokens, sent on its first item)
-        is offered to others once its state is complete; a prompt rolled back into is withdrawn
-        (its positions are about to be rewritten)."""
+        ``appended``. A running sequence's prompt (its first item's ``output_start`` tokens) is
+        offered to others once its state is complete, in however many items it came; a prompt
+        rolled back into is withdrawn (its positions are about to be rewritten)."""
         tokens = self.tokens.setdefault(key, [])
         del tokens[rollback_to:]
         tokens.extend(appended)
@@ -109,14 +111,15 @@ class DraftPrefixes:
         entry = self.cache.entries.get(slot)
         if entry is not None and rollback_to < len(entry.tokens):
             self.cache.drop(slot)
-        elif entry is None and output_start and len(tokens) >= output_start:
-            self.cache.add_live(slot, tokens[:output_start], self.salts.get(key, ""), None, 0)
+        elif entry is None and self.prompts.get(key, 0) and len(tokens) >= self.prompts[key]:
+            self.cache.add_live(slot, tokens[:self.prompts.pop(key)], self.salts.get(key, ""), None, 0)
 
     def release(self, key: Hashable, slot: int | None, held: int) -> None:
         """The sequence is gone: its slot, whose state is good for its first ``held`` tokens, is
         kept for later sequences where it holds a full block, else freed."""
         tokens = self.tokens.pop(key, [])[:held]
         salt = self.salts.pop(key, "")
+        self.prompts.pop(key, None)
         if slot is None:
             return
         if self.cache is None or not self.cache.retire(slot, tokens, salt, None, 0):

@@ -182,7 +182,7 @@ class DraftProposer(Proposer):
             out[i].length = item.rollback_to + len(item.append) + gamma - 1
             self.cache.set_length(slot, out[i].length)
             # What the cache holds, its own guesses included: a position's K/V is its tokens' whoever chose them.
-            self.prefixes.took(item.key, slot, item.rollback_to, [*item.append, *tokens[:gamma - 1]], item.output_start)
+            self.prefixes.took(item.key, slot, item.rollback_to, [*item.append, *tokens[:gamma - 1]])
             seconds = picker.seconds(b)[:gamma] if item.sampling.greedy else []
             # Rounds drafted ahead mask and penalise nothing: min_tokens' first tokens, constrained
             # and penalised rows draft afresh.

@@ -284,3 +284,20 @@ def test_a_token_drafts_kept_state_includes_the_guesses_the_target_accepted(mode
     off.release(["turn1"])
     _, without = turn(off, "turn2", second, 4)
     _same(with_cache, without)
+
+
+def test_a_prompt_sent_in_parts_is_offered_once_its_state_is_complete(model_zoo, feature_pair):
+    """A long prompt reaches a feature draft over several calls (the target's byte budget per
+    call): it is offered to other sequences when its last part is in, not before."""
+    proposer = _proposer("feature", model_zoo, feature_pair)
+    width = proposer.feature_width
+    first = _Target(proposer, width, "first", PROMPT)
+    part = first.item(gamma=0)
+    part.append = PROMPT[:20]
+    part.features = first.features(0, 19) if width else b""
+    assert proposer.propose([part])[0].length == 20 and not proposer.prefixes.cache.entries
+    first.held = 20
+    first.round()
+    assert [len(e.tokens) for e in proposer.prefixes.cache.entries.values()] == [len(PROMPT) // BLOCK * BLOCK]
+    _run(proposer, width, [("second", PROMPT + [3])], 1)
+    assert proposer.prefixes.cache.hits == 1
