@@ -58,9 +58,8 @@ class NgramPlusModelProposer(Proposer):
         # item's cached_prefix, claimed, brings none before it: the model restores those itself).
         self.features: dict[Hashable, bytearray] = {}
         self.feature_base: dict[Hashable, int] = {}
-        self.claims: dict[Hashable, int] = {}  # a first item's cached_prefix, for the model's first item
-        # Every sequence's first item's constraint, penalties, output_start and cache salt, for the
-        # model's first item (its prefix cache restores what it holds by itself: never a claim).
+        # Every sequence's first item's constraint, penalties, output_start, cache salt and claimed
+        # cached prefix, for the model's first item (again whenever the model holds nothing of it).
         self.firsts: dict[Hashable, dict] = {}
         self.model_asked = False  # by the latest call: only then has the model a round to work ahead on
 
@@ -105,7 +104,6 @@ class NgramPlusModelProposer(Proposer):
             self.model_len.pop(key, None)
             self.features.pop(key, None)
             self.feature_base.pop(key, None)
-            self.claims.pop(key, None)
             self.firsts.pop(key, None)
 
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
@@ -125,9 +123,9 @@ class NgramPlusModelProposer(Proposer):
             if self.feature_width:
                 self._keep_features(item)
             if item.rollback_to == 0:  # a sequence's first item (again, on a new stream)
-                self.claims[item.key] = item.cached_prefix
                 self.firsts[item.key] = {"constraint": item.constraint, "penalties": item.penalties,
-                                         "output_start": item.output_start, "cache_salt": item.cache_salt}
+                                         "output_start": item.output_start, "cache_salt": item.cache_salt,
+                                         "cached_prefix": item.cached_prefix}
             first = self.firsts.get(item.key, {})
             gamma = min(item.gamma, self.max_len - len(sequence) - len(item.forced))
             if gamma > 0:  # lookup from after the forced tokens (context for the lookup only: not held)
@@ -139,7 +137,7 @@ class NgramPlusModelProposer(Proposer):
             if out[i].tokens or gamma <= 0 or item.lookup_only:
                 continue
             # The model's first item: its constraint, penalties, salt, and the target's claim.
-            starts = {**first, "cached_prefix": self.claims.pop(item.key, 0)} if held == 0 else {}
+            starts = first if held == 0 else {}
             catch_up = {}
             if self.feature_width:
                 catch_up = self._catch_up(item.key, held, starts.get("cached_prefix", 0), len(sequence))

@@ -34,7 +34,7 @@ import torch
 
 from draft_service.grammar_state import DraftGrammars
 from draft_service.penalty_state import DraftPenalties
-from draft_service.prefix_state import DraftPrefixes, resumed
+from draft_service.prefix_state import DraftPrefixes, bad_claim, resumed
 from draft_service.proposer import GREEDY, _Picker, node_tables, q_rows
 from draft_service.work_ahead import Ahead, Prepared
 from kernels.lm_head import Hidden
@@ -157,8 +157,9 @@ class FeatureProposer(Proposer):
             n = item.rollback_to + len(item.append)
             self.lengths[item.key] = out[b].length = n
             if item.rollback_to == 0:  # a first item: from the cached prefix it continues, if any
-                features = features[features.shape[0] - resumed(item, held).feature_count:]
-            last = self._extend(resumed(item, held) if item.rollback_to == 0 else item, slot, features)
+                item_held = resumed(item, held)
+                features = features[features.shape[0] - item_held.feature_count:]
+            last = self._extend(item_held if item.rollback_to == 0 else item, slot, features)
             self.prefixes.took(item.key, slot, item.rollback_to, item.append)
             grammar = picker.grammars[b] = self.grammars.sync(item)
             penalty = picker.penalties[b] = self.penalties.sync(item)
@@ -316,15 +317,12 @@ class FeatureProposer(Proposer):
         then resends it whole)."""
         if not item.append or item.rollback_to + len(item.append) > self.max_len \
                 or max(item.append) >= self.vocab_size or max(item.forced, default=0) >= self.vocab_size \
-                or item.cached_prefix >= max(len(item.append), 1) or (item.cached_prefix and item.rollback_to):
+                or bad_claim(item):
             self.release([item.key])
             return None, 0
         if item.rollback_to == 0:  # a (re)start: what it held is kept for what it shares
             self.release([item.key])
-            slot, held = self.prefixes.restore(item)
-            if slot is not None:
-                self.slots[item.key] = slot
-            return slot, held
+            return self.prefixes.start(item, self.slots)
         slot = self.slots.get(item.key)
         if slot is None or item.rollback_to > self.lengths.get(item.key, 0):
             self.release([item.key])

@@ -34,7 +34,7 @@ from typing import Protocol
 from specstream.data.propose import ProposeItem
 from specstream.models.prefix_cache import PrefixCache
 
-__all__ = ["DraftPrefixes", "Slots"]
+__all__ = ["DraftPrefixes", "Slots", "bad_claim", "resumed"]
 
 
 class Slots(Protocol):
@@ -98,6 +98,13 @@ class DraftPrefixes:
             self.slots.copy_prefix(hit.slot, slot, positions)
         return slot, hit.length
 
+    def start(self, item: ProposeItem, slots: dict[Hashable, int]) -> tuple[int | None, int]:
+        """``restore`` for a proposer's first item, its slot recorded in ``slots``."""
+        slot, held = self.restore(item)
+        if slot is not None:
+            slots[item.key] = slot
+        return slot, held
+
     def took(self, key: Hashable, slot: int, rollback_to: int, appended: list[int]) -> None:
         """The sequence's slot now holds the state of its first ``rollback_to`` tokens and then
         ``appended``. A running sequence's prompt (its first item's ``output_start`` tokens) is
@@ -132,13 +139,16 @@ class DraftPrefixes:
             self.cache.clear()
 
 
+def bad_claim(item: ProposeItem) -> bool:
+    """A ``cached_prefix`` no item can carry: on an item that rolls back to a held position, or
+    covering every token appended (at least one is always taken in)."""
+    return bool(item.cached_prefix) and (item.rollback_to > 0 or item.cached_prefix >= len(item.append))
+
+
 def resumed(item: ProposeItem, held: int) -> ProposeItem:
     """``item`` (rollback_to 0) as it reads for a slot that holds its first ``held`` tokens: rolled
-    back to them, the rest appended, and for a feature draft only the features it still needs."""
+    back to them, the rest appended. Its features are left out: a feature draft reads the last
+    ``feature_count`` of those it was sent."""
     if held == 0 and not item.cached_prefix:
         return item
-    row = 2 * item.feature_width
-    # Features sent: from position max(cached_prefix - 1, 0); needed: from max(held - 1, 0).
-    skip = max(held - 1, 0) - max(item.cached_prefix - 1, 0)
-    return replace(item, rollback_to=held, append=item.append[held:], cached_prefix=0,
-                   features=item.features[skip * row:] if row else item.features)
+    return replace(item, rollback_to=held, append=item.append[held:], cached_prefix=0, features=b"")

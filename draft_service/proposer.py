@@ -43,7 +43,7 @@ import torch
 import kernels
 from draft_service.grammar_state import DraftGrammars, GrammarRow, allowed_rows
 from draft_service.penalty_state import DraftPenalties, PenaltyRow
-from draft_service.prefix_state import DraftPrefixes, resumed
+from draft_service.prefix_state import DraftPrefixes, bad_claim, resumed
 from draft_service.work_ahead import Ahead, Prepared
 from kernels.lm_head import Hidden
 from kernels.nbest import MAX_K, top_scores
@@ -279,15 +279,12 @@ class DraftProposer(Proposer):
         (None, 0) when its state is gone, the item cannot be held, or no slot is free."""
         if not item.append or item.rollback_to + len(item.append) > self.max_len \
                 or max(item.append) >= self.model.config.vocab_size \
-                or item.cached_prefix >= len(item.append) or (item.cached_prefix and item.rollback_to):
+                or bad_claim(item):
             self.release([item.key])
             return None, 0
         if item.rollback_to == 0:  # a (re)start: what it held is kept for what it shares
             self.release([item.key])
-            slot, held = self.prefixes.restore(item)
-            if slot is not None:
-                self.slots[item.key] = slot
-            return slot, held
+            return self.prefixes.start(item, self.slots)
         slot = self.slots.get(item.key)
         if slot is None or item.rollback_to > self.cache.length(slot):
             self.release([item.key])
