@@ -59,9 +59,8 @@ AUTO_GAMMA = -1  # a row's requested γ under speculation=auto
 # Proposers whose chains end where their own confidence does (draft_service/suffix.py): for a row
 # they answer, γ is a cap, not a length. Where the controller gives such a row any γ, it gets its
 # limit, within the depth the step verifies anyway when other rows share it (a longer chain would
-# pad every row's verify): at batch 1 the proposer decides how far to go. Measured on the agent
-# transcript (docs/benchmarks.md, "Agent traffic"): decoding 1.24x faster than at the γ the
-# α-geometric model picks; prompt lookup, which copies γ tokens whatever follows, loses there.
+# pad every row's verify): at batch 1 the proposer decides how far to go (docs/benchmarks.md,
+# "Agent traffic"). Prompt lookup copies γ tokens whatever follows: the controller prices it.
 SELF_LIMITING = frozenset({"suffix"})
 BRANCH_PRIOR = 0.3  # β before any branch was verified: a runner-up beside a refused guess is right
 MAX_BACKOFF = 3  # a row's probes wait at most probe_every × 2^MAX_BACKOFF idle steps
