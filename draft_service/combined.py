@@ -23,10 +23,13 @@ model the slice its catch-up needs. Items whose features the model cannot read a
 
 A constrained sequence (its first item carries ``constraint``) is looked up too, from after its
 forced tokens (``ProposeItem.forced``, taken as context for the lookup and not held, since a
-feature model has no features for them yet: the target sends them once committed): a JSON
-answer copies names, places and addresses from its prompt. Lookup's copies are unmasked, and the
-target cuts them at the first token the grammar refuses (target_service/grammar_rows.py: exact, as
-for any guess). Where lookup has nothing, the model guesses from its distribution masked by the
+feature model has no features for them yet: the target sends them once committed), along its
+grammar (draft_service/grammar_lookup.py): the grammar's likely tokens where it allows one text,
+and elsewhere the copies (a JSON answer copies names, places and addresses from its prompt, its
+words matched without their leading space) up to the first the grammar refuses. A draft model
+without a tokenizer leaves the lookup none: its copies then go out unmasked, and the target cuts
+them at the first token the grammar refuses (target_service/grammar_rows.py: exact, as for any
+guess). Where lookup has nothing, the model guesses from its distribution masked by the
 grammar (draft_service/grammar_state.py): it gets the constraint on its first item for the
 sequence, and every item's forced tokens to guess on from. A penalised sequence's penalties go to
 the model on its first item the same way (lookup's copies are not penalised: the target verifies
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping
 
+from draft_service.grammar_lookup import GrammarLookup
 from draft_service.ngram import NgramIndex, NgramProposer
 from draft_service.proposer import DraftProposer
 from draft_service.suffix import SuffixProposer, SuffixSequence
@@ -49,7 +53,10 @@ class NgramPlusModelProposer(Proposer):
                  lookup: NgramProposer | SuffixProposer | None = None) -> None:
         """``lookup``: the model-free side (prompt lookup of ``min_n``..``max_n``-grams when None)."""
         self.model = model
-        self.ngram = lookup if lookup is not None else NgramProposer(max_slots, model.max_len, min_n, max_n)
+        compiler = model.grammars.compiler
+        self.ngram = lookup if lookup is not None else NgramProposer(
+            max_slots, model.max_len, min_n, max_n, compiler.space_free_ids if compiler is not None else None)
+        self.grammar = GrammarLookup(compiler)  # constrained sequences' lookup follows their grammar
         self.model_len: dict[Hashable, int] = {}  # leading tokens of the history the model's cache holds
         self.feature_width = model.feature_width
         self.feature_layers = model.feature_layers
@@ -99,6 +106,7 @@ class NgramPlusModelProposer(Proposer):
 
     def release(self, keys: list[Hashable]) -> None:
         self.ngram.release(keys)
+        self.grammar.release(keys)
         self.model.release(keys)
         for key in keys:
             self.model_len.pop(key, None)
@@ -128,7 +136,11 @@ class NgramPlusModelProposer(Proposer):
                                          "cached_prefix": item.cached_prefix}
             first = self.firsts.get(item.key, {})
             gamma = min(item.gamma, self.max_len - len(sequence) - len(item.forced))
-            if gamma > 0:  # lookup from after the forced tokens (context for the lookup only: not held)
+            grammar = self.grammar.sync(item, sequence.tokens)
+            if gamma > 0 and grammar is not None:  # the grammar's likely tokens and lookup's, after the forced ones
+                out[i].tokens = without_masked(item, self.grammar.chain(item.key, grammar, sequence, item.forced,
+                                                                        gamma), [])[0]
+            elif gamma > 0:  # lookup from after the forced tokens (context for the lookup only: not held)
                 sequence.extend(item.forced)
                 branches = item.branches if item.sampling.greedy and first.get("constraint") is None else 0
                 out[i].tokens, out[i].parents = without_masked(item, *sequence.proposal(gamma, branches))

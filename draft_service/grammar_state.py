@@ -103,6 +103,25 @@ class DraftGrammars:
             return None
         return row
 
+    def follow(self, item: ProposeItem, tokens: list[int]) -> GrammarRow | None:
+        """``sync`` for a holder that keeps the sequence's tokens itself (``tokens``: all of them,
+        the item's applied) and may hold more than this row was fed (a lookup in front of a token
+        draft keeps the model's guesses): the row is rolled back to what it shares with ``tokens``
+        up to ``rollback_to``, then fed the rest."""
+        if item.constraint is not None and item.rollback_to == 0:
+            self.rows.pop(item.key, None)
+            if (row := self._start(item)) is None:
+                return None
+            self.rows[item.key] = row
+        row = self.rows.get(item.key)
+        if row is None:
+            return None
+        keep = max(row.start, min(row.start + row.consumed, item.rollback_to))
+        if not row.hold(keep) or not row.take(tokens[keep:]):
+            self._drop(item.key, "its matcher fell out of step with the tokens held")
+            return None
+        return row
+
     def hold(self, key: Hashable, length: int) -> None:
         """After a call: the row rolled back to the ``length`` tokens the draft now holds."""
         row = self.rows.get(key)

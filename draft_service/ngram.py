@@ -30,7 +30,7 @@ Knows nothing about gRPC, the target or tokenizers: keys are opaque, tokens are 
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from specstream.data.propose import Proposal, ProposeItem, Proposer, with_forced_appended, without_masked
 
@@ -50,10 +50,15 @@ class NgramIndex:
     the dict the shorter sequence had.
     """
 
-    def __init__(self, min_n: int, max_n: int) -> None:
+    def __init__(self, min_n: int, max_n: int, canonical: Sequence[int] | None = None) -> None:
+        """``canonical``: per token id the id its n-grams are matched by (``space_free_ids``: a
+        word with its leading space is the word without), so that a JSON value that starts after a
+        quote finds the prompt's words; None: the ids themselves. Guesses are the ids that followed."""
         assert 1 <= min_n <= max_n
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
+        self._canonical = canonical
+        self._keys: list[int] = self.tokens if canonical is None else []  # what n-grams are made of
         self._latest: dict[tuple[int, ...], int] = {}  # one dict for every n: tuple lengths differ
         self._undo: list[int] = []
 
@@ -65,10 +70,12 @@ class NgramIndex:
             # The n-grams ending at the current last token stop being suffixes: index them.
             end = len(self.tokens)
             for n in range(self.min_n, min(self.max_n, end) + 1):
-                gram = tuple(self.tokens[end - n:end])
+                gram = tuple(self._keys[end - n:end])
                 self._undo.append(self._latest.get(gram, -1))
                 self._latest[gram] = end - n
             self.tokens.append(token)
+            if self._canonical is not None:
+                self._keys.append(self._canonical[token] if 0 <= token < len(self._canonical) else token)
 
     def truncate(self, length: int) -> None:
         """Keeps the first `length` tokens (at most len(self))."""
@@ -76,7 +83,7 @@ class NgramIndex:
         # Unindex the n-grams that `extend` indexed when tokens length..len-1 arrived, newest first.
         for end in range(len(self.tokens) - 1, length - 1, -1):
             for n in range(min(self.max_n, end), self.min_n - 1, -1):
-                gram = tuple(self.tokens[end - n:end])
+                gram = tuple(self._keys[end - n:end])
                 previous = self._undo.pop()
                 if previous < 0:
                     del self._latest[gram]
@@ -85,6 +92,8 @@ class NgramIndex:
         if length == 0:
             assert not self._undo and not self._latest
         del self.tokens[length:]
+        if self._canonical is not None:
+            del self._keys[length:]
 
     def proposal(self, gamma: int, branches: int) -> tuple[list[int], list[int]]:
         """(tokens, parents): the chain, up to `gamma` guesses after the latest earlier occurrence of
@@ -94,7 +103,7 @@ class NgramIndex:
         the branches before it (parents empty when there are none)."""
         size = len(self.tokens)
         suffixes = range(min(self.max_n, size - 1), self.min_n - 1, -1)
-        match = next(((n, start) for n in suffixes if (start := self._latest.get(tuple(self.tokens[size - n:])))
+        match = next(((n, start) for n in suffixes if (start := self._latest.get(tuple(self._keys[size - n:])))
                       is not None), None)
         if match is None or gamma <= 0:
             return [], []
@@ -108,7 +117,7 @@ class NgramIndex:
         for shorter in range(n - 1, self.min_n - 1, -1):
             if len(others) == branches:
                 break
-            earlier = self._latest.get(tuple(self.tokens[size - shorter:]))
+            earlier = self._latest.get(tuple(self._keys[size - shorter:]))
             token = self.tokens[earlier + shorter] if earlier is not None else None
             if token is not None and token != chain[0] and token not in others:
                 others.append(token)
@@ -119,7 +128,10 @@ class NgramProposer(Proposer):
     """Prompt-lookup proposals (module docstring) for up to `max_slots` sequences of up to
     `max_len` tokens each; the same interface and protocol errors as DraftProposer."""
 
-    def __init__(self, max_slots: int, max_len: int, min_n: int = 1, max_n: int = 4) -> None:
+    def __init__(self, max_slots: int, max_len: int, min_n: int = 1, max_n: int = 4,
+                 canonical: Sequence[int] | None = None) -> None:
+        """``canonical``: a constrained sequence's n-grams are matched by these ids (NgramIndex),
+        down to single tokens (its guesses are checked against its grammar: GrammarLookup)."""
         if not 1 <= min_n <= max_n:
             raise ValueError(f"min_n={min_n!r}, max_n={max_n!r}: must be 1 <= min_n <= max_n")
         if max_slots < 1:
@@ -127,6 +139,7 @@ class NgramProposer(Proposer):
         self.max_slots = max_slots  # bounds the memory: about 100 bytes per token per n
         self.max_len = max_len
         self.min_n, self.max_n = min_n, max_n
+        self.canonical = canonical
         self.name = SOURCE
         self.vocab_size = ANY_ID
         self.sequences: dict[Hashable, NgramIndex] = {}
@@ -165,7 +178,9 @@ class NgramProposer(Proposer):
         if sequence is None:
             if item.rollback_to != 0 or len(self.sequences) >= self.max_slots:
                 return None
-            sequence = self.sequences[item.key] = NgramIndex(self.min_n, self.max_n)
+            constrained = item.constraint is not None and self.canonical is not None
+            sequence = self.sequences[item.key] = (NgramIndex(1, self.max_n, self.canonical) if constrained
+                                                   else NgramIndex(self.min_n, self.max_n))
         if item.rollback_to > len(sequence) or not item.append or item.rollback_to + len(item.append) > self.max_len:
             self.release([item.key])
             return None

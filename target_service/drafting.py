@@ -473,14 +473,14 @@ class Drafting:
     def _lookup_only(self, rows: list[Sequence], views: list[RowView], gammas: list[int], caps: list[int],
                      source: DraftSource) -> set[int]:
         """The rows to ask the draft's lookup alone (``ProposeItem.lookup_only``), their γ set in
-        ``gammas``: under speculation=auto, free text, given γ 0 by the controller, and not waiting
+        ``gammas``: under speculation=auto, given γ 0 by the controller, and not waiting
         after lookup-only asks that found nothing (each miss doubles the wait, up to LOOKUP_WAIT_MAX
         steps: a lookup that never matches costs a propose call now and then, not every step)."""
         if not source.lookup:
             return set()
         chosen = set()
         for i, (seq, view) in enumerate(zip(rows, views)):
-            if gammas[i] or view.gamma != AUTO_GAMMA or view.constrained or not caps[i]:
+            if gammas[i] or view.gamma != AUTO_GAMMA or not caps[i]:
                 continue
             held = self._held.setdefault(seq.seq_id, _Held())
             if held.lookup_wait:
@@ -502,11 +502,15 @@ class Drafting:
         return seq.reused if seq.reused < len(seq.tokens) else 0
 
     def _forced(self, seq: Sequence) -> list[int]:
-        """A constrained sequence's forced tokens (the grammar allows nothing else there), when it
-        speculates (γ not 0), up to ``MAX_FORCED`` and its budget less the target's own last token."""
+        """A constrained sequence's grammar tokens, when it speculates (γ not 0): its forced tokens
+        (the grammar allows nothing else there) and the likely ones on (``Matcher.likely``: where the
+        text it allows alone may be tokenized more ways than one, its canonical tokenization), up to
+        ``MAX_FORCED`` and its budget less the target's own last token. Point masses the target
+        verifies as any guess: a likely token it refuses ends the row's proposals there."""
         if seq.matcher is None or not seq.gamma or not self.forced_tokens:
             return []
-        return seq.matcher.forced()[: max(0, min(MAX_FORCED, seq.remaining - 1))]
+        forced, likely = seq.matcher.forced(), seq.matcher.likely()
+        return (likely if likely[:len(forced)] == forced else forced)[: max(0, min(MAX_FORCED, seq.remaining - 1))]
 
     def _unfed(self, seq: Sequence, epoch: int) -> int:
         """Tokens of ``seq`` the draft has not taken in (all of them on a fresh stream)."""

@@ -255,26 +255,29 @@ class GammaController:
         by that model's α, and one priced out is never asked again, so the lookup in front of the
         model (prompt lookup, suffix drafting; ``source`` names it) would go unheard however well
         it matches. The depth up to ``cap`` whose expected tokens at the lookup's α for this row
-        (its own counts over the lookup's pool) best pay for the verify positions it adds to the
+        (its own counts over the lookup's pool; a constrained row's apart, ``pooled_source``, with
+        its forced tokens in the verify before the guesses) best pay for the verify positions it adds to the
         step (the other rows counted at one token each: a lower bound); 0 unless that beats the
         step without it by ``min_gain``, and before the step costs are measured."""
         row = rows[i]
         cap = min(cap, row.max_gamma or self.max_gamma, self.max_gamma)  # as `choose` limits a row
         if cap <= 0 or not self.costs.ready or self.policy not in ("goodput", "leviathan"):
             return 0
-        alpha = self._posterior(row.seq_id, row.greedy, source)[0]
-        costs, n, depth, sampled = self.costs, len(rows), max(gammas, default=0), int(not row.greedy)
+        alpha = self._posterior(row.seq_id, row.greedy, pooled_source(source, row.constrained))[0]
+        costs, n, sampled = self.costs, len(rows), int(not row.greedy)
+        depth = max((r.forced + g for r, g in zip(rows, gammas)), default=0)  # the rows' forced tokens verify too
         base_verify = costs.verify_s(n * (depth + 1), sampled)
         step_s = self.predicted_s or base_verify + costs.other_s
-        best, best_rate = 0, n / step_s
-        tokens, term = float(n), 1.0
+        committed = float(n + sum(r.forced for r in rows))  # without the lookup: 1 + forced tokens a row
+        best, best_rate = 0, committed / step_s
+        tokens, term = committed, 1.0
         for g in range(1, cap + 1):
             term *= alpha
             tokens += term
-            added = max(0.0, costs.verify_s(n * (max(depth, g) + 1), sampled) - base_verify)
+            added = max(0.0, costs.verify_s(n * (max(depth, row.forced + g) + 1), sampled) - base_verify)
             if tokens / (step_s + added) > best_rate * (1.0 + 1e-9):
                 best, best_rate = g, tokens / (step_s + added)
-        if best_rate < n / step_s * (1.0 + self.min_gain):
+        if best_rate < committed / step_s * (1.0 + self.min_gain):
             return 0
         return cap if source in SELF_LIMITING and n == 1 else best  # γ a cap, as in ``choose`` (never the model's here)
 

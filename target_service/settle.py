@@ -94,8 +94,8 @@ class VerifyRow:
     # [len(proposals) + 1, W] of the tokens its grammar allows next (bit b of word w: token 32 w + b;
     # ids past 32 W are refused); None: free text. Greedy and sampled alike never emit a refused id.
     grammar_mask: np.ndarray | None = None
-    # Leading proposals that are the grammar's forced tokens (target_service/drafting.py), not a
-    # model's guesses: point masses, priced by no draft.
+    # Leading proposals that are the grammar's (target_service/drafting.py ``_forced``): its forced
+    # tokens and the likely ones after them, not a model's guesses: point masses, priced by no draft.
     forced: int = 0
     # Penalties with the committed tokens' counts (target_service/penalties.py): applied at each node
     # with those and the path's proposals.

@@ -452,6 +452,25 @@ def test_a_row_priced_out_by_its_model_still_gets_its_lookup_asked_where_it_pays
     assert gentle.controller.lookup_gamma(view, [0], 0, "ngram", 8) < at_prior
 
 
+def test_a_constrained_rows_lookup_is_priced_on_its_own_pool():
+    """A constrained row's lookup (draft_service/grammar_lookup.py) is asked alone too, priced by
+    what its lookup guesses kept under the grammar (``ngram+grammar``), apart from the same
+    proposer's free-text record: failures there lower its γ and leave the free row's as it was."""
+    gentle = SimulatedEngine(GammaController(max_gamma=MAX_GAMMA), 1, verify=lambda positions: 1.0 + 0.1 * positions,
+                             draft=lambda depth, proposals: 0.5 * depth)
+    for _ in range(200):
+        gentle.step(0.05)  # the model: priced out
+    free, constrained = [RowView(0, AUTO_GAMMA, MAX_GAMMA, True)], [RowView(0, AUTO_GAMMA, MAX_GAMMA, True,
+                                                                             constrained=True, forced=2)]
+    free_gamma = gentle.controller.lookup_gamma(free, [0], 0, "ngram", 8)
+    at_prior = gentle.controller.lookup_gamma(constrained, [0], 0, "ngram", 8)
+    assert free_gamma > 0 and at_prior > 0
+    for _ in range(30):  # its lookup guesses under the grammar fail
+        gentle.controller.observe(0, "ngram+grammar", True, 4, 0)
+    assert gentle.controller.lookup_gamma(constrained, [0], 0, "ngram", 8) < at_prior
+    assert gentle.controller.lookup_gamma(free, [0], 0, "ngram", 8) == free_gamma
+
+
 def test_a_row_a_self_limiting_proposer_answered_gets_its_limit_alone_and_no_wider_verify_in_a_batch():
     """Suffix drafting ends its chains where its own confidence does: a row it answered, given any
     γ, asks up to its limit at batch 1 (the proposer decides how far), and in a step shared with

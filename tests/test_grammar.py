@@ -222,3 +222,20 @@ def test_bench_constraint_cost_times_or_refuses_each_case_on_the_real_tokenizer(
     broken = offline(compiler, Case("broken", Constraint("regex", "(unclosed")))
     assert broken["compiled"] is False and broken["compile_ms"] > 0 and broken["reason"]
     assert offline(compiler, Case("none")) == {"source_kib": 0.0, "compiled": None, "compile_ms": None}
+
+
+def test_likely_tokens_are_the_forced_text_canonically_tokenized(compiler, tokenizer):
+    """Where the grammar allows one text but several tokenizations of it (after a key, ``":"`` or
+    ``":`` then a token starting with a quote), nothing is forced and ``likely()`` is that text as
+    the tokenizer encodes it; where tokens are forced, the likely ones begin with them."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    grammar = compiler.compile(Constraint("json_schema", json.dumps(schema)))
+    matcher = grammar.matcher()
+    assert matcher.consume(tokenizer.encode('{"name')) == len(tokenizer.encode('{"name'))
+    assert matcher.forced() == [] and matcher.likely() == tokenizer.encode('":"')
+    matcher = grammar.matcher()
+    matcher.consume(tokenizer.encode('{"name":"Ada"'))
+    forced, likely = matcher.forced(), matcher.likely()
+    assert forced and likely[:len(forced)] == forced and tokenizer.decode(likely) == ',"age":'
+    assert matcher.valid_prefix(likely) == len(likely)

@@ -308,12 +308,14 @@ def symbol_pair(sampling_pair, tmp_path_factory):
     return {"target": root / "target", "draft": root / "draft", "tokenizer": TextTokenizer.from_dir(root / "target")}
 
 
-def _sampled(pair, draft, gamma, seeds, coupled=False, constraint=SYMBOLS, aware=True, steps=None) -> list[str]:
+def _sampled(pair, draft, gamma, seeds, coupled=False, constraint=SYMBOLS, aware=True, steps=None,
+             prompt=(5, 9, 17, 3, 22), proposer=None) -> list[str]:
     params = [SamplingParams(temperature=1.0, seed=s) for s in seeds]
     config = {"calibrate": False, **({"speculative_sampling": "coupled"} if coupled else {})}
-    tokens, finals = run_engine(pair["target"], pair[draft] if draft else None, [[5, 9, 17, 3, 22]] * len(seeds),
+    tokens, finals = run_engine(pair["target"], pair[draft] if draft else None, [list(prompt)] * len(seeds),
                                 gamma, 7, stop_ids=[1, 31], eos_ids=[1, 31], sampling=params, max_slots=64,
-                                constraint=constraint, config=config, grammar_draft=aware, steps=steps)
+                                constraint=constraint, config=config, grammar_draft=aware, steps=steps,
+                                proposer=proposer)
     texts = [pair["tokenizer"].decode(t) for t in tokens]
     assert all(f.finish_reason == "stop" and re.fullmatch(constraint.source, text) for text, f in zip(texts, finals))
     return texts
@@ -366,6 +368,32 @@ def test_forced_tokens_before_sampled_guesses_keep_the_constrained_distribution(
     assert coupled == plain[:300]
 
 
+def test_grammar_aware_lookup_before_sampled_guesses_keeps_the_constrained_distribution(symbol_pair):
+    """Served as the default pair serves it (prompt lookup in front of the draft model), a
+    constrained sampled row gets the grammar-aware lookup's point masses (draft_service/grammar_lookup.py:
+    copies of the symbols its prompt repeats, the forced commas' likely tokens), then the model's
+    guesses with q: no guess is cut, and each free character's marginal matches plain's (two-sample
+    chi-square, false alarm 1e-3 each)."""
+    from draft_service.combined import NgramPlusModelProposer
+    from draft_service.proposer import DraftProposer
+
+    prompt = (5, 9, 10, 9, 10, 11, 9, 10, 3, 22)  # symbols ' ( ) repeated: lookup has something to copy
+    plain = _sampled(symbol_pair, None, 0, range(SAMPLES), constraint=FORCED_SYMBOLS, prompt=prompt)
+    model = DraftProposer(load_model(symbol_pair["draft"]), 64, 512, grammars=compiler_for(symbol_pair["target"]))
+    recorder = _Recorder(NgramPlusModelProposer(model, 64, min_n=2))
+    steps: dict = {}
+    spec = _sampled(symbol_pair, None, 3, range(1 << 22, (1 << 22) + SAMPLES), constraint=FORCED_SYMBOLS,
+                    prompt=prompt, proposer=recorder, steps=steps)
+    looked_up = sum(len(reply.tokens) for _, reply in recorder.items if reply.source == "ngram")
+    assert looked_up > SAMPLES  # the lookup guessed (more than once a sequence)
+    assert steps["metrics"].registry.get_sample_value("specstream:grammar_cut_draft_tokens_total") == 0
+    for i in (0, 1, 4, 5):
+        a, b = Counter(t[i] for t in spec), Counter(t[i] for t in plain)
+        assert len(b) >= 3  # not a point mass
+        p_value = two_sample_p_value(a, b)
+        assert p_value > THRESHOLD, (i, p_value)
+
+
 def test_a_feature_draft_drafts_from_its_masked_distribution(feature_pair, model_zoo, plain):
     """The feature draft (a head over the target's features) holds its own matcher too: its
     guesses are never cut by the grammar, the free head's are; both give constrained plain output."""
@@ -400,9 +428,9 @@ def test_a_feature_draft_guesses_on_after_forced_tokens(feature_pair, model_zoo,
     """A pass with forced tokens asks the feature draft too (ProposeItem.forced): it feeds them its
     own features and guesses on from its masked distribution, so no guess of it is ever cut. Served
     as the pair serves it, behind prompt lookup, a constrained row is looked up first, from after its
-    forced tokens (lookup's unmasked copies, which the target cuts where the grammar refuses them),
-    and drafted by the model (the constraint reaches it) where lookup has nothing. Constrained plain
-    output either way."""
+    forced tokens, along its grammar (draft_service/grammar_lookup.py: the lookup keeps a matcher of
+    its own, so no guess of it is cut either), and drafted by the model (the constraint reaches it)
+    where lookup has nothing. Constrained plain output either way."""
     from draft_service.combined import NgramPlusModelProposer
     from draft_service.feature import FeatureProposer
     from specstream.models.feature_draft import load_feature_draft
@@ -420,10 +448,9 @@ def test_a_feature_draft_guesses_on_after_forced_tokens(feature_pair, model_zoo,
     assert after_forced and any(reply.tokens and reply.source == "model" for _, reply in after_forced)
     for item, reply in after_forced:  # the draft holds what was committed, not the forced tokens
         assert reply.length == item.rollback_to + len(item.append) and reply.source in ("model", "ngram")
-    looked_up = [reply for _, reply in after_forced if reply.source == "ngram" and reply.tokens]
-    assert bool(looked_up) == lookup
-    if not lookup:  # the masked model's guesses are never cut (lookup's copies may be)
-        assert cut == 0
+    asked_lookup = [reply for _, reply in recorder.items if reply.source == "ngram"]
+    assert bool(asked_lookup) == lookup
+    assert cut == 0  # neither the masked model's guesses nor the grammar-aware lookup's are ever cut
 
 
 def test_a_constraint_submitted_with_no_event_loop_running_compiles_there(model_zoo):

@@ -235,7 +235,8 @@ class TargetConfig:
     # row's chain and branches together stay within max_gamma (the slot's headroom past its budget).
     tree_branches: int = 4
     # A constrained request that speculates proposes its grammar's forced tokens (the text the
-    # grammar allows alone: a schema's braces, keys, quotes) before any draft guess, at no model cost.
+    # grammar allows alone: a schema's braces, keys, quotes), and that text's likely tokens where it
+    # may be tokenized more ways than one, before any draft guess, at no model cost.
     forced_tokens: bool = True
     # Time verify forwards of each step shape at start-up for the γ controller's cost model
     # (target_service/calibration.py; a few seconds at most).

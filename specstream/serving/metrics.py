@@ -213,7 +213,8 @@ class TargetMetrics:
         self.grammar_cut = Counter(f"{PREFIX}grammar_cut_draft_tokens", "Proposals cut before verification because "
                                    "the request's grammar refuses them (or a token before them).", registry=r)
         self.forced_tokens = Counter(f"{PREFIX}grammar_forced_tokens", "Tokens proposed because the request's "
-                                     "grammar allows nothing else (no model guessed them).", registry=r)
+                                     "grammar allows nothing else there, or allows one text there and these are "
+                                     "its likely tokens (no model guessed them).", registry=r)
         # The prefix cache (specstream/models/prefix_cache.py), by vLLM's names: tokens, not requests.
         self.prefix_queries = Counter(f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
                                       "(the full blocks before each admitted prompt's last token).", registry=r)

@@ -15,7 +15,8 @@ source; ``cached(constraint)`` looks without compiling); ``grammar.matcher()`` -
 per sequence: ``allowed()`` the mask of the next position, ``valid_prefix(tokens)`` how many of some
 guesses it accepts, ``consume(tokens)`` commits
 the tokens it accepts, ``rollback(n)`` takes the last n back, ``forced()`` the tokens the grammar
-allows alone from here. ``fill_masks`` fills the masks of a whole batch of speculative rows (after
+allows alone from here, ``likely()`` those and the likely tokens on where the text it allows
+alone may be tokenized more ways than one. ``fill_masks`` fills the masks of a whole batch of speculative rows (after
 the committed tokens and after each valid guess) in one call, off the GIL on llguidance's threads.
 A matcher that reaches llguidance's limits mid-output fails (``failed``, ``GrammarError``) without
 failing the batch: its sequence ends with an error when it commits (target_service/sequence.py).
@@ -27,6 +28,7 @@ constraints to refuse bad ones before any work, and it does not load torch.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -104,21 +106,22 @@ class GrammarError(RuntimeError):
 class Grammar:
     """A compiled constraint: a matcher at its start, copied for every sequence (not compiled again)."""
 
-    def __init__(self, start: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(self, start: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer) -> None:
         self._start = start
-        self._vocab_size = vocab_size
+        self._tokenizer = tokenizer
 
     def matcher(self) -> Matcher:
-        return Matcher(self._start.deep_copy(), self._vocab_size)
+        return Matcher(self._start.deep_copy(), self._tokenizer)
 
 
 class Matcher:
     """One sequence's place in its grammar."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer) -> None:
         self._m = matcher
-        self.vocab_size = vocab_size
-        self._bits = llg_numpy.allocate_token_bitmask(1, vocab_size)  # [1, W] int32
+        self._tokenizer = tokenizer
+        self.vocab_size = tokenizer.vocab_size
+        self._bits = llg_numpy.allocate_token_bitmask(1, self.vocab_size)  # [1, W] int32
 
     def mask(self) -> np.ndarray:
         """The packed mask int32 [W] of the next position; a failed matcher's (``failed``) refuses
@@ -153,6 +156,17 @@ class Matcher:
         """The tokens that follow whatever the model says (the grammar allows nothing else)."""
         return self._m.compute_ff_tokens()
 
+    def likely(self) -> list[int]:
+        """The text that follows whatever the model says, in its canonical tokenization (as the
+        tokenizer encodes a prompt): ``forced()`` and, where that text may be tokenized more ways
+        than one (after a JSON key, ``":"`` is the token ``":"``, or ``":`` then a token starting
+        with a quote), the likely way on. Guesses beyond ``forced()``, not certain tokens."""
+        text = self._m.compute_ff_bytes()
+        if not text:
+            return []
+        tokens = self._tokenizer.tokenize_bytes(text)
+        return tokens[:self.valid_prefix(tokens)]
+
     @property
     def accepting(self) -> bool:
         """Whether the output may end here."""
@@ -182,9 +196,15 @@ class GrammarCompiler:
         ends = list(dict.fromkeys([*tokenizer.eos_token_ids, *([tokenizer.end_of_turn_id]
                                                              if tokenizer.end_of_turn_id is not None else [])]))
         self._tokenizer = llguidance.LLTokenizer(hf.to_str(), n_vocab=tokenizer.vocab_size, eos_token=ends)
+        self._text_tokenizer = tokenizer
         self._cache: OrderedDict[Constraint, Grammar] = OrderedDict()
         self._capacity = capacity
         self._lock = threading.Lock()
+
+    @functools.cached_property
+    def space_free_ids(self) -> list[int]:
+        """TextTokenizer.space_free_ids: how a constrained row's lookup matches words (GrammarLookup)."""
+        return self._text_tokenizer.space_free_ids()
 
     def cached(self, constraint: Constraint) -> Grammar | None:
         """The grammar if it is compiled already (costs nothing), else None."""
@@ -204,7 +224,7 @@ class GrammarCompiler:
         start = llguidance.LLMatcher(self._tokenizer, _grammar_text(constraint), log_level=0, limits=LIMITS)
         if start.is_error():
             raise InvalidArgumentError(constraint.field, constraint.source, start.get_error())
-        grammar = Grammar(start, self._tokenizer.vocab_size)
+        grammar = Grammar(start, self._tokenizer)
         first = grammar.matcher()  # its first mask, once: a grammar that allows no output at all is refused here
         allowed = first.mask()
         if first.failed is not None or not allowed.any():

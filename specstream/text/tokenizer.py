@@ -291,6 +291,17 @@ class TextTokenizer:
             return bytes([int(byte.group(1), 16)])
         return self.token_text(token_id).encode("utf-8")
 
+    def space_free_ids(self) -> list[int]:
+        """Per token id, the id of the same piece without its leading space where the vocabulary
+        has one (byte-level BPE's ``Ġword`` -> ``word``, SentencePiece's ``▁word`` -> ``word``), else
+        the id itself: a word inside a sentence and the same word after a quote are one word."""
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        ids = list(range(self.vocab_size))
+        for piece, token_id in vocab.items():
+            if piece[:1] in ("Ġ", "▁") and (bare := vocab.get(piece[1:])) is not None and token_id < len(ids):
+                ids[token_id] = bare
+        return ids
+
     def detokenizer(self, prompt_ids: Sequence[int]) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.decode, prompt_ids)
 
