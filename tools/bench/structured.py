@@ -23,6 +23,10 @@ Rows, each on the same requests through the real processes:
   `make peer` installed it; and transformers `generate()` on the same checkpoint (dense, the
   pair's dtype) with the same llguidance grammar as a logits processor, every workload.
 
+The four stacks run side by side and each request's runs take turns across the rows (one run of
+every row, then the next), each request timed on its fastest run: a slow moment of a shared
+machine falls on every row alike rather than on the row that happened to run then.
+
 Per row and workload: tokens/s, the share of forced tokens in the answers, α (draft guesses
 accepted / proposed, forced tokens included), tokens per target pass, the share of answers valid
 against their schema / regex / choices (`jsonschema` for JSON; an answer the token budget cut,
@@ -33,6 +37,7 @@ constrained plain's (a row whose tokens differ stops the run: tools/bench/checks
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -196,42 +201,49 @@ def run(models: BenchModels, out_dir: Path, max_new_tokens: int = 96, repeats: i
     stacks = {"plain": dict(models.stack_fields(speculative=False)),
               "cut": {**fields, "grammar_draft": False, "extra_target_args": ["--no-forced-tokens"]},
               "ours": fields, "colocated": {**fields, "colocate_draft": True}}
-    measured: dict[tuple[str, str], _Measured] = {}
+    measured = {(w.name, row[0]): _Measured() for w in workloads for row in ROWS}
     total = len(ROWS) * sum(len(w.questions) for w in workloads)
-    with Progress(total, "answers", "structured", quiet=quiet) as progress:
-        for stack_name, stack_fields in stacks.items():
-            rows = [r for r in ROWS if r[3] == stack_name]
-            progress.phase(f"structured: stack '{stack_name}' starting")
-            with tempfile.TemporaryDirectory() as logs, Stack(StackSpec(**stack_fields, max_gamma=16,
-                                                                        log_dir=logs)) as stack:
-                from specstream_client import Client
+    with Progress(total, "answers", "structured", quiet=quiet) as progress, contextlib.ExitStack() as running:
+        from specstream_client import Client
 
-                with Client(stack.gateway_address, timeout=600) as client:
-                    for w in workloads:  # untimed: a fresh stack's first passes (and each grammar's compile) are slower
-                        for constrained in (True, False):
-                            _ask(client, w, w.questions[0], constrained, "off", 8, 1, _Measured())
-                    for row, constrained, speculation, _, temperature in rows:
-                        progress.phase(f"structured: {row}")
-                        for w in workloads:
-                            m = measured[(w.name, row)] = _Measured()
-                            # unconstrained plain: as many tokens as each constrained plain answer
-                            lengths = [len(a) for a in measured[(w.name, "constrained plain")].answers] \
-                                if not constrained else [None] * len(w.questions)
-                            for seed, (question, length) in enumerate(zip(w.questions, lengths)):
-                                _ask(client, w, question, constrained, speculation, max_new_tokens, repeats, m, length,
-                                     temperature, seed, salt=row)
-                                progress.update()
+        clients = {}
+        for stack_name, stack_fields in stacks.items():  # all four at once: the rows take turns (below)
+            progress.phase(f"structured: stack '{stack_name}' starting")
+            logs = running.enter_context(tempfile.TemporaryDirectory())
+            stack = running.enter_context(Stack(StackSpec(**stack_fields, max_gamma=16, log_dir=logs)))
+            client = clients[stack_name] = running.enter_context(Client(stack.gateway_address, timeout=600))
+            for w in workloads:  # untimed: a fresh stack's first passes (and each grammar's compile) are slower
+                for constrained in (True, False):
+                    _ask(client, w, w.questions[0], constrained, "off", 8)
+        # Each request's runs go round the rows (one run of every row, then the next run), so a slow
+        # moment of this shared machine falls on every row alike, not on whichever row ran then.
+        for w in workloads:
+            progress.phase(f"structured: {w.name}")
+            for seed, question in enumerate(w.questions):
+                best: dict[str, tuple[float, object]] = {}
+                for run in range(repeats):
+                    for row, constrained, speculation, stack_name, temperature in ROWS:
+                        # unconstrained plain: as many tokens as constrained plain's answer (ROWS has it first)
+                        length = None if constrained else len(best["constrained plain"][1].token_ids)
+                        seconds, result = _ask(clients[stack_name], w, question, constrained, speculation,
+                                               max_new_tokens, length, temperature, seed, salt=f"{row} {run}")
+                        if row not in best or seconds < best[row][0]:
+                            best[row] = (seconds, result)
+                for row, *_ in ROWS:
+                    _record(measured[(w.name, row)], w, *best[row])
+                    progress.update()
     peer = _llama_cpp(models, [w for w in workloads if w.schema is not None], max_new_tokens, repeats)
     hf = on_torch_thread(_hf_constrained, models, workloads, compiler, max_new_tokens)
     return _report(models, workloads, measured, peer, hf, compiler, out_dir, max_new_tokens)
 
 
-def _ask(client, w: Workload, question: str, constrained: bool, speculation, max_new_tokens: int, repeats: int,
-         m: _Measured, length: int | None = None, temperature: float = 0.0, seed: int = 0, salt: str = "") -> None:
-    """``length``: the answer is exactly this many tokens (its end-of-turn ignored); ``temperature``
-    > 0: sampled with ``seed``. Each run is salted with ``salt`` and its number, so the target's
-    prefix cache serves it what it shares with the earlier requests of its row and run (the chat
-    template's system prompt, a tool list), never its own earlier run."""
+def _ask(client, w: Workload, question: str, constrained: bool, speculation, max_new_tokens: int,
+         length: int | None = None, temperature: float = 0.0, seed: int = 0, salt: str = "") -> tuple[float, object]:
+    """One run of a request: (its seconds, the SDK's result). ``length``: the answer is exactly this
+    many tokens (its end-of-turn ignored); ``temperature`` > 0: sampled with ``seed``. ``salt`` is
+    its cache salt: each row and run has its own, so the target's prefix cache serves a request what
+    it shares with the earlier requests of its row and run (the chat template's system prompt, a
+    tool list), never its own earlier run."""
     kwargs = {"max_new_tokens": max_new_tokens, "speculation": speculation}
     if temperature:
         kwargs |= {"temperature": temperature, "seed": seed}
@@ -241,14 +253,13 @@ def _ask(client, w: Workload, question: str, constrained: bool, speculation, max
         c = w.constraint
         kwargs |= ({"json_schema": c.source} if c.kind == "json_schema" else
                    {"choice": c.choices} if c.kind == "choice" else {c.kind: c.source})
-    best = None
-    for run in range(repeats):
-        start = time.perf_counter()
-        result = client.chat(w.messages(question), cache_salt=f"{salt} {run}", **kwargs)
-        seconds = time.perf_counter() - start
-        if best is None or seconds < best[0]:
-            best = (seconds, result)
-    seconds, result = best
+    start = time.perf_counter()
+    result = client.chat(w.messages(question), cache_salt=salt, **kwargs)
+    return time.perf_counter() - start, result
+
+
+def _record(m: _Measured, w: Workload, seconds: float, result) -> None:
+    """Adds a request's fastest run to its row's measurements."""
     m.tokens += len(result.token_ids)
     m.seconds += seconds
     m.passes += result.stats.target_passes
