@@ -89,13 +89,7 @@ class DraftGrammars:
     def sync(self, item: ProposeItem) -> GrammarRow | None:
         """The item's row at ``rollback_to`` + ``append``, before its guesses (None: free text, or
         drafted unmasked). A first item with a constraint starts the row."""
-        if item.constraint is not None and item.rollback_to == 0:
-            self.rows.pop(item.key, None)
-            row = self._start(item)
-            if row is None:
-                return None
-            self.rows[item.key] = row
-        row = self.rows.get(item.key)
+        row = self._row(item)
         if row is None:
             return None
         if not row.hold(item.rollback_to) or not row.take(item.append[max(0, row.start - item.rollback_to):]):
@@ -108,12 +102,7 @@ class DraftGrammars:
         the item's applied) and may hold more than this row was fed (a lookup in front of a token
         draft keeps the model's guesses): the row is rolled back to what it shares with ``tokens``
         up to ``rollback_to``, then fed the rest."""
-        if item.constraint is not None and item.rollback_to == 0:
-            self.rows.pop(item.key, None)
-            if (row := self._start(item)) is None:
-                return None
-            self.rows[item.key] = row
-        row = self.rows.get(item.key)
+        row = self._row(item)
         if row is None:
             return None
         keep = max(row.start, min(row.start + row.consumed, item.rollback_to))
@@ -131,6 +120,15 @@ class DraftGrammars:
     def release(self, keys: list[Hashable]) -> None:
         for key in keys:
             self.rows.pop(key, None)
+
+    def _row(self, item: ProposeItem) -> GrammarRow | None:
+        """The item's row as held (a first item with a constraint starts it afresh); None: none."""
+        if item.constraint is not None and item.rollback_to == 0:
+            self.rows.pop(item.key, None)
+            if (row := self._start(item)) is None:
+                return None
+            self.rows[item.key] = row
+        return self.rows.get(item.key)
 
     def _start(self, item: ProposeItem) -> GrammarRow | None:
         if self.compiler is None:

@@ -509,8 +509,7 @@ class Drafting:
         verifies as any guess: a likely token it refuses ends the row's proposals there."""
         if seq.matcher is None or not seq.gamma or not self.forced_tokens:
             return []
-        forced, likely = seq.matcher.forced(), seq.matcher.likely()
-        return (likely if likely[:len(forced)] == forced else forced)[: max(0, min(MAX_FORCED, seq.remaining - 1))]
+        return seq.matcher.likely()[: max(0, min(MAX_FORCED, seq.remaining - 1))]
 
     def _unfed(self, seq: Sequence, epoch: int) -> int:
         """Tokens of ``seq`` the draft has not taken in (all of them on a fresh stream)."""

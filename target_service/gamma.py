@@ -256,9 +256,9 @@ class GammaController:
         model (prompt lookup, suffix drafting; ``source`` names it) would go unheard however well
         it matches. The depth up to ``cap`` whose expected tokens at the lookup's α for this row
         (its own counts over the lookup's pool; a constrained row's apart, ``pooled_source``, with
-        its forced tokens in the verify before the guesses) best pay for the verify positions it adds to the
-        step (the other rows counted at one token each: a lower bound); 0 unless that beats the
-        step without it by ``min_gain``, and before the step costs are measured."""
+        its forced tokens in the verify before the guesses) best pay for the verify positions it
+        adds to the step (the other rows counted at one token each: a lower bound); 0 unless that
+        beats the step without it by ``min_gain``, and before the step costs are measured."""
         row = rows[i]
         cap = min(cap, row.max_gamma or self.max_gamma, self.max_gamma)  # as `choose` limits a row
         if cap <= 0 or not self.costs.ready or self.policy not in ("goodput", "leviathan"):

@@ -157,14 +157,15 @@ class Matcher:
         return self._m.compute_ff_tokens()
 
     def likely(self) -> list[int]:
-        """The text that follows whatever the model says, in its canonical tokenization (as the
-        tokenizer encodes a prompt): ``forced()`` and, where that text may be tokenized more ways
-        than one (after a JSON key, ``":"`` is the token ``":"``, or ``":`` then a token starting
-        with a quote), the likely way on. Guesses beyond ``forced()``, not certain tokens."""
+        """``forced()`` and, where the text that follows whatever the model says may be tokenized
+        more ways than one (after a JSON key, ``":"`` is the token ``":"``, or ``":`` then a token
+        starting with a quote), the likely way on: that text's canonical tokenization (as the
+        tokenizer encodes a prompt). The tokens past ``forced()`` are guesses, not certain."""
+        forced = self.forced()
         text = self._m.compute_ff_bytes()
-        if not text:
-            return []
-        tokens = self._tokenizer.tokenize_bytes(text)
+        tokens = self._tokenizer.tokenize_bytes(text) if text else []
+        if tokens[:len(forced)] != forced:  # the canonical way disagrees with what is certain
+            return forced
         return tokens[:self.valid_prefix(tokens)]
 
     @property
