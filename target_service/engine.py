@@ -52,7 +52,7 @@ from specstream.data.prefix import BLOCK, block_keys, reusable_blocks
 from specstream.data.request_rules import RequestLimits, check_request
 from specstream.models.base import CausalLM
 from specstream.serving import telemetry
-from specstream.serving.compute import torch_thread
+from specstream.serving.compute import core_beside_model, torch_thread
 from specstream.serving.metrics import TargetMetrics
 from specstream.text.grammar import Grammar, GrammarCompiler
 from target_service import tracing
@@ -104,7 +104,7 @@ class Engine:
         self.model = model
         self.config = config
         self.grammars = grammars  # compiles constraints on the model's tokenizer (None: constraints refused)
-        self.masks = GrammarMasks()
+        self.masks = GrammarMasks(beside=core_beside_model(model.device, config.torch_threads))
         self.controller = controller or GammaController(config.gamma_policy, config.default_gamma, config.max_gamma)
         # Trees only where each node's scores are exactly the chain's (else greedy could differ from plain).
         branches = config.tree_branches if model.exact_trees else 0

@@ -15,10 +15,11 @@ Before the forward, ``cut`` keeps each row's proposals up to the first one its g
 
 Constrained rows verify chains (the masks follow one path): the drafting asks them for no
 branches, and a reply with a tree nobody asked for is refused as malformed. ``GrammarMasks.start``
-fills, for the whole batch in one llguidance call off the GIL, the
-packed mask of each row's position after its last committed token and after each valid proposal
-(the node after a kept refused token allows everything: it is never reached). ``settle`` puts the
-target's logits at −inf where a mask refuses (target_service/settle.py), greedy and sampled alike.
+fills, for the whole batch, the packed mask of each row's position after its last committed token
+and after each valid proposal (the node after a kept refused token allows everything: it is never
+reached), beside the forward where a core is free for it, else before it. ``settle`` puts the
+target's logits at −inf where a mask refuses (target_service/settle.py), greedy and sampled alike,
+and does not run the output layer where a mask allows one token only.
 After the verdict, ``Sequence.append`` commits the tokens to the matcher.
 """
 
@@ -56,12 +57,16 @@ def _truncate(row: VerifyRow, n: int) -> None:
 
 
 class GrammarMasks:
-    """Fills constrained rows' masks on a thread of its own (llguidance's work runs without the GIL,
-    beside the forward on the compute thread). ``seconds``: the last fill's time; ``dropped``:
-    proposals cut by the grammar in the last ``start`` (the metrics')."""
+    """Fills constrained rows' masks. ``beside``: on a thread of its own, beside the forward on the
+    compute thread (llguidance's work runs without the GIL), where a core is free for it: the model
+    on an accelerator, or fewer model threads than the process's cores. Else before the forward, on
+    the calling thread, where a forced position costs no mask computation (``fill_masks``): on a
+    CPU whose every core runs the forward, a fill beside it competed with the forward's threads and
+    waited for the GIL (docs/benchmarks.md, structured outputs). ``seconds``: the last fill's time;
+    ``dropped``: proposals cut by the grammar in the last ``start`` (the metrics')."""
 
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+    def __init__(self, beside: bool = False) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks") if beside else None
         self.seconds = 0.0
         self.dropped = 0
 
@@ -78,11 +83,16 @@ class GrammarMasks:
             self.dropped += before - len(checks[i].proposals)
             rows[i].draft_tokens -= before - len(checks[i].proposals)  # counted as the draft answered
             jobs.append((rows[i].matcher, checks[i].proposals[:valid]))
-        return self._pool.submit(self._fill, chosen, jobs, [len(checks[i].proposals) for i in chosen])
+        lengths = [len(checks[i].proposals) for i in chosen]
+        if self._pool is not None:
+            return self._pool.submit(self._fill, chosen, jobs, lengths)
+        done: Future = Future()
+        done.set_result(self._fill(chosen, jobs, lengths))
+        return done
 
     def _fill(self, chosen: list[int], jobs: list, lengths: list[int]) -> dict[int, np.ndarray]:
         began = time.perf_counter()
-        masks = fill_masks(jobs)
+        masks = fill_masks(jobs, threads=self._pool is not None)
         out = {}
         for i, (matcher, valid), mask, n in zip(chosen, jobs, masks, lengths):
             if n > len(valid):  # a kept refused token: the node after it is never reached
@@ -92,4 +102,5 @@ class GrammarMasks:
         return out
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)

@@ -61,7 +61,7 @@ from kernels.processing import process_logits
 from kernels.random import ACCEPT, RESIDUAL, SAMPLE, SIBLING, race, row_keys, uniform, uniforms
 from specstream.data.propose import chain_length
 from specstream.data.sampling import SamplingParams
-from specstream.text.grammar import unpack
+from specstream.text.grammar import sole_tokens, unpack
 from target_service.penalties import PenaltyState, penalize
 
 
@@ -143,7 +143,7 @@ def settle(target: torch.Tensor | Hidden, rows: list[VerifyRow], coupled: bool =
         positions = target.states.shape[0] // batch
         masked = _masked(rows, positions)
         if kernels.backend(target.states) == "torch" or masked or _processed(rows):  # a mask needs the logits
-            target = _mask(target.logits().view(batch, positions, -1), masked, rows)  # [B, G+1, V]
+            target = _mask(_logits(target, rows, positions).view(batch, positions, -1), masked, rows)  # [B, G+1, V]
     else:
         positions = target.shape[1]
         masked = _masked(rows, positions)
@@ -194,6 +194,28 @@ def settle(target: torch.Tensor | Hidden, rows: list[VerifyRow], coupled: bool =
     # The pass's one host sync: every result in one flat transfer.
     flat = torch.cat([t.double().flatten() for t in parts]).tolist()
     return _unpack(flat, rows, wanted, positions, top_n)
+
+
+def _logits(target: Hidden, rows: list[VerifyRow], positions: int) -> torch.Tensor:
+    """The pass's logits [B*(G+1), V]. A node whose grammar mask allows one token only (a forced
+    JSON brace, key or quote) is not scored by the output layer: its logits are 0 for that token
+    and −inf elsewhere. That is what its masked logits give every rule here: the argmax is the
+    token, p is a point mass on it whatever the temperature, cuts, penalties or bias, and its
+    log-probability is 0 with every alternative at −inf. The nodes the layer scores get the bits
+    they get in any batch (the kernels are batch-invariant)."""
+    sure = [(b * positions + j, token) for b, row in enumerate(rows) if row.grammar_mask is not None
+            for j, token in enumerate(sole_tokens(row.grammar_mask)) if token is not None]
+    if not sure:
+        return target.logits()
+    states = target.states
+    skipped = torch.zeros(states.shape[0], dtype=torch.bool)
+    skipped[[i for i, _ in sure]] = True
+    logits = torch.full((states.shape[0], target.head.vocab), float("-inf"), device=states.device)
+    scored = (~skipped).nonzero().flatten().to(states.device)
+    if scored.numel():
+        logits[scored] = Hidden(states[scored], target.head).logits()
+    logits[[i for i, _ in sure], [token for _, token in sure]] = 0.0
+    return logits
 
 
 def _processed(rows: list[VerifyRow]) -> bool:

@@ -16,7 +16,7 @@ import torch
 
 from specstream.data.constraint import MAX_CHOICES, MAX_SOURCE_BYTES, Constraint
 from specstream.data.errors import InvalidArgumentError
-from specstream.text.grammar import fill_masks, unpack
+from specstream.text.grammar import fill_masks, mask_words, sole_tokens, unpack
 from specstream.text.tokenizer import TextTokenizer
 from tests.support.smollm2_grammar import compiler, tokenizer  # noqa: F401 - fixtures
 
@@ -109,11 +109,20 @@ def test_rollback_restores_the_mask(tokenizer, compiler) -> None:
     assert _walk(matcher, ids[4:]) and matcher.accepting
 
 
-def test_batch_masks_equal_the_masks_step_by_step_and_leave_the_matchers_where_they_were(tokenizer, compiler) -> None:
-    """fill_masks: the k+1 masks of several rows' guesses in one call are each the mask a matcher
-    shows after consuming the guesses one by one; no matcher moves."""
+def _library_mask(matcher) -> np.ndarray:
+    """llguidance's own mask of a matcher's next position (its executor: no forced-token shortcut)
+    -> bool [V]."""
+    return unpack(fill_masks([(matcher, [])], threads=True)[0][0], matcher.vocab_size)
+
+
+@pytest.mark.parametrize("threads", [True, False], ids=["llguidance-threads", "inline"])
+def test_batch_masks_equal_the_masks_step_by_step_and_leave_the_matchers_where_they_were(tokenizer, compiler,
+                                                                                          threads) -> None:
+    """fill_masks: the k+1 masks of several rows' guesses in one call are each the mask llguidance
+    gives a matcher after consuming the guesses one by one, on its threads and inline (where forced
+    positions take the forced token's bit instead); no matcher moves."""
     rows, expected = [], []
-    for shape in ("flat", "nested", "array"):
+    for shape in ("flat", "nested", "array", "enum"):
         schema, instance = SCHEMAS[shape]
         grammar = compiler.compile(Constraint("json_schema", json.dumps(schema)))
         ids = _ids(tokenizer, json.dumps(instance, separators=(",", ":")))
@@ -121,16 +130,52 @@ def test_batch_masks_equal_the_masks_step_by_step_and_leave_the_matchers_where_t
         assert matcher.consume(ids[:2]) == 2 and walker.consume(ids[:2]) == 2
         guesses = ids[2:7]
         assert matcher.valid_prefix(guesses) == len(guesses)
-        steps = [walker.allowed()]
+        steps = [_library_mask(walker)]
         for token in guesses:
             assert walker.consume([token]) == 1
-            steps.append(walker.allowed())
+            steps.append(_library_mask(walker))
         rows.append((matcher, guesses))
         expected.append((np.stack(steps), matcher.allowed()))
-    for (matcher, _), masks, (steps, before) in zip(rows, fill_masks(rows), expected):
+    rows.append((grammar.matcher(), []))  # a row with no guesses: the mask of its next position alone
+    expected.append((_library_mask(grammar.matcher())[None], grammar.matcher().allowed()))
+    for (matcher, _), masks, (steps, before) in zip(rows, fill_masks(rows, threads=threads), expected):
         assert masks.shape[0] == steps.shape[0]
         assert np.array_equal(unpack(masks, matcher.vocab_size), steps)
         assert np.array_equal(matcher.allowed(), before)
+
+
+def test_where_the_grammar_forces_a_token_its_mask_allows_that_token_alone(tokenizer, compiler) -> None:
+    """What the inline fill and the target's skipped output layer rely on (``Matcher.fill``,
+    target_service/settle.py ``_logits``): at every position of random masked walks through each
+    schema where ``forced()`` names tokens, llguidance's own mask allows exactly the first of them."""
+    rng = np.random.default_rng(0)
+    checked = 0
+    for schema, _ in SCHEMAS.values():
+        grammar = compiler.compile(Constraint("json_schema", json.dumps(schema)))
+        for _ in range(10):
+            matcher = grammar.matcher()
+            for _ in range(60):
+                allowed = np.flatnonzero(_library_mask(matcher))
+                forced = matcher.forced()
+                if forced:
+                    assert allowed.tolist() == [forced[0]]
+                    checked += 1
+                if matcher.stopped or not len(allowed):
+                    break
+                assert matcher.consume([int(rng.choice(allowed))]) == 1
+    assert checked > 100
+
+
+def test_sole_tokens_name_the_one_token_a_mask_allows() -> None:
+    vocab = 100
+    words = mask_words(vocab)
+    masks = np.zeros((5, words), dtype=np.int32)
+    masks[1].view(np.uint32)[0] = 1 << 5  # token 5
+    masks[2].view(np.uint32)[0] = 1 << 31  # token 31: the int32's sign bit
+    masks[3].view(np.uint32)[3] = 1 << 3  # token 99, the last word
+    masks[4].view(np.uint32)[1] = 0b11  # tokens 32 and 33: not one
+    assert sole_tokens(masks) == [None, 5, 31, 99, None]
+    assert sole_tokens(masks[1:4].reshape(3, 1, words)) == [5, 31, 99]
 
 
 def test_forced_tokens_are_what_the_grammar_allows_alone(tokenizer, compiler) -> None:

@@ -60,6 +60,13 @@ class InlineExecutor(Executor):
         return future
 
 
+def core_beside_model(device: torch.device | str, torch_threads: int = 0) -> bool:
+    """Whether a core is left free beside the model's forwards for other work of the process: the
+    model on an accelerator, or fewer model threads (``torch_threads``; 0: one per core) than the
+    cores this process may use (``cpu_share``)."""
+    return str(device) != "cpu" or 0 < torch_threads < cpu_share()
+
+
 def _set_threads(n: int) -> None:
     if n > 0:
         torch.set_num_threads(n)

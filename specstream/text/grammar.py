@@ -17,7 +17,9 @@ guesses it accepts, ``consume(tokens)`` commits
 the tokens it accepts, ``rollback(n)`` takes the last n back, ``forced()`` the tokens the grammar
 allows alone from here, ``likely()`` those and the likely tokens on where the text it allows
 alone may be tokenized more ways than one. ``fill_masks`` fills the masks of a whole batch of speculative rows (after
-the committed tokens and after each valid guess) in one call, off the GIL on llguidance's threads.
+the committed tokens and after each valid guess): in one call off the GIL on llguidance's threads,
+or on the calling thread, where a position whose token the grammar forces costs no mask
+computation; ``sole_tokens`` reads which masks allow one token only.
 A matcher that reaches llguidance's limits mid-output fails (``failed``, ``GrammarError``) without
 failing the batch: its sequence ends with an error when it commits (target_service/sequence.py).
 
@@ -42,7 +44,8 @@ from specstream.data.constraint import Constraint
 from specstream.data.errors import InvalidArgumentError
 from specstream.text.tokenizer import TextTokenizer
 
-__all__ = ["JSON_OPTIONS", "LIMITS", "Grammar", "GrammarCompiler", "GrammarError", "Matcher", "compiler_for", "fill_masks", "mask_words", "unpack"]
+__all__ = ["JSON_OPTIONS", "LIMITS", "Grammar", "GrammarCompiler", "GrammarError", "Matcher", "compiler_for", "fill_masks",
+           "mask_words", "sole_tokens", "unpack"]
 
 # llguidance's defaults (lexer fuel ~50k/ms at compilation, ~14k/ms a mask), with error messages
 # that name the reason but not the parser's state.
@@ -69,32 +72,46 @@ def unpack(bits: np.ndarray, vocab_size: int) -> np.ndarray:
     return np.concatenate([flat, np.zeros((*flat.shape[:-1], vocab_size - flat.shape[-1]), dtype=bool)], axis=-1)
 
 
-def fill_masks(rows: list[tuple[Matcher, list[int]]]) -> list[np.ndarray]:
+def fill_masks(rows: list[tuple[Matcher, list[int]]], threads: bool = True) -> list[np.ndarray]:
     """Per (matcher, guesses), the packed masks int32 [len(guesses) + 1, W] of the position after
     the committed tokens and after each guess, the matcher left where it was. Every guess must be
-    one the grammar accepts (``Matcher.valid_prefix``). One call for the batch: llguidance fills
-    them on its own threads without the GIL, so the target's forward can run meanwhile."""
+    one the grammar accepts (``Matcher.valid_prefix``). ``threads``: one call for the batch, which
+    llguidance fills on its own threads without the GIL (worth it where a core is free beside the
+    target's forward); else here, position after position (``Matcher.fill``: a forced position
+    costs no mask computation)."""
     if not rows:
         return []
     words = mask_words(rows[0][0].vocab_size)
     counts = [len(guesses) + 1 for _, guesses in rows]
     out = np.zeros((sum(counts), words), dtype=np.int32)
-    drafted, plain, at = [], [], 0
-    for (matcher, guesses), count in zip(rows, counts):
-        if guesses:
-            drafted.append((matcher._m, at, list(guesses)))
-        else:
-            plain.append((matcher._m, at))
-        at += count
-    if drafted:
-        _EXECUTOR.unsafe_compute_mask_ptr_with_draft_token(drafted, out.ctypes.data, words * 4, out.shape[0])
-    if plain:
-        _EXECUTOR.unsafe_compute_mask_ptr(plain, out.ctypes.data, words * 4, out.shape[0])
-    masks = np.split(out, np.cumsum(counts)[:-1])
+    starts = np.cumsum([0, *counts[:-1]]).tolist()
+    if threads:
+        drafted = [(m._m, at, list(guesses)) for (m, guesses), at in zip(rows, starts) if guesses]
+        plain = [(m._m, at) for (m, guesses), at in zip(rows, starts) if not guesses]
+        if drafted:
+            _EXECUTOR.unsafe_compute_mask_ptr_with_draft_token(drafted, out.ctypes.data, words * 4, out.shape[0])
+        if plain:
+            _EXECUTOR.unsafe_compute_mask_ptr(plain, out.ctypes.data, words * 4, out.shape[0])
+    else:
+        for (matcher, guesses), at, count in zip(rows, starts, counts):
+            matcher.fill(out[at : at + count], guesses)
+    masks = [out[at : at + count] for at, count in zip(starts, counts)]
     for (matcher, _), mask in zip(rows, masks):
         if matcher.failed is not None:  # refuses nothing, as Matcher.mask
             mask[:] = -1
     return masks
+
+
+def sole_tokens(masks: np.ndarray) -> list[int | None]:
+    """Per packed mask int32 [..., W] (flattened to rows), the one token it allows, or None where it
+    allows more (or none)."""
+    bits = np.ascontiguousarray(masks).reshape(-1, masks.shape[-1]).view(np.uint32)
+    single = np.flatnonzero(np.bitwise_count(bits).sum(axis=1) == 1)
+    out: list[int | None] = [None] * bits.shape[0]
+    for n in single.tolist():
+        word = int(np.flatnonzero(bits[n])[0])
+        out[n] = 32 * word + int(bits[n, word]).bit_length() - 1
+    return out
 
 
 class GrammarError(RuntimeError):
@@ -126,10 +143,29 @@ class Matcher:
     def mask(self) -> np.ndarray:
         """The packed mask int32 [W] of the next position; a failed matcher's (``failed``) refuses
         nothing, as in ``fill_masks``: its sequence ends with an error when it commits."""
-        llg_numpy.fill_next_token_bitmask(self._m, self._bits, 0)
+        self.fill(self._bits, [])
         if self.failed is not None:
             self._bits[0] = -1
         return self._bits[0].copy()
+
+    def fill(self, out: np.ndarray, guesses: list[int]) -> None:
+        """Writes into ``out`` (int32 [len(guesses) + 1, W]) the packed masks of the next position
+        and of the position after each guess (all accepted by the grammar), the matcher left where
+        it was. Where the grammar forces a token, its mask is that token alone (tests/test_grammar.py:
+        what llguidance's mask computation gives there) and costs no mask computation."""
+        taken = 0
+        for j in range(len(guesses) + 1):
+            forced = self._m.compute_ff_tokens()
+            if forced:
+                out[j] = 0
+                out[j].view(np.uint32)[forced[0] >> 5] = np.uint32(1 << (forced[0] & 31))
+            else:
+                llg_numpy.fill_next_token_bitmask(self._m, out, j)
+            if j == len(guesses) or not self._m.consume_tokens([guesses[j]]):
+                break  # the end, or a matcher that failed: its masks refuse nothing (fill_masks)
+            taken += 1
+        if taken:
+            self._m.rollback(taken)
 
     def allowed(self) -> np.ndarray:
         """The tokens the grammar allows at the next position (EOS where it may end) -> bool [V]."""
