@@ -144,6 +144,23 @@ def test_batch_masks_equal_the_masks_step_by_step_and_leave_the_matchers_where_t
         assert np.array_equal(matcher.allowed(), before)
 
 
+@pytest.mark.parametrize("threads", [True, False], ids=["llguidance-threads", "inline"])
+def test_guesses_that_end_the_grammar_leave_the_matcher_able_to_go_on(tokenizer, compiler, threads) -> None:
+    """A regex that has ended after its last digit allows only EOS: guesses ending with EOS get
+    the masks llguidance gives (EOS alone, then nothing: never reached), and the matcher is left
+    where it was, not failed, and takes the same tokens after."""
+    matcher = compiler.compile(Constraint("regex", "[0-9]{2}-[0-9]{2}")).matcher()
+    ids = _ids(tokenizer, "12-3")
+    assert matcher.consume(ids) == len(ids)
+    eos = tokenizer.eos_token_ids[0]
+    guesses = [*_ids(tokenizer, "4"), eos]
+    assert matcher.valid_prefix(guesses) == len(guesses)
+    (masks,) = fill_masks([(matcher, guesses)], threads=threads)
+    allowed = unpack(masks, matcher.vocab_size)
+    assert np.flatnonzero(allowed[1]).tolist() == [eos] and not allowed[2].any()
+    assert matcher.failed is None and matcher.consume(guesses[:1]) == 1 and matcher.stopped
+
+
 def test_where_the_grammar_forces_a_token_its_mask_allows_that_token_alone(tokenizer, compiler) -> None:
     """What the inline fill and the target's skipped output layer rely on (``Matcher.fill``,
     target_service/settle.py ``_logits``): at every position of random masked walks through each

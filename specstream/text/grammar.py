@@ -161,8 +161,10 @@ class Matcher:
                 out[j].view(np.uint32)[forced[0] >> 5] = np.uint32(1 << (forced[0] & 31))
             else:
                 llg_numpy.fill_next_token_bitmask(self._m, out, j)
-            if j == len(guesses) or not self._m.consume_tokens([guesses[j]]):
-                break  # the end, or a matcher that failed: its masks refuse nothing (fill_masks)
+            # A grammar that has ended (its guess j can only be EOS) takes no more tokens: the masks
+            # after it stay empty (never reached), as llguidance's executor leaves them.
+            if j == len(guesses) or self._m.is_stopped() or not self._m.consume_tokens([guesses[j]]):
+                break
             taken += 1
         if taken:
             self._m.rollback(taken)
