@@ -317,6 +317,10 @@ class Drafting:
     on_draft_prefix: Callable[[int, int, int], None] | None = None  # (claimed, restored, bytes saved) per item (metrics)
     _held: dict[int, _Held] = field(default_factory=dict)
     _early: _Early | None = None
+    # Constrained rows whose likely tokens went out (``_forced``): the canonical tokens of the text
+    # their grammar allowed alone and the position it started at, until the model's own tokens
+    # for it are committed (``_learn_habits``).
+    _watched: dict[int, tuple[list[int], int]] = field(default_factory=dict)
 
     @property
     def feature_width(self) -> int:
@@ -509,7 +513,26 @@ class Drafting:
         verifies as any guess: a likely token it refuses ends the row's proposals there."""
         if seq.matcher is None or not seq.gamma or not self.forced_tokens:
             return []
+        self._learn_habits(seq)
         return seq.matcher.likely()[: max(0, min(MAX_FORCED, seq.remaining - 1))]
+
+    def _learn_habits(self, seq: Sequence) -> None:
+        """Teaches the grammar's ``TokenHabits`` how the model wrote the text its grammar allowed
+        alone when the row's likely tokens last went out (the tokens committed since), once they
+        reach that text's end; then watches the text it allows alone now, where that text's
+        canonical tokens go past its forced ones (the guesses a habit may correct)."""
+        assert seq.matcher is not None
+        habits = seq.matcher.habits
+        if habits is None:
+            return
+        watched = self._watched.get(seq.seq_id)
+        if watched is not None and not habits.learn(watched[0], seq.tokens[watched[1]:]):
+            return  # the model has not written that text to its end yet
+        canonical = seq.matcher.forced_text()
+        if len(canonical) > len(seq.matcher.forced()):
+            self._watched[seq.seq_id] = (canonical, len(seq.tokens))
+        else:
+            self._watched.pop(seq.seq_id, None)
 
     def _unfed(self, seq: Sequence, epoch: int) -> int:
         """Tokens of ``seq`` the draft has not taken in (all of them on a fresh stream)."""
@@ -681,6 +704,7 @@ class Drafting:
         keys = []
         for seq in rows:
             held = self._held.pop(seq.seq_id, None)
+            self._watched.pop(seq.seq_id, None)
             self.controller.forget(seq.seq_id)
             if held is not None and held.epoch == epoch:
                 keys.append(seq.seq_id)

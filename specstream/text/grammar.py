@@ -42,6 +42,7 @@ import numpy as np
 
 from specstream.data.constraint import Constraint
 from specstream.data.errors import InvalidArgumentError
+from specstream.text.token_habits import TokenHabits
 from specstream.text.tokenizer import TextTokenizer
 
 __all__ = ["JSON_OPTIONS", "LIMITS", "Grammar", "GrammarCompiler", "GrammarError", "Matcher", "compiler_for", "fill_masks",
@@ -123,20 +124,25 @@ class GrammarError(RuntimeError):
 class Grammar:
     """A compiled constraint: a matcher at its start, copied for every sequence (not compiled again)."""
 
-    def __init__(self, start: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer) -> None:
+    def __init__(self, start: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer,
+                 habits: TokenHabits | None = None) -> None:
         self._start = start
         self._tokenizer = tokenizer
+        self._habits = habits
 
     def matcher(self) -> Matcher:
-        return Matcher(self._start.deep_copy(), self._tokenizer)
+        return Matcher(self._start.deep_copy(), self._tokenizer, self._habits)
 
 
 class Matcher:
-    """One sequence's place in its grammar."""
+    """One sequence's place in its grammar. ``habits``: how the model writes the text the grammar
+    allows alone, where not canonically (``likely``; shared by the compiler's grammars)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer,
+                 habits: TokenHabits | None = None) -> None:
         self._m = matcher
         self._tokenizer = tokenizer
+        self.habits = habits
         self.vocab_size = tokenizer.vocab_size
         self._bits = llg_numpy.allocate_token_bitmask(1, self.vocab_size)  # [1, W] int32
 
@@ -198,13 +204,20 @@ class Matcher:
         """``forced()`` and, where the text that follows whatever the model says may be tokenized
         more ways than one (after a JSON key, ``":"`` is the token ``":"``, or ``":`` then a token
         starting with a quote), the likely way on: that text's canonical tokenization (as the
-        tokenizer encodes a prompt). The tokens past ``forced()`` are guesses, not certain."""
-        forced = self.forced()
-        text = self._m.compute_ff_bytes()
-        tokens = self._tokenizer.tokenize_bytes(text) if text else []
-        if tokens[:len(forced)] != forced:  # the canonical way disagrees with what is certain
+        tokenizer encodes a prompt), rewritten where ``habits`` learned that the model writes it
+        otherwise. The tokens past ``forced()`` are guesses, not certain."""
+        forced, canonical = self.forced(), self.forced_text()
+        if canonical[:len(forced)] != forced:  # the canonical way disagrees with what is certain
             return forced
+        tail = canonical[len(forced):]
+        tokens = forced + (self.habits.rewrite(tail) if self.habits is not None else tail)
         return tokens[:self.valid_prefix(tokens)]
+
+    def forced_text(self) -> list[int]:
+        """The canonical tokens of the text that follows whatever the model says (what the model's
+        tokens for it are lined up with: ``TokenHabits.learn``)."""
+        text = self._m.compute_ff_bytes()
+        return self._tokenizer.tokenize_bytes(text) if text else []
 
     @property
     def accepting(self) -> bool:
@@ -235,6 +248,7 @@ class GrammarCompiler:
         ends = list(dict.fromkeys([*tokenizer.eos_token_ids, *([tokenizer.end_of_turn_id]
                                                              if tokenizer.end_of_turn_id is not None else [])]))
         self._tokenizer = llguidance.LLTokenizer(hf.to_str(), n_vocab=tokenizer.vocab_size, eos_token=ends)
+        self.habits = TokenHabits(lambda token: self._tokenizer.decode_bytes([token]))
         self._text_tokenizer = tokenizer
         self._cache: OrderedDict[Constraint, Grammar] = OrderedDict()
         self._capacity = capacity
@@ -263,7 +277,7 @@ class GrammarCompiler:
         start = llguidance.LLMatcher(self._tokenizer, _grammar_text(constraint), log_level=0, limits=LIMITS)
         if start.is_error():
             raise InvalidArgumentError(constraint.field, constraint.source, start.get_error())
-        grammar = Grammar(start, self._tokenizer)
+        grammar = Grammar(start, self._tokenizer, self.habits)
         first = grammar.matcher()  # its first mask, once: a grammar that allows no output at all is refused here
         allowed = first.mask()
         if first.failed is not None or not allowed.any():
