@@ -301,3 +301,41 @@ def test_native_greedy_verify_is_the_reference_with_ties_nans_and_infinities() -
             draft[:, 0] = logits[:, 0].argmax(-1)  # some proposals accepted
         got, want = greedy_verify(draft, num_draft, logits), greedy_verify_reference(draft, num_draft, logits)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), trial
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [2, 3, 4])
+def test_query_heads_that_share_a_kv_head_get_the_bits_they_get_one_by_one(dtype, group) -> None:
+    """The native attention runs the query heads of one kv head together (head_dim 64, AVX-512):
+    their outputs are the bits of each head computed alone. Alone here: the same keys and values
+    given to every query head as its own kv head (no sharing, so no group), over a window of
+    decode and verify positions after a 300-token prefix, a prefix shared from another slot
+    included, and a tree."""
+    library = native.library()
+    if library is None or not library.has_avx512():
+        pytest.skip("the grouped path is the AVX-512 one; this CPU runs the others (each head alone)")
+    gen = torch.Generator().manual_seed(group)
+    kv_heads, D, L, T = 2, 64, 320, 6
+    heads = kv_heads * group
+    cos, sin = (torch.randn(L, D, generator=gen).to(dtype) for _ in range(2))
+    keys, values = (torch.randn(3, kv_heads, L, D, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(1, T, heads * D, generator=gen).to(dtype)
+    k_new, v_new = (torch.randn(1, T, kv_heads * D, generator=gen).to(dtype) for _ in range(2))
+
+    def run(repeat: int, sources, parents) -> torch.Tensor:
+        """The op with each kv head given `repeat` times (repeat = group: one kv head per query head)."""
+        per = kv_heads * repeat
+        k_cache = keys.repeat_interleave(repeat, dim=1).contiguous()
+        v_cache = values.repeat_interleave(repeat, dim=1).contiguous()
+        widen = lambda t: t.view(1, T, kv_heads, D).repeat_interleave(repeat, dim=2).reshape(1, T, per * D)  # noqa: E731
+        qkv = torch.cat([q, widen(k_new), widen(v_new)], dim=-1).contiguous()
+        return library.attention(qkv, k_cache, v_cache, cos, sin, torch.tensor([1]), torch.tensor([300]), sources,
+                                 parents, heads, per, D, 1 / 8.0, 0)
+
+    sources = torch.ones(1, L, dtype=torch.int64)
+    sources[0, :200] = 2  # the first 200 positions read from slot 2 (a shared prefix)
+    tree = torch.tensor([[-1, 0, 0, 1, 1, 2]])
+    for shared, parents in ((None, None), (sources, None), (None, tree)):
+        grouped = run(1, shared, parents)
+        alone = run(group, shared, parents)
+        assert torch.equal(grouped, alone), (shared is not None, parents is not None)

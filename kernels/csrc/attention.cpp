@@ -10,6 +10,7 @@
 // the other rows, or how many keys the batch's longest row has (which changed the last bits of a
 // float32 softmax over masked keys in the torch path).
 
+#include <atomic>
 #include "cpu_ops.h"
 
 namespace cpu_ops {
@@ -219,6 +220,92 @@ void attend_avx512(const float* q, const SlotRows<T>& keys, const SlotRows<T>& v
   }
 }
 
+// The G query heads of one kv head at one position together (GQA: they read the same keys and
+// values), D = 64: each key's and each value's vectors are loaded once for all G, and the G
+// independent chains of fused multiply-adds keep the FMA units busy where one query's chain waits
+// on the latency of the last. Every query's own arithmetic is attend_avx512's, operation for
+// operation and in the same order (its scores four keys at a time through the same shuffle-and-add
+// tree, its exponentials 16 at a time, its weighted values key after key), so its output has the
+// same bits whether it runs alone or in a group.
+template <typename T, int G>
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void attend_group_avx512(const float* const* q, const SlotRows<T>& keys, const SlotRows<T>& values, int64_t lo,
+                         int64_t pos, float scale, std::vector<float>* weights, T* const* dst, const KeyRows& rows) {
+  constexpr int NV = 4;
+  __m512 qv[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < NV; ++v) qv[g][v] = _mm512_loadu_ps(q[g] + 16 * v);
+  const int64_t n = pos + 1 - lo;
+  for (int g = 0; g < G; ++g) weights[g].resize((n + 15) / 16 * 16);
+  __m128 top4[G];
+  for (int g = 0; g < G; ++g) top4[g] = _mm_set1_ps(-INFINITY);
+  const __m128 scale4 = _mm_set1_ps(scale);
+  for (int64_t j = 0; j < n; j += 4) {
+    __m512 a[G][4];
+    for (int r = 0; r < 4; ++r) {
+      if (j + r < n) {
+        const T* k = keys.at(rows.at(j + r));
+        __m512 kv[NV];
+        for (int v = 0; v < NV; ++v) kv[v] = load16(k + 16 * v);
+        for (int g = 0; g < G; ++g) {
+          a[g][r] = _mm512_mul_ps(qv[g][0], kv[0]);
+          for (int v = 1; v < NV; ++v) a[g][r] = _mm512_fmadd_ps(qv[g][v], kv[v], a[g][r]);
+        }
+      } else {
+        for (int g = 0; g < G; ++g) a[g][r] = _mm512_setzero_ps();
+      }
+    }
+    const int live = int(std::min<int64_t>(4, n - j));
+    const __mmask8 mask = __mmask8((1u << live) - 1);
+    for (int g = 0; g < G; ++g) {
+      const __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps(a[g][0], a[g][1]), _mm512_unpackhi_ps(a[g][0], a[g][1]));
+      const __m512 t23 = _mm512_add_ps(_mm512_unpacklo_ps(a[g][2], a[g][3]), _mm512_unpackhi_ps(a[g][2], a[g][3]));
+      const __m512d t01d = _mm512_castps_pd(t01), t23d = _mm512_castps_pd(t23);
+      const __m512 u = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(t01d, t23d)),
+                                     _mm512_castpd_ps(_mm512_unpackhi_pd(t01d, t23d)));
+      const __m512 v2 = _mm512_add_ps(u, _mm512_shuffle_f32x4(u, u, 0x4E));
+      const __m512 v4 = _mm512_add_ps(v2, _mm512_shuffle_f32x4(v2, v2, 0xB1));
+      const __m128 s4 = _mm_mul_ps(_mm512_castps512_ps128(v4), scale4);
+      _mm_mask_storeu_ps(weights[g].data() + j, mask, s4);
+      top4[g] = _mm_mask_max_ps(top4[g], mask, top4[g], s4);
+    }
+  }
+  float total[G];
+  for (int g = 0; g < G; ++g) {
+    __m128 t = _mm_max_ps(top4[g], _mm_movehl_ps(top4[g], top4[g]));
+    t = _mm_max_ps(t, _mm_shuffle_ps(t, t, 0x55));
+    const __m512 top_v = _mm512_set1_ps(_mm_cvtss_f32(t));
+    __m512 sums = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 live = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, weights[g].data() + j), top_v));
+      _mm512_mask_storeu_ps(weights[g].data() + j, live, e);
+      sums = _mm512_mask_add_ps(sums, live, sums, e);
+    }
+    total[g] = _mm512_reduce_add_ps(sums);
+  }
+  __m512 out[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < NV; ++v) out[g][v] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const T* val = values.at(rows.at(j));
+    __m512 vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = load16(val + 16 * v);
+    for (int g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(weights[g][j]);
+      for (int v = 0; v < NV; ++v) out[g][v] = _mm512_fmadd_ps(w, vv[v], out[g][v]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(total[g]);
+    for (int v = 0; v < NV; ++v) {
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, _mm512_div_ps(out[g][v], inv));
+      for (int i = 0; i < 16; ++i) store_value(dst[g] + 16 * v + i, lanes[i]);
+    }
+  }
+}
+
 }  // namespace
 
 template <typename T>
@@ -237,14 +324,25 @@ void Attention<T>::write(int64_t begin, int64_t end) const {  // 1. This forward
   }
 }
 
+namespace {
+std::atomic<bool> group_heads{true};
+}  // namespace
+
+void set_attention_groups(bool on) { group_heads.store(on); }
+bool attention_groups() { return group_heads.load(); }
+
 template <typename T>
 void Attention<T>::attend(int64_t begin, int64_t end) const {  // 2. Every query head over its keys.
   const int64_t group = Hq / Hkv;
+  // A whole group of query heads that share a kv head, within this share of the items, runs
+  // together on the AVX-512 path for D = 64 (attend_group_avx512: the same bits as one by one).
+  const bool grouped = wide && D == 64 && group >= 2 && group <= 4 && group_heads.load(std::memory_order_relaxed);
   std::vector<float> q(D), acc(D), weights;
+  std::vector<float> group_q(grouped ? group * D : 0);
+  std::vector<float> group_weights[4];
   for (int64_t item = begin; item < end; ++item) {
     const int64_t h = item % Hq, bt = item / Hq, b = bt / T_, g = h / group;
     const int64_t pos = starts[b] + (depth != nullptr ? depth[bt] : bt % T_);  // the query's position
-    rope(x + bt * width + h * D, ct + pos * D, st + pos * D, D, q.data());
     const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
     KeyRows rows{lo};
     if (depth != nullptr) {  // the prefix in [lo, start), then the ancestors at depth >= lo - start
@@ -254,8 +352,29 @@ void Attention<T>::attend(int64_t begin, int64_t end) const {  // 2. Every query
       rows.tail = path + bt * T_ + first;
     }
     T* dst = o + bt * Hq * D + h * D;
+    const int64_t* src = sources != nullptr ? sources + b * kv_len : nullptr;
+    if (grouped && h % group == 0 && item + group <= end) {
+      const SlotRows<T> keys{cache_at(kc, slots[b], g, 0), cache_at(kc, 0, g, 0), src, Hkv * L * D, D};
+      const SlotRows<T> values{cache_at(vc, slots[b], g, 0), cache_at(vc, 0, g, 0), src, Hkv * L * D, D};
+      const float* qs[4];
+      T* dsts[4];
+      for (int64_t i = 0; i < group; ++i) {
+        rope(x + bt * width + (h + i) * D, ct + pos * D, st + pos * D, D, group_q.data() + i * D);
+        qs[i] = group_q.data() + i * D;
+        dsts[i] = dst + i * D;
+      }
+      if (group == 2) {
+        attend_group_avx512<T, 2>(qs, keys, values, lo, pos, scale, group_weights, dsts, rows);
+      } else if (group == 3) {
+        attend_group_avx512<T, 3>(qs, keys, values, lo, pos, scale, group_weights, dsts, rows);
+      } else {
+        attend_group_avx512<T, 4>(qs, keys, values, lo, pos, scale, group_weights, dsts, rows);
+      }
+      item += group - 1;
+      continue;
+    }
+    rope(x + bt * width + h * D, ct + pos * D, st + pos * D, D, q.data());
     if (wide && (D == 64 || D == 128)) {
-      const int64_t* src = sources != nullptr ? sources + b * kv_len : nullptr;
       const SlotRows<T> keys{cache_at(kc, slots[b], g, 0), cache_at(kc, 0, g, 0), src, Hkv * L * D, D};
       const SlotRows<T> values{cache_at(vc, slots[b], g, 0), cache_at(vc, 0, g, 0), src, Hkv * L * D, D};
       if (D == 64) {

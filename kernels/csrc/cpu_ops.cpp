@@ -23,6 +23,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
                           std::vector<int64_t>, bool>())
       .def("forward", &LayerStack::forward);
   module.def("attention", &attention, "RoPE, the cache write and attention over each row's own keys, for one layer");
+  module.def("set_attention_groups", &set_attention_groups,
+             "whether query heads that share a kv head run together (the same bits; off only to time it)");
+  module.def("attention_groups", &attention_groups, "whether query heads that share a kv head run together");
   module.def("has_avx2_fma", &has_avx2_fma, "whether float32 activations take the native 4-bit and 8-bit paths");
   module.def("has_avx512", &has_avx512, "whether the AVX-512 paths run on this CPU");
   module.def("has_avx512_bf16", &has_avx512_bf16, "whether bfloat16 activations take the dot-product path");

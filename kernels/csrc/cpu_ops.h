@@ -192,6 +192,11 @@ struct Attention {
   void attend(int64_t begin, int64_t end) const;  // 2. Every query head over its keys.
 };
 
+// Whether the query heads that share a kv head run together (attention.cpp, attend_group_avx512:
+// the same bits either way); off only to time the difference (`bench step`).
+void set_attention_groups(bool on);
+bool attention_groups();
+
 // Instantiated in attention.cpp, for the two activation dtypes.
 extern template struct Attention<float>;
 extern template struct Attention<at::BFloat16>;

@@ -343,6 +343,10 @@ def test_bench_step_measures_the_bound_the_verify_curve_and_the_host_work(model_
     # a dense float32 target: no native layers to run op by op instead, and no dense variant beside it
     assert "ours_op_by_op" not in data and "dense" not in data
     assert data["verify_over_step"][16] == same(data["ours"][16] / data["ours"][1])
+    # a verify at a long context (as long as the tiny target reaches), heads grouped and one by one
+    assert 0 < data["long_context"] <= step.LONG_CONTEXT
+    assert all(set(curve) == set(step.LONG_POSITIONS) for curve in data["long"].values())
+    assert set(data["long"]) == {"ours", "heads_one_by_one"}
     for batch, host in data["host"].items():  # plain decoding on an in-process engine, from its own timings
         assert host["steps"] > 0 and host["step_ms"] > host["compute_ms"] > host["forward_ms"] > 0, batch
         assert host["host_ms"] == same(host["step_ms"] - host["compute_ms"])

@@ -12,6 +12,9 @@ benchmark measures, in one run:
   targets: 1.05, 1.10, 1.25, 1.6); the same with each layer run op by op instead of as one native
   call (models/llama.py, ``FUSED_LAYERS``), and with the 4-bit matrices on ATen's int4 kernel (the
   matmul before the native one, kernels/int4.py);
+- the step and a verify over 4, 8 and 16 positions at a long context (2,048 cached tokens), with the
+  native attention's query heads grouped by the kv head they share (as served) and one by one (the
+  same bits), and llama.cpp's at that context;
 - the host work per engine step outside the model's layers and output layer, from the engine's own
   timings, at batch 1 and 32 (plain decoding in this process);
 - plain decoding's tokens/s at batch 8 and 32 on an in-process engine, against the same model on
@@ -58,6 +61,10 @@ from target_service.inprocess import run_requests
 
 CONTEXT = 200  # cached tokens before the timed step
 POSITIONS = (1, 2, 4, 8, 16)  # a 1-token step, then verifies over γ + 1 positions
+# A long context (an agent's transcript, a long conversation): the attention over the cache grows
+# with it, per position verified.
+LONG_CONTEXT = 2048
+LONG_POSITIONS = (1, 4, 8, 16)
 TARGETS = {2: 1.05, 4: 1.10, 8: 1.25, 16: 1.6}  # verify over n positions ÷ a 1-token step, at most
 BOUND_TARGET = 1.3  # a 1-token step ÷ the bandwidth bound, at most
 HOST_TARGETS_MS = {1: 0.5, 32: 2.0}  # host work per engine step, at most, by batch
@@ -144,9 +151,14 @@ def forward_curves(variants: dict[str, tuple], context: int = CONTEXT,
     return {name: {n: statistics.median(t) for n, t in by_n.items()} for name, by_n in times.items()}
 
 
-def _set_variant(fused: bool, int8: bool = False) -> None:
+def _set_variant(fused: bool, int8: bool = False, grouped: bool = True) -> None:
+    """``grouped``: the native attention runs the query heads of one kv head together (the same
+    bits as one by one: kernels/csrc/attention.cpp)."""
     llama.FUSED_LAYERS = fused
     llama.INT8_ACTIVATIONS = int8
+    library = native.library()
+    if library is not None:
+        library.set_attention_groups(grouped)
 
 
 def forward_curve(model, context: int = CONTEXT, positions: tuple[int, ...] = POSITIONS,
@@ -322,14 +334,14 @@ def _llama(gguf, n_ctx: int):
                  verbose=False)
 
 
-def llama_cpp_curve_apart(gguf: Path, positions: tuple[int, ...] = POSITIONS, repeats: int = 20
-                          ) -> dict[int, float] | None:
+def llama_cpp_curve_apart(gguf: Path, positions: tuple[int, ...] = POSITIONS, repeats: int = 20,
+                          context: int = CONTEXT) -> dict[int, float] | None:
     """``llama_cpp_curve`` in a process of its own, as a user runs llama.cpp: inside this one it
     measured up to twice as slow (its thread pool beside torch's OpenMP team); None without
     llama-cpp-python."""
     if importlib.util.find_spec("llama_cpp") is None:
         return None
-    out = run_apart(llama_cpp_curve, gguf=str(gguf), positions=list(positions), repeats=repeats)
+    out = run_apart(llama_cpp_curve, gguf=str(gguf), context=context, positions=list(positions), repeats=repeats)
     return {int(n): ms for n, ms in out.items()}
 
 
@@ -390,6 +402,13 @@ def _measure(models: BenchModels, progress: Progress) -> dict:
     data.update(on_torch_thread(forward_curves, variants))
     del old
     progress.update()
+    # a model with a shorter window (the tests' tiny ones) is measured as far as it reaches
+    data["long_context"] = min(LONG_CONTEXT, model.config.max_position_embeddings - max(LONG_POSITIONS) - 1)
+    progress.phase(f"step: a verify at context {data['long_context']}, the query heads of a kv head together "
+                   "and one by one")
+    long_variants = {"ours": (model, True), "heads_one_by_one": (model, True, False, False)}
+    data["long"] = on_torch_thread(forward_curves, long_variants, data["long_context"], LONG_POSITIONS, 10)
+    progress.update()
     progress.phase("step: logits against the file's exact values")
     exact = on_torch_thread(load_model, models.target, dtype="float32", resolve=resolve_model, weights="dense")
     prompts = models.prompts(ACCURACY_PROMPTS)
@@ -441,6 +460,7 @@ def _measure_peer(models: BenchModels, data: dict, progress: Progress) -> None:
     else:
         data["llama_cpp"] = llama_cpp_curve_apart(models.gguf)
         if data["llama_cpp"] is not None:
+            data["llama_cpp_long"] = llama_cpp_curve_apart(models.gguf, LONG_POSITIONS, 10, data["long_context"])
             data["llama_cpp_invariance"] = llama_cpp_invariance_apart(models.gguf)
             with noisy_neighbours():
                 data["llama_cpp_noisy"] = llama_cpp_curve_apart(models.gguf, positions=(1,), repeats=10)
@@ -450,7 +470,7 @@ def _measure_peer(models: BenchModels, data: dict, progress: Progress) -> None:
 
 
 def run(models: BenchModels, out_dir: Path, quiet: bool = False, compiled: bool = False) -> dict:
-    with Progress(10 if compiled else 9, "measurements", "step", quiet=quiet) as progress:
+    with Progress(11 if compiled else 10, "measurements", "step", quiet=quiet) as progress:
         data = _measure(models, progress)
         if compiled:
             progress.phase("step: the forward compiled over a static cache (torch.compile, a shape per bucket)")
@@ -547,6 +567,17 @@ def tables(data: dict, markdown: bool = False) -> str:
         parts.append("llama.cpp, a position's logits in a batch of n against the same position decoded alone: " +
                      "; ".join(f"n={n}: {v['rows_differing']} of {n} rows differ, by up to {v['max_abs']:.3g}"
                                for n, v in data["llama_cpp_invariance"].items()))
+    if data.get("long"):
+        long, peer_long = data["long"], data.get("llama_cpp_long") or {}
+        parts.append(f"a verify at context {data['long_context']} (ms; ÷ step: against the 1-token step at that "
+                     "context; one by one: the native attention without its query heads grouped by kv head, "
+                     "the same bits):\n" + fmt(
+                         ["positions", "ours ms", "÷ step", "heads one by one ms", "÷ ours",
+                          *(["llama.cpp ms", "÷ step", "÷ ours"] if peer_long else [])],
+                         [[n, long["ours"][n], long["ours"][n] / long["ours"][1], long["heads_one_by_one"][n],
+                           long["heads_one_by_one"][n] / long["ours"][n],
+                           *([peer_long[n], peer_long[n] / peer_long[1], peer_long[n] / long["ours"][n]]
+                             if peer_long else [])] for n in long["ours"]]))
     if accuracy:
         parts.append("logits against the file's values in float32, every position of "
                      f"{ACCURACY_PROMPTS} prompts:\n" + fmt(["path", "mean |Δ|", "max |Δ|", "same top token"], accuracy))
