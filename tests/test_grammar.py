@@ -164,11 +164,15 @@ def test_guesses_that_end_the_grammar_leave_the_matcher_able_to_go_on(tokenizer,
 def test_where_the_grammar_forces_a_token_its_mask_allows_that_token_alone(tokenizer, compiler) -> None:
     """What the inline fill and the target's skipped output layer rely on (``Matcher.fill``,
     target_service/settle.py ``_logits``): at every position of random masked walks through each
-    schema where ``forced()`` names tokens, llguidance's own mask allows exactly the first of them."""
+    schema, a regex and a Lark grammar where ``forced()`` names tokens, llguidance's own mask allows
+    exactly the first of them."""
     rng = np.random.default_rng(0)
     checked = 0
-    for schema, _ in SCHEMAS.values():
-        grammar = compiler.compile(Constraint("json_schema", json.dumps(schema)))
+    constraints = [Constraint("json_schema", json.dumps(schema)) for schema, _ in SCHEMAS.values()]
+    constraints += [Constraint("regex", r"id-[0-9]{3}: (yes|no)"),
+                    Constraint("grammar", 'start: "call(" NAME ", " NUM ")"\nNAME: /[a-z]{2,8}/\nNUM: /[0-9]{1,3}/')]
+    for constraint in constraints:
+        grammar = compiler.compile(constraint)
         for _ in range(10):
             matcher = grammar.matcher()
             for _ in range(60):
