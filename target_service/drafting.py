@@ -513,14 +513,15 @@ class Drafting:
         verifies as any guess: a likely token it refuses ends the row's proposals there."""
         if seq.matcher is None or not seq.gamma or not self.forced_tokens:
             return []
-        self._learn_habits(seq)
-        return seq.matcher.likely()[: max(0, min(MAX_FORCED, seq.remaining - 1))]
+        forced, canonical = seq.matcher.forced(), seq.matcher.forced_text()
+        self._learn_habits(seq, forced, canonical)
+        return seq.matcher.likely(forced, canonical)[: max(0, min(MAX_FORCED, seq.remaining - 1))]
 
-    def _learn_habits(self, seq: Sequence) -> None:
+    def _learn_habits(self, seq: Sequence, forced: list[int], canonical: list[int]) -> None:
         """Teaches the grammar's ``TokenHabits`` how the model wrote the text its grammar allowed
         alone when the row's likely tokens last went out (the tokens committed since), once they
-        reach that text's end; then watches the text it allows alone now, where that text's
-        canonical tokens go past its forced ones (the guesses a habit may correct)."""
+        reach that text's end; then watches the text it allows alone now (``canonical``, its
+        canonical tokens), where they go past its ``forced`` ones (the guesses a habit may correct)."""
         assert seq.matcher is not None
         habits = seq.matcher.habits
         if habits is None:
@@ -528,8 +529,7 @@ class Drafting:
         watched = self._watched.get(seq.seq_id)
         if watched is not None and not habits.learn(watched[0], seq.tokens[watched[1]:]):
             return  # the model has not written that text to its end yet
-        canonical = seq.matcher.forced_text()
-        if len(canonical) > len(seq.matcher.forced()):
+        if len(canonical) > len(forced):
             self._watched[seq.seq_id] = (canonical, len(seq.tokens))
         else:
             self._watched.pop(seq.seq_id, None)

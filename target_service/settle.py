@@ -203,10 +203,12 @@ def _logits(target: Hidden, rows: list[VerifyRow], positions: int) -> torch.Tens
     token, p is a point mass on it whatever the temperature, cuts, penalties or bias, and its
     log-probability is 0 with every alternative at −inf. The nodes the layer scores get the bits
     they get in any batch (the kernels are batch-invariant)."""
+    if target.head.output_ids is not None:  # a head over a vocabulary subset: its columns are not ids
+        return target.logits()
     vocab = target.head.vocab
     sure = [(b * positions + j, token) for b, row in enumerate(rows) if row.grammar_mask is not None
             for j, token in enumerate(sole_tokens(row.grammar_mask)) if token is not None and token < vocab]
-    if not sure or target.head.output_ids is not None:  # a head over a vocabulary subset: columns are not ids
+    if not sure:
         return target.logits()
     states = target.states
     skipped = torch.zeros(states.shape[0], dtype=torch.bool)

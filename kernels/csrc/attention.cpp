@@ -150,88 +150,20 @@ struct SlotRows {
   const T* at(int64_t p) const { return (src == nullptr ? own : first + src[p] * slot_stride) + p * D; }
 };
 
-// One query head at one position over its keys, D = 16 NV: the AVX-512 path of step 2 below. Key j
-// of the n = pos + 1 - lo it reads is position `rows.at(j)` (KeyRows: a chain's lo + j; a tree
-// node's prefix, then its ancestors, so a node at depth d reads its keys in the order a chain's
-// position d does), found where SlotRows says. The query in registers; scores one key at a time
-// (16 lanes over D, then the lanes summed), their exponentials 16 at a time (exp512), the weighted
-// values into NV accumulators held in registers.
-template <typename T, int NV>
+// Query heads at one position over their keys, D = 16 NV: the AVX-512 path of step 2 below, for G
+// heads that share a kv head (GQA; G = 1: one head alone). Key j of the n = pos + 1 - lo it reads is
+// position `rows.at(j)` (KeyRows: a chain's lo + j; a tree node's prefix, then its ancestors, so a
+// node at depth d reads its keys in the order a chain's position d does), found where SlotRows
+// says. The queries in registers; each key's and each value's vectors loaded once for the G heads,
+// whose independent chains of fused multiply-adds keep the FMA units busy where one head's chain
+// waits on the latency of its last. Per head: scores one key at a time (16 lanes over D, then the
+// lanes summed), four keys through one shuffle-and-add tree; their exponentials 16 at a time
+// (exp512); the weighted values into NV accumulators held in registers, key after key. A head's
+// operations and their order do not depend on G, so its output has the same bits in a group or alone.
+template <typename T, int NV, int G>
 __attribute__((target("avx512f,avx512bw,avx512vl")))
-void attend_avx512(const float* q, const SlotRows<T>& keys, const SlotRows<T>& values, int64_t lo, int64_t pos,
-                   float scale, std::vector<float>& weights, T* dst, const KeyRows& rows) {
-  __m512 qv[NV];
-  for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(q + 16 * v);
-  const int64_t n = pos + 1 - lo;
-  weights.resize((n + 15) / 16 * 16);
-  // Scores four keys at a time: four dot products of 16 lanes, their lanes summed together by one
-  // shuffle-and-add tree (the last group padded with zero vectors), so every key's score takes the
-  // same operations wherever it falls.
-  __m128 top4 = _mm_set1_ps(-INFINITY);
-  const __m128 scale4 = _mm_set1_ps(scale);
-  for (int64_t j = 0; j < n; j += 4) {
-    __m512 a[4];
-    for (int r = 0; r < 4; ++r) {
-      if (j + r < n) {
-        const T* k = keys.at(rows.at(j + r));
-        a[r] = _mm512_mul_ps(qv[0], load16(k));
-        for (int v = 1; v < NV; ++v) a[r] = _mm512_fmadd_ps(qv[v], load16(k + 16 * v), a[r]);
-      } else {
-        a[r] = _mm512_setzero_ps();
-      }
-    }
-    const __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
-    const __m512 t23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
-    const __m512d t01d = _mm512_castps_pd(t01), t23d = _mm512_castps_pd(t23);
-    const __m512 u = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(t01d, t23d)),
-                                   _mm512_castpd_ps(_mm512_unpackhi_pd(t01d, t23d)));  // 4 keys per 128-bit lane
-    const __m512 v2 = _mm512_add_ps(u, _mm512_shuffle_f32x4(u, u, 0x4E));
-    const __m512 v4 = _mm512_add_ps(v2, _mm512_shuffle_f32x4(v2, v2, 0xB1));
-    const __m128 s4 = _mm_mul_ps(_mm512_castps512_ps128(v4), scale4);  // keys j..j+3
-    const int live = int(std::min<int64_t>(4, n - j));
-    const __mmask8 mask = __mmask8((1u << live) - 1);
-    _mm_mask_storeu_ps(weights.data() + j, mask, s4);
-    top4 = _mm_mask_max_ps(top4, mask, top4, s4);
-  }
-  top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
-  top4 = _mm_max_ps(top4, _mm_shuffle_ps(top4, top4, 0x55));
-  const float top = _mm_cvtss_f32(top4);
-  const __m512 top_v = _mm512_set1_ps(top);
-  __m512 sums = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 live = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, weights.data() + j), top_v));
-    _mm512_mask_storeu_ps(weights.data() + j, live, e);
-    sums = _mm512_mask_add_ps(sums, live, sums, e);
-  }
-  const float total = _mm512_reduce_add_ps(sums);
-  __m512 out[NV];
-  for (int v = 0; v < NV; ++v) out[v] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    const T* val = values.at(rows.at(j));
-    const __m512 w = _mm512_set1_ps(weights[j]);
-    for (int v = 0; v < NV; ++v) out[v] = _mm512_fmadd_ps(w, load16(val + 16 * v), out[v]);
-  }
-  const __m512 inv = _mm512_set1_ps(total);
-  for (int v = 0; v < NV; ++v) {
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, _mm512_div_ps(out[v], inv));
-    for (int i = 0; i < 16; ++i) store_value(dst + 16 * v + i, lanes[i]);
-  }
-}
-
-// The G query heads of one kv head at one position together (GQA: they read the same keys and
-// values), D = 64: each key's and each value's vectors are loaded once for all G, and the G
-// independent chains of fused multiply-adds keep the FMA units busy where one query's chain waits
-// on the latency of the last. Every query's own arithmetic is attend_avx512's, operation for
-// operation and in the same order (its scores four keys at a time through the same shuffle-and-add
-// tree, its exponentials 16 at a time, its weighted values key after key), so its output has the
-// same bits whether it runs alone or in a group.
-template <typename T, int G>
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-void attend_group_avx512(const float* const* q, const SlotRows<T>& keys, const SlotRows<T>& values, int64_t lo,
-                         int64_t pos, float scale, std::vector<float>* weights, T* const* dst, const KeyRows& rows) {
-  constexpr int NV = 4;
+void attend_avx512(const float* const* q, const SlotRows<T>& keys, const SlotRows<T>& values, int64_t lo,
+                   int64_t pos, float scale, std::vector<float>* weights, T* const* dst, const KeyRows& rows) {
   __m512 qv[G][NV];
   for (int g = 0; g < G; ++g)
     for (int v = 0; v < NV; ++v) qv[g][v] = _mm512_loadu_ps(q[g] + 16 * v);
@@ -335,11 +267,10 @@ template <typename T>
 void Attention<T>::attend(int64_t begin, int64_t end) const {  // 2. Every query head over its keys.
   const int64_t group = Hq / Hkv;
   // A whole group of query heads that share a kv head, within this share of the items, runs
-  // together on the AVX-512 path for D = 64 (attend_group_avx512: the same bits as one by one).
+  // together on the AVX-512 path for D = 64 (the same bits as one by one: attend_avx512).
   const bool grouped = wide && D == 64 && group >= 2 && group <= 4 && group_heads.load(std::memory_order_relaxed);
-  std::vector<float> q(D), acc(D), weights;
-  std::vector<float> group_q(grouped ? group * D : 0);
-  std::vector<float> group_weights[4];
+  std::vector<float> q(wide ? 4 * D : D), acc(D);
+  std::vector<float> weights[4];
   for (int64_t item = begin; item < end; ++item) {
     const int64_t h = item % Hq, bt = item / Hq, b = bt / T_, g = h / group;
     const int64_t pos = starts[b] + (depth != nullptr ? depth[bt] : bt % T_);  // the query's position
@@ -352,39 +283,34 @@ void Attention<T>::attend(int64_t begin, int64_t end) const {  // 2. Every query
       rows.tail = path + bt * T_ + first;
     }
     T* dst = o + bt * Hq * D + h * D;
-    const int64_t* src = sources != nullptr ? sources + b * kv_len : nullptr;
-    if (grouped && h % group == 0 && item + group <= end) {
-      const SlotRows<T> keys{cache_at(kc, slots[b], g, 0), cache_at(kc, 0, g, 0), src, Hkv * L * D, D};
-      const SlotRows<T> values{cache_at(vc, slots[b], g, 0), cache_at(vc, 0, g, 0), src, Hkv * L * D, D};
-      const float* qs[4];
-      T* dsts[4];
-      for (int64_t i = 0; i < group; ++i) {
-        rope(x + bt * width + (h + i) * D, ct + pos * D, st + pos * D, D, group_q.data() + i * D);
-        qs[i] = group_q.data() + i * D;
-        dsts[i] = dst + i * D;
-      }
-      if (group == 2) {
-        attend_group_avx512<T, 2>(qs, keys, values, lo, pos, scale, group_weights, dsts, rows);
-      } else if (group == 3) {
-        attend_group_avx512<T, 3>(qs, keys, values, lo, pos, scale, group_weights, dsts, rows);
-      } else {
-        attend_group_avx512<T, 4>(qs, keys, values, lo, pos, scale, group_weights, dsts, rows);
-      }
-      item += group - 1;
-      continue;
+    const int64_t heads = grouped && h % group == 0 && item + group <= end ? group : 1;
+    const float* qs[4];
+    T* dsts[4];
+    for (int64_t i = 0; i < heads; ++i) {
+      rope(x + bt * width + (h + i) * D, ct + pos * D, st + pos * D, D, q.data() + i * D);
+      qs[i] = q.data() + i * D;
+      dsts[i] = dst + i * D;
     }
-    rope(x + bt * width + h * D, ct + pos * D, st + pos * D, D, q.data());
     if (wide && (D == 64 || D == 128)) {
+      const int64_t* src = sources != nullptr ? sources + b * kv_len : nullptr;
       const SlotRows<T> keys{cache_at(kc, slots[b], g, 0), cache_at(kc, 0, g, 0), src, Hkv * L * D, D};
       const SlotRows<T> values{cache_at(vc, slots[b], g, 0), cache_at(vc, 0, g, 0), src, Hkv * L * D, D};
-      if (D == 64) {
-        attend_avx512<T, 4>(q.data(), keys, values, lo, pos, scale, weights, dst, rows);
+      if (D == 128) {
+        attend_avx512<T, 8, 1>(qs, keys, values, lo, pos, scale, weights, dsts, rows);
+      } else if (heads == 1) {
+        attend_avx512<T, 4, 1>(qs, keys, values, lo, pos, scale, weights, dsts, rows);
+      } else if (heads == 2) {
+        attend_avx512<T, 4, 2>(qs, keys, values, lo, pos, scale, weights, dsts, rows);
+      } else if (heads == 3) {
+        attend_avx512<T, 4, 3>(qs, keys, values, lo, pos, scale, weights, dsts, rows);
       } else {
-        attend_avx512<T, 8>(q.data(), keys, values, lo, pos, scale, weights, dst, rows);
+        attend_avx512<T, 4, 4>(qs, keys, values, lo, pos, scale, weights, dsts, rows);
       }
+      item += heads - 1;
       continue;
     }
-    weights.resize(pos + 1 - lo);
+    std::vector<float>& scores = weights[0];
+    scores.resize(pos + 1 - lo);
     float top = -INFINITY;
     for (int64_t i = lo; i <= pos; ++i) {
       const int64_t j = rows.at(i - lo);
@@ -392,11 +318,11 @@ void Attention<T>::attend(int64_t begin, int64_t end) const {  // 2. Every query
       const T* k = cache_at(kc, slot, g, j);
       const float s = (wide ? dot_avx512(q.data(), k, D) : avx2 ? dot_avx2(q.data(), k, D)
                                                                  : dot_generic(q.data(), k, D)) * scale;
-      weights[i - lo] = s;
+      scores[i - lo] = s;
       top = std::max(top, s);
     }
     float total = 0.0f;
-    for (float& w : weights) {
+    for (float& w : scores) {
       w = std::exp(w - top);
       total += w;
     }
@@ -406,11 +332,11 @@ void Attention<T>::attend(int64_t begin, int64_t end) const {  // 2. Every query
       const int64_t slot = sources != nullptr ? sources[b * kv_len + j] : slots[b];
       const T* v = cache_at(vc, slot, g, j);
       if (wide) {
-        axpy_avx512(weights[i - lo], v, acc.data(), D);
+        axpy_avx512(scores[i - lo], v, acc.data(), D);
       } else if (avx2) {
-        axpy_avx2(weights[i - lo], v, acc.data(), D);
+        axpy_avx2(scores[i - lo], v, acc.data(), D);
       } else {
-        axpy_generic(weights[i - lo], v, acc.data(), D);
+        axpy_generic(scores[i - lo], v, acc.data(), D);
       }
     }
     for (int64_t i = 0; i < D; ++i) store_value(dst + i, acc[i] / total);

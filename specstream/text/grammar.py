@@ -200,13 +200,15 @@ class Matcher:
         """The tokens that follow whatever the model says (the grammar allows nothing else)."""
         return self._m.compute_ff_tokens()
 
-    def likely(self) -> list[int]:
+    def likely(self, forced: list[int] | None = None, canonical: list[int] | None = None) -> list[int]:
         """``forced()`` and, where the text that follows whatever the model says may be tokenized
         more ways than one (after a JSON key, ``":"`` is the token ``":"``, or ``":`` then a token
         starting with a quote), the likely way on: that text's canonical tokenization (as the
         tokenizer encodes a prompt), rewritten where ``habits`` learned that the model writes it
-        otherwise. The tokens past ``forced()`` are guesses, not certain."""
-        forced, canonical = self.forced(), self.forced_text()
+        otherwise. The tokens past ``forced()`` are guesses, not certain. ``forced`` and
+        ``canonical``: ``forced()`` and ``forced_text()`` here, where the caller has them already."""
+        forced = self.forced() if forced is None else forced
+        canonical = self.forced_text() if canonical is None else canonical
         if canonical[:len(forced)] != forced:  # the canonical way disagrees with what is certain
             return forced
         tail = canonical[len(forced):]

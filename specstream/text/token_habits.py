@@ -31,7 +31,7 @@ class TokenHabits:
 
     def __init__(self, token_bytes: Callable[[int], bytes], capacity: int = 512) -> None:
         self._token_bytes = token_bytes
-        self._sizes: dict[int, int] = {}
+        self._bytes: dict[int, bytes] = {}  # each token's bytes, as asked for
         self._rules: OrderedDict[tuple[int, ...], tuple[int, ...]] = OrderedDict()
         self._capacity = capacity
         self._lock = threading.Lock()
@@ -70,9 +70,8 @@ class TokenHabits:
         if not canonical_ends:
             return True
         written_ends = self._ends(written, canonical_ends[-1])
-        text = b"".join(self._token_bytes(t) for t in canonical)
-        if written_ends and b"".join(self._token_bytes(t) for t in written[: len(written_ends)]) != \
-                text[: written_ends[-1]]:
+        text = b"".join(map(self._text, canonical))
+        if written_ends and b"".join(map(self._text, written[: len(written_ends)])) != text[: written_ends[-1]]:
             return True  # not the text (never, where a grammar allowed it alone): nothing to learn
         reached = bool(written_ends) and written_ends[-1] == canonical_ends[-1] or len(written) > len(written_ends)
         common = sorted({0} | (set(canonical_ends) & set(written_ends)))
@@ -93,16 +92,20 @@ class TokenHabits:
         """Byte offset of the end of each token, up to the last that ends within ``limit`` bytes."""
         ends, at = [], 0
         for token in tokens:
-            size = self._sizes.get(token)
-            if size is None:
-                size = self._sizes[token] = len(self._token_bytes(token))
-            if not size:  # a special token (EOS): no text of its own
+            size = len(self._text(token))
+            if not size:  # a token with no text of its own
                 break
             at += size
             if limit is not None and at > limit:
                 break
             ends.append(at)
         return ends
+
+    def _text(self, token: int) -> bytes:
+        text = self._bytes.get(token)
+        if text is None:
+            text = self._bytes[token] = self._token_bytes(token)
+        return text
 
 
 def _between(tokens: list[int], ends: list[int], start: int, end: int) -> tuple[int, ...]:
