@@ -39,6 +39,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specstream.data.config import GAMMA_POLICIES, ChannelSecurity, DraftConfig, RestartPolicy, TargetConfig
 from specstream.models.registry import resolve_model
 from specstream.serving.channels import open_blocking_channel
+from specstream.serving.grpc_server import process_health_name
 from tools.certs import ROLES, peer_name
 from tools.supervisor import Supervisor
 
@@ -67,8 +68,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None,
                  should_stop: Callable[[], bool] = lambda: False, security: ChannelSecurity | None = None) -> None:
     """Polls grpc.health.v1 until SERVING (over TLS as `security` says); raises if the process
-    dies, `should_stop()` turns true (InterruptedError) or time runs out."""
+    dies, `should_stop()` turns true (InterruptedError) or time runs out. With ``proc``, the health
+    asked for is that process's own: a program that took the port before it could bind (free_port's
+    port is free only when chosen) answers NOT_FOUND, until ``proc`` exits for the lost port."""
     deadline = time.monotonic() + timeout_s
+    service = process_health_name(proc.pid) if proc is not None else ""
     with open_blocking_channel(address, security=security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
@@ -77,7 +81,7 @@ def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None =
             if should_stop():
                 raise InterruptedError(f"stopped while waiting for {address}")
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:

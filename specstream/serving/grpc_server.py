@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
@@ -120,6 +121,13 @@ def _wrap_stream(behavior: Callable[..., Any], method: str, streaming: bool):
     return wrapped
 
 
+def process_health_name(pid: int) -> str:
+    """The health service name a server also answers under: its process id. Whoever started the
+    process asks for that name, so another program that took the port in between (its own server
+    answers "" as SERVING too) is never mistaken for it: it answers NOT_FOUND."""
+    return f"specstream.process.{pid}"
+
+
 class ServiceServer:
     """A grpc.aio server with health (+ reflection) and a /metrics endpoint for `registry`, secured
     as `config.security` says; `serve_forever` stops cleanly on SIGTERM/SIGINT. `certificates` and
@@ -163,7 +171,7 @@ class ServiceServer:
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ["", *self.service_names]:
+        for name in ["", *self.service_names, process_health_name(os.getpid())]:
             await _maybe_await(self.health.set(name, status))
 
     async def start(self) -> None:

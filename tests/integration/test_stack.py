@@ -302,30 +302,42 @@ def test_logprobs_over_grpc_stream_and_unary_agree(partial_stack):
 
 
 def test_a_port_taken_before_its_process_binds_it_restarts_the_stack_on_new_ports(model_zoo, tmp_path, monkeypatch):
-    """Ports are chosen free, then bound by the children: one taken in between (here: held by a
-    listening socket) fails its process to bind, and the stack starts again on new ports. A gRPC
-    server never shares its port (SO_REUSEPORT off), so a client cannot reach another process's
-    services on it."""
-    import socket
+    """Ports are chosen free, then bound by the children: one taken in between fails its process to
+    bind, and the stack starts again on new ports. Here the gateway's port is taken by another gRPC
+    server that answers health checks SERVING, as another stack's gateway would: the launcher asks
+    for its own process's health, so it never takes that server for its gateway (a client of the
+    stack reached the other one before). A gRPC server never shares its port (SO_REUSEPORT off)."""
+    from concurrent import futures
 
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from specstream.data.config import ServerConfig
     from tools import launcher
     from tools.launcher import Stack, StackSpec
 
-    held = socket.socket()
-    held.bind(("127.0.0.1", 0))
-    held.listen()
-    taken = held.getsockname()[1]
-    choices = iter([taken])
+    other = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=ServerConfig().grpc_options())
+    serving = health.HealthServicer()
+    serving.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(serving, other)
+    taken = other.add_insecure_port("127.0.0.1:0")
+    other.start()
+    chosen = []
     real = launcher.free_port
-    monkeypatch.setattr(launcher, "free_port", lambda host="127.0.0.1": next(choices, None) or real(host))
+
+    def free_port(host: str = "127.0.0.1") -> int:  # draft, target, then the gateway: its port is the taken one
+        chosen.append(taken if len(chosen) == 2 else real(host))
+        return chosen[-1]
+
+    monkeypatch.setattr(launcher, "free_port", free_port)
     spec = StackSpec(str(model_zoo["target"]), str(model_zoo["partial"]), max_seq_len=256, log_dir=str(tmp_path))
     try:
         with Stack(spec) as stack, Client(stack.gateway_address, timeout=60) as client:
-            assert stack.addresses["draft"] != f"127.0.0.1:{taken}"
+            assert stack.gateway_address != f"127.0.0.1:{taken}"
             assert client.generate("def f(x):", max_new_tokens=8, speculation=2).token_ids
     finally:
-        held.close()
-    assert b"Failed to bind to address" in (tmp_path / "draft.log").read_bytes()
+        other.stop(None)
+    assert b"Failed to bind to address" in (tmp_path / "gateway.log").read_bytes()
 
 
 def test_a_grpc_server_of_ours_does_not_share_its_port():
