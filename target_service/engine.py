@@ -365,7 +365,9 @@ class Engine:
         """Moves waiting sequences into free slots, oldest first, as many as the policy allows
         (target_service/scheduler.py); a beam takes its k slots at once. Every slot has room for
         prompt + max_new_tokens + γ + 1: `_validate` refused anything longer."""
-        free = self._free_slots()
+        occupied = self._occupied()  # counted once, then kept up to date: a long queue costs no rescans
+        free = self._free_slots(occupied)
+        prefilling = [s for s in self.running if s.prefilled < s.prompt_len]  # the ones a seq may wait for
         needs = []
         for seq in itertools.islice(self.waiting, free + 1):  # nothing past these can fit
             needs.append(0 if seq.finish_reason is not None else seq.slots_needed)
@@ -381,12 +383,12 @@ class Engine:
                 self.by_request.pop((seq.conn, seq.request_id), None)
                 tracing.finish_sequence(seq)
                 continue
-            if self._awaits_a_prefill(seq):
+            if self._awaits_a_prefill(seq, prefilling):
                 deferred.append(self.waiting.popleft())  # it forks that prompt rather than compute it again
                 continue
             # Room is counted again for each: a hit admitted just before may pin a kept slot that
             # was counted as one eviction could free.
-            if self._free_slots() < seq.slots_needed or not self._place(seq):
+            if self._free_slots(occupied) < seq.slots_needed or not self._place(seq):
                 break  # it waits, first in line, for the next step
             self.waiting.popleft()
             if seq.beam is not None:
@@ -396,20 +398,25 @@ class Engine:
             self.stats.record_admission(seq.queue_seconds)
             seq.span.add_event("admitted", {"specstream.queue_s": seq.queue_seconds})
             self.running.append(seq)  # before prefill: if it fails, _fail_all reports and frees it
+            occupied += len(seq.beam_slots) or 1
+            prefilling.append(seq)
         self.waiting.extendleft(reversed(deferred))  # first in line again, in their order
 
-    def _awaits_a_prefill(self, seq: Sequence) -> bool:
+    def _awaits_a_prefill(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
         """Whether ``seq`` waits for a running sequence still prefilling at least half of its
         prompt's full blocks (the same blocks under the same salt: agents' calls sent together
         with one system prompt, a request's ``n`` samples): once that prefill is done, ``seq``
         forks its prompt from the prefix cache instead of computing it a second time. Not for
         blocks the other was served from the cache itself (they are there now), nor when ``seq``
-        needs features the other will not keep. Those behind it in line are admitted meanwhile."""
+        needs features the other will not keep. Those behind it in line are admitted meanwhile.
+        ``prefilling``: the running sequences that had not prefilled their prompt when admission began."""
         if self.prefix is None or not self.prefix.capacity or seq.beam is not None:
             return False
         mine = self._prompt_keys(seq)
+        if not mine:
+            return False  # no full block to share
         needs_features = self._feature_row(seq) > 0
-        for other in self.running:
+        for other in prefilling:
             if other.beam is not None or other.prefilled >= other.prompt_len or other.finish_reason is not None:
                 continue
             if needs_features and not self._feature_row(other):
@@ -429,10 +436,15 @@ class Engine:
             seq.prompt_keys = block_keys(seq.tokens[:seq.prompt_len], seq.cache_salt, reusable_blocks(seq.prompt_len))
         return seq.prompt_keys
 
-    def _free_slots(self) -> int:
-        """Slots new sequences may take now: within max_slots for running ones, and free in the KV
-        cache or kept by the prefix cache with no running sequence reading them."""
-        running = sum(len(s.beam_slots) or 1 for s in self.running)
+    def _occupied(self) -> int:
+        """Slots the running sequences hold (a beam its k)."""
+        return sum(len(s.beam_slots) or 1 for s in self.running)
+
+    def _free_slots(self, running: int | None = None) -> int:
+        """Slots new sequences may take now: within max_slots for running ones (``running``: their
+        slots, when the caller keeps the count), and free in the KV cache or kept by the prefix
+        cache with no running sequence reading them."""
+        running = self._occupied() if running is None else running
         spare = self.cache.num_free
         if self.prefix is not None and spare < self.config.max_slots - running:
             pinned = {src for s in self.running for slot in (s.beam_slots or [s.slot])
