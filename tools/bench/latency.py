@@ -495,14 +495,17 @@ def llama_cpp_generate(models: BenchModels, prompts: list[list[int]], max_new_to
     return out
 
 
-def llama_cpp_runs(gguf: str, prompts: list[list[int]], max_new_tokens: int) -> dict:
+def llama_cpp_runs(gguf: str, prompts: list[list[int]], max_new_tokens: int,
+                   modes: tuple[str, ...] = ("plain", "prompt_lookup")) -> dict:
     """What ``llama_cpp_generate`` runs in its own process: each prompt greedy, plain and with
-    llama.cpp's prompt lookup (10 tokens)."""
+    llama.cpp's prompt lookup (10 tokens), or only the ``modes`` asked for."""
     from llama_cpp import Llama  # optional: installed by `make peer`
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     results = {}
     for mode, draft in (("plain", None), ("prompt_lookup", LlamaPromptLookupDecoding(num_pred_tokens=10))):
+        if mode not in modes:
+            continue
         llm = Llama(model_path=gguf, n_ctx=2048, n_threads=os.cpu_count(), draft_model=draft, verbose=False)
         tokens, seconds, outputs = 0, 0.0, []
         for prompt in prompts:

@@ -13,10 +13,12 @@ plain decoding fell to 0.15x; in the caller's session (a process group of their 
 the services keep their speed. A neighbour in another session or another cgroup (a Kubernetes
 pod) is weighted by the kernel as an equal, whatever its nice value: there the thread count must
 fit the CPU share the service has (specstream.serving.compute reads the cgroup's CPU quota).
+The benchmark runs the loops both ways (``SESSIONS``), and llama.cpp beside the other session's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -25,20 +27,28 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from tools.bench.latency import sweep
+from tools.bench.apart import run_apart
+from tools.bench.latency import llama_cpp_available, llama_cpp_runs, sweep
 from tools.bench.models import BenchModels
 from tools.launcher import Stack, StackSpec
 
 PROMPTS = 3
 NEW_TOKENS = 64
+# Where the busy loops run: in this process's session (a job of the same user's shell, ranked by
+# nice) or in a session of their own (a cron job, another terminal's build: the kernel's autogroup
+# weighs that session as an equal of ours, whatever its nice value).
+SESSIONS = ("ours", "other")
 
 
 @contextmanager
-def noisy_neighbours(count: int | None = None) -> Iterator[None]:
+def noisy_neighbours(count: int | None = None, session: str = "ours") -> Iterator[None]:
     """One low-priority busy loop per core (``nice -n 19``) for the duration of the block, in this
-    process's session."""
+    process's session or (``session="other"``) in a session of their own."""
+    if session not in SESSIONS:
+        raise ValueError(f"session={session!r}: must be one of {SESSIONS}")
     count = count or os.cpu_count() or 1
-    loops = [subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    loops = [subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"],
+                              start_new_session=session == "other") for _ in range(count)]
     try:
         time.sleep(0.5)  # let them take the cores
         yield
@@ -49,21 +59,39 @@ def noisy_neighbours(count: int | None = None) -> Iterator[None]:
 
 
 def served_decoding(models: BenchModels, prompts: int = PROMPTS, new_tokens: int = NEW_TOKENS,
-                    rounds: int = 2) -> dict[str, float]:
+                    rounds: int = 2) -> dict:
     """Tokens/s of plain greedy decoding through a served stack (batch 1, client-timed): quiet and
-    beside the busy loops in turns (quiet, noisy, quiet, ..., quiet: ``rounds`` noisy spells, so a
-    shared machine's drift falls on both), and the mean noisy speed ÷ the mean quiet speed."""
+    beside the busy loops in turns (quiet, loops, quiet, ..., quiet: ``rounds`` spells of loops in
+    our session and as many in another session, so a shared machine's drift falls on all three),
+    each mean ÷ the mean quiet speed. With llama.cpp installed, its plain decoding of the same
+    prompts in a process of its own, quiet and beside the other session's loops, in turns too."""
     chosen = models.prompts(prompts)
-    quiet, noisy = [], []
+    runs: dict[str, list[float]] = {"quiet": [], "ours": [], "other": []}
     with tempfile.TemporaryDirectory() as logs, \
             Stack(StackSpec(**models.stack_fields(speculative=False), log_dir=logs)) as stack:
         sweep(stack.gateway_address, chosen[:1], [0], new_tokens)  # warm-up
-        for i in range(2 * rounds + 1):
-            if i % 2:
-                with noisy_neighbours():
-                    noisy.append(sweep(stack.gateway_address, chosen, [0], new_tokens)[0]["tokens_per_s"])
+        for i in range(4 * rounds + 1):
+            if i % 2:  # the two kinds of neighbour take turns: ours, other, ours, other
+                with noisy_neighbours(session=SESSIONS[i // 2 % 2]):
+                    runs[SESSIONS[i // 2 % 2]].append(sweep(stack.gateway_address, chosen, [0],
+                                                            new_tokens)[0]["tokens_per_s"])
             else:
-                quiet.append(sweep(stack.gateway_address, chosen, [0], new_tokens)[0]["tokens_per_s"])
-    mean_quiet, mean_noisy = sum(quiet) / len(quiet), sum(noisy) / len(noisy)
-    return {"quiet": mean_quiet, "noisy": mean_noisy, "quiet_runs": quiet, "noisy_runs": noisy,
-            "noisy_over_quiet": mean_noisy / mean_quiet}
+                runs["quiet"].append(sweep(stack.gateway_address, chosen, [0], new_tokens)[0]["tokens_per_s"])
+    means = {k: sum(v) / len(v) for k, v in runs.items()}
+    out = {"quiet": means["quiet"], "noisy": means["ours"], "other_session": means["other"],
+           "quiet_runs": runs["quiet"], "noisy_runs": runs["ours"], "other_session_runs": runs["other"],
+           "noisy_over_quiet": means["ours"] / means["quiet"],
+           "other_session_over_quiet": means["other"] / means["quiet"]}
+    if llama_cpp_available(models):
+        peer: dict[str, list[float]] = {"quiet": [], "other": []}
+        for i in range(2 * rounds + 1):
+            label = "other" if i % 2 else "quiet"
+            with noisy_neighbours(session="other") if label == "other" else contextlib.nullcontext():
+                done = run_apart(llama_cpp_runs, gguf=str(models.gguf), prompts=chosen, max_new_tokens=new_tokens,
+                                 modes=("plain",))
+            peer[label].append(done["plain"]["tokens_per_s"])
+        out["llama_cpp"] = sum(peer["quiet"]) / len(peer["quiet"])
+        out["llama_cpp_other_session"] = sum(peer["other"]) / len(peer["other"])
+        out["llama_cpp_runs"], out["llama_cpp_other_session_runs"] = peer["quiet"], peer["other"]
+        out["other_session_over_llama_cpp"] = means["other"] / out["llama_cpp_other_session"]
+    return out
