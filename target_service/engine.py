@@ -53,6 +53,7 @@ from specstream.data.request_rules import RequestLimits, check_request
 from specstream.models.base import CausalLM
 from specstream.serving import telemetry
 from specstream.serving.compute import core_beside_model, torch_thread
+from specstream.serving.thread_governor import ThreadGovernor
 from specstream.serving.metrics import TargetMetrics
 from specstream.text.grammar import Grammar, GrammarCompiler
 from target_service import tracing
@@ -118,6 +119,8 @@ class Engine:
         self.prefill_chunk = config.prefill_chunk or (512 if str(model.device).startswith("cuda") else 128)
         # All torch work belongs on this one thread (see specstream.serving.compute).
         self._compute = compute or torch_thread()
+        threads = self._compute.submit(torch.get_num_threads).result()
+        self.governor = ThreadGovernor(threads) if config.adapt_threads and str(model.device) == "cpu" else None
         self._compute_calls = 0  # the engine's calls submitted to the torch thread and not done
         kept = capacity_for(config.prefix_cache_slots, config.max_slots, model, self.max_len)
         self.cache = self._compute.submit(model.new_cache, config.max_slots + kept, self.max_len).result()
@@ -822,6 +825,8 @@ class Engine:
     async def _run_compute(self, fn, *args):
         self._compute_calls += 1
         try:
+            if self.governor is not None:  # a forward on as many threads as the CPU time the process gets
+                return await asyncio.get_running_loop().run_in_executor(self._compute, self.governor.run, fn, *args)
             return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
         finally:
             self._compute_calls -= 1

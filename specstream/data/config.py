@@ -263,6 +263,9 @@ class TargetConfig:
     # TLS, client certificate and internal token towards the draft service (draft_url).
     draft_security: ChannelSecurity = field(default_factory=lambda: ChannelSecurity("draft_security"))
     torch_threads: int = 0  # CPU threads for the model (0: torch's default, one per core)
+    # Fewer threads while the process gets less CPU time than its threads need, more again when it
+    # gets it back (specstream/serving/thread_governor.py); False: torch_threads always.
+    adapt_threads: bool = True
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     # Batching (docs/architecture.md §4; target_service/scheduler.py).
     policy: str = "topup"  # "static": fill, run until all finish; "topup": refill as rows finish

@@ -364,6 +364,10 @@ def test_bench_step_measures_the_bound_the_verify_curve_and_the_host_work(model_
     assert served["noisy"] == same(sum(served["noisy_runs"]) / 2)
     assert served["other_session_over_quiet"] == same(served["other_session"] / served["quiet"])
     assert served["other_session"] == same(sum(served["other_session_runs"]) / 2)
+    fixed = served["fixed_threads"]  # a second stack, its thread count fixed: quiet and beside the other session's
+    assert len(fixed["quiet_runs"]) == 5 and len(fixed["other_session_runs"]) == 2
+    assert fixed["other_session_over_quiet"] == same(fixed["other_session"] / fixed["quiet"])
+    assert served["other_session_over_fixed_threads"] == same(served["other_session"] / fixed["other_session"])
     assert "llama_cpp" not in served  # no GGUF file to run it on
     assert data["llama_cpp"] is None and "no GGUF file" in data["llama_cpp_note"]  # a safetensors target
     # logits against the file's values in float32: this float32 target serves them unchanged (no

@@ -63,25 +63,35 @@ def served_decoding(models: BenchModels, prompts: int = PROMPTS, new_tokens: int
     """Tokens/s of plain greedy decoding through a served stack (batch 1, client-timed): quiet and
     beside the busy loops in turns (quiet, loops, quiet, ..., quiet: ``rounds`` spells of loops in
     our session and as many in another session, so a shared machine's drift falls on all three),
-    each mean ÷ the mean quiet speed. With llama.cpp installed, its plain decoding of the same
-    prompts in a process of its own, quiet and beside the other session's loops, in turns too."""
+    each mean ÷ the mean quiet speed. A second stack whose target keeps its thread count fixed
+    (``--fixed-threads``) takes the same turns, quiet and beside the other session's loops. With
+    llama.cpp installed, its plain decoding of the same prompts in a process of its own, quiet and
+    beside the other session's loops, in turns too."""
     chosen = models.prompts(prompts)
-    runs: dict[str, list[float]] = {"quiet": [], "ours": [], "other": []}
-    with tempfile.TemporaryDirectory() as logs, \
-            Stack(StackSpec(**models.stack_fields(speculative=False), log_dir=logs)) as stack:
-        sweep(stack.gateway_address, chosen[:1], [0], new_tokens)  # warm-up
+    runs: dict[str, list[float]] = {"quiet": [], "ours": [], "other": [], "fixed quiet": [], "fixed other": []}
+    fields = models.stack_fields(speculative=False)
+    with tempfile.TemporaryDirectory() as logs, tempfile.TemporaryDirectory() as fixed_logs, \
+            Stack(StackSpec(**fields, log_dir=logs)) as stack, \
+            Stack(StackSpec(**fields, extra_target_args=["--fixed-threads"], log_dir=fixed_logs)) as fixed:
+        for address in (stack.gateway_address, fixed.gateway_address):
+            sweep(address, chosen[:1], [0], new_tokens)  # warm-up
         for i in range(4 * rounds + 1):
-            if i % 2:  # the two kinds of neighbour take turns: ours, other, ours, other
-                with noisy_neighbours(session=SESSIONS[i // 2 % 2]):
-                    runs[SESSIONS[i // 2 % 2]].append(sweep(stack.gateway_address, chosen, [0],
-                                                            new_tokens)[0]["tokens_per_s"])
-            else:
-                runs["quiet"].append(sweep(stack.gateway_address, chosen, [0], new_tokens)[0]["tokens_per_s"])
+            session = SESSIONS[i // 2 % 2] if i % 2 else None  # the two kinds of neighbour take turns
+            with noisy_neighbours(session=session) if session else contextlib.nullcontext():
+                runs[session or "quiet"].append(sweep(stack.gateway_address, chosen, [0],
+                                                      new_tokens)[0]["tokens_per_s"])
+                if session != "ours":
+                    runs["fixed " + (session or "quiet")].append(sweep(fixed.gateway_address, chosen, [0],
+                                                                       new_tokens)[0]["tokens_per_s"])
     means = {k: sum(v) / len(v) for k, v in runs.items()}
     out = {"quiet": means["quiet"], "noisy": means["ours"], "other_session": means["other"],
            "quiet_runs": runs["quiet"], "noisy_runs": runs["ours"], "other_session_runs": runs["other"],
            "noisy_over_quiet": means["ours"] / means["quiet"],
-           "other_session_over_quiet": means["other"] / means["quiet"]}
+           "other_session_over_quiet": means["other"] / means["quiet"],
+           "fixed_threads": {"quiet": means["fixed quiet"], "other_session": means["fixed other"],
+                             "quiet_runs": runs["fixed quiet"], "other_session_runs": runs["fixed other"],
+                             "other_session_over_quiet": means["fixed other"] / means["fixed quiet"]},
+           "other_session_over_fixed_threads": means["other"] / means["fixed other"]}
     if llama_cpp_available(models):
         peer: dict[str, list[float]] = {"quiet": [], "other": []}
         for i in range(2 * rounds + 1):

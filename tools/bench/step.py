@@ -563,6 +563,10 @@ def tables(data: dict, markdown: bool = False) -> str:
              f"nice-19 busy loops in our session, {served['other_session']:.1f} beside them in another session "
              f"(means of {len(served['quiet_runs'])}, {len(served['noisy_runs'])} and "
              f"{len(served['other_session_runs'])} spells in turn)")
+    fixed = served["fixed_threads"]
+    noisy += (f"; the target's thread count fixed (--fixed-threads): {fixed['quiet']:.1f} quiet, "
+              f"{fixed['other_session']:.1f} beside the loops in another session (adaptive ÷ fixed there: "
+              f"{served['other_session_over_fixed_threads']:.2f})")
     if "llama_cpp" in served:
         noisy += (f"; llama.cpp plain decoding, the same prompts: {served['llama_cpp']:.1f} tok/s quiet, "
                   f"{served['llama_cpp_other_session']:.1f} beside the loops in another session")

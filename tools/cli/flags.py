@@ -126,6 +126,13 @@ def gamma_flags(p: argparse.ArgumentParser) -> None:
                         "(default: when the pass starts)")
 
 
+def fixed_threads_flag(p: argparse.ArgumentParser, threads: str) -> None:
+    p.add_argument("--fixed-threads", action="store_true",
+                   help=f"the target runs every forward on {threads} threads (default: fewer while the process "
+                        "gets less CPU time than they need, as beside busy work in another session, and more "
+                        "again when it gets it back; the output is the same)")
+
+
 def batching_flags(p: argparse.ArgumentParser) -> None:
     """Batching policy of the target engine (docs/architecture.md §4; target_service/scheduler.py)."""
     p.add_argument("--policy", choices=["static", "topup"], default="topup",

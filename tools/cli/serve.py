@@ -21,6 +21,7 @@ from tools.certs import write_stack_files
 from tools.cli.flags import (
     DTYPES,
     batching_flags,
+    fixed_threads_flag,
     gamma_flags,
     http_port_flag,
     int_in,
@@ -71,6 +72,7 @@ def _serve_process_flags(p: argparse.ArgumentParser) -> None:
     weights_flag(p)
     p.add_argument("--draft-threads", type=int, default=1, help="CPU threads of the draft model (0: one per core)")
     p.add_argument("--target-threads", type=int, default=0, help="CPU threads of the target model (0: one per core)")
+    fixed_threads_flag(p, "--target-threads")
     work_ahead_flags(p, "the draft drafts the next round of its chains ahead: the draft service after each reply "
                         "until the next request, a draft in the target (--colocate-draft) on its torch thread during "
                         "a pass's host work; at SCHED_IDLE (idle) or the thread's priority (normal)")
@@ -170,7 +172,8 @@ def _stack_spec(args: argparse.Namespace):
                      extra_target_args=[*_batching_args(args), "--speculative-sampling", args.speculative_sampling,
                                         "--tree-branches", str(args.tree_branches),
                                         *(["--no-forced-tokens"] if args.no_forced_tokens else []),
-                                        *(["--draft-early"] if args.draft_early else [])],
+                                        *(["--draft-early"] if args.draft_early else []),
+                                        *(["--fixed-threads"] if args.fixed_threads else [])],
                      extra_draft_args=["--prefix-cache-slots", str(args.prefix_cache_slots)],  # off on both, or on
                      work_ahead=args.work_ahead, work_ahead_outcomes=args.work_ahead_outcomes,
                      trace_file=os.path.abspath(args.trace_file) if args.trace_file else None,

@@ -29,6 +29,7 @@ from specstream.data.config import (
 from tools.cli.flags import (
     DTYPES,
     batching_flags,
+    fixed_threads_flag,
     env,
     gamma_flags,
     http_port_flag,
@@ -154,6 +155,7 @@ def _add_target(sub: argparse._SubParsersAction) -> None:
                         "torch thread while the target does a pass's host work: at SCHED_IDLE (idle) or the "
                         "thread's priority (normal)")
     gamma_flags(p)
+    fixed_threads_flag(p, "--threads")
     p.add_argument("--max-slots", type=int, default=8)
     batching_flags(p)
     _memory_flags(p)
@@ -176,7 +178,8 @@ def _target_config(args: argparse.Namespace) -> TargetConfig:
                         calibrate=not args.no_calibrate, draft_url=args.draft_url,
                         draft_timeout_s=args.draft_timeout, draft_deadline_floor_s=args.draft_deadline_floor,
                         draft_deadline_factor=args.draft_deadline_factor, draft_retry_s=args.draft_retry,
-                        draft_early=args.draft_early, torch_threads=args.threads, memory=_memory_config(args),
+                        draft_early=args.draft_early, torch_threads=args.threads, adapt_threads=not args.fixed_threads,
+                        memory=_memory_config(args),
                         colocated_draft=_colocated_draft(args), draft_security=_channel_security(args, "draft"),
                         **_batching_config(args))
 
