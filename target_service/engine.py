@@ -342,6 +342,8 @@ class Engine:
             self.timings.decode_draft_s += self._step_draft_s
             host = max(0.0, seconds - self._step_compute_s - self._step_draft_s)
             self.metrics.observe_pass({"target": self._step_compute_s, "draft": self._step_draft_s, "host": host})
+            if self.governor is not None:
+                self.metrics.forward_threads.set(self.governor.threads)
 
     async def step(self) -> None:
         self.step_count += 1

@@ -230,6 +230,9 @@ class TargetMetrics:
                                           "the draft because it held the prefix.", registry=r)
         self.prefix_slots = Gauge(f"{PREFIX}prefix_cache_slots", "KV-cache slots holding finished sequences' "
                                   "prefixes for reuse.", registry=r)
+        self.forward_threads = Gauge(f"{PREFIX}forward_threads", "CPU threads the target's forwards run on now "
+                                     "(fewer while the process gets less CPU time than they need: "
+                                     "specstream/serving/thread_governor.py).", registry=r)
         # Beam search (target_service/beam.py).
         self.beam_width = Histogram(f"{PREFIX}beam_width", "Running hypotheses of a beam request at each step it is "
                                     "expanded (variable width prunes below num_beams).",

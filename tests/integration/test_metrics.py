@@ -4,6 +4,7 @@ move in step with what the requests report, and the gauges follow a request in f
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import urllib.request
 
@@ -178,6 +179,8 @@ def test_counters_move_with_the_requests(stack):
     assert 0 < delta("draft", "specstream:draft_propose_seconds_count") <= steps
     assert after["draft"]("specstream:draft_sequences") == 0
     assert after["target"]("specstream:num_requests_running") == 0
+    # the forwards' thread count: between 1 and a thread per core (thread_governor.py)
+    assert 1 <= after["target"]("specstream:forward_threads") <= (os.cpu_count() or 1)
 
 
 def _wait_for(stack, check, timeout_s: float = 10.0) -> dict[str, Scrape]:
