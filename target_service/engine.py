@@ -72,6 +72,11 @@ log = logging.getLogger(__name__)
 DRAFT_TIMING_DEPTH = 8  # the deepest guess the start-up draft timing asks for (time_draft)
 
 
+def prefill_chunk(configured: int, device: torch.device | str) -> int:
+    """Prompt tokens per prefill step: ``TargetConfig.prefill_chunk``, or by the model's device (0)."""
+    return configured or (512 if str(device).startswith("cuda") else 128)
+
+
 @dataclass
 class EngineTimings:
     """Where the engine's time went, cumulative over the loop iterations that decoded and
@@ -115,8 +120,7 @@ class Engine:
         self.drafting = Drafting(draft, self.controller, model.config.vocab_size, tree_branches=branches,
                                  forced_tokens=config.forced_tokens)
         self.max_len = min(config.max_seq_len, model.config.max_position_embeddings)
-        # Prompt tokens per prefill step (TargetConfig.prefill_chunk; 0: by the model's device).
-        self.prefill_chunk = config.prefill_chunk or (512 if str(model.device).startswith("cuda") else 128)
+        self.prefill_chunk = prefill_chunk(config.prefill_chunk, model.device)
         # All torch work belongs on this one thread (see specstream.serving.compute).
         self._compute = compute or torch_thread()
         threads = self._compute.submit(torch.get_num_threads).result()

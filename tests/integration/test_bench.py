@@ -369,6 +369,11 @@ def test_bench_step_measures_the_bound_the_verify_curve_and_the_host_work(model_
     assert fixed["other_session_over_quiet"] == same(fixed["other_session"] / fixed["quiet"])
     assert served["other_session_over_fixed_threads"] == same(served["other_session"] / fixed["other_session"])
     assert "llama_cpp" not in served  # no GGUF file to run it on
+    prefill = data["prefill"]  # a long prompt (as long as the tiny target reaches) and the chat prompts, as served
+    assert len(prefill["tokens"]) == len(prefill["ours_ms"]) == 1 + step.PREFILL_CHAT_PROMPTS
+    assert 0 < prefill["tokens"][0] <= 512
+    assert all(ms > 0 for ms in prefill["ours_ms"]) and "llama_cpp_ms" not in prefill
+    assert prefill["ours_tokens_per_s"][0] == same(prefill["tokens"][0] / prefill["ours_ms"][0] * 1e3)
     assert data["llama_cpp"] is None and "no GGUF file" in data["llama_cpp_note"]  # a safetensors target
     # logits against the file's values in float32: this float32 target serves them unchanged (no
     # native layers, so no 8-bit activation variant)

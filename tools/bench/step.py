@@ -23,8 +23,9 @@ benchmark measures, in one run:
   quiet and with a low-priority CPU-bound process per core beside it (`nice -n 19` busy loops), in
   our session and in another session (with llama.cpp's plain decoding beside the latter), and the
   same for one step in this process;
+- prefill as served, a 512-token prompt and the chat prompts (tools.bench.prefill);
 - llama.cpp on the same GGUF file (when llama-cpp-python is installed: `make peer`): its 1-token
-  step and its verify-shaped batches, quiet and noisy.
+  step and its verify-shaped batches, quiet and noisy, and its prefill of the same prompts.
 
 Prints tables, writes ``step.json`` and ``step.png`` (verify cost against positions, the bound
 drawn in). What it does not know: speculation's gain (`bench latency`).
@@ -56,6 +57,7 @@ from tools.bench.apart import run_apart
 from tools.bench.compiled import compiled_curve_apart
 from tools.bench.models import BenchModels
 from tools.bench.noisy import noisy_neighbours, served_decoding
+from tools.bench.prefill import LONG_PROMPT, llama_cpp_prefill_ms, long_prompt, ours_prefill_ms
 from tools.progress import Progress
 from target_service.engine import Engine
 from target_service.inprocess import run_requests
@@ -72,6 +74,7 @@ HOST_TARGETS_MS = {1: 0.5, 32: 2.0}  # host work per engine step, at most, by ba
 NOISY_TARGET = 0.9  # noisy ÷ quiet decode speed, at least
 # Beside busy loops in another session (an equal of ours to the scheduler): served decoding keeps at
 # least this share of its quiet speed, and at least this many times llama.cpp's beside the same loops.
+PREFILL_CHAT_PROMPTS = 4  # the chat prompts prefilled beside the long one
 OTHER_SESSION_TARGET = 0.45
 OTHER_SESSION_PEER_TARGET = 1.5
 BATCHES = (8, 32)  # plain decoding throughput, new ÷ the torch paths
@@ -441,6 +444,13 @@ def _measure(models: BenchModels, progress: Progress) -> dict:
     progress.phase("step: served decoding, quiet and noisy")
     data["served"] = served_decoding(models)
     progress.update()
+    progress.phase("step: prefill")
+    # (a model with a shorter window, the tests' tiny ones: as long as it reaches)
+    length = min(LONG_PROMPT, model.config.max_position_embeddings - 1)
+    prompts = [long_prompt(models.tokenizer(), length), *models.prompts(PREFILL_CHAT_PROMPTS)]
+    data["prefill"] = {"tokens": [len(p) for p in prompts], "ours_ms": on_torch_thread(ours_prefill_ms, model, prompts)}
+    data["prefill_prompts"] = prompts  # for llama.cpp's, in _measure_peer
+    progress.update()
     return data
 
 
@@ -468,13 +478,15 @@ def _measure_peer(models: BenchModels, data: dict, progress: Progress) -> None:
             data["llama_cpp_invariance"] = llama_cpp_invariance_apart(models.gguf)
             with noisy_neighbours():
                 data["llama_cpp_noisy"] = llama_cpp_curve_apart(models.gguf, positions=(1,), repeats=10)
+            data["prefill"]["llama_cpp_ms"] = run_apart(llama_cpp_prefill_ms, gguf=str(models.gguf),
+                                                        prompts=data["prefill_prompts"])
         else:
             data["llama_cpp_note"] = "llama-cpp-python is not installed (make peer)"
     progress.update()
 
 
 def run(models: BenchModels, out_dir: Path, quiet: bool = False, compiled: bool = False) -> dict:
-    with Progress(11 if compiled else 10, "measurements", "step", quiet=quiet) as progress:
+    with Progress(12 if compiled else 11, "measurements", "step", quiet=quiet) as progress:
         data = _measure(models, progress)
         if compiled:
             progress.phase("step: the forward compiled over a static cache (torch.compile, a shape per bucket)")
@@ -484,6 +496,7 @@ def run(models: BenchModels, out_dir: Path, quiet: bool = False, compiled: bool 
                                                              POSITIONS, matmul) for matmul in ("native", "int4")}
             progress.update()
         _measure_peer(models, data, progress)
+    data.pop("prefill_prompts")
     _summarize(data)
     print(tables(data), flush=True)
     report.write_json(out_dir / "step.json", data)
@@ -528,6 +541,18 @@ def _summarize(data: dict) -> None:
     if peer:
         goals.append(("our step ÷ llama.cpp's, speed", data["ours_over_llama_cpp"], "≥ 1.0",
                       data["ours_over_llama_cpp"] >= 1.0))
+    prefill = data["prefill"]
+    prefill["ours_tokens_per_s"] = [n / ms * 1e3 for n, ms in zip(prefill["tokens"], prefill["ours_ms"])]
+    if "llama_cpp_ms" in prefill:
+        peer_ms = prefill["llama_cpp_ms"]
+        prefill["llama_cpp_tokens_per_s"] = [n / ms * 1e3 for n, ms in zip(prefill["tokens"], peer_ms)]
+        # speed ratios: the long prompt alone, and the chat prompts together (their tokens over their time)
+        prefill["long_over_llama_cpp"] = peer_ms[0] / prefill["ours_ms"][0]
+        prefill["chat_over_llama_cpp"] = sum(peer_ms[1:]) / sum(prefill["ours_ms"][1:])
+        goals += [(f"prefill ÷ llama.cpp's, a {prefill['tokens'][0]}-token prompt", prefill["long_over_llama_cpp"],
+                   "≥ 1.0", prefill["long_over_llama_cpp"] >= 1.0),
+                  ("prefill ÷ llama.cpp's, the chat prompts", prefill["chat_over_llama_cpp"], "≥ 1.0",
+                   prefill["chat_over_llama_cpp"] >= 1.0)]
     data["goals"] = [{"goal": g, "value": v, "target": t, "met": m} for g, v, t, m in goals]
 
 
@@ -574,7 +599,15 @@ def tables(data: dict, markdown: bool = False) -> str:
         noisy += f"; llama.cpp's step noisy ÷ quiet: {data['llama_cpp_noisy_over_quiet']:.2f}"
     noisy += "\nplain decoding, in-process engine, tokens/s: " + ", ".join(
         f"batch {b} {t['new']:.1f} (torch paths {t['old']:.1f}, {t['ratio']:.2f}x)" for b, t in data["batch_throughput"].items())
-    parts = [head, fmt(headers, rows), noisy]
+    prefill = data["prefill"]
+    peer_prefill = prefill.get("llama_cpp_ms")
+    prefill_table = "prefill, as served (ms; tokens/s), against llama.cpp's eval of the same ids:\n" + fmt(
+        ["prompt", "tokens", "ours ms", "ours tok/s", *(["llama.cpp ms", "llama.cpp tok/s", "ours ÷ llama.cpp"]
+                                                       if peer_prefill else [])],
+        [["long" if i == 0 else f"chat {i}", n, ms, prefill["ours_tokens_per_s"][i],
+          *([peer_prefill[i], prefill["llama_cpp_tokens_per_s"][i], peer_prefill[i] / ms] if peer_prefill else [])]
+         for i, (n, ms) in enumerate(zip(prefill["tokens"], prefill["ours_ms"]))])
+    parts = [head, fmt(headers, rows), noisy, prefill_table]
     for matmul, c in (data.get("compiled") or {}).items():
         what = "our kernels" if matmul == "native" else "ATen's int4 kernel" if matmul == "int4" else matmul
         parts.append(f"the forward compiled over a static cache (torch.compile; matrices: {what}), against the same "
