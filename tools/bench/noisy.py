@@ -64,7 +64,8 @@ def served_decoding(models: BenchModels, prompts: int = PROMPTS, new_tokens: int
     beside the busy loops in turns (quiet, loops, quiet, ..., quiet: ``rounds`` spells of loops in
     our session and as many in another session, so a shared machine's drift falls on all three),
     each mean ÷ the mean quiet speed. A second stack whose target keeps its thread count fixed
-    (``--fixed-threads``) takes the same turns, quiet and beside the other session's loops. With
+    (``--fixed-threads``) takes the same turns, quiet and beside the other session's loops (the
+    two stacks going first in turn). With
     llama.cpp installed, its plain decoding of the same prompts in a process of its own, quiet and
     beside the other session's loops, in turns too."""
     chosen = models.prompts(prompts)
@@ -77,12 +78,13 @@ def served_decoding(models: BenchModels, prompts: int = PROMPTS, new_tokens: int
             sweep(address, chosen[:1], [0], new_tokens)  # warm-up
         for i in range(4 * rounds + 1):
             session = SESSIONS[i // 2 % 2] if i % 2 else None  # the two kinds of neighbour take turns
+            key = session or "quiet"
+            turns = [(key, stack)] + ([("fixed " + key, fixed)] if session != "ours" else [])
+            if len(runs[key]) % 2:  # the stacks go first in turn, spell by spell of each kind
+                turns.reverse()
             with noisy_neighbours(session=session) if session else contextlib.nullcontext():
-                runs[session or "quiet"].append(sweep(stack.gateway_address, chosen, [0],
-                                                      new_tokens)[0]["tokens_per_s"])
-                if session != "ours":
-                    runs["fixed " + (session or "quiet")].append(sweep(fixed.gateway_address, chosen, [0],
-                                                                       new_tokens)[0]["tokens_per_s"])
+                for key, which in turns:
+                    runs[key].append(sweep(which.gateway_address, chosen, [0], new_tokens)[0]["tokens_per_s"])
     means = {k: sum(v) / len(v) for k, v in runs.items()}
     out = {"quiet": means["quiet"], "noisy": means["ours"], "other_session": means["other"],
            "quiet_runs": runs["quiet"], "noisy_runs": runs["ours"], "other_session_runs": runs["other"],
