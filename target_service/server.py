@@ -18,7 +18,7 @@ from specstream.data.engine_wire import info_to_pb, message_to_pb, request_from_
 from specstream.data.errors import SpecstreamError
 from specstream.data.propose import Proposer
 from specstream.models.config import ModelLoadError
-from specstream.models.loader import load_model
+from specstream.models.loader import load_model, serving_choice
 from specstream.models.registry import resolve_dtype, resolve_model
 from specstream.serving.compute import compute_executor
 from specstream.serving.grpc_server import ServiceServer
@@ -118,6 +118,7 @@ async def serve(config: TargetConfig, build_proposer: Callable[[DraftConfig], Pr
     await server.set_serving(True)
     log.info("target %s serving %s (%s, %s weights) on %s (draft: %s)", model.config.name,
              model.config.architecture, model.dtype, model.weights, server.address, draft.url if draft else "none")
+    log.info("target model: %s", serving_choice(model, spec.dtype, spec.weights))
 
     async def on_stop() -> None:
         trimmer.cancel()

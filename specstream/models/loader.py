@@ -348,3 +348,20 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def serving_choice(model: CausalLM, dtype: str, weights: str) -> str:
+    """For the start-up log: the dtype and weights a model serves with, what was asked (``auto``
+    decides by the CPU), and the CPU features that decided them (specstream.models.registry
+    ``resolve_dtype``; ``load_model``'s weights: the native 4-bit kernel per activation dtype)."""
+    from specstream.models.registry import bfloat16_features
+    from specstream.serving.compute import cpu_name
+
+    yes = lambda flag: "yes" if flag else "no"  # noqa: E731
+    chosen = f"dtype {dtype} -> {str(model.dtype).removeprefix('torch.')}; weights {weights} -> {model.weights}"
+    if model.device.type != "cpu":
+        return f"{chosen}; on {model.device}"
+    bf16 = ", ".join(f"{name} {yes(flag)}" for name, flag in bfloat16_features().items())
+    kernel = ("none (the native library is not built)" if native.library() is None else
+              f"bfloat16 {yes(q4_native(torch.bfloat16))}, float32 {yes(q4_native(torch.float32))}")
+    return f"{chosen}; on {cpu_name()}: {bf16}; native 4-bit kernel: {kernel}"

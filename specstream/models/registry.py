@@ -102,9 +102,15 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> str:
 
     if device.startswith("cuda"):
         return "bfloat16"
-    native = [getattr(torch.cpu, name, lambda: False)() for name in
-              ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    return "bfloat16" if any(native) else "float32"
+    return "bfloat16" if any(bfloat16_features().values()) else "float32"
+
+
+def bfloat16_features() -> dict[str, bool]:
+    """The CPU features ``resolve_dtype("auto")`` decides by: matmuls native in bfloat16 (torch's own detection)."""
+    import torch  # lazily, as resolve_dtype
+
+    return {label: bool(getattr(torch.cpu, name, lambda: False)())
+            for label, name in (("AVX-512 BF16", "_is_avx512_bf16_supported"), ("AMX", "_is_amx_tile_supported"))}
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,18 @@ def _set_threads(n: int) -> None:
         torch.set_num_threads(share)
 
 
+def cpu_name() -> str:
+    """The CPU's model name and its class (AVX-512 BF16, AVX2, and AMX where present)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    isa = "AVX-512 BF16" if "avx512_bf16" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{name} ({isa}{', AMX' if 'amx_bf16' in flags else ''})"
+
+
 def cpu_share(cgroup_root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")) -> int:
     """The cores this process may use: its CPU affinity, capped by its cgroup's CPU quota (a
     Kubernetes CPU limit), rounded down, at least 1. A thread team larger than the quota is stopped

@@ -5,17 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
-def cpu_name() -> str:
-    """The CPU's model name and its class (AVX-512 BF16, AVX2, and AMX where present)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
-    isa = "AVX-512 BF16" if "avx512_bf16" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return f"{name} ({isa}{', AMX' if 'amx_bf16' in flags else ''})"
+from specstream.serving.compute import cpu_name  # noqa: F401 - every benchmark names its CPU from here
 
 
 def table(headers: list[str], rows: list[list]) -> str:
