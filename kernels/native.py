@@ -6,7 +6,10 @@ default ~/.cache/torch_extensions: a second start loads it in a fraction of a se
 ``library()`` returns the loaded module, or None where it cannot be built (no C++ compiler, a
 build error: the reason is logged once), so callers fall back to their torch path. Building takes
 a while (docs/benchmarks.md), hence once per cache; ``SPECSTREAM_NATIVE=0`` turns the library off
-(the torch paths serve).
+(the torch paths serve). ``SPECSTREAM_CPU_ISA`` caps the vector paths the library runs (``CPU_ISAS``):
+``avx2`` runs an AVX-512 CPU's ops on their AVX2 paths, as an AVX2-only CPU does (with float32
+activations, as ``--dtype auto`` picks there), ``generic`` on the portable ones; the tests and the
+benchmarks use it to cover every class's paths on one machine.
 
 What it does not know: when an op should use it (kernels/int4.py, kernels/int8.py and the models decide).
 """
@@ -50,6 +53,17 @@ _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 
 
+CPU_ISAS = ("avx512", "avx2", "generic")  # SPECSTREAM_CPU_ISA's values; unset: the CPU's own (avx512 where it has it)
+
+
+def cpu_isa_cap() -> str:
+    """SPECSTREAM_CPU_ISA, checked: the widest vector paths the library may run."""
+    value = os.environ.get("SPECSTREAM_CPU_ISA", "avx512")
+    if value not in CPU_ISAS:
+        raise ValueError(f"SPECSTREAM_CPU_ISA={value!r}: must be one of {', '.join(CPU_ISAS)}")
+    return value
+
+
 def enabled() -> bool:
     """Whether the library may be used at all (SPECSTREAM_NATIVE=0 turns it off)."""
     return os.environ.get("SPECSTREAM_NATIVE", "1") != "0"
@@ -59,6 +73,7 @@ def library() -> ModuleType | None:
     """The built library, or None (off, or it could not be built: logged once)."""
     if not enabled():
         return None
+    cpu_isa_cap()  # a wrong value is an error, not the CPU's own paths
     with _lock:
         if "module" not in _state:
             _state["module"] = _build()
@@ -77,7 +92,9 @@ def _build() -> ModuleType | None:
     except Exception as exc:  # noqa: BLE001 - any build failure means: serve with the torch paths
         log.warning("native CPU ops unavailable (%s: %s); the torch paths serve", type(exc).__name__, exc)
         return None
-    log.info("native CPU ops loaded in %.1f s (AVX-512: %s)", time.perf_counter() - started, module.has_avx512())
+    log.info("native CPU ops loaded in %.1f s (AVX-512: %s, AVX2: %s%s)", time.perf_counter() - started,
+             module.has_avx512(), module.has_avx2_fma(),
+             f"; capped by SPECSTREAM_CPU_ISA={cpu_isa_cap()}" if "SPECSTREAM_CPU_ISA" in os.environ else "")
     return module
 
 

@@ -6,6 +6,9 @@ serves (the whole model included)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -306,14 +309,14 @@ def test_native_greedy_verify_is_the_reference_with_ties_nans_and_infinities() -
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [2, 3, 4])
 def test_query_heads_that_share_a_kv_head_get_the_bits_they_get_one_by_one(dtype, group) -> None:
-    """The native attention runs the query heads of one kv head together (head_dim 64, AVX-512):
-    their outputs are the bits of each head computed alone. Alone here: the same keys and values
+    """The native attention runs the query heads of one kv head together (head_dim 64 on the AVX-512
+    path, the AVX2 path's any multiple of 16): their outputs are the bits of each head computed alone. Alone here: the same keys and values
     given to every query head as its own kv head (no sharing, so no group), over a window of
     decode and verify positions after a 300-token prefix, a prefix shared from another slot
     included, and a tree."""
     library = native.library()
-    if library is None or not library.has_avx512():
-        pytest.skip("the grouped path is the AVX-512 one; this CPU runs the others (each head alone)")
+    if library is None or not (library.has_avx512() or library.has_avx2_fma()):
+        pytest.skip("the grouped paths are the AVX-512 and AVX2 ones; this CPU runs the generic one (each head alone)")
     gen = torch.Generator().manual_seed(group)
     kv_heads, D, L, T = 2, 64, 320, 6
     heads = kv_heads * group
@@ -339,3 +342,59 @@ def test_query_heads_that_share_a_kv_head_get_the_bits_they_get_one_by_one(dtype
         grouped = run(1, shared, parents)
         alone = run(group, shared, parents)
         assert torch.equal(grouped, alone), (shared is not None, parents is not None)
+
+
+_ATTENTION_BITS = """
+import hashlib, sys, torch
+from kernels import native
+library = native.library()
+digest = hashlib.sha256()
+for dtype in (torch.float32, torch.bfloat16):
+    gen = torch.Generator().manual_seed(7)
+    kv_heads, heads, D, L, T = 3, 9, 64, 96, 5
+    cos, sin = (torch.randn(L, D, generator=gen).to(dtype) for _ in range(2))
+    k_cache, v_cache = (torch.randn(2, kv_heads, L, D, generator=gen).to(dtype) for _ in range(2))
+    qkv = torch.randn(1, T, (heads + 2 * kv_heads) * D, generator=gen).to(dtype)
+    for parents in (None, torch.tensor([[-1, 0, 0, 1, 2]])):
+        out = library.attention(qkv, k_cache.clone(), v_cache.clone(), cos, sin, torch.tensor([1]),
+                                torch.tensor([80]), None, parents, heads, kv_heads, D, 1 / 8.0, 0)
+        digest.update(out.float().numpy().tobytes())
+print(library.has_avx512(), library.has_avx2_fma(), digest.hexdigest())
+"""
+
+
+def _capped(cap: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], env={**os.environ, "SPECSTREAM_CPU_ISA": cap},
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent)
+
+
+@pytest.mark.parametrize("cap", ["avx2", "generic"])
+def test_this_cpu_runs_the_other_classes_paths_and_they_pass_these_tests(cap) -> None:
+    """SPECSTREAM_CPU_ISA keeps this CPU on the AVX2 paths (as an AVX2-only CPU runs) or the generic
+    ones: every other test of this file passes there too (the grouped heads on the AVX2 path among them)."""
+    library = native.library()
+    if library is None or (cap == "avx2" and not library.has_avx2_fma()):
+        pytest.skip(f"this CPU cannot run the {cap} paths of the native library")
+    done = _capped(cap, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", __file__,
+                   "-k", "not other_classes and not same_bits_as_the_generic")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout
+
+
+def test_the_avx2_attention_gives_the_same_bits_as_the_generic_one() -> None:
+    """The AVX2 attention (its heads grouped by kv head) is the generic path's arithmetic 8 lanes at a
+    time: the same outputs, bit for bit, chains and a tree, float32 and bfloat16."""
+    library = native.library()
+    if library is None or not library.has_avx2_fma():
+        pytest.skip("this CPU has no AVX2 path")
+    avx2, generic = (_capped(cap, "-c", _ATTENTION_BITS) for cap in ("avx2", "generic"))
+    assert avx2.returncode == 0 and generic.returncode == 0, avx2.stderr[-2000:] + generic.stderr[-2000:]
+    flags_avx2, flags_generic = avx2.stdout.split()[:2], generic.stdout.split()[:2]
+    assert flags_avx2 == ["False", "True"] and flags_generic == ["False", "False"]  # the caps held
+    assert avx2.stdout.split()[2] == generic.stdout.split()[2]
+
+
+def test_an_unknown_cpu_class_is_refused(monkeypatch) -> None:
+    monkeypatch.setenv("SPECSTREAM_CPU_ISA", "avx1024")
+    with pytest.raises(ValueError, match="SPECSTREAM_CPU_ISA='avx1024'"):
+        native.library()

@@ -238,6 +238,66 @@ void attend_avx512(const float* const* q, const SlotRows<T>& keys, const SlotRow
   }
 }
 
+// The AVX2 path of step 2 below for G = 2..4 query heads that share a kv head: per head exactly the
+// operations of the one-head AVX2 path (dot_avx2's two 8-lane accumulators over D and its lanes summed
+// in index order; the generic softmax; axpy_avx2's fused multiply-adds key after key; the division),
+// so the same bits as each head alone (and as the generic path), with each key's and value's vectors
+// loaded (and widened from bfloat16) once for the G heads instead of once per head.
+template <typename T, int G>
+__attribute__((target("avx2,fma")))
+void attend_avx2(const float* const* q, const SlotRows<T>& keys, const SlotRows<T>& values, int64_t lo,
+                 int64_t pos, float scale, std::vector<float>* weights, float* acc, T* const* dst,
+                 const KeyRows& rows, int64_t D) {
+  const int64_t n = pos + 1 - lo;
+  float top[G], total[G];
+  for (int g = 0; g < G; ++g) {
+    weights[g].resize(n);
+    top[g] = -INFINITY;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const T* k = keys.at(rows.at(j));
+    __m256 low[G], high[G];
+    for (int g = 0; g < G; ++g) low[g] = high[g] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; i += 16) {
+      const __m256 kl = load8(k + i), kh = load8(k + i + 8);
+      for (int g = 0; g < G; ++g) {
+        low[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + i), kl, low[g]);
+        high[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + i + 8), kh, high[g]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      float lanes[16];
+      _mm256_storeu_ps(lanes, low[g]);
+      _mm256_storeu_ps(lanes + 8, high[g]);
+      float sum = 0.0f;
+      for (float v : lanes) sum += v;
+      const float s = sum * scale;
+      weights[g][j] = s;
+      top[g] = std::max(top[g], s);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    total[g] = 0.0f;
+    for (float& w : weights[g]) {
+      w = std::exp(w - top[g]);
+      total[g] += w;
+    }
+  }
+  std::fill(acc, acc + G * D, 0.0f);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* v = values.at(rows.at(j));
+    for (int64_t i = 0; i < D; i += 8) {
+      const __m256 vv = load8(v + i);
+      for (int g = 0; g < G; ++g) {
+        float* out = acc + g * D + i;
+        _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_set1_ps(weights[g][j]), vv, _mm256_loadu_ps(out)));
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int64_t i = 0; i < D; ++i) store_value(dst[g] + i, acc[g * D + i] / total[g]);
+}
+
 }  // namespace
 
 template <typename T>
@@ -267,9 +327,11 @@ template <typename T>
 void Attention<T>::attend(int64_t begin, int64_t end) const {  // 2. Every query head over its keys.
   const int64_t group = Hq / Hkv;
   // A whole group of query heads that share a kv head, within this share of the items, runs
-  // together on the AVX-512 path for D = 64 (the same bits as one by one: attend_avx512).
-  const bool grouped = wide && D == 64 && group >= 2 && group <= 4 && group_heads.load(std::memory_order_relaxed);
-  std::vector<float> q(wide ? 4 * D : D), acc(D);
+  // together on the AVX-512 path for D = 64 and on the AVX2 path (the same bits as one by one:
+  // attend_avx512, attend_avx2).
+  const bool grouped = (wide ? D == 64 : avx2) && group >= 2 && group <= 4 &&
+                       group_heads.load(std::memory_order_relaxed);
+  std::vector<float> q(wide || avx2 ? 4 * D : D), acc(avx2 ? 4 * D : D);
   std::vector<float> weights[4];
   for (int64_t item = begin; item < end; ++item) {
     const int64_t h = item % Hq, bt = item / Hq, b = bt / T_, g = h / group;
@@ -305,6 +367,20 @@ void Attention<T>::attend(int64_t begin, int64_t end) const {  // 2. Every query
         attend_avx512<T, 4, 3>(qs, keys, values, lo, pos, scale, weights, dsts, rows);
       } else {
         attend_avx512<T, 4, 4>(qs, keys, values, lo, pos, scale, weights, dsts, rows);
+      }
+      item += heads - 1;
+      continue;
+    }
+    if (heads > 1) {  // the AVX2 path, a group of heads
+      const int64_t* src = sources != nullptr ? sources + b * kv_len : nullptr;
+      const SlotRows<T> keys{cache_at(kc, slots[b], g, 0), cache_at(kc, 0, g, 0), src, Hkv * L * D, D};
+      const SlotRows<T> values{cache_at(vc, slots[b], g, 0), cache_at(vc, 0, g, 0), src, Hkv * L * D, D};
+      if (heads == 2) {
+        attend_avx2<T, 2>(qs, keys, values, lo, pos, scale, weights, acc.data(), dsts, rows, D);
+      } else if (heads == 3) {
+        attend_avx2<T, 3>(qs, keys, values, lo, pos, scale, weights, acc.data(), dsts, rows, D);
+      } else {
+        attend_avx2<T, 4>(qs, keys, values, lo, pos, scale, weights, acc.data(), dsts, rows, D);
       }
       item += heads - 1;
       continue;

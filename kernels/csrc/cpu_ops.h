@@ -28,6 +28,7 @@
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <algorithm>
@@ -40,9 +41,22 @@ namespace cpu_ops {
 constexpr int64_t kBlock = 32;
 constexpr int kTile = 8;  // rows per pass over a weight row (their accumulators stay in registers)
 
+// The widest vector paths this process may run: SPECSTREAM_CPU_ISA=avx2 keeps an AVX-512 CPU on the
+// AVX2 paths (as an AVX2-only CPU runs), =generic on the portable ones; unset or avx512: whatever the
+// CPU has. One machine then tests and times every class's paths (kernels/native.py checks the value).
+inline int isa_cap() {
+  static const int cap = [] {
+    const char* value = std::getenv("SPECSTREAM_CPU_ISA");
+    if (value != nullptr && std::strcmp(value, "generic") == 0) return 0;
+    if (value != nullptr && std::strcmp(value, "avx2") == 0) return 1;
+    return 2;
+  }();
+  return cap;
+}
+
 // Which vector paths this CPU runs (each asked once per process).
 inline bool has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  static const bool yes = isa_cap() >= 2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
   return yes;
 }
 
@@ -57,7 +71,7 @@ inline bool has_avx512_vnni() {
 }
 
 inline bool has_avx2_fma() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+  static const bool yes = isa_cap() >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                           __builtin_cpu_supports("f16c");
   return yes;
 }
@@ -192,8 +206,8 @@ struct Attention {
   void attend(int64_t begin, int64_t end) const;  // 2. Every query head over its keys.
 };
 
-// Whether the query heads that share a kv head run together (attention.cpp, attend_group_avx512:
-// the same bits either way); off only to time the difference (`bench step`).
+// Whether the query heads that share a kv head run together (attention.cpp, attend_avx512 and
+// attend_avx2: the same bits either way); off only to time the difference (`bench step`).
 void set_attention_groups(bool on);
 bool attention_groups();
 
