@@ -53,8 +53,8 @@ from specstream.data.request_rules import RequestLimits, check_request
 from specstream.models.base import CausalLM
 from specstream.serving import telemetry
 from specstream.serving.compute import core_beside_model, torch_thread
-from specstream.serving.thread_governor import ThreadGovernor
 from specstream.serving.metrics import TargetMetrics
+from specstream.serving.thread_governor import ThreadGovernor
 from specstream.text.grammar import Grammar, GrammarCompiler
 from target_service import tracing
 from target_service.calibration import sampled_verify_extra, verify_costs
@@ -123,8 +123,8 @@ class Engine:
         self.prefill_chunk = prefill_chunk(config.prefill_chunk, model.device)
         # All torch work belongs on this one thread (see specstream.serving.compute).
         self._compute = compute or torch_thread()
-        threads = self._compute.submit(torch.get_num_threads).result()
-        self.governor = ThreadGovernor(threads) if config.adapt_threads and str(model.device) == "cpu" else None
+        self.governor = ThreadGovernor(self._compute.submit(torch.get_num_threads).result()) \
+            if config.adapt_threads and str(model.device) == "cpu" else None
         self._compute_calls = 0  # the engine's calls submitted to the torch thread and not done
         kept = capacity_for(config.prefix_cache_slots, config.max_slots, model, self.max_len)
         self.cache = self._compute.submit(model.new_cache, config.max_slots + kept, self.max_len).result()

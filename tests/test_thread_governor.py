@@ -43,7 +43,7 @@ def test_a_quiet_host_keeps_every_thread() -> None:
     host = _Host()
     governor = _governor(host)
     assert [host.forward(governor, 0.9) for _ in range(500)] == [2] * 500
-    assert governor.changes == 0 and host.set == []
+    assert host.set == []
 
 
 def test_a_starved_team_gives_up_a_thread_after_a_window_and_probes_back_with_a_growing_wait() -> None:

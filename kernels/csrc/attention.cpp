@@ -49,9 +49,7 @@ float dot_generic(const float* q, const T* k, int64_t D) {
   return total;
 }
 
-// AVX2: 8 values of a row as float32, and the generic paths (dot_generic above, axpy_generic below)
-// computed 8 lanes at a time: the same fused multiply-adds on the same lanes and the lanes summed in
-// index order, so the same bits as the generic paths (D a multiple of 16).
+// AVX2: 8 values of a row as float32 (attend_avx2 below).
 template <typename T>
 __attribute__((target("avx2,fma"), always_inline)) inline __m256 load8(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
@@ -59,29 +57,6 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m256 load8(const T* 
   } else {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
   }
-}
-
-template <typename T>
-__attribute__((target("avx2,fma")))
-float dot_avx2(const float* q, const T* k, int64_t D) {
-  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();  // lanes 0..7 and 8..15 of dot_generic
-  for (int64_t i = 0; i < D; i += 16) {
-    lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), lo);
-    hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8(k + i + 8), hi);
-  }
-  float lanes[16];
-  _mm256_storeu_ps(lanes, lo);
-  _mm256_storeu_ps(lanes + 8, hi);
-  float total = 0.0f;
-  for (float v : lanes) total += v;
-  return total;
-}
-
-template <typename T>
-__attribute__((target("avx2,fma")))
-void axpy_avx2(float w, const T* v, float* out, int64_t D) {
-  const __m256 scale = _mm256_set1_ps(w);
-  for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(out + i, _mm256_fmadd_ps(scale, load8(v + i), _mm256_loadu_ps(out + i)));
 }
 
 // out[0..D) += w * v[0..D), in float32.
@@ -238,11 +213,12 @@ void attend_avx512(const float* const* q, const SlotRows<T>& keys, const SlotRow
   }
 }
 
-// The AVX2 path of step 2 below for G = 2..4 query heads that share a kv head: per head exactly the
-// operations of the one-head AVX2 path (dot_avx2's two 8-lane accumulators over D and its lanes summed
-// in index order; the generic softmax; axpy_avx2's fused multiply-adds key after key; the division),
-// so the same bits as each head alone (and as the generic path), with each key's and value's vectors
-// loaded (and widened from bfloat16) once for the G heads instead of once per head.
+// The AVX2 path of step 2 below, for G query heads that share a kv head (G = 1: one head alone): per
+// head the generic path's arithmetic 8 lanes at a time (dot_generic's 16 lanes of fused multiply-adds
+// over D, in two 8-lane registers, then summed in index order; the same softmax; axpy_generic's fused
+// multiply-adds key after key; the division), so the same bits as the generic path, whatever G (D a
+// multiple of 16). Each key's and value's vectors are loaded (and widened from bfloat16) once for the
+// G heads.
 template <typename T, int G>
 __attribute__((target("avx2,fma")))
 void attend_avx2(const float* const* q, const SlotRows<T>& keys, const SlotRows<T>& values, int64_t lo,
@@ -330,7 +306,7 @@ void Attention<T>::attend(int64_t begin, int64_t end) const {  // 2. Every query
   // together on the AVX-512 path for D = 64 and on the AVX2 path (the same bits as one by one:
   // attend_avx512, attend_avx2).
   const bool grouped = (wide ? D == 64 : avx2) && group >= 2 && group <= 4 &&
-                       group_heads.load(std::memory_order_relaxed);
+                       group_heads.load(std::memory_order_relaxed);  // (a head alone is the group of one)
   std::vector<float> q(wide || avx2 ? 4 * D : D), acc(avx2 ? 4 * D : D);
   std::vector<float> weights[4];
   for (int64_t item = begin; item < end; ++item) {
@@ -371,11 +347,13 @@ void Attention<T>::attend(int64_t begin, int64_t end) const {  // 2. Every query
       item += heads - 1;
       continue;
     }
-    if (heads > 1) {  // the AVX2 path, a group of heads
+    if (avx2) {
       const int64_t* src = sources != nullptr ? sources + b * kv_len : nullptr;
       const SlotRows<T> keys{cache_at(kc, slots[b], g, 0), cache_at(kc, 0, g, 0), src, Hkv * L * D, D};
       const SlotRows<T> values{cache_at(vc, slots[b], g, 0), cache_at(vc, 0, g, 0), src, Hkv * L * D, D};
-      if (heads == 2) {
+      if (heads == 1) {
+        attend_avx2<T, 1>(qs, keys, values, lo, pos, scale, weights, acc.data(), dsts, rows, D);
+      } else if (heads == 2) {
         attend_avx2<T, 2>(qs, keys, values, lo, pos, scale, weights, acc.data(), dsts, rows, D);
       } else if (heads == 3) {
         attend_avx2<T, 3>(qs, keys, values, lo, pos, scale, weights, acc.data(), dsts, rows, D);
@@ -392,8 +370,7 @@ void Attention<T>::attend(int64_t begin, int64_t end) const {  // 2. Every query
       const int64_t j = rows.at(i - lo);
       const int64_t slot = sources != nullptr ? sources[b * kv_len + j] : slots[b];
       const T* k = cache_at(kc, slot, g, j);
-      const float s = (wide ? dot_avx512(q.data(), k, D) : avx2 ? dot_avx2(q.data(), k, D)
-                                                                 : dot_generic(q.data(), k, D)) * scale;
+      const float s = (wide ? dot_avx512(q.data(), k, D) : dot_generic(q.data(), k, D)) * scale;
       scores[i - lo] = s;
       top = std::max(top, s);
     }
@@ -409,8 +386,6 @@ void Attention<T>::attend(int64_t begin, int64_t end) const {  // 2. Every query
       const T* v = cache_at(vc, slot, g, j);
       if (wide) {
         axpy_avx512(scores[i - lo], v, acc.data(), D);
-      } else if (avx2) {
-        axpy_avx2(scores[i - lo], v, acc.data(), D);
       } else {
         axpy_generic(scores[i - lo], v, acc.data(), D);
       }

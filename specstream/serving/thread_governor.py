@@ -54,7 +54,6 @@ class ThreadGovernor:
         self.probe_s = self._base_probe_s = probe_s
         self._next_probe = clock() + probe_s
         self._probing = False  # the current count is a probe not yet judged
-        self.changes = 0  # thread count changes so far (a metric)
 
     def run(self, fn: Callable[..., T], *args) -> T:
         """``fn(*args)`` with the governor's thread count, timed and judged."""
@@ -91,4 +90,3 @@ class ThreadGovernor:
         log.info("forwards on %d thread%s (was %d): %s", threads, "" if threads == 1 else "s", self.threads, why)
         self.threads = threads
         self._share, self._judged, self._probing = 1.0, 0, False
-        self.changes += 1

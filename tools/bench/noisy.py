@@ -65,9 +65,8 @@ def served_decoding(models: BenchModels, prompts: int = PROMPTS, new_tokens: int
     our session and as many in another session, so a shared machine's drift falls on all three),
     each mean ÷ the mean quiet speed. A second stack whose target keeps its thread count fixed
     (``--fixed-threads``) takes the same turns, quiet and beside the other session's loops (the
-    two stacks going first in turn). With
-    llama.cpp installed, its plain decoding of the same prompts in a process of its own, quiet and
-    beside the other session's loops, in turns too."""
+    two stacks going first in turn). With llama.cpp installed, its plain decoding of the same
+    prompts in a process of its own, quiet and beside the other session's loops, in turns too."""
     chosen = models.prompts(prompts)
     runs: dict[str, list[float]] = {"quiet": [], "ours": [], "other": [], "fixed quiet": [], "fixed other": []}
     fields = models.stack_fields(speculative=False)

@@ -2,10 +2,10 @@
 
 A request's time to its first token is mostly its prompt's prefill. Measured here on a 512-token
 prompt and on the chat prompts the other benchmarks send: ours as the target serves it (the model
-as loaded for serving, in chunks of ``prefill_chunk`` positions into a cache slot, each
-chunk attending over the ones before it), and llama.cpp's
-``eval`` of the same token ids in a process of its own (its default batch of 512). Each prompt is
-timed ``repeats`` times, interleaved across prompts, and its fastest run kept.
+as loaded for serving, in chunks of ``prefill_chunk`` positions into a cache slot, each chunk
+attending over the ones before it), and llama.cpp's ``eval`` of the same token ids in a process of
+its own (its default batch of 512). Each prompt is timed ``repeats`` times, interleaved across
+prompts, and its fastest run kept.
 """
 
 from __future__ import annotations

@@ -72,9 +72,9 @@ TARGETS = {2: 1.05, 4: 1.10, 8: 1.25, 16: 1.6}  # verify over n positions ÷ a 1
 BOUND_TARGET = 1.3  # a 1-token step ÷ the bandwidth bound, at most
 HOST_TARGETS_MS = {1: 0.5, 32: 2.0}  # host work per engine step, at most, by batch
 NOISY_TARGET = 0.9  # noisy ÷ quiet decode speed, at least
+PREFILL_CHAT_PROMPTS = 4  # the chat prompts prefilled beside the long one
 # Beside busy loops in another session (an equal of ours to the scheduler): served decoding keeps at
 # least this share of its quiet speed, and at least this many times llama.cpp's beside the same loops.
-PREFILL_CHAT_PROMPTS = 4  # the chat prompts prefilled beside the long one
 OTHER_SESSION_TARGET = 0.45
 OTHER_SESSION_PEER_TARGET = 1.5
 BATCHES = (8, 32)  # plain decoding throughput, new ÷ the torch paths

@@ -29,8 +29,8 @@ from specstream.data.config import (
 from tools.cli.flags import (
     DTYPES,
     batching_flags,
-    fixed_threads_flag,
     env,
+    fixed_threads_flag,
     gamma_flags,
     http_port_flag,
     grammar_draft_flag,
