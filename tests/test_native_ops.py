@@ -111,13 +111,12 @@ def test_native_attention_matches_the_torch_path(tmp_path, dtype, window) -> Non
 
 
 @pytest.mark.parametrize("dtype, weights, int8", [("float32", "dense", False), ("float32", "int4-rtn", False),
-                                                  ("bfloat16", "dense", False), ("bfloat16", "int4-rtn", False),
-                                                  ("bfloat16", "int4-rtn", True)])
+                                                  ("float32", "int4-rtn", True), ("bfloat16", "dense", False),
+                                                  ("bfloat16", "int4-rtn", False), ("bfloat16", "int4-rtn", True)])
 def test_a_rows_logits_are_the_same_bits_alone_in_a_verify_window_and_in_a_batch(tmp_path, monkeypatch, dtype,
                                                                                    weights, int8) -> None:
     """The model with the ops it serves with (the native attention; float32 dense and 4-bit; bfloat16
-    dense with the 8-bit output layer; bfloat16 4-bit; and the 4-bit layers with 8-bit activations that
-    `bench step` measures): a position computed in a decode step, inside a verify window of 2..16
+    dense with the 8-bit output layer; bfloat16 4-bit; and the 4-bit layers with 8-bit activations): a position computed in a decode step, inside a verify window of 2..16
     positions, and beside 1..32 other sequences gives the same logits, bit for bit."""
     from specstream.models import llama
 
@@ -159,40 +158,45 @@ def _int8_activations_reference(x: torch.Tensor, codes: torch.Tensor, scale: tor
                                 minimum: torch.Tensor) -> torch.Tensor:
     """q4_matmul with 8-bit activations from its definition: each row's block of 32 rounded to
     dx * nearest(x / dx), dx = max|x| / 127 and the quotient in float32 (a quotient's last bit
-    decides a near-tie), the products summed in float64; the minimum's term over the exact x."""
+    decides a near-tie), times the dequantized weight d q + m, the products summed in float64."""
     M, K = x.shape
     blocks = x.float().reshape(M, K // 32, 32)  # [M, K/32, 32]
     dx = blocks.abs().amax(-1, keepdim=True) / 127  # [M, K/32, 1] float32
     codes_x = torch.round(blocks / torch.where(dx > 0, dx, 1))  # x / dx in float32, as the kernel divides
     rounded = (codes_x.double() * dx.double()).reshape(M, K)  # [M, K]
-    steps = codes.double() * scale.double().repeat_interleave(32, 1)  # [N, K]
-    return rounded @ steps.T + x.double() @ minimum.double().repeat_interleave(32, 1).T  # [M, N]
+    weight = codes.double() * scale.double().repeat_interleave(32, 1) + minimum.double().repeat_interleave(32, 1)
+    return rounded @ weight.T  # [M, N]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(16, 32), (48, 96), (96, 576), (576, 1536)])
-def test_q4_matmul_with_8_bit_activations_matches_its_reference_for_1_to_16_rows(shape) -> None:
-    """The integer dot-product kernel (``q4_tile_i8``) against its definition, 1..16 rows (every
-    row-block size of the kernel, tails included), a zero block among them; and a row's output is
-    the same bits alone as beside the others."""
+def test_q4_matmul_with_8_bit_activations_matches_its_reference_for_1_to_16_rows(shape, dtype) -> None:
+    """The integer dot-product kernels (``q4_tile_i8``: bfloat16 inputs, AVX-512 VNNI;
+    ``q4_tile_i8_f32``: float32 inputs, AVX2) against their definition, 1..16 rows (every row-block
+    size of the kernel, tails included), a zero block among them; and a row's output is the same
+    bits alone as beside the others."""
     from kernels.int4 import q4_dense, rtn_parts
 
     library = native.library()
-    if not library.has_avx512_vnni():
-        pytest.skip("this CPU has no AVX-512 VNNI: the 8-bit activation kernel cannot run here")
+    if dtype == torch.bfloat16 and not library.has_avx512_vnni():
+        pytest.skip("this CPU has no AVX-512 VNNI: the bfloat16 8-bit activation kernel cannot run here")
+    if dtype == torch.float32 and not library.has_avx2_fma():
+        pytest.skip("this CPU (or SPECSTREAM_CPU_ISA) has no AVX2: the float32 8-bit activation kernel cannot run here")
     N, K = shape
     gen = torch.Generator().manual_seed(15)
     codes, scale, minimum = rtn_parts(torch.randn(N, K, generator=gen))
-    weight = Q4Weight.from_parts(codes, scale, minimum, torch.bfloat16, use_native=True)
+    weight = Q4Weight.from_parts(codes, scale, minimum, dtype, use_native=True)
     for M in (1, 3, 8, 9, 16):
-        x = (torch.randn(M, K, generator=gen) * torch.rand(M, K, generator=gen) * 4).to(torch.bfloat16)
+        x = (torch.randn(M, K, generator=gen) * torch.rand(M, K, generator=gen) * 4).to(dtype)
         if M > 1:
             x[-1, :32] = 0  # a block of zeros: scale 0, codes 0
-        got = library.q4_matmul(x, weight.packed, weight.d, weight.m, True)  # [M, N] bfloat16
+        got = library.q4_matmul(x, weight.packed, weight.d, weight.m, True)  # [M, N] of dtype
         want = _int8_activations_reference(x, codes, scale, minimum)
-        # the output rounded to bfloat16 (half a step: 2^-9 relative) and float32 sums (relative to
-        # the sum of the magnitudes added, where terms cancel)
-        magnitudes = x.double().abs() @ q4_dense(codes, scale, minimum, torch.bfloat16).double().abs().T  # [M, N]
-        assert ((got.double() - want).abs() <= 2 ** -8 * want.abs() + 1e-5 * magnitudes).all(), M
+        # the output rounded to bfloat16 (half a step: 2^-9 relative; float32: none) and float32 sums
+        # (relative to the sum of the magnitudes added, where terms cancel)
+        rounding = 2 ** -8 if dtype == torch.bfloat16 else 2 ** -20
+        magnitudes = x.double().abs() @ q4_dense(codes, scale, minimum, dtype).double().abs().T  # [M, N]
+        assert ((got.double() - want).abs() <= rounding * want.abs() + 1e-5 * magnitudes).all(), M
         alone = torch.cat([library.q4_matmul(x[i:i + 1], weight.packed, weight.d, weight.m, True) for i in range(M)])
         assert torch.equal(alone, got)
         # and it is not the bfloat16 kernel: the rounding of the inputs shows

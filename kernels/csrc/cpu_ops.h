@@ -82,7 +82,8 @@ inline bool has_avx2_fma() {
 // q8_matmul.cpp: x [M, K] @ Q8_0 codes [N, K] (d [N, K/32]) -> [M, N] float32.
 at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d);
 
-// q4_matmul.cpp: x [M, K] bfloat16 (float32) @ Q4_1 codes in the native layout -> [M, N] bfloat16 (float32).
+// q4_matmul.cpp: x [M, K] bfloat16 (float32) @ Q4_1 codes in the native layout -> [M, N] bfloat16 (float32);
+// `int8`: the inputs rounded to 8 bits per block of 32 (AVX-512 VNNI for bfloat16, AVX2 for float32).
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
                      bool int8);
 
@@ -152,11 +153,14 @@ struct Q4Call {
 Q4Call q4_call(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, bool int8,
                Q4Scratch& scratch, at::Tensor& out);
 
-// One float32 call's operands (`q4_matmul` and `LayerStack`): x [M, K] rows, each row's block sums,
-// the weight in the native layout, out [M, N].
+// One float32 call's operands (`q4_matmul` and `LayerStack`): x [M, K] rows, each row's block sums
+// (and for 8-bit activations its codes and scales), the weight in the native layout, out [M, N].
 struct Q4CallF32 {
   const float* x;
   float* xsum;  // [M, K/32]
+  float* xd;    // [M, K/32] (int8 only)
+  int8_t* xq;   // [M, K] (int8 only)
+  bool int8;
   const uint8_t* codes;
   const uint16_t* d;
   const uint16_t* m;
@@ -165,7 +169,7 @@ struct Q4CallF32 {
 };
 
 Q4CallF32 q4_call_f32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
-                      std::vector<float>& xsum, at::Tensor& out);
+                      bool int8, Q4Scratch& scratch, at::Tensor& out);
 
 // Before any tile: each row's sum over each block of 32 inputs (the minimum's term), and for 8-bit
 // activations each block's scale and codes (q4_matmul.cpp says how).

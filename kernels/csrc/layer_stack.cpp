@@ -13,7 +13,14 @@
 
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
+#include <linux/futex.h>
 #include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <climits>
 
 #include "cpu_ops.h"
 
@@ -65,6 +72,45 @@ std::pair<int64_t, int64_t> share(int64_t n, int tid, int team) {
   return {begin, std::min<int64_t>(n, begin + chunk)};
 }
 
+// The team's meeting point between phases: spin up to kSpin (a phase's threads finish within
+// microseconds of each other when each has a core), then sleep on a futex until the last one in
+// wakes it. OpenMP's own barrier (libgomp) went to sleep after a far shorter spin: on a 2-vCPU virtual
+// machine (an AVX2-only EPYC) every one of a forward's ~300 barriers then paid a futex sleep and wake,
+// and a forward on 2 threads took longer than on one (docs/benchmarks.md, "A CPU without AVX-512").
+class TeamBarrier {
+ public:
+  explicit TeamBarrier(int team) : team_(team) {}
+
+  void wait() {
+    if (team_ == 1) return;
+    const uint32_t generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == team_) {  // the last one in opens it
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.store(generation + 1, std::memory_order_seq_cst);
+      if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+        syscall(SYS_futex, reinterpret_cast<uint32_t*>(&generation_), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+      }
+      return;
+    }
+    const auto until = std::chrono::steady_clock::now() + kSpin;
+    for (int64_t spin = 1;; ++spin) {
+      if (generation_.load(std::memory_order_acquire) != generation) return;
+      if (spin % 256 == 0 && std::chrono::steady_clock::now() > until) break;
+    }
+    sleepers_.fetch_add(1, std::memory_order_seq_cst);
+    while (generation_.load(std::memory_order_seq_cst) == generation) {  // a changed value returns at once
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&generation_), FUTEX_WAIT_PRIVATE, generation, nullptr, nullptr, 0);
+    }
+    sleepers_.fetch_sub(1, std::memory_order_relaxed);
+  }
+
+ private:
+  static constexpr std::chrono::microseconds kSpin{100};
+  const int team_;
+  std::atomic<uint32_t> generation_{0};
+  std::atomic<int> arrived_{0}, sleepers_{0};
+};
+
 // A stack of Llama decoder layers run in ONE OpenMP parallel region per forward: the team splits each
 // projection's output tiles and attention's positions and heads, and meets at a barrier between
 // phases; the small serial parts (norms, residual adds, block sums, the activation) run on the calling
@@ -100,7 +146,7 @@ struct Act<uint16_t> {  // bfloat16: rounded after every step, as torch rounds
 template <>
 struct Act<float> {  // float32
   using Call = Q4CallF32;
-  using Scratch = std::vector<float>;
+  using Scratch = Q4Scratch;
   using Cache = float;
   static constexpr at::ScalarType kType = at::kFloat;
   static float load(float v) { return v; }
@@ -108,8 +154,7 @@ struct Act<float> {  // float32
   static float* data(const at::Tensor& t) { return t.data_ptr<float>(); }
   static Call call(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, bool int8,
                    Scratch& scratch, at::Tensor& out) {
-    TORCH_CHECK(!int8, "LayerStack: 8-bit activations are for bfloat16 layers");
-    return q4_call_f32(x, codes, d, m, scratch, out);
+    return q4_call_f32(x, codes, d, m, int8, scratch, out);
   }
   static void rms(const float* x, const float* w, int64_t H, double eps, float* out) { rms_row_f32(x, w, H, eps, out); }
 };
@@ -205,10 +250,13 @@ class LayerStackOf {
     Shared shared{M, H, B * T_, B * T_ * num_heads_, eps_, A::data(normed), A::data(normed2), A::data(hidden),
                   A::data(down), gate_up, act};
     const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+    std::unique_ptr<TeamBarrier> barrier;
 #pragma omp parallel num_threads(threads)
     {
+#pragma omp single
+      barrier = std::make_unique<TeamBarrier>(omp_get_num_threads());
       const int tid = omp_get_thread_num(), team = omp_get_num_threads();
-      for (const Layer& layer : work) run(layer, shared, tid, team);
+      for (const Layer& layer : work) run(layer, shared, tid, team, *barrier);
     }
     return outs[(L - 1) % 2].view({B, T_, H});
   }
@@ -227,51 +275,54 @@ class LayerStackOf {
     at::Tensor gate_up, act;
   };
 
-  // One layer's phases; every thread of the team calls it (the barriers need them all).
-  static void run(const Layer& l, const Shared& s, int tid, int team) {
+  // One layer's phases; every thread of the team calls it (the barriers need them all). The serial
+  // parts run on thread 0, the caller's (ATen's activation needs its thread-local state).
+  static void run(const Layer& l, const Shared& s, int tid, int team, TeamBarrier& barrier) {
     const int64_t M = s.M, H = s.H, I = s.act.size(1);
-#pragma omp single
-    {
+    auto sync = [&] { barrier.wait(); };
+    if (tid == 0) {
       for (int64_t r = 0; r < M; ++r) A::rms(l.x + r * H, l.in_w, H, s.eps, s.normed + r * H);
       q4_prepare(l.qkv);
-    }  // (a single ends at a barrier)
+    }
+    sync();
     auto [q0, q1] = share(l.qkv.tiles, tid, team);
     q4_tiles(l.qkv, q0, q1);
-#pragma omp barrier
+    sync();
     auto [w0, w1] = share(s.positions, tid, team);
     l.attn.write(w0, w1);
-#pragma omp barrier
+    sync();
     auto [a0, a1] = share(s.heads, tid, team);
     l.attn.attend(a0, a1);
-#pragma omp barrier
-#pragma omp single
-    q4_prepare(l.o);
+    sync();
+    if (tid == 0) q4_prepare(l.o);
+    sync();
     auto [o0, o1] = share(l.o.tiles, tid, team);
     q4_tiles(l.o, o0, o1);
-#pragma omp barrier
-#pragma omp single
-    {
+    sync();
+    if (tid == 0) {
       for (int64_t i = 0; i < M * H; ++i) s.hidden[i] = A::store(A::load(s.hidden[i]) + A::load(l.x[i]));  // o + x
       for (int64_t r = 0; r < M; ++r) A::rms(s.hidden + r * H, l.post_w, H, s.eps, s.normed2 + r * H);
       q4_prepare(l.gate_up);
     }
+    sync();
     auto [g0, g1] = share(l.gate_up.tiles, tid, team);
     q4_tiles(l.gate_up, g0, g1);
-#pragma omp barrier
-#pragma omp master
-    {
+    sync();
+    if (tid == 0) {
       // As torch: silu(gate) * up, by ATen's own kernels, on the calling thread: it carries the
       // caller's thread-local state (inference mode), which the team's other threads do not.
       at::Tensor act = s.act;
       at::mul_out(act, at::silu(s.gate_up.narrow(1, 0, I)), s.gate_up.narrow(1, I, I));
       q4_prepare(l.down);
     }
-#pragma omp barrier
+    sync();
     auto [d0, d1] = share(l.down.tiles, tid, team);
     q4_tiles(l.down, d0, d1);
-#pragma omp barrier
-#pragma omp single
-    for (int64_t i = 0; i < M * H; ++i) l.out[i] = A::store(A::load(s.down[i]) + A::load(s.hidden[i]));  // down + hidden
+    sync();
+    if (tid == 0) {
+      for (int64_t i = 0; i < M * H; ++i) l.out[i] = A::store(A::load(s.down[i]) + A::load(s.hidden[i]));  // down + hidden
+    }
+    sync();
   }
 
   std::vector<std::vector<at::Tensor>> layers_;
@@ -279,7 +330,7 @@ class LayerStackOf {
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scale_;
   std::vector<int64_t> windows_;
-  bool int8_;  // 8-bit activations in the projections (q4_tile_i8)
+  bool int8_;  // 8-bit activations in the projections (q4_tile_i8, q4_tile_i8_f32)
 };
 
 LayerStack::LayerStack(std::vector<std::vector<at::Tensor>> layers, double eps, int64_t num_heads,

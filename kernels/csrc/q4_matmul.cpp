@@ -85,8 +85,8 @@ constexpr Q4Tile kQ4Tiles[] = {q4_tile_bf16<1>, q4_tile_bf16<2>, q4_tile_bf16<3>
 // 2 i + j's two codes into the two bytes of word 2 i + j, so lane i (words 2 i, 2 i + 1) holds
 // feature i's codes for inputs k0, k0 + 2, k0 + 1, k0 + 3: one instruction pair forms 64 weights as
 // bytes, and each row takes them in ONE dot-product instruction (64 products, summed exactly in
-// int32) against its four codes in that order. A block ends with y += (d dx) s, then y += m Σx (Σx in
-// float32 from the bfloat16 inputs, as the bfloat16 kernel). The weights' arithmetic is exact; the
+// int32) against its four codes in that order. A block ends with y += (d dx) s, then y += m dx Σ qx
+// (the rounded inputs' sum: q4_tile_i8_f32 says why). The weights' arithmetic is exact; the
 // activations are rounded to 8 bits per block of 32 (the error `bench step` and the tests measure).
 
 template <int R>
@@ -201,6 +201,120 @@ using Q4TileF32 = void (*)(const uint16_t*, const uint16_t*, const uint8_t*, con
                            int64_t, float*, int64_t);
 constexpr Q4TileF32 kQ4TilesF32[] = {q4_tile_f32<1>, q4_tile_f32<2>, q4_tile_f32<3>, q4_tile_f32<4>};
 
+// ---------------------------------------------------------------------------------------------------
+// Q4_1 with 8-bit activations from float32 ones, on AVX2: integer dot products as llama.cpp takes its
+// Q4_1 blocks against Q8_1 activations, in the same native layout.
+//
+// Each row's block of 32 inputs is rounded once per call, from its own values only, as the VNNI
+// kernel's: dx = max|x| / 127, qx = nearest integer of x / dx (ties to even), stored in the order k0,
+// k0 + 2, k0 + 1, k0 + 3 of each group of four. A chunk's two 16-byte halves (features 0..7, 8..15)
+// widen to words and (v | v << 4) & 0x0F0F puts feature i's four codes in its own 32-bit lane, in
+// that order; one unsigned-by-signed multiply-add of byte pairs per half and row gives 16 words
+// (q0 x0 + q2 x2, q1 x1 + q3 x3: at most 2 * 15 * 127 in magnitude). The block's 8 chunks are added as
+// words (at most 8 * 3,810 = 30,480: no overflow), then the word pairs as int32: Σ q qx exactly. A block
+// ends with y += (d dx) s, then y += m dx Σ qx: the product of the dequantized weight with the
+// rounded inputs, as llama.cpp's Q4_1 x Q8_1 takes it. (With the exact Σx in the minimum's term,
+// each input's rounding error met the uncentered d q in place of the weight d q + m, and the logits
+// were twice as far from the file's: `bench step`, mean |Δ| 0.37 against 0.17.) The integer sums are
+// exact and everything else is fixed by the row's own inputs: the same bits whatever the number of rows.
+
+constexpr int kTileI8F32 = 3;  // rows per pass: 2 word sums and 2 outputs a row, with the chunk's codes, in 16 registers
+
+template <int R>
+__attribute__((target("avx2,fma,f16c")))
+void q4_tile_i8_f32(const uint16_t* d, const uint16_t* m, const uint8_t* w, const int8_t* xq, const float* xd,
+                    const float* xsum, int64_t blocks, int64_t K, float* out, int64_t N) {
+  const __m256i nibbles = _mm256_set1_epi16(0x0F0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 y[R][2];
+  for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i s[R][2];
+    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+    const uint8_t* wb = w + kQ4TileBytes * b;
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
+      const __m256i v0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(v));       // features 0..7
+      const __m256i v1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1));  // features 8..15
+      const __m256i q0 = _mm256_and_si256(_mm256_or_si256(v0, _mm256_slli_epi16(v0, 4)), nibbles);
+      const __m256i q1 = _mm256_and_si256(_mm256_or_si256(v1, _mm256_slli_epi16(v1, 4)), nibbles);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xq + r * K + kBlock * b + 4 * c, 4);
+        const __m256i xr = _mm256_set1_epi32(four);
+        s[r][0] = _mm256_add_epi16(s[r][0], _mm256_maddubs_epi16(q0, xr));
+        s[r][1] = _mm256_add_epi16(s[r][1], _mm256_maddubs_epi16(q1, xr));
+      }
+    }
+    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + kQ4Tile * b)));
+    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + kQ4Tile * b + 8)));
+    const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + kQ4Tile * b)));
+    const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + kQ4Tile * b + 8)));
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_set1_ps(xd[r * blocks + b]), sum = _mm256_set1_ps(xsum[r * blocks + b]);
+      const __m256 s0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][0], ones));
+      const __m256 s1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][1], ones));
+      y[r][0] = _mm256_fmadd_ps(m0, sum, _mm256_fmadd_ps(_mm256_mul_ps(d0, dx), s0, y[r][0]));
+      y[r][1] = _mm256_fmadd_ps(m1, sum, _mm256_fmadd_ps(_mm256_mul_ps(d1, dx), s1, y[r][1]));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * N, y[r][0]);
+    _mm256_storeu_ps(out + r * N + 8, y[r][1]);
+  }
+}
+
+using Q4TileI8F32 = void (*)(const uint16_t*, const uint16_t*, const uint8_t*, const int8_t*, const float*,
+                             const float*, int64_t, int64_t, float*, int64_t);
+constexpr Q4TileI8F32 kQ4TilesI8F32[] = {q4_tile_i8_f32<1>, q4_tile_i8_f32<2>, q4_tile_i8_f32<3>};
+
+// Each row's block of 32 float32 inputs as 8-bit codes and a scale (the kernel above): |x| by
+// clearing the sign, its maximum by a fixed tree of vector maxima, x / dx rounded to the nearest
+// integer (ties to even), packed to bytes and put in the order k0, k0 + 2, k0 + 1, k0 + 3; and the
+// block's sum as the rounded inputs' (xsum = dx Σ qx, below).
+__attribute__((target("avx2,fma")))
+void q4_quantize_rows_f32(const float* x, int64_t M, int64_t K, float* xsum, float* xd, int8_t* xq) {
+  const int64_t blocks = K / kBlock;
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  // packs leave each 128-bit lane's dwords as x0..3, x8..11, x16..19, x24..27 | x4..7, ...: back in order
+  const __m256i unpack = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i order = _mm256_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15,
+                                         0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = x + r * K + kBlock * b;
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
+      const __m256 top8 = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
+                                        _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
+      const __m128 four = _mm_max_ps(_mm256_castps256_ps128(top8), _mm256_extractf128_ps(top8, 1));
+      const __m128 two = _mm_max_ps(four, _mm_movehl_ps(four, four));
+      const float top = _mm_cvtss_f32(_mm_max_ss(two, _mm_shuffle_ps(two, two, 1)));
+      const float dx = top / 127.0f;
+      xd[r * blocks + b] = dx;
+      __m256i codes = _mm256_setzero_si256();
+      int32_t total = 0;
+      if (dx != 0.0f) {
+        const __m256 div = _mm256_set1_ps(dx);
+        __m256i q[4];
+        for (int i = 0; i < 4; ++i) {
+          q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(v[i], div), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        codes = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(packed, unpack), order);
+        const __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        const __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+        const __m128i sum2 = _mm_add_epi32(sum4, _mm_unpackhi_epi64(sum4, sum4));
+        total = _mm_cvtsi128_si32(_mm_add_epi32(sum2, _mm_shuffle_epi32(sum2, 1)));
+      }
+      xsum[r * blocks + b] = dx * float(total);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + r * K + kBlock * b), codes);
+    }
+  }
+}
+
 // Each row's sum over each block of 32 inputs: four vectors of 8, added pairwise, then the 8 lanes
 // in a fixed order.
 __attribute__((target("avx2,fma")))
@@ -255,7 +369,8 @@ Q4Call q4_call(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d
 // block's scale and codes: before any tile. A block's 32 values as two vectors of 16 floats;
 // their sum and largest magnitude by fixed sequences of vector operations (the same bits wherever the
 // row is computed); codes x / dx rounded to the nearest integer (ties to even), then put in the order
-// k0, k0 + 2, k0 + 1, k0 + 3 of each group of four that the weight lanes hold.
+// k0, k0 + 2, k0 + 1, k0 + 3 of each group of four that the weight lanes hold; for 8-bit activations
+// the block's sum is then the rounded inputs', dx Σ qx.
 __attribute__((target("avx512f,avx512bw")))
 void q4_prepare(const Q4Call& c) {
   // Bytes of a 16-byte group in the order 0, 2, 1, 3 of every four.
@@ -274,14 +389,16 @@ void q4_prepare(const Q4Call& c) {
       const float dx = top / 127.0f;
       c.xd[r * c.blocks + b] = dx;
       __m256i codes = _mm256_setzero_si256();
+      int32_t total = 0;
       if (dx != 0.0f) {
         const __m512 div = _mm512_set1_ps(dx);
-        const __m128i qlo = _mm512_cvtepi32_epi8(_mm512_cvt_roundps_epi32(_mm512_div_ps(lo, div),
-                                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        const __m128i qhi = _mm512_cvtepi32_epi8(_mm512_cvt_roundps_epi32(_mm512_div_ps(hi, div),
-                                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const __m512i q32lo = _mm512_cvt_roundps_epi32(_mm512_div_ps(lo, div), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512i q32hi = _mm512_cvt_roundps_epi32(_mm512_div_ps(hi, div), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m128i qlo = _mm512_cvtepi32_epi8(q32lo), qhi = _mm512_cvtepi32_epi8(q32hi);
         codes = _mm256_shuffle_epi8(_mm256_inserti128_si256(_mm256_castsi128_si256(qlo), qhi, 1), order);
+        total = _mm512_reduce_add_epi32(_mm512_add_epi32(q32lo, q32hi));
       }
+      c.xsum[r * c.blocks + b] = dx * float(total);  // the rounded inputs' sum (q4_tile_i8_f32 says why)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(c.xq + r * c.K + kBlock * b), codes);
     }
   }
@@ -306,7 +423,7 @@ void q4_tiles(const Q4Call& c, int64_t begin, int64_t end) {
 }
 
 Q4CallF32 q4_call_f32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
-                      std::vector<float>& xsum, at::Tensor& out) {
+                      bool int8, Q4Scratch& scratch, at::Tensor& out) {
   TORCH_CHECK(has_avx2_fma(), "q4_matmul: float32 activations need AVX2, FMA and F16C (kernels/int4.py checks "
               "q4_native first)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "q4_matmul: x [M, K] float32");
@@ -315,25 +432,42 @@ Q4CallF32 q4_call_f32(const at::Tensor& x, const at::Tensor& codes, const at::Te
               "q4_matmul: codes of [N, K] in the native layout, K a multiple of 32");
   TORCH_CHECK(d.sizes() == at::IntArrayRef({tiles, blocks, kQ4Tile}) && m.sizes() == d.sizes() &&
               d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf, "q4_matmul: d, m [N/16, K/32, 16] float16");
-  xsum.resize(M * blocks);
+  scratch.xsum.resize(M * blocks);
+  if (int8) {
+    scratch.xd.resize(M * blocks);
+    scratch.xq.resize(M * K);
+  }
   if (!out.defined()) out = at::empty({M, N}, x.options());
   TORCH_CHECK(out.sizes() == at::IntArrayRef({M, N}) && out.is_contiguous() && out.scalar_type() == at::kFloat,
               "q4_matmul: out [M, N] float32");
-  return {x.data_ptr<float>(), xsum.data(), codes.data_ptr<uint8_t>(),
+  return {x.data_ptr<float>(), scratch.xsum.data(), scratch.xd.data(), scratch.xq.data(), int8, codes.data_ptr<uint8_t>(),
           reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>()),
           M, K, blocks, tiles, N, out.data_ptr<float>()};
 }
 
-void q4_prepare(const Q4CallF32& c) { q4_block_sums_f32(c.x, c.M, c.K, c.xsum); }
+void q4_prepare(const Q4CallF32& c) {
+  if (c.int8) {
+    q4_quantize_rows_f32(c.x, c.M, c.K, c.xsum, c.xd, c.xq);
+  } else {
+    q4_block_sums_f32(c.x, c.M, c.K, c.xsum);
+  }
+}
 
 // Output tiles [begin, end) of 16 features for every row: a thread's share.
 void q4_tiles(const Q4CallF32& c, int64_t begin, int64_t end) {
+  const int64_t per_pass = c.int8 ? kTileI8F32 : kTileF32;
   for (int64_t t = begin; t < end; ++t) {
-    for (int64_t r0 = 0; r0 < c.M; r0 += kTileF32) {
-      const int64_t rows = std::min<int64_t>(kTileF32, c.M - r0);
-      kQ4TilesF32[rows - 1](c.d + t * c.blocks * kQ4Tile, c.m + t * c.blocks * kQ4Tile,
-                            c.codes + t * c.blocks * kQ4TileBytes, c.x + r0 * c.K, c.xsum + r0 * c.blocks, c.blocks,
-                            c.K, c.out + r0 * c.N + t * kQ4Tile, c.N);
+    const uint16_t *d = c.d + t * c.blocks * kQ4Tile, *m = c.m + t * c.blocks * kQ4Tile;
+    const uint8_t* w = c.codes + t * c.blocks * kQ4TileBytes;
+    for (int64_t r0 = 0; r0 < c.M; r0 += per_pass) {
+      const int64_t rows = std::min<int64_t>(per_pass, c.M - r0);
+      float* out = c.out + r0 * c.N + t * kQ4Tile;
+      if (c.int8) {
+        kQ4TilesI8F32[rows - 1](d, m, w, c.xq + r0 * c.K, c.xd + r0 * c.blocks, c.xsum + r0 * c.blocks, c.blocks,
+                                c.K, out, c.N);
+      } else {
+        kQ4TilesF32[rows - 1](d, m, w, c.x + r0 * c.K, c.xsum + r0 * c.blocks, c.blocks, c.K, out, c.N);
+      }
     }
   }
 }
@@ -342,13 +476,11 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                      bool int8) {
   const at::Tensor xin = x.contiguous();
   at::Tensor out;
+  Q4Scratch scratch;
   if (x.scalar_type() == at::kFloat) {  // AVX2: x [M, K] float32 -> [M, N] float32
-    TORCH_CHECK(!int8, "q4_matmul: 8-bit activations are for bfloat16 inputs");
-    std::vector<float> xsum;
-    q4_run(q4_call_f32(xin, codes, d, m, xsum, out));
+    q4_run(q4_call_f32(xin, codes, d, m, int8, scratch, out));
     return out;
   }
-  Q4Scratch scratch;
   q4_run(q4_call(xin, codes, d, m, int8, scratch, out));
   return out;
 }

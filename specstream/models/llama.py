@@ -375,8 +375,7 @@ class LlamaForCausalLM(CausalLM):
         start = 0
         for end in range(1, len(plans) + 1):  # a run ends where the next layer differs in being native
             if end == len(plans) or (plans[end] is None) != (plans[start] is None) or end in cuts:
-                int8 = INT8_ACTIVATIONS and dtype == torch.bfloat16  # the integer kernel takes bfloat16 inputs
-                stack = NativeStack.build(plans[start:end], int8) if plans[start] is not None else None
+                stack = NativeStack.build(plans[start:end], INT8_ACTIVATIONS) if plans[start] is not None else None
                 runs.append((range(start, end), stack))
                 start = end
         self._native_runs[cuts] = (key, runs)

@@ -460,10 +460,12 @@ def _fused(model) -> bool:
 
 
 def _int8_ready(model) -> bool:
-    """Whether ``model`` runs native layers that can take 8-bit activations (bfloat16, AVX-512 VNNI)."""
+    """Whether ``model`` runs native layers that can take 8-bit activations (bfloat16 on AVX-512
+    VNNI, float32 on AVX2)."""
     library = native.library()
-    return (library is not None and library.has_avx512_vnni() and model.dtype == torch.bfloat16
-            and _fused(model))
+    if library is None or not _fused(model):
+        return False
+    return library.has_avx512_vnni() if model.dtype == torch.bfloat16 else library.has_avx2_fma()
 
 
 def _measure_peer(models: BenchModels, data: dict, progress: Progress) -> None:
