@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from kernels import native
 
 __all__ = ["GROUP", "Q4_FILE", "Q4Weight", "native_layout", "pack_codes", "q4_dense", "q4_linear", "q4_linear_reference",
-           "q4_native", "rtn_parts", "unpack_codes"]
+           "q4_int8_native", "q4_native", "rtn_parts", "unpack_codes"]
 
 # A converted GGUF checkpoint keeps its 4-bit matrices here, beside model.safetensors (gguf.py writes it).
 Q4_FILE = "weights.q4.safetensors"
@@ -65,6 +65,14 @@ def q4_native(dtype: torch.dtype) -> bool:
     if library is None:
         return False
     return library.has_avx512_bf16() if dtype == torch.bfloat16 else library.has_avx2_fma()
+
+
+def q4_int8_native(dtype: torch.dtype) -> bool:
+    """Whether the native kernel can round activations of ``dtype`` to 8 bits per block of 32 and
+    multiply them in integers: where ``q4_native`` serves ``dtype`` (bfloat16 also needs AVX-512 VNNI)."""
+    if not q4_native(dtype):
+        return False
+    return dtype == torch.float32 or native.library().has_avx512_vnni()
 
 
 def native_layout(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor

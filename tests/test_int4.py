@@ -18,6 +18,7 @@ from kernels.int4 import (
     native_layout,
     pack_codes,
     q4_dense,
+    q4_int8_native,
     q4_linear,
     q4_linear_reference,
     q4_native,
@@ -223,10 +224,35 @@ def test_auto_picks_int4_for_bfloat16_on_cpu_and_for_float32_where_the_native_ke
     out, _ = q4_checkpoint
     assert load_model(out, "bfloat16", weights="auto").weights.startswith("int4")
     float32 = load_model(out, "float32", weights="auto")
-    if q4_native(torch.float32):  # AVX2: the native kernel; elsewhere ATen's, slower than dense in float32
-        assert float32.weights == "int4 (14 matrices)" and float32.layers[0].qkv_w.native
-    else:
+    if q4_native(torch.float32) and not q4_native(torch.bfloat16):  # AVX2 only: 8-bit inputs, integer products
+        assert float32.weights.startswith("int4-a8 (14 matrices)") and float32.int8_activations
+    elif q4_native(torch.float32):  # AVX2 and AVX-512 BF16: float32 is asked for, not auto's choice
+        assert float32.weights == "int4 (14 matrices)" and not float32.int8_activations
+    else:  # ATen's kernel, slower than dense in float32
         assert float32.weights == "dense"
+    if q4_native(torch.float32):
+        assert float32.layers[0].qkv_w.native
+        draft = load_model(out, "float32", weights="auto", draft=True)  # a draft keeps exact inputs
+        assert draft.weights == "int4 (14 matrices)" and not draft.int8_activations
+
+
+def test_int4_a8_rounds_the_layers_inputs_to_8_bits_and_stays_batch_invariant(q4_checkpoint) -> None:
+    """weights int4-a8: the 4-bit matrices with 8-bit inputs (q4_tile_i8_f32 on AVX2); its logits
+    are near the exact-input ones but not the same, and a verify window equals single steps bit for bit."""
+    from kernels.int4 import q4_int8_native
+
+    out, tok = q4_checkpoint
+    if not q4_int8_native(torch.float32):
+        pytest.skip("no native 8-bit activation path for float32 on this CPU (it needs AVX2)")
+    model = load_model(out, "float32", weights="int4-a8")
+    assert model.weights.startswith("int4-a8 (14 matrices)") and model.int8_activations
+    exact = load_model(out, "float32", weights="int4")
+    assert model.weights.removeprefix("int4-a8") == exact.weights.removeprefix("int4")  # the same output layer
+    ids = tok.encode("The quick brown fox jumps over the lazy dog").ids
+    rounded, plain = _logits(model, ids), _logits(exact, ids)
+    assert not torch.equal(rounded, plain)
+    assert (rounded - plain).abs().max().item() < 0.05 * plain.abs().max().item()
+    assert_verify_equals_steps(model, "int4-a8 llama")
 
 
 def test_bfloat16_int4_logits_are_as_close_to_the_file_as_dense_bfloat16(q4_checkpoint) -> None:
@@ -264,6 +290,9 @@ def test_int4_is_refused_where_it_cannot_run(tmp_path, q4_checkpoint) -> None:
     assert load_model(plain, "bfloat16", weights="auto").weights == "dense"
     with pytest.raises(ModelLoadError, match=r"weights='int4' runs on the CPU only, got device 'cuda:0'"):
         load_model(out, "bfloat16", device="cuda:0", weights="int4")
+    if not q4_int8_native(torch.float16):
+        with pytest.raises(ModelLoadError, match=r"weights='int4-a8' needs the native library and a CPU with AVX2"):
+            load_model(out, "float16", weights="int4-a8")
     with pytest.raises(ValueError, match=r"weights 'int8' is not one of"):
         load_model(out, "bfloat16", weights="int8")
     with pytest.raises(ValueError, match=r"weights='int8': must be one of"):

@@ -20,9 +20,12 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 where nati
 # How weight matrices are served (specstream/models/loader.py): dense in the dtype; "int4": the
 # checkpoint's own 4-bit blocks (a converted Q4_0/Q4_1 GGUF file); "int4-rtn": a dense checkpoint
 # rounded to 4 bits at load (drafts only: it changes the model, which a draft may, since only α
-# depends on it). auto: on a CPU in bfloat16 (the kernel's fast path), int4 where the checkpoint
-# has 4-bit blocks, and for a draft int4-rtn otherwise; dense everywhere else.
-WEIGHT_FORMATS = ("auto", "dense", "int4", "int4-rtn")
+# depends on it); "int4-a8": int4 with each layer's projection inputs rounded to 8 bits per block of
+# 32 and multiplied in integers, as llama.cpp multiplies Q4_1 by Q8_1 (the logits as far from the
+# file's as llama.cpp's: docs/benchmarks.md). auto: on a CPU in bfloat16 (the kernel's fast path),
+# int4 where the checkpoint has 4-bit blocks, and for a draft int4-rtn otherwise; in float32 on a
+# CPU with AVX2 but not AVX-512 BF16, int4-a8 for a target (int4 for a draft); dense everywhere else.
+WEIGHT_FORMATS = ("auto", "dense", "int4", "int4-a8", "int4-rtn")
 
 
 # Messages between our own services batch many requests' token ids (a Submit of 256 prompts of 8k

@@ -56,7 +56,7 @@ class NativeStack:
     def build(cls, plan: list[NativeLayer], int8_activations: bool = False) -> NativeStack | None:
         """The stack of ``plan``'s layers, or None when they differ in what the op takes once for
         all (norm epsilon, heads, head size, scale) or the library is off. ``int8_activations``: the
-        projections take their inputs rounded to 8 bits per block (models/llama.py, ``INT8_ACTIVATIONS``)."""
+        projections take their inputs rounded to 8 bits per block (models/llama.py, ``int8_activations``)."""
         library = native.library()
         first = plan[0]
         shared = (first.eps, first.num_heads, first.num_kv_heads, first.head_dim, first.scale)

@@ -61,11 +61,6 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 # Whether layers that can run as one native call do (``_LlamaLayer.native_weights``); benchmarks turn
 # it off to measure the op-by-op path beside it.
 FUSED_LAYERS = True
-# Whether the native layers round their projections' inputs to 8 bits per block of 32 (integer dot
-# products, kernels/csrc/q4_matmul.cpp ``q4_tile_i8``): faster for verify windows, but several times
-# the logit error of the bfloat16 path on SmolLM2 (docs/benchmarks.md, "Decoding at the hardware's
-# limit"). Off: `bench step` measures it beside the served path; nothing serves it.
-INT8_ACTIVATIONS = False
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -252,6 +247,9 @@ class LlamaForCausalLM(CausalLM):
         self.head_q8: Q8Weight | None = None  # the output layer as 8-bit blocks (use_q8_head), else the dense one
         self.register_buffer("inv_freq", rope_inv_freq(c.rope, c.head_dim).to(device), persistent=False)  # [D/2]
         self._rope_len = 0
+        # Whether the native layers round their projections' inputs to 8 bits per block of 32 (integer
+        # dot products, kernels/csrc/q4_matmul.cpp; load_model's weights "int4-a8").
+        self.int8_activations = False
         self._native_runs: dict[tuple, tuple[tuple, list]] = {}  # by cuts: (what native_runs were built from, them)
         self._build_rope(min(_INITIAL_ROPE_LEN, c.max_position_embeddings))
 
@@ -359,13 +357,13 @@ class LlamaForCausalLM(CausalLM):
         (``_LlamaLayer.native_plan``) as one native call (``NativeStack``), the others one by one
         (None); a run also ends after each layer in ``cuts`` (1-based: its output is kept). Built
         once and kept while the layers' matrices, ``dtype``, ``FUSED_LAYERS`` and
-        ``INT8_ACTIVATIONS`` are the same objects (a swapped matrix builds them anew). Checked every
+        ``int8_activations`` are the same objects (a swapped matrix builds them anew). Checked every
         forward, so only what can be swapped is compared: the four matrices, plain attributes. The
         norms are parameters, only ever updated in place (which the stacks see: they hold the same
         tensors), and reading 60 of them through ``nn.Module.__getattr__`` a forward was measurable
         (docs/benchmarks.md, "Figures behind design choices").
         """
-        key = (dtype, FUSED_LAYERS, INT8_ACTIVATIONS, *(t for layer in self.layers for t in (
+        key = (dtype, FUSED_LAYERS, self.int8_activations, *(t for layer in self.layers for t in (
             layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)))
         kept = self._native_runs.get(cuts)
         if kept is not None and len(kept[0]) == len(key) and all(a is b for a, b in zip(kept[0], key)):
@@ -375,7 +373,7 @@ class LlamaForCausalLM(CausalLM):
         start = 0
         for end in range(1, len(plans) + 1):  # a run ends where the next layer differs in being native
             if end == len(plans) or (plans[end] is None) != (plans[start] is None) or end in cuts:
-                stack = NativeStack.build(plans[start:end], INT8_ACTIVATIONS) if plans[start] is not None else None
+                stack = NativeStack.build(plans[start:end], self.int8_activations) if plans[start] is not None else None
                 runs.append((range(start, end), stack))
                 start = end
         self._native_runs[cuts] = (key, runs)

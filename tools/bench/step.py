@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from kernels import native
-from kernels.int4 import Q4Weight
+from kernels.int4 import Q4Weight, q4_int8_native
 from kernels.int8 import Q8Weight
 from specstream.data.config import ModelSpec, TargetConfig
 from specstream.data.engine import SequenceRequest, Speculation
@@ -80,6 +80,9 @@ OTHER_SESSION_PEER_TARGET = 1.5
 BATCHES = (8, 32)  # plain decoding throughput, new ÷ the torch paths
 BATCH_TARGET = 1.3  # at least
 ACCURACY_PROMPTS = 8  # prompts whose logits are compared with the file's exact values
+# The forward with the layers' inputs as the served model does not take them (weights int4-a8 or not):
+# rounded to 8 bits where ours serves them exact, exact where ours serves them rounded.
+OTHER_ACTIVATIONS = ("ours_int8_activations", "ours_exact_activations")
 
 
 # ----- what a step reads, and how fast this machine reads ---------------------------------------
@@ -132,17 +135,18 @@ def forward_curves(variants: dict[str, tuple], context: int = CONTEXT,
                    positions: tuple[int, ...] = POSITIONS, repeats: int = 20) -> dict[str, dict[int, float]]:
     """Median ms of a forward (layers and output layer over every position) over each number of
     new positions after ``context`` cached ones, batch 1, for each variant: name -> (model, whether
-    its layers run fused[, whether with 8-bit activations: ``llama.INT8_ACTIVATIONS``]); a model
-    keeps its native stacks for one setting, so give each setting a model of its own. Variants and
+    its layers run fused[, whether the query heads of a kv head attend together]); a model keeps its
+    native stacks for one setting (and its own ``int8_activations``), so give each setting a model
+    of its own. Variants and
     positions take turns, round after round, so a slow spell of a shared machine falls on all of
     them alike."""
     runs = {}
     try:
-        for name, (model, fused, *int8) in variants.items():
-            _set_variant(fused, *int8)
+        for name, (model, *setting) in variants.items():
+            _set_variant(*setting)
             cache = model.new_cache(1, context + max(positions) + 1)
             model(torch.zeros(1, context, dtype=torch.int64), cache, torch.tensor([0]), torch.tensor([0]))
-            runs[name] = (model, (fused, *int8), cache)
+            runs[name] = (model, setting, cache)
         slot, start = torch.tensor([0]), torch.tensor([context])
         ids = {n: torch.full((1, n), 100, dtype=torch.int64) for n in positions}  # [1, n]
         times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in positions} for name in variants}
@@ -159,11 +163,10 @@ def forward_curves(variants: dict[str, tuple], context: int = CONTEXT,
     return {name: {n: statistics.median(t) for n, t in by_n.items()} for name, by_n in times.items()}
 
 
-def _set_variant(fused: bool, int8: bool = False, grouped: bool = True) -> None:
+def _set_variant(fused: bool, grouped: bool = True) -> None:
     """``grouped``: the native attention runs the query heads of one kv head together (the same
     bits as one by one: kernels/csrc/attention.cpp)."""
     llama.FUSED_LAYERS = fused
-    llama.INT8_ACTIVATIONS = int8
     library = native.library()
     if library is not None:
         library.set_attention_groups(grouped)
@@ -252,7 +255,7 @@ def _tokens_per_s(model, batch: int) -> float:
 
 @torch.inference_mode()
 def logits_error(exact, variants: dict[str, tuple], prompts: list[list[int]]) -> dict[str, dict[str, float]]:
-    """Each variant's logits (name -> (model, fused, int8) as ``forward_curves`` takes them) against
+    """Each variant's logits (name -> (model, fused) as ``forward_curves`` takes them) against
     ``exact``'s (the file's values in float32) over every position of ``prompts``: the mean and
     largest |difference| and how often the top token is the same."""
     want = [_prompt_logits(exact, ids) for ids in prompts]
@@ -392,13 +395,17 @@ def _measure(models: BenchModels, progress: Progress) -> dict:
                              threads: on_torch_thread(read_bandwidth_gbs, threads)}
     data["bound_ms"] = data["bytes"]["total"] / data["bandwidth_gbs"][threads] / 1e6
     progress.update()
-    progress.phase("step: our forward, fused, op by op, with 8-bit activations, on ATen's int4 kernel and dense")
+    progress.phase("step: our forward, fused, op by op, with the other activations, on ATen's int4 kernel and dense")
     variants = {"ours": (model, True)}
     if _fused(model):
         variants["ours_op_by_op"] = (model, False)
-    int8 = models.load("target")
-    if _int8_ready(int8):
-        variants["ours_int8_activations"] = (int8, True, True)
+    other = models.load("target")  # the layers' inputs as ours does not serve them: 8-bit, or not
+    if other.int8_activations:
+        other.int8_activations = False
+        variants[OTHER_ACTIVATIONS[1]] = (other, True)
+    elif _fused(other) and q4_int8_native(other.dtype):
+        other.int8_activations = True
+        variants[OTHER_ACTIVATIONS[0]] = (other, True)
     old = models.load("target")
     # how a bfloat16 step ran before our kernel; in float32 ATen's kernel never served (dense did)
     if model.dtype == torch.bfloat16 and on_torch_thread(with_aten_int4, old):
@@ -413,21 +420,20 @@ def _measure(models: BenchModels, progress: Progress) -> dict:
     data["long_context"] = min(LONG_CONTEXT, model.config.max_position_embeddings - max(LONG_POSITIONS) - 1)
     progress.phase(f"step: a verify at context {data['long_context']}, the query heads of a kv head together "
                    "and one by one")
-    long_variants = {"ours": (model, True), "heads_one_by_one": (model, True, False, False)}
+    long_variants = {"ours": (model, True), "heads_one_by_one": (model, True, False)}
     data["long"] = on_torch_thread(forward_curves, long_variants, data["long_context"], LONG_POSITIONS, 10)
     progress.update()
     progress.phase("step: logits against the file's exact values")
     exact = on_torch_thread(load_model, models.target, dtype="float32", resolve=resolve_model, weights="dense")
     prompts = models.prompts(ACCURACY_PROMPTS)
     checked = {"dense": (dense, True), "ours": (model, True),
-               **({"ours_int8_activations": variants["ours_int8_activations"]}
-                  if "ours_int8_activations" in variants else {})}
+               **{name: variants[name] for name in OTHER_ACTIVATIONS if name in variants}}
     data["accuracy"] = on_torch_thread(logits_error, exact, checked, prompts)
     if models.gguf is not None:
         peer = llama_cpp_logits_apart(models.gguf, prompts)
         if peer is not None:  # on the torch thread: a second thread's torch ops would slow it afterwards
             data["accuracy"]["llama_cpp"] = on_torch_thread(_peer_error, exact, prompts, peer)
-    del exact, dense, int8, variants
+    del exact, dense, other, variants
     progress.update()
     progress.phase("step: host work per engine step")
     data["host"] = {b: host_ms_per_step(model, b) for b in HOST_TARGETS_MS}
@@ -457,15 +463,6 @@ def _measure(models: BenchModels, progress: Progress) -> dict:
 def _fused(model) -> bool:
     """Whether some of ``model``'s layers run as one native call (4-bit projections on the native kernel)."""
     return any(stack is not None for _, stack in model.native_runs(model.dtype))
-
-
-def _int8_ready(model) -> bool:
-    """Whether ``model`` runs native layers that can take 8-bit activations (bfloat16 on AVX-512
-    VNNI, float32 on AVX2)."""
-    library = native.library()
-    if library is None or not _fused(model):
-        return False
-    return library.has_avx512_vnni() if model.dtype == torch.bfloat16 else library.has_avx2_fma()
 
 
 def _measure_peer(models: BenchModels, data: dict, progress: Progress) -> None:
@@ -567,7 +564,9 @@ def tables(data: dict, markdown: bool = False) -> str:
             f"GB/s ({data['bandwidth_gbs'][1]:.1f} on one thread): bound {data['bound_ms']:.2f} ms")
     peer = data.get("llama_cpp") or {}
     old = data.get("ours_aten_int4") or {}
-    int8 = data.get("ours_int8_activations") or {}
+    other_name = next((name for name in OTHER_ACTIVATIONS if data.get(name)), None)
+    int8 = data[other_name] if other_name else {}
+    other_label = "8-bit activations" if other_name == OTHER_ACTIVATIONS[0] else "exact activations"
     ops = data.get("ours_op_by_op") or {}
     dense = data.get("dense") or {}
     rows = [[n, data["ours"][n], data["verify_over_step"][n], TARGETS.get(n, "-"), *([ops[n]] if ops else []),
@@ -576,12 +575,12 @@ def tables(data: dict, markdown: bool = False) -> str:
              *([dense[n], dense[n] / data["ours"][n]] if dense else []),
              *([peer[n], data["llama_cpp_verify_over_step"][n]] if peer else [])] for n in data["ours"]]
     headers = ["positions", "ours ms", "÷ step", "target", *(["op by op ms"] if ops else []),
-               *(["8-bit activations ms", "÷ step"] if int8 else []),
+               *([f"{other_label} ms", "÷ step"] if int8 else []),
                *(["ATen int4 ms", "÷ step"] if old else []),
                *([f"dense {data['dtype']} ms", "÷ ours"] if dense else []),
                *(["llama.cpp ms", "÷ step"] if peer else [])]
-    names = {"dense": f"dense {data['dtype']}", "ours": "ours, as served", "ours_int8_activations":
-             "ours, 8-bit activations", "llama_cpp": "llama.cpp"}
+    names = {"dense": f"dense {data['dtype']}", "ours": "ours, as served", OTHER_ACTIVATIONS[0]:
+             "ours, 8-bit activations", OTHER_ACTIVATIONS[1]: "ours, exact activations", "llama_cpp": "llama.cpp"}
     accuracy = [[names.get(k, k), a["mean_abs"], a["max_abs"], a["top1_agree"]]
                 for k, a in data.get("accuracy", {}).items()]
     goals = [[g["goal"], g["value"], g["target"], "met" if g["met"] else "MISSED"] for g in data["goals"]]
@@ -651,8 +650,9 @@ def _plot(data: dict, path: Path) -> None:
         series[f"dense {data['dtype']}"] = lambda: data["dense"]
     for matmul, c in (data.get("compiled") or {}).items():
         series[f"torch.compile, static cache ({matmul})"] = lambda c=c: {int(n): ms for n, ms in c["compiled"].items()}
-    if data.get("ours_int8_activations"):
-        series["ours, 8-bit activations"] = lambda: data["ours_int8_activations"]
+    for name, label in zip(OTHER_ACTIVATIONS, ("ours, 8-bit activations", "ours, exact activations")):
+        if data.get(name):
+            series[label] = lambda name=name: data[name]
     if data.get("ours_aten_int4"):
         series["ours, ATen's int4 matmul, op by op"] = lambda: data["ours_aten_int4"]
     if data.get("llama_cpp"):
