@@ -218,7 +218,7 @@ constexpr Q4TileF32 kQ4TilesF32[] = {q4_tile_f32<1>, q4_tile_f32<2>, q4_tile_f32
 // were twice as far from the file's: `bench step`, mean |Δ| 0.37 against 0.17.) The integer sums are
 // exact and everything else is fixed by the row's own inputs: the same bits whatever the number of rows.
 
-constexpr int kTileI8F32 = 3;  // rows per pass: 2 word sums and 2 outputs a row, with the chunk's codes, in 16 registers
+constexpr int kTileI8F32 = 8;  // rows per pass: their sums spill, but a verify window of 2..8 forms each weight once
 
 template <int R>
 __attribute__((target("avx2,fma,f16c")))
@@ -268,7 +268,8 @@ void q4_tile_i8_f32(const uint16_t* d, const uint16_t* m, const uint8_t* w, cons
 
 using Q4TileI8F32 = void (*)(const uint16_t*, const uint16_t*, const uint8_t*, const int8_t*, const float*,
                              const float*, int64_t, int64_t, float*, int64_t);
-constexpr Q4TileI8F32 kQ4TilesI8F32[] = {q4_tile_i8_f32<1>, q4_tile_i8_f32<2>, q4_tile_i8_f32<3>};
+constexpr Q4TileI8F32 kQ4TilesI8F32[] = {q4_tile_i8_f32<1>, q4_tile_i8_f32<2>, q4_tile_i8_f32<3>, q4_tile_i8_f32<4>,
+                                        q4_tile_i8_f32<5>, q4_tile_i8_f32<6>, q4_tile_i8_f32<7>, q4_tile_i8_f32<8>};
 
 // Each row's block of 32 float32 inputs as 8-bit codes and a scale (the kernel above): |x| by
 // clearing the sign, its maximum by a fixed tree of vector maxima, x / dx rounded to the nearest
