@@ -346,7 +346,7 @@ def test_query_heads_that_share_a_kv_head_get_the_bits_they_get_one_by_one(dtype
         assert torch.equal(grouped, alone), (shared is not None, parents is not None)
 
 
-_ATTENTION_BITS = """
+_AVX2_PATHS_BITS = """
 import hashlib, sys, torch
 from kernels import native
 library = native.library()
@@ -361,6 +361,10 @@ for dtype in (torch.float32, torch.bfloat16):
         out = library.attention(qkv, k_cache.clone(), v_cache.clone(), cos, sin, torch.tensor([1]),
                                 torch.tensor([80]), None, parents, heads, kv_heads, D, 1 / 8.0, 0)
         digest.update(out.float().numpy().tobytes())
+gen = torch.Generator().manual_seed(8)  # the 8-bit output layer: 203 features (a tail of 3 past fours)
+codes, d = torch.randint(-127, 128, (203, 576), generator=gen, dtype=torch.int8), torch.rand(203, 18, generator=gen)
+for rows in (1, 3):
+    digest.update(library.q8_matmul(torch.randn(rows, 576, generator=gen), codes, d).numpy().tobytes())
 print(library.has_avx512(), library.has_avx2_fma(), digest.hexdigest())
 """
 
@@ -383,13 +387,14 @@ def test_this_cpu_runs_the_other_classes_paths_and_they_pass_these_tests(cap) ->
     assert " passed" in done.stdout
 
 
-def test_the_avx2_attention_gives_the_same_bits_as_the_generic_one() -> None:
-    """The AVX2 attention (its heads grouped by kv head) is the generic path's arithmetic 8 lanes at a
-    time: the same outputs, bit for bit, chains and a tree, float32 and bfloat16."""
+def test_the_avx2_attention_and_output_layer_give_the_same_bits_as_the_generic_ones() -> None:
+    """The AVX2 attention (its heads grouped by kv head) and 8-bit output layer are the generic paths'
+    arithmetic 8 lanes at a time: the same outputs, bit for bit, attention chains and a tree, float32
+    and bfloat16, and the output layer for 1 and 3 rows."""
     library = native.library()
     if library is None or not library.has_avx2_fma():
         pytest.skip("this CPU has no AVX2 path")
-    avx2, generic = (_capped(cap, "-c", _ATTENTION_BITS) for cap in ("avx2", "generic"))
+    avx2, generic = (_capped(cap, "-c", _AVX2_PATHS_BITS) for cap in ("avx2", "generic"))
     assert avx2.returncode == 0 and generic.returncode == 0, avx2.stderr[-2000:] + generic.stderr[-2000:]
     flags_avx2, flags_generic = avx2.stdout.split()[:2], generic.stdout.split()[:2]
     assert flags_avx2 == ["False", "True"] and flags_generic == ["False", "False"]  # the caps held
