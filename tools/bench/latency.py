@@ -425,7 +425,8 @@ def _compare_with_peers(result: dict, ours: dict[int, dict], best: int, colocate
     result["peers"] = {name: {k: v for k, v in r.items() if k != "token_ids"}
                        | {"same_tokens_as_ours": r["token_ids"] == baseline} for name, r in peers.items()}
     plain = ours[0]["tokens_per_s"]
-    served = models.dtype + ("" if result["costs"]["weights"] == "dense" else ", int4 weights")
+    weights = result["costs"]["weights"]  # e.g. "int4-a8 (210 matrices), 8-bit output layer"
+    served = models.dtype + ("" if weights == "dense" else f", {weights.split(' (')[0]} weights")
     label = models.proposer_label
     rows = [["specstream gamma=0", served, plain, 1.0, "-"],
             [f"specstream gamma={best}", served, ours[best]["tokens_per_s"], ours[best]["tokens_per_s"] / plain,
