@@ -179,15 +179,20 @@ def rtn_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return codes.reshape(N, K), scale, lo
 
 
-def q4_linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (weight.dtype) -> [..., N]: x @ weightᵀ (+ bias), reading 4-bit weights."""
+def q4_linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None = None, int8: bool = False
+              ) -> torch.Tensor:
+    """x [..., K] (weight.dtype) -> [..., N]: x @ weightᵀ (+ bias), reading 4-bit weights. ``int8``:
+    the rows rounded to 8 bits per block of 32 and multiplied in integers (``q4_int8_native``: the
+    native kernel only)."""
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
     if weight.native:
         library = native.library()
         if library is None:  # turned off since the weight was made (SPECSTREAM_NATIVE=0): the reference serves
             return q4_linear_reference(x, *weight.parts(), bias)
-        out = library.q4_matmul(rows, weight.packed, weight.d, weight.m)  # [M, N]
+        out = library.q4_matmul(rows, weight.packed, weight.d, weight.m, int8)  # [M, N]
     else:
+        if int8:
+            raise ValueError("q4_linear: 8-bit activations run on the native kernel only")
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight.packed, GROUP, weight.scale_zero)  # [M, N]
     if bias is not None:
         out = out + bias

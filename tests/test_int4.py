@@ -26,6 +26,7 @@ from kernels.int4 import (
     unpack_codes,
 )
 from specstream.data.config import ModelSpec
+from specstream.models import llama
 from specstream.models.base import rms_norm
 from specstream.models.config import ModelLoadError
 from specstream.models.gguf import convert_gguf
@@ -224,16 +225,11 @@ def test_auto_picks_int4_for_bfloat16_on_cpu_and_for_float32_where_the_native_ke
     out, _ = q4_checkpoint
     assert load_model(out, "bfloat16", weights="auto").weights.startswith("int4")
     float32 = load_model(out, "float32", weights="auto")
-    if q4_native(torch.float32) and not q4_native(torch.bfloat16):  # AVX2 only: 8-bit inputs, integer products
-        assert float32.weights.startswith("int4-a8 (14 matrices)") and float32.int8_activations
-    elif q4_native(torch.float32):  # AVX2 and AVX-512 BF16: float32 is asked for, not auto's choice
-        assert float32.weights == "int4 (14 matrices)" and not float32.int8_activations
+    if q4_native(torch.float32):  # AVX2: the native kernel, exact float32 inputs (int4-a8 only when asked)
+        assert float32.weights.startswith("int4 (14 matrices)") and float32.layers[0].qkv_w.native
+        assert not float32.int8_activations
     else:  # ATen's kernel, slower than dense in float32
         assert float32.weights == "dense"
-    if q4_native(torch.float32):
-        assert float32.layers[0].qkv_w.native
-        draft = load_model(out, "float32", weights="auto", draft=True)  # a draft keeps exact inputs
-        assert draft.weights == "int4 (14 matrices)" and not draft.int8_activations
 
 
 def test_int4_a8_rounds_the_layers_inputs_to_8_bits_and_stays_batch_invariant(q4_checkpoint) -> None:
@@ -253,6 +249,14 @@ def test_int4_a8_rounds_the_layers_inputs_to_8_bits_and_stays_batch_invariant(q4
     assert not torch.equal(rounded, plain)
     assert (rounded - plain).abs().max().item() < 0.05 * plain.abs().max().item()
     assert_verify_equals_steps(model, "int4-a8 llama")
+    # the layers op by op round the same inputs: the same bits as the one native call
+    assert all(layer.int8_activations for layer in model.layers)
+    llama.FUSED_LAYERS = False
+    try:
+        op_by_op = _logits(model, ids)
+    finally:
+        llama.FUSED_LAYERS = True
+    assert torch.equal(op_by_op, rounded)
 
 
 def test_bfloat16_int4_logits_are_as_close_to_the_file_as_dense_bfloat16(q4_checkpoint) -> None:

@@ -21,10 +21,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 where nati
 # checkpoint's own 4-bit blocks (a converted Q4_0/Q4_1 GGUF file); "int4-rtn": a dense checkpoint
 # rounded to 4 bits at load (drafts only: it changes the model, which a draft may, since only α
 # depends on it); "int4-a8": int4 with each layer's projection inputs rounded to 8 bits per block of
-# 32 and multiplied in integers, as llama.cpp multiplies Q4_1 by Q8_1 (the logits as far from the
-# file's as llama.cpp's: docs/benchmarks.md). auto: on a CPU in bfloat16 (the kernel's fast path),
-# int4 where the checkpoint has 4-bit blocks, and for a draft int4-rtn otherwise; in float32 on a
-# CPU with AVX2 but not AVX-512 BF16, int4-a8 for a target (int4 for a draft); dense everywhere else.
+# 32 and multiplied in integers, as llama.cpp multiplies Q4_1 by Q8_1: faster on a CPU without
+# AVX-512 BF16, with llama.cpp's logits and answers rather than the file's (docs/benchmarks.md), so
+# asked for, never auto's. auto: on a CPU in bfloat16 (the kernel's fast path), int4 where the
+# checkpoint has 4-bit blocks, and for a draft int4-rtn otherwise; dense everywhere else.
 WEIGHT_FORMATS = ("auto", "dense", "int4", "int4-a8", "int4-rtn")
 
 

@@ -333,18 +333,15 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
         )
     # auto: the checkpoint's own 4-bit matrices wherever a 4-bit kernel beats dense matmuls: bfloat16
     # on a CPU, and float32 on one the native kernel serves (AVX2; ATen's kernel is slower than dense
-    # matmuls in float32). On a CPU without AVX-512 BF16, where --dtype auto is float32, a target's
-    # layers take 8-bit inputs (int4-a8): float32 products at 8 lanes set a step's pace there, and
-    # the integer ones are as close to the file's logits as llama.cpp's (docs/benchmarks.md, "A CPU
-    # without AVX-512"); a draft keeps int4, its acceptance measured so. A dense draft is rounded to 4 bits in bfloat16 only: in float32 rounding would move
+    # matmuls in float32). Never int4-a8: its 8-bit inputs are llama.cpp's arithmetic and answers,
+    # not the file's (docs/benchmarks.md, "On the AVX2 EPYC itself"), so only a user asks for it. A dense draft is rounded to 4 bits in bfloat16 only: in float32 rounding would move
     # its acceptance for a gain not measured.
     cpu = torch.device(device).type == "cpu"
     bf16 = cpu and torch_dtype == torch.bfloat16
     served = weights
     if weights == "auto":
         own = q4_file.is_file() and (bf16 or (cpu and q4_native(torch_dtype)))
-        a8 = own and not bf16 and not draft and q4_int8_native(torch_dtype) and not q4_native(torch.bfloat16)
-        served = "int4-a8" if a8 else "int4" if own else "int4-rtn" if bf16 and draft else "dense"
+        served = "int4" if own else "int4-rtn" if bf16 and draft else "dense"
     swapped = (_use_q4(model, q4_file) if served in ("int4", "int4-a8") else
                model.quantize_int4() if served == "int4-rtn" else 0)
     model.int8_activations = served == "int4-a8" and swapped > 0

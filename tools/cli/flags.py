@@ -38,10 +38,10 @@ def int_in(flag: str, lo: int, hi: int):
 def weights_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS,
                    help="int4: serve a GGUF file's Q4_0/Q4_1 matrices as 4-bit blocks (CPU); int4-a8: the same "
-                        "with the layers' inputs rounded to 8 bits per block of 32, as llama.cpp multiplies them; "
-                        "dense: dequantize them to --dtype; int4-rtn: round a dense model to 4 bits at load (drafts "
-                        "only); auto: on a CPU, int4 where the model has 4-bit blocks (int4-a8 for a target on a CPU "
-                        "without AVX-512 BF16), int4-rtn for a draft in bfloat16, else dense")
+                        "with the layers' inputs rounded to 8 bits per block of 32, as llama.cpp multiplies them "
+                        "(faster without AVX-512 BF16; llama.cpp's answers, not the file's); dense: dequantize them "
+                        "to --dtype; int4-rtn: round a dense model to 4 bits at load (drafts only); auto: on a CPU "
+                        "in bfloat16, int4 where the model has 4-bit blocks, int4-rtn for a draft, else dense")
 
 
 def work_ahead_flags(p: argparse.ArgumentParser, help: str) -> None:  # noqa: A002 - argparse's own word
