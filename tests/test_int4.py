@@ -232,11 +232,9 @@ def test_auto_picks_int4_for_bfloat16_on_cpu_and_for_float32_where_the_native_ke
         assert float32.weights == "dense"
 
 
-def test_int4_a8_rounds_the_layers_inputs_to_8_bits_and_stays_batch_invariant(q4_checkpoint) -> None:
+def test_int4_a8_rounds_the_layers_inputs_to_8_bits_and_stays_batch_invariant(q4_checkpoint, monkeypatch) -> None:
     """weights int4-a8: the 4-bit matrices with 8-bit inputs (q4_tile_i8_f32 on AVX2); its logits
     are near the exact-input ones but not the same, and a verify window equals single steps bit for bit."""
-    from kernels.int4 import q4_int8_native
-
     out, tok = q4_checkpoint
     if not q4_int8_native(torch.float32):
         pytest.skip("no native 8-bit activation path for float32 on this CPU (it needs AVX2)")
@@ -251,12 +249,8 @@ def test_int4_a8_rounds_the_layers_inputs_to_8_bits_and_stays_batch_invariant(q4
     assert_verify_equals_steps(model, "int4-a8 llama")
     # the layers op by op round the same inputs: the same bits as the one native call
     assert all(layer.int8_activations for layer in model.layers)
-    llama.FUSED_LAYERS = False
-    try:
-        op_by_op = _logits(model, ids)
-    finally:
-        llama.FUSED_LAYERS = True
-    assert torch.equal(op_by_op, rounded)
+    monkeypatch.setattr(llama, "FUSED_LAYERS", False)
+    assert torch.equal(_logits(model, ids), rounded)
 
 
 def test_bfloat16_int4_logits_are_as_close_to_the_file_as_dense_bfloat16(q4_checkpoint) -> None:

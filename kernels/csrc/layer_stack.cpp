@@ -279,35 +279,34 @@ class LayerStackOf {
   // parts run on thread 0, the caller's (ATen's activation needs its thread-local state).
   static void run(const Layer& l, const Shared& s, int tid, int team, TeamBarrier& barrier) {
     const int64_t M = s.M, H = s.H, I = s.act.size(1);
-    auto sync = [&] { barrier.wait(); };
     if (tid == 0) {
       for (int64_t r = 0; r < M; ++r) A::rms(l.x + r * H, l.in_w, H, s.eps, s.normed + r * H);
       q4_prepare(l.qkv);
     }
-    sync();
+    barrier.wait();
     auto [q0, q1] = share(l.qkv.tiles, tid, team);
     q4_tiles(l.qkv, q0, q1);
-    sync();
+    barrier.wait();
     auto [w0, w1] = share(s.positions, tid, team);
     l.attn.write(w0, w1);
-    sync();
+    barrier.wait();
     auto [a0, a1] = share(s.heads, tid, team);
     l.attn.attend(a0, a1);
-    sync();
+    barrier.wait();
     if (tid == 0) q4_prepare(l.o);
-    sync();
+    barrier.wait();
     auto [o0, o1] = share(l.o.tiles, tid, team);
     q4_tiles(l.o, o0, o1);
-    sync();
+    barrier.wait();
     if (tid == 0) {
       for (int64_t i = 0; i < M * H; ++i) s.hidden[i] = A::store(A::load(s.hidden[i]) + A::load(l.x[i]));  // o + x
       for (int64_t r = 0; r < M; ++r) A::rms(s.hidden + r * H, l.post_w, H, s.eps, s.normed2 + r * H);
       q4_prepare(l.gate_up);
     }
-    sync();
+    barrier.wait();
     auto [g0, g1] = share(l.gate_up.tiles, tid, team);
     q4_tiles(l.gate_up, g0, g1);
-    sync();
+    barrier.wait();
     if (tid == 0) {
       // As torch: silu(gate) * up, by ATen's own kernels, on the calling thread: it carries the
       // caller's thread-local state (inference mode), which the team's other threads do not.
@@ -315,14 +314,15 @@ class LayerStackOf {
       at::mul_out(act, at::silu(s.gate_up.narrow(1, 0, I)), s.gate_up.narrow(1, I, I));
       q4_prepare(l.down);
     }
-    sync();
+    barrier.wait();
     auto [d0, d1] = share(l.down.tiles, tid, team);
     q4_tiles(l.down, d0, d1);
-    sync();
+    barrier.wait();
     if (tid == 0) {
       for (int64_t i = 0; i < M * H; ++i) l.out[i] = A::store(A::load(s.down[i]) + A::load(s.hidden[i]));  // down + hidden
     }
-    sync();
+    // No barrier here: the next layer's first phase is thread 0's too, and the others wait for it
+    // at its end (after the last layer, the parallel region's own end waits).
   }
 
   std::vector<std::vector<at::Tensor>> layers_;

@@ -334,8 +334,9 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
     # auto: the checkpoint's own 4-bit matrices wherever a 4-bit kernel beats dense matmuls: bfloat16
     # on a CPU, and float32 on one the native kernel serves (AVX2; ATen's kernel is slower than dense
     # matmuls in float32). Never int4-a8: its 8-bit inputs are llama.cpp's arithmetic and answers,
-    # not the file's (docs/benchmarks.md, "On the AVX2 EPYC itself"), so only a user asks for it. A dense draft is rounded to 4 bits in bfloat16 only: in float32 rounding would move
-    # its acceptance for a gain not measured.
+    # not the file's (docs/benchmarks.md, "On the AVX2 EPYC itself"), so only a user asks for it. A
+    # dense draft is rounded to 4 bits in bfloat16 only: in float32 rounding would move its
+    # acceptance for a gain not measured.
     cpu = torch.device(device).type == "cpu"
     bf16 = cpu and torch_dtype == torch.bfloat16
     served = weights

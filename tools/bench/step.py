@@ -565,17 +565,17 @@ def tables(data: dict, markdown: bool = False) -> str:
     peer = data.get("llama_cpp") or {}
     old = data.get("ours_aten_int4") or {}
     other_name = next((name for name in OTHER_ACTIVATIONS if data.get(name)), None)
-    int8 = data[other_name] if other_name else {}
+    other = data[other_name] if other_name else {}
     other_label = "8-bit activations" if other_name == OTHER_ACTIVATIONS[0] else "exact activations"
     ops = data.get("ours_op_by_op") or {}
     dense = data.get("dense") or {}
     rows = [[n, data["ours"][n], data["verify_over_step"][n], TARGETS.get(n, "-"), *([ops[n]] if ops else []),
-             *([int8[n], int8[n] / int8[1]] if int8 else []),
+             *([other[n], other[n] / other[1]] if other else []),
              *([old[n], old[n] / old[1]] if old else []),
              *([dense[n], dense[n] / data["ours"][n]] if dense else []),
              *([peer[n], data["llama_cpp_verify_over_step"][n]] if peer else [])] for n in data["ours"]]
     headers = ["positions", "ours ms", "÷ step", "target", *(["op by op ms"] if ops else []),
-               *([f"{other_label} ms", "÷ step"] if int8 else []),
+               *([f"{other_label} ms", "÷ step"] if other else []),
                *(["ATen int4 ms", "÷ step"] if old else []),
                *([f"dense {data['dtype']} ms", "÷ ours"] if dense else []),
                *(["llama.cpp ms", "÷ step"] if peer else [])]
