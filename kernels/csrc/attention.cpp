@@ -40,13 +40,43 @@ float dot_avx512(const float* q, const T* k, int64_t D) {
   return _mm512_reduce_add_ps(acc);
 }
 
+// The 8 lanes of the AVX2 path's sums in its order: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)).
+inline float tree8(const float* l) { return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])); }
+
+// Dot product over D values (a multiple of 16), as attend_avx2 takes it: 16 lanes of fused
+// multiply-adds over the vector, lanes i and i + 8 added, then tree8.
 template <typename T>
 float dot_generic(const float* q, const T* k, int64_t D) {
   float lanes[16] = {0};
   for (int64_t i = 0; i < D; ++i) lanes[i % 16] = std::fma(q[i], load_value(k + i), lanes[i % 16]);
-  float total = 0.0f;
-  for (float v : lanes) total += v;
-  return total;
+  float eight[8];
+  for (int i = 0; i < 8; ++i) eight[i] = lanes[i] + lanes[i + 8];
+  return tree8(eight);
+}
+
+// e^x as exp256 below computes it, one value at a time (the same operations, so the same bits).
+inline float exp_generic(float x) {
+  x = std::max(x, -87.3f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = std::fma(-n, 0.693359375f, x);
+  r = std::fma(-n, -2.12194440e-4f, r);
+  float p = 1.0f / 5040.0f;
+  for (float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f}) p = std::fma(p, r, c);
+  uint32_t bits = uint32_t(int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// softmax's weights in place: e^(s - top) for each score, and their total (8 lanes, key j in lane
+// j % 8, then tree8) as attend_avx2 sums them.
+inline float exp_weights_generic(float* w, int64_t n, float top) {
+  float lanes[8] = {0};
+  for (int64_t j = 0; j < n; ++j) {
+    w[j] = exp_generic(w[j] - top);
+    lanes[j % 8] += w[j];
+  }
+  return tree8(lanes);
 }
 
 // AVX2: 8 values of a row as float32 (attend_avx2 below).
@@ -101,6 +131,33 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m51
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
+}
+
+// exp512's arithmetic over 8 lanes on AVX2 (x <= 0 here: 2^n, n in [-126, 0], is built from its
+// exponent bits; exp_generic is the same one value at a time).
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// tree8 of 8 vectors at once: lane k of the result is tree8 of vector k's lanes.
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 tree8x8(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
 // Where key j of a query's window lies in its slot: lo + j for the first `head` keys (all of a
@@ -213,65 +270,93 @@ void attend_avx512(const float* const* q, const SlotRows<T>& keys, const SlotRow
   }
 }
 
-// The AVX2 path of step 2 below, for G query heads that share a kv head (G = 1: one head alone): per
-// head the generic path's arithmetic 8 lanes at a time (dot_generic's 16 lanes of fused multiply-adds
-// over D, in two 8-lane registers, then summed in index order; the same softmax; axpy_generic's fused
-// multiply-adds key after key; the division), so the same bits as the generic path, whatever G (D a
-// multiple of 16). Each key's and value's vectors are loaded (and widened from bfloat16) once for the
-// G heads.
+// The AVX2 path of step 2 below, for G query heads that share a kv head (G = 1: one head alone), D a
+// multiple of 16. Eight keys at a time: each key's score, per head, as 16 lanes of fused
+// multiply-adds over D (two 8-lane registers), the two registers added, then the 8 keys' lanes summed
+// together (tree8x8); the exponentials 8 at a time (exp256) and their total over 8 lanes, then tree8;
+// the weighted values by fused multiply-adds key after key into accumulators held in registers, a
+// slice of D at a time; the division. The generic path does the same operations one value at a time
+// (dot_generic, exp_weights_generic, axpy_generic), so the same bits, whatever G. Each key's and each
+// value's vectors are loaded (and widened from bfloat16) once for the G heads: at a long context the
+// cache is most of what a step reads.
 template <typename T, int G>
 __attribute__((target("avx2,fma")))
 void attend_avx2(const float* const* q, const SlotRows<T>& keys, const SlotRows<T>& values, int64_t lo,
-                 int64_t pos, float scale, std::vector<float>* weights, float* acc, T* const* dst,
-                 const KeyRows& rows, int64_t D) {
+                 int64_t pos, float scale, std::vector<float>* weights, T* const* dst, const KeyRows& rows,
+                 int64_t D) {
   const int64_t n = pos + 1 - lo;
-  float top[G], total[G];
+  const __m256 scale8 = _mm256_set1_ps(scale);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 top8[G];
   for (int g = 0; g < G; ++g) {
-    weights[g].resize(n);
-    top[g] = -INFINITY;
+    weights[g].resize((n + 7) / 8 * 8);
+    top8[g] = _mm256_set1_ps(-INFINITY);
   }
-  for (int64_t j = 0; j < n; ++j) {
-    const T* k = keys.at(rows.at(j));
-    __m256 low[G], high[G];
-    for (int g = 0; g < G; ++g) low[g] = high[g] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < D; i += 16) {
-      const __m256 kl = load8(k + i), kh = load8(k + i + 8);
-      for (int g = 0; g < G; ++g) {
-        low[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + i), kl, low[g]);
-        high[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + i + 8), kh, high[g]);
+  for (int64_t j0 = 0; j0 < n; j0 += 8) {
+    __m256 a[G][8];
+    for (int r = 0; r < 8; ++r) {
+      if (j0 + r >= n) {
+        for (int g = 0; g < G; ++g) a[g][r] = _mm256_setzero_ps();
+        continue;
+      }
+      const T* k = keys.at(rows.at(j0 + r));
+      __m256 low[G], high[G];
+      for (int g = 0; g < G; ++g) low[g] = high[g] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < D; i += 16) {
+        const __m256 kl = load8(k + i), kh = load8(k + i + 8);
+        for (int g = 0; g < G; ++g) {
+          low[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + i), kl, low[g]);
+          high[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + i + 8), kh, high[g]);
+        }
+      }
+      for (int g = 0; g < G; ++g) a[g][r] = _mm256_add_ps(low[g], high[g]);
+    }
+    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::min<int64_t>(8, n - j0))), lane));
+    for (int g = 0; g < G; ++g) {
+      const __m256 s = _mm256_mul_ps(tree8x8(a[g]), scale8);
+      _mm256_storeu_ps(weights[g].data() + j0, s);
+      top8[g] = _mm256_max_ps(top8[g], _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, keep));
+    }
+  }
+  __m256 inv[G];
+  for (int g = 0; g < G; ++g) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, top8[g]);
+    float top = lanes[0];
+    for (int i = 1; i < 8; ++i) top = std::max(top, lanes[i]);
+    const __m256 top_v = _mm256_set1_ps(top);
+    __m256 sums = _mm256_setzero_ps();
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+      const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::min<int64_t>(8, n - j0))), lane));
+      const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(weights[g].data() + j0), top_v)), keep);
+      _mm256_storeu_ps(weights[g].data() + j0, e);
+      sums = _mm256_add_ps(sums, e);
+    }
+    _mm256_storeu_ps(lanes, sums);
+    inv[g] = _mm256_set1_ps(tree8(lanes));
+  }
+  constexpr int kSlice = G == 1 ? 8 : G == 2 ? 4 : 2;  // vectors of D per pass: G * kSlice accumulators
+  for (int64_t i0 = 0; i0 < D; i0 += 8 * kSlice) {
+    const int slice = int(std::min<int64_t>(kSlice, (D - i0) / 8));
+    __m256 out[G][kSlice];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < kSlice; ++c) out[g][c] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const T* v = values.at(rows.at(j)) + i0;
+      for (int c = 0; c < kSlice; ++c) {
+        if (c >= slice) break;
+        const __m256 vv = load8(v + 8 * c);
+        for (int g = 0; g < G; ++g) out[g][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(weights[g].data() + j), vv, out[g][c]);
       }
     }
     for (int g = 0; g < G; ++g) {
-      float lanes[16];
-      _mm256_storeu_ps(lanes, low[g]);
-      _mm256_storeu_ps(lanes + 8, high[g]);
-      float sum = 0.0f;
-      for (float v : lanes) sum += v;
-      const float s = sum * scale;
-      weights[g][j] = s;
-      top[g] = std::max(top[g], s);
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    total[g] = 0.0f;
-    for (float& w : weights[g]) {
-      w = std::exp(w - top[g]);
-      total[g] += w;
-    }
-  }
-  std::fill(acc, acc + G * D, 0.0f);
-  for (int64_t j = 0; j < n; ++j) {
-    const T* v = values.at(rows.at(j));
-    for (int64_t i = 0; i < D; i += 8) {
-      const __m256 vv = load8(v + i);
-      for (int g = 0; g < G; ++g) {
-        float* out = acc + g * D + i;
-        _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_set1_ps(weights[g][j]), vv, _mm256_loadu_ps(out)));
+      for (int c = 0; c < slice; ++c) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, _mm256_div_ps(out[g][c], inv[g]));
+        for (int i = 0; i < 8; ++i) store_value(dst[g] + i0 + 8 * c + i, lanes[i]);
       }
     }
   }
-  for (int g = 0; g < G; ++g)
-    for (int64_t i = 0; i < D; ++i) store_value(dst[g] + i, acc[g * D + i] / total[g]);
 }
 
 }  // namespace
@@ -307,7 +392,7 @@ void Attention<T>::attend(int64_t begin, int64_t end) const {  // 2. Every query
   // attend_avx512, attend_avx2).
   const bool grouped = (wide ? D == 64 : avx2) && group >= 2 && group <= 4 &&
                        group_heads.load(std::memory_order_relaxed);  // (a head alone is the group of one)
-  std::vector<float> q(wide || avx2 ? 4 * D : D), acc(avx2 ? 4 * D : D);
+  std::vector<float> q(wide || avx2 ? 4 * D : D), acc(D);
   std::vector<float> weights[4];
   for (int64_t item = begin; item < end; ++item) {
     const int64_t h = item % Hq, bt = item / Hq, b = bt / T_, g = h / group;
@@ -352,13 +437,13 @@ void Attention<T>::attend(int64_t begin, int64_t end) const {  // 2. Every query
       const SlotRows<T> keys{cache_at(kc, slots[b], g, 0), cache_at(kc, 0, g, 0), src, Hkv * L * D, D};
       const SlotRows<T> values{cache_at(vc, slots[b], g, 0), cache_at(vc, 0, g, 0), src, Hkv * L * D, D};
       if (heads == 1) {
-        attend_avx2<T, 1>(qs, keys, values, lo, pos, scale, weights, acc.data(), dsts, rows, D);
+        attend_avx2<T, 1>(qs, keys, values, lo, pos, scale, weights, dsts, rows, D);
       } else if (heads == 2) {
-        attend_avx2<T, 2>(qs, keys, values, lo, pos, scale, weights, acc.data(), dsts, rows, D);
+        attend_avx2<T, 2>(qs, keys, values, lo, pos, scale, weights, dsts, rows, D);
       } else if (heads == 3) {
-        attend_avx2<T, 3>(qs, keys, values, lo, pos, scale, weights, acc.data(), dsts, rows, D);
+        attend_avx2<T, 3>(qs, keys, values, lo, pos, scale, weights, dsts, rows, D);
       } else {
-        attend_avx2<T, 4>(qs, keys, values, lo, pos, scale, weights, acc.data(), dsts, rows, D);
+        attend_avx2<T, 4>(qs, keys, values, lo, pos, scale, weights, dsts, rows, D);
       }
       item += heads - 1;
       continue;
@@ -374,11 +459,7 @@ void Attention<T>::attend(int64_t begin, int64_t end) const {  // 2. Every query
       scores[i - lo] = s;
       top = std::max(top, s);
     }
-    float total = 0.0f;
-    for (float& w : scores) {
-      w = std::exp(w - top);
-      total += w;
-    }
+    const float total = exp_weights_generic(scores.data(), pos + 1 - lo, top);
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t i = lo; i <= pos; ++i) {
       const int64_t j = rows.at(i - lo);
