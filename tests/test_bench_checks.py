@@ -352,7 +352,7 @@ def test_the_benchmarks_stop_under_python_O():
     result = subprocess.run([sys.executable, "-O", "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
                              "-k", "stops_when or controller"], capture_output=True, text=True, timeout=300,
                             cwd=Path(__file__).resolve().parents[1])
-    assert result.returncode == 0 and re.search(r"^5 passed", result.stdout, re.M), result.stdout + result.stderr
+    assert result.returncode == 0 and re.search(r"^6 passed", result.stdout, re.M), result.stdout + result.stderr
 
 
 def test_bench_gamma_keeps_the_rows_it_does_not_measure_of_the_same_configuration(tmp_path):
@@ -402,3 +402,47 @@ def test_latency_checks_its_tree_rows_and_puts_them_beside_the_chains(monkeypatc
     tree_stacks = [s for s in specs if s.get("gamma_policy") == "fixed"]
     assert {s["extra_target_args"][-1] for s in tree_stacks} == {"1", "3"}
     assert {s.get("colocate_draft", False) for s in tree_stacks} == {False, True}
+
+
+def _head_to_head(monkeypatch, tmp_path, auto_ids=PLAIN):
+    """bench latency's head-to-head on fakes: ours plain at 100 tok/s and auto at 120 in every
+    round; llama.cpp at 80, then 100, then 80; returns (result, the order the turns ran in)."""
+    from tools.bench import latency
+
+    order: list[str] = []
+    peer_speeds = iter([80.0, 100.0, 80.0])
+
+    def sweep(address, prompts, gammas, max_new_tokens, progress=None, **_):
+        order.append("ours")
+        speeds = {0: 100.0, "auto": 120.0}
+        return {g: {"token_ids": PLAIN if g == 0 else auto_ids, "tokens_per_s": speeds[g], "tokens": speeds[g],
+                    "seconds": 1.0} for g in gammas}
+
+    def run_apart(fn, **kwargs):
+        order.append("llama.cpp")
+        speed = next(peer_speeds)
+        return {"plain": {"tokens_per_s": speed, "tokens": speed, "seconds": 1.0}}
+
+    _patch_stack(monkeypatch, latency)
+    monkeypatch.setattr(latency, "sweep", sweep)
+    monkeypatch.setattr(latency, "run_apart", run_apart)
+    from tools.progress import Progress
+
+    with Progress(18, "generations", "test", quiet=True) as progress:
+        result = latency.head_to_head(_fake_models(tmp_path), tmp_path / "draft", [[1, 2, 3]] * 2, 3, progress)
+    return result, order
+
+
+def test_latency_head_to_head_takes_turns_and_pools_the_rounds(monkeypatch, tmp_path):
+    result, order = _head_to_head(monkeypatch, tmp_path)
+    assert order == ["ours", "llama.cpp", "llama.cpp", "ours", "ours", "llama.cpp"]  # reversed every other round
+    assert result["plain_over_llama_cpp_runs"] == pytest.approx([1.25, 1.0, 1.25])
+    assert result["plain_over_llama_cpp_median"] == pytest.approx(1.25)
+    assert result["plain_over_llama_cpp"] == pytest.approx(300 / 260)  # tokens over seconds of all rounds
+    assert result["auto_over_llama_cpp"] == pytest.approx(360 / 260)
+    assert "default ÷ llama.cpp" in result["table_markdown"]
+
+
+def test_latency_head_to_head_stops_when_the_default_changes_the_output(monkeypatch, tmp_path):
+    with pytest.raises(BenchmarkError, match=r"auto, round 1: prompt 1: first difference at generated position 1"):
+        _head_to_head(monkeypatch, tmp_path, auto_ids=CHANGED)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -31,6 +32,8 @@ from tools.launcher import Stack, StackSpec
 from tools.progress import Progress
 
 DEFAULT_GAMMAS = [0, 1, 2, 3, 4, 6, 8]
+# Rounds of the head-to-head: our plain decoding, the default and llama.cpp's plain decoding in turns.
+HEAD_TO_HEAD_ROUNDS = 3
 
 
 def sweep(address: str, prompts: list[list[int]], gammas: list[int | str], max_new_tokens: int,
@@ -156,6 +159,8 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
         if compare_draft is not None:
             _compare_draft(result, models, compare_draft, prompts, gammas, max_new_tokens, ours, colocated, auto,
                            progress)
+        if with_hf and llama_cpp_available(models):
+            result["head_to_head"] = head_to_head(models, draft, prompts, max_new_tokens, progress)
         if with_hf:
             if costs["weights"] != "dense":
                 _dense(result, models, draft, prompts, best, max_new_tokens, progress)
@@ -175,6 +180,7 @@ def planned_generations(models: BenchModels, n_prompts: int, gammas: list[int], 
         sweeps += 2 * (weights != "dense")  # our dense weights at γ = 0 and the best γ
         sweeps += len(runnable_modes(models)) + (models.dtype != "float32")  # HF, and HF plain in float32
         sweeps += 2 * llama_cpp_available(models)  # llama.cpp plain and with prompt lookup
+        sweeps += 3 * HEAD_TO_HEAD_ROUNDS * llama_cpp_available(models)  # head_to_head
     return sweeps * n_prompts
 
 
@@ -469,6 +475,56 @@ def _compare_with_peers(result: dict, ours: dict[int, dict], best: int, colocate
                                       result["model_alone"]["tokens_per_s"]} if "model_alone" in result else {}),
                                   **{f"specstream γ={g}, dense": r["tokens_per_s"] for g, r in dense.items()},
                                   **{name: r["tokens_per_s"] for name, r in peers.items()}})
+
+
+def head_to_head(models: BenchModels, draft: Path, prompts: list[list[int]], max_new_tokens: int,
+                 progress: Progress, rounds: int = HEAD_TO_HEAD_ROUNDS) -> dict:
+    """Our served plain decoding and the default (``speculation=auto``, the draft service), on one
+    stack as `specstream serve` runs it, against llama.cpp's plain decoding of the same prompts in
+    a process of its own, in turns: ``rounds`` rounds, each system once a round, the order
+    reversed every other round, so a slow spell of a shared machine falls on all three alike
+    (the sweeps above run llama.cpp minutes after ours, and this VM's speed moves by a third
+    between such minutes). Per round, each of ours ÷ llama.cpp's; overall, the tokens over the
+    seconds of all rounds, and each ratio's median over the rounds."""
+    progress.print(f"\nours and llama.cpp in turns, {rounds} rounds ...")
+    progress.phase("latency: ours and llama.cpp in turns")
+    runs: dict[str, list[dict]] = {"plain": [], "auto": [], "llama.cpp": []}
+    with tempfile.TemporaryDirectory() as logs, Stack(_spec(models, draft, logs)) as stack:
+        def ours() -> None:
+            done = sweep(stack.gateway_address, prompts, [0, "auto"], max_new_tokens, progress=progress)
+            runs["plain"].append(done[0])
+            runs["auto"].append(done["auto"])
+
+        def peer() -> None:
+            done = run_apart(llama_cpp_runs, gguf=str(models.gguf), prompts=prompts, max_new_tokens=max_new_tokens,
+                             modes=("plain",))["plain"]
+            runs["llama.cpp"].append(done)
+            for _ in prompts:
+                progress.update()
+
+        for round_ in range(rounds):
+            for turn in (ours, peer) if round_ % 2 == 0 else (peer, ours):
+                turn()
+    check_runs_match("the default (auto)", "plain decoding", runs["plain"][0]["token_ids"],
+                     {f"{name}, round {i + 1}": r["token_ids"] for name in ("plain", "auto")
+                      for i, r in enumerate(runs[name])})
+    speed = {name: [r["tokens_per_s"] for r in rs] for name, rs in runs.items()}
+    pooled = {name: sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs) for name, rs in runs.items()}
+    out = {"rounds": rounds, "tokens_per_s": pooled, "runs_tokens_per_s": speed}
+    for name in ("plain", "auto"):
+        per_round = [ours_ / peer_ for ours_, peer_ in zip(speed[name], speed["llama.cpp"])]
+        out[f"{name}_over_llama_cpp"] = pooled[name] / pooled["llama.cpp"]
+        out[f"{name}_over_llama_cpp_runs"] = per_round
+        out[f"{name}_over_llama_cpp_median"] = statistics.median(per_round)
+    rows = [[f"round {i + 1}", speed["plain"][i], speed["auto"][i], speed["llama.cpp"][i],
+             out["plain_over_llama_cpp_runs"][i], out["auto_over_llama_cpp_runs"][i]] for i in range(rounds)]
+    rows.append(["all rounds", pooled["plain"], pooled["auto"], pooled["llama.cpp"], out["plain_over_llama_cpp"],
+                 out["auto_over_llama_cpp"]])
+    headers = ["", "ours plain tok/s", "ours default (auto) tok/s", "llama.cpp plain tok/s", "plain ÷ llama.cpp",
+               "default ÷ llama.cpp"]
+    progress.print(report.table(headers, rows))
+    out["table_markdown"] = report.markdown_table(headers, rows)
+    return out
 
 
 def llama_cpp_available(models: BenchModels) -> bool:
