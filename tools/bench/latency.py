@@ -33,7 +33,7 @@ from tools.progress import Progress
 
 DEFAULT_GAMMAS = [0, 1, 2, 3, 4, 6, 8]
 # Rounds of the head-to-head: our plain decoding, the default and llama.cpp's plain decoding in turns.
-HEAD_TO_HEAD_ROUNDS = 3
+HEAD_TO_HEAD_ROUNDS = 5
 
 
 def sweep(address: str, prompts: list[list[int]], gammas: list[int | str], max_new_tokens: int,
