@@ -3,8 +3,10 @@
 For each γ in the sweep it generates the same prompts through gateway → target → draft and
 reports tokens/s, α (accepted / (accepted + rejections)), mean accepted length, the measured cost
 ratio c, the theoretical speedup (1 − α^(γ+1)) / ((1 − α)(γc + 1)) for that α and c, and the
-measured speedup over γ = 0. Then, on the same checkpoints and prompts, Hugging Face `generate()`
-plain and with `assistant_model=`. Every γ's token ids must equal γ = 0's: the run fails loudly
+measured speedup over γ = 0. With llama.cpp installed (`make peer`), our plain decoding and the
+default against llama.cpp's plain decoding in turns (``head_to_head``: the fair ratio on a machine
+whose speed drifts). Then, on the same checkpoints and prompts, Hugging Face `generate()` plain and
+with `assistant_model=`, and llama.cpp once more beside them. Every γ's token ids must equal γ = 0's: the run fails loudly
 otherwise (BenchmarkError, tools.bench.checks). Whether each peer's tokens equal ours is
 recorded per peer (``same_tokens_as_ours``): in bfloat16 another implementation's arithmetic may
 legitimately differ.
@@ -123,7 +125,8 @@ def run(models: BenchModels, out_dir: Path, n_prompts: int = 8, max_new_tokens: 
         compare_draft: Path | None = None, with_trees: bool = True) -> dict:
     """The γ sweep through the draft service and with the draft colocated, speculation=auto, the
     draft model alone (behind prompt lookup), trees (``with_trees``: tools/bench/trees.py,
-    at γ 1..3), dense weights and the peers; with ``compare_draft``
+    at γ 1..3), ours against llama.cpp in turns (``head_to_head``, with the peers), dense weights
+    and the peers; with ``compare_draft``
     (another draft of the same target: a feature draft), the same sweeps with it, side by side;
     tables on stdout, ``latency.json`` and plots in ``out_dir``. Progress on stderr
     (tools.progress; ``quiet``: plain lines, never a bar), counted in generations."""
