@@ -147,9 +147,13 @@ def test_the_engine_times_its_draft_before_the_first_request(model_zoo):
     assert costs.draft.samples == 8
     # The link's 20 ms a call, not the prior's guess (the fit spreads a constant cost over its depth
     # and proposal terms, so it is checked over the depths timed, not at one; the upper bound leaves
-    # room for a loaded machine, where one preempted call of the eight adds tens of ms to the fit)
+    # room for a loaded machine, where one preempted call of the eight adds tens of ms to the fit).
+    # The prior is a share of the target's own step as timed at start-up, which a loaded machine
+    # stretches too (3.8 ms in one run of the suite): one guess must cost at least half the link's
+    # delay, which the prior alone never reaches here, and more than the prior.
     mean_s = sum(costs.draft_s(d, d) for d in range(1, 5)) / 4
-    assert 0.015 <= mean_s <= 0.1 and costs.draft_s(1, 1) > 10 * prior
+    assert 0.015 <= mean_s <= 0.1
+    assert costs.draft_s(1, 1) >= draft.delay_s / 2 > prior and costs.draft_s(1, 1) > prior
     assert proposer.held == 0  # released
     off = Engine(model, TargetConfig(model=config.model, max_slots=2, max_seq_len=128, max_gamma=4, calibrate=False),
                  _SlowDraft(LocalDraft(proposer), 0.0))
