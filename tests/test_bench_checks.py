@@ -429,7 +429,8 @@ def _head_to_head(monkeypatch, tmp_path, auto_ids=PLAIN):
     from tools.progress import Progress
 
     with Progress(18, "generations", "test", quiet=True) as progress:
-        result = latency.head_to_head(_fake_models(tmp_path), tmp_path / "draft", [[1, 2, 3]] * 2, 3, progress, rounds=3)
+        result = latency.head_to_head(_fake_models(tmp_path), tmp_path / "draft", [[1, 2, 3]] * 2, 3, progress,
+                                      rounds=3)
     return result, order
 
 

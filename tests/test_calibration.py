@@ -153,7 +153,7 @@ def test_the_engine_times_its_draft_before_the_first_request(model_zoo):
     # delay, which the prior alone never reaches here, and more than the prior.
     mean_s = sum(costs.draft_s(d, d) for d in range(1, 5)) / 4
     assert 0.015 <= mean_s <= 0.1
-    assert costs.draft_s(1, 1) >= draft.delay_s / 2 > prior and costs.draft_s(1, 1) > prior
+    assert costs.draft_s(1, 1) >= draft.delay_s / 2 > prior
     assert proposer.held == 0  # released
     off = Engine(model, TargetConfig(model=config.model, max_slots=2, max_seq_len=128, max_gamma=4, calibrate=False),
                  _SlowDraft(LocalDraft(proposer), 0.0))

@@ -154,6 +154,12 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m256 tree8x8(const _
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// The lanes of keys j0 .. j0 + 7 that lie before n (all ones), the others zero.
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 live_keys8(int64_t n, int64_t j0) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::min<int64_t>(8, n - j0))), lane));
+}
+
 // Where key j of a query's window lies in its slot: lo + j for the first `head` keys (all of a
 // chain's; a tree node's prefix), then base + tail[j - head] (a tree node's ancestors, root first,
 // as offsets from the row's start). No list is built per query: the prefix stays a range.
@@ -280,7 +286,6 @@ void attend_avx2(const float* const* q, const SlotRows<T>& keys, const SlotRows<
                  int64_t D) {
   const int64_t n = pos + 1 - lo;
   const __m256 scale8 = _mm256_set1_ps(scale);
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 top8[G];
   for (int g = 0; g < G; ++g) {
     weights[g].resize((n + 7) / 8 * 8);
@@ -305,7 +310,7 @@ void attend_avx2(const float* const* q, const SlotRows<T>& keys, const SlotRows<
       }
       for (int g = 0; g < G; ++g) a[g][r] = _mm256_add_ps(low[g], high[g]);
     }
-    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::min<int64_t>(8, n - j0))), lane));
+    const __m256 keep = live_keys8(n, j0);
     for (int g = 0; g < G; ++g) {
       const __m256 s = _mm256_mul_ps(tree8x8(a[g]), scale8);
       _mm256_storeu_ps(weights[g].data() + j0, s);
@@ -321,8 +326,8 @@ void attend_avx2(const float* const* q, const SlotRows<T>& keys, const SlotRows<
     const __m256 top_v = _mm256_set1_ps(top);
     __m256 sums = _mm256_setzero_ps();
     for (int64_t j0 = 0; j0 < n; j0 += 8) {
-      const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::min<int64_t>(8, n - j0))), lane));
-      const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(weights[g].data() + j0), top_v)), keep);
+      const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(weights[g].data() + j0), top_v)),
+                                     live_keys8(n, j0));
       _mm256_storeu_ps(weights[g].data() + j0, e);
       sums = _mm256_add_ps(sums, e);
     }

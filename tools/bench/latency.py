@@ -6,8 +6,8 @@ ratio c, the theoretical speedup (1 − α^(γ+1)) / ((1 − α)(γc + 1)) for t
 measured speedup over γ = 0. With llama.cpp installed (`make peer`), our plain decoding and the
 default against llama.cpp's plain decoding in turns (``head_to_head``: the fair ratio on a machine
 whose speed drifts). Then, on the same checkpoints and prompts, Hugging Face `generate()` plain and
-with `assistant_model=`, and llama.cpp once more beside them. Every γ's token ids must equal γ = 0's: the run fails loudly
-otherwise (BenchmarkError, tools.bench.checks). Whether each peer's tokens equal ours is
+with `assistant_model=`, and llama.cpp once more beside them. Every γ's token ids must equal γ = 0's:
+the run fails loudly otherwise (BenchmarkError, tools.bench.checks). Whether each peer's tokens equal ours is
 recorded per peer (``same_tokens_as_ours``): in bfloat16 another implementation's arithmetic may
 legitimately differ.
 """
@@ -508,7 +508,7 @@ def head_to_head(models: BenchModels, draft: Path, prompts: list[list[int]], max
         for round_ in range(rounds):
             for turn in (ours, peer) if round_ % 2 == 0 else (peer, ours):
                 turn()
-    check_runs_match("the default (auto)", "plain decoding", runs["plain"][0]["token_ids"],
+    check_runs_match("the head-to-head's output", "plain decoding", runs["plain"][0]["token_ids"],
                      {f"{name}, round {i + 1}": r["token_ids"] for name in ("plain", "auto")
                       for i, r in enumerate(runs[name])})
     speed = {name: [r["tokens_per_s"] for r in rs] for name, rs in runs.items()}
