@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools.distill.data import TOP_K, Record, load_records, save_records
+from tools.distill.data import TOP_K, Record, generate_responses, load_records, save_records
 from tools.distill.prompts import build_prompts
 
 
@@ -120,3 +120,29 @@ def test_generate_and_train_show_their_progress_to_the_end(tiny_target, tmp_path
     assert steps[0] == (0, trained["train_steps"]) and steps[-1] == (trained["train_steps"],) * 2
     assert "epoch 6/6" in err and f"step {trained['train_steps']}/{trained['train_steps']}" in out
     assert (tmp_path / "draft" / "model.safetensors").is_file()
+
+
+def test_generate_answers_a_structured_prompt_under_its_constraint(tiny_target) -> None:
+    """Stage ``generate`` (tools.distill.data, prompts of tools.distill.structured) serves a prompt's
+    constraint: every answer of a random tiny target is a prefix its grammar accepts (whole, or cut
+    by the budget), where unconstrained answers of the same model are not."""
+    from specstream.data.constraint import Constraint
+    from specstream.text.grammar import compiler_for
+    from specstream.text.tokenizer import TextTokenizer
+    from tools.distill.structured import structured_prompts
+
+    prompts = [p for p in structured_prompts(seed=0, count=40) if p["domain"] != "tool"][:4]
+    tok = TextTokenizer.from_dir(tiny_target)
+    ends = {t for t in (tok.end_of_turn_id, *tok.eos_token_ids) if t is not None}
+    compiler = compiler_for(tiny_target)
+
+    def accepted(p: dict, response: list[int]) -> bool:
+        body = [t for t in response if t not in ends]
+        return compiler.compile(Constraint(**p["constraint"])).matcher().consume(body) == len(body)
+
+    free = [{k: v for k, v in p.items() if k != "constraint"} for p in prompts]
+    constrained = generate_responses(tiny_target, prompts, dtype="float32", max_new_tokens=16, quiet=True)
+    unconstrained = generate_responses(tiny_target, free, dtype="float32", max_new_tokens=16, quiet=True)
+    assert [r.prompt_id for r in constrained] == [p["id"] for p in prompts]
+    assert all(accepted(p, r.response) and r.response for p, r in zip(prompts, constrained))
+    assert not all(accepted(p, r.response) for p, r in zip(prompts, unconstrained))

@@ -417,6 +417,34 @@ def test_the_pipeline_trains_and_measures_a_fused_aligned_variant_on_part_of_the
         read_head(work / "head.safetensors", records, 65)
 
 
+
+def test_a_further_training_starts_from_a_drafts_weights_and_keeps_its_vocabulary(feature_pair) -> None:
+    """``--init-from``: the head starts from the draft's stored weights (its 4-bit matrices as they
+    dequantize), and its vocabulary is the draft's followed by the answers' most frequent others."""
+    import dataclasses
+    import json
+
+    from specstream.models.feature_draft import dense_head_state
+    from specstream.models.feature_head import FeatureHead, HeadSpec
+    from tools.distill.data import Record
+    from tools.distill.feature import _output_ids, _start_from
+
+    draft = feature_pair["draft"]
+    stored = dense_head_state(draft)
+    spec = HeadSpec(**json.loads((draft / "config.json").read_text())["specstream"]["head"])
+    head = FeatureHead(dataclasses.replace(spec, vocab_out=spec.vocab_out + 2))
+    kept = _start_from(head, draft)
+    assert torch.equal(kept, stored["output_ids"]) and torch.equal(head.q.weight, stored["q.weight"])
+    vocab = int(kept.max()) + 4  # (the tiny pair's draft scores its whole vocabulary)
+    outside = [vocab - 3, vocab - 2, vocab - 1]
+    answers = [outside[2]] * 5 + [outside[0]] * 3 + [outside[1]] + kept[:4].tolist() * 9  # by count: 2, 0, 1
+    top = torch.tensor([[t] * 32 for t in answers], dtype=torch.int32)
+    records = [Record(0, "train", False, [1], answers, top, torch.zeros(len(answers), 32))]
+    ids = _output_ids(records, vocab, len(kept) + 2, kept)
+    assert sorted(ids.tolist()) == sorted(kept.tolist() + [outside[2], outside[0]])
+    with pytest.raises(ValueError, match=f"vocab_out={len(kept) - 1}"):
+        _output_ids(records, vocab, len(kept) - 1, kept)
+
 def test_the_benchmarks_run_a_feature_draft_and_give_transformers_the_token_draft(feature_pair, model_zoo) -> None:
     """A benchmarked pair whose draft reads features (the default pair's kind): transformers, which
     cannot feed it features, gets the pair's token draft as its assistant model (without one, no

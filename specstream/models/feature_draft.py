@@ -35,7 +35,7 @@ from specstream.models.config import ModelLoadError, card_acceptance
 from specstream.models.feature_head import FeatureHead, HeadSpec
 from specstream.models.loader import DTYPES, SafetensorsSource, embedding_sha256, read_config
 
-__all__ = ["KIND", "FeatureDraft", "feature_draft_layers", "is_feature_draft", "load_feature_draft",
+__all__ = ["KIND", "FeatureDraft", "dense_head_state", "feature_draft_layers", "is_feature_draft", "load_feature_draft",
            "save_feature_draft", "target_parts"]
 
 KIND = "feature_head"
@@ -148,6 +148,12 @@ def load_feature_draft(path: str | Path, resolve: Callable[[str], Path], dtype: 
     return FeatureDraft(str(ours.get("name") or root.name), head, embed.to(torch.bfloat16), rows, layers,
                         OutputHead(served_rows), torch_dtype, f"int4 ({swapped} matrices)" if swapped else "dense",
                         acceptance, Path(resolve(ref)))
+
+
+def dense_head_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """The float32 state dict of the head stored at ``path`` (its 4-bit matrices dequantized): where
+    a further training of it starts (tools/distill/feature.py)."""
+    return _dense_state(load_file(str(Path(path) / WEIGHTS)))[0]
 
 
 def _dense_state(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:

