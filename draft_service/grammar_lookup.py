@@ -12,8 +12,11 @@ itself (the only tokens allowed: certain). This proposer guesses the rest that n
   from the tokens so far and the guesses before, its n-grams matched by ``space_free_ids`` for
   prompt lookup (NgramIndex ``canonical``: a value that starts after a quote, ``"Marie``, finds
   the prompt's `` Marie``), cut where the grammar refuses a guess.
+- **spelling**: where lookup has nothing, the string value being written continued as the prompt
+  spells it, on text rather than tokens (``PromptSpelling``: after ``"Ber`` the rest of the
+  prompt's `` Berlin``, ``lin``), cut where the grammar refuses a guess.
 
-The two alternate until γ guesses, or neither has one. A guess the target refuses ends the chain
+They alternate until γ guesses, or none has one. A guess the target refuses ends the chain
 as any guess does; every guess is a point mass (q_width 0), so greedy and sampled requests alike
 keep the target's output (its distribution) exactly: the target verifies them against its masked p
 (target_service/grammar_rows.py, settle.py).
@@ -30,6 +33,7 @@ from collections.abc import Hashable
 
 from draft_service.grammar_state import DraftGrammars, GrammarRow
 from draft_service.ngram import NgramIndex
+from draft_service.spelling import PromptSpelling
 from draft_service.suffix import SuffixSequence
 from specstream.data.propose import ProposeItem
 from specstream.text.grammar import GrammarCompiler
@@ -43,6 +47,7 @@ class GrammarLookup:
     def __init__(self, compiler: GrammarCompiler | None) -> None:
         self.compiler = compiler
         self.grammars = DraftGrammars(compiler)
+        self.spelling = PromptSpelling(compiler.text_tokenizer) if compiler is not None else None
 
     def sync(self, item: ProposeItem, tokens: list[int]) -> GrammarRow | None:
         """The item's matcher at the lookup's ``tokens`` (the item applied; None: free text, or
@@ -51,6 +56,8 @@ class GrammarLookup:
 
     def release(self, keys: list[Hashable]) -> None:
         self.grammars.release(keys)
+        if self.spelling is not None:
+            self.spelling.release(keys)
 
     def chain(self, key: Hashable, row: GrammarRow, sequence: NgramIndex | SuffixSequence, forced: list[int],
               gamma: int) -> list[int]:
@@ -66,6 +73,8 @@ class GrammarLookup:
                 guesses = row.matcher.likely()[:room]
                 if not guesses:
                     guesses = sequence.proposal(room, 0)[0]
+                if not guesses and self.spelling is not None:
+                    guesses = self.spelling.guesses(key, sequence.tokens, row.start, room)
                 guesses = guesses[:row.matcher.valid_prefix(guesses)]
                 if not guesses or not row.take(guesses):
                     break

@@ -256,6 +256,11 @@ class GrammarCompiler:
         self._capacity = capacity
         self._lock = threading.Lock()
 
+    @property
+    def text_tokenizer(self) -> TextTokenizer:
+        """The tokenizer it compiles for."""
+        return self._text_tokenizer
+
     @functools.cached_property
     def space_free_ids(self) -> list[int]:
         """TextTokenizer.space_free_ids: how a constrained row's lookup matches words (GrammarLookup)."""
