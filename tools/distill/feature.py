@@ -22,7 +22,8 @@ the work directory):
    greedy acceptance on the held-out greedy answers, offline (every start position of every answer;
    a round proposes γ tokens by argmax on the head's own features and keeps the prefix equal to the
    target's greedy answer): α and tokens per target pass, per domain; then, through the real engine
-   on the same held-out prompts, each draft as served (alone and behind prompt lookup): the feature
+   on the held-out everyday prompts of the full set (``bench --prompt-set everyday``'s, whatever
+   share of it this training answered), each draft as served (alone and behind prompt lookup): the feature
    draft, the shipped token draft and the token draft of stage 5; and the feature draft's cost c.
 7. ``card``: the model card ``<out>/README.md`` and ``<out>/train_log.json``.
 """
