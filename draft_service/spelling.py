@@ -24,7 +24,7 @@ from specstream.text.tokenizer import TextTokenizer
 
 __all__ = ["PromptSpelling"]
 
-QUOTE = ord('"')
+QUOTE = b'"'
 MAX_VALUE_TOKENS = 24  # how far back the value's opening quote is looked for
 # A prompt token that would end the copied phrase in its sentence: a comma, semicolon, colon,
 # bracket or quote anywhere in it, or a full stop, question or exclamation mark before a space or
@@ -64,14 +64,12 @@ class PromptSpelling:
         i = bisect.bisect_right(starts, end) - 1  # the prompt token the match ends in (or before)
         guesses: list[int] = []
         if starts[i] < end:  # inside token i: the rest of its text, tokenized as the answer would
-            rest = text[end:_end(starts, i, text)]
-            if _closes(rest, text, _end(starts, i, text)):
+            after = _end(starts, i, text)
+            if _closes(text, end, after):
                 return []
-            guesses = self._tokenizer.encode(rest.decode("utf-8", errors="ignore")) if rest else []
+            guesses = self._tokenizer.encode(text[end:after].decode("utf-8", errors="ignore")) if after > end else []
             i += 1
-        while len(guesses) < room and i < len(ids):
-            if _closes(text[starts[i]:_end(starts, i, text)], text, _end(starts, i, text)):
-                break
+        while len(guesses) < room and i < len(ids) and not _closes(text, starts[i], _end(starts, i, text)):
             guesses.append(ids[i])
             i += 1
         return guesses[:room]
@@ -81,7 +79,7 @@ class PromptSpelling:
         pieces: list[bytes] = []
         for position in range(len(tokens) - 1, max(prompt_len, len(tokens) - MAX_VALUE_TOKENS) - 1, -1):
             piece = self._tokenizer.token_bytes(tokens[position])
-            quote = piece.rfind(QUOTE.to_bytes(1, "little"))
+            quote = piece.rfind(QUOTE)
             if quote >= 0:
                 pieces.append(piece[quote + 1:])
                 return b"".join(reversed(pieces))
@@ -105,11 +103,12 @@ def _end(starts: list[int], i: int, text: bytes) -> int:
     return starts[i + 1] if i + 1 < len(starts) else len(text)
 
 
-def _closes(piece: bytes, text: bytes, after: int) -> bool:
-    """Whether ``piece`` (the prompt's bytes up to offset ``after``) ends the phrase being copied."""
+def _closes(text: bytes, start: int, end: int) -> bool:
+    """Whether the prompt's bytes ``start:end`` end the phrase being copied."""
+    piece = text[start:end]
     if _SEPARATES.search(piece):
         return True
-    return bool(_ENDS.search(piece)) and (after >= len(text) or text[after:after + 1].isspace())
+    return bool(_ENDS.search(piece)) and (end >= len(text) or text[end:end + 1].isspace())
 
 
 def _word_start_find(text: bytes, value: bytes) -> int:

@@ -35,8 +35,8 @@ from specstream.models.config import ModelLoadError, card_acceptance
 from specstream.models.feature_head import FeatureHead, HeadSpec
 from specstream.models.loader import DTYPES, SafetensorsSource, embedding_sha256, read_config
 
-__all__ = ["KIND", "FeatureDraft", "dense_head_state", "feature_draft_layers", "is_feature_draft", "load_feature_draft",
-           "save_feature_draft", "target_parts"]
+__all__ = ["KIND", "FeatureDraft", "dense_head_state", "feature_draft_layers", "is_feature_draft",
+           "load_feature_draft", "save_feature_draft", "target_parts"]
 
 KIND = "feature_head"
 WEIGHTS = "model.safetensors"

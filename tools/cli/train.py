@@ -103,12 +103,10 @@ def _train_feature_draft(args: argparse.Namespace) -> int:
 
     if args.stage and set(args.stage) - {"all", *STAGES}:
         raise SystemExit(f"train-draft --kind feature: stages are {', '.join(STAGES)}")
-    cfg = FeatureConfig(**({"epochs": args.epochs} if args.epochs else {}), extra_layers=args.extra_layers,
-                        aligned=args.aligned, train_fraction=args.train_fraction,
-                        head_vocab=args.head_vocab, structured=args.structured, init_from=args.init_from,
-                        **({"per_subject": args.per_subject} if args.per_subject else {}),
-                        **({"lr": args.lr} if args.lr else {}),
-                        **({"vocab_out": args.vocab_out} if args.vocab_out else {}))
+    given = {name: getattr(args, name) for name in ("epochs", "per_subject", "lr", "vocab_out")}  # None: the default
+    cfg = FeatureConfig(**{name: value for name, value in given.items() if value}, extra_layers=args.extra_layers,
+                        aligned=args.aligned, train_fraction=args.train_fraction, head_vocab=args.head_vocab,
+                        structured=args.structured, init_from=args.init_from)
     if args.threads:
         import torch
 

@@ -132,7 +132,7 @@ def _obj(props: dict, order: list[str] | None = None) -> dict:
 
 def _person(f: _Facts) -> tuple[str, str, dict]:
     name, age, city = f.person(), f.rng.randint(18, 90), f.pick("city")
-    job, email = f.pick("job"), None
+    job = f.pick("job")
     fields = {"name": STRING, "age": {"type": "integer", "minimum": 0, "maximum": 150}, "city": STRING}
     text = f.rng.choice((f"{name}, {age}, lives in {city}.", f"{name} is {age} years old and lives in {city}.",
                          f"Meet {name} from {city}, aged {age}.", f"{name} ({age}) moved to {city} last year."))
