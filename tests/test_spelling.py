@@ -47,3 +47,52 @@ def test_nothing_is_guessed_outside_a_value_the_prompt_holds(tok) -> None:
     assert _guesses(tok, prompt, '{"name":"Xavier') == ""  # not in the prompt
     assert _guesses(tok, prompt, '{"name":"Marie', room=0) == ""
     assert PromptSpelling(tok).guesses("k", tok.encode(prompt), len(tok.encode(prompt)), 4) == []  # no output yet
+
+
+def test_served_with_the_spelling_lookup_the_answer_equals_constrained_plain_decoding(tok, monkeypatch) -> None:
+    """Through the engine on the real pair (prompt lookup then the feature draft, γ 4, greedy), a JSON
+    answer whose values the answer spells in other tokens than the prompt (`"Ber` `lin`, `"Os` `lo`)
+    is token for token constrained plain decoding's, and the spelling lookup's guesses were kept."""
+    from draft_service.build import build_proposer
+    from specstream.data.config import DraftConfig, ModelSpec, TargetConfig
+    from specstream.data.engine import SequenceRequest, Speculation
+    from specstream.models.loader import load_model
+    from specstream.models.registry import DRAFTS, resolve_dtype
+    from specstream.serving.compute import on_torch_thread
+    from specstream.text.grammar import GrammarCompiler
+    from target_service.engine import Engine
+    from target_service.inprocess import run_requests
+    from target_service.local_draft import LocalDraft
+    from tools.bench.structured import WORKLOADS
+
+    kept: list[list[int]] = []
+    guesses = PromptSpelling.guesses
+
+    def counted(self, *args):
+        out = guesses(self, *args)
+        kept.append(out)
+        return out
+
+    monkeypatch.setattr(PromptSpelling, "guesses", counted)
+    target_dir, dtype = resolve_model("smollm2"), resolve_dtype("auto")
+    target = on_torch_thread(load_model, target_dir, dtype=dtype, weights="auto")
+    workload = next(w for w in WORKLOADS if w.name == "json-nested")
+    stop = frozenset(t for t in (tok.end_of_turn_id, *tok.eos_token_ids) if t is not None)
+    config = TargetConfig(model=ModelSpec(str(target_dir), dtype), max_slots=4, max_seq_len=1024, max_gamma=8)
+
+    def answers(speculation: Speculation, draft) -> list[list[int]]:
+        engine = Engine(target, config, draft, grammars=GrammarCompiler(tok))
+        requests = [SequenceRequest(str(i), tok.encode_chat(workload.messages(q)), 64, stop, stop, speculation,
+                                    constraint=workload.constraint) for i, q in enumerate(workload.questions)]
+        return [list(r.token_ids) for r in run_requests(engine, requests)]
+
+    plain = answers(Speculation("off"), None)
+    draft = on_torch_thread(build_proposer, DraftConfig(ModelSpec(str(DRAFTS / "smollm2-135m-feature"), dtype),
+                                                        max_slots=4, max_seq_len=1024, proposer="ngram+model",
+                                                        ngram_min=2))
+    assert answers(Speculation("fixed", 4), LocalDraft(draft)) == plain
+    assert all(workload.valid(tok.decode([t for t in a if t not in stop])) for a in plain)
+    spelled = [tok.decode(g) for g in kept if g]
+    # Berlin's and Oslo's rest as the prompt has them (then its full stop: the chat template's end
+    # of turn follows it there, not a space; the target refuses it)
+    assert any(text.startswith(("lin", "lo")) for text in spelled), spelled
