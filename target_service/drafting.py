@@ -434,8 +434,10 @@ class Drafting:
             return plan
         views = [RowView(s.seq_id, s.gamma, s.max_gamma, s.sampling.greedy, self._unfed(s, source.epoch),
                          s.matcher is not None, len(forced)) for s, forced in zip(rows, plan.forced)]
-        # After forced tokens the draft guesses on from them (ProposeItem.forced): they take room in the cap.
-        caps = [max(0, cap - len(forced)) for cap, forced in zip(self.caps(rows), plan.forced)]
+        # After forced tokens the draft guesses on from them (ProposeItem.forced): they take room in
+        # the cap. Where the grammar ends after them, the next token is the output's end: no guesses.
+        caps = [0 if s.matcher is not None and s.matcher.ends_after(forced) else max(0, cap - len(forced))
+                for s, cap, forced in zip(rows, self.caps(rows), plan.forced)]
         # A lookup with a model behind it (suffix+model) is no self-limiting proposer: the model
         # would be asked at the γ meant as the lookup's cap.
         self.controller.self_limiting = SELF_LIMITING if not source.lookup else frozenset()

@@ -302,11 +302,14 @@ def test_the_pipeline_writes_a_loadable_draft_and_its_card(feature_pair, tmp_pat
            "measure": {"all": {"alpha": 0.456, "tokens_per_pass": 1.79}, "code": {"alpha": 0.5, "tokens_per_pass": 2.0}},
            "served": {"feature (model)": {"alpha": 0.321, "mean_accepted_length": 1.5, "prompts": 9,
                                           "max_new_tokens": 96, "gamma": 4}},
-           "costs": {"context": 200, "draft_call_ms": {"1": 0.5, "4": 2.0}, "target_ms": 6.0, "c": 0.083}}
+           "costs": {"context": 200, "draft_call_ms": {"1": 0.5, "4": 2.0}, "target_ms": 6.0, "c": 0.083},
+           "served_structured": {"feature": {"alpha": 0.7, "mean_accepted_length": 3.61, "prompts": 126, "gamma": 4,
+                                             "by_domain": {"tool": {"prompts": 30, "mean_accepted_length": 4.8}}}}}
     write_card(out, log)
     card = (out / "README.md").read_text()
     for figure in ("0.312 / 0.401", "**0.456**, 1.79", "code 0.50", "this draft, alone | **0.321**, 1.50",
-                   "c = **0.083**", "of 1,234 in all"):
+                   "c = **0.083**", "of 1,234 in all", "(stage `structured`) | **3.61** tokens per target pass",
+                   "by family: tool 4.80"):
         assert figure in card, figure
     assert json.loads((out / "train_log.json").read_text())["costs"]["c"] == 0.083
 

@@ -305,3 +305,17 @@ def test_likely_tokens_are_the_forced_text_canonically_tokenized(compiler, token
     forced, likely = matcher.forced(), matcher.likely()
     assert forced and likely[:len(forced)] == forced and tokenizer.decode(likely) == ',"age":'
     assert matcher.valid_prefix(likely) == len(likely)
+
+
+def test_ends_after_says_where_only_the_end_can_follow(compiler, tokenizer) -> None:
+    """``Matcher.ends_after``: after the last value's closing, JSON allows only the output's end;
+    before it, more. The matcher is left where it was."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    matcher = compiler.compile(Constraint("json_schema", json.dumps(schema))).matcher()
+    assert matcher.consume(tokenizer.encode('{"a":1')) == len(tokenizer.encode('{"a":1'))
+    allowed = matcher.allowed()
+    assert matcher.ends_after(tokenizer.encode("}"))
+    assert not matcher.ends_after([]) and not matcher.ends_after(tokenizer.encode("2"))
+    assert not matcher.ends_after(tokenizer.encode("]"))  # refused: not an end
+    assert (matcher.allowed() == allowed).all()

@@ -49,3 +49,21 @@ def test_every_constraint_compiles_on_the_model_tokenizer_and_its_schema_is_json
             assert p["domain"] == "tool" and p["messages"][0]["role"] == "system"
         assert compiler.compile(constraint).matcher().mask().any()
 
+
+
+def test_the_structured_stage_serves_held_out_tasks_under_their_constraints(capsys) -> None:
+    """`train-draft --stage structured`'s measurement (tools.distill.feature.structured_acceptance)
+    on two held-out tasks through the real pair: the shipped feature draft behind prompt lookup at
+    γ = 4 proposes and is kept (forced tokens and copies), and the figures come per task family."""
+    from specstream.models.registry import DRAFTS, resolve_dtype, resolve_model
+    from tools.distill.feature import structured_acceptance
+
+    held = [p for p in structured_prompts(0, 60) if p["split"] == "held_out"]
+    tasks = [next(p for p in held if p["domain"] == "tool"), next(p for p in held if p["domain"] != "tool")]
+    out = structured_acceptance(resolve_model("smollm2"), {"feature": DRAFTS / "smollm2-135m-feature"}, tasks,
+                                max_new_tokens=48, dtype=resolve_dtype("auto"))["feature"]
+    assert out["prompts"] == 2 and out["gamma"] == 4 and out["accepted"] > 0
+    assert out["mean_accepted_length"] > 1.5  # a JSON answer's structure alone is more than one token a pass
+    assert set(out["by_domain"]) == {t["domain"] for t in tasks}
+    assert all(d["prompts"] == 1 and d["mean_accepted_length"] >= 1.0 for d in out["by_domain"].values())
+    assert "[structured] feature:" in capsys.readouterr().out

@@ -215,6 +215,17 @@ class Matcher:
         tokens = forced + (self.habits.rewrite(tail) if self.habits is not None else tail)
         return tokens[:self.valid_prefix(tokens)]
 
+    def ends_after(self, tokens: list[int]) -> bool:
+        """Whether the grammar allows nothing but the end of the output once it takes ``tokens``
+        (it accepts them; nothing is committed): the model's next token is its end."""
+        if not tokens:
+            return self._m.is_stopped()
+        if self._m.validate_tokens(tokens) < len(tokens) or not self._m.consume_tokens(tokens):
+            return False
+        stopped = self._m.is_stopped()
+        self.rollback(len(tokens))
+        return stopped
+
     def forced_text(self) -> list[int]:
         """The canonical tokens of the text that follows whatever the model says (what the model's
         tokens for it are lined up with: ``TokenHabits.learn``)."""

@@ -34,9 +34,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kind", choices=["token", "feature"], default="token",
                    help="token: the shipped 2-layer draft that reads tokens; feature: an EAGLE-style head over the "
                         "target's own features, on everyday chat (stages prompts, generate, features, train, offline, token, "
-                        "measure, card)")
+                        "measure, structured, card)")
     p.add_argument("--stage", action="append", default=None,
-                   choices=["all", "prompts", "generate", "features", "train", "offline", "token", "card", "measure"],
+                   choices=["all", "prompts", "generate", "features", "train", "offline", "token", "card", "measure",
+                            "structured"],
                    help="run only these stages (repeatable)")
     p.add_argument("--epochs", type=int, default=None, help="feature: training epochs (default 4)")
     p.add_argument("--extra-layers", type=_layers, default=(), metavar="A,B",

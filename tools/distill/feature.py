@@ -25,7 +25,13 @@ the work directory):
    on the held-out everyday prompts of the full set (``bench --prompt-set everyday``'s, whatever
    share of it this training answered), each draft as served (alone and behind prompt lookup): the feature
    draft, the shipped token draft and the token draft of stage 5; and the feature draft's cost c.
-7. ``card``: the model card ``<out>/README.md`` and ``<out>/train_log.json``.
+7. ``structured``: the held-out structured-output tasks (those of the first ``structured`` tasks, or
+   of 1,000: ``STRUCTURED_SET``) through the real engine under their constraints, each draft behind
+   prompt lookup as the pair serves it (``<out>``, and the draft it started from with
+   ``init_from``), at γ = 4, greedy: α and tokens per target pass, per task family. It needs no
+   other stage's files: ``--stage structured --out DRAFT`` measures any feature draft, and the same
+   command before and after a change to the lookup measures that change.
+8. ``card``: the model card ``<out>/README.md`` and ``<out>/train_log.json``.
 """
 
 from __future__ import annotations
@@ -58,7 +64,8 @@ from tools.distill.structured import structured_prompts
 
 __all__ = ["FeatureConfig", "STAGES", "main"]
 
-STAGES = ("prompts", "generate", "features", "train", "offline", "token", "measure", "card")
+STAGES = ("prompts", "generate", "features", "train", "offline", "token", "measure", "structured", "card")
+STRUCTURED_SET = 1000  # the structured stage's tasks, when the training answered none: the held-out of these
 TOKEN_DRAFT = "smollm2-135m-draft-everyday"  # stage token's output, in the work directory
 STEPS = 4  # drafting steps trained and measured (γ)
 
@@ -158,6 +165,12 @@ def main(target_dir: Path, work_dir: Path, cfg: FeatureConfig, stages: tuple[str
             drafts["token-everyday"] = work_dir / TOKEN_DRAFT
         log["served"] = served_acceptance(target_dir, drafts, held_out, every=cfg.served_every, dtype=cfg.dtype)
         record_acceptance(out_dir, log["served"].get("feature (model)", {}).get("alpha"))  # greedy only
+    if "structured" in stages:
+        held = [p for p in structured_prompts(cfg.seed, cfg.structured or STRUCTURED_SET) if p["split"] == "held_out"]
+        drafts = {"feature": out_dir}
+        if cfg.init_from and Path(cfg.init_from).resolve() != out_dir.resolve():
+            drafts["started from"] = Path(cfg.init_from)
+        log["served_structured"] = structured_acceptance(target_dir, drafts, held, dtype=cfg.dtype)
     if "card" in stages:
         # A further training keeps the everyday prompt file of the draft it started from (what
         # `bench --prompt-set everyday` sends); a first training writes its own.
@@ -410,6 +423,21 @@ def served_acceptance(target_dir: Path, drafts: dict[str, Path], held_out: list[
     return out
 
 
+def structured_acceptance(target_dir: Path, drafts: dict[str, Path], held_out: list[dict], max_new_tokens: int = 96,
+                          dtype: str = "bfloat16") -> dict:
+    """Each draft behind prompt lookup (n-grams of 4 down to 2 tokens, as `specstream serve` runs
+    the pair) on ``held_out`` structured tasks under their constraints, through the real engine at
+    γ = 4, greedy."""
+    out = {}
+    for name, draft in drafts.items():
+        out[name] = measure_acceptance(target_dir, draft, held_out, temperature=0.0, gamma=STEPS,
+                                       max_new_tokens=max_new_tokens, proposer="ngram+model", ngram_min=2, dtype=dtype)
+        by_domain = ", ".join(f"{d} {r['mean_accepted_length']:.2f}" for d, r in out[name]["by_domain"].items())
+        print(f"[structured] {name}: {out[name]['mean_accepted_length']:.2f} tokens per pass over "
+              f"{len(held_out)} held-out tasks (α {out[name]['alpha']:.3f}; {by_domain})", flush=True)
+    return out
+
+
 def read_head(head_path: Path, records: list[Record], head_vocab: int = 0) -> FeatureHead:
     """The trained head (``head.safetensors``); with ``head_vocab`` scoring only that many of its
     tokens, those the target answers with most often in the training answers (the same weights: a
@@ -519,6 +547,12 @@ def write_card(out_dir: Path, log: dict, prompts: Path | None = None) -> None:
         lines.append(f"| greedy α as served, {names.get(draft, draft)}, {how} | **{r['alpha']:.3f}**, "
                      f"{r['mean_accepted_length']:.2f} tokens per target pass ({r['prompts']} held-out prompts x "
                      f"{r['max_new_tokens']} tokens, γ={r['gamma']}, through the engine) |")
+    for name, r in log.get("served_structured", {}).items():
+        families = ", ".join(f"{d} {v['mean_accepted_length']:.2f}" for d, v in r["by_domain"].items())
+        whose = "this draft" if name == "feature" else "the draft it started from"
+        lines.append(f"| held-out structured tasks, {whose} behind prompt lookup, under their constraints (stage "
+                     f"`structured`) | **{r['mean_accepted_length']:.2f}** tokens per target pass, α {r['alpha']:.3f} "
+                     f"({r['prompts']} tasks, γ={r['gamma']}); by family: {families} |")
     token = log.get("token_train")
     if token:
         lines.append(f"| the token draft of stage `token` | {token['train_steps']} steps, {token['train_minutes']:.0f} min; "
