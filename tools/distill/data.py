@@ -27,13 +27,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specstream.data.config import ModelSpec, TargetConfig
-from specstream.data.constraint import Constraint
 from specstream.data.engine import SequenceRequest, Speculation
 from specstream.data.sampling import GREEDY, SamplingParams
 from specstream.models.loader import load_model
 from specstream.serving.compute import on_torch_thread
 from specstream.text.grammar import GrammarCompiler
 from specstream.text.tokenizer import TextTokenizer
+from tools.distill.structured import constraint_of
 from tools.progress import Progress
 from target_service.engine import Engine
 from target_service.inprocess import run_requests
@@ -74,9 +74,8 @@ def generate_responses(target_dir: Path, prompts: list[dict], *, dtype: str, max
             continue
         sampled = zlib.crc32(f"mode:{p['id']}".encode()) % 2 == 1
         sampling = SamplingParams(temperature=1.0, top_p=1.0, seed=p["id"]) if sampled else GREEDY
-        constraint = Constraint(**p["constraint"]) if p.get("constraint") else None
         requests.append(SequenceRequest(str(p["id"]), ids, max_new_tokens, frozenset(stop), frozenset(stop),
-                                        Speculation("off"), sampling, logprobs=TOP_K, constraint=constraint))
+                                        Speculation("off"), sampling, logprobs=TOP_K, constraint=constraint_of(p)))
         meta.append((p, ids, sampled))
     done_count = [0, 0]
     with Progress(len(requests), "prompts", "train-draft: generate", quiet=quiet) as progress:

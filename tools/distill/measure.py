@@ -5,8 +5,8 @@ the proposer the draft service would build (the draft model alone, or behind pro
 weights as served) at a fixed γ and reports the per-token acceptance estimate α =
 accepted / (accepted + rejections) (Leviathan et al.'s i.i.d. α) and the mean tokens per target
 pass, also per domain; a prompt with a ``constraint`` (tools.distill.structured) is answered under
-it, its grammar's forced tokens proposed as served. ``measure_costs`` times one forward of each model on this machine with the benchmarks' own
-measurement: the draft proposing one token (one thread, as the draft service runs), the target
+it, its grammar's forced tokens proposed as served. ``measure_costs`` times one forward of each
+model on this machine with the benchmarks' own measurement: the draft proposing one token (one thread, as the draft service runs), the target
 scoring one token and verifying γ+1 = 5 tokens, all at batch 1 after a 200-token context.
 ``record_acceptance`` writes the measured α into the draft's card (config.json
 "specstream"."acceptance"), where the target's γ controller starts from it.
@@ -21,13 +21,13 @@ from pathlib import Path
 
 from draft_service.build import build_proposer
 from specstream.data.config import DraftConfig, ModelSpec, TargetConfig
-from specstream.data.constraint import Constraint
 from specstream.data.engine import SequenceRequest, Speculation
 from specstream.data.sampling import SamplingParams
 from specstream.models.loader import load_model
 from specstream.serving.compute import on_torch_thread
 from specstream.text.grammar import GrammarCompiler
 from specstream.text.tokenizer import TextTokenizer
+from tools.distill.structured import constraint_of
 from tools.progress import Progress
 from target_service.engine import Engine
 from target_service.inprocess import run_requests
@@ -55,18 +55,20 @@ def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: list[dict], *
     requests = [SequenceRequest(str(p["id"]), tok.encode_chat(p["messages"]), max_new_tokens, frozenset(stop),
                                 frozenset(stop), Speculation("fixed", gamma),
                                 SamplingParams.from_settings(temperature, top_p=top_p, seed=p["id"]),
-                                constraint=Constraint(**p["constraint"]) if p.get("constraint") else None)
+                                constraint=constraint_of(p))
                 for p in prompts]
     results = run_requests(engine, requests,
                            on_finished=None if progress is None else lambda finished: progress.update())
     named = (draft.name if proposer == "model"
              else f"{proposer}, n-grams of {DraftConfig.ngram_max} down to {ngram_min} tokens")
-    domains = sorted({p.get("domain", "") for p in prompts} - {""})
-    by_domain = {d: _counts([r for r, p in zip(results, prompts) if p.get("domain") == d]) for d in domains}
+    by_domain: dict[str, list] = {}
+    for result, p in zip(results, prompts):
+        if p.get("domain"):
+            by_domain.setdefault(p["domain"], []).append(result)
     return {"proposer": named, **_counts(results), "prompts": len(prompts), "max_new_tokens": max_new_tokens,
             "gamma": gamma, "temperature": temperature, "top_p": top_p,
-            "by_domain": {d: {"prompts": c["requests"], "mean_accepted_length": c["mean_accepted_length"]}
-                          for d, c in by_domain.items()}}
+            "by_domain": {d: {"prompts": len(rs), "mean_accepted_length": _counts(rs)["mean_accepted_length"]}
+                          for d, rs in sorted(by_domain.items())}}
 
 
 def _counts(results: list) -> dict:
@@ -78,7 +80,7 @@ def _counts(results: list) -> dict:
     passes = sum(s.target_passes - 1 for s in stats)  # without the prefill pass
     return {"alpha": accepted / max(accepted + rejections, 1), "accepted": accepted,
             "proposed": sum(s.draft_tokens for s in stats), "rejections": rejections,
-            "mean_accepted_length": (tokens - len(results)) / max(passes, 1), "requests": len(results)}
+            "mean_accepted_length": (tokens - len(results)) / max(passes, 1)}
 
 
 def measure_costs(target_dir: Path, draft_dir: Path, dtype: str = "bfloat16", context: int = 200) -> dict:

@@ -23,9 +23,10 @@ import json
 import random
 import zlib
 
+from specstream.data.constraint import Constraint
 from specstream.text.tools import Tool, tool_constraint, tools_system_text
 
-__all__ = ["BENCH_VALUES", "FAMILIES", "HELD_OUT_EVERY", "structured_prompts"]
+__all__ = ["BENCH_VALUES", "FAMILIES", "HELD_OUT_EVERY", "constraint_of", "structured_prompts"]
 
 HELD_OUT_EVERY = 6  # within a pool, every 6th value in crc32 order is held out
 HELD_OUT_SHARE = 8  # one prompt in 8 is held out (it draws only held-out values)
@@ -84,6 +85,11 @@ CATEGORIES = {"billing": ("I was charged twice for my subscription", "my invoice
 TONES = {"positive": ("Thanks a lot, you are always helpful.", "I love your service otherwise!"),
          "neutral": ("Please let me know.", "I am writing to report it."),
          "negative": ("This is really frustrating!", "I am very disappointed and angry.")}
+
+
+def constraint_of(prompt: dict) -> Constraint | None:
+    """A prompt's constraint (its ``{"kind", "source"}``), None for free text."""
+    return Constraint(**prompt["constraint"]) if prompt.get("constraint") else None
 
 
 def _hash(text: str, seed: int = 0) -> int:
