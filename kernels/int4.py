@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from kernels import native
 
 __all__ = ["GROUP", "Q4_FILE", "Q4Weight", "native_layout", "pack_codes", "q4_dense", "q4_linear", "q4_linear_reference",
-           "q4_int8_native", "q4_native", "rtn_parts", "unpack_codes"]
+           "q4_native", "q4_rounded_native", "rtn_parts", "unpack_codes"]
 
 # A converted GGUF checkpoint keeps its 4-bit matrices here, beside model.safetensors (gguf.py writes it).
 Q4_FILE = "weights.q4.safetensors"
@@ -67,12 +67,13 @@ def q4_native(dtype: torch.dtype) -> bool:
     return library.has_avx512_bf16() if dtype == torch.bfloat16 else library.has_avx2_fma()
 
 
-def q4_int8_native(dtype: torch.dtype) -> bool:
-    """Whether the native kernel can round activations of ``dtype`` to 8 bits per block of 32 and
-    multiply them in integers: where ``q4_native`` serves ``dtype`` (bfloat16 also needs AVX-512 VNNI)."""
-    if not q4_native(dtype):
+def q4_rounded_native(dtype: torch.dtype, bits: int) -> bool:
+    """Whether the native kernel can round activations of ``dtype`` to ``bits`` (8 or 16) bits per
+    block of 32 and multiply them in integers: where ``q4_native`` serves ``dtype``; float32 to 8 or
+    16 bits (AVX2), bfloat16 to 8 (AVX-512 VNNI; it has no more than 8 to keep)."""
+    if not q4_native(dtype) or bits not in (8, 16):
         return False
-    return dtype == torch.float32 or native.library().has_avx512_vnni()
+    return dtype == torch.float32 or (bits == 8 and native.library().has_avx512_vnni())
 
 
 def native_layout(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
@@ -179,20 +180,20 @@ def rtn_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return codes.reshape(N, K), scale, lo
 
 
-def q4_linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None = None, int8: bool = False
+def q4_linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None = None, bits: int = 0
               ) -> torch.Tensor:
-    """x [..., K] (weight.dtype) -> [..., N]: x @ weightᵀ (+ bias), reading 4-bit weights. ``int8``:
-    the rows rounded to 8 bits per block of 32 and multiplied in integers (``q4_int8_native``: the
-    native kernel only)."""
+    """x [..., K] (weight.dtype) -> [..., N]: x @ weightᵀ (+ bias), reading 4-bit weights. ``bits``
+    8 or 16: the rows rounded to that many bits per block of 32 and multiplied in integers
+    (``q4_rounded_native``: the native kernel only); 0: the rows as they are."""
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
     if weight.native:
         library = native.library()
         if library is None:  # turned off since the weight was made (SPECSTREAM_NATIVE=0): the reference serves
             return q4_linear_reference(x, *weight.parts(), bias)
-        out = library.q4_matmul(rows, weight.packed, weight.d, weight.m, int8)  # [M, N]
+        out = library.q4_matmul(rows, weight.packed, weight.d, weight.m, bits)  # [M, N]
     else:
-        if int8:
-            raise ValueError("q4_linear: 8-bit activations run on the native kernel only")
+        if bits:
+            raise ValueError(f"q4_linear: {bits}-bit activations run on the native kernel only")
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight.packed, GROUP, weight.scale_zero)  # [M, N]
     if bias is not None:
         out = out + bias

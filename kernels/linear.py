@@ -20,7 +20,7 @@ __all__ = ["linear"]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Q4Weight | Q8Weight, bias: torch.Tensor | None = None,
-           int8: bool = False) -> torch.Tensor:
+           bits: int = 0) -> torch.Tensor:
     """F.linear whose every row is the same however many rows the call has (half precision on CPU).
 
     A ``Q4Weight`` (4-bit blocks, ``int4.py``) and a ``Q8Weight`` (8-bit blocks, ``int8.py``: float32
@@ -38,9 +38,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Q4Weight | Q8Weight, bias: to
     the rows split, so MKL runs in its strict reproducible mode there and everywhere (``MKL_CBWR``
     below), whose rows matched across 1..128 rows and 1 or 2 threads. Likewise oneDNN's AMX kernels
     for bfloat16 rows, so oneDNN stops at AVX-512 BF16 (``ONEDNN_MAX_CPU_ISA`` below).
-    x [..., K] -> [..., N]. ``int8``: a 4-bit weight's rows rounded to 8 bits first (``q4_linear``)."""
+    x [..., K] -> [..., N]. ``bits``: a 4-bit weight's rows rounded to 8 or 16 bits first (``q4_linear``)."""
     if isinstance(weight, Q4Weight):
-        return q4_linear(x, weight, bias, int8)
+        return q4_linear(x, weight, bias, bits)
     if isinstance(weight, Q8Weight):
         out = q8_linear(x, weight)  # [..., N] float32
         return out if bias is None else out + bias

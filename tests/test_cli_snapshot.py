@@ -4,7 +4,7 @@ changed no flag (name, destination, default, choices, nargs, action, type, help,
 The additions since: `--quiet` on the long-running commands, and `bench step` (the snapshot
 records the bench kinds with it); `--draft-timeout` 10 -> 2.5 s (below the gateway's hang floor). `bench --compiled`; `train-draft --kind`
 (token or feature), `--epochs`, `--extra-layers`, `--aligned`, `--train-fraction`, `--head-vocab` and the feature draft's stages (`offline` among them) (then `token` and `--out` for it too); `bench --compare-draft` and `--prompt-set`; the `smollm2` pair's description (its feature draft); `fuzz --draft-side` and `--corrupt`; `bench overlap`; `--tree-branches` (target, serve; its help since sampled rows branch too); `bench --no-trees` (and its help since it covers `bench sampling`); `--draft-early` (target, serve), `--work-ahead` (draft, serve), `--compute-thread` (draft) and `bench overlap`'s help (its served part); `--prompt-set nonsense` and `--repeats` for `bench sampling`; `--work-ahead-outcomes` (draft, serve, target) and `--work-ahead` (target: its in-process draft; serve's help since it covers a colocated draft); `bench --auto-stack`; the `--work-ahead` help on draft, serve and target since sampling rows work ahead too; `bench --temperatures`'s help (overlap's served part); `--fixed-threads` (target, serve); `train-draft --structured`, `--per-subject`, `--init-from`, `--lr`
-and `--vocab-out` (a further training on structured-output tasks); `train-draft --stage structured`. And each
+and `--vocab-out` (a further training on structured-output tasks); `train-draft --stage structured`; `--weights int4-a16` (and auto's help). And each
 subcommand still runs its own cmd_* function.
 """
 

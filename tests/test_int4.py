@@ -18,10 +18,10 @@ from kernels.int4 import (
     native_layout,
     pack_codes,
     q4_dense,
-    q4_int8_native,
     q4_linear,
     q4_linear_reference,
     q4_native,
+    q4_rounded_native,
     rtn_parts,
     unpack_codes,
 )
@@ -223,32 +223,36 @@ def test_an_untied_output_layer_runs_in_4_bits_when_it_fits(tmp_path) -> None:
 
 def test_auto_picks_int4_for_bfloat16_on_cpu_and_for_float32_where_the_native_kernel_takes_it(q4_checkpoint) -> None:
     out, _ = q4_checkpoint
-    assert load_model(out, "bfloat16", weights="auto").weights.startswith("int4")
+    bfloat16 = load_model(out, "bfloat16", weights="auto")
+    assert bfloat16.weights.startswith("int4 (14 matrices)") and bfloat16.activation_bits == 0
     float32 = load_model(out, "float32", weights="auto")
-    if q4_native(torch.float32):  # AVX2: the native kernel, exact float32 inputs (int4-a8 only when asked)
-        assert float32.weights.startswith("int4 (14 matrices)") and float32.layers[0].qkv_w.native
-        assert not float32.int8_activations
+    if q4_native(torch.float32):  # AVX2: the native kernel, inputs to 16 bits (int4-a8 only when asked)
+        assert float32.weights.startswith("int4-a16 (14 matrices)") and float32.layers[0].qkv_w.native
+        assert float32.activation_bits == 16
     else:  # ATen's kernel, slower than dense in float32
         assert float32.weights == "dense"
 
 
-def test_int4_a8_rounds_the_layers_inputs_to_8_bits_and_stays_batch_invariant(q4_checkpoint, monkeypatch) -> None:
-    """weights int4-a8: the 4-bit matrices with 8-bit inputs (q4_tile_i8_f32 on AVX2); its logits
-    are near the exact-input ones but not the same, and a verify window equals single steps bit for bit."""
+@pytest.mark.parametrize("weights, bits, within", [("int4-a8", 8, 0.05), ("int4-a16", 16, 0.001)])
+def test_rounded_inputs_stay_near_the_exact_ones_and_batch_invariant(q4_checkpoint, monkeypatch, weights, bits,
+                                                                     within) -> None:
+    """weights int4-a8 and int4-a16: the 4-bit matrices with inputs rounded to 8 or 16 bits per
+    block (q4_tile_i8_f32, q4_tile_i16_f32 on AVX2); the logits are near the exact-input ones (16
+    bits: 50x nearer than 8 allow) but not the same, and a verify window equals single steps bit for bit."""
     out, tok = q4_checkpoint
-    if not q4_int8_native(torch.float32):
-        pytest.skip("no native 8-bit activation path for float32 on this CPU (it needs AVX2)")
-    model = load_model(out, "float32", weights="int4-a8")
-    assert model.weights.startswith("int4-a8 (14 matrices)") and model.int8_activations
+    if not q4_rounded_native(torch.float32, bits):
+        pytest.skip(f"no native {bits}-bit activation path for float32 on this CPU (it needs AVX2)")
+    model = load_model(out, "float32", weights=weights)
+    assert model.weights.startswith(f"{weights} (14 matrices)") and model.activation_bits == bits
     exact = load_model(out, "float32", weights="int4")
-    assert model.weights.removeprefix("int4-a8") == exact.weights.removeprefix("int4")  # the same output layer
+    assert model.weights.removeprefix(weights) == exact.weights.removeprefix("int4")  # the same output layer
     ids = tok.encode("The quick brown fox jumps over the lazy dog").ids
     rounded, plain = _logits(model, ids), _logits(exact, ids)
     assert not torch.equal(rounded, plain)
-    assert (rounded - plain).abs().max().item() < 0.05 * plain.abs().max().item()
-    assert_verify_equals_steps(model, "int4-a8 llama")
+    assert (rounded - plain).abs().max().item() < within * plain.abs().max().item()
+    assert_verify_equals_steps(model, f"{weights} llama")
     # the layers op by op round the same inputs: the same bits as the one native call
-    assert all(layer.int8_activations for layer in model.layers)
+    assert all(layer.activation_bits == bits for layer in model.layers)
     monkeypatch.setattr(llama, "FUSED_LAYERS", False)
     assert torch.equal(_logits(model, ids), rounded)
 
@@ -288,9 +292,12 @@ def test_int4_is_refused_where_it_cannot_run(tmp_path, q4_checkpoint) -> None:
     assert load_model(plain, "bfloat16", weights="auto").weights == "dense"
     with pytest.raises(ModelLoadError, match=r"weights='int4' runs on the CPU only, got device 'cuda:0'"):
         load_model(out, "bfloat16", device="cuda:0", weights="int4")
-    if not q4_int8_native(torch.float16):
+    if not q4_rounded_native(torch.float16, 8):
         with pytest.raises(ModelLoadError, match=r"weights='int4-a8' needs the native library and a CPU with AVX2"):
             load_model(out, "float16", weights="int4-a8")
+    with pytest.raises(ModelLoadError, match=r"weights='int4-a16' needs the native library, a CPU with AVX2 and "
+                                             r"dtype float32; got dtype 'bfloat16'"):
+        load_model(out, "bfloat16", weights="int4-a16")
     with pytest.raises(ValueError, match=r"weights 'int8' is not one of"):
         load_model(out, "bfloat16", weights="int8")
     with pytest.raises(ValueError, match=r"weights='int8': must be one of"):

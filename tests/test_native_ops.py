@@ -110,21 +110,23 @@ def test_native_attention_matches_the_torch_path(tmp_path, dtype, window) -> Non
     assert (native_out - torch_out).abs().max().item() < tol * max(1.0, torch_out.abs().max().item())
 
 
-@pytest.mark.parametrize("dtype, weights, int8", [("float32", "dense", False), ("float32", "int4-rtn", False),
-                                                  ("float32", "int4-rtn", True), ("bfloat16", "dense", False),
-                                                  ("bfloat16", "int4-rtn", False), ("bfloat16", "int4-rtn", True)])
+@pytest.mark.parametrize("dtype, weights, bits", [("float32", "dense", 0), ("float32", "int4-rtn", 0),
+                                                  ("float32", "int4-rtn", 8), ("float32", "int4-rtn", 16),
+                                                  ("bfloat16", "dense", 0), ("bfloat16", "int4-rtn", 0),
+                                                  ("bfloat16", "int4-rtn", 8)])
 def test_a_rows_logits_are_the_same_bits_alone_in_a_verify_window_and_in_a_batch(tmp_path, monkeypatch, dtype,
-                                                                                   weights, int8) -> None:
+                                                                                   weights, bits) -> None:
     """The model with the ops it serves with (the native attention; float32 dense and 4-bit; bfloat16
-    dense with the 8-bit output layer; bfloat16 4-bit; and the 4-bit layers with 8-bit activations): a position computed in a decode step, inside a verify window of 2..16
-    positions, and beside 1..32 other sequences gives the same logits, bit for bit."""
-    from kernels.int4 import q4_int8_native
+    dense with the 8-bit output layer; bfloat16 4-bit; and the 4-bit layers with 8-bit and 16-bit
+    activations): a position computed in a decode step, inside a verify window of 2..16 positions, and
+    beside 1..32 other sequences gives the same logits, bit for bit."""
+    from kernels.int4 import q4_rounded_native
 
-    if int8 and not q4_int8_native(getattr(torch, dtype)):
-        pytest.skip(f"no native 8-bit activation path for {dtype} on this CPU")
+    if bits and not q4_rounded_native(getattr(torch, dtype), bits):
+        pytest.skip(f"no native {bits}-bit activation path for {dtype} on this CPU")
     model = _tiny_model(tmp_path, dtype, weights)
     assert model.weights.startswith(weights)
-    model.int8_activations = int8
+    model.activation_bits = bits
     if dtype == "bfloat16" and weights == "dense":
         head = model.output_head.weight
         dense, _, _ = _q8_matrix(*head.shape, seed=11)
@@ -156,34 +158,37 @@ def test_a_rows_logits_are_the_same_bits_alone_in_a_verify_window_and_in_a_batch
             assert torch.equal(together[i], single[i]), (batch, i)
 
 
-def _int8_activations_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                                minimum: torch.Tensor) -> torch.Tensor:
-    """q4_matmul with 8-bit activations from its definition: each row's block of 32 rounded to
-    dx * nearest(x / dx), dx = max|x| / 127 and the quotient in float32 (a quotient's last bit
-    decides a near-tie), times the dequantized weight d q + m, the products summed in float64."""
+def _rounded_activations_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                                   minimum: torch.Tensor, bits: int) -> torch.Tensor:
+    """q4_matmul with 8-bit or 16-bit activations from its definition: each row's block of 32
+    rounded to dx * nearest(x / dx), dx = max|x| / (2^(bits-1) - 1) and the quotient in float32 (a
+    quotient's last bit decides a near-tie), times the dequantized weight d q + m, the products
+    summed in float64."""
     M, K = x.shape
     blocks = x.float().reshape(M, K // 32, 32)  # [M, K/32, 32]
-    dx = blocks.abs().amax(-1, keepdim=True) / 127  # [M, K/32, 1] float32
+    dx = blocks.abs().amax(-1, keepdim=True) / float(2 ** (bits - 1) - 1)  # [M, K/32, 1] float32
     codes_x = torch.round(blocks / torch.where(dx > 0, dx, 1))  # x / dx in float32, as the kernel divides
     rounded = (codes_x.double() * dx.double()).reshape(M, K)  # [M, K]
     weight = codes.double() * scale.double().repeat_interleave(32, 1) + minimum.double().repeat_interleave(32, 1)
     return rounded @ weight.T  # [M, N]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype, bits", [(torch.bfloat16, 8), (torch.float32, 8), (torch.float32, 16)])
 @pytest.mark.parametrize("shape", [(16, 32), (48, 96), (96, 576), (576, 1536)])
-def test_q4_matmul_with_8_bit_activations_matches_its_reference_for_1_to_16_rows(shape, dtype) -> None:
-    """The integer dot-product kernels (``q4_tile_i8``: bfloat16 inputs, AVX-512 VNNI;
-    ``q4_tile_i8_f32``: float32 inputs, AVX2) against their definition, 1..16 rows (every row-block
-    size of the kernel, tails included), a zero block among them; and a row's output is the same
-    bits alone as beside the others."""
+def test_q4_matmul_with_rounded_activations_matches_its_reference_for_1_to_16_rows(shape, dtype, bits) -> None:
+    """The integer dot-product kernels (``q4_tile_i8``: bfloat16 inputs to 8 bits, AVX-512 VNNI;
+    ``q4_tile_i8_f32`` and ``q4_tile_i16_f32``: float32 inputs to 8 and 16 bits, AVX2; passes of 4
+    rows of 16 bits take the float32 kernel over the codes) against their definition, 1..16 rows
+    (every row-block size of the kernels, tails included), a zero block among them; and a row's
+    output is the same bits alone as beside the others."""
     from kernels.int4 import q4_dense, rtn_parts
 
     library = native.library()
     if dtype == torch.bfloat16 and not library.has_avx512_vnni():
         pytest.skip("this CPU has no AVX-512 VNNI: the bfloat16 8-bit activation kernel cannot run here")
     if dtype == torch.float32 and not library.has_avx2_fma():
-        pytest.skip("this CPU (or SPECSTREAM_CPU_ISA) has no AVX2: the float32 8-bit activation kernel cannot run here")
+        pytest.skip(f"this CPU (or SPECSTREAM_CPU_ISA) has no AVX2: the float32 {bits}-bit activation kernel cannot "
+                    "run here")
     N, K = shape
     gen = torch.Generator().manual_seed(15)
     codes, scale, minimum = rtn_parts(torch.randn(N, K, generator=gen))
@@ -192,14 +197,14 @@ def test_q4_matmul_with_8_bit_activations_matches_its_reference_for_1_to_16_rows
         x = (torch.randn(M, K, generator=gen) * torch.rand(M, K, generator=gen) * 4).to(dtype)
         if M > 1:
             x[-1, :32] = 0  # a block of zeros: scale 0, codes 0
-        got = library.q4_matmul(x, weight.packed, weight.d, weight.m, True)  # [M, N] of dtype
-        want = _int8_activations_reference(x, codes, scale, minimum)
+        got = library.q4_matmul(x, weight.packed, weight.d, weight.m, bits)  # [M, N] of dtype
+        want = _rounded_activations_reference(x, codes, scale, minimum, bits)
         # the output rounded to bfloat16 (half a step: 2^-9 relative; float32: none) and float32 sums
         # (relative to the sum of the magnitudes added, where terms cancel)
         rounding = 2 ** -8 if dtype == torch.bfloat16 else 2 ** -20
         magnitudes = x.double().abs() @ q4_dense(codes, scale, minimum, dtype).double().abs().T  # [M, N]
         assert ((got.double() - want).abs() <= rounding * want.abs() + 1e-5 * magnitudes).all(), M
-        alone = torch.cat([library.q4_matmul(x[i:i + 1], weight.packed, weight.d, weight.m, True) for i in range(M)])
+        alone = torch.cat([library.q4_matmul(x[i:i + 1], weight.packed, weight.d, weight.m, bits) for i in range(M)])
         assert torch.equal(alone, got)
         # and it is not the bfloat16 kernel: the rounding of the inputs shows
         assert not torch.equal(got, library.q4_matmul(x, weight.packed, weight.d, weight.m))

@@ -10,7 +10,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("q4_matmul", &q4_matmul,
              "x [M, K] bfloat16 (float32) @ Q4_1 codes in the native layout -> [M, N] bfloat16 (float32)",
              pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("d"), pybind11::arg("m"),
-             pybind11::arg("int8") = false);
+             pybind11::arg("bits") = 0);
   module.def("q8_matmul", &q8_matmul, "x [M, K] @ Q8_0 codes [N, K] (d [N, K/32]) -> [M, N] float32");
   module.def("greedy_verify", &greedy_verify, "argmax of every row of CPU float32 logits and the accepted prefix");
   module.def("race_candidates", &race_candidates,
@@ -20,7 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "RMS norm of bfloat16 or float32 rows, normalised in float32 (each row on its own)");
   pybind11::class_<LayerStack>(module, "LayerStack", "Llama decoder layers in one parallel region per forward")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, double, int64_t, int64_t, int64_t, double,
-                          std::vector<int64_t>, bool>())
+                          std::vector<int64_t>, int64_t>())
       .def("forward", &LayerStack::forward);
   module.def("attention", &attention, "RoPE, the cache write and attention over each row's own keys, for one layer");
   module.def("set_attention_groups", &set_attention_groups,

@@ -83,9 +83,10 @@ inline bool has_avx2_fma() {
 at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d);
 
 // q4_matmul.cpp: x [M, K] bfloat16 (float32) @ Q4_1 codes in the native layout -> [M, N] bfloat16 (float32);
-// `int8`: the inputs rounded to 8 bits per block of 32 (AVX-512 VNNI for bfloat16, AVX2 for float32).
+// `bits` 8: the inputs rounded to 8 bits per block of 32 (AVX-512 VNNI for bfloat16, AVX2 for float32);
+// 16: to 16 bits per block of 32 (float32 on AVX2); 0: the inputs as they are.
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
-                     bool int8);
+                     int64_t bits);
 
 // attention.cpp: RoPE, the cache write and attention over each row's own keys, for one layer.
 at::Tensor attention(const at::Tensor& qkv, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& cos_table,
@@ -105,7 +106,7 @@ class LayerStackOf;
 class LayerStack {
  public:
   LayerStack(std::vector<std::vector<at::Tensor>> layers, double eps, int64_t num_heads, int64_t num_kv_heads,
-             int64_t head_dim, double scale, std::vector<int64_t> windows, bool int8);
+             int64_t head_dim, double scale, std::vector<int64_t> windows, int64_t bits);
   ~LayerStack();  // where LayerStackOf is complete (layer_stack.cpp)
 
   at::Tensor forward(const at::Tensor& x, const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v,
@@ -130,10 +131,12 @@ std::vector<at::Tensor> race_candidates(const at::Tensor& probs, const at::Tenso
 // The 4-bit matmul's calls in pieces (q4_matmul.cpp), for `q4_matmul` and `LayerStack`: the checked
 // operands, the rows' preparation (serial), then the output tiles (a thread's share each).
 
-// A call's per-row scratch: each row's sum per block, and for 8-bit activations its codes and scales.
+// A call's per-row scratch: each row's sum per block, and for rounded activations its codes and scales.
 struct Q4Scratch {
   std::vector<float> xsum, xd;  // [M, K/32]
-  std::vector<int8_t> xq;       // [M, K], each group of 4 in the order k0, k0 + 2, k0 + 1, k0 + 3
+  std::vector<int8_t> xq;       // [M, K] 8-bit codes, each group of 4 in the order k0, k0 + 2, k0 + 1, k0 + 3
+  std::vector<int16_t> xq16;    // [M, K] 16-bit codes, in order
+  std::vector<float> xqf;       // [M, K] the same codes as floats
 };
 
 // One call's operands: x [M, K] bfloat16 rows, the scratch, the weight in the native layout.
@@ -150,17 +153,20 @@ struct Q4Call {
   uint16_t* out;  // [M, N] bfloat16
 };
 
-Q4Call q4_call(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, bool int8,
+// `bits`: 0 or 8 (bfloat16 inputs have no more than 8 bits to round to 16).
+Q4Call q4_call(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t bits,
                Q4Scratch& scratch, at::Tensor& out);
 
 // One float32 call's operands (`q4_matmul` and `LayerStack`): x [M, K] rows, each row's block sums
-// (and for 8-bit activations its codes and scales), the weight in the native layout, out [M, N].
+// (and for rounded activations their codes and scales), the weight in the native layout, out [M, N].
 struct Q4CallF32 {
   const float* x;
-  float* xsum;  // [M, K/32]
-  float* xd;    // [M, K/32] (int8 only)
-  int8_t* xq;   // [M, K] (int8 only)
-  bool int8;
+  float* xsum;    // [M, K/32]
+  float* xd;      // [M, K/32] (rounded activations only)
+  int8_t* xq;     // [M, K] (bits 8 only)
+  int16_t* xq16;  // [M, K] (bits 16 only)
+  float* xqf;     // [M, K] xq16 as floats (bits 16 only)
+  int bits;       // 0: the inputs as they are; 8 or 16: rounded to that many bits per block of 32
   const uint8_t* codes;
   const uint16_t* d;
   const uint16_t* m;
@@ -169,7 +175,7 @@ struct Q4CallF32 {
 };
 
 Q4CallF32 q4_call_f32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
-                      bool int8, Q4Scratch& scratch, at::Tensor& out);
+                      int64_t bits, Q4Scratch& scratch, at::Tensor& out);
 
 // Before any tile: each row's sum over each block of 32 inputs (the minimum's term), and for 8-bit
 // activations each block's scale and codes (q4_matmul.cpp says how).

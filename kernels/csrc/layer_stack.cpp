@@ -134,9 +134,9 @@ struct Act<uint16_t> {  // bfloat16: rounded after every step, as torch rounds
   static float load(uint16_t v) { return bf16_to_float(v); }
   static uint16_t store(float f) { return to_bf16(f); }
   static uint16_t* data(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
-  static Call call(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, bool int8,
+  static Call call(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t bits,
                    Scratch& scratch, at::Tensor& out) {
-    return q4_call(x, codes, d, m, int8, scratch, out);
+    return q4_call(x, codes, d, m, bits, scratch, out);
   }
   static void rms(const uint16_t* x, const uint16_t* w, int64_t H, double eps, uint16_t* out) {
     rms_row(x, w, H, eps, out);
@@ -152,9 +152,9 @@ struct Act<float> {  // float32
   static float load(float v) { return v; }
   static float store(float f) { return f; }
   static float* data(const at::Tensor& t) { return t.data_ptr<float>(); }
-  static Call call(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, bool int8,
+  static Call call(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t bits,
                    Scratch& scratch, at::Tensor& out) {
-    return q4_call_f32(x, codes, d, m, int8, scratch, out);
+    return q4_call_f32(x, codes, d, m, bits, scratch, out);
   }
   static void rms(const float* x, const float* w, int64_t H, double eps, float* out) { rms_row_f32(x, w, H, eps, out); }
 };
@@ -188,9 +188,9 @@ class LayerStackOf {
   using A = Act<E>;
  public:
   LayerStackOf(std::vector<std::vector<at::Tensor>> layers, double eps, int64_t num_heads, int64_t num_kv_heads,
-               int64_t head_dim, double scale, std::vector<int64_t> windows, bool int8)
+               int64_t head_dim, double scale, std::vector<int64_t> windows, int64_t bits)
       : layers_(std::move(layers)), eps_(eps), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
-        head_dim_(head_dim), scale_(scale), windows_(std::move(windows)), int8_(int8) {
+        head_dim_(head_dim), scale_(scale), windows_(std::move(windows)), bits_(bits) {
     TORCH_CHECK(!layers_.empty() && windows_.size() == layers_.size(), "LayerStack: one window per layer");
     for (const auto& l : layers_) {
       TORCH_CHECK(l.size() == 14, "LayerStack: 2 norms and 4 projections as (codes, d, m) per layer");
@@ -224,7 +224,7 @@ class LayerStackOf {
       layer.out = A::data(outs[l % 2]);
       layer.in_w = A::data(w[0]);
       layer.post_w = A::data(w[1]);
-      layer.qkv = A::call(normed, w[2], w[3], w[4], int8_, sums[0], qkv);
+      layer.qkv = A::call(normed, w[2], w[3], w[4], bits_, sums[0], qkv);
       const at::Tensor qkv3 = qkv.view({B, T_, qkv.size(1)});
       if (l == 0) {
         attn_call = attention_call(qkv3, k[0], v[0], cos_table, sin_table, slots, starts, sources, parents,
@@ -237,13 +237,13 @@ class LayerStackOf {
       at::Tensor kl = k[l], vl = v[l];
       layer.attn = attn_call.bind<typename A::Cache>(qkv3, kl, vl, cos_table, sin_table, num_heads_, num_kv_heads_,
                                                 head_dim_, scale_, windows_[l]);
-      layer.o = A::call(attn_call.out.view({M, attn_call.out.size(2)}), w[5], w[6], w[7], int8_, sums[1], hidden);
+      layer.o = A::call(attn_call.out.view({M, attn_call.out.size(2)}), w[5], w[6], w[7], bits_, sums[1], hidden);
       TORCH_CHECK(hidden.size(1) == H, "LayerStack: o_proj gives ", hidden.size(1), " features, not ", H);
-      layer.gate_up = A::call(normed2, w[8], w[9], w[10], int8_, sums[2], gate_up);
+      layer.gate_up = A::call(normed2, w[8], w[9], w[10], bits_, sums[2], gate_up);
       const int64_t I = gate_up.size(1) / 2;
       if (!act.defined()) act = at::empty({M, I}, opts);
       TORCH_CHECK(act.size(1) == I, "LayerStack: every layer's intermediate size like the first's");
-      layer.down = A::call(act, w[11], w[12], w[13], int8_, sums[3], down);
+      layer.down = A::call(act, w[11], w[12], w[13], bits_, sums[3], down);
       TORCH_CHECK(down.size(1) == H, "LayerStack: down_proj gives ", down.size(1), " features, not ", H);
       work.push_back(layer);
     }
@@ -330,18 +330,18 @@ class LayerStackOf {
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scale_;
   std::vector<int64_t> windows_;
-  bool int8_;  // 8-bit activations in the projections (q4_tile_i8, q4_tile_i8_f32)
+  int64_t bits_;  // the projections' inputs rounded to 8 or 16 bits per block (0: as they are; q4_matmul.cpp)
 };
 
 LayerStack::LayerStack(std::vector<std::vector<at::Tensor>> layers, double eps, int64_t num_heads,
-                       int64_t num_kv_heads, int64_t head_dim, double scale, std::vector<int64_t> windows, bool int8) {
+                       int64_t num_kv_heads, int64_t head_dim, double scale, std::vector<int64_t> windows, int64_t bits) {
   TORCH_CHECK(!layers.empty() && !layers[0].empty(), "LayerStack: at least one layer");
   if (layers[0][0].scalar_type() == at::kFloat) {
     f32_ = std::make_unique<LayerStackOf<float>>(std::move(layers), eps, num_heads, num_kv_heads, head_dim, scale,
-                                                 std::move(windows), int8);
+                                                 std::move(windows), bits);
   } else {
     bf16_ = std::make_unique<LayerStackOf<uint16_t>>(std::move(layers), eps, num_heads, num_kv_heads, head_dim,
-                                                     scale, std::move(windows), int8);
+                                                     scale, std::move(windows), bits);
   }
 }
 

@@ -23,9 +23,13 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 where nati
 # depends on it); "int4-a8": int4 with each layer's projection inputs rounded to 8 bits per block of
 # 32 and multiplied in integers, as llama.cpp multiplies Q4_1 by Q8_1: faster on a CPU without
 # AVX-512 BF16, with llama.cpp's logits and answers rather than the file's (docs/benchmarks.md), so
-# asked for, never auto's. auto: on a CPU in bfloat16 (the kernel's fast path), int4 where the
-# checkpoint has 4-bit blocks, and for a draft int4-rtn otherwise; dense everywhere else.
-WEIGHT_FORMATS = ("auto", "dense", "int4", "int4-a8", "int4-rtn")
+# asked for, never auto's; "int4-a16": the same with 16 bits per block (float32 on AVX2: a step's
+# arithmetic in integers, each input kept to 15 bits of its block's largest magnitude). auto: on a CPU
+# in bfloat16 (the kernel's fast path), int4 where the checkpoint has 4-bit blocks, and for a draft
+# int4-rtn otherwise; dense everywhere else.
+WEIGHT_FORMATS = ("auto", "dense", "int4", "int4-a8", "int4-a16", "int4-rtn")
+# The int4 formats whose projection inputs are rounded, and to how many bits per block of 32.
+ROUNDED_ACTIVATIONS = {"int4-a8": 8, "int4-a16": 16}
 
 
 # Messages between our own services batch many requests' token ids (a Submit of 256 prompts of 8k

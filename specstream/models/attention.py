@@ -53,17 +53,17 @@ class NativeStack:
     op: object  # the library's LayerStack
 
     @classmethod
-    def build(cls, plan: list[NativeLayer], int8_activations: bool = False) -> NativeStack | None:
+    def build(cls, plan: list[NativeLayer], activation_bits: int = 0) -> NativeStack | None:
         """The stack of ``plan``'s layers, or None when they differ in what the op takes once for
-        all (norm epsilon, heads, head size, scale) or the library is off. ``int8_activations``: the
-        projections take their inputs rounded to 8 bits per block (models/llama.py, ``int8_activations``)."""
+        all (norm epsilon, heads, head size, scale) or the library is off. ``activation_bits`` 8 or 16: the
+        projections take their inputs rounded to that many bits per block (models/llama.py, ``activation_bits``)."""
         library = native.library()
         first = plan[0]
         shared = (first.eps, first.num_heads, first.num_kv_heads, first.head_dim, first.scale)
         if library is None or any((p.eps, p.num_heads, p.num_kv_heads, p.head_dim, p.scale) != shared for p in plan):
             return None
         op = library.LayerStack([[p.input_norm, p.post_norm, *p.weights] for p in plan], *shared,
-                                [p.window for p in plan], int8_activations)
+                                [p.window for p in plan], activation_bits)
         return cls(tuple(p.layer for p in plan), op)
 
 

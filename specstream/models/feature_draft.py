@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from kernels.int4 import Q4Weight, pack_codes, q4_dense, q4_native, rtn_parts, unpack_codes
 from kernels.lm_head import OutputHead
+from specstream.data.config import ROUNDED_ACTIVATIONS
 from specstream.models.config import ModelLoadError, card_acceptance
 from specstream.models.feature_head import FeatureHead, HeadSpec
 from specstream.models.loader import DTYPES, SafetensorsSource, embedding_sha256, read_config
@@ -104,7 +105,8 @@ def load_feature_draft(path: str | Path, resolve: Callable[[str], Path], dtype: 
     target reference into its checkpoint directory. Served with ``dtype`` activations; ``weights``
     "auto" serves its matrices and output rows in 4 bits where the int4 kernel serves ``dtype``
     (bfloat16 with AVX-512 BF16, float32 with AVX2): the shipped head's own stored blocks, a
-    dense one's rounded to nearest; "int4" / "int4-rtn" always, "dense" never. Errors name the
+    dense one's rounded to nearest; "int4" / "int4-rtn" always (and the target's "int4-a8" /
+    "int4-a16": the head's one layer takes its inputs as they are), "dense" never. Errors name the
     file and the field."""
     root = Path(path)
     ours = _ours(root)
@@ -140,7 +142,7 @@ def load_feature_draft(path: str | Path, resolve: Callable[[str], Path], dtype: 
                              f"trained with (specstream.target.sha256 {digest[:16]}...): a different target model")
     rows = out[head.output_ids].contiguous()  # [N, H]
     torch_dtype = DTYPES[dtype]
-    int4 = weights in ("int4", "int4-rtn") or (weights == "auto" and q4_native(torch_dtype))
+    int4 = weights in ("int4", "int4-rtn", *ROUNDED_ACTIVATIONS) or (weights == "auto" and q4_native(torch_dtype))
     swapped = head.serve(torch_dtype, int4, parts)
     served_rows = Q4Weight.from_parts(*rtn_parts(rows), torch_dtype) if int4 and Q4Weight.fits(*rows.shape) \
         else rows.to(torch_dtype)

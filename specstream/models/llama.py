@@ -96,7 +96,7 @@ class _LlamaLayer(nn.Module):
         super().__init__()
         c = config
         self.layer = layer
-        self.int8_activations = False  # the model's (LlamaForCausalLM.int8_activations)
+        self.activation_bits = 0  # the model's (LlamaForCausalLM.activation_bits)
         self.num_heads = c.num_heads
         self.num_kv_heads = c.num_kv_heads
         self.head_dim = c.head_dim
@@ -179,23 +179,23 @@ class _LlamaLayer(nn.Module):
         B, T, _ = x.shape
         D = self.head_dim
         h = rms_norm(x, self.input_norm, self.eps)  # [B, T, H]
-        qkv = linear(h, self.qkv_w, self.qkv_b, self.int8_activations)  # [B, T, (Hq+2Hkv)*D]
+        qkv = linear(h, self.qkv_w, self.qkv_b, self.activation_bits)  # [B, T, (Hq+2Hkv)*D]
         if rope is not None:
             attn = batch.native_attention(self.layer, qkv, self.num_heads, D, self.scale, self.window, rope)
-            return x + linear(attn, self.o_w, self.o_b, self.int8_activations)  # [B, T, H]
+            return x + linear(attn, self.o_w, self.o_b, self.activation_bits)  # [B, T, H]
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = _apply_rope(q.view(B, T, self.num_heads, D).transpose(1, 2), cos, sin)  # [B, Hq, T, D]
         k = _apply_rope(k.view(B, T, self.num_kv_heads, D).transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
         v = v.view(B, T, self.num_kv_heads, D).transpose(1, 2)  # [B, Hkv, T, D]
         batch.write(self.layer, k, v)
         attn = batch.attend(self.layer, q, self.scale, self.window)  # [B, T, Hq*D]
-        return x + linear(attn, self.o_w, self.o_b, self.int8_activations)  # [B, T, H]
+        return x + linear(attn, self.o_w, self.o_b, self.activation_bits)  # [B, T, H]
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, H] -> x + MLP block [B, T, H]."""
         h = rms_norm(x, self.post_norm, self.eps)  # [B, T, H]
-        gate, up = linear(h, self.gate_up_w, self.gate_up_b, self.int8_activations).chunk(2, dim=-1)  # 2 x [B, T, I]
-        return x + linear(self.act(gate) * up, self.down_w, self.down_b, self.int8_activations)  # [B, T, H]
+        gate, up = linear(h, self.gate_up_w, self.gate_up_b, self.activation_bits).chunk(2, dim=-1)  # 2 x [B, T, I]
+        return x + linear(self.act(gate) * up, self.down_w, self.down_b, self.activation_bits)  # [B, T, H]
 
     def forward(self, x: torch.Tensor, batch: CacheBatch, cos: torch.Tensor, sin: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -248,7 +248,7 @@ class LlamaForCausalLM(CausalLM):
         self.head_q8: Q8Weight | None = None  # the output layer as 8-bit blocks (use_q8_head), else the dense one
         self.register_buffer("inv_freq", rope_inv_freq(c.rope, c.head_dim).to(device), persistent=False)  # [D/2]
         self._rope_len = 0
-        self._int8_activations = False
+        self._activation_bits = 0
         self._native_runs: dict[tuple, tuple[tuple, list]] = {}  # by cuts: (what native_runs were built from, them)
         self._build_rope(min(_INITIAL_ROPE_LEN, c.max_position_embeddings))
 
@@ -352,29 +352,30 @@ class LlamaForCausalLM(CausalLM):
         return OutputHead(self.embed if self.lm_head is None else self.lm_head, output_ids=self.output_ids)
 
     @property
-    def int8_activations(self) -> bool:
-        """Whether the layers round their projections' inputs to 8 bits per block of 32 and multiply
-        them in integers (kernels/csrc/q4_matmul.cpp; load_model's weights "int4-a8"), fused and op by op alike."""
-        return self._int8_activations
+    def activation_bits(self) -> int:
+        """How many bits the layers round their projections' inputs to per block of 32 before
+        multiplying them in integers: 8 or 16 (kernels/csrc/q4_matmul.cpp; load_model's weights
+        "int4-a8", "int4-a16"), fused and op by op alike; 0: the inputs as they are."""
+        return self._activation_bits
 
-    @int8_activations.setter
-    def int8_activations(self, on: bool) -> None:
-        self._int8_activations = on
+    @activation_bits.setter
+    def activation_bits(self, bits: int) -> None:
+        self._activation_bits = bits
         for layer in self.layers:
-            layer.int8_activations = on
+            layer.activation_bits = bits
 
     def native_runs(self, dtype: torch.dtype, cuts: tuple[int, ...] = ()) -> list[tuple[range, NativeStack | None]]:
         """The layers in runs: each run of consecutive layers that can run natively
         (``_LlamaLayer.native_plan``) as one native call (``NativeStack``), the others one by one
         (None); a run also ends after each layer in ``cuts`` (1-based: its output is kept). Built
         once and kept while the layers' matrices, ``dtype``, ``FUSED_LAYERS`` and
-        ``int8_activations`` are the same objects (a swapped matrix builds them anew). Checked every
+        ``activation_bits`` are the same objects (a swapped matrix builds them anew). Checked every
         forward, so only what can be swapped is compared: the four matrices, plain attributes. The
         norms are parameters, only ever updated in place (which the stacks see: they hold the same
         tensors), and reading 60 of them through ``nn.Module.__getattr__`` a forward was measurable
         (docs/benchmarks.md, "Figures behind design choices").
         """
-        key = (dtype, FUSED_LAYERS, self.int8_activations, *(t for layer in self.layers for t in (
+        key = (dtype, FUSED_LAYERS, self.activation_bits, *(t for layer in self.layers for t in (
             layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)))
         kept = self._native_runs.get(cuts)
         if kept is not None and len(kept[0]) == len(key) and all(a is b for a, b in zip(kept[0], key)):
@@ -384,7 +385,7 @@ class LlamaForCausalLM(CausalLM):
         start = 0
         for end in range(1, len(plans) + 1):  # a run ends where the next layer differs in being native
             if end == len(plans) or (plans[end] is None) != (plans[start] is None) or end in cuts:
-                stack = NativeStack.build(plans[start:end], self.int8_activations) if plans[start] is not None else None
+                stack = NativeStack.build(plans[start:end], self.activation_bits) if plans[start] is not None else None
                 runs.append((range(start, end), stack))
                 start = end
         self._native_runs[cuts] = (key, runs)

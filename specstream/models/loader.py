@@ -29,8 +29,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kernels import native
-from kernels.int4 import Q4_FILE, q4_int8_native, q4_native, unpack_codes
-from specstream.data.config import WEIGHT_FORMATS
+from kernels.int4 import Q4_FILE, q4_native, q4_rounded_native, unpack_codes
+from specstream.data.config import ROUNDED_ACTIVATIONS, WEIGHT_FORMATS
 from specstream.models.base import CausalLM
 from specstream.models.config import CONFIG_PARSERS, ModelConfig, ModelLoadError, parse_config
 from specstream.models.gpt2 import GPT2LMHeadModel
@@ -289,7 +289,7 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
     ``resolve`` turns a model reference (a draft's ``specstream.shared_embedding.model``) into a
     checkpoint directory; without it such a draft cannot be loaded. ``weights``: one of ``WEIGHTS``
     (``draft``: the model only proposes, so ``auto`` may round it to 4 bits); the model's ``weights``
-    attribute says what was served ("int4 (N matrices)", "int4-a8 (N matrices)", "int4-rtn (N matrices)"
+    attribute says what was served ("int4 (N matrices)", "int4-a8 (N matrices)", "int4-rtn (N matrices)", ...
     or "dense")."""
     torch_dtype = DTYPES.get(dtype)
     if torch_dtype is None:
@@ -300,12 +300,15 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
     if not root.is_dir():
         raise ModelLoadError(f"{root}: not a directory (expected a checkpoint with config.json)")
     q4_file = root / Q4_FILE
-    if weights in ("int4", "int4-a8", "int4-rtn") and torch.device(device).type != "cpu":
+    if weights in ("int4", "int4-rtn", *ROUNDED_ACTIVATIONS) and torch.device(device).type != "cpu":
         raise ModelLoadError(f"weights={weights!r} runs on the CPU only, got device {device!r}")
-    if weights == "int4-a8" and not q4_int8_native(torch_dtype):
+    if weights == "int4-a8" and not q4_rounded_native(torch_dtype, 8):
         raise ModelLoadError(f"weights='int4-a8' needs the native library and a CPU with AVX2 for dtype float32, "
                              f"or AVX-512 BF16 and VNNI for bfloat16; got dtype {dtype!r}")
-    if weights in ("int4", "int4-a8"):
+    if weights == "int4-a16" and not q4_rounded_native(torch_dtype, 16):
+        raise ModelLoadError(f"weights='int4-a16' needs the native library, a CPU with AVX2 and dtype float32; "
+                             f"got dtype {dtype!r}")
+    if weights in ("int4", *ROUNDED_ACTIVATIONS):
         if not q4_file.is_file():
             raise ModelLoadError(f"{root}: weights={weights!r} needs {Q4_FILE}, which converting a GGUF file with "
                                  "Q4_0/Q4_1 tensors writes; this checkpoint has none")
@@ -333,24 +336,28 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
         )
     # auto: the checkpoint's own 4-bit matrices wherever a 4-bit kernel beats dense matmuls: bfloat16
     # on a CPU, and float32 on one the native kernel serves (AVX2; ATen's kernel is slower than dense
-    # matmuls in float32). Never int4-a8: its 8-bit inputs are llama.cpp's arithmetic and answers,
-    # not the file's (docs/benchmarks.md, "On the AVX2 EPYC itself"), so only a user asks for it. A
-    # dense draft is rounded to 4 bits in bfloat16 only: in float32 rounding would move its
-    # acceptance for a gain not measured.
+    # matmuls in float32), there with the layers' inputs rounded to 16 bits per block (int4-a16: a
+    # step 1.16x faster, its logits within 0.001 of the file's on average, 0.11 for the bfloat16 path
+    # that AVX-512 machines serve; docs/benchmarks.md, "16-bit layer inputs"). Never int4-a8: its
+    # 8-bit inputs are llama.cpp's arithmetic and answers, not the file's (docs/benchmarks.md, "On the
+    # AVX2 EPYC itself"), so only a user asks for it. A dense draft is rounded to 4 bits in bfloat16
+    # only: in float32 rounding would move its acceptance for a gain not measured.
     cpu = torch.device(device).type == "cpu"
     bf16 = cpu and torch_dtype == torch.bfloat16
     served = weights
     if weights == "auto":
         own = q4_file.is_file() and (bf16 or (cpu and q4_native(torch_dtype)))
         served = "int4" if own else "int4-rtn" if bf16 and draft else "dense"
-    swapped = (_use_q4(model, q4_file) if served in ("int4", "int4-a8") else
+        if served == "int4" and q4_rounded_native(torch_dtype, 16) and torch_dtype == torch.float32:
+            served = "int4-a16"
+    swapped = (_use_q4(model, q4_file) if served in ("int4", *ROUNDED_ACTIVATIONS) else
                model.quantize_int4() if served == "int4-rtn" else 0)
-    model.int8_activations = served == "int4-a8" and swapped > 0
-    if swapped == 0 and weights in ("int4", "int4-a8", "int4-rtn"):  # asked for; auto falls back to dense quietly
+    model.activation_bits = ROUNDED_ACTIVATIONS.get(served, 0) if swapped else 0
+    if swapped == 0 and weights in ("int4", "int4-rtn", *ROUNDED_ACTIVATIONS):  # asked for; auto falls back to dense quietly
         raise ModelLoadError(f"{root}: weights={weights!r}, but none of its matrices fits the int4 kernel "
                              f"({config.architecture})")
     model.weights = f"{served} ({swapped} matrices)" if swapped else "dense"
-    if served in ("int4", "int4-a8") and _use_q8_head(model, root):
+    if served in ("int4", *ROUNDED_ACTIVATIONS) and _use_q8_head(model, root):
         model.weights += ", 8-bit output layer"
     model.eval()
     model.requires_grad_(False)

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from kernels import native
-from kernels.int4 import Q4Weight, q4_int8_native
+from kernels.int4 import Q4Weight, q4_rounded_native
 from kernels.int8 import Q8Weight
 from specstream.data.config import ModelSpec, TargetConfig
 from specstream.data.engine import SequenceRequest, Speculation
@@ -80,9 +80,11 @@ OTHER_SESSION_PEER_TARGET = 1.5
 BATCHES = (8, 32)  # plain decoding throughput, new ÷ the torch paths
 BATCH_TARGET = 1.3  # at least
 ACCURACY_PROMPTS = 8  # prompts whose logits are compared with the file's exact values
-# The forward with the layers' inputs as the served model does not take them (weights int4-a8 or not):
-# rounded to 8 bits where ours serves them exact, exact where ours serves them rounded.
-OTHER_ACTIVATIONS = ("ours_int8_activations", "ours_exact_activations")
+# The forward with the layers' inputs as the served model does not take them (weights int4, int4-a8,
+# int4-a16): by how many bits they are rounded to (0: not at all) -> (the data's key, the tables' label).
+OTHER_ACTIVATIONS = {8: ("ours_int8_activations", "8-bit activations"),
+                     16: ("ours_int16_activations", "16-bit activations"),
+                     0: ("ours_exact_activations", "exact activations")}
 
 
 # ----- what a step reads, and how fast this machine reads ---------------------------------------
@@ -136,7 +138,7 @@ def forward_curves(variants: dict[str, tuple], context: int = CONTEXT,
     """Median ms of a forward (layers and output layer over every position) over each number of
     new positions after ``context`` cached ones, batch 1, for each variant: name -> (model, whether
     its layers run fused[, whether the query heads of a kv head attend together]); a model keeps its
-    native stacks for one setting (and its own ``int8_activations``), so give each setting a model
+    native stacks for one setting (and its own ``activation_bits``), so give each setting a model
     of its own. Variants and
     positions take turns, round after round, so a slow spell of a shared machine falls on all of
     them alike."""
@@ -399,13 +401,11 @@ def _measure(models: BenchModels, progress: Progress) -> dict:
     variants = {"ours": (model, True)}
     if _fused(model):
         variants["ours_op_by_op"] = (model, False)
-    other = models.load("target")  # the layers' inputs as ours does not serve them: 8-bit, or not
-    if other.int8_activations:
-        other.int8_activations = False
-        variants[OTHER_ACTIVATIONS[1]] = (other, True)
-    elif _fused(other) and q4_int8_native(other.dtype):
-        other.int8_activations = True
-        variants[OTHER_ACTIVATIONS[0]] = (other, True)
+    for bits, (name, _) in OTHER_ACTIVATIONS.items():  # the layers' inputs as ours does not serve them
+        if bits != model.activation_bits and _fused(model) and (q4_rounded_native(model.dtype, bits) if bits else True):
+            other = models.load("target")
+            other.activation_bits = bits
+            variants[name] = (other, True)
     old = models.load("target")
     # how a bfloat16 step ran before our kernel; in float32 ATen's kernel never served (dense did)
     if model.dtype == torch.bfloat16 and on_torch_thread(with_aten_int4, old):
@@ -427,13 +427,13 @@ def _measure(models: BenchModels, progress: Progress) -> dict:
     exact = on_torch_thread(load_model, models.target, dtype="float32", resolve=resolve_model, weights="dense")
     prompts = models.prompts(ACCURACY_PROMPTS)
     checked = {"dense": (dense, True), "ours": (model, True),
-               **{name: variants[name] for name in OTHER_ACTIVATIONS if name in variants}}
+               **{name: variants[name] for name, _ in OTHER_ACTIVATIONS.values() if name in variants}}
     data["accuracy"] = on_torch_thread(logits_error, exact, checked, prompts)
     if models.gguf is not None:
         peer = llama_cpp_logits_apart(models.gguf, prompts)
         if peer is not None:  # on the torch thread: a second thread's torch ops would slow it afterwards
             data["accuracy"]["llama_cpp"] = on_torch_thread(_peer_error, exact, prompts, peer)
-    del exact, dense, other, variants
+    del exact, dense, variants
     progress.update()
     progress.phase("step: host work per engine step")
     data["host"] = {b: host_ms_per_step(model, b) for b in HOST_TARGETS_MS}
@@ -564,23 +564,21 @@ def tables(data: dict, markdown: bool = False) -> str:
             f"GB/s ({data['bandwidth_gbs'][1]:.1f} on one thread): bound {data['bound_ms']:.2f} ms")
     peer = data.get("llama_cpp") or {}
     old = data.get("ours_aten_int4") or {}
-    other_name = next((name for name in OTHER_ACTIVATIONS if data.get(name)), None)
-    other = data[other_name] if other_name else {}
-    other_label = "8-bit activations" if other_name == OTHER_ACTIVATIONS[0] else "exact activations"
+    others = {label: data[name] for name, label in OTHER_ACTIVATIONS.values() if data.get(name)}
     ops = data.get("ours_op_by_op") or {}
     dense = data.get("dense") or {}
     rows = [[n, data["ours"][n], data["verify_over_step"][n], TARGETS.get(n, "-"), *([ops[n]] if ops else []),
-             *([other[n], other[n] / other[1]] if other else []),
+             *(v for other in others.values() for v in (other[n], other[n] / other[1])),
              *([old[n], old[n] / old[1]] if old else []),
              *([dense[n], dense[n] / data["ours"][n]] if dense else []),
              *([peer[n], data["llama_cpp_verify_over_step"][n]] if peer else [])] for n in data["ours"]]
     headers = ["positions", "ours ms", "÷ step", "target", *(["op by op ms"] if ops else []),
-               *([f"{other_label} ms", "÷ step"] if other else []),
+               *(h for label in others for h in (f"{label} ms", "÷ step")),
                *(["ATen int4 ms", "÷ step"] if old else []),
                *([f"dense {data['dtype']} ms", "÷ ours"] if dense else []),
                *(["llama.cpp ms", "÷ step"] if peer else [])]
-    names = {"dense": f"dense {data['dtype']}", "ours": "ours, as served", OTHER_ACTIVATIONS[0]:
-             "ours, 8-bit activations", OTHER_ACTIVATIONS[1]: "ours, exact activations", "llama_cpp": "llama.cpp"}
+    names = {"dense": f"dense {data['dtype']}", "ours": "ours, as served", "llama_cpp": "llama.cpp",
+             **{name: f"ours, {label}" for name, label in OTHER_ACTIVATIONS.values()}}
     accuracy = [[names.get(k, k), a["mean_abs"], a["max_abs"], a["top1_agree"]]
                 for k, a in data.get("accuracy", {}).items()]
     goals = [[g["goal"], g["value"], g["target"], "met" if g["met"] else "MISSED"] for g in data["goals"]]
@@ -650,9 +648,9 @@ def _plot(data: dict, path: Path) -> None:
         series[f"dense {data['dtype']}"] = lambda: data["dense"]
     for matmul, c in (data.get("compiled") or {}).items():
         series[f"torch.compile, static cache ({matmul})"] = lambda c=c: {int(n): ms for n, ms in c["compiled"].items()}
-    for name, label in zip(OTHER_ACTIVATIONS, ("ours, 8-bit activations", "ours, exact activations")):
+    for name, label in OTHER_ACTIVATIONS.values():
         if data.get(name):
-            series[label] = lambda name=name: data[name]
+            series[f"ours, {label}"] = lambda name=name: data[name]
     if data.get("ours_aten_int4"):
         series["ours, ATen's int4 matmul, op by op"] = lambda: data["ours_aten_int4"]
     if data.get("llama_cpp"):

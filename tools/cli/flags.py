@@ -39,9 +39,11 @@ def weights_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS,
                    help="int4: serve a GGUF file's Q4_0/Q4_1 matrices as 4-bit blocks (CPU); int4-a8: the same "
                         "with the layers' inputs rounded to 8 bits per block of 32, as llama.cpp multiplies them "
-                        "(faster without AVX-512 BF16; llama.cpp's answers, not the file's); dense: dequantize them "
-                        "to --dtype; int4-rtn: round a dense model to 4 bits at load (drafts only); auto: on a CPU "
-                        "in bfloat16, int4 where the model has 4-bit blocks, int4-rtn for a draft, else dense")
+                        "(faster without AVX-512 BF16; llama.cpp's answers, not the file's); int4-a16: the same "
+                        "to 16 bits (float32, AVX2: a faster step, logits within 0.001 of the file's); dense: "
+                        "dequantize them to --dtype; int4-rtn: round a dense model to 4 bits at load (drafts only); "
+                        "auto: on a CPU, int4 where the model has 4-bit blocks (int4-a16 in float32 where the native "
+                        "kernel serves it), int4-rtn for a draft in bfloat16, else dense")
 
 
 def work_ahead_flags(p: argparse.ArgumentParser, help: str) -> None:  # noqa: A002 - argparse's own word
