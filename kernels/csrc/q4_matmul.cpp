@@ -520,7 +520,8 @@ void q4_run(const Call& call) {
 Q4Call q4_call(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m, int64_t bits,
                Q4Scratch& scratch, at::Tensor& out) {
   TORCH_CHECK(has_avx512_bf16(), "q4_matmul: needs AVX-512 BF16 (kernels/int4.py checks q4_native first)");
-  TORCH_CHECK(bits == 0 || bits == 8, "q4_matmul: bfloat16 inputs are rounded to 8 bits or not at all, got bits ", bits);
+  TORCH_CHECK(bits == 0 || bits == 8, "q4_matmul: bfloat16 inputs are rounded to 8 bits or not at all, got bits ",
+              bits);
   const bool int8 = bits == 8;
   TORCH_CHECK(!int8 || has_avx512_vnni(), "q4_matmul: 8-bit activations need AVX-512 VNNI");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "q4_matmul: x [M, K] bfloat16");

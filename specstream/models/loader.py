@@ -353,7 +353,8 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
     swapped = (_use_q4(model, q4_file) if served in ("int4", *ROUNDED_ACTIVATIONS) else
                model.quantize_int4() if served == "int4-rtn" else 0)
     model.activation_bits = ROUNDED_ACTIVATIONS.get(served, 0) if swapped else 0
-    if swapped == 0 and weights in ("int4", "int4-rtn", *ROUNDED_ACTIVATIONS):  # asked for; auto falls back to dense quietly
+    # asked for: an error; auto falls back to dense quietly
+    if swapped == 0 and weights in ("int4", "int4-rtn", *ROUNDED_ACTIVATIONS):
         raise ModelLoadError(f"{root}: weights={weights!r}, but none of its matrices fits the int4 kernel "
                              f"({config.architecture})")
     model.weights = f"{served} ({swapped} matrices)" if swapped else "dense"
