@@ -467,10 +467,13 @@ void q4_quantize_rows_i16(const float* x, int64_t M, int64_t K, float* xsum, flo
       __m256 as_float[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
       int32_t total = 0;
       if (dx != 0.0f) {
-        const __m256 div = _mm256_set1_ps(dx);
+        // Clamped to ±32,767: only where dx is subnormal can a quotient pass it, and then both forms
+        // of the codes (words, floats) still hold the same integers.
+        const __m256 div = _mm256_set1_ps(dx), top_code = _mm256_set1_ps(32767.0f);
         __m256i q[4];
         for (int i = 0; i < 4; ++i) {
-          as_float[i] = _mm256_round_ps(_mm256_div_ps(v[i], div), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          const __m256 code = _mm256_round_ps(_mm256_div_ps(v[i], div), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          as_float[i] = _mm256_min_ps(_mm256_max_ps(code, _mm256_sub_ps(_mm256_setzero_ps(), top_code)), top_code);
           q[i] = _mm256_cvtps_epi32(as_float[i]);
         }
         // packs leave each 128-bit lane's words as x0..3, x8..11 | x4..7, x12..15: back in order

@@ -35,36 +35,77 @@ void q8_rows_avx512(const int8_t* codes, const float* d, const float* x, int64_t
 }
 
 // AVX2: the generic path's 16 lanes as two vectors of 8, each lane the same operations (x q, a fused
-// x q + s, a fused d s + acc), then the 16 lanes summed in index order: the generic path's bits.
-template <int R>
+// x q + s, a fused d s + acc), then the 16 lanes summed in index order: the generic path's bits. F
+// output features a call, one after another: with F = 8 their lanes are transposed so that one
+// vector addition a lane sums the 8 features' totals together, in the same order (0 + l0 + l1 + ...
+// + l15), instead of 16 dependent scalar additions each (one thread, a 49,152 x 576 matrix, AVX2
+// EPYC: the output layer 0.90x the time at 1 row, 0.92x at 4 rows; the same bits).
+__attribute__((target("avx2"), always_inline)) inline void transpose8(__m256 v[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
+    v[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
+  }
+}
+
+template <int R, int F>
 __attribute__((target("avx2,fma")))
 void q8_rows_avx2(const int8_t* codes, const float* d, const float* x, int64_t blocks, int64_t K, float* out,
                   int64_t N) {
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int8_t* c = codes + kBlock * b;
-    __m256 q[4];  // codes 0..7, 8..15, 16..23, 24..31
-    for (int i = 0; i < 4; ++i) {
-      q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * i))));
-    }
-    const __m256 scale = _mm256_set1_ps(d[b]);
-    for (int r = 0; r < R; ++r) {
-      const float* xb = x + r * K + kBlock * b;
-      for (int h = 0; h < 2; ++h) {
-        const __m256 s = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16 + 8 * h), q[2 + h],
-                                         _mm256_mul_ps(_mm256_loadu_ps(xb + 8 * h), q[h]));
-        acc[r][h] = _mm256_fmadd_ps(scale, s, acc[r][h]);
+  static_assert(F == 1 || F == 8, "one feature a call, or eight");
+  __m256 lanes[R][2][F];  // [row][lanes 0..7, 8..15][feature]
+  for (int f = 0; f < F; ++f) {
+    const int8_t* cf = codes + f * K;
+    const float* df = d + f * blocks;
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int8_t* c = cf + kBlock * b;
+      __m256 q[4];  // codes 0..7, 8..15, 16..23, 24..31
+      for (int i = 0; i < 4; ++i) {
+        q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * i))));
       }
+      const __m256 scale = _mm256_set1_ps(df[b]);
+      for (int r = 0; r < R; ++r) {
+        const float* xb = x + r * K + kBlock * b;
+        for (int h = 0; h < 2; ++h) {
+          const __m256 s = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16 + 8 * h), q[2 + h],
+                                           _mm256_mul_ps(_mm256_loadu_ps(xb + 8 * h), q[h]));
+          acc[r][h] = _mm256_fmadd_ps(scale, s, acc[r][h]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      lanes[r][0][f] = acc[r][0];
+      lanes[r][1][f] = acc[r][1];
     }
   }
   for (int r = 0; r < R; ++r) {
-    float lanes[16];
-    _mm256_storeu_ps(lanes, acc[r][0]);
-    _mm256_storeu_ps(lanes + 8, acc[r][1]);
-    float total = 0.0f;
-    for (float v : lanes) total += v;
-    out[r * N] = total;
+    if constexpr (F == 1) {
+      float each[16];
+      _mm256_storeu_ps(each, lanes[r][0][0]);
+      _mm256_storeu_ps(each + 8, lanes[r][1][0]);
+      float total = 0.0f;
+      for (float v : each) total += v;
+      out[r * N] = total;
+    } else {
+      transpose8(lanes[r][0]);  // [i]: lane i of features 0..7
+      transpose8(lanes[r][1]);  // [i]: lane 8 + i
+      __m256 total = _mm256_setzero_ps();
+      for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < 8; ++i) total = _mm256_add_ps(total, lanes[r][h][i]);
+      _mm256_storeu_ps(out + r * N, total);
+    }
   }
 }
 
@@ -111,7 +152,9 @@ constexpr Q8RowsBf16 kQ8RowsBf16[] = {q8_rows_bf16<1>, q8_rows_bf16<2>, q8_rows_
                                       q8_rows_bf16<5>, q8_rows_bf16<6>, q8_rows_bf16<7>, q8_rows_bf16<8>};
 constexpr Q8Rows kQ8Rows[] = {q8_rows_avx512<1>, q8_rows_avx512<2>, q8_rows_avx512<3>, q8_rows_avx512<4>,
                               q8_rows_avx512<5>, q8_rows_avx512<6>, q8_rows_avx512<7>, q8_rows_avx512<8>};
-constexpr Q8Rows kQ8RowsAvx2[] = {q8_rows_avx2<1>, q8_rows_avx2<2>, q8_rows_avx2<3>, q8_rows_avx2<4>};
+// [F == 8][rows - 1]
+constexpr Q8Rows kQ8RowsAvx2[2][4] = {{q8_rows_avx2<1, 1>, q8_rows_avx2<2, 1>, q8_rows_avx2<3, 1>, q8_rows_avx2<4, 1>},
+                                      {q8_rows_avx2<1, 8>, q8_rows_avx2<2, 8>, q8_rows_avx2<3, 8>, q8_rows_avx2<4, 8>}};
 
 float q8_dot_generic(const int8_t* codes, const float* d, const float* x, int64_t blocks) {
   float lanes[16] = {0};
@@ -146,6 +189,17 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   float* op = out.data_ptr<float>();
   const bool wide = has_avx512(), avx2 = !wide && has_avx2_fma();
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    if (avx2 && !bf16) {  // eight features a call while eight are left; four rows at a time (registers)
+      for (int64_t n = begin; n < end;) {
+        const int64_t features = n + 8 <= end ? 8 : 1;
+        for (int64_t r = 0; r < M; r += 4) {
+          const int64_t four = std::min<int64_t>(4, M - r);
+          kQ8RowsAvx2[features == 8][four - 1](cp + n * K, dp + n * blocks, xp + r * K, blocks, K, op + r * N + n, N);
+        }
+        n += features;
+      }
+      return;
+    }
     for (int64_t n = begin; n < end; ++n) {
       for (int64_t r0 = 0; r0 < M; r0 += kTile) {
         const int64_t rows = std::min<int64_t>(kTile, M - r0);
@@ -155,13 +209,6 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Ten
         }
         if (wide) {
           kQ8Rows[rows - 1](cp + n * K, dp + n * blocks, xp + r0 * K, blocks, K, op + r0 * N + n, N);
-          continue;
-        }
-        if (avx2) {  // four rows at a time: their 8 accumulators and a block's codes fit the registers
-          for (int64_t r1 = r0; r1 < r0 + rows; r1 += 4) {
-            const int64_t four = std::min<int64_t>(4, r0 + rows - r1);
-            kQ8RowsAvx2[four - 1](cp + n * K, dp + n * blocks, xp + r1 * K, blocks, K, op + r1 * N + n, N);
-          }
           continue;
         }
         for (int64_t r = r0; r < r0 + rows; ++r) {
