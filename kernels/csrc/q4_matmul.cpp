@@ -156,6 +156,37 @@ constexpr int kTileF32 = 4;  // rows per pass of the float32 kernel
 // same whatever the tiles beside it.
 constexpr int f32_tiles_per_pass(int R) { return R == 1 ? 4 : R <= 3 ? 2 : 1; }
 
+// A block's end in the float32 and 16-bit kernels, for one tile's R rows: y += (d dx) s, then
+// y += m Σx, per half of the tile's 16 features; without kScaled the inputs were not rounded (no dx).
+template <int R, bool kScaled>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline
+void q4_block_end_f32(const uint16_t* dt, const uint16_t* mt, const float* xd, const float* xsum, int64_t blocks,
+                      int64_t b, const __m256 (&s)[R][2], __m256 (&y)[R][2]) {
+  const __m256 dv[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dt))),
+                        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dt + 8)))};
+  const __m256 mv[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mt))),
+                        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mt + 8)))};
+  for (int r = 0; r < R; ++r) {
+    const __m256 sum = _mm256_set1_ps(xsum[r * blocks + b]);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 scale = kScaled ? _mm256_mul_ps(dv[h], _mm256_set1_ps(xd[r * blocks + b])) : dv[h];
+      y[r][h] = _mm256_fmadd_ps(mv[h], sum, _mm256_fmadd_ps(scale, s[r][h], y[r][h]));
+    }
+  }
+}
+
+// A pass's outputs: TT tiles of 16 features for R rows.
+template <int TT, int R>
+__attribute__((target("avx2"), always_inline)) inline
+void q4_store_f32(const __m256 (&y)[TT][R][2], float* out, int64_t N) {
+  for (int t = 0; t < TT; ++t) {
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(out + r * N + t * kQ4Tile, y[t][r][0]);
+      _mm256_storeu_ps(out + r * N + t * kQ4Tile + 8, y[t][r][1]);
+    }
+  }
+}
+
 template <int R, int TT, bool kScaled = false>
 __attribute__((target("avx2,fma,f16c")))
 void q4_tile_f32(const uint16_t* d, const uint16_t* m, const uint8_t* w, const float* x, const float* xd,
@@ -195,31 +226,12 @@ void q4_tile_f32(const uint16_t* d, const uint16_t* m, const uint8_t* w, const f
         }
       }
     }
-    for (int t = 0; t < TT; ++t) {
-      const uint16_t *dt = d + t * tile_scales + kQ4Tile * b, *mt = m + t * tile_scales + kQ4Tile * b;
-      const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dt)));
-      const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dt + 8)));
-      const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mt)));
-      const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mt + 8)));
-      for (int r = 0; r < R; ++r) {
-        const __m256 sum = _mm256_set1_ps(xsum[r * blocks + b]);
-        if constexpr (kScaled) {  // x: 16-bit codes as floats, dx their scale (q4_tile_i16_f32's block end)
-          const __m256 dx = _mm256_set1_ps(xd[r * blocks + b]);
-          y[t][r][0] = _mm256_fmadd_ps(m0, sum, _mm256_fmadd_ps(_mm256_mul_ps(d0, dx), s[t][r][0], y[t][r][0]));
-          y[t][r][1] = _mm256_fmadd_ps(m1, sum, _mm256_fmadd_ps(_mm256_mul_ps(d1, dx), s[t][r][1], y[t][r][1]));
-        } else {
-          y[t][r][0] = _mm256_fmadd_ps(m0, sum, _mm256_fmadd_ps(d0, s[t][r][0], y[t][r][0]));
-          y[t][r][1] = _mm256_fmadd_ps(m1, sum, _mm256_fmadd_ps(d1, s[t][r][1], y[t][r][1]));
-        }
-      }
+    for (int t = 0; t < TT; ++t) {  // kScaled: x holds 16-bit codes as floats, xd their scales
+      q4_block_end_f32<R, kScaled>(d + t * tile_scales + kQ4Tile * b, m + t * tile_scales + kQ4Tile * b, xd, xsum,
+                                   blocks, b, s[t], y[t]);
     }
   }
-  for (int t = 0; t < TT; ++t) {
-    for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(out + r * N + t * kQ4Tile, y[t][r][0]);
-      _mm256_storeu_ps(out + r * N + t * kQ4Tile + 8, y[t][r][1]);
-    }
-  }
+  q4_store_f32(y, out, N);
 }
 
 using Q4TileF32 = void (*)(const uint16_t*, const uint16_t*, const uint8_t*, const float*, const float*,
@@ -412,26 +424,14 @@ void q4_tile_i16_f32(const uint16_t* d, const uint16_t* m, const uint8_t* w, con
       }
     }
     for (int t = 0; t < TT; ++t) {
-      const uint16_t *dt = d + t * tile_scales + kQ4Tile * b, *mt = m + t * tile_scales + kQ4Tile * b;
-      const __m256 dv[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dt))),
-                            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dt + 8)))};
-      const __m256 mv[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mt))),
-                            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mt + 8)))};
-      for (int r = 0; r < R; ++r) {
-        const __m256 dx = _mm256_set1_ps(xd[r * blocks + b]), sum = _mm256_set1_ps(xsum[r * blocks + b]);
-        for (int h = 0; h < 2; ++h) {
-          y[t][r][h] = _mm256_fmadd_ps(mv[h], sum, _mm256_fmadd_ps(_mm256_mul_ps(dv[h], dx),
-                                                                   _mm256_cvtepi32_ps(s[t][r][h]), y[t][r][h]));
-        }
-      }
+      __m256 sums[R][2];  // exact: integers below 2^24
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h) sums[r][h] = _mm256_cvtepi32_ps(s[t][r][h]);
+      q4_block_end_f32<R, true>(d + t * tile_scales + kQ4Tile * b, m + t * tile_scales + kQ4Tile * b, xd, xsum,
+                                blocks, b, sums, y[t]);
     }
   }
-  for (int t = 0; t < TT; ++t) {
-    for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(out + r * N + t * kQ4Tile, y[t][r][0]);
-      _mm256_storeu_ps(out + r * N + t * kQ4Tile + 8, y[t][r][1]);
-    }
-  }
+  q4_store_f32(y, out, N);
 }
 
 using Q4TileI16F32 = void (*)(const uint16_t*, const uint16_t*, const uint8_t*, const int16_t*, const float*,
