@@ -302,12 +302,11 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
     q4_file = root / Q4_FILE
     if weights in ("int4", "int4-rtn", *ROUNDED_ACTIVATIONS) and torch.device(device).type != "cpu":
         raise ModelLoadError(f"weights={weights!r} runs on the CPU only, got device {device!r}")
-    if weights == "int4-a8" and not q4_rounded_native(torch_dtype, 8):
-        raise ModelLoadError(f"weights='int4-a8' needs the native library and a CPU with AVX2 for dtype float32, "
-                             f"or AVX-512 BF16 and VNNI for bfloat16; got dtype {dtype!r}")
-    if weights == "int4-a16" and not q4_rounded_native(torch_dtype, 16):
-        raise ModelLoadError(f"weights='int4-a16' needs the native library, a CPU with AVX2 and dtype float32; "
-                             f"got dtype {dtype!r}")
+    bits = ROUNDED_ACTIVATIONS.get(weights, 0)
+    if bits and not q4_rounded_native(torch_dtype, bits):
+        raise ModelLoadError(f"weights={weights!r} needs the native library and dtype float32 on a CPU with AVX2"
+                             + (", or bfloat16 with AVX-512 BF16 and VNNI" if bits == 8 else "")
+                             + f"; got dtype {dtype!r}")
     if weights in ("int4", *ROUNDED_ACTIVATIONS):
         if not q4_file.is_file():
             raise ModelLoadError(f"{root}: weights={weights!r} needs {Q4_FILE}, which converting a GGUF file with "
@@ -337,7 +336,7 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
     # auto: the checkpoint's own 4-bit matrices wherever a 4-bit kernel beats dense matmuls: bfloat16
     # on a CPU, and float32 on one the native kernel serves (AVX2; ATen's kernel is slower than dense
     # matmuls in float32), there with the layers' inputs rounded to 16 bits per block (int4-a16: a
-    # step 1.16x faster, its logits within 0.001 of the file's on average, 0.11 for the bfloat16 path
+    # step 1.07-1.19x faster, its logits within 0.001 of the file's on average, 0.11 for the bfloat16 path
     # that AVX-512 machines serve; docs/benchmarks.md, "16-bit layer inputs"). Never int4-a8: its
     # 8-bit inputs are llama.cpp's arithmetic and answers, not the file's (docs/benchmarks.md, "On the
     # AVX2 EPYC itself"), so only a user asks for it. A dense draft is rounded to 4 bits in bfloat16
@@ -348,7 +347,7 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
     if weights == "auto":
         own = q4_file.is_file() and (bf16 or (cpu and q4_native(torch_dtype)))
         served = "int4" if own else "int4-rtn" if bf16 and draft else "dense"
-        if served == "int4" and q4_rounded_native(torch_dtype, 16) and torch_dtype == torch.float32:
+        if served == "int4" and q4_rounded_native(torch_dtype, 16):  # float32 on the native kernel
             served = "int4-a16"
     swapped = (_use_q4(model, q4_file) if served in ("int4", *ROUNDED_ACTIVATIONS) else
                model.quantize_int4() if served == "int4-rtn" else 0)

@@ -407,7 +407,7 @@ def _measure(models: BenchModels, progress: Progress) -> dict:
     if _fused(model):  # a model of its own: one that took turns fused and op by op rebuilt its stacks each turn
         variants["ours_op_by_op"] = (models.load("target"), False)
     for bits, (name, _) in OTHER_ACTIVATIONS.items():  # the layers' inputs as ours does not serve them
-        if bits != model.activation_bits and _fused(model) and (q4_rounded_native(model.dtype, bits) if bits else True):
+        if bits != model.activation_bits and _fused(model) and (not bits or q4_rounded_native(model.dtype, bits)):
             other = models.load("target")
             other.activation_bits = bits
             variants[name] = (other, True)
