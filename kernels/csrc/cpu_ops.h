@@ -136,7 +136,6 @@ struct Q4Scratch {
   std::vector<float> xsum, xd;  // [M, K/32]
   std::vector<int8_t> xq;       // [M, K] 8-bit codes, each group of 4 in the order k0, k0 + 2, k0 + 1, k0 + 3
   std::vector<int16_t> xq16;    // [M, K] 16-bit codes, in order
-  std::vector<float> xqf;       // [M, K] the same codes as floats
 };
 
 // One call's operands: x [M, K] bfloat16 rows, the scratch, the weight in the native layout.
@@ -165,7 +164,6 @@ struct Q4CallF32 {
   float* xd;      // [M, K/32] (rounded activations only)
   int8_t* xq;     // [M, K] (bits 8 only)
   int16_t* xq16;  // [M, K] (bits 16 only)
-  float* xqf;     // [M, K] xq16 as floats (bits 16 only)
   int bits;       // 0: the inputs as they are; 8 or 16: rounded to that many bits per block of 32
   const uint8_t* codes;
   const uint16_t* d;

@@ -152,9 +152,11 @@ constexpr int kTileF32 = 4;  // rows per pass of the float32 kernel
 
 // Tiles of 16 features per pass for R rows: a block's sum s is a chain of 32 dependent fused
 // multiply-adds per row and 8 features, and two FMA units at a latency of 4 cycles need 8 chains to
-// stay busy, so a pass of 1 row takes 4 tiles, of 2 or 3 rows 2. Every feature's arithmetic is the
-// same whatever the tiles beside it.
-constexpr int f32_tiles_per_pass(int R) { return R == 1 ? 4 : R <= 3 ? 2 : 1; }
+// stay busy, so a pass of 1 row takes 4 tiles, of 2 rows 2. 3 rows take 1: two tiles' 12 sums left
+// too few registers, and the spills cost more than the 6 chains lose (one thread, 36,864 x 576, AMD
+// EPYC with AVX2: 1.96 against 2.89 ms). Every feature's arithmetic is the same whatever the tiles
+// beside it.
+constexpr int f32_tiles_per_pass(int R) { return R == 1 ? 4 : R == 2 ? 2 : 1; }
 
 // A block's end in the float32 and 16-bit kernels, for one tile's R rows: y += (d dx) s, then
 // y += m Σx, per half of the tile's 16 features; without kScaled the inputs were not rounded (no dx).
@@ -187,10 +189,10 @@ void q4_store_f32(const __m256 (&y)[TT][R][2], float* out, int64_t N) {
   }
 }
 
-template <int R, int TT, bool kScaled = false>
+template <int R, int TT>
 __attribute__((target("avx2,fma,f16c")))
-void q4_tile_f32(const uint16_t* d, const uint16_t* m, const uint8_t* w, const float* x, const float* xd,
-                 const float* xsum, int64_t blocks, int64_t K, float* out, int64_t N) {
+void q4_tile_f32(const uint16_t* d, const uint16_t* m, const uint8_t* w, const float* x, const float* xsum,
+                 int64_t blocks, int64_t K, float* out, int64_t N) {
   const __m256i low4 = _mm256_set1_epi32(0x0F);
   const int64_t tile_codes = blocks * kQ4TileBytes, tile_scales = blocks * kQ4Tile;
   __m256 y[TT][R][2];
@@ -226,16 +228,16 @@ void q4_tile_f32(const uint16_t* d, const uint16_t* m, const uint8_t* w, const f
         }
       }
     }
-    for (int t = 0; t < TT; ++t) {  // kScaled: x holds 16-bit codes as floats, xd their scales
-      q4_block_end_f32<R, kScaled>(d + t * tile_scales + kQ4Tile * b, m + t * tile_scales + kQ4Tile * b, xd, xsum,
+    for (int t = 0; t < TT; ++t) {
+      q4_block_end_f32<R, false>(d + t * tile_scales + kQ4Tile * b, m + t * tile_scales + kQ4Tile * b, nullptr, xsum,
                                    blocks, b, s[t], y[t]);
     }
   }
   q4_store_f32(y, out, N);
 }
 
-using Q4TileF32 = void (*)(const uint16_t*, const uint16_t*, const uint8_t*, const float*, const float*,
-                           const float*, int64_t, int64_t, float*, int64_t);
+using Q4TileF32 = void (*)(const uint16_t*, const uint16_t*, const uint8_t*, const float*, const float*, int64_t,
+                           int64_t, float*, int64_t);
 // [rows - 1]: a pass over f32_tiles_per_pass(rows) tiles, then [4 + rows - 1]: one tile (a share's last).
 constexpr Q4TileF32 kQ4TilesF32[] = {q4_tile_f32<1, f32_tiles_per_pass(1)>, q4_tile_f32<2, f32_tiles_per_pass(2)>,
                                      q4_tile_f32<3, f32_tiles_per_pass(3)>, q4_tile_f32<4, f32_tiles_per_pass(4)>,
@@ -286,6 +288,9 @@ void q4_tile_i8_f32(const uint16_t* d, const uint16_t* m, const uint8_t* w, cons
         const __m256i xr = _mm256_set1_epi32(four);
         s[r][0] = _mm256_add_epi16(s[r][0], _mm256_maddubs_epi16(q0, xr));
         s[r][1] = _mm256_add_epi16(s[r][1], _mm256_maddubs_epi16(q1, xr));
+      }
+      if constexpr (R <= 4) {  // pinned, as the 16-bit kernel's sums (below); 5+ rows' sums do not fit the registers
+        for (int r = 0; r < R; ++r) __asm__("" : "+x"(s[r][0]), "+x"(s[r][1]));
       }
     }
     const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + kQ4Tile * b)));
@@ -371,20 +376,22 @@ void q4_quantize_rows_f32(const float* x, int64_t M, int64_t K, float* xsum, flo
 // everything else is fixed by the row's own inputs: the same bits whatever the number of rows.
 //
 // Against float32 inputs (q4_tile_f32), one row forms a chunk's codes with 6 instructions instead of
-// 18 and multiplies them with 4 instead of 8: a row's pass took 0.58x the time (one thread, a
-// 576 x 4,608 matrix, AMD EPYC with AVX2), 2 rows 0.82x, 3 rows 0.70x; at 4 rows the integer
-// multiply-adds (one a cycle there) are slower than two FMA units, so a pass of 4 rows takes the
-// float32 kernel over the same codes as floats (q4_tile_f32's kScaled): each product and partial sum
-// is an integer below 2^24, exact in float32, so its s is the integer kernel's, bit for bit. Each
-// input keeps 15 bits of its block's largest magnitude (bfloat16 keeps 8 of its own): the logits'
-// distance from the file's is what `bench step` reports beside llama.cpp's.
+// 18 and multiplies them with 4 instead of 8. On Zen 3 the word multiply-adds issue two a cycle, as
+// the FMAs do, at 16 products each against the FMA's 8: a 4-row pass runs 1.6x the float32 kernel's
+// (one thread, 36,864 x 576, AMD EPYC with AVX2: 57 against 35 GMAC/s). Each input keeps 15 bits of
+// its block's largest magnitude (bfloat16 keeps 8 of its own): the logits' distance from the file's
+// is what `bench step` reports beside llama.cpp's.
+//
+// The chunk's sums are pinned to registers after each chunk (an empty asm): integer additions
+// reassociate, and without the pin GCC hoisted every multiply-add of a block ahead of its additions,
+// spilling their results to the stack (168 stores and reloads in a 2-row pass, which then ran at a
+// third of the multiply-adds' rate). The sums, and so the bits, are the same either way.
 
-constexpr int kTileI16 = 4;  // rows per pass
+constexpr int kTileI16 = 4;  // rows per pass: 4 rows' sums, a chunk's codes and a row's inputs fill the 16 registers
 
 // Tiles of 16 features per pass for R rows (every feature's arithmetic is the same whatever the tiles
-// beside it): two for 1 or 2 rows, whose sums and codes fit the registers, one for 3; 4 rows take
-// the float32 kernel's passes (above).
-constexpr int i16_tiles_per_pass(int R) { return R <= 2 ? 2 : R == 3 ? 1 : f32_tiles_per_pass(R); }
+// beside it): two for 1 row, one for more.
+constexpr int i16_tiles_per_pass(int R) { return R == 1 ? 2 : 1; }
 
 template <int R, int TT>
 __attribute__((target("avx2,fma,f16c")))
@@ -422,6 +429,8 @@ void q4_tile_i16_f32(const uint16_t* d, const uint16_t* m, const uint8_t* w, con
           }
         }
       }
+      for (int t = 0; t < TT; ++t)
+        for (int r = 0; r < R; ++r) __asm__("" : "+x"(s[t][r][0]), "+x"(s[t][r][1]));  // the pin (above)
     }
     for (int t = 0; t < TT; ++t) {
       __m256 sums[R][2];  // exact: integers below 2^24
@@ -436,19 +445,17 @@ void q4_tile_i16_f32(const uint16_t* d, const uint16_t* m, const uint8_t* w, con
 
 using Q4TileI16F32 = void (*)(const uint16_t*, const uint16_t*, const uint8_t*, const int16_t*, const float*,
                               const float*, int64_t, int64_t, float*, int64_t);
-// [rows - 1]: a pass over i16_tiles_per_pass(rows) tiles, then [3 + rows - 1]: one tile (a share's last);
-// 4 rows: kQ4TilesF32Scaled.
+// [rows - 1]: a pass over i16_tiles_per_pass(rows) tiles, then [kTileI16 + rows - 1]: one tile (a share's last).
 constexpr Q4TileI16F32 kQ4TilesI16[] = {
     q4_tile_i16_f32<1, i16_tiles_per_pass(1)>, q4_tile_i16_f32<2, i16_tiles_per_pass(2)>,
-    q4_tile_i16_f32<3, i16_tiles_per_pass(3)>, q4_tile_i16_f32<1, 1>, q4_tile_i16_f32<2, 1>, q4_tile_i16_f32<3, 1>};
-constexpr Q4TileF32 kQ4TilesF32Scaled[] = {q4_tile_f32<4, i16_tiles_per_pass(4), true>, q4_tile_f32<4, 1, true>};
+    q4_tile_i16_f32<3, i16_tiles_per_pass(3)>, q4_tile_i16_f32<4, i16_tiles_per_pass(4)>,
+    q4_tile_i16_f32<1, 1>, q4_tile_i16_f32<2, 1>, q4_tile_i16_f32<3, 1>, q4_tile_i16_f32<4, 1>};
 
 // Each row's block of 32 float32 inputs as 16-bit codes and a scale (the kernel above): |x| by
 // clearing the sign, its maximum by a fixed tree of vector maxima, x / dx rounded to the nearest
-// integer (ties to even), packed to words in order, and as floats (for passes of 4 rows); the
-// block's sum as the rounded inputs' (dx Σ qx).
+// integer (ties to even), packed to words in order; the block's sum as the rounded inputs' (dx Σ qx).
 __attribute__((target("avx2,fma")))
-void q4_quantize_rows_i16(const float* x, int64_t M, int64_t K, float* xsum, float* xd, int16_t* xq, float* xqf) {
+void q4_quantize_rows_i16(const float* x, int64_t M, int64_t K, float* xsum, float* xd, int16_t* xq) {
   const int64_t blocks = K / kBlock;
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int64_t r = 0; r < M; ++r) {
@@ -464,17 +471,16 @@ void q4_quantize_rows_i16(const float* x, int64_t M, int64_t K, float* xsum, flo
       const float dx = top / 32767.0f;
       xd[r * blocks + b] = dx;
       __m256i codes[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-      __m256 as_float[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
       int32_t total = 0;
       if (dx != 0.0f) {
-        // Clamped to ±32,767: only where dx is subnormal can a quotient pass it, and then both forms
-        // of the codes (words, floats) still hold the same integers.
+        // Clamped to ±32,767: only where dx is subnormal can a quotient pass it, and then the words
+        // and the block's sum still hold the same integers.
         const __m256 div = _mm256_set1_ps(dx), top_code = _mm256_set1_ps(32767.0f);
         __m256i q[4];
         for (int i = 0; i < 4; ++i) {
           const __m256 code = _mm256_round_ps(_mm256_div_ps(v[i], div), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-          as_float[i] = _mm256_min_ps(_mm256_max_ps(code, _mm256_sub_ps(_mm256_setzero_ps(), top_code)), top_code);
-          q[i] = _mm256_cvtps_epi32(as_float[i]);
+          q[i] = _mm256_cvtps_epi32(
+              _mm256_min_ps(_mm256_max_ps(code, _mm256_sub_ps(_mm256_setzero_ps(), top_code)), top_code));
         }
         // packs leave each 128-bit lane's words as x0..3, x8..11 | x4..7, x12..15: back in order
         for (int h = 0; h < 2; ++h) {
@@ -489,7 +495,6 @@ void q4_quantize_rows_i16(const float* x, int64_t M, int64_t K, float* xsum, flo
       for (int h = 0; h < 2; ++h) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + r * K + kBlock * b + 16 * h), codes[h]);
       }
-      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(xqf + r * K + kBlock * b + 8 * i, as_float[i]);
     }
   }
 }
@@ -619,15 +624,11 @@ Q4CallF32 q4_call_f32(const at::Tensor& x, const at::Tensor& codes, const at::Te
   scratch.xsum.resize(M * blocks);
   if (bits != 0) scratch.xd.resize(M * blocks);
   if (bits == 8) scratch.xq.resize(M * K);
-  if (bits == 16) {
-    scratch.xq16.resize(M * K);
-    scratch.xqf.resize(M * K);
-  }
+  if (bits == 16) scratch.xq16.resize(M * K);
   if (!out.defined()) out = at::empty({M, N}, x.options());
   TORCH_CHECK(out.sizes() == at::IntArrayRef({M, N}) && out.is_contiguous() && out.scalar_type() == at::kFloat,
               "q4_matmul: out [M, N] float32");
-  return {x.data_ptr<float>(), scratch.xsum.data(), scratch.xd.data(), scratch.xq.data(), scratch.xq16.data(),
-          scratch.xqf.data(), int(bits), codes.data_ptr<uint8_t>(),
+  return {x.data_ptr<float>(), scratch.xsum.data(), scratch.xd.data(), scratch.xq.data(), scratch.xq16.data(), int(bits), codes.data_ptr<uint8_t>(),
           reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>()),
           M, K, blocks, tiles, N, out.data_ptr<float>()};
 }
@@ -636,7 +637,7 @@ void q4_prepare(const Q4CallF32& c) {
   if (c.bits == 8) {
     q4_quantize_rows_f32(c.x, c.M, c.K, c.xsum, c.xd, c.xq);
   } else if (c.bits == 16) {
-    q4_quantize_rows_i16(c.x, c.M, c.K, c.xsum, c.xd, c.xq16, c.xqf);
+    q4_quantize_rows_i16(c.x, c.M, c.K, c.xsum, c.xd, c.xq16);
   } else {
     q4_block_sums_f32(c.x, c.M, c.K, c.xsum);
   }
@@ -653,11 +654,8 @@ void q4_tiles(const Q4CallF32& c, int64_t begin, int64_t end) {
         const uint8_t* w = c.codes + t * c.blocks * kQ4TileBytes;
         const float *xd = c.xd + r0 * c.blocks, *xsum = c.xsum + r0 * c.blocks;
         float* out = c.out + r0 * c.N + t * kQ4Tile;
-        if (rows == kTileI16) {
-          kQ4TilesF32Scaled[whole ? 0 : 1](d, m, w, c.xqf + r0 * c.K, xd, xsum, c.blocks, c.K, out, c.N);
-        } else {
-          kQ4TilesI16[whole ? rows - 1 : 3 + rows - 1](d, m, w, c.xq16 + r0 * c.K, xd, xsum, c.blocks, c.K, out, c.N);
-        }
+        kQ4TilesI16[whole ? rows - 1 : kTileI16 + rows - 1](d, m, w, c.xq16 + r0 * c.K, xd, xsum, c.blocks, c.K,
+                                                             out, c.N);
         t += whole ? per_pass : 1;
       }
     }
@@ -681,7 +679,7 @@ void q4_tiles(const Q4CallF32& c, int64_t begin, int64_t end) {
       const bool whole = t + per_pass <= end;
       (whole ? kQ4TilesF32[rows - 1] : kQ4TilesF32[kTileF32 + rows - 1])(
           c.d + t * c.blocks * kQ4Tile, c.m + t * c.blocks * kQ4Tile, c.codes + t * c.blocks * kQ4TileBytes,
-          c.x + r0 * c.K, nullptr, c.xsum + r0 * c.blocks, c.blocks, c.K, c.out + r0 * c.N + t * kQ4Tile, c.N);
+          c.x + r0 * c.K, c.xsum + r0 * c.blocks, c.blocks, c.K, c.out + r0 * c.N + t * kQ4Tile, c.N);
       t += whole ? per_pass : 1;
     }
   }
