@@ -148,6 +148,27 @@ constexpr Q4TileI8 kQ4TilesI8[] = {q4_tile_i8<1>, q4_tile_i8<2>, q4_tile_i8<3>, 
 // (An earlier version shuffled each half's even and odd bytes apart and widened every 8 codes on
 // their own: the same bits, 20-25% slower, a third of its vector operations spent forming codes.)
 
+// Software prefetch for the 4-bit kernels on AVX2: a pass streams TT tiles' codes, scales and minima
+// at once, and on AMD EPYC (Zen 3) the hardware prefetchers alone kept one row's pass at about half
+// of a thread's read bandwidth. Each block asks for the lines kQ4Ahead bytes further on in every
+// stream (past a tile's end that is the next tile's start, which the next pass reads); the scales
+// and minima, 1/8 the bytes, every other block. Prefetches change no arithmetic.
+constexpr int64_t kQ4Ahead = 1024;
+
+template <int TT>
+__attribute__((always_inline)) inline
+void q4_prefetch(const uint16_t* d, const uint16_t* m, const uint8_t* w, int64_t tile_codes, int64_t tile_scales,
+                 int64_t b) {
+  for (int t = 0; t < TT; ++t) {
+    const char* codes = reinterpret_cast<const char*>(w + t * tile_codes + kQ4TileBytes * b) + kQ4Ahead;
+    for (int line = 0; line < kQ4TileBytes / 64; ++line) _mm_prefetch(codes + 64 * line, _MM_HINT_T0);
+    if (b % 2 == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(d + t * tile_scales + kQ4Tile * b) + kQ4Ahead / 8, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(m + t * tile_scales + kQ4Tile * b) + kQ4Ahead / 8, _MM_HINT_T0);
+    }
+  }
+}
+
 constexpr int kTileF32 = 4;  // rows per pass of the float32 kernel
 
 // Tiles of 16 features per pass for R rows: a block's sum s is a chain of 32 dependent fused
@@ -202,6 +223,7 @@ void q4_tile_f32(const uint16_t* d, const uint16_t* m, const uint8_t* w, const f
     __m256 s[TT][R][2];
     for (int t = 0; t < TT; ++t)
       for (int r = 0; r < R; ++r) s[t][r][0] = s[t][r][1] = _mm256_setzero_ps();
+    q4_prefetch<TT>(d, m, w, tile_codes, tile_scales, b);
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
 #pragma GCC unroll 4
@@ -274,6 +296,7 @@ void q4_tile_i8_f32(const uint16_t* d, const uint16_t* m, const uint8_t* w, cons
     __m256i s[R][2];
     for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
     const uint8_t* wb = w + kQ4TileBytes * b;
+    q4_prefetch<1>(d, m, w, 0, 0, b);
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
@@ -406,6 +429,7 @@ void q4_tile_i16_f32(const uint16_t* d, const uint16_t* m, const uint8_t* w, con
     __m256i s[TT][R][2];
     for (int t = 0; t < TT; ++t)
       for (int r = 0; r < R; ++r) s[t][r][0] = s[t][r][1] = _mm256_setzero_si256();
+    q4_prefetch<TT>(d, m, w, tile_codes, tile_scales, b);
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
 #pragma GCC unroll 2
