@@ -36,6 +36,7 @@ class OutputHead:
     weight: torch.Tensor  # [V, H] (or a 4-bit Q4Weight or 8-bit Q8Weight, which only the torch path computes)
     bias: torch.Tensor | None = None  # [V]
     output_ids: torch.Tensor | None = None  # [V] token id of each column
+    bits: int = 0  # a 4-bit weight's inputs rounded to 8 or 16 bits per block first (``linear``)
 
     @property
     def fusable(self) -> bool:
@@ -48,7 +49,7 @@ class OutputHead:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] float32, rounded as the model's dtype rounds them."""
-        return linear(hidden, self.weight, self.bias).float()
+        return linear(hidden, self.weight, self.bias, self.bits).float()
 
 
 @dataclass(frozen=True)

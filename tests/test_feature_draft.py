@@ -276,7 +276,7 @@ def test_the_pipeline_writes_a_loadable_draft_and_its_card(feature_pair, tmp_pat
     again = load_feature_draft(out, Path)
     # Stored in the 4 bits a CPU serves it with: each matrix the int4 kernel takes is the round-to-
     # nearest of its bfloat16 values, the others are those values.
-    from kernels.int4 import Q4Weight, q4_dense, q4_native, rtn_parts
+    from kernels.int4 import Q4Weight, q4_dense, q4_native, q4_rounded_native, rtn_parts
 
     rounded = 0
     for name in source.head.matrices:
@@ -286,9 +286,14 @@ def test_the_pipeline_writes_a_loadable_draft_and_its_card(feature_pair, tmp_pat
         assert torch.equal(getattr(again.head, name).weight, w), name
     assert rounded >= 4
     # weights="auto" serves those very blocks where the 4-bit kernel takes the activations' dtype
-    # (float32: AVX2), and the dense values elsewhere.
+    # (float32: AVX2), and the dense values elsewhere; their inputs rounded to 16 bits as a target's
+    # where the native kernel can (auto's choice for a target: loader.activation_bits).
     served = load_feature_draft(out, Path, dtype="float32", weights="auto")
     assert served.weights.startswith("int4") == q4_native(torch.float32), served.weights
+    sixteen = q4_rounded_native(torch.float32, 16)
+    assert served.weights.startswith("int4-a16") == sixteen and served.head._bits == 16 * sixteen, served.weights
+    assert served.output.bits == 16 * (sixteen and isinstance(served.output.weight, Q4Weight))
+    assert load_feature_draft(out, Path, dtype="float32", weights="int4").head._bits == 0
     if q4_native(torch.float32):
         for name in source.head.matrices:
             kept = served.head._served[name]

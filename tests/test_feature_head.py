@@ -370,3 +370,37 @@ def test_a_served_4_bit_head_runs_its_layer_as_one_native_call_as_op_by_op_does(
     assert native_out.abs().max() > 0.5
     torch.testing.assert_close(native_out, by_op, rtol=tol, atol=tol)
     assert native_drafts == op_drafts
+
+
+@NEEDS_Q4_NATIVE_F32
+def test_a_head_served_with_16_bit_inputs_rounds_them_in_its_native_layer_as_op_by_op() -> None:
+    """Served in float32 with ``bits`` 16 (what ``auto`` serves where the native kernel rounds
+    float32 inputs: load_feature_draft), the head's native layer and its op-by-op path round the
+    same inputs (each row's own blocks): the same outputs within float32's rounding and the same
+    drafts; against the exact inputs the outputs move, by a little."""
+    from kernels.int4 import q4_rounded_native
+
+    if not q4_rounded_native(torch.float32, 16):
+        pytest.skip("no native 16-bit activation path for float32 on this CPU (it needs AVX2)")
+    spec = HeadSpec(hidden=64, heads=4, kv_heads=2, head_dim=64, intermediate=96, rope_theta=10000.0, norm_eps=1e-5,
+                    vocab_out=20)
+    head, _, _ = _head(21, spec)
+    for p in head.parameters():
+        p.data.mul_(0.5)
+    embed = torch.randn(30, 64, generator=torch.Generator().manual_seed(23))  # [V, H]
+    rows = embed[head.output_ids]
+    gen = torch.Generator().manual_seed(22)
+    feats, tokens = torch.randn(40, 64, generator=gen), torch.randint(0, 30, (41,), generator=gen)
+
+    def rounds(bits: int, native_layer: bool):
+        head.serve(torch.float32, int4=True, bits=bits)
+        if not native_layer:
+            head._stack = None
+        return _serve_rounds(head, spec, 1, feats, tokens, embed, rows)
+
+    (native_out, native_drafts), (by_op, op_drafts) = rounds(16, True), rounds(16, False)
+    exact, _ = rounds(0, True)
+    torch.testing.assert_close(native_out, by_op, rtol=1e-4, atol=1e-4)
+    assert native_drafts == op_drafts
+    moved = (native_out - exact).abs().max()
+    assert 0 < moved < 0.01 * exact.abs().max(), f"16-bit inputs moved the outputs by {moved}"

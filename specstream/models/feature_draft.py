@@ -29,12 +29,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels.int4 import Q4Weight, pack_codes, q4_dense, q4_native, rtn_parts, unpack_codes
+from kernels.int4 import Q4Weight, pack_codes, q4_dense, q4_native, q4_rounded_native, rtn_parts, unpack_codes
 from kernels.lm_head import OutputHead
 from specstream.data.config import ROUNDED_ACTIVATIONS
 from specstream.models.config import ModelLoadError, card_acceptance
 from specstream.models.feature_head import FeatureHead, HeadSpec
-from specstream.models.loader import DTYPES, SafetensorsSource, embedding_sha256, read_config
+from specstream.models.loader import DTYPES, SafetensorsSource, activation_bits, embedding_sha256, read_config
 
 __all__ = ["KIND", "FeatureDraft", "dense_head_state", "feature_draft_layers", "is_feature_draft",
            "load_feature_draft", "save_feature_draft", "target_parts"]
@@ -54,7 +54,7 @@ class FeatureDraft:
     target_layers: tuple[int, ...]  # the target layers whose features it reads
     output: OutputHead  # the rows as served: dense in ``dtype``, or 4-bit
     dtype: torch.dtype = torch.float32  # the activations' when serving
-    weights: str = "dense"  # what was served: "dense" or "int4 (N matrices)"
+    weights: str = "dense"  # what was served: "dense", "int4 (N matrices)" or "int4-a16 (N matrices)"
     acceptance: tuple[tuple[bool, float], ...] = ()  # its card's measured α per kind (card_acceptance)
     target_dir: Path | None = None  # the target's checkpoint (its tokenizer is the head's)
 
@@ -105,9 +105,10 @@ def load_feature_draft(path: str | Path, resolve: Callable[[str], Path], dtype: 
     target reference into its checkpoint directory. Served with ``dtype`` activations; ``weights``
     "auto" serves its matrices and output rows in 4 bits where the int4 kernel serves ``dtype``
     (bfloat16 with AVX-512 BF16, float32 with AVX2): the shipped head's own stored blocks, a
-    dense one's rounded to nearest; "int4" / "int4-rtn" always (and the target's "int4-a8" /
-    "int4-a16": the head's one layer takes its inputs as they are), "dense" never. Errors name the
-    file and the field."""
+    dense one's rounded to nearest; "int4" / "int4-rtn" always, "dense" never. Their inputs are
+    rounded as the format rounds a target's (``activation_bits``: "int4-a8" / "int4-a16" to 8 / 16
+    bits per block of 32, "auto" to 16 in float32 on AVX2), where the native kernel can. Errors
+    name the file and the field."""
     root = Path(path)
     ours = _ours(root)
     where = root / "config.json"
@@ -143,13 +144,17 @@ def load_feature_draft(path: str | Path, resolve: Callable[[str], Path], dtype: 
     rows = out[head.output_ids].contiguous()  # [N, H]
     torch_dtype = DTYPES[dtype]
     int4 = weights in ("int4", "int4-rtn", *ROUNDED_ACTIVATIONS) or (weights == "auto" and q4_native(torch_dtype))
-    swapped = head.serve(torch_dtype, int4, parts)
+    bits = activation_bits(weights, torch_dtype) if int4 else 0
+    bits = bits if q4_rounded_native(torch_dtype, bits) else 0
+    swapped = head.serve(torch_dtype, int4, parts, bits)
     served_rows = Q4Weight.from_parts(*rtn_parts(rows), torch_dtype) if int4 and Q4Weight.fits(*rows.shape) \
         else rows.to(torch_dtype)
     swapped += isinstance(served_rows, Q4Weight)
+    rows_bits = bits if isinstance(served_rows, Q4Weight) and served_rows.native else 0
+    served = f"int4-a{bits}" if bits else "int4"
     return FeatureDraft(str(ours.get("name") or root.name), head, embed.to(torch.bfloat16), rows, layers,
-                        OutputHead(served_rows), torch_dtype, f"int4 ({swapped} matrices)" if swapped else "dense",
-                        acceptance, Path(resolve(ref)))
+                        OutputHead(served_rows, bits=rows_bits), torch_dtype,
+                        f"{served} ({swapped} matrices)" if swapped else "dense", acceptance, Path(resolve(ref)))
 
 
 def dense_head_state(path: str | Path) -> dict[str, torch.Tensor]:

@@ -138,6 +138,7 @@ class FeatureHead(nn.Module):
         self.down = nn.Linear(spec.intermediate, H, bias=False)
         self.register_buffer("output_ids", torch.arange(spec.vocab_out), persistent=True)  # [N] token ids scored
         self._served: dict[str, torch.Tensor | Q4Weight] | None = None  # serve(): the matrices as served
+        self._bits = 0  # serve(): the 4-bit matrices' inputs rounded to this many bits per block (0: as they are)
         self._stack: object | None = None  # serve(): the layer as one native call (_native_stack), where it can be
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # _rope(): (cos, sin) [n, D]
         # _native_tables(): (cos, sin) [n, D] in the activations' dtype shifted by one row, and the float table they came from
@@ -148,13 +149,16 @@ class FeatureHead(nn.Module):
         """The linear layers' names (``reduce`` only when it reads several layers)."""
         return ("reduce",) * (self.reduce is not None) + ("fuse", "q", "kv", "o", "gate_up", "down")
 
-    def serve(self, dtype: torch.dtype, int4: bool, parts: dict | None = None) -> int:
+    def serve(self, dtype: torch.dtype, int4: bool, parts: dict | None = None, bits: int = 0) -> int:
         """Serve the layer's matrices (not training them any more) in ``dtype`` activations, each
         rounded to 4 bits (``rtn_parts``, as a token draft is served) where the int4 kernel takes its
         shape when ``int4``, or taken as they are from ``parts`` ({name: (codes [N, K] uint8, scale,
         min [N, K/32] float32)}: a checkpoint stored in 4 bits); returns how many are 4-bit. The
-        norms stay float32."""
+        norms stay float32. ``bits`` 8 or 16: the 4-bit matrices on the native kernel take their
+        inputs rounded to that many bits per block of 32 (kernels/int4.py ``q4_rounded_native``
+        says where it can), as a target served ``int4-a16`` does."""
         self._served, swapped = {}, 0
+        self._bits = bits if int4 else 0
         for name in self.matrices:
             w = getattr(self, name).weight.detach()
             if int4 and Q4Weight.fits(*w.shape):
@@ -189,7 +193,7 @@ class FeatureHead(nn.Module):
             operands += [w.packed, w.d, w.m]
         s = self.spec
         return library.LayerStack([operands], s.norm_eps, s.heads, s.kv_heads, s.head_dim, 1 / math.sqrt(s.head_dim),
-                                  [0], False)
+                                  [0], self._bits)
 
     def _rope(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables [>= n, D] (kept: serving asks for one more position at a time)."""
@@ -202,7 +206,8 @@ class FeatureHead(nn.Module):
     def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         if self._served is None:
             return getattr(self, name)(x)
-        return linear(x, self._served[name])
+        w = self._served[name]
+        return linear(x, w, bits=self._bits if isinstance(w, Q4Weight) and w.native else 0)
 
     # -- the layer --------------------------------------------------------------------------------
     def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -336,7 +336,7 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
     # auto: the checkpoint's own 4-bit matrices wherever a 4-bit kernel beats dense matmuls: bfloat16
     # on a CPU, and float32 on one the native kernel serves (AVX2; ATen's kernel is slower than dense
     # matmuls in float32), there with the layers' inputs rounded to 16 bits per block (int4-a16: a
-    # step 1.07-1.19x faster, its logits within 0.001 of the file's on average, 0.11 for the bfloat16 path
+    # step 1.07-1.22x faster, its logits within 0.001 of the file's on average, 0.11 for the bfloat16 path
     # that AVX-512 machines serve; docs/benchmarks.md, "16-bit layer inputs"). Never int4-a8: its
     # 8-bit inputs are llama.cpp's arithmetic and answers, not the file's (docs/benchmarks.md, "On the
     # AVX2 EPYC itself"), so only a user asks for it. A dense draft is rounded to 4 bits in bfloat16
@@ -347,7 +347,7 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
     if weights == "auto":
         own = q4_file.is_file() and (bf16 or (cpu and q4_native(torch_dtype)))
         served = "int4" if own else "int4-rtn" if bf16 and draft else "dense"
-        if served == "int4" and q4_rounded_native(torch_dtype, 16):  # float32 on the native kernel
+        if served == "int4" and activation_bits("auto", torch_dtype) == 16:  # float32 on the native kernel
             served = "int4-a16"
     swapped = (_use_q4(model, q4_file) if served in ("int4", *ROUNDED_ACTIVATIONS) else
                model.quantize_int4() if served == "int4-rtn" else 0)
@@ -362,6 +362,16 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu",
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def activation_bits(weights: str, dtype: torch.dtype) -> int:
+    """The bits a weight format rounds each block of 32 inputs of its 4-bit matrices to (0: the
+    inputs as they are): the named format's (``ROUNDED_ACTIVATIONS``), and for ``auto`` 16 where the
+    native kernel rounds ``dtype``'s to 16 (float32 on AVX2). Auto's choice for a target
+    (``load_model``) and for a feature draft (feature_draft.py) alike."""
+    if weights == "auto":
+        return 16 if q4_rounded_native(dtype, 16) else 0
+    return ROUNDED_ACTIVATIONS.get(weights, 0)
 
 
 def serving_choice(model: CausalLM, dtype: str, weights: str) -> str:
