@@ -324,6 +324,17 @@ def test_a_served_head_attends_in_the_native_op_as_torch_does(monkeypatch, dtype
     assert native_drafts == torch_drafts
 
 
+def _native_sized_head() -> tuple[HeadSpec, FeatureHead, torch.Tensor]:
+    """A head whose matrices the native 4-bit kernel takes (64 wide, head size 64), its weights
+    halved so that its outputs stay moderate, and an embedding [30, 64] for it."""
+    spec = HeadSpec(hidden=64, heads=4, kv_heads=2, head_dim=64, intermediate=96, rope_theta=10000.0, norm_eps=1e-5,
+                    vocab_out=20)
+    head, _, _ = _head(21, spec)
+    for p in head.parameters():
+        p.data.mul_(0.5)
+    return spec, head, torch.randn(30, 64, generator=torch.Generator().manual_seed(23))
+
+
 @pytest.mark.parametrize(("dtype", "tol"), [pytest.param(*p.values, marks=mark, id=p.id)
                                             for p, mark in zip(SERVED, (NEEDS_Q4_NATIVE, NEEDS_Q4_NATIVE_F32))])
 def test_a_served_4_bit_head_runs_its_layer_as_one_native_call_as_op_by_op_does(dtype, tol) -> None:
@@ -336,12 +347,7 @@ def test_a_served_4_bit_head_runs_its_layer_as_one_native_call_as_op_by_op_does(
     from kernels.int4 import Q4Weight
 
     assert native.library() is not None  # built by `make test` (tests/test_native_ops.py)
-    spec = HeadSpec(hidden=64, heads=4, kv_heads=2, head_dim=64, intermediate=96, rope_theta=10000.0, norm_eps=1e-5,
-                    vocab_out=20)
-    head, _, _ = _head(21, spec)
-    for p in head.parameters():
-        p.data.mul_(0.5)
-    embed = torch.randn(30, 64, generator=torch.Generator().manual_seed(23))  # [V, H]
+    spec, head, embed = _native_sized_head()
     rows = embed[head.output_ids].to(dtype)
     assert head._stack is None
     head.serve(dtype, int4=False)
@@ -382,12 +388,7 @@ def test_a_head_served_with_16_bit_inputs_rounds_them_in_its_native_layer_as_op_
 
     if not q4_rounded_native(torch.float32, 16):
         pytest.skip("no native 16-bit activation path for float32 on this CPU (it needs AVX2)")
-    spec = HeadSpec(hidden=64, heads=4, kv_heads=2, head_dim=64, intermediate=96, rope_theta=10000.0, norm_eps=1e-5,
-                    vocab_out=20)
-    head, _, _ = _head(21, spec)
-    for p in head.parameters():
-        p.data.mul_(0.5)
-    embed = torch.randn(30, 64, generator=torch.Generator().manual_seed(23))  # [V, H]
+    spec, head, embed = _native_sized_head()
     rows = embed[head.output_ids]
     gen = torch.Generator().manual_seed(22)
     feats, tokens = torch.randn(40, 64, generator=gen), torch.randint(0, 30, (41,), generator=gen)

@@ -652,7 +652,8 @@ Q4CallF32 q4_call_f32(const at::Tensor& x, const at::Tensor& codes, const at::Te
   if (!out.defined()) out = at::empty({M, N}, x.options());
   TORCH_CHECK(out.sizes() == at::IntArrayRef({M, N}) && out.is_contiguous() && out.scalar_type() == at::kFloat,
               "q4_matmul: out [M, N] float32");
-  return {x.data_ptr<float>(), scratch.xsum.data(), scratch.xd.data(), scratch.xq.data(), scratch.xq16.data(), int(bits), codes.data_ptr<uint8_t>(),
+  return {x.data_ptr<float>(), scratch.xsum.data(), scratch.xd.data(), scratch.xq.data(), scratch.xq16.data(),
+          int(bits), codes.data_ptr<uint8_t>(),
           reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>()),
           M, K, blocks, tiles, N, out.data_ptr<float>()};
 }

@@ -150,10 +150,9 @@ def load_feature_draft(path: str | Path, resolve: Callable[[str], Path], dtype: 
     served_rows = Q4Weight.from_parts(*rtn_parts(rows), torch_dtype) if int4 and Q4Weight.fits(*rows.shape) \
         else rows.to(torch_dtype)
     swapped += isinstance(served_rows, Q4Weight)
-    rows_bits = bits if isinstance(served_rows, Q4Weight) and served_rows.native else 0
     served = f"int4-a{bits}" if bits else "int4"
     return FeatureDraft(str(ours.get("name") or root.name), head, embed.to(torch.bfloat16), rows, layers,
-                        OutputHead(served_rows, bits=rows_bits), torch_dtype,
+                        OutputHead(served_rows, bits=bits), torch_dtype,
                         f"{served} ({swapped} matrices)" if swapped else "dense", acceptance, Path(resolve(ref)))
 
 

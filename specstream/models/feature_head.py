@@ -154,11 +154,11 @@ class FeatureHead(nn.Module):
         rounded to 4 bits (``rtn_parts``, as a token draft is served) where the int4 kernel takes its
         shape when ``int4``, or taken as they are from ``parts`` ({name: (codes [N, K] uint8, scale,
         min [N, K/32] float32)}: a checkpoint stored in 4 bits); returns how many are 4-bit. The
-        norms stay float32. ``bits`` 8 or 16: the 4-bit matrices on the native kernel take their
-        inputs rounded to that many bits per block of 32 (kernels/int4.py ``q4_rounded_native``
-        says where it can), as a target served ``int4-a16`` does."""
+        norms stay float32. ``bits`` 8 or 16 (only where kernels/int4.py ``q4_rounded_native``
+        allows for ``dtype``): the 4-bit matrices take their inputs rounded to that many bits per
+        block of 32, as a target served ``int4-a16`` does."""
         self._served, swapped = {}, 0
-        self._bits = bits if int4 else 0
+        self._bits = bits
         for name in self.matrices:
             w = getattr(self, name).weight.detach()
             if int4 and Q4Weight.fits(*w.shape):
@@ -206,8 +206,7 @@ class FeatureHead(nn.Module):
     def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         if self._served is None:
             return getattr(self, name)(x)
-        w = self._served[name]
-        return linear(x, w, bits=self._bits if isinstance(w, Q4Weight) and w.native else 0)
+        return linear(x, self._served[name], bits=self._bits)  # bits: the 4-bit matrices' only
 
     # -- the layer --------------------------------------------------------------------------------
     def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
