@@ -124,6 +124,8 @@ def test_a_hung_draft_costs_one_deadline_then_plain_decoding_and_speculation_com
             report.update(fallback_s=first_after_hang - hung_at,
                           resume_s=(reconnected_at - released_at) if reconnected_at else None,
                           worst_gap_s=max(b - a for s in stamps.values() for a, b in zip(s, s[1:])),
+                          worst_gap_before_s=max(b - a for s in stamps.values() for a, b in zip(s, s[1:])
+                                                 if b <= hung_at),
                           epochs=(epoch_before, client.epoch))
             return tokens, finals
         finally:
@@ -142,8 +144,11 @@ def test_a_hung_draft_costs_one_deadline_then_plain_decoding_and_speculation_com
     # The deadline derives from the measured round trips: ~0.1 s on an idle machine, up to ~0.8 s
     # with busy processes beside the test (their spread widens it), far below the 5 s cap either way.
     assert report["deadline_s"] < 2.5
-    assert report["fallback_s"] < report["deadline_s"] + 0.5
-    assert report["worst_gap_s"] < report["deadline_s"] + 0.5  # the hang cost one deadline, no more
+    # The slack: 0.5 s, plus the worst gap between tokens before the hang (what this machine's load
+    # already cost a step then: a loaded host stretched a gap to ~0.7 s with a 0.1 s deadline).
+    slack = 0.5 + report["worst_gap_before_s"]
+    assert report["fallback_s"] < report["deadline_s"] + slack
+    assert report["worst_gap_s"] < report["deadline_s"] + slack  # the hang cost one deadline, no more
     # Between the hang and the release, one round trip timed out; no step waited on the dead
     # stream again. (Counted from the hang: on a loaded machine an honest round trip before it
     # can miss its deadline too, which is the deadline's business, not this test's.)
