@@ -38,11 +38,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Q4Weight | Q8Weight, bias: to
     the rows split, so MKL runs in its strict reproducible mode there and everywhere (``MKL_CBWR``
     below), whose rows matched across 1..128 rows and 1 or 2 threads. Likewise oneDNN's AMX kernels
     for bfloat16 rows, so oneDNN stops at AVX-512 BF16 (``ONEDNN_MAX_CPU_ISA`` below).
-    x [..., K] -> [..., N]. ``bits``: a 4-bit weight's rows rounded to 8 or 16 bits first (``q4_linear``)."""
+    x [..., K] -> [..., N]. ``bits``: a 4-bit weight's rows rounded to 8 or 16 bits first (``q4_linear``),
+    an 8-bit weight's to 16 (``q8_linear``)."""
     if isinstance(weight, Q4Weight):
         return q4_linear(x, weight, bias, bits)
     if isinstance(weight, Q8Weight):
-        out = q8_linear(x, weight)  # [..., N] float32
+        out = q8_linear(x, weight, bits)  # [..., N] float32
         return out if bias is None else out + bias
     rows = x.numel() // x.shape[-1]
     short = (-rows) % _ROW_MULTIPLE.get(x.dtype, 1) if x.device.type == "cpu" else 0

@@ -36,7 +36,8 @@ class OutputHead:
     weight: torch.Tensor  # [V, H] (or a 4-bit Q4Weight or 8-bit Q8Weight, which only the torch path computes)
     bias: torch.Tensor | None = None  # [V]
     output_ids: torch.Tensor | None = None  # [V] token id of each column
-    bits: int = 0  # a 4-bit weight's inputs rounded to 8 or 16 bits per block first (``linear``)
+    # The inputs rounded per block of 32 first (``linear``): a 4-bit weight's to 8 or 16 bits, an 8-bit one's to 16.
+    bits: int = 0
 
     @property
     def fusable(self) -> bool:

@@ -16,7 +16,7 @@ from tests.support.hardware import NEEDS_Q4_NATIVE, NEEDS_Q4_NATIVE_F32
 
 from kernels import native
 from kernels.int4 import Q4Weight
-from kernels.int8 import Q8Weight, q8_linear, q8_linear_reference
+from kernels.int8 import Q8Weight, q8_linear, q8_linear_reference, rounded_rows
 from specstream.models.random_init import write_random_checkpoint
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -71,6 +71,32 @@ def test_q8_matmul_matches_its_reference_for_1_to_16_rows(shape, dtype) -> None:
     assert torch.equal(torch.cat([q8_linear(x[i:i + 1], weight) for i in range(16)]), got)
 
 
+@pytest.mark.parametrize("shape", [(5, 64), (123, 96), (1000, 576)])
+def test_q8_matmul_with_16_bit_inputs_matches_its_reference_and_keeps_rows_apart(shape) -> None:
+    """The integer path (``q8_linear``'s ``bits`` 16, kernels/csrc/q8_matmul.cpp): against the rows
+    rounded as the kernel rounds them times the matrix in float64, for 1..9 rows (passes of 4 and
+    their tails), features that fill the last tile of 8 and features that do not, a zero block; each
+    row the same bits alone; and the rounding shows."""
+    if not native.library().has_avx2_fma():
+        pytest.skip("this CPU (or SPECSTREAM_CPU_ISA) has no AVX2: the 16-bit input path cannot run here")
+    n, k = shape
+    dense, _, _ = _q8_matrix(n, k, seed=4)
+    weight = Q8Weight.from_exact(dense)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, k, generator=gen) * torch.rand(9, k, generator=gen) * 4
+    x[-1, :32] = 0  # a block of zeros: scale 0, codes 0
+    got = q8_linear(x, weight, 16)  # [9, n] float32
+    want = q8_linear_reference(x, weight, 16)
+    magnitudes = x.double().abs() @ dense.double().abs().T  # [9, n]
+    assert ((got.double() - want.double()).abs() <= 2 ** -20 * want.double().abs() + 1e-6 * magnitudes).all()
+    for m in range(1, 10):
+        assert torch.equal(q8_linear(x[:m], weight, 16), got[:m]), m
+    assert torch.equal(torch.cat([q8_linear(x[i:i + 1], weight, 16) for i in range(9)]), got)
+    assert not torch.equal(got, q8_linear(x, weight))  # the inputs' rounding shows
+    with pytest.raises(ValueError, match="16 bits or not at all"):
+        q8_linear(x, weight, 8)
+
+
 def _tiny_model(tmp_path, dtype: str, weights: str = "dense", **overrides):
     from specstream.models.loader import load_model
 
@@ -118,19 +144,21 @@ def test_a_rows_logits_are_the_same_bits_alone_in_a_verify_window_and_in_a_batch
                                                                                    weights, bits) -> None:
     """The model with the ops it serves with (the native attention; float32 dense and 4-bit; bfloat16
     dense with the 8-bit output layer; bfloat16 4-bit; and the 4-bit layers with 8-bit and 16-bit
-    activations): a position computed in a decode step, inside a verify window of 2..16 positions, and
-    beside 1..32 other sequences gives the same logits, bit for bit."""
+    activations, the latter with the 8-bit output layer on 16-bit inputs): a position computed in a
+    decode step, inside a verify window of 2..16 positions, and beside 1..32 other sequences gives the
+    same logits, bit for bit."""
     from kernels.int4 import q4_rounded_native
 
     if bits and not q4_rounded_native(getattr(torch, dtype), bits):
         pytest.skip(f"no native {bits}-bit activation path for {dtype} on this CPU")
-    model = _tiny_model(tmp_path, dtype, weights)
+    # With 16-bit inputs the output layer is the (tied) embedding as 8-bit blocks, as SmolLM2's is.
+    model = _tiny_model(tmp_path, dtype, weights, **({"tie_word_embeddings": True} if bits == 16 else {}))
     assert model.weights.startswith(weights)
     model.activation_bits = bits
-    if dtype == "bfloat16" and weights == "dense":
-        head = model.output_head.weight
-        dense, _, _ = _q8_matrix(*head.shape, seed=11)
+    if (dtype == "bfloat16" and weights == "dense") or bits == 16:
+        dense, _, _ = _q8_matrix(model.config.vocab_size, model.config.hidden_size, seed=11)
         assert model.use_q8_head(dense)  # the tiny model's output layer made an exact Q8_0 matrix
+        assert model.output_head.bits == (16 if bits == 16 else 0)  # 16-bit inputs where the layers take them
     gen = torch.Generator().manual_seed(9)
     prompt = torch.randint(0, 96, (24,), generator=gen).tolist()
     cache = model.new_cache(40, 64)
@@ -164,11 +192,7 @@ def _rounded_activations_reference(x: torch.Tensor, codes: torch.Tensor, scale: 
     rounded to dx * nearest(x / dx), dx = max|x| / (2^(bits-1) - 1) and the quotient in float32 (a
     quotient's last bit decides a near-tie), times the dequantized weight d q + m, the products
     summed in float64."""
-    M, K = x.shape
-    blocks = x.float().reshape(M, K // 32, 32)  # [M, K/32, 32]
-    dx = blocks.abs().amax(-1, keepdim=True) / float(2 ** (bits - 1) - 1)  # [M, K/32, 1] float32
-    codes_x = torch.round(blocks / torch.where(dx > 0, dx, 1))  # x / dx in float32, as the kernel divides
-    rounded = (codes_x.double() * dx.double()).reshape(M, K)  # [M, K]
+    rounded = rounded_rows(x, bits)  # [M, K] float64
     weight = codes.double() * scale.double().repeat_interleave(32, 1) + minimum.double().repeat_interleave(32, 1)
     return rounded @ weight.T  # [M, N]
 
@@ -208,6 +232,30 @@ def test_q4_matmul_with_rounded_activations_matches_its_reference_for_1_to_16_ro
         assert torch.equal(alone, got)
         # and it is not the bfloat16 kernel: the rounding of the inputs shows
         assert not torch.equal(got, library.q4_matmul(x, weight.packed, weight.d, weight.m))
+
+
+def test_native_silu_mul_is_torchs_within_a_few_units_and_an_elements_bits_do_not_depend_on_its_place() -> None:
+    """silu(gate) * up of float32 (kernels/csrc/layer_stack.cpp, as the native layers compute it):
+    torch's values within a few units in the last place (its sigmoid from the softmax's e^x), zeros
+    and large magnitudes included; and an element computed in a vector's lanes or in the tail one
+    value at a time gives the same bits (the layers split a row's elements between threads)."""
+    import torch.nn.functional as F
+
+    from specstream.models.base import silu_mul
+
+    library = native.library()
+    gen = torch.Generator().manual_seed(17)
+    gate_up = torch.randn(5, 2 * 75, generator=gen) * 6  # I = 75: 9 vectors of 8, then a tail of 3
+    gate_up[0, :6] = torch.tensor([0.0, -0.0, 30.0, -30.0, 100.0, -100.0])
+    got = library.silu_mul(gate_up)  # [5, 75]
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    assert got.shape == want.shape and ((got - want).abs() <= 1e-6 * want.abs() + 1e-30).all()
+    assert torch.equal(silu_mul(gate_up), got)
+    for shift in range(1, 8):  # every element through the vector lanes and the tail
+        rolled = torch.cat([gate.roll(shift, -1), up.roll(shift, -1)], dim=-1)
+        assert torch.equal(library.silu_mul(rolled), got.roll(shift, -1)), shift
+    assert torch.equal(torch.cat([library.silu_mul(gate_up[i:i + 1]) for i in range(5)]), got)
 
 
 def test_native_rms_norm_matches_the_torch_formula_and_keeps_rows_apart() -> None:

@@ -40,14 +40,6 @@ float dot_avx512(const float* q, const T* k, int64_t D) {
   return _mm512_reduce_add_ps(acc);
 }
 
-// e^x's one recipe, for every width below: x = n ln2 + r with n = round(x log2 e), r by Cody-Waite
-// (ln 2 in two parts), e^r by its degree-7 Taylor polynomial in Horner's form (these coefficients,
-// highest first, after 1/5040), times 2^n.
-constexpr float kExpFloor = -87.3f;  // below: e^x underflows to 0 anyway
-constexpr float kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
-constexpr float kExpTop = 1.0f / 5040.0f;
-constexpr float kExpHorner[] = {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
-
 // The 8 lanes of the AVX2 path's sums in its order: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)).
 inline float tree8(const float* l) { return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])); }
 
@@ -60,20 +52,6 @@ float dot_generic(const float* q, const T* k, int64_t D) {
   float eight[8];
   for (int i = 0; i < 8; ++i) eight[i] = lanes[i] + lanes[i + 8];
   return tree8(eight);
-}
-
-// e^x as exp256 below computes it, one value at a time (the same operations, so the same bits).
-inline float exp_generic(float x) {
-  x = std::max(x, kExpFloor);
-  const float n = std::nearbyint(x * kLog2e);
-  float r = std::fma(-n, kLn2High, x);
-  r = std::fma(-n, kLn2Low, r);
-  float p = kExpTop;
-  for (float c : kExpHorner) p = std::fma(p, r, c);
-  uint32_t bits = uint32_t(int32_t(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
 }
 
 // softmax's weights in place: e^(s - top) for each score, and their total (8 lanes, key j in lane
@@ -121,7 +99,7 @@ void rope(const T* x, const T* cos, const T* sin, int64_t D, float* out) {
   }
 }
 
-// e^x over 16 lanes (the recipe above; relative error under 2e-7). A fixed sequence of operations,
+// e^x over 16 lanes (the recipe of cpu_ops.h; relative error under 2e-7). A fixed sequence of operations,
 // so the same inputs give the same bits wherever they are computed.
 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m512 exp512(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(kExpFloor));
@@ -132,19 +110,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m51
   __m512 p = _mm512_set1_ps(kExpTop);
   for (float c : kExpHorner) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
   return _mm512_scalef_ps(p, n);
-}
-
-// exp512's arithmetic over 8 lanes on AVX2 (x <= 0 here: 2^n, n in [-126, 0], is built from its
-// exponent bits; exp_generic is the same one value at a time).
-__attribute__((target("avx2,fma"), always_inline)) inline __m256 exp256(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(kExpFloor));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Low), r);
-  __m256 p = _mm256_set1_ps(kExpTop);
-  for (float c : kExpHorner) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
 // tree8 of 8 vectors at once: lane k of the result is tree8 of vector k's lanes.

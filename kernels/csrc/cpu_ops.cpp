@@ -12,10 +12,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("d"), pybind11::arg("m"),
              pybind11::arg("bits") = 0);
   module.def("q8_matmul", &q8_matmul, "x [M, K] @ Q8_0 codes [N, K] (d [N, K/32]) -> [M, N] float32");
+  module.def("q8_matmul_i16", &q8_matmul_i16,
+             "float32 x [M, K] rounded to 16 bits per block of 32 @ Q8_0 codes in the tile layout -> [M, n] float32");
   module.def("greedy_verify", &greedy_verify, "argmax of every row of CPU float32 logits and the accepted prefix");
   module.def("race_candidates", &race_candidates,
              "per row, the one column that can win its exponential race, or the candidates where several can",
              pybind11::arg("probs"), pybind11::arg("keys"), pybind11::arg("ids") = pybind11::none());
+  module.def("silu_mul", &silu_mul, "silu(gate) * up of float32 gate_up [..., 2 I] (gate, then up) -> [..., I]");
   module.def("rms_norm", &rms_norm_rows,
              "RMS norm of bfloat16 or float32 rows, normalised in float32 (each row on its own)");
   pybind11::class_<LayerStack>(module, "LayerStack", "Llama decoder layers in one parallel region per forward")

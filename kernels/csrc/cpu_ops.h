@@ -77,10 +77,59 @@ inline bool has_avx2_fma() {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// e^x's one recipe, for every width (attention's softmax, the activation of layer_stack.cpp): x = n ln2 + r
+// with n = round(x log2 e), r by Cody-Waite (ln 2 in two parts), e^r by its degree-7 Taylor polynomial in
+// Horner's form (these coefficients, highest first, after 1/5040), times 2^n.
+constexpr float kExpFloor = -87.3f;  // below: e^x underflows to 0 anyway
+constexpr float kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
+constexpr float kExpTop = 1.0f / 5040.0f;
+constexpr float kExpHorner[] = {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
+
+// e^x for x <= 0 (2^n, n in [-126, 0], is built from its exponent bits) over 8 lanes on AVX2; exp_generic is
+// the same operations one value at a time, so the same bits (attention.cpp's exp512: the recipe over 16 lanes).
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(kExpFloor));
+  const __m256 n =
+      _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Low), r);
+  __m256 p = _mm256_set1_ps(kExpTop);
+  for (float c : kExpHorner) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+inline float exp_generic(float x) {
+  x = std::max(x, kExpFloor);
+  const float n = std::nearbyint(x * kLog2e);
+  float r = std::fma(-n, kLn2High, x);
+  r = std::fma(-n, kLn2Low, r);
+  float p = kExpTop;
+  for (float c : kExpHorner) p = std::fma(p, r, c);
+  uint32_t bits = uint32_t(int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// layer_stack.cpp: silu(gate) * up of float32 rows, element by element (AVX2 where the CPU has it, the same
+// bits one value at a time elsewhere): gate_up [M, 2 I] (gate, then up) -> [M, I].
+void silu_mul_f32(const float* gate, const float* up, float* out, int64_t n);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+
+// ---------------------------------------------------------------------------------------------------
 // Each op's entry point (bound to Python in cpu_ops.cpp).
 
 // q8_matmul.cpp: x [M, K] @ Q8_0 codes [N, K] (d [N, K/32]) -> [M, N] float32.
 at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d);
+
+// q8_matmul.cpp: float32 x [M, K] rounded to 16 bits per block of 32, @ the Q8_0 codes of n features in
+// the tile layout (kernels/int8.py), multiplied in integers (AVX2) -> [M, n] float32.
+at::Tensor q8_matmul_i16(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales, int64_t n);
+
+// q4_matmul.cpp: float32 rows [M, K] rounded to 16 bits per block of 32 (AVX2): codes xq [M, K], scales
+// xd [M, K/32], and each block's sum of the rounded inputs xsum [M, K/32]; for the 4-bit and 8-bit kernels.
+void quantize_rows_i16(const float* x, int64_t M, int64_t K, float* xsum, float* xd, int16_t* xq);
 
 // q4_matmul.cpp: x [M, K] bfloat16 (float32) @ Q4_1 codes in the native layout -> [M, N] bfloat16 (float32);
 // `bits` 8: the inputs rounded to 8 bits per block of 32 (AVX-512 VNNI for bfloat16, AVX2 for float32);

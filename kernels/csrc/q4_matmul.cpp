@@ -475,11 +475,14 @@ constexpr Q4TileI16F32 kQ4TilesI16[] = {
     q4_tile_i16_f32<3, i16_tiles_per_pass(3)>, q4_tile_i16_f32<4, i16_tiles_per_pass(4)>,
     q4_tile_i16_f32<1, 1>, q4_tile_i16_f32<2, 1>, q4_tile_i16_f32<3, 1>, q4_tile_i16_f32<4, 1>};
 
-// Each row's block of 32 float32 inputs as 16-bit codes and a scale (the kernel above): |x| by
-// clearing the sign, its maximum by a fixed tree of vector maxima, x / dx rounded to the nearest
-// integer (ties to even), packed to words in order; the block's sum as the rounded inputs' (dx Σ qx).
+}  // namespace
+
+// Each row's block of 32 float32 inputs as 16-bit codes and a scale (the kernel above, and the 8-bit
+// output layer's, q8_matmul.cpp): |x| by clearing the sign, its maximum by a fixed tree of vector
+// maxima, x / dx rounded to the nearest integer (ties to even), packed to words in order; the
+// block's sum as the rounded inputs' (dx Σ qx).
 __attribute__((target("avx2,fma")))
-void q4_quantize_rows_i16(const float* x, int64_t M, int64_t K, float* xsum, float* xd, int16_t* xq) {
+void quantize_rows_i16(const float* x, int64_t M, int64_t K, float* xsum, float* xd, int16_t* xq) {
   const int64_t blocks = K / kBlock;
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int64_t r = 0; r < M; ++r) {
@@ -522,6 +525,8 @@ void q4_quantize_rows_i16(const float* x, int64_t M, int64_t K, float* xsum, flo
     }
   }
 }
+
+namespace {
 
 // Each row's sum over each block of 32 inputs: four vectors of 8, added pairwise, then the 8 lanes
 // in a fixed order.
@@ -662,7 +667,7 @@ void q4_prepare(const Q4CallF32& c) {
   if (c.bits == 8) {
     q4_quantize_rows_f32(c.x, c.M, c.K, c.xsum, c.xd, c.xq);
   } else if (c.bits == 16) {
-    q4_quantize_rows_i16(c.x, c.M, c.K, c.xsum, c.xd, c.xq16);
+    quantize_rows_i16(c.x, c.M, c.K, c.xsum, c.xd, c.xq16);
   } else {
     q4_block_sums_f32(c.x, c.M, c.K, c.xsum);
   }

@@ -146,6 +146,78 @@ void q8_rows_bf16(const int8_t* codes, const float* d, const uint16_t* x, int64_
   for (int r = 0; r < R; ++r) out[r * N] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Float32 rows rounded to 16 bits per block of 32 (AVX2; `q8_matmul_i16`), over Q8_0 codes in the
+// tile layout (kernels/int8.py ``tile_layout``): per tile of 8 output features t, block b and pair
+// of inputs p (32 b + 2 p, + 1), 16 bytes, byte 2 f + j feature 8 t + f's code for input 32 b + 2 p + j;
+// the scales [T, K/32, 8], feature 8 t + f's at [t, b, f].
+//
+// Each row's block as 16-bit codes qx and a scale dx (quantize_rows_i16, q4_matmul.cpp: the 4-bit
+// kernel's rounding). A pair's 16 codes widen to words once for every row of the pass (lane f holds
+// feature f's two codes); one word multiply-add against the row's two codes broadcast gives the 8
+// features' products, added as int32: the block's Σ q qx exactly (at most 32 * 127 * 32,767 in
+// magnitude). The block ends with y = fma(d dx, Σ, y), Σ as a float32 rounded to nearest: the generic
+// path's operations (q8_dot_i16_generic), so its bits, whatever the rows and the threads.
+//
+// Against the float32 inputs' path (each block's codes widened to float32 and scaled per feature
+// and row, an FMA per 8 products) a row's 16 products take a multiply-add and an addition: on Zen 3
+// the word multiply-adds issue two a cycle, as the FMAs do.
+
+constexpr int64_t kQ8TileFeatures = 8;
+constexpr int kQ8TileRows = 4;  // rows per pass: their sums and outputs, a pair's codes and a row's inputs in registers
+
+template <int R>
+__attribute__((target("avx2,fma")))
+void q8_tile_i16(const int8_t* w, const float* d, const int16_t* xq, const float* xd, int64_t blocks, int64_t K,
+                 float* out, int64_t N) {
+  __m256 y[R];
+  for (int r = 0; r < R; ++r) y[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
+    const int8_t* wb = w + b * kQ8TileFeatures * kBlock;
+    _mm_prefetch(reinterpret_cast<const char*>(wb + 1024), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wb + 1024 + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wb + 1024 + 128), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wb + 1024 + 192), _MM_HINT_T0);
+#pragma GCC unroll 16
+    for (int p = 0; p < 16; ++p) {
+      const __m256i codes = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 16 * p)));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, xq + r * K + kBlock * b + 2 * p, 4);
+        s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(codes, _mm256_set1_epi32(pair)));
+      }
+      for (int r = 0; r < R; ++r) __asm__("" : "+x"(s[r]));  // as q4_tile_i16_f32's sums: kept in registers
+    }
+    const __m256 dv = _mm256_loadu_ps(d + kQ8TileFeatures * b);
+    for (int r = 0; r < R; ++r) {
+      y[r] = _mm256_fmadd_ps(_mm256_mul_ps(dv, _mm256_set1_ps(xd[r * blocks + b])), _mm256_cvtepi32_ps(s[r]), y[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * N, y[r]);
+}
+
+using Q8TileI16 = void (*)(const int8_t*, const float*, const int16_t*, const float*, int64_t, int64_t, float*,
+                           int64_t);
+constexpr Q8TileI16 kQ8TilesI16[] = {q8_tile_i16<1>, q8_tile_i16<2>, q8_tile_i16<3>, q8_tile_i16<4>};
+
+// One feature and row of the 16-bit path, one value at a time (codes and scales in the tile layout,
+// at feature f of its tile): the AVX2 path's operations.
+float q8_dot_i16_generic(const int8_t* w, const float* d, int64_t f, const int16_t* xq, const float* xd,
+                         int64_t blocks) {
+  float y = 0.0f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    int32_t total = 0;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      total += int32_t(w[(b * 16 + i / 2) * 16 + 2 * f + i % 2]) * int32_t(xq[kBlock * b + i]);
+    }
+    y = std::fma(d[kQ8TileFeatures * b + f] * xd[b], float(total), y);
+  }
+  return y;
+}
+
 using Q8Rows = void (*)(const int8_t*, const float*, const float*, int64_t, int64_t, float*, int64_t);
 using Q8RowsBf16 = void (*)(const int8_t*, const float*, const uint16_t*, int64_t, int64_t, float*, int64_t);
 constexpr Q8RowsBf16 kQ8RowsBf16[] = {q8_rows_bf16<1>, q8_rows_bf16<2>, q8_rows_bf16<3>, q8_rows_bf16<4>,
@@ -173,6 +245,46 @@ float q8_dot_generic(const int8_t* codes, const float* d, const float* x, int64_
 }
 
 }  // namespace
+
+at::Tensor q8_matmul_i16(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales, int64_t n) {
+  TORCH_CHECK(has_avx2_fma(), "q8_matmul_i16: needs AVX2, FMA and F16C (kernels/int4.py's q4_rounded_native)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "q8_matmul_i16: x [M, K] float32");
+  const int64_t M = x.size(0), K = x.size(1), blocks = K / kBlock, T = scales.size(0);
+  TORCH_CHECK(K % kBlock == 0 && tiles.scalar_type() == at::kChar && tiles.is_contiguous() &&
+              tiles.numel() == T * kQ8TileFeatures * K, "q8_matmul_i16: codes in the tile layout, K a multiple of 32");
+  TORCH_CHECK(scales.sizes() == at::IntArrayRef({T, blocks, kQ8TileFeatures}) && scales.scalar_type() == at::kFloat &&
+              scales.is_contiguous(), "q8_matmul_i16: scales [N/8, K/32, 8] float32");
+  TORCH_CHECK(n > (T - 1) * kQ8TileFeatures && n <= T * kQ8TileFeatures, "q8_matmul_i16: ", n, " features in ", T,
+              " tiles of 8");
+  const at::Tensor xin = x.contiguous();
+  std::vector<float> xsum(M * blocks), xd(M * blocks);
+  std::vector<int16_t> xq(M * K);
+  quantize_rows_i16(xin.data_ptr<float>(), M, K, xsum.data(), xd.data(), xq.data());
+  at::Tensor out = at::empty({M, n}, x.options());
+  const int8_t* wp = tiles.data_ptr<int8_t>();
+  const float* dp = scales.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int8_t* w = wp + t * kQ8TileFeatures * K;
+      const float* d = dp + t * blocks * kQ8TileFeatures;
+      const int64_t f0 = t * kQ8TileFeatures, features = std::min<int64_t>(kQ8TileFeatures, n - f0);
+      for (int64_t r0 = 0; r0 < M; r0 += kQ8TileRows) {
+        const int64_t rows = std::min<int64_t>(kQ8TileRows, M - r0);
+        if (features == kQ8TileFeatures) {
+          kQ8TilesI16[rows - 1](w, d, xq.data() + r0 * K, xd.data() + r0 * blocks, blocks, K, op + r0 * n + f0, n);
+          continue;
+        }
+        for (int64_t r = r0; r < r0 + rows; ++r) {  // the last tile's features that exist
+          for (int64_t f = 0; f < features; ++f) {
+            op[r * n + f0 + f] = q8_dot_i16_generic(w, d, f, xq.data() + r * K, xd.data() + r * blocks, blocks);
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
 
 at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d) {
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && codes.scalar_type() == at::kChar, "q8_matmul: x [M, K], codes [N, K] int8");

@@ -19,7 +19,7 @@ from specstream.models.attention import CacheBatch
 from specstream.models.config import SUPPORTED_ACTIVATIONS, ModelConfig
 from specstream.models.kv_cache import KVCache
 
-__all__ = ["CausalLM", "TensorSource", "Q4Parts", "ACTIVATIONS", "rms_norm"]
+__all__ = ["CausalLM", "TensorSource", "Q4Parts", "ACTIVATIONS", "rms_norm", "silu_mul"]
 
 # config.json activation name -> function; the same names transformers' ACT2FN uses.
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -67,6 +67,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return F.rms_norm(x, weight.shape, weight, eps)  # one fused op on the fp32 path
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2 I] (gate, then up) -> silu(gate) * up [..., I]. On CPU, float32 without
+    gradients takes the native op where it is built (kernels/csrc/layer_stack.cpp): the very
+    arithmetic of the native decoder layer, so a model gives the same bits op by op and fused (its
+    sigmoid from the softmax's e^x, within a few units in the last place of torch's)."""
+    if (gate_up.device.type == "cpu" and gate_up.dtype == torch.float32
+            and not (torch.is_grad_enabled() and gate_up.requires_grad)):
+        library = native.library()
+        if library is not None:
+            return library.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class TensorSource(Protocol):

@@ -29,6 +29,7 @@ from torch import nn
 from kernels import native
 from kernels.int4 import Q4Weight, rtn_parts
 from kernels.linear import linear
+from specstream.models.base import silu_mul
 
 __all__ = ["FeatureHead", "HeadCache", "HeadSpec"]
 
@@ -227,8 +228,7 @@ class FeatureHead(nn.Module):
     def _finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x [..., T, H], attn [..., heads, T, D] -> the layer's output [..., T, H]."""
         x = x + self._linear("o", attn.transpose(-2, -3).flatten(-2))
-        gate, up = self._linear("gate_up", _rms(x, self.post_norm, self.spec.norm_eps)).chunk(2, dim=-1)
-        return x + self._linear("down", F.silu(gate) * up)
+        return x + self._linear("down", silu_mul(self._linear("gate_up", _rms(x, self.post_norm, self.spec.norm_eps))))
 
     def target_input(self, features: torch.Tensor) -> torch.Tensor:
         """The target's features [..., T, input_width] -> [..., T, H]: the fusion of its layers

@@ -27,7 +27,8 @@ from kernels.int8 import Q8Weight
 from kernels.linear import linear
 from kernels.lm_head import OutputHead
 from specstream.models.attention import CacheBatch, NativeLayer, NativeStack
-from specstream.models.base import ACTIVATIONS, CausalLM, Q4Parts, TensorSource, check_keep, rms_norm, with_kept_layers
+from specstream.models.base import (ACTIVATIONS, CausalLM, Q4Parts, TensorSource, check_keep, rms_norm, silu_mul,
+                                    with_kept_layers)
 from specstream.models.config import ModelConfig, ModelLoadError, RopeConfig
 from specstream.models.kv_cache import KVCache
 
@@ -194,8 +195,13 @@ class _LlamaLayer(nn.Module):
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, H] -> x + MLP block [B, T, H]."""
         h = rms_norm(x, self.post_norm, self.eps)  # [B, T, H]
-        gate, up = linear(h, self.gate_up_w, self.gate_up_b, self.activation_bits).chunk(2, dim=-1)  # 2 x [B, T, I]
-        return x + linear(self.act(gate) * up, self.down_w, self.down_b, self.activation_bits)  # [B, T, H]
+        gate_up = linear(h, self.gate_up_w, self.gate_up_b, self.activation_bits)  # [B, T, 2I]
+        if self.act is F.silu:
+            act = silu_mul(gate_up)  # [B, T, I]
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)  # 2 x [B, T, I]
+            act = self.act(gate) * up
+        return x + linear(act, self.down_w, self.down_b, self.activation_bits)  # [B, T, H]
 
     def forward(self, x: torch.Tensor, batch: CacheBatch, cos: torch.Tensor, sin: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -347,8 +353,8 @@ class LlamaForCausalLM(CausalLM):
     @property
     def output_head(self) -> OutputHead:
         """[V, H] (or [N, H] over a draft's vocabulary subset, columns named by output_ids)."""
-        if self.head_q8 is not None:
-            return OutputHead(self.head_q8)
+        if self.head_q8 is not None:  # its inputs rounded to 16 bits where the layers' are (kernels/int8.py)
+            return OutputHead(self.head_q8, bits=16 if self._activation_bits == 16 else 0)
         return OutputHead(self.embed if self.lm_head is None else self.lm_head, output_ids=self.output_ids)
 
     @property
