@@ -351,7 +351,7 @@ bool attention_groups() { return group_heads.load(); }
 template <typename T>
 void Attention<T>::attend(int64_t begin, int64_t end) const {  // 2. Every query head over its keys.
   const int64_t group = Hq / Hkv;
-  // A whole group of query heads that share a kv head, within this share of the items, runs
+  // The query heads that share a kv head, as many of them as this share of the items holds, run
   // together on the AVX-512 path for D = 64 and on the AVX2 path (the same bits as one by one:
   // attend_avx512, attend_avx2).
   const bool grouped = (wide ? D == 64 : avx2) && group >= 2 && group <= 4 &&
@@ -359,7 +359,11 @@ void Attention<T>::attend(int64_t begin, int64_t end) const {  // 2. Every query
   std::vector<float> q(wide || avx2 ? 4 * D : D), acc(D);
   std::vector<float> weights[4];
   for (int64_t item = begin; item < end; ++item) {
-    const int64_t h = item % Hq, bt = item / Hq, b = bt / T_, g = h / group;
+    // Items in the order (row, kv head, position, query head of the kv head): a thread's share
+    // reads one kv head's keys and values for every position it has in turn, the later ones
+    // from its caches.
+    const int64_t hg = item % group, t = item / group % T_, bg = item / group / T_, b = bg / Hkv, g = bg % Hkv;
+    const int64_t h = g * group + hg, bt = b * T_ + t;
     const int64_t pos = starts[b] + (depth != nullptr ? depth[bt] : bt % T_);  // the query's position
     const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
     KeyRows rows{lo};
@@ -370,7 +374,7 @@ void Attention<T>::attend(int64_t begin, int64_t end) const {  // 2. Every query
       rows.tail = path + bt * T_ + first;
     }
     T* dst = o + bt * Hq * D + h * D;
-    const int64_t heads = grouped && h % group == 0 && item + group <= end ? group : 1;
+    const int64_t heads = grouped ? std::min(group - hg, end - item) : 1;  // this share's heads of the kv head
     const float* qs[4];
     T* dsts[4];
     for (int64_t i = 0; i < heads; ++i) {
