@@ -164,7 +164,9 @@ void q8_rows_bf16(const int8_t* codes, const float* d, const uint16_t* x, int64_
 // the word multiply-adds issue two a cycle, as the FMAs do.
 
 constexpr int64_t kQ8TileFeatures = 8;
-constexpr int kQ8TileRows = 4;  // rows per pass: their sums and outputs, a pair's codes and a row's inputs in registers
+// Rows per pass (a verify over up to 8 positions in one): their sums, a pair's codes and a row's inputs
+// in registers (the outputs, touched once a block, may spill).
+constexpr int kQ8TileRows = 8;
 
 template <int R>
 __attribute__((target("avx2,fma")))
@@ -183,7 +185,7 @@ void q8_tile_i16(const int8_t* w, const float* d, const int16_t* xq, const float
 #pragma GCC unroll 16
     for (int p = 0; p < 16; ++p) {
       const __m256i codes = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 16 * p)));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         int32_t pair;
         std::memcpy(&pair, xq + r * K + kBlock * b + 2 * p, 4);
@@ -201,7 +203,8 @@ void q8_tile_i16(const int8_t* w, const float* d, const int16_t* xq, const float
 
 using Q8TileI16 = void (*)(const int8_t*, const float*, const int16_t*, const float*, int64_t, int64_t, float*,
                            int64_t);
-constexpr Q8TileI16 kQ8TilesI16[] = {q8_tile_i16<1>, q8_tile_i16<2>, q8_tile_i16<3>, q8_tile_i16<4>};
+constexpr Q8TileI16 kQ8TilesI16[] = {q8_tile_i16<1>, q8_tile_i16<2>, q8_tile_i16<3>, q8_tile_i16<4>,
+                                     q8_tile_i16<5>, q8_tile_i16<6>, q8_tile_i16<7>, q8_tile_i16<8>};
 
 // One feature and row of the 16-bit path, one value at a time (codes and scales in the tile layout,
 // at feature f of its tile): the AVX2 path's operations.
