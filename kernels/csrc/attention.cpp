@@ -99,19 +99,6 @@ void rope(const T* x, const T* cos, const T* sin, int64_t D, float* out) {
   }
 }
 
-// e^x over 16 lanes (the recipe of cpu_ops.h; relative error under 2e-7). A fixed sequence of operations,
-// so the same inputs give the same bits wherever they are computed.
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(kExpFloor));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), r);
-  __m512 p = _mm512_set1_ps(kExpTop);
-  for (float c : kExpHorner) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
-}
-
 // tree8 of 8 vectors at once: lane k of the result is tree8 of vector k's lanes.
 __attribute__((target("avx2,fma"), always_inline)) inline __m256 tree8x8(const __m256* a) {
   const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));

@@ -1,19 +1,17 @@
 // The Llama decoder-layer stack (`LayerStack`, specstream/models/attention.py and llama.py), the RMS
-// norm of rows (`rms_norm`) and float32's activation (`silu_mul`, both specstream/models/base.py),
-// which share its rounding.
+// norm of rows (`rms_norm`) and the activation (`silu_mul`, both specstream/models/base.py), which
+// share its rounding.
 //
 // Llama decoder layers in one call, for bfloat16 or float32 activations and 4-bit projections on
 // the native kernel (specstream/models/llama.py, `_LlamaLayer.native_weights`, decides when): the ~20
 // small torch ops a layer dispatches one by one from Python (two RMS norms, the residual adds, the
 // split of the fused projections) cost more than its matrix products on a small model. Each step
 // keeps the eager layer's rounding (specstream/models/llama.py): in bfloat16, RMS norm normalised in
-// float32 and rounded to bfloat16 before the weight's product, the residual adds, the activation and
-// its product with `up` rounded to bfloat16 as torch does; in float32, the native RMS norm, the
-// native silu(gate) * up and float32 adds, as the eager layer computes them; every row computed on
-// its own, so the layer stays batch-invariant.
+// float32 and rounded to bfloat16 before the weight's product, the residual adds, the native
+// activation and its product with `up` rounded to bfloat16 as torch's ops round; in float32, the
+// native RMS norm, the native silu(gate) * up and float32 adds, as the eager layer computes them;
+// every row computed on its own, so the layer stays batch-invariant.
 
-#include <ATen/ops/mul.h>
-#include <ATen/ops/silu.h>
 #include <linux/futex.h>
 #include <omp.h>
 #include <sys/syscall.h>
@@ -73,10 +71,12 @@ void rms_row_f32(const float* x, const float* w, int64_t H, double eps, float* o
 // layers split a row's elements between threads. One native op where torch's silu then its product
 // with up ran as ATen calls on the calling thread alone while the team waited (on a 2-core AVX2 EPYC
 // ~0.6 ms of a 1-token step's ~9 over 30 layers, ~1 ms of a 4-position verify's).
-float silu_mul_generic(float g, float u) {
+float silu_generic(float g) {
   const float t = exp_generic(-std::fabs(g));
-  return g * ((g >= 0.0f ? 1.0f : t) / (1.0f + t)) * u;
+  return g * ((g >= 0.0f ? 1.0f : t) / (1.0f + t));
 }
+
+float silu_mul_generic(float g, float u) { return silu_generic(g) * u; }
 
 __attribute__((target("avx2,fma")))
 void silu_mul_avx2(const float* gate, const float* up, float* out, int64_t n) {
@@ -90,6 +90,45 @@ void silu_mul_avx2(const float* gate, const float* up, float* out, int64_t n) {
     _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + i)));
   }
   for (; i < n; ++i) out[i] = silu_mul_generic(gate[i], up[i]);
+}
+
+// bfloat16: silu(g) as above in float32, rounded to bfloat16, times u, rounded again: torch's two ops'
+// roundings. On AVX-512 16 values at a time, the last ones masked (exp512), so every element of a
+// machine takes the same operations; elsewhere one value at a time (exp_generic). Where torch's silu then
+// its product ran as ATen calls on the calling thread alone (on Zen 5, 0.15 ms of a 1-token step's ~5,
+// 0.26 ms of a 4-position verify's, most of it the calls' own cost), the team now shares the elements.
+uint16_t silu_mul_bf16_generic(uint16_t g, uint16_t u) {
+  return to_bf16(bf16_to_float(to_bf16(silu_generic(bf16_to_float(g)))) * bf16_to_float(u));
+}
+
+// 16 float32 lanes to bfloat16 bits as to_bf16 rounds them (to nearest even; a NaN stays a NaN).
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m256i to_bf16x16(__m512 f) {
+  const __m512i bits = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                _mm512_set1_epi32(0x7F800000));
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m512 from_bf16x16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void silu_mul_bf16_avx512(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512i sign = _mm512_set1_epi32(int32_t(0x80000000u));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 live = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __m512 g = from_bf16x16(_mm256_maskz_loadu_epi16(live, gate + i));
+    const __m512 u = from_bf16x16(_mm256_maskz_loadu_epi16(live, up + i));
+    const __m512 t = exp512(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g), sign)));  // e^-|g|
+    const __m512 top = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ), t, one);
+    const __m512 silu = from_bf16x16(to_bf16x16(_mm512_mul_ps(g, _mm512_div_ps(top, _mm512_add_ps(one, t)))));
+    _mm256_mask_storeu_epi16(out + i, live, to_bf16x16(_mm512_mul_ps(silu, u)));
+  }
 }
 
 // The share of n items that thread `tid` of a team of `team` takes: contiguous, fixed by (n, team).
@@ -138,9 +177,8 @@ class TeamBarrier {
 };
 
 // A stack of Llama decoder layers run in ONE OpenMP parallel region per forward: the team splits each
-// projection's output tiles and attention's positions and heads, and meets at a barrier between
-// phases; the small serial parts (norms, residual adds, block sums, the activation) run on the calling
-// thread while the others wait. A parallel region per phase cost a fork and a join each (~5 per layer,
+// projection's output tiles, attention's positions and heads, the activation's elements and the rows
+// of the small parts (norms, residual adds, block sums), and meets at a barrier between phases. A parallel region per phase cost a fork and a join each (~5 per layer,
 // 150 per step on a 30-layer model) and a Python call per layer its own overhead: together a sizeable
 // share of a step on a small model (docs/benchmarks.md). Every element is computed exactly as the
 // phase-by-phase ops compute it (specstream/models/llama.py's layer), so the result is the same bits.
@@ -186,10 +224,15 @@ struct Act<float> {  // float32
 };
 
 // Elements [e0, e1) of the rows' activation: gate_up [M, 2 I] -> act [M, I].
-void silu_mul_rows(const float* gate_up, int64_t I, int64_t e0, int64_t e1, float* act) {
+template <typename E>
+void silu_mul_rows(const E* gate_up, int64_t I, int64_t e0, int64_t e1, E* act) {
   for (int64_t e = e0; e < e1;) {
     const int64_t r = e / I, c = e % I, n = std::min(e1 - e, I - c);
-    silu_mul_f32(gate_up + r * 2 * I + c, gate_up + r * 2 * I + I + c, act + r * I + c, n);
+    if constexpr (std::is_same_v<E, float>) {
+      silu_mul_f32(gate_up + r * 2 * I + c, gate_up + r * 2 * I + I + c, act + r * I + c, n);
+    } else {
+      silu_mul_bf16(gate_up + r * 2 * I + c, gate_up + r * 2 * I + I + c, act + r * I + c, n);
+    }
     e += n;
   }
 }
@@ -219,17 +262,31 @@ void silu_mul_f32(const float* gate, const float* up, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = silu_mul_generic(gate[i], up[i]);
 }
 
+void silu_mul_bf16(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n) {
+  if (has_avx512()) {
+    silu_mul_bf16_avx512(gate, up, out, n);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) out[i] = silu_mul_bf16_generic(gate[i], up[i]);
+}
+
 at::Tensor silu_mul(const at::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0,
-              "silu_mul: gate_up [..., 2 I] float32");
+  const bool f32 = gate_up.scalar_type() == at::kFloat;
+  TORCH_CHECK((f32 || gate_up.scalar_type() == at::kBFloat16) && gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0,
+              "silu_mul: gate_up [..., 2 I] float32 or bfloat16");
   const at::Tensor x = gate_up.contiguous();
   const int64_t I = x.size(-1) / 2, M = x.numel() / std::max<int64_t>(1, 2 * I);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = I;
   at::Tensor out = at::empty(shape, x.options());
-  const float* in = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, M * I, 4096, [&](int64_t begin, int64_t end) { silu_mul_rows(in, I, begin, end, op); });
+  at::parallel_for(0, M * I, 4096, [&](int64_t begin, int64_t end) {
+    if (f32) {
+      silu_mul_rows(x.data_ptr<float>(), I, begin, end, out.data_ptr<float>());
+    } else {
+      silu_mul_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), I, begin, end,
+                    reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+    }
+  });
   return out;
 }
 
@@ -332,14 +389,15 @@ class LayerStackOf {
     at::Tensor gate_up, act;
   };
 
-  // One layer's phases; every thread of the team calls it (the barriers need them all). The serial
-  // parts run on thread 0, the caller's (ATen's activation needs its thread-local state).
+  // One layer's phases; every thread of the team calls it (the barriers need them all). The work of
+  // each row alone (the norms, the residual adds, the inputs' block sums) is shared by rows: a thread
+  // takes the same rows in every phase, so the rows it adds at a layer's end are the ones it
+  // normalises at the next one's start, without a barrier between.
   static void run(const Layer& l, const Shared& s, int tid, int team, TeamBarrier& barrier) {
-    const int64_t M = s.M, H = s.H, I = s.act.size(1);
-    if (tid == 0) {
-      for (int64_t r = 0; r < M; ++r) A::rms(l.x + r * H, l.in_w, H, s.eps, s.normed + r * H);
-      q4_prepare(l.qkv);
-    }
+    const int64_t H = s.H, I = s.act.size(1);
+    const auto [r0, r1] = share(s.M, tid, team);
+    for (int64_t r = r0; r < r1; ++r) A::rms(l.x + r * H, l.in_w, H, s.eps, s.normed + r * H);
+    q4_prepare(l.qkv, r0, r1);
     barrier.wait();
     auto [q0, q1] = share(l.qkv.tiles, tid, team);
     q4_tiles(l.qkv, q0, q1);
@@ -350,42 +408,29 @@ class LayerStackOf {
     auto [a0, a1] = share(s.heads, tid, team);
     l.attn.attend(a0, a1);
     barrier.wait();
-    if (tid == 0) q4_prepare(l.o);
+    q4_prepare(l.o, r0, r1);
     barrier.wait();
     auto [o0, o1] = share(l.o.tiles, tid, team);
     q4_tiles(l.o, o0, o1);
     barrier.wait();
-    if (tid == 0) {
-      for (int64_t i = 0; i < M * H; ++i) s.hidden[i] = A::store(A::load(s.hidden[i]) + A::load(l.x[i]));  // o + x
-      for (int64_t r = 0; r < M; ++r) A::rms(s.hidden + r * H, l.post_w, H, s.eps, s.normed2 + r * H);
-      q4_prepare(l.gate_up);
-    }
+    for (int64_t i = r0 * H; i < r1 * H; ++i) s.hidden[i] = A::store(A::load(s.hidden[i]) + A::load(l.x[i]));  // o + x
+    for (int64_t r = r0; r < r1; ++r) A::rms(s.hidden + r * H, l.post_w, H, s.eps, s.normed2 + r * H);
+    q4_prepare(l.gate_up, r0, r1);
     barrier.wait();
     auto [g0, g1] = share(l.gate_up.tiles, tid, team);
     q4_tiles(l.gate_up, g0, g1);
     barrier.wait();
-    if constexpr (std::is_same_v<E, float>) {  // silu_mul: each thread its share of the elements
-      auto [e0, e1] = share(M * I, tid, team);
-      silu_mul_rows(s.gate_up.template data_ptr<float>(), I, e0, e1, s.act.template data_ptr<float>());
-      barrier.wait();
-      if (tid == 0) q4_prepare(l.down);
-    } else if (tid == 0) {
-      // As torch: silu(gate) * up, by ATen's own kernels, rounded to bfloat16 as torch rounds, on the
-      // calling thread: it carries the caller's thread-local state (inference mode), which the
-      // team's other threads do not.
-      at::Tensor act = s.act;
-      at::mul_out(act, at::silu(s.gate_up.narrow(1, 0, I)), s.gate_up.narrow(1, I, I));
-      q4_prepare(l.down);
-    }
+    auto [e0, e1] = share(s.M * I, tid, team);  // silu(gate) * up: each thread its share of the elements
+    silu_mul_rows(A::data(s.gate_up), I, e0, e1, A::data(s.act));
+    barrier.wait();
+    q4_prepare(l.down, r0, r1);
     barrier.wait();
     auto [d0, d1] = share(l.down.tiles, tid, team);
     q4_tiles(l.down, d0, d1);
     barrier.wait();
-    if (tid == 0) {
-      for (int64_t i = 0; i < M * H; ++i) l.out[i] = A::store(A::load(s.down[i]) + A::load(s.hidden[i]));  // down + hidden
-    }
-    // No barrier here: the next layer's first phase is thread 0's too, and the others wait for it
-    // at its end (after the last layer, the parallel region's own end waits).
+    for (int64_t i = r0 * H; i < r1 * H; ++i) l.out[i] = A::store(A::load(s.down[i]) + A::load(s.hidden[i]));  // down + hidden
+    // No barrier here: the next layer's first phase reads this thread's rows only, and the others
+    // wait for it at its end (after the last layer, the parallel region's own end waits).
   }
 
   std::vector<std::vector<at::Tensor>> layers_;

@@ -32,6 +32,29 @@ alignas(64) constexpr uint16_t kCodeBf16[32] = {
     0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
     0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
 
+// Software prefetch for the 4-bit kernels: a pass streams TT tiles' codes, scales and minima at once,
+// and on AMD EPYC (Zen 3) the hardware prefetchers alone kept one row's pass at about half of a
+// thread's read bandwidth. On Zen 5 (AVX-512 BF16) the bfloat16 kernel's one stream gained too: a
+// 1-token step 6% faster, a 4-position verify 8% (alternating forwards, one-off). Each block asks
+// for the lines kQ4Ahead bytes further on in every stream (past a tile's end that is the next
+// tile's start, which the next pass reads); the scales and minima, 1/8 the bytes, every other
+// block. Prefetches change no arithmetic.
+constexpr int64_t kQ4Ahead = 1024;
+
+template <int TT>
+__attribute__((always_inline)) inline
+void q4_prefetch(const uint16_t* d, const uint16_t* m, const uint8_t* w, int64_t tile_codes, int64_t tile_scales,
+                 int64_t b) {
+  for (int t = 0; t < TT; ++t) {
+    const char* codes = reinterpret_cast<const char*>(w + t * tile_codes + kQ4TileBytes * b) + kQ4Ahead;
+    for (int line = 0; line < kQ4TileBytes / 64; ++line) _mm_prefetch(codes + 64 * line, _MM_HINT_T0);
+    if (b % 2 == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(d + t * tile_scales + kQ4Tile * b) + kQ4Ahead / 8, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(m + t * tile_scales + kQ4Tile * b) + kQ4Ahead / 8, _MM_HINT_T0);
+    }
+  }
+}
+
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512bf16,f16c")))
 void q4_tile_bf16(const uint16_t* d, const uint16_t* m, const uint8_t* w, const uint16_t* x, const float* xsum,
@@ -43,6 +66,7 @@ void q4_tile_bf16(const uint16_t* d, const uint16_t* m, const uint8_t* w, const 
     __m512 s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
     const uint8_t* wb = w + kQ4TileBytes * b;
+    q4_prefetch<1>(d, m, w, 0, 0, b);
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
       const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c)));
@@ -147,27 +171,6 @@ constexpr Q4TileI8 kQ4TilesI8[] = {q4_tile_i8<1>, q4_tile_i8<2>, q4_tile_i8<3>, 
 //
 // (An earlier version shuffled each half's even and odd bytes apart and widened every 8 codes on
 // their own: the same bits, 20-25% slower, a third of its vector operations spent forming codes.)
-
-// Software prefetch for the 4-bit kernels on AVX2: a pass streams TT tiles' codes, scales and minima
-// at once, and on AMD EPYC (Zen 3) the hardware prefetchers alone kept one row's pass at about half
-// of a thread's read bandwidth. Each block asks for the lines kQ4Ahead bytes further on in every
-// stream (past a tile's end that is the next tile's start, which the next pass reads); the scales
-// and minima, 1/8 the bytes, every other block. Prefetches change no arithmetic.
-constexpr int64_t kQ4Ahead = 1024;
-
-template <int TT>
-__attribute__((always_inline)) inline
-void q4_prefetch(const uint16_t* d, const uint16_t* m, const uint8_t* w, int64_t tile_codes, int64_t tile_scales,
-                 int64_t b) {
-  for (int t = 0; t < TT; ++t) {
-    const char* codes = reinterpret_cast<const char*>(w + t * tile_codes + kQ4TileBytes * b) + kQ4Ahead;
-    for (int line = 0; line < kQ4TileBytes / 64; ++line) _mm_prefetch(codes + 64 * line, _MM_HINT_T0);
-    if (b % 2 == 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(d + t * tile_scales + kQ4Tile * b) + kQ4Ahead / 8, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(m + t * tile_scales + kQ4Tile * b) + kQ4Ahead / 8, _MM_HINT_T0);
-    }
-  }
-}
 
 constexpr int kTileF32 = 4;  // rows per pass of the float32 kernel
 
@@ -548,7 +551,7 @@ void q4_block_sums_f32(const float* x, int64_t M, int64_t K, float* xsum) {
 // One call on its own: the rows' preparation, then the tiles split between threads.
 template <typename Call>
 void q4_run(const Call& call) {
-  q4_prepare(call);
+  q4_prepare(call, 0, call.M);
   at::parallel_for(0, call.tiles, 1, [&](int64_t begin, int64_t end) { q4_tiles(call, begin, end); });
 }
 
@@ -588,11 +591,11 @@ Q4Call q4_call(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d
 // k0, k0 + 2, k0 + 1, k0 + 3 of each group of four that the weight lanes hold; for 8-bit activations
 // the block's sum is then the rounded inputs', dx Σ qx.
 __attribute__((target("avx512f,avx512bw")))
-void q4_prepare(const Q4Call& c) {
+void q4_prepare(const Q4Call& c, int64_t r0, int64_t r1) {
   // Bytes of a 16-byte group in the order 0, 2, 1, 3 of every four.
   const __m256i order = _mm256_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15,
                                          0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
-  for (int64_t r = 0; r < c.M; ++r) {
+  for (int64_t r = r0; r < r1; ++r) {
     for (int64_t b = 0; b < c.blocks; ++b) {
       const uint16_t* xb = c.x + r * c.K + kBlock * b;
       const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -663,13 +666,15 @@ Q4CallF32 q4_call_f32(const at::Tensor& x, const at::Tensor& codes, const at::Te
           M, K, blocks, tiles, N, out.data_ptr<float>()};
 }
 
-void q4_prepare(const Q4CallF32& c) {
+void q4_prepare(const Q4CallF32& c, int64_t r0, int64_t r1) {
+  const int64_t rows = r1 - r0, x0 = r0 * c.K, b0 = r0 * c.blocks;
+  if (rows <= 0) return;
   if (c.bits == 8) {
-    q4_quantize_rows_f32(c.x, c.M, c.K, c.xsum, c.xd, c.xq);
+    q4_quantize_rows_f32(c.x + x0, rows, c.K, c.xsum + b0, c.xd + b0, c.xq + x0);
   } else if (c.bits == 16) {
-    quantize_rows_i16(c.x, c.M, c.K, c.xsum, c.xd, c.xq16);
+    quantize_rows_i16(c.x + x0, rows, c.K, c.xsum + b0, c.xd + b0, c.xq16 + x0);
   } else {
-    q4_block_sums_f32(c.x, c.M, c.K, c.xsum);
+    q4_block_sums_f32(c.x + x0, rows, c.K, c.xsum + b0);
   }
 }
 

@@ -70,11 +70,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [..., 2 I] (gate, then up) -> silu(gate) * up [..., I]. On CPU, float32 without
-    gradients takes the native op where it is built (kernels/csrc/layer_stack.cpp): the very
+    """gate_up [..., 2 I] (gate, then up) -> silu(gate) * up [..., I]. On CPU, float32 and bfloat16
+    without gradients take the native op where it is built (kernels/csrc/layer_stack.cpp): the very
     arithmetic of the native decoder layer, so a model gives the same bits op by op and fused (its
-    sigmoid from the softmax's e^x, within a few units in the last place of torch's)."""
-    if (gate_up.device.type == "cpu" and gate_up.dtype == torch.float32
+    sigmoid from the softmax's e^x, within a few units in the last place of torch's; in bfloat16
+    rounded where torch's two ops round)."""
+    if (gate_up.device.type == "cpu" and gate_up.dtype in (torch.float32, torch.bfloat16)
             and not (torch.is_grad_enabled() and gate_up.requires_grad)):
         library = native.library()
         if library is not None:
