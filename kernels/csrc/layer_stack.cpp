@@ -105,7 +105,8 @@ uint16_t silu_mul_bf16_generic(uint16_t g, uint16_t u) {
 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m256i to_bf16x16(__m512 f) {
   const __m512i bits = _mm512_castps_si512(f);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
+  const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb);
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
   const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
                                                 _mm512_set1_epi32(0x7F800000));
   const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
@@ -178,9 +179,10 @@ class TeamBarrier {
 
 // A stack of Llama decoder layers run in ONE OpenMP parallel region per forward: the team splits each
 // projection's output tiles, attention's positions and heads, the activation's elements and the rows
-// of the small parts (norms, residual adds, block sums), and meets at a barrier between phases. A parallel region per phase cost a fork and a join each (~5 per layer,
-// 150 per step on a 30-layer model) and a Python call per layer its own overhead: together a sizeable
-// share of a step on a small model (docs/benchmarks.md). Every element is computed exactly as the
+// of the small parts (norms, residual adds, block sums), and meets at a barrier between phases. A
+// parallel region per phase cost a fork and a join each (~5 per layer, 150 per step on a 30-layer
+// model) and a Python call per layer its own overhead: together a sizeable share of a step on a
+// small model (docs/benchmarks.md). Every element is computed exactly as the
 // phase-by-phase ops compute it (specstream/models/llama.py's layer), so the result is the same bits.
 //
 // Each layer's operands: input norm, post-attention norm ([H], the activations' dtype), then qkv, o,
@@ -428,7 +430,9 @@ class LayerStackOf {
     auto [d0, d1] = share(l.down.tiles, tid, team);
     q4_tiles(l.down, d0, d1);
     barrier.wait();
-    for (int64_t i = r0 * H; i < r1 * H; ++i) l.out[i] = A::store(A::load(s.down[i]) + A::load(s.hidden[i]));  // down + hidden
+    for (int64_t i = r0 * H; i < r1 * H; ++i) {
+      l.out[i] = A::store(A::load(s.down[i]) + A::load(s.hidden[i]));  // down + hidden
+    }
     // No barrier here: the next layer's first phase reads this thread's rows only, and the others
     // wait for it at its end (after the last layer, the parallel region's own end waits).
   }
