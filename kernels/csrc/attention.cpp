@@ -27,7 +27,7 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) inline __m512 load16(
   if constexpr (std::is_same_v<T, float>) {
     return _mm512_loadu_ps(p);
   } else {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+    return bf16x16_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
 }
 

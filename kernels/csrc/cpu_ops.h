@@ -112,6 +112,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m51
   return _mm512_scalef_ps(p, n);
 }
 
+// 16 bfloat16 values (their bits) widened to float32, exactly.
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline __m512 bf16x16_to_float(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 inline float exp_generic(float x) {
   x = std::max(x, kExpFloor);
   const float n = std::nearbyint(x * kLog2e);

@@ -113,21 +113,17 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m25
   return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m512 from_bf16x16(__m256i h) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 void silu_mul_bf16_avx512(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n) {
   const __m512 one = _mm512_set1_ps(1.0f);
   const __m512i sign = _mm512_set1_epi32(int32_t(0x80000000u));
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 live = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
-    const __m512 g = from_bf16x16(_mm256_maskz_loadu_epi16(live, gate + i));
-    const __m512 u = from_bf16x16(_mm256_maskz_loadu_epi16(live, up + i));
+    const __m512 g = bf16x16_to_float(_mm256_maskz_loadu_epi16(live, gate + i));
+    const __m512 u = bf16x16_to_float(_mm256_maskz_loadu_epi16(live, up + i));
     const __m512 t = exp512(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g), sign)));  // e^-|g|
     const __m512 top = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ), t, one);
-    const __m512 silu = from_bf16x16(to_bf16x16(_mm512_mul_ps(g, _mm512_div_ps(top, _mm512_add_ps(one, t)))));
+    const __m512 silu = bf16x16_to_float(to_bf16x16(_mm512_mul_ps(g, _mm512_div_ps(top, _mm512_add_ps(one, t)))));
     _mm256_mask_storeu_epi16(out + i, live, to_bf16x16(_mm512_mul_ps(silu, u)));
   }
 }

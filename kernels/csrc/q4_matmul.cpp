@@ -598,10 +598,8 @@ void q4_prepare(const Q4Call& c, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     for (int64_t b = 0; b < c.blocks; ++b) {
       const uint16_t* xb = c.x + r * c.K + kBlock * b;
-      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb))), 16));
-      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))), 16));
+      const __m512 lo = bf16x16_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)));
+      const __m512 hi = bf16x16_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16)));
       c.xsum[r * c.blocks + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
       if (!c.int8) continue;
       const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
