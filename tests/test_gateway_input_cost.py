@@ -118,9 +118,11 @@ def test_a_maximal_prompt_does_not_stall_the_other_streams() -> None:
     # The big request was really tokenized (a refusal before the work answers in milliseconds); not
     # "at least alone / 2": `alone` is one cold measurement, which a second worker inflates at times.
     assert gaps.big_outcome in ("served", "INVALID_ARGUMENT") and gaps.big_seconds >= 0.1, gaps.big_seconds
-    # The target is 100 ms on an idle machine. The bound is half the tokenization's own time:
-    # a blocked loop shows a gap of ~`alone` seconds, so it still fails by twice over, while a loaded
-    # machine (whose `alone` grows with its gaps: 280-300 ms gaps at alone 1.9-2.4 s with four busy
-    # processes beside it) passes. A fixed 250 ms cap failed there.
-    assert gaps.worst_gap_ms < 500 * alone, (gaps.worst_gap_ms, alone)
+    # The target is 100 ms on an idle machine. The bound is half the big request's own time in
+    # this run: a blocked loop shows one gap as long as the request (measured: 1,376 ms at 1.38 s, a
+    # ratio of 0.99, with the work run on the loop), so it still fails by twice over, while the gaps a
+    # loaded machine makes by descheduling the process grow with the request's time too. Half of
+    # `alone`, one cold measurement, failed with three test workers on two cores: a 339 ms gap at
+    # alone 0.48 s, while the request itself took 1.0 s (0.34 of it); a fixed 250 ms cap failed there.
+    assert gaps.worst_gap_ms < 500 * gaps.big_seconds, (gaps.worst_gap_ms, gaps.big_seconds, alone)
     assert gaps.gaps_during >= 8
