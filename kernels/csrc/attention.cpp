@@ -222,6 +222,50 @@ void attend_avx512(const float* const* q, const SlotRows<T>& keys, const SlotRow
   }
 }
 
+// 8 float32 values into a row of T. A vector store for float32: GCC kept a loop's accumulators on the
+// stack, stored at every step, when they were later copied out through an array lane by lane.
+template <typename T>
+__attribute__((target("avx2,fma"), always_inline)) inline void store8(T* p, __m256 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm256_storeu_ps(p, v);
+  } else {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, v);
+    for (int i = 0; i < 8; ++i) store_value(p + i, lanes[i]);
+  }
+}
+// The weighted values of attend_avx2 below for S vectors of D from i0 (S a constant, so the G * S
+// accumulators stay in registers: with S read at run time they lived on the stack, each key's
+// multiply-add waiting on a store and a load): out += w_j v_j key after key, then out / total.
+// `slice` < S: the last pass of a D that S vectors do not divide, taken as the pass of its own width.
+template <typename T, int G, int S>
+__attribute__((target("avx2,fma"), always_inline)) inline void weighted_values_avx2(
+    int slice, const std::vector<float>* weights, const SlotRows<T>& values, const KeyRows& rows, int64_t n,
+    int64_t i0, const __m256* inv, T* const* dst) {
+  if constexpr (S > 1) {
+    if (slice < S) return weighted_values_avx2<T, G, S - 1>(slice, weights, values, rows, n, i0, inv, dst);
+  }
+  const float* w[G];
+  for (int g = 0; g < G; ++g) w[g] = weights[g].data();
+  const SlotRows<T> at = values;
+  const KeyRows keys = rows;
+  __m256 out[G][S];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < S; ++c) out[g][c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const T* v = at.at(keys.at(j)) + i0;
+    __m256 wj[G];
+    for (int g = 0; g < G; ++g) wj[g] = _mm256_broadcast_ss(w[g] + j);
+    for (int c = 0; c < S; ++c) {
+      const __m256 vv = load8(v + 8 * c);
+      for (int g = 0; g < G; ++g) out[g][c] = _mm256_fmadd_ps(wj[g], vv, out[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < S; ++c) store8(dst[g] + i0 + 8 * c, _mm256_div_ps(out[g][c], inv[g]));
+  }
+}
+
 // The AVX2 path of step 2 below, for G query heads that share a kv head (G = 1: one head alone), D a
 // multiple of 16. Eight keys at a time: each key's score, per head, as 16 lanes of fused
 // multiply-adds over D (two 8-lane registers), the two registers added, then the 8 keys' lanes summed
@@ -290,25 +334,8 @@ void attend_avx2(const float* const* q, const SlotRows<T>& keys, const SlotRows<
   // keys at D = 64; 2-3% of a verify against 6 accumulators and 4 passes, AVX2 EPYC, one-off).
   constexpr int kSlice = G == 1 ? 8 : G == 2 ? 6 : G == 3 ? 4 : 3;
   for (int64_t i0 = 0; i0 < D; i0 += 8 * kSlice) {
-    const int slice = int(std::min<int64_t>(kSlice, (D - i0) / 8));
-    __m256 out[G][kSlice];
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < kSlice; ++c) out[g][c] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      const T* v = values.at(rows.at(j)) + i0;
-      for (int c = 0; c < kSlice; ++c) {
-        if (c >= slice) break;
-        const __m256 vv = load8(v + 8 * c);
-        for (int g = 0; g < G; ++g) out[g][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(weights[g].data() + j), vv, out[g][c]);
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      for (int c = 0; c < slice; ++c) {
-        float lanes[8];
-        _mm256_storeu_ps(lanes, _mm256_div_ps(out[g][c], inv[g]));
-        for (int i = 0; i < 8; ++i) store_value(dst[g] + i0 + 8 * c + i, lanes[i]);
-      }
-    }
+    weighted_values_avx2<T, G, kSlice>(int(std::min<int64_t>(kSlice, (D - i0) / 8)), weights, values, rows, n, i0,
+                                       inv, dst);
   }
 }
 
