@@ -435,9 +435,9 @@ import hashlib, sys, torch
 from kernels import native
 library = native.library()
 digest = hashlib.sha256()
-for dtype in (torch.float32, torch.bfloat16):
+for dtype, D in ((torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 128), (torch.float32, 32)):
     gen = torch.Generator().manual_seed(7)
-    kv_heads, heads, D, L, T = 3, 9, 64, 96, 5
+    kv_heads, heads, L, T = 3, 9, 96, 5
     cos, sin = (torch.randn(L, D, generator=gen).to(dtype) for _ in range(2))
     k_cache, v_cache = (torch.randn(2, kv_heads, L, D, generator=gen).to(dtype) for _ in range(2))
     qkv = torch.randn(1, T, (heads + 2 * kv_heads) * D, generator=gen).to(dtype)
@@ -474,7 +474,8 @@ def test_this_cpu_runs_the_other_classes_paths_and_they_pass_these_tests(cap) ->
 def test_the_avx2_attention_and_output_layer_give_the_same_bits_as_the_generic_ones() -> None:
     """The AVX2 attention (its heads grouped by kv head) and 8-bit output layer are the generic paths'
     arithmetic 8 lanes at a time: the same outputs, bit for bit, attention chains and a tree, float32
-    and bfloat16, and the output layer for 1 and 3 rows."""
+    and bfloat16, head_dim 64 (its own scores path) and 32 and 128, and the output layer for 1 and 3
+    rows."""
     library = native.library()
     if library is None or not library.has_avx2_fma():
         pytest.skip("this CPU has no AVX2 path")
