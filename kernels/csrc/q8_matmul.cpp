@@ -168,6 +168,11 @@ constexpr int64_t kQ8TileFeatures = 8;
 // in registers (the outputs, touched once a block, may spill).
 constexpr int kQ8TileRows = 8;
 
+// How far ahead a pass asks for its codes: 16 blocks of a tile (4 KB). On AMD EPYC (Zen 3), against 4
+// blocks (1 KB): the output layer alone 11-18% faster for 1 row and 8-21% for 2, 2-4% for 4 (2 threads,
+// the two in turns in one process, one-off); a step 1.5-4.6% with the 4-bit kernels' prefetch moved too.
+constexpr int64_t kQ8Ahead = 4096;
+
 template <int R>
 __attribute__((target("avx2,fma")))
 void q8_tile_i16(const int8_t* w, const float* d, const int16_t* xq, const float* xd, int64_t blocks, int64_t K,
@@ -178,10 +183,10 @@ void q8_tile_i16(const int8_t* w, const float* d, const int16_t* xq, const float
     __m256i s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
     const int8_t* wb = w + b * kQ8TileFeatures * kBlock;
-    _mm_prefetch(reinterpret_cast<const char*>(wb + 1024), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wb + 1024 + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wb + 1024 + 128), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wb + 1024 + 192), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wb + kQ8Ahead), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wb + kQ8Ahead + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wb + kQ8Ahead + 128), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wb + kQ8Ahead + 192), _MM_HINT_T0);
 #pragma GCC unroll 16
     for (int p = 0; p < 16; ++p) {
       const __m256i codes = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 16 * p)));
