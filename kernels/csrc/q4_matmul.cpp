@@ -40,17 +40,21 @@ alignas(64) constexpr uint16_t kCodeBf16[32] = {
 // tile's start, which the next pass reads); the scales and minima, 1/8 the bytes, every other
 // block. Prefetches change no arithmetic.
 constexpr int64_t kQ4Ahead = 1024;
+// The AVX2 kernel of 16-bit inputs (the default there) asks 4 KB ahead: on AMD EPYC (Zen 3) a step
+// 3-5% faster than at 1 KB in three runs of forwards in turns (one-off), a 4-position verify within
+// ±3%.
+constexpr int64_t kQ4AheadI16 = 4096;
 
 template <int TT>
 __attribute__((always_inline)) inline
 void q4_prefetch(const uint16_t* d, const uint16_t* m, const uint8_t* w, int64_t tile_codes, int64_t tile_scales,
-                 int64_t b) {
+                 int64_t b, int64_t ahead = kQ4Ahead) {
   for (int t = 0; t < TT; ++t) {
-    const char* codes = reinterpret_cast<const char*>(w + t * tile_codes + kQ4TileBytes * b) + kQ4Ahead;
+    const char* codes = reinterpret_cast<const char*>(w + t * tile_codes + kQ4TileBytes * b) + ahead;
     for (int line = 0; line < kQ4TileBytes / 64; ++line) _mm_prefetch(codes + 64 * line, _MM_HINT_T0);
     if (b % 2 == 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(d + t * tile_scales + kQ4Tile * b) + kQ4Ahead / 8, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(m + t * tile_scales + kQ4Tile * b) + kQ4Ahead / 8, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(d + t * tile_scales + kQ4Tile * b) + ahead / 8, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(m + t * tile_scales + kQ4Tile * b) + ahead / 8, _MM_HINT_T0);
     }
   }
 }
@@ -432,7 +436,7 @@ void q4_tile_i16_f32(const uint16_t* d, const uint16_t* m, const uint8_t* w, con
     __m256i s[TT][R][2];
     for (int t = 0; t < TT; ++t)
       for (int r = 0; r < R; ++r) s[t][r][0] = s[t][r][1] = _mm256_setzero_si256();
-    q4_prefetch<TT>(d, m, w, tile_codes, tile_scales, b);
+    q4_prefetch<TT>(d, m, w, tile_codes, tile_scales, b, kQ4AheadI16);
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
 #pragma GCC unroll 2
