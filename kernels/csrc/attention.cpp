@@ -234,9 +234,9 @@ __attribute__((target("avx2,fma"), always_inline)) inline void store8(T* p, __m2
     for (int i = 0; i < 8; ++i) store_value(p + i, lanes[i]);
   }
 }
-// The weighted values of attend_avx2 below for S vectors of D from i0 (S a constant, so the G * S
-// accumulators stay in registers: with S read at run time they lived on the stack, each key's
-// multiply-add waiting on a store and a load): out += w_j v_j key after key, then out / total.
+// The weighted values of attend_avx2 below for S vectors of D from i0 (S a constant, and the results
+// stored by store8, so the G * S accumulators stay in registers: before, they lived on the stack, each
+// key's multiply-add followed by a store): out += w_j v_j key after key, then out / total.
 // `slice` < S: the last pass of a D that S vectors do not divide, taken as the pass of its own width.
 template <typename T, int G, int S>
 __attribute__((target("avx2,fma"), always_inline)) inline void weighted_values_avx2(
@@ -247,13 +247,11 @@ __attribute__((target("avx2,fma"), always_inline)) inline void weighted_values_a
   }
   const float* w[G];
   for (int g = 0; g < G; ++g) w[g] = weights[g].data();
-  const SlotRows<T> at = values;
-  const KeyRows keys = rows;
   __m256 out[G][S];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < S; ++c) out[g][c] = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    const T* v = at.at(keys.at(j)) + i0;
+    const T* v = values.at(rows.at(j)) + i0;
     __m256 wj[G];
     for (int g = 0; g < G; ++g) wj[g] = _mm256_broadcast_ss(w[g] + j);
     for (int c = 0; c < S; ++c) {
